@@ -1,0 +1,1 @@
+"""Subcommands of the ``criticalkv`` CLI (each module defines ``register(subparsers)``)."""

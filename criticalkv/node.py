@@ -1,0 +1,62 @@
+"""The ``CriticalKVSelect`` node: the contract shared by the ONNX export, ONNX Runtime and TensorRT.
+
+One node per attention layer, in domain ``ai.criticalkv`` (opset version 1). Its attributes are the
+``KVPolicy`` knobs (generated from the dataclass, so they cannot drift) plus the layer's position
+and the static output capacity. See ``docs/operator.md`` for shapes and semantics.
+
+Inputs (left-padded batch, post-RoPE):
+  0 ``queries``        [B, H, w, d_h]   float  the last w = min(window, n) prompt queries
+  1 ``keys``           [B, H_kv, n, d_h] float
+  2 ``values``         [B, H_kv, n, d_h] float
+  3 ``o_proj_weight``  [d, H * d_h]     float  the layer's o_proj.weight (an initializer)
+  4 ``prompt_lengths`` [B]              int32  valid tokens of each sequence (right-aligned)
+Outputs (cap = min(n, capacity)):
+  0 ``kept_keys``      [B, H_kv, cap, d_h] float  kept keys in ascending position order, zero padded
+  1 ``kept_values``    [B, H_kv, cap, d_h] float
+  2 ``kept_lengths``   [B, H_kv]           int32  kept entries of each KV head
+  3 ``kept_indices``   [B, H_kv, cap]      int32  their positions in [0, n), -1 padded
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from criticalkv.policy import KVPolicy
+from criticalkv.selection.budget import max_kept_per_head
+
+DOMAIN = "ai.criticalkv"
+OP_TYPE = "CriticalKVSelect"
+OPSET_VERSION = 1
+INPUTS = ("queries", "keys", "values", "o_proj_weight", "prompt_lengths")
+OUTPUTS = ("kept_keys", "kept_values", "kept_lengths", "kept_indices")
+#: Attributes beyond the policy knobs.
+LAYER_ATTRIBUTES = ("layer_idx", "num_layers", "capacity")
+
+
+def node_capacity(policy: KVPolicy, max_prompt_len: int, num_kv_heads: int, layer_idx: int, num_layers: int) -> int:
+    """Static per-head output capacity of layer ``layer_idx`` for prompts up to ``max_prompt_len``.
+
+    A prompt of at most ``budget`` tokens is kept whole, so a layer whose own budget is below the
+    average (PyramidKV's deep layers) may still hold ``budget`` entries; beyond that the kept count
+    does not decrease with n.
+    """
+    return max(
+        min(max_prompt_len, policy.budget),
+        max_kept_per_head(policy, max_prompt_len, num_kv_heads, layer_idx, num_layers),
+    )
+
+
+def node_attributes(policy: KVPolicy, layer_idx: int, num_layers: int, capacity: int) -> dict[str, Any]:
+    """Attribute dict of one layer's node: every KVPolicy knob + layer_idx, num_layers, capacity."""
+    return {**policy.to_dict(), "layer_idx": layer_idx, "num_layers": num_layers, "capacity": capacity}
+
+
+def policy_from_attributes(attributes: dict[str, Any]) -> tuple[KVPolicy, int, int, int]:
+    """Inverse of ``node_attributes``: (policy, layer_idx, num_layers, capacity)."""
+    knobs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attributes.items() if k not in LAYER_ATTRIBUTES}
+    return (
+        KVPolicy.from_dict(knobs),
+        int(attributes["layer_idx"]),
+        int(attributes["num_layers"]),
+        int(attributes["capacity"]),
+    )

@@ -1,0 +1,220 @@
+"""``select_layer``: the PyTorch reference of the KV selection operator for one attention layer.
+
+Every backend (ONNX function body, CUDA kernels, host C++) is tested against this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from criticalkv.policy import KVPolicy
+from criticalkv.selection.budget import head_floor, layer_selectable_budget, stage1_count
+from criticalkv.selection.scores import LayerScores, layer_scores
+from criticalkv.selection.topk import mask_to_indices, topk_mask
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """Kept KV entries of one layer.
+
+    indices : [B, H_kv, max_kept] int64, positions into the (padded) prompt axis of the keys,
+        ascending, padded with -1 where a head keeps fewer than ``max_kept``
+    lengths : [B, H_kv] int64, number of kept entries of every KV head
+    """
+
+    indices: torch.Tensor
+    lengths: torch.Tensor
+
+    def mask(self, n: int) -> torch.Tensor:
+        """[B, H_kv, n] bool: True where the entry is kept."""
+        batch, heads, _ = self.indices.shape
+        mask = torch.zeros(batch, heads, n + 1, dtype=torch.bool, device=self.indices.device)
+        mask.scatter_(-1, self.indices.masked_fill(self.indices < 0, n), True)
+        return mask[..., :n]
+
+
+def _validate(
+    policy: KVPolicy,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    o_proj_weight: torch.Tensor,
+    layer_idx: int,
+    num_layers: int,
+    prompt_lengths: torch.Tensor | None,
+) -> None:
+    if not isinstance(policy, KVPolicy):
+        raise ValueError(f"policy: expected a KVPolicy, got {type(policy).__name__}")
+    for name, t, dims in (("queries", queries, 4), ("keys", keys, 4), ("values", values, 4), ("o_proj_weight", o_proj_weight, 2)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != dims:
+            raise ValueError(f"{name}: expected {dims} dimensions, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+        if t.device != keys.device:
+            raise ValueError(f"{name}: on {t.device}, but keys are on {keys.device}")
+    batch, num_kv_heads, n, head_dim = keys.shape
+    num_heads = queries.shape[1]
+    if n == 0:
+        raise ValueError("keys: the prompt is empty (n = 0); there is nothing to select from")
+    if values.shape != keys.shape:
+        raise ValueError(f"values: shape {tuple(values.shape)} differs from keys {tuple(keys.shape)}")
+    if queries.shape[0] != batch or queries.shape[3] != head_dim:
+        raise ValueError(
+            f"queries: shape {tuple(queries.shape)} does not match keys {tuple(keys.shape)} "
+            "(expected [B, H, w, d_h] with the keys' B and d_h)"
+        )
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"queries: {num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if o_proj_weight.shape[1] != num_heads * head_dim:
+        raise ValueError(
+            f"o_proj_weight: shape {tuple(o_proj_weight.shape)} does not match H * d_h = {num_heads} * {head_dim} "
+            "(expected [hidden, H * d_h])"
+        )
+    w = min(policy.window, n)
+    if queries.shape[2] < w:
+        raise ValueError(
+            f"queries: {queries.shape[2]} window queries given, the policy needs the last min(window, n) = {w}"
+        )
+    if not 0 <= layer_idx < num_layers:
+        raise ValueError(f"layer_idx: {layer_idx} is outside [0, num_layers={num_layers})")
+    if prompt_lengths is not None:
+        if prompt_lengths.shape != (batch,):
+            raise ValueError(f"prompt_lengths: expected shape ({batch},), got {tuple(prompt_lengths.shape)}")
+        if prompt_lengths.min() < 1 or prompt_lengths.max() > n:
+            raise ValueError(f"prompt_lengths: every length must lie in [1, {n}], got {prompt_lengths.tolist()}")
+    for name, t in (("queries", queries), ("keys", keys), ("values", values), ("o_proj_weight", o_proj_weight)):
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name}: contains NaN or Inf")
+
+
+def two_stage_mask(
+    attention: torch.Tensor, critical: torch.Tensor, r: torch.Tensor, alpha: float, eligible: torch.Tensor
+) -> torch.Tensor:
+    """CriticalKV's selection inside each head's allocation.
+
+    Stage 1 keeps the top ``ceil(alpha * r)`` by ``attention``; stage 2 the top ``r - ceil(alpha * r)``
+    of the rest by ``critical``. ``attention``, ``critical``, ``eligible``: [B, H_kv, m]; ``r``: [B, H_kv].
+    """
+    first = torch.tensor([stage1_count(alpha, int(x)) for x in r.flatten().tolist()], dtype=torch.int64)
+    first = first.reshape(r.shape).to(r.device)
+    stage1 = topk_mask(attention, first, eligible)
+    stage2 = topk_mask(critical, r - first, eligible & ~stage1)
+    return stage1 | stage2
+
+
+def shared_allocation_mask(scores: torch.Tensor, r: torch.Tensor, floor: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """AdaKV-style allocation of a layer's ``H_kv * r`` slots across its KV heads.
+
+    Every head first keeps its own top ``floor`` entries; the remaining ``H_kv * (r - floor)`` go to the
+    highest ``scores`` over all heads of the layer (ties: lower head, then lower position).
+    ``scores``, ``eligible``: [B, H_kv, m]; ``r``, ``floor``: [B]. Returns the chosen [B, H_kv, m] mask.
+    """
+    batch, heads, m = scores.shape
+    safe = topk_mask(scores, floor[:, None], eligible)
+    rest = topk_mask(scores.reshape(batch, heads * m), heads * (r - floor), (eligible & ~safe).reshape(batch, -1))
+    return safe | rest.reshape(batch, heads, m)
+
+
+def choose_older_tokens(policy: KVPolicy, scores: LayerScores, eligible: torch.Tensor, r_layer: int) -> torch.Tensor:
+    """Which of the m older tokens every KV head keeps: [B, H_kv, m] bool."""
+    batch, heads, _ = eligible.shape
+    r = torch.clamp(eligible[:, 0].sum(-1), max=r_layer)  # [B], never more than the valid older tokens
+    if policy.base in ("snapkv", "pyramidkv"):
+        r_head = r[:, None].expand(batch, heads)
+        if policy.two_stage:
+            return two_stage_mask(scores.attention, scores.critical, r_head, policy.alpha, eligible)
+        return topk_mask(scores.attention, r_head, eligible)
+    floor = torch.tensor([head_floor(policy.ada_floor, int(x)) for x in r.tolist()], dtype=torch.int64, device=r.device)
+    if policy.base == "laprox":
+        return shared_allocation_mask(scores.laprox, r, floor, eligible)
+    share = shared_allocation_mask(scores.attention, r, floor, eligible)  # adakv
+    if policy.two_stage:
+        return two_stage_mask(scores.attention, scores.critical, share.sum(-1), policy.alpha, eligible)
+    return share
+
+
+def select_layer(
+    policy: KVPolicy,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    o_proj_weight: torch.Tensor,
+    layer_idx: int = 0,
+    num_layers: int = 1,
+    prompt_lengths: torch.Tensor | None = None,
+) -> LayerSelection:
+    """Choose the KV entries one attention layer keeps after the prompt.
+
+    Parameters
+    ----------
+    policy : the KVPolicy (name, budget, window, ...)
+    queries : [B, H, w', d_h] post-RoPE queries of the last w' >= min(window, n) prompt positions
+    keys, values : [B, H_kv, n, d_h] post-RoPE keys and the values of the whole prompt
+    o_proj_weight : [d, H * d_h], the layer's ``o_proj.weight``
+    layer_idx, num_layers : position of this layer (PyramidKV budgets depend on it)
+    prompt_lengths : [B] int64 or None. A batch of prompts of different lengths is given
+        **left-padded**: sequence b occupies positions ``n - prompt_lengths[b] .. n - 1`` so that the
+        window queries of every sequence are the last positions. Padding is never selected.
+
+    Returns
+    -------
+    LayerSelection with ascending ``indices`` [B, H_kv, max_kept] (-1 padded) into the n axis and
+    ``lengths`` [B, H_kv]. A sequence of at most ``budget`` tokens (or any under ``full``) is kept whole;
+    otherwise the last ``window`` positions are always kept and the older ones are chosen by the policy.
+    Inputs may be fp32/fp16/bf16 on CPU or CUDA; scores accumulate in fp32.
+    """
+    _validate(policy, queries, keys, values, o_proj_weight, layer_idx, num_layers, prompt_lengths)
+    batch, num_kv_heads, n, _ = keys.shape
+    device = keys.device
+    lengths = torch.full((batch,), n, dtype=torch.int64, device=device)
+    if prompt_lengths is not None:
+        lengths = prompt_lengths.to(device=device, dtype=torch.int64)
+    valid_start = n - lengths
+    pos = torch.arange(n, device=device)
+    valid = pos[None, :] >= valid_start[:, None]  # [B, n]
+    keep = valid[:, None, :].expand(batch, num_kv_heads, n)
+    compress = lengths > policy.budget
+    if policy.name == "full" or not bool(compress.any()):
+        return LayerSelection(*mask_to_indices(keep))
+
+    if policy.base == "streamingllm":
+        sinks = pos[None, :] < (valid_start + policy.sink_tokens)[:, None]
+        recent = pos >= n - (policy.budget - policy.sink_tokens)
+        chosen = (valid & (sinks | recent[None, :]))[:, None, :].expand(batch, num_kv_heads, n)
+    else:
+        w = min(policy.window, n)
+        m = n - w
+        scores = layer_scores(policy, queries[:, :, -w:], keys, values, o_proj_weight, valid_start)
+        eligible = valid[:, None, :m].expand(batch, num_kv_heads, m)
+        older = choose_older_tokens(policy, scores, eligible, layer_selectable_budget(policy, layer_idx, num_layers))
+        window = torch.ones(batch, num_kv_heads, w, dtype=torch.bool, device=device)
+        chosen = torch.cat([older, window], dim=-1)
+    keep = torch.where(compress[:, None, None], chosen, keep)
+    return LayerSelection(*mask_to_indices(keep))
+
+
+def select_model(
+    policy: KVPolicy,
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    prompt_lengths: torch.Tensor | None = None,
+) -> list[LayerSelection]:
+    """``select_layer`` over every layer of a model: ``layers[l] = (queries, keys, values, o_proj_weight)``."""
+    return [
+        select_layer(policy, q, k, v, o, layer_idx=i, num_layers=len(layers), prompt_lengths=prompt_lengths)
+        for i, (q, k, v, o) in enumerate(layers)
+    ]
+
+
+def gather_kv(selection: LayerSelection, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compressed keys and values [B, H_kv, max_kept, d_h]; padded slots (index -1) are zero."""
+    idx = selection.indices.clamp_min(0)[..., None].expand(-1, -1, -1, keys.shape[-1])
+    pad = (selection.indices < 0)[..., None]
+    return (
+        torch.gather(keys, 2, idx).masked_fill(pad, 0),
+        torch.gather(values, 2, idx).masked_fill(pad, 0),
+    )

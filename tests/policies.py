@@ -1,0 +1,26 @@
+"""The shared table of policies every test runs (one line per policy or knob variant)."""
+
+from criticalkv import KVPolicy
+
+#: (id, KVPolicy keyword arguments other than the budget and window)
+POLICY_CASES = [
+    ("full", dict(name="full")),
+    ("streamingllm", dict(name="streamingllm")),
+    ("snapkv", dict(name="snapkv")),
+    ("pyramidkv", dict(name="pyramidkv")),
+    ("adakv", dict(name="adakv")),
+    ("laprox", dict(name="laprox")),
+    ("criticalkv", dict(name="criticalkv")),
+    ("criticalkv-raw", dict(name="criticalkv", stage2_scores="raw")),
+    ("criticalkv-l2", dict(name="criticalkv", value_norm="l2")),
+    ("criticalkv-kvpress", dict(name="criticalkv", gqa_reduce="kvpress", alpha=0.5)),
+    ("pyramid-criticalkv", dict(name="pyramid-criticalkv")),
+    ("ada-criticalkv", dict(name="ada-criticalkv")),
+]
+
+#: Two-stage policies and the base method alpha = 1 must reduce them to.
+TWO_STAGE_BASES = [("criticalkv", "snapkv"), ("pyramid-criticalkv", "pyramidkv"), ("ada-criticalkv", "adakv")]
+
+
+def make_policy(kwargs: dict, budget: int, window: int, **extra) -> KVPolicy:
+    return KVPolicy(**{**kwargs, "budget": budget, "window": window, **extra})

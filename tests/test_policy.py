@@ -1,0 +1,99 @@
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+from criticalkv import POLICIES, KVPolicy
+from criticalkv.policy import policy_table_markdown
+
+
+def test_defaults_follow_the_paper():
+    p = KVPolicy()
+    assert (p.name, p.window, p.pool_kernel, p.alpha, p.epsilon) == ("criticalkv", 32, 7, 0.25, 1e-4)
+    assert (p.value_norm, p.gqa_reduce, p.stage2_scores) == ("l1", "mean", "pooled")
+    assert (p.ada_floor, p.pyramid_beta, p.sink_tokens) == (0.2, 20.0, 4)
+    assert p.base == "snapkv" and p.two_stage and p.selectable_budget == 256 - 32
+
+
+def test_registry_maps_names_to_base_and_stage2():
+    assert set(POLICIES) == {
+        "full", "streamingllm", "snapkv", "pyramidkv", "adakv", "laprox",
+        "criticalkv", "pyramid-criticalkv", "ada-criticalkv",
+    }
+    assert KVPolicy("pyramid-criticalkv").base == "pyramidkv" and KVPolicy("pyramid-criticalkv").two_stage
+    assert KVPolicy("ada-criticalkv").base == "adakv" and not KVPolicy("adakv").two_stage
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(name="h2o"), "name"),
+        (dict(budget=0), "budget"),
+        (dict(budget=-5), "budget"),
+        (dict(budget=16, window=32), "budget"),
+        (dict(window=0), "window"),
+        (dict(window=-1), "window"),
+        (dict(alpha=-0.1), "alpha"),
+        (dict(alpha=1.5), "alpha"),
+        (dict(alpha=float("nan")), "alpha"),
+        (dict(pool_kernel=4), "pool_kernel"),
+        (dict(pool_kernel=0), "pool_kernel"),
+        (dict(epsilon=-1.0), "epsilon"),
+        (dict(value_norm="l3"), "value_norm"),
+        (dict(gqa_reduce="max"), "gqa_reduce"),
+        (dict(stage2_scores="cooked"), "stage2_scores"),
+        (dict(ada_floor=2.0), "ada_floor"),
+        (dict(pyramid_beta=0.5), "pyramid_beta"),
+        (dict(sink_tokens=-1), "sink_tokens"),
+        (dict(budget=12.5), "budget"),
+        (dict(window=True), "window"),
+    ],
+)
+def test_bad_knobs_raise_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        KVPolicy(**kwargs)
+
+
+def test_full_ignores_the_budget_window_relation():
+    assert KVPolicy("full", budget=1, window=32).name == "full"
+
+
+def test_json_round_trip_and_schema():
+    p = KVPolicy("ada-criticalkv", budget=512, alpha=0.5, pyramid_beta=10.0)
+    text = p.to_json()
+    assert json.loads(text)["schema_version"] == 1
+    assert KVPolicy.from_json(text) == p
+    assert KVPolicy.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    with pytest.raises(ValueError, match="unknown KVPolicy field"):
+        KVPolicy.from_dict({"name": "snapkv", "budgte": 3})
+    with pytest.raises(ValueError, match="schema_version"):
+        KVPolicy.from_json(json.dumps({"schema_version": 99, "name": "snapkv"}))
+
+
+def test_cli_flags_json_and_fields_are_one_set():
+    parser = argparse.ArgumentParser()
+    KVPolicy.add_arguments(parser)
+    dests = {a.dest for a in parser._actions if a.dest != "help"}
+    fields = {f.name for f in dataclasses.fields(KVPolicy)}
+    assert dests == fields == set(KVPolicy().to_dict()) == set(KVPolicy.knob_names())
+    flags = {s for a in parser._actions for s in a.option_strings}
+    assert {"--kv-policy", "--budget", "--window", "--pool-kernel", "--alpha", "--value-norm"} <= flags
+
+
+def test_cli_parses_into_a_policy_and_rejects_bad_choices(capsys):
+    parser = argparse.ArgumentParser()
+    KVPolicy.add_arguments(parser)
+    args = parser.parse_args(["--kv-policy", "pyramidkv", "--budget", "128", "--alpha", "0.5", "--value-norm", "l2"])
+    assert KVPolicy.from_args(args) == KVPolicy("pyramidkv", budget=128, alpha=0.5, value_norm="l2")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-policy", "nope"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_policy_table_lists_every_policy_and_knob():
+    table = policy_table_markdown()
+    for name in POLICIES:
+        assert f"`{name}`" in table
+    for name in KVPolicy.knob_names():
+        assert f"`{name}`" in table
