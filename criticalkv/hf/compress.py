@@ -1,0 +1,154 @@
+"""Prefill a transformers Llama-family model and compress every layer's cache as it is produced.
+
+A forward hook on each attention module recomputes the post-RoPE queries of the last ``window``
+prompt tokens (from the module's own q_proj and the rotary embedding it received; eager, SDPA or
+any attention implementation alike), runs ``select_layer`` on that layer's full keys/values, keeps
+the selected entries in a ``CompressedLayer`` and frees the full tensors, so at most one layer's
+uncompressed K/V exists at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from criticalkv.hf.cache import CompressedKVCache, CompressedLayer
+from criticalkv.hf.loading import check_supported
+from criticalkv.policy import KVPolicy
+from criticalkv.selection import LayerSelection, select_layer
+
+
+@dataclass
+class PrefillResult:
+    """logits: [B, V] of each sequence's last prompt token; cache: the compressed cache;
+    selections: one LayerSelection per layer (indices into the left-padded prompt axis)."""
+
+    logits: torch.Tensor
+    cache: CompressedKVCache
+    selections: list[LayerSelection]
+    prompt_lengths: torch.Tensor
+    prefill_s: float
+    selection_s: float
+    kv_bytes_full: int
+    kv_bytes_kept: int
+    window_queries: list[torch.Tensor] = field(default_factory=list)
+
+
+def window_queries(module, hidden_states: torch.Tensor, position_embeddings, w: int) -> torch.Tensor:
+    """Post-RoPE queries [B, H, w, d_h] of the last w positions, recomputed from the attention input.
+
+    Llama, Mistral and Qwen2 share Llama's ``apply_rotary_pos_emb``.
+    """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    batch = hidden_states.shape[0]
+    head_dim = module.head_dim
+    q = module.q_proj(hidden_states[:, -w:]).view(batch, w, -1, head_dim).transpose(1, 2)
+    cos, sin = position_embeddings
+    q, _ = apply_rotary_pos_emb(q, q, cos[:, -w:], sin[:, -w:])
+    return q
+
+
+def validate_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Check a [B, n] prompt batch; returns per-sequence lengths [B] (None when unpadded)."""
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids: expected a non-empty [batch, n] tensor, got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        return None
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)} differs from input_ids")
+    mask = attention_mask.to(torch.int64)
+    lengths = mask.sum(dim=1)
+    expected = torch.arange(input_ids.shape[1]) >= (input_ids.shape[1] - lengths)[:, None]
+    if not torch.equal(mask.bool().cpu(), expected):
+        raise ValueError("attention_mask: prompts must be left-padded (padding first, then the tokens)")
+    if lengths.min() < 1:
+        raise ValueError("attention_mask: a prompt in the batch is empty")
+    return lengths
+
+
+@torch.no_grad()
+def prefill_and_compress(
+    model,
+    input_ids: torch.Tensor,
+    policy: KVPolicy,
+    attention_mask: torch.Tensor | None = None,
+    tail_capacity: int = 0,
+    keep_window_queries: bool = False,
+) -> PrefillResult:
+    """Run the prompt through ``model`` and return its compressed cache and last-token logits.
+
+    input_ids [B, n] (left-padded with ``attention_mask`` [B, n] when lengths differ). Decoding then
+    continues at absolute position ``prompt_lengths[b] + t`` (see ``criticalkv.hf.generate``).
+    """
+    from transformers import DynamicCache
+
+    check_supported(model.config)
+    lengths = validate_prompt(input_ids, attention_mask)
+    batch, n = input_ids.shape
+    sliding = getattr(model.config, "sliding_window", None)
+    if sliding is not None and getattr(model.config, "use_sliding_window", True) and n > sliding:
+        raise ValueError(f"prompt of {n} tokens exceeds the model's sliding window ({sliding}); not supported")
+    layers = model.model.layers
+    num_layers = len(layers)
+    w = min(policy.window, n)
+    compressed: list[CompressedLayer | None] = [None] * num_layers
+    selections: list[LayerSelection | None] = [None] * num_layers
+    queries_kept: list[torch.Tensor] = []
+    selection_s = 0.0
+    full_bytes = 0
+
+    def make_hook(idx):
+        def hook(module, args, kwargs, output):
+            nonlocal selection_s, full_bytes
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            cache_layer = kwargs["past_key_values"].layers[idx]
+            keys, values = cache_layer.keys, cache_layer.values
+            start = time.perf_counter()
+            q = window_queries(module, hidden, kwargs["position_embeddings"], w)
+            sel = select_layer(policy, q, keys, values, module.o_proj.weight, idx, num_layers, lengths)
+            compressed[idx] = CompressedLayer.from_selection(keys, values, sel, tail_capacity)
+            selection_s += time.perf_counter() - start
+            valid = n * batch if lengths is None else int(lengths.sum())
+            full_bytes += 2 * valid * keys.shape[1] * keys.shape[3] * keys.element_size()
+            selections[idx] = sel
+            if keep_window_queries:
+                queries_kept.append(q)
+            cache_layer.keys = cache_layer.values = keys.new_zeros(0)  # free the full K/V now
+
+        return hook
+
+    handles = [layer.self_attn.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    if attention_mask is None:
+        position_ids = torch.arange(n, device=input_ids.device)[None].expand(batch, n)
+    else:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    start = time.perf_counter()
+    try:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=DynamicCache(config=model.config),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    finally:
+        for h in handles:
+            h.remove()
+    prefill_s = time.perf_counter() - start
+    cache = CompressedKVCache(compressed, seen_tokens=n)
+    prompt_lengths = torch.full((batch,), n) if lengths is None else lengths.cpu()
+    return PrefillResult(
+        logits=out.logits[:, -1],
+        cache=cache,
+        selections=selections,
+        prompt_lengths=prompt_lengths,
+        prefill_s=prefill_s,
+        selection_s=selection_s,
+        kv_bytes_full=full_bytes,
+        kv_bytes_kept=cache.kv_nbytes(),
+        window_queries=queries_kept,
+    )

