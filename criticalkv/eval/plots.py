@@ -1,0 +1,147 @@
+"""PNG figures drawn from the summaries (written next to their JSON, atomically)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from criticalkv.eval.io import save_figure
+from criticalkv.eval.specs import PolicyRun
+from criticalkv.eval.summary import budgets_in_order, run_key, specs_in_order
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def needle_heatmap(grid: dict, scores: dict, runs: Sequence[PolicyRun], path: Path, title: str) -> None:
+    """Figure 8 of the paper: for each policy (columns) and budget (rows) a heatmap of needle
+    accuracy over context length (x) and depth (y), green = found."""
+    plt = _plt()
+    specs = specs_in_order(runs)
+    budgets = budgets_in_order(runs) or [None]
+    fig, axes = plt.subplots(len(budgets), len(specs), figsize=(2.3 * len(specs) + 1, 2.4 * len(budgets) + 0.6),
+                             squeeze=False)
+    image = None
+    for i, b in enumerate(budgets):
+        for j, spec in enumerate(specs):
+            ax = axes[i][j]
+            key = run_key(runs, spec, b)
+            cells = grid.get(key, {})
+            lengths = sorted(cells, key=int)
+            depths = sorted({d for L in lengths for d in cells[L]}, key=float)
+            data = np.array([[cells[L].get(d, np.nan) for L in lengths] for d in depths])
+            image = ax.imshow(data, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="upper")
+            ax.set_xticks(range(len(lengths)), lengths, fontsize=7)
+            ax.set_yticks(range(len(depths)), [f"{float(d):g}" for d in depths], fontsize=6)
+            label = spec if (b is None or spec.startswith("full")) else f"{spec} b={b}"
+            ax.set_title(f"{label}\nscore {scores[key]['score'] * 100:.1f}", fontsize=7)
+            if j == 0:
+                ax.set_ylabel("depth (%)", fontsize=7)
+            if i == len(budgets) - 1:
+                ax.set_xlabel("context length", fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="accuracy")
+    save_figure(fig, path)
+
+
+def ruler_bars(tasks_summary: dict, runs: Sequence[PolicyRun], lengths: Sequence[int], path: Path, title: str) -> None:
+    """RULER-style average per policy (bars) and budget (groups), one panel per length."""
+    plt = _plt()
+    specs = specs_in_order(runs)
+    budgets = budgets_in_order(runs) or [None]
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 3.6), squeeze=False)
+    width = 0.8 / len(specs)
+    cmap = plt.get_cmap("tab20")
+    for a, L in enumerate(lengths):
+        ax = axes[0][a]
+        for j, spec in enumerate(specs):
+            vals = []
+            for b in budgets:
+                entry = tasks_summary.get(run_key(runs, spec, b), {}).get("by_length", {}).get(str(L))
+                vals.append(np.nan if entry is None else entry["average"] * 100)
+            ax.bar(np.arange(len(budgets)) + (j - len(specs) / 2 + 0.5) * width, vals, width, label=spec, color=cmap(j))
+        ax.set_xticks(range(len(budgets)), [f"b={b}" for b in budgets])
+        ax.set_ylabel("RULER-style average")
+        ax.set_title(f"{L} tokens", fontsize=9)
+        ax.set_ylim(0, 100)
+    axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(title, fontsize=9)
+    save_figure(fig, path)
+
+
+def perturbation_heads(summary: dict, path: Path, title: str) -> None:
+    """Figure 2 of the paper: per head, base perturbation (x) vs CriticalKV (y), averaged over prompts;
+    points below the diagonal are heads where CriticalKV perturbs the output less."""
+    plt = _plt()
+    pairs = summary["pairs"]
+    if not pairs:
+        return
+    groups: dict = {}
+    for p in pairs:
+        groups.setdefault((p["variant"].rsplit("@", 1)[0], p["base"].rsplit("@", 1)[0]), []).append(p)
+    budgets = sorted({p["budget"] for p in pairs})
+    fig, axes = plt.subplots(len(groups), len(budgets), figsize=(3.1 * len(budgets), 3.0 * len(groups)), squeeze=False)
+    for i, ((spec, base), items) in enumerate(groups.items()):
+        for j, b in enumerate(budgets):
+            ax = axes[i][j]
+            p = next((x for x in items if x["budget"] == b), None)
+            if p is None:
+                ax.axis("off")
+                continue
+            x = np.asarray(summary["runs"][p["base"]]["head_l1_mean"])
+            y = np.asarray(summary["runs"][p["variant"]]["head_l1_mean"])
+            layers = np.repeat(np.arange(x.shape[0]), x.shape[1])
+            sc = ax.scatter(x.ravel(), y.ravel(), c=layers, cmap="viridis", s=6)
+            lo = max(min(x.min(), y.min()), 1e-6)
+            hi = max(x.max(), y.max())
+            ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel(f"{base} head L1", fontsize=7)
+            ax.set_ylabel(f"{spec} head L1", fontsize=7)
+            ax.set_title(f"b={b}: lower in {p['frac_heads_lower'] * 100:.0f}% of heads", fontsize=8)
+            ax.tick_params(labelsize=6)
+    fig.colorbar(sc, ax=axes, shrink=0.5, label="layer")
+    fig.suptitle(title, fontsize=9)
+    save_figure(fig, path)
+
+
+def perturbation_layers(summary: dict, runs: Sequence[PolicyRun], path: Path, title: str) -> None:
+    """Figures 3a / 5 of the paper: L1 perturbation of each layer's output (cascade) vs the full cache,
+    for each base method and its CriticalKV variants, one panel per (base, budget)."""
+    plt = _plt()
+    pairs = summary["pairs"]
+    if not pairs:
+        return
+    families: dict = {}
+    for p in pairs:
+        families.setdefault((p["base"].rsplit("@", 1)[0], p["budget"]), []).append(p)
+    bases = sorted({k[0] for k in families})
+    budgets = sorted({k[1] for k in families})
+    fig, axes = plt.subplots(len(bases), len(budgets), figsize=(3.4 * len(budgets), 2.8 * len(bases)), squeeze=False)
+    for i, base in enumerate(bases):
+        for j, b in enumerate(budgets):
+            ax = axes[i][j]
+            items = families.get((base, b), [])
+            if not items:
+                ax.axis("off")
+                continue
+            base_key = items[0]["base"]
+            ax.plot(summary["runs"][base_key]["layer_l1_mean"], label=base_key, color="k")
+            for p in items:
+                ax.plot(summary["runs"][p["variant"]]["layer_l1_mean"], label=p["variant"])
+            ax.set_yscale("log")
+            ax.set_xlabel("layer", fontsize=7)
+            ax.set_ylabel("L1 vs full (hidden state)", fontsize=7)
+            ax.tick_params(labelsize=6)
+            ax.legend(fontsize=5)
+    fig.suptitle(title, fontsize=9)
+    save_figure(fig, path)
