@@ -69,7 +69,8 @@ def _common(p: argparse.ArgumentParser, policies: str) -> None:
     p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--no-chat", action="store_true", help="plain prompts instead of the model's chat template")
     p.add_argument("--verify", type=int, default=0, metavar="N",
-                   help="re-run criticalkv.hf.generate on the first N prompts and stop if any token differs (default: 0)")
+                   help="re-run criticalkv.hf.generate on the first N prompts of each length and stop if any token "
+                        "differs (default: 0)")
     p.add_argument("--resume", action="store_true", help="reuse the prompts already done in --out (same configuration)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--threads", type=int, default=None,

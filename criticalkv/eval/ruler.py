@@ -137,6 +137,7 @@ def _scatter(r, tokenizer, frame_: PromptFrame, length: int, task: str, needles:
     meta = {
         "depths": [100 * o / len(haystack) for o in offsets],
         "needle_starts": [len(frame_.prefix) + p for p in positions],
+        "needle_lengths": [len(n) for n in needle_ids],
     }
     return context, meta
 
@@ -295,7 +296,7 @@ TASKS: dict[str, tuple[Callable, str, int]] = {
     "niah_multikey": (build_niah_multikey, "all", 12),
     "niah_multivalue": (build_niah_multivalue, "all", 40),
     "vt": (build_vt, "all", 24),
-    "cwe": (build_cwe, "all", 48),
+    "cwe": (build_cwe, "all", 36),
     "qa": (build_qa, "part", 12),
 }
 

@@ -53,8 +53,8 @@ def evaluate(
     """Evaluate ``runs`` on ``prompts``; records come back in prompt order.
 
     perturbation : also run the first decoding step's perturbation analysis for every run
-    verify : re-run ``criticalkv.hf.generate`` for every run on the first ``verify`` prompts computed
-        here and raise ``VerificationError`` if any token differs
+    verify : re-run ``criticalkv.hf.generate`` for every run on the first ``verify`` prompts of each
+        length computed here and raise ``VerificationError`` if any token differs
     done : records of an earlier, interrupted run of the same configuration, by prompt key (reused)
     """
     done = done or {}
@@ -62,7 +62,7 @@ def evaluate(
     windows = sorted({r.policy.window for r in runs})
     device = next(model.parameters()).device
     records: list[dict] = []
-    verified = 0
+    verified: dict[int, int] = {}
     todo = sum(1 for p in prompts if p.key not in done)
     bar = tqdm(total=todo * len(runs), disable=not progress, unit="run", dynamic_ncols=True, desc="eval")
     try:
@@ -71,9 +71,9 @@ def evaluate(
                 records.append(done[prompt.key])
                 continue
             bar.set_description(prompt.key)
-            record = _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, perturbation,
-                                      verify > verified, bar)
-            verified += verify > verified
+            check = verify > verified.get(prompt.length, 0)
+            record = _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, perturbation, check, bar)
+            verified[prompt.length] = verified.get(prompt.length, 0) + check
             records.append(record)
             if on_record is not None:
                 on_record(records)
@@ -115,6 +115,7 @@ def _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, pert
             "tokens": decoded.tokens,
             "score": score(prompt.metric, text, prompt.answers),
             "kept_fraction": kept_fraction(selections, n),
+            "needle_kept": needle_kept(prompt, selections, n),
             "selection_s": selection_s,
             "scores_s": bank.seconds - bank_before,
             "decode_s": decoded.decode_s,
@@ -142,6 +143,23 @@ def _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, pert
         "total_s": time.perf_counter() - start,
         "results": results,
     }
+
+
+def needle_spans(prompt: EvalPrompt) -> list[tuple[int, int]]:
+    """(start, length) of every needle of a prompt (none for list and document tasks)."""
+    meta = prompt.meta
+    if "needle_start" in meta:
+        return [(meta["needle_start"], meta["needle_tokens"])]
+    return list(zip(meta.get("needle_starts", []), meta.get("needle_lengths", [])))
+
+
+def needle_kept(prompt: EvalPrompt, selections, n: int) -> list[float]:
+    """For each needle, the fraction of its tokens kept, over every layer and KV head (a diagnostic)."""
+    spans = needle_spans(prompt)
+    if not spans:
+        return []
+    kept = torch.stack([s.mask(n)[0] for s in selections]).float()  # [L, H_kv, n]
+    return [float(kept[:, :, a : a + k].mean()) for a, k in spans]
 
 
 def _perturbation(run: PolicyRun, bank, reference, selections, recorder, n: int) -> dict:
