@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -44,10 +45,17 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; results are ordinary files
         os.replace(tmp, path)
     except BaseException:
         with_suppressed_unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def with_suppressed_unlink(path: str) -> None:
@@ -57,11 +65,25 @@ def with_suppressed_unlink(path: str) -> None:
         pass
 
 
-def write_json(path: Path, data: Any) -> None:
-    def write(tmp: Path) -> None:
-        tmp.write_text(json.dumps(data, indent=1, default=_default, ensure_ascii=False) + "\n", encoding="utf-8")
+#: A JSON list holding no list or object: printed on one line.
+_FLAT_LIST = re.compile(r"\[[^\[\]{}]*\]")
 
-    write_atomic(path, write)
+
+def to_json(data: Any) -> str:
+    """Indented JSON with lists of numbers or strings kept on one line (compact, still diffable)."""
+    text = json.dumps(data, indent=1, default=_default, ensure_ascii=False)
+    return _FLAT_LIST.sub(_join_lines, text)
+
+
+def _join_lines(match: re.Match) -> str:
+    # JSON strings hold no raw newline, so whitespace spanning a newline is layout, never content
+    s = re.sub(r"\[\s*\n\s*", "[", match.group(0))
+    s = re.sub(r"\s*\n\s*\]", "]", s)
+    return re.sub(r",\s*\n\s*", ", ", s)
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(to_json(data) + "\n", encoding="utf-8"))
 
 
 def write_text(path: Path, text: str) -> None:

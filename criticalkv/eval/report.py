@@ -123,7 +123,8 @@ class Writer:
                                  f"Head-wise perturbation, first decoding token ({model}, {len(records)} prompts)")
         plots.perturbation_layers(scopes["all"], self.runs, self.out / "perturbation_layers.png",
                                   f"Layer-wise perturbation of the hidden state ({model}, {len(records)} prompts)")
-        body = {"perturbation": {scope: (s if scope == "all" else {"pairs": s["pairs"]}) for scope, s in scopes.items()}}
+        body = {"perturbation": rounded({scope: (s if scope == "all" else {"pairs": s["pairs"]})
+                                         for scope, s in scopes.items()}, 4)}
         md = ["**Fraction of heads where the CriticalKV variant's output perturbation is below its base's** "
               "(head perturbation averaged over prompts; ×ratio = mean head L1 variant / base)", "",
               summary.head_fraction_table(scopes, self.runs), "", self._pair_details(scopes["all"])]

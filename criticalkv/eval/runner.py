@@ -177,13 +177,17 @@ def _perturbation(run: PolicyRun, bank, reference, selections, recorder, n: int)
     return out
 
 
+#: Per-prompt perturbation arrays kept out of the stored records (their means are in the summary).
+PER_PROMPT_ARRAYS = ("layer_l1", "layer_rel")
+
+
 def strip_arrays(records: list[dict]) -> list[dict]:
-    """Records without the per-head arrays (those are summarised, not stored per prompt)."""
+    """Records without the per-head and per-layer arrays (those are summarised, not stored per prompt)."""
     out = []
     for rec in records:
         results = {}
         for key, res in rec["results"].items():
-            small = {k: v for k, v in res.items() if not isinstance(v, np.ndarray)}
+            small = {k: v for k, v in res.items() if not isinstance(v, np.ndarray) and k not in PER_PROMPT_ARRAYS}
             if "head_l1" in res:
                 small["head_l1_mean"] = float(np.mean(res["head_l1"]))
             results[key] = small
