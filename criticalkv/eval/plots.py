@@ -77,6 +77,10 @@ def ruler_bars(tasks_summary: dict, runs: Sequence[PolicyRun], lengths: Sequence
     save_figure(fig, path)
 
 
+def _short(spec: str) -> str:
+    return spec.replace(":stage2_scores=", " ").replace("criticalkv", "ckv")
+
+
 def perturbation_heads(summary: dict, path: Path, title: str) -> None:
     """Figure 2 of the paper: per head, base perturbation (x) vs CriticalKV (y), averaged over prompts;
     points below the diagonal are heads where CriticalKV perturbs the output less."""
@@ -88,7 +92,9 @@ def perturbation_heads(summary: dict, path: Path, title: str) -> None:
     for p in pairs:
         groups.setdefault((p["variant"].rsplit("@", 1)[0], p["base"].rsplit("@", 1)[0]), []).append(p)
     budgets = sorted({p["budget"] for p in pairs})
-    fig, axes = plt.subplots(len(groups), len(budgets), figsize=(3.1 * len(budgets), 3.0 * len(groups)), squeeze=False)
+    fig, axes = plt.subplots(len(groups), len(budgets), figsize=(3.0 * len(budgets) + 1, 2.9 * len(groups)),
+                             squeeze=False, layout="constrained")
+    sc = None
     for i, ((spec, base), items) in enumerate(groups.items()):
         for j, b in enumerate(budgets):
             ax = axes[i][j]
@@ -99,24 +105,26 @@ def perturbation_heads(summary: dict, path: Path, title: str) -> None:
             x = np.asarray(summary["runs"][p["base"]]["head_l1_mean"])
             y = np.asarray(summary["runs"][p["variant"]]["head_l1_mean"])
             layers = np.repeat(np.arange(x.shape[0]), x.shape[1])
-            sc = ax.scatter(x.ravel(), y.ravel(), c=layers, cmap="viridis", s=6)
+            sc = ax.scatter(x.ravel(), y.ravel(), c=layers, cmap="viridis", s=5)
             lo = max(min(x.min(), y.min()), 1e-6)
             hi = max(x.max(), y.max())
             ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
             ax.set_xscale("log")
             ax.set_yscale("log")
-            ax.set_xlabel(f"{base} head L1", fontsize=7)
-            ax.set_ylabel(f"{spec} head L1", fontsize=7)
-            ax.set_title(f"b={b}: lower in {p['frac_heads_lower'] * 100:.0f}% of heads", fontsize=8)
+            ax.set_xlabel(f"{base} (head L1)", fontsize=7)
+            ax.set_ylabel(f"{_short(spec)} (head L1)", fontsize=7)
+            ax.set_title(f"{_short(spec)} b={b}: lower in {p['frac_heads_lower'] * 100:.0f}%", fontsize=8)
             ax.tick_params(labelsize=6)
-    fig.colorbar(sc, ax=axes, shrink=0.5, label="layer")
+    if sc is not None:
+        fig.colorbar(sc, ax=axes, shrink=0.4, label="layer")
     fig.suptitle(title, fontsize=9)
     save_figure(fig, path)
 
 
 def perturbation_layers(summary: dict, runs: Sequence[PolicyRun], path: Path, title: str) -> None:
-    """Figures 3a / 5 of the paper: L1 perturbation of each layer's output (cascade) vs the full cache,
-    for each base method and its CriticalKV variants, one panel per (base, budget)."""
+    """Figures 3a / 5 of the paper: per layer, the L1 perturbation of the layer's output hidden state
+    (cascade) under each CriticalKV variant divided by its base's (below 1 = CriticalKV perturbs less),
+    one panel per (base, budget)."""
     plt = _plt()
     pairs = summary["pairs"]
     if not pairs:
@@ -126,7 +134,8 @@ def perturbation_layers(summary: dict, runs: Sequence[PolicyRun], path: Path, ti
         families.setdefault((p["base"].rsplit("@", 1)[0], p["budget"]), []).append(p)
     bases = sorted({k[0] for k in families})
     budgets = sorted({k[1] for k in families})
-    fig, axes = plt.subplots(len(bases), len(budgets), figsize=(3.4 * len(budgets), 2.8 * len(bases)), squeeze=False)
+    fig, axes = plt.subplots(len(bases), len(budgets), figsize=(3.3 * len(budgets), 2.6 * len(bases)),
+                             squeeze=False, layout="constrained", sharey=True)
     for i, base in enumerate(bases):
         for j, b in enumerate(budgets):
             ax = axes[i][j]
@@ -134,14 +143,16 @@ def perturbation_layers(summary: dict, runs: Sequence[PolicyRun], path: Path, ti
             if not items:
                 ax.axis("off")
                 continue
-            base_key = items[0]["base"]
-            ax.plot(summary["runs"][base_key]["layer_l1_mean"], label=base_key, color="k")
+            base_curve = np.asarray(summary["runs"][items[0]["base"]]["layer_l1_mean"])
             for p in items:
-                ax.plot(summary["runs"][p["variant"]]["layer_l1_mean"], label=p["variant"])
-            ax.set_yscale("log")
+                curve = np.asarray(summary["runs"][p["variant"]]["layer_l1_mean"]) / np.maximum(base_curve, 1e-30)
+                ax.plot(curve, label=_short(p["variant"].rsplit("@", 1)[0]))
+            ax.axhline(1.0, color="k", lw=0.8, ls="--")
+            ax.set_title(f"vs {base}, b={b}", fontsize=8)
             ax.set_xlabel("layer", fontsize=7)
-            ax.set_ylabel("L1 vs full (hidden state)", fontsize=7)
+            if j == 0:
+                ax.set_ylabel("hidden-state L1 / base", fontsize=7)
             ax.tick_params(labelsize=6)
-            ax.legend(fontsize=5)
+            ax.legend(fontsize=6)
     fig.suptitle(title, fontsize=9)
     save_figure(fig, path)
