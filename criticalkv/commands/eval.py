@@ -181,7 +181,9 @@ def run(args) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
     }
     path = out / f"{args.task}.json"
-    done = _resumable(path, config) if args.resume else {}
+    done, previous = _resumable(path, config) if args.resume else ({}, None)
+    if previous is not None:
+        meta["resumed"] = previous
     writer = report.Writer(args.task, out, meta, runs, lengths, tasks)
     from criticalkv.eval.runner import evaluate
 
@@ -249,15 +251,18 @@ def _model_info(model, folder) -> dict:
     }
 
 
-def _resumable(path: Path, config: dict) -> dict:
-    """Records of an interrupted run with the same configuration, by prompt key."""
+def _resumable(path: Path, config: dict) -> tuple[dict, dict | None]:
+    """Records of an earlier (interrupted or complete) run with the same configuration, by prompt key,
+    and what is known about that run."""
     if not path.is_file():
-        return {}
+        return {}, None
     try:
         old = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
-        return {}
+        return {}, None
     if old.get("config") != json.loads(json.dumps(config)):
         print(f"criticalkv eval: {path} has another configuration; starting afresh", file=sys.stderr)
-        return {}
-    return {rec["key"]: rec for rec in old.get("records", [])}
+        return {}, None
+    records = {rec["key"]: rec for rec in old.get("records", [])}
+    return records, {"records": len(records), "complete": old.get("complete", False), "wall_s": old.get("wall_s"),
+                     "started": old.get("started")}

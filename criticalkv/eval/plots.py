@@ -21,34 +21,42 @@ def _plt():
     return plt
 
 
+def _short(spec: str) -> str:
+    return spec.replace(":stage2_scores=", " ").replace("criticalkv", "ckv")
+
+
 def needle_heatmap(grid: dict, scores: dict, runs: Sequence[PolicyRun], path: Path, title: str) -> None:
     """Figure 8 of the paper: for each policy (columns) and budget (rows) a heatmap of needle
-    accuracy over context length (x) and depth (y), green = found."""
+    accuracy over context length (x) and depth (y), green = found. Budget-free policies (``full``)
+    appear once, in the first row."""
     plt = _plt()
     specs = specs_in_order(runs)
     budgets = budgets_in_order(runs) or [None]
-    fig, axes = plt.subplots(len(budgets), len(specs), figsize=(2.3 * len(specs) + 1, 2.4 * len(budgets) + 0.6),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(budgets), len(specs), figsize=(1.75 * len(specs) + 1.2, 2.3 * len(budgets) + 0.5),
+                             squeeze=False, layout="constrained")
     image = None
     for i, b in enumerate(budgets):
         for j, spec in enumerate(specs):
             ax = axes[i][j]
+            run = next(r for r in runs if r.spec == spec)
+            if run.budget is None and i > 0:
+                ax.axis("off")
+                continue
             key = run_key(runs, spec, b)
             cells = grid.get(key, {})
             lengths = sorted(cells, key=int)
             depths = sorted({d for L in lengths for d in cells[L]}, key=float)
             data = np.array([[cells[L].get(d, np.nan) for L in lengths] for d in depths])
             image = ax.imshow(data, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="upper")
-            ax.set_xticks(range(len(lengths)), lengths, fontsize=7)
-            ax.set_yticks(range(len(depths)), [f"{float(d):g}" for d in depths], fontsize=6)
-            label = spec if (b is None or spec.startswith("full")) else f"{spec} b={b}"
-            ax.set_title(f"{label}\nscore {scores[key]['score'] * 100:.1f}", fontsize=7)
+            ax.set_xticks(range(len(lengths)), [f"{int(L) / 1024:g}k" if int(L) % 1024 == 0 else L for L in lengths],
+                          fontsize=6)
+            ax.set_yticks(range(len(depths)), [f"{float(d):g}" for d in depths], fontsize=5)
+            label = _short(spec) if run.budget is None else f"{_short(spec)}\nb={b}"
+            ax.set_title(f"{label}: {scores[key]['score'] * 100:.0f}", fontsize=7)
             if j == 0:
                 ax.set_ylabel("depth (%)", fontsize=7)
-            if i == len(budgets) - 1:
-                ax.set_xlabel("context length", fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.colorbar(image, ax=axes, shrink=0.6, label="accuracy")
+    fig.colorbar(image, ax=axes, shrink=0.5, label="accuracy")
     save_figure(fig, path)
 
 
@@ -75,10 +83,6 @@ def ruler_bars(tasks_summary: dict, runs: Sequence[PolicyRun], lengths: Sequence
     axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(title, fontsize=9)
     save_figure(fig, path)
-
-
-def _short(spec: str) -> str:
-    return spec.replace(":stage2_scores=", " ").replace("criticalkv", "ckv")
 
 
 def perturbation_heads(summary: dict, path: Path, title: str) -> None:

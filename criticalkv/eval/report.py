@@ -48,7 +48,8 @@ class Writer:
                                     "records": rounded(strip_arrays(records), 6)})
 
     def final(self, records: list[dict], meta: dict) -> str:
-        meta = {**meta, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        meta = {**meta, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "compute_s": float(sum(r["total_s"] for r in records))}
         timing = summary.timing(records, self.runs)
         if self.task == "perturbation":
             body, md, headline = self._perturbation(records)
@@ -59,7 +60,8 @@ class Writer:
         write_json(self.json_path, rounded(doc, 6))
         header = [f"# criticalkv eval {self.task}", "", "```", meta["command"], "```", "",
                   f"model `{meta['config']['model']}`, {meta['prompt_count']} prompts, "
-                  f"wall time {meta['wall_s'] / 60:.1f} min, {meta['environment']['cpu']} "
+                  f"compute {meta['compute_s'] / 60:.1f} min (sum over prompts; wall time of this invocation "
+                  f"{meta['wall_s'] / 60:.1f} min{', resumed' if 'resumed' in meta else ''}), {meta['environment']['cpu']} "
                   f"({meta['environment']['torch_threads']} threads), torch {meta['environment']['torch']}, "
                   f"transformers {meta['environment']['transformers']}", ""]
         write_text(self.out / f"{self.task}.md", "\n".join(header) + md + "\n")
