@@ -10,7 +10,7 @@ Scores lie in [0, 1] per prompt (tables show them x 100):
 
 Comparisons between two policies are paired (same prompts): the mean difference with a paired
 bootstrap 95% interval and the exact two-sided sign test over the prompts where they differ. A
-difference whose interval contains 0 is reported as within noise.
+difference is called within noise unless the interval excludes 0 and the sign test gives p < 0.05.
 """
 
 from __future__ import annotations
@@ -96,5 +96,5 @@ def paired_comparison(variant: Sequence[float], base: Sequence[float], seed: int
         "losses": losses,
         "ties": int(diff.size - wins - losses),
         "sign_test_p": sign_test(wins, losses),
-        "within_noise": bool(diff.size == 0 or lo <= 0.0 <= hi),
+        "within_noise": bool(diff.size == 0 or lo <= 0.0 <= hi or sign_test(wins, losses) >= 0.05),
     }
