@@ -5,13 +5,16 @@
 #   TRT_INCLUDE_DIR=/usr/include/x86_64-linux-gnu bash scripts/build_plugin.sh   # GPU box with TensorRT installed
 #
 # Environment: TRT_INCLUDE_DIR (skip the header download), CKV_CUDA_ARCHS (default "80;90"),
-# BUILD_DIR (default build/plugins), PYTHON (for `pip download`, default python3), CKV_WERROR (default ON).
+# BUILD_DIR (default build/plugins), PYTHON (for `pip download`; default .venv/bin/python, else python3),
+# CKV_WERROR (default ON), CKV_BUILD_JOBS (default nproc).
 # The TensorRT headers are unpacked under build/ and never committed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 BUILD_DIR=${BUILD_DIR:-build/plugins}
-PYTHON=${PYTHON:-python3}
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
 CKV_CUDA_ARCHS=${CKV_CUDA_ARCHS:-80;90}
 CKV_WERROR=${CKV_WERROR:-ON}
 KERNEL_LENS=kernel-lens==2.0.1

@@ -59,15 +59,23 @@ __device__ void blockSelectTopK(float const* scores, uint8_t* flags, int64_t len
         }
         __syncthreads();
         uint32_t const prefix = s.prefix;
-        for (int64_t e = tid; e < len; e += kSelectThreads)
+        for (int64_t base = 0; base < len; base += kSelectThreads) // whole warps iterate together
         {
-            if (candidate(e))
+            int64_t const e = base + tid;
+            int32_t bin = -1;
+            if (e < len && candidate(e))
             {
                 uint32_t const key = orderedKey(scores[e]);
                 if ((key & prefixMask) == prefix)
                 {
-                    atomicAdd(&s.histogram[radixDigit(key, pass)], 1u);
+                    bin = static_cast<int32_t>(radixDigit(key, pass));
                 }
+            }
+            // Warp-aggregated increments: ties (one digit for many lanes) cost one atomic per warp, not 32.
+            uint32_t const peers = __match_any_sync(0xffffffffu, bin);
+            if (bin >= 0 && static_cast<int32_t>(__ffs(peers)) - 1 == (tid & 31))
+            {
+                atomicAdd(&s.histogram[bin], static_cast<uint32_t>(__popc(peers)));
             }
         }
         __syncthreads();

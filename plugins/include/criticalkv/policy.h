@@ -121,6 +121,11 @@ inline bool readString(FieldView const& field, std::string& out, std::string& er
 
 inline bool readInt(FieldView const& field, int32_t& out, std::string& error)
 {
+    if (field.type != FieldType::kInt32 && field.type != FieldType::kInt64)
+    {
+        error = std::string(field.name) + ": expected an integer (kINT32), got " + fieldTypeName(field.type);
+        return false;
+    }
     if (field.length != 1)
     {
         error = std::string(field.name) + ": expected 1 value, got " + std::to_string(field.length);
@@ -133,14 +138,9 @@ inline bool readInt(FieldView const& field, int32_t& out, std::string& error)
         std::memcpy(&v, field.data, sizeof(v));
         value = v;
     }
-    else if (field.type == FieldType::kInt64)
-    {
-        std::memcpy(&value, field.data, sizeof(value));
-    }
     else
     {
-        error = std::string(field.name) + ": expected an integer (kINT32), got " + fieldTypeName(field.type);
-        return false;
+        std::memcpy(&value, field.data, sizeof(value));
     }
     if (value < std::numeric_limits<int32_t>::min() || value > std::numeric_limits<int32_t>::max())
     {
@@ -153,6 +153,11 @@ inline bool readInt(FieldView const& field, int32_t& out, std::string& error)
 
 inline bool readFloat(FieldView const& field, double& out, std::string& error)
 {
+    if (field.type == FieldType::kChar || field.type == FieldType::kOther)
+    {
+        error = std::string(field.name) + ": expected a number (kFLOAT32), got " + fieldTypeName(field.type);
+        return false;
+    }
     if (field.length != 1)
     {
         error = std::string(field.name) + ": expected 1 value, got " + std::to_string(field.length);
