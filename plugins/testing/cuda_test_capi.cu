@@ -129,6 +129,31 @@ extern "C"
         }
     }
 
+    //! launchCriticalKVSelect on a caller's stream and workspace, asynchronous (no allocation, no synchronisation):
+    //! what a TensorRT enqueue does, and what the CUDA-graph capture test records. Returns the launch status.
+    int32_t ckv_cuda_select_layer_async(CkvField const* fields, int32_t count, int32_t const* shape, int32_t dtype,
+        void const* queries, void const* keys, void const* values, void const* oProj, int32_t const* promptLengths,
+        void* keptKeys, void* keptValues, int32_t* keptLengths, int32_t* keptIndices, void* workspace,
+        int64_t workspaceBytes, void* stream)
+    {
+        try
+        {
+            PolicyConfig policy;
+            if (!capi::parseFields(fields, count, policy, nullptr, 0))
+            {
+                return -1;
+            }
+            SelectTensors t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, keptKeys,
+                keptValues, keptLengths, keptIndices};
+            return static_cast<int32_t>(launchCriticalKVSelect(makeSelectConfig(policy), toShape(shape), t, workspace,
+                static_cast<size_t>(workspaceBytes), static_cast<cudaStream_t>(stream)));
+        }
+        catch (std::exception const&)
+        {
+            return -2;
+        }
+    }
+
     //! Projected-value norms out [B, H, numTokens] fp32 of every sequence (no skipping). l2: 0 = L1, 1 = L2.
     int32_t ckv_cuda_value_norms(int32_t const* shape, int32_t dtype, void const* values, void const* oProj,
         int32_t numTokens, int32_t l2, float* out, int32_t iterations, float* milliseconds, char* err, int32_t errLen)

@@ -313,6 +313,10 @@ class CudaLibrary:
             [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 9
             + [ctypes.c_int32, P(ctypes.c_float), ctypes.c_char_p, ctypes.c_int32]
         )
+        L.ckv_cuda_select_layer_async.argtypes = (
+            [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 10
+            + [ctypes.c_int64, ctypes.c_void_p]
+        )
         L.ckv_cuda_value_norms.argtypes = (
             [P(ctypes.c_int32), ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
              ctypes.c_void_p, ctypes.c_int32, P(ctypes.c_float), ctypes.c_char_p, ctypes.c_int32]
@@ -357,6 +361,23 @@ class CudaLibrary:
             raise RuntimeError(err.value.decode())
         out = (indices.long(), kept.long(), kk, vv)
         return out + (ms.value,) if iterations > 1 else out
+
+    def workspace_bytes(self, policy: KVPolicy, q, k, o, capacity=None) -> int:
+        fields = encode_fields(node_fields(policy, 0, 1, capacity or k.shape[2]))
+        return self.lib.ckv_cuda_workspace_bytes(fields.array, fields.count, self._shape(q, k, o))
+
+    def select_layer_async(self, policy: KVPolicy, q, k, v, o, prompt_lengths, outputs, workspace, stream,
+                           layer_idx=0, num_layers=1, capacity=None) -> int:
+        """Launch on `stream` (a torch.cuda.Stream) into preallocated outputs (indices, lengths, keys, values)."""
+        indices, kept, kk, vv = outputs
+        fields = encode_fields(node_fields(policy, layer_idx, num_layers, capacity or k.shape[2]))
+        self._keepalive = fields  # the launch reads the fields synchronously, but keep them for the capture
+        return self.lib.ckv_cuda_select_layer_async(
+            fields.array, fields.count, self._shape(q, k, o), _DTYPE_CODES[k.dtype], q.data_ptr(), k.data_ptr(),
+            v.data_ptr(), o.data_ptr(), prompt_lengths.data_ptr() if prompt_lengths is not None else None,
+            kk.data_ptr(), vv.data_ptr(), kept.data_ptr(), indices.data_ptr(), workspace.data_ptr(),
+            workspace.numel(), stream.cuda_stream,
+        )
 
     def value_norms(self, values, o_proj, num_heads: int, num_tokens: int | None = None, kind: str = "l1",
                     iterations: int = 1):

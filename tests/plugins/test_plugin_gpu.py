@@ -23,7 +23,7 @@ import torch
 from ckv_native import BUILD_DIR, HostLibrary
 from criticalkv import KVPolicy, gather_kv, select_layer
 from criticalkv.node import node_attributes, node_capacity
-from criticalkv.selection import topk_mask, window_attention
+from criticalkv.selection import topk_mask
 from helpers import random_layer
 from policies import POLICY_CASES, make_policy
 
@@ -92,12 +92,16 @@ def test_window_scores(cuda_lib, dtype, n, window):
     m = n - window
     valid_start = n - lengths
     keys = k.repeat_interleave(4, dim=1)
-    truth = window_attention(q.double(), keys.double(), valid_start).double()[..., :m]
-    logits = (q @ keys.transpose(-1, -2)) / (64**0.5)  # PyTorch's own computation in the input dtype
     pos = torch.arange(n, device="cuda")
     blocked = (pos[None, :] > torch.arange(n - window, n, device="cuda")[:, None])[None] | (
         pos[None, None, :] < valid_start[:, None, None])
-    low = torch.softmax(logits.masked_fill(blocked[:, None], float("-inf")), dim=-1)[..., :m]
+
+    def probabilities(precision):  # softmax(Q K^T / sqrt(d)) computed entirely in `precision`
+        logits = (q.to(precision) @ keys.to(precision).transpose(-1, -2)) / (64**0.5)
+        return torch.softmax(logits.masked_fill(blocked[:, None], float("-inf")), dim=-1)[..., :m]
+
+    truth = probabilities(torch.float64)
+    low = probabilities(dtype)  # PyTorch's own result in the input precision
     assert_within_flash_attention_tolerance(raw, low.mean(2), truth.mean(2), f"raw {dtype}")
     assert_within_flash_attention_tolerance(squares, low.pow(2).sum(2), truth.pow(2).sum(2), f"squares {dtype}")
 
@@ -181,6 +185,41 @@ def test_capacity_is_respected(cuda_lib):
     capacity = node_capacity(policy, 600, 3, 0, 1)
     indices, lengths, kk, vv = cuda_lib.select_layer(policy, q, k, v, o, capacity=capacity)
     assert indices.shape[-1] == capacity and kk.shape[2] == capacity and lengths.max() <= capacity
+
+
+def test_launch_is_cuda_graph_capturable(cuda_lib):
+    """launchCriticalKVSelect records into a CUDA graph (no allocation, no synchronisation) and replays exactly."""
+    n, budget = 2000, 256
+    q, k, v, o = cuda_layer(torch.float16, batch=2, heads=8, kv_heads=2, n=n, head_dim=64, hidden=256, window=32, seed=8)
+    lengths = torch.tensor([n, 1500], dtype=torch.int32, device="cuda")
+    policy = KVPolicy("ada-criticalkv", budget=budget, window=32)
+    capacity = node_capacity(policy, n, 2, 0, 1)
+    outputs = (torch.empty(2, 2, capacity, dtype=torch.int32, device="cuda"),
+               torch.empty(2, 2, dtype=torch.int32, device="cuda"),
+               torch.empty(2, 2, capacity, 64, dtype=torch.float16, device="cuda"),
+               torch.empty(2, 2, capacity, 64, dtype=torch.float16, device="cuda"))
+    workspace = torch.empty(cuda_lib.workspace_bytes(policy, q, k, o, capacity), dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        assert cuda_lib.select_layer_async(policy, q, k, v, o, lengths, outputs, workspace, stream, capacity=capacity) == 0
+    stream.synchronize()
+    eager = [t.clone() for t in outputs]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        status = cuda_lib.select_layer_async(policy, q, k, v, o, lengths, outputs, workspace, stream, capacity=capacity)
+    assert status == 0
+    for t in outputs:
+        t.fill_(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    for replayed, want in zip(outputs, eager):
+        assert torch.equal(replayed, want)
+    # new inputs in the same buffers: the replay recomputes
+    k.copy_(torch.randn_like(k))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = select_layer(policy, q, k, v, o, prompt_lengths=lengths.long())
+    check_selection((outputs[0].long(), outputs[1].long(), outputs[2], outputs[3]), ref, policy, n, "graph replay")
 
 
 def sanitizer_path():
