@@ -66,7 +66,9 @@ def smoke_test(
     from criticalkv.runtime import Engine, create_backend
 
     n = min(config.max_input_len, policy.budget + 64 if policy.name != "full" else 96)
-    ids = tokenizer(SMOKE_TEXT * (n // 20 + 2))["input_ids"][:n]
+    ids = list(tokenizer(SMOKE_TEXT * (n // 20 + 2))["input_ids"][:n])
+    vocab = manifest["model"]["spec"]["vocab_size"]
+    ids += [(7919 * i + 11) % vocab for i in range(n - len(ids))]  # a tokenizer that drops unknown text
     new = min(8, config.max_new_tokens)
     engine = Engine(folder, manifest, create_backend("onnxruntime", folder, manifest))  # the manifest is written last
     try:
@@ -127,6 +129,32 @@ def _skipped(reason: str, log: Callable[[str], None]) -> dict[str, Any]:
     return {"built": False, "skipped_reason": reason}
 
 
+def export_engine(
+    model, policy: KVPolicy, folder: Path, config: BuildConfig, tokenizer=None, model_name: str = "custom",
+    model_path: str = "", validate: bool = True, reuse_weights: Path | None = None,
+) -> tuple[ExportResult, dict[str, Any]]:
+    """Export ``model`` into ``folder`` and validate it; returns the export and the manifest content
+    (``write_manifest(folder, content)`` completes an engine directory)."""
+    from criticalkv.commands.generate import stop_token_ids
+
+    result = export_model(model, policy, folder, config, tokenizer, reuse_weights=reuse_weights)
+    validation = validate_export(result) if validate else None
+    content = {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": {"name": model_name, "path": model_path, "model_type": result.spec.model_type,
+                  "spec": result.spec.to_dict()},
+        "policy": policy.to_dict(),
+        "policy_schema_version": SCHEMA_VERSION,
+        "build": config.to_dict(),
+        "shapes": result.shapes(),
+        "onnx": {**onnx_info(), "validation": validation},
+        "generation": {"eos_token_ids": stop_token_ids(tokenizer, model) if tokenizer is not None else [],
+                       "chat_template": bool(getattr(tokenizer, "chat_template", None))},
+        "versions": package_versions(),
+    }
+    return result, content
+
+
 def build_engine(
     output: str | Path,
     policy: KVPolicy,
@@ -142,7 +170,6 @@ def build_engine(
     An existing directory built from the same request is left as it is (``force`` rebuilds); one built
     from a different request is an error unless ``force``.
     """
-    from criticalkv.commands.generate import stop_token_ids
     from criticalkv.hf import load_model, resolve_model
 
     config = config or BuildConfig()
@@ -167,25 +194,11 @@ def build_engine(
         log(f"loading {model_name} ...")
         hf_model, tokenizer = load_model(model)
         log(f"exporting {hf_model.config.model_type} ({hf_model.config.num_hidden_layers} layers) with policy "
-            f"{policy.name} (budget {policy.budget}) to ONNX ...")
-        result = export_model(hf_model, policy, tmp, config, tokenizer)
-        log(f"exported in {time.perf_counter() - start:.1f} s; validating the graphs (onnx.checker full check, strict shape inference, node attributes) ...")
-        validation = validate_export(result)
-        content = {
-            "request": request,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "model": {"name": model_name, "path": model_path, "model_type": result.spec.model_type,
-                      "spec": result.spec.to_dict()},
-            "policy": policy.to_dict(),
-            "policy_schema_version": SCHEMA_VERSION,
-            "build": config.to_dict(),
-            "shapes": result.shapes(),
-            "onnx": {**onnx_info(), "validation": validation},
-            "generation": {"eos_token_ids": stop_token_ids(tokenizer, hf_model),
-                           "chat_template": bool(getattr(tokenizer, "chat_template", None))},
-            "versions": package_versions(),
-        }
-        log(f"validated ({time.perf_counter() - start:.1f} s); smoke test on ONNX Runtime ...")
+            f"{policy.name} (budget {policy.budget}) to ONNX, then validating (onnx.checker full check, strict "
+            "shape inference, node attributes) ...")
+        result, content = export_engine(hf_model, policy, tmp, config, tokenizer, model_name, model_path)
+        content["request"] = request
+        log(f"exported and validated in {time.perf_counter() - start:.1f} s" + ("; smoke test on ONNX Runtime ..." if smoke else ""))
         content["smoke_test"] = smoke_test(tmp, content, hf_model, tokenizer, policy, config, log) if smoke else None
         content["tensorrt"] = tensorrt_step(tmp, result, log) if tensorrt else _skipped("--skip-tensorrt was given", log)
         content["build_seconds"] = round(time.perf_counter() - start, 1)

@@ -6,6 +6,8 @@ engine directory stores every weight once. Offsets are 4 KiB aligned (ONNX Runti
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -33,18 +35,33 @@ class WeightStore:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
-    def write(self, folder: Path) -> Path:
-        """Write every array to ``folder/weights.bin``; returns the path."""
-        path = Path(folder) / WEIGHTS_FILE
+    def layout(self) -> int:
+        """Assign every array its aligned offset; returns the file size."""
         offset = 0
+        for name, array in self.arrays.items():
+            offset += -offset % ALIGNMENT
+            self.offsets[name] = offset
+            offset += array.nbytes
+        return offset
+
+    def write(self, folder: Path, reuse: Path | None = None) -> Path:
+        """Write every array to ``folder/weights.bin``; returns the path.
+
+        ``reuse``: an existing weights.bin of the same model (same layout) to hard-link (or copy) instead
+        of writing the arrays again, e.g. when exporting one model with several policies.
+        """
+        path = Path(folder) / WEIGHTS_FILE
+        size = self.layout()
+        if reuse is not None and Path(reuse).is_file() and Path(reuse).stat().st_size == size:
+            try:
+                os.link(reuse, path)
+            except OSError:
+                shutil.copyfile(reuse, path)
+            return path
         with open(path, "wb") as f:
             for name, array in self.arrays.items():
-                pad = -offset % ALIGNMENT
-                f.write(b"\0" * pad)
-                offset += pad
-                self.offsets[name] = offset
+                f.write(b"\0" * (self.offsets[name] - f.tell()))
                 f.write(array.tobytes())
-                offset += array.nbytes
         return path
 
     def initializer(self, name: str) -> onnx.TensorProto:
