@@ -131,13 +131,13 @@ def _skipped(reason: str, log: Callable[[str], None]) -> dict[str, Any]:
 
 def export_engine(
     model, policy: KVPolicy, folder: Path, config: BuildConfig, tokenizer=None, model_name: str = "custom",
-    model_path: str = "", validate: bool = True, reuse_weights: Path | None = None,
+    model_path: str = "", validate: bool = True,
 ) -> tuple[ExportResult, dict[str, Any]]:
     """Export ``model`` into ``folder`` and validate it; returns the export and the manifest content
     (``write_manifest(folder, content)`` completes an engine directory)."""
     from criticalkv.commands.generate import stop_token_ids
 
-    result = export_model(model, policy, folder, config, tokenizer, reuse_weights=reuse_weights)
+    result = export_model(model, policy, folder, config, tokenizer)
     validation = validate_export(result) if validate else None
     content = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

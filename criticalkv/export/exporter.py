@@ -89,16 +89,12 @@ def check_model_limits(model, spec: ModelSpec, config: BuildConfig) -> None:
         )
 
 
-def export_model(
-    model, policy: KVPolicy, folder: str | Path, config: BuildConfig | None = None, tokenizer=None,
-    reuse_weights: str | Path | None = None,
-) -> ExportResult:
+def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfig | None = None, tokenizer=None) -> ExportResult:
     """Write ``weights.bin``, ``prefill.onnx`` (selection node + function body), ``prefill_tensorrt.onnx``
     (node without body, for the TensorRT plugin), ``decode.onnx`` and the tokenizer into ``folder``.
 
     ``model``: a transformers Llama / Mistral / Qwen2 causal LM (fp32 weights are exported).
     The folder should be a fresh temporary directory (``build_engine`` renames it into place).
-    ``reuse_weights``: the weights.bin of an earlier export of the same model, hard-linked instead of rewritten.
     """
     config = config or BuildConfig()
     folder = Path(folder)
@@ -106,7 +102,7 @@ def export_model(
     check_model_limits(model, spec, config)
     folder.mkdir(parents=True, exist_ok=True)
     store = collect_weights(model, spec)
-    store.write(folder, reuse=reuse_weights)
+    store.write(folder)
     capacities = layer_capacities(policy, spec, config.max_input_len)
     decode_capacities = [c + config.max_new_tokens for c in capacities]
     for flavour, name in (("onnxruntime", PREFILL_FILE), ("tensorrt", PREFILL_TENSORRT_FILE)):

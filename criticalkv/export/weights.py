@@ -6,8 +6,6 @@ engine directory stores every weight once. Offsets are 4 KiB aligned (ONNX Runti
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -44,20 +42,10 @@ class WeightStore:
             offset += array.nbytes
         return offset
 
-    def write(self, folder: Path, reuse: Path | None = None) -> Path:
-        """Write every array to ``folder/weights.bin``; returns the path.
-
-        ``reuse``: an existing weights.bin of the same model (same layout) to hard-link (or copy) instead
-        of writing the arrays again, e.g. when exporting one model with several policies.
-        """
+    def write(self, folder: Path) -> Path:
+        """Write every array to ``folder/weights.bin``; returns the path."""
         path = Path(folder) / WEIGHTS_FILE
-        size = self.layout()
-        if reuse is not None and Path(reuse).is_file() and Path(reuse).stat().st_size == size:
-            try:
-                os.link(reuse, path)
-            except OSError:
-                shutil.copyfile(reuse, path)
-            return path
+        self.layout()
         with open(path, "wb") as f:
             for name, array in self.arrays.items():
                 f.write(b"\0" * (self.offsets[name] - f.tell()))
