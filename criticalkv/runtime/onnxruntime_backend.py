@@ -71,6 +71,7 @@ class OnnxRuntimeBackend:
         files = manifest["onnx"]["files"]
         if threads is None:
             threads = int(os.environ.get(THREADS_ENV, "0"))
+        self.threads = threads
         self.providers = providers or ["CPUExecutionProvider"]
         if weights not in ("shared", "session"):
             raise ValueError(f"weights: {weights!r} is not 'shared' or 'session'")
@@ -81,13 +82,14 @@ class OnnxRuntimeBackend:
             arrays.update(_external_weights(self.folder / files["prefill"]))
             self._weight_values = {name: ort.OrtValue.ortvalue_from_numpy(np.asarray(a)) for name, a in arrays.items()}
         self.profile = profile
-        self.prefill_session = self._session(self.folder / files["prefill"], threads, profile)
-        self.decode_session = self._session(self.folder / files["decode"], threads, False)
+        self.prefill_session = self.session(self.folder / files["prefill"], threads, profile)
+        self.decode_session = self.session(self.folder / files["decode"], threads, False)
         self._allocate()
         self._binding = None
         self._batch = 0
 
-    def _session(self, path: Path, threads: int, profile: bool):
+    def session(self, path: Path, threads: int, profile: bool = False):
+        """An InferenceSession of one graph of the engine (shared weights bound, profiling if asked)."""
         ort = self.ort
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

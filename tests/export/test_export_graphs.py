@@ -194,3 +194,29 @@ def test_unsupported_models_are_refused(tmp_path):
         export_model(model, KVPolicy("snapkv", budget=40, window=8), tmp_path / "e",
                      BuildConfig(max_input_len=100, max_new_tokens=8))
     assert not (tmp_path / "e").exists()
+
+
+def test_tensorrt_flavour_computes_the_same_with_the_body_put_back(tmp_path):
+    # the TensorRT flavour differs by its loop-invariant attention blocks and the missing body; with the
+    # body added back ONNX Runtime runs it to the same outputs as the ONNX Runtime flavour
+    from criticalkv.export.select_function import selection_function
+
+    model = tiny_model("llama", seed=6)
+    policy = KVPolicy("ada-criticalkv", budget=40, window=8)
+    export_model(model, policy, tmp_path, BuildConfig(max_input_len=200, attention_chunk=32))
+    trt = onnx.load(str(tmp_path / "prefill_tensorrt.onnx"), load_external_data=False)
+    trt.functions.append(selection_function(policy, 3, 6, 2, 16))
+    onnx.save(trt, str(tmp_path / "trt_with_body.onnx"))
+    n = 150
+    feeds = {"input_ids": prompt(n, seed=9).numpy(), "attention_mask": np.ones((1, n), np.int64),
+             "position_ids": np.arange(n)[None]}
+    feeds["attention_mask"][0, :20] = 0
+    feeds["position_ids"] = np.clip(np.cumsum(feeds["attention_mask"], 1) - 1, 0, None)
+    a = ort.InferenceSession(str(tmp_path / "prefill.onnx")).run(None, feeds)
+    b = ort.InferenceSession(str(tmp_path / "trt_with_body.onnx")).run(None, feeds)
+    np.testing.assert_allclose(a[0], b[0], atol=1e-5)
+    for x, y in zip(a[1:], b[1:]):
+        if x.dtype == np.int32:
+            assert np.array_equal(x, y)
+        else:
+            np.testing.assert_allclose(x, y, atol=1e-5)
