@@ -151,7 +151,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="ONNX Runtime intra-op threads (0: its default)")
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_smollm2")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--replot", action="store_true", help="only redraw OUTPUT.png from OUTPUT.json")
     args = p.parse_args(argv)
+    if args.replot:
+        results = json.loads(args.output.with_suffix(".json").read_text())
+        plot(results, argparse.Namespace(**{**results["settings"], "output": args.output}), args.output.with_suffix(".png"))
+        return 0
 
     from criticalkv.hf import load_model
 
@@ -277,8 +282,9 @@ def plot(results: dict, args, path: Path) -> None:
     total = [median(results[f"criticalkv_{n}"]["prefill_profiled_s"]) for n in names]
     axes[0].bar(names, [t - s for t, s in zip(total, sel)], label="rest of prefill")
     axes[0].bar(names, sel, bottom=[t - s for t, s in zip(total, sel)], label="selection nodes")
-    for i, (s, t) in enumerate(zip(sel, total)):
-        axes[0].text(i, t, f"{100 * s / t:.1f} %", ha="center", va="bottom")
+    for i, name in enumerate(names):  # the table's number: the median over runs of selection / prefill
+        fraction = median(results[f"criticalkv_{name}"]["selection_fraction"])
+        axes[0].text(i, total[i], f"{100 * fraction:.1f} %", ha="center", va="bottom")
     axes[0].set_title(f"prefill {args.prompt_len} tokens, budget {args.budget}")
     axes[0].set_xlabel("value_norm")
     axes[0].set_ylabel("seconds (median)")
