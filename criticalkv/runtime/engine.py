@@ -21,8 +21,9 @@ class GenerationResult:
     """tokens: generated ids per sequence (the stop token included when hit); timings in seconds.
 
     kept_lengths[l] [B, H_kv] and kept_indices[l] [B, H_kv, cap_l] (-1 padded, positions into the
-    left-padded prompt) are what layer l's selection kept. ``selection_s`` is None unless the engine
-    was loaded with ``profile=True`` (ONNX Runtime profiling of the prefill session).
+    left-padded prompt) are what layer l's selection kept. ``selection_s`` (the selection nodes' time)
+    is measured only by the first generation of an engine loaded with ``profile=True`` (ONNX Runtime
+    profiles that prefill run and the profiler is then stopped); otherwise it is None.
     """
 
     tokens: list[list[int]]
