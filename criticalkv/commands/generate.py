@@ -128,14 +128,18 @@ def run_engine(args) -> int:
     text = read_prompt(args)
     # profile=True: ONNX Runtime profiles the prefill run, which gives the selection nodes' time
     engine = Engine.load(args.engine_dir, profile=True)
-    policy = engine_policy(args, engine.policy)
-    tokenizer = engine.tokenizer
-    ids = encode_prompt(tokenizer, text, args.chat)
-    check_prompt_fits(policy, len(ids))
-    args.stop_ids = engine.eos_token_ids
-    args.model = engine.manifest["model"]["name"]
-    stream = None if args.json else _streamer(tokenizer, args.stop_ids)
-    out = engine.generate([ids], args.max_new_tokens, sampling=sampling, stop_token_ids=args.stop_ids, on_tokens=stream)
+    try:
+        policy = engine_policy(args, engine.policy)
+        tokenizer = engine.tokenizer
+        ids = encode_prompt(tokenizer, text, args.chat)
+        check_prompt_fits(policy, len(ids))
+        args.stop_ids = engine.eos_token_ids
+        args.model = engine.manifest["model"]["name"]
+        stream = None if args.json else _streamer(tokenizer, args.stop_ids)
+        out = engine.generate([ids], args.max_new_tokens, sampling=sampling, stop_token_ids=args.stop_ids,
+                              on_tokens=stream)
+    finally:
+        engine.close()
     report(args, policy, tokenizer, len(ids), out.tokens[0], out.timings(), out.kv_bytes_full, out.kv_bytes_kept,
            engine.backend.name)
     if not args.json:

@@ -197,5 +197,9 @@ class OnnxRuntimeBackend:
         return self.prefill_session.end_profiling()
 
     def close(self) -> None:
+        if self.profile and self.prefill_session is not None:  # stop the profiler, drop its trace file
+            trace = self.end_profiling()
+            if trace and os.path.exists(trace):
+                os.remove(trace)
         self._binding = None
         self.prefill_session = self.decode_session = None

@@ -189,3 +189,13 @@ def test_build_engine_script_exits_0_and_says_what_it_skipped(checkpoint, tmp_pa
     )
     assert bad.returncode == 2 and "no such model folder" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "other").exists()
+
+
+def test_profiling_leaves_no_trace_files(built, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert main(["generate", "--engine-dir", str(built[0]), "--prompt", words(range(2, 100)), "--budget", "64"]) == 2
+    engine = Engine.load(built[0], profile=True)
+    engine.generate([list(range(2, 60))], max_new_tokens=2)
+    engine.close()
+    Engine.load(built[0], profile=True).close()
+    assert list(tmp_path.iterdir()) == []
