@@ -26,7 +26,9 @@ def register(subparsers) -> None:
     src.add_argument("--prompt", help="the prompt itself")
     p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--engine-dir", type=Path,
-                   help="run an engine built by scripts/build_engine.py on ONNX Runtime instead of PyTorch")
+                   help="run an engine built by scripts/build_engine.py (ONNX Runtime or TensorRT) instead of PyTorch")
+    p.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
+                   help="with --engine-dir: ONNX Runtime (CPU, default) or the TensorRT engines (GPU, CUDA graphs)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as the user turn of the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -117,7 +119,7 @@ def engine_policy(args, built: KVPolicy) -> KVPolicy:
 
 
 def run_engine(args) -> int:
-    """``--engine-dir``: the ONNX Runtime runtime (criticalkv.runtime)."""
+    """``--engine-dir``: the engine runtime (criticalkv.runtime) on ONNX Runtime or TensorRT."""
     from criticalkv.runtime import Engine
 
     if args.model is not None:
@@ -127,7 +129,9 @@ def run_engine(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     text = read_prompt(args)
     # profile=True: ONNX Runtime profiles the prefill run, which gives the selection nodes' time
-    engine = Engine.load(args.engine_dir, profile=True)
+    # (TensorRT reports selection_s as null: the plugin runs inside the engine, timed as part of prefill)
+    options = {"profile": True} if args.backend == "onnxruntime" else {}
+    engine = Engine.load(args.engine_dir, backend=args.backend, **options)
     try:
         policy = engine_policy(args, engine.policy)
         tokenizer = engine.tokenizer

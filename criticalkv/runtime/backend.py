@@ -55,6 +55,7 @@ class Backend(Protocol):
 #: Backend name -> "module:class", imported only when asked for (a TensorRT backend registers here).
 BACKENDS: dict[str, str] = {
     "onnxruntime": "criticalkv.runtime.onnxruntime_backend:OnnxRuntimeBackend",
+    "tensorrt": "criticalkv.runtime.tensorrt_backend:TensorRTBackend",
 }
 
 
