@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from criticalkv.policy import KVPolicy
 from criticalkv.selection.budget import max_kept_per_head
 
@@ -51,9 +53,25 @@ def node_attributes(policy: KVPolicy, layer_idx: int, num_layers: int, capacity:
     return {**policy.to_dict(), "layer_idx": layer_idx, "num_layers": num_layers, "capacity": capacity}
 
 
+def float32_to_decimal(value: float) -> float:
+    """Undo ONNX's float32 storage of float attributes: 0.30000001192092896 -> 0.3.
+
+    The shortest decimal that round-trips through float32 is what the user wrote (for any value that
+    has at most ~7 significant digits), so budget arithmetic such as ceil(alpha * r) matches Python's.
+    """
+    return float(str(np.float32(value)))
+
+
 def policy_from_attributes(attributes: dict[str, Any]) -> tuple[KVPolicy, int, int, int]:
-    """Inverse of ``node_attributes``: (policy, layer_idx, num_layers, capacity)."""
-    knobs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attributes.items() if k not in LAYER_ATTRIBUTES}
+    """Inverse of ``node_attributes``: (policy, layer_idx, num_layers, capacity).
+
+    Accepts attribute values as read back from an ONNX node (bytes strings, float32-rounded floats).
+    """
+    knobs = {}
+    for k, v in attributes.items():
+        if k in LAYER_ATTRIBUTES:
+            continue
+        knobs[k] = v.decode() if isinstance(v, bytes) else float32_to_decimal(v) if isinstance(v, float) else v
     return (
         KVPolicy.from_dict(knobs),
         int(attributes["layer_idx"]),

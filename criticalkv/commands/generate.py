@@ -18,12 +18,17 @@ def register(subparsers) -> None:
         "generate",
         help="generate text after compressing the prompt's KV cache",
         description="Prefill the prompt, keep only the KV entries the policy selects, then decode. "
-        "Runs the transformers model (PyTorch) by default.",
+        "Runs the transformers model (PyTorch) by default, or a built engine directory on ONNX Runtime "
+        "with --engine-dir (its policy and limits come from the engine's manifest).",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", type=Path, help="text file with the prompt")
     src.add_argument("--prompt", help="the prompt itself")
     p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--engine-dir", type=Path,
+                   help="run an engine built by scripts/build_engine.py (ONNX Runtime or TensorRT) instead of PyTorch")
+    p.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
+                   help="with --engine-dir: ONNX Runtime (CPU, default) or the TensorRT engines (GPU, CUDA graphs)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as the user turn of the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -100,7 +105,71 @@ def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int]
               f" | decode {1000 * timings['decode_s_per_token']:.1f} ms/token", file=sys.stderr)
 
 
+def engine_policy(args, built: KVPolicy) -> KVPolicy:
+    """The engine's policy; a policy flag given on the command line must agree with it."""
+    default = KVPolicy()
+    for name in KVPolicy.knob_names():
+        value = getattr(args, name)
+        if value != getattr(default, name) and value != getattr(built, name):
+            raise ValueError(
+                f"{KVPolicy.flag_of(name)} {value} differs from the engine's policy ({name} = {getattr(built, name)!r}); "
+                "the policy is built into the engine: rebuild it with scripts/build_engine.py to change it"
+            )
+    return built
+
+
+def run_engine(args) -> int:
+    """``--engine-dir``: the engine runtime (criticalkv.runtime) on ONNX Runtime or TensorRT."""
+    from criticalkv.runtime import Engine
+
+    if args.model is not None:
+        raise ValueError("--model and --engine-dir exclude each other: the engine directory holds its model")
+    sampling = SamplingConfig(args.temperature, args.top_p, args.seed)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    text = read_prompt(args)
+    # profile=True: ONNX Runtime profiles the prefill run, which gives the selection nodes' time
+    # (TensorRT reports selection_s as null: the plugin runs inside the engine, timed as part of prefill)
+    options = {"profile": True} if args.backend == "onnxruntime" else {}
+    engine = Engine.load(args.engine_dir, backend=args.backend, **options)
+    try:
+        policy = engine_policy(args, engine.policy)
+        tokenizer = engine.tokenizer
+        ids = encode_prompt(tokenizer, text, args.chat)
+        check_prompt_fits(policy, len(ids))
+        args.stop_ids = engine.eos_token_ids
+        args.model = engine.manifest["model"]["name"]
+        stream = None if args.json else _streamer(tokenizer, args.stop_ids)
+        out = engine.generate([ids], args.max_new_tokens, sampling=sampling, stop_token_ids=args.stop_ids,
+                              on_tokens=stream)
+    finally:
+        engine.close()
+    report(args, policy, tokenizer, len(ids), out.tokens[0], out.timings(), out.kv_bytes_full, out.kv_bytes_kept,
+           engine.backend.name)
+    if not args.json:
+        print()
+    return 0
+
+
+def _streamer(tokenizer, stop_ids):
+    """A streaming callback printing the first sequence's new text as tokens arrive."""
+    printed = ""
+    generated: list[int] = []
+
+    def stream(step_tokens):
+        nonlocal printed
+        generated.append(int(step_tokens[0]))
+        now = tokenizer.decode([t for t in generated if t not in stop_ids], skip_special_tokens=True)
+        sys.stdout.write(now[len(printed):])
+        sys.stdout.flush()
+        printed = now
+
+    return stream
+
+
 def run(args) -> int:
+    if args.engine_dir is not None:
+        return run_engine(args)
     import torch
 
     from criticalkv.hf import generate, load_model
@@ -115,20 +184,9 @@ def run(args) -> int:
     ids = encode_prompt(tokenizer, text, args.chat)
     check_prompt_fits(policy, len(ids))
     args.stop_ids = stop_token_ids(tokenizer, model)
-    printed = ""
-    generated: list[int] = []
-
-    def stream(step_tokens):
-        nonlocal printed
-        generated.append(int(step_tokens[0]))
-        now = tokenizer.decode([t for t in generated if t not in args.stop_ids], skip_special_tokens=True)
-        sys.stdout.write(now[len(printed):])
-        sys.stdout.flush()
-        printed = now
-
     out = generate(
         model, torch.tensor([ids], device=args.device), policy, args.max_new_tokens,
-        stop_token_ids=args.stop_ids, sampling=sampling, on_tokens=None if args.json else stream,
+        stop_token_ids=args.stop_ids, sampling=sampling, on_tokens=None if args.json else _streamer(tokenizer, args.stop_ids),
     )
     report(args, policy, tokenizer, len(ids), out.tokens[0], out.timings(), out.kv_bytes_full, out.kv_bytes_kept, "pytorch")
     if not args.json:

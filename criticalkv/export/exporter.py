@@ -1,0 +1,125 @@
+"""``export_model``: a transformers Llama-family model -> prefill / decode ONNX graphs + shared weights."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import onnx
+
+from criticalkv.export.graph import IR_VERSION, OPSET
+from criticalkv.export.llama import ModelSpec, build_decode, build_prefill, collect_weights, layer_capacities, model_spec
+from criticalkv.export.weights import WEIGHTS_FILE
+from criticalkv.node import DOMAIN, OPSET_VERSION
+from criticalkv.policy import KVPolicy
+
+PREFILL_FILE = "prefill.onnx"
+PREFILL_TENSORRT_FILE = "prefill_tensorrt.onnx"
+DECODE_FILE = "decode.onnx"
+TOKENIZER_DIR = "tokenizer"
+EXPORT_DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """The static limits an engine is built for.
+
+    max_input_len : longest (padded) prompt; sizes every selection node's capacity
+    max_new_tokens : tokens generated after the prompt at most; decode buffers hold capacity + this
+    max_batch_size : largest batch (the runtime allocates its KV buffers for it once)
+    dtype : float32 (ONNX graphs and ONNX Runtime); float16 asks the TensorRT build for fp16 precision
+        from the same fp32 graphs (the ONNX Runtime path always runs fp32)
+    attention_chunk : query block size of the prompt attention (scores held: H * chunk * n per layer)
+    """
+
+    max_input_len: int = 4096
+    max_new_tokens: int = 256
+    max_batch_size: int = 1
+    dtype: str = "float32"
+    attention_chunk: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_input_len", "max_new_tokens", "max_batch_size", "attention_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.dtype not in EXPORT_DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ExportResult:
+    """What ``export_model`` wrote into the folder, and the shapes the runtime needs."""
+
+    folder: Path
+    spec: ModelSpec
+    policy: KVPolicy
+    config: BuildConfig
+    prefill_capacities: list[int]
+    decode_capacities: list[int]
+    weights_bytes: int
+
+    def shapes(self) -> dict:
+        return {
+            "prefill_capacity": self.prefill_capacities,
+            "decode_capacity": self.decode_capacities,
+            "kv_buffer_bytes": kv_buffer_bytes(self.spec, self.decode_capacities, self.config.max_batch_size),
+        }
+
+
+def kv_buffer_bytes(spec: ModelSpec, decode_capacities: list[int], batch: int) -> int:
+    """Bytes of the runtime's fp32 K and V decode buffers for ``batch`` sequences."""
+    return 2 * batch * spec.num_kv_heads * spec.head_dim * 4 * sum(decode_capacities)
+
+
+def check_model_limits(model, spec: ModelSpec, config: BuildConfig) -> None:
+    total = config.max_input_len + config.max_new_tokens
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and total > limit:
+        raise ValueError(
+            f"max_input_len + max_new_tokens = {total} exceeds the model's max_position_embeddings ({limit})"
+        )
+    if spec.sliding_window is not None and total > spec.sliding_window:
+        raise ValueError(
+            f"max_input_len + max_new_tokens = {total} exceeds the model's sliding window ({spec.sliding_window}); "
+            "sliding-window attention is not exported"
+        )
+
+
+def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfig | None = None, tokenizer=None) -> ExportResult:
+    """Write ``weights.bin``, ``prefill.onnx`` (selection node + function body), ``prefill_tensorrt.onnx``
+    (node without body, for the TensorRT plugin), ``decode.onnx`` and the tokenizer into ``folder``.
+
+    ``model``: a transformers Llama / Mistral / Qwen2 causal LM (fp32 weights are exported).
+    The folder should be a fresh temporary directory (``build_engine`` renames it into place).
+    """
+    config = config or BuildConfig()
+    folder = Path(folder)
+    spec = model_spec(model)
+    check_model_limits(model, spec, config)
+    folder.mkdir(parents=True, exist_ok=True)
+    store = collect_weights(model, spec)
+    store.write(folder)
+    capacities = layer_capacities(policy, spec, config.max_input_len)
+    decode_capacities = [c + config.max_new_tokens for c in capacities]
+    for flavour, name in (("onnxruntime", PREFILL_FILE), ("tensorrt", PREFILL_TENSORRT_FILE)):
+        prefill = build_prefill(spec, store, policy, capacities, config.attention_chunk, flavour)
+        onnx.save(prefill, folder / name)
+    onnx.save(build_decode(spec, store, decode_capacities), folder / DECODE_FILE)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder / TOKENIZER_DIR)
+    return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes())
+
+
+def onnx_info() -> dict:
+    """Opsets and IR version the graphs are written with (for the manifest)."""
+    return {
+        "opset": OPSET,
+        "ir_version": IR_VERSION,
+        "custom_domain": {DOMAIN: OPSET_VERSION},
+        "files": {"prefill": PREFILL_FILE, "prefill_tensorrt": PREFILL_TENSORRT_FILE, "decode": DECODE_FILE,
+                  "weights": WEIGHTS_FILE},
+    }

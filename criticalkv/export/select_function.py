@@ -1,0 +1,312 @@
+"""The ``CriticalKVSelect`` node and its model-local ONNX function body (standard operators only).
+
+Stock ONNX Runtime runs the node by inlining the body; TensorRT maps the node to the plugin (the
+TensorRT flavour of the prefill graph carries the node without a body). The body computes exactly
+``criticalkv.selection.select_layer`` (see docs/operator.md):
+
+* window attention of the last w queries over all n keys (causal inside the window, left padding
+  masked with the float32 minimum, as the reference), mean over the window, max-pool over the
+  m = n - w older positions only (padded with -inf: a border position pools over the positions
+  that exist);
+* value norms with one ``MatMul`` per layer covering every KV group and all its query heads
+  (l1: ``V [B, H_kv, m, d_h] @ W [H_kv, d_h, G*d]`` then ``ReduceL1``; l2: the d_h x d_h Gram matrices);
+* top-k with the tie rule "equal scores go to the lower index" made exact without relying on
+  ``TopK``'s tie order: ``TopK`` only supplies the k-th largest *value* t (values are the same
+  whatever order a runtime breaks ties in); every score > t is kept, and of the scores == t the
+  first ``k - #(> t)`` by position (an exclusive ``CumSum`` over the equal ones);
+* kept positions ascending (``TopK`` smallest of ``where(keep, position, n)``: the keys are unique),
+  -1 padded, and the K/V rows gathered with ``GatherND(batch_dims=2)``, zero padded.
+
+Integer rules that depend only on the policy (pyramid per-layer r_l, ``ceil(alpha * r)``, the per-head
+floor) are tabulated at export from ``criticalkv.selection.budget`` over every count that can occur and
+looked up in the graph, so they are the reference's numbers exactly. The body is generated for the
+model's policy; the per-layer values ``layer_idx`` and ``capacity`` are read from the node's attributes
+(``ref_attr_name``). A prompt whose padded length n is at most the budget skips the scoring (an ``If``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from criticalkv.export.graph import BOOL, FLOAT, INT32, INT64, OPSET, GraphBuilder, value_info
+from criticalkv.node import DOMAIN, INPUTS, LAYER_ATTRIBUTES, OP_TYPE, OPSET_VERSION, OUTPUTS, node_attributes
+from criticalkv.policy import KVPolicy
+from criticalkv.selection.budget import head_floor, layer_selectable_budget, stage1_count
+
+FLOAT32_MIN = float(np.finfo(np.float32).min)
+
+
+def selection_tables(policy: KVPolicy, num_layers: int, num_kv_heads: int) -> dict[str, np.ndarray]:
+    """The integer lookup tables the body uses (int64).
+
+    ``r_layer[l]``: older tokens layer l may keep per head; ``stage1[r]`` = ceil(alpha * r) for every r a
+    head can be given (up to H_kv * max r_l under shared allocation); ``floor[r]``: the per-head floor.
+    """
+    r_layer = [max(layer_selectable_budget(policy, i, num_layers), 0) for i in range(num_layers)]
+    r_max = max(r_layer)
+    return {
+        "r_layer": np.array(r_layer, dtype=np.int64),
+        "stage1": np.array([stage1_count(policy.alpha, r) for r in range(num_kv_heads * r_max + 1)], dtype=np.int64),
+        "floor": np.array([head_floor(policy.ada_floor, r) for r in range(r_max + 1)], dtype=np.int64),
+    }
+
+
+class _Body:
+    """Writes the function body into a GraphBuilder (one method per step of docs/operator.md)."""
+
+    def __init__(self, g: GraphBuilder, policy: KVPolicy, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.g = g
+        self.policy = policy
+        self.num_layers = num_layers
+        self.heads = num_heads
+        self.kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.tables = selection_tables(policy, num_layers, num_kv_heads)
+
+    @staticmethod
+    def where_bool(g: GraphBuilder, cond: str, a: str, b: str) -> str:
+        """``Where`` for bool tensors (ONNX Runtime's CPU ``Where`` has no bool kernel)."""
+        return g.Or(g.And(cond, a), g.And(g.Not(cond), b))
+
+    # ------------------------------------------------------------------ top-k with the tie rule
+    def topk_mask(self, g: GraphBuilder, scores: str, k: str, eligible: str, rank: int = 3) -> str:
+        """[..., M] bool: the k (int64 [...]) highest eligible scores, equal scores to the lower index.
+
+        ``rank`` of ``scores``: axes are given as non-negative numbers (onnx.reference 1.23's
+        GatherElements mishandles axis -1)."""
+        last = rank - 1
+        s = g.Where(eligible, scores, g.const(-np.inf, np.float32))
+        kmax = g.Max(g.reshape(g.ReduceMax(k, keepdims=0), [1]), g.i64(1))
+        values = g.op("TopK", s, kmax, outputs=2, axis=last, largest=1, sorted=1)[0]
+        k1 = g.unsqueeze(k, -1)
+        kth = g.GatherElements(values, g.Max(g.Sub(k1, g.scalar(1)), g.scalar(0)), axis=last)
+        greater = g.Greater(s, kth)
+        equal = g.Equal(s, kth)
+        need = g.Sub(k1, g.ReduceSum(g.Cast(greater, to=INT64), g.i64(-1), keepdims=1))
+        tie_rank = g.CumSum(g.Cast(equal, to=INT64), g.scalar(last), exclusive=1)
+        take = g.Or(greater, g.And(equal, g.Less(tie_rank, need)))
+        return g.And(g.And(take, eligible), g.Greater(k1, g.scalar(0)))
+
+    def two_stage_mask(self, g: GraphBuilder, attention: str, critical: str, r: str, eligible: str) -> str:
+        """Stage 1: top ceil(alpha * r) by attention; stage 2: top r - that of the rest by critical."""
+        first = g.Gather(g.const(self.tables["stage1"], hint="stage1_table"), r)
+        stage1 = self.topk_mask(g, attention, first, eligible)
+        stage2 = self.topk_mask(g, critical, g.Sub(r, first), g.And(eligible, g.Not(stage1)))
+        return g.Or(stage1, stage2)
+
+    def shared_allocation_mask(self, g: GraphBuilder, scores: str, r: str, floor: str, eligible: str) -> str:
+        """AdaKV: each head its own top ``floor``, the other H_kv (r - floor) slots over the whole layer."""
+        safe = self.topk_mask(g, scores, g.Expand(g.unsqueeze(floor, 1), g.shape_of(scores, 0, 2)), eligible)
+        flat_scores = g.reshape(scores, [0, -1])
+        flat_eligible = g.reshape(g.And(eligible, g.Not(safe)), [0, -1])
+        rest = self.topk_mask(g, flat_scores, g.Mul(g.Sub(r, floor), g.scalar(self.kv_heads)), flat_eligible, rank=2)
+        return g.Or(safe, g.Reshape(rest, g.Shape(scores)))
+
+    # ------------------------------------------------------------------ scores
+    def value_norms(self, g: GraphBuilder, values_m: str, o_proj: str, kind: str) -> str:
+        """[B, H_kv, G, m] float: ||V_{g,i} W_O^h|| for every query head h = g * G + j."""
+        d = self.head_dim
+        if kind == "l1":
+            # W [D, H*d_h] -> [H_kv, d_h, G*D]: one MatMul per layer covers every group and its heads
+            w = g.Transpose(g.reshape(o_proj, [-1, self.kv_heads, self.group, d]), perm=[1, 3, 2, 0])
+            w = g.reshape(w, [self.kv_heads, d, -1])
+            projected = g.reshape(g.MatMul(values_m, w), [0, 0, 0, self.group, -1])  # [B, H_kv, m, G, D]
+            norms = g.ReduceL1(projected, g.i64(-1), keepdims=0)  # [B, H_kv, m, G]
+            return g.Transpose(norms, perm=[0, 1, 3, 2])
+        # l2 through the Gram matrices W_O^h W_O^h^T [d_h, d_h]
+        w = g.Transpose(g.reshape(o_proj, [-1, self.heads, d]), perm=[1, 2, 0])  # [H, d_h, D]
+        gram = g.reshape(g.MatMul(w, g.Transpose(w, perm=[0, 2, 1])), [self.kv_heads, self.group, d, d])
+        v = g.unsqueeze(values_m, 2)  # [B, H_kv, 1, m, d_h]
+        quad = g.ReduceSum(g.Mul(g.MatMul(v, gram), v), g.i64(-1), keepdims=0)
+        return g.Sqrt(g.Max(quad, g.const(0.0, np.float32)))
+
+    def compressed_keep(self, g: GraphBuilder, ctx: dict[str, str]) -> str:
+        """[B, H_kv, n] bool keep mask when n > budget (sequences of at most budget tokens kept whole)."""
+        p = self.policy
+        n, lens, pos, valid, valid_h, batch = (ctx[k] for k in ("n", "lens", "pos", "valid", "valid_h", "batch"))
+        compress = g.reshape(g.Greater(lens, g.scalar(p.budget)), [-1, 1, 1])
+        if p.base == "streamingllm":
+            valid_start = ctx["valid_start"]
+            sinks = g.Less(g.unsqueeze(pos, 0), g.unsqueeze(g.Add(valid_start, g.scalar(p.sink_tokens)), 1))
+            recent = g.GreaterOrEqual(pos, g.Sub(g.squeeze(n, 0), g.scalar(p.budget - p.sink_tokens)))
+            chosen = g.unsqueeze(g.And(valid, g.Or(sinks, recent)), 1)  # [B, 1, n]
+            return self.where_bool(g, compress, chosen, valid_h)
+        w = g.Min(g.i64(p.window), n)  # [1]
+        m = g.Sub(n, w)
+        n_s, w_s, m_s = (g.squeeze(x, 0) for x in (n, w, m))
+        # 1. window attention [B, H_kv, G, w, n]; query head h = g * G + j, rows (j, t)
+        q = g.Slice(ctx["queries"], g.Neg(w), g.i64(np.iinfo(np.int64).max), g.i64(2))
+        q = g.reshape(q, [0, self.kv_heads, -1, self.head_dim])
+        logits = g.Div(g.MatMul(q, g.Transpose(ctx["keys"], perm=[0, 1, 3, 2])), g.const(math.sqrt(self.head_dim), np.float32))
+        logits = g.Reshape(logits, g.concat(g.i64(0, self.kv_heads, self.group, -1), n))
+        query_pos = g.Add(g.Range(g.scalar(0), w_s, g.scalar(1)), m_s)
+        causal = g.Greater(g.unsqueeze(pos, 0), g.unsqueeze(query_pos, 1))  # [w, n]
+        padding = g.reshape(g.Not(valid), [0, 1, 1, 1, -1])  # [B, 1, 1, 1, n]
+        logits = g.Where(g.Or(causal, padding), g.const(FLOAT32_MIN, np.float32), logits)
+        probs = g.slice_axis(g.Softmax(logits, axis=-1), 0, m, axis=4)  # [B, H_kv, G, w, m]
+        raw = g.ReduceMean(probs, g.i64(3), keepdims=0)  # Ā [B, H_kv, G, m]
+        # 2. pool over the older positions only
+        pooled = raw
+        if p.pool_kernel > 1:
+            # explicit -inf padding rather than MaxPool's pads (onnx.reference 1.23 mis-sizes padded 1-D pools)
+            half = p.pool_kernel // 2
+            padded = g.Pad(g.Reshape(raw, g.concat(g.i64(-1, 1), m)), g.i64(0, 0, half, 0, 0, half),
+                           g.const(-np.inf, np.float32), mode="constant")
+            pooled = g.MaxPool(padded, kernel_shape=[p.pool_kernel], strides=[1])
+            pooled = g.Reshape(pooled, g.Shape(raw))
+        attention = g.ReduceMean(pooled, g.i64(2), keepdims=0)  # S [B, H_kv, m]
+        eligible = g.slice_axis(valid_h, 0, m, axis=2)
+        r_layer = g.Gather(g.const(self.tables["r_layer"], hint="r_layer_table"), ctx["layer_idx"])
+        r = g.Min(g.Max(g.Sub(lens, w), g.scalar(0)), r_layer)  # [B]: never more than the valid older tokens
+        values_m = g.slice_axis(ctx["values"], 0, m, axis=2)
+        critical = None
+        if p.two_stage:
+            norms = self.value_norms(g, values_m, ctx["o_proj_weight"], p.value_norm)
+            attn = pooled if p.stage2_scores == "pooled" else raw
+            eps = g.const(p.epsilon, np.float32)
+            if p.gqa_reduce == "mean":
+                critical = g.ReduceMean(g.Mul(g.Add(attn, eps), norms), g.i64(2), keepdims=0)
+            else:  # kvpress: mean over the group of each factor, then the product
+                critical = g.Mul(g.Add(g.ReduceMean(attn, g.i64(2), keepdims=0), eps), g.ReduceMean(norms, g.i64(2), keepdims=0))
+        # 5-6. budgets and the two-stage selection
+        if p.base in ("snapkv", "pyramidkv"):
+            r_head = g.Expand(g.unsqueeze(r, 1), g.concat(batch, g.i64(self.kv_heads)))
+            if p.two_stage:
+                older = self.two_stage_mask(g, attention, critical, r_head, eligible)
+            else:
+                older = self.topk_mask(g, attention, r_head, eligible)
+        else:
+            floor = g.Gather(g.const(self.tables["floor"], hint="floor_table"), r)
+            if p.base == "laprox":
+                norms = self.value_norms(g, values_m, ctx["o_proj_weight"], "l2")
+                importance = g.ReduceSum(g.Mul(g.ReduceL2(probs, g.i64(3), keepdims=0), norms), g.i64(2), keepdims=0)
+                older = self.shared_allocation_mask(g, importance, r, floor, eligible)
+            else:
+                older = self.shared_allocation_mask(g, attention, r, floor, eligible)
+                if p.two_stage:
+                    r_head = g.ReduceSum(g.Cast(older, to=INT64), g.i64(-1), keepdims=0)
+                    older = self.two_stage_mask(g, attention, critical, r_head, eligible)
+        window = g.Expand(g.const(True, np.bool_), g.concat(batch, g.i64(self.kv_heads), w))
+        chosen = g.concat(older, window, axis=-1)
+        return self.where_bool(g, compress, chosen, valid_h)
+
+    # ------------------------------------------------------------------ whole body
+    def build(self) -> None:
+        g = self.g
+        p = self.policy
+        queries, keys, values, o_proj, prompt_lengths = INPUTS
+        batch = g.shape_of(keys, 0, 1)
+        n = g.shape_of(keys, 2, 3)
+        n_s = g.squeeze(n, 0)
+        lens = g.Cast(prompt_lengths, to=INT64)
+        valid_start = g.Sub(n, lens)  # [B]
+        pos = g.Range(g.scalar(0), n_s, g.scalar(1))  # [n]
+        valid = g.GreaterOrEqual(g.unsqueeze(pos, 0), g.unsqueeze(valid_start, 1))  # [B, n]
+        valid_h = g.Expand(g.unsqueeze(valid, 1), g.concat(batch, g.i64(self.kv_heads), n))  # [B, H_kv, n]
+        ctx = dict(n=n, lens=lens, pos=pos, valid=valid, valid_h=valid_h, batch=batch, valid_start=valid_start,
+                   queries=queries, keys=keys, values=values, o_proj_weight=o_proj,
+                   layer_idx=g.attribute_const("layer_idx", "int"))
+        if p.name == "full":
+            keep = valid_h
+        else:
+            then = g.child()
+            then_keep = self.compressed_keep(then, ctx)
+            otherwise = g.child()
+            else_keep = otherwise.Identity(valid_h)
+            keep = g.op(
+                "If", g.Greater(n_s, g.scalar(p.budget)),
+                then_branch=then.graph("compress", [], [value_info(then_keep, BOOL, None)]),
+                else_branch=otherwise.graph("keep_all", [], [value_info(else_keep, BOOL, None)]),
+                hint="keep",
+            )
+        # 7. ascending kept positions, lengths, gathered K/V
+        capacity = g.Min(n, g.unsqueeze(g.attribute_const("capacity", "int"), 0))
+        keyed = g.Where(keep, pos, n_s)  # unique keys: the positions, n for dropped entries
+        ordered = g.op("TopK", keyed, capacity, outputs=2, axis=2, largest=0, sorted=1)[0]  # [B, H_kv, cap]
+        padded = g.Equal(ordered, n_s)
+        g.Cast(g.ReduceSum(g.Cast(keep, to=INT64), g.i64(-1), keepdims=0), to=INT32, outputs=[OUTPUTS[2]])
+        g.Cast(g.Where(padded, g.scalar(-1), ordered), to=INT32, outputs=[OUTPUTS[3]])
+        rows = g.unsqueeze(g.Where(padded, g.scalar(0), ordered), -1)
+        zero_rows = g.unsqueeze(padded, -1)
+        for src, dst in ((keys, OUTPUTS[0]), (values, OUTPUTS[1])):
+            g.Where(zero_rows, g.const(0.0, np.float32), g.GatherND(src, rows, batch_dims=2), outputs=[dst])
+
+
+def selection_function(policy: KVPolicy, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> onnx.FunctionProto:
+    """The model-local function ``ai.criticalkv::CriticalKVSelect`` for ``policy`` and this attention shape."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    g = GraphBuilder("ckv/")
+    _Body(g, policy, num_layers, num_heads, num_kv_heads, head_dim).build()
+    return helper.make_function(
+        DOMAIN, OP_TYPE, list(INPUTS), list(OUTPUTS), g.nodes,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        attributes=list(KVPolicy.knob_names()) + list(LAYER_ATTRIBUTES),
+        doc_string=f"CriticalKVSelect body generated for policy {policy.to_json()} (H={num_heads}, "
+        f"H_kv={num_kv_heads}, d_h={head_dim}, layers={num_layers}); layer_idx and capacity come from the node.",
+    )
+
+
+def selection_node(
+    policy: KVPolicy, layer_idx: int, num_layers: int, capacity: int, inputs: list[str], outputs: list[str], name: str
+) -> onnx.NodeProto:
+    """One layer's ``CriticalKVSelect`` node with every KVPolicy knob + layer_idx, num_layers, capacity."""
+    node = helper.make_node(OP_TYPE, inputs, outputs, name=name, domain=DOMAIN)
+    attributes = node_attributes(policy, layer_idx, num_layers, capacity)
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in attributes.items())
+    return node
+
+
+def selection_opset() -> onnx.OperatorSetIdProto:
+    return helper.make_opsetid(DOMAIN, OPSET_VERSION)
+
+
+def selection_model(
+    policy: KVPolicy,
+    o_proj_weight: np.ndarray,
+    num_heads: int,
+    num_kv_heads: int,
+    layer_idx: int = 0,
+    num_layers: int = 1,
+    capacity: int | None = None,
+    max_prompt_len: int = 4096,
+    with_body: bool = True,
+) -> onnx.ModelProto:
+    """A model holding one ``CriticalKVSelect`` node (tests, polygraphy comparisons, plugin checks).
+
+    Inputs ``queries`` [batch, H, window, d_h], ``keys``/``values`` [batch, H_kv, n, d_h], ``prompt_lengths``
+    [batch] int32; ``o_proj_weight`` [d, H*d_h] is an initializer. ``capacity`` defaults to
+    ``node_capacity(policy, max_prompt_len, ...)``. ``with_body=False`` leaves the function out (TensorRT flavour).
+    """
+    from onnx import numpy_helper
+
+    from criticalkv.export.graph import IR_VERSION
+    from criticalkv.node import node_capacity
+
+    o_proj_weight = np.asarray(o_proj_weight, dtype=np.float32)
+    head_dim = o_proj_weight.shape[1] // num_heads
+    if capacity is None:
+        capacity = node_capacity(policy, max_prompt_len, num_kv_heads, layer_idx, num_layers)
+    node = selection_node(policy, layer_idx, num_layers, capacity, list(INPUTS), list(OUTPUTS), "criticalkv_select")
+    inputs = [
+        value_info(INPUTS[0], FLOAT, ["batch", num_heads, "window", head_dim]),
+        value_info(INPUTS[1], FLOAT, ["batch", num_kv_heads, "sequence", head_dim]),
+        value_info(INPUTS[2], FLOAT, ["batch", num_kv_heads, "sequence", head_dim]),
+        value_info(INPUTS[4], INT32, ["batch"]),
+    ]
+    outputs = [
+        value_info(OUTPUTS[0], FLOAT, ["batch", num_kv_heads, "kept", head_dim]),
+        value_info(OUTPUTS[1], FLOAT, ["batch", num_kv_heads, "kept", head_dim]),
+        value_info(OUTPUTS[2], INT32, ["batch", num_kv_heads]),
+        value_info(OUTPUTS[3], INT32, ["batch", num_kv_heads, "kept"]),
+    ]
+    graph = helper.make_graph([node], "criticalkv_select", inputs, outputs,
+                              initializer=[numpy_helper.from_array(o_proj_weight, INPUTS[3])])
+    functions = [selection_function(policy, num_layers, num_heads, num_kv_heads, head_dim)] if with_body else []
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), selection_opset()],
+                             functions=functions, ir_version=IR_VERSION, producer_name="criticalkv")

@@ -1,0 +1,65 @@
+"""Checks of the exported graphs: ``onnx.checker`` (full check, with strict shape inference) and the
+selection nodes' attributes against the policy and the per-layer capacities."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from criticalkv.export.exporter import DECODE_FILE, PREFILL_FILE, PREFILL_TENSORRT_FILE, ExportResult
+from criticalkv.node import DOMAIN, OP_TYPE, policy_from_attributes
+from criticalkv.policy import KVPolicy
+
+
+def _attributes(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def same_policy(a: KVPolicy, b: KVPolicy) -> bool:
+    """Equal up to float32 rounding of the float knobs (ONNX FLOAT attributes are float32)."""
+    da, db = a.to_dict(), b.to_dict()
+    return all(
+        np.float32(da[k]) == np.float32(db[k]) if isinstance(da[k], float) else da[k] == db[k] for k in da
+    )
+
+
+def validate_export(result: ExportResult) -> dict:
+    """Validate the three graphs of an export; returns a report for the manifest. Raises ValueError."""
+    report = {}
+    for key, name in (("prefill", PREFILL_FILE), ("prefill_tensorrt", PREFILL_TENSORRT_FILE), ("decode", DECODE_FILE)):
+        path = Path(result.folder) / name
+        try:
+            onnx.checker.check_model(str(path), full_check=True)
+            model = onnx.load(str(path), load_external_data=False)
+            inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
+            raise ValueError(f"{name}: the exported graph does not validate: {err}") from None
+        selection = [n for n in model.graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
+        expected = result.spec.num_layers if key != "decode" else 0
+        if len(selection) != expected:
+            raise ValueError(f"{name}: {len(selection)} {OP_TYPE} nodes, expected {expected}")
+        for i, node in enumerate(selection):
+            policy, layer_idx, num_layers, capacity = policy_from_attributes(_attributes(node))
+            if not same_policy(policy, result.policy) or (layer_idx, num_layers, capacity) != (
+                i, result.spec.num_layers, result.prefill_capacities[i]
+            ):
+                raise ValueError(f"{name}: node {node.name} attributes do not match the export's policy / layer / capacity")
+        functions = [f"{f.domain}::{f.name}" for f in model.functions]
+        if key == "prefill" and functions != [f"{DOMAIN}::{OP_TYPE}"]:
+            raise ValueError(f"{name}: expected the {OP_TYPE} function body, found {functions}")
+        if key == "prefill_tensorrt" and functions:
+            raise ValueError(f"{name}: the TensorRT flavour must not carry function bodies, found {functions}")
+        domains = {n.domain for n in model.graph.node} - {"", DOMAIN}
+        if domains:
+            raise ValueError(f"{name}: unexpected operator domains {sorted(domains)}")
+        report[key] = {
+            "file": name,
+            "checker": "onnx.checker full_check passed",
+            "shape_inference": f"strict, {len(inferred.graph.value_info)} inferred value infos",
+            "nodes": len(model.graph.node),
+            "selection_nodes": len(selection),
+            "functions": functions,
+        }
+    return report

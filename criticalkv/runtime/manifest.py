@@ -1,0 +1,96 @@
+"""``manifest.json`` of an engine directory: what was built, for which limits, and a checksum of every file.
+
+Written last by ``scripts/build_engine.py`` (the directory is renamed into place only once it is
+complete); read and checked by ``criticalkv.runtime.Engine.load``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from criticalkv.policy import SCHEMA_VERSION, KVPolicy
+
+MANIFEST_FILE = "manifest.json"
+FORMAT = "criticalkv-engine"
+#: Bumped whenever graph I/O, file layout or manifest fields change incompatibly.
+FORMAT_VERSION = 1
+
+
+class EngineError(ValueError):
+    """An engine directory, or a request to it, that cannot be served (the message says why)."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_table(folder: Path) -> dict[str, dict[str, Any]]:
+    """{relative path: {"bytes", "sha256"}} of every file under ``folder`` except the manifest."""
+    table = {}
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel == MANIFEST_FILE:
+            continue
+        table[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return table
+
+
+def write_manifest(folder: Path, content: dict[str, Any]) -> Path:
+    """Write ``manifest.json`` (format, version and the file table are added here)."""
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **content, "files": file_table(folder)}
+    path = Path(folder) / MANIFEST_FILE
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def read_manifest(folder: str | Path, verify: bool = True) -> dict[str, Any]:
+    """Load and check an engine directory's manifest.
+
+    Checks the format and its version, the policy, and that every listed file exists with its size
+    (and, when ``verify``, its sha256). Raises ``FileNotFoundError`` or ``EngineError`` naming the problem.
+    """
+    folder = Path(folder)
+    hint = "build it with: python scripts/build_engine.py --output " + str(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such engine directory; {hint}")
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        raise EngineError(f"{folder} is not an engine directory (no {MANIFEST_FILE}; an interrupted build?); {hint}")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise EngineError(f"{path}: corrupt manifest ({err}); rebuild the engine") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise EngineError(f"{path}: not a criticalkv engine manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        built_by = manifest.get("versions", {}).get("criticalkv", "an unknown version")
+        raise EngineError(
+            f"{path}: engine format_version {version!r} (built by criticalkv {built_by}) is not supported; this "
+            f"criticalkv reads format_version {FORMAT_VERSION}. Rebuild the engine with scripts/build_engine.py"
+        )
+    for key in ("policy", "model", "build", "shapes", "onnx", "files"):
+        if key not in manifest:
+            raise EngineError(f"{path}: corrupt manifest, missing {key!r}; rebuild the engine")
+    if manifest.get("policy_schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise EngineError(f"{path}: KVPolicy schema_version {manifest['policy_schema_version']} is not supported")
+    try:
+        KVPolicy.from_dict(manifest["policy"])
+    except (TypeError, ValueError) as err:
+        raise EngineError(f"{path}: invalid policy: {err}") from None
+    for rel, info in manifest["files"].items():
+        file = folder / rel
+        if not file.is_file():
+            raise EngineError(f"{folder}: missing file {rel}; the engine directory is incomplete, rebuild it")
+        if file.stat().st_size != info["bytes"]:
+            raise EngineError(f"{folder}: {rel} has {file.stat().st_size} bytes, the manifest says {info['bytes']}: corrupt")
+        if verify and sha256_file(file) != info["sha256"]:
+            raise EngineError(f"{folder}: {rel} does not match its sha256 in the manifest: corrupt, rebuild the engine")
+    return manifest

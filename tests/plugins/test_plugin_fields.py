@@ -1,0 +1,43 @@
+"""The plugin creator's fields are generated from KVPolicy and cannot drift from it."""
+
+import dataclasses
+
+from criticalkv import KVPolicy
+from criticalkv.engine.plugin_fields import HEADER_PATH, plugin_field_specs, render_policy_fields_header
+from criticalkv.node import LAYER_ATTRIBUTES, node_attributes
+
+TRT_TYPE_CODES = {"kCHAR": 6, "kINT32": 5, "kFLOAT32": 1}
+
+
+def test_generated_header_is_up_to_date():
+    assert HEADER_PATH.read_text() == render_policy_fields_header(), (
+        "plugins/include/criticalkv/policy_fields.h is stale: run "
+        "`python -m criticalkv.engine.plugin_fields plugins/include/criticalkv/policy_fields.h`"
+    )
+
+
+def test_field_specs_are_the_knobs_and_the_layer_attributes():
+    names = [spec.name for spec in plugin_field_specs()]
+    assert names == list(KVPolicy.knob_names()) + list(LAYER_ATTRIBUTES)
+    assert set(names) == set(node_attributes(KVPolicy(), 0, 1, 1)), "plugin fields == ONNX node attributes"
+    types = {f.name: f.type for f in dataclasses.fields(KVPolicy)}
+    for spec in plugin_field_specs():
+        if spec.name in types:
+            assert {"str": "kCHAR", "int": "kINT32", "float": "kFLOAT32"}[types[spec.name]] == spec.trt_type
+
+
+def test_every_creator_advertises_exactly_the_generated_fields(harness):
+    creators = harness.creators()
+    assert len(creators) == 2
+    want = [(s.name, TRT_TYPE_CODES[s.trt_type]) for s in plugin_field_specs()]
+    for creator in creators:
+        assert [(f["name"], f["type"]) for f in creator["fields"]] == want
+
+
+def test_missing_knobs_take_the_kvpolicy_defaults(harness):
+    from ckv_native import encode_fields
+
+    handle = harness.create(encode_fields({"capacity": 300}))
+    assert handle >= 0, harness.logs()
+    fields = {f["name"]: f["value"] for f in harness.describe(handle)["fields"]}
+    assert fields == {**KVPolicy().to_dict(), "layer_idx": 0, "num_layers": 1, "capacity": 300}

@@ -1,0 +1,397 @@
+"""GPU tests of the CUDA kernels and the TensorRT plugin: `pytest -m gpu tests/plugins` on a machine with a GPU.
+
+Skipped cleanly without one (tests/conftest.py). What they check:
+* value norms, window scores and the radix top-k against fp64 / PyTorch references, across shapes and dtypes,
+  with flash-attention's tolerance rule (low precision at most 2x PyTorch's own error in that precision);
+* the whole operator against select_layer on the same GPU tensors, for every policy, fp32 / fp16 / bf16, padded
+  batches and long prompts (n up to 128k, budgets up to 8k);
+* compute-sanitizer memcheck / racecheck / synccheck / initcheck on plugins/testing/sanitizer_driver.cu;
+* kernel time against the floor of reading V and W_O once, printed as a ratio;
+* an engine built from an ONNX graph holding only the CriticalKVSelect node (needs tensorrt and onnx).
+"""
+
+import importlib.util
+import json
+import shutil
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckv_native import BUILD_DIR, HostLibrary
+from criticalkv import KVPolicy, gather_kv, select_layer
+from criticalkv.node import node_attributes, node_capacity
+from criticalkv.selection import topk_mask
+from helpers import random_layer
+from policies import POLICY_CASES, make_policy
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IDS = [c[0] for c in POLICY_CASES]
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32_matmul():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 references must be fp32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def cuda_layer(dtype=torch.float32, **kwargs):
+    return tuple(t.to("cuda", dtype) for t in random_layer(**kwargs))
+
+
+def norms_reference(values, o_proj, heads, kind, dtype=torch.float64):
+    """||V W_O^h|| computed in `dtype` (fp64: the truth; the input dtype: PyTorch's own low-precision result)."""
+    batch, kv_heads, n, d = values.shape
+    group = heads // kv_heads
+    out = torch.empty(batch, heads, n, dtype=dtype, device=values.device)
+    for h in range(heads):
+        w = o_proj[:, h * d : (h + 1) * d].to(dtype).t()
+        proj = values[:, h // group].to(dtype) @ w
+        out[:, h] = proj.abs().sum(-1) if kind == "l1" else proj.pow(2).sum(-1).sqrt()
+    return out
+
+
+def assert_within_flash_attention_tolerance(ours, low, truth, what):
+    """max |ours - truth| <= 2 * max |PyTorch in the same precision - truth| (+ a hair for exact fp32 cases)."""
+    ours_error = (ours.double() - truth).abs().max().item()
+    torch_error = (low.double() - truth).abs().max().item()
+    slack = 1e-6 * truth.abs().max().item()
+    assert ours_error <= 2 * torch_error + slack, f"{what}: error {ours_error:.3e} vs PyTorch {torch_error:.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["l1", "l2"])
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, n, head_dim, hidden",
+    [(2, 8, 2, 1000, 64, 512), (1, 32, 8, 4097, 128, 4096), (1, 4, 4, 333, 80, 320), (3, 9, 3, 70, 16, 48)],
+    ids=["gqa-d64", "llama-d128", "mha-d80", "tiny"],
+)
+def test_value_norms(cuda_lib, dtype, kind, batch, heads, kv_heads, n, head_dim, hidden):
+    _, _, v, o = cuda_layer(dtype, batch=batch, heads=heads, kv_heads=kv_heads, n=n, head_dim=head_dim,
+                            hidden=hidden, window=1, seed=1)
+    truth = norms_reference(v, o, heads, kind)
+    low = norms_reference(v, o, heads, kind, dtype)
+    ours = cuda_lib.value_norms(v, o, heads, kind=kind)
+    assert_within_flash_attention_tolerance(ours, low, truth, f"{kind} {dtype}")
+    partial = cuda_lib.value_norms(v, o, heads, num_tokens=n // 2, kind=kind)  # the pipeline scores [0, m) only
+    assert torch.equal(partial, ours[..., : n // 2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n, window", [(1000, 32), (4097, 64), (95, 8)])
+def test_window_scores(cuda_lib, dtype, n, window):
+    q, k, v, o = cuda_layer(dtype, batch=2, heads=8, kv_heads=2, n=n, head_dim=64, hidden=128, window=window, seed=3)
+    policy = KVPolicy("laprox", budget=window, window=window)
+    lengths = torch.tensor([n, n - n // 3], device="cuda")
+    raw, squares = cuda_lib.window_scores(policy, q, k, o, lengths)
+    m = n - window
+    valid_start = n - lengths
+    keys = k.repeat_interleave(4, dim=1)
+    pos = torch.arange(n, device="cuda")
+    blocked = (pos[None, :] > torch.arange(n - window, n, device="cuda")[:, None])[None] | (
+        pos[None, None, :] < valid_start[:, None, None])
+
+    def probabilities(precision):  # softmax(Q K^T / sqrt(d)) computed entirely in `precision`
+        logits = (q.to(precision) @ keys.to(precision).transpose(-1, -2)) / (64**0.5)
+        return torch.softmax(logits.masked_fill(blocked[:, None], float("-inf")), dim=-1)[..., :m]
+
+    truth = probabilities(torch.float64)
+    low = probabilities(dtype)  # PyTorch's own result in the input precision
+    assert_within_flash_attention_tolerance(raw, low.mean(2), truth.mean(2), f"raw {dtype}")
+    assert_within_flash_attention_tolerance(squares, low.pow(2).sum(2), truth.pow(2).sum(2), f"squares {dtype}")
+
+
+@pytest.mark.parametrize("n", [1000, 32768, 131072])
+@pytest.mark.parametrize("levels", [3, 1000, None], ids=["ties", "some-ties", "continuous"])
+def test_radix_top_k(cuda_lib, n, levels):
+    g = torch.Generator(device="cuda").manual_seed(n)
+    rows = 4
+    scores = torch.rand(rows, n, device="cuda", generator=g)
+    if levels:
+        scores = (scores * levels).floor() / levels
+    scores[1] = -scores[1]  # negative scores
+    scores[2, ::7] = 0.0
+    scores[2, 1::7] = -0.0  # signed zeros are equal, the lower index wins
+    for k in (1, 777, min(8192, n - 1), n):
+        ks = torch.full((rows,), k, dtype=torch.int64)
+        got = cuda_lib.top_k_rows(scores, ks)
+        want = topk_mask(scores, k)
+        assert torch.equal(got, want), (n, levels, k)
+
+
+def check_selection(got, ref, policy, n, context, min_overlap=0.99):
+    """Kept sets agree up to near-ties (fp32 reductions run in a different order than PyTorch's)."""
+    indices, lengths, kk, vv = got[:4]
+    batch, heads = lengths.shape
+    mask_ref = ref.mask(n)
+    mask_got = torch.zeros(batch, heads, n + 1, dtype=torch.bool, device=indices.device)
+    mask_got.scatter_(-1, indices.masked_fill(indices < 0, n), True)
+    mask_got = mask_got[..., :n]
+    if policy.base in ("adakv", "laprox"):
+        assert torch.equal(lengths.sum(-1), ref.lengths.sum(-1)), context
+    else:
+        assert torch.equal(lengths, ref.lengths), context
+    overlap = (mask_got & mask_ref).sum().item() / ref.lengths.sum().item()
+    assert overlap >= min_overlap, (context, overlap)
+    valid = indices >= 0
+    assert torch.equal(valid.sum(-1), lengths), context
+    assert (indices[..., 1:][valid[..., 1:]] > indices[..., :-1][valid[..., 1:]]).all(), "ascending"
+    return mask_got
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", POLICY_CASES, ids=IDS)
+def test_select_layer_matches_the_reference(cuda_lib, case, dtype):
+    n = 1000
+    q, k, v, o = cuda_layer(dtype, batch=3, heads=8, kv_heads=2, n=n, head_dim=64, hidden=256, window=32, seed=5)
+    lengths = torch.tensor([n, 700, 100], device="cuda")
+    for layer, num_layers in ((0, 1), (3, 4)):
+        policy = make_policy(case[1], budget=160, window=32)
+        ref = select_layer(policy, q, k, v, o, layer, num_layers, prompt_lengths=lengths)
+        got = cuda_lib.select_layer(policy, q, k, v, o, layer, num_layers, prompt_lengths=lengths)
+        check_selection(got, ref, policy, n, (case[0], dtype, layer))
+        indices, _, kk, vv = got
+        idx = indices.clamp_min(0)[..., None].expand(-1, -1, -1, 64)
+        pad = (indices < 0)[..., None]
+        assert torch.equal(kk, torch.gather(k, 2, idx).masked_fill(pad, 0)), "kept_keys are the indexed rows"
+        assert torch.equal(vv, torch.gather(v, 2, idx).masked_fill(pad, 0)), "kept_values are the indexed rows"
+        if dtype == torch.float32:  # the host C++ twin of the kernels
+            host = HostLibrary().select_layer(policy, q.cpu(), k.cpu(), v.cpu(), o.cpu(), layer, num_layers,
+                                              prompt_lengths=lengths.cpu())
+            check_selection(tuple(t.cuda() for t in host), ref, policy, n, (case[0], "host", layer))
+
+
+@pytest.mark.parametrize("name", ["criticalkv", "ada-criticalkv", "laprox", "pyramidkv"])
+@pytest.mark.parametrize("n, budget", [(32768, 2048), (131072, 8192)])
+def test_long_prompts(cuda_lib, name, n, budget):
+    q, k, v, o = cuda_layer(torch.float16, batch=1, heads=8, kv_heads=2, n=n, head_dim=128, hidden=1024,
+                            window=32, seed=9)
+    policy = KVPolicy(name, budget=budget, window=32)
+    capacity = node_capacity(policy, n, 2, 1, 4)
+    ref = select_layer(policy, q, k, v, o, 1, 4)
+    got = cuda_lib.select_layer(policy, q, k, v, o, 1, 4, capacity=capacity)
+    mask = check_selection(got, ref, policy, n, (name, n))
+    assert mask[..., -32:].all(), "the window is always kept"
+
+
+def test_capacity_is_respected(cuda_lib):
+    q, k, v, o = cuda_layer(batch=2, n=600, window=16, seed=2)
+    policy = KVPolicy("adakv", budget=64, window=16)
+    capacity = node_capacity(policy, 600, 3, 0, 1)
+    indices, lengths, kk, vv = cuda_lib.select_layer(policy, q, k, v, o, capacity=capacity)
+    assert indices.shape[-1] == capacity and kk.shape[2] == capacity and lengths.max() <= capacity
+
+
+def test_launch_is_cuda_graph_capturable(cuda_lib):
+    """launchCriticalKVSelect records into a CUDA graph (no allocation, no synchronisation) and replays exactly."""
+    n, budget = 2000, 256
+    q, k, v, o = cuda_layer(torch.float16, batch=2, heads=8, kv_heads=2, n=n, head_dim=64, hidden=256, window=32, seed=8)
+    lengths = torch.tensor([n, 1500], dtype=torch.int32, device="cuda")
+    policy = KVPolicy("ada-criticalkv", budget=budget, window=32)
+    capacity = node_capacity(policy, n, 2, 0, 1)
+    outputs = (torch.empty(2, 2, capacity, dtype=torch.int32, device="cuda"),
+               torch.empty(2, 2, dtype=torch.int32, device="cuda"),
+               torch.empty(2, 2, capacity, 64, dtype=torch.float16, device="cuda"),
+               torch.empty(2, 2, capacity, 64, dtype=torch.float16, device="cuda"))
+    workspace = torch.empty(cuda_lib.workspace_bytes(policy, q, k, o, capacity), dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        assert cuda_lib.select_layer_async(policy, q, k, v, o, lengths, outputs, workspace, stream, capacity=capacity) == 0
+    stream.synchronize()
+    eager = [t.clone() for t in outputs]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        status = cuda_lib.select_layer_async(policy, q, k, v, o, lengths, outputs, workspace, stream, capacity=capacity)
+    assert status == 0
+    for t in outputs:
+        t.fill_(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    for replayed, want in zip(outputs, eager):
+        assert torch.equal(replayed, want)
+    # new inputs in the same buffers: the replay recomputes
+    k.copy_(torch.randn_like(k))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = select_layer(policy, q, k, v, o, prompt_lengths=lengths.long())
+    check_selection((outputs[0].long(), outputs[1].long(), outputs[2], outputs[3]), ref, policy, n, "graph replay")
+
+
+def sanitizer_path():
+    found = shutil.which("compute-sanitizer")
+    default = Path("/usr/local/cuda/bin/compute-sanitizer")
+    return found or (str(default) if default.exists() else None)
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck", "initcheck"])
+def test_compute_sanitizer(native_build, needs_nvcc, tool):
+    sanitizer = sanitizer_path()
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer not found")
+    driver = native_build / "ckv_sanitizer_driver"
+    result = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3", str(driver)],
+                            capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
+    assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr
+
+
+def measured_copy_bandwidth() -> float:
+    """Bytes per second of a device-to-device copy (read + write), the practical memory floor."""
+    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")  # 256 MiB
+    y = torch.empty_like(x)
+    y.copy_(x)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(10):
+            y.copy_(x)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 10 / 1e3)
+    return 2 * x.numel() / statistics.median(times)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_kernel_time_against_the_memory_floor(cuda_lib, dtype):
+    batch, heads, kv_heads, n, head_dim, hidden = 1, 32, 8, 32768, 128, 4096
+    q, k, v, o = cuda_layer(dtype, batch=batch, heads=heads, kv_heads=kv_heads, n=n, head_dim=head_dim,
+                            hidden=hidden, window=32, seed=0)
+    bandwidth = measured_copy_bandwidth()
+    norm_ms = statistics.median(cuda_lib.value_norms(v, o, heads, iterations=20)[1] for _ in range(5))
+    floor_ms = (v.numel() + o.numel()) * v.element_size() / bandwidth * 1e3
+    flops = 2.0 * batch * heads * n * head_dim * hidden
+    policy = KVPolicy("criticalkv", budget=2048, window=32)
+    select_ms = statistics.median(cuda_lib.select_layer(policy, q, k, v, o, iterations=10)[4] for _ in range(5))
+    select_floor_ms = sum(t.numel() for t in (q, k, v, o)) * v.element_size() / bandwidth * 1e3
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "dtype": str(dtype),
+        "shape": dict(batch=batch, heads=heads, kv_heads=kv_heads, n=n, head_dim=head_dim, hidden=hidden),
+        "copy_bandwidth_GBps": bandwidth / 1e9,
+        "value_norms_ms": norm_ms,
+        "value_norms_floor_ms": floor_ms,
+        "value_norms_ratio_to_floor": norm_ms / floor_ms,
+        "value_norms_TFLOPs": flops / norm_ms / 1e9,
+        "select_layer_ms": select_ms,
+        "select_layer_floor_ms": select_floor_ms,
+        "select_layer_ratio_to_floor": select_ms / select_floor_ms,
+    }
+    print("\n" + json.dumps(report, indent=2))
+    (BUILD_DIR / f"gpu_timing_{str(dtype).split('.')[-1]}.json").write_text(json.dumps(report, indent=2))
+    assert norm_ms > 0 and select_ms > 0
+
+
+# ------------------------------------------------------------------------------------------ TensorRT engine
+
+def onnx_select_model(policy, heads, kv_heads, head_dim, hidden, window, o_proj, capacity, with_function_body):
+    """An ONNX model holding one CriticalKVSelect node (the plugin's node contract), dynamic B and n."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from criticalkv.node import DOMAIN, INPUTS, OP_TYPE, OUTPUTS
+
+    node = helper.make_node(OP_TYPE, list(INPUTS), list(OUTPUTS), domain=DOMAIN, name="select0")
+    # not make_node(**attributes): the policy knob `name` collides with make_node's own `name` argument
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in node_attributes(policy, 0, 1, capacity).items())
+    f = TensorProto.FLOAT
+    inputs = [
+        helper.make_tensor_value_info("queries", f, ["batch", heads, window, head_dim]),
+        helper.make_tensor_value_info("keys", f, ["batch", kv_heads, "n", head_dim]),
+        helper.make_tensor_value_info("values", f, ["batch", kv_heads, "n", head_dim]),
+        helper.make_tensor_value_info("prompt_lengths", TensorProto.INT32, ["batch"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("kept_keys", f, ["batch", kv_heads, "cap", head_dim]),
+        helper.make_tensor_value_info("kept_values", f, ["batch", kv_heads, "cap", head_dim]),
+        helper.make_tensor_value_info("kept_lengths", TensorProto.INT32, ["batch", kv_heads]),
+        helper.make_tensor_value_info("kept_indices", TensorProto.INT32, ["batch", kv_heads, "cap"]),
+    ]
+    weight = numpy_helper.from_array(o_proj.cpu().numpy(), "o_proj_weight")
+    graph = helper.make_graph([node], "criticalkv_select", inputs, outputs, [weight])
+    functions = []
+    if with_function_body:  # a deliberately different body: if TensorRT inlines it, the indices are wrong
+        body = [
+            helper.make_node("Identity", ["keys"], ["kept_keys"]),
+            helper.make_node("Identity", ["values"], ["kept_values"]),
+            helper.make_node("Shape", ["keys"], ["shape"], start=0, end=2),
+            helper.make_node("ConstantOfShape", ["shape"], ["kept_lengths"],
+                             value=helper.make_tensor("zero", TensorProto.INT32, [1], [0])),
+            helper.make_node("Shape", ["keys"], ["shape3"], start=0, end=3),
+            helper.make_node("ConstantOfShape", ["shape3"], ["kept_indices"],
+                             value=helper.make_tensor("minus", TensorProto.INT32, [1], [-5])),
+        ]
+        functions.append(helper.make_function(DOMAIN, OP_TYPE, list(INPUTS), list(OUTPUTS), body,
+                                              [helper.make_opsetid("", 17)], attributes=list(node_attributes(policy, 0, 1, capacity))))
+    model = helper.make_model(graph, functions=functions,
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    return onnx._serialize(model) if hasattr(onnx, "_serialize") else model.SerializeToString()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None, reason="tensorrt is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("onnx") is None, reason="onnx is not installed")
+@pytest.mark.parametrize("with_function_body", [False, True], ids=["function-free", "with-function-body"])
+def test_engine_with_the_plugin_matches_the_reference(native_build, needs_nvcc, tmp_path, with_function_body):
+    import tensorrt as trt
+
+    from criticalkv.engine import load_plugin_library
+    from criticalkv.engine.tensorrt_build import count_plugin_layers
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    load_plugin_library(native_build / "libcriticalkv_trt_plugin.so", trt.get_plugin_registry())
+    heads, kv_heads, head_dim, hidden, window, n = 8, 2, 64, 256, 32, 900
+    q, k, v, o = cuda_layer(batch=2, heads=heads, kv_heads=kv_heads, n=n, head_dim=head_dim, hidden=hidden,
+                            window=window, seed=4)
+    policy = KVPolicy("ada-criticalkv", budget=128, window=window)
+    capacity = node_capacity(policy, 2048, kv_heads, 0, 1)
+    blob = onnx_select_model(policy, heads, kv_heads, head_dim, hidden, window, o, capacity, with_function_body)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    if hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE"):
+        parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
+    assert parser.parse(blob), [str(parser.get_error(i)) for i in range(parser.num_errors)]
+    plugin_layers = count_plugin_layers(network, trt)
+    major, minor = (int(x) for x in trt.__version__.split(".")[:2])
+    if with_function_body and (major, minor) < (10, 7):
+        assert plugin_layers == 0, "TensorRT < 10.7 inlines model-local functions (plugins/README.md)"
+        return
+    assert plugin_layers == 1, "the CriticalKVSelect node must become the plugin, not its function body"
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    profile.set_shape("queries", (1, heads, window, head_dim), (2, heads, window, head_dim), (4, heads, window, head_dim))
+    for name in ("keys", "values"):
+        profile.set_shape(name, (1, kv_heads, 1, head_dim), (2, kv_heads, 1024, head_dim), (4, kv_heads, 2048, head_dim))
+    profile.set_shape("prompt_lengths", (1,), (2,), (4,))
+    config.add_optimization_profile(profile)
+    engine_blob = builder.build_serialized_network(network, config)
+    assert engine_blob is not None
+    engine = trt.Runtime(logger).deserialize_cuda_engine(engine_blob)
+    context = engine.create_execution_context()
+    lengths = torch.tensor([n, 600], dtype=torch.int32, device="cuda")
+    feeds = {"queries": q, "keys": k, "values": v, "prompt_lengths": lengths}
+    for name, tensor in feeds.items():
+        context.set_input_shape(name, tuple(tensor.shape))
+        context.set_tensor_address(name, tensor.data_ptr())
+    dtypes = {"kept_keys": torch.float32, "kept_values": torch.float32, "kept_lengths": torch.int32,
+              "kept_indices": torch.int32}
+    outputs = {}
+    for name, dtype in dtypes.items():
+        outputs[name] = torch.empty(tuple(context.get_tensor_shape(name)), dtype=dtype, device="cuda")
+        context.set_tensor_address(name, outputs[name].data_ptr())
+    stream = torch.cuda.current_stream()
+    assert context.execute_async_v3(stream.cuda_stream)
+    stream.synchronize()
+    ref = select_layer(policy, q, k, v, o, prompt_lengths=lengths.long())
+    got = (outputs["kept_indices"].long(), outputs["kept_lengths"].long(), outputs["kept_keys"], outputs["kept_values"])
+    assert got[0].shape[-1] == min(n, capacity)
+    check_selection(got, ref, policy, n, "engine")
+    want_k, _ = gather_kv(ref, k, v)
+    assert want_k.shape[2] <= got[2].shape[2]

@@ -1,0 +1,147 @@
+"""The host C++ version of the operator (plugins/cpu, same helpers as the kernels) equals the PyTorch reference."""
+
+import pytest
+import torch
+
+from ckv_native import encode_fields, node_fields
+from criticalkv import KVPolicy, gather_kv, select_layer
+from criticalkv.selection import topk_mask
+from helpers import random_layer
+from policies import POLICY_CASES, make_policy
+
+IDS = [c[0] for c in POLICY_CASES]
+
+
+def assert_same_selection(got, ref, context):
+    indices, lengths = got[0], got[1]
+    assert torch.equal(lengths, ref.lengths), (context, lengths.tolist(), ref.lengths.tolist())
+    batch, heads = lengths.shape
+    for b in range(batch):
+        for g in range(heads):
+            count = int(ref.lengths[b, g])
+            assert torch.equal(indices[b, g, :count], ref.indices[b, g, :count]), (context, b, g)
+            assert (indices[b, g, count:] == -1).all(), (context, b, g)
+
+
+@pytest.mark.parametrize("case", POLICY_CASES, ids=IDS)
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (8, 2)], ids=["gqa9x3", "mha4", "gqa8x2"])
+@pytest.mark.parametrize("seed", range(3))
+def test_equals_the_reference_on_random_padded_batches(host_lib, case, heads, kv_heads, seed):
+    n = (150, 211, 96)[seed]
+    q, k, v, o = random_layer(batch=3, heads=heads, kv_heads=kv_heads, n=n, head_dim=16, hidden=40, window=8, seed=seed)
+    lengths = torch.tensor([n, n - 37, 30])  # compressed, compressed with padding, kept whole
+    for budget in (24, 40):
+        policy = make_policy(case[1], budget=budget, window=8)
+        for layer, num_layers in ((0, 1), (0, 4), (3, 4)):
+            ref = select_layer(policy, q, k, v, o, layer, num_layers, prompt_lengths=lengths)
+            got = host_lib.select_layer(policy, q, k, v, o, layer, num_layers, prompt_lengths=lengths)
+            assert_same_selection(got, ref, (case[0], budget, layer, num_layers))
+
+
+@pytest.mark.parametrize("case", POLICY_CASES, ids=IDS)
+def test_equals_the_reference_with_realistic_head_dims(host_lib, case):
+    q, k, v, o = random_layer(batch=1, heads=8, kv_heads=2, n=700, head_dim=64, hidden=256, window=32, seed=11)
+    policy = make_policy(case[1], budget=160, window=32)
+    for layer in (0, 5):
+        ref = select_layer(policy, q, k, v, o, layer, 6)
+        got = host_lib.select_layer(policy, q, k, v, o, layer, 6)
+        assert_same_selection(got, ref, (case[0], layer))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["criticalkv", "ada-criticalkv", "laprox", "pyramidkv"])
+def test_low_precision_inputs(host_lib, dtype, name):
+    q, k, v, o = random_layer(batch=2, n=180, window=8, seed=2, dtype=dtype)
+    policy = KVPolicy(name, budget=40, window=8)
+    ref = select_layer(policy, q, k, v, o, 1, 3, prompt_lengths=torch.tensor([180, 120]))
+    got = host_lib.select_layer(policy, q, k, v, o, 1, 3, prompt_lengths=torch.tensor([180, 120]))
+    assert_same_selection(got, ref, name)
+
+
+def test_ties_go_to_the_lower_index(host_lib):
+    q, k, v, o = random_layer(n=64, window=8, seed=0)
+    k, v = torch.zeros_like(k), torch.zeros_like(v)
+    for policy in (KVPolicy("snapkv", budget=24, window=8), KVPolicy("criticalkv", budget=24, window=8),
+                   KVPolicy("pyramidkv", budget=24, window=8), KVPolicy("adakv", budget=24, window=8, ada_floor=0.25),
+                   KVPolicy("ada-criticalkv", budget=24, window=8, ada_floor=0.25), KVPolicy("laprox", budget=24, window=8)):
+        ref = select_layer(policy, q, k, v, o)
+        assert_same_selection(host_lib.select_layer(policy, q, k, v, o), ref, policy.name)
+
+
+def test_gathered_keys_and_values_and_capacity(host_lib):
+    q, k, v, o = random_layer(batch=2, n=120, window=8, seed=4)
+    lengths = torch.tensor([120, 70])
+    policy = KVPolicy("adakv", budget=24, window=8)
+    ref = select_layer(policy, q, k, v, o, prompt_lengths=lengths)
+    want_k, want_v = gather_kv(ref, k, v)
+    indices, kept, kk, vv = host_lib.select_layer(policy, q, k, v, o, prompt_lengths=lengths)
+    width = want_k.shape[2]
+    assert torch.equal(kk[:, :, :width], want_k) and torch.equal(vv[:, :, :width], want_v)
+    assert (kk[:, :, width:] == 0).all() and indices.shape[-1] == 120
+    # a capacity below n shrinks the output; node_capacity-sized outputs hold every kept entry
+    indices, kept, kk, vv = host_lib.select_layer(policy, q, k, v, o, capacity=int(ref.lengths.max()), prompt_lengths=lengths)
+    assert indices.shape[-1] == int(ref.lengths.max())
+    assert_same_selection((indices, kept), ref, "capacity")
+
+
+def test_float32_fields_select_like_the_python_policy(host_lib):
+    # ONNX attributes carry alpha as float32; 0.3 must still give ceil(0.3 * r) as Python computes it.
+    q, k, v, o = random_layer(n=200, window=8, seed=6)
+    policy = KVPolicy("criticalkv", budget=18, window=8, alpha=0.3, epsilon=1e-3)  # r = 10: stage 1 keeps 3, not 4
+    ref = select_layer(policy, q, k, v, o)
+    got = host_lib.select_layer(policy, q, k, v, o, float_kind="float32")
+    assert_same_selection(got, ref, "float32 fields")
+
+
+def test_radix_top_k_matches_topk_mask_with_heavy_ties(host_lib):
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        m = int(torch.randint(1, 400, (1,), generator=g))
+        levels = [1, 2, 5, 50, 10_000][trial % 5]
+        scores = torch.randint(0, levels, (m,), generator=g).float() * 0.125 - 1.0
+        if trial % 3 == 0:
+            scores[torch.rand(m, generator=g) < 0.2] = -0.0
+        eligible = torch.rand(m, generator=g) < 0.8
+        first_valid = int(torch.randint(0, max(1, m // 3), (1,), generator=g))
+        eligible[:first_valid] = False
+        count = int(eligible.sum())
+        for k in {0, 1, count // 3, count - 1, count, count + 5}:
+            if k < 0:
+                continue
+            flags = (~eligible).to(torch.uint8) * 9  # already taken / ineligible
+            flags[:first_valid] = 0  # handled by first_valid instead
+            got = host_lib.select_top_k(scores, k, flags, first_valid=first_valid) == 1
+            want = topk_mask(scores, min(k, count), eligible)
+            assert torch.equal(got, want), (trial, k)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(name="h2o"), "name"),
+        (dict(budget=0), "budget"),
+        (dict(budget=16, window=32), "budget"),
+        (dict(window=0), "window"),
+        (dict(alpha=-0.1), "alpha"),
+        (dict(alpha=1.5), "alpha"),
+        (dict(pool_kernel=4), "pool_kernel"),
+        (dict(epsilon=-1.0), "epsilon"),
+        (dict(value_norm="l3"), "value_norm"),
+        (dict(gqa_reduce="max"), "gqa_reduce"),
+        (dict(stage2_scores="cooked"), "stage2_scores"),
+        (dict(ada_floor=2.0), "ada_floor"),
+        (dict(pyramid_beta=0.5), "pyramid_beta"),
+        (dict(sink_tokens=-1), "sink_tokens"),
+        (dict(name="streamingllm", sink_tokens=300), "sink_tokens"),
+        (dict(layer_idx=4, num_layers=4), "layer_idx"),
+        (dict(num_layers=0), "num_layers"),
+        (dict(capacity=0), "capacity"),
+    ],
+)
+def test_policy_errors_name_the_field_like_kvpolicy(host_lib, kwargs, field):
+    values = {**node_fields(KVPolicy(), 0, 1, 512), **kwargs}
+    policy_kwargs = {k: v for k, v in kwargs.items() if k not in ("layer_idx", "num_layers", "capacity")}
+    if policy_kwargs:
+        with pytest.raises(ValueError, match=rf"^{field}:"):
+            KVPolicy(**policy_kwargs)
+    assert host_lib.parse(encode_fields(values)).startswith(f"{field}:")

@@ -1,0 +1,201 @@
+"""Engine directories: build_engine (atomic, manifest, TensorRT report), loading checks, the CLI."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from criticalkv import KVPolicy
+from criticalkv.cli import main
+from criticalkv.export import BuildConfig
+from criticalkv.export.build import build_engine
+from criticalkv.runtime import FORMAT_VERSION, Engine, EngineError, read_manifest
+from criticalkv.runtime.manifest import sha256_file
+from export.tiny_engine import save_tiny_checkpoint, words
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICY = KVPolicy("criticalkv", budget=40, window=8)
+CONFIG = BuildConfig(max_input_len=256, max_new_tokens=32, max_batch_size=2, attention_chunk=64)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def built(checkpoint, tmp_path_factory):
+    """One engine built the way scripts/build_engine.py builds it (smoke test included)."""
+    messages = []
+    output = tmp_path_factory.mktemp("out") / "engine"
+    build_engine(output, POLICY, CONFIG, model=str(checkpoint), log=messages.append)
+    return output, messages
+
+
+def copy_engine(built, tmp_path):
+    target = tmp_path / "copy"
+    shutil.copytree(built[0], target)
+    return target
+
+
+def test_build_writes_a_complete_manifest(built, checkpoint):
+    output, messages = built
+    manifest = read_manifest(output, verify=True)
+    assert manifest["format_version"] == FORMAT_VERSION
+    assert KVPolicy.from_dict(manifest["policy"]) == POLICY
+    assert manifest["build"] == CONFIG.to_dict()
+    assert manifest["model"]["spec"]["num_kv_heads"] == 2 and manifest["model"]["path"] == str(checkpoint)
+    assert manifest["onnx"]["opset"] == 21 and manifest["onnx"]["custom_domain"] == {"ai.criticalkv": 1}
+    assert set(manifest["onnx"]["validation"]) == {"prefill", "prefill_tensorrt", "decode"}
+    assert {"python", "torch", "transformers", "onnx", "onnxruntime", "numpy"} <= set(manifest["versions"])
+    files = {p.relative_to(output).as_posix() for p in output.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(manifest["files"]) == files
+    assert {"weights.bin", "prefill.onnx", "prefill_tensorrt.onnx", "decode.onnx"} <= files
+    assert any(f.startswith("tokenizer/") for f in files)
+    for rel, info in manifest["files"].items():
+        assert info["sha256"] == sha256_file(output / rel)
+    smoke = manifest["smoke_test"]
+    assert smoke["tokens_match_pytorch"] and smoke["kept_indices_match_pytorch"] and smoke["prompt_tokens"] > 40
+    # no TensorRT here: the build says exactly what it skipped and why, and still succeeds
+    assert manifest["tensorrt"]["built"] is False and manifest["tensorrt"]["skipped_reason"]
+    assert any(m.startswith("TensorRT engines: SKIPPED because") for m in messages)
+    assert not list(output.parent.glob(".*building*"))
+
+
+def test_rebuilding_the_same_request_is_a_no_op_and_a_different_one_needs_force(built, checkpoint):
+    output, _ = built
+    before = (output / "manifest.json").read_text()
+    messages = []
+    build_engine(output, POLICY, CONFIG, model=str(checkpoint), log=messages.append)
+    assert "already built" in messages[-1] and (output / "manifest.json").read_text() == before
+    with pytest.raises(EngineError, match="--force"):
+        build_engine(output, POLICY.replace(budget=48), CONFIG, model=str(checkpoint), log=messages.append)
+
+
+def test_force_replaces_an_engine_atomically(checkpoint, tmp_path):
+    output = tmp_path / "engine"
+    build_engine(output, POLICY, CONFIG, model=str(checkpoint), smoke=False, log=lambda m: None)
+    build_engine(output, POLICY.replace(name="snapkv"), CONFIG, model=str(checkpoint), force=True, smoke=False,
+                 log=lambda m: None)
+    assert read_manifest(output)["policy"]["name"] == "snapkv"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_an_interrupted_build_leaves_nothing_behind(checkpoint, tmp_path, monkeypatch, error):
+    import criticalkv.export.build as build
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(build, "validate_export", fail)
+    with pytest.raises(type(error)):
+        build_engine(tmp_path / "engine", POLICY, CONFIG, model=str(checkpoint), log=lambda m: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_or_corrupt_engine_dirs_are_named(built, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such engine directory"):
+        Engine.load(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EngineError, match="no manifest.json"):
+        Engine.load(tmp_path / "empty")
+    engine = copy_engine(built, tmp_path)
+    manifest = json.loads((engine / "manifest.json").read_text())
+
+    (engine / "manifest.json").write_text("{not json")
+    with pytest.raises(EngineError, match="corrupt manifest"):
+        Engine.load(engine)
+    (engine / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99, "versions": {"criticalkv": "9.0"}}))
+    with pytest.raises(EngineError, match="format_version 99 .*criticalkv 9.0.* Rebuild"):
+        Engine.load(engine)
+    (engine / "manifest.json").write_text(json.dumps({**manifest, "policy": {**manifest["policy"], "name": "bogus"}}))
+    with pytest.raises(EngineError, match="invalid policy"):
+        Engine.load(engine)
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+
+    weights = engine / "weights.bin"
+    data = bytearray(weights.read_bytes())
+    weights.write_bytes(bytes(data[:-10]))
+    with pytest.raises(EngineError, match="weights.bin has .* bytes"):
+        Engine.load(engine)
+    data[100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(EngineError, match="weights.bin does not match its sha256"):
+        Engine.load(engine)
+    (engine / "decode.onnx").unlink()
+    with pytest.raises(EngineError, match="missing file decode.onnx"):
+        Engine.load(engine, verify=False)
+
+
+def test_a_corrupt_graph_is_reported_not_crashed_on(built, tmp_path):
+    engine = copy_engine(built, tmp_path)
+    path = engine / "prefill.onnx"
+    path.write_bytes(b"\x08garbage" * (path.stat().st_size // 8) + b"x" * (path.stat().st_size % 8))
+    with pytest.raises(EngineError, match="prefill.onnx"):
+        Engine.load(engine, verify=False)
+
+
+def cli_json(*args):
+    run = subprocess.run([sys.executable, "-m", "criticalkv.cli", "generate", *args, "--json"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+def test_cli_engine_dir_prints_the_same_fields_as_the_pytorch_path(built, checkpoint):
+    text = words([(7 * i) % 120 + 2 for i in range(150)])
+    ort_out = cli_json("--engine-dir", str(built[0]), "--prompt", text, "--max-new-tokens", "12")
+    torch_out = cli_json("--model", str(checkpoint), "--prompt", text, "--max-new-tokens", "12",
+                         "--kv-policy", "criticalkv", "--budget", "40", "--window", "8")
+    assert set(ort_out) == set(torch_out)
+    assert set(ort_out["timings"]) == set(torch_out["timings"]) and set(ort_out["kv_bytes"]) == set(torch_out["kv_bytes"])
+    assert ort_out["backend"] == "onnxruntime" and torch_out["backend"] == "pytorch"
+    assert ort_out["token_ids"] == torch_out["token_ids"] and ort_out["text"] == torch_out["text"]
+    assert ort_out["policy"] == torch_out["policy"] and ort_out["kv_bytes"] == torch_out["kv_bytes"]
+    assert 0 < ort_out["timings"]["selection_s"] < ort_out["timings"]["prefill_s"]
+
+
+def test_cli_engine_dir_errors(built, tmp_path, capsys):
+    text = words(range(2, 100))
+    assert main(["generate", "--engine-dir", str(built[0]), "--prompt", text, "--budget", "64"]) == 2
+    assert "differs from the engine's policy" in capsys.readouterr().err
+    assert main(["generate", "--engine-dir", str(built[0]), "--prompt", text, "--model", "x"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    assert main(["generate", "--engine-dir", str(tmp_path / "none"), "--prompt", text]) == 2
+    assert "no such engine directory" in capsys.readouterr().err
+    assert main(["generate", "--engine-dir", str(built[0]), "--prompt", words([5] * 300), "--max-new-tokens", "8"]) == 2
+    assert "exceeds the engine's max input length" in capsys.readouterr().err
+    assert main(["generate", "--engine-dir", str(built[0]), "--prompt", text, "--max-new-tokens", "64"]) == 2
+    assert "max_new_tokens must lie in [1, 32]" in capsys.readouterr().err
+
+
+def test_build_engine_script_exits_0_and_says_what_it_skipped(checkpoint, tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "build_engine.py"), "--model", str(checkpoint), "--kv-policy", "snapkv",
+         "--budget", "40", "--window", "8", "--max-input-len", "128", "--max-new-tokens", "8", "--skip-smoke-test",
+         "--output", str(tmp_path / "engine")],
+        capture_output=True, text=True,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "TensorRT engines: SKIPPED because" in run.stderr and "engine written to" in run.stderr
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "build_engine.py"), "--model", str(tmp_path / "missing"),
+         "--output", str(tmp_path / "other")],
+        capture_output=True, text=True,
+    )
+    assert bad.returncode == 2 and "no such model folder" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "other").exists()
+
+
+def test_profiling_leaves_no_trace_files(built, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert main(["generate", "--engine-dir", str(built[0]), "--prompt", words(range(2, 100)), "--budget", "64"]) == 2
+    engine = Engine.load(built[0], profile=True)
+    engine.generate([list(range(2, 60))], max_new_tokens=2)
+    engine.close()
+    Engine.load(built[0], profile=True).close()
+    assert list(tmp_path.iterdir()) == []
