@@ -54,6 +54,33 @@ def register(subparsers) -> None:
     pert.add_argument("--tasks", default=",".join(RULER_TASKS), help="RULER-style tasks for --prompts ruler/both")
     for sub in (needle, ruler, pert):
         sub.set_defaults(func=run)
+    rep = tasks.add_parser(
+        "report",
+        help="redraw a finished run's markdown and figures from its JSON (needle/RULER summaries recomputed)",
+        description="Re-render <task>.md and the PNG figures of finished evaluations from their <task>.json, without "
+                    "running the model. For needle and RULER-style runs the summaries (scores, paired comparisons) "
+                    "are recomputed from the stored per-prompt scores and written back into the JSON.",
+    )
+    rep.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                     help="a results JSON, or a directory holding needle.json / ruler.json / perturbation.json")
+    rep.set_defaults(func=run_report)
+
+
+def run_report(args) -> int:
+    from criticalkv.eval.report import refresh
+
+    files = []
+    for path in args.paths:
+        if path.is_dir():
+            found = [path / f"{t}.json" for t in TASKS if (path / f"{t}.json").is_file()]
+            if not found:
+                raise ValueError(f"{path}: no needle.json, ruler.json or perturbation.json in this directory")
+            files += found
+        else:
+            files.append(path)
+    for f in files:
+        print(refresh(f))
+    return 0
 
 
 def _common(p: argparse.ArgumentParser, policies: str) -> None:

@@ -7,7 +7,7 @@ values and window queries, and then for each policy only select, gather and deco
 that with the same public pieces ``prefill_and_compress`` and ``generate`` use (``window_queries``,
 ``CompressedLayer``, ``CompressedKVCache``, ``packed_decoding``, ``Sampler``) and the same calls in
 the same order, so the generated tokens are identical to ``criticalkv.hf.generate``:
-``tests/eval/test_engine.py`` checks this for every policy of the shared table on a tiny model, and
+``tests/eval/test_eval_engine.py`` checks this for every policy of the shared table on a tiny model, and
 ``--verify N`` re-checks it on the first N real prompts of a run (and refuses to go on otherwise).
 
 The selection's scores do not depend on the budget either. ``ScoreBank`` computes each layer's

@@ -48,6 +48,22 @@ def test_needle_end_to_end(model_dir, tmp_path, capsys):
     assert "| `criticalkv` |" in (out / "needle.md").read_text()
     assert no_temp_files(out)
 
+    # `eval report` recomputes the summaries from the stored per-prompt scores and redraws: same results
+    md = (out / "needle.md").read_text()
+    (out / "needle.md").unlink()
+    (out / "needle_heatmap.png").unlink()
+    assert main(["eval", "report", str(out)]) == 0
+    assert (out / "needle.md").read_text() == md
+    assert (out / "needle_heatmap.png").read_bytes()[:4] == b"\x89PNG"
+    again = read(out / "needle.json")
+    assert {k: again[k] for k in ("scores", "pairs", "grid")} == {k: doc[k] for k in ("scores", "pairs", "grid")}
+    # ... and a changed per-prompt score reaches the summaries
+    again["records"][0]["results"]["snapkv@48"]["score"] = 1.0 - again["records"][0]["results"]["snapkv@48"]["score"]
+    (out / "needle.json").write_text(json.dumps(again))
+    assert main(["eval", "report", str(out / "needle.json")]) == 0
+    assert read(out / "needle.json")["scores"]["snapkv@48"] != doc["scores"]["snapkv@48"]
+    assert no_temp_files(out)
+
 
 def test_ruler_end_to_end_and_resume(model_dir, tmp_path):
     out = tmp_path / "ruler"
@@ -83,6 +99,29 @@ def test_perturbation_end_to_end(model_dir, tmp_path, capsys):
     for name in ("perturbation_heads.png", "perturbation_layers.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert "Fraction of heads" in (out / "perturbation.md").read_text()
+    md = (out / "perturbation.md").read_text()
+    for name in ("perturbation.md", "perturbation_heads.png", "perturbation_layers.png"):
+        (out / name).unlink()
+    assert main(["eval", "report", str(out)]) == 0
+    assert (out / "perturbation.md").read_text() == md and (out / "perturbation_heads.png").is_file()
+    assert read(out / "perturbation.json") == doc
+
+
+def test_report_refuses_what_it_cannot_redraw(tmp_path, capsys):
+    assert main(["eval", "report", str(tmp_path)]) == 2
+    assert "no needle.json, ruler.json or perturbation.json" in capsys.readouterr().err
+    assert main(["eval", "report", str(tmp_path / "ruler.json")]) == 2
+    assert "no such results file" in capsys.readouterr().err
+    (tmp_path / "ruler.json").write_text("{not json")
+    assert main(["eval", "report", str(tmp_path)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    (tmp_path / "ruler.json").write_text(json.dumps({"task": "ruler", "config": {}, "complete": False,
+                                                      "records": [{}], "prompt_count": 6}))
+    assert main(["eval", "report", str(tmp_path)]) == 2
+    assert "not complete (1 of 6 prompts done); finish it with --resume" in capsys.readouterr().err
+    (tmp_path / "ruler.json").write_text(json.dumps({"name": "criticalkv"}))
+    assert main(["eval", "report", str(tmp_path)]) == 2
+    assert "not a criticalkv eval results file" in capsys.readouterr().err
 
 
 def test_a_length_too_short_for_the_task_is_named(model_dir, tmp_path, capsys):
