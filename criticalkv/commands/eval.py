@@ -264,10 +264,19 @@ def _prompts(task, tokenizer, lengths, depths, tasks, samples, seed, chat, sourc
     return [dataclasses.replace(p, max_new_tokens=1) for p in prompts]
 
 
+def _portable(folder) -> str:
+    """The model folder as written into results: the user's home as ``~`` (results are committed)."""
+    path = Path(folder)
+    try:
+        return str(Path("~") / path.relative_to(Path.home()))
+    except ValueError:
+        return str(path)
+
+
 def _model_info(model, folder) -> dict:
     c = model.config
     return {
-        "folder": str(folder),
+        "folder": _portable(folder),
         "model_type": c.model_type,
         "layers": c.num_hidden_layers,
         "heads": c.num_attention_heads,

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from criticalkv.hf.cache import CompressedKVCache, CompressedLayer, packed_decoding
-from criticalkv.hf.compress import window_queries
+from criticalkv.hf.compress import hooked_prefill, window_queries
 from criticalkv.hf.loading import check_supported
 from criticalkv.policy import KVPolicy
 from criticalkv.sampling import Sampler
@@ -74,8 +74,6 @@ class SharedPrefill:
 def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int]) -> SharedPrefill:
     """Run the prompt [1, n] once with a full ``DynamicCache``; keep every layer's K/V and the
     window queries for each window size in ``windows`` (as ``prefill_and_compress`` computes them)."""
-    from transformers import DynamicCache
-
     check_supported(model.config)
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids: expected one non-empty prompt [1, n], got shape {tuple(input_ids.shape)}")
@@ -96,21 +94,9 @@ def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int]) -> Sh
 
         return hook
 
-    handles = [layer.self_attn.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     position_ids = torch.arange(n, device=input_ids.device)[None]
     start = time.perf_counter()
-    try:
-        out = model(
-            input_ids=input_ids,
-            attention_mask=None,
-            position_ids=position_ids,
-            past_key_values=DynamicCache(config=model.config),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    finally:
-        for h in handles:
-            h.remove()
+    out = hooked_prefill(model, make_hook, input_ids, None, position_ids)
     return SharedPrefill(
         input_ids=input_ids,
         logits=out.logits[:, -1],

@@ -172,3 +172,13 @@ def test_unknown_task_and_no_traceback(tmp_path):
     run = subprocess.run([sys.executable, "-m", "criticalkv.cli", "eval", "ruler", "--policies", "snap",
                           "--out", str(tmp_path)], capture_output=True, text=True)
     assert run.returncode == 2 and "unknown KV policy 'snap'" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_results_name_the_model_folder_without_the_home_directory(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from criticalkv.commands.eval import _portable
+
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: tmp_path))
+    assert _portable(tmp_path / ".cache" / "criticalkv" / "m") == str(Path("~/.cache/criticalkv/m"))
+    assert _portable("/opt/models/m") == "/opt/models/m"
