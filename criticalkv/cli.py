@@ -11,6 +11,7 @@ SUBCOMMANDS = [
     "criticalkv.commands.policies",
     "criticalkv.commands.select",
     "criticalkv.commands.generate",
+    "criticalkv.commands.eval",
 ]
 
 

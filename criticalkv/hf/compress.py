@@ -51,6 +51,27 @@ def window_queries(module, hidden_states: torch.Tensor, position_embeddings, w: 
     return q
 
 
+def hooked_prefill(model, make_hook, input_ids, attention_mask, position_ids):
+    """The prompt's forward pass with a fresh ``DynamicCache`` and ``make_hook(layer_idx)`` registered as a
+    forward hook (with kwargs) on every layer's attention, removed afterwards; only the last logits."""
+    from transformers import DynamicCache
+
+    layers = model.model.layers
+    handles = [layer.self_attn.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        return model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=DynamicCache(config=model.config),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def validate_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """Check a [B, n] prompt batch; returns per-sequence lengths [B] (None when unpadded)."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -83,8 +104,6 @@ def prefill_and_compress(
     input_ids [B, n] (left-padded with ``attention_mask`` [B, n] when lengths differ). Decoding then
     continues at absolute position ``prompt_lengths[b] + t`` (see ``criticalkv.hf.generate``).
     """
-    from transformers import DynamicCache
-
     check_supported(model.config)
     lengths = validate_prompt(input_ids, attention_mask)
     batch, n = input_ids.shape
@@ -120,24 +139,12 @@ def prefill_and_compress(
 
         return hook
 
-    handles = [layer.self_attn.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     if attention_mask is None:
         position_ids = torch.arange(n, device=input_ids.device)[None].expand(batch, n)
     else:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     start = time.perf_counter()
-    try:
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=DynamicCache(config=model.config),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    finally:
-        for h in handles:
-            h.remove()
+    out = hooked_prefill(model, make_hook, input_ids, attention_mask, position_ids)
     prefill_s = time.perf_counter() - start
     cache = CompressedKVCache(compressed, seen_tokens=n)
     prompt_lengths = torch.full((batch,), n) if lengths is None else lengths.cpu()

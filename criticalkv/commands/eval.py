@@ -1,0 +1,304 @@
+"""``criticalkv eval {needle,ruler,perturbation}``: quality evaluations of the KV policies.
+
+Every (policy, budget) runs on the same prompts with one shared prefill per prompt (see
+``criticalkv.eval.engine``); results go to ``--out DIR`` as JSON (written incrementally and
+atomically), a markdown table and PNG figures next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from criticalkv.policy import POLICIES, KVPolicy
+
+TASKS = ("needle", "ruler", "perturbation")
+RAW = "stage2_scores=raw"
+ALL_POLICIES = ",".join(
+    ["full", "streamingllm", "laprox", "snapkv", "criticalkv", f"criticalkv:{RAW}", "pyramidkv", "pyramid-criticalkv",
+     f"pyramid-criticalkv:{RAW}", "adakv", "ada-criticalkv", f"ada-criticalkv:{RAW}"]
+)
+PAIR_POLICIES = ",".join(
+    ["snapkv", "criticalkv", f"criticalkv:{RAW}", "pyramidkv", "pyramid-criticalkv", f"pyramid-criticalkv:{RAW}",
+     "adakv", "ada-criticalkv", f"ada-criticalkv:{RAW}"]
+)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval",
+        help="evaluate KV policies: needle-in-a-haystack, RULER-style tasks, perturbation analysis",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    tasks = p.add_subparsers(dest="task", metavar="TASK", required=True)
+    needle = tasks.add_parser("needle", help="needle-in-a-haystack grid (lengths x depths), heatmap like the paper's Figure 8")
+    _common(needle, ALL_POLICIES)
+    needle.add_argument("--depths", default="0,10,20,30,40,50,60,70,80,90,100",
+                        help="needle depths in percent (default: 0,10,...,100)")
+    ruler = tasks.add_parser("ruler", help="RULER-style synthetic tasks (NIAH single/multi-key/multi-value, vt, cwe, qa)")
+    _common(ruler, ALL_POLICIES)
+    from criticalkv.eval.ruler import TASKS as RULER_TASKS
+
+    ruler.add_argument("--tasks", default=",".join(RULER_TASKS), help=f"tasks (default: {','.join(RULER_TASKS)})")
+    pert = tasks.add_parser("perturbation", help="the paper's Section 5: head-wise and layer-wise output perturbation")
+    _common(pert, PAIR_POLICIES)
+    pert.add_argument("--prompts", choices=("needle", "ruler", "both"), default="both",
+                      help="where the prompts come from: the needle grid, the RULER-style tasks, or both (default)")
+    pert.add_argument("--depths", default="10,50,90", help="needle depths in percent for --prompts needle/both (default: 10,50,90)")
+    pert.add_argument("--tasks", default=",".join(RULER_TASKS), help="RULER-style tasks for --prompts ruler/both")
+    for sub in (needle, ruler, pert):
+        sub.set_defaults(func=run)
+    rep = tasks.add_parser(
+        "report",
+        help="redraw a finished run's markdown and figures from its JSON (needle/RULER summaries recomputed)",
+        description="Re-render <task>.md and the PNG figures of finished evaluations from their <task>.json, without "
+                    "running the model. For needle and RULER-style runs the summaries (scores, paired comparisons) "
+                    "are recomputed from the stored per-prompt scores and written back into the JSON.",
+    )
+    rep.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                     help="a results JSON, or a directory holding needle.json / ruler.json / perturbation.json")
+    rep.set_defaults(func=run_report)
+
+
+def run_report(args) -> int:
+    from criticalkv.eval.report import refresh
+
+    files = []
+    for path in args.paths:
+        if path.is_dir():
+            found = [path / f"{t}.json" for t in TASKS if (path / f"{t}.json").is_file()]
+            if not found:
+                raise ValueError(f"{path}: no needle.json, ruler.json or perturbation.json in this directory")
+            files += found
+        else:
+            files.append(path)
+    for f in files:
+        print(refresh(f))
+    return 0
+
+
+def _common(p: argparse.ArgumentParser, policies: str) -> None:
+    p.add_argument("--policies", default=policies,
+                   help="comma-separated policy specs: a name from the registry (" + ", ".join(POLICIES) + ") "
+                        "optionally with :knob=value overrides, e.g. criticalkv:stage2_scores=raw "
+                        f"(default: {policies})")
+    p.add_argument("--budgets", default="64,128,256", help="comma-separated budgets (default: 64,128,256)")
+    p.add_argument("--lengths", default="2048,4096", help="comma-separated prompt lengths in tokens (default: 2048,4096)")
+    p.add_argument("--samples", type=int, default=2, help="instances per length (and depth or task) (default: 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt generators (default: 0)")
+    p.add_argument("--out", type=Path, required=True, help="folder for the JSON, markdown and PNG results")
+    p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--no-chat", action="store_true", help="plain prompts instead of the model's chat template")
+    p.add_argument("--verify", type=int, default=0, metavar="N",
+                   help="re-run criticalkv.hf.generate on the first N prompts of each length and stop if any token "
+                        "differs (default: 0)")
+    p.add_argument("--resume", action="store_true", help="reuse the prompts already done in --out (same configuration)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; on a shared CPU 1 can be several times faster)")
+    KVPolicy.add_arguments(p)
+    # --policies and --budgets replace --kv-policy and --budget here: hide those two, refuse them if given
+    for action in p._actions:
+        if action.dest in ("name", "budget"):
+            action.help = argparse.SUPPRESS
+            action.default = None
+
+
+def base_policy_from_args(args) -> KVPolicy:
+    """The knobs every policy spec starts from (name and budget come from --policies / --budgets)."""
+    if args.name is not None or args.budget is not None:
+        raise ValueError("use --policies and --budgets to choose policies and budgets (not --kv-policy / --budget)")
+    knobs = {k: getattr(args, k) for k in KVPolicy.knob_names() if k not in ("name", "budget")}
+    return KVPolicy(name="full", **knobs)
+
+
+def canonical_command(args) -> str:
+    """The command line that reproduces this run (every evaluation option spelled out)."""
+    parts = ["criticalkv", "eval", args.task, "--policies", args.policies, "--budgets", args.budgets,
+             "--lengths", args.lengths, "--samples", str(args.samples), "--seed", str(args.seed)]
+    for opt in ("depths", "tasks", "prompts"):
+        if getattr(args, opt, None) is not None:
+            parts += [f"--{opt}", str(getattr(args, opt))]
+    if args.model:
+        parts += ["--model", args.model]
+    if args.no_chat:
+        parts.append("--no-chat")
+    if args.verify:
+        parts += ["--verify", str(args.verify)]
+    if args.threads is not None:
+        parts += ["--threads", str(args.threads)]
+    default = KVPolicy()
+    for f in dataclasses.fields(KVPolicy):
+        if f.name != "name" and f.name != "budget" and getattr(args, f.name) != getattr(default, f.name):
+            parts += [KVPolicy.flag_of(f.name), str(getattr(args, f.name))]
+    parts += ["--out", str(args.out)]
+    return " ".join(shlex.quote(x) for x in parts)
+
+
+def run(args) -> int:
+    from criticalkv.eval.io import prepare_out_dir
+    from criticalkv.eval.specs import check_lengths, expand_runs, parse_list
+
+    base = base_policy_from_args(args)
+    runs = expand_runs(args.policies, parse_list(args.budgets, "--budgets"), base)
+    lengths = parse_list(args.lengths, "--lengths")
+    check_lengths(lengths, runs)
+    if args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
+    if args.verify < 0:
+        raise ValueError(f"--verify must be >= 0, got {args.verify}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    depths = parse_list(args.depths, "--depths", float) if getattr(args, "depths", None) is not None else None
+    for d in depths or []:
+        if not 0 <= d <= 100:
+            raise ValueError(f"--depths: {d:g} is outside [0, 100] (depths are percentages)")
+    tasks = parse_list(args.tasks, "--tasks", str) if getattr(args, "tasks", None) is not None else None
+    if tasks is not None:
+        from criticalkv.eval.ruler import TASKS as RULER_TASKS
+
+        unknown = [t for t in tasks if t not in RULER_TASKS]
+        if unknown:
+            raise ValueError(f"--tasks: unknown task(s) {', '.join(unknown)}; choose from {', '.join(RULER_TASKS)}")
+    if args.task == "perturbation":
+        if args.resume:
+            raise ValueError("--resume: not supported by the perturbation analysis (its per-head arrays are not "
+                             "stored per prompt); it takes minutes, run it again")
+        runs = _with_bases(runs)
+    out = prepare_out_dir(args.out)
+
+    from criticalkv.commands.generate import stop_token_ids
+    from criticalkv.eval import report
+    from criticalkv.eval.io import environment
+    from criticalkv.hf import load_model
+    from criticalkv.hf.loading import resolve_model
+
+    started = time.time()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    chat = not args.no_chat
+    prompts = _prompts(args.task, tokenizer, lengths, depths, tasks, args.samples, args.seed, chat, getattr(args, "prompts", None))
+    config = {
+        "task": args.task,
+        "model": args.model or "smollm2-135m",
+        "lengths": lengths,
+        "depths": depths,
+        "tasks": tasks,
+        "prompts": getattr(args, "prompts", None),
+        "samples": args.samples,
+        "seed": args.seed,
+        "chat": chat,
+        "runs": {r.key: {"spec": r.spec, "budget": r.budget, "policy": r.policy.to_dict()} for r in runs},
+    }
+    meta = {
+        "command": canonical_command(args),
+        "config": config,
+        "environment": environment(),
+        "model": _model_info(model, resolve_model(args.model)),
+        "prompt_count": len(prompts),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+    }
+    path = out / f"{args.task}.json"
+    done, previous = _resumable(path, config) if args.resume else ({}, None)
+    if previous is not None:
+        meta["resumed"] = previous
+    writer = report.Writer(args.task, out, meta, runs, lengths, tasks)
+    from criticalkv.eval.runner import evaluate
+
+    records = evaluate(
+        model, tokenizer, prompts, runs,
+        stop_token_ids=stop_token_ids(tokenizer, model),
+        perturbation=args.task == "perturbation",
+        verify=args.verify,
+        progress=not args.no_progress,
+        done=done,
+        on_record=writer.partial,
+    )
+    meta["wall_s"] = time.time() - started
+    headline = writer.final(records, meta)
+    print(headline)
+    return 0
+
+
+def _with_bases(runs):
+    """The perturbation analysis compares each CriticalKV run with its base: add missing bases."""
+    from criticalkv.eval.perturbation import base_policy, same_selection
+    from criticalkv.eval.specs import PolicyRun
+
+    out = list(runs)
+    for run in runs:
+        base = base_policy(run.policy)
+        if base is not None and not any(same_selection(base, r.policy) for r in out):
+            spec = run.spec.split(":")[0]
+            out.append(PolicyRun(base.name if spec == run.policy.name else spec, run.budget, base))
+            print(f"criticalkv eval: adding {base.name}@{run.budget}, the base of {run.key}", file=sys.stderr)
+    if not any(base_policy(r.policy) for r in out):
+        raise ValueError("--policies: the perturbation analysis needs at least one CriticalKV policy "
+                         "(criticalkv, pyramid-criticalkv or ada-criticalkv)")
+    return out
+
+
+def _prompts(task, tokenizer, lengths, depths, tasks, samples, seed, chat, source):
+    from criticalkv.eval.needle import needle_prompts
+    from criticalkv.eval.ruler import ruler_prompts
+
+    if task == "needle":
+        return needle_prompts(tokenizer, lengths, depths, samples, seed, chat)
+    if task == "ruler":
+        return ruler_prompts(tokenizer, lengths, tasks, samples, seed, chat)
+    prompts = []
+    if source in ("needle", "both"):
+        prompts += needle_prompts(tokenizer, lengths, depths, samples, seed, chat)
+    if source in ("ruler", "both"):
+        prompts += ruler_prompts(tokenizer, lengths, tasks, samples, seed, chat)
+    # only the first decoding step matters here
+    return [dataclasses.replace(p, max_new_tokens=1) for p in prompts]
+
+
+def _portable(folder) -> str:
+    """The model folder as written into results: the user's home as ``~`` (results are committed)."""
+    path = Path(folder)
+    try:
+        return str(Path("~") / path.relative_to(Path.home()))
+    except ValueError:
+        return str(path)
+
+
+def _model_info(model, folder) -> dict:
+    c = model.config
+    return {
+        "folder": _portable(folder),
+        "model_type": c.model_type,
+        "layers": c.num_hidden_layers,
+        "heads": c.num_attention_heads,
+        "kv_heads": c.num_key_value_heads,
+        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        "hidden": c.hidden_size,
+        "dtype": str(model.dtype).replace("torch.", ""),
+    }
+
+
+def _resumable(path: Path, config: dict) -> tuple[dict, dict | None]:
+    """Records of an earlier (interrupted or complete) run with the same configuration, by prompt key,
+    and what is known about that run."""
+    if not path.is_file():
+        return {}, None
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}, None
+    if old.get("config") != json.loads(json.dumps(config)):
+        print(f"criticalkv eval: {path} has another configuration; starting afresh", file=sys.stderr)
+        return {}, None
+    records = {rec["key"]: rec for rec in old.get("records", [])}
+    return records, {"records": len(records), "complete": old.get("complete", False), "wall_s": old.get("wall_s"),
+                     "started": old.get("started")}

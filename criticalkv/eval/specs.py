@@ -1,0 +1,109 @@
+"""Policy specifications of an evaluation: ``--policies a,b:knob=value,...`` x ``--budgets``.
+
+A spec is a policy name from ``KVPolicy``'s registry, optionally followed by ``:knob=value`` overrides
+(``criticalkv:stage2_scores=raw``, ``ada-criticalkv:alpha=0.5:value_norm=l2``); the knobs not given
+come from the command's ``KVPolicy`` flags, the budget from ``--budgets``. ``full`` runs once,
+whatever the budgets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from criticalkv.policy import POLICIES, KVPolicy
+
+_TYPES = {f.name: f.type for f in dataclasses.fields(KVPolicy)}
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """One (policy spec, budget) cell of an evaluation; ``key`` names it in the results."""
+
+    spec: str
+    budget: int | None
+    policy: KVPolicy
+
+    @property
+    def key(self) -> str:
+        return self.spec if self.budget is None else f"{self.spec}@{self.budget}"
+
+
+def _convert(knob: str, text: str):
+    kind = _TYPES[knob]
+    kind = kind if isinstance(kind, str) else kind.__name__
+    try:
+        return {"int": int, "float": float, "str": str}[kind](text)
+    except ValueError:
+        raise ValueError(f"--policies: {knob}={text!r} is not a valid {kind}") from None
+
+
+def parse_policy_spec(spec: str, base: KVPolicy) -> KVPolicy:
+    """``name[:knob=value...]`` -> KVPolicy on top of ``base`` (its knobs are the defaults)."""
+    name, *overrides = spec.strip().split(":")
+    if name not in POLICIES:
+        raise ValueError(f"--policies: unknown KV policy {name!r}; choose from {', '.join(POLICIES)}")
+    changes: dict = {"name": name}
+    for item in overrides:
+        knob, sep, value = item.partition("=")
+        if not sep or not knob:
+            raise ValueError(f"--policies: {item!r} in {spec!r} is not knob=value")
+        if knob not in _TYPES or knob == "name":
+            knobs = ", ".join(k for k in _TYPES if k != "name")
+            raise ValueError(f"--policies: unknown knob {knob!r} in {spec!r}; choose from {knobs}")
+        if knob == "budget":
+            raise ValueError(f"--policies: give budgets with --budgets, not in {spec!r}")
+        changes[knob] = _convert(knob, value)
+    return base.replace(**changes)
+
+
+def parse_list(text: str, flag: str, kind=int) -> list:
+    """Comma-separated numbers; an empty list or a bad item is a clear error."""
+    items = [t.strip() for t in (text or "").split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{flag}: give at least one value (comma-separated)")
+    out = []
+    for t in items:
+        try:
+            out.append(kind(t))
+        except ValueError:
+            raise ValueError(f"{flag}: {t!r} is not a valid {kind.__name__}") from None
+    if len(set(out)) != len(out):
+        raise ValueError(f"{flag}: {text!r} repeats a value")
+    return out
+
+
+def expand_runs(policies: str, budgets: list[int], base: KVPolicy) -> list[PolicyRun]:
+    """Every (spec, budget) run; ``full`` once with budget None. Budgets are validated by KVPolicy."""
+    specs = [s.strip() for s in (policies or "").split(",") if s.strip()]
+    if not specs:
+        raise ValueError("--policies: give at least one policy (comma-separated)")
+    if len(set(specs)) != len(specs):
+        raise ValueError(f"--policies: {policies!r} repeats a policy")
+    if not budgets:
+        raise ValueError("--budgets: give at least one budget")
+    runs = []
+    for spec in specs:
+        policy = parse_policy_spec(spec, base)
+        if policy.name == "full":
+            runs.append(PolicyRun(spec, None, policy))
+            continue
+        for budget in budgets:
+            try:
+                runs.append(PolicyRun(spec, budget, policy.replace(budget=budget)))
+            except ValueError as err:
+                raise ValueError(f"--budgets: {budget} for {spec!r}: {err}") from None
+    return runs
+
+
+def check_lengths(lengths: list[int], runs: list[PolicyRun]) -> None:
+    """Every prompt must fill the window and be longer than every budget (else nothing is evicted)."""
+    for length in lengths:
+        for run in runs:
+            if length <= run.policy.window:
+                raise ValueError(f"--lengths: {length} is not longer than the window ({run.policy.window} tokens)")
+            if run.budget is not None and length <= run.budget:
+                raise ValueError(
+                    f"--lengths: {length} is not longer than the budget {run.budget} of {run.spec!r}: "
+                    "nothing would be evicted (use longer prompts or smaller budgets)"
+                )
