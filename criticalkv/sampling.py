@@ -49,3 +49,23 @@ class Sampler:
                 p = nucleus / nucleus.sum()
             out[b] = self.rng.choice(len(p), p=p)
         return out
+
+
+class Generated:
+    """Token ids generated per sequence of a batch. A sequence ends at its first stop token (kept in its
+    output); tokens sampled for it afterwards (the batch steps on) are not recorded."""
+
+    def __init__(self, first: np.ndarray, stop_token_ids):
+        self.stop = {int(t) for t in stop_token_ids}
+        self.tokens = [[int(t)] for t in first]
+        self.done = np.array([int(t) in self.stop for t in first])
+
+    def add(self, tokens: np.ndarray) -> None:
+        for b, t in enumerate(tokens):
+            if not self.done[b]:
+                self.tokens[b].append(int(t))
+                self.done[b] = int(t) in self.stop
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.done.all())

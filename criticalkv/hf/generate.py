@@ -12,7 +12,7 @@ import torch
 from criticalkv.hf.cache import packed_decoding
 from criticalkv.hf.compress import PrefillResult, prefill_and_compress
 from criticalkv.policy import KVPolicy
-from criticalkv.sampling import Sampler, SamplingConfig
+from criticalkv.sampling import Generated, Sampler, SamplingConfig
 
 
 @dataclass
@@ -58,10 +58,8 @@ def generate(
     sampler = Sampler(sampling)
     pre = prefill_and_compress(model, input_ids, policy, attention_mask, tail_capacity=max_new_tokens)
     batch = input_ids.shape[0]
-    stop = set(int(t) for t in stop_token_ids)
     tokens = sampler(pre.logits.float().cpu().numpy())
-    generated = [[int(t)] for t in tokens]
-    done = np.array([int(t) in stop for t in tokens])
+    generated = Generated(tokens, stop_token_ids)
     if on_tokens:
         on_tokens(tokens)
     positions = pre.prompt_lengths.clone().to(input_ids.device)
@@ -69,7 +67,7 @@ def generate(
     steps = 0
     start = time.perf_counter()
     with packed_decoding(model):
-        while steps < max_new_tokens - 1 and not done.all():
+        while steps < max_new_tokens - 1 and not generated.finished:
             out = model(
                 input_ids=torch.as_tensor(tokens, device=input_ids.device)[:, None],
                 position_ids=positions[:, None],
@@ -80,15 +78,12 @@ def generate(
             tokens = sampler(out.logits[:, -1].float().cpu().numpy())
             positions += 1
             steps += 1
-            for b in range(batch):
-                if not done[b]:
-                    generated[b].append(int(tokens[b]))
-                    done[b] = int(tokens[b]) in stop
+            generated.add(tokens)
             if on_tokens:
                 on_tokens(tokens)
     decode_s = time.perf_counter() - start
     return GenerationOutput(
-        tokens=generated,
+        tokens=generated.tokens,
         prompt_lengths=pre.prompt_lengths.tolist(),
         prefill_s=pre.prefill_s,
         selection_s=pre.selection_s,

@@ -7,7 +7,6 @@ model) into the user cache directory, ``$CRITICALKV_CACHE`` or ``$XDG_CACHE_HOME
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -17,6 +16,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from criticalkv.files import sha256_file
 
 #: ``model_type`` values whose attention criticalkv knows (they share LlamaAttention's layout).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -47,14 +48,6 @@ def bundled_gguf() -> Path:
     return path
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def convert_gguf(gguf: Path, progress: bool = True) -> Path:
     """Dequantise ``gguf`` once into a cached safetensors folder and return the folder.
 
@@ -63,7 +56,8 @@ def convert_gguf(gguf: Path, progress: bool = True) -> Path:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = cache_dir() / "models" / f"{gguf.stem}-{_file_digest(gguf)[:16]}"
+    digest = sha256_file(gguf)
+    target = cache_dir() / "models" / f"{gguf.stem}-{digest[:16]}"
     if (target / "config.json").is_file():
         return target
     if progress:
@@ -80,7 +74,7 @@ def convert_gguf(gguf: Path, progress: bool = True) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "criticalkv_source.json").write_text(json.dumps({"gguf": gguf.name, "sha256": _file_digest(gguf)}))
+        (tmp / "criticalkv_source.json").write_text(json.dumps({"gguf": gguf.name, "sha256": digest}))
         try:
             tmp.rename(target)
         except OSError:  # another process won the race: keep its copy

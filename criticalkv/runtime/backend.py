@@ -34,6 +34,26 @@ class PrefillOutputs:
     seconds: float
 
 
+class BuiltShapes:
+    """The built shapes a backend sizes its buffers with, read from the engine's manifest."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_batch: int
+    capacities: list[int]  # decode capacity per layer
+
+    def read_shapes(self, manifest: dict[str, Any]) -> None:
+        spec = manifest["model"]["spec"]
+        self.num_layers = spec["num_layers"]
+        self.kv_heads = spec["num_kv_heads"]
+        self.head_dim = spec["head_dim"]
+        self.vocab = spec["vocab_size"]
+        self.max_batch = manifest["build"]["max_batch_size"]
+        self.capacities = manifest["shapes"]["decode_capacity"]
+
+
 class Backend(Protocol):
     """What ``Engine`` needs of a backend."""
 

@@ -13,7 +13,7 @@ import numpy as np
 from criticalkv.policy import KVPolicy
 from criticalkv.runtime.backend import Backend, create_backend
 from criticalkv.runtime.manifest import EngineError, read_manifest
-from criticalkv.sampling import Sampler, SamplingConfig
+from criticalkv.sampling import Generated, Sampler, SamplingConfig
 
 
 @dataclass
@@ -140,7 +140,6 @@ class Engine:
                               f"got {max_new_tokens}")
         ids, mask = self._batch(prompts, attention_mask)
         lengths = mask.sum(1)
-        stop = set(int(t) for t in (self.eos_token_ids if stop_token_ids is None else stop_token_ids))
         sampler = Sampler(sampling)
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
         pre = self.backend.prefill(ids, mask, positions)
@@ -154,21 +153,17 @@ class Engine:
                 selection_s = selection_profile(trace)[-1].selection_s
                 os.remove(trace)
         tokens = sampler(pre.logits)
-        generated = [[int(t)] for t in tokens]
-        done = np.array([int(t) in stop for t in tokens])
+        generated = Generated(tokens, self.eos_token_ids if stop_token_ids is None else stop_token_ids)
         if on_tokens:
             on_tokens(tokens)
         self.backend.begin_decode(pre)
         steps = 0
         start = time.perf_counter()
-        while steps < max_new_tokens - 1 and not done.all():
+        while steps < max_new_tokens - 1 and not generated.finished:
             logits = self.backend.decode(tokens, lengths + steps)
             tokens = sampler(logits)
             steps += 1
-            for b in range(len(tokens)):
-                if not done[b]:
-                    generated[b].append(int(tokens[b]))
-                    done[b] = int(tokens[b]) in stop
+            generated.add(tokens)
             if on_tokens:
                 on_tokens(tokens)
         decode_s = time.perf_counter() - start
@@ -177,7 +172,7 @@ class Engine:
         full = per_entry * self.spec["num_kv_heads"] * int(lengths.sum()) * self.spec["num_layers"]
         kept = per_entry * sum(int(x.sum()) for x in pre.lengths)
         return GenerationResult(
-            tokens=generated,
+            tokens=generated.tokens,
             prompt_lengths=lengths.tolist(),
             prefill_s=pre.seconds,
             selection_s=selection_s,

@@ -6,11 +6,11 @@ complete); read and checked by ``criticalkv.runtime.Engine.load``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
+from criticalkv.files import sha256_file
 from criticalkv.policy import SCHEMA_VERSION, KVPolicy
 
 MANIFEST_FILE = "manifest.json"
@@ -21,14 +21,6 @@ FORMAT_VERSION = 1
 
 class EngineError(ValueError):
     """An engine directory, or a request to it, that cannot be served (the message says why)."""
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def file_table(folder: Path) -> dict[str, dict[str, Any]]:

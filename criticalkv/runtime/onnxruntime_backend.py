@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from criticalkv.runtime.backend import PrefillOutputs
+from criticalkv.runtime.backend import BuiltShapes, PrefillOutputs
 from criticalkv.runtime.manifest import EngineError
 
 #: Environment variable overriding ONNX Runtime's intra-op thread count (0 = ORT's default).
@@ -42,7 +42,7 @@ def _external_weights(onnx_path: Path) -> dict[str, np.ndarray]:
     return load_external_weights(model, onnx_path.parent)
 
 
-class OnnxRuntimeBackend:
+class OnnxRuntimeBackend(BuiltShapes):
     """Runs ``prefill.onnx`` and ``decode.onnx`` of an engine directory on ONNX Runtime (CPU by default)."""
 
     name = "onnxruntime"
@@ -61,13 +61,7 @@ class OnnxRuntimeBackend:
         self.ort = ort
         self.folder = Path(folder)
         self.manifest = manifest
-        spec = manifest["model"]["spec"]
-        self.num_layers = spec["num_layers"]
-        self.kv_heads = spec["num_kv_heads"]
-        self.head_dim = spec["head_dim"]
-        self.vocab = spec["vocab_size"]
-        self.max_batch = manifest["build"]["max_batch_size"]
-        self.capacities = manifest["shapes"]["decode_capacity"]
+        self.read_shapes(manifest)
         files = manifest["onnx"]["files"]
         if threads is None:
             threads = int(os.environ.get(THREADS_ENV, "0"))

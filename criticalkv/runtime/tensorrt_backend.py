@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from criticalkv.runtime.backend import PrefillOutputs
+from criticalkv.runtime.backend import BuiltShapes, PrefillOutputs
 from criticalkv.runtime.manifest import EngineError
 
 ENGINE_FOLDER = "tensorrt"
@@ -70,7 +70,7 @@ def engine_files(folder: Path, manifest: dict[str, Any]) -> tuple[Path, Path]:
     return paths
 
 
-class TensorRTBackend:
+class TensorRTBackend(BuiltShapes):
     """Runs the TensorRT prefill and decode engines of an engine directory on ``device``."""
 
     name = "tensorrt"
@@ -102,13 +102,7 @@ class TensorRTBackend:
         self.prefill_context = self.prefill_engine.create_execution_context()
         self.decode_context = self.decode_engine.create_execution_context()
         self.stream = torch.cuda.Stream(self.device)
-        spec = manifest["model"]["spec"]
-        self.num_layers = spec["num_layers"]
-        self.kv_heads = spec["num_kv_heads"]
-        self.head_dim = spec["head_dim"]
-        self.vocab = spec["vocab_size"]
-        self.max_batch = manifest["build"]["max_batch_size"]
-        self.capacities = manifest["shapes"]["decode_capacity"]
+        self.read_shapes(manifest)
         self.use_graphs = cuda_graphs
         self._allocate()
         self._device_prefill: dict[str, Any] | None = None

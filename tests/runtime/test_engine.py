@@ -105,3 +105,12 @@ def test_profiling_reports_the_selection_time(model, tmp_path):
     assert 0 < out.selection_s < out.prefill_s
     assert set(out.timings()) == {"prefill_s", "selection_s", "decode_s_per_token"}
     engine.close()
+
+
+def test_generated_ends_each_sequence_at_its_first_stop_token():
+    from criticalkv.sampling import Generated
+
+    g = Generated(np.array([5, 2]), stop_token_ids=[2, 9])
+    assert g.tokens == [[5], [2]] and not g.finished
+    g.add(np.array([9, 7]))  # sequence 1 already stopped: its 7 is not recorded
+    assert g.tokens == [[5, 9], [2]] and g.finished
