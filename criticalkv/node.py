@@ -1,8 +1,9 @@
 """The ``CriticalKVSelect`` node: the contract shared by the ONNX export, ONNX Runtime and TensorRT.
 
 One node per attention layer, in domain ``ai.criticalkv`` (opset version 1). Its attributes are the
-``KVPolicy`` knobs (generated from the dataclass, so they cannot drift) plus the layer's position
-and the static output capacity. See ``docs/operator.md`` for shapes and semantics.
+``KVPolicy`` knobs (generated from the dataclass, so they cannot drift) plus the layer's position,
+the static output capacity and ``layer_budgets`` (the layer's r_l for every per-request budget
+b = window .. budget). See ``docs/operator.md`` for shapes and semantics.
 
 Inputs (left-padded batch, post-RoPE):
   0 ``queries``        [B, H, w, d_h]   float  the last w = min(window, n) prompt queries
@@ -10,6 +11,10 @@ Inputs (left-padded batch, post-RoPE):
   2 ``values``         [B, H_kv, n, d_h] float
   3 ``o_proj_weight``  [d, H * d_h]     float  the layer's o_proj.weight (an initializer)
   4 ``prompt_lengths`` [B]              int32  valid tokens of each sequence (right-aligned)
+  5 ``kv_budget``      [1]              int32  the request's budget b, clamped to [min_budget, budget]
+                                               (``KVPolicy.min_budget``); the attribute ``budget`` is the
+                                               largest (it fixed the capacity). With b: a sequence is
+                                               compressed iff its length > b, r_l = layer_budgets[b - window].
 Outputs (cap = min(n, capacity)):
   0 ``kept_keys``      [B, H_kv, cap, d_h] float  kept keys in ascending position order, zero padded
   1 ``kept_values``    [B, H_kv, cap, d_h] float
@@ -24,15 +29,15 @@ from typing import Any
 import numpy as np
 
 from criticalkv.policy import KVPolicy
-from criticalkv.selection.budget import max_kept_per_head
+from criticalkv.selection.budget import layer_budget_table, max_kept_per_head
 
 DOMAIN = "ai.criticalkv"
 OP_TYPE = "CriticalKVSelect"
 OPSET_VERSION = 1
-INPUTS = ("queries", "keys", "values", "o_proj_weight", "prompt_lengths")
+INPUTS = ("queries", "keys", "values", "o_proj_weight", "prompt_lengths", "kv_budget")
 OUTPUTS = ("kept_keys", "kept_values", "kept_lengths", "kept_indices")
 #: Attributes beyond the policy knobs.
-LAYER_ATTRIBUTES = ("layer_idx", "num_layers", "capacity")
+LAYER_ATTRIBUTES = ("layer_idx", "num_layers", "capacity", "layer_budgets")
 
 
 def node_capacity(policy: KVPolicy, max_prompt_len: int, num_kv_heads: int, layer_idx: int, num_layers: int) -> int:
@@ -49,8 +54,10 @@ def node_capacity(policy: KVPolicy, max_prompt_len: int, num_kv_heads: int, laye
 
 
 def node_attributes(policy: KVPolicy, layer_idx: int, num_layers: int, capacity: int) -> dict[str, Any]:
-    """Attribute dict of one layer's node: every KVPolicy knob + layer_idx, num_layers, capacity."""
-    return {**policy.to_dict(), "layer_idx": layer_idx, "num_layers": num_layers, "capacity": capacity}
+    """Attribute dict of one layer's node: every KVPolicy knob + layer_idx, num_layers, capacity and
+    layer_budgets (this layer's r_l for every budget b = window .. budget, ``layer_budget_table``)."""
+    return {**policy.to_dict(), "layer_idx": layer_idx, "num_layers": num_layers, "capacity": capacity,
+            "layer_budgets": layer_budget_table(policy, layer_idx, num_layers)}
 
 
 def float32_to_decimal(value: float) -> float:

@@ -1,9 +1,12 @@
 """``KVPolicy``: the single source of truth for every knob of the KV selection operator.
 
+Each knob is declared once below: type, default, help, choices and validation rules
+(``criticalkv.spec.rules``); which methods read it is declared by the methods (``criticalkv.methods``).
 The command-line flags (``add_arguments``), the JSON form written into manifests
-(``to_dict``/``from_dict``), the attributes of the ONNX ``CriticalKVSelect`` node and the
-fields of the TensorRT plugin creator are all generated from the dataclass fields below,
-so they cannot drift apart (``tests/test_policy.py`` checks that they are one set).
+(``to_dict``/``from_dict``) and the attributes of the ONNX ``CriticalKVSelect`` node follow the
+dataclass at run time; the C++ field header and validation, the plugin YAML and the README table
+are generated from it by ``python -m criticalkv.spec.generate`` (``tests/test_spec_generated.py``
+checks that they are fresh, ``tests/test_policy.py`` that flags, JSON and fields are one set).
 """
 
 from __future__ import annotations
@@ -15,31 +18,27 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-#: Policy name -> (budget allocation "base method", whether stage 2 (CriticalKV) is on).
-POLICIES: dict[str, tuple[str, bool]] = {
-    "full": ("full", False),
-    "streamingllm": ("streamingllm", False),
-    "snapkv": ("snapkv", False),
-    "pyramidkv": ("pyramidkv", False),
-    "adakv": ("adakv", False),
-    "laprox": ("laprox", False),
-    "criticalkv": ("snapkv", True),
-    "pyramid-criticalkv": ("pyramidkv", True),
-    "ada-criticalkv": ("adakv", True),
-}
+from criticalkv import methods as _methods
+from criticalkv.spec.rules import (
+    MAX_TOKENS,
+    AtLeast,
+    AtMost,
+    Between,
+    Decimals,
+    NotAboveField,
+    NotBelowField,
+    Positive,
+    PositiveOdd,
+    Rule,
+    Scoped,
+)
+
+#: Policy name -> (base method, whether CriticalKV's two-stage refinement is on): the registry of
+#: ``criticalkv.methods``, which composes the method units.
+POLICIES: dict[str, tuple[str, bool]] = _methods.POLICIES
 
 #: One-line description of every policy, used by ``criticalkv policies`` and the README table.
-POLICY_DESCRIPTIONS: dict[str, str] = {
-    "full": "no eviction (reference)",
-    "streamingllm": "sink_tokens first tokens + the most recent budget - sink_tokens",
-    "snapkv": "every KV head keeps the window + top (budget - window) by pooled window attention",
-    "pyramidkv": "snapkv with per-layer budgets decreasing linearly (ratio pyramid_beta), same average",
-    "adakv": "snapkv scores, per-layer budget shared across heads (per-head floor ada_floor)",
-    "laprox": "layer-global ‖A col‖₂·‖V W_O^h‖₂ importance, per-head floor ada_floor",
-    "criticalkv": "snapkv budgets, two-stage: alpha by attention, rest by attention × ‖V W_O‖",
-    "pyramid-criticalkv": "pyramidkv budgets + CriticalKV two-stage selection",
-    "ada-criticalkv": "adakv budgets + CriticalKV two-stage selection inside each head's share",
-}
+POLICY_DESCRIPTIONS: dict[str, str] = {name: m.description for name, m in _methods.METHODS.items()}
 
 VALUE_NORMS = ("l1", "l2")
 GQA_REDUCES = ("mean", "kvpress")
@@ -48,9 +47,19 @@ STAGE2_SCORES = ("pooled", "raw")
 SCHEMA_VERSION = 1
 
 
-def _knob(default: Any, help: str, flag: str | None = None, choices: tuple | None = None) -> Any:
-    """A dataclass field carrying its CLI flag, help text and choices in its metadata."""
-    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
+def _knob(
+    default: Any, help: str, flag: str | None = None, choices: tuple | None = None, rules: tuple[Rule | Scoped, ...] = ()
+) -> Any:
+    """A dataclass field carrying its CLI flag, help text, choices and validation rules in its metadata.
+
+    ``rules`` are checked in order after the type and the choices (``criticalkv.spec.rules``); a
+    ``Scoped(rule, "reads")`` rule holds only for policies whose method reads the knob, ``"evicts"`` only
+    for policies that evict. The same rules are generated into the C++ validation.
+    """
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "rules": tuple(rules)})
+
+
+_WINDOW_REASON = "; the window is always kept, so the budget must be at least the window"
 
 
 @dataclass(frozen=True)
@@ -68,11 +77,15 @@ class KVPolicy:
     """
 
     name: str = _knob("criticalkv", "KV eviction policy", flag="--kv-policy", choices=tuple(POLICIES))
-    budget: int = _knob(256, "tokens kept per KV head (average over heads and layers), window included")
-    window: int = _knob(32, "observation window: the last prompt tokens whose queries score the rest; always kept")
-    pool_kernel: int = _knob(7, "odd max-pool kernel over token positions applied to window attention")
-    alpha: float = _knob(0.25, "CriticalKV stage-1 fraction of the selectable budget chosen by attention alone")
-    epsilon: float = _knob(1e-4, "CriticalKV stage-2 score is (attention + epsilon) × ‖V W_O‖")
+    budget: int = _knob(256, "tokens kept per KV head (average over heads and layers), window included",
+                        rules=(Positive(), Scoped(NotBelowField("window", _WINDOW_REASON), "evicts"), AtMost(MAX_TOKENS)))
+    window: int = _knob(32, "observation window: the last prompt tokens whose queries score the rest; always kept",
+                        rules=(Positive(), AtMost(MAX_TOKENS)))
+    pool_kernel: int = _knob(7, "odd max-pool kernel over token positions applied to window attention",
+                             rules=(PositiveOdd(), AtMost(MAX_TOKENS)))
+    alpha: float = _knob(0.25, "CriticalKV stage-1 fraction of the selectable budget chosen by attention alone",
+                         rules=(Between(0.0, 1.0), Decimals(6)))
+    epsilon: float = _knob(1e-4, "CriticalKV stage-2 score is (attention + epsilon) × ‖V W_O‖", rules=(AtLeast(0.0),))
     value_norm: str = _knob("l1", "norm of the projected value ‖V_i W_O^h‖", choices=VALUE_NORMS)
     gqa_reduce: str = _knob(
         "mean", "stage-2 GQA reduction: mean of per-head products, or kvpress: mean(P) * mean(N)", choices=GQA_REDUCES
@@ -80,9 +93,15 @@ class KVPolicy:
     stage2_scores: str = _knob(
         "pooled", "attention used in stage 2: max-pooled window mean (kvpress) or raw (paper Alg. 2)", choices=STAGE2_SCORES
     )
-    ada_floor: float = _knob(0.2, "adakv/laprox: fraction of the per-head share every head keeps by its own scores")
-    pyramid_beta: float = _knob(20.0, "pyramidkv: ratio between the first and the last layer's selectable budget")
-    sink_tokens: int = _knob(4, "streamingllm: number of leading attention-sink tokens kept")
+    ada_floor: float = _knob(0.2, "adakv/laprox: fraction of the per-head share every head keeps by its own scores",
+                             rules=(Between(0.0, 1.0), Decimals(6)))
+    pyramid_beta: float = _knob(20.0, "pyramidkv: ratio between the first and the last layer's selectable budget",
+                                rules=(AtLeast(1.0), Decimals(6)))
+    sink_tokens: int = _knob(4, "streamingllm: number of leading attention-sink tokens kept",
+                             rules=(AtLeast(0), Scoped(NotAboveField("budget"), "reads"), AtMost(MAX_TOKENS)))
+    stage1_mass: float = _knob(0.9, "defensivekv: stage 1 keeps each head's most-attended older tokens while their "
+                               "attention mass stays below stage1_mass minus the window's own mass (capped at the head's share)",
+                               rules=(Between(0.0, 1.0),))
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -98,40 +117,57 @@ class KVPolicy:
             choices = f.metadata.get("choices")
             if choices and value not in choices:
                 raise ValueError(f"{f.name}: {value!r} is not one of {', '.join(map(str, choices))}")
-        if self.window <= 0:
-            raise ValueError(f"window: must be a positive number of tokens, got {self.window}")
-        if self.budget <= 0:
-            raise ValueError(f"budget: must be a positive number of tokens, got {self.budget}")
-        if self.name != "full" and self.budget < self.window:
-            raise ValueError(
-                f"budget: {self.budget} is smaller than the window ({self.window}); the window is always kept, "
-                "so the budget must be at least the window"
-            )
-        if self.pool_kernel <= 0 or self.pool_kernel % 2 == 0:
-            raise ValueError(f"pool_kernel: must be a positive odd integer, got {self.pool_kernel}")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha: must lie in [0, 1], got {self.alpha}")
-        if self.epsilon < 0:
-            raise ValueError(f"epsilon: must be >= 0, got {self.epsilon}")
-        if not 0.0 <= self.ada_floor <= 1.0:
-            raise ValueError(f"ada_floor: must lie in [0, 1], got {self.ada_floor}")
-        if self.pyramid_beta < 1:
-            raise ValueError(f"pyramid_beta: must be >= 1, got {self.pyramid_beta}")
-        if self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens: must be >= 0, got {self.sink_tokens}")
-        if self.name == "streamingllm" and self.sink_tokens > self.budget:
-            raise ValueError(f"sink_tokens: {self.sink_tokens} exceeds the budget {self.budget}")
+        for f in dataclasses.fields(self):
+            for rule in f.metadata.get("rules", ()):
+                if isinstance(rule, Scoped):
+                    if not self._rule_applies(rule, f.name):
+                        continue
+                    rule = rule.rule
+                problem = rule.check(self, f.name)
+                if problem:
+                    raise ValueError(problem)
+
+    def _rule_applies(self, scoped: Scoped, knob: str) -> bool:
+        method = _methods.method_of(self.name)
+        return method.base.evicts if scoped.when == "evicts" else knob in method.knobs
 
     # ------------------------------------------------------------------ derived
     @property
+    def method(self) -> "_methods.Method":
+        """The policy's method (``criticalkv.methods``): a base method, optionally refined by two-stage."""
+        return _methods.method_of(self.name)
+
+    @property
     def base(self) -> str:
         """Budget-allocation base method: full, streamingllm, snapkv, pyramidkv, adakv or laprox."""
-        return POLICIES[self.name][0]
+        return self.method.base.name
 
     @property
     def two_stage(self) -> bool:
         """Whether CriticalKV's stage 2 (attention x projected-value norm) is on."""
-        return POLICIES[self.name][1]
+        return self.method.refine is not None
+
+    @property
+    def min_budget(self) -> int:
+        """Smallest budget this policy accepts with its other knobs (a per-request budget's lower bound)."""
+        low = self.window
+        if "sink_tokens" in self.method.knobs:
+            low = max(low, self.sink_tokens)
+        return low
+
+    def with_budget(self, kv_budget: int | None) -> "KVPolicy":
+        """This policy with a per-request budget in [min_budget, budget] (None: the built budget)."""
+        if kv_budget is None or kv_budget == self.budget:
+            return self
+        if isinstance(kv_budget, bool) or not isinstance(kv_budget, int):
+            raise ValueError(f"kv_budget: expected an integer, got {kv_budget!r}")
+        if self.method.base.evicts and not self.min_budget <= kv_budget <= self.budget:
+            raise ValueError(
+                f"kv_budget: {kv_budget} is outside [{self.min_budget}, {self.budget}] (the window and the built budget)"
+            )
+        if not self.method.base.evicts:
+            return self
+        return self.replace(budget=kv_budget)
 
     @property
     def selectable_budget(self) -> int:

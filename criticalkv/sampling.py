@@ -1,8 +1,11 @@
-"""Next-token choice shared by every backend: greedy, temperature and nucleus (top-p) sampling."""
+"""Next-token choice shared by every backend (greedy, temperature and nucleus (top-p) sampling), the
+per-sequence stop-token bookkeeping and the decode loop every generation path runs."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -69,3 +72,41 @@ class Generated:
     @property
     def finished(self) -> bool:
         return bool(self.done.all())
+
+
+def decode_loop(
+    step: Callable[[np.ndarray, int], np.ndarray],
+    first_tokens: np.ndarray,
+    max_new_tokens: int,
+    stop_token_ids,
+    sampler: Sampler,
+    on_tokens: Callable[[np.ndarray], None] | None = None,
+    force_first_step: bool = False,
+) -> tuple[Generated, int, float]:
+    """The decode loop every generation path shares (transformers path, runtime ``Engine``, evaluation).
+
+    ``first_tokens`` [B] are the tokens sampled from the prompt's logits; ``step(tokens, t)`` runs one
+    decoding forward of ``tokens`` [B] (the t-th new token after the prompt) and returns logits [B, vocab].
+    Decoding stops after ``max_new_tokens`` tokens or when every sequence produced a stop token.
+    ``force_first_step`` runs the first forward even when no second token is wanted (its output is then
+    not part of the result). Returns (the generated tokens, forwards run, seconds spent in the loop).
+    """
+    generated = Generated(first_tokens, stop_token_ids)
+    if on_tokens:
+        on_tokens(first_tokens)
+    tokens = first_tokens
+    steps = 0
+    start = time.perf_counter()
+    while True:
+        wanted = steps < max_new_tokens - 1 and not generated.finished
+        if not wanted and not (steps == 0 and force_first_step):
+            break
+        logits = step(tokens, steps)
+        steps += 1
+        if not wanted:
+            break
+        tokens = sampler(logits)
+        generated.add(tokens)
+        if on_tokens:
+            on_tokens(tokens)
+    return generated, steps, time.perf_counter() - start

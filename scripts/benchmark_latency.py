@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import numpy as np  # noqa: E402
 
 from criticalkv.export import BuildConfig  # noqa: E402
-from criticalkv.export.build import export_engine, package_versions  # noqa: E402
+from criticalkv.build import export_engine, package_versions  # noqa: E402
 from criticalkv.policy import KVPolicy  # noqa: E402
 from criticalkv.runtime import Engine, create_backend  # noqa: E402
 from criticalkv.runtime.profiling import selection_profile  # noqa: E402
@@ -45,16 +45,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "platform": platform.platform(),
-            "load_average_start": list(os.getloadavg())}
+    """The benchmarks' shared machine header (criticalkv.bench.machine): CPU model, cores, load average."""
+    from criticalkv.bench.machine import cpu_model, load_average
+
+    return {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "platform": platform.platform(),
+            "load_average_start": load_average()}
 
 
 def long_text() -> str:
@@ -137,26 +132,87 @@ def median(xs):
     return statistics.median(xs)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF folder or .gguf (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt-len", type=int, default=4096)
-    p.add_argument("--short-len", type=int, default=256, help="prompt of the full-cache decode baseline")
-    p.add_argument("--budget", type=int, default=256)
-    p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per repeat")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--memory-budgets", default="128,256,512,1024")
-    p.add_argument("--memory-prompts", default="1024,2048,4096")
+    p.add_argument("--prompt-len", type=int, default=4096,
+                   help="tokens of the long prompt of measurements 1 and 2 (default: 4096)")
+    p.add_argument("--short-len", type=int, default=256,
+                   help="prompt of the full-cache decode baseline, in tokens (default: 256)")
+    p.add_argument("--budget", type=int, default=256,
+                   help="CriticalKV budget of measurements 1 and 2, and the budget whose memory is measured at "
+                        "every --memory-prompts length (default: 256)")
+    p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per repeat (default: 32)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each measurement; medians are reported (default: 3)")
+    p.add_argument("--memory-budgets", default="128,256,512,1024",
+                   help="comma-separated budgets whose decode memory is measured after --prompt-len tokens "
+                        "(default: 128,256,512,1024)")
+    p.add_argument("--memory-prompts", default="1024,2048,4096",
+                   help="comma-separated prompt lengths whose decode memory is measured at --budget "
+                        "(default: 1024,2048,4096)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("CRITICALKV_ORT_THREADS", "0")),
-                   help="ONNX Runtime intra-op threads (0: its default)")
-    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_smollm2")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--replot", action="store_true", help="only redraw OUTPUT.png from OUTPUT.json")
-    args = p.parse_args(argv)
+                   help="ONNX Runtime intra-op threads (0: its default; default: $CRITICALKV_ORT_THREADS or 0)")
+    p.add_argument("--output", type=Path, required=True,
+                   help="results path without suffix: writes OUTPUT.json, OUTPUT.txt and OUTPUT.png (the committed "
+                        "results are benchmarks/results/cpu_smollm2 and cpu_smollm2_1thread: name them to "
+                        "replace them)")
+    p.add_argument("--no-plot", action="store_true", help="do not draw OUTPUT.png")
+    p.add_argument("--replot", action="store_true", help="only redraw OUTPUT.png from OUTPUT.json (no measurement)")
+    return p
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag}: expected positive integers, got {text!r}")
+    return values
+
+
+def check_args(args) -> None:
+    """Refuse settings the benchmark cannot run, before loading the model (one-line errors)."""
+    for flag in ("prompt_len", "short_len", "new_tokens", "repeats"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    for budget in [args.budget, *int_list(args.memory_budgets, "--memory-budgets")]:
+        policy = KVPolicy("criticalkv", budget=budget)  # its own checks (e.g. a budget below the window)
+        if policy.budget >= args.prompt_len:
+            raise ValueError(f"budget {budget} >= --prompt-len {args.prompt_len}: nothing would be evicted")
+    if max(int_list(args.memory_prompts, "--memory-prompts")) < args.budget:
+        raise ValueError(f"--memory-prompts: every length is below --budget {args.budget}: nothing would be evicted")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args, argv)
+    except (ValueError, OSError) as err:
+        print(f"benchmark_latency: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("benchmark_latency: interrupted; no results written", file=sys.stderr)
+        return 130
+
+
+def run(args, argv: list[str] | None) -> int:
     if args.replot:
-        results = json.loads(args.output.with_suffix(".json").read_text())
-        plot(results, argparse.Namespace(**{**results["settings"], "output": args.output}), args.output.with_suffix(".png"))
+        source = args.output.with_suffix(".json")
+        if not source.is_file():
+            raise FileNotFoundError(f"--replot: no {source} to redraw from "
+                                    "(run the benchmark with this --output first)")
+        try:
+            results = json.loads(source.read_text())
+            settings = results["settings"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"--replot: {source} is not this benchmark's results "
+                             f"({type(err).__name__}: {err})") from None
+        plot(results, argparse.Namespace(**{**settings, "output": args.output}), args.output.with_suffix(".png"))
         return 0
+    check_args(args)
 
     from criticalkv.hf import load_model
 
@@ -167,10 +223,11 @@ def main(argv: list[str] | None = None) -> int:
           f"load {info['machine']['load_average_start']}, ORT threads {args.threads or 'default'}", flush=True)
     model, tokenizer = load_model(args.model)
     all_ids = tokenizer(long_text())["input_ids"]
-    if len(all_ids) < args.prompt_len:
-        raise SystemExit(f"the benchmark text has only {len(all_ids)} tokens")
+    if len(all_ids) < max(args.prompt_len, *int_list(args.memory_prompts, "--memory-prompts")):
+        raise ValueError(f"the benchmark text has only {len(all_ids)} tokens; "
+                         "use shorter --prompt-len / --memory-prompts")
     ids = all_ids[: args.prompt_len]
-    memory_prompts = [int(x) for x in args.memory_prompts.split(",")]
+    memory_prompts = int_list(args.memory_prompts, "--memory-prompts")
     max_len = max([args.prompt_len, *memory_prompts])
     workdir = Path(tempfile.mkdtemp(prefix="criticalkv-bench-"))
     results: dict = {**info}
@@ -192,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(full.folder)
         # 3. decode memory: budgets at the long prompt, prompt lengths at the default budget
         memory = []
-        for budget in [int(x) for x in args.memory_budgets.split(",")]:
+        for budget in int_list(args.memory_budgets, "--memory-budgets"):
             engine = make_engine(model, tokenizer, KVPolicy("criticalkv", budget=budget),
                                  BuildConfig(max_len, args.new_tokens + 1), workdir, args.threads, False)
             prompts = memory_prompts if budget == args.budget else [args.prompt_len]
@@ -204,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         results["decode_memory"] = memory
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    results["machine"]["load_average_end"] = list(os.getloadavg())
+    from criticalkv.bench.machine import git_commit, load_average
+
+    results["machine"]["load_average_end"] = load_average()
+    results["commit"] = git_commit()
 
     # ------------------------------------------------------------------ summary
     l1, l2, base = results["criticalkv_l1"], results["criticalkv_l2"], results["full_short"]

@@ -4,7 +4,10 @@ ONNX Runtime, build TensorRT engines when TensorRT and a GPU are present, write 
 
     python scripts/build_engine.py --kv-policy criticalkv --budget 256 --output engines/smollm2-criticalkv
 
-Exits 0 when the ONNX Runtime engine is built, also when the TensorRT part is skipped (it says why).
+Exit status: 0 when the engine directory is written and the TensorRT engines were built or skipped
+(TensorRT, a GPU or the plugin is missing here: it says which); 3 when the engine directory is written
+(the ONNX Runtime engine is complete) but the TensorRT build failed (the error is printed and recorded
+as tensorrt.error in manifest.json); 2 on bad input; 130 when interrupted (nothing is written).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from criticalkv.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, sigterm_raises  # noqa: E402
 from criticalkv.export.exporter import EXPORT_DTYPES, BuildConfig  # noqa: E402
 from criticalkv.policy import KVPolicy  # noqa: E402
 
@@ -31,10 +35,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
                    help=f"largest batch (default: {defaults.max_batch_size})")
     p.add_argument("--dtype", choices=EXPORT_DTYPES, default=defaults.dtype,
-                   help="float32 (default). float16: TensorRT engines in fp16 from the fp32 graphs; ONNX Runtime runs fp32")
+                   help="precision of the TensorRT engines: float16 (default), bfloat16, or float32 (TF32 off: matches "
+                        "ONNX Runtime token for token). The ONNX graphs and ONNX Runtime are always fp32")
     p.add_argument("--attention-chunk", type=int, default=defaults.attention_chunk,
                    help=f"query block size of the prompt attention (default: {defaults.attention_chunk})")
-    p.add_argument("--force", action="store_true", help="rebuild even if the output exists")
+    p.add_argument("--force", action="store_true",
+                   help="rebuild, replacing the engine at --output; anything there that is not an engine directory "
+                   "(a file, other folders) is never replaced")
     p.add_argument("--skip-smoke-test", action="store_true", help="do not run the ONNX Runtime smoke generation")
     p.add_argument("--skip-tensorrt", action="store_true", help="do not try to build TensorRT engines")
     KVPolicy.add_arguments(p)
@@ -43,20 +50,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from criticalkv.export.build import build_engine
+    from criticalkv.build import build_engine
 
     try:
-        policy = KVPolicy.from_args(args)
-        config = BuildConfig(args.max_input_len, args.max_new_tokens, args.max_batch_size, args.dtype, args.attention_chunk)
-        build_engine(args.output, policy, config, model=args.model, force=args.force,
-                     smoke=not args.skip_smoke_test, tensorrt=not args.skip_tensorrt)
-    except (ValueError, FileNotFoundError) as err:
+        with sigterm_raises():
+            policy = KVPolicy.from_args(args)
+            config = BuildConfig(args.max_input_len, args.max_new_tokens, args.max_batch_size, args.dtype,
+                                 args.attention_chunk)
+            folder = build_engine(args.output, policy, config, model=args.model, force=args.force,
+                                  smoke=not args.skip_smoke_test, tensorrt=not args.skip_tensorrt)
+    except (ValueError, OSError) as err:
         print(f"build_engine: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("build_engine: interrupted; nothing was written", file=sys.stderr)
-        return 130
-    return 0
+        return EXIT_INTERRUPTED
+    except Terminated:
+        print("build_engine: terminated (SIGTERM); nothing was written", file=sys.stderr)
+        return EXIT_TERMINATED
+    from criticalkv.runtime.manifest import read_manifest
+
+    return 3 if (read_manifest(folder, verify=False).get("tensorrt") or {}).get("failed") else 0
 
 
 if __name__ == "__main__":

@@ -4,11 +4,16 @@
 #   bash scripts/build_plugin.sh                      # CPU machine / CI: TensorRT headers from the kernel-lens wheel
 #   TRT_INCLUDE_DIR=/usr/include/x86_64-linux-gnu bash scripts/build_plugin.sh   # GPU box with TensorRT installed
 #
-# Environment: TRT_INCLUDE_DIR (skip the header download), CKV_CUDA_ARCHS (default "80;90"),
+# Environment: TRT_INCLUDE_DIR (headers to use; see the search order below), TENSORRT_ROOT, CKV_CUDA_ARCHS (default "80;90"),
 # BUILD_DIR (default build/plugins), PYTHON (for `pip download`; default .venv/bin/python, else python3),
 # CKV_WERROR (default ON), CKV_BUILD_JOBS (default nproc).
 # The TensorRT headers are unpacked under build/ and never committed.
 set -euo pipefail
+case "${1:-}" in
+    -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+    "") ;;
+    *) echo "build_plugin.sh: error: unknown argument '$1' (it takes none; see --help)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 BUILD_DIR=${BUILD_DIR:-build/plugins}
@@ -23,22 +28,45 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
     export PATH=/usr/local/cuda/bin:$PATH
 fi
 
+# TensorRT headers, first found wins (no network needed except for the last step):
+#   1. TRT_INCLUDE_DIR;  2. an installed TensorRT (TENSORRT_ROOT/include, /usr/include/x86_64-linux-gnu,
+#   /usr/include, /usr/local/tensorrt/include);  3. headers unpacked earlier into build/trt-headers;
+#   4. a kernel-lens wheel placed in build/trt-headers (offline copy);  5. `pip download` of that wheel.
+HEADERS=build/trt-headers
+if [ -n "${TRT_INCLUDE_DIR:-}" ]; then
+    if [ ! -f "$TRT_INCLUDE_DIR/NvInfer.h" ]; then
+        echo "build_plugin.sh: error: TRT_INCLUDE_DIR=$TRT_INCLUDE_DIR has no NvInfer.h" >&2
+        exit 2
+    fi
+else
+    for candidate in ${TENSORRT_ROOT:+"$TENSORRT_ROOT/include"} /usr/include/x86_64-linux-gnu /usr/include \
+                     /usr/local/tensorrt/include; do
+        if [ -f "$candidate/NvInfer.h" ]; then TRT_INCLUDE_DIR=$candidate; break; fi
+    done
+fi
 if [ -z "${TRT_INCLUDE_DIR:-}" ]; then
-    HEADERS=build/trt-headers
     TRT_INCLUDE_DIR=$ROOT/$HEADERS/kernel_lens/include/tensorrt
     if [ ! -f "$TRT_INCLUDE_DIR/NvInfer.h" ]; then
-        echo "fetching TensorRT 10 headers ($KERNEL_LENS) into $HEADERS"
-        rm -rf "$HEADERS" && mkdir -p "$HEADERS"
-        "$PYTHON" -m pip download --quiet --no-deps --dest "$HEADERS" "$KERNEL_LENS"
+        mkdir -p "$HEADERS"
+        if ! ls "$HEADERS"/kernel_lens-*.whl >/dev/null 2>&1; then
+            echo "fetching TensorRT 10 headers ($KERNEL_LENS) into $HEADERS"
+            if ! "$PYTHON" -m pip download --quiet --no-deps --dest "$HEADERS" "$KERNEL_LENS"; then
+                echo "build_plugin.sh: error: no TensorRT headers found and $KERNEL_LENS could not be downloaded" \
+                     "(offline?). Set TRT_INCLUDE_DIR to the folder holding NvInfer.h, or copy the" \
+                     "kernel_lens-2.0.1 wheel into $HEADERS" >&2
+                exit 2
+            fi
+        fi
         "$PYTHON" - "$HEADERS" <<'PY'
 import glob, sys, zipfile
 folder = sys.argv[1]
-wheel = glob.glob(f"{folder}/kernel_lens-*.whl")[0]
+wheel = sorted(glob.glob(f"{folder}/kernel_lens-*.whl"))[-1]
 with zipfile.ZipFile(wheel) as z:
     z.extractall(folder, [n for n in z.namelist() if n.startswith("kernel_lens/include/tensorrt/")])
 PY
     fi
 fi
+echo "TensorRT headers: $TRT_INCLUDE_DIR"
 
 GENERATOR=()
 command -v ninja >/dev/null 2>&1 && GENERATOR=(-G Ninja)

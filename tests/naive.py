@@ -59,6 +59,8 @@ def naive_select(p, q, k, v, o, layer_idx=0, num_layers=1):
         return [sorted(keep)] * kv_heads
     w = min(p.window, n)
     m = n - w
+    if p.base == "defensivekv":
+        return naive_defensive_select(p, q, k, v, o, min(layer_selectable_budget(p, layer_idx, num_layers), m))
     S, C, L = naive_scores(p, q, k, v, o)
     r = min(layer_selectable_budget(p, layer_idx, num_layers), m)
     older = [range(m)] * kv_heads
@@ -81,3 +83,62 @@ def naive_select(p, q, k, v, o, layer_idx=0, num_layers=1):
         if p.two_stage:
             chosen = [two_stage(g, len(chosen[g])) for g in range(kv_heads)]
     return [sorted(c | set(range(m, n))) for c in chosen]
+
+
+def naive_defensive_scores(p, q, k, v, o):
+    """DefensiveKV, loop by loop: defensive score D, stage-1 mass M [H_kv, m] and the layer's window mass."""
+    heads, _, d = q.shape
+    kv_heads, n, _ = k.shape
+    group = heads // kv_heads
+    w = min(p.window, n)
+    m = n - w
+    half = p.pool_kernel // 2
+    worst = np.zeros((kv_heads, m))
+    mean_attention = np.zeros((kv_heads, m))
+    norms = np.zeros((kv_heads, m))
+    window_mass = 0.0
+    for h in range(heads):
+        g = h // group
+        for j in range(w):
+            visible = n - w + j + 1
+            logits = q[h, -w + j] @ k[g, :visible].T / math.sqrt(d)
+            e = np.exp(logits - logits.max())
+            row = np.zeros(n)
+            row[:visible] = e / e.sum()
+            older = row[:m]
+            window_mass += row[m:].sum() / (heads * w)
+            mean_attention[g] += older / (group * w)
+            box = np.array([older[max(0, i - half) : i + half + 1].sum() / p.pool_kernel for i in range(m)])
+            pooled = box / box.sum() * older.sum()
+            worst[g] = np.maximum(worst[g], pooled)
+        proj = v[g, :m] @ o[:, h * d : (h + 1) * d].T
+        norms[g] += (np.abs(proj).sum(1) if p.value_norm == "l1" else np.sqrt((proj**2).sum(1))) / group
+    D = np.zeros((kv_heads, m))
+    M = np.zeros((kv_heads, m))
+    for g in range(kv_heads):
+        D[g] = np.maximum(worst[g], worst[g].mean()) * norms[g] / norms[g].sum()
+        M[g] = mean_attention[g] / mean_attention[g].sum()
+    return D, M, window_mass
+
+
+def naive_defensive_select(p, q, k, v, o, r):
+    """defensivekv: stage 1 by cumulative mass (< stage1_mass - window mass, at most r), then AdaKV sharing."""
+    kv_heads, n, _ = k.shape
+    m = n - min(p.window, n)
+    D, M, window_mass = naive_defensive_scores(p, q, k, v, o)
+    first = []
+    for g in range(kv_heads):
+        order = sorted(range(m), key=lambda i: (-M[g, i], i))
+        total, chosen = 0.0, set()
+        for i in order:
+            total += M[g, i]
+            if total >= p.stage1_mass - window_mass or len(chosen) == r:
+                break
+            chosen.add(i)
+        first.append(chosen)
+    rank = {(g, i): D[g, i] + (2.0 if i in first[g] else 0.0) for g in range(kv_heads) for i in range(m)}
+    floor = head_floor(p.ada_floor, r)
+    safe = [top({i: rank[g, i] for i in range(m)}, floor, list(range(m))) for g in range(kv_heads)]
+    pool = {key: value for key, value in rank.items() if key[1] not in safe[key[0]]}
+    shared = top(pool, kv_heads * (r - floor), list(pool))
+    return [sorted(safe[g] | {i for (gg, i) in shared if gg == g} | set(range(m, n))) for g in range(kv_heads)]

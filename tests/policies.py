@@ -16,6 +16,8 @@ POLICY_CASES = [
     ("criticalkv-kvpress", dict(name="criticalkv", gqa_reduce="kvpress", alpha=0.5)),
     ("pyramid-criticalkv", dict(name="pyramid-criticalkv")),
     ("ada-criticalkv", dict(name="ada-criticalkv")),
+    ("defensivekv", dict(name="defensivekv")),
+    ("defensivekv-mass0.2", dict(name="defensivekv", stage1_mass=0.2)),
 ]
 
 #: Two-stage policies and the base method alpha = 1 must reduce them to.

@@ -30,11 +30,20 @@ def test_generate_json_on_the_bundled_model():
     assert "7481" in out["text"]
 
 
+@pytest.mark.parametrize("args", [
+    ["--prompt", "What is the capital of France?", "--chat"],  # shorter than the window
+    ["--prompt-file", str(NEEDLE), "--budget", "4096"],  # longer than the window, within the budget
+])
+def test_a_prompt_within_the_budget_is_kept_whole(args):
+    run = cli("generate", *args, "--max-new-tokens", "4", "--json")
+    out = json.loads(run.stdout)
+    assert out["kept_whole"] and out["kv_bytes"]["kept_fraction"] == 1.0 and out["new_tokens"] >= 1
+    assert f"the prompt ({out['prompt_tokens']} tokens) fits in the budget" in run.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--prompt", "Hello there, how are you?"], "fewer than the window"),
-        (["--prompt-file", str(NEEDLE), "--budget", "4096"], "nothing would be evicted"),
         (["--prompt-file", "missing.txt"], "no such prompt file"),
         (["--prompt-file", str(NEEDLE), "--model", "missing.gguf"], "no such model folder"),
         (["--prompt-file", str(NEEDLE), "--budget", "16"], "smaller than the window"),

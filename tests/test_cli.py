@@ -1,7 +1,12 @@
+import errno
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
+import pytest
 import torch
 
 from criticalkv import KVPolicy, select_layer
@@ -37,3 +42,100 @@ def test_select_reports_user_errors_without_traceback(tmp_path):
         capture_output=True, text=True,
     )
     assert run.returncode == 2 and "budget: 8 is smaller than the window" in run.stderr
+
+
+def _files(tmp_path):
+    """The bad inputs of the table below, written into ``tmp_path``."""
+    (tmp_path / "text.pt").write_text("hello")
+    (tmp_path / "text.npz").write_text("hello")
+    (tmp_path / "bad_config").mkdir()
+    (tmp_path / "bad_config" / "config.json").write_text("{not json")
+    (tmp_path / "no_weights").mkdir()
+    (tmp_path / "no_weights" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 128}))
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)))
+    (tmp_path / "folder").mkdir()
+
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is usable here")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["select", "{tmp}/text.pt"], "{tmp}/text.pt: not a tensor file saved with torch.save ("),
+    (["select", "{tmp}/text.npz"], "{tmp}/text.npz: not a .npz file of arrays ("),
+    (["generate", "--model", "{tmp}/bad_config", "--prompt", "hi"], "bad_config/config.json' is not a valid JSON file"),
+    (["generate", "--model", "{tmp}/no_weights", "--prompt", "hi"], "no file named model.safetensors"),
+    pytest.param(["generate", "--device", "cuda", "--prompt", "hi"], "--device cuda: not usable with this torch",
+                 marks=NO_CUDA),
+    (["generate", "--device", "gpu0", "--prompt", "hi"], "--device gpu0: not usable with this torch"),
+    (["generate", "--backend", "tensorrt", "--prompt", "hi"], "--backend tensorrt: only with --engine-dir"),
+    (["generate", "--engine-dir", "{tmp}/e", "--dtype", "float16", "--prompt", "hi"],
+     "--dtype and --engine-dir exclude each other"),
+    (["generate", "--engine-dir", "{tmp}/e", "--device", "cpu", "--prompt", "hi"],
+     "--device and --engine-dir exclude each other"),
+    (["generate", "--engine-dir", "{tmp}/e", "--model", "m", "--prompt", "hi"],
+     "--model and --engine-dir exclude each other"),
+    (["generate", "--prompt-file", "{tmp}/binary.txt"], "--prompt-file {tmp}/binary.txt: not UTF-8 text (byte 128"),
+    (["generate", "--prompt-file", "{tmp}/folder"], "--prompt-file {tmp}/folder: is a directory, not a text file"),
+    (["generate", "--prompt-file", "{tmp}/none.txt"], "--prompt-file {tmp}/none.txt: no such prompt file"),
+])
+def test_bad_inputs_give_one_line_naming_the_culprit(tmp_path, capsys, argv, message):
+    _files(tmp_path)
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"criticalkv {argv[0]}: error: ")
+    assert message.format(tmp=tmp_path) in err
+
+
+def test_every_command_explains_itself_in_plain_text():
+    """Each subcommand's --help has a description, and none shows docstring markup."""
+    import argparse
+
+    from criticalkv.cli import build_parser
+
+    def walk(parser, name):
+        yield name, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    yield from walk(child, f"{name} {sub}")
+
+    helps = dict(walk(build_parser(), "criticalkv"))
+    assert {"criticalkv eval needle", "criticalkv eval ruler", "criticalkv eval perturbation",
+            "criticalkv select"} <= set(helps)
+    for name, parser in helps.items():
+        assert parser.description, name
+        text = parser.format_help()
+        assert "``" not in text and ":func:" not in text, name
+        assert all(action.help for action in parser._actions if action.option_strings), name
+
+
+def test_version(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"criticalkv {metadata.version('criticalkv')}"
+
+
+@pytest.mark.parametrize("sig, code, line", [
+    (signal.SIGINT, 130, "criticalkv generate: interrupted"),
+    (signal.SIGTERM, 143, "criticalkv generate: terminated (SIGTERM)"),
+])
+def test_ctrl_c_and_sigterm_end_a_command_with_one_line(tmp_path, sig, code, line):
+    """The prompt file is a FIFO: the command blocks reading it, in the middle of its work, when the signal comes."""
+    fifo = tmp_path / "prompt"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "criticalkv.cli", "generate", "--prompt-file", str(fifo)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while True:  # opening the write end succeeds once the command has opened the read end
+        try:
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as err:
+            assert err.errno == errno.ENXIO and proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    os.close(writer)
+    assert proc.returncode == code and err.strip() == line and out == ""

@@ -19,8 +19,9 @@ def test_defaults_follow_the_paper():
 def test_registry_maps_names_to_base_and_stage2():
     assert set(POLICIES) == {
         "full", "streamingllm", "snapkv", "pyramidkv", "adakv", "laprox",
-        "criticalkv", "pyramid-criticalkv", "ada-criticalkv",
+        "criticalkv", "pyramid-criticalkv", "ada-criticalkv", "defensivekv", "layer-defensivekv",
     }
+    assert KVPolicy("layer-defensivekv").base == "layer-defensivekv" and not KVPolicy("defensivekv").two_stage
     assert KVPolicy("pyramid-criticalkv").base == "pyramidkv" and KVPolicy("pyramid-criticalkv").two_stage
     assert KVPolicy("ada-criticalkv").base == "adakv" and not KVPolicy("adakv").two_stage
 
@@ -33,6 +34,8 @@ def test_registry_maps_names_to_base_and_stage2():
         (dict(budget=-5), "budget"),
         (dict(budget=16, window=32), "budget"),
         (dict(window=0), "window"),
+        (dict(name="defensivekv", stage1_mass=1.5), "stage1_mass"),
+        (dict(stage1_mass=-0.1), "stage1_mass"),
         (dict(window=-1), "window"),
         (dict(alpha=-0.1), "alpha"),
         (dict(alpha=1.5), "alpha"),

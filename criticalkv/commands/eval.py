@@ -15,38 +15,50 @@ import sys
 import time
 from pathlib import Path
 
+from criticalkv.eval.specs import default_policy_specs
 from criticalkv.policy import POLICIES, KVPolicy
 
 TASKS = ("needle", "ruler", "perturbation")
-RAW = "stage2_scores=raw"
-ALL_POLICIES = ",".join(
-    ["full", "streamingllm", "laprox", "snapkv", "criticalkv", f"criticalkv:{RAW}", "pyramidkv", "pyramid-criticalkv",
-     f"pyramid-criticalkv:{RAW}", "adakv", "ada-criticalkv", f"ada-criticalkv:{RAW}"]
-)
-PAIR_POLICIES = ",".join(
-    ["snapkv", "criticalkv", f"criticalkv:{RAW}", "pyramidkv", "pyramid-criticalkv", f"pyramid-criticalkv:{RAW}",
-     "adakv", "ada-criticalkv", f"ada-criticalkv:{RAW}"]
-)
+ALL_POLICIES = ",".join(default_policy_specs())
+PAIR_POLICIES = ",".join(default_policy_specs(pairs_only=True))
+
+
+#: What every task's --help says about how it runs and where results go (plain text: argparse shows it as is).
+SHARED = ("Every (policy, budget) runs on the same prompts with one shared prefill per prompt; results go to "
+          "--out DIR as JSON (written after every prompt; --resume continues a stopped run, --overwrite replaces "
+          "earlier results), a markdown table and PNG figures next to it.")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "eval",
         help="evaluate KV policies: needle-in-a-haystack, RULER-style tasks, perturbation analysis",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Quality evaluations of the KV policies on the bundled model (or --model), offline. " + SHARED,
     )
     tasks = p.add_subparsers(dest="task", metavar="TASK", required=True)
-    needle = tasks.add_parser("needle", help="needle-in-a-haystack grid (lengths x depths), heatmap like the paper's Figure 8")
+    needle = tasks.add_parser(
+        "needle", help="needle-in-a-haystack grid (lengths x depths), heatmap like the paper's Figure 8",
+        description="Needle-in-a-haystack: a passcode hidden at each depth (--depths, percent) of prompts of each "
+                    "length (--lengths); accuracy table and a heatmap per policy and budget like the paper's Figure 8. "
+                    + SHARED)
     _common(needle, ALL_POLICIES)
     needle.add_argument("--depths", default="0,10,20,30,40,50,60,70,80,90,100",
                         help="needle depths in percent (default: 0,10,...,100)")
-    ruler = tasks.add_parser("ruler", help="RULER-style synthetic tasks (NIAH single/multi-key/multi-value, vt, cwe, qa)")
+    ruler = tasks.add_parser(
+        "ruler", help="RULER-style synthetic tasks (NIAH single/multi-key/multi-value, vt, cwe, qa)",
+        description="RULER-style synthetic tasks (--tasks): single-key, multi-key and multi-value needles, variable "
+                    "tracking, common-words extraction and question answering over documents; a score per task and "
+                    "the average. " + SHARED)
     _common(ruler, ALL_POLICIES)
     from criticalkv.eval.ruler import TASKS as RULER_TASKS
 
     ruler.add_argument("--tasks", default=",".join(RULER_TASKS), help=f"tasks (default: {','.join(RULER_TASKS)})")
-    pert = tasks.add_parser("perturbation", help="the paper's Section 5: head-wise and layer-wise output perturbation")
+    pert = tasks.add_parser(
+        "perturbation", help="the paper's Section 5: head-wise and layer-wise output perturbation",
+        description="The paper's Section 5 at the first decoding token: per layer and head the L1 perturbation of "
+                    "the attention output against the full cache for each base method and its CriticalKV variants "
+                    "(bases are added when missing), the fraction of heads where CriticalKV is lower, and the "
+                    "perturbation of every layer's hidden state. " + SHARED)
     _common(pert, PAIR_POLICIES)
     pert.add_argument("--prompts", choices=("needle", "ruler", "both"), default="both",
                       help="where the prompts come from: the needle grid, the RULER-style tasks, or both (default)")
@@ -99,6 +111,9 @@ def _common(p: argparse.ArgumentParser, policies: str) -> None:
                    help="re-run criticalkv.hf.generate on the first N prompts of each length and stop if any token "
                         "differs (default: 0)")
     p.add_argument("--resume", action="store_true", help="reuse the prompts already done in --out (same configuration)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace results already in --out (without it, finished or partial results there are refused "
+                        "unless --resume continues them)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; on a shared CPU 1 can be several times faster)")
@@ -171,7 +186,26 @@ def run(args) -> int:
             raise ValueError("--resume: not supported by the perturbation analysis (its per-head arrays are not "
                              "stored per prompt); it takes minutes, run it again")
         runs = _with_bases(runs)
+    if args.resume and args.overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
     out = prepare_out_dir(args.out)
+    if args.task != "perturbation":  # its partial JSON lacks the per-head arrays: nothing to continue from
+        args.stop_hint = f"the prompts finished so far are in {out / (args.task + '.json')} (continue with --resume)"
+    chat = not args.no_chat
+    config = {
+        "task": args.task,
+        "model": args.model or "smollm2-135m",
+        "lengths": lengths,
+        "depths": depths,
+        "tasks": tasks,
+        "prompts": getattr(args, "prompts", None),
+        "samples": args.samples,
+        "seed": args.seed,
+        "chat": chat,
+        "runs": {r.key: {"spec": r.spec, "budget": r.budget, "policy": r.policy.to_dict()} for r in runs},
+    }
+    path = out / f"{args.task}.json"
+    done, previous = _earlier_results(path, config, args.resume, args.overwrite)
 
     from criticalkv.commands.generate import stop_token_ids
     from criticalkv.eval import report
@@ -185,20 +219,7 @@ def run(args) -> int:
 
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    chat = not args.no_chat
     prompts = _prompts(args.task, tokenizer, lengths, depths, tasks, args.samples, args.seed, chat, getattr(args, "prompts", None))
-    config = {
-        "task": args.task,
-        "model": args.model or "smollm2-135m",
-        "lengths": lengths,
-        "depths": depths,
-        "tasks": tasks,
-        "prompts": getattr(args, "prompts", None),
-        "samples": args.samples,
-        "seed": args.seed,
-        "chat": chat,
-        "runs": {r.key: {"spec": r.spec, "budget": r.budget, "policy": r.policy.to_dict()} for r in runs},
-    }
     meta = {
         "command": canonical_command(args),
         "config": config,
@@ -207,8 +228,6 @@ def run(args) -> int:
         "prompt_count": len(prompts),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
     }
-    path = out / f"{args.task}.json"
-    done, previous = _resumable(path, config) if args.resume else ({}, None)
     if previous is not None:
         meta["resumed"] = previous
     writer = report.Writer(args.task, out, meta, runs, lengths, tasks)
@@ -231,8 +250,9 @@ def run(args) -> int:
 
 def _with_bases(runs):
     """The perturbation analysis compares each CriticalKV run with its base: add missing bases."""
-    from criticalkv.eval.perturbation import base_policy, same_selection
     from criticalkv.eval.specs import PolicyRun
+    from criticalkv.methods import same_selection
+    from criticalkv.methods import unrefined as base_policy
 
     out = list(runs)
     for run in runs:
@@ -287,18 +307,33 @@ def _model_info(model, folder) -> dict:
     }
 
 
-def _resumable(path: Path, config: dict) -> tuple[dict, dict | None]:
-    """Records of an earlier (interrupted or complete) run with the same configuration, by prompt key,
-    and what is known about that run."""
-    if not path.is_file():
+def _earlier_results(path: Path, config: dict, resume: bool, overwrite: bool) -> tuple[dict, dict | None]:
+    """Records already in ``path`` to continue from (by prompt key) and what is known about their run.
+
+    Results already there are never replaced silently: ``--resume`` continues them when the configuration
+    is the same, ``--overwrite`` replaces them, and anything else is refused with what is there.
+    """
+    if not path.exists():
         return {}, None
+    if overwrite:
+        print(f"criticalkv eval: replacing {path} (--overwrite)", file=sys.stderr)
+        return {}, None
+    choices = "pass " if config["task"] == "perturbation" else "pass --resume to continue them (same configuration) or "
     try:
         old = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}, None
-    if old.get("config") != json.loads(json.dumps(config)):
-        print(f"criticalkv eval: {path} has another configuration; starting afresh", file=sys.stderr)
-        return {}, None
-    records = {rec["key"]: rec for rec in old.get("records", [])}
+        records = {rec["key"]: rec for rec in old.get("records", [])}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError) as err:
+        raise ValueError(f"--out: {path} holds results that cannot be read ({err}); pass --overwrite to replace "
+                         "them, or choose another --out") from None
+    state = "complete" if old.get("complete") else f"partial: {len(records)} of {old.get('prompt_count', '?')} prompts"
+    if not resume:
+        raise ValueError(f"--out: {path} already holds results ({state}); {choices}--overwrite to replace them, "
+                         "or choose another --out")
+    stored, wanted = old.get("config"), json.loads(json.dumps(config))
+    if stored != wanted:
+        stored = stored if isinstance(stored, dict) else {}
+        differs = ", ".join(sorted(k for k in set(wanted) | set(stored) if stored.get(k) != wanted.get(k))) or "format"
+        raise ValueError(f"--resume: {path} holds results ({state}) of another configuration (differs in: {differs}); "
+                         "pass --overwrite to replace them, or choose another --out")
     return records, {"records": len(records), "complete": old.get("complete", False), "wall_s": old.get("wall_s"),
                      "started": old.get("started")}

@@ -27,15 +27,20 @@ def register(subparsers) -> None:
     p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--engine-dir", type=Path,
                    help="run an engine built by scripts/build_engine.py (ONNX Runtime or TensorRT) instead of PyTorch")
-    p.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
-                   help="with --engine-dir: ONNX Runtime (CPU, default) or the TensorRT engines (GPU, CUDA graphs)")
+    p.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default=None,
+                   help="with --engine-dir only: ONNX Runtime (CPU, default) or the TensorRT engines "
+                        "(GPU, CUDA graphs)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as the user turn of the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default: float32)")
-    p.add_argument("--device", default="cpu", help="torch device for the PyTorch path (default: cpu)")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="model dtype of the PyTorch path (default: float32; not with --engine-dir, whose dtype is "
+                        "fixed when it is built)")
+    p.add_argument("--device", default=None,
+                   help="torch device of the PyTorch path, e.g. cpu, cuda, cuda:1 "
+                        "(default: cpu; not with --engine-dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     KVPolicy.add_arguments(p)
     p.set_defaults(func=run)
@@ -45,9 +50,16 @@ def read_prompt(args) -> str:
     if args.prompt is not None:
         text = args.prompt
     else:
-        if not args.prompt_file.is_file():
-            raise FileNotFoundError(f"{args.prompt_file}: no such prompt file")
-        text = args.prompt_file.read_text(encoding="utf-8")
+        path = args.prompt_file
+        if path.is_dir():
+            raise ValueError(f"--prompt-file {path}: is a directory, not a text file")
+        if not path.exists():
+            raise FileNotFoundError(f"--prompt-file {path}: no such prompt file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {err.start}: {err.reason}); "
+                             "give a text file") from None
     if not text.strip():
         raise ValueError("the prompt is empty")
     return text
@@ -62,17 +74,10 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
-def check_prompt_fits(policy: KVPolicy, prompt_len: int) -> None:
-    """The CLI refuses runs that would compress nothing or could not fill the window."""
-    if policy.name == "full":
-        return
-    if prompt_len < policy.window:
-        raise ValueError(f"the prompt has {prompt_len} tokens, fewer than the window ({policy.window}); use a longer prompt")
-    if policy.budget >= prompt_len:
-        raise ValueError(
-            f"budget {policy.budget} >= prompt length {prompt_len}: nothing would be evicted "
-            "(use --kv-policy full, or a budget below the prompt length)"
-        )
+def kept_whole(policy: KVPolicy, prompt_len: int) -> bool:
+    """Whether a prompt of ``prompt_len`` tokens keeps its whole KV cache: under ``full``, or when it fits
+    in the budget (``select_layer`` keeps such a sequence whole; shorter than the window included)."""
+    return policy.name == "full" or prompt_len <= policy.budget
 
 
 def stop_token_ids(tokenizer, model) -> list[int]:
@@ -87,6 +92,9 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int], timings: dict, kv_full: int, kv_kept: int, backend: str) -> None:
     stops = set(args.stop_ids)
     text = tokenizer.decode([t for t in tokens if t not in stops], skip_special_tokens=True)
+    if policy.name != "full" and kept_whole(policy, prompt_len):
+        print(f"[criticalkv] the prompt ({prompt_len} tokens) fits in the budget ({policy.budget}): "
+              "its KV cache is kept whole, nothing is evicted", file=sys.stderr)
     if args.json:
         print(json.dumps({
             "text": text,
@@ -98,6 +106,7 @@ def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int]
             "policy": policy.to_dict(),
             "timings": timings,
             "kv_bytes": {"full": kv_full, "kept": kv_kept, "kept_fraction": kv_kept / kv_full if kv_full else 1.0},
+            "kept_whole": kept_whole(policy, prompt_len),
         }))
     else:
         print(f"\n[criticalkv] {backend} | prompt {prompt_len} tokens | KV kept {kv_kept / 2**20:.2f} of "
@@ -122,8 +131,14 @@ def run_engine(args) -> int:
     """``--engine-dir``: the engine runtime (criticalkv.runtime) on ONNX Runtime or TensorRT."""
     from criticalkv.runtime import Engine
 
-    if args.model is not None:
-        raise ValueError("--model and --engine-dir exclude each other: the engine directory holds its model")
+    for flag, value, why in (
+        ("--model", args.model, "the engine directory holds its model"),
+        ("--dtype", args.dtype, "the engine's dtype is fixed when it is built (build_engine.py --dtype)"),
+        ("--device", args.device, "the backend chooses the device (--backend)"),
+    ):
+        if value is not None:
+            raise ValueError(f"{flag} and --engine-dir exclude each other: {why}")
+    args.backend = args.backend or "onnxruntime"
     sampling = SamplingConfig(args.temperature, args.top_p, args.seed)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -136,7 +151,6 @@ def run_engine(args) -> int:
         policy = engine_policy(args, engine.policy)
         tokenizer = engine.tokenizer
         ids = encode_prompt(tokenizer, text, args.chat)
-        check_prompt_fits(policy, len(ids))
         args.stop_ids = engine.eos_token_ids
         args.model = engine.manifest["model"]["name"]
         stream = None if args.json else _streamer(tokenizer, args.stop_ids)
@@ -167,13 +181,31 @@ def _streamer(tokenizer, stop_ids):
     return stream
 
 
+def torch_device(name: str):
+    """``torch.device(name)`` after checking that this torch can use it (one-line error otherwise)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"--device {name}: not usable with this torch {torch.__version__} ({reason})") from None
+    return device
+
+
 def run(args) -> int:
     if args.engine_dir is not None:
         return run_engine(args)
+    if args.backend is not None:
+        raise ValueError(f"--backend {args.backend}: only with --engine-dir (without it generate runs the PyTorch "
+                         "model; build an engine with scripts/build_engine.py)")
     import torch
 
     from criticalkv.hf import generate, load_model
 
+    args.dtype = args.dtype or "float32"
+    args.device = torch_device(args.device or "cpu")
     policy = KVPolicy.from_args(args)
     sampling = SamplingConfig(args.temperature, args.top_p, args.seed)
     if args.max_new_tokens < 1:
@@ -182,7 +214,6 @@ def run(args) -> int:
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     model.to(args.device)
     ids = encode_prompt(tokenizer, text, args.chat)
-    check_prompt_fits(policy, len(ids))
     args.stop_ids = stop_token_ids(tokenizer, model)
     out = generate(
         model, torch.tensor([ids], device=args.device), policy, args.max_new_tokens,

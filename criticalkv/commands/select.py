@@ -22,11 +22,17 @@ REQUIRED = ("queries", "keys", "values", "o_proj_weight")
 def load_layer_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    if path.suffix == ".npz":
-        with np.load(path) as data:
-            tensors = {k: torch.from_numpy(data[k]) for k in data.files}
-    else:
-        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        if path.suffix == ".npz":
+            with np.load(path) as data:
+                tensors = {k: torch.from_numpy(data[k]) for k in data.files}
+        else:
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # whatever the loader trips on, the file is the culprit
+        kind = ".npz file of arrays" if path.suffix == ".npz" else "tensor file saved with torch.save"
+        reason = type(err).__name__ + (": " + str(err).strip().splitlines()[0] if str(err).strip() else "")
+        raise ValueError(f"{path}: not a {kind} ({reason})") from None
+    if path.suffix != ".npz":
         if not isinstance(tensors, dict):
             raise ValueError(f"{path}: expected a dict of tensors, got {type(tensors).__name__}")
     missing = [k for k in REQUIRED if k not in tensors]
@@ -39,7 +45,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "select",
         help="run the reference KV selection on one layer's saved tensors and print the kept indices",
-        description=__doc__,
+        description=__doc__.replace("``", ""),  # the docstring's markup is not for a terminal
         formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
     )
     p.add_argument("inputs", type=Path, help=".pt or .npz file with queries, keys, values, o_proj_weight")

@@ -10,15 +10,14 @@ the same order, so the generated tokens are identical to ``criticalkv.hf.generat
 ``tests/eval/test_eval_engine.py`` checks this for every policy of the shared table on a tiny model, and
 ``--verify N`` re-checks it on the first N real prompts of a run (and refuses to go on otherwise).
 
-The selection's scores do not depend on the budget either. ``ScoreBank`` computes each layer's
-window attention, pooled scores and projected-value norms once and hands every policy the
-``LayerScores`` that ``criticalkv.selection.layer_scores`` would compute (bit-identical: the same
-functions on the same tensors), and ``select_from_bank`` is ``select_layer`` for one unpadded prompt
-on top of them (tested equal to ``select_layer`` for every policy, budget and window).
+The selection's scores do not depend on the budget either. ``ScoreBank`` holds a ``ScoreMemo`` of the
+prompt, and ``select_from_bank`` is ``select_layer`` itself with that memo: each layer's window
+attention, pooled scores and projected-value norms are computed once for every policy and budget.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -30,17 +29,8 @@ from criticalkv.hf.cache import CompressedKVCache, CompressedLayer, packed_decod
 from criticalkv.hf.compress import hooked_prefill, window_queries
 from criticalkv.hf.loading import check_supported
 from criticalkv.policy import KVPolicy
-from criticalkv.sampling import Sampler
-from criticalkv.selection import (
-    LayerScores,
-    LayerSelection,
-    layer_selectable_budget,
-    mask_to_indices,
-    max_pool_positions,
-    value_projection_norms,
-    window_attention,
-)
-from criticalkv.selection.layer import choose_older_tokens
+from criticalkv.sampling import Sampler, decode_loop
+from criticalkv.selection import LayerScores, LayerSelection, ScoreMemo, layer_scores, select_layer, select_model
 
 
 @dataclass
@@ -109,111 +99,52 @@ def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int]) -> Sh
 
 
 class ScoreBank:
-    """Budget-independent per-layer scores of one prompt, computed once and shared by every policy.
+    """One prompt's memoised score inputs, shared by every policy and budget of an evaluation.
 
-    ``scores(policy, layer)`` returns exactly ``criticalkv.selection.layer_scores(policy, ...)`` for
-    the unpadded prompt, built from the same functions on the same tensors in the same order.
+    Selection is ``criticalkv.selection.select_layer`` itself with this bank's ``ScoreMemo``: each layer's
+    window attention, pooled scores and projected-value norms are computed once and reused.
     """
 
     def __init__(self, prefill: SharedPrefill):
         self.prefill = prefill
-        self._raw: dict = {}
-        self._pooled: dict = {}
-        self._norms: dict = {}
-        self._result: dict = {}
-        self.seconds = 0.0
+        self.memo = ScoreMemo()
 
-    def _probs_raw(self, layer: int, w: int, g: int):
-        key = (layer, w, g)
-        if key not in self._raw:
-            q = self.prefill.queries[w][layer]
-            k_all = self.prefill.keys[layer]
-            batch, num_heads = q.shape[:2]
-            num_kv_heads, n = k_all.shape[1], k_all.shape[2]
-            group = num_heads // num_kv_heads
-            m = n - w
-            k = k_all[:, g : g + 1].expand(batch, group, n, k_all.shape[-1])
-            valid_start = torch.zeros(batch, dtype=torch.int64, device=k_all.device)
-            probs = window_attention(q[:, g * group : (g + 1) * group], k, valid_start)[..., :m]  # [B, G, w, m]
-            self._raw[key] = (probs, probs.mean(dim=2))
-        return self._raw[key]
+    @property
+    def seconds(self) -> float:
+        """Time spent computing scores so far (memoised ones count once)."""
+        return self.memo.seconds
 
-    def _pooled_g(self, layer: int, w: int, kernel: int, g: int):
-        key = (layer, w, kernel, g)
-        if key not in self._pooled:
-            self._pooled[key] = max_pool_positions(self._probs_raw(layer, w, g)[1], kernel)
-        return self._pooled[key]
-
-    def _norms_g(self, layer: int, w: int, kind: str, g: int):
-        key = (layer, w, kind, g)
-        if key not in self._norms:
-            values = self.prefill.values[layer]
-            num_heads = self.prefill.queries[w][layer].shape[1]
-            group = num_heads // values.shape[1]
-            m = values.shape[2] - w
-            heads = range(g * group, (g + 1) * group)
-            self._norms[key] = value_projection_norms(values[..., :m, :], self.prefill.o_proj[layer], num_heads, kind, heads)
-        return self._norms[key]
+    def layer_inputs(self, policy: KVPolicy, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(queries [1, H, w, d_h], keys, values [1, H_kv, n, d_h], o_proj [d, H * d_h]) of ``layer`` for ``policy``."""
+        w = min(policy.window, self.prefill.n)
+        p = self.prefill
+        if w in p.queries:
+            q = p.queries[w][layer]
+        else:  # a method that does not score reads no queries: zeros of the shape select_layer checks
+            some = next(iter(p.queries.values()))[layer]
+            if policy.method.base.scored:
+                raise ValueError(f"window {w}: the shared prefill kept window queries for {sorted(p.queries)} only")
+            q = some.new_zeros(some.shape[0], some.shape[1], w, some.shape[3])
+        return q, p.keys[layer], p.values[layer], p.o_proj[layer]
 
     def scores(self, policy: KVPolicy, layer: int) -> LayerScores:
-        """The LayerScores of ``policy`` for ``layer`` (the policy's window and scoring knobs)."""
-        n = self.prefill.n
-        w = min(policy.window, n)
-        key = (layer, w, policy.pool_kernel, policy.two_stage, policy.base == "laprox", policy.value_norm,
-               policy.stage2_scores, policy.gqa_reduce, policy.epsilon)
-        if key in self._result:
-            return self._result[key]
-        start = time.perf_counter()
-        keys = self.prefill.keys[layer]
-        batch, num_kv_heads = keys.shape[:2]
-        m = n - w
-        attention = torch.empty(batch, num_kv_heads, m, dtype=torch.float32, device=keys.device)
-        critical = torch.empty_like(attention) if policy.two_stage else None
-        laprox = torch.empty_like(attention) if policy.base == "laprox" else None
-        for g in range(num_kv_heads):
-            probs, raw = self._probs_raw(layer, w, g)
-            pooled = self._pooled_g(layer, w, policy.pool_kernel, g)
-            attention[:, g] = pooled.mean(dim=1)
-            if critical is not None:
-                norms = self._norms_g(layer, w, policy.value_norm, g)
-                p = pooled if policy.stage2_scores == "pooled" else raw
-                if policy.gqa_reduce == "mean":
-                    critical[:, g] = ((p + policy.epsilon) * norms).mean(dim=1)
-                else:
-                    critical[:, g] = (p.mean(dim=1) + policy.epsilon) * norms.mean(dim=1)
-            if laprox is not None:
-                laprox[:, g] = (probs.norm(dim=2) * self._norms_g(layer, w, "l2", g)).sum(dim=1)
-        result = LayerScores(attention=attention, critical=critical, laprox=laprox)
-        self._result[key] = result
-        self.seconds += time.perf_counter() - start
-        return result
+        """``criticalkv.selection.layer_scores`` of ``policy`` for ``layer`` (memoised)."""
+        q, k, v, o = self.layer_inputs(policy, layer)
+        valid_start = torch.zeros(k.shape[0], dtype=torch.int64, device=k.device)
+        return layer_scores(policy, q, k, v, o, valid_start, self.memo, layer)
 
 
 def select_from_bank(policy: KVPolicy, bank: ScoreBank, layer: int) -> LayerSelection:
-    """``select_layer(policy, ...)`` for layer ``layer`` of the bank's (unpadded, batch 1) prompt."""
-    prefill = bank.prefill
-    keys = prefill.keys[layer]
-    batch, num_kv_heads, n, _ = keys.shape
-    device = keys.device
-    if policy.name == "full" or n <= policy.budget:
-        return LayerSelection(*mask_to_indices(torch.ones(batch, num_kv_heads, n, dtype=torch.bool, device=device)))
-    pos = torch.arange(n, device=device)
-    if policy.base == "streamingllm":
-        chosen = ((pos < policy.sink_tokens) | (pos >= n - (policy.budget - policy.sink_tokens)))
-        chosen = chosen[None, None, :].expand(batch, num_kv_heads, n)
-    else:
-        w = min(policy.window, n)
-        m = n - w
-        eligible = torch.ones(batch, num_kv_heads, m, dtype=torch.bool, device=device)
-        r_layer = layer_selectable_budget(policy, layer, prefill.num_layers)
-        older = choose_older_tokens(policy, bank.scores(policy, layer), eligible, r_layer)
-        window = torch.ones(batch, num_kv_heads, w, dtype=torch.bool, device=device)
-        chosen = torch.cat([older, window], dim=-1)
-    return LayerSelection(*mask_to_indices(chosen))
+    """``select_layer(policy, ...)`` for layer ``layer`` of the bank's (unpadded, batch 1) prompt, memoised scores."""
+    q, k, v, o = bank.layer_inputs(policy, layer)
+    return select_layer(policy, q, k, v, o, layer, bank.prefill.num_layers, memo=bank.memo)
 
 
 def select_all_layers(policy: KVPolicy, bank: ScoreBank) -> list[LayerSelection]:
-    return [select_from_bank(policy, bank, layer) for layer in range(bank.prefill.num_layers)]
+    """``select_model`` over the bank's layers (memoised scores): every layer's selection, model-level methods
+    (the budget shared across layers) included."""
+    layers = [bank.layer_inputs(policy, layer) for layer in range(bank.prefill.num_layers)]
+    return select_model(policy, layers, memo=bank.memo)
 
 
 @dataclass
@@ -252,40 +183,26 @@ def decode(
     ]
     cache = CompressedKVCache(layers, seen_tokens=prefill.n)
     sampler = Sampler(None)
-    stop = {int(t) for t in stop_token_ids}
-    tokens = sampler(prefill.logits.float().cpu().numpy())
-    generated = [int(tokens[0])]
-    done = int(tokens[0]) in stop
     device = prefill.input_ids.device
-    positions = torch.full((1,), prefill.n, device=device)
     dummy_mask = torch.zeros(1, 1, 1, 1, dtype=model.dtype, device=device)
-    steps = 0
-    start = time.perf_counter()
+
+    def step(tokens, t):
+        ctx = first_step() if (t == 0 and first_step is not None) else contextlib.nullcontext()
+        with ctx:
+            out = model(
+                input_ids=torch.as_tensor(tokens, device=device)[:, None],
+                position_ids=torch.full((1, 1), prefill.n + t, device=device),
+                attention_mask=dummy_mask,
+                past_key_values=cache,
+                use_cache=True,
+            )
+        return out.logits[:, -1].float().cpu().numpy()
+
     with packed_decoding(model):
-        while (steps < max_new_tokens - 1 and not done) or (steps == 0 and force_first_step):
-            wanted = steps < max_new_tokens - 1 and not done
-            ctx = first_step() if (steps == 0 and first_step is not None) else None
-            if ctx is not None:
-                ctx.__enter__()
-            try:
-                out = model(
-                    input_ids=torch.as_tensor(tokens, device=device)[:, None],
-                    position_ids=positions[:, None],
-                    attention_mask=dummy_mask,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-            finally:
-                if ctx is not None:
-                    ctx.__exit__(None, None, None)
-            steps += 1
-            if not wanted:
-                break
-            tokens = sampler(out.logits[:, -1].float().cpu().numpy())
-            positions += 1
-            generated.append(int(tokens[0]))
-            done = int(tokens[0]) in stop
-    return Decoded(tokens=generated, decode_s=time.perf_counter() - start, steps=steps, cache=cache)
+        first = sampler(prefill.logits.float().cpu().numpy())
+        generated, steps, seconds = decode_loop(step, first, max_new_tokens, stop_token_ids, sampler,
+                                                force_first_step=force_first_step)
+    return Decoded(tokens=generated.tokens[0], decode_s=seconds, steps=steps, cache=cache)
 
 
 def kept_fraction(selections: Sequence[LayerSelection], n: int) -> float:

@@ -34,10 +34,8 @@ import torch
 
 from criticalkv.hf.compress import window_queries
 from criticalkv.policy import KVPolicy
-from criticalkv.selection import LayerSelection, stage1_count, topk_mask
-
-#: CriticalKV policy -> its attention-only base method (alpha = 1).
-BASE_OF = {"criticalkv": "snapkv", "pyramid-criticalkv": "pyramidkv", "ada-criticalkv": "adakv"}
+from criticalkv.methods.two_stage import stage1_counts
+from criticalkv.selection import LayerSelection, topk_mask
 
 
 class FirstStepRecorder:
@@ -179,12 +177,12 @@ def stage1_masks(policy: KVPolicy, bank, selections: list[LayerSelection]) -> li
     w = min(policy.window, n)
     masks = []
     for layer, sel in enumerate(selections):
-        if policy.name == "full" or n <= policy.budget:
+        if not policy.method.base.evicts or n <= policy.budget:
             masks.append(keep_with_token(sel, n))
             continue
         scores = bank.scores(policy, layer)
         r = (sel.lengths - w).clamp_min(0)
-        first = torch.tensor([stage1_count(policy.alpha, int(x)) for x in r.flatten().tolist()]).reshape(r.shape)
+        first = stage1_counts(policy.alpha, r)
         eligible = torch.ones_like(scores.attention, dtype=torch.bool)
         stage1 = topk_mask(scores.attention, first, eligible)  # [1, H_kv, m]
         ones = torch.ones(*stage1.shape[:2], w + 1, dtype=torch.bool)
@@ -204,25 +202,3 @@ def layer_perturbation(ref: FullReference, recorder: FirstStepRecorder) -> dict:
         "final_l1": final,
         "final_rel": final / float(ref.final.abs().sum()),
     }
-
-
-def base_policy(policy: KVPolicy) -> KVPolicy | None:
-    """The attention-only base method of a CriticalKV policy (same budget, window, allocation knobs)."""
-    base = BASE_OF.get(policy.name)
-    return None if base is None else policy.replace(name=base)
-
-
-def same_selection(a: KVPolicy, b: KVPolicy) -> bool:
-    """Whether two policies select the same entries (knobs a policy ignores do not count)."""
-    relevant = ["name", "budget", "window"]
-    if a.base not in ("full", "streamingllm"):
-        relevant += ["pool_kernel"]
-    if a.two_stage:
-        relevant += ["alpha", "epsilon", "value_norm", "gqa_reduce", "stage2_scores"]
-    if a.base in ("adakv", "laprox"):
-        relevant += ["ada_floor"]
-    if a.base == "pyramidkv":
-        relevant += ["pyramid_beta"]
-    if a.base == "streamingllm":
-        relevant += ["sink_tokens"]
-    return all(getattr(a, k) == getattr(b, k) for k in relevant)

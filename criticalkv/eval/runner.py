@@ -3,11 +3,13 @@
 ``evaluate`` returns one record per prompt (what each run answered, its score, timings and, with
 ``perturbation``, the analysis of ``criticalkv.eval.perturbation``) and calls ``on_record`` after
 each prompt so that the command can write its results file incrementally (and ``--resume`` can skip
-the prompts already done). Progress goes to a tqdm bar on standard error.
+the prompts already done). Progress goes to standard error: a tqdm bar on a terminal, one line per
+prompt otherwise (a log file gets no carriage-return bars).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -64,7 +66,9 @@ def evaluate(
     records: list[dict] = []
     verified: dict[int, int] = {}
     todo = sum(1 for p in prompts if p.key not in done)
-    bar = tqdm(total=todo * len(runs), disable=not progress, unit="run", dynamic_ncols=True, desc="eval")
+    terminal = sys.stderr.isatty()
+    bar = tqdm(total=todo * len(runs), disable=not (progress and terminal), unit="run", dynamic_ncols=True, desc="eval")
+    started, finished = time.perf_counter(), 0
     try:
         for prompt in prompts:
             if prompt.key in done:
@@ -75,6 +79,10 @@ def evaluate(
             record = _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, perturbation, check, bar)
             verified[prompt.length] = verified.get(prompt.length, 0) + check
             records.append(record)
+            finished += 1
+            if progress and not terminal:
+                print(f"eval: {finished}/{todo} prompts ({prompt.key}, {len(runs)} runs), "
+                      f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
             if on_record is not None:
                 on_record(records)
     finally:

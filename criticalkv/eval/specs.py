@@ -38,6 +38,24 @@ def _convert(knob: str, text: str):
         raise ValueError(f"--policies: {knob}={text!r} is not a valid {kind}") from None
 
 
+def default_policy_specs(pairs_only: bool = False) -> list[str]:
+    """Every policy of the registry, each two-stage one also with ``stage2_scores=raw``, grouped by base method.
+
+    ``pairs_only``: only the two-stage policies and the bases they refine (the perturbation analysis).
+    """
+    from criticalkv.methods import BASE_METHODS, METHODS
+
+    specs = []
+    for base in BASE_METHODS.values():
+        refined = [m.name for m in METHODS.values() if m.base is base and m.refine is not None]
+        if pairs_only and not refined:
+            continue
+        specs.append(base.name)
+        for name in refined:
+            specs += [name, f"{name}:stage2_scores=raw"]
+    return specs
+
+
 def parse_policy_spec(spec: str, base: KVPolicy) -> KVPolicy:
     """``name[:knob=value...]`` -> KVPolicy on top of ``base`` (its knobs are the defaults)."""
     name, *overrides = spec.strip().split(":")

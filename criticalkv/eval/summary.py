@@ -12,16 +12,16 @@ from typing import Sequence
 
 import numpy as np
 
-from criticalkv.eval.perturbation import base_policy, same_selection
 from criticalkv.eval.scoring import mean_ci, paired_comparison
 from criticalkv.eval.specs import PolicyRun
+from criticalkv.methods import same_selection, unrefined
 
 
 def pairs(runs: Sequence[PolicyRun]) -> list[tuple[PolicyRun, PolicyRun]]:
     """(variant, base) run pairs present in ``runs``."""
     out = []
     for run in runs:
-        base = base_policy(run.policy)
+        base = unrefined(run.policy)
         if base is None:
             continue
         match = [r for r in runs if same_selection(base, r.policy)]

@@ -1,6 +1,6 @@
 """Hugging Face Llama-family model -> ONNX prefill / decode graphs with the ``CriticalKVSelect`` node.
 
-``export_model`` writes the graphs; ``criticalkv.export.build.build_engine`` (``scripts/build_engine.py``)
+``export_model`` writes the graphs; ``criticalkv.build.build_engine`` (``scripts/build_engine.py``)
 adds validation, a smoke test on ONNX Runtime, the TensorRT step and the manifest.
 """
 

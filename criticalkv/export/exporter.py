@@ -9,7 +9,7 @@ import onnx
 
 from criticalkv.export.graph import IR_VERSION, OPSET
 from criticalkv.export.llama import ModelSpec, build_decode, build_prefill, collect_weights, layer_capacities, model_spec
-from criticalkv.export.weights import WEIGHTS_FILE
+from criticalkv.weights import WEIGHTS_FILE
 from criticalkv.node import DOMAIN, OPSET_VERSION
 from criticalkv.policy import KVPolicy
 
@@ -17,7 +17,8 @@ PREFILL_FILE = "prefill.onnx"
 PREFILL_TENSORRT_FILE = "prefill_tensorrt.onnx"
 DECODE_FILE = "decode.onnx"
 TOKENIZER_DIR = "tokenizer"
-EXPORT_DTYPES = ("float32", "float16")
+#: Precision of the TensorRT engines (the ONNX graphs and ONNX Runtime are always fp32).
+EXPORT_DTYPES = ("float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -27,15 +28,16 @@ class BuildConfig:
     max_input_len : longest (padded) prompt; sizes every selection node's capacity
     max_new_tokens : tokens generated after the prompt at most; decode buffers hold capacity + this
     max_batch_size : largest batch (the runtime allocates its KV buffers for it once)
-    dtype : float32 (ONNX graphs and ONNX Runtime); float16 asks the TensorRT build for fp16 precision
-        from the same fp32 graphs (the ONNX Runtime path always runs fp32)
+    dtype : precision of the TensorRT engines: float16 (default; tensor-core kernels), bfloat16, or float32
+        (strongly typed, TF32 off: the parity build that matches ONNX Runtime token for token). The ONNX
+        graphs and the ONNX Runtime path are fp32 whatever this says
     attention_chunk : query block size of the prompt attention (scores held: H * chunk * n per layer)
     """
 
     max_input_len: int = 4096
     max_new_tokens: int = 256
     max_batch_size: int = 1
-    dtype: str = "float32"
+    dtype: str = "float16"
     attention_chunk: int = 256
 
     def __post_init__(self) -> None:
@@ -100,6 +102,9 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
     folder = Path(folder)
     spec = model_spec(model)
     check_model_limits(model, spec, config)
+    from criticalkv.export.select_function import check_exportable
+
+    check_exportable(policy, spec.num_layers)  # before anything is written
     folder.mkdir(parents=True, exist_ok=True)
     store = collect_weights(model, spec)
     store.write(folder)

@@ -84,13 +84,13 @@ class GraphBuilder:
     def attribute_const(self, attribute: str, kind: str, hint: str | None = None) -> str:
         """A ``Constant`` whose value is the enclosing function's attribute ``attribute`` (``ref_attr_name``).
 
-        kind: ``"int"`` (an int64 scalar) or ``"float"`` (a float32 scalar).
+        kind: ``"int"`` (an int64 scalar), ``"ints"`` (a 1-D int64 tensor) or ``"float"`` (a float32 scalar).
         """
         out = self.fresh(hint or attribute)
         node = helper.make_node("Constant", [], [out], name=self.fresh("Constant"))
         ref = onnx.AttributeProto()
-        ref.name = {"int": "value_int", "float": "value_float"}[kind]
-        ref.type = {"int": onnx.AttributeProto.INT, "float": onnx.AttributeProto.FLOAT}[kind]
+        ref.name = {"int": "value_int", "ints": "value_ints", "float": "value_float"}[kind]
+        ref.type = {"int": onnx.AttributeProto.INT, "ints": onnx.AttributeProto.INTS, "float": onnx.AttributeProto.FLOAT}[kind]
         ref.ref_attr_name = attribute
         node.attribute.append(ref)
         self.nodes.append(node)

@@ -5,7 +5,9 @@ Graph I/O follows onnxruntime-genai's decoder naming (B = batch, n = padded prom
 cap_l = layer l's fixed decode capacity, H_kv KV heads, d_h head dim):
 
 prefill (left-padded prompts)
-  in   ``input_ids`` [B, n] int64, ``attention_mask`` [B, n] int64 (1 = token), ``position_ids`` [B, n] int64
+  in   ``input_ids`` [B, n] int64, ``attention_mask`` [B, n] int64 (1 = token), ``position_ids`` [B, n] int64,
+       ``kv_budget`` [1] int64 (the request's budget in [min_budget, built budget]; the runtime feeds the built one
+       when a caller gives none)
   out  ``logits`` [B, vocab] (each sequence's last token);
        per layer l: ``present.{l}.key`` / ``.value`` [B, H_kv, min(n, capacity_l), d_h] (kept entries,
        ascending position, zero padded), ``present.{l}.lengths`` [B, H_kv] int32 (kept per head),
@@ -18,10 +20,12 @@ decode (one new token per sequence)
        which the runtime writes in place at slot ``lengths[b, g]`` of each head's buffer (a shared
        past/present buffer, like onnxruntime-genai's past_present_share_buffer: no per-step copy of the cache)
 
-Prompt attention never materialises n x n scores: the queries are processed in blocks of
+Prompt attention on ONNX Runtime never materialises n x n scores: the queries are processed in blocks of
 ``attention_chunk`` inside a ``Loop``; block i attends keys [0, (i + 1) * chunk) (causal), so a layer holds
-at most H * chunk * n scores at a time. The TensorRT flavour keeps every block's shapes loop-invariant
-(keys [0, n), masked), which TensorRT loops require, and leaves the selection node without its body.
+at most H * chunk * n scores at a time. The TensorRT flavour has no Loop: one causal attention per layer
+(MatMul, ``Where`` with a finite mask value, Softmax, MatMul) that TensorRT fuses into one attention kernel,
+and the selection node without its body. ``criticalkv.export.tensorrt_rules`` checks both TensorRT inputs
+(``prefill_tensorrt.onnx``, ``decode.onnx``) against the ONNX-TensorRT importer's rules.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from onnx import helper
 
 from criticalkv.export.graph import FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, value_info
 from criticalkv.export.select_function import FLOAT32_MIN, selection_function, selection_node, selection_opset
-from criticalkv.export.weights import WeightStore
+from criticalkv.weights import WeightStore
 from criticalkv.node import node_capacity
 from criticalkv.policy import KVPolicy
 
@@ -197,11 +201,21 @@ class _Decoder:
         q, k = g.op("Split", qk, g.i64(s.num_heads, s.num_kv_heads), outputs=[g.fresh("q"), k_name], axis=1)
         return q, k, v
 
-    def output_projection(self, i: int, attn: str) -> str:
+    def output_projection(self, i: int, attn: str, transposed_gemm: bool = False) -> str:
+        """attn [B, s, H*d_h] @ o_proj^T (+ bias) -> [B, s, d].
+
+        ``transposed_gemm``: one ``Gemm(transB=1)`` over the 2-D view instead of ``MatMul(x, Transpose(W))``,
+        so that TensorRT multiplies by the stored o_proj (the matrix the selection node also reads) instead of
+        constant-folding a transposed second copy of it into the engine."""
         g = self.g
+        bias = f"layers.{i}.o_bias" if f"layers.{i}.o_bias" in self.store.arrays else None
+        if transposed_gemm:
+            flat = g.reshape(attn, [-1, self.spec.num_heads * self.spec.head_dim])
+            out = g.Gemm(flat, f"layers.{i}.o_proj", *([bias] if bias else []), transB=1)
+            return g.Reshape(out, g.concat(g.shape_of(attn, 0, 2), g.i64(self.spec.hidden_size)))
         out = g.MatMul(attn, g.Transpose(f"layers.{i}.o_proj", perm=[1, 0]))
-        if f"layers.{i}.o_bias" in self.store.arrays:
-            out = g.Add(out, f"layers.{i}.o_bias")
+        if bias:
+            out = g.Add(out, bias)
         return out
 
     def mlp(self, i: int, x: str) -> str:
@@ -216,11 +230,21 @@ class _Decoder:
         return self.g.Gemm(self.rms_norm(last, "norm"), head, transB=1, outputs=["logits"])
 
 
-def _prompt_attention(dec: _Decoder, q: str, k: str, v: str, ctx: dict, chunk: int, invariant: bool) -> str:
-    """Causal attention of the prompt [B, n, H*d_h], in query blocks of ``chunk`` (a Loop).
+#: Score of a masked attention entry in the graphs TensorRT builds (the TensorRT prefill flavour, decode):
+#: finite in fp16 and bf16 (a FLOAT32_MIN constant becomes -inf in a weakly typed fp16 engine, and a row masked
+#: everywhere then turns to NaN), and far enough below any real score that its softmax weight underflows to
+#: exactly 0 in fp32, fp16 and bf16.
+MASKED_SCORE = -30000.0
+
+
+def _prompt_attention(dec: _Decoder, q: str, k: str, v: str, ctx: dict, chunk: int) -> str:
+    """Causal attention of the prompt [B, n, H*d_h], in query blocks of ``chunk`` (a Loop; ONNX Runtime flavour).
 
     Per block: scores [B, H, c, k] = (q / sqrt(d_h)) K^T (one MatMul per KV head for its G query heads),
     + a [B, 1, c, k] additive mask (causal and left padding, float32 minimum), Softmax, @ V.
+    The Loop has a trip count and no condition input; its body therefore never reads its ``cond_in`` input
+    and returns a constant True as the condition (the ONNX-TensorRT Loop importer registers ``cond_in`` only
+    when the node has a condition input, see criticalkv/export/tensorrt_rules.py).
     """
     g, s = dec.g, dec.spec
     qg = g.reshape(g.Mul(q, dec.scale), [0, s.num_kv_heads, s.group, -1, s.head_dim])  # [B, H_kv, G, n, d_h]
@@ -231,7 +255,7 @@ def _prompt_attention(dec: _Decoder, q: str, k: str, v: str, ctx: dict, chunk: i
     start = body.Mul(body.unsqueeze(step, 0), body.i64(chunk))  # [1]
     end = body.Add(start, body.i64(chunk))
     qc = body.reshape(body.slice_axis(qg, start, end, axis=3), [0, 0, -1, s.head_dim])  # [B, H_kv, G*c, d_h]
-    key_end = ctx["n"] if invariant else body.Min(end, ctx["n"])
+    key_end = body.Min(end, ctx["n"])
     kc = body.slice_axis(k, 0, key_end, axis=2)
     vc = body.slice_axis(v, 0, key_end, axis=2)
     scores = body.reshape(body.MatMul(qc, body.Transpose(kc, perm=[0, 1, 3, 2])), [0, s.num_heads, chunk, -1])
@@ -244,7 +268,7 @@ def _prompt_attention(dec: _Decoder, q: str, k: str, v: str, ctx: dict, chunk: i
     probs = body.Reshape(probs, body.concat(body.i64(0, s.num_kv_heads, -1), key_end))
     out = body.reshape(body.MatMul(probs, vc), [0, 0, s.group, chunk, s.head_dim])
     out = body.reshape(body.Transpose(out, perm=[0, 3, 1, 2, 4]), [0, 0, s.num_heads * s.head_dim])  # [B, c, H*d_h]
-    cond_out = body.Identity(cond_in)
+    cond_out = body.const(True, np.bool_, hint="cond_out")
     loop_body = body.graph(
         "attention_block",
         [value_info(step, INT64, []), value_info(cond_in, onnx.TensorProto.BOOL, [])],
@@ -255,6 +279,29 @@ def _prompt_attention(dec: _Decoder, q: str, k: str, v: str, ctx: dict, chunk: i
     return g.slice_axis(merged, 0, ctx["n"], axis=1)
 
 
+def _causal_attention(dec: _Decoder, q: str, k: str, v: str, ctx: dict) -> str:
+    """Causal attention of the prompt [B, n, H*d_h] in one block, without a Loop (TensorRT flavour).
+
+    The pattern TensorRT fuses into one attention kernel ("Fused Attention", method 2 of the TensorRT
+    developer guide): Q already scaled by 1/sqrt(d_h) before the first MatMul, scores [B, H, n, n] = Q K^T,
+    ``Where(allowed, scores, MASKED_SCORE)`` with the causal and left-padding mask [B, 1, n, n] (a finite value:
+    see MASKED_SCORE), Softmax, @ V, on 4-D [B, heads, n, d_h] tensors; K and V are repeated to the H query
+    heads with Unsqueeze-Expand-Reshape, the ``repeat_kv`` form of exported Llama graphs (GQA). The ONNX
+    ``Attention`` operator (opset 23, imported by TensorRT >= 10.14 as ``IAttention``) is not used:
+    ``IAttention::setCausal`` cannot be combined with ``setMask`` (NvInfer.h 10.14), and left-padded batches
+    need a mask.
+    """
+    g, s = dec.g, dec.spec
+
+    def repeat_kv(x: str) -> str:  # [B, H_kv, n, d_h] -> [B, H, n, d_h], query head h reads KV head h // G
+        return g.reshape(g.Expand(g.unsqueeze(x, 2), g.i64(1, 1, s.group, 1, 1)), [0, s.num_heads, -1, s.head_dim])
+
+    scores = g.MatMul(g.Mul(q, dec.scale), g.Transpose(repeat_kv(k), perm=[0, 1, 3, 2]))  # [B, H, n, n]
+    probs = g.Softmax(g.Where(ctx["allowed"], scores, g.const(MASKED_SCORE, np.float32)), axis=-1)
+    out = g.Transpose(g.MatMul(probs, repeat_kv(v)), perm=[0, 2, 1, 3])  # [B, n, H, d_h]
+    return g.reshape(out, [0, 0, s.num_heads * s.head_dim])
+
+
 def build_prefill(
     spec: ModelSpec,
     store: WeightStore,
@@ -263,8 +310,9 @@ def build_prefill(
     attention_chunk: int = 256,
     flavour: str = "onnxruntime",
 ) -> onnx.ModelProto:
-    """The prefill model. ``flavour``: ``onnxruntime`` (selection node + its function body) or
-    ``tensorrt`` (the node without a body, for the plugin; loop-invariant attention blocks)."""
+    """The prefill model. ``flavour``: ``onnxruntime`` (selection node + its function body, attention in
+    query blocks inside a Loop) or ``tensorrt`` (the node without a body, for the plugin; attention without a
+    Loop, in the form TensorRT fuses; ``attention_chunk`` is not used)."""
     if flavour not in ("onnxruntime", "tensorrt"):
         raise ValueError(f"flavour: {flavour!r} is not onnxruntime or tensorrt")
     g = GraphBuilder()
@@ -272,28 +320,36 @@ def build_prefill(
     n = g.shape_of("input_ids", 1, 2)
     lengths = g.ReduceSum("attention_mask", g.i64(1), keepdims=0)  # [B]
     prompt_lengths = g.Cast(lengths, to=INT32, hint="prompt_lengths")
+    kv_budget = g.Cast("kv_budget", to=INT32, hint="kv_budget_int32")  # the request's budget (node input 5)
     key_pos = g.Range(g.scalar(0), g.squeeze(n, 0), g.scalar(1))
     key_padding = g.Less(g.unsqueeze(key_pos, 0), g.unsqueeze(g.Sub(n, lengths), 1))  # [B, n]: left padding
-    num_blocks = g.Div(g.Add(n, g.i64(attention_chunk - 1)), g.i64(attention_chunk))
-    ctx = {
-        "n": n,
-        "key_padding": g.reshape(key_padding, [0, 1, 1, -1]),
-        "num_blocks": g.squeeze(num_blocks, 0),
-        "pad_len": g.Sub(g.Mul(num_blocks, g.i64(attention_chunk)), n),
-    }
+    if flavour == "onnxruntime":
+        num_blocks = g.Div(g.Add(n, g.i64(attention_chunk - 1)), g.i64(attention_chunk))
+        ctx = {
+            "n": n,
+            "key_padding": g.reshape(key_padding, [0, 1, 1, -1]),
+            "num_blocks": g.squeeze(num_blocks, 0),
+            "pad_len": g.Sub(g.Mul(num_blocks, g.i64(attention_chunk)), n),
+        }
+    else:
+        causal = g.LessOrEqual(g.unsqueeze(key_pos, 0), g.unsqueeze(key_pos, 1))  # [n, n]: key <= query
+        ctx = {"allowed": g.And(causal, g.reshape(g.Not(key_padding), [0, 1, 1, -1]))}  # [B, 1, n, n]
     cos, sin = dec.rope_tables("position_ids")
     x = g.Gather("embed_tokens", "input_ids", axis=0)
     outputs = [value_info("logits", FLOAT, ["batch", spec.vocab_size])]
     for i in range(spec.num_layers):
         h = dec.rms_norm(x, f"layers.{i}.input_layernorm")
         q, k, v = dec.qkv(i, h, cos, sin)
-        attn = _prompt_attention(dec, q, k, v, ctx, attention_chunk, invariant=flavour == "tensorrt")
-        x = g.Add(x, dec.output_projection(i, attn))
+        if flavour == "onnxruntime":
+            attn = _prompt_attention(dec, q, k, v, ctx, attention_chunk)
+        else:
+            attn = _causal_attention(dec, q, k, v, ctx)
+        x = g.Add(x, dec.output_projection(i, attn, transposed_gemm=flavour == "tensorrt"))
         x = g.Add(x, dec.mlp(i, dec.rms_norm(x, f"layers.{i}.post_attention_layernorm")))
         window_queries = g.slice_axis(q, -policy.window, np.iinfo(np.int64).max, axis=2)
         names = [f"present.{i}.key", f"present.{i}.value", f"present.{i}.lengths", f"present.{i}.indices"]
         g.nodes.append(selection_node(policy, i, spec.num_layers, capacities[i],
-                                      [window_queries, k, v, f"layers.{i}.o_proj", prompt_lengths], names,
+                                      [window_queries, k, v, f"layers.{i}.o_proj", prompt_lengths, kv_budget], names,
                                       name=f"criticalkv_select_{i}"))
         kept = f"kept_{i}"
         outputs += [
@@ -305,6 +361,7 @@ def build_prefill(
     last = g.reshape(g.slice_axis(x, -1, np.iinfo(np.int64).max, axis=1), [-1, spec.hidden_size])
     dec.logits(last)
     inputs = [value_info(name, INT64, ["batch", "sequence"]) for name in ("input_ids", "attention_mask", "position_ids")]
+    inputs.append(value_info("kv_budget", INT64, [1]))
     used = _used_initializers(g.nodes)
     graph = g.graph("criticalkv_prefill", inputs, outputs, [store.initializer(w) for w in store.arrays if w in used])
     functions = []
@@ -336,7 +393,7 @@ def build_decode(spec: ModelSpec, store: WeightStore, buffer_capacities: list[in
         qg = g.reshape(g.Mul(q, dec.scale), [0, s.num_kv_heads, s.group, s.head_dim])  # [B, H_kv, G, d_h], scaled
         past_scores = g.MatMul(qg, g.Transpose(past_k, perm=[0, 1, 3, 2]))  # [B, H_kv, G, cap]
         visible = g.Less(g.const(np.arange(cap, dtype=np.int64)), g.unsqueeze(g.Cast(past_len, to=INT64), 2, 3))
-        past_scores = g.Where(visible, past_scores, g.const(FLOAT32_MIN, np.float32))
+        past_scores = g.Where(visible, past_scores, g.const(MASKED_SCORE, np.float32))
         own_score = g.MatMul(qg, g.Transpose(k, perm=[0, 1, 3, 2]))  # [B, H_kv, G, 1]
         probs = g.Softmax(g.concat(past_scores, own_score, axis=-1), axis=-1)
         p_past, p_own = g.op("Split", probs, g.i64(cap, 1), outputs=2, axis=-1)

@@ -43,13 +43,13 @@ FLOAT32_MIN = float(np.finfo(np.float32).min)
 def selection_tables(policy: KVPolicy, num_layers: int, num_kv_heads: int) -> dict[str, np.ndarray]:
     """The integer lookup tables the body uses (int64).
 
-    ``r_layer[l]``: older tokens layer l may keep per head; ``stage1[r]`` = ceil(alpha * r) for every r a
-    head can be given (up to H_kv * max r_l under shared allocation); ``floor[r]``: the per-head floor.
+    ``stage1[r]`` = ceil(alpha * r) for every r a head can be given (up to H_kv * max r_l under shared
+    allocation, at any per-request budget); ``floor[r]``: the per-head floor. Each layer's r_l for every
+    budget comes from the node's ``layer_budgets`` attribute.
     """
     r_layer = [max(layer_selectable_budget(policy, i, num_layers), 0) for i in range(num_layers)]
     r_max = max(r_layer)
     return {
-        "r_layer": np.array(r_layer, dtype=np.int64),
         "stage1": np.array([stage1_count(policy.alpha, r) for r in range(num_kv_heads * r_max + 1)], dtype=np.int64),
         "floor": np.array([head_floor(policy.ada_floor, r) for r in range(r_max + 1)], dtype=np.int64),
     }
@@ -92,24 +92,18 @@ class _Body:
         take = g.Or(greater, g.And(equal, g.Less(tie_rank, need)))
         return g.And(g.And(take, eligible), g.Greater(k1, g.scalar(0)))
 
-    def two_stage_mask(self, g: GraphBuilder, attention: str, critical: str, r: str, eligible: str) -> str:
-        """Stage 1: top ceil(alpha * r) by attention; stage 2: top r - that of the rest by critical."""
-        first = g.Gather(g.const(self.tables["stage1"], hint="stage1_table"), r)
-        stage1 = self.topk_mask(g, attention, first, eligible)
-        stage2 = self.topk_mask(g, critical, g.Sub(r, first), g.And(eligible, g.Not(stage1)))
-        return g.Or(stage1, stage2)
+    def stage1_count(self, g: GraphBuilder, r: str) -> str:
+        """ceil(alpha * r) for the int64 tensor ``r`` (looked up in the export-time table)."""
+        return g.Gather(g.const(self.tables["stage1"], hint="stage1_table"), r)
 
-    def shared_allocation_mask(self, g: GraphBuilder, scores: str, r: str, floor: str, eligible: str) -> str:
-        """AdaKV: each head its own top ``floor``, the other H_kv (r - floor) slots over the whole layer."""
-        safe = self.topk_mask(g, scores, g.Expand(g.unsqueeze(floor, 1), g.shape_of(scores, 0, 2)), eligible)
-        flat_scores = g.reshape(scores, [0, -1])
-        flat_eligible = g.reshape(g.And(eligible, g.Not(safe)), [0, -1])
-        rest = self.topk_mask(g, flat_scores, g.Mul(g.Sub(r, floor), g.scalar(self.kv_heads)), flat_eligible, rank=2)
-        return g.Or(safe, g.Reshape(rest, g.Shape(scores)))
+    def head_floor(self, g: GraphBuilder, r: str) -> str:
+        """The per-head floor of shared allocation for the int64 tensor ``r`` (export-time table)."""
+        return g.Gather(g.const(self.tables["floor"], hint="floor_table"), r)
 
     # ------------------------------------------------------------------ scores
-    def value_norms(self, g: GraphBuilder, values_m: str, o_proj: str, kind: str) -> str:
+    def value_norms(self, g: GraphBuilder, values_m: str, kind: str) -> str:
         """[B, H_kv, G, m] float: ||V_{g,i} W_O^h|| for every query head h = g * G + j."""
+        o_proj = self.o_proj
         d = self.head_dim
         if kind == "l1":
             # W [D, H*d_h] -> [H_kv, d_h, G*D]: one MatMul per layer covers every group and its heads
@@ -128,14 +122,11 @@ class _Body:
     def compressed_keep(self, g: GraphBuilder, ctx: dict[str, str]) -> str:
         """[B, H_kv, n] bool keep mask when n > budget (sequences of at most budget tokens kept whole)."""
         p = self.policy
+        method = p.method
         n, lens, pos, valid, valid_h, batch = (ctx[k] for k in ("n", "lens", "pos", "valid", "valid_h", "batch"))
-        compress = g.reshape(g.Greater(lens, g.scalar(p.budget)), [-1, 1, 1])
-        if p.base == "streamingllm":
-            valid_start = ctx["valid_start"]
-            sinks = g.Less(g.unsqueeze(pos, 0), g.unsqueeze(g.Add(valid_start, g.scalar(p.sink_tokens)), 1))
-            recent = g.GreaterOrEqual(pos, g.Sub(g.squeeze(n, 0), g.scalar(p.budget - p.sink_tokens)))
-            chosen = g.unsqueeze(g.And(valid, g.Or(sinks, recent)), 1)  # [B, 1, n]
-            return self.where_bool(g, compress, chosen, valid_h)
+        compress = g.reshape(g.Greater(lens, ctx["budget"]), [-1, 1, 1])
+        if not method.base.scored:
+            return self.where_bool(g, compress, method.base.onnx_unscored_keep(self, g, ctx), valid_h)
         w = g.Min(g.i64(p.window), n)  # [1]
         m = g.Sub(n, w)
         n_s, w_s, m_s = (g.squeeze(x, 0) for x in (n, w, m))
@@ -159,38 +150,27 @@ class _Body:
                            g.const(-np.inf, np.float32), mode="constant")
             pooled = g.MaxPool(padded, kernel_shape=[p.pool_kernel], strides=[1])
             pooled = g.Reshape(pooled, g.Shape(raw))
-        attention = g.ReduceMean(pooled, g.i64(2), keepdims=0)  # S [B, H_kv, m]
+        scores = {"attention": g.ReduceMean(pooled, g.i64(2), keepdims=0)}  # S [B, H_kv, m]
         eligible = g.slice_axis(valid_h, 0, m, axis=2)
-        r_layer = g.Gather(g.const(self.tables["r_layer"], hint="r_layer_table"), ctx["layer_idx"])
+        self.eligible = eligible  # [B, H_kv, m] bool, read by methods whose scores exclude the padding
+        r_layer = g.Gather(ctx["layer_budgets"], g.Sub(ctx["budget"], g.scalar(p.window)))  # r_l at this budget
         r = g.Min(g.Max(g.Sub(lens, w), g.scalar(0)), r_layer)  # [B]: never more than the valid older tokens
         values_m = g.slice_axis(ctx["values"], 0, m, axis=2)
-        critical = None
-        if p.two_stage:
-            norms = self.value_norms(g, values_m, ctx["o_proj_weight"], p.value_norm)
-            attn = pooled if p.stage2_scores == "pooled" else raw
-            eps = g.const(p.epsilon, np.float32)
-            if p.gqa_reduce == "mean":
-                critical = g.ReduceMean(g.Mul(g.Add(attn, eps), norms), g.i64(2), keepdims=0)
-            else:  # kvpress: mean over the group of each factor, then the product
-                critical = g.Mul(g.Add(g.ReduceMean(attn, g.i64(2), keepdims=0), eps), g.ReduceMean(norms, g.i64(2), keepdims=0))
-        # 5-6. budgets and the two-stage selection
-        if p.base in ("snapkv", "pyramidkv"):
-            r_head = g.Expand(g.unsqueeze(r, 1), g.concat(batch, g.i64(self.kv_heads)))
-            if p.two_stage:
-                older = self.two_stage_mask(g, attention, critical, r_head, eligible)
-            else:
-                older = self.topk_mask(g, attention, r_head, eligible)
+        # 3-4. the method's own scores and its refinement's
+        for part in (method.base, method.refine):
+            if part is not None:
+                scores.update(part.onnx_group_scores(self, g, probs, raw, pooled, values_m))
+        # 5-6. budget sharing, then the refinement inside each head's share (or the base's own choice)
+        allocation = method.base.onnx_allocate(self, g, scores, eligible, r)
+        if method.refine is not None:
+            counts = allocation.counts
+            if counts is None:
+                counts = g.ReduceSum(g.Cast(allocation.mask, to=INT64), g.i64(-1), keepdims=0)
+            older = method.refine.onnx_choose(self, g, scores, counts, eligible)
+        elif allocation.mask is not None:
+            older = allocation.mask
         else:
-            floor = g.Gather(g.const(self.tables["floor"], hint="floor_table"), r)
-            if p.base == "laprox":
-                norms = self.value_norms(g, values_m, ctx["o_proj_weight"], "l2")
-                importance = g.ReduceSum(g.Mul(g.ReduceL2(probs, g.i64(3), keepdims=0), norms), g.i64(2), keepdims=0)
-                older = self.shared_allocation_mask(g, importance, r, floor, eligible)
-            else:
-                older = self.shared_allocation_mask(g, attention, r, floor, eligible)
-                if p.two_stage:
-                    r_head = g.ReduceSum(g.Cast(older, to=INT64), g.i64(-1), keepdims=0)
-                    older = self.two_stage_mask(g, attention, critical, r_head, eligible)
+            older = self.topk_mask(g, scores[method.base.score_name], allocation.counts, eligible)
         window = g.Expand(g.const(True, np.bool_), g.concat(batch, g.i64(self.kv_heads), w))
         chosen = g.concat(older, window, axis=-1)
         return self.where_bool(g, compress, chosen, valid_h)
@@ -199,7 +179,7 @@ class _Body:
     def build(self) -> None:
         g = self.g
         p = self.policy
-        queries, keys, values, o_proj, prompt_lengths = INPUTS
+        queries, keys, values, o_proj, prompt_lengths, kv_budget = INPUTS
         batch = g.shape_of(keys, 0, 1)
         n = g.shape_of(keys, 2, 3)
         n_s = g.squeeze(n, 0)
@@ -208,10 +188,17 @@ class _Body:
         pos = g.Range(g.scalar(0), n_s, g.scalar(1))  # [n]
         valid = g.GreaterOrEqual(g.unsqueeze(pos, 0), g.unsqueeze(valid_start, 1))  # [B, n]
         valid_h = g.Expand(g.unsqueeze(valid, 1), g.concat(batch, g.i64(self.kv_heads), n))  # [B, H_kv, n]
+        self.batch, self.o_proj = batch, o_proj
         ctx = dict(n=n, lens=lens, pos=pos, valid=valid, valid_h=valid_h, batch=batch, valid_start=valid_start,
-                   queries=queries, keys=keys, values=values, o_proj_weight=o_proj,
+                   queries=queries, keys=keys, values=values, o_proj_weight=o_proj, budget=None,
                    layer_idx=g.attribute_const("layer_idx", "int"))
-        if p.name == "full":
+        if p.method.base.evicts:
+            # the request's budget, clamped to [min_budget, budget] (the build fixes only the capacity)
+            requested = g.Cast(g.reshape(kv_budget, [-1]), to=INT64)
+            budget = g.Min(g.Max(requested, g.i64(p.min_budget)), g.i64(p.budget))
+            ctx["budget"] = g.squeeze(g.slice_axis(budget, 0, 1, axis=0), 0)
+            ctx["layer_budgets"] = g.attribute_const("layer_budgets", "ints")
+        if not p.method.base.evicts:
             keep = valid_h
         else:
             then = g.child()
@@ -219,7 +206,7 @@ class _Body:
             otherwise = g.child()
             else_keep = otherwise.Identity(valid_h)
             keep = g.op(
-                "If", g.Greater(n_s, g.scalar(p.budget)),
+                "If", g.Greater(n_s, ctx["budget"]),
                 then_branch=then.graph("compress", [], [value_info(then_keep, BOOL, None)]),
                 else_branch=otherwise.graph("keep_all", [], [value_info(else_keep, BOOL, None)]),
                 hint="keep",
@@ -237,8 +224,22 @@ class _Body:
             g.Where(zero_rows, g.const(0.0, np.float32), g.GatherND(src, rows, batch_dims=2), outputs=[dst])
 
 
+def check_exportable(policy: KVPolicy, num_layers: int = 2) -> None:
+    """Refuse a policy the per-layer node cannot express: a model-level method (``layer-defensivekv``) ranks every
+    layer's entries together after the last layer, so no layer's node can decide alone what it keeps. The graph
+    would need a model-level selection after the last layer (every layer's full K/V alive until then, one node
+    over all layers' scores): not built yet, and a per-layer approximation would be a different policy."""
+    if policy.method.base.model_level and num_layers > 1:
+        raise ValueError(
+            f"{policy.name} shares the budget across all layers, which the per-layer CriticalKVSelect node cannot "
+            "express (no model-level selection node yet): run it on the PyTorch path (criticalkv generate without "
+            "--engine-dir, criticalkv eval), or export defensivekv (the per-layer version)"
+        )
+
+
 def selection_function(policy: KVPolicy, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> onnx.FunctionProto:
     """The model-local function ``ai.criticalkv::CriticalKVSelect`` for ``policy`` and this attention shape."""
+    check_exportable(policy, num_layers)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     g = GraphBuilder("ckv/")
@@ -258,7 +259,10 @@ def selection_node(
     """One layer's ``CriticalKVSelect`` node with every KVPolicy knob + layer_idx, num_layers, capacity."""
     node = helper.make_node(OP_TYPE, inputs, outputs, name=name, domain=DOMAIN)
     attributes = node_attributes(policy, layer_idx, num_layers, capacity)
-    node.attribute.extend(helper.make_attribute(k, v) for k, v in attributes.items())
+    node.attribute.extend(
+        helper.make_attribute(k, v, attr_type=onnx.AttributeProto.INTS if isinstance(v, list) else None)
+        for k, v in attributes.items()
+    )
     return node
 
 
@@ -276,12 +280,14 @@ def selection_model(
     capacity: int | None = None,
     max_prompt_len: int = 4096,
     with_body: bool = True,
+    runtime_budget: bool = False,
 ) -> onnx.ModelProto:
     """A model holding one ``CriticalKVSelect`` node (tests, polygraphy comparisons, plugin checks).
 
     Inputs ``queries`` [batch, H, window, d_h], ``keys``/``values`` [batch, H_kv, n, d_h], ``prompt_lengths``
     [batch] int32; ``o_proj_weight`` [d, H*d_h] is an initializer. ``capacity`` defaults to
     ``node_capacity(policy, max_prompt_len, ...)``. ``with_body=False`` leaves the function out (TensorRT flavour).
+    ``runtime_budget=True`` makes ``kv_budget`` [1] int32 a graph input; otherwise it is a constant = the budget.
     """
     from onnx import numpy_helper
 
@@ -299,6 +305,11 @@ def selection_model(
         value_info(INPUTS[2], FLOAT, ["batch", num_kv_heads, "sequence", head_dim]),
         value_info(INPUTS[4], INT32, ["batch"]),
     ]
+    initializers = [numpy_helper.from_array(o_proj_weight, INPUTS[3])]
+    if runtime_budget:
+        inputs.append(value_info(INPUTS[5], INT32, [1]))
+    else:
+        initializers.append(numpy_helper.from_array(np.array([policy.budget], np.int32), INPUTS[5]))
     outputs = [
         value_info(OUTPUTS[0], FLOAT, ["batch", num_kv_heads, "kept", head_dim]),
         value_info(OUTPUTS[1], FLOAT, ["batch", num_kv_heads, "kept", head_dim]),
@@ -306,7 +317,7 @@ def selection_model(
         value_info(OUTPUTS[3], INT32, ["batch", num_kv_heads, "kept"]),
     ]
     graph = helper.make_graph([node], "criticalkv_select", inputs, outputs,
-                              initializer=[numpy_helper.from_array(o_proj_weight, INPUTS[3])])
+                              initializer=initializers)
     functions = [selection_function(policy, num_layers, num_heads, num_kv_heads, head_dim)] if with_body else []
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), selection_opset()],
                              functions=functions, ir_version=IR_VERSION, producer_name="criticalkv")

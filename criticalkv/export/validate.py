@@ -1,5 +1,6 @@
-"""Checks of the exported graphs: ``onnx.checker`` (full check, with strict shape inference) and the
-selection nodes' attributes against the policy and the per-layer capacities."""
+"""Checks of the exported graphs: ``onnx.checker`` (full check, with strict shape inference), the
+selection nodes' attributes against the policy and the per-layer capacities, and, on the two graphs
+TensorRT parses, the ONNX-TensorRT importer's rules (``criticalkv.export.tensorrt_rules``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import onnx
 
 from criticalkv.export.exporter import DECODE_FILE, PREFILL_FILE, PREFILL_TENSORRT_FILE, ExportResult
+from criticalkv.export.tensorrt_rules import TENSORRT_VERSION, check_tensorrt_model
 from criticalkv.node import DOMAIN, OP_TYPE, policy_from_attributes
 from criticalkv.policy import KVPolicy
 
@@ -54,6 +56,11 @@ def validate_export(result: ExportResult) -> dict:
         domains = {n.domain for n in model.graph.node} - {"", DOMAIN}
         if domains:
             raise ValueError(f"{name}: unexpected operator domains {sorted(domains)}")
+        if key != "prefill":  # the graphs TensorRT parses: the importer's rules (criticalkv.export.tensorrt_rules)
+            violations = check_tensorrt_model(model)
+            if violations:
+                listed = "; ".join(str(v) for v in violations[:8])
+                raise ValueError(f"{name}: TensorRT {TENSORRT_VERSION}'s ONNX importer would reject it: {listed}")
         report[key] = {
             "file": name,
             "checker": "onnx.checker full_check passed",
@@ -61,5 +68,7 @@ def validate_export(result: ExportResult) -> dict:
             "nodes": len(model.graph.node),
             "selection_nodes": len(selection),
             "functions": functions,
+            **({"tensorrt_rules": f"TensorRT {TENSORRT_VERSION} ONNX importer rules passed"}
+               if key != "prefill" else {}),
         }
     return report

@@ -4,7 +4,8 @@ A forward hook on each attention module recomputes the post-RoPE queries of the 
 prompt tokens (from the module's own q_proj and the rotary embedding it received; eager, SDPA or
 any attention implementation alike), runs ``select_layer`` on that layer's full keys/values, keeps
 the selected entries in a ``CompressedLayer`` and frees the full tensors, so at most one layer's
-uncompressed K/V exists at a time.
+uncompressed K/V exists at a time. A model-level method (``layer-defensivekv``: the budget shared across layers)
+selects after the last layer, with ``select_model`` over every layer; until then the full K/V of the prompt stays.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import torch
 
 from criticalkv.hf.cache import CompressedKVCache, CompressedLayer
 from criticalkv.hf.loading import check_supported
+from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
-from criticalkv.selection import LayerSelection, select_layer
+from criticalkv.selection import LayerSelection, select_layer, select_model
 
 
 @dataclass
@@ -80,11 +82,7 @@ def validate_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         return None
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)} differs from input_ids")
-    mask = attention_mask.to(torch.int64)
-    lengths = mask.sum(dim=1)
-    expected = torch.arange(input_ids.shape[1]) >= (input_ids.shape[1] - lengths)[:, None]
-    if not torch.equal(mask.bool().cpu(), expected):
-        raise ValueError("attention_mask: prompts must be left-padded (padding first, then the tokens)")
+    lengths = torch.from_numpy(left_padded_lengths(attention_mask.cpu().numpy())).to(attention_mask.device)
     if lengths.min() < 1:
         raise ValueError("attention_mask: a prompt in the batch is empty")
     return lengths
@@ -118,6 +116,17 @@ def prefill_and_compress(
     queries_kept: list[torch.Tensor] = []
     selection_s = 0.0
     full_bytes = 0
+    model_level = policy.method.base.model_level and num_layers > 1
+    pending: list = []  # model-level methods: every layer's (queries, keys, values, o_proj) until the last layer
+
+    def compress_pending():
+        """Select over every layer at once (the budget shared across layers), then free the full K/V."""
+        sels = select_model(policy, [entry[:4] for entry in pending], lengths)
+        for (q, keys, values, o, idx, cache_layer), sel in zip(pending, sels):
+            compressed[idx] = CompressedLayer.from_selection(keys, values, sel, tail_capacity)
+            selections[idx] = sel
+            cache_layer.keys = cache_layer.values = keys.new_zeros(0)
+        pending.clear()
 
     def make_hook(idx):
         def hook(module, args, kwargs, output):
@@ -127,14 +136,20 @@ def prefill_and_compress(
             keys, values = cache_layer.keys, cache_layer.values
             start = time.perf_counter()
             q = window_queries(module, hidden, kwargs["position_embeddings"], w)
+            valid = n * batch if lengths is None else int(lengths.sum())
+            full_bytes += 2 * valid * keys.shape[1] * keys.shape[3] * keys.element_size()
+            if keep_window_queries:
+                queries_kept.append(q)
+            if model_level:  # the full K/V of every layer stays until the last layer's (as during any prefill)
+                pending.append((q, keys, values, module.o_proj.weight, idx, cache_layer))
+                if idx == num_layers - 1:
+                    compress_pending()
+                selection_s += time.perf_counter() - start
+                return
             sel = select_layer(policy, q, keys, values, module.o_proj.weight, idx, num_layers, lengths)
             compressed[idx] = CompressedLayer.from_selection(keys, values, sel, tail_capacity)
             selection_s += time.perf_counter() - start
-            valid = n * batch if lengths is None else int(lengths.sum())
-            full_bytes += 2 * valid * keys.shape[1] * keys.shape[3] * keys.element_size()
             selections[idx] = sel
-            if keep_window_queries:
-                queries_kept.append(q)
             cache_layer.keys = cache_layer.values = keys.new_zeros(0)  # free the full K/V now
 
         return hook

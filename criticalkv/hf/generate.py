@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -12,7 +11,7 @@ import torch
 from criticalkv.hf.cache import packed_decoding
 from criticalkv.hf.compress import PrefillResult, prefill_and_compress
 from criticalkv.policy import KVPolicy
-from criticalkv.sampling import Generated, Sampler, SamplingConfig
+from criticalkv.sampling import Sampler, SamplingConfig, decode_loop
 
 
 @dataclass
@@ -58,30 +57,22 @@ def generate(
     sampler = Sampler(sampling)
     pre = prefill_and_compress(model, input_ids, policy, attention_mask, tail_capacity=max_new_tokens)
     batch = input_ids.shape[0]
-    tokens = sampler(pre.logits.float().cpu().numpy())
-    generated = Generated(tokens, stop_token_ids)
-    if on_tokens:
-        on_tokens(tokens)
-    positions = pre.prompt_lengths.clone().to(input_ids.device)
+    positions = pre.prompt_lengths.to(input_ids.device)
     dummy_mask = torch.zeros(batch, 1, 1, 1, dtype=model.dtype, device=input_ids.device)  # unused by the packed attention
-    steps = 0
-    start = time.perf_counter()
+
+    def step(tokens, t):
+        out = model(
+            input_ids=torch.as_tensor(tokens, device=input_ids.device)[:, None],
+            position_ids=(positions + t)[:, None],
+            attention_mask=dummy_mask,
+            past_key_values=pre.cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1].float().cpu().numpy()
+
     with packed_decoding(model):
-        while steps < max_new_tokens - 1 and not generated.finished:
-            out = model(
-                input_ids=torch.as_tensor(tokens, device=input_ids.device)[:, None],
-                position_ids=positions[:, None],
-                attention_mask=dummy_mask,
-                past_key_values=pre.cache,
-                use_cache=True,
-            )
-            tokens = sampler(out.logits[:, -1].float().cpu().numpy())
-            positions += 1
-            steps += 1
-            generated.add(tokens)
-            if on_tokens:
-                on_tokens(tokens)
-    decode_s = time.perf_counter() - start
+        first = sampler(pre.logits.float().cpu().numpy())
+        generated, steps, decode_s = decode_loop(step, first, max_new_tokens, stop_token_ids, sampler, on_tokens)
     return GenerationOutput(
         tokens=generated.tokens,
         prompt_lengths=pre.prompt_lengths.tolist(),

@@ -12,12 +12,13 @@ import json
 import os
 import shutil
 import sys
-import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-from criticalkv.files import sha256_file
+from criticalkv.files import remove_stale_temporaries, sha256_file, temporary_dir
 
 #: ``model_type`` values whose attention criticalkv knows (they share LlamaAttention's layout).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -48,33 +49,39 @@ def bundled_gguf() -> Path:
     return path
 
 
+@contextmanager
+def no_transformers_bars() -> Iterator[None]:
+    """transformers' own progress bars ("Loading weights", "Writing model shards") off while inside: a
+    load takes about a second, and the bars would fill logs with carriage returns."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def convert_gguf(gguf: Path, progress: bool = True) -> Path:
     """Dequantise ``gguf`` once into a cached safetensors folder and return the folder.
 
     The folder is written to a temporary directory and renamed into place, so an interrupted
     conversion never leaves a half-written model behind.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     digest = sha256_file(gguf)
     target = cache_dir() / "models" / f"{gguf.stem}-{digest[:16]}"
+    remove_stale_temporaries(target.parent, ".converting-", lambda msg: print(f"criticalkv: {msg}", file=sys.stderr))
     if (target / "config.json").is_file():
         return target
     if progress:
         print(f"criticalkv: converting {gguf.name} to a cached safetensors folder (once) ...", file=sys.stderr, flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    tmp = temporary_dir(target.parent, ".converting-")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # save_pretrained refuses a "quantized" model; the weights are already dequantised to fp32
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "criticalkv_source.json").write_text(json.dumps({"gguf": gguf.name, "sha256": digest}))
+        with no_transformers_bars():
+            _convert(gguf, digest, tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race: keep its copy
@@ -83,6 +90,27 @@ def convert_gguf(gguf: Path, progress: bool = True) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _convert(gguf: Path, digest: str, tmp: Path) -> None:
+    """Dequantise ``gguf`` into the folder ``tmp``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as err:  # the GGUF reader's own errors do not name the file
+        reason = type(err).__name__ + (": " + str(err).strip().splitlines()[0] if str(err).strip() else "")
+        raise ValueError(f"{gguf}: cannot read this GGUF file ({gguf.stat().st_size} bytes; truncated or "
+                         f"corrupt?): {reason}") from None
+    # save_pretrained refuses a "quantized" model; the weights are already dequantised to fp32
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "criticalkv_source.json").write_text(json.dumps({"gguf": gguf.name, "sha256": digest}))
 
 
 def resolve_model(model: str | os.PathLike | None = None) -> Path:
@@ -123,6 +151,7 @@ def load_model(
     folder = resolve_model(model)
     config = AutoConfig.from_pretrained(folder)
     check_supported(config)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+    with no_transformers_bars():
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return hf_model.eval(), tokenizer

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.runtime.backend import Backend, create_backend
 from criticalkv.runtime.manifest import EngineError, read_manifest
-from criticalkv.sampling import Generated, Sampler, SamplingConfig
+from criticalkv.sampling import Sampler, SamplingConfig, decode_loop
 
 
 @dataclass
@@ -89,10 +89,10 @@ class Engine:
             mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, dtype=np.int64)
             if mask.shape != ids.shape:
                 raise EngineError(f"attention_mask: shape {mask.shape} differs from the prompts {ids.shape}")
-            lengths = mask.sum(1)
-            expected = np.arange(ids.shape[1])[None, :] >= (ids.shape[1] - lengths)[:, None]
-            if not np.array_equal(mask.astype(bool), expected):
-                raise EngineError("attention_mask: prompts must be left-padded (padding first, then the tokens)")
+            try:
+                lengths = left_padded_lengths(mask)
+            except ValueError as e:
+                raise EngineError(str(e)) from None
         else:
             seqs = [list(map(int, p)) for p in prompts]
             if not seqs:
@@ -128,21 +128,28 @@ class Engine:
         stop_token_ids: Sequence[int] | None = None,
         on_tokens: Callable[[np.ndarray], None] | None = None,
         attention_mask: np.ndarray | None = None,
+        kv_budget: int | None = None,
     ) -> GenerationResult:
         """Prefill (selection inside the graph), then decode up to ``max_new_tokens`` tokens per sequence.
 
         prompts : lists of token ids (any lengths; left-padded here) or a left-padded [B, n] array with
             ``attention_mask``. stop_token_ids default to the model's EOS ids; ``on_tokens`` receives
             every step's token ids [B] (streaming). The token after prompt b sits at position len_b + t.
+        kv_budget : this request's budget, in [policy.min_budget, the built budget] (None: the built budget);
+            the selection inside the prefill is exactly ``select_layer`` with ``policy.with_budget(kv_budget)``.
         """
         if not 1 <= max_new_tokens <= self.max_new_tokens:
             raise EngineError(f"max_new_tokens must lie in [1, {self.max_new_tokens}] (the engine's built maximum), "
                               f"got {max_new_tokens}")
+        try:
+            budget = self.policy.with_budget(kv_budget).budget if kv_budget is not None else None
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         ids, mask = self._batch(prompts, attention_mask)
         lengths = mask.sum(1)
         sampler = Sampler(sampling)
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
-        pre = self.backend.prefill(ids, mask, positions)
+        pre = self.backend.prefill(ids, mask, positions, kv_budget=budget)
         selection_s = None
         end_profiling = getattr(self.backend, "end_profiling", None)
         if end_profiling is not None:
@@ -152,21 +159,12 @@ class Engine:
 
                 selection_s = selection_profile(trace)[-1].selection_s
                 os.remove(trace)
-        tokens = sampler(pre.logits)
-        generated = Generated(tokens, self.eos_token_ids if stop_token_ids is None else stop_token_ids)
-        if on_tokens:
-            on_tokens(tokens)
+        first = sampler(pre.logits)
         self.backend.begin_decode(pre)
-        steps = 0
-        start = time.perf_counter()
-        while steps < max_new_tokens - 1 and not generated.finished:
-            logits = self.backend.decode(tokens, lengths + steps)
-            tokens = sampler(logits)
-            steps += 1
-            generated.add(tokens)
-            if on_tokens:
-                on_tokens(tokens)
-        decode_s = time.perf_counter() - start
+        generated, steps, decode_s = decode_loop(
+            lambda tokens, t: self.backend.decode(tokens, lengths + t), first, max_new_tokens,
+            self.eos_token_ids if stop_token_ids is None else stop_token_ids, sampler, on_tokens,
+        )
         itemsize = 4  # fp32 caches
         per_entry = 2 * self.spec["head_dim"] * itemsize
         full = per_entry * self.spec["num_kv_heads"] * int(lengths.sum()) * self.spec["num_layers"]

@@ -5,7 +5,9 @@ KV buffers: per layer l, K and V ``[max_batch, H_kv, cap_l, d_h]`` float32 and l
 capacity + the built max_new_tokens). Each generation binds views of the first B rows (contiguous) to
 the decode session once; every step ORT reads them in place, writes the new token's K/V into small
 preallocated output buffers, and the backend stores those at slot ``lengths[b, g]`` of each head and
-increments the lengths: no per-step allocation and no copy of the cache.
+increments the lengths: no per-step allocation and no copy of the cache. A decode over B rows binds the
+first B rows of every buffer; the binding of each B is made once and kept (the serving scheduler changes
+B as sequences join and leave).
 
 Weights (``weights="shared"``, the default): ``weights.bin`` is memory-mapped once and handed to both
 sessions as pre-allocated initializers (``SessionOptions.add_initializer``) with MLAS weight prepacking
@@ -23,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from criticalkv.runtime.backend import BuiltShapes, PrefillOutputs
+from criticalkv.runtime.backend import NO_BUDGET_INPUT, BuiltShapes, PrefillOutputs, budget_feed
 from criticalkv.runtime.manifest import EngineError
 
 #: Environment variable overriding ONNX Runtime's intra-op thread count (0 = ORT's default).
@@ -33,7 +35,7 @@ THREADS_ENV = "CRITICALKV_ORT_THREADS"
 def _external_weights(onnx_path: Path) -> dict[str, np.ndarray]:
     import onnx
 
-    from criticalkv.export.weights import load_external_weights
+    from criticalkv.weights import load_external_weights
 
     try:
         model = onnx.load(str(onnx_path), load_external_data=False)
@@ -79,6 +81,10 @@ class OnnxRuntimeBackend(BuiltShapes):
         self.prefill_session = self.session(self.folder / files["prefill"], threads, profile)
         self.decode_session = self.session(self.folder / files["decode"], threads, False)
         self._allocate()
+        budget_inputs = [i for i in self.prefill_session.get_inputs() if i.name == "kv_budget"]
+        self._budget_input = budget_inputs[0] if budget_inputs else None
+        self.accepts_kv_budget = self._budget_input is not None
+        self._bindings: dict[int, Any] = {}  # batch B -> IO binding of the first B rows
         self._binding = None
         self._batch = 0
 
@@ -122,8 +128,14 @@ class OnnxRuntimeBackend(BuiltShapes):
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> PrefillOutputs:
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                kv_budget: int | None = None) -> PrefillOutputs:
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        if self._budget_input is not None:
+            budget = self.built_budget if kv_budget is None else kv_budget
+            feeds["kv_budget"] = budget_feed(budget, self._budget_input.type, len(self._budget_input.shape))
+        elif kv_budget is not None and kv_budget != self.built_budget:
+            raise EngineError(NO_BUDGET_INPUT)
         start = time.perf_counter()
         outputs = self.prefill_session.run(None, feeds)
         seconds = time.perf_counter() - start
@@ -147,27 +159,50 @@ class OnnxRuntimeBackend(BuiltShapes):
         bind(name, "cpu", 0, element, list(array.shape), array.ctypes.data)
 
     def begin_decode(self, prefill: PrefillOutputs) -> None:
-        batch = prefill.logits.shape[0]
+        for row in range(prefill.logits.shape[0]):
+            self.load_slot(row, prefill, row)
+
+    def load_slot(self, slot: int, prefill: PrefillOutputs, row: int = 0) -> None:
+        self.check_slot(slot)
         for i in range(self.num_layers):
             kept = prefill.keys[i].shape[2]
-            self.keys[i][:batch, :, :kept] = prefill.keys[i]
-            self.values[i][:batch, :, :kept] = prefill.values[i]
-            self.lengths[i][:batch] = prefill.lengths[i]
-        # bind the first `batch` rows of every buffer once for this generation (contiguous views)
-        self._binding = self.decode_session.io_binding()
-        self._bind("input_ids", self.token_ids[:batch])
-        self._bind("position_ids", self.position_ids[:batch])
+            self.keys[i][slot, :, :kept] = prefill.keys[i][row]
+            self.values[i][slot, :, :kept] = prefill.values[i][row]
+            self.lengths[i][slot] = prefill.lengths[i][row]
+
+    def move_slot(self, source: int, target: int) -> None:
+        self.check_slot(source)
+        self.check_slot(target)
         for i in range(self.num_layers):
-            self._bind(f"past_key_values.{i}.key", self.keys[i][:batch])
-            self._bind(f"past_key_values.{i}.value", self.values[i][:batch])
-            self._bind(f"past_key_values.{i}.lengths", self.lengths[i][:batch])
-            self._bind(f"present.{i}.key", self.new_keys[i][:batch], output=True)
-            self._bind(f"present.{i}.value", self.new_values[i][:batch], output=True)
-        self._bind("logits", self.logits[:batch], output=True)
+            kept = int(self.lengths[i][source].max())  # entries beyond every head's length are never read
+            self.keys[i][target, :, :kept] = self.keys[i][source, :, :kept]
+            self.values[i][target, :, :kept] = self.values[i][source, :, :kept]
+            self.lengths[i][target] = self.lengths[i][source]
+
+    def _use_rows(self, batch: int) -> None:
+        """Bind the first ``batch`` rows of every buffer (contiguous views), once per batch size."""
+        if batch == self._batch:
+            return
+        if not 1 <= batch <= self.max_batch:
+            raise EngineError(f"decode over {batch} rows: the engine was built for at most {self.max_batch} "
+                              "(rebuild with a larger --max-batch-size)")
+        if batch not in self._bindings:
+            self._binding = self.decode_session.io_binding()
+            self._bind("input_ids", self.token_ids[:batch])
+            self._bind("position_ids", self.position_ids[:batch])
+            for i in range(self.num_layers):
+                self._bind(f"past_key_values.{i}.key", self.keys[i][:batch])
+                self._bind(f"past_key_values.{i}.value", self.values[i][:batch])
+                self._bind(f"past_key_values.{i}.lengths", self.lengths[i][:batch])
+                self._bind(f"present.{i}.key", self.new_keys[i][:batch], output=True)
+                self._bind(f"present.{i}.value", self.new_values[i][:batch], output=True)
+            self._bind("logits", self.logits[:batch], output=True)
+            self._bindings[batch] = (self._binding, *np.indices((batch, self.kv_heads)))
+        self._binding, self._rows, self._heads = self._bindings[batch]
         self._batch = batch
-        self._rows, self._heads = np.indices((batch, self.kv_heads))
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        self._use_rows(len(tokens))
         batch = self._batch
         self.token_ids[:batch, 0] = tokens
         self.position_ids[:batch, 0] = positions
@@ -196,4 +231,5 @@ class OnnxRuntimeBackend(BuiltShapes):
             if trace and os.path.exists(trace):
                 os.remove(trace)
         self._binding = None
+        self._bindings.clear()
         self.prefill_session = self.decode_session = None

@@ -7,9 +7,14 @@ Same contract as the ONNX Runtime backend (``criticalkv.runtime.backend.Backend`
   int32, allocated once on the GPU (torch tensors, so TensorRT reads them through raw addresses).
 * ``prefill`` runs the prompt; the kept K/V stay on the GPU (``begin_decode`` copies them device to device
   into the buffers), only logits, lengths and indices come back to the host.
-* ``decode``: one TensorRT launch, then every layer's new K/V is scattered at slot ``lengths[b, g]`` of its
-  head and the lengths are incremented, all on the GPU stream. With ``cuda_graphs=True`` (default) that
-  whole step is captured once per generation into a CUDA graph and replayed: one graph launch per token.
+* ``load_slot`` / ``move_slot`` (the serving scheduler's slots) copy one row of the prefill outputs or of
+  the buffers device to device.
+* ``decode`` over the first B rows: one TensorRT launch, then every layer's new K/V is scattered at slot
+  ``lengths[b, g]`` of its head and the lengths are incremented, all on the GPU stream. With
+  ``cuda_graphs=True`` (default) that whole step is captured once per batch size B into a CUDA graph and
+  replayed: one graph launch per token. The graphs read the buffers at fixed addresses (the first B rows),
+  so a graph stays valid while sequences join, leave and move between rows; ``begin_decode`` (a new
+  static batch from ``Engine.generate``) drops them.
 
 Needs the ``tensorrt`` package (10.x), a CUDA GPU, PyTorch with CUDA, and the plugin library
 (``scripts/build_plugin.sh``). Everything that does not need a GPU (dtype mapping, manifest checks) is
@@ -24,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from criticalkv.runtime.backend import BuiltShapes, PrefillOutputs
+from criticalkv.runtime.backend import NO_BUDGET_INPUT, BuiltShapes, PrefillOutputs, budget_feed
 from criticalkv.runtime.manifest import EngineError
 
 ENGINE_FOLDER = "tensorrt"
@@ -57,7 +62,8 @@ def engine_files(folder: Path, manifest: dict[str, Any]) -> tuple[Path, Path]:
     """Paths of the prefill and decode engines, or EngineError saying why this directory has none."""
     info = manifest.get("tensorrt") or {}
     if not info.get("built"):
-        why = info.get("skipped_reason", "the build did not try")
+        why = f"the TensorRT build failed: {info['error']}" if info.get("failed") else \
+            info.get("skipped_reason", "the build did not try")
         raise EngineError(
             f"{folder}: no TensorRT engines in this engine directory ({why}). Rebuild it with "
             "scripts/build_engine.py on a machine with TensorRT 10, a CUDA GPU and the plugin "
@@ -77,7 +83,7 @@ class TensorRTBackend(BuiltShapes):
 
     def __init__(self, folder: Path, manifest: dict[str, Any], device: int = 0, cuda_graphs: bool = True,
                  plugin_library: str | None = None, log_level: str = "WARNING"):
-        from criticalkv.engine import load_plugin_library, tensorrt_unavailable_reason
+        from criticalkv.tensorrt import load_plugin_library, resolve_plugin_library, tensorrt_unavailable_reason
 
         self.folder = Path(folder)
         prefill_path, decode_path = engine_files(self.folder, manifest)
@@ -92,7 +98,8 @@ class TensorRTBackend(BuiltShapes):
         torch.cuda.set_device(self.device)
         self.logger = trt.Logger(getattr(trt.Logger, log_level))
         # the plugin must be registered before an engine holding its layers is deserialized
-        load_plugin_library(plugin_library or manifest["tensorrt"].get("plugin_library"), trt.get_plugin_registry())
+        library = resolve_plugin_library(self.folder, manifest["tensorrt"].get("plugin_library"), plugin_library)
+        load_plugin_library(library, trt.get_plugin_registry())
         runtime = trt.Runtime(self.logger)
         self.prefill_engine = runtime.deserialize_cuda_engine(prefill_path.read_bytes())
         self.decode_engine = runtime.deserialize_cuda_engine(decode_path.read_bytes())
@@ -105,9 +112,14 @@ class TensorRTBackend(BuiltShapes):
         self.read_shapes(manifest)
         self.use_graphs = cuda_graphs
         self._allocate()
+        names = [self.prefill_engine.get_tensor_name(i) for i in range(self.prefill_engine.num_io_tensors)]
+        self.accepts_kv_budget = "kv_budget" in names
         self._device_prefill: dict[str, Any] | None = None
+        self._graphs: dict[int, Any] = {}  # batch B -> CUDA graph of one decode step over the first B rows
         self._graph = None
         self._batch = 0
+        # host copy of every row's longest head per layer: the capacity check needs no device sync
+        self._row_max = np.zeros((self.max_batch, self.num_layers), np.int64)
 
     # ------------------------------------------------------------------ buffers
     def _dtype(self, engine, name: str):
@@ -130,9 +142,16 @@ class TensorRTBackend(BuiltShapes):
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> PrefillOutputs:
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                kv_budget: int | None = None) -> PrefillOutputs:
         torch, ctx, eng = self.torch, self.prefill_context, self.prefill_engine
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        if self.accepts_kv_budget:
+            budget = self.built_budget if kv_budget is None else kv_budget
+            kind = "tensor(int64)" if self._dtype(eng, "kv_budget") == torch.int64 else "tensor(int32)"
+            feeds["kv_budget"] = budget_feed(budget, kind, len(eng.get_tensor_shape("kv_budget")))
+        elif kv_budget is not None and kv_budget != self.built_budget:
+            raise EngineError(NO_BUDGET_INPUT)
         keep_alive = []
         with torch.cuda.stream(self.stream):
             for name, array in feeds.items():
@@ -169,40 +188,68 @@ class TensorRTBackend(BuiltShapes):
 
     # ------------------------------------------------------------------ decode
     def begin_decode(self, prefill: PrefillOutputs) -> None:
+        self._graphs.clear()  # a new static batch: capture afresh
+        self._batch = 0
+        for row in range(prefill.logits.shape[0]):
+            self.load_slot(row, prefill, row)
+        self._device_prefill = None  # free the prefill outputs
+
+    def load_slot(self, slot: int, prefill: PrefillOutputs, row: int = 0) -> None:
         torch = self.torch
+        self.check_slot(slot)
         if self._device_prefill is None:
-            raise EngineError("begin_decode: run prefill on this backend first")
-        out, batch = self._device_prefill, prefill.logits.shape[0]
-        ctx = self.decode_context
-        self._max_length = []
+            raise EngineError("load_slot: run prefill on this backend first")
+        out = self._device_prefill
         with torch.cuda.stream(self.stream):
             for i in range(self.num_layers):
                 kept = out[f"present.{i}.key"].shape[2]
-                self.keys[i][:batch].zero_()
-                self.values[i][:batch].zero_()
-                self.keys[i][:batch, :, :kept] = out[f"present.{i}.key"]
-                self.values[i][:batch, :, :kept] = out[f"present.{i}.value"]
-                self.lengths[i][:batch] = out[f"present.{i}.lengths"]
-                self._max_length.append(int(prefill.lengths[i].max()))
-            bindings = {"input_ids": self.token_ids, "position_ids": self.position_ids, "logits": self.logits}
+                self.keys[i][slot].zero_()
+                self.values[i][slot].zero_()
+                self.keys[i][slot, :, :kept] = out[f"present.{i}.key"][row]
+                self.values[i][slot, :, :kept] = out[f"present.{i}.value"][row]
+                self.lengths[i][slot] = out[f"present.{i}.lengths"][row]
+                self._row_max[slot, i] = int(prefill.lengths[i][row].max())
+
+    def move_slot(self, source: int, target: int) -> None:
+        torch = self.torch
+        self.check_slot(source)
+        self.check_slot(target)
+        with torch.cuda.stream(self.stream):
             for i in range(self.num_layers):
-                bindings.update({
-                    f"past_key_values.{i}.key": self.keys[i], f"past_key_values.{i}.value": self.values[i],
-                    f"past_key_values.{i}.lengths": self.lengths[i],
-                    f"present.{i}.key": self.new_keys[i], f"present.{i}.value": self.new_values[i],
-                })
-            for name, tensor in bindings.items():  # the first `batch` rows of each buffer are contiguous
-                view = tensor[:batch]
-                if self.decode_engine.get_tensor_mode(name) == self.trt.TensorIOMode.INPUT:
-                    ctx.set_input_shape(name, tuple(view.shape))
-                ctx.set_tensor_address(name, view.data_ptr())
-        self._device_prefill = None  # free the prefill outputs
+                self.keys[i][target].copy_(self.keys[i][source])
+                self.values[i][target].copy_(self.values[i][source])
+                self.lengths[i][target].copy_(self.lengths[i][source])
+        self._row_max[target] = self._row_max[source]
+
+    def _use_rows(self, batch: int) -> None:
+        """Point the decode context at the first ``batch`` rows (and pick or capture that batch's graph)."""
+        torch = self.torch
+        if batch == self._batch:
+            return
+        if not 1 <= batch <= self.max_batch:
+            raise EngineError(f"decode over {batch} rows: the engine was built for at most {self.max_batch} "
+                              "(rebuild with a larger --max-batch-size)")
+        ctx = self.decode_context
+        bindings = {"input_ids": self.token_ids, "position_ids": self.position_ids, "logits": self.logits}
+        for i in range(self.num_layers):
+            bindings.update({
+                f"past_key_values.{i}.key": self.keys[i], f"past_key_values.{i}.value": self.values[i],
+                f"past_key_values.{i}.lengths": self.lengths[i],
+                f"present.{i}.key": self.new_keys[i], f"present.{i}.value": self.new_values[i],
+            })
+        for name, tensor in bindings.items():  # the first `batch` rows of each buffer are contiguous
+            view = tensor[:batch]
+            if self.decode_engine.get_tensor_mode(name) == self.trt.TensorIOMode.INPUT:
+                ctx.set_input_shape(name, tuple(view.shape))
+            ctx.set_tensor_address(name, view.data_ptr())
         self._batch = batch
         self._rows, self._heads = (t.to(self.device) for t in torch.meshgrid(
             torch.arange(batch), torch.arange(self.kv_heads), indexing="ij"))
         self._graph = None
         if self.use_graphs:
-            self._capture()
+            if batch not in self._graphs:
+                self._graphs[batch] = (self._capture(), self._rows, self._heads)
+            self._graph, self._rows, self._heads = self._graphs[batch]
 
     def _step(self) -> None:
         """One decode step on self.stream: TensorRT, then the in-place cache update (capturable)."""
@@ -215,7 +262,7 @@ class TensorRTBackend(BuiltShapes):
             self.values[i][:batch][rows, heads, slots] = self.new_values[i][:batch, :, 0]
             self.lengths[i][:batch] += 1
 
-    def _capture(self) -> None:
+    def _capture(self):
         torch = self.torch
         with torch.cuda.stream(self.stream):
             # TensorRT defers some setup to the first enqueue after a shape change: flush it outside the
@@ -226,14 +273,17 @@ class TensorRTBackend(BuiltShapes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=self.stream):
                 self._step()
-        self._graph = graph
+        return graph
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        torch, batch = self.torch, self._batch
-        for i, cap in enumerate(self.capacities):  # every head grows by one per step: the host knows the maximum
-            if self._max_length[i] >= cap:
-                raise EngineError(f"layer {i}: the KV buffer ({cap} entries per head) is full")
-            self._max_length[i] += 1
+        torch, batch = self.torch, len(tokens)
+        # every head grows by one per step: the host knows each row's longest head
+        full = np.nonzero(self._row_max[:batch] >= np.asarray(self.capacities)[None, :])
+        if len(full[0]):
+            layer = int(full[1][0])
+            raise EngineError(f"layer {layer}: the KV buffer ({self.capacities[layer]} entries per head) is full")
+        self._use_rows(batch)
+        self._row_max[:batch] += 1
         with torch.cuda.stream(self.stream):
             self.token_ids[:batch, 0].copy_(torch.from_numpy(np.asarray(tokens, np.int64)))
             self.position_ids[:batch, 0].copy_(torch.from_numpy(np.asarray(positions, np.int64)))
@@ -246,6 +296,7 @@ class TensorRTBackend(BuiltShapes):
 
     def close(self) -> None:
         self._graph = None
+        self._graphs.clear()
         self._device_prefill = None
         self.prefill_context = self.decode_context = None
         self.prefill_engine = self.decode_engine = None

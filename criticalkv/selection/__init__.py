@@ -17,6 +17,7 @@ from criticalkv.selection.layer import (
 )
 from criticalkv.selection.scores import (
     LayerScores,
+    ScoreMemo,
     layer_scores,
     max_pool_positions,
     value_projection_norms,
@@ -27,6 +28,7 @@ from criticalkv.selection.topk import mask_to_indices, topk_mask
 __all__ = [
     "LayerScores",
     "LayerSelection",
+    "ScoreMemo",
     "gather_kv",
     "head_floor",
     "layer_scores",

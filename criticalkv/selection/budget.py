@@ -1,61 +1,89 @@
-"""Budget arithmetic: how many older tokens each layer and KV head may keep.
+"""Budget arithmetic: how many older tokens each layer and KV head may keep, exactly in integers.
 
-Integer rules (shared with the CUDA/C++ implementation, ``plugins/include/criticalkv/budget.h``):
+Every rule is integer arithmetic, so every language computes the same numbers (the C++ plugin:
+``plugins/include/criticalkv/budget.h``; the ONNX body looks the numbers up in tables made here):
 
 * ``r = budget - window`` older tokens per KV head on average;
-* stage 1 keeps ``ceil(alpha * r_head)`` tokens (never silently 0 when alpha > 0);
-* pyramid: per-layer ``r_l`` linear from ``r_max`` (layer 0) down to ``r_min = max(r / beta, 1)``
-  (last layer), ``r_max = 2 r - r_min``, rounded by largest remainder so that the layers sum to
-  exactly ``num_layers * r`` (ties toward the lower layer);
-* adakv / laprox floor: each head keeps at least ``max(1, floor(ada_floor * r))`` (0 if ada_floor
-  is 0), the rest of the layer's ``H_kv * r`` slots go to the highest scores across its heads.
+* fractions are exact decimals with at most 6 decimals (a ``KVPolicy`` rule): ``A = alpha * 10^6`` is an integer;
+* stage 1 keeps ``ceil(alpha * r) = (A * r + 10^6 - 1) // 10^6`` tokens (never silently 0 when alpha > 0);
+* adakv / laprox floor: each head keeps at least ``max(1, F * r // 10^6)`` with ``F = ada_floor * 10^6`` (0 if
+  ada_floor is 0), the rest of the layer's ``H_kv * r`` slots go to the highest scores across its heads;
+* pyramid: per-layer ``r_l`` linear from ``r_max`` (layer 0) down to ``r_min = max(r / beta, 1)`` (last layer),
+  ``r_max = 2 r - r_min``, as exact rationals over the denominator ``beta_micros * (L - 1)``; floors, then the
+  ``L * r - sum`` missing units go to the largest remainders (ties toward the lower layer), so the layers sum to
+  exactly ``L * r``. Computed at export only (node attribute ``layer_budgets``).
+
+These equal the earlier float definitions (``ceil``/``floor`` of ``round(x, 9)``) for every case tested
+(``tests/selection/test_integer_rules.py``).
 """
 
 from __future__ import annotations
 
-import math
+import functools
 
 from criticalkv.policy import KVPolicy
+from criticalkv.spec.rules import DECIMAL_SCALE, micros
 
 
 def stage1_count(alpha: float, r: int) -> int:
-    """Tokens stage 1 keeps by attention alone out of a head's ``r``: ceil(alpha * r)."""
-    # round() first so that e.g. 0.3 * 10 = 3.0000000000000004 does not become 4
-    return min(r, math.ceil(round(alpha * r, 9)))
+    """Tokens stage 1 keeps by attention alone out of a head's ``r``: ceil(alpha * r), exactly."""
+    if r <= 0:
+        return 0
+    return min(r, (micros(alpha) * r + DECIMAL_SCALE - 1) // DECIMAL_SCALE)
 
 
 def head_floor(ada_floor: float, r: int) -> int:
-    """Tokens every head keeps by its own scores under shared (adakv / laprox) allocation."""
-    if ada_floor <= 0 or r <= 0:
+    """Tokens every head keeps by its own scores under shared (adakv / laprox) allocation: max(1, floor(f * r))."""
+    f = micros(ada_floor)
+    if f <= 0 or r <= 0:
         return 0
-    return min(r, max(1, math.floor(round(ada_floor * r, 9))))
+    return min(r, max(1, f * r // DECIMAL_SCALE))
 
 
 def pyramid_layer_budgets(r: int, num_layers: int, beta: float) -> list[int]:
     """Selectable budget of every layer for PyramidKV; the list sums to ``num_layers * r``."""
+    return list(_pyramid_layer_budgets(r, num_layers, micros(beta)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _pyramid_layer_budgets(r: int, num_layers: int, beta_micros: int) -> tuple[int, ...]:
     if num_layers <= 0:
         raise ValueError(f"num_layers: must be positive, got {num_layers}")
     if num_layers == 1 or r <= 0:
-        return [r] * num_layers
-    r_min = max(r / beta, 1.0)
-    r_max = 2 * r - r_min
-    exact = [r_max - (r_max - r_min) * layer / (num_layers - 1) for layer in range(num_layers)]
-    floors = [math.floor(round(x, 9)) for x in exact]
+        return (r,) * num_layers
+    q, steps = beta_micros, num_layers - 1
+    a = max(r * DECIMAL_SCALE, q)  # r_min = a / q = max(r / beta, 1)
+    denominator = q * steps
+    # exact_l = r_max - (r_max - r_min) * l / (L - 1) = numerator_l / denominator
+    numerators = [(2 * r * q - a) * steps - (2 * r * q - 2 * a) * layer for layer in range(num_layers)]
+    floors = [x // denominator for x in numerators]
+    remainders = [x % denominator for x in numerators]
     missing = num_layers * r - sum(floors)
-    by_remainder = sorted(range(num_layers), key=lambda i: (-(exact[i] - floors[i]), i))
+    by_remainder = sorted(range(num_layers), key=lambda i: (-remainders[i], i))
     for i in by_remainder[:missing]:
         floors[i] += 1
-    return floors
+    return tuple(floors)
 
 
 def layer_selectable_budget(policy: KVPolicy, layer_idx: int, num_layers: int) -> int:
     """Older tokens per KV head (average over the layer's heads) that ``layer_idx`` may keep."""
     if not 0 <= layer_idx < num_layers:
         raise ValueError(f"layer_idx: {layer_idx} is outside [0, {num_layers})")
-    r = policy.selectable_budget
-    if policy.base == "pyramidkv":
-        return pyramid_layer_budgets(r, num_layers, policy.pyramid_beta)[layer_idx]
-    return r
+    return policy.method.base.layer_budget(policy, policy.selectable_budget, layer_idx, num_layers)
+
+
+def layer_budget_table(policy: KVPolicy, layer_idx: int, num_layers: int) -> list[int]:
+    """r_l of layer ``layer_idx`` for every per-request budget b = window .. budget: ``table[b - window]``.
+
+    This is the node attribute ``layer_budgets`` (the ONNX body and the plugin look r_l up in it, so no
+    backend recomputes the pyramid). Empty for a policy that does not evict.
+    """
+    if not 0 <= layer_idx < num_layers:
+        raise ValueError(f"layer_idx: {layer_idx} is outside [0, {num_layers})")
+    base = policy.method.base
+    if not base.evicts:
+        return []
+    return [base.layer_budget(policy, r, layer_idx, num_layers) for r in range(policy.selectable_budget + 1)]
 
 
 def max_kept_per_head(policy: KVPolicy, n: int, num_kv_heads: int, layer_idx: int = 0, num_layers: int = 1) -> int:
@@ -63,14 +91,11 @@ def max_kept_per_head(policy: KVPolicy, n: int, num_kv_heads: int, layer_idx: in
 
     This is the fixed capacity a compressed-cache buffer (or an ONNX/TensorRT output) needs.
     """
-    if policy.name == "full" or n <= policy.budget:
+    base = policy.method.base
+    if not base.evicts or n <= policy.budget:
         return n
-    if policy.base == "streamingllm":
+    if not base.scored:
         return policy.budget
     w = min(policy.window, n)
     m = n - w
-    r = layer_selectable_budget(policy, layer_idx, num_layers)
-    if policy.base in ("adakv", "laprox"):
-        floor = head_floor(policy.ada_floor, min(r, m))
-        r = num_kv_heads * min(r, m) - (num_kv_heads - 1) * floor
-    return w + min(r, m)
+    return w + base.max_older_per_head(policy, layer_selectable_budget(policy, layer_idx, num_layers), m, num_kv_heads)

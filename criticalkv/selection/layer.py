@@ -11,8 +11,10 @@ from typing import Sequence
 import torch
 
 from criticalkv.policy import KVPolicy
-from criticalkv.selection.budget import head_floor, layer_selectable_budget, stage1_count
-from criticalkv.selection.scores import LayerScores, layer_scores
+from criticalkv.methods.adakv import shared_allocation_mask  # noqa: F401 (re-exported by criticalkv.selection)
+from criticalkv.methods.two_stage import two_stage_mask  # noqa: F401 (re-exported by criticalkv.selection)
+from criticalkv.selection.budget import layer_selectable_budget
+from criticalkv.selection.scores import LayerScores, ScoreMemo, layer_scores
 from criticalkv.selection.topk import mask_to_indices, topk_mask
 
 
@@ -45,6 +47,7 @@ def _validate(
     layer_idx: int,
     num_layers: int,
     prompt_lengths: torch.Tensor | None,
+    memo: ScoreMemo | None = None,
 ) -> None:
     if not isinstance(policy, KVPolicy):
         raise ValueError(f"policy: expected a KVPolicy, got {type(policy).__name__}")
@@ -87,57 +90,36 @@ def _validate(
             raise ValueError(f"prompt_lengths: expected shape ({batch},), got {tuple(prompt_lengths.shape)}")
         if prompt_lengths.min() < 1 or prompt_lengths.max() > n:
             raise ValueError(f"prompt_lengths: every length must lie in [1, {n}], got {prompt_lengths.tolist()}")
-    for name, t in (("queries", queries), ("keys", keys), ("values", values), ("o_proj_weight", o_proj_weight)):
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{name}: contains NaN or Inf")
+    def check_finite():
+        for name, t in (("queries", queries), ("keys", keys), ("values", values), ("o_proj_weight", o_proj_weight)):
+            if not torch.isfinite(t).all():
+                raise ValueError(f"{name}: contains NaN or Inf")
+        return True
 
-
-def two_stage_mask(
-    attention: torch.Tensor, critical: torch.Tensor, r: torch.Tensor, alpha: float, eligible: torch.Tensor
-) -> torch.Tensor:
-    """CriticalKV's selection inside each head's allocation.
-
-    Stage 1 keeps the top ``ceil(alpha * r)`` by ``attention``; stage 2 the top ``r - ceil(alpha * r)``
-    of the rest by ``critical``. ``attention``, ``critical``, ``eligible``: [B, H_kv, m]; ``r``: [B, H_kv].
-    """
-    first = torch.tensor([stage1_count(alpha, int(x)) for x in r.flatten().tolist()], dtype=torch.int64)
-    first = first.reshape(r.shape).to(r.device)
-    stage1 = topk_mask(attention, first, eligible)
-    stage2 = topk_mask(critical, r - first, eligible & ~stage1)
-    return stage1 | stage2
-
-
-def shared_allocation_mask(scores: torch.Tensor, r: torch.Tensor, floor: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
-    """AdaKV-style allocation of a layer's ``H_kv * r`` slots across its KV heads.
-
-    Every head first keeps its own top ``floor`` entries; the remaining ``H_kv * (r - floor)`` go to the
-    highest ``scores`` over all heads of the layer (ties: lower head, then lower position).
-    ``scores``, ``eligible``: [B, H_kv, m]; ``r``, ``floor``: [B]. Returns the chosen [B, H_kv, m] mask.
-    """
-    batch, heads, m = scores.shape
-    safe = topk_mask(scores, floor[:, None], eligible)
-    rest = topk_mask(scores.reshape(batch, heads * m), heads * (r - floor), (eligible & ~safe).reshape(batch, -1))
-    return safe | rest.reshape(batch, heads, m)
+    if memo is None:
+        check_finite()
+    else:  # the same prompt's tensors: checked once per layer and window
+        memo.get(("finite", layer_idx, queries.shape[2]), check_finite)
 
 
 def choose_older_tokens(policy: KVPolicy, scores: LayerScores, eligible: torch.Tensor, r_layer: int) -> torch.Tensor:
-    """Which of the m older tokens every KV head keeps: [B, H_kv, m] bool."""
-    batch, heads, _ = eligible.shape
+    """Which of the m older tokens every KV head keeps: [B, H_kv, m] bool.
+
+    The policy's base method shares the layer's budget among its heads (``allocate``); a refinement
+    (CriticalKV's two stages) then chooses inside each head's share, otherwise the base's own choice stands.
+    """
+    method = policy.method
     r = torch.clamp(eligible[:, 0].sum(-1), max=r_layer)  # [B], never more than the valid older tokens
-    if policy.base in ("snapkv", "pyramidkv"):
-        r_head = r[:, None].expand(batch, heads)
-        if policy.two_stage:
-            return two_stage_mask(scores.attention, scores.critical, r_head, policy.alpha, eligible)
-        return topk_mask(scores.attention, r_head, eligible)
-    floor = torch.tensor([head_floor(policy.ada_floor, int(x)) for x in r.tolist()], dtype=torch.int64, device=r.device)
-    if policy.base == "laprox":
-        return shared_allocation_mask(scores.laprox, r, floor, eligible)
-    share = shared_allocation_mask(scores.attention, r, floor, eligible)  # adakv
-    if policy.two_stage:
-        return two_stage_mask(scores.attention, scores.critical, share.sum(-1), policy.alpha, eligible)
-    return share
+    allocation = method.base.allocate(policy, scores, eligible, r)
+    if method.refine is not None:
+        counts = allocation.counts if allocation.counts is not None else allocation.mask.sum(-1)
+        return method.refine.choose(policy, scores, counts, eligible)
+    if allocation.mask is not None:
+        return allocation.mask
+    return topk_mask(scores[method.base.score_name], allocation.counts, eligible)
 
 
+@torch.no_grad()
 def select_layer(
     policy: KVPolicy,
     queries: torch.Tensor,
@@ -147,6 +129,7 @@ def select_layer(
     layer_idx: int = 0,
     num_layers: int = 1,
     prompt_lengths: torch.Tensor | None = None,
+    memo: ScoreMemo | None = None,
 ) -> LayerSelection:
     """Choose the KV entries one attention layer keeps after the prompt.
 
@@ -160,6 +143,8 @@ def select_layer(
     prompt_lengths : [B] int64 or None. A batch of prompts of different lengths is given
         **left-padded**: sequence b occupies positions ``n - prompt_lengths[b] .. n - 1`` so that the
         window queries of every sequence are the last positions. Padding is never selected.
+    memo : a ``ScoreMemo`` shared by calls on the same prompt (every policy and budget of an evaluation):
+        its scores are computed once; the selection is the same with or without it.
 
     Returns
     -------
@@ -168,7 +153,9 @@ def select_layer(
     otherwise the last ``window`` positions are always kept and the older ones are chosen by the policy.
     Inputs may be fp32/fp16/bf16 on CPU or CUDA; scores accumulate in fp32.
     """
-    _validate(policy, queries, keys, values, o_proj_weight, layer_idx, num_layers, prompt_lengths)
+    _validate(policy, queries, keys, values, o_proj_weight, layer_idx, num_layers, prompt_lengths, memo)
+    if policy.method.base.model_level and num_layers > 1:
+        raise ValueError(f"{policy.name} shares the budget across all layers: select with select_model, not layer by layer")
     batch, num_kv_heads, n, _ = keys.shape
     device = keys.device
     lengths = torch.full((batch,), n, dtype=torch.int64, device=device)
@@ -179,17 +166,16 @@ def select_layer(
     valid = pos[None, :] >= valid_start[:, None]  # [B, n]
     keep = valid[:, None, :].expand(batch, num_kv_heads, n)
     compress = lengths > policy.budget
-    if policy.name == "full" or not bool(compress.any()):
+    method = policy.method
+    if not method.base.evicts or not bool(compress.any()):
         return LayerSelection(*mask_to_indices(keep))
 
-    if policy.base == "streamingllm":
-        sinks = pos[None, :] < (valid_start + policy.sink_tokens)[:, None]
-        recent = pos >= n - (policy.budget - policy.sink_tokens)
-        chosen = (valid & (sinks | recent[None, :]))[:, None, :].expand(batch, num_kv_heads, n)
+    if not method.base.scored:
+        chosen = method.base.unscored_keep(policy, valid, valid_start, num_kv_heads)
     else:
         w = min(policy.window, n)
         m = n - w
-        scores = layer_scores(policy, queries[:, :, -w:], keys, values, o_proj_weight, valid_start)
+        scores = layer_scores(policy, queries[:, :, -w:], keys, values, o_proj_weight, valid_start, memo, layer_idx)
         eligible = valid[:, None, :m].expand(batch, num_kv_heads, m)
         older = choose_older_tokens(policy, scores, eligible, layer_selectable_budget(policy, layer_idx, num_layers))
         window = torch.ones(batch, num_kv_heads, w, dtype=torch.bool, device=device)
@@ -202,12 +188,60 @@ def select_model(
     policy: KVPolicy,
     layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
     prompt_lengths: torch.Tensor | None = None,
+    memo: ScoreMemo | None = None,
 ) -> list[LayerSelection]:
-    """``select_layer`` over every layer of a model: ``layers[l] = (queries, keys, values, o_proj_weight)``."""
-    return [
-        select_layer(policy, q, k, v, o, layer_idx=i, num_layers=len(layers), prompt_lengths=prompt_lengths)
-        for i, (q, k, v, o) in enumerate(layers)
-    ]
+    """``select_layer`` over every layer of a model: ``layers[l] = (queries, keys, values, o_proj_weight)``.
+
+    A model-level method (``layer-defensivekv``) ranks the older tokens of every layer and head together: each
+    head keeps its stage-1 tokens and its floor, and the model's L * H_kv * r remaining slots go to the highest
+    ranks over all layers (the window of every head kept), so the kept total is L * H_kv * budget per sequence.
+    """
+    if not policy.method.base.model_level or len(layers) == 1:
+        return [
+            select_layer(policy, q, k, v, o, layer_idx=i, num_layers=len(layers), prompt_lengths=prompt_lengths, memo=memo)
+            for i, (q, k, v, o) in enumerate(layers)
+        ]
+    return _select_model_level(policy, layers, prompt_lengths, memo)
+
+
+@torch.no_grad()
+def _select_model_level(policy, layers, prompt_lengths, memo) -> list[LayerSelection]:
+    from criticalkv.methods.defensivekv import priority
+    from criticalkv.selection.budget import head_floor
+
+    num_layers = len(layers)
+    for i, (q, k, v, o) in enumerate(layers):
+        _validate(policy, q, k, v, o, i, num_layers, prompt_lengths, memo)
+        if k.shape != layers[0][1].shape:
+            raise ValueError(f"layers[{i}]: keys of shape {tuple(k.shape)} differ from layer 0's {tuple(layers[0][1].shape)}")
+    batch, num_kv_heads, n, _ = layers[0][1].shape
+    device = layers[0][1].device
+    lengths = torch.full((batch,), n, dtype=torch.int64, device=device)
+    if prompt_lengths is not None:
+        lengths = prompt_lengths.to(device=device, dtype=torch.int64)
+    valid_start = n - lengths
+    valid = torch.arange(n, device=device)[None, :] >= valid_start[:, None]
+    keep = valid[:, None, :].expand(batch, num_kv_heads, n)
+    compress = lengths > policy.budget
+    if not bool(compress.any()):
+        return [LayerSelection(*mask_to_indices(keep)) for _ in layers]
+    w = min(policy.window, n)
+    m = n - w
+    eligible = valid[:, None, :m].expand(batch, num_kv_heads, m)
+    r = torch.clamp(eligible[:, 0].sum(-1), max=policy.selectable_budget)  # [B]
+    ranks = []
+    for i, (q, k, v, o) in enumerate(layers):
+        scores = layer_scores(policy, q[:, :, -w:], k, v, o, valid_start, memo, i)
+        ranks.append(priority(scores, policy.stage1_mass, r, eligible))
+    ranking = torch.cat(ranks, dim=1)  # [B, L * H_kv, m]: every head of every layer
+    floor = torch.tensor([head_floor(policy.ada_floor, int(x)) for x in r.tolist()], dtype=torch.int64, device=device)
+    older = shared_allocation_mask(ranking, r, floor, eligible.repeat(1, num_layers, 1))
+    window = torch.ones(batch, num_kv_heads, w, dtype=torch.bool, device=device)
+    out = []
+    for i in range(num_layers):
+        chosen = torch.cat([older[:, i * num_kv_heads : (i + 1) * num_kv_heads], window], dim=-1)
+        out.append(LayerSelection(*mask_to_indices(torch.where(compress[:, None, None], chosen, keep))))
+    return out
 
 
 def gather_kv(selection: LayerSelection, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

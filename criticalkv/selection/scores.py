@@ -8,8 +8,6 @@ w window, n prompt length (padded), m = n - w older tokens, d_h head dim, d hidd
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -108,20 +106,56 @@ def max_pool_positions(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     return pooled.reshape(shape)
 
 
-@dataclass(frozen=True)
 class LayerScores:
-    """Scores of the m = n - w older tokens of every KV head of one layer (fp32, [B, H_kv, m]).
+    """Scores of the m = n - w older tokens of every KV head of one layer (fp32, [B, H_kv, m] each).
 
-    attention : S, the pooled window attention, averaged over the heads of each GQA group
-    critical : C, CriticalKV's stage-2 score (None unless the policy is two-stage)
-    laprox : LaProx importance sum_h ||A_h[:, i]||_2 ||V_i W_O^h||_2 (None unless laprox)
+    ``attention`` (S, the pooled window attention averaged over the heads of each GQA group) is there for
+    every scored method; the others are named by the methods that add them (``criticalkv.methods``):
+    ``critical`` (CriticalKV's stage-2 score), ``laprox`` (LaProx importance). A score the policy does
+    not use reads as None.
     """
 
-    attention: torch.Tensor
-    critical: torch.Tensor | None = None
-    laprox: torch.Tensor | None = None
+    def __init__(self, scores: dict[str, torch.Tensor]):
+        self.scores = dict(scores)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.scores[name]
+
+    def __getattr__(self, name: str):
+        if name == "scores":
+            raise AttributeError(name)
+        from criticalkv.methods import METHODS
+
+        if name in self.scores:
+            return self.scores[name]
+        if any(name in m.score_names for m in METHODS.values()):
+            return None
+        raise AttributeError(f"LayerScores has no score {name!r}")
 
 
+class ScoreMemo:
+    """Memoised score inputs of one prompt (batch, padding and tensors fixed): window attention, pooled
+    attention and projected-value norms per (layer, window, KV group), and whole ``LayerScores`` per scoring
+    knobs. One memo serves every policy and budget of that prompt (``criticalkv.eval``); ``seconds`` is the
+    time spent computing what was not memoised yet."""
+
+    def __init__(self) -> None:
+        self.entries: dict = {}
+        self.seconds = 0.0
+
+    def get(self, key, compute):
+        if key not in self.entries:
+            self.entries[key] = compute()
+        return self.entries[key]
+
+
+def scoring_key(policy: KVPolicy) -> tuple:
+    """The knobs that determine a layer's scores (not the budget): the method's score names and knobs."""
+    method = policy.method
+    return (method.score_names, policy.window) + tuple(getattr(policy, k) for k in method.score_knobs)
+
+
+@torch.no_grad()
 def layer_scores(
     policy: KVPolicy,
     queries: torch.Tensor,
@@ -129,35 +163,55 @@ def layer_scores(
     values: torch.Tensor,
     o_proj_weight: torch.Tensor,
     valid_start: torch.Tensor | None = None,
+    memo: ScoreMemo | None = None,
+    layer_idx: int = 0,
 ) -> LayerScores:
     """Compute the scores ``policy`` needs for the older tokens of one layer.
 
     ``queries`` [B, H, w, d_h] are the last w prompt positions (w <= n); keys and values are
     [B, H_kv, n, d_h]. Memory peaks at O(B * G * w * n) for the window attention of one KV head's
-    group and O(B * chunk * d) for the value projection.
+    group and O(B * chunk * d) for the value projection. ``memo`` (with this layer's ``layer_idx``) reuses
+    what an earlier call on the same prompt computed; the results are the same tensors either way.
     """
+    import time
+
+    from criticalkv.methods import GroupScoreInputs
+
+    method = policy.method
     batch, num_heads, w, _ = queries.shape
     num_kv_heads, n = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
     m = n - w
-    attention = torch.empty(batch, num_kv_heads, m, dtype=torch.float32, device=keys.device)
-    critical = torch.empty_like(attention) if policy.two_stage else None
-    laprox = torch.empty_like(attention) if policy.base == "laprox" else None
+    memo = memo if memo is not None else ScoreMemo()
+    whole_key = ("scores", layer_idx, scoring_key(policy))
+    if whole_key in memo.entries:
+        return memo.entries[whole_key]
+    start = time.perf_counter()
+    parts = [method.base] + ([method.refine] if method.refine is not None else [])
+    positions = torch.arange(m, device=keys.device)
+    valid = positions[None, :] >= (valid_start[:, None] if valid_start is not None else torch.zeros(batch, 1, dtype=torch.int64, device=keys.device))
+    out = {name: torch.empty(batch, num_kv_heads, m, dtype=torch.float32, device=keys.device) for name in method.score_names}
     for g in range(num_kv_heads):
         heads = range(g * group, (g + 1) * group)
-        k = keys[:, g : g + 1].expand(batch, group, n, keys.shape[-1])
-        probs = window_attention(queries[:, heads.start : heads.stop], k, valid_start)[..., :m]  # [B, G, w, m]
-        raw = probs.mean(dim=2)  # Ā, [B, G, m]
-        pooled = max_pool_positions(raw, policy.pool_kernel)  # Ā'
-        attention[:, g] = pooled.mean(dim=1)
-        if critical is not None:
-            norms = value_projection_norms(values[..., :m, :], o_proj_weight, num_heads, policy.value_norm, heads)
-            p = pooled if policy.stage2_scores == "pooled" else raw
-            if policy.gqa_reduce == "mean":
-                critical[:, g] = ((p + policy.epsilon) * norms).mean(dim=1)
-            else:  # kvpress: mean over the group of each factor, then the product
-                critical[:, g] = (p.mean(dim=1) + policy.epsilon) * norms.mean(dim=1)
-        if laprox is not None:
-            norms = value_projection_norms(values[..., :m, :], o_proj_weight, num_heads, "l2", heads)
-            laprox[:, g] = (probs.norm(dim=2) * norms).sum(dim=1)
-    return LayerScores(attention=attention, critical=critical, laprox=laprox)
+
+        def probs_raw(g=g, heads=heads):
+            k = keys[:, g : g + 1].expand(batch, group, n, keys.shape[-1])
+            probs = window_attention(queries[:, heads.start : heads.stop], k, valid_start)[..., :m]  # [B, G, w, m]
+            return probs, probs.mean(dim=2)  # Ā, [B, G, m]
+
+        probs, raw = memo.get(("probs", layer_idx, w, g), probs_raw)
+        pooled = memo.get(("pooled", layer_idx, w, policy.pool_kernel, g), lambda: max_pool_positions(raw, policy.pool_kernel))
+
+        def norms(kind, heads=heads, g=g):
+            return memo.get(("norms", layer_idx, w, kind, g),
+                            lambda: value_projection_norms(values[..., :m, :], o_proj_weight, num_heads, kind, heads))
+
+        out["attention"][:, g] = pooled.mean(dim=1)
+        inputs = GroupScoreInputs(probs=probs, raw=raw, pooled=pooled, norms=norms, valid=valid)
+        for part in parts:
+            for name, score in part.group_scores(policy, inputs).items():
+                out[name][:, g] = score
+    result = LayerScores(out)
+    memo.entries[whole_key] = result
+    memo.seconds += time.perf_counter() - start
+    return result

@@ -3,8 +3,10 @@
 //   window attention  ->  value norms  ->  group scores  ->  radix selection  ->  compaction  ->  gather
 //
 // No host synchronisation and no allocation: the workspace (workspaceLayout) holds every intermediate, so the
-// launch is CUDA-graph capturable. Sequences of at most `budget` tokens (and every sequence under `full` /
-// `streamingllm`) skip the scoring kernels and are written by the compaction directly.
+// launch is CUDA-graph capturable. The request's budget b (the kv_budget input) stays in device memory: every
+// kernel reads it, and PyramidKV's r_l = layer_budgets[b - window] is looked up on the device first (the table
+// travels as kernel parameters). Sequences of at most b tokens (and every sequence under `full`) skip the
+// scoring kernels and are written by the compaction directly.
 #include "criticalkv/kernels.h"
 #include "device_utils.cuh"
 #include "selection.cuh"
@@ -21,6 +23,26 @@ bool shapeSupported(SelectConfig const& config, SelectShape const& s)
         && s.batch <= 65535 && s.heads <= 65535;
 }
 
+//! Table entries per resolve launch: 900 int32 + the config stay under the 4 KiB kernel-parameter limit.
+constexpr int32_t kBudgetChunk = 900;
+
+struct BudgetChunk
+{
+    int32_t first;
+    int32_t count;
+    int32_t values[kBudgetChunk];
+};
+
+//! One thread: if b - window falls in this chunk of layer_budgets, write r_l. One launch per chunk.
+__global__ void resolveLayerBudgetKernel(SelectConfig config, int32_t const* kvBudget, BudgetChunk chunk, int32_t* out)
+{
+    int32_t const index = effectiveBudget(config, kvBudget) - config.window;
+    if (index >= chunk.first && index < chunk.first + chunk.count)
+    {
+        *out = chunk.values[index - chunk.first];
+    }
+}
+
 template <typename T>
 T* at(void* workspace, size_t offset)
 {
@@ -34,8 +56,33 @@ size_t elementBytes(DType dtype)
 
 } // namespace
 
-cudaError_t launchCriticalKVSelect(SelectConfig const& config, SelectShape const& shape, SelectTensors const& t,
-    void* workspace, size_t workspaceBytes, cudaStream_t stream)
+cudaError_t launchResolveLayerBudget(SelectConfig const& config, BudgetTable const& table, int32_t const* kvBudget,
+    int32_t* layerBudget, cudaStream_t stream)
+{
+    if (kvBudget == nullptr || layerBudget == nullptr || table.values == nullptr
+        || table.count < config.budget - config.window + 1)
+    {
+        return cudaErrorInvalidValue;
+    }
+    // Only the entries of runtime budgets b in [minBudget, budget] can be read.
+    int32_t const begin = config.minBudget - config.window;
+    int32_t const end = config.budget - config.window + 1;
+    for (int32_t first = begin; first < end; first += kBudgetChunk)
+    {
+        BudgetChunk chunk{};
+        chunk.first = first;
+        chunk.count = end - first < kBudgetChunk ? end - first : kBudgetChunk;
+        for (int32_t i = 0; i < chunk.count; ++i)
+        {
+            chunk.values[i] = table.values[first + i];
+        }
+        resolveLayerBudgetKernel<<<1, 1, 0, stream>>>(config, kvBudget, chunk, layerBudget);
+    }
+    return cudaGetLastError();
+}
+
+cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape,
+    SelectTensors const& t, void* workspace, size_t workspaceBytes, cudaStream_t stream)
 {
     if (!shapeSupported(config, shape))
     {
@@ -47,20 +94,32 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, SelectShape const
         return cudaErrorInvalidValue;
     }
     int32_t const m = shape.n - windowLength(config, shape.n);
+    RuntimeBudget budget{t.kvBudget, nullptr};
+    if (t.kvBudget != nullptr && config.budgetTable && needsScores(config) && m > 0)
+    {
+        int32_t* resolved = at<int32_t>(workspace, layout.layerBudget);
+        cudaError_t const status = launchResolveLayerBudget(config, table, t.kvBudget, resolved, stream);
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+        budget.layerBudget = resolved;
+    }
 
     kernels::ScoreArgs s{};
     s.config = config;
     s.shape = shape;
     s.promptLengths = t.promptLengths;
+    s.budget = budget;
     s.keptIndices = t.keptIndices;
     s.keptLengths = t.keptLengths;
 
     if (needsScores(config) && m > 0)
     {
-        bool const laproxOn = config.base == BaseMethod::kLaProx;
+        bool const laproxOn = ownL2Norms(config); // squared attention and the LaProx ranking
         float* raw = at<float>(workspace, layout.raw);
         float* squares = laproxOn ? at<float>(workspace, layout.squares) : nullptr;
-        cudaError_t status = launchWindowScores(config, shape, t.dtype, t.queries, t.keys, t.promptLengths,
+        cudaError_t status = launchWindowScores(config, budget, shape, t.dtype, t.queries, t.keys, t.promptLengths,
             at<float>(workspace, layout.partials), at<float>(workspace, layout.rowStats), raw, squares, stream);
         if (status != cudaSuccess)
         {
@@ -70,8 +129,9 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, SelectShape const
         if (needsNorms(config))
         {
             norms = at<float>(workspace, layout.norms);
-            status = launchValueProjectionNorms(&config, t.promptLengths, shape, t.dtype, t.values, t.oProj, m,
-                normKind(config), norms, stream);
+            status = launchValueProjectionNorms(&config, budget, t.promptLengths, shape, t.dtype, t.values, t.oProj, m,
+                normKind(config), normKind(config) == ValueNorm::kL2 ? at<float>(workspace, layout.gram) : nullptr,
+                norms, stream);
             if (status != cudaSuccess)
             {
                 return status;

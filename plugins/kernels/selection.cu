@@ -5,9 +5,12 @@
 // memory) find the key T of the k-th best candidate; candidates above T are kept, and among those equal to T
 // the lowest indices win (a block-wide prefix count in index order): exactly the reference's tie rule.
 // Each pass reads the row once (coalesced), so a row costs ~5 reads of m fp32 scores.
-#include "criticalkv/budget.h"
+#include "criticalkv/group_scores.h"
+#include "criticalkv/head_selection.h"
+#include "criticalkv/kept_positions.h"
 #include "criticalkv/kernels.h"
-#include "criticalkv/radix.h"
+#include "criticalkv/radix_select.h"
+#include "criticalkv/shared_allocation.h"
 #include "device_utils.cuh"
 #include "selection.cuh"
 
@@ -27,38 +30,34 @@ struct SelectSmem
 {
     uint32_t histogram[kRadixBins];
     typename cub::BlockScan<int32_t, kSelectThreads>::TempStorage scan;
-    uint32_t prefix;
-    int64_t remaining;
-    int64_t atThreshold;
-    int32_t all;
 };
 
-//! Mark with `mark` the k best candidates of scores[0, len): flags[e] == 0 and (e % period) >= firstValid.
-//! Called by every thread of a kSelectThreads block with block-uniform arguments.
-__device__ void blockSelectTopK(float const* scores, uint8_t* flags, int64_t len, int64_t period, int64_t firstValid,
-    int64_t k, uint8_t mark, SelectSmem& s)
+//! The radix select's data-parallel steps for one thread block (radix_select.h). Every thread of the block calls
+//! them with the same arguments; the histogram is block-wide in shared memory and every thread reads it.
+struct BlockRadixRow
 {
-    if (k <= 0)
+    float const* scores;
+    uint8_t* flags;
+    int64_t len;
+    int64_t period;
+    int64_t firstValid;
+    uint8_t mark;
+    SelectSmem& s;
+
+    __device__ bool candidate(int64_t e) const
     {
-        return;
+        return radixCandidate(flags, e, period, firstValid);
     }
-    int32_t const tid = static_cast<int32_t>(threadIdx.x);
-    auto candidate = [&](int64_t e) { return flags[e] == 0 && (e % period) >= firstValid; };
-    if (tid == 0)
+
+    __device__ uint32_t const* histogram(int pass, uint32_t prefix, uint32_t prefixMask)
     {
-        s.prefix = 0u;
-        s.remaining = k;
-        s.all = 0;
-    }
-    uint32_t prefixMask = 0u;
-    for (int pass = 0; pass < kRadixPasses; ++pass)
-    {
+        int32_t const tid = static_cast<int32_t>(threadIdx.x);
+        __syncthreads(); // every thread is done reading the previous pass's histogram
         for (int32_t i = tid; i < kRadixBins; i += kSelectThreads)
         {
             s.histogram[i] = 0u;
         }
         __syncthreads();
-        uint32_t const prefix = s.prefix;
         for (int64_t base = 0; base < len; base += kSelectThreads) // whole warps iterate together
         {
             int64_t const e = base + tid;
@@ -79,35 +78,12 @@ __device__ void blockSelectTopK(float const* scores, uint8_t* flags, int64_t len
             }
         }
         __syncthreads();
-        if (tid == 0)
-        {
-            if (pass == 0)
-            {
-                int64_t total = 0;
-                for (int i = 0; i < kRadixBins; ++i)
-                {
-                    total += s.histogram[i];
-                }
-                s.all = k >= total ? 1 : 0;
-            }
-            if (!s.all)
-            {
-                DigitChoice const choice = chooseDigit(s.histogram, s.remaining);
-                s.prefix = prefix | (choice.digit << (32 - kRadixBits * (pass + 1)));
-                s.remaining -= choice.above;
-                s.atThreshold = choice.atDigit;
-            }
-        }
-        __syncthreads();
-        if (s.all)
-        {
-            break;
-        }
-        prefixMask = radixPrefixMask(pass);
+        return s.histogram;
     }
-    if (s.all)
+
+    __device__ void markAll()
     {
-        for (int64_t e = tid; e < len; e += kSelectThreads)
+        for (int64_t e = threadIdx.x; e < len; e += kSelectThreads)
         {
             if (candidate(e))
             {
@@ -115,23 +91,24 @@ __device__ void blockSelectTopK(float const* scores, uint8_t* flags, int64_t len
             }
         }
         __syncthreads();
-        return;
     }
-    uint32_t const threshold = s.prefix;
-    int64_t const remaining = s.remaining;
-    if (remaining == s.atThreshold)
+
+    __device__ void markBest(uint32_t threshold, int64_t remaining, int64_t atThreshold)
     {
-        for (int64_t e = tid; e < len; e += kSelectThreads)
+        int32_t const tid = static_cast<int32_t>(threadIdx.x);
+        if (remaining == atThreshold)
         {
-            if (candidate(e) && orderedKey(scores[e]) >= threshold)
+            for (int64_t e = tid; e < len; e += kSelectThreads)
             {
-                flags[e] = mark;
+                if (candidate(e) && orderedKey(scores[e]) >= threshold)
+                {
+                    flags[e] = mark;
+                }
             }
+            __syncthreads();
+            return;
         }
-    }
-    else
-    {
-        // Ties at the threshold: the first `remaining` of them in index order.
+        // Ties at the threshold: the first `remaining` of them in index order (a block-wide prefix count).
         int64_t running = 0;
         for (int64_t base = 0; base < len; base += kSelectThreads)
         {
@@ -150,15 +127,34 @@ __device__ void blockSelectTopK(float const* scores, uint8_t* flags, int64_t len
             __syncthreads(); // scan storage reuse
         }
     }
-    __syncthreads();
+};
+
+//! Mark with `mark` the k best candidates of scores[0, len): flags[e] == 0 and (e % period) >= firstValid.
+//! Called by every thread of a kSelectThreads block with block-uniform arguments.
+__device__ void blockSelectTopK(float const* scores, uint8_t* flags, int64_t len, int64_t period, int64_t firstValid,
+    int64_t k, uint8_t mark, SelectSmem& s)
+{
+    BlockRadixRow row{scores, flags, len, period, firstValid, mark, s};
+    radixSelectTopK(row, k);
 }
+
+//! The block-wide radix select as the flows' top-k primitive (select_flow.h).
+struct BlockTopK
+{
+    SelectSmem& smem;
+    __device__ void operator()(float const* scores, uint8_t* flags, int64_t len, int64_t period, int64_t firstValid,
+        int64_t k, uint8_t mark) const
+    {
+        blockSelectTopK(scores, flags, len, period, firstValid, k, mark, smem);
+    }
+};
 
 //! S, C and the LaProx importance of every older token. grid (ceil(m / kScoreThreads), H_kv, B).
 __global__ void __launch_bounds__(kScoreThreads) groupScoresKernel(ScoreArgs a)
 {
     int32_t const g = static_cast<int32_t>(blockIdx.y);
     int32_t const b = static_cast<int32_t>(blockIdx.z);
-    if (!sequenceInfo(a.config, a.shape, a.promptLengths, b).compress)
+    if (!sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b).compress)
     {
         return;
     }
@@ -170,46 +166,19 @@ __global__ void __launch_bounds__(kScoreThreads) groupScoresKernel(ScoreArgs a)
         return;
     }
     int32_t const group = a.shape.heads / a.shape.kvHeads;
-    int32_t const half = a.config.poolKernel / 2;
-    int32_t const lo = i - half > 0 ? i - half : 0;
-    int32_t const hi = i + half < m - 1 ? i + half : m - 1;
-    bool const norms = needsNorms(a.config);
-    float sumPooled = 0.0F;
-    float sumCritical = 0.0F;
-    float sumP = 0.0F;
-    float sumN = 0.0F;
-    float sumL = 0.0F;
-    for (int32_t h = g * group; h < (g + 1) * group; ++h)
-    {
-        int64_t const row = (static_cast<int64_t>(b) * a.shape.heads + h) * m;
-        float const raw = a.raw[row + i];
-        float pooled = raw;
-        for (int32_t t = lo; t <= hi; ++t)
-        {
-            pooled = fmaxf(pooled, a.raw[row + t]);
-        }
-        float const norm = norms ? a.norms[row + i] : 0.0F;
-        float const p = a.config.stage2Scores == Stage2Scores::kPooled ? pooled : raw;
-        sumPooled += pooled;
-        sumCritical += (p + a.config.epsilon) * norm;
-        sumP += p;
-        sumN += norm;
-        if (a.laprox != nullptr)
-        {
-            sumL += sqrtf(a.squares[row + i]) * norm;
-        }
-    }
-    float const groupSize = static_cast<float>(group);
+    int64_t const sequence = static_cast<int64_t>(b) * a.shape.heads * m;
+    GroupScores const scores = groupScoresAt(a.config, a.raw + sequence,
+        a.squares != nullptr ? a.squares + sequence : nullptr, a.norms != nullptr ? a.norms + sequence : nullptr,
+        g * group, group, m, i);
     int64_t const out = (static_cast<int64_t>(b) * a.shape.kvHeads + g) * m + i;
-    a.attention[out] = sumPooled / groupSize;
+    a.attention[out] = scores.attention;
     if (a.critical != nullptr)
     {
-        a.critical[out] = a.config.gqaReduce == GqaReduce::kMean ? sumCritical / groupSize
-                                                                 : (sumP / groupSize + a.config.epsilon) * (sumN / groupSize);
+        a.critical[out] = scores.critical;
     }
     if (a.laprox != nullptr)
     {
-        a.laprox[out] = sumL;
+        a.laprox[out] = scores.laprox;
     }
 }
 
@@ -219,7 +188,7 @@ __global__ void __launch_bounds__(kSelectThreads) selectPerHeadKernel(ScoreArgs 
 {
     int32_t const g = static_cast<int32_t>(blockIdx.x);
     int32_t const b = static_cast<int32_t>(blockIdx.y);
-    SequenceInfo const info = sequenceInfo(a.config, a.shape, a.promptLengths, b);
+    SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
     if (!info.compress)
     {
         return;
@@ -234,12 +203,9 @@ __global__ void __launch_bounds__(kSelectThreads) selectPerHeadKernel(ScoreArgs 
     }
     __syncthreads();
     int64_t const count = sharedAllocation(a.config) ? a.headCounts[static_cast<int64_t>(b) * a.shape.kvHeads + g] : info.r;
-    int64_t const first = a.config.twoStage ? stage1Count(a.config.alpha, count) : count;
-    blockSelectTopK(a.attention + row, flags, m, m, info.validStart, first, 1, smem);
-    if (a.config.twoStage)
-    {
-        blockSelectTopK(a.critical + row, flags, m, m, info.validStart, count - first, 2, smem);
-    }
+    BlockTopK topK{smem};
+    selectHead(topK, a.config, a.attention + row, a.critical != nullptr ? a.critical + row : nullptr, flags, m,
+        info.validStart, count);
 }
 
 //! AdaKV / LaProx allocation of a layer's H_kv * r slots: every head's own top floor, then the best of the rest
@@ -247,7 +213,7 @@ __global__ void __launch_bounds__(kSelectThreads) selectPerHeadKernel(ScoreArgs 
 __global__ void __launch_bounds__(kSelectThreads) selectSharedKernel(ScoreArgs a)
 {
     int32_t const b = static_cast<int32_t>(blockIdx.x);
-    SequenceInfo const info = sequenceInfo(a.config, a.shape, a.promptLengths, b);
+    SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
     if (!info.compress)
     {
         return;
@@ -258,20 +224,15 @@ __global__ void __launch_bounds__(kSelectThreads) selectSharedKernel(ScoreArgs a
     int32_t const heads = a.shape.kvHeads;
     int64_t const base = static_cast<int64_t>(b) * heads * m;
     int64_t const rowLength = static_cast<int64_t>(heads) * m;
-    float const* ranking = (a.config.base == BaseMethod::kLaProx ? a.laprox : a.attention) + base;
+    float const* ranking = sharedRanking(a.config, a.attention, a.laprox) + base;
     uint8_t* flags = a.flags + base;
     for (int64_t e = threadIdx.x; e < rowLength; e += kSelectThreads)
     {
         flags[e] = 0;
     }
     __syncthreads();
-    int64_t const floor = headFloor(a.config.adaFloor, info.r);
-    for (int32_t g = 0; g < heads; ++g)
-    {
-        blockSelectTopK(ranking + static_cast<int64_t>(g) * m, flags + static_cast<int64_t>(g) * m, m, m,
-            info.validStart, floor, 1, smem);
-    }
-    blockSelectTopK(ranking, flags, rowLength, m, info.validStart, heads * (info.r - floor), 1, smem);
+    BlockTopK topK{smem};
+    selectShared(topK, a.config, ranking, flags, heads, m, info.validStart, info.r);
     for (int32_t g = 0; g < heads; ++g)
     {
         int32_t kept = 0;
@@ -294,39 +255,29 @@ __global__ void __launch_bounds__(kSelectThreads) compactKernel(ScoreArgs a)
     int32_t const g = static_cast<int32_t>(blockIdx.x);
     int32_t const b = static_cast<int32_t>(blockIdx.y);
     __shared__ typename cub::BlockScan<int32_t, kSelectThreads>::TempStorage scan;
-    SequenceInfo const info = sequenceInfo(a.config, a.shape, a.promptLengths, b);
+    SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
     int32_t const n = a.shape.n;
     int32_t const m = n - windowLength(a.config, n);
     int32_t const cap = outputCapacity(a.config, n);
     int64_t const head = static_cast<int64_t>(b) * a.shape.kvHeads + g;
     int32_t* indices = a.keptIndices + head * cap;
     int32_t const tid = static_cast<int32_t>(threadIdx.x);
-    int32_t count = 0;
-    if (!info.compress)
+    int32_t count = fixedKeptCount(a.config, info);
+    if (count >= 0)
     {
-        count = info.length;
         for (int32_t slot = tid; slot < cap; slot += kSelectThreads)
         {
-            indices[slot] = slot < count ? info.validStart + slot : -1;
-        }
-    }
-    else if (a.config.base == BaseMethod::kStreamingLLM)
-    {
-        count = a.config.budget;
-        int32_t const sinks = a.config.sinkTokens;
-        int32_t const recentStart = n - (a.config.budget - sinks);
-        for (int32_t slot = tid; slot < cap; slot += kSelectThreads)
-        {
-            indices[slot] = slot >= count ? -1 : (slot < sinks ? info.validStart + slot : recentStart + (slot - sinks));
+            indices[slot] = slot < count ? fixedKeptPosition(a.config, info, n, slot) : -1;
         }
     }
     else
     {
+        count = 0;
         uint8_t const* flags = a.flags + head * m;
         for (int32_t base = 0; base < n; base += kSelectThreads)
         {
             int32_t const p = base + tid;
-            int32_t const keep = p < n && (p >= m || (p >= info.validStart && flags[p] != 0)) ? 1 : 0;
+            int32_t const keep = p < n && scoredPositionKept(info, m, flags, p) ? 1 : 0;
             int32_t position = 0;
             int32_t total = 0;
             cub::BlockScan<int32_t, kSelectThreads>(scan).ExclusiveSum(keep, position, total);

@@ -13,6 +13,7 @@ struct ScoreArgs
     SelectConfig config;
     SelectShape shape;
     int32_t const* promptLengths;
+    RuntimeBudget budget;
     float const* raw;     // [B, H, m]
     float const* squares; // [B, H, m] (laprox)
     float const* norms;   // [B, H, m] (two-stage, laprox)

@@ -30,6 +30,7 @@ struct WindowArgs
     void const* queries;
     void const* keys;
     int32_t const* promptLengths;
+    RuntimeBudget budget;
     float2* partials; // [B, H, w, tiles]
     float2* rowStats; // [B, H, w]
     float* raw;       // [B, H, m]
@@ -51,7 +52,7 @@ __global__ void __launch_bounds__(kWindowThreads) windowAttentionKernel(WindowAr
     int32_t const tile = static_cast<int32_t>(blockIdx.x);
     int32_t const h = static_cast<int32_t>(blockIdx.y);
     int32_t const b = static_cast<int32_t>(blockIdx.z);
-    SequenceInfo const info = sequenceInfo(a.config, a.shape, a.promptLengths, b);
+    SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
     if (!info.compress)
     {
         return;
@@ -189,7 +190,7 @@ __global__ void __launch_bounds__(kStatsThreads) softmaxStatsKernel(WindowArgs a
 {
     int32_t const h = static_cast<int32_t>(blockIdx.x);
     int32_t const b = static_cast<int32_t>(blockIdx.y);
-    if (!sequenceInfo(a.config, a.shape, a.promptLengths, b).compress)
+    if (!sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b).compress)
     {
         return;
     }
@@ -254,7 +255,8 @@ cudaError_t launchWindowTyped(WindowArgs const& a, cudaStream_t stream)
 } // namespace
 } // namespace kernels
 
-cudaError_t launchWindowScores(SelectConfig const& config, SelectShape const& shape, DType dtype, void const* queries,
+cudaError_t launchWindowScores(SelectConfig const& config, RuntimeBudget budget, SelectShape const& shape, DType dtype,
+    void const* queries,
     void const* keys, int32_t const* promptLengths, float* partials, float* rowStats, float* raw, float* squares,
     cudaStream_t stream)
 {
@@ -269,6 +271,7 @@ cudaError_t launchWindowScores(SelectConfig const& config, SelectShape const& sh
     a.queries = queries;
     a.keys = keys;
     a.promptLengths = promptLengths;
+    a.budget = budget;
     a.partials = reinterpret_cast<float2*>(partials);
     a.rowStats = reinterpret_cast<float2*>(rowStats);
     a.raw = raw;

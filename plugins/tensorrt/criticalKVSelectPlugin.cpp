@@ -24,7 +24,22 @@ enum InputIndex : int32_t
     kValues = 2,
     kOProj = 3,
     kPromptLengths = 4,
+    kKvBudget = 5,
 };
+
+constexpr int32_t kMinInputs = 4;
+constexpr int32_t kMaxInputs = 6;
+
+bool validInputCount(int32_t nbInputs)
+{
+    return nbInputs >= kMinInputs && nbInputs <= kMaxInputs;
+}
+
+std::string inputCountError(int32_t nbInputs)
+{
+    return "expected 4 to 6 inputs (queries, keys, values, o_proj_weight[, prompt_lengths[, kv_budget]]), got "
+        + std::to_string(nbInputs);
+}
 
 enum OutputIndex : int32_t
 {
@@ -85,6 +100,13 @@ void addSerializedField(std::vector<PluginField>& fields, char const* name, std:
 void addSerializedField(std::vector<PluginField>& fields, char const* name, int32_t const& value)
 {
     fields.emplace_back(name, &value, PluginFieldType::kINT32, 1);
+}
+
+void addSerializedField(std::vector<PluginField>& fields, char const* name, std::vector<int32_t> const& values)
+{
+    static int32_t const kNoValue = 0; // an empty array still points somewhere
+    fields.emplace_back(
+        name, values.empty() ? &kNoValue : values.data(), PluginFieldType::kINT32, static_cast<int32_t>(values.size()));
 }
 
 void addSerializedField(std::vector<PluginField>& fields, char const* name, double const& value)
@@ -169,7 +191,7 @@ char const* CriticalKVSelectPlugin::getPluginNamespace() const noexcept
 
 SelectShape CriticalKVSelectPlugin::shapeFromDims(Dims const* dims, int32_t nbInputs) const
 {
-    check(nbInputs == 4 || nbInputs == 5, "expected 4 or 5 inputs, got " + std::to_string(nbInputs));
+    check(validInputCount(nbInputs), inputCountError(nbInputs));
     Dims const& q = dims[kQueries];
     Dims const& k = dims[kKeys];
     Dims const& v = dims[kValues];
@@ -186,10 +208,14 @@ SelectShape CriticalKVSelectPlugin::shapeFromDims(Dims const* dims, int32_t nbIn
     check(q.d[3] == k.d[3], "queries: head dim differs from keys");
     check(k.d[1] > 0 && q.d[1] % k.d[1] == 0, "queries: query heads are not a multiple of the KV heads");
     check(o.d[1] == q.d[1] * q.d[3], "o_proj_weight: second dimension is not H * d_h");
-    if (nbInputs == 5)
+    if (nbInputs > kPromptLengths)
     {
         check(dims[kPromptLengths].nbDims == 1 && dims[kPromptLengths].d[0] == k.d[0],
             "prompt_lengths: expected shape [B]");
+    }
+    if (nbInputs > kKvBudget)
+    {
+        check(dims[kKvBudget].nbDims == 1 && dims[kKvBudget].d[0] == 1, "kv_budget: expected shape [1]");
     }
     SelectShape s{};
     s.batch = toInt32(k.d[0], "batch");
@@ -210,7 +236,7 @@ int32_t CriticalKVSelectPlugin::configurePlugin(
     try
     {
         check(in != nullptr && out != nullptr, "configurePlugin: null descriptors");
-        check(nbInputs == 4 || nbInputs == 5, "expected 4 or 5 inputs, got " + std::to_string(nbInputs));
+        check(validInputCount(nbInputs), inputCountError(nbInputs));
         check(nbOutputs == kNbOutputs, "expected 4 outputs, got " + std::to_string(nbOutputs));
         // Structure only: dims may hold -1 (dynamic) here; enqueue checks the concrete shapes.
         Dims const& q = in[kQueries].desc.dims;
@@ -241,7 +267,7 @@ int32_t CriticalKVSelectPlugin::getOutputDataTypes(
     {
         check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
         check(nbOutputs == kNbOutputs, "expected 4 outputs");
-        check(nbInputs == 4 || nbInputs == 5, "expected 4 or 5 inputs");
+        check(validInputCount(nbInputs), inputCountError(nbInputs));
         check(isFloatType(inputTypes[kQueries]), "queries: expected fp32, fp16 or bf16");
         outputTypes[kKeptKeys] = inputTypes[kQueries];
         outputTypes[kKeptValues] = inputTypes[kQueries];
@@ -263,7 +289,7 @@ int32_t CriticalKVSelectPlugin::getOutputShapes(DimsExprs const* inputs, int32_t
     try
     {
         check(inputs != nullptr && outputs != nullptr, "getOutputShapes: null arrays");
-        check(nbInputs == 4 || nbInputs == 5, "expected 4 or 5 inputs");
+        check(validInputCount(nbInputs), inputCountError(nbInputs));
         check(nbOutputs == kNbOutputs, "expected 4 outputs");
         DimsExprs const& keys = inputs[kKeys];
         check(keys.nbDims == 4, "keys: expected [B, H_kv, n, d_h]");
@@ -301,7 +327,7 @@ bool CriticalKVSelectPlugin::supportsFormatCombination(
     try
     {
         check(inOut != nullptr, "supportsFormatCombination: null descriptors");
-        check((nbInputs == 4 || nbInputs == 5) && nbOutputs == kNbOutputs, "expected 4 or 5 inputs and 4 outputs");
+        check(validInputCount(nbInputs) && nbOutputs == kNbOutputs, inputCountError(nbInputs) + " and 4 outputs");
         check(pos >= 0 && pos < nbInputs + nbOutputs, "supportsFormatCombination: position out of range");
         PluginTensorDesc const& desc = inOut[pos].desc;
         if (desc.format != TensorFormat::kLINEAR)
@@ -312,7 +338,7 @@ bool CriticalKVSelectPlugin::supportsFormatCombination(
         {
             return isFloatType(desc.type);
         }
-        bool const isIntTensor = (nbInputs == 5 && pos == kPromptLengths) || pos == nbInputs + kKeptLengths
+        bool const isIntTensor = (pos >= kPromptLengths && pos < nbInputs) || pos == nbInputs + kKeptLengths
             || pos == nbInputs + kKeptIndices;
         if (isIntTensor)
         {
@@ -338,8 +364,8 @@ size_t CriticalKVSelectPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* i
     try
     {
         check(inputs != nullptr, "getWorkspaceSize: null descriptors");
-        check(nbInputs == 4 || nbInputs == 5, "expected 4 or 5 inputs");
-        Dims maxDims[5];
+        check(validInputCount(nbInputs), inputCountError(nbInputs));
+        Dims maxDims[kMaxInputs];
         for (int32_t i = 0; i < nbInputs; ++i)
         {
             maxDims[i] = inputs[i].max;
@@ -370,8 +396,9 @@ int32_t CriticalKVSelectPlugin::onShapeChange(
     {
         check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
         check(nbOutputs == kNbOutputs, "expected 4 outputs");
-        Dims dims[5];
-        for (int32_t i = 0; i < nbInputs && i < 5; ++i)
+        check(validInputCount(nbInputs), inputCountError(nbInputs));
+        Dims dims[kMaxInputs];
+        for (int32_t i = 0; i < nbInputs; ++i)
         {
             dims[i] = in[i].dims;
         }
@@ -398,6 +425,7 @@ int32_t CriticalKVSelectPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
     // keys, values   [B, H_kv, n, d_h]   same type
     // o_proj_weight  [hidden, H * d_h]   same type
     // prompt_lengths [B]                 int32 (optional input 4)
+    // kv_budget      [1]                 int32 (optional input 5): the request's budget, read on the device
     // kept_keys, kept_values [B, H_kv, cap, d_h], kept_lengths [B, H_kv] int32, kept_indices [B, H_kv, cap] int32
     try
     {
@@ -405,9 +433,9 @@ int32_t CriticalKVSelectPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
             "enqueue: null arguments");
         // TensorRT does not pass the input count to enqueue: onShapeChange (always called with the concrete
         // shapes before the first enqueue, as NVIDIA's ROIAlign plugin relies on) recorded it.
-        check(mNbInputs == 4 || mNbInputs == 5, "enqueue: onShapeChange was not called");
+        check(validInputCount(mNbInputs), "enqueue: onShapeChange was not called");
         int32_t const count = mNbInputs;
-        Dims dims[5];
+        Dims dims[kMaxInputs];
         for (int32_t i = 0; i < count; ++i)
         {
             dims[i] = inputDesc[i].dims;
@@ -419,13 +447,14 @@ int32_t CriticalKVSelectPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         t.keys = inputs[kKeys];
         t.values = inputs[kValues];
         t.oProj = inputs[kOProj];
-        t.promptLengths = count == 5 ? static_cast<int32_t const*>(inputs[kPromptLengths]) : nullptr;
+        t.promptLengths = count > kPromptLengths ? static_cast<int32_t const*>(inputs[kPromptLengths]) : nullptr;
+        t.kvBudget = count > kKvBudget ? static_cast<int32_t const*>(inputs[kKvBudget]) : nullptr;
         t.keptKeys = outputs[kKeptKeys];
         t.keptValues = outputs[kKeptValues];
         t.keptLengths = static_cast<int32_t*>(outputs[kKeptLengths]);
         t.keptIndices = static_cast<int32_t*>(outputs[kKeptIndices]);
         size_t const bytes = workspaceLayout(mConfig, s).total;
-        cudaError_t const status = launchCriticalKVSelect(mConfig, s, t, workspace, bytes, stream);
+        cudaError_t const status = launchCriticalKVSelect(mConfig, budgetTable(mPolicy), s, t, workspace, bytes, stream);
         check(status == cudaSuccess,
             std::string("enqueue (") + mLayerName + "): " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
         return 0;
@@ -466,6 +495,7 @@ PluginFieldCollection const* CriticalKVSelectPlugin::getFieldsToSerialize() noex
 #define CKV_PLUGIN_FIELD_TYPE_STRING PluginFieldType::kCHAR
 #define CKV_PLUGIN_FIELD_TYPE_INT PluginFieldType::kINT32
 #define CKV_PLUGIN_FIELD_TYPE_FLOAT PluginFieldType::kFLOAT32
+#define CKV_PLUGIN_FIELD_TYPE_INTS PluginFieldType::kINT32
 
 CriticalKVSelectCreator::CriticalKVSelectCreator(char const* pluginNamespace)
     : mNamespace(pluginNamespace != nullptr ? pluginNamespace : "")

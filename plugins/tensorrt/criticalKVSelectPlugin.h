@@ -3,13 +3,15 @@
 // Inputs (see plugins/README.md and docs/operator.md):
 //   0 queries [B, H, w', d_h]  1 keys [B, H_kv, n, d_h]  2 values [B, H_kv, n, d_h]  3 o_proj_weight [d, H*d_h]
 //   4 prompt_lengths [B] int32 (optional: without it every sequence has n tokens)
+//   5 kv_budget [1] int32 (optional, needs input 4: the request's budget, clamped to [window, budget]; read on the
+//     device, so enqueue never waits for it)
 // Outputs, cap = min(n, capacity):
 //   0 kept_keys [B, H_kv, cap, d_h]  1 kept_values [B, H_kv, cap, d_h]  2 kept_lengths [B, H_kv] int32
 //   3 kept_indices [B, H_kv, cap] int32
 // Float tensors are all fp32, all fp16 or all bf16, linear layout.
 #pragma once
 
-#include "criticalkv/policy.h"
+#include "policy.h"
 #include "criticalkv/select_params.h"
 
 #include <NvInferRuntime.h>
@@ -83,7 +85,7 @@ private:
     PolicyConfig mPolicy;
     SelectConfig mConfig;
     std::string mMetadata;
-    int32_t mNbInputs{-1}; //!< 4 or 5 (prompt_lengths given), from configurePlugin / onShapeChange
+    int32_t mNbInputs{-1}; //!< 4 to 6 (prompt_lengths, kv_budget given), from configurePlugin / onShapeChange
     std::vector<nvinfer1::PluginField> mDataToSerialize;
     nvinfer1::PluginFieldCollection mFCToSerialize{};
 };

@@ -1,9 +1,9 @@
 // extern "C" launchers of the CUDA kernels for the GPU tests (libcriticalkv_cuda_test.so): raw device pointers
 // (torch CUDA tensors' data_ptr()), synchronous, errors as text. Not used by the plugin.
-#include "../cpu/ckv_field.h"
+#include "ckv_field.h"
 
 #include "criticalkv/kernels.h"
-#include "criticalkv/policy.h"
+#include "policy.h"
 
 #include <cuda_runtime_api.h>
 
@@ -73,11 +73,12 @@ extern "C"
         return static_cast<int64_t>(workspaceLayout(makeSelectConfig(policy), toShape(shape)).total);
     }
 
-    //! The whole operator (launchCriticalKVSelect). dtype: 0 fp32, 1 fp16, 2 bf16. promptLengths may be null.
+    //! The whole operator (launchCriticalKVSelect). dtype: 0 fp32, 1 fp16, 2 bf16. promptLengths and kvBudget
+    //! (device int32 [1]) may be null.
     //! iterations > 1 re-runs it and returns the mean milliseconds per call in *milliseconds.
     int32_t ckv_cuda_select_layer(CkvField const* fields, int32_t count, int32_t const* shape, int32_t dtype,
         void const* queries, void const* keys, void const* values, void const* oProj, int32_t const* promptLengths,
-        void* keptKeys, void* keptValues, int32_t* keptLengths, int32_t* keptIndices, int32_t iterations,
+        int32_t const* kvBudget, void* keptKeys, void* keptValues, int32_t* keptLengths, int32_t* keptIndices, int32_t iterations,
         float* milliseconds, char* err, int32_t errLen)
     {
         try
@@ -89,7 +90,7 @@ extern "C"
             }
             SelectConfig const config = makeSelectConfig(policy);
             SelectShape const s = toShape(shape);
-            SelectTensors t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, keptKeys,
+            SelectTensors t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, kvBudget, keptKeys,
                 keptValues, keptLengths, keptIndices};
             size_t const bytes = workspaceLayout(config, s).total;
             DeviceBuffer workspace;
@@ -98,7 +99,7 @@ extern "C"
             cudaEvent_t stop = nullptr;
             if (status == cudaSuccess)
             {
-                status = launchCriticalKVSelect(config, s, t, workspace.ptr, bytes, nullptr); // warm-up / result
+                status = launchCriticalKVSelect(config, budgetTable(policy), s, t, workspace.ptr, bytes, nullptr); // warm-up / result
             }
             if (status == cudaSuccess && iterations > 1)
             {
@@ -107,7 +108,7 @@ extern "C"
                 cudaEventRecord(start, nullptr);
                 for (int32_t i = 0; i < iterations && status == cudaSuccess; ++i)
                 {
-                    status = launchCriticalKVSelect(config, s, t, workspace.ptr, bytes, nullptr);
+                    status = launchCriticalKVSelect(config, budgetTable(policy), s, t, workspace.ptr, bytes, nullptr);
                 }
                 cudaEventRecord(stop, nullptr);
                 cudaEventSynchronize(stop);
@@ -133,7 +134,7 @@ extern "C"
     //! what a TensorRT enqueue does, and what the CUDA-graph capture test records. Returns the launch status.
     int32_t ckv_cuda_select_layer_async(CkvField const* fields, int32_t count, int32_t const* shape, int32_t dtype,
         void const* queries, void const* keys, void const* values, void const* oProj, int32_t const* promptLengths,
-        void* keptKeys, void* keptValues, int32_t* keptLengths, int32_t* keptIndices, void* workspace,
+        int32_t const* kvBudget, void* keptKeys, void* keptValues, int32_t* keptLengths, int32_t* keptIndices, void* workspace,
         int64_t workspaceBytes, void* stream)
     {
         try
@@ -143,9 +144,9 @@ extern "C"
             {
                 return -1;
             }
-            SelectTensors t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, keptKeys,
+            SelectTensors t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, kvBudget, keptKeys,
                 keptValues, keptLengths, keptIndices};
-            return static_cast<int32_t>(launchCriticalKVSelect(makeSelectConfig(policy), toShape(shape), t, workspace,
+            return static_cast<int32_t>(launchCriticalKVSelect(makeSelectConfig(policy), budgetTable(policy), toShape(shape), t, workspace,
                 static_cast<size_t>(workspaceBytes), static_cast<cudaStream_t>(stream)));
         }
         catch (std::exception const&)
@@ -154,17 +155,21 @@ extern "C"
         }
     }
 
-    //! Projected-value norms out [B, H, numTokens] fp32 of every sequence (no skipping). l2: 0 = L1, 1 = L2.
+    //! Projected-value norms out [B, H, numTokens] fp32 of every sequence (no skipping). l2: 0 = L1, 1 = L2
+    //! directly, 2 = L2 through the Gram matrices (the pipeline's path).
     int32_t ckv_cuda_value_norms(int32_t const* shape, int32_t dtype, void const* values, void const* oProj,
         int32_t numTokens, int32_t l2, float* out, int32_t iterations, float* milliseconds, char* err, int32_t errLen)
     {
         SelectShape const s = toShape(shape);
         ValueNorm const kind = l2 ? ValueNorm::kL2 : ValueNorm::kL1;
+        DeviceBuffer gram;
+        cudaError_t status = gram.allocate(
+            l2 == 2 ? static_cast<size_t>(s.heads) * s.headDim * s.headDim * sizeof(float) : 0);
         auto run = [&]() {
-            return launchValueProjectionNorms(nullptr, nullptr, s, static_cast<DType>(dtype), values, oProj, numTokens,
-                kind, out, nullptr);
+            return launchValueProjectionNorms(nullptr, RuntimeBudget{}, nullptr, s, static_cast<DType>(dtype), values,
+                oProj, numTokens, kind, static_cast<float*>(gram.ptr), out, nullptr);
         };
-        cudaError_t status = run();
+        status = status == cudaSuccess ? run() : status;
         if (status == cudaSuccess && iterations > 1)
         {
             cudaEvent_t start = nullptr;
@@ -214,7 +219,7 @@ extern "C"
             }
             if (status == cudaSuccess)
             {
-                status = launchWindowScores(config, s, static_cast<DType>(dtype), queries, keys, promptLengths,
+                status = launchWindowScores(config, RuntimeBudget{}, s, static_cast<DType>(dtype), queries, keys, promptLengths,
                     static_cast<float*>(partials.ptr), static_cast<float*>(stats.ptr), raw, squares, nullptr);
             }
             return report(status, err, errLen);

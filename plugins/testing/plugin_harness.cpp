@@ -247,7 +247,19 @@ std::string fieldsJson(PluginFieldCollection const* fc, bool withValues)
             case PluginFieldType::kCHAR:
                 out << quote(std::string(static_cast<char const*>(f.data), strnlen(static_cast<char const*>(f.data), f.length)));
                 break;
-            case PluginFieldType::kINT32: out << *static_cast<int32_t const*>(f.data); break;
+            case PluginFieldType::kINT32:
+                if (f.length == 1)
+                {
+                    out << *static_cast<int32_t const*>(f.data);
+                    break;
+                }
+                out << "[";
+                for (int32_t v = 0; v < f.length; ++v)
+                {
+                    out << (v ? "," : "") << static_cast<int32_t const*>(f.data)[v];
+                }
+                out << "]";
+                break;
             case PluginFieldType::kINT64: out << *static_cast<int64_t const*>(f.data); break;
             case PluginFieldType::kFLOAT32: out << *static_cast<float const*>(f.data); break;
             case PluginFieldType::kFLOAT64: out << *static_cast<double const*>(f.data); break;

@@ -2,7 +2,7 @@
 //   compute-sanitizer --tool memcheck build/plugins/ckv_sanitizer_driver
 // Every policy, fp32 / fp16 / bf16, a left-padded batch, n not a multiple of the tiles. Exit code 0 = clean run.
 #include "criticalkv/kernels.h"
-#include "criticalkv/policy.h"
+#include "policy.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -56,8 +56,9 @@ int runCase(PolicyConfig const& policy, DType dtype, std::mt19937& rng)
     std::vector<T> hv = randomTensor<T>(kvCount, rng, 1.0F);
     std::vector<T> ho = randomTensor<T>(oCount, rng, 0.05F);
     std::vector<int32_t> const lengths = {s.n, 201, 17};
+    int32_t const runtimeBudget = policy.budget - 20; // a request below the built budget: kv_budget on the device
     void *q, *k, *v, *o, *kk, *kv, *workspace = nullptr;
-    int32_t *len, *keptLengths, *keptIndices;
+    int32_t *len, *kvBudget, *keptLengths, *keptIndices;
     CHECK_CUDA(cudaMalloc(&q, qCount * sizeof(T)));
     CHECK_CUDA(cudaMalloc(&k, kvCount * sizeof(T)));
     CHECK_CUDA(cudaMalloc(&v, kvCount * sizeof(T)));
@@ -65,6 +66,7 @@ int runCase(PolicyConfig const& policy, DType dtype, std::mt19937& rng)
     CHECK_CUDA(cudaMalloc(&kk, keptCount * sizeof(T)));
     CHECK_CUDA(cudaMalloc(&kv, keptCount * sizeof(T)));
     CHECK_CUDA(cudaMalloc(&len, lengths.size() * sizeof(int32_t)));
+    CHECK_CUDA(cudaMalloc(&kvBudget, sizeof(int32_t)));
     CHECK_CUDA(cudaMalloc(&keptLengths, size_t(s.batch) * s.kvHeads * sizeof(int32_t)));
     CHECK_CUDA(cudaMalloc(&keptIndices, size_t(s.batch) * s.kvHeads * cap * sizeof(int32_t)));
     size_t const bytes = workspaceLayout(config, s).total;
@@ -77,10 +79,14 @@ int runCase(PolicyConfig const& policy, DType dtype, std::mt19937& rng)
     CHECK_CUDA(cudaMemcpy(v, hv.data(), kvCount * sizeof(T), cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(o, ho.data(), oCount * sizeof(T), cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(len, lengths.data(), lengths.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-    SelectTensors const t{dtype, q, k, v, o, len, kk, kv, keptLengths, keptIndices};
-    CHECK_CUDA(launchCriticalKVSelect(config, s, t, workspace, bytes, nullptr));
-    CHECK_CUDA(cudaDeviceSynchronize());
-    for (void* p : {q, k, v, o, kk, kv, static_cast<void*>(len), static_cast<void*>(keptLengths),
+    CHECK_CUDA(cudaMemcpy(kvBudget, &runtimeBudget, sizeof(int32_t), cudaMemcpyHostToDevice));
+    for (int32_t const* budget : {static_cast<int32_t const*>(nullptr), static_cast<int32_t const*>(kvBudget)})
+    {
+        SelectTensors const t{dtype, q, k, v, o, len, budget, kk, kv, keptLengths, keptIndices};
+        CHECK_CUDA(launchCriticalKVSelect(config, budgetTable(policy), s, t, workspace, bytes, nullptr));
+        CHECK_CUDA(cudaDeviceSynchronize());
+    }
+    for (void* p : {q, k, v, o, kk, kv, static_cast<void*>(len), static_cast<void*>(kvBudget), static_cast<void*>(keptLengths),
              static_cast<void*>(keptIndices), workspace})
     {
         if (p != nullptr)
@@ -109,6 +115,12 @@ int main()
             policy.layer_idx = 1;
             policy.num_layers = 3;
             policy.capacity = 4096;
+            // layer_budgets[b - window]: b - window, halved for PyramidKV so the device lookup runs (none for full)
+            bool const pyramid = baseOf(name) == BaseMethod::kPyramidKV;
+            for (int32_t b = policy.window; b <= policy.budget && baseOf(name) != BaseMethod::kFull; ++b)
+            {
+                policy.layer_budgets.push_back(pyramid ? (b - policy.window) / 2 : b - policy.window);
+            }
             failures += runCase<float>(policy, DType::kFloat32, rng);
             failures += runCase<__half>(policy, DType::kFloat16, rng);
             failures += runCase<__nv_bfloat16>(policy, DType::kBFloat16, rng);

@@ -65,6 +65,27 @@ def test_needle_end_to_end(model_dir, tmp_path, capsys):
     assert no_temp_files(out)
 
 
+def test_needle_runs_the_defensive_policies(model_dir, tmp_path):
+    """defensivekv and layer-defensivekv (budget shared across layers) through the evaluation, re-checked against
+    criticalkv.hf.generate on the prompt (--verify)."""
+    out = tmp_path / "needle"
+    policies = "ada-criticalkv,defensivekv,layer-defensivekv"
+    assert main(["eval", "needle", "--model", str(model_dir), "--lengths", "300", "--depths", "50",
+                 "--policies", policies, "--budgets", "48", "--verify", "1", "--out", str(out), *COMMON]) == 0
+    doc = read(out / "needle.json")
+    assert doc["complete"] and len(doc["records"]) == 1
+    results = doc["records"][0]["results"]
+    for run in ("defensivekv@48", "layer-defensivekv@48"):
+        assert "verified" in results[run] and results[run]["score"] in (0.0, 1.0)
+        assert 0 < results[run]["kept_fraction"] < 1
+    assert doc["config"]["runs"]["defensivekv@48"]["policy"]["stage1_mass"] == 0.9
+    pert = tmp_path / "pert"
+    assert main(["eval", "perturbation", "--model", str(model_dir), "--lengths", "300", "--prompts", "needle",
+                 "--depths", "50", "--policies", policies, "--budgets", "48", "--out", str(pert), *COMMON]) == 0
+    results = read(pert / "perturbation.json")["records"][0]["results"]
+    assert {"adakv@48", "ada-criticalkv@48", "defensivekv@48", "layer-defensivekv@48"} <= set(results)
+
+
 def test_ruler_end_to_end_and_resume(model_dir, tmp_path):
     out = tmp_path / "ruler"
     args = ["eval", "ruler", "--model", str(model_dir), "--lengths", "1500", "--tasks", "niah_multivalue,cwe,qa",
@@ -156,6 +177,68 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys, task, args, message):
     assert main(["eval", task, "--out", str(tmp_path / "out"), "--lengths", "2048", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("criticalkv eval: error:") and message in err
+
+
+@pytest.mark.parametrize(
+    "task, stored, args, message",
+    [
+        ("needle", {"complete": True}, [], "already holds results (complete); pass --resume to continue them"),
+        ("ruler", {"complete": False, "prompt_count": 6}, [], "(partial: 1 of 6 prompts); pass --resume"),
+        ("perturbation", {"complete": True}, [], "already holds results (complete); pass --overwrite"),
+        ("needle", {"complete": True}, ["--resume"],
+         "holds results (complete) of another configuration (differs in: chat, depths, lengths"),
+        ("needle", "{not json", ["--resume"], "holds results that cannot be read"),
+        ("needle", {"complete": True}, ["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
+        ("needle", {"complete": True}, ["--overwrite"], "no such model folder"),  # replaced: the run goes on
+    ],
+)
+def test_earlier_results_are_never_replaced_silently(tmp_path, capsys, task, stored, args, message):
+    out = tmp_path / "out"
+    out.mkdir()
+    text = stored if isinstance(stored, str) else json.dumps(
+        {"task": task, "config": {"task": task, "lengths": [999], "model": "other"},
+         "records": [{"key": "p0", "results": {}}], **stored})
+    (out / f"{task}.json").write_text(text)
+    assert main(["eval", task, "--out", str(out), "--lengths", "2048", "--model", str(tmp_path / "none"), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert (out / f"{task}.json").read_text() == text
+
+
+def test_ctrl_c_ends_an_eval_with_one_line_and_its_results_so_far(model_dir, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "needle"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "criticalkv.cli", "eval", "needle", "--model", str(model_dir), "--lengths", "300",
+         "--depths", "0,25,50,75,100", "--samples", "20", "--policies", "snapkv", "--budgets", "48", "--window", "8",
+         "--no-progress", "--threads", "1", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "needle.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f"criticalkv eval: interrupted; the prompts finished so far are in "
+                                            f"{out / 'needle.json'} (continue with --resume)")
+    assert "Traceback" not in err
+    doc = read(out / "needle.json")
+    assert doc["complete"] is False and 1 <= len(doc["records"]) < 100
+
+
+def test_a_log_gets_one_line_per_prompt_and_no_bars(model_dir, tmp_path, capsys):
+    """Standard error is not a terminal here: no carriage-return bars (ours or transformers' weight loading)."""
+    args = ["eval", "needle", "--model", str(model_dir), "--lengths", "300", "--depths", "0,100", "--policies",
+            "snapkv", "--budgets", "48", "--window", "8", "--samples", "1", "--threads", "1", "--out", str(tmp_path)]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "Loading weights" not in err
+    assert [line.split(" (")[0] for line in err.splitlines() if line.startswith("eval: ")] == ["eval: 1/2 prompts",
+                                                                                               "eval: 2/2 prompts"]
+    assert main([*args, "--overwrite", "--no-progress"]) == 0
+    replacing = f"criticalkv eval: replacing {tmp_path / 'needle.json'} (--overwrite)"
+    assert capsys.readouterr().err.splitlines() == [replacing]
 
 
 def test_unwritable_out_dir_is_refused(tmp_path, capsys):

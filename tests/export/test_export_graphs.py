@@ -121,7 +121,7 @@ def test_no_node_holds_n_by_n_attention_scores(tmp_path):
     session = ort.InferenceSession(str(folder / "prefill.onnx"), options, providers=["CPUExecutionProvider"])
     n = 512
     session.run(None, {"input_ids": prompt(n).numpy(), "attention_mask": np.ones((1, n), np.int64),
-                       "position_ids": np.arange(n)[None]})
+                       "position_ids": np.arange(n)[None], "kv_budget": np.array([40])})
     events = json.loads(open(session.end_profiling()).read())
     largest = 0
     for event in events:
@@ -144,7 +144,7 @@ def test_graph_interface_and_validation(tmp_path):
     prefill = onnx.load(str(tmp_path / "prefill.onnx"), load_external_data=False)
     decode = onnx.load(str(tmp_path / "decode.onnx"), load_external_data=False)
     trt = onnx.load(str(tmp_path / "prefill_tensorrt.onnx"), load_external_data=False)
-    assert [i.name for i in prefill.graph.input] == ["input_ids", "attention_mask", "position_ids"]
+    assert [i.name for i in prefill.graph.input] == ["input_ids", "attention_mask", "position_ids", "kv_budget"]
     outs = [o.name for o in prefill.graph.output]
     assert outs[0] == "logits" and outs[1:5] == ["present.0.key", "present.0.value", "present.0.lengths", "present.0.indices"]
     assert [i.name for i in decode.graph.input][:5] == [
@@ -196,24 +196,29 @@ def test_unsupported_models_are_refused(tmp_path):
     assert not (tmp_path / "e").exists()
 
 
-def test_tensorrt_flavour_computes_the_same_with_the_body_put_back(tmp_path):
-    # the TensorRT flavour differs by its loop-invariant attention blocks and the missing body; with the
-    # body added back ONNX Runtime runs it to the same outputs as the ONNX Runtime flavour
+@pytest.mark.parametrize("name", ["ada-criticalkv", "laprox"])
+def test_tensorrt_flavour_computes_the_same_with_the_body_put_back(tmp_path, name):
+    # the TensorRT flavour differs by its attention (one causal block without a Loop, finite mask through
+    # Where, output projection as Gemm) and the missing body; with the body added back ONNX Runtime runs it
+    # to the same outputs as the ONNX Runtime flavour, on a left-padded batch
     from criticalkv.export.select_function import selection_function
 
     model = tiny_model("llama", seed=6)
-    policy = KVPolicy("ada-criticalkv", budget=40, window=8)
+    policy = KVPolicy(name, budget=40, window=8)
     export_model(model, policy, tmp_path, BuildConfig(max_input_len=200, attention_chunk=32))
     trt = onnx.load(str(tmp_path / "prefill_tensorrt.onnx"), load_external_data=False)
+    assert not any(n.op_type == "Loop" for n in trt.graph.node)
     trt.functions.append(selection_function(policy, 3, 6, 2, 16))
     onnx.save(trt, str(tmp_path / "trt_with_body.onnx"))
     n = 150
-    feeds = {"input_ids": prompt(n, seed=9).numpy(), "attention_mask": np.ones((1, n), np.int64),
-             "position_ids": np.arange(n)[None]}
+    feeds = {"input_ids": prompt(n, seed=9, batch=2).numpy(), "attention_mask": np.ones((2, n), np.int64),
+             "kv_budget": np.array([24])}  # a per-request budget below 40
     feeds["attention_mask"][0, :20] = 0
+    feeds["attention_mask"][1, :97] = 0
     feeds["position_ids"] = np.clip(np.cumsum(feeds["attention_mask"], 1) - 1, 0, None)
     a = ort.InferenceSession(str(tmp_path / "prefill.onnx")).run(None, feeds)
     b = ort.InferenceSession(str(tmp_path / "trt_with_body.onnx")).run(None, feeds)
+    assert np.isfinite(b[0]).all()
     np.testing.assert_allclose(a[0], b[0], atol=1e-5)
     for x, y in zip(a[1:], b[1:]):
         if x.dtype == np.int32:

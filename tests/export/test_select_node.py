@@ -170,3 +170,27 @@ def test_prompt_lengths_may_be_all_equal_or_the_batch_one():
     q, k, v, o = random_layer(batch=1, n=90, window=8, seed=4)
     for case in POLICY_CASES:
         assert_same_as_reference(make_policy(case[1], budget=24, window=8), q, k, v, o, torch.tensor([90], dtype=torch.int32))
+
+
+def test_model_level_policy_is_refused_at_export_with_the_reason():
+    from criticalkv.export.select_function import check_exportable, selection_function
+
+    policy = KVPolicy("layer-defensivekv", budget=32, window=8)
+    with pytest.raises(ValueError, match="shares the budget across all layers.*no model-level selection node yet"):
+        selection_function(policy, 3, 6, 2, 16)
+    with pytest.raises(ValueError, match="shares the budget across all layers"):
+        check_exportable(policy)
+    selection_function(policy, 1, 6, 2, 16)  # one layer: the model-level choice is the layer's own
+    check_exportable(KVPolicy("defensivekv"))
+
+
+def test_tensorrt_step_skips_a_method_the_plugin_has_no_flow_for(tmp_path):
+    from types import SimpleNamespace
+
+    from criticalkv.build import tensorrt_step
+
+    messages = []
+    out = tensorrt_step(tmp_path, SimpleNamespace(policy=KVPolicy("defensivekv")), messages.append)
+    assert out == {"built": False, "skipped_reason": "defensivekv has no C++ selection flow in the CriticalKVSelect "
+                   "plugin yet (plugins/README.md, Known limits)"}
+    assert "SKIPPED because defensivekv has no C++ selection flow" in messages[0]

@@ -11,7 +11,7 @@ def vocabulary() -> list[str]:
     """128 words: [UNK], </s>, the words of build_engine's smoke-test text, then w<i> fillers."""
     from tokenizers import pre_tokenizers
 
-    from criticalkv.export.build import SMOKE_TEXT
+    from criticalkv.build import SMOKE_TEXT
 
     smoke = dict.fromkeys(w for w, _ in pre_tokenizers.Whitespace().pre_tokenize_str(SMOKE_TEXT))
     words = ["[UNK]", "</s>", *smoke]
@@ -48,7 +48,7 @@ def words(ids) -> str:
 def export_tiny_engine(model, policy, folder: Path, tokenizer=None, **limits) -> Path:
     """An engine directory for an in-memory model (export + validation + manifest; no smoke test)."""
     from criticalkv.export import BuildConfig
-    from criticalkv.export.build import export_engine
+    from criticalkv.build import export_engine
     from criticalkv.runtime.manifest import write_manifest
 
     config = BuildConfig(**{"max_input_len": 256, "max_new_tokens": 32, "max_batch_size": 3, "attention_chunk": 32, **limits})

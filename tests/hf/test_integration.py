@@ -151,3 +151,35 @@ def test_bad_inputs_give_clear_errors(llama):
         prefill_and_compress(llama, torch.zeros(1, 0, dtype=torch.int64), KVPolicy("snapkv", budget=8, window=4))
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(llama, prompt(20), KVPolicy("snapkv", budget=8, window=4), max_new_tokens=0)
+
+
+def test_layer_defensivekv_shares_the_budget_across_layers(llama):
+    """Memory after prefill = the kept total = L * H_kv * budget; the selection is select_model over every layer's
+    real queries, keys and values; layers keep different totals; decoding equals masked full attention."""
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from criticalkv import select_model
+
+    ids = prompt(150, seed=9)
+    # stage1_mass 0.2: on this random model's near-uniform attention the default 0.9 fills every head's share
+    # in stage 1, and the layers' totals would all be equal
+    policy = KVPolicy("layer-defensivekv", budget=40, window=8, stage1_mass=0.2)
+    out = generate(llama, ids, policy, max_new_tokens=6)
+    pre = out.prefill
+    kept = [int(sel.lengths.sum()) for sel in pre.selections]
+    assert sum(kept) == 3 * 2 * 40, kept  # 3 layers x 2 KV heads x budget
+    assert len(set(kept)) > 1, "the layers' shares should differ on this prompt"
+    assert pre.kv_bytes_kept == pre.cache.kv_nbytes() == 2 * sum(kept) * 16 * 4
+    cache = DynamicCache(config=llama.config)
+    layers = []
+    with torch.no_grad():
+        hidden = llama(ids, past_key_values=cache, use_cache=True, output_hidden_states=True).hidden_states
+        cos, sin = llama.model.rotary_emb(hidden[0], torch.arange(150)[None])
+        for i, layer in enumerate(llama.model.layers):
+            q = layer.self_attn.q_proj(layer.input_layernorm(hidden[i])).view(1, 150, 6, 16).transpose(1, 2)
+            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+            layers.append((q[:, :, -8:], cache.layers[i].keys, cache.layers[i].values, layer.self_attn.o_proj.weight))
+    for i, want in enumerate(select_model(policy, layers)):
+        assert torch.equal(pre.selections[i].indices, want.indices), f"layer {i}"
+    assert out.tokens[0] == reference_masked_decode(llama, ids, pre.selections, 6)

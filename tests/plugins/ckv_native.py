@@ -15,11 +15,12 @@ from typing import Any, Mapping
 import torch
 
 from criticalkv import KVPolicy
+from criticalkv.node import node_attributes
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_DIR = ROOT / "build" / "plugins"
 
-#: criticalkv::FieldType values (plugins/include/criticalkv/policy.h)
+#: criticalkv::FieldType values (plugins/host/policy.h)
 FIELD_TYPES = {"char": 0, "int32": 1, "int64": 2, "float32": 3, "float64": 4, "other": 5}
 
 
@@ -62,6 +63,8 @@ def encode_value(value: Any, float_kind: str = "float64") -> tuple[bytes, str]:
         return struct.pack("<i", value), "int32"
     if isinstance(value, float):
         return (struct.pack("<f", value), "float32") if float_kind == "float32" else (struct.pack("<d", value), "float64")
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return struct.pack(f"<{len(value)}i", *value), "int32"  # an INTS attribute: a kINT32 array
     raise TypeError(f"unsupported field value {value!r}")
 
 
@@ -74,8 +77,10 @@ def encode_fields(values: Mapping[str, Any], float_kind: str = "float64") -> Enc
 
 
 def node_fields(policy: KVPolicy, layer_idx: int = 0, num_layers: int = 1, capacity: int = 1 << 20) -> dict[str, Any]:
-    """Every creator field of one layer's node: the policy knobs plus layer_idx, num_layers, capacity."""
-    return {**policy.to_dict(), "layer_idx": layer_idx, "num_layers": num_layers, "capacity": capacity}
+    """Every creator field of one layer's node: the node's attributes as the export writes them (policy knobs,
+    layer_idx, num_layers, capacity, layer_budgets)."""
+    return {k: list(v) if isinstance(v, tuple) else v
+            for k, v in node_attributes(policy, layer_idx, num_layers, capacity).items()}
 
 
 def _load(name: str) -> ctypes.CDLL:
@@ -94,22 +99,24 @@ class HostLibrary:
         P = ctypes.POINTER
         L.ckv_parse_policy.argtypes = [P(CkvField), ctypes.c_int32, ctypes.c_char_p, ctypes.c_int32]
         L.ckv_describe_policy.argtypes = [P(CkvField), ctypes.c_int32, ctypes.c_char_p, ctypes.c_int32]
-        L.ckv_layer_budget.argtypes = [P(CkvField), ctypes.c_int32]
-        L.ckv_layer_budget.restype = ctypes.c_int64
-        L.ckv_max_kept_per_head.argtypes = [P(CkvField), ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]
+        L.ckv_budget_choice.argtypes = [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), P(ctypes.c_int32),
+                                        P(ctypes.c_int32), ctypes.c_char_p, ctypes.c_int32]
+        L.ckv_max_kept_per_head.argtypes = [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int64,
+                                            ctypes.c_int64]
         L.ckv_max_kept_per_head.restype = ctypes.c_int64
-        L.ckv_stage1_count.argtypes = [ctypes.c_double, ctypes.c_int64]
+        L.ckv_stage1_count.argtypes = [ctypes.c_int64, ctypes.c_int64]
         L.ckv_stage1_count.restype = ctypes.c_int64
-        L.ckv_head_floor.argtypes = [ctypes.c_double, ctypes.c_int64]
+        L.ckv_head_floor.argtypes = [ctypes.c_int64, ctypes.c_int64]
         L.ckv_head_floor.restype = ctypes.c_int64
-        L.ckv_pyramid_layer_budgets.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_double, P(ctypes.c_int64)]
+        L.ckv_decimal_micros.argtypes = [ctypes.c_double]
+        L.ckv_decimal_micros.restype = ctypes.c_int64
         L.ckv_ordered_key.argtypes = [ctypes.c_float]
         L.ckv_ordered_key.restype = ctypes.c_uint32
         L.ckv_widen_float32.argtypes = [ctypes.c_float]
         L.ckv_widen_float32.restype = ctypes.c_double
         L.ckv_select_top_k.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_uint8]
         L.ckv_host_select_layer.argtypes = (
-            [P(CkvField), ctypes.c_int32, P(ctypes.c_int32)] + [ctypes.c_void_p] * 9 + [ctypes.c_char_p, ctypes.c_int32]
+            [P(CkvField), ctypes.c_int32, P(ctypes.c_int32)] + [ctypes.c_void_p] * 10 + [ctypes.c_char_p, ctypes.c_int32]
         )
 
     # ---------------------------------------------------------------- policy fields
@@ -125,25 +132,35 @@ class HostLibrary:
             raise ValueError(out.value.decode())
         return dict(item.split("=", 1) for item in out.value.decode().split(" "))
 
-    def layer_budget(self, values: Mapping[str, Any]) -> int:
+    def budget_choice(self, values: Mapping[str, Any], kv_budget: int | None = None) -> tuple[int, int]:
+        """(effective budget b, r_l) of the node at the runtime budget kv_budget (None: no kv_budget input)."""
         f = encode_fields(values)
-        return self.lib.ckv_layer_budget(f.array, f.count)
+        budget, layer_budget = ctypes.c_int32(), ctypes.c_int32()
+        requested = ctypes.byref(ctypes.c_int32(kv_budget)) if kv_budget is not None else None
+        err = ctypes.create_string_buffer(512)
+        if self.lib.ckv_budget_choice(f.array, f.count, requested, ctypes.byref(budget), ctypes.byref(layer_budget),
+                                      err, 512) != 0:
+            raise ValueError(err.value.decode())
+        return budget.value, layer_budget.value
 
-    def max_kept_per_head(self, values: Mapping[str, Any], n: int, kv_heads: int) -> int:
+    def layer_budget(self, values: Mapping[str, Any], kv_budget: int | None = None) -> int:
+        return self.budget_choice(values, kv_budget)[1]
+
+    def max_kept_per_head(self, values: Mapping[str, Any], n: int, kv_heads: int, kv_budget: int | None = None) -> int:
         f = encode_fields(values)
-        return self.lib.ckv_max_kept_per_head(f.array, f.count, n, kv_heads)
+        requested = ctypes.byref(ctypes.c_int32(kv_budget)) if kv_budget is not None else None
+        return self.lib.ckv_max_kept_per_head(f.array, f.count, requested, n, kv_heads)
 
     # ---------------------------------------------------------------- shared helpers
+    def decimal_micros(self, value: float) -> int:
+        return self.lib.ckv_decimal_micros(value)
+
     def stage1_count(self, alpha: float, r: int) -> int:
-        return self.lib.ckv_stage1_count(alpha, r)
+        """The kernels' integer stage-1 count, alpha converted to millionths as the plugin does."""
+        return self.lib.ckv_stage1_count(self.decimal_micros(alpha), r)
 
     def head_floor(self, ada_floor: float, r: int) -> int:
-        return self.lib.ckv_head_floor(ada_floor, r)
-
-    def pyramid_layer_budgets(self, r: int, num_layers: int, beta: float) -> list[int]:
-        out = (ctypes.c_int64 * num_layers)()
-        assert self.lib.ckv_pyramid_layer_budgets(r, num_layers, beta, out) == 0
-        return list(out)
+        return self.lib.ckv_head_floor(self.decimal_micros(ada_floor), r)
 
     def ordered_key(self, value: float) -> int:
         return self.lib.ckv_ordered_key(value)
@@ -162,8 +179,10 @@ class HostLibrary:
 
     # ---------------------------------------------------------------- the operator
     def select_layer(self, policy: KVPolicy, q, k, v, o, layer_idx=0, num_layers=1, capacity=None,
-                     prompt_lengths=None, float_kind="float64"):
-        """(indices [B, H_kv, cap] int64, lengths [B, H_kv] int64, kept keys, kept values) from the host version."""
+                     prompt_lengths=None, float_kind="float64", kv_budget: int | None = None):
+        """(indices [B, H_kv, cap] int64, lengths [B, H_kv] int64, kept keys, kept values) from the host version.
+
+        kv_budget: the node's runtime budget input (None: absent, the policy's budget applies)."""
         batch, heads, query_len, head_dim = q.shape
         _, kv_heads, n, _ = k.shape
         hidden = o.shape[0]
@@ -173,6 +192,7 @@ class HostLibrary:
         shape = (ctypes.c_int32 * 7)(batch, heads, kv_heads, n, query_len, head_dim, hidden)
         q, k, v, o = (t.float().contiguous() for t in (q, k, v, o))
         lengths = prompt_lengths.to(torch.int32).contiguous() if prompt_lengths is not None else None
+        budget = torch.tensor([kv_budget], dtype=torch.int32) if kv_budget is not None else None
         indices = torch.empty(batch, kv_heads, cap, dtype=torch.int32)
         kept = torch.empty(batch, kv_heads, dtype=torch.int32)
         kk = torch.empty(batch, kv_heads, cap, head_dim)
@@ -180,7 +200,7 @@ class HostLibrary:
         err = ctypes.create_string_buffer(512)
         status = self.lib.ckv_host_select_layer(
             fields.array, fields.count, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
-            lengths.data_ptr() if lengths is not None else None,
+            lengths.data_ptr() if lengths is not None else None, budget.data_ptr() if budget is not None else None,
             indices.data_ptr(), kept.data_ptr(), kk.data_ptr(), vv.data_ptr(), err, 512,
         )
         if status != 0:
@@ -310,11 +330,11 @@ class CudaLibrary:
         L.ckv_cuda_workspace_bytes.argtypes = [P(CkvField), ctypes.c_int32, P(ctypes.c_int32)]
         L.ckv_cuda_workspace_bytes.restype = ctypes.c_int64
         L.ckv_cuda_select_layer.argtypes = (
-            [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 9
+            [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 10
             + [ctypes.c_int32, P(ctypes.c_float), ctypes.c_char_p, ctypes.c_int32]
         )
         L.ckv_cuda_select_layer_async.argtypes = (
-            [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 10
+            [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 11
             + [ctypes.c_int64, ctypes.c_void_p]
         )
         L.ckv_cuda_value_norms.argtypes = (
@@ -337,8 +357,9 @@ class CudaLibrary:
         return (ctypes.c_int32 * 7)(batch, heads, k.shape[1], k.shape[2], query_len, head_dim, o.shape[0])
 
     def select_layer(self, policy: KVPolicy, q, k, v, o, layer_idx=0, num_layers=1, capacity=None,
-                     prompt_lengths=None, iterations: int = 1):
-        """(indices, lengths, kept keys, kept values[, ms per call]) from launchCriticalKVSelect on the GPU."""
+                     prompt_lengths=None, iterations: int = 1, kv_budget: int | None = None):
+        """(indices, lengths, kept keys, kept values[, ms per call]) from launchCriticalKVSelect on the GPU;
+        kv_budget goes to the device as the node's int32 [1] input."""
         n = k.shape[2]
         capacity = capacity or n
         cap = min(n, capacity)
@@ -346,6 +367,7 @@ class CudaLibrary:
         fields = encode_fields(node_fields(policy, layer_idx, num_layers, capacity))
         q, k, v, o = (t.contiguous() for t in (q, k, v, o))
         lengths = prompt_lengths.to(device=k.device, dtype=torch.int32).contiguous() if prompt_lengths is not None else None
+        budget = torch.tensor([kv_budget], dtype=torch.int32, device=k.device) if kv_budget is not None else None
         indices = torch.full((batch, kv_heads, cap), -7, dtype=torch.int32, device=k.device)
         kept = torch.full((batch, kv_heads), -7, dtype=torch.int32, device=k.device)
         kk = torch.full((batch, kv_heads, cap, head_dim), 7.0, dtype=k.dtype, device=k.device)
@@ -355,6 +377,7 @@ class CudaLibrary:
         status = self.lib.ckv_cuda_select_layer(
             fields.array, fields.count, self._shape(q, k, o), _DTYPE_CODES[k.dtype],
             q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lengths.data_ptr() if lengths is not None else None,
+            budget.data_ptr() if budget is not None else None,
             kk.data_ptr(), vv.data_ptr(), kept.data_ptr(), indices.data_ptr(), iterations, ctypes.byref(ms), err, 512,
         )
         if status != 0:
@@ -367,21 +390,23 @@ class CudaLibrary:
         return self.lib.ckv_cuda_workspace_bytes(fields.array, fields.count, self._shape(q, k, o))
 
     def select_layer_async(self, policy: KVPolicy, q, k, v, o, prompt_lengths, outputs, workspace, stream,
-                           layer_idx=0, num_layers=1, capacity=None) -> int:
-        """Launch on `stream` (a torch.cuda.Stream) into preallocated outputs (indices, lengths, keys, values)."""
+                           layer_idx=0, num_layers=1, capacity=None, kv_budget=None) -> int:
+        """Launch on `stream` (a torch.cuda.Stream) into preallocated outputs (indices, lengths, keys, values);
+        kv_budget: None or a device int32 [1] tensor (read by the kernels, so it may change between replays)."""
         indices, kept, kk, vv = outputs
         fields = encode_fields(node_fields(policy, layer_idx, num_layers, capacity or k.shape[2]))
         self._keepalive = fields  # the launch reads the fields synchronously, but keep them for the capture
         return self.lib.ckv_cuda_select_layer_async(
             fields.array, fields.count, self._shape(q, k, o), _DTYPE_CODES[k.dtype], q.data_ptr(), k.data_ptr(),
             v.data_ptr(), o.data_ptr(), prompt_lengths.data_ptr() if prompt_lengths is not None else None,
-            kk.data_ptr(), vv.data_ptr(), kept.data_ptr(), indices.data_ptr(), workspace.data_ptr(),
+            kv_budget.data_ptr() if kv_budget is not None else None, kk.data_ptr(), vv.data_ptr(), kept.data_ptr(),
+            indices.data_ptr(), workspace.data_ptr(),
             workspace.numel(), stream.cuda_stream,
         )
 
     def value_norms(self, values, o_proj, num_heads: int, num_tokens: int | None = None, kind: str = "l1",
-                    iterations: int = 1):
-        """[B, H, num_tokens] fp32 norms (and ms per call when iterations > 1)."""
+                    iterations: int = 1, gram: bool = False):
+        """[B, H, num_tokens] fp32 norms (and ms per call when iterations > 1); gram: l2 through the Gram matrices."""
         batch, kv_heads, n, head_dim = values.shape
         num_tokens = n if num_tokens is None else num_tokens
         shape = (ctypes.c_int32 * 7)(batch, num_heads, kv_heads, n, 0, head_dim, o_proj.shape[0])
@@ -389,9 +414,9 @@ class CudaLibrary:
         ms = ctypes.c_float(0.0)
         err = ctypes.create_string_buffer(512)
         values, o_proj = values.contiguous(), o_proj.contiguous()
+        mode = (2 if gram else 1) if kind == "l2" else 0
         status = self.lib.ckv_cuda_value_norms(shape, _DTYPE_CODES[values.dtype], values.data_ptr(), o_proj.data_ptr(),
-                                               num_tokens, int(kind == "l2"), out.data_ptr(), iterations,
-                                               ctypes.byref(ms), err, 512)
+                                               num_tokens, mode, out.data_ptr(), iterations, ctypes.byref(ms), err, 512)
         if status != 0:
             raise RuntimeError(err.value.decode())
         return (out, ms.value) if iterations > 1 else out

@@ -3,7 +3,8 @@
 import dataclasses
 
 from criticalkv import KVPolicy
-from criticalkv.engine.plugin_fields import HEADER_PATH, plugin_field_specs, render_policy_fields_header
+from criticalkv.spec.generate import FIELDS_HEADER as HEADER_PATH
+from criticalkv.spec.generate import plugin_field_specs, render_policy_fields_header
 from criticalkv.node import LAYER_ATTRIBUTES, node_attributes
 
 TRT_TYPE_CODES = {"kCHAR": 6, "kINT32": 5, "kFLOAT32": 1}
@@ -12,7 +13,7 @@ TRT_TYPE_CODES = {"kCHAR": 6, "kINT32": 5, "kFLOAT32": 1}
 def test_generated_header_is_up_to_date():
     assert HEADER_PATH.read_text() == render_policy_fields_header(), (
         "plugins/include/criticalkv/policy_fields.h is stale: run "
-        "`python -m criticalkv.engine.plugin_fields plugins/include/criticalkv/policy_fields.h`"
+        "`python -m criticalkv.spec.generate`"
     )
 
 
@@ -40,4 +41,18 @@ def test_missing_knobs_take_the_kvpolicy_defaults(harness):
     handle = harness.create(encode_fields({"capacity": 300}))
     assert handle >= 0, harness.logs()
     fields = {f["name"]: f["value"] for f in harness.describe(handle)["fields"]}
-    assert fields == {**KVPolicy().to_dict(), "layer_idx": 0, "num_layers": 1, "capacity": 300}
+    default = KVPolicy()
+    assert fields == {**default.to_dict(), "layer_idx": 0, "num_layers": 1, "capacity": 300,
+                      "layer_budgets": list(range(default.budget - default.window + 1))}
+
+
+def test_methods_without_a_cpp_flow_are_refused(host_lib):
+    from ckv_native import encode_fields, node_fields
+    from criticalkv.methods import METHODS
+
+    refused = [name for name, m in METHODS.items() if not m.base.native]
+    assert refused == ["defensivekv", "layer-defensivekv"]
+    for name in refused:
+        error = host_lib.parse(encode_fields(node_fields(KVPolicy(name))))
+        assert error == f"name: {name} has no C++ selection flow yet (plugins/README.md); run it on ONNX Runtime"
+    assert host_lib.parse(encode_fields(node_fields(KVPolicy("ada-criticalkv")))) == ""

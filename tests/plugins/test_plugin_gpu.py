@@ -10,6 +10,7 @@ Skipped cleanly without one (tests/conftest.py). What they check:
 * an engine built from an ONNX graph holding only the CriticalKVSelect node (needs tensorrt and onnx).
 """
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -82,6 +83,36 @@ def test_value_norms(cuda_lib, dtype, kind, batch, heads, kv_heads, n, head_dim,
     assert torch.equal(partial, ours[..., : n // 2])
 
 
+def gram_norms_reference(values, o_proj, heads, dtype):
+    """The reference's l2 form sqrt(v^T (W W^T) v) computed in `dtype` (criticalkv/selection/scores.py)."""
+    batch, kv_heads, n, d = values.shape
+    group = heads // kv_heads
+    out = torch.empty(batch, heads, n, dtype=dtype, device=values.device)
+    for h in range(heads):
+        w = o_proj[:, h * d : (h + 1) * d].to(dtype).t()
+        v = values[:, h // group].to(dtype)
+        out[:, h] = ((v @ (w @ w.t())) * v).sum(-1).clamp_min(0).sqrt()
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, n, head_dim, hidden",
+    [(2, 8, 2, 1000, 64, 512), (1, 32, 8, 4097, 128, 4096), (1, 4, 4, 333, 80, 320), (1, 4, 2, 300, 256, 1024)],
+    ids=["gqa-d64", "llama-d128", "mha-d80", "d256"],
+)
+def test_value_norms_through_the_gram_matrices(cuda_lib, dtype, batch, heads, kv_heads, n, head_dim, hidden):
+    """The pipeline's l2 path (value_norm=l2, laprox): error at most 2x the reference's own Gram form in fp32."""
+    _, _, v, o = cuda_layer(dtype, batch=batch, heads=heads, kv_heads=kv_heads, n=n, head_dim=head_dim,
+                            hidden=hidden, window=1, seed=1)
+    truth = norms_reference(v, o, heads, "l2")
+    low = gram_norms_reference(v, o, heads, torch.float32)  # what select_layer computes from these inputs
+    ours = cuda_lib.value_norms(v, o, heads, kind="l2", gram=True)
+    assert_within_flash_attention_tolerance(ours, low, truth, f"gram l2 {dtype}")
+    partial = cuda_lib.value_norms(v, o, heads, num_tokens=n // 2, kind="l2", gram=True)
+    assert torch.equal(partial, ours[..., : n // 2])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n, window", [(1000, 32), (4097, 64), (95, 8)])
 def test_window_scores(cuda_lib, dtype, n, window):
@@ -122,6 +153,21 @@ def test_radix_top_k(cuda_lib, n, levels):
         got = cuda_lib.top_k_rows(scores, ks)
         want = topk_mask(scores, k)
         assert torch.equal(got, want), (n, levels, k)
+
+
+def test_radix_top_k_with_nan_infinities_and_k_zero(cuda_lib):
+    """NaN ranks above +inf (torch's descending sort), +-inf and signed zeros by value, k = 0 keeps nothing."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rows, n = 6, 5000
+    scores = torch.randn(rows, n, device="cuda", generator=g)
+    specials = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0], device="cuda")
+    for row, fraction in enumerate((0.001, 0.01, 0.1, 0.5, 0.9, 1.0)):
+        where = torch.rand(n, device="cuda", generator=g) < fraction
+        picks = torch.randint(0, len(specials), (int(where.sum()),), device="cuda", generator=g)
+        scores[row, where] = specials[picks]
+    for k in (0, 1, 5, 777, n - 1, n):
+        ks = torch.full((rows,), k, dtype=torch.int64)
+        assert torch.equal(cuda_lib.top_k_rows(scores, ks), topk_mask(scores, k)), k
 
 
 def check_selection(got, ref, policy, n, context, min_overlap=0.99):
@@ -185,6 +231,57 @@ def test_capacity_is_respected(cuda_lib):
     capacity = node_capacity(policy, 600, 3, 0, 1)
     indices, lengths, kk, vv = cuda_lib.select_layer(policy, q, k, v, o, capacity=capacity)
     assert indices.shape[-1] == capacity and kk.shape[2] == capacity and lengths.max() <= capacity
+
+
+@pytest.mark.parametrize("case", POLICY_CASES, ids=IDS)
+def test_runtime_budgets_on_one_node(cuda_lib, case):
+    """The kv_budget input (device int32 [1]) selects like a node built with that budget, at the built capacity."""
+    n = 1000
+    q, k, v, o = cuda_layer(torch.float32, batch=3, heads=8, kv_heads=2, n=n, head_dim=64, hidden=256, window=32,
+                            seed=6)
+    lengths = torch.tensor([n, 700, 100], device="cuda")
+    built = make_policy(case[1], budget=256, window=32)
+    for layer, num_layers in ((0, 4), (3, 4)):
+        capacity = node_capacity(built, n, 2, layer, num_layers)
+        for budget in (32, 33, 100, 255, 256):
+            policy = dataclasses.replace(built, budget=budget)
+            ref = select_layer(policy, q, k, v, o, layer, num_layers, prompt_lengths=lengths)
+            got = cuda_lib.select_layer(built, q, k, v, o, layer, num_layers, capacity=capacity,
+                                        prompt_lengths=lengths, kv_budget=budget)
+            assert got[0].shape[-1] == capacity
+            check_selection(got, ref, policy, n, (case[0], budget, layer))
+
+
+def test_runtime_budget_changes_between_graph_replays(cuda_lib):
+    """kv_budget is read on the device: one captured launch serves several budgets (PyramidKV: the table lookup)."""
+    n, budget = 1500, 256
+    q, k, v, o = cuda_layer(torch.float16, batch=2, heads=8, kv_heads=2, n=n, head_dim=64, hidden=256, window=32,
+                            seed=3)
+    lengths = torch.tensor([n, 1200], dtype=torch.int32, device="cuda")
+    built = KVPolicy("pyramid-criticalkv", budget=budget, window=32)
+    capacity = node_capacity(built, n, 2, 1, 4)
+    outputs = (torch.empty(2, 2, capacity, dtype=torch.int32, device="cuda"),
+               torch.empty(2, 2, dtype=torch.int32, device="cuda"),
+               torch.empty(2, 2, capacity, 64, dtype=torch.float16, device="cuda"),
+               torch.empty(2, 2, capacity, 64, dtype=torch.float16, device="cuda"))
+    workspace = torch.empty(cuda_lib.workspace_bytes(built, q, k, o, capacity), dtype=torch.uint8, device="cuda")
+    requested = torch.tensor([budget], dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    launch = dict(layer_idx=1, num_layers=4, capacity=capacity, kv_budget=requested)
+    with torch.cuda.stream(stream):  # warm-up outside the capture
+        assert cuda_lib.select_layer_async(built, q, k, v, o, lengths, outputs, workspace, stream, **launch) == 0
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        assert cuda_lib.select_layer_async(built, q, k, v, o, lengths, outputs, workspace, stream, **launch) == 0
+    for b in (256, 40, 130):
+        requested.fill_(b)
+        graph.replay()
+        torch.cuda.synchronize()
+        policy = dataclasses.replace(built, budget=b)
+        ref = select_layer(policy, q, k, v, o, 1, 4, prompt_lengths=lengths.long())
+        got = (outputs[0].long(), outputs[1].long(), outputs[2], outputs[3])
+        check_selection(got, ref, policy, n, ("graph replay", b))
 
 
 def test_launch_is_cuda_graph_capturable(cuda_lib):
@@ -298,7 +395,8 @@ def onnx_select_model(policy, heads, kv_heads, head_dim, hidden, window, o_proj,
 
     from criticalkv.node import DOMAIN, INPUTS, OP_TYPE, OUTPUTS
 
-    node = helper.make_node(OP_TYPE, list(INPUTS), list(OUTPUTS), domain=DOMAIN, name="select0")
+    node_inputs = list(INPUTS) + ([] if "kv_budget" in INPUTS else ["kv_budget"])  # the request's budget, input 5
+    node = helper.make_node(OP_TYPE, node_inputs, list(OUTPUTS), domain=DOMAIN, name="select0")
     # not make_node(**attributes): the policy knob `name` collides with make_node's own `name` argument
     node.attribute.extend(helper.make_attribute(k, v) for k, v in node_attributes(policy, 0, 1, capacity).items())
     f = TensorProto.FLOAT
@@ -307,6 +405,7 @@ def onnx_select_model(policy, heads, kv_heads, head_dim, hidden, window, o_proj,
         helper.make_tensor_value_info("keys", f, ["batch", kv_heads, "n", head_dim]),
         helper.make_tensor_value_info("values", f, ["batch", kv_heads, "n", head_dim]),
         helper.make_tensor_value_info("prompt_lengths", TensorProto.INT32, ["batch"]),
+        helper.make_tensor_value_info("kv_budget", TensorProto.INT32, [1]),
     ]
     outputs = [
         helper.make_tensor_value_info("kept_keys", f, ["batch", kv_heads, "cap", head_dim]),
@@ -328,7 +427,7 @@ def onnx_select_model(policy, heads, kv_heads, head_dim, hidden, window, o_proj,
             helper.make_node("ConstantOfShape", ["shape3"], ["kept_indices"],
                              value=helper.make_tensor("minus", TensorProto.INT32, [1], [-5])),
         ]
-        functions.append(helper.make_function(DOMAIN, OP_TYPE, list(INPUTS), list(OUTPUTS), body,
+        functions.append(helper.make_function(DOMAIN, OP_TYPE, node_inputs, list(OUTPUTS), body,
                                               [helper.make_opsetid("", 17)], attributes=list(node_attributes(policy, 0, 1, capacity))))
     model = helper.make_model(graph, functions=functions,
                               opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
@@ -341,8 +440,8 @@ def onnx_select_model(policy, heads, kv_heads, head_dim, hidden, window, o_proj,
 def test_engine_with_the_plugin_matches_the_reference(native_build, needs_nvcc, tmp_path, with_function_body):
     import tensorrt as trt
 
-    from criticalkv.engine import load_plugin_library
-    from criticalkv.engine.tensorrt_build import count_plugin_layers
+    from criticalkv.tensorrt import load_plugin_library
+    from criticalkv.tensorrt.tensorrt_build import count_plugin_layers
 
     logger = trt.Logger(trt.Logger.WARNING)
     load_plugin_library(native_build / "libcriticalkv_trt_plugin.so", trt.get_plugin_registry())
@@ -370,13 +469,15 @@ def test_engine_with_the_plugin_matches_the_reference(native_build, needs_nvcc, 
     for name in ("keys", "values"):
         profile.set_shape(name, (1, kv_heads, 1, head_dim), (2, kv_heads, 1024, head_dim), (4, kv_heads, 2048, head_dim))
     profile.set_shape("prompt_lengths", (1,), (2,), (4,))
+    profile.set_shape("kv_budget", (1,), (1,), (1,))
     config.add_optimization_profile(profile)
     engine_blob = builder.build_serialized_network(network, config)
     assert engine_blob is not None
     engine = trt.Runtime(logger).deserialize_cuda_engine(engine_blob)
     context = engine.create_execution_context()
     lengths = torch.tensor([n, 600], dtype=torch.int32, device="cuda")
-    feeds = {"queries": q, "keys": k, "values": v, "prompt_lengths": lengths}
+    requested = torch.tensor([96], dtype=torch.int32, device="cuda")  # below the built budget of 128
+    feeds = {"queries": q, "keys": k, "values": v, "prompt_lengths": lengths, "kv_budget": requested}
     for name, tensor in feeds.items():
         context.set_input_shape(name, tuple(tensor.shape))
         context.set_tensor_address(name, tensor.data_ptr())
@@ -389,9 +490,10 @@ def test_engine_with_the_plugin_matches_the_reference(native_build, needs_nvcc, 
     stream = torch.cuda.current_stream()
     assert context.execute_async_v3(stream.cuda_stream)
     stream.synchronize()
+    policy = dataclasses.replace(policy, budget=96)
     ref = select_layer(policy, q, k, v, o, prompt_lengths=lengths.long())
     got = (outputs["kept_indices"].long(), outputs["kept_lengths"].long(), outputs["kept_keys"], outputs["kept_values"])
     assert got[0].shape[-1] == min(n, capacity)
-    check_selection(got, ref, policy, n, "engine")
+    check_selection(got, ref, policy, n, "engine at kv_budget 96")
     want_k, _ = gather_kv(ref, k, v)
     assert want_k.shape[2] <= got[2].shape[2]

@@ -14,7 +14,7 @@ import pytest
 
 from ckv_native import BUILD_DIR, ROOT, TRT_DATA_TYPES, TRT_FORMAT_CHW2, TRT_FORMAT_LINEAR, EncodedFields, encode_fields, node_fields
 from criticalkv import KVPolicy
-from criticalkv.engine import PLUGIN_LIBRARY_NAME, check_plugin_library
+from criticalkv.tensorrt import PLUGIN_LIBRARY_NAME, check_plugin_library
 from policies import POLICY_CASES, make_policy
 
 F, H, BF, I32, I8 = (TRT_DATA_TYPES[t] for t in ("kFLOAT", "kHALF", "kBF16", "kINT32", "kINT8"))
@@ -156,6 +156,49 @@ def test_shape_validation_reports_errors(harness):
         assert logs and message in logs[-1][1], (message, logs)
 
 
+def test_kv_budget_input_is_a_device_int32_of_shape_1(harness):
+    """Input 5, the request's budget: int32 [1] beside prompt_lengths; the outputs keep the built capacity."""
+    handle, _ = plugin_for(harness, KVPolicy("pyramid-criticalkv", budget=96, window=32), layer_idx=1, num_layers=4,
+                           capacity=256)
+    six = KERNEL_SHAPES + [(1,)]
+    for t in (F, H, BF):
+        assert harness.output_types(handle, [t, t, t, t, I32, I32]) == (0, [t, t, I32, I32])
+        good = [t, t, t, t, I32, I32, t, t, I32, I32]
+        linear = [TRT_FORMAT_LINEAR] * 10
+        for pos in range(10):
+            assert harness.supports(handle, pos, good, linear, 6), (t, pos)
+            assert not harness.supports(handle, pos, good, [TRT_FORMAT_CHW2] * 10, 6), "linear layout only"
+        for bad_type in (t, TRT_DATA_TYPES["kINT64"]):
+            bad = list(good)
+            bad[5] = bad_type
+            assert not harness.supports(handle, 5, bad, linear, 6), "kv_budget is int32"
+    got = harness.output_shapes(handle, [(-1, 8, 32, 64), (-1, 2, -1, 64), (-1, 2, -1, 64), (512, 512), (-1,), (1,)])
+    assert got["shapes"] == [["B", "2", "min(n,256)", "64"]] * 2 + [["B", "2"], ["B", "2", "min(n,256)"]]
+    outputs = [(2, 2, 256, 64), (2, 2, 256, 64), (2, 2), (2, 2, 256)]
+    assert harness.configure(handle, six + outputs, 6, on_shape_change=False) == 0
+    assert harness.configure(handle, six + outputs, 6, on_shape_change=True) == 0
+    harness.logs()
+    for shape in ((2,), (1, 1), ()):
+        assert harness.configure(handle, KERNEL_SHAPES + [shape] + outputs, 6, on_shape_change=True) == -1
+        assert "kv_budget: expected shape [1]" in harness.logs()[-1][1]
+    # the workspace does not depend on the input count (the PyramidKV lookup's int32 slot is always reserved)
+    assert harness.workspace(handle, six) == harness.workspace(handle, KERNEL_SHAPES)
+    assert harness.configure(handle, KERNEL_SHAPES + [(1,), (1,)] + outputs, 7, on_shape_change=True) == -1
+    assert "expected 4 to 6 inputs" in harness.logs()[-1][1]
+
+
+def test_layer_budgets_survive_serialization_and_pyramid_nodes_need_them(harness):
+    policy = KVPolicy("pyramidkv", budget=96, window=32)
+    handle, values = plugin_for(harness, policy, layer_idx=0, num_layers=30, capacity=256)
+    assert max(values["layer_budgets"]) > policy.budget - policy.window, "layer 0 of a pyramid keeps more than r"
+    for other in (harness.round_trip(handle, 0), harness.round_trip(handle, 1), harness.clone(handle)):
+        fields = {f["name"]: f["value"] for f in harness.describe(other)["fields"]}
+        assert fields["layer_budgets"] == values["layer_budgets"]
+    without = {k: v for k, v in values.items() if k != "layer_budgets"}
+    assert harness.create(encode_fields(without)) == -1
+    assert "layer_budgets:" in harness.logs()[-1][1]
+
+
 def _field(name, payload, trt_type, length=None):
     return (name, payload, trt_type, length)
 
@@ -201,6 +244,9 @@ def corrupted_collections():
         ("null-data", with_field("window", None, 5, 1), "window: has no data"),
         ("null-name", EncodedFields([(None, i32(1), 5, None)], trt_codes=True), "has no name"),
         ("unsupported-type", with_field("window", i32(32), 7), "window: expected an integer"),
+        ("budgets-as-float", with_field("layer_budgets", f32(1.0) * 65, 1, 65), "layer_budgets: expected an integer"),
+        ("budgets-short", with_field("layer_budgets", i32(0) * 64, 5, 64), "layer_budgets: expected"),
+        ("budgets-negative-length", with_field("layer_budgets", i32(0), 5, -1), "layer_budgets: array length -1"),
     ]
 
 

@@ -1,10 +1,14 @@
-"""The host C++ version of the operator (plugins/cpu, same helpers as the kernels) equals the PyTorch reference."""
+"""The host C++ version of the operator (plugins/host: a sequential driver of the kernels' shared functions) equals the
+PyTorch reference."""
+
+import dataclasses
 
 import pytest
 import torch
 
 from ckv_native import encode_fields, node_fields
 from criticalkv import KVPolicy, gather_kv, select_layer
+from criticalkv.node import node_capacity
 from criticalkv.selection import topk_mask
 from helpers import random_layer
 from policies import POLICY_CASES, make_policy
@@ -36,6 +40,30 @@ def test_equals_the_reference_on_random_padded_batches(host_lib, case, heads, kv
             ref = select_layer(policy, q, k, v, o, layer, num_layers, prompt_lengths=lengths)
             got = host_lib.select_layer(policy, q, k, v, o, layer, num_layers, prompt_lengths=lengths)
             assert_same_selection(got, ref, (case[0], budget, layer, num_layers))
+
+
+@pytest.mark.parametrize("case", POLICY_CASES, ids=IDS)
+def test_runtime_budgets_on_one_node_equal_the_reference_built_with_each_budget(host_lib, case):
+    """One node (built budget 64, its capacity) serves requests of several budgets through its kv_budget input."""
+    q, k, v, o = random_layer(batch=3, heads=8, kv_heads=2, n=170, head_dim=16, hidden=40, window=8, seed=5)
+    lengths = torch.tensor([170, 121, 30])
+    built = make_policy(case[1], budget=64, window=8)
+    for layer, num_layers in ((0, 1), (1, 4), (3, 4)):
+        capacity = node_capacity(built, 170, 2, layer, num_layers)
+        for budget in (8, 9, 20, 37, 63, 64):
+            want = select_layer(dataclasses.replace(built, budget=budget), q, k, v, o, layer, num_layers,
+                                prompt_lengths=lengths)
+            got = host_lib.select_layer(built, q, k, v, o, layer, num_layers, capacity=capacity,
+                                        prompt_lengths=lengths, kv_budget=budget)
+            assert got[0].shape[-1] == capacity, "the output width is the built capacity, whatever the budget"
+            assert_same_selection(got, want, (case[0], budget, layer))
+        # out-of-range requests are clamped to [window, budget]
+        for requested, budget in ((0, 8), (-3, 8), (65, 64), (1 << 20, 64)):
+            want = select_layer(dataclasses.replace(built, budget=budget), q, k, v, o, layer, num_layers,
+                                prompt_lengths=lengths)
+            got = host_lib.select_layer(built, q, k, v, o, layer, num_layers, capacity=capacity,
+                                        prompt_lengths=lengths, kv_budget=requested)
+            assert_same_selection(got, want, (case[0], requested, layer))
 
 
 @pytest.mark.parametrize("case", POLICY_CASES, ids=IDS)
@@ -115,6 +143,20 @@ def test_radix_top_k_matches_topk_mask_with_heavy_ties(host_lib):
             assert torch.equal(got, want), (trial, k)
 
 
+def test_radix_top_k_ranks_nan_and_infinities_like_topk_mask(host_lib):
+    """NaN / +-inf scores: the radix select keeps what the PyTorch reference's stable descending sort keeps."""
+    g = torch.Generator().manual_seed(1)
+    specials = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+    for trial in range(40):
+        m = int(torch.randint(2, 300, (1,), generator=g))
+        scores = torch.randn(m, generator=g)
+        where = torch.rand(m, generator=g) < (0.05, 0.3, 0.9)[trial % 3]
+        scores[where] = specials[torch.randint(0, len(specials), (int(where.sum()),), generator=g)]
+        for k in {0, 1, m // 4, m // 2, m - 1, m}:
+            got = host_lib.select_top_k(scores, k) == 1
+            assert torch.equal(got, topk_mask(scores, k)), (trial, k, scores[got ^ topk_mask(scores, k)])
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
@@ -145,3 +187,19 @@ def test_policy_errors_name_the_field_like_kvpolicy(host_lib, kwargs, field):
         with pytest.raises(ValueError, match=rf"^{field}:"):
             KVPolicy(**policy_kwargs)
     assert host_lib.parse(encode_fields(values)).startswith(f"{field}:")
+
+
+def test_new_field_rules_name_the_field(host_lib):
+    good = node_fields(KVPolicy("pyramidkv", budget=40, window=8), 1, 4, 512)
+    assert host_lib.parse(encode_fields(good)) == ""
+    for change, field in (
+        ({"alpha": 0.1234567}, "alpha"),  # more than 6 decimals
+        ({"ada_floor": 1e-7}, "ada_floor"),
+        ({"layer_budgets": good["layer_budgets"][:-1]}, "layer_budgets"),  # one value short
+        ({"layer_budgets": [0] * 32 + [65]}, "layer_budgets"),  # above 2 (b - window)
+        ({"layer_budgets": [-1] * 33}, "layer_budgets"),
+    ):
+        assert host_lib.parse(encode_fields({**good, **change})).startswith(f"{field}:"), change
+    # PyramidKV's per-layer budgets come from Python only: a pyramid node without them is refused
+    del good["layer_budgets"]
+    assert host_lib.parse(encode_fields(good)).startswith("layer_budgets:")

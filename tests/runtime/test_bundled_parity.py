@@ -19,7 +19,7 @@ import torch
 
 from criticalkv import POLICIES, KVPolicy
 from criticalkv.export import BuildConfig
-from criticalkv.export.build import export_engine
+from criticalkv.build import export_engine
 from criticalkv.hf import generate, load_model
 from criticalkv.runtime import Engine, create_backend
 from criticalkv.runtime.onnxruntime_backend import THREADS_ENV
@@ -63,6 +63,11 @@ def test_onnxruntime_equals_pytorch_on_the_bundled_model(bundled, engines_root, 
     policy = KVPolicy(name, budget=256)
     folder = engines_root / name
     config = BuildConfig(max_input_len=PROMPT_TOKENS, max_new_tokens=NEW_TOKENS)
+    if policy.method.base.model_level:  # the per-layer node cannot express it: refused with the reason, nothing written
+        with pytest.raises(ValueError, match="shares the budget across all layers"):
+            export_engine(model, policy, folder, config)
+        assert not folder.exists()
+        return
     _, manifest = export_engine(model, policy, folder, config, validate=name == "criticalkv")
     engine = Engine(folder, manifest, create_backend("onnxruntime", folder, manifest))
     try:
@@ -101,8 +106,16 @@ def test_readme_main_command_builds_and_answers_the_needle(tmp_path, single_thre
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
     assert set(out) == {"text", "token_ids", "prompt_tokens", "new_tokens", "backend", "model", "policy", "timings",
-                        "kv_bytes"}
+                        "kv_bytes", "kept_whole"}
     assert out["backend"] == "onnxruntime" and out["model"] == "smollm2-135m" and out["prompt_tokens"] > 1500
     assert out["kv_bytes"]["kept"] / out["kv_bytes"]["full"] == pytest.approx(256 / out["prompt_tokens"], rel=1e-6)
     assert 0 < out["timings"]["selection_s"] < out["timings"]["prefill_s"]
     assert "7481" in out["text"]  # the PyTorch path answers it with the same policy (tests/test_bundled_model.py)
+    assert out["kept_whole"] is False
+    short = subprocess.run(  # the README's engine with a prompt shorter than the budget (and the window): kept whole
+        [sys.executable, "-m", "criticalkv.cli", "generate", "--engine-dir", str(output), "--prompt",
+         "What is the capital of France?", "--chat", "--json", "--max-new-tokens", "8"],
+        capture_output=True, text=True, env=env, cwd=ROOT,
+    )
+    assert short.returncode == 0, short.stderr[-3000:]
+    assert json.loads(short.stdout)["kept_whole"] and "its KV cache is kept whole" in short.stderr

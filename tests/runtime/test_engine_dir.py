@@ -1,9 +1,13 @@
 """Engine directories: build_engine (atomic, manifest, TensorRT report), loading checks, the CLI."""
 
+import dataclasses
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,7 @@ import pytest
 from criticalkv import KVPolicy
 from criticalkv.cli import main
 from criticalkv.export import BuildConfig
-from criticalkv.export.build import build_engine
+from criticalkv.build import build_engine
 from criticalkv.runtime import FORMAT_VERSION, Engine, EngineError, read_manifest
 from criticalkv.runtime.manifest import sha256_file
 from export.tiny_engine import save_tiny_checkpoint, words
@@ -84,9 +88,64 @@ def test_force_replaces_an_engine_atomically(checkpoint, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
 
 
+def _file(path):
+    path.write_text("my notes\n")
+
+
+def _notes(path):
+    path.mkdir()
+    (path / "notes.txt").write_text("my notes\n")
+
+
+def _git_checkout(path):
+    (path / ".git").mkdir(parents=True)
+    (path / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+
+
+def _foreign_manifest(path):
+    path.mkdir()
+    (path / "manifest.json").write_text('{"name": "some other tool"}')
+
+
+def _link_to_notes(path):
+    _notes(path.parent / "elsewhere")
+    path.symlink_to(path.parent / "elsewhere")
+
+
+@pytest.mark.parametrize("make, what", [
+    (_file, "is a file"), (_notes, "holds notes.txt"), (_git_checkout, "holds .git"),
+    (_foreign_manifest, "holds manifest.json"), (_link_to_notes, "is a symbolic link"),
+])
+def test_force_never_replaces_what_is_not_an_engine(checkpoint, tmp_path, make, what):
+    output = tmp_path / "target"
+    make(output)
+    before = sorted((p.relative_to(tmp_path).as_posix(), p.is_file() and p.read_text()) for p in tmp_path.rglob("*"))
+    for force in (False, True):
+        with pytest.raises(EngineError, match=f"{what}.*refusing to replace it"):
+            build_engine(output, POLICY, CONFIG, model=str(checkpoint), force=force, smoke=False, log=lambda m: None)
+    after = sorted((p.relative_to(tmp_path).as_posix(), p.is_file() and p.read_text()) for p in tmp_path.rglob("*"))
+    assert after == before
+
+
+@pytest.mark.parametrize("budget, max_input_len", [(99999, 256), (256, 100), (40, 40)])
+def test_an_engine_that_would_never_evict_is_refused_before_exporting(checkpoint, tmp_path, budget, max_input_len):
+    with pytest.raises(ValueError, match=f"budget {budget} >= --max-input-len {max_input_len}: .*kept whole"):
+        build_engine(tmp_path / "engine", POLICY.replace(budget=budget),
+                     dataclasses.replace(CONFIG, max_input_len=max_input_len),
+                     model=str(checkpoint), log=lambda m: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_output_directory_is_built_into(checkpoint, tmp_path):
+    (tmp_path / "engine").mkdir()
+    build_engine(tmp_path / "engine", POLICY, CONFIG, model=str(checkpoint), smoke=False, log=lambda m: None)
+    assert read_manifest(tmp_path / "engine")["policy"]["name"] == POLICY.name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
+
+
 @pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
 def test_an_interrupted_build_leaves_nothing_behind(checkpoint, tmp_path, monkeypatch, error):
-    import criticalkv.export.build as build
+    import criticalkv.build as build
 
     def fail(*args, **kwargs):
         raise error
@@ -95,6 +154,63 @@ def test_an_interrupted_build_leaves_nothing_behind(checkpoint, tmp_path, monkey
     with pytest.raises(type(error)):
         build_engine(tmp_path / "engine", POLICY, CONFIG, model=str(checkpoint), log=lambda m: None)
     assert list(tmp_path.iterdir()) == []
+
+
+def dead_pid() -> int:
+    """The id of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_sigterm_during_a_build_leaves_nothing_behind(checkpoint, tmp_path):
+    """``timeout``, ``kill`` or a CI cancellation: handled like Ctrl-C (temporary directory and lock removed)."""
+    build = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "build_engine.py"), "--model", str(checkpoint), "--budget", "40",
+         "--window", "8", "--max-input-len", "128", "--max-new-tokens", "8", "--output", str(tmp_path / "engine")],
+        stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".engine.building-*")) and build.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    build.send_signal(signal.SIGTERM)
+    _, err = build.communicate(timeout=120)
+    assert build.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == "build_engine: terminated (SIGTERM); nothing was written"
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
+def test_the_next_build_removes_what_killed_builds_left_and_says_so(built, tmp_path):
+    """SIGKILL / the OOM killer leave a temporary directory (and a lock file) that the next build of the same
+    output removes; one of a live process, or of another output, stays."""
+    engine = copy_engine(built, tmp_path)
+    dead = dead_pid()
+    stale = [tmp_path / f".copy.building-{dead}-x1y2", tmp_path / ".copy.building-k3j4h5g6",
+             tmp_path / f".copy.old-{dead}-z9"]
+    kept = [tmp_path / f".copy.building-{os.getppid()}-live", tmp_path / f".other.building-{dead}-x"]
+    for path in stale + kept:
+        path.mkdir()
+        (path / "weights.bin").write_bytes(b"0" * 1000)
+    (tmp_path / ".copy.lock").write_text(f"{dead}\n")
+    messages = []
+    build_engine(engine, POLICY, CONFIG, model=str(read_manifest(engine)["model"]["path"]), log=messages.append)
+    assert "already built" in messages[-1]
+    for path in stale:
+        assert not path.exists()
+        assert any(m.startswith(f"removed {path}: a temporary left by ") for m in messages)
+    assert all(path.exists() for path in kept) and not (tmp_path / ".copy.lock").exists()
+
+
+def test_a_second_build_of_the_same_output_fails_clearly(built, tmp_path):
+    from criticalkv.build import build_lock
+
+    engine = copy_engine(built, tmp_path)
+    with build_lock(engine):
+        with pytest.raises(EngineError, match=f"{engine} is being built by another process \\(pid {os.getpid()}"):
+            build_engine(engine, POLICY.replace(budget=48), CONFIG, model=str(read_manifest(engine)["model"]["path"]),
+                         force=True, log=lambda m: None)
+    assert read_manifest(engine)["policy"]["budget"] == POLICY.budget
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]
 
 
 def test_missing_or_corrupt_engine_dirs_are_named(built, tmp_path):
@@ -156,6 +272,7 @@ def test_cli_engine_dir_prints_the_same_fields_as_the_pytorch_path(built, checkp
     assert ort_out["backend"] == "onnxruntime" and torch_out["backend"] == "pytorch"
     assert ort_out["token_ids"] == torch_out["token_ids"] and ort_out["text"] == torch_out["text"]
     assert ort_out["policy"] == torch_out["policy"] and ort_out["kv_bytes"] == torch_out["kv_bytes"]
+    assert ort_out["kept_whole"] is torch_out["kept_whole"] is False
     assert 0 < ort_out["timings"]["selection_s"] < ort_out["timings"]["prefill_s"]
 
 
@@ -171,6 +288,21 @@ def test_cli_engine_dir_errors(built, tmp_path, capsys):
     assert "exceeds the engine's max input length" in capsys.readouterr().err
     assert main(["generate", "--engine-dir", str(built[0]), "--prompt", text, "--max-new-tokens", "64"]) == 2
     assert "max_new_tokens must lie in [1, 32]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", [5, 20, 40])  # below the window (8), below the budget (40), equal to it
+def test_a_prompt_that_fits_in_the_budget_is_kept_whole_on_both_paths(built, checkpoint, capsys, n):
+    text = words([(3 * i) % 120 + 2 for i in range(n)])
+    outs = []
+    for source in (["--engine-dir", str(built[0])], ["--model", str(checkpoint), "--budget", "40", "--window", "8"]):
+        assert main(["generate", *source, "--prompt", text, "--max-new-tokens", "4", "--json"]) == 0
+        captured = capsys.readouterr()
+        outs.append(json.loads(captured.out))
+        assert f"the prompt ({n} tokens) fits in the budget (40): its KV cache is kept whole" in captured.err
+    ort_out, torch_out = outs
+    assert ort_out["prompt_tokens"] == n and ort_out["kept_whole"] and torch_out["kept_whole"]
+    assert ort_out["kv_bytes"]["kept_fraction"] == torch_out["kv_bytes"]["kept_fraction"] == 1.0
+    assert ort_out["token_ids"] == torch_out["token_ids"]
 
 
 def test_build_engine_script_exits_0_and_says_what_it_skipped(checkpoint, tmp_path):

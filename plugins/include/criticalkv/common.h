@@ -1,6 +1,8 @@
 // Shared macros of the framework-free CriticalKV headers. No TensorRT, ONNX Runtime or torch includes here.
 #pragma once
 
+#include "criticalkv/policy_fields.h" // BaseMethod, ValueNorm, GqaReduce, Stage2Scores (generated)
+
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -18,35 +20,6 @@ enum class DType : int32_t
     kFloat32 = 0,
     kFloat16 = 1,
     kBFloat16 = 2,
-};
-
-//! Budget-allocation base method of a policy (KVPolicy.base).
-enum class BaseMethod : int32_t
-{
-    kFull = 0,
-    kStreamingLLM = 1,
-    kSnapKV = 2,
-    kPyramidKV = 3,
-    kAdaKV = 4,
-    kLaProx = 5,
-};
-
-enum class ValueNorm : int32_t
-{
-    kL1 = 0,
-    kL2 = 1,
-};
-
-enum class GqaReduce : int32_t
-{
-    kMean = 0,
-    kKvpress = 1,
-};
-
-enum class Stage2Scores : int32_t
-{
-    kPooled = 0,
-    kRaw = 1,
 };
 
 } // namespace criticalkv

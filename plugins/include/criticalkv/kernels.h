@@ -3,7 +3,7 @@
 // launchCriticalKVSelect; the GPU tests call the stages one by one through testing/cuda_test_capi.cu.
 #pragma once
 
-#include "criticalkv/select_params.h"
+#include "criticalkv/methods.h"
 
 #include <cuda_runtime_api.h>
 
@@ -21,6 +21,7 @@ struct SelectTensors
     void const* values;           //!< [B, H_kv, n, d_h]
     void const* oProj;            //!< [hidden, H * d_h]
     int32_t const* promptLengths; //!< [B] or nullptr
+    int32_t const* kvBudget;      //!< [1] the request's budget (clamped to [minBudget, budget]), or nullptr
     void* keptKeys;               //!< [B, H_kv, cap, d_h], cap = min(n, capacity)
     void* keptValues;             //!< [B, H_kv, cap, d_h]
     int32_t* keptLengths;         //!< [B, H_kv]
@@ -30,11 +31,13 @@ struct SelectTensors
 //! Byte offsets of the scratch buffers inside the workspace (each 256-byte aligned).
 struct WorkspaceLayout
 {
+    size_t layerBudget; //!< int32 [1]: r_l resolved on the device from layer_budgets (PyramidKV with kv_budget)
     size_t partials;   //!< float2 [B, H, w, tiles]: per-key-tile softmax (max, sum) of every window query
     size_t rowStats;   //!< float2 [B, H, w]: softmax (max, sum) of every window query
     size_t raw;        //!< float [B, H, m]: Ā, window-mean attention of the older tokens
     size_t squares;    //!< float [B, H, m]: sum_j A_j^2 (laprox)
     size_t norms;      //!< float [B, H, m]: ||V W_O^h|| (two-stage policies, laprox)
+    size_t gram;       //!< float [H, d_h, d_h]: W_O^h W_O^h^T (l2 norms: two-stage with value_norm=l2, laprox)
     size_t attention;  //!< float [B, H_kv, m]: S
     size_t critical;   //!< float [B, H_kv, m]: C
     size_t laprox;     //!< float [B, H_kv, m]: LaProx importance
@@ -68,18 +71,22 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     size_t const w = static_cast<size_t>(windowLength(config, s.n));
     size_t const m = static_cast<size_t>(s.n) - w;
     size_t const tiles = (static_cast<size_t>(s.n) + kKeyTile - 1) / kKeyTile;
-    bool const laproxOn = config.base == BaseMethod::kLaProx;
+    bool const laproxOn = ownL2Norms(config); // squared attention and the LaProx ranking
     size_t offset = 0;
     auto take = [&offset](size_t bytes) {
         size_t const at = offset;
         offset += alignWorkspace(bytes);
         return at;
     };
+    layout.layerBudget = take(config.budgetTable ? sizeof(int32_t) : 0);
     layout.partials = take(b * h * w * tiles * 2 * sizeof(float));
     layout.rowStats = take(b * h * w * 2 * sizeof(float));
     layout.raw = take(b * h * m * sizeof(float));
     layout.squares = take(laproxOn ? b * h * m * sizeof(float) : 0);
     layout.norms = take(needsNorms(config) ? b * h * m * sizeof(float) : 0);
+    bool const gramOn = needsNorms(config) && normKind(config) == ValueNorm::kL2;
+    size_t const d = static_cast<size_t>(s.headDim);
+    layout.gram = take(gramOn ? h * d * d * sizeof(float) : 0);
     layout.attention = take(b * hkv * m * sizeof(float));
     layout.critical = take(config.twoStage ? b * hkv * m * sizeof(float) : 0);
     layout.laprox = take(laproxOn ? b * hkv * m * sizeof(float) : 0);
@@ -92,22 +99,28 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
 //! The whole operator on one layer: window attention, value norms, group scores, selection, compaction and
 //! gather, all on `stream` (no host synchronisation, CUDA-graph capturable). Returns cudaErrorInvalidValue for
 //! shapes it does not support (see plugins/README.md) or a workspace smaller than workspaceLayout().total.
-cudaError_t launchCriticalKVSelect(SelectConfig const& config, SelectShape const& shape, SelectTensors const& tensors,
-    void* workspace, size_t workspaceBytes, cudaStream_t stream);
+cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape,
+    SelectTensors const& tensors, void* workspace, size_t workspaceBytes, cudaStream_t stream);
+
+//! Write r_l = table.values[b - window] of the runtime budget b = clamp(*kvBudget) into *layerBudget (device).
+cudaError_t launchResolveLayerBudget(SelectConfig const& config, BudgetTable const& table, int32_t const* kvBudget,
+    int32_t* layerBudget, cudaStream_t stream);
 
 //! Window attention of every query head over the m = n - w older tokens: raw [B, H, m] (Ā) and squares
 //! [B, H, m] (sum_j A_j^2, may be nullptr). partials / rowStats are scratch (see WorkspaceLayout). Sequences
-//! that are not compressed (length <= budget) are skipped.
-cudaError_t launchWindowScores(SelectConfig const& config, SelectShape const& shape, DType dtype, void const* queries,
+//! that are not compressed (length <= b) are skipped.
+cudaError_t launchWindowScores(SelectConfig const& config, RuntimeBudget budget, SelectShape const& shape, DType dtype,
+    void const* queries,
     void const* keys, int32_t const* promptLengths, float* partials, float* rowStats, float* raw, float* squares,
     cudaStream_t stream);
 
 //! Projected-value norms out[b, h, i] = ||V[b, g(h), i] W_O^h|| for i < numTokens, fp32 accumulation
 //! (tensor cores for fp16/bf16 when d_h % 16 == 0). When promptLengths / config are given, uncompressed
-//! sequences are skipped. out: [B, H, numTokens].
-cudaError_t launchValueProjectionNorms(SelectConfig const* config, int32_t const* promptLengths,
+//! sequences are skipped. out: [B, H, numTokens]. L2 with `gram` (scratch float [H, d_h, d_h]) goes through the
+//! Gram matrices like the reference; with gram == nullptr it is the direct sum of squares.
+cudaError_t launchValueProjectionNorms(SelectConfig const* config, RuntimeBudget budget, int32_t const* promptLengths,
     SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, ValueNorm kind,
-    float* out, cudaStream_t stream);
+    float* gram, float* out, cudaStream_t stream);
 
 //! Radix top-k of every row of scores [rows, len]: flags[r, e] = 1 for the k[r] highest (ties: lower index),
 //! else 0. The building block of the selection; exposed for the top-k tests (n up to 128k, k up to 8k).

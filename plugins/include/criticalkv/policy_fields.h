@@ -1,9 +1,12 @@
-// GENERATED from criticalkv.policy.KVPolicy by criticalkv.engine.plugin_fields; do not edit.
-// Regenerate: python -m criticalkv.engine.plugin_fields plugins/include/criticalkv/policy_fields.h
+// GENERATED from criticalkv.policy.KVPolicy and criticalkv.methods by python -m criticalkv.spec.generate; do not edit.
+// Device-safe: X-macros, enums and constants only.
 #pragma once
 
+#include <cstdint>
+
 //! Every field of the CriticalKVSelect plugin creator, in order: the KVPolicy knobs, then the layer
-//! fields. CKV_FIELD(kind, name, default) with kind STRING (kCHAR), INT (kINT32) or FLOAT (kFLOAT32).
+//! fields. CKV_FIELD(kind, name, default), kind STRING (kCHAR), INT (kINT32), FLOAT (kFLOAT32) or INTS
+//! (kINT32 array, variable length).
 #define CKV_FOR_EACH_PLUGIN_FIELD(CKV_FIELD) \
     CKV_FIELD(STRING, name, "criticalkv") \
     CKV_FIELD(INT, budget, 256) \
@@ -17,9 +20,11 @@
     CKV_FIELD(FLOAT, ada_floor, 0.2) \
     CKV_FIELD(FLOAT, pyramid_beta, 20.0) \
     CKV_FIELD(INT, sink_tokens, 4) \
+    CKV_FIELD(FLOAT, stage1_mass, 0.9) \
     CKV_FIELD(INT, layer_idx, 0) \
     CKV_FIELD(INT, num_layers, 1) \
-    CKV_FIELD(INT, capacity, 0)
+    CKV_FIELD(INT, capacity, 0) \
+    CKV_FIELD(INTS, layer_budgets, {})
 
 //! CKV_POLICY(name, base method, two-stage) for every policy name.
 #define CKV_FOR_EACH_POLICY(CKV_POLICY) \
@@ -29,10 +34,69 @@
     CKV_POLICY("pyramidkv", kPyramidKV, 0) \
     CKV_POLICY("adakv", kAdaKV, 0) \
     CKV_POLICY("laprox", kLaProx, 0) \
+    CKV_POLICY("defensivekv", kDefensiveKV, 0) \
+    CKV_POLICY("layer-defensivekv", kLayerDefensiveKV, 0) \
     CKV_POLICY("criticalkv", kSnapKV, 1) \
     CKV_POLICY("pyramid-criticalkv", kPyramidKV, 1) \
     CKV_POLICY("ada-criticalkv", kAdaKV, 1)
 
+//! CKV_BASE(enumerator, name, scored, shared_allocation, own_l2_norms) for every base method, enum order.
+//! scored: ranks older tokens by window attention; shared_allocation: the layer's H_kv * r slots are shared
+//! across its heads with a per-head floor; own_l2_norms: its own score needs the l2 projected-value norms.
+#define CKV_FOR_EACH_BASE(CKV_BASE) \
+    CKV_BASE(kFull, "full", 0, 0, 0) \
+    CKV_BASE(kStreamingLLM, "streamingllm", 0, 0, 0) \
+    CKV_BASE(kSnapKV, "snapkv", 1, 0, 0) \
+    CKV_BASE(kPyramidKV, "pyramidkv", 1, 0, 0) \
+    CKV_BASE(kAdaKV, "adakv", 1, 1, 0) \
+    CKV_BASE(kLaProx, "laprox", 1, 1, 1) \
+    CKV_BASE(kDefensiveKV, "defensivekv", 1, 1, 0) \
+    CKV_BASE(kLayerDefensiveKV, "layer-defensivekv", 1, 1, 0)
+
 #define CKV_CHOICES_value_norm "l1", "l2"
 #define CKV_CHOICES_gqa_reduce "mean", "kvpress"
 #define CKV_CHOICES_stage2_scores "pooled", "raw"
+
+namespace criticalkv
+{
+
+//! Budget-allocation base method of a policy (criticalkv.methods.BASE_METHODS).
+enum class BaseMethod : int32_t
+{
+    kFull = 0,
+    kStreamingLLM = 1,
+    kSnapKV = 2,
+    kPyramidKV = 3,
+    kAdaKV = 4,
+    kLaProx = 5,
+    kDefensiveKV = 6,
+    kLayerDefensiveKV = 7,
+};
+
+//! KVPolicy.value_norm.
+enum class ValueNorm : int32_t
+{
+    kL1 = 0,
+    kL2 = 1,
+};
+
+//! KVPolicy.gqa_reduce.
+enum class GqaReduce : int32_t
+{
+    kMean = 0,
+    kKvpress = 1,
+};
+
+//! KVPolicy.stage2_scores.
+enum class Stage2Scores : int32_t
+{
+    kPooled = 0,
+    kRaw = 1,
+};
+
+//! Fractions (alpha, ada_floor, pyramid_beta) are exact decimals with at most 6 decimals: value = micros / kDecimalScale.
+constexpr int64_t kDecimalScale = 1000000;
+//! Largest token count a knob may take (budget, window, pool_kernel, sink_tokens).
+constexpr int32_t kMaxTokens = 4194304;
+
+} // namespace criticalkv

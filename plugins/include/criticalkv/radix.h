@@ -18,7 +18,9 @@ constexpr int kRadixBins = 1 << kRadixBits;
 constexpr int kRadixPasses = 32 / kRadixBits;
 
 //! Order-preserving map of a float onto uint32: a < b <=> key(a) < key(b). -0 and +0 map to one key (they
-//! compare equal in torch's sort, so the tie rule decides between them); NaN maps below every number.
+//! compare equal in torch's sort, so the tie rule decides between them). Every NaN maps to one key above +inf:
+//! torch's descending sort (criticalkv/selection/topk.py) puts NaN first, so a NaN score ranks best, NaNs
+//! among themselves by index.
 CKV_HD uint32_t orderedKey(float value)
 {
     uint32_t bits;
@@ -33,7 +35,7 @@ CKV_HD uint32_t orderedKey(float value)
     }
     if ((bits & 0x7fffffffu) > 0x7f800000u)
     {
-        return 0u; // NaN
+        return 0xffffffffu; // NaN (any sign or payload); +inf maps to 0xff800000
     }
     return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }

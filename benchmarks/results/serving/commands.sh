@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The committed serving measurements, in the order they were taken (see README.md here for the load averages).
+# Engines (engines/ is git-ignored), built before the measurements:
+#   for spec in "criticalkv ckv256" "full full" "snapkv snapkv256" "ada-criticalkv adackv256"; do set -- $spec
+#     .venv/bin/python scripts/build_engine.py --kv-policy $1 --budget 256 --max-input-len 2048 --max-new-tokens 256 \
+#       --max-batch-size 8 --output engines/$2; done
+#   .venv/bin/criticalkv bench setup-peers
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+OUT=benchmarks/results/serving
+B=.venv/bin/criticalkv
+uptime
+# 1. ISL 2048, OSL 64, concurrency 8 (and 1): criticalkv b=256 vs full, one server after the other (py-spy profile)
+$B bench serve --engine-dir engines/full --engine-dir engines/ckv256 --isl 2048 --osl 64 --concurrency 1,8 \
+  --num-requests 2,16 --warmup 1 --profile --out $OUT --name isl2048_osl64 --no-progress
+uptime
+# 2. ISL 512, OSL 256, concurrency 1 vs 8 on criticalkv b=256 (continuous batching)
+$B bench serve --engine-dir engines/ckv256 --isl 512 --osl 256 --concurrency 1,8 --num-requests 3,8 --warmup 1 \
+  --profile --out $OUT --name isl512_osl256 --no-progress
+uptime
+# 3. KV bytes per sequence of the other policies (full and criticalkv: run 1)
+$B bench serve --engine-dir engines/snapkv256 --engine-dir engines/adackv256 --isl 2048 --osl 4 --concurrency 1 \
+  --num-requests 1 --warmup 0 --out $OUT --name kv_isl2048 --no-progress
+uptime
+# 4. one request, ISL 2048, OSL 16: criticalkv (ONNX Runtime) vs kvpress vs transformers
+$B bench single --engine-dir engines/ckv256 --isl 2048 --new-tokens 16 --repeats 3 --out $OUT
+uptime
+# 5. AIPerf cross-check on one configuration
+$B bench aiperf --engine-dir engines/ckv256 --isl 512 --osl 64 --concurrency 4 --num-requests 8 --warmup 1 --out $OUT \
+  || echo "(the AIPerf cross-check exits 1 when a metric differs by more than 10 %)"
+uptime
+$B bench targets $OUT

@@ -1,0 +1,270 @@
+"""A streaming load generator for Triton's ``generate_stream`` endpoint (standard library, threads).
+
+Each request is one ``POST /v2/models/NAME/generate_stream`` whose JSON body names the model's inputs
+(``text_input``, ``sampling_parameters`` as a JSON string, ``return_*`` flags, optional ``kv_budget``);
+the server answers with server-sent events, ``data: {...}`` per streamed response. The arrival time of
+every event is taken with ``time.perf_counter`` as soon as its line is read.
+
+Two load modes, as AIPerf and ``trtllm-bench`` have them:
+
+* closed loop (``concurrency``): ``c`` workers each send their next request as soon as the previous
+  one finished, so ``c`` requests are always in flight;
+* open loop (``request_rate``): requests start at Poisson arrival times (exponential gaps of mean
+  1 / rate, from a seeded generator), optionally capped by ``max_concurrency`` in flight.
+
+Warm-up requests (sent first, with the same load, then discarded) are never part of the records.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import random
+import threading
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from criticalkv.bench.metrics import RequestRecord
+
+#: Seconds a single request may take before the client gives up on it (recorded as an error).
+REQUEST_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A Triton server's HTTP address and the model to call."""
+
+    url: str  # e.g. http://127.0.0.1:8000
+    model: str
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        parsed = urllib.parse.urlsplit(self.url)
+        if parsed.scheme != "http" or not parsed.hostname:
+            raise ValueError(f"--url must look like http://HOST:PORT, got {self.url!r}")
+        return parsed.hostname, parsed.port or 80
+
+    @property
+    def stream_path(self) -> str:
+        return f"/v2/models/{urllib.parse.quote(self.model)}/generate_stream"
+
+
+def request_body(text: str, max_tokens: int, ignore_eos: bool = True, kv_budget: int | None = None,
+                 extra_sampling: dict | None = None) -> dict:
+    """The JSON body of one generate request (Triton generate extension: keys are the model's inputs).
+
+    Greedy decoding (temperature 0) and ``ignore_eos`` so that every request produces exactly
+    ``max_tokens`` tokens; the server returns token counts and KV bytes with the final response.
+    """
+    sampling = {"max_tokens": int(max_tokens), "temperature": 0.0, "ignore_eos": bool(ignore_eos)}
+    sampling.update(extra_sampling or {})
+    body = {
+        "text_input": text,
+        "stream": True,
+        "exclude_input_in_output": True,
+        "sampling_parameters": json.dumps(sampling),
+        "return_num_input_tokens": True,
+        "return_num_output_tokens": True,
+        "return_kv_bytes": True,
+    }
+    if kv_budget is not None:
+        body["kv_budget"] = int(kv_budget)
+    return body
+
+
+def _as_int(value) -> int | None:
+    if isinstance(value, list):  # a [1]-shaped output comes back as a one-element list
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
+def _as_str(value) -> str | None:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return None if value is None else str(value)
+
+
+def parse_event(record: RequestRecord, event: dict, arrived: float) -> None:
+    """Fold one SSE event into ``record``.
+
+    A streamed response's ``num_output_tokens`` counts the tokens *it* carries (criticalkv's model sends
+    a response when new text is ready, so a token that completes no character travels with the next
+    one); a response with ``text_output`` and no count carries one token. The final response adds the
+    input count, KV bytes and finish reason.
+    """
+    if "error" in event:
+        record.error = str(event["error"])
+        return
+    count = _as_int(event.get("num_output_tokens"))
+    if count is None and "text_output" in event:
+        count = 1
+    if count:
+        record.chunks.append((arrived, count))
+    for key, attr in (("num_input_tokens", "input_tokens"), ("kv_bytes_kept", "kv_bytes_kept"),
+                      ("kv_bytes_full", "kv_bytes_full")):
+        if event.get(key) is not None:
+            setattr(record, attr, _as_int(event[key]))
+    if event.get("finish_reason") not in (None, "", [""], [None]):
+        record.finish_reason = _as_str(event["finish_reason"])
+
+
+def send_request(endpoint: Endpoint, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> RequestRecord:
+    """POST ``body`` to ``generate_stream`` and read the event stream to its end."""
+    host, port = endpoint.host_port
+    payload = json.dumps(body).encode()
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    record = RequestRecord(start=time.perf_counter())
+    try:
+        conn.request("POST", endpoint.stream_path, body=payload,
+                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+        response = conn.getresponse()
+        if response.status != 200:
+            message = response.read().decode(errors="replace").strip()
+            try:
+                message = json.loads(message).get("error", message)
+            except (ValueError, AttributeError):
+                pass
+            record.error = f"HTTP {response.status}: {message}"
+            return record
+        while True:
+            line = response.readline()
+            if not line:
+                break
+            arrived = time.perf_counter()
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                event = json.loads(line[5:])
+            except ValueError:
+                record.error = f"malformed event: {line[:200]!r}"
+                break
+            parse_event(record, event, arrived)
+            if record.error:
+                break
+        if not record.chunks and record.error is None:
+            record.error = "the stream ended without any output"
+    except (OSError, http.client.HTTPException) as err:
+        record.error = f"{type(err).__name__}: {err}"
+    finally:
+        conn.close()
+    return record
+
+
+def _run_closed_loop(endpoint: Endpoint, bodies: Sequence[dict], concurrency: int,
+                     on_done: Callable[[RequestRecord], None]) -> list[RequestRecord]:
+    todo: queue.Queue = queue.Queue()
+    for i, body in enumerate(bodies):
+        todo.put((i, body))
+    records: list[RequestRecord | None] = [None] * len(bodies)
+
+    def worker():
+        while True:
+            try:
+                i, body = todo.get_nowait()
+            except queue.Empty:
+                return
+            records[i] = send_request(endpoint, body)
+            on_done(records[i])
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, concurrency))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [r for r in records if r is not None]
+
+
+def poisson_offsets(count: int, rate: float, seed: int = 0) -> list[float]:
+    """Start times (s after the first) of ``count`` Poisson arrivals at ``rate`` requests/s."""
+    if rate <= 0:
+        raise ValueError(f"--request-rate must be > 0, got {rate}")
+    rng = random.Random(f"bench-arrivals/{seed}")
+    t, out = 0.0, []
+    for i in range(count):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def _run_open_loop(endpoint: Endpoint, bodies: Sequence[dict], rate: float, max_concurrency: int | None, seed: int,
+                   on_done: Callable[[RequestRecord], None]) -> list[RequestRecord]:
+    offsets = poisson_offsets(len(bodies), rate, seed)
+    slots = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
+    records: list[RequestRecord | None] = [None] * len(bodies)
+
+    def one(i: int):
+        try:
+            records[i] = send_request(endpoint, bodies[i])
+            on_done(records[i])
+        finally:
+            if slots:
+                slots.release()
+
+    threads = []
+    t0 = time.perf_counter()
+    for i, offset in enumerate(offsets):
+        delay = t0 + offset - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        if slots:
+            slots.acquire()
+        thread = threading.Thread(target=one, args=(i,), daemon=True)
+        thread.start()
+        threads.append(thread)
+    for t in threads:
+        t.join()
+    return [r for r in records if r is not None]
+
+
+def run_load(endpoint: Endpoint, bodies: Sequence[dict], concurrency: int | None = None, request_rate: float | None = None,
+             max_concurrency: int | None = None, seed: int = 0, progress: str | None = None) -> list[RequestRecord]:
+    """Send ``bodies`` closed-loop at ``concurrency`` or open-loop at ``request_rate`` (Poisson);
+    returns one record per request, in the order of ``bodies``. ``progress``: a tqdm bar's label."""
+    if (concurrency is None) == (request_rate is None):
+        raise ValueError("give exactly one of concurrency and request_rate")
+    bar = None
+    lock = threading.Lock()
+    if progress is not None:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(bodies), desc=progress, unit="req", leave=False)
+
+    def on_done(_record):
+        if bar is not None:
+            with lock:
+                bar.update(1)
+
+    try:
+        if concurrency is not None:
+            return _run_closed_loop(endpoint, bodies, concurrency, on_done)
+        return _run_open_loop(endpoint, bodies, request_rate, max_concurrency, seed, on_done)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+# ---------------------------------------------------------------------- server queries
+def get_json(url: str, timeout: float = 5.0, method: str = "GET", data: bytes | None = None):
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as response:
+        raw = response.read()
+        return json.loads(raw) if raw else None
+
+
+def is_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2.0) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def ready_models(url: str) -> list[str]:
+    """Names of the models the server reports READY (Triton's repository index)."""
+    index = get_json(f"{url}/v2/repository/index", method="POST", data=b"{}") or []
+    return sorted(m["name"] for m in index if m.get("state") == "READY")

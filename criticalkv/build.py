@@ -1,0 +1,326 @@
+"""``build_engine``: export, validate, smoke-test on ONNX Runtime, (TensorRT when present), manifest.
+
+Everything is written into a temporary directory next to the output (named with the builder's process
+id) and renamed into place at the end, so a failed or interrupted build never leaves a half-written
+engine directory behind; what a killed build left is removed by the next build of the same output,
+which holds a lock on it (``build_lock``) so that two builds never write one output at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import platform
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from criticalkv.export.exporter import DECODE_FILE, PREFILL_TENSORRT_FILE, BuildConfig, ExportResult, export_model, onnx_info
+from criticalkv.export.validate import validate_export
+from criticalkv.files import remove_stale_temporaries, temporary_dir
+from criticalkv.policy import SCHEMA_VERSION, KVPolicy
+from criticalkv.runtime.manifest import FORMAT as MANIFEST_FORMAT
+from criticalkv.runtime.manifest import FORMAT_VERSION, MANIFEST_FILE, EngineError, write_manifest
+
+SMOKE_TEXT = (
+    "The lighthouse keeper wrote in his log every evening: the wind, the colour of the sea, the ships that "
+    "passed and the birds that rested on the rail. Years later his grandson read the pages aloud. "
+)
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "platform": platform.platform()}
+    for dist in ("criticalkv", "torch", "transformers", "onnx", "onnxruntime", "numpy", "polygraphy", "tensorrt"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def build_request(model_name: str, model_path: str, policy: KVPolicy, config: BuildConfig) -> dict[str, Any]:
+    """What identifies a build: an existing engine with the same request is up to date."""
+    return {"model": {"name": model_name, "path": model_path}, "policy": policy.to_dict(), "build": config.to_dict(),
+            "format_version": FORMAT_VERSION, "criticalkv": package_versions().get("criticalkv")}
+
+
+def existing_manifest(output: Path) -> dict[str, Any] | None:
+    """The criticalkv manifest in ``output`` (None when there is none, or it is not one of ours)."""
+    import json
+
+    try:
+        manifest = json.loads((output / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT else None
+
+
+def _describe(entries: list[str], most: int = 5) -> str:
+    shown = ", ".join(sorted(entries)[:most])
+    return shown + (f" and {len(entries) - most} more" if len(entries) > most else "")
+
+
+def check_replaceable(output: Path, request: dict[str, Any], force: bool) -> bool:
+    """Whether to build into ``output``: False when it already holds this request's engine.
+
+    Only an empty directory or one holding a criticalkv engine manifest is ever replaced (the latter
+    only with ``force`` when it was built differently); anything else (a file, a directory of other
+    things, a directory whose manifest is not an engine's) is refused, ``force`` or not.
+    """
+    if not output.exists() and not output.is_symlink():
+        return True
+    if output.is_symlink() or not output.is_dir():
+        kind = "a symbolic link" if output.is_symlink() else "a file"
+        raise EngineError(f"{output} is {kind}, not an engine directory; refusing to replace it "
+                          "(choose another --output, or remove it yourself)")
+    entries = [p.name for p in output.iterdir()]
+    if not entries:
+        return True
+    manifest = existing_manifest(output)
+    if manifest is None:
+        raise EngineError(f"{output} is not an engine directory (no criticalkv {MANIFEST_FILE}; it holds "
+                          f"{_describe(entries)}); refusing to replace it, even with --force "
+                          "(choose another --output, or remove it yourself)")
+    if not force and manifest.get("request") == request:
+        return False
+    if not force:
+        raise EngineError(f"{output} holds an engine built differently (another model, policy or limits); "
+                          "pass --force to replace it")
+    return True
+
+
+def check_compresses(policy: KVPolicy, config: BuildConfig) -> None:
+    """Refuse an engine that would never evict anything: with ``budget >= max_input_len`` every prompt it
+    accepts fits in the budget and is kept whole, so it is a full-cache engine that carries the selection."""
+    from criticalkv.export.select_function import check_exportable
+
+    check_exportable(policy)
+    if policy.name != "full" and policy.budget >= config.max_input_len:
+        raise ValueError(
+            f"budget {policy.budget} >= --max-input-len {config.max_input_len}: every prompt this engine accepts "
+            f"would be kept whole, nothing ever evicted; use a budget below {config.max_input_len}, a larger "
+            "--max-input-len, or --kv-policy full for a full-cache engine"
+        )
+
+
+def smoke_test(
+    folder: Path, manifest: dict[str, Any], model, tokenizer, policy: KVPolicy, config: BuildConfig,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Generate a few greedy tokens on ONNX Runtime from a prompt long enough to be compressed, and the
+    same with the PyTorch path; record whether tokens and kept indices agree."""
+    import torch
+
+    from criticalkv.hf import generate
+    from criticalkv.runtime import Engine, create_backend
+
+    n = min(config.max_input_len, policy.budget + 64 if policy.name != "full" else 96)
+    ids = list(tokenizer(SMOKE_TEXT * (n // 20 + 2))["input_ids"][:n])
+    vocab = manifest["model"]["spec"]["vocab_size"]
+    ids += [(7919 * i + 11) % vocab for i in range(n - len(ids))]  # a tokenizer that drops unknown text
+    new = min(8, config.max_new_tokens)
+    engine = Engine(folder, manifest, create_backend("onnxruntime", folder, manifest))  # the manifest is written last
+    try:
+        got = engine.generate([ids], max_new_tokens=new, stop_token_ids=[])
+    finally:
+        engine.close()
+    ref = generate(model, torch.tensor([ids]), policy, max_new_tokens=new)
+    same_indices = all(
+        got.kept(layer, 0, h) == [i for i in sel.indices[0, h].tolist() if i >= 0]
+        for layer, sel in enumerate(ref.prefill.selections)
+        for h in range(sel.indices.shape[1])
+    )
+    result = {
+        "prompt_tokens": len(ids),
+        "new_tokens": len(got.tokens[0]),
+        "token_ids": got.tokens[0],
+        "pytorch_token_ids": ref.tokens[0],
+        "tokens_match_pytorch": got.tokens[0] == ref.tokens[0],
+        "kept_indices_match_pytorch": same_indices,
+        "prefill_s": round(got.prefill_s, 4),
+        "decode_s_per_token": round(got.decode_s_per_token, 5),
+        "kv_kept_fraction": got.kv_bytes_kept / got.kv_bytes_full,
+    }
+    status = "matches" if result["tokens_match_pytorch"] and same_indices else "DIFFERS FROM"
+    log(f"smoke test: {len(ids)}-token prompt, {result['new_tokens']} tokens on ONNX Runtime; {status} the PyTorch path "
+        f"(tokens {result['tokens_match_pytorch']}, kept indices {same_indices})")
+    return result
+
+
+def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]) -> dict[str, Any]:
+    """Build the TensorRT engines when criticalkv.tensorrt, TensorRT, a GPU and the plugin are all present.
+
+    Never fails the build: a missing part is recorded as ``skipped_reason``; a TensorRT failure (the parser
+    rejecting a graph, the builder failing, the plugin not loading) is printed and recorded as ``failed`` with
+    its ``error``, ``tensorrt/`` is removed, and the ONNX Runtime engine directory is still written.
+    ``scripts/build_engine.py`` then exits 3 (the rule is in its ``--help``).
+    """
+    if not result.policy.method.base.native:
+        return _skipped(f"{result.policy.name} has no C++ selection flow in the CriticalKVSelect plugin yet "
+                        "(plugins/README.md, Known limits)", log)
+    try:
+        import criticalkv.tensorrt as trt_engine
+    except ImportError as err:
+        reason = f"the criticalkv.tensorrt package (TensorRT plugin and engine build) is not available: {err}"
+        return _skipped(reason, log)
+    reason = trt_engine.tensorrt_unavailable_reason()
+    if reason:
+        return _skipped(reason, log)
+    plugin = trt_engine.find_plugin_library(required=False)
+    if plugin is None:
+        return _skipped("the CriticalKVSelect plugin library is not built (run `bash scripts/build_plugin.sh`)", log)
+    config = result.config
+    log(f"building TensorRT engines ({config.dtype}) with {plugin} ...")
+    try:
+        built = trt_engine.build_tensorrt_engines(
+            folder / PREFILL_TENSORRT_FILE, folder / DECODE_FILE, folder / "tensorrt", plugin_library=plugin,
+            max_batch=config.max_batch_size, max_input_len=config.max_input_len,
+            max_capacity=max(result.prefill_capacities), dtype=config.dtype,
+            strongly_typed=config.dtype == "float32",  # the graphs are fp32: fp16/bf16 are builder precision flags
+        )
+    except Exception as err:  # noqa: BLE001: any TensorRT failure leaves the ONNX Runtime engine intact
+        shutil.rmtree(folder / "tensorrt", ignore_errors=True)
+        error = f"{type(err).__name__}: {err}"
+        log(f"TensorRT engines: FAILED ({error}). The ONNX Runtime engine is complete; the error is recorded in "
+            f"{MANIFEST_FILE} (tensorrt.error)")
+        return {"built": False, "failed": True, "error": error}
+    library = Path(os.path.relpath(built.plugin_library, folder))  # tensorrt/<library>: moves with the folder
+    return {"built": True, "tensorrt_version": built.tensorrt_version, "dtype": built.dtype,
+            "plugin_layers": built.plugin_layers, "plugin_library": library.as_posix()}
+
+
+def _skipped(reason: str, log: Callable[[str], None]) -> dict[str, Any]:
+    log(f"TensorRT engines: SKIPPED because {reason}. The ONNX Runtime engine is complete; "
+        f"{PREFILL_TENSORRT_FILE} and {DECODE_FILE} are the inputs of criticalkv.tensorrt.build_tensorrt_engines on a GPU machine.")
+    return {"built": False, "skipped_reason": reason}
+
+
+def export_engine(
+    model, policy: KVPolicy, folder: Path, config: BuildConfig, tokenizer=None, model_name: str = "custom",
+    model_path: str = "", validate: bool = True,
+) -> tuple[ExportResult, dict[str, Any]]:
+    """Export ``model`` into ``folder`` and validate it; returns the export and the manifest content
+    (``write_manifest(folder, content)`` completes an engine directory)."""
+    from criticalkv.commands.generate import stop_token_ids
+
+    result = export_model(model, policy, folder, config, tokenizer)
+    validation = validate_export(result) if validate else None
+    content = {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": {"name": model_name, "path": model_path, "model_type": result.spec.model_type,
+                  "spec": result.spec.to_dict()},
+        "policy": policy.to_dict(),
+        "policy_schema_version": SCHEMA_VERSION,
+        "build": config.to_dict(),
+        "shapes": result.shapes(),
+        "onnx": {**onnx_info(), "validation": validation},
+        "generation": {"eos_token_ids": stop_token_ids(tokenizer, model) if tokenizer is not None else [],
+                       "chat_template": bool(getattr(tokenizer, "chat_template", None))},
+        "versions": package_versions(),
+    }
+    return result, content
+
+
+@contextmanager
+def build_lock(output: Path) -> Iterator[None]:
+    """Hold an exclusive lock on building ``output`` (``fcntl.flock`` on ``.NAME.lock`` beside it); a second
+    build of the same output fails at once, naming the process that holds it. The lock file is removed on
+    release (one left by a killed process is simply locked again: flock dies with its holder)."""
+    path = output.parent / f".{output.name}.lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise EngineError(f"{output} is being built by another process (pid {holder}, lock {path}); wait for it "
+                              "to finish, or choose another --output") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:  # the previous holder removed it after we opened it: lock the new one
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def build_engine(
+    output: str | Path,
+    policy: KVPolicy,
+    config: BuildConfig | None = None,
+    model: str | None = None,
+    force: bool = False,
+    smoke: bool = True,
+    tensorrt: bool = True,
+    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
+) -> Path:
+    """Build an engine directory for ``model`` (default: the bundled SmolLM2-135M-Instruct) and ``policy``.
+
+    An existing engine built from the same request is left as it is (``force`` rebuilds); one built
+    from a different request is an error unless ``force``. Anything at ``output`` that is not an engine
+    directory (or an empty one) is never replaced: see ``check_replaceable``.
+    """
+    from criticalkv.hf import resolve_model
+
+    config = config or BuildConfig()
+    check_compresses(policy, config)
+    output = Path(output)
+    model_name = model or "smollm2-135m"
+    model_path = str(resolve_model(model))
+    request = build_request(model_name, model_path, policy, config)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(output):
+        for kind in ("building", "old"):
+            remove_stale_temporaries(output.parent, f".{output.name}.{kind}-", log)
+        if not check_replaceable(output, request, force):
+            log(f"{output} is already built for this model, policy and limits (use --force to rebuild)")
+            return output
+        return _build(output, policy, config, model, model_name, model_path, request, smoke, tensorrt, log)
+
+
+def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | None, model_name: str, model_path: str,
+           request: dict[str, Any], smoke: bool, tensorrt: bool, log: Callable[[str], None]) -> Path:
+    from criticalkv.hf import load_model
+
+    tmp = temporary_dir(output.parent, f".{output.name}.building-")
+    try:
+        start = time.perf_counter()
+        log(f"loading {model_name} ...")
+        hf_model, tokenizer = load_model(model)
+        log(f"exporting {hf_model.config.model_type} ({hf_model.config.num_hidden_layers} layers) with policy "
+            f"{policy.name} (budget {policy.budget}) to ONNX, then validating (onnx.checker full check, strict "
+            "shape inference, node attributes) ...")
+        result, content = export_engine(hf_model, policy, tmp, config, tokenizer, model_name, model_path)
+        content["request"] = request
+        log(f"exported and validated in {time.perf_counter() - start:.1f} s" + ("; smoke test on ONNX Runtime ..." if smoke else ""))
+        content["smoke_test"] = smoke_test(tmp, content, hf_model, tokenizer, policy, config, log) if smoke else None
+        content["tensorrt"] = tensorrt_step(tmp, result, log) if tensorrt else _skipped("--skip-tensorrt was given", log)
+        content["build_seconds"] = round(time.perf_counter() - start, 1)
+        write_manifest(tmp, content)
+        if output.exists():  # --force: swap the new directory in, then drop the old one
+            old = temporary_dir(output.parent, f".{output.name}.old-")
+            output.rename(old / "engine")
+            tmp.rename(output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(output)
+        log(f"engine written to {output} ({result.weights_bytes / 2**20:.0f} MiB of weights, "
+            f"KV buffers {result.shapes()['kv_buffer_bytes'] / 2**20:.1f} MiB for batch {config.max_batch_size})")
+        return output
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+

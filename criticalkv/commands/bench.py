@@ -1,0 +1,190 @@
+"""``criticalkv bench``: serving benchmark (``serve``), single-request comparison with kvpress and
+transformers (``single``), AIPerf cross-check (``aiperf``), and ``report`` (redraw from JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+
+def command_line() -> str:
+    """The command as typed (``criticalkv bench ...`` or ``python scripts/benchmark_serving.py ...``)."""
+    script = Path(sys.argv[0]).name
+    prefix = f"python scripts/{script}" if script.endswith(".py") else "criticalkv"
+    return " ".join([prefix, *map(shlex.quote, sys.argv[1:])])
+
+
+def plain(doc: str | None) -> str:
+    """A docstring for a terminal: without its ``markup``."""
+    return (doc or "").replace("``", "")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmarks: serving (TTFT/TPOT/ITL, throughput), single request vs kvpress, AIPerf cross-check",
+        description=plain(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    from criticalkv.bench import serving
+
+    serve = sub.add_parser("serve", help="load-test a criticalkv Triton server: TTFT/TPOT/ITL percentiles, throughput, KV, RSS",
+                           description=plain(serving.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    serving.add_arguments(serve)
+    serve.set_defaults(func=run_serve)
+
+    from criticalkv.bench import peers
+
+    setup = sub.add_parser("setup-peers", help="create the peers' virtual environments (kvpress, transformers, aiperf)",
+                           description=plain(peers.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    _peers_dir(setup)
+    setup.add_argument("--only", default=",".join(peers.PEER_NAMES),
+                       help=f"comma-separated subset of {','.join(peers.PEER_NAMES)} (default: all)")
+    setup.set_defaults(func=run_setup_peers)
+
+    single = sub.add_parser("single", help="one request end to end: criticalkv (ONNX Runtime) vs kvpress vs transformers",
+                            description=plain(peers.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    single.add_argument("--engine-dir", required=True, type=Path, help="criticalkv engine (its budget is kvpress's)")
+    single.add_argument("--model", help="HF folder or .gguf for the peers (default: the bundled SmolLM2-135M-Instruct)")
+    single.add_argument("--isl", type=int, default=2048, help="prompt tokens, chat template included (default: 2048)")
+    single.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request (default: 16)")
+    single.add_argument("--repeats", type=int, default=5, help="timed requests per implementation (default: 5)")
+    single.add_argument("--peers", default="kvpress,transformers", help="peers to compare (default: kvpress,transformers)")
+    single.add_argument("--setup-peers", action="store_true", help="create missing peer environments first")
+    _peers_dir(single)
+    single.add_argument("--out", default="benchmarks/results/serving", help="results folder")
+    single.add_argument("--name", default="single_request", help="file stem (default: single_request)")
+    single.set_defaults(func=run_single)
+
+    from criticalkv.bench import aiperf
+
+    ai = sub.add_parser("aiperf", help="cross-check this load generator against AIPerf 0.13 on one workload",
+                        description=plain(aiperf.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    ai.add_argument("--engine-dir", help="start `criticalkv serve` on this engine directory")
+    ai.add_argument("--url", help="or a running server, e.g. http://127.0.0.1:8000 (with --tokenizer)")
+    ai.add_argument("--model-name", help="the Triton model (default: the server's only ready model)")
+    ai.add_argument("--tokenizer", help="tokenizer folder (default: the engine's tokenizer/)")
+    ai.add_argument("--label", help="with --url: the server's name in the results")
+    ai.add_argument("--isl", type=int, default=2048, help="input tokens (default: 2048)")
+    ai.add_argument("--osl", type=int, default=64, help="output tokens (default: 64)")
+    ai.add_argument("--concurrency", type=int, default=8, help="requests in flight (default: 8)")
+    ai.add_argument("--num-requests", type=int, default=16, help="measured requests per tool (default: 16)")
+    ai.add_argument("--warmup", type=int, default=2, help="warm-up requests per tool (default: 2)")
+    ai.add_argument("--kv-budget", type=int, help="per-request kv_budget")
+    ai.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
+    ai.add_argument("--setup-peers", action="store_true", help="create the AIPerf environment first if missing")
+    _peers_dir(ai)
+    ai.add_argument("--out", default="benchmarks/results/serving", help="results folder")
+    ai.add_argument("--name", default="aiperf_crosscheck", help="file stem (default: aiperf_crosscheck)")
+    ai.set_defaults(func=run_aiperf)
+
+    from criticalkv.bench import targets
+
+    tg = sub.add_parser("targets", help="check the serving targets from the result files of a folder (no requests)",
+                        description=plain(targets.__doc__),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    tg.add_argument("folder", type=Path, nargs="?", default=Path("benchmarks/results/serving"),
+                    help="results folder (default: benchmarks/results/serving); writes FOLDER/targets.md and "
+                         "FOLDER/summary.png (every serving run of the folder)")
+    tg.set_defaults(func=run_targets)
+
+    rep = sub.add_parser("report", help="redraw the tables, CSV and figure of a serving run from its JSON",
+                         description="Rewrite NAME.txt, NAME.csv and NAME.png next to NAME.json without sending a request.")
+    rep.add_argument("json", type=Path, help="a results JSON written by `criticalkv bench serve`")
+    rep.set_defaults(func=run_report)
+
+
+def _peers_dir(p) -> None:
+    p.add_argument("--peers-dir", type=Path, default=Path(".peers"),
+                   help="folder of the peers' virtual environments (default: .peers, git-ignored)")
+
+
+def run_setup_peers(args) -> int:
+    from criticalkv.bench import peers
+
+    peers.setup_peers(args.peers_dir, [n for n in args.only.split(",") if n])
+    return 0
+
+
+def run_single(args) -> int:
+    from criticalkv.bench import machine, peers, report
+
+    if not (args.engine_dir / "manifest.json").is_file():
+        raise FileNotFoundError(f"{args.engine_dir}: not an engine directory (no manifest.json)")
+    if args.isl < 64 or args.new_tokens < 1 or args.repeats < 1:
+        raise ValueError("--isl must be >= 64, --new-tokens and --repeats >= 1")
+    names = [n for n in args.peers.split(",") if n]
+    if args.setup_peers:
+        peers.setup_peers(args.peers_dir, names)
+    results = machine.header(command_line())
+    print("\n".join(machine.header_lines(results)), flush=True)
+    results["single"] = peers.single_request(args.engine_dir, args.peers_dir, args.isl, args.new_tokens, args.repeats,
+                                             model=args.model, peers=names)
+    machine.finish(results)
+    stem = Path(args.out) / args.name
+    report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
+    text = peers.render_single(results)
+    report.write_atomic(stem.with_suffix(".txt"), text)
+    print(text)
+    return 0
+
+
+def run_aiperf(args) -> int:
+    from criticalkv.bench import aiperf, peers, report
+
+    if bool(args.url) == bool(args.engine_dir):
+        raise ValueError("give either --url (with --tokenizer) or --engine-dir")
+    if args.engine_dir and not (Path(args.engine_dir) / "manifest.json").is_file():
+        raise FileNotFoundError(f"{args.engine_dir}: not an engine directory (no manifest.json)")
+    if args.url and not args.tokenizer:
+        raise ValueError("--url needs --tokenizer (the folder of the server's tokenizer)")
+    if min(args.isl, args.osl, args.concurrency, args.num_requests) < 1 or args.warmup < 0:
+        raise ValueError("--isl, --osl, --concurrency and --num-requests must be >= 1, --warmup >= 0")
+    if args.setup_peers:
+        peers.setup_peers(args.peers_dir, ["aiperf"])
+    args.command_line = command_line()
+    results = aiperf.cross_check(args)
+    stem = Path(args.out) / args.name
+    report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
+    text = aiperf.render(results)
+    report.write_atomic(stem.with_suffix(".txt"), text)
+    print(text)
+    return 0 if all(r["within"] for r in results["cross_check"]["comparison"] if r["within"] is not None) else 1
+
+
+def run_targets(args) -> int:
+    from criticalkv.bench import report, targets
+
+    if not args.folder.is_dir():
+        raise FileNotFoundError(f"{args.folder}: no such folder")
+    text = targets.render(targets.check(args.folder))
+    report.write_atomic(args.folder / "targets.md", text)
+    runs = targets._runs(args.folder)
+    if any(r["summary"].get("completed") for r in runs):  # every serving run of the folder in one figure
+        report.plot({"runs": runs}, args.folder / "summary.png")
+    print(text)
+    return 0
+
+
+def run_serve(args) -> int:
+    from criticalkv.bench import serving
+
+    args.command_line = getattr(args, "command_line", None) or command_line()
+    return serving.main(args)
+
+
+def run_report(args) -> int:
+    from criticalkv.bench import report
+
+    if not args.json.is_file():
+        raise FileNotFoundError(f"{args.json}: no such file")
+    results = json.loads(args.json.read_text())
+    if "runs" not in results:
+        raise ValueError(f"{args.json}: not a serving benchmark result (no 'runs')")
+    report.write_all(results, args.json.with_suffix(""))
+    print(report.render(results))
+    return 0

@@ -1,0 +1,60 @@
+"""``criticalkv triton-repo``: render a Triton model repository for a built engine directory."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from criticalkv.serving.repository import DEFAULT_MODEL_NAME
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model's arguments, shared by ``triton-repo`` and ``serve``."""
+    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
+                   help=f"Triton model name (default: {DEFAULT_MODEL_NAME})")
+    p.add_argument("--instances", type=int, default=1,
+                   help="model instances, each its own engine and scheduler (default: 1; "
+                        "with --backend tensorrt: per GPU)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences decoding at once per instance (default and maximum: the engine's --max-batch-size)")
+    p.add_argument("--kv-pool-mib", type=float, default=None,
+                   help="KV memory the running sequences of an instance may hold, MiB (default: no limit beyond "
+                        "--max-num-seqs); requests beyond it wait")
+    p.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
+                   help="onnxruntime (KIND_CPU, default) or tensorrt (KIND_GPU)")
+    p.add_argument("--gpus", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="with --backend tensorrt: comma-separated GPU ids (default: 0)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="ONNX Runtime threads per instance (default: 0 = ORT's choice)")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "triton-repo",
+        help="render a Triton model repository for an engine directory",
+        description="Write REPO/NAME/config.pbtxt (decoupled Python-backend model, vllm_backend's inputs and outputs "
+        "+ kv_budget and KV bytes), REPO/NAME/1/model.py (the adapter over the continuous-batching scheduler) and "
+        "REPO/NAME/1/model.json (the engine arguments). `criticalkv serve` does this itself when given no --repo.",
+    )
+    p.add_argument("--engine-dir", type=Path, required=True, help="engine directory built by scripts/build_engine.py")
+    p.add_argument("--out", type=Path, required=True, help="model repository folder to write into")
+    add_model_arguments(p)
+    p.add_argument("--execution-env", default="auto",
+                   help="virtual environment the model runs in (EXECUTION_ENV_PATH): 'auto' = the one "
+                        "`criticalkv serve --setup` made for the bundled CPU server, 'none' = the server's own Python")
+    p.add_argument("--force", action="store_true", help="replace REPO/NAME if it exists")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from criticalkv.serving import launcher
+    from criticalkv.serving.repository import make_repository
+
+    env = {"auto": str(launcher.model_env()), "none": None}.get(args.execution_env, args.execution_env)
+    paths = launcher.project_paths() if args.execution_env != "none" else []
+    target = make_repository(args.engine_dir, args.out, model_name=args.model_name, instances=args.instances,
+                             max_num_seqs=args.max_num_seqs, kv_pool_mib=args.kv_pool_mib, backend=args.backend,
+                             gpus=args.gpus, threads=args.threads, execution_env=env, python_paths=paths,
+                             force=args.force)
+    print(f"model repository written: {target}")
+    return 0

@@ -1,0 +1,101 @@
+"""Eviction methods as units, and the registry that composes them into the policies users name.
+
+One module per base method (``full``, ``streamingllm``, ``snapkv``, ``pyramidkv``, ``adakv``, ``laprox``)
+holds its scores, how it shares the budget and its piece of the ONNX function body; ``two_stage`` is
+CriticalKV's selection applied on top of any scored base. ``POLICIES`` below is the only list of policies:
+``KVPolicy``, the CLI, the generated C++ header, the plugin YAML and the README table all read it.
+
+Adding a base method: a module here with a ``BaseMethod`` subclass, one line in ``BASE_METHODS`` and one in
+``POLICIES`` (its knobs, if new, in ``criticalkv/policy.py``), then ``python -m criticalkv.spec.generate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from criticalkv.methods import adakv, defensivekv, full, laprox, pyramidkv, snapkv, streamingllm
+from criticalkv.methods.base import Allocation, BaseMethod, GroupScoreInputs
+from criticalkv.methods.two_stage import TWO_STAGE, TwoStage
+
+#: Every base method, in the order of the C++ ``BaseMethod`` enum.
+BASE_METHODS: dict[str, BaseMethod] = {
+    m.name: m
+    for m in (full.METHOD, streamingllm.METHOD, snapkv.METHOD, pyramidkv.METHOD, adakv.METHOD, laprox.METHOD,
+              defensivekv.METHOD, defensivekv.LAYER_METHOD)
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    """A policy's method: a base method, optionally refined by CriticalKV's two-stage selection."""
+
+    name: str
+    base: BaseMethod
+    refine: TwoStage | None = None
+    description: str = ""
+
+    @property
+    def knobs(self) -> tuple[str, ...]:
+        """KVPolicy knobs this policy reads besides name, budget and window (declaration order not kept)."""
+        return self.base.knobs + (self.refine.knobs if self.refine else ())
+
+    @property
+    def score_knobs(self) -> tuple[str, ...]:
+        """The knobs the layer's scores depend on (everything else only shares the budget)."""
+        return self.base.score_knobs + (self.refine.score_knobs if self.refine else ())
+
+    @property
+    def score_names(self) -> tuple[str, ...]:
+        return ("attention",) + self.base.score_names + (self.refine.score_names if self.refine else ())
+
+
+def _compose(name: str, base: str, two_stage: bool = False, description: str | None = None) -> Method:
+    b = BASE_METHODS[base]
+    return Method(name, b, TWO_STAGE if two_stage else None, description or b.description)
+
+
+#: Policy name -> its method (the registry).
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        *(_compose(name, name) for name in BASE_METHODS),
+        _compose("criticalkv", "snapkv", True, "snapkv budgets, two-stage: alpha by attention, rest by attention × ‖V W_O‖"),
+        _compose("pyramid-criticalkv", "pyramidkv", True, "pyramidkv budgets + CriticalKV two-stage selection"),
+        _compose("ada-criticalkv", "adakv", True, "adakv budgets + CriticalKV two-stage selection inside each head's share"),
+    )
+}
+
+#: Policy name -> (base method name, whether the two-stage refinement is on).
+POLICIES: dict[str, tuple[str, bool]] = {name: (m.base.name, m.refine is not None) for name, m in METHODS.items()}
+
+
+def method_of(policy) -> Method:
+    """The ``Method`` of a ``KVPolicy`` (or of a policy name)."""
+    return METHODS[policy if isinstance(policy, str) else policy.name]
+
+
+def unrefined(policy):
+    """The base policy a two-stage policy refines (same knobs), or None when ``policy`` is not refined."""
+    method = method_of(policy)
+    return None if method.refine is None else policy.replace(name=method.base.name)
+
+
+def same_selection(a, b) -> bool:
+    """Whether two policies select the same entries: same name, budget, window and every knob the method reads."""
+    return a.name == b.name and all(getattr(a, k) == getattr(b, k) for k in ("budget", "window") + method_of(a).knobs)
+
+
+__all__ = [
+    "Allocation",
+    "BASE_METHODS",
+    "BaseMethod",
+    "GroupScoreInputs",
+    "METHODS",
+    "Method",
+    "POLICIES",
+    "TWO_STAGE",
+    "TwoStage",
+    "method_of",
+    "same_selection",
+    "unrefined",
+]

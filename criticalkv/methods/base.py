@@ -1,0 +1,120 @@
+"""What every base eviction method provides (one subclass per module of this package).
+
+A base method decides two things for one attention layer: the scores its older tokens are ranked by
+and how the layer's budget is shared among its KV heads. ``criticalkv.selection.select_layer`` (PyTorch)
+and ``criticalkv.export.select_function`` (the ONNX function body) drive a method through this
+interface; neither names a method. A refinement (``two_stage.TwoStage``, CriticalKV) then picks, inside
+each head's share, which tokens are kept.
+
+Shapes: B batch, H_kv KV heads, G query heads per KV head, w window, m = n - w older tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import torch
+
+    from criticalkv.policy import KVPolicy
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """How a layer's selectable budget is shared among its KV heads (one of the two is set).
+
+    counts : [B, H_kv] int64, older tokens each head keeps (chosen by the base's score unless refined)
+    mask : [B, H_kv, m] bool, the base's own choice of older tokens (its per-head sums are the counts)
+    """
+
+    counts: Any = None
+    mask: Any = None
+
+
+@dataclass(frozen=True)
+class GroupScoreInputs:
+    """Window scores of the G query heads of one KV group (PyTorch, fp32).
+
+    probs : [B, G, w, m] window attention over the older tokens; raw : [B, G, m] its mean over the window;
+    pooled : [B, G, m] ``raw`` max-pooled over positions; norms(kind) -> [B, G, m] projected-value norms;
+    valid : [B, m] bool, older positions that are not left padding.
+    """
+
+    probs: "torch.Tensor"
+    raw: "torch.Tensor"
+    pooled: "torch.Tensor"
+    norms: Callable[[str], "torch.Tensor"]
+    valid: "torch.Tensor" = None
+
+
+class BaseMethod:
+    """A budget-allocation base method. Subclasses set the class attributes and override what differs.
+
+    Attributes
+    ----------
+    name : the method's name (a policy of its own)
+    cpp_enum : its ``criticalkv::BaseMethod`` enumerator in the generated C++ header
+    description : one line for ``criticalkv policies`` and the README table
+    knobs : KVPolicy knobs the method reads besides ``name``, ``budget`` and ``window``
+    evicts : False for ``full`` (every entry kept)
+    scored : whether it ranks older tokens by window attention (the window is then always kept)
+    shared_allocation : whether the layer's H_kv * r slots are shared across heads (per-head floor)
+    own_l2_norms : whether its own score needs the l2 projected-value norms
+    score_name : the score its own choice ranks by (``scores[score_name]``)
+    score_knobs : the knobs its scores depend on (scores are memoised per prompt by these, not by budget)
+    model_level : whether the budget is shared across all layers (``select_model`` selects after the last layer)
+    native : whether the C++ selection flow (plugin, host version) implements it; otherwise the plugin refuses it
+    """
+
+    name: str = ""
+    cpp_enum: str = ""
+    description: str = ""
+    knobs: tuple[str, ...] = ()
+    evicts: bool = True
+    scored: bool = True
+    shared_allocation: bool = False
+    own_l2_norms: bool = False
+    score_name: str = "attention"
+    model_level: bool = False
+    native: bool = True
+    score_knobs: tuple[str, ...] = ("pool_kernel",)
+    #: names of the per-token scores ``group_scores`` adds (besides "attention", which every scored method has)
+    score_names: tuple[str, ...] = ()
+
+    # ------------------------------------------------------------------ budget arithmetic (integers)
+    def layer_budget(self, policy: "KVPolicy", r: int, layer_idx: int, num_layers: int) -> int:
+        """r_l: older tokens per KV head (average over the layer's heads) that layer ``layer_idx`` may keep when
+        the model-wide average is ``r`` (= budget - window)."""
+        return r
+
+    def max_older_per_head(self, policy: "KVPolicy", r: int, m: int, num_kv_heads: int) -> int:
+        """Most older tokens one head of a layer with budget r can keep out of m."""
+        return min(r, m)
+
+    # ------------------------------------------------------------------ PyTorch
+    def group_scores(self, policy: "KVPolicy", inputs: GroupScoreInputs) -> dict[str, "torch.Tensor"]:
+        """Scores [B, m] of one KV group beyond "attention" (named as in ``score_names``)."""
+        return {}
+
+    def allocate(self, policy: "KVPolicy", scores: Any, eligible: "torch.Tensor", r: "torch.Tensor") -> Allocation:
+        """Share the layer's budget: ``r`` [B] older tokens per head on average, ``eligible`` [B, H_kv, m]."""
+        batch, heads, _ = eligible.shape
+        return Allocation(counts=r[:, None].expand(batch, heads))
+
+    def unscored_keep(self, policy: "KVPolicy", valid: "torch.Tensor", valid_start: "torch.Tensor", num_kv_heads: int) -> "torch.Tensor":
+        """[B, H_kv, n] chosen entries of a method that does not score (``scored`` False)."""
+        raise NotImplementedError(f"{self.name} is scored")
+
+    # ------------------------------------------------------------------ ONNX function body
+    def onnx_group_scores(self, body: Any, g: Any, probs: str, raw: str, pooled: str, values_m: str) -> dict[str, str]:
+        """The body's version of ``group_scores`` over all groups at once ([B, H_kv, m] tensor names)."""
+        return {}
+
+    def onnx_allocate(self, body: Any, g: Any, scores: dict[str, str], eligible: str, r: str) -> Allocation:
+        """The body's version of ``allocate``: ``r`` int64 [B]; returns tensor names."""
+        return Allocation(counts=g.Expand(g.unsqueeze(r, 1), g.concat(body.batch, g.i64(body.kv_heads))))
+
+    def onnx_unscored_keep(self, body: Any, g: Any, ctx: dict[str, str]) -> str:
+        """The body's version of ``unscored_keep``: [B, H_kv or 1, n] bool."""
+        raise NotImplementedError(f"{self.name} is scored")

@@ -1,0 +1,202 @@
+"""``defensivekv`` and ``layer-defensivekv``: defensive aggregation of the window attention (arXiv 2510.13334).
+
+DefensiveKV (Feng, Guo et al., ICLR 2026; reference code FFY0/DefensiveKV,
+``kvpress/presses/efficient_defensivekv_press.py`` and ``efficient_layer_defensivekv_press.py``) replaces
+the mean over window queries by a worst-case aggregation. For one KV head g with query heads h in g, window
+queries j and older tokens i (m = n - w of them):
+
+1. Pool: each window query's attention row over the older tokens, A[h, j, :], is **average**-pooled over
+   positions (kernel ``pool_kernel``, zero padding at the borders) and rescaled so the row keeps its own mass
+   over the older tokens (sum_i pooled = sum_i A). This is the reference's pool (``avg_pool1d`` then
+   ``/ sum * scores_base``), not SnapKV's max-pool of the window mean: the maximum below is taken per row, and an
+   average pool keeps each row a distribution, so no row wins the maximum by pooling alone. (The reference's
+   kernel is 5; here it is the shared ``pool_kernel`` knob, 7 by default: ``defensivekv:pool_kernel=5`` is the
+   reference's.)
+2. Defensive aggregation: D[g, i] = max over h in g and j of pooled[h, j, i] (the maximum, not the mean),
+   clamped from below at its mean over the older tokens (the reference's "adaptive prior correction").
+3. Output awareness: D times the projected-value norm ||V_i W_O^h|| (``value_norm``, l1 as the reference),
+   averaged over the group's query heads and normalised to sum 1 over the older tokens.
+4. Stage 1 (CriticalKV's, by attention mass): per head, the older tokens with the most unpooled attention
+   (mean over the group's heads and the window, normalised over the older tokens) are kept while the
+   cumulative mass of those before and including each stays below ``stage1_mass - window mass`` (the
+   reference's ``0.9 - window_bias``), at most the head's average share r of the layer. The window mass is the
+   attention the window queries give the window itself, averaged over every query head of the layer and every
+   window query, per sequence. (The reference slices the window off before summing, so its number is the mass
+   on the ``window`` older tokens just before the window, and it averages over the batch too; here it is the
+   mass the reference's comment and the paper name, per sequence, so a sequence's selection does not depend on
+   its batch.) As in the reference the crossing token itself is not in stage 1.
+5. Allocation: stage-1 tokens rank above every other (the reference gives them the layer's maximum score; here
+   score + 2, above any score, which is at most 1), then AdaKV's shared allocation of the layer's H_kv * r slots
+   with the per-head floor ``ada_floor`` (the reference's AdaKV press); the window is always kept.
+
+``layer-defensivekv`` shares the budget across **all layers and heads** of the model (the reference's
+``EfficientAdaGlobalScorerPress``: top entries over every layer's flattened scores after the last layer's
+prefill); floors and window stay per head. It is a model-level method: ``criticalkv.selection.select_model``
+selects it; ``select_layer`` alone only for a one-layer model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from criticalkv.methods.adakv import AdaKV, onnx_shared_allocation_mask, shared_allocation_mask
+
+#: Offset that ranks stage-1 tokens above every other (defensive scores lie in [0, 1]).
+STAGE1_OFFSET = 2.0
+
+
+def avg_pool_rows(probs, kernel: int, valid):
+    """Average-pool [..., m] rows over positions (zero padding), zero outside ``valid`` [B, m], each row rescaled
+    to keep its mass over the valid older tokens. ``probs``: [B, G, w, m] fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    mass = probs.sum(-1, keepdim=True)
+    if kernel > 1:
+        shape = probs.shape
+        pooled = F.avg_pool1d(probs.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2,
+                              count_include_pad=True).reshape(shape)
+    else:
+        pooled = probs
+    pooled = pooled * valid[:, None, None, :]
+    total = pooled.sum(-1, keepdim=True)
+    return torch.where(total > 0, pooled / total.clamp_min(torch.finfo(torch.float32).tiny) * mass, pooled)
+
+
+def stage1_mask(mass, window_mass, threshold: float, r, eligible):
+    """Stage 1: per head the most-attended older tokens while their cumulative mass stays below
+    ``threshold - window_mass``, at most r. ``mass`` [B, H_kv, m] (normalised over the valid older tokens),
+    ``window_mass`` [B], ``r`` [B], ``eligible`` [B, H_kv, m]; returns [B, H_kv, m] bool."""
+    import torch
+
+    from criticalkv.selection.topk import topk_mask
+
+    masked = torch.where(eligible, mass, torch.zeros_like(mass))
+    cumulative = torch.cumsum(torch.sort(masked, dim=-1, descending=True).values, dim=-1)
+    limit = (threshold - window_mass)[:, None, None].to(mass.dtype)
+    count = torch.minimum((cumulative < limit).sum(-1), r[:, None])
+    return topk_mask(mass, count, eligible)
+
+
+def priority(scores, threshold: float, r, eligible):
+    """[B, H_kv, m] ranking score of shared allocation: the defensive score, stage-1 tokens first."""
+    window_mass = scores["window_mass"][..., 0].mean(dim=1)  # [B]: mean over the layer's heads
+    first = stage1_mask(scores["stage1_mass"], window_mass, threshold, r, eligible)
+    return scores["defensive"] + first.to(scores["defensive"].dtype) * STAGE1_OFFSET
+
+
+class DefensiveKV(AdaKV):
+    name = "defensivekv"
+    cpp_enum = "kDefensiveKV"
+    description = "max over window queries and group heads (clamped at the mean) × ‖V W_O‖, stage 1 by attention mass, adakv sharing"
+    knobs = ("pool_kernel", "ada_floor", "value_norm", "stage1_mass")
+    score_name = "defensive"
+    score_names = ("defensive", "stage1_mass", "window_mass")
+    score_knobs = ("pool_kernel", "value_norm")
+    #: whether the budget is shared across the layers of the model (selected by ``select_model``)
+    model_level = False
+    #: the C++ selection flow exists (plugins/include/criticalkv); False: the plugin refuses the policy
+    native = False
+
+    def group_scores(self, policy, inputs):
+        import torch
+
+        valid = inputs.valid.to(torch.float32)  # [B, m]
+        count = valid.sum(-1, keepdim=True).clamp_min(1.0)
+        pooled = avg_pool_rows(inputs.probs, policy.pool_kernel, inputs.valid)  # [B, G, w, m]
+        worst = pooled.amax(dim=(1, 2))  # [B, m]
+        prior = (worst * valid).sum(-1, keepdim=True) / count
+        defended = torch.maximum(worst, prior)
+        norms = inputs.norms(policy.value_norm).mean(dim=1) * valid  # [B, m]
+        norms = norms / norms.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        mean_attention = inputs.raw.mean(dim=1) * valid  # unpooled, mean over heads and window
+        stage1_mass = mean_attention / mean_attention.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        window_mass = 1.0 - inputs.probs.sum(-1).mean(dim=(1, 2))  # [B]
+        return {
+            "defensive": defended * norms,
+            "stage1_mass": stage1_mass,
+            "window_mass": window_mass[:, None].expand_as(stage1_mass),
+        }
+
+    def allocate(self, policy, scores, eligible, r):
+        import torch
+
+        from criticalkv.methods.base import Allocation
+        from criticalkv.selection.budget import head_floor
+
+        floor = torch.tensor([head_floor(policy.ada_floor, int(x)) for x in r.tolist()], dtype=torch.int64, device=r.device)
+        ranking = priority(scores, policy.stage1_mass, r, eligible)
+        return Allocation(mask=shared_allocation_mask(ranking, r, floor, eligible))
+
+    # ------------------------------------------------------------------ ONNX function body
+    def onnx_group_scores(self, body, g, probs, raw, pooled, values_m):
+        from criticalkv.export.graph import FLOAT
+
+        p = body.policy
+        valid = g.Cast(body.eligible, to=FLOAT)  # [B, H_kv, m]
+        valid5 = g.unsqueeze(g.unsqueeze(valid, 2), 2)  # [B, H_kv, 1, 1, m]
+        tiny = g.const(float(np.finfo(np.float32).tiny), np.float32)
+        zero = g.const(0.0, np.float32)
+        mass = g.ReduceSum(probs, g.i64(4), keepdims=1)  # [B, H_kv, G, w, 1]
+        box = probs
+        if p.pool_kernel > 1:
+            half = p.pool_kernel // 2
+            flat = g.Reshape(probs, g.concat(g.i64(-1, 1), g.shape_of(probs, 4, 5)))
+            padded = g.Pad(flat, g.i64(0, 0, half, 0, 0, half), zero, mode="constant")
+            box = g.Reshape(g.AveragePool(padded, kernel_shape=[p.pool_kernel], strides=[1]), g.Shape(probs))
+        box = g.Mul(box, valid5)
+        total = g.ReduceSum(box, g.i64(4), keepdims=1)
+        rescaled = g.Mul(g.Div(box, g.Max(total, tiny)), mass)
+        pooled_rows = g.Where(g.Greater(total, zero), rescaled, box)
+        worst = g.ReduceMax(pooled_rows, g.i64(2, 3), keepdims=0)  # [B, H_kv, m]
+        count = g.Max(g.ReduceSum(valid, g.i64(2), keepdims=1), g.const(1.0, np.float32))
+        prior = g.Div(g.ReduceSum(g.Mul(worst, valid), g.i64(2), keepdims=1), count)
+        defended = g.Max(worst, prior)
+        norms = g.Mul(g.ReduceMean(body.value_norms(g, values_m, p.value_norm), g.i64(2), keepdims=0), valid)
+        norms = g.Div(norms, g.Max(g.ReduceSum(norms, g.i64(2), keepdims=1), tiny))
+        mean_attention = g.Mul(g.ReduceMean(raw, g.i64(2), keepdims=0), valid)
+        stage1 = g.Div(mean_attention, g.Max(g.ReduceSum(mean_attention, g.i64(2), keepdims=1), tiny))
+        window_mass = g.Sub(g.const(1.0, np.float32), g.ReduceMean(g.squeeze(mass, 4), g.i64(2, 3), keepdims=0))  # [B, H_kv]
+        return {
+            "defensive": g.Mul(defended, norms),
+            "stage1_mass": stage1,
+            "window_mass": g.Expand(g.unsqueeze(window_mass, 2), g.Shape(stage1)),
+        }
+
+    def onnx_priority(self, body, g, scores, eligible, r):
+        """The body's ``priority``: [B, H_kv, m] float."""
+        from criticalkv.export.graph import FLOAT, INT64
+
+        p = body.policy
+        window_mass = g.ReduceMean(g.slice_axis(scores["window_mass"], 0, 1, axis=2), g.i64(1, 2), keepdims=0)  # [B]
+        mass = scores["stage1_mass"]
+        masked = g.Where(eligible, mass, g.const(0.0, np.float32))
+        m = g.shape_of(mass, 2, 3)
+        ordered = g.op("TopK", masked, m, outputs=2, axis=2, largest=1, sorted=1)[0]
+        cumulative = g.CumSum(ordered, g.scalar(2))
+        limit = g.reshape(g.Sub(g.const(p.stage1_mass, np.float32), window_mass), [-1, 1, 1])
+        count = g.ReduceSum(g.Cast(g.Less(cumulative, limit), to=INT64), g.i64(2), keepdims=0)  # [B, H_kv]
+        count = g.Min(count, g.unsqueeze(r, 1))
+        first = body.topk_mask(g, mass, count, eligible)
+        return g.Add(scores["defensive"], g.Mul(g.Cast(first, to=FLOAT), g.const(STAGE1_OFFSET, np.float32)))
+
+    def onnx_allocate(self, body, g, scores, eligible, r):
+        from criticalkv.methods.base import Allocation
+
+        floor = body.head_floor(g, r)
+        ranking = self.onnx_priority(body, g, scores, eligible, r)
+        return Allocation(mask=onnx_shared_allocation_mask(body, g, ranking, r, floor, eligible))
+
+
+class LayerDefensiveKV(DefensiveKV):
+    name = "layer-defensivekv"
+    cpp_enum = "kLayerDefensiveKV"
+    description = "defensivekv scores, the budget shared across all layers and heads (per-head floor ada_floor)"
+    model_level = True
+
+    def max_older_per_head(self, policy, r, m, num_kv_heads):
+        return m  # any head of any layer may take up to L * H_kv * r entries: bounded by its m older tokens
+
+
+METHOD = DefensiveKV()
+LAYER_METHOD = LayerDefensiveKV()

@@ -1,0 +1,76 @@
+"""CriticalKV's two-stage selection (arXiv 2502.03805), applied on top of any scored base method.
+
+Inside each KV head's share of the budget (the base's allocation, r_g older tokens), stage 1 keeps the
+top ``ceil(alpha * r_g)`` by the pooled window attention S and stage 2 the top ``r_g - ceil(alpha * r_g)``
+of the rest by the critical score C = (attention + epsilon) x ||V_i W_O^h|| (``value_norm``), reduced
+over the heads of each GQA group (``gqa_reduce``), with the attention pooled or raw (``stage2_scores``).
+"""
+
+from __future__ import annotations
+
+from criticalkv.methods.base import GroupScoreInputs
+
+
+def stage1_counts(alpha: float, r):
+    """ceil(alpha * r) for every entry of the int64 tensor ``r`` (``criticalkv.selection.budget.stage1_count``)."""
+    import torch
+
+    from criticalkv.selection.budget import stage1_count
+
+    first = torch.tensor([stage1_count(alpha, int(x)) for x in r.flatten().tolist()], dtype=torch.int64)
+    return first.reshape(r.shape).to(r.device)
+
+
+def two_stage_mask(attention, critical, r, alpha: float, eligible):
+    """CriticalKV's selection inside each head's allocation.
+
+    Stage 1 keeps the top ``ceil(alpha * r)`` by ``attention``; stage 2 the top ``r - ceil(alpha * r)``
+    of the rest by ``critical``. ``attention``, ``critical``, ``eligible``: [B, H_kv, m]; ``r``: [B, H_kv].
+    """
+    from criticalkv.selection.topk import topk_mask
+
+    first = stage1_counts(alpha, r)
+    stage1 = topk_mask(attention, first, eligible)
+    stage2 = topk_mask(critical, r - first, eligible & ~stage1)
+    return stage1 | stage2
+
+
+class TwoStage:
+    """The refinement: stage 1 by attention, stage 2 by attention x projected-value norm."""
+
+    name = "two-stage"
+    knobs = ("alpha", "epsilon", "value_norm", "gqa_reduce", "stage2_scores")
+    score_names = ("critical",)
+    score_knobs = ("epsilon", "value_norm", "gqa_reduce", "stage2_scores")
+
+    def group_scores(self, policy, inputs: GroupScoreInputs):
+        norms = inputs.norms(policy.value_norm)
+        p = inputs.pooled if policy.stage2_scores == "pooled" else inputs.raw
+        if policy.gqa_reduce == "mean":
+            return {"critical": ((p + policy.epsilon) * norms).mean(dim=1)}
+        return {"critical": (p.mean(dim=1) + policy.epsilon) * norms.mean(dim=1)}  # kvpress: product of the means
+
+    def choose(self, policy, scores, counts, eligible):
+        """[B, H_kv, m] kept older tokens given each head's ``counts`` [B, H_kv]."""
+        return two_stage_mask(scores["attention"], scores["critical"], counts, policy.alpha, eligible)
+
+    # ------------------------------------------------------------------ ONNX function body
+    def onnx_group_scores(self, body, g, probs, raw, pooled, values_m):
+        import numpy as np
+
+        p = body.policy
+        norms = body.value_norms(g, values_m, p.value_norm)  # [B, H_kv, G, m]
+        attn = pooled if p.stage2_scores == "pooled" else raw
+        eps = g.const(p.epsilon, np.float32)
+        if p.gqa_reduce == "mean":
+            return {"critical": g.ReduceMean(g.Mul(g.Add(attn, eps), norms), g.i64(2), keepdims=0)}
+        return {"critical": g.Mul(g.Add(g.ReduceMean(attn, g.i64(2), keepdims=0), eps), g.ReduceMean(norms, g.i64(2), keepdims=0))}
+
+    def onnx_choose(self, body, g, scores, counts, eligible):
+        first = body.stage1_count(g, counts)
+        stage1 = body.topk_mask(g, scores["attention"], first, eligible)
+        stage2 = body.topk_mask(g, scores["critical"], g.Sub(counts, first), g.And(eligible, g.Not(stage1)))
+        return g.Or(stage1, stage2)
+
+
+TWO_STAGE = TwoStage()

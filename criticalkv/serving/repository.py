@@ -1,0 +1,117 @@
+"""Render a Triton model repository for an engine directory from ``criticalkv/serving/templates/``:
+
+    REPO/NAME/config.pbtxt     decoupled Python-backend model, inputs/outputs of vllm_backend (+ kv_budget, KV bytes)
+    REPO/NAME/1/model.py       the adapter over criticalkv.serving.Scheduler (copied as is)
+    REPO/NAME/1/model.json     the engine arguments (engine_dir, backend, max_num_seqs, kv_pool_mib, ...)
+
+``render`` is ``string.Template`` with a check that every ``${key}`` of the template was given (and no
+unknown key), so a template and its caller cannot drift apart silently. The repository is written into a
+temporary folder and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import string
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from criticalkv.runtime.manifest import read_manifest
+
+TEMPLATES = Path(__file__).parent / "templates"
+DEFAULT_MODEL_NAME = "criticalkv"
+
+
+def template_keys(text: str) -> set[str]:
+    """The ``$key`` / ``${key}`` placeholders of a template."""
+    keys = set()
+    for match in string.Template.pattern.finditer(text):
+        name = match.group("named") or match.group("braced")
+        if name:
+            keys.add(name)
+    return keys
+
+
+def render(text: str, values: dict[str, Any]) -> str:
+    """``text`` with every placeholder filled from ``values``; KeyError naming missing or unknown keys."""
+    keys = template_keys(text)
+    missing, unknown = sorted(keys - set(values)), sorted(set(values) - keys)
+    if missing:
+        raise KeyError(f"template keys not filled: {', '.join(missing)}")
+    if unknown:
+        raise KeyError(f"values given for keys the template does not have: {', '.join(unknown)}")
+    out = string.Template(text).safe_substitute({k: str(v) for k, v in values.items()})
+    left = template_keys(out) & keys
+    assert not left, f"placeholders left after rendering: {left}"
+    return out
+
+
+def _model_name(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ValueError(f"model name {name!r}: use letters, digits, '_', '-' or '.'")
+    return name
+
+
+def make_repository(
+    engine_dir: str | Path,
+    out: str | Path,
+    model_name: str = DEFAULT_MODEL_NAME,
+    instances: int = 1,
+    max_num_seqs: int | None = None,
+    kv_pool_mib: float | None = None,
+    backend: str = "onnxruntime",
+    gpus: list[int] | None = None,
+    threads: int = 0,
+    execution_env: str | None = None,
+    python_paths: list[str] | None = None,
+    force: bool = False,
+) -> Path:
+    """Write the model repository ``out`` for ``engine_dir``; returns ``out/model_name``.
+
+    backend : "onnxruntime" (KIND_CPU) or "tensorrt" (KIND_GPU, one instance per GPU in ``gpus`` times
+        ``instances``); max_num_seqs defaults to the engine's max batch size and may not exceed it
+    execution_env : a virtual environment the model runs in (``EXECUTION_ENV_PATH``; the bundled CPU server
+        needs one with numpy<2); python_paths : appended to the model's ``sys.path`` (the project's packages)
+    """
+    engine_dir = Path(engine_dir).resolve()
+    manifest = read_manifest(engine_dir, verify=False)
+    max_batch = manifest["build"]["max_batch_size"]
+    max_num_seqs = max_batch if max_num_seqs is None else int(max_num_seqs)
+    if not 1 <= max_num_seqs <= max_batch:
+        raise ValueError(f"max_num_seqs {max_num_seqs} must lie in [1, {max_batch}] (the engine's max batch size); "
+                         f"rebuild the engine with --max-batch-size {max_num_seqs} to serve more sequences at once")
+    if instances < 1:
+        raise ValueError(f"instances must be >= 1, got {instances}")
+    if kv_pool_mib is not None and not kv_pool_mib > 0:
+        raise ValueError(f"kv_pool_mib must be > 0, got {kv_pool_mib}")
+    if backend not in ("onnxruntime", "tensorrt"):
+        raise ValueError(f"backend {backend!r} is not onnxruntime or tensorrt")
+    name = _model_name(model_name)
+    gpu_list = "" if backend == "onnxruntime" else f", gpus: [ {', '.join(str(g) for g in (gpus or [0]))} ]"
+    env_line = "" if not execution_env else \
+        f'parameters: {{ key: "EXECUTION_ENV_PATH", value: {{ string_value: "{Path(execution_env).resolve()}" }} }}'
+    config = render((TEMPLATES / "config.pbtxt").read_text(), {
+        "model_name": name, "instances": instances,
+        "instance_kind": "KIND_CPU" if backend == "onnxruntime" else "KIND_GPU",
+        "gpus": gpu_list, "execution_env_parameter": env_line,
+    })
+    arguments = {"engine_dir": str(engine_dir), "backend": backend, "max_num_seqs": max_num_seqs,
+                 "kv_pool_mib": kv_pool_mib, "threads": threads, "python_paths": list(python_paths or [])}
+    out = Path(out)
+    target = out / name
+    if target.exists() and not force:
+        raise ValueError(f"{target} exists (pass force=True / --force to replace it)")
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=f".{name}.building-") as tmp:
+        staged = Path(tmp) / name
+        (staged / "1").mkdir(parents=True)
+        (staged / "config.pbtxt").write_text(config)
+        shutil.copy2(TEMPLATES / "model.py", staged / "1" / "model.py")
+        (staged / "1" / "model.json").write_text(json.dumps(arguments, indent=2) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        staged.rename(target)
+    return target

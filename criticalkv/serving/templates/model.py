@@ -1,0 +1,188 @@
+"""criticalkv Triton model (decoupled Python backend): a thin adapter over criticalkv.serving.Scheduler.
+
+``execute`` parses and validates each request, submits it to the instance's scheduler and returns at once;
+the scheduler thread produces tokens, a response thread sends them through the request's response sender
+(new text per token when streaming; the whole text at the end otherwise), closes with
+TRITONSERVER_RESPONSE_COMPLETE_FINAL, and cancels the request when ``is_cancelled()`` turns true. A bad
+request gets a TritonError naming the problem, on that request alone. Engine arguments: ``model.json``.
+"""
+
+import json
+import os
+import queue
+import sys
+import threading
+import traceback
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+TTFT_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64]
+TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        folder = os.path.join(args["model_repository"], args["model_version"])
+        with open(os.path.join(folder, "model.json")) as f:
+            self.config = json.load(f)
+        for path in self.config.get("python_paths", []):  # the stub ignores PYTHONPATH
+            if path not in sys.path:
+                sys.path.append(path)
+        from criticalkv.runtime import Engine
+        from criticalkv.serving import Scheduler
+        from criticalkv.serving.requests import TextStream, parse_request
+        from criticalkv.serving.scheduler import RequestError
+
+        self.parse_request, self.TextStream, self.RequestError = parse_request, TextStream, RequestError
+        options = {}
+        if self.config.get("backend", "onnxruntime") == "tensorrt":
+            options["device"] = int(args.get("model_instance_device_id", 0))
+        elif self.config.get("threads"):
+            options["threads"] = int(self.config["threads"])
+        self.engine = Engine.load(self.config["engine_dir"], backend=self.config.get("backend", "onnxruntime"),
+                                  verify=False, **options)
+        self.tokenizer = self.engine.tokenizer
+        self.scheduler = Scheduler(self.engine, max_num_seqs=self.config.get("max_num_seqs"),
+                                   kv_pool_mib=self.config.get("kv_pool_mib"))
+        self._setup_metrics(args)
+        self._responses = queue.Queue()
+        self._response_thread = threading.Thread(target=self._response_loop, daemon=True)
+        self._response_thread.start()
+
+    def _setup_metrics(self, args):
+        labels = {"model": args["model_name"], "version": args["model_version"],
+                  "instance": args.get("model_instance_name", "")}
+        family = pb_utils.MetricFamily
+        self._metric_families = [
+            family("criticalkv_time_to_first_token_seconds", "Time from arrival to the first token", family.HISTOGRAM),
+            family("criticalkv_time_per_output_token_seconds", "Mean time per output token after the first",
+                   family.HISTOGRAM),
+            family("criticalkv_kv_bytes_kept_total", "KV cache bytes kept by the selection, summed over requests",
+                   family.COUNTER),
+            family("criticalkv_kv_bytes_full_total", "KV cache bytes of the full prompt cache, summed over requests",
+                   family.COUNTER),
+            family("criticalkv_requests_running", "Requests decoding", family.GAUGE),
+            family("criticalkv_requests_waiting", "Requests waiting for a slot", family.GAUGE),
+            family("criticalkv_kv_pool_bytes_reserved", "KV bytes reserved by the running requests", family.GAUGE),
+        ]
+        ttft, tpot, kept, full, running, waiting, reserved = self._metric_families
+        self.m_ttft = ttft.Metric(labels=labels, buckets=TTFT_BUCKETS)
+        self.m_tpot = tpot.Metric(labels=labels, buckets=TPOT_BUCKETS)
+        self.m_kept, self.m_full = kept.Metric(labels=labels), full.Metric(labels=labels)
+        self.m_running, self.m_waiting = running.Metric(labels=labels), waiting.Metric(labels=labels)
+        self.m_reserved = reserved.Metric(labels=labels)
+        self._gauges = (None, None, None)
+
+    # ------------------------------------------------------------------ requests
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._submit(request, sender)
+            except self.RequestError as err:
+                self._send_error(sender, str(err))
+            except Exception as err:  # an unexpected failure still answers this request alone
+                self._send_error(sender, f"{type(err).__name__}: {err}")
+                pb_utils.Logger.log_error(traceback.format_exc())
+        return None
+
+    def _submit(self, request, sender):
+        names = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output", "kv_budget",
+                 "return_num_input_tokens", "return_num_output_tokens", "return_kv_bytes")
+        inputs = {}
+        for name in names:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            inputs[name] = None if tensor is None else tensor.as_numpy()
+        parsed = self.parse_request(inputs, request.parameters())
+        ids = self.tokenizer(parsed.prompt)["input_ids"]
+        # the Triton request stays referenced until its final response: its sender needs it alive
+        state = {"request": parsed, "triton_request": request, "sender": sender, "num_sent": 0, "handle": None,
+                 "text": self.TextStream(self.tokenizer, parsed.stop)}
+        stop = [] if parsed.ignore_eos else None
+        state["handle"] = self.scheduler.submit(
+            ids, max_tokens=parsed.max_tokens, sampling=parsed.sampling, stop_token_ids=stop,
+            kv_budget=parsed.kv_budget, on_output=lambda out: self._responses.put((state, out)))
+
+    def _send_error(self, sender, message):
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    # ------------------------------------------------------------------ responses
+    def _response_loop(self):
+        while True:
+            item = self._responses.get()
+            if item is None:
+                return
+            state, out = item
+            try:
+                self._respond(state, out)
+            except Exception:
+                pb_utils.Logger.log_error(traceback.format_exc())
+                state["handle"].cancel()
+
+    def _respond(self, state, out):
+        parsed, sender, handle = state["request"], state["sender"], state["handle"]
+        gauges = (self.scheduler.num_running, self.scheduler.num_waiting, self.scheduler.kv_bytes_reserved)
+        if gauges != self._gauges:  # each update is a message to the server: only on change
+            for metric, value, last in zip((self.m_running, self.m_waiting, self.m_reserved), gauges, self._gauges):
+                if value != last:
+                    metric.set(value)
+            self._gauges = gauges
+        if state.get("closed"):
+            return
+        new_text, stopped = state["text"].add(out.new_token_ids, final=out.finished)
+        final = out.finished or stopped
+        if stopped and not out.finished:
+            handle.cancel("stop")  # a stop string: the slot is freed before the next decode step
+        if out.ttft_s is not None and len(out.token_ids) == len(out.new_token_ids) and out.new_token_ids:
+            self.m_ttft.observe(out.ttft_s)
+        if out.finished:
+            if out.time_per_output_token_s is not None:
+                self.m_tpot.observe(out.time_per_output_token_s)
+            self.m_kept.increment(out.kv_bytes_kept)
+            self.m_full.increment(out.kv_bytes_full)
+        if out.error is not None:
+            state["closed"] = True
+            self._send_error(sender, out.error)
+            return
+        if out.finish_reason == "cancelled":
+            state["closed"] = True
+            error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        if parsed.stream:  # one response per token (its text may be empty: a special token, a partial character)
+            count = len(out.token_ids) - state["num_sent"]
+            state["num_sent"] = len(out.token_ids)
+            self._send(state, out, new_text, count, final)
+        elif final:
+            text = (parsed.prompt if parsed.prepend_input else "") + state["text"].text
+            self._send(state, out, text, len(out.token_ids), True)
+        if final:
+            state["closed"] = True
+            state.pop("triton_request", None)
+        elif sender.is_cancelled():
+            handle.cancel()
+
+    def _send(self, state, out, text, num_tokens, final):
+        parsed = state["request"]
+        tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        if final:
+            reason = "stop" if state["text"].stopped else out.finish_reason
+            tensors.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
+            if parsed.return_num_input_tokens:
+                tensors.append(pb_utils.Tensor("num_input_tokens", np.array([out.num_input_tokens], np.uint32)))
+            if parsed.return_kv_bytes:
+                tensors.append(pb_utils.Tensor("kv_bytes_kept", np.array([out.kv_bytes_kept], np.uint64)))
+                tensors.append(pb_utils.Tensor("kv_bytes_full", np.array([out.kv_bytes_full], np.uint64)))
+        if parsed.return_num_output_tokens:
+            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([num_tokens], np.uint32)))
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        state["sender"].send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+
+    def finalize(self):
+        self.scheduler.close()
+        self._responses.put(None)
+        self._response_thread.join(10)
+        self.engine.close()

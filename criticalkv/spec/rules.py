@@ -1,0 +1,203 @@
+"""Validation rules of the KVPolicy knobs, each written once and rendered in Python and C++.
+
+A rule checks one knob (``field``) of a policy and returns ``"field: reason"`` or None. ``cpp(field)``
+renders the same check as C++ for the generated ``validatePolicy`` (``p`` is a ``PolicyConfig``; the
+message text is the same as Python's for integers and for the floats the rules print).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: Fractions (alpha, ada_floor, pyramid_beta) are exact decimals: value = micros / DECIMAL_SCALE.
+DECIMAL_SCALE = 10**6
+#: Largest token count a knob may take (budget, window, pool_kernel, sink_tokens).
+MAX_TOKENS = 1 << 22
+
+
+def _cpp_num(value: float) -> str:
+    text = repr(float(value)) if isinstance(value, float) else str(value)
+    return text
+
+
+def _cpp_str(expr: str, is_float: bool) -> str:
+    """C++ expression turning the numeric ``expr`` into a std::string like Python's str()."""
+    return f"detail::formatNumber({expr})" if is_float else f"std::to_string({expr})"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Base of the rules; ``applies`` policies: None = every policy, else a set of policy names."""
+
+    def check(self, policy: Any, field: str) -> str | None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def cpp(self, field: str, is_float: bool, policies: tuple[str, ...] | None) -> str:  # pragma: no cover
+        raise NotImplementedError
+
+    def describe(self) -> str:  # pragma: no cover
+        raise NotImplementedError
+
+
+def _when(policies: tuple[str, ...] | None) -> str:
+    if policies is None:
+        return ""
+    return "(" + " || ".join(f'p.name == "{n}"' for n in policies) + ") && "
+
+
+@dataclass(frozen=True)
+class Positive(Rule):
+    """value >= 1 (a count of tokens)."""
+
+    def check(self, policy, field):
+        v = getattr(policy, field)
+        return None if v > 0 else f"{field}: must be a positive number of tokens, got {v}"
+
+    def cpp(self, field, is_float, policies):
+        return (f"if ({_when(policies)}!(p.{field} > 0))\n        return \"{field}: must be a positive number of tokens, got \" + "
+                f"{_cpp_str('p.' + field, is_float)};")
+
+    def describe(self):
+        return ">= 1"
+
+
+@dataclass(frozen=True)
+class PositiveOdd(Rule):
+    def check(self, policy, field):
+        v = getattr(policy, field)
+        return None if v > 0 and v % 2 == 1 else f"{field}: must be a positive odd integer, got {v}"
+
+    def cpp(self, field, is_float, policies):
+        return (f"if ({_when(policies)}!(p.{field} > 0 && p.{field} % 2 == 1))\n        return \"{field}: must be a positive odd integer, got \" + "
+                f"{_cpp_str('p.' + field, is_float)};")
+
+    def describe(self):
+        return "odd, >= 1"
+
+
+@dataclass(frozen=True)
+class AtLeast(Rule):
+    """value >= lo."""
+
+    lo: float
+
+    def check(self, policy, field):
+        v = getattr(policy, field)
+        return None if v >= self.lo else f"{field}: must be >= {self.lo:g}, got {v}"
+
+    def cpp(self, field, is_float, policies):
+        return (f"if ({_when(policies)}!(p.{field} >= {_cpp_num(self.lo)}))\n        return \"{field}: must be >= {self.lo:g}, got \" + "
+                f"{_cpp_str('p.' + field, is_float)};")
+
+    def describe(self):
+        return f">= {self.lo:g}"
+
+
+@dataclass(frozen=True)
+class Between(Rule):
+    """lo <= value <= hi."""
+
+    lo: float
+    hi: float
+
+    def check(self, policy, field):
+        v = getattr(policy, field)
+        return None if self.lo <= v <= self.hi else f"{field}: must lie in [{self.lo:g}, {self.hi:g}], got {v}"
+
+    def cpp(self, field, is_float, policies):
+        return (f"if ({_when(policies)}!(p.{field} >= {_cpp_num(self.lo)} && p.{field} <= {_cpp_num(self.hi)}))\n"
+                f"        return \"{field}: must lie in [{self.lo:g}, {self.hi:g}], got \" + {_cpp_str('p.' + field, is_float)};")
+
+    def describe(self):
+        return f"in [{self.lo:g}, {self.hi:g}]"
+
+
+@dataclass(frozen=True)
+class AtMost(Rule):
+    """value <= hi (an implementation limit)."""
+
+    hi: int
+
+    def check(self, policy, field):
+        v = getattr(policy, field)
+        return None if v <= self.hi else f"{field}: {v} exceeds the supported maximum {self.hi}"
+
+    def cpp(self, field, is_float, policies):
+        return (f"if ({_when(policies)}p.{field} > {self.hi})\n        return \"{field}: \" + {_cpp_str('p.' + field, is_float)} + "
+                f"\" exceeds the supported maximum {self.hi}\";")
+
+    def describe(self):
+        return f"<= {self.hi}"
+
+
+@dataclass(frozen=True)
+class Decimals(Rule):
+    """At most ``places`` decimals, so that integer arithmetic on value * 10^places is exact in every language."""
+
+    places: int = 6
+
+    def check(self, policy, field):
+        v = getattr(policy, field)
+        scale = 10**self.places
+        return None if round(v * scale) / scale == v else f"{field}: must have at most {self.places} decimals, got {v}"
+
+    def cpp(self, field, is_float, policies):
+        scale = f"{10**self.places}.0"
+        return (f"if ({_when(policies)}static_cast<double>(std::llround(p.{field} * {scale})) / {scale} != p.{field})\n"
+                f"        return \"{field}: must have at most {self.places} decimals, got \" + {_cpp_str('p.' + field, is_float)};")
+
+    def describe(self):
+        return f"<= {self.places} decimals"
+
+
+@dataclass(frozen=True)
+class NotBelowField(Rule):
+    """value >= another knob (``other``), for the policies ``applies_to`` names (None: every policy that evicts)."""
+
+    other: str
+    reason: str = ""
+
+    def check(self, policy, field):
+        v, o = getattr(policy, field), getattr(policy, self.other)
+        if v >= o:
+            return None
+        return f"{field}: {v} is smaller than the {self.other} ({o}){self.reason}"
+
+    def cpp(self, field, is_float, policies):
+        return (f"if ({_when(policies)}p.{field} < p.{self.other})\n        return \"{field}: \" + {_cpp_str('p.' + field, is_float)} + "
+                f"\" is smaller than the {self.other} (\" + {_cpp_str('p.' + self.other, is_float)} + \"){self.reason}\";")
+
+    def describe(self):
+        return f">= {self.other}"
+
+
+@dataclass(frozen=True)
+class NotAboveField(Rule):
+    """value <= another knob (``other``)."""
+
+    other: str
+
+    def check(self, policy, field):
+        v, o = getattr(policy, field), getattr(policy, self.other)
+        return None if v <= o else f"{field}: {v} exceeds the {self.other} {o}"
+
+    def cpp(self, field, is_float, policies):
+        return (f"if ({_when(policies)}p.{field} > p.{self.other})\n        return \"{field}: \" + {_cpp_str('p.' + field, is_float)} + "
+                f"\" exceeds the {self.other} \" + {_cpp_str('p.' + self.other, is_float)};")
+
+    def describe(self):
+        return f"<= {self.other}"
+
+
+@dataclass(frozen=True)
+class Scoped:
+    """A rule that holds only for the policies whose method reads the knob (``when="reads"``) or evicts."""
+
+    rule: Rule
+    when: str  # "reads" | "evicts"
+
+
+def micros(value: float) -> int:
+    """The exact integer value * 10^6 of a fraction with at most 6 decimals (``Decimals`` holds)."""
+    return round(value * DECIMAL_SCALE)

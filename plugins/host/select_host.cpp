@@ -1,0 +1,388 @@
+#include "select_host.h"
+
+#include "criticalkv/group_scores.h"
+#include "criticalkv/head_selection.h"
+#include "criticalkv/kept_positions.h"
+#include "criticalkv/radix_select.h"
+#include "criticalkv/shared_allocation.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace criticalkv::host
+{
+namespace
+{
+
+void validateShape(SelectConfig const& config, SelectShape const& s)
+{
+    if (s.batch <= 0 || s.heads <= 0 || s.kvHeads <= 0 || s.n <= 0 || s.headDim <= 0 || s.hidden <= 0)
+    {
+        throw std::invalid_argument("shape: every dimension must be positive");
+    }
+    if (s.heads % s.kvHeads != 0)
+    {
+        throw std::invalid_argument("queries: " + std::to_string(s.heads) + " query heads are not a multiple of "
+            + std::to_string(s.kvHeads) + " KV heads");
+    }
+    if (s.queryLen < windowLength(config, s.n))
+    {
+        throw std::invalid_argument("queries: " + std::to_string(s.queryLen)
+            + " window queries given, the policy needs min(window, n) = " + std::to_string(windowLength(config, s.n)));
+    }
+    if (config.capacity <= 0)
+    {
+        throw std::invalid_argument("capacity: must be positive");
+    }
+}
+
+//! Ā and sum_j A_j^2 of query head h over the m older positions (window attention, causal inside the window).
+void windowScores(SelectConfig const& config, SelectShape const& s, HostInputs const& in, int32_t b, int32_t h,
+    int32_t validStart, float* raw, float* squares)
+{
+    int32_t const n = s.n;
+    int32_t const d = s.headDim;
+    int32_t const w = windowLength(config, n);
+    int32_t const m = n - w;
+    int32_t const g = h / (s.heads / s.kvHeads);
+    float const scale = static_cast<float>(std::sqrt(static_cast<double>(d)));
+    float const* keys = in.keys + (static_cast<int64_t>(b) * s.kvHeads + g) * n * d;
+    std::fill(raw, raw + m, 0.0F);
+    std::fill(squares, squares + m, 0.0F);
+    std::vector<float> logits(static_cast<size_t>(n));
+    for (int32_t j = 0; j < w; ++j)
+    {
+        float const* q = in.queries + ((static_cast<int64_t>(b) * s.heads + h) * s.queryLen + (s.queryLen - w + j)) * d;
+        int32_t const last = n - w + j; // keys <= last are visible, and keys >= validStart
+        float rowMax = -INFINITY;
+        for (int32_t i = validStart; i <= last; ++i)
+        {
+            float dot = 0.0F;
+            for (int32_t k = 0; k < d; ++k)
+            {
+                dot += q[k] * keys[static_cast<int64_t>(i) * d + k];
+            }
+            logits[i] = dot / scale;
+            rowMax = std::max(rowMax, logits[i]);
+        }
+        if (validStart > last)
+        {
+            continue; // a padded query of a short sequence: never scored
+        }
+        float sum = 0.0F;
+        for (int32_t i = validStart; i <= last; ++i)
+        {
+            sum += std::exp(logits[i] - rowMax);
+        }
+        for (int32_t i = validStart; i < std::min(m, last + 1); ++i)
+        {
+            float const p = std::exp(logits[i] - rowMax) / sum;
+            raw[i] += p;
+            squares[i] += p * p;
+        }
+    }
+    for (int32_t i = 0; i < m; ++i)
+    {
+        raw[i] /= static_cast<float>(w);
+    }
+}
+
+//! The sequential radix select as the flows' top-k primitive (select_flow.h).
+struct HostTopK
+{
+    void operator()(float const* scores, uint8_t* flags, int64_t len, int64_t period, int64_t firstValid, int64_t k,
+        uint8_t mark) const
+    {
+        selectTopK(scores, flags, len, period, firstValid, k, mark);
+    }
+};
+
+} // namespace
+
+void valueProjectionNorms(SelectShape const& s, float const* values, float const* oProj, int32_t b, int32_t h,
+    int32_t count, ValueNorm kind, float* out)
+{
+    int32_t const d = s.headDim;
+    int64_t const ld = static_cast<int64_t>(s.heads) * d; // o_proj row length
+    int32_t const g = h / (s.heads / s.kvHeads);
+    float const* v = values + (static_cast<int64_t>(b) * s.kvHeads + g) * s.n * d;
+    float const* w = oProj + static_cast<int64_t>(h) * d; // W_O^h[k, c] = w[c * ld + k]
+    if (kind == ValueNorm::kL2)
+    {
+        std::vector<float> gram(static_cast<size_t>(d) * d, 0.0F);
+        for (int32_t k = 0; k < d; ++k)
+        {
+            for (int32_t l = 0; l < d; ++l)
+            {
+                float acc = 0.0F;
+                for (int32_t c = 0; c < s.hidden; ++c)
+                {
+                    acc += w[c * ld + k] * w[c * ld + l];
+                }
+                gram[static_cast<size_t>(k) * d + l] = acc;
+            }
+        }
+        std::vector<float> u(static_cast<size_t>(d));
+        for (int32_t i = 0; i < count; ++i)
+        {
+            float const* vi = v + static_cast<int64_t>(i) * d;
+            for (int32_t l = 0; l < d; ++l)
+            {
+                float acc = 0.0F;
+                for (int32_t k = 0; k < d; ++k)
+                {
+                    acc += vi[k] * gram[static_cast<size_t>(k) * d + l];
+                }
+                u[l] = acc;
+            }
+            float quad = 0.0F;
+            for (int32_t l = 0; l < d; ++l)
+            {
+                quad += u[l] * vi[l];
+            }
+            out[i] = std::sqrt(std::max(quad, 0.0F));
+        }
+        return;
+    }
+    for (int32_t i = 0; i < count; ++i)
+    {
+        float const* vi = v + static_cast<int64_t>(i) * d;
+        float norm = 0.0F;
+        for (int32_t c = 0; c < s.hidden; ++c)
+        {
+            float dot = 0.0F;
+            for (int32_t k = 0; k < d; ++k)
+            {
+                dot += vi[k] * w[c * ld + k];
+            }
+            norm += std::fabs(dot);
+        }
+        out[i] = norm;
+    }
+}
+
+namespace
+{
+
+//! The radix select's data-parallel steps as loops over the row (radix_select.h).
+struct HostRadixRow
+{
+    float const* scores;
+    uint8_t* flags;
+    int64_t len;
+    int64_t period;
+    int64_t firstValid;
+    uint8_t mark;
+    uint32_t bins[kRadixBins];
+
+    bool candidate(int64_t e) const
+    {
+        return radixCandidate(flags, e, period, firstValid);
+    }
+
+    uint32_t const* histogram(int pass, uint32_t prefix, uint32_t prefixMask)
+    {
+        std::fill(bins, bins + kRadixBins, 0u);
+        for (int64_t e = 0; e < len; ++e)
+        {
+            uint32_t const key = orderedKey(scores[e]);
+            if (candidate(e) && (key & prefixMask) == prefix)
+            {
+                ++bins[radixDigit(key, pass)];
+            }
+        }
+        return bins;
+    }
+
+    void markAll()
+    {
+        for (int64_t e = 0; e < len; ++e)
+        {
+            if (candidate(e))
+            {
+                flags[e] = mark;
+            }
+        }
+    }
+
+    void markBest(uint32_t threshold, int64_t remaining, int64_t /*atThreshold*/)
+    {
+        int64_t tiesTaken = 0;
+        for (int64_t e = 0; e < len; ++e)
+        {
+            if (!candidate(e))
+            {
+                continue;
+            }
+            uint32_t const key = orderedKey(scores[e]);
+            if (key > threshold || (key == threshold && tiesTaken++ < remaining))
+            {
+                flags[e] = mark;
+            }
+        }
+    }
+};
+
+} // namespace
+
+void selectTopK(float const* scores, uint8_t* flags, int64_t len, int64_t period, int64_t firstValid, int64_t k,
+    uint8_t mark)
+{
+    HostRadixRow row{scores, flags, len, period, firstValid, mark, {}};
+    radixSelectTopK(row, k);
+}
+
+int32_t resolveLayerBudget(SelectConfig const& config, BudgetTable const& table, int32_t const* kvBudget)
+{
+    int32_t const index = effectiveBudget(config, kvBudget) - config.window;
+    if (table.values == nullptr || index < 0 || index >= table.count)
+    {
+        throw std::invalid_argument("layer_budgets: no entry for budget " + std::to_string(index + config.window));
+    }
+    return table.values[index];
+}
+
+void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectShape const& s, HostInputs const& in,
+    HostOutputs const& out)
+{
+    validateShape(config, s);
+    // The request's budget, resolved as on the device (pipeline.cu): r_l looked up first, then read by every stage.
+    int32_t resolved = 0;
+    RuntimeBudget runtime{in.kvBudget, nullptr};
+    if (in.kvBudget != nullptr && config.budgetTable && needsScores(config))
+    {
+        resolved = resolveLayerBudget(config, table, in.kvBudget);
+        runtime.layerBudget = &resolved;
+    }
+    int32_t const n = s.n;
+    int32_t const d = s.headDim;
+    int32_t const group = s.heads / s.kvHeads;
+    int32_t const w = windowLength(config, n);
+    int32_t const m = n - w;
+    int32_t const cap = outputCapacity(config, n);
+    int64_t const rowsPerBatch = static_cast<int64_t>(s.kvHeads) * m;
+
+    std::vector<SequenceInfo> infos(static_cast<size_t>(s.batch));
+    bool anyScored = false;
+    for (int32_t b = 0; b < s.batch; ++b)
+    {
+        infos[b] = sequenceInfo(config, runtime, s, in.promptLengths, b);
+        anyScored = anyScored || (infos[b].compress && needsScores(config));
+    }
+
+    // The kernels' stages, one after the other, on buffers of the kernels' layout (kernels.h: WorkspaceLayout).
+    size_t const perHead = static_cast<size_t>(s.batch) * s.heads * m;
+    size_t const perKvHead = static_cast<size_t>(s.batch) * rowsPerBatch;
+    std::vector<float> raw(perHead, 0.0F), squares(perHead, 0.0F), norms(needsNorms(config) ? perHead : 0, 0.0F);
+    std::vector<float> attention(perKvHead, 0.0F), critical(perKvHead, 0.0F), laprox(perKvHead, 0.0F);
+    std::vector<uint8_t> flags(perKvHead, 0);
+    std::vector<int64_t> headCounts(static_cast<size_t>(s.batch) * s.kvHeads, 0);
+    HostTopK topK;
+    for (int32_t b = 0; b < s.batch && anyScored; ++b)
+    {
+        SequenceInfo const& info = infos[b];
+        if (!info.compress)
+        {
+            continue;
+        }
+        int64_t const sequence = static_cast<int64_t>(b) * s.heads * m;
+        // window scores and value norms (window_scores.cu, value_norms.cu)
+        for (int32_t h = 0; h < s.heads; ++h)
+        {
+            int64_t const row = sequence + static_cast<int64_t>(h) * m;
+            windowScores(config, s, in, b, h, info.validStart, &raw[row], &squares[row]);
+            if (needsNorms(config))
+            {
+                valueProjectionNorms(s, in.values, in.oProj, b, h, m, normKind(config), &norms[row]);
+            }
+        }
+        // group scores (groupScoresKernel)
+        for (int32_t g = 0; g < s.kvHeads; ++g)
+        {
+            for (int32_t i = 0; i < m; ++i)
+            {
+                GroupScores const scores = groupScoresAt(config, &raw[sequence], &squares[sequence],
+                    norms.empty() ? nullptr : &norms[sequence], g * group, group, m, i);
+                int64_t const at = b * rowsPerBatch + static_cast<int64_t>(g) * m + i;
+                attention[at] = scores.attention;
+                critical[at] = scores.critical;
+                laprox[at] = scores.laprox;
+            }
+        }
+        // shared allocation (selectSharedKernel), then the per-head flow (selectPerHeadKernel)
+        int64_t const base = b * rowsPerBatch;
+        if (sharedAllocation(config))
+        {
+            selectShared(topK, config, sharedRanking(config, &attention[base], &laprox[base]), &flags[base], s.kvHeads,
+                m, info.validStart, info.r);
+            for (int32_t g = 0; g < s.kvHeads; ++g)
+            {
+                uint8_t const* row = &flags[base + static_cast<int64_t>(g) * m];
+                headCounts[static_cast<size_t>(b) * s.kvHeads + g]
+                    = std::count_if(row, row + m, [](uint8_t f) { return f != 0; });
+            }
+            if (!config.twoStage)
+            {
+                continue;
+            }
+        }
+        for (int32_t g = 0; g < s.kvHeads; ++g)
+        {
+            int64_t const row = base + static_cast<int64_t>(g) * m;
+            std::fill(&flags[row], &flags[row] + m, 0);
+            int64_t const count
+                = sharedAllocation(config) ? headCounts[static_cast<size_t>(b) * s.kvHeads + g] : info.r;
+            selectHead(topK, config, &attention[row], &critical[row], &flags[row], m, info.validStart, count);
+        }
+    }
+
+    // Compaction: ascending kept positions, then the gather of K and V.
+    for (int32_t b = 0; b < s.batch; ++b)
+    {
+        SequenceInfo const& info = infos[b];
+        for (int32_t g = 0; g < s.kvHeads; ++g)
+        {
+            std::vector<int32_t> kept;
+            int32_t const fixed = fixedKeptCount(config, info);
+            for (int32_t slot = 0; slot < fixed; ++slot)
+            {
+                kept.push_back(fixedKeptPosition(config, info, n, slot));
+            }
+            if (fixed < 0)
+            {
+                uint8_t const* row = &flags[b * rowsPerBatch + static_cast<int64_t>(g) * m];
+                for (int32_t i = 0; i < n; ++i)
+                {
+                    if (scoredPositionKept(info, m, row, i))
+                    {
+                        kept.push_back(i);
+                    }
+                }
+            }
+            int64_t const head = static_cast<int64_t>(b) * s.kvHeads + g;
+            int32_t const count = std::min(static_cast<int32_t>(kept.size()), cap);
+            out.keptLengths[head] = count;
+            for (int32_t slot = 0; slot < cap; ++slot)
+            {
+                int32_t const index = slot < count ? kept[slot] : -1;
+                out.keptIndices[head * cap + slot] = index;
+                for (float* dst : {out.keptKeys, out.keptValues})
+                {
+                    if (dst == nullptr)
+                    {
+                        continue;
+                    }
+                    float const* src = dst == out.keptKeys ? in.keys : in.values;
+                    for (int32_t k = 0; k < d; ++k)
+                    {
+                        dst[(head * cap + slot) * d + k] = index >= 0 ? src[(head * n + index) * d + k] : 0.0F;
+                    }
+                }
+            }
+        }
+    }
+}
+
+} // namespace criticalkv::host

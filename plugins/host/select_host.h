@@ -1,0 +1,51 @@
+// Host C++ version of the CriticalKVSelect operator: a sequential driver of the kernels' __host__ __device__
+// functions (group score, selection flows, compaction rule), in fp32. It is the CPU
+// check of the kernels' logic against the PyTorch reference (tests/plugins/test_plugin_host_select.py).
+#pragma once
+
+#include "criticalkv/select_params.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace criticalkv::host
+{
+
+//! fp32 inputs (fp16/bf16 tensors are upcast by the caller, exactly as the reference's .float()).
+struct HostInputs
+{
+    float const* queries;         //!< [B, H, queryLen, d_h]
+    float const* keys;            //!< [B, H_kv, n, d_h]
+    float const* values;          //!< [B, H_kv, n, d_h]
+    float const* oProj;           //!< [hidden, H * d_h]
+    int32_t const* promptLengths; //!< [B] or nullptr (every sequence n tokens)
+    int32_t const* kvBudget;      //!< [1] the request's budget (clamped like the kernels), or nullptr (the built one)
+};
+
+//! Outputs, cap = min(n, capacity). keptKeys / keptValues may be nullptr (indices only).
+struct HostOutputs
+{
+    int32_t* keptIndices; //!< [B, H_kv, cap], ascending, -1 padded
+    int32_t* keptLengths; //!< [B, H_kv]
+    float* keptKeys;      //!< [B, H_kv, cap, d_h], zero padded
+    float* keptValues;    //!< [B, H_kv, cap, d_h]
+};
+
+//! Run the operator; throws std::invalid_argument on inconsistent shapes. table: the layer_budgets field.
+void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape, HostInputs const& in,
+    HostOutputs const& out);
+
+//! r_l of the runtime budget: the device's resolve step (launchResolveLayerBudget) on the host.
+int32_t resolveLayerBudget(SelectConfig const& config, BudgetTable const& table, int32_t const* kvBudget);
+
+//! Mark the k best candidates of scores[0, len) (ties: lower index) with `mark` in flags. Candidates are the
+//! entries with flags[e] == 0 and (e % period) >= firstValid. Same algorithm as the kernels' block select.
+void selectTopK(float const* scores, uint8_t* flags, int64_t len, int64_t period, int64_t firstValid, int64_t k,
+    uint8_t mark);
+
+//! Projected-value norms of query head h for tokens [0, count): ||V[g(h), i] W_O^h|| (l1, or l2 through the
+//! d_h x d_h Gram matrix like the reference). out: [count].
+void valueProjectionNorms(SelectShape const& shape, float const* values, float const* oProj, int32_t b, int32_t h,
+    int32_t count, ValueNorm kind, float* out);
+
+} // namespace criticalkv::host

@@ -1,0 +1,61 @@
+// What each base method needs from the pipeline, in one place: which scores it computes, which norm it uses,
+// and whether its heads share the layer's slots. The kernels, the host driver and the workspace layout ask
+// these questions instead of comparing method names.
+#pragma once
+
+#include "criticalkv/select_params.h"
+
+namespace criticalkv
+{
+
+// The traits come from the generated registry (policy_fields.h: CKV_FOR_EACH_BASE), so a new base method
+// declares them in the Python spec and nowhere else.
+#define CKV_BASE_TRAIT(trait)                                                                                          \
+    switch (config.base)                                                                                               \
+    {                                                                                                                  \
+        CKV_FOR_EACH_BASE(trait)                                                                                       \
+    }                                                                                                                  \
+    return false;
+#define CKV_BASE_SCORED(enumerator, name, scored, shared, ownL2)                                                       \
+    case BaseMethod::enumerator: return (scored) != 0;
+#define CKV_BASE_SHARED(enumerator, name, scored, shared, ownL2)                                                       \
+    case BaseMethod::enumerator: return (shared) != 0;
+#define CKV_BASE_OWN_L2(enumerator, name, scored, shared, ownL2)                                                       \
+    case BaseMethod::enumerator: return (ownL2) != 0;
+
+//! The method ranks older tokens by window-attention scores (every base but full and streamingllm).
+CKV_HD bool needsScores(SelectConfig const& config)
+{
+    CKV_BASE_TRAIT(CKV_BASE_SCORED)
+}
+
+//! The layer's H_kv * r slots are shared across heads with a per-head floor (adakv, laprox).
+CKV_HD bool sharedAllocation(SelectConfig const& config)
+{
+    CKV_BASE_TRAIT(CKV_BASE_SHARED)
+}
+
+//! The base itself scores with l2 projected-value norms and squared window attention (laprox).
+CKV_HD bool ownL2Norms(SelectConfig const& config)
+{
+    CKV_BASE_TRAIT(CKV_BASE_OWN_L2)
+}
+
+#undef CKV_BASE_OWN_L2
+#undef CKV_BASE_SHARED
+#undef CKV_BASE_SCORED
+#undef CKV_BASE_TRAIT
+
+//! Projected-value norms are needed: by CriticalKV's stage 2 or by a base that scores with them.
+CKV_HD bool needsNorms(SelectConfig const& config)
+{
+    return ownL2Norms(config) || (needsScores(config) && config.twoStage != 0);
+}
+
+//! Norm the stage-2 / LaProx score uses.
+CKV_HD ValueNorm normKind(SelectConfig const& config)
+{
+    return ownL2Norms(config) ? ValueNorm::kL2 : config.valueNorm;
+}
+
+} // namespace criticalkv

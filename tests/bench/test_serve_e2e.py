@@ -1,0 +1,45 @@
+"""`criticalkv bench serve` end to end: a real tritonserver (started by the benchmark from a tiny engine)."""
+
+import json
+
+import pytest
+
+from criticalkv.cli import main
+from serving.servers import build_tiny_engine
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    from criticalkv.serving import launcher
+
+    if not launcher.is_set_up():
+        pytest.fail("tritonserver is not set up: run `criticalkv serve --setup` (scripts/install.sh does)")
+    return build_tiny_engine(tmp_path_factory.mktemp("engine"), max_batch_size=2)
+
+
+def test_bench_serve_on_a_started_server(tiny_engine, tmp_path):
+    out = tmp_path / "results"
+    code = main(["bench", "serve", "--engine-dir", str(tiny_engine), "--isl", "60", "--osl", "6",
+                 "--concurrency", "1,2", "--request-rate", "50", "--max-concurrency", "2", "--num-requests", "3", "--warmup", "1", "--out", str(out),
+                 "--server-args", "--threads 1", "--no-progress"])
+    assert code == 0
+    results = json.loads((out / "serving.json").read_text())
+    assert results["machine"]["load_average_end"] and results["commit"]
+    assert [(r.get("concurrency"), r.get("request_rate")) for r in results["runs"]] == [(1, None), (2, None), (None, 50.0)]
+    for run in results["runs"]:
+        s = run["summary"]
+        assert s["completed"] == 3 and s["failed"] == 0
+        assert run["osl_exact"] and run["isl_exact"]  # ignore_eos: exactly 6 tokens; prompts of exactly 60
+        assert 0 < s["ttft_ms"]["p50"] <= s["latency_ms"]["p50"]
+        assert s["itl_ms"]["count"] == 3 * 5  # one gap per token after the first
+        assert s["output_throughput"] == pytest.approx(18 / s["duration_s"])
+        # budget 40 of 60 prompt tokens in every KV head of every layer: kept / full = 40 / 60
+        assert s["kv_mib_kept_per_seq"]["avg"] / s["kv_mib_full_per_seq"]["avg"] == pytest.approx(40 / 60)
+        assert run["server_peak_rss_mib"] > 50  # tritonserver + the Python stub holding the engine
+    assert results["runs"][1]["summary"]["peak_requests_in_flight"] == 2
+    assert results["runs"][2]["summary"]["peak_requests_in_flight"] <= 2  # Poisson arrivals, capped at 2 in flight
+    text = (out / "serving.txt").read_text()
+    assert "vs conc 1" in text and "TPOT" in text
+    csv_lines = (out / "serving.csv").read_text().splitlines()
+    assert len(csv_lines) == 4 and csv_lines[0].startswith("engine,policy,budget,isl,osl,concurrency")
+    assert (out / "serving.png").stat().st_size > 10_000

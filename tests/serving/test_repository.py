@@ -1,0 +1,86 @@
+"""The model repository renderer and the request parsing / detokenization of the Triton model (no server)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from criticalkv.serving.repository import TEMPLATES, make_repository, render, template_keys
+from criticalkv.serving.requests import TextStream, parse_request
+from criticalkv.serving.scheduler import RequestError
+from export.tiny_engine import word_tokenizer
+from serving.servers import build_tiny_engine
+
+
+def test_render_fills_every_key_and_refuses_missing_or_unknown_ones():
+    text = "name: ${name}\ncount: $count\ncost: $$5\n"
+    assert template_keys(text) == {"name", "count"}
+    assert render(text, {"name": "m", "count": 2}) == "name: m\ncount: 2\ncost: $5\n"
+    with pytest.raises(KeyError, match="not filled: count"):
+        render(text, {"name": "m"})
+    with pytest.raises(KeyError, match="does not have: colour"):
+        render(text, {"name": "m", "count": 2, "colour": 1})
+    assert template_keys((TEMPLATES / "config.pbtxt").read_text()) == {
+        "model_name", "instances", "instance_kind", "gpus", "execution_env_parameter"}
+
+
+def test_make_repository_writes_the_three_files(tmp_path):
+    engine = build_tiny_engine(tmp_path / "engine", max_batch_size=4)
+    model = make_repository(engine, tmp_path / "repo", model_name="tiny", instances=2, max_num_seqs=3,
+                            kv_pool_mib=64, execution_env=str(tmp_path / "env"), python_paths=["/x"])
+    config = (model / "config.pbtxt").read_text()
+    assert 'name: "tiny"' in config and 'backend: "python"' in config and "decoupled: true" in config
+    assert "count: 2, kind: KIND_CPU" in config and "EXECUTION_ENV_PATH" in config and "$" not in config
+    arguments = json.loads((model / "1" / "model.json").read_text())
+    assert arguments["engine_dir"] == str(engine.resolve()) and arguments["max_num_seqs"] == 3
+    assert arguments["kv_pool_mib"] == 64 and arguments["python_paths"] == ["/x"]
+    assert (model / "1" / "model.py").read_text() == (TEMPLATES / "model.py").read_text()
+    gpu = make_repository(engine, tmp_path / "gpu", backend="tensorrt", gpus=[0, 1])
+    assert "kind: KIND_GPU, gpus: [ 0, 1 ]" in (gpu / "config.pbtxt").read_text()
+    assert "EXECUTION_ENV_PATH" not in (gpu / "config.pbtxt").read_text()
+    with pytest.raises(ValueError, match="rebuild the engine with --max-batch-size 5"):
+        make_repository(engine, tmp_path / "repo2", max_num_seqs=5)
+    with pytest.raises(ValueError, match="exists"):
+        make_repository(engine, tmp_path / "repo", model_name="tiny")
+
+
+def b(text):
+    return np.array([text.encode()], dtype=object)
+
+
+def test_parse_request_follows_vllm_backend():
+    r = parse_request({"text_input": b("hi"), "sampling_parameters": b(json.dumps(
+        {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": "w9"}))})
+    assert (r.prompt, r.stream, r.prepend_input, r.max_tokens, r.stop) == ("hi", False, True, 7, ["w9"])
+    assert (r.sampling.temperature, r.sampling.top_p, r.sampling.seed) == (0.5, 0.9, 3)
+    r = parse_request({"text_input": b("hi"), "stream": np.array([True]), "kv_budget": np.array([64], np.int32)},
+                      parameters=json.dumps({"max_tokens": 5, "something_else": 1}))
+    assert (r.stream, r.prepend_input, r.max_tokens, r.kv_budget) == (True, False, 5, 64)
+    for inputs, message in [
+        ({}, "missing required input 'text_input'"),
+        ({"text_input": b("x"), "sampling_parameters": b("{")}, "malformed JSON"),
+        ({"text_input": b("x"), "sampling_parameters": b('{"max_tokens": -2}')}, "max_tokens must be >= 1"),
+        ({"text_input": b("x"), "sampling_parameters": b('{"max_tokens": 2.5}')}, "max_tokens must be an integer"),
+        ({"text_input": b("x"), "sampling_parameters": b('{"top_p": 0}')}, "top_p"),
+        ({"text_input": b("x"), "sampling_parameters": b('{"stop": [1]}')}, "stop must be"),
+        ({"text_input": b("x"), "stream": np.array([True]), "exclude_input_in_output": np.array([False])},
+         "not allowed when streaming"),
+    ]:
+        with pytest.raises(RequestError, match=message):
+            parse_request(inputs)
+
+
+def test_text_stream_deltas_add_up_and_stop_strings_cut():
+    tokenizer = word_tokenizer()
+    ids = tokenizer("the quick w40 w41 w42 w43")["input_ids"]
+    stream = TextStream(tokenizer)
+    deltas = [stream.add([i], final=k == len(ids) - 1)[0] for k, i in enumerate(ids)]
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    stream = TextStream(tokenizer, stop=["w42"])
+    out, stopped = "", False
+    for i in ids:
+        delta, stopped = stream.add([i])
+        out += delta
+        if stopped:
+            break
+    assert stopped and "w42" not in out and out.rstrip().endswith("w41")

@@ -1,0 +1,71 @@
+"""The scripts and the package metadata: bad input gives one line (no traceback), --help explains every option."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def benchmark_latency():
+    """scripts/benchmark_latency.py as a module (its main() takes argv)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_latency", ROOT / "scripts" / "benchmark_latency.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "0"], "budget: must be a positive number of tokens, got 0"),
+    (["--budget", "4096"], "budget 4096 >= --prompt-len 4096: nothing would be evicted"),
+    (["--memory-budgets", "128,x"], "--memory-budgets: expected comma-separated integers"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--replot"], "--replot: no {out}.json to redraw from"),
+])
+def test_benchmark_latency_bad_inputs_give_one_line(benchmark_latency, tmp_path, capsys, args, message):
+    out = tmp_path / "bench"
+    assert benchmark_latency.main([*args, "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("benchmark_latency: error: " + message.format(out=out)) and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_benchmark_latency_writes_nothing_unless_told_where_and_explains_every_option(benchmark_latency, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        benchmark_latency.main([])  # the committed results are replaced only when named
+    assert exit_.value.code == 2 and "the following arguments are required: --output" in capsys.readouterr().err
+    parser = benchmark_latency.build_parser()
+    undocumented = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
+    assert undocumented == []
+
+
+def test_build_plugin_help_builds_nothing(tmp_path):
+    for args, code in ((["--help"], 0), (["-h"], 0), (["--bogus"], 2)):
+        run = subprocess.run(["bash", str(ROOT / "scripts" / "build_plugin.sh"), *args], capture_output=True, text=True,
+                             env={"PATH": "/usr/bin:/bin", "BUILD_DIR": str(tmp_path / "build"), "HOME": str(tmp_path)},
+                             timeout=30)
+        assert run.returncode == code, run.stderr
+        assert not (tmp_path / "build").exists()
+    help_run = subprocess.run(["bash", str(ROOT / "scripts" / "build_plugin.sh"), "--help"], capture_output=True,
+                              text=True)
+    assert help_run.stdout.startswith("Build the CriticalKV kernels") and "TRT_INCLUDE_DIR" in help_run.stdout
+    assert "#" not in help_run.stdout.splitlines()[0]
+
+
+def test_the_package_metadata_installs_without_a_license_warning():
+    """project.license is an SPDX string (a TOML table makes setuptools warn three times per install)."""
+    import warnings
+
+    pytest.importorskip("setuptools", minversion="77")
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(Distribution(), ROOT / "pyproject.toml")
+    assert [str(w.message) for w in caught if "license" in str(w.message)] == []
+    assert dist.metadata.license_expression == "Apache-2.0"
