@@ -42,12 +42,12 @@ from onnx import helper
 
 from criticalkv.export.graph import BOOL, FLOAT, INT64, OPSET, GraphBuilder, value_info
 from criticalkv.export.select_function import _Body, emit_kept, selection_node
-from criticalkv.node import DOMAIN, INPUTS, LAYER_ATTRIBUTES, OUTPUTS
+from criticalkv.node import DOMAIN, INPUTS, LAYER_ATTRIBUTES, MODEL_OP_TYPE, OUTPUTS, SCORE_OP_TYPE
 from criticalkv.policy import KVPolicy
 from criticalkv.selection.budget import head_cap
 
-SCORE_OP = "CriticalKVScore"
-MODEL_OP = "CriticalKVSelectModel"
+SCORE_OP = SCORE_OP_TYPE
+MODEL_OP = MODEL_OP_TYPE
 SCORE_OUTPUTS = ("ranking",)
 #: Attributes of the model-level node beyond the policy knobs.
 MODEL_ATTRIBUTES = ("num_layers", "capacities")
@@ -208,3 +208,26 @@ def model_attributes(node: onnx.NodeProto) -> tuple[KVPolicy, int, list[int]]:
     capacities = [int(c) for c in values.pop("capacities")]
     policy, _, num_layers, _ = policy_from_attributes({**values, "layer_idx": 0, "capacity": 0})
     return policy, num_layers, capacities
+
+
+def model_selection_model(policy: KVPolicy, num_layers: int, num_kv_heads: int, head_dim: int,
+                          capacities: list[int]) -> onnx.ModelProto:
+    """A model holding one ``CriticalKVSelectModel`` node (tests): inputs ``ranking.{l}`` [batch, H_kv, m] float,
+    ``keys.{l}`` / ``values.{l}`` [batch, H_kv, n, d_h] float, ``prompt_lengths`` [batch] int32, ``kv_budget`` [1]
+    int32; outputs the node's (``kept_keys.{l}``, ...)."""
+    from criticalkv.export.graph import INT32, IR_VERSION
+
+    from criticalkv.export.select_function import selection_opset
+
+    inputs = model_inputs(num_layers)
+    outputs = model_outputs(num_layers)
+    node = model_node(policy, capacities, inputs, outputs)
+    infos = ([value_info(x, FLOAT, ["batch", num_kv_heads, "older"]) for x in inputs[:num_layers]]
+             + [value_info(x, FLOAT, ["batch", num_kv_heads, "sequence", head_dim]) for x in inputs[num_layers:3 * num_layers]]
+             + [value_info("prompt_lengths", INT32, ["batch"]), value_info("kv_budget", INT32, [1])])
+    kinds = {"kept_keys": FLOAT, "kept_values": FLOAT, "kept_lengths": INT32, "kept_indices": INT32}
+    out_infos = [value_info(x, kinds[x.split(".")[0]], None) for x in outputs]
+    graph = helper.make_graph([node], "criticalkv_select_model", infos, out_infos)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), selection_opset()],
+                             functions=[model_function(policy, num_layers, num_kv_heads)], ir_version=IR_VERSION,
+                             producer_name="criticalkv")

@@ -114,3 +114,67 @@ def test_head_cap_ratio_is_a_policy_knob_with_its_rule():
         KVPolicy("layer-defensivekv", head_cap_ratio=0.5)
     assert [head_cap(r, 40) for r in (0.0, 1.0, 1.1, 2.5)] == [0, 40, 44, 100]
     assert np.floor(1.1 * 40) == 44
+
+
+def test_profiled_selection_time_counts_the_score_and_model_level_nodes(engines):
+    _, built = engines
+    _, folder, _ = built[0.0]
+    engine = Engine.load(folder, profile=True)
+    try:
+        got = engine.generate([prompt(150, seed=3).tolist()], max_new_tokens=2, stop_token_ids=[])
+    finally:
+        engine.close()
+    assert 0 < got.selection_s < got.prefill_s
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.25])
+@pytest.mark.parametrize("kv_budget", [16, 12])
+def test_the_model_level_node_breaks_ties_like_pytorch(ratio, kv_budget):
+    """Rankings with many equal values (integers 0..3): the node keeps what ``model_level_mask`` keeps, ties to the
+    lower layer, head, then position; a left-padded batch with one sequence kept whole; a request budget below the
+    built one."""
+    import onnxruntime as ort
+
+    from criticalkv.export.model_select import model_selection_model
+    from criticalkv.selection import mask_to_indices
+    from criticalkv.selection.layer import model_level_mask
+
+    layers, heads, n, d, window = 3, 2, 50, 4, 4
+    policy = KVPolicy("layer-defensivekv", budget=16, window=window, head_cap_ratio=ratio)
+    capacity = max(policy.budget, head_cap(ratio, policy.budget)) if ratio else n
+    model = model_selection_model(policy, layers, heads, d, [capacity] * layers)
+    gen = torch.Generator().manual_seed(int(ratio * 100) + kv_budget)
+    lengths = torch.tensor([50, 37, 10])
+    m = n - window
+    ranking = torch.randint(0, 4, (3, layers * heads, m), generator=gen).float()
+    keys = torch.randn(layers, 3, heads, n, d, generator=gen)
+    values = torch.randn(layers, 3, heads, n, d, generator=gen)
+    feeds = {f"ranking.{i}": ranking[:, i * heads:(i + 1) * heads].numpy() for i in range(layers)}
+    feeds.update({f"keys.{i}": keys[i].numpy() for i in range(layers)})
+    feeds.update({f"values.{i}": values[i].numpy() for i in range(layers)})
+    feeds.update(prompt_lengths=lengths.int().numpy(), kv_budget=np.array([kv_budget], np.int32))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+    request = policy.with_budget(kv_budget)
+    valid = torch.arange(n)[None] >= (n - lengths)[:, None]
+    eligible = valid[:, None, :m].expand(3, layers * heads, m)
+    r = torch.clamp(eligible[:, 0].sum(-1), max=request.selectable_budget)
+    older = model_level_mask(request, ranking, eligible, r)
+    chosen = torch.cat([older, torch.ones(3, layers * heads, window, dtype=torch.bool)], dim=-1)
+    keep = torch.where((lengths > kv_budget)[:, None, None], chosen, valid[:, None].expand(3, layers * heads, n))
+    for i in range(layers):
+        indices, kept_lengths = mask_to_indices(keep[:, i * heads:(i + 1) * heads])
+        assert got[f"kept_lengths.{i}"].tolist() == kept_lengths.tolist(), f"layer {i}"
+        width = got[f"kept_indices.{i}"].shape[2]
+        padded = torch.full((3, heads, width), -1, dtype=torch.int64)
+        padded[..., :indices.shape[2]] = indices
+        assert got[f"kept_indices.{i}"].tolist() == padded.tolist(), f"layer {i}"
+        rows = padded.clamp_min(0)[..., None].expand(-1, -1, -1, d)
+        want_keys = torch.gather(keys[i], 2, rows).masked_fill((padded < 0)[..., None], 0)
+        assert np.array_equal(got[f"kept_keys.{i}"], want_keys.numpy())
+    if ratio:
+        assert max(int(got[f"kept_lengths.{i}"].max()) for i in range(layers)) <= head_cap(ratio, kv_budget)
+    # ties decided something: the keep set differs from the one of a ranking with the ties broken the other way
+    flipped = model_level_mask(request, ranking.flip(-1).flip(-2), eligible.flip(-1).flip(-2), r).flip(-1).flip(-2)
+    assert not torch.equal(flipped, older)
