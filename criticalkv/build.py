@@ -97,9 +97,6 @@ def check_replaceable(output: Path, request: dict[str, Any], force: bool) -> boo
 def check_compresses(policy: KVPolicy, config: BuildConfig) -> None:
     """Refuse an engine that would never evict anything: with ``budget >= max_input_len`` every prompt it
     accepts fits in the budget and is kept whole, so it is a full-cache engine that carries the selection."""
-    from criticalkv.export.select_function import check_exportable
-
-    check_exportable(policy)
     if policy.name != "full" and policy.budget >= config.max_input_len:
         raise ValueError(
             f"budget {policy.budget} >= --max-input-len {config.max_input_len}: every prompt this engine accepts "
@@ -160,6 +157,9 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
     its ``error``, ``tensorrt/`` is removed, and the ONNX Runtime engine directory is still written.
     ``scripts/build_engine.py`` then exits 3 (the rule is in its ``--help``).
     """
+    if result.policy.method.base.model_level and not (folder / PREFILL_TENSORRT_FILE).exists():
+        return _skipped(f"{result.policy.name} selects after the last layer over every layer's entries: no TensorRT "
+                        "flavour (docs/operator.md, model-level selection)", log)
     if not result.policy.method.base.native:
         return _skipped(f"{result.policy.name} has no C++ selection flow in the CriticalKVSelect plugin yet "
                         "(plugins/README.md, Known limits)", log)
@@ -196,7 +196,8 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
 
 def _skipped(reason: str, log: Callable[[str], None]) -> dict[str, Any]:
     log(f"TensorRT engines: SKIPPED because {reason}. The ONNX Runtime engine is complete; "
-        f"{PREFILL_TENSORRT_FILE} and {DECODE_FILE} are the inputs of criticalkv.tensorrt.build_tensorrt_engines on a GPU machine.")
+        f"{PREFILL_TENSORRT_FILE} (when written) and {DECODE_FILE} are the inputs of criticalkv.tensorrt.build_tensorrt_engines "
+        "on a GPU machine.")
     return {"built": False, "skipped_reason": reason}
 
 
@@ -218,12 +219,19 @@ def export_engine(
         "policy_schema_version": SCHEMA_VERSION,
         "build": config.to_dict(),
         "shapes": result.shapes(),
-        "onnx": {**onnx_info(), "validation": validation},
+        "onnx": {**_onnx_files(folder), "validation": validation},
         "generation": {"eos_token_ids": stop_token_ids(tokenizer, model) if tokenizer is not None else [],
                        "chat_template": bool(getattr(tokenizer, "chat_template", None))},
         "versions": package_versions(),
     }
     return result, content
+
+
+def _onnx_files(folder: Path) -> dict[str, Any]:
+    """``onnx_info()`` with only the graphs written (a model-level policy has no TensorRT flavour)."""
+    info = onnx_info()
+    info["files"] = {k: v for k, v in info["files"].items() if (Path(folder) / v).exists()}
+    return info
 
 
 @contextmanager

@@ -33,6 +33,10 @@ from criticalkv.selection.budget import layer_budget_table, max_kept_per_head
 
 DOMAIN = "ai.criticalkv"
 OP_TYPE = "CriticalKVSelect"
+#: The model-level selection's two node types (``criticalkv.export.model_select``): per-layer ranking, then one
+#: selection over every layer after the last one.
+SCORE_OP_TYPE = "CriticalKVScore"
+MODEL_OP_TYPE = "CriticalKVSelectModel"
 OPSET_VERSION = 1
 INPUTS = ("queries", "keys", "values", "o_proj_weight", "prompt_lengths", "kv_budget")
 OUTPUTS = ("kept_keys", "kept_values", "kept_lengths", "kept_indices")

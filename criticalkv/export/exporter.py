@@ -102,15 +102,17 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
     folder = Path(folder)
     spec = model_spec(model)
     check_model_limits(model, spec, config)
-    from criticalkv.export.select_function import check_exportable
+    from criticalkv.export.model_select import is_model_level
 
-    check_exportable(policy, spec.num_layers)  # before anything is written
     folder.mkdir(parents=True, exist_ok=True)
     store = collect_weights(model, spec)
     store.write(folder)
     capacities = layer_capacities(policy, spec, config.max_input_len)
     decode_capacities = [c + config.max_new_tokens for c in capacities]
-    for flavour, name in (("onnxruntime", PREFILL_FILE), ("tensorrt", PREFILL_TENSORRT_FILE)):
+    flavours = [("onnxruntime", PREFILL_FILE), ("tensorrt", PREFILL_TENSORRT_FILE)]
+    if is_model_level(policy, spec.num_layers):  # no TensorRT flavour: model_select.check_tensorrt_flavour says why
+        flavours = flavours[:1]
+    for flavour, name in flavours:
         prefill = build_prefill(spec, store, policy, capacities, config.attention_chunk, flavour)
         onnx.save(prefill, folder / name)
     onnx.save(build_decode(spec, store, decode_capacities), folder / DECODE_FILE)

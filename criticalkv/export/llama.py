@@ -315,6 +315,12 @@ def build_prefill(
     Loop, in the form TensorRT fuses; ``attention_chunk`` is not used)."""
     if flavour not in ("onnxruntime", "tensorrt"):
         raise ValueError(f"flavour: {flavour!r} is not onnxruntime or tensorrt")
+    from criticalkv.export import model_select
+
+    model_level = model_select.is_model_level(policy, spec.num_layers)
+    if model_level and flavour == "tensorrt":
+        model_select.check_tensorrt_flavour(policy, spec.num_layers)
+    pending = []  # model-level selection: every layer's (ranking, keys, values) until the last layer
     g = GraphBuilder()
     dec = _Decoder(g, spec, store)
     n = g.shape_of("input_ids", 1, 2)
@@ -348,9 +354,14 @@ def build_prefill(
         x = g.Add(x, dec.mlp(i, dec.rms_norm(x, f"layers.{i}.post_attention_layernorm")))
         window_queries = g.slice_axis(q, -policy.window, np.iinfo(np.int64).max, axis=2)
         names = [f"present.{i}.key", f"present.{i}.value", f"present.{i}.lengths", f"present.{i}.indices"]
-        g.nodes.append(selection_node(policy, i, spec.num_layers, capacities[i],
-                                      [window_queries, k, v, f"layers.{i}.o_proj", prompt_lengths, kv_budget], names,
-                                      name=f"criticalkv_select_{i}"))
+        node_inputs = [window_queries, k, v, f"layers.{i}.o_proj", prompt_lengths, kv_budget]
+        if model_level:  # this layer's ranking; its full K/V stay graph tensors until the model-level node
+            ranking = f"ranking_{i}"
+            g.nodes.append(model_select.score_node(policy, i, spec.num_layers, capacities[i], node_inputs, ranking))
+            pending.append((ranking, k, v))
+        else:
+            g.nodes.append(selection_node(policy, i, spec.num_layers, capacities[i], node_inputs, names,
+                                          name=f"criticalkv_select_{i}"))
         kept = f"kept_{i}"
         outputs += [
             value_info(names[0], FLOAT, ["batch", spec.num_kv_heads, kept, spec.head_dim]),
@@ -358,6 +369,11 @@ def build_prefill(
             value_info(names[2], INT32, ["batch", spec.num_kv_heads]),
             value_info(names[3], INT32, ["batch", spec.num_kv_heads, kept]),
         ]
+    if model_level:  # one selection over every layer and head, after the last layer
+        present = [f"present.{i}.{kind}" for i in range(spec.num_layers) for kind in ("key", "value", "lengths", "indices")]
+        g.nodes.append(model_select.model_node(
+            policy, capacities, [e[0] for e in pending] + [e[1] for e in pending] + [e[2] for e in pending]
+            + [prompt_lengths, kv_budget], present))
     last = g.reshape(g.slice_axis(x, -1, np.iinfo(np.int64).max, axis=1), [-1, spec.hidden_size])
     dec.logits(last)
     inputs = [value_info(name, INT64, ["batch", "sequence"]) for name in ("input_ids", "attention_mask", "position_ids")]
@@ -365,7 +381,10 @@ def build_prefill(
     used = _used_initializers(g.nodes)
     graph = g.graph("criticalkv_prefill", inputs, outputs, [store.initializer(w) for w in store.arrays if w in used])
     functions = []
-    if flavour == "onnxruntime":
+    if flavour == "onnxruntime" and model_level:
+        functions += [model_select.score_function(policy, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim),
+                      model_select.model_function(policy, spec.num_layers, spec.num_kv_heads)]
+    elif flavour == "onnxruntime":
         functions.append(selection_function(policy, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim))
     return _model(graph, functions, f"criticalkv prefill ({flavour} flavour), policy {policy.to_json()}")
 

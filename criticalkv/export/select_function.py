@@ -123,10 +123,32 @@ class _Body:
         """[B, H_kv, n] bool keep mask when n > budget (sequences of at most budget tokens kept whole)."""
         p = self.policy
         method = p.method
-        n, lens, pos, valid, valid_h, batch = (ctx[k] for k in ("n", "lens", "pos", "valid", "valid_h", "batch"))
+        lens, valid_h, batch = ctx["lens"], ctx["valid_h"], ctx["batch"]
         compress = g.reshape(g.Greater(lens, ctx["budget"]), [-1, 1, 1])
         if not method.base.scored:
             return self.where_bool(g, compress, method.base.onnx_unscored_keep(self, g, ctx), valid_h)
+        scores, eligible, r, w = self.window_scores(g, ctx)
+        # 5-6. budget sharing, then the refinement inside each head's share (or the base's own choice)
+        allocation = method.base.onnx_allocate(self, g, scores, eligible, r)
+        if method.refine is not None:
+            counts = allocation.counts
+            if counts is None:
+                counts = g.ReduceSum(g.Cast(allocation.mask, to=INT64), g.i64(-1), keepdims=0)
+            older = method.refine.onnx_choose(self, g, scores, counts, eligible)
+        elif allocation.mask is not None:
+            older = allocation.mask
+        else:
+            older = self.topk_mask(g, scores[method.base.score_name], allocation.counts, eligible)
+        window = g.Expand(g.const(True, np.bool_), g.concat(batch, g.i64(self.kv_heads), w))
+        chosen = g.concat(older, window, axis=-1)
+        return self.where_bool(g, compress, chosen, valid_h)
+
+    def window_scores(self, g: GraphBuilder, ctx: dict[str, str]) -> tuple[dict[str, str], str, str, str]:
+        """Steps 1-4 for a prompt longer than the budget: (scores {name: [B, H_kv, m] float}, eligible [B, H_kv, m]
+        bool, r [B] int64 (older tokens per head at this budget, clamped to the valid ones), w [1] int64)."""
+        p = self.policy
+        method = p.method
+        n, lens, pos, valid, valid_h = (ctx[k] for k in ("n", "lens", "pos", "valid", "valid_h"))
         w = g.Min(g.i64(p.window), n)  # [1]
         m = g.Sub(n, w)
         n_s, w_s, m_s = (g.squeeze(x, 0) for x in (n, w, m))
@@ -160,23 +182,11 @@ class _Body:
         for part in (method.base, method.refine):
             if part is not None:
                 scores.update(part.onnx_group_scores(self, g, probs, raw, pooled, values_m))
-        # 5-6. budget sharing, then the refinement inside each head's share (or the base's own choice)
-        allocation = method.base.onnx_allocate(self, g, scores, eligible, r)
-        if method.refine is not None:
-            counts = allocation.counts
-            if counts is None:
-                counts = g.ReduceSum(g.Cast(allocation.mask, to=INT64), g.i64(-1), keepdims=0)
-            older = method.refine.onnx_choose(self, g, scores, counts, eligible)
-        elif allocation.mask is not None:
-            older = allocation.mask
-        else:
-            older = self.topk_mask(g, scores[method.base.score_name], allocation.counts, eligible)
-        window = g.Expand(g.const(True, np.bool_), g.concat(batch, g.i64(self.kv_heads), w))
-        chosen = g.concat(older, window, axis=-1)
-        return self.where_bool(g, compress, chosen, valid_h)
+        return scores, eligible, r, w
 
     # ------------------------------------------------------------------ whole body
-    def build(self) -> None:
+    def context(self) -> dict[str, str]:
+        """The values every step reads (prompt length, valid positions, the request's budget), from the node inputs."""
         g = self.g
         p = self.policy
         queries, keys, values, o_proj, prompt_lengths, kv_budget = INPUTS
@@ -198,6 +208,13 @@ class _Body:
             budget = g.Min(g.Max(requested, g.i64(p.min_budget)), g.i64(p.budget))
             ctx["budget"] = g.squeeze(g.slice_axis(budget, 0, 1, axis=0), 0)
             ctx["layer_budgets"] = g.attribute_const("layer_budgets", "ints")
+        return ctx
+
+    def build(self) -> None:
+        g = self.g
+        p = self.policy
+        ctx = self.context()
+        n_s, valid_h = g.squeeze(ctx["n"], 0), ctx["valid_h"]
         if not p.method.base.evicts:
             keep = valid_h
         else:
@@ -212,28 +229,38 @@ class _Body:
                 hint="keep",
             )
         # 7. ascending kept positions, lengths, gathered K/V
-        capacity = g.Min(n, g.unsqueeze(g.attribute_const("capacity", "int"), 0))
-        keyed = g.Where(keep, pos, n_s)  # unique keys: the positions, n for dropped entries
-        ordered = g.op("TopK", keyed, capacity, outputs=2, axis=2, largest=0, sorted=1)[0]  # [B, H_kv, cap]
-        padded = g.Equal(ordered, n_s)
-        g.Cast(g.ReduceSum(g.Cast(keep, to=INT64), g.i64(-1), keepdims=0), to=INT32, outputs=[OUTPUTS[2]])
-        g.Cast(g.Where(padded, g.scalar(-1), ordered), to=INT32, outputs=[OUTPUTS[3]])
-        rows = g.unsqueeze(g.Where(padded, g.scalar(0), ordered), -1)
-        zero_rows = g.unsqueeze(padded, -1)
-        for src, dst in ((keys, OUTPUTS[0]), (values, OUTPUTS[1])):
-            g.Where(zero_rows, g.const(0.0, np.float32), g.GatherND(src, rows, batch_dims=2), outputs=[dst])
+        emit_kept(g, keep, ctx["keys"], ctx["values"], g.attribute_const("capacity", "int"), list(OUTPUTS))
+
+
+def emit_kept(g: GraphBuilder, keep: str, keys: str, values: str, capacity: str, outputs: list[str]) -> None:
+    """Step 7: from the keep mask [B, H_kv, n] bool, write ``outputs`` = (kept keys, kept values [B, H_kv, cap, d_h]
+    zero padded, kept lengths [B, H_kv] int32, kept indices [B, H_kv, cap] int32 ascending, -1 padded), with
+    cap = min(n, ``capacity``) (an int64 scalar)."""
+    n = g.shape_of(keys, 2, 3)
+    n_s = g.squeeze(n, 0)
+    pos = g.Range(g.scalar(0), n_s, g.scalar(1))
+    cap = g.Min(n, g.unsqueeze(capacity, 0))
+    keyed = g.Where(keep, pos, n_s)  # unique keys: the positions, n for dropped entries
+    ordered = g.op("TopK", keyed, cap, outputs=2, axis=2, largest=0, sorted=1)[0]  # [B, H_kv, cap]
+    padded = g.Equal(ordered, n_s)
+    g.Cast(g.ReduceSum(g.Cast(keep, to=INT64), g.i64(-1), keepdims=0), to=INT32, outputs=[outputs[2]])
+    g.Cast(g.Where(padded, g.scalar(-1), ordered), to=INT32, outputs=[outputs[3]])
+    rows = g.unsqueeze(g.Where(padded, g.scalar(0), ordered), -1)
+    zero_rows = g.unsqueeze(padded, -1)
+    for src, dst in ((keys, outputs[0]), (values, outputs[1])):
+        g.Where(zero_rows, g.const(0.0, np.float32), g.GatherND(src, rows, batch_dims=2), outputs=[dst])
 
 
 def check_exportable(policy: KVPolicy, num_layers: int = 2) -> None:
     """Refuse a policy the per-layer node cannot express: a model-level method (``layer-defensivekv``) ranks every
-    layer's entries together after the last layer, so no layer's node can decide alone what it keeps. The graph
-    would need a model-level selection after the last layer (every layer's full K/V alive until then, one node
-    over all layers' scores): not built yet, and a per-layer approximation would be a different policy."""
+    layer's entries together after the last layer, so no layer's node can decide alone what it keeps. The prefill
+    graph selects it with per-layer ``CriticalKVScore`` nodes and one ``CriticalKVSelectModel`` node after the last
+    layer (``criticalkv.export.model_select``); a per-layer approximation would be a different policy."""
     if policy.method.base.model_level and num_layers > 1:
         raise ValueError(
             f"{policy.name} shares the budget across all layers, which the per-layer CriticalKVSelect node cannot "
-            "express (no model-level selection node yet): run it on the PyTorch path (criticalkv generate without "
-            "--engine-dir, criticalkv eval), or export defensivekv (the per-layer version)"
+            "express: the prefill graph selects it after the last layer (criticalkv.export.model_select: "
+            "CriticalKVScore per layer, then CriticalKVSelectModel)"
         )
 
 

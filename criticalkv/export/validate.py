@@ -29,15 +29,27 @@ def same_policy(a: KVPolicy, b: KVPolicy) -> bool:
 
 def validate_export(result: ExportResult) -> dict:
     """Validate the three graphs of an export; returns a report for the manifest. Raises ValueError."""
+    from criticalkv.export.model_select import is_model_level
+
     report = {}
+    model_level = is_model_level(result.policy, result.spec.num_layers)
     for key, name in (("prefill", PREFILL_FILE), ("prefill_tensorrt", PREFILL_TENSORRT_FILE), ("decode", DECODE_FILE)):
         path = Path(result.folder) / name
+        if model_level and key == "prefill_tensorrt":
+            if path.exists():
+                raise ValueError(f"{name}: a model-level policy ({result.policy.name}) has no TensorRT flavour")
+            report[key] = {"file": None, "refused": "model-level selection: no TensorRT flavour "
+                           "(criticalkv.export.model_select.check_tensorrt_flavour)"}
+            continue
         try:
             onnx.checker.check_model(str(path), full_check=True)
             model = onnx.load(str(path), load_external_data=False)
             inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
             raise ValueError(f"{name}: the exported graph does not validate: {err}") from None
+        if model_level and key == "prefill":
+            report[key] = _validate_model_level(result, model, inferred, name)
+            continue
         selection = [n for n in model.graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
         expected = result.spec.num_layers if key != "decode" else 0
         if len(selection) != expected:
@@ -72,3 +84,43 @@ def validate_export(result: ExportResult) -> dict:
                if key != "prefill" else {}),
         }
     return report
+
+
+def _validate_model_level(result: ExportResult, model: onnx.ModelProto, inferred: onnx.ModelProto, name: str) -> dict:
+    """The prefill graph of a model-level policy: one ``CriticalKVScore`` node per layer (the layer's attributes), one
+    ``CriticalKVSelectModel`` node (the policy and every layer's capacity) after them, and exactly their two bodies."""
+    from criticalkv.export.model_select import MODEL_OP, SCORE_OP, model_attributes
+
+    ours = [n for n in model.graph.node if n.domain == DOMAIN]
+    scores = [n for n in ours if n.op_type == SCORE_OP]
+    selects = [n for n in ours if n.op_type == MODEL_OP]
+    if len(scores) != result.spec.num_layers or len(selects) != 1 or len(ours) != len(scores) + 1:
+        raise ValueError(f"{name}: expected {result.spec.num_layers} {SCORE_OP} nodes and one {MODEL_OP} node, found "
+                         f"{[n.op_type for n in ours]}")
+    for i, node in enumerate(scores):
+        policy, layer_idx, num_layers, capacity = policy_from_attributes(_attributes(node))
+        if not same_policy(policy, result.policy) or (layer_idx, num_layers, capacity) != (
+            i, result.spec.num_layers, result.prefill_capacities[i]
+        ):
+            raise ValueError(f"{name}: node {node.name} attributes do not match the export's policy / layer / capacity")
+    policy, num_layers, capacities = model_attributes(selects[0])
+    if not same_policy(policy, result.policy) or (num_layers, capacities) != (result.spec.num_layers, result.prefill_capacities):
+        raise ValueError(f"{name}: node {selects[0].name} attributes do not match the export's policy / capacities")
+    order = [n.name for n in model.graph.node]
+    if order.index(selects[0].name) < max(order.index(n.name) for n in scores):
+        raise ValueError(f"{name}: {MODEL_OP} must come after every layer's {SCORE_OP}")
+    functions = sorted(f"{f.domain}::{f.name}" for f in model.functions)
+    if functions != sorted([f"{DOMAIN}::{SCORE_OP}", f"{DOMAIN}::{MODEL_OP}"]):
+        raise ValueError(f"{name}: expected the {SCORE_OP} and {MODEL_OP} function bodies, found {functions}")
+    domains = {n.domain for n in model.graph.node} - {"", DOMAIN}
+    if domains:
+        raise ValueError(f"{name}: unexpected operator domains {sorted(domains)}")
+    return {
+        "file": name,
+        "checker": "onnx.checker full_check passed",
+        "shape_inference": f"strict, {len(inferred.graph.value_info)} inferred value infos",
+        "nodes": len(model.graph.node),
+        "selection_nodes": 1,
+        "score_nodes": len(scores),
+        "functions": functions,
+    }

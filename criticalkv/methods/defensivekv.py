@@ -31,7 +31,10 @@ queries j and older tokens i (m = n - w of them):
 
 ``layer-defensivekv`` shares the budget across **all layers and heads** of the model (the reference's
 ``EfficientAdaGlobalScorerPress``: top entries over every layer's flattened scores after the last layer's
-prefill); floors and window stay per head. It is a model-level method: ``criticalkv.selection.select_model``
+prefill); floors and window stay per head. ``head_cap_ratio`` (0 = off, the reference) caps what one head keeps at
+that multiple of the budget (window included): the greedy walk down the model-wide ranking then skips a full head's
+entries, which is the top of the ranking restricted to each head's first ``cap - window`` entries. The cap bounds the
+per-layer decode buffers of an exported engine (an uncapped head may keep its whole prompt). It is a model-level method: ``criticalkv.selection.select_model``
 selects it; ``select_layer`` alone only for a one-layer model.
 """
 
@@ -193,9 +196,21 @@ class LayerDefensiveKV(DefensiveKV):
     cpp_enum = "kLayerDefensiveKV"
     description = "defensivekv scores, the budget shared across all layers and heads (per-head floor ada_floor)"
     model_level = True
+    knobs = DefensiveKV.knobs + ("head_cap_ratio",)
 
     def max_older_per_head(self, policy, r, m, num_kv_heads):
-        return m  # any head of any layer may take up to L * H_kv * r entries: bounded by its m older tokens
+        # any head of any layer may take up to L * H_kv * r entries: bounded by its m older tokens, and by the
+        # cap (head_cap_ratio × budget, window included) when one is set
+        return m if policy.head_cap_ratio == 0 else min(m, older_cap(policy))  # compressing: n > budget, so w = window
+
+
+def older_cap(policy) -> int | None:
+    """Most older tokens one head keeps under ``head_cap_ratio``: its cap minus the window (a compressed prompt has
+    n > budget >= window, so its whole window); None when the cap is off. At least r = budget - window."""
+    from criticalkv.selection.budget import head_cap
+
+    cap = head_cap(policy.head_cap_ratio, policy.budget)
+    return None if cap == 0 else cap - policy.window
 
 
 METHOD = DefensiveKV()

@@ -1,7 +1,8 @@
 """Time spent in the selection nodes, read from an ONNX Runtime profile (``SessionOptions.enable_profiling``).
 
 ONNX Runtime inlines the ``CriticalKVSelect`` function body: its nodes are named
-``_inlfunc_CriticalKVSelect_*``. Nodes inside the body's ``If`` also appear on their own, nested in the
+``_inlfunc_CriticalKVSelect_*`` (a model-level policy's ``CriticalKVScore`` and ``CriticalKVSelectModel`` bodies
+likewise; both count as selection). Nodes inside the body's ``If`` also appear on their own, nested in the
 ``If`` node's time span, so the selection time of a run is the length of the union of those spans.
 """
 
@@ -11,9 +12,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from criticalkv.node import OP_TYPE
+from criticalkv.node import MODEL_OP_TYPE, OP_TYPE, SCORE_OP_TYPE
 
 SELECTION_MARK = f"_inlfunc_{OP_TYPE}_"
+SELECTION_MARKS = tuple(f"_inlfunc_{op}_" for op in (OP_TYPE, SCORE_OP_TYPE, MODEL_OP_TYPE))
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ def selection_profile(trace: str | Path) -> list[RunProfile]:
     runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
     spans: list[list[tuple[int, int]]] = [[] for _ in runs]
     for e in events:
-        if e.get("cat") != "Node" or SELECTION_MARK not in e.get("name", "") or not e["name"].endswith("_kernel_time"):
+        name = e.get("name", "")
+        if e.get("cat") != "Node" or not any(mark in name for mark in SELECTION_MARKS) or not name.endswith("_kernel_time"):
             continue
         for i, run in enumerate(runs):
             if run["ts"] <= e["ts"] <= run["ts"] + run["dur"]:

@@ -8,6 +8,8 @@ Every rule is integer arithmetic, so every language computes the same numbers (t
 * stage 1 keeps ``ceil(alpha * r) = (A * r + 10^6 - 1) // 10^6`` tokens (never silently 0 when alpha > 0);
 * adakv / laprox floor: each head keeps at least ``max(1, F * r // 10^6)`` with ``F = ada_floor * 10^6`` (0 if
   ada_floor is 0), the rest of the layer's ``H_kv * r`` slots go to the highest scores across its heads;
+* layer-defensivekv cap: a head keeps at most ``H * budget // 10^6`` entries (window included) with
+  ``H = head_cap_ratio * 10^6`` (no cap when 0);
 * pyramid: per-layer ``r_l`` linear from ``r_max`` (layer 0) down to ``r_min = max(r / beta, 1)`` (last layer),
   ``r_max = 2 r - r_min``, as exact rationals over the denominator ``beta_micros * (L - 1)``; floors, then the
   ``L * r - sum`` missing units go to the largest remainders (ties toward the lower layer), so the layers sum to
@@ -38,6 +40,12 @@ def head_floor(ada_floor: float, r: int) -> int:
     if f <= 0 or r <= 0:
         return 0
     return min(r, max(1, f * r // DECIMAL_SCALE))
+
+
+def head_cap(head_cap_ratio: float, budget: int) -> int:
+    """Most entries one KV head keeps under a model-level budget (``layer-defensivekv``), window included:
+    floor(head_cap_ratio * budget), exactly; 0 when the cap is off (``head_cap_ratio`` 0)."""
+    return micros(head_cap_ratio) * budget // DECIMAL_SCALE
 
 
 def pyramid_layer_budgets(r: int, num_layers: int, beta: float) -> list[int]:

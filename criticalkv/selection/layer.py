@@ -195,6 +195,8 @@ def select_model(
     A model-level method (``layer-defensivekv``) ranks the older tokens of every layer and head together: each
     head keeps its stage-1 tokens and its floor, and the model's L * H_kv * r remaining slots go to the highest
     ranks over all layers (the window of every head kept), so the kept total is L * H_kv * budget per sequence.
+    With ``head_cap_ratio`` set, a head keeps at most ``head_cap(head_cap_ratio, budget)`` entries (window included):
+    the walk down the model-wide ranking skips the entries of a full head.
     """
     if not policy.method.base.model_level or len(layers) == 1:
         return [
@@ -204,10 +206,23 @@ def select_model(
     return _select_model_level(policy, layers, prompt_lengths, memo)
 
 
+def model_level_mask(policy: KVPolicy, ranking: torch.Tensor, eligible: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The model-level allocation: [B, L * H_kv, m] bool, from every head's ``ranking`` [B, L * H_kv, m] (layer-major),
+    ``eligible`` [B, L * H_kv, m] and r [B]: each head its own top floor, the other L * H_kv * (r - floor) slots over
+    the flattened ranking (ties: lower layer, head, position), a head never beyond ``head_cap_ratio``'s cap."""
+    from criticalkv.methods.defensivekv import older_cap
+    from criticalkv.selection.budget import head_floor
+
+    floor = torch.tensor([head_floor(policy.ada_floor, int(x)) for x in r.tolist()], dtype=torch.int64, device=r.device)
+    cap = older_cap(policy)
+    if cap is not None:  # a full head is skipped: only each head's own top ``cap`` may be taken (cap >= r >= floor)
+        eligible = topk_mask(ranking, torch.clamp(eligible.sum(-1), max=cap), eligible)
+    return shared_allocation_mask(ranking, r, floor, eligible)
+
+
 @torch.no_grad()
 def _select_model_level(policy, layers, prompt_lengths, memo) -> list[LayerSelection]:
     from criticalkv.methods.defensivekv import priority
-    from criticalkv.selection.budget import head_floor
 
     num_layers = len(layers)
     for i, (q, k, v, o) in enumerate(layers):
@@ -233,9 +248,7 @@ def _select_model_level(policy, layers, prompt_lengths, memo) -> list[LayerSelec
     for i, (q, k, v, o) in enumerate(layers):
         scores = layer_scores(policy, q[:, :, -w:], k, v, o, valid_start, memo, i)
         ranks.append(priority(scores, policy.stage1_mass, r, eligible))
-    ranking = torch.cat(ranks, dim=1)  # [B, L * H_kv, m]: every head of every layer
-    floor = torch.tensor([head_floor(policy.ada_floor, int(x)) for x in r.tolist()], dtype=torch.int64, device=device)
-    older = shared_allocation_mask(ranking, r, floor, eligible.repeat(1, num_layers, 1))
+    older = model_level_mask(policy, torch.cat(ranks, dim=1), eligible.repeat(1, num_layers, 1), r)
     window = torch.ones(batch, num_kv_heads, w, dtype=torch.bool, device=device)
     out = []
     for i in range(num_layers):

@@ -132,6 +132,24 @@ class AtMost(Rule):
 
 
 @dataclass(frozen=True)
+class ZeroOrAtLeast(Rule):
+    """value == 0 (the knob is off) or value >= lo."""
+
+    lo: float
+
+    def check(self, policy, field):
+        v = getattr(policy, field)
+        return None if v == 0 or v >= self.lo else f"{field}: must be 0 (off) or >= {self.lo:g}, got {v}"
+
+    def cpp(self, field, is_float, policies):
+        return (f"if ({_when(policies)}!(p.{field} == 0 || p.{field} >= {_cpp_num(self.lo)}))\n        return \"{field}: must be 0 (off) or >= {self.lo:g}, got \" + "
+                f"{_cpp_str('p.' + field, is_float)};")
+
+    def describe(self):
+        return f"0 or >= {self.lo:g}"
+
+
+@dataclass(frozen=True)
 class Decimals(Rule):
     """At most ``places`` decimals, so that integer arithmetic on value * 10^places is exact in every language."""
 

@@ -172,11 +172,11 @@ def test_prompt_lengths_may_be_all_equal_or_the_batch_one():
         assert_same_as_reference(make_policy(case[1], budget=24, window=8), q, k, v, o, torch.tensor([90], dtype=torch.int32))
 
 
-def test_model_level_policy_is_refused_at_export_with_the_reason():
+def test_model_level_policy_is_refused_by_the_per_layer_node_with_the_reason():
     from criticalkv.export.select_function import check_exportable, selection_function
 
     policy = KVPolicy("layer-defensivekv", budget=32, window=8)
-    with pytest.raises(ValueError, match="shares the budget across all layers.*no model-level selection node yet"):
+    with pytest.raises(ValueError, match="shares the budget across all layers.*CriticalKVSelectModel"):
         selection_function(policy, 3, 6, 2, 16)
     with pytest.raises(ValueError, match="shares the budget across all layers"):
         check_exportable(policy)

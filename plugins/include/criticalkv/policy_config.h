@@ -30,6 +30,7 @@ struct PolicyConfig
     double pyramid_beta = 20.0;
     int32_t sink_tokens = 4;
     double stage1_mass = 0.9;
+    double head_cap_ratio = 0.0;
     int32_t layer_idx = 0;
     int32_t num_layers = 1;
     int32_t capacity = 0;
@@ -46,7 +47,7 @@ inline std::vector<std::string> const& policyNames()
 //! Names of every creator field, in order.
 inline std::vector<std::string> const& pluginFieldNames()
 {
-    static std::vector<std::string> const names = {"name", "budget", "window", "pool_kernel", "alpha", "epsilon", "value_norm", "gqa_reduce", "stage2_scores", "ada_floor", "pyramid_beta", "sink_tokens", "stage1_mass", "layer_idx", "num_layers", "capacity", "layer_budgets"};
+    static std::vector<std::string> const names = {"name", "budget", "window", "pool_kernel", "alpha", "epsilon", "value_norm", "gqa_reduce", "stage2_scores", "ada_floor", "pyramid_beta", "sink_tokens", "stage1_mass", "head_cap_ratio", "layer_idx", "num_layers", "capacity", "layer_budgets"};
     return names;
 }
 
@@ -199,6 +200,12 @@ inline std::string validatePolicy(PolicyConfig const& p)
         return "stage1_mass: expected a finite number, got " + detail::formatNumber(p.stage1_mass);
     if (!(p.stage1_mass >= 0.0 && p.stage1_mass <= 1.0))
         return "stage1_mass: must lie in [0, 1], got " + detail::formatNumber(p.stage1_mass);
+    if (!std::isfinite(p.head_cap_ratio))
+        return "head_cap_ratio: expected a finite number, got " + detail::formatNumber(p.head_cap_ratio);
+    if (!(p.head_cap_ratio == 0 || p.head_cap_ratio >= 1.0))
+        return "head_cap_ratio: must be 0 (off) or >= 1, got " + detail::formatNumber(p.head_cap_ratio);
+    if (static_cast<double>(std::llround(p.head_cap_ratio * 1000000.0)) / 1000000.0 != p.head_cap_ratio)
+        return "head_cap_ratio: must have at most 6 decimals, got " + detail::formatNumber(p.head_cap_ratio);
     // Layer fields.
     if (p.num_layers <= 0)
         return "num_layers: must be positive, got " + std::to_string(p.num_layers);

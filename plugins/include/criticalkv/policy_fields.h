@@ -21,6 +21,7 @@
     CKV_FIELD(FLOAT, pyramid_beta, 20.0) \
     CKV_FIELD(INT, sink_tokens, 4) \
     CKV_FIELD(FLOAT, stage1_mass, 0.9) \
+    CKV_FIELD(FLOAT, head_cap_ratio, 0.0) \
     CKV_FIELD(INT, layer_idx, 0) \
     CKV_FIELD(INT, num_layers, 1) \
     CKV_FIELD(INT, capacity, 0) \

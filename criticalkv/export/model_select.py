@@ -1,0 +1,233 @@
+"""Model-level selection in the prefill graph (``layer-defensivekv``): per-layer score nodes, one select node after
+the last layer.
+
+A model-level method (``BaseMethod.model_level``) ranks the older tokens of every head of every layer together, so
+no layer can decide alone what it keeps. The ONNX Runtime prefill graph expresses it with two node types of the
+``ai.criticalkv`` domain, each with a model-local function body in standard operators (like ``CriticalKVSelect``):
+
+* ``CriticalKVScore``, one per layer, where ``CriticalKVSelect`` would be, with the same six inputs and attributes
+  (every ``KVPolicy`` knob, ``layer_idx``, ``num_layers``, ``capacity``, ``layer_budgets``): steps 1-4 of
+  docs/operator.md, then the method's per-layer ranking (``DefensiveKV.onnx_priority``: the defensive score, + 2 for
+  the stage-1 tokens). Output ``ranking`` [B, H_kv, m] float (m = n - min(window, n); zeros when n <= budget, where
+  nothing is ranked).
+* ``CriticalKVSelectModel``, once, after the last layer. Inputs: ``ranking.{l}``, ``keys.{l}``, ``values.{l}`` of every
+  layer (the full post-RoPE K/V of the prompt, alive as graph tensors until here, as during any prefill),
+  ``prompt_lengths``, ``kv_budget``. Attributes: the knobs, ``num_layers`` and ``capacities`` (ints, per layer).
+  Body, for a prompt longer than the request's budget b (an ``If``; otherwise every layer keeps it whole):
+  the rankings concatenated over layers [B, L * H_kv, m]; r = min(valid older tokens, b - window) and the per-head
+  floor f (export-time table, ``head_floor``); with ``head_cap_ratio`` set, each head's entries beyond its own top
+  ``head_cap(ratio, b) - window`` are dropped (the walk down the model-wide ranking skips a full head); then every
+  head keeps its own top f and the model's remaining L * H_kv * (r - f) slots go to the top of the flattened ranking
+  (ties to the lower flattened index: lower layer, then head, then position), the window of every head kept. The
+  mask is split per layer and step 7 (``emit_kept``) writes ``present.{l}.key/value/lengths/indices`` at each layer's
+  static capacity.
+
+Top-k is ``_Body.topk_mask``: ``TopK`` supplies only the k-th largest value, ties resolved by an exclusive
+``CumSum`` over the equal scores, so the tie rule is exact whatever a runtime's ``TopK`` does with ties; this is
+``criticalkv.selection.select_model`` exactly.
+
+The TensorRT flavour is refused for model-level methods (``check_tensorrt_flavour``): the plugin has no defensive
+selection flow, its node is per layer, and the model-wide top-k has no TensorRT form in standard operators (TensorRT's
+``TopK`` takes k <= 3840, while the model keeps L * H_kv * (b - window) entries, 20,160 for SmolLM2-135M at
+budget 256).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from criticalkv.export.graph import BOOL, FLOAT, INT64, OPSET, GraphBuilder, value_info
+from criticalkv.export.select_function import _Body, emit_kept, selection_node
+from criticalkv.node import DOMAIN, INPUTS, LAYER_ATTRIBUTES, MODEL_OP_TYPE, OUTPUTS, SCORE_OP_TYPE
+from criticalkv.policy import KVPolicy
+from criticalkv.selection.budget import head_cap
+
+SCORE_OP = SCORE_OP_TYPE
+MODEL_OP = MODEL_OP_TYPE
+SCORE_OUTPUTS = ("ranking",)
+#: Attributes of the model-level node beyond the policy knobs.
+MODEL_ATTRIBUTES = ("num_layers", "capacities")
+
+
+def is_model_level(policy: KVPolicy, num_layers: int) -> bool:
+    """Whether the prefill graph selects ``policy`` after the last layer (a model-level method, several layers)."""
+    return policy.method.base.model_level and num_layers > 1
+
+
+def check_tensorrt_flavour(policy: KVPolicy, num_layers: int) -> None:
+    """Refuse the TensorRT flavour of a model-level policy, with the reason (module docstring)."""
+    if is_model_level(policy, num_layers):
+        raise ValueError(
+            f"{policy.name}: no TensorRT flavour. Its selection is model-level (the top entries over every layer and "
+            "head after the last layer): the CriticalKVSelect plugin is per layer and has no defensive selection flow, "
+            "and in standard operators the model-wide top-k exceeds TensorRT's TopK limit (k <= 3840). The engine "
+            "runs on ONNX Runtime (prefill.onnx with the CriticalKVSelectModel node)"
+        )
+
+
+def model_level_tables(policy: KVPolicy) -> dict[str, np.ndarray]:
+    """Export-time integer tables, indexed by b - window for every request budget b = window .. budget:
+    ``older_cap``: the most older tokens one head keeps (head_cap - window; the prompt length when the cap is off is
+    handled in the graph, so -1 marks "no cap")."""
+    caps = [head_cap(policy.head_cap_ratio, b) - policy.window if policy.head_cap_ratio else -1
+            for b in range(policy.window, policy.budget + 1)]
+    return {"older_cap": np.array(caps, dtype=np.int64)}
+
+
+class _ScoreBody(_Body):
+    """The ``CriticalKVScore`` body: steps 1-4 and the method's ranking of one layer."""
+
+    def build(self) -> None:
+        g = self.g
+        ctx = self.context()
+        n_s = g.squeeze(ctx["n"], 0)
+        then = g.child()
+        scores, eligible, r, w = self.window_scores(then, ctx)
+        ranking = self.policy.method.base.onnx_priority(self, then, scores, eligible, r)
+        otherwise = g.child()
+        m = otherwise.Max(otherwise.Sub(ctx["n"], otherwise.Min(otherwise.i64(self.policy.window), ctx["n"])),
+                          otherwise.i64(0))
+        zeros = otherwise.Expand(otherwise.const(0.0, np.float32),
+                                 otherwise.concat(ctx["batch"], otherwise.i64(self.kv_heads), m))
+        g.op("If", g.Greater(n_s, ctx["budget"]),
+             then_branch=then.graph("rank", [], [value_info(ranking, FLOAT, None)]),
+             else_branch=otherwise.graph("unranked", [], [value_info(zeros, FLOAT, None)]),
+             outputs=list(SCORE_OUTPUTS))
+
+
+def score_function(policy: KVPolicy, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> onnx.FunctionProto:
+    """The model-local function ``ai.criticalkv::CriticalKVScore`` for ``policy`` and this attention shape."""
+    g = GraphBuilder("ckvs/")
+    _ScoreBody(g, policy, num_layers, num_heads, num_kv_heads, head_dim).build()
+    return helper.make_function(
+        DOMAIN, SCORE_OP, list(INPUTS), list(SCORE_OUTPUTS), g.nodes,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        attributes=list(KVPolicy.knob_names()) + list(LAYER_ATTRIBUTES),
+        doc_string=f"CriticalKVScore body (per-layer ranking of a model-level selection) for policy {policy.to_json()} "
+        f"(H={num_heads}, H_kv={num_kv_heads}, d_h={head_dim}, layers={num_layers}).",
+    )
+
+
+def score_node(policy: KVPolicy, layer_idx: int, num_layers: int, capacity: int, inputs: list[str], output: str) -> onnx.NodeProto:
+    """One layer's ``CriticalKVScore`` node (the attributes of ``CriticalKVSelect``)."""
+    node = selection_node(policy, layer_idx, num_layers, capacity, inputs, [output], f"criticalkv_score_{layer_idx}")
+    node.op_type = SCORE_OP
+    return node
+
+
+def model_inputs(num_layers: int) -> list[str]:
+    """The formal inputs of ``CriticalKVSelectModel``: every layer's ranking, then keys, then values, then the rest."""
+    return ([f"ranking.{i}" for i in range(num_layers)] + [f"keys.{i}" for i in range(num_layers)]
+            + [f"values.{i}" for i in range(num_layers)] + ["prompt_lengths", "kv_budget"])
+
+
+def model_outputs(num_layers: int) -> list[str]:
+    return [f"{name}.{i}" for i in range(num_layers) for name in OUTPUTS]
+
+
+def _model_body(g: GraphBuilder, policy: KVPolicy, num_layers: int, num_kv_heads: int) -> None:
+    helper_body = _Body(g, policy, num_layers, num_kv_heads, num_kv_heads, 1)  # its top-k and floor table only
+    p = policy
+    heads = num_layers * num_kv_heads
+    keys0 = "keys.0"
+    batch = g.shape_of(keys0, 0, 1)
+    n = g.shape_of(keys0, 2, 3)
+    n_s = g.squeeze(n, 0)
+    lens = g.Cast("prompt_lengths", to=INT64)
+    pos = g.Range(g.scalar(0), n_s, g.scalar(1))
+    valid = g.GreaterOrEqual(g.unsqueeze(pos, 0), g.unsqueeze(g.Sub(n, lens), 1))  # [B, n]
+    valid_all = g.Expand(g.unsqueeze(valid, 1), g.concat(batch, g.i64(heads), n))  # [B, L * H_kv, n]
+    requested = g.Cast(g.reshape("kv_budget", [-1]), to=INT64)
+    budget = g.squeeze(g.slice_axis(g.Min(g.Max(requested, g.i64(p.min_budget)), g.i64(p.budget)), 0, 1, axis=0), 0)
+
+    t = g.child()
+    w = t.Min(t.i64(p.window), n)
+    m = t.Sub(n, w)
+    eligible = t.slice_axis(valid_all, 0, m, axis=2)  # [B, L * H_kv, m]
+    ranking = t.concat(*[f"ranking.{i}" for i in range(num_layers)], axis=1)  # [B, L * H_kv, m]
+    r = t.Min(t.Max(t.Sub(lens, w), t.scalar(0)), t.Sub(budget, t.scalar(p.window)))  # [B]
+    floor = helper_body.head_floor(t, r)
+    selectable = eligible
+    if p.head_cap_ratio:
+        cap = t.Gather(t.const(model_level_tables(p)["older_cap"], hint="older_cap_table"), t.Sub(budget, t.scalar(p.window)))
+        count = t.ReduceSum(t.Cast(eligible, to=INT64), t.i64(2), keepdims=0)  # [B, L * H_kv]
+        selectable = helper_body.topk_mask(t, ranking, t.Min(count, cap), eligible)
+    shared = SimpleNamespace(topk_mask=helper_body.topk_mask, kv_heads=heads)
+    from criticalkv.methods.adakv import onnx_shared_allocation_mask
+
+    older = onnx_shared_allocation_mask(shared, t, ranking, r, floor, selectable)
+    window = t.Expand(t.const(True, np.bool_), t.concat(batch, t.i64(heads), w))
+    compress = t.reshape(t.Greater(lens, budget), [-1, 1, 1])
+    then_keep = _Body.where_bool(t, compress, t.concat(older, window, axis=-1), valid_all)
+    e = g.child()
+    else_keep = e.Identity(valid_all)
+    keep = g.op("If", g.Greater(n_s, budget),
+                then_branch=t.graph("compress_model", [], [value_info(then_keep, BOOL, None)]),
+                else_branch=e.graph("keep_all", [], [value_info(else_keep, BOOL, None)]), hint="keep")
+    capacities = g.attribute_const("capacities", "ints")
+    outputs = model_outputs(num_layers)
+    for i in range(num_layers):
+        layer_keep = g.slice_axis(keep, i * num_kv_heads, (i + 1) * num_kv_heads, axis=1)
+        capacity = g.Gather(capacities, g.scalar(i))
+        emit_kept(g, layer_keep, f"keys.{i}", f"values.{i}", capacity, outputs[4 * i: 4 * i + 4])
+
+
+def model_function(policy: KVPolicy, num_layers: int, num_kv_heads: int) -> onnx.FunctionProto:
+    """The model-local function ``ai.criticalkv::CriticalKVSelectModel`` for ``policy`` and this model."""
+    g = GraphBuilder("ckvm/")
+    _model_body(g, policy, num_layers, num_kv_heads)
+    return helper.make_function(
+        DOMAIN, MODEL_OP, model_inputs(num_layers), model_outputs(num_layers), g.nodes,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        attributes=list(KVPolicy.knob_names()) + list(MODEL_ATTRIBUTES),
+        doc_string=f"CriticalKVSelectModel body (model-level selection after the last layer) for policy {policy.to_json()} "
+        f"(H_kv={num_kv_heads}, layers={num_layers}).",
+    )
+
+
+def model_node(policy: KVPolicy, capacities: list[int], inputs: list[str], outputs: list[str]) -> onnx.NodeProto:
+    """The ``CriticalKVSelectModel`` node: every KVPolicy knob + num_layers + capacities."""
+    node = helper.make_node(MODEL_OP, inputs, outputs, name="criticalkv_select_model", domain=DOMAIN)
+    attributes = {**policy.to_dict(), "num_layers": len(capacities), "capacities": list(capacities)}
+    node.attribute.extend(
+        helper.make_attribute(k, v, attr_type=onnx.AttributeProto.INTS if isinstance(v, list) else None)
+        for k, v in attributes.items()
+    )
+    return node
+
+
+def model_attributes(node: onnx.NodeProto) -> tuple[KVPolicy, int, list[int]]:
+    """(policy, num_layers, capacities) of a ``CriticalKVSelectModel`` node (inverse of ``model_node``)."""
+    from criticalkv.node import policy_from_attributes
+
+    values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    capacities = [int(c) for c in values.pop("capacities")]
+    policy, _, num_layers, _ = policy_from_attributes({**values, "layer_idx": 0, "capacity": 0})
+    return policy, num_layers, capacities
+
+
+def model_selection_model(policy: KVPolicy, num_layers: int, num_kv_heads: int, head_dim: int,
+                          capacities: list[int]) -> onnx.ModelProto:
+    """A model holding one ``CriticalKVSelectModel`` node (tests): inputs ``ranking.{l}`` [batch, H_kv, m] float,
+    ``keys.{l}`` / ``values.{l}`` [batch, H_kv, n, d_h] float, ``prompt_lengths`` [batch] int32, ``kv_budget`` [1]
+    int32; outputs the node's (``kept_keys.{l}``, ...)."""
+    from criticalkv.export.graph import INT32, IR_VERSION
+
+    from criticalkv.export.select_function import selection_opset
+
+    inputs = model_inputs(num_layers)
+    outputs = model_outputs(num_layers)
+    node = model_node(policy, capacities, inputs, outputs)
+    infos = ([value_info(x, FLOAT, ["batch", num_kv_heads, "older"]) for x in inputs[:num_layers]]
+             + [value_info(x, FLOAT, ["batch", num_kv_heads, "sequence", head_dim]) for x in inputs[num_layers:3 * num_layers]]
+             + [value_info("prompt_lengths", INT32, ["batch"]), value_info("kv_budget", INT32, [1])])
+    kinds = {"kept_keys": FLOAT, "kept_values": FLOAT, "kept_lengths": INT32, "kept_indices": INT32}
+    out_infos = [value_info(x, kinds[x.split(".")[0]], None) for x in outputs]
+    graph = helper.make_graph([node], "criticalkv_select_model", infos, out_infos)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), selection_opset()],
+                             functions=[model_function(policy, num_layers, num_kv_heads)], ir_version=IR_VERSION,
+                             producer_name="criticalkv")
