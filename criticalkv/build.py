@@ -161,8 +161,7 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
     ``scripts/build_engine.py`` then exits 3 (the rule is in its ``--help``).
     """
     if not result.policy.method.base.native:
-        return _skipped(f"{result.policy.name} has no C++ selection flow in the CriticalKVSelect plugin yet "
-                        "(plugins/README.md, Known limits)", log)
+        return _skipped(f"{result.policy.name} {result.policy.method.base.cpp_refusal}", log)
     try:
         import criticalkv.tensorrt as trt_engine
     except ImportError as err:

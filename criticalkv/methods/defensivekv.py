@@ -93,10 +93,10 @@ class DefensiveKV(AdaKV):
     score_name = "defensive"
     score_names = ("defensive", "stage1_mass", "window_mass")
     score_knobs = ("pool_kernel", "value_norm")
+    #: the defensive score reads every window query's attention row (per-row pool, maximum over the rows)
+    row_scores = True
     #: whether the budget is shared across the layers of the model (selected by ``select_model``)
     model_level = False
-    #: the C++ selection flow exists (plugins/include/criticalkv); False: the plugin refuses the policy
-    native = False
 
     def group_scores(self, policy, inputs):
         import torch
@@ -193,6 +193,11 @@ class LayerDefensiveKV(DefensiveKV):
     cpp_enum = "kLayerDefensiveKV"
     description = "defensivekv scores, the budget shared across all layers and heads (per-head floor ada_floor)"
     model_level = True
+    #: the CriticalKVSelect plugin is one node per layer: a budget shared by every layer needs every layer's scores
+    #: in one node (plugins/README.md, Known limits)
+    native = False
+    cpp_refusal = ("shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node "
+                   "(plugins/README.md, Known limits); select it on the PyTorch path")
 
     def max_older_per_head(self, policy, r, m, num_kv_heads):
         return m  # any head of any layer may take up to L * H_kv * r entries: bounded by its m older tokens
