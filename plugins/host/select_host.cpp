@@ -356,6 +356,12 @@ int64_t HostTopK::massCount(float const* scores, uint8_t const* flags, int64_t l
 
 } // namespace
 
+int64_t massCount(float const* scores, uint8_t const* flags, int64_t len, int64_t period, int64_t firstValid,
+    float limit)
+{
+    return HostTopK{}.massCount(scores, flags, len, period, firstValid, limit);
+}
+
 int32_t resolveLayerBudget(SelectConfig const& config, BudgetTable const& table, int32_t const* kvBudget)
 {
     int32_t const index = effectiveBudget(config, kvBudget) - config.window;
