@@ -376,7 +376,8 @@ def render_plugin_yaml() -> str:
         "    attribute_length:",
         *[f"      {s.name}: {-1 if s.kind in ('STRING', 'INTS') else 1}" for s in specs],
         "    attribute_options:",
-        f"      name: {_yaml_list(POLICIES)}",
+        f"      name: {_yaml_list(n for n, m in METHODS.items() if m.base.native)}"
+        + "".join(f"   # refused: {n} {m.base.cpp_refusal}" for n, m in METHODS.items() if not m.base.native),
     ]
     for f in _choice_fields():
         lines.append(f"      {f.name}: {_yaml_list(f.metadata['choices'])}")
