@@ -170,7 +170,7 @@ def _validation_lines() -> list[str]:
         if f.name == "name":
             lines += ["    if (!detail::oneOf(p.name, policyNames()))",
                       "        return \"name: unknown KV policy '\" + p.name + \"'; choose one of \" + detail::joinChoices(policyNames());"]
-            for n, m in METHODS.items():  # methods whose selection flow has no C++ version yet: refused, not approximated
+            for n, m in METHODS.items():  # methods the per-layer plugin cannot select: refused with the reason, not approximated
                 if not m.base.native:
                     lines += [f'    if (p.name == "{n}")',
                               f'        return "name: {n} {m.base.cpp_refusal}";']
