@@ -256,6 +256,7 @@ cudaError_t launchWindowTyped(WindowArgs const& a, cudaStream_t stream)
     return cudaGetLastError();
 }
 
+// BEGIN defensive rows (tests/plugins/test_plugin_kernel_emulation.py runs this section on the CPU)
 //! defensivekv's rows (defensive.h): every window query's attention row over the older tokens, average-pooled and
 //! rescaled to the row's mass, maximum over the rows of each query head.
 struct DefensiveRowArgs
@@ -471,6 +472,7 @@ __global__ void __launch_bounds__(kStatsThreads) defensiveRowMassKernel(Defensiv
         a.rowMass[headRow * w + j] = make_float2(static_cast<float>(mass), static_cast<float>(total));
     }
 }
+// END defensive rows
 
 template <typename T>
 cudaError_t launchDefensiveRowsTyped(DefensiveRowArgs const& a, cudaStream_t stream)
