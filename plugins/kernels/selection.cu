@@ -140,6 +140,7 @@ __device__ void blockSelectTopK(float const* scores, uint8_t* flags, int64_t len
     radixSelectTopK(row, k);
 }
 
+// BEGIN block mass row (tests/plugins/test_plugin_kernel_emulation.py runs this section on the CPU)
 //! radixMassCount's data-parallel step for one thread block (defensive.h): counts and double sums per digit.
 struct BlockMassRow
 {
@@ -178,6 +179,7 @@ struct BlockMassRow
         return MassHistogram{s.histogram, s.sums};
     }
 };
+// END block mass row
 
 //! The block-wide radix select as the flows' top-k primitive (select_flow.h), with defensivekv's steps.
 struct BlockTopK

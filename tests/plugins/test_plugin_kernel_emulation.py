@@ -1,7 +1,8 @@
-"""defensivekv's row kernels (kernels/window_scores.cu, the "defensive rows" section) run on the CPU under a thread
-emulation (plugins/testing/defensive_rows_emulation.cpp: one std::thread per CUDA thread, __syncthreads() a barrier)
-and agree with the host driver's whole-row form of the same functions. No GPU is needed: this checks the kernels'
-tiling, halo chunks, reductions and indexing where nothing CUDA can run."""
+"""defensivekv's device code run on the CPU under a thread emulation (one std::thread per CUDA thread, __syncthreads()
+a barrier, shared-memory atomics std::atomic_ref): the row kernels (kernels/window_scores.cu, "defensive rows") agree
+with the host driver's whole-row form, and the block executor of the stage-1 count (kernels/selection.cu, "block mass
+row") gives every thread of a 512-thread block the host's count. No GPU is needed: this checks the kernels' tiling, halo
+chunks, reductions, barriers and indexing where nothing CUDA can run."""
 
 import shutil
 import subprocess
@@ -10,23 +11,29 @@ import pytest
 
 from ckv_native import ROOT
 
-SOURCE = ROOT / "plugins" / "kernels" / "window_scores.cu"
-HARNESS = ROOT / "plugins" / "testing" / "defensive_rows_emulation.cpp"
+PLUGINS = ROOT / "plugins"
+
+
+def build_emulator(folder, source: str, section: str, include: str, harness: str):
+    """Copy the marked section of a kernel source next to the harness and compile both with g++."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("g++ not found")
+    text = (PLUGINS / "kernels" / source).read_text()
+    begin, end = text.index(f"// BEGIN {section}"), text.index(f"// END {section}")
+    (folder / include).write_text(text[begin:end])
+    binary = folder / harness.removesuffix(".cpp")
+    result = subprocess.run([compiler, "-std=c++20", "-O1", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror",
+                             f"-I{PLUGINS / 'include'}", f"-I{folder}", str(PLUGINS / "testing" / harness), "-o",
+                             str(binary), "-lpthread"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return binary
 
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("g++ not found")
-    text = SOURCE.read_text()
-    begin, end = text.index("// BEGIN defensive rows"), text.index("// END defensive rows")
-    folder = tmp_path_factory.mktemp("emulation")
-    (folder / "defensive_rows_section.inc").write_text(text[begin:end])
-    binary = folder / "defensive_rows_emulation"
-    subprocess.run([compiler, "-std=c++20", "-O1", "-ffp-contract=off", "-Wall", "-Werror", f"-I{ROOT / 'plugins' / 'include'}",
-                    f"-I{folder}", str(HARNESS), "-o", str(binary), "-lpthread"], check=True, capture_output=True, text=True)
-    return binary
+    return build_emulator(tmp_path_factory.mktemp("rows"), "window_scores.cu", "defensive rows",
+                          "defensive_rows_section.inc", "defensive_rows_emulation.cpp")
 
 
 @pytest.mark.parametrize(
@@ -41,4 +48,11 @@ def emulator(tmp_path_factory):
 def test_defensive_row_kernels_equal_the_host_form(emulator, pool, batch, heads, kv_heads, n, head_dim, window, seed):
     result = subprocess.run([str(emulator), *map(str, (pool, batch, heads, kv_heads, n, head_dim, window, seed))],
                             capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_block_mass_count_equals_the_host_count_in_every_thread(tmp_path):
+    binary = build_emulator(tmp_path, "selection.cu", "block mass row", "block_mass_row_section.inc",
+                            "block_mass_count_emulation.cpp")
+    result = subprocess.run([str(binary), "4", "48"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
