@@ -33,6 +33,10 @@ queries j and older tokens i (m = n - w of them):
 ``EfficientAdaGlobalScorerPress``: top entries over every layer's flattened scores after the last layer's
 prefill); floors and window stay per head. It is a model-level method: ``criticalkv.selection.select_model``
 selects it; ``select_layer`` alone only for a one-layer model.
+
+C++ (CUDA kernels, TensorRT plugin, host version): ``defensivekv``'s flow is ``plugins/include/criticalkv/defensive.h``
+(``row_scores`` tells the pipeline its score reads every window query's row); ``layer-defensivekv`` is refused by the
+per-layer plugin (``cpp_refusal``).
 """
 
 from __future__ import annotations
