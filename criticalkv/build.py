@@ -161,8 +161,7 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
         return _skipped(f"{result.policy.name} selects after the last layer over every layer's entries: no TensorRT "
                         "flavour (docs/operator.md, model-level selection)", log)
     if not result.policy.method.base.native:
-        return _skipped(f"{result.policy.name} has no C++ selection flow in the CriticalKVSelect plugin yet "
-                        "(plugins/README.md, Known limits)", log)
+        return _skipped(f"{result.policy.name} {result.policy.method.base.cpp_refusal}", log)
     try:
         import criticalkv.tensorrt as trt_engine
     except ImportError as err:

@@ -63,8 +63,10 @@ class BaseMethod:
     own_l2_norms : whether its own score needs the l2 projected-value norms
     score_name : the score its own choice ranks by (``scores[score_name]``)
     score_knobs : the knobs its scores depend on (scores are memoised per prompt by these, not by budget)
+    row_scores : whether its score reads every window query's attention row, not only their mean (defensivekv)
     model_level : whether the budget is shared across all layers (``select_model`` selects after the last layer)
     native : whether the C++ selection flow (plugin, host version) implements it; otherwise the plugin refuses it
+    cpp_refusal : why the plugin refuses a method that is not native (the generated validation's message)
     """
 
     name: str = ""
@@ -76,8 +78,10 @@ class BaseMethod:
     shared_allocation: bool = False
     own_l2_norms: bool = False
     score_name: str = "attention"
+    row_scores: bool = False
     model_level: bool = False
     native: bool = True
+    cpp_refusal: str = ""
     score_knobs: tuple[str, ...] = ("pool_kernel",)
     #: names of the per-token scores ``group_scores`` adds (besides "attention", which every scored method has)
     score_names: tuple[str, ...] = ()

@@ -36,6 +36,10 @@ that multiple of the budget (window included): the greedy walk down the model-wi
 entries, which is the top of the ranking restricted to each head's first ``cap - window`` entries. The cap bounds the
 per-layer decode buffers of an exported engine (an uncapped head may keep its whole prompt). It is a model-level method: ``criticalkv.selection.select_model``
 selects it; ``select_layer`` alone only for a one-layer model.
+
+C++ (CUDA kernels, TensorRT plugin, host version): ``defensivekv``'s flow is ``plugins/include/criticalkv/defensive.h``
+(``row_scores`` tells the pipeline its score reads every window query's row); ``layer-defensivekv`` is refused by the
+per-layer plugin (``cpp_refusal``).
 """
 
 from __future__ import annotations
@@ -96,10 +100,10 @@ class DefensiveKV(AdaKV):
     score_name = "defensive"
     score_names = ("defensive", "stage1_mass", "window_mass")
     score_knobs = ("pool_kernel", "value_norm")
+    #: the defensive score reads every window query's attention row (per-row pool, maximum over the rows)
+    row_scores = True
     #: whether the budget is shared across the layers of the model (selected by ``select_model``)
     model_level = False
-    #: the C++ selection flow exists (plugins/include/criticalkv); False: the plugin refuses the policy
-    native = False
 
     def group_scores(self, policy, inputs):
         import torch
@@ -197,6 +201,11 @@ class LayerDefensiveKV(DefensiveKV):
     description = "defensivekv scores, the budget shared across all layers and heads (per-head floor ada_floor)"
     model_level = True
     knobs = DefensiveKV.knobs + ("head_cap_ratio",)
+    #: the CriticalKVSelect plugin is one node per layer: a budget shared by every layer needs every layer's scores
+    #: in one node (plugins/README.md, Known limits)
+    native = False
+    cpp_refusal = ("shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node "
+                   "(plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime")
 
     def max_older_per_head(self, policy, r, m, num_kv_heads):
         # any head of any layer may take up to L * H_kv * r entries: bounded by its m older tokens, and by the

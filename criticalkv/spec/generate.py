@@ -128,10 +128,12 @@ def render_policy_fields_header() -> str:
     )
     lines += _macro(
         "CKV_FOR_EACH_BASE(CKV_BASE)",
-        ["CKV_BASE(enumerator, name, scored, shared_allocation, own_l2_norms) for every base method, enum order.",
-         "scored: ranks older tokens by window attention; shared_allocation: the layer's H_kv * r slots are shared",
-         "across its heads with a per-head floor; own_l2_norms: its own score needs the l2 projected-value norms."],
-        [f"CKV_BASE({m.cpp_enum}, {_literal(m.name)}, {int(m.scored)}, {int(m.shared_allocation)}, {int(m.own_l2_norms)})"
+        ["CKV_BASE(enumerator, name, scored, shared_allocation, own_l2_norms, row_scores) for every base method, enum",
+         "order. scored: ranks older tokens by window attention; shared_allocation: the layer's H_kv * r slots are",
+         "shared across its heads with a per-head floor; own_l2_norms: its own score needs the l2 projected-value",
+         "norms; row_scores: its score reads every window query's attention row (defensive aggregation)."],
+        [f"CKV_BASE({m.cpp_enum}, {_literal(m.name)}, {int(m.scored)}, {int(m.shared_allocation)}, {int(m.own_l2_norms)}, "
+         f"{int(m.row_scores)})"
          for m in BASE_METHODS.values()],
     )
     for f in _choice_fields():
@@ -168,10 +170,10 @@ def _validation_lines() -> list[str]:
         if f.name == "name":
             lines += ["    if (!detail::oneOf(p.name, policyNames()))",
                       "        return \"name: unknown KV policy '\" + p.name + \"'; choose one of \" + detail::joinChoices(policyNames());"]
-            for n, m in METHODS.items():  # methods whose selection flow has no C++ version yet: refused, not approximated
+            for n, m in METHODS.items():  # methods the per-layer plugin cannot select: refused with the reason, not approximated
                 if not m.base.native:
                     lines += [f'    if (p.name == "{n}")',
-                              f'        return "name: {n} has no C++ selection flow yet (plugins/README.md); run it on ONNX Runtime";']
+                              f'        return "name: {n} {m.base.cpp_refusal}";']
             continue
         if choices:
             lines += [f"    if (!detail::oneOf(p.{f.name}, {{CKV_CHOICES_{f.name}}}))",
@@ -374,7 +376,8 @@ def render_plugin_yaml() -> str:
         "    attribute_length:",
         *[f"      {s.name}: {-1 if s.kind in ('STRING', 'INTS') else 1}" for s in specs],
         "    attribute_options:",
-        f"      name: {_yaml_list(POLICIES)}",
+        f"      name: {_yaml_list(n for n, m in METHODS.items() if m.base.native)}"
+        + "".join(f"   # refused: {n} {m.base.cpp_refusal}" for n, m in METHODS.items() if not m.base.native),
     ]
     for f in _choice_fields():
         lines.append(f"      {f.name}: {_yaml_list(f.metadata['choices'])}")

@@ -332,6 +332,9 @@ inline SelectConfig makeSelectConfig(PolicyConfig const& p)
     c.valueNorm = p.value_norm == "l2" ? ValueNorm::kL2 : ValueNorm::kL1;
     c.gqaReduce = p.gqa_reduce == "kvpress" ? GqaReduce::kKvpress : GqaReduce::kMean;
     c.stage2Scores = p.stage2_scores == "raw" ? Stage2Scores::kRaw : Stage2Scores::kPooled;
+    // A float32 threshold, not integer millionths: it is only compared with fp32 cumulative masses, and float32(x)
+    // survives the ONNX float32 attribute and its shortest-decimal widening unchanged.
+    c.stage1Mass = static_cast<float>(p.stage1_mass);
     c.layerBudget = 0;
     c.budgetTable = 0;
     if (p.budget >= p.window && !p.layer_budgets.empty())

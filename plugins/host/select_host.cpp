@@ -1,5 +1,6 @@
 #include "select_host.h"
 
+#include "criticalkv/defensive.h"
 #include "criticalkv/group_scores.h"
 #include "criticalkv/head_selection.h"
 #include "criticalkv/kept_positions.h"
@@ -38,9 +39,10 @@ void validateShape(SelectConfig const& config, SelectShape const& s)
     }
 }
 
-//! Ā and sum_j A_j^2 of query head h over the m older positions (window attention, causal inside the window).
+//! Ā and sum_j A_j^2 of query head h over the m older positions (window attention, causal inside the window), and
+//! when rows is not null every window query's attention row over them ([w, m], 0 where a key is not seen).
 void windowScores(SelectConfig const& config, SelectShape const& s, HostInputs const& in, int32_t b, int32_t h,
-    int32_t validStart, float* raw, float* squares)
+    int32_t validStart, float* raw, float* squares, float* rows)
 {
     int32_t const n = s.n;
     int32_t const d = s.headDim;
@@ -51,6 +53,10 @@ void windowScores(SelectConfig const& config, SelectShape const& s, HostInputs c
     float const* keys = in.keys + (static_cast<int64_t>(b) * s.kvHeads + g) * n * d;
     std::fill(raw, raw + m, 0.0F);
     std::fill(squares, squares + m, 0.0F);
+    if (rows != nullptr)
+    {
+        std::fill(rows, rows + static_cast<int64_t>(w) * m, 0.0F);
+    }
     std::vector<float> logits(static_cast<size_t>(n));
     for (int32_t j = 0; j < w; ++j)
     {
@@ -81,6 +87,10 @@ void windowScores(SelectConfig const& config, SelectShape const& s, HostInputs c
             float const p = std::exp(logits[i] - rowMax) / sum;
             raw[i] += p;
             squares[i] += p * p;
+            if (rows != nullptr)
+            {
+                rows[static_cast<int64_t>(j) * m + i] = p;
+            }
         }
     }
     for (int32_t i = 0; i < m; ++i)
@@ -97,7 +107,78 @@ struct HostTopK
     {
         selectTopK(scores, flags, len, period, firstValid, k, mark);
     }
+
+    int64_t massCount(float const* scores, uint8_t const* flags, int64_t len, int64_t period, int64_t firstValid,
+        float limit) const;
+
+    void rankStage1(float const* defensive, uint8_t* flags, float* ranking, int64_t len) const
+    {
+        for (int64_t e = 0; e < len; ++e)
+        {
+            ranking[e] = stage1Ranking(defensive[e], flags[e] != 0);
+            flags[e] = 0;
+        }
+    }
 };
+
+//! defensivekv's per-row step for query head h (the kernels' defensive row passes): R = the rescaled average pool
+//! of every window query's row, worst[i] = max over the rows; rowMass[j] = the row's mass over the older tokens.
+void defensiveRows(SelectConfig const& config, float const* rows, int32_t w, int32_t m, int32_t validStart,
+    float* worst, float* rowMass)
+{
+    std::fill(worst, worst + m, -INFINITY);
+    std::vector<float> pooled(static_cast<size_t>(m));
+    for (int32_t j = 0; j < w; ++j)
+    {
+        float const* row = rows + static_cast<int64_t>(j) * m;
+        double mass = 0.0;
+        double total = 0.0;
+        for (int32_t i = 0; i < m; ++i)
+        {
+            pooled[i] = averagePooledAt(row, config.poolKernel, m, validStart, i);
+            mass += row[i];
+            total += pooled[i];
+        }
+        rowMass[j] = static_cast<float>(mass);
+        for (int32_t i = 0; i < m; ++i)
+        {
+            worst[i] = std::max(worst[i], rescaledPooled(pooled[i], rowMass[j], static_cast<float>(total)));
+        }
+    }
+}
+
+//! defensivekv's group step for one sequence: the parts, their sums over the valid tokens, then the defensive score
+//! and the stage-1 mass of every older token; groupTotals: [H_kv].
+void defensiveGroups(SelectShape const& s, float const* headWorst, float const* raw, float const* norms,
+    float const* rowMass, int32_t w, int32_t m, int32_t validStart, float* defensive, float* stage1,
+    DefensiveTotals* groupTotals)
+{
+    int32_t const group = s.heads / s.kvHeads;
+    std::vector<DefensiveParts> parts(static_cast<size_t>(m));
+    for (int32_t g = 0; g < s.kvHeads; ++g)
+    {
+        double worstSum = 0.0, normSum = 0.0, attentionSum = 0.0, massSum = 0.0;
+        for (int32_t i = 0; i < m; ++i)
+        {
+            parts[i] = defensivePartsAt(headWorst, raw, norms, g * group, group, m, validStart, i);
+            worstSum += i >= validStart ? parts[i].worst : 0.0F;
+            normSum += parts[i].norm;
+            attentionSum += parts[i].attention;
+        }
+        for (int64_t row = static_cast<int64_t>(g) * group * w; row < static_cast<int64_t>(g + 1) * group * w; ++row)
+        {
+            massSum += rowMass[row];
+        }
+        DefensiveTotals const totals
+            = defensiveTotals(worstSum, normSum, attentionSum, massSum, m - validStart, group * w);
+        groupTotals[g] = totals;
+        for (int32_t i = 0; i < m; ++i)
+        {
+            defensive[static_cast<int64_t>(g) * m + i] = defensiveScore(parts[i], totals);
+            stage1[static_cast<int64_t>(g) * m + i] = stage1MassOf(parts[i], totals);
+        }
+    }
+}
 
 } // namespace
 
@@ -234,6 +315,53 @@ void selectTopK(float const* scores, uint8_t* flags, int64_t len, int64_t period
     radixSelectTopK(row, k);
 }
 
+namespace
+{
+
+//! radixMassCount's data-parallel step as a loop over the row.
+struct HostMassRow
+{
+    float const* scores;
+    uint8_t const* flags;
+    int64_t len;
+    int64_t period;
+    int64_t firstValid;
+    uint32_t counts[kRadixBins];
+    double sums[kRadixBins];
+
+    MassHistogram massHistogram(int pass, uint32_t prefix, uint32_t prefixMask)
+    {
+        std::fill(counts, counts + kRadixBins, 0u);
+        std::fill(sums, sums + kRadixBins, 0.0);
+        for (int64_t e = 0; e < len; ++e)
+        {
+            uint32_t const key = orderedKey(scores[e]);
+            if (radixCandidate(flags, e, period, firstValid) && (key & prefixMask) == prefix)
+            {
+                uint32_t const digit = radixDigit(key, pass);
+                ++counts[digit];
+                sums[digit] += static_cast<double>(scores[e]);
+            }
+        }
+        return MassHistogram{counts, sums};
+    }
+};
+
+int64_t HostTopK::massCount(float const* scores, uint8_t const* flags, int64_t len, int64_t period,
+    int64_t firstValid, float limit) const
+{
+    HostMassRow row{scores, flags, len, period, firstValid, {}, {}};
+    return radixMassCount(row, limit);
+}
+
+} // namespace
+
+int64_t massCount(float const* scores, uint8_t const* flags, int64_t len, int64_t period, int64_t firstValid,
+    float limit)
+{
+    return HostTopK{}.massCount(scores, flags, len, period, firstValid, limit);
+}
+
 int32_t resolveLayerBudget(SelectConfig const& config, BudgetTable const& table, int32_t const* kvBudget)
 {
     int32_t const index = effectiveBudget(config, kvBudget) - config.window;
@@ -279,6 +407,12 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
     std::vector<float> attention(perKvHead, 0.0F), critical(perKvHead, 0.0F), laprox(perKvHead, 0.0F);
     std::vector<uint8_t> flags(perKvHead, 0);
     std::vector<int64_t> headCounts(static_cast<size_t>(s.batch) * s.kvHeads, 0);
+    // defensivekv: every window query's row of one head, each head's worst, each row's mass, the two scores
+    bool const rowsOn = rowScores(config);
+    std::vector<float> rows(rowsOn ? static_cast<size_t>(w) * m : 0), worst(rowsOn ? perHead : 0);
+    std::vector<float> rowMass(rowsOn ? static_cast<size_t>(s.batch) * s.heads * w : 0);
+    std::vector<float> stage1(rowsOn ? perKvHead : 0), ranking(rowsOn ? perKvHead : 0);
+    std::vector<DefensiveTotals> totals(static_cast<size_t>(s.kvHeads));
     HostTopK topK;
     for (int32_t b = 0; b < s.batch && anyScored; ++b)
     {
@@ -292,11 +426,28 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
         for (int32_t h = 0; h < s.heads; ++h)
         {
             int64_t const row = sequence + static_cast<int64_t>(h) * m;
-            windowScores(config, s, in, b, h, info.validStart, &raw[row], &squares[row]);
+            windowScores(config, s, in, b, h, info.validStart, &raw[row], &squares[row], rowsOn ? rows.data() : nullptr);
+            if (rowsOn)
+            {
+                defensiveRows(config, rows.data(), w, m, info.validStart, &worst[row],
+                    &rowMass[(static_cast<size_t>(b) * s.heads + h) * w]);
+            }
             if (needsNorms(config))
             {
                 valueProjectionNorms(s, in.values, in.oProj, b, h, m, normKind(config), &norms[row]);
             }
+        }
+        int64_t const base = b * rowsPerBatch;
+        if (rowsOn)
+        {
+            // defensive group scores (defensiveGroupKernels), then stage 1 and the shared allocation
+            defensiveGroups(s, &worst[sequence], &raw[sequence], &norms[sequence],
+                &rowMass[static_cast<size_t>(b) * s.heads * w], w, m, info.validStart, &attention[base], &stage1[base],
+                totals.data());
+            float const limit = stage1Limit(config, totals.data(), s.kvHeads);
+            selectDefensive(topK, config, &attention[base], &stage1[base], &ranking[base], &flags[base], s.kvHeads, m,
+                info.validStart, info.r, limit);
+            continue;
         }
         // group scores (groupScoresKernel)
         for (int32_t g = 0; g < s.kvHeads; ++g)
@@ -312,7 +463,6 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
             }
         }
         // shared allocation (selectSharedKernel), then the per-head flow (selectPerHeadKernel)
-        int64_t const base = b * rowsPerBatch;
         if (sharedAllocation(config))
         {
             selectShared(topK, config, sharedRanking(config, &attention[base], &laprox[base]), &flags[base], s.kvHeads,

@@ -43,6 +43,11 @@ int32_t resolveLayerBudget(SelectConfig const& config, BudgetTable const& table,
 void selectTopK(float const* scores, uint8_t* flags, int64_t len, int64_t period, int64_t firstValid, int64_t k,
     uint8_t mark);
 
+//! defensivekv's stage-1 count (defensive.h: radixMassCount): how many candidates, best first, keep the cumulative
+//! sum of their scores below limit. Candidates as selectTopK's.
+int64_t massCount(float const* scores, uint8_t const* flags, int64_t len, int64_t period, int64_t firstValid,
+    float limit);
+
 //! Projected-value norms of query head h for tokens [0, count): ||V[g(h), i] W_O^h|| (l1, or l2 through the
 //! d_h x d_h Gram matrix like the reference). out: [count].
 void valueProjectionNorms(SelectShape const& shape, float const* values, float const* oProj, int32_t b, int32_t h,

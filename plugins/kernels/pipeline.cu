@@ -1,6 +1,7 @@
 // launchCriticalKVSelect: the operator of one layer as a sequence of kernels on one stream.
 //
-//   window attention  ->  value norms  ->  group scores  ->  radix selection  ->  compaction  ->  gather
+//   window attention  ->  value norms  ->  [defensivekv: pooled rows]  ->  group scores  ->  radix selection
+//   ->  compaction  ->  gather
 //
 // No host synchronisation and no allocation: the workspace (workspaceLayout) holds every intermediate, so the
 // launch is CUDA-graph capturable. The request's budget b (the kv_budget input) stays in device memory: every
@@ -136,6 +137,22 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
             {
                 return status;
             }
+        }
+        if (rowScores(config))
+        {
+            float* worst = at<float>(workspace, layout.worst);
+            float* rowMass = at<float>(workspace, layout.rowMass);
+            status = launchDefensiveRows(config, budget, shape, t.dtype, t.queries, t.keys, t.promptLengths,
+                at<float>(workspace, layout.rowStats), at<float>(workspace, layout.partials), rowMass, worst, stream);
+            if (status != cudaSuccess)
+            {
+                return status;
+            }
+            s.worst = worst;
+            s.rowMass = reinterpret_cast<float2 const*>(rowMass);
+            s.stage1 = at<float>(workspace, layout.stage1);
+            s.ranking = at<float>(workspace, layout.ranking);
+            s.totals = at<DefensiveTotals>(workspace, layout.totals);
         }
         s.raw = raw;
         s.squares = squares;

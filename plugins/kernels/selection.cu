@@ -5,6 +5,7 @@
 // memory) find the key T of the k-th best candidate; candidates above T are kept, and among those equal to T
 // the lowest indices win (a block-wide prefix count in index order): exactly the reference's tie rule.
 // Each pass reads the row once (coalesced), so a row costs ~5 reads of m fp32 scores.
+#include "criticalkv/defensive.h"
 #include "criticalkv/group_scores.h"
 #include "criticalkv/head_selection.h"
 #include "criticalkv/kept_positions.h"
@@ -29,6 +30,7 @@ constexpr int kGatherWarps = 8;
 struct SelectSmem
 {
     uint32_t histogram[kRadixBins];
+    double sums[kRadixBins]; // radixMassCount's per-digit sums (defensivekv)
     typename cub::BlockScan<int32_t, kSelectThreads>::TempStorage scan;
 };
 
@@ -138,7 +140,48 @@ __device__ void blockSelectTopK(float const* scores, uint8_t* flags, int64_t len
     radixSelectTopK(row, k);
 }
 
-//! The block-wide radix select as the flows' top-k primitive (select_flow.h).
+// BEGIN block mass row (tests/plugins/test_plugin_kernel_emulation.py runs this section on the CPU)
+//! radixMassCount's data-parallel step for one thread block (defensive.h): counts and double sums per digit.
+struct BlockMassRow
+{
+    float const* scores;
+    uint8_t const* flags;
+    int64_t len;
+    int64_t period;
+    int64_t firstValid;
+    SelectSmem& s;
+
+    __device__ MassHistogram massHistogram(int pass, uint32_t prefix, uint32_t prefixMask)
+    {
+        int32_t const tid = static_cast<int32_t>(threadIdx.x);
+        __syncthreads(); // every thread is done reading the previous histogram
+        for (int32_t i = tid; i < kRadixBins; i += kSelectThreads)
+        {
+            s.histogram[i] = 0u;
+            s.sums[i] = 0.0;
+        }
+        __syncthreads();
+        for (int64_t e = tid; e < len; e += kSelectThreads)
+        {
+            if (!radixCandidate(flags, e, period, firstValid))
+            {
+                continue;
+            }
+            uint32_t const key = orderedKey(scores[e]);
+            if ((key & prefixMask) == prefix)
+            {
+                uint32_t const digit = radixDigit(key, pass);
+                atomicAdd(&s.histogram[digit], 1u);
+                atomicAdd(&s.sums[digit], static_cast<double>(scores[e]));
+            }
+        }
+        __syncthreads();
+        return MassHistogram{s.histogram, s.sums};
+    }
+};
+// END block mass row
+
+//! The block-wide radix select as the flows' top-k primitive (select_flow.h), with defensivekv's steps.
 struct BlockTopK
 {
     SelectSmem& smem;
@@ -146,6 +189,24 @@ struct BlockTopK
         int64_t k, uint8_t mark) const
     {
         blockSelectTopK(scores, flags, len, period, firstValid, k, mark, smem);
+    }
+
+    __device__ int64_t massCount(float const* scores, uint8_t const* flags, int64_t len, int64_t period,
+        int64_t firstValid, float limit) const
+    {
+        BlockMassRow row{scores, flags, len, period, firstValid, smem};
+        return radixMassCount(row, limit);
+    }
+
+    __device__ void rankStage1(float const* defensive, uint8_t* flags, float* ranking, int64_t len) const
+    {
+        __syncthreads(); // the stage-1 marks are complete
+        for (int64_t e = threadIdx.x; e < len; e += kSelectThreads)
+        {
+            ranking[e] = stage1Ranking(defensive[e], flags[e] != 0);
+            flags[e] = 0;
+        }
+        __syncthreads();
     }
 };
 
@@ -180,6 +241,120 @@ __global__ void __launch_bounds__(kScoreThreads) groupScoresKernel(ScoreArgs a)
     {
         a.laprox[out] = scores.laprox;
     }
+}
+
+//! defensivekv, per older token: the group's parts (defensive.h) into attention (worst), ranking (norm) and stage1
+//! (attention), the scratch of the next two kernels. grid (ceil(m / kScoreThreads), H_kv, B).
+__global__ void __launch_bounds__(kScoreThreads) defensivePartsKernel(ScoreArgs a)
+{
+    int32_t const g = static_cast<int32_t>(blockIdx.y);
+    int32_t const b = static_cast<int32_t>(blockIdx.z);
+    SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
+    int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
+    int32_t const i = static_cast<int32_t>(blockIdx.x) * kScoreThreads + static_cast<int32_t>(threadIdx.x);
+    if (!info.compress || i >= m)
+    {
+        return;
+    }
+    int32_t const group = a.shape.heads / a.shape.kvHeads;
+    int64_t const sequence = static_cast<int64_t>(b) * a.shape.heads * m;
+    DefensiveParts const parts = defensivePartsAt(a.worst + sequence, a.raw + sequence, a.norms + sequence,
+        g * group, group, m, info.validStart, i);
+    int64_t const out = (static_cast<int64_t>(b) * a.shape.kvHeads + g) * m + i;
+    a.attention[out] = parts.worst;
+    a.ranking[out] = parts.norm;
+    a.stage1[out] = parts.attention;
+}
+
+//! defensivekv, per KV head: the sums over its valid older tokens and its rows' window mass (double, block-reduced).
+//! grid (H_kv, B), block kScoreThreads.
+__global__ void __launch_bounds__(kScoreThreads) defensiveTotalsKernel(ScoreArgs a)
+{
+    int32_t const g = static_cast<int32_t>(blockIdx.x);
+    int32_t const b = static_cast<int32_t>(blockIdx.y);
+    SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
+    if (!info.compress)
+    {
+        return;
+    }
+    using Reduce = cub::BlockReduce<double, kScoreThreads>;
+    __shared__ typename Reduce::TempStorage storage;
+    int32_t const w = windowLength(a.config, a.shape.n);
+    int32_t const m = a.shape.n - w;
+    int32_t const group = a.shape.heads / a.shape.kvHeads;
+    int64_t const row = (static_cast<int64_t>(b) * a.shape.kvHeads + g) * m;
+    double worst = 0.0;
+    double norm = 0.0;
+    double attention = 0.0;
+    double mass = 0.0;
+    for (int32_t i = static_cast<int32_t>(threadIdx.x); i < m; i += kScoreThreads)
+    {
+        worst += i >= info.validStart ? a.attention[row + i] : 0.0F;
+        norm += a.ranking[row + i];
+        attention += a.stage1[row + i];
+    }
+    float2 const* rows = a.rowMass + (static_cast<int64_t>(b) * a.shape.heads + g * group) * w;
+    for (int32_t r = static_cast<int32_t>(threadIdx.x); r < group * w; r += kScoreThreads)
+    {
+        mass += rows[r].x;
+    }
+    worst = Reduce(storage).Sum(worst);
+    __syncthreads();
+    norm = Reduce(storage).Sum(norm);
+    __syncthreads();
+    attention = Reduce(storage).Sum(attention);
+    __syncthreads();
+    mass = Reduce(storage).Sum(mass);
+    if (threadIdx.x == 0)
+    {
+        a.totals[static_cast<int64_t>(b) * a.shape.kvHeads + g]
+            = defensiveTotals(worst, norm, attention, mass, m - info.validStart, group * w);
+    }
+}
+
+//! defensivekv, per older token: the defensive score (into attention) and the stage-1 mass (into stage1).
+//! grid (ceil(m / kScoreThreads), H_kv, B).
+__global__ void __launch_bounds__(kScoreThreads) defensiveFinishKernel(ScoreArgs a)
+{
+    int32_t const g = static_cast<int32_t>(blockIdx.y);
+    int32_t const b = static_cast<int32_t>(blockIdx.z);
+    int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
+    int32_t const i = static_cast<int32_t>(blockIdx.x) * kScoreThreads + static_cast<int32_t>(threadIdx.x);
+    if (!sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b).compress || i >= m)
+    {
+        return;
+    }
+    int64_t const head = static_cast<int64_t>(b) * a.shape.kvHeads + g;
+    int64_t const out = head * m + i;
+    DefensiveParts const parts{a.attention[out], a.ranking[out], a.stage1[out]};
+    DefensiveTotals const totals = a.totals[head];
+    a.attention[out] = defensiveScore(parts, totals);
+    a.stage1[out] = stage1MassOf(parts, totals);
+}
+
+//! defensivekv's selection of one sequence (defensive.h: stage 1 by mass, then the shared allocation).
+//! grid (B), block kSelectThreads.
+__global__ void __launch_bounds__(kSelectThreads) selectDefensiveKernel(ScoreArgs a)
+{
+    int32_t const b = static_cast<int32_t>(blockIdx.x);
+    SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
+    if (!info.compress)
+    {
+        return;
+    }
+    __shared__ SelectSmem smem;
+    int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
+    int32_t const heads = a.shape.kvHeads;
+    int64_t const base = static_cast<int64_t>(b) * heads * m;
+    for (int64_t e = threadIdx.x; e < static_cast<int64_t>(heads) * m; e += kSelectThreads)
+    {
+        a.flags[base + e] = 0;
+    }
+    __syncthreads();
+    float const limit = stage1Limit(a.config, a.totals + static_cast<int64_t>(b) * heads, heads);
+    BlockTopK topK{smem};
+    selectDefensive(topK, a.config, a.attention + base, a.stage1 + base, a.ranking + base, a.flags + base, heads, m,
+        info.validStart, info.r, limit);
 }
 
 //! Per-head selection (snapkv / pyramidkv, and the two stages of ada-criticalkv inside each head's share).
@@ -351,6 +526,15 @@ cudaError_t launchScoresAndSelection(ScoreArgs const& a, cudaStream_t stream)
     }
     dim3 const scoreGrid(static_cast<uint32_t>((m + kScoreThreads - 1) / kScoreThreads),
         static_cast<uint32_t>(a.shape.kvHeads), static_cast<uint32_t>(a.shape.batch));
+    if (rowScores(a.config))
+    {
+        defensivePartsKernel<<<scoreGrid, kScoreThreads, 0, stream>>>(a);
+        defensiveTotalsKernel<<<dim3(static_cast<uint32_t>(a.shape.kvHeads), static_cast<uint32_t>(a.shape.batch)),
+            kScoreThreads, 0, stream>>>(a);
+        defensiveFinishKernel<<<scoreGrid, kScoreThreads, 0, stream>>>(a);
+        selectDefensiveKernel<<<static_cast<uint32_t>(a.shape.batch), kSelectThreads, 0, stream>>>(a);
+        return cudaGetLastError();
+    }
     groupScoresKernel<<<scoreGrid, kScoreThreads, 0, stream>>>(a);
     dim3 const headGrid(static_cast<uint32_t>(a.shape.kvHeads), static_cast<uint32_t>(a.shape.batch));
     if (sharedAllocation(a.config))

@@ -1,7 +1,7 @@
 // Arguments and launchers of the selection stages (private to plugins/kernels; used by pipeline.cu).
 #pragma once
 
-#include "criticalkv/select_params.h"
+#include "criticalkv/defensive.h"
 
 #include <cuda_runtime_api.h>
 
@@ -22,6 +22,11 @@ struct ScoreArgs
     float* laprox;        // [B, H_kv, m] or nullptr
     uint8_t* flags;       // [B, H_kv, m]
     int32_t* headCounts;  // [B, H_kv]
+    float const* worst;       // [B, H, m] (defensivekv, launchDefensiveRows)
+    float2 const* rowMass;    // [B, H, w] (defensivekv)
+    float* stage1;            // [B, H_kv, m] (defensivekv)
+    float* ranking;           // [B, H_kv, m] (defensivekv)
+    DefensiveTotals* totals;  // [B, H_kv] (defensivekv)
     int32_t* keptIndices; // [B, H_kv, cap]
     int32_t* keptLengths; // [B, H_kv]
 };

@@ -6,9 +6,13 @@
 // statistics of every query, pass 2 recomputes the logits of the m older keys and accumulates the normalised
 // probabilities per key. Keys and a 16-query chunk sit in shared memory; logits accumulate in fp32.
 //
+// defensivekv also needs every window query's row (defensive.h): launchDefensiveRows recomputes the probabilities of
+// the older keys in two more passes (the rows' pooled sums, then the maximum of the rescaled pooled rows per head).
+//
 // Why not TensorRT's own layers (MatMul + Softmax + Reduce): they would materialise the [B, H, w, n]
 // probabilities (w * n * 4 bytes per head: 16 MiB for w = 32, n = 128k) and run the selection outside the
 // plugin anyway; the fused passes read K twice and write 3 floats per key. Not measured (no GPU here).
+#include "criticalkv/defensive.h"
 #include "criticalkv/kernels.h"
 #include "device_utils.cuh"
 
@@ -252,8 +256,279 @@ cudaError_t launchWindowTyped(WindowArgs const& a, cudaStream_t stream)
     return cudaGetLastError();
 }
 
+// BEGIN defensive rows (tests/plugins/test_plugin_kernel_emulation.py runs this section on the CPU)
+//! defensivekv's rows (defensive.h): every window query's attention row over the older tokens, average-pooled and
+//! rescaled to the row's mass, maximum over the rows of each query head.
+struct DefensiveRowArgs
+{
+    SelectConfig config;
+    SelectShape shape;
+    void const* queries;
+    void const* keys;
+    int32_t const* promptLengths;
+    RuntimeBudget budget;
+    float2 const* rowStats; // [B, H, w] softmax (max, sum)
+    float2* partials;       // [B, H, w, olderTiles] per token tile (sum A, sum P)
+    float2* rowMass;        // [B, H, w] (mass, total)
+    float* worst;           // [B, H, m]
+    int32_t olderTiles;
+    float scale;
+};
+
+constexpr int kRowThreads = 256;              // kKeyTile tokens x kRowLanes lanes of window queries
+constexpr int kRowLanes = kRowThreads / kKeyTile;
+constexpr int kRowQueriesPerLane = kQueryChunk / kRowLanes;
+
+size_t defensiveRowSharedBytes(int32_t headDim)
+{
+    // keys, queries, probabilities, two reduction tiles, the lanes' maxima
+    return (static_cast<size_t>(kKeyTile + kQueryChunk) * (headDim + 1) + 3 * kQueryChunk * kKeyTile
+               + kRowLanes * kKeyTile)
+        * sizeof(float);
+}
+
+//! Pass kRescale = false: per token tile and window query, the sums of A and of P over the tile's tokens (partials).
+//! Pass kRescale = true: worst[b, h, i] = max over j of rescaledPooled(P[j, i], rowMass[j]). P[j, i] sums the
+//! probabilities of the span of token i in ascending position order, as avg_pool1d does; the span crosses the tile,
+//! so the probabilities of keys [tile - k/2, tile + 64 + k/2) are computed in chunks of 64 keys.
+//! grid (older tiles, H, B), block kRowThreads, dynamic shared memory defensiveRowSharedBytes(d_h).
+template <typename T, bool kRescale>
+__global__ void __launch_bounds__(kRowThreads) defensiveRowsKernel(DefensiveRowArgs a)
+{
+    int32_t const tile = static_cast<int32_t>(blockIdx.x);
+    int32_t const h = static_cast<int32_t>(blockIdx.y);
+    int32_t const b = static_cast<int32_t>(blockIdx.z);
+    SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
+    if (!info.compress)
+    {
+        return;
+    }
+    int32_t const n = a.shape.n;
+    int32_t const d = a.shape.headDim;
+    int32_t const w = windowLength(a.config, n);
+    int32_t const m = n - w;
+    int32_t const g = h / (a.shape.heads / a.shape.kvHeads);
+    int32_t const tileBegin = tile * kKeyTile;
+    int32_t const tid = static_cast<int32_t>(threadIdx.x);
+    int32_t const token = tid % kKeyTile;
+    int32_t const lane = tid / kKeyTile;
+    int32_t const i = tileBegin + token;
+    int64_t const headRow = static_cast<int64_t>(b) * a.shape.heads + h;
+    int32_t const half = a.config.poolKernel / 2;
+    PoolSpan const span = i < m ? poolSpan(a.config.poolKernel, m, i) : PoolSpan{1, 0};
+    int32_t const lo = tileBegin - half > 0 ? tileBegin - half : 0;
+    int32_t const hi = tileBegin + kKeyTile + half < m ? tileBegin + kKeyTile + half : m; // exclusive
+
+    extern __shared__ float shared[];
+    int32_t const stride = d + 1;
+    float* keyTile = shared;                                 // [kKeyTile][d + 1]
+    float* queryTile = keyTile + kKeyTile * stride;          // [kQueryChunk][d + 1]
+    float* probTile = queryTile + kQueryChunk * stride;      // [kQueryChunk][kKeyTile]
+    float* pooledTile = probTile + kQueryChunk * kKeyTile;   // [kQueryChunk][kKeyTile]
+    float* massTile = pooledTile + kQueryChunk * kKeyTile;   // [kQueryChunk][kKeyTile]
+    float* laneBest = massTile + kQueryChunk * kKeyTile;     // [kRowLanes][kKeyTile]
+
+    T const* keys = static_cast<T const*>(a.keys) + (static_cast<int64_t>(b) * a.shape.kvHeads + g) * n * d;
+    T const* queries = static_cast<T const*>(a.queries) + headRow * a.shape.queryLen * d;
+    int32_t const firstQuery = a.shape.queryLen - w;
+    float best = -INFINITY;
+
+    for (int32_t j0 = 0; j0 < w; j0 += kQueryChunk)
+    {
+        __syncthreads(); // the previous chunk's tiles are consumed
+        for (int32_t e = tid; e < kQueryChunk * d; e += kRowThreads)
+        {
+            int32_t const r = e / d;
+            int32_t const c = e - r * d;
+            int32_t const j = j0 + r;
+            queryTile[r * stride + c] = j < w ? toFloat(queries[static_cast<int64_t>(firstQuery + j) * d + c]) : 0.0F;
+        }
+        float sums[kRowQueriesPerLane] = {};
+        float own[kRowQueriesPerLane] = {};
+        for (int32_t c0 = lo; c0 < hi; c0 += kKeyTile)
+        {
+            __syncthreads(); // queries loaded, previous probabilities consumed
+            for (int32_t e = tid; e < kKeyTile * d; e += kRowThreads)
+            {
+                int32_t const r = e / d;
+                int32_t const c = e - r * d;
+                int32_t const key = c0 + r;
+                keyTile[r * stride + c] = key < hi ? toFloat(keys[static_cast<int64_t>(key) * d + c]) : 0.0F;
+            }
+            __syncthreads();
+            for (int32_t e = tid; e < kQueryChunk * kKeyTile; e += kRowThreads)
+            {
+                int32_t const r = e / kKeyTile;
+                int32_t const col = e - r * kKeyTile;
+                int32_t const j = j0 + r;
+                int32_t const key = c0 + col;
+                bool const visible = j < w && key < hi && key >= info.validStart && key <= n - w + j;
+                float dot = 0.0F;
+                float const* q = queryTile + r * stride;
+                float const* k = keyTile + col * stride;
+                for (int32_t c = 0; c < d; ++c)
+                {
+                    dot = fmaf(q[c], k[c], dot);
+                }
+                float p = 0.0F;
+                if (visible)
+                {
+                    float2 const stats = a.rowStats[headRow * w + j];
+                    p = expf(dot / a.scale - stats.x) / stats.y;
+                }
+                probTile[r * kKeyTile + col] = p;
+            }
+            __syncthreads();
+            int32_t const first = span.lo > c0 ? span.lo : c0;
+            int32_t const last = span.hi < c0 + kKeyTile - 1 ? span.hi : c0 + kKeyTile - 1;
+            for (int32_t q = 0; q < kRowQueriesPerLane; ++q)
+            {
+                float const* row = probTile + (lane + kRowLanes * q) * kKeyTile;
+                for (int32_t t = first; t <= last; ++t)
+                {
+                    sums[q] += row[t - c0];
+                }
+                if (i >= c0 && i < c0 + kKeyTile && i < m)
+                {
+                    own[q] = row[i - c0];
+                }
+            }
+        }
+        for (int32_t q = 0; q < kRowQueriesPerLane; ++q)
+        {
+            int32_t const r = lane + kRowLanes * q;
+            int32_t const j = j0 + r;
+            bool const scored = j < w && i < m;
+            float const pooled
+                = scored && i >= info.validStart ? averagePool(sums[q], a.config.poolKernel) : 0.0F;
+            if (kRescale)
+            {
+                if (scored)
+                {
+                    float2 const mass = a.rowMass[headRow * w + j];
+                    float const value = rescaledPooled(pooled, mass.x, mass.y);
+                    best = value > best ? value : best;
+                }
+            }
+            else
+            {
+                pooledTile[r * kKeyTile + token] = pooled;
+                massTile[r * kKeyTile + token] = scored ? own[q] : 0.0F;
+            }
+        }
+        if (!kRescale)
+        {
+            __syncthreads();
+            if (tid < kQueryChunk && j0 + tid < w)
+            {
+                float sumA = 0.0F;
+                float sumP = 0.0F;
+                for (int32_t t = 0; t < kKeyTile; ++t)
+                {
+                    sumA += massTile[tid * kKeyTile + t];
+                    sumP += pooledTile[tid * kKeyTile + t];
+                }
+                a.partials[(headRow * w + j0 + tid) * a.olderTiles + tile] = make_float2(sumA, sumP);
+            }
+        }
+    }
+    if (kRescale)
+    {
+        laneBest[lane * kKeyTile + token] = best;
+        __syncthreads();
+        if (lane == 0 && i < m)
+        {
+            for (int32_t l = 1; l < kRowLanes; ++l)
+            {
+                float const other = laneBest[l * kKeyTile + token];
+                best = other > best ? other : best;
+            }
+            a.worst[headRow * m + i] = best;
+        }
+    }
+}
+
+//! rowMass[b, h, j] = (mass, total) of every window query's row from the tile partials. grid (H, B).
+__global__ void __launch_bounds__(kStatsThreads) defensiveRowMassKernel(DefensiveRowArgs a)
+{
+    int32_t const h = static_cast<int32_t>(blockIdx.x);
+    int32_t const b = static_cast<int32_t>(blockIdx.y);
+    if (!sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b).compress)
+    {
+        return;
+    }
+    int32_t const w = windowLength(a.config, a.shape.n);
+    int64_t const headRow = static_cast<int64_t>(b) * a.shape.heads + h;
+    for (int32_t j = static_cast<int32_t>(threadIdx.x); j < w; j += kStatsThreads)
+    {
+        double mass = 0.0;
+        double total = 0.0;
+        for (int32_t t = 0; t < a.olderTiles; ++t)
+        {
+            float2 const p = a.partials[(headRow * w + j) * a.olderTiles + t];
+            mass += p.x;
+            total += p.y;
+        }
+        a.rowMass[headRow * w + j] = make_float2(static_cast<float>(mass), static_cast<float>(total));
+    }
+}
+// END defensive rows
+
+template <typename T>
+cudaError_t launchDefensiveRowsTyped(DefensiveRowArgs const& a, cudaStream_t stream)
+{
+    size_t const shared = defensiveRowSharedBytes(a.shape.headDim);
+    cudaError_t status = allowDynamicSharedMemory(defensiveRowsKernel<T, false>, shared);
+    if (status == cudaSuccess)
+    {
+        status = allowDynamicSharedMemory(defensiveRowsKernel<T, true>, shared);
+    }
+    if (status != cudaSuccess)
+    {
+        return status;
+    }
+    dim3 const grid(static_cast<uint32_t>(a.olderTiles), static_cast<uint32_t>(a.shape.heads),
+        static_cast<uint32_t>(a.shape.batch));
+    defensiveRowsKernel<T, false><<<grid, kRowThreads, shared, stream>>>(a);
+    defensiveRowMassKernel<<<dim3(static_cast<uint32_t>(a.shape.heads), static_cast<uint32_t>(a.shape.batch)),
+        kStatsThreads, 0, stream>>>(a);
+    defensiveRowsKernel<T, true><<<grid, kRowThreads, shared, stream>>>(a);
+    return cudaGetLastError();
+}
+
 } // namespace
 } // namespace kernels
+
+cudaError_t launchDefensiveRows(SelectConfig const& config, RuntimeBudget budget, SelectShape const& shape, DType dtype,
+    void const* queries, void const* keys, int32_t const* promptLengths, float const* rowStats, float* partials,
+    float* rowMass, float* worst, cudaStream_t stream)
+{
+    int32_t const m = shape.n - windowLength(config, shape.n);
+    if (shape.headDim <= 0 || shape.headDim > kMaxHeadDim || shape.kvHeads <= 0 || shape.heads % shape.kvHeads != 0
+        || shape.queryLen < windowLength(config, shape.n))
+    {
+        return cudaErrorInvalidValue;
+    }
+    if (m <= 0)
+    {
+        return cudaSuccess;
+    }
+    kernels::DefensiveRowArgs a{};
+    a.config = config;
+    a.shape = shape;
+    a.queries = queries;
+    a.keys = keys;
+    a.promptLengths = promptLengths;
+    a.budget = budget;
+    a.rowStats = reinterpret_cast<float2 const*>(rowStats);
+    a.partials = reinterpret_cast<float2*>(partials);
+    a.rowMass = reinterpret_cast<float2*>(rowMass);
+    a.worst = worst;
+    a.olderTiles = (m + kKeyTile - 1) / kKeyTile;
+    a.scale = static_cast<float>(sqrt(static_cast<double>(shape.headDim)));
+    return kernels::dispatchDType(
+        dtype, [&](auto tag) { return kernels::launchDefensiveRowsTyped<decltype(tag)>(a, stream); });
+}
 
 cudaError_t launchWindowScores(SelectConfig const& config, RuntimeBudget budget, SelectShape const& shape, DType dtype,
     void const* queries,

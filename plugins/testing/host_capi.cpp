@@ -149,6 +149,13 @@ extern "C"
         host::selectTopK(scores, flags, len, period, firstValid, k, mark);
     }
 
+    //! defensivekv's stage-1 count on the host (radixMassCount).
+    int64_t ckv_mass_count(float const* scores, uint8_t const* flags, int64_t len, int64_t period, int64_t firstValid,
+        float limit)
+    {
+        return host::massCount(scores, flags, len, period, firstValid, limit);
+    }
+
     //! The whole operator on fp32 host arrays. shape = {B, H, H_kv, n, queryLen, d_h, hidden}; lengths and kvBudget
     //! may be nullptr; keptKeys / keptValues may be nullptr. Returns 0, or non-zero with the error in err.
     int32_t ckv_host_select_layer(CkvField const* fields, int32_t count, int32_t const* shape, float const* queries,

@@ -190,7 +190,8 @@ def test_tensorrt_step_skips_a_method_the_plugin_has_no_flow_for(tmp_path):
     from criticalkv.build import tensorrt_step
 
     messages = []
-    out = tensorrt_step(tmp_path, SimpleNamespace(policy=KVPolicy("defensivekv")), messages.append)
-    assert out == {"built": False, "skipped_reason": "defensivekv has no C++ selection flow in the CriticalKVSelect "
-                   "plugin yet (plugins/README.md, Known limits)"}
-    assert "SKIPPED because defensivekv has no C++ selection flow" in messages[0]
+    out = tensorrt_step(tmp_path, SimpleNamespace(policy=KVPolicy("layer-defensivekv")), messages.append)
+    assert out == {"built": False, "skipped_reason": "layer-defensivekv shares the budget across all layers, and the "
+                   "CriticalKVSelect plugin selects one layer per node (plugins/README.md, Known limits); select it on "
+                   "the PyTorch path"}
+    assert "SKIPPED because layer-defensivekv shares the budget across all layers" in messages[0]

@@ -115,6 +115,8 @@ class HostLibrary:
         L.ckv_widen_float32.argtypes = [ctypes.c_float]
         L.ckv_widen_float32.restype = ctypes.c_double
         L.ckv_select_top_k.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_uint8]
+        L.ckv_mass_count.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_float]
+        L.ckv_mass_count.restype = ctypes.c_int64
         L.ckv_host_select_layer.argtypes = (
             [P(CkvField), ctypes.c_int32, P(ctypes.c_int32)] + [ctypes.c_void_p] * 10 + [ctypes.c_char_p, ctypes.c_int32]
         )
@@ -176,6 +178,15 @@ class HostLibrary:
         n = scores.numel()
         self.lib.ckv_select_top_k(scores.data_ptr(), flags.data_ptr(), n, period or n, first_valid, k, mark)
         return flags
+
+    def mass_count(self, scores: torch.Tensor, limit: float, flags: torch.Tensor | None = None,
+                   first_valid: int = 0) -> int:
+        """defensivekv's stage-1 count on the host: candidates (flags == 0, index >= first_valid), best first, whose
+        cumulative sum stays below limit (float32)."""
+        scores = scores.contiguous().float()
+        flags = torch.zeros(scores.numel(), dtype=torch.uint8) if flags is None else flags.contiguous()
+        n = scores.numel()
+        return int(self.lib.ckv_mass_count(scores.data_ptr(), flags.data_ptr(), n, n, first_valid, limit))
 
     # ---------------------------------------------------------------- the operator
     def select_layer(self, policy: KVPolicy, q, k, v, o, layer_idx=0, num_layers=1, capacity=None,

@@ -61,7 +61,7 @@ def cuda_lib(native_build, needs_nvcc) -> CudaLibrary:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Policies whose selection flow has no C++ version yet (``BaseMethod.native`` False) are refused by the
+    """Policies the plugin has no selection flow for (``BaseMethod.native`` False: a model-level method) are refused by the
     plugin's validation (tested in test_plugin_fields.py): their shared-table cases are skipped here."""
     from criticalkv.methods import METHODS
 
@@ -73,4 +73,5 @@ def pytest_collection_modifyitems(config, items):
         if not (isinstance(case, tuple) and len(case) == 2 and isinstance(case[1], dict) and "name" in case[1]):
             continue  # not a line of the shared policy table
         if not METHODS[case[1]["name"]].base.native:
-            item.add_marker(pytest.mark.skip(reason=f"{case[1]['name']}: no C++ selection flow yet (refused by the plugin)"))
+            method = METHODS[case[1]["name"]].base
+            item.add_marker(pytest.mark.skip(reason=f"{case[1]['name']}: refused by the plugin ({method.cpp_refusal})"))

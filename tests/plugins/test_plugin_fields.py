@@ -51,8 +51,9 @@ def test_methods_without_a_cpp_flow_are_refused(host_lib):
     from criticalkv.methods import METHODS
 
     refused = [name for name, m in METHODS.items() if not m.base.native]
-    assert refused == ["defensivekv", "layer-defensivekv"]
-    for name in refused:
-        error = host_lib.parse(encode_fields(node_fields(KVPolicy(name))))
-        assert error == f"name: {name} has no C++ selection flow yet (plugins/README.md); run it on ONNX Runtime"
-    assert host_lib.parse(encode_fields(node_fields(KVPolicy("ada-criticalkv")))) == ""
+    assert refused == ["layer-defensivekv"], "a model-level selection needs every layer's scores in one node"
+    error = host_lib.parse(encode_fields(node_fields(KVPolicy("layer-defensivekv"))))
+    assert error == ("name: layer-defensivekv shares the budget across all layers, and the CriticalKVSelect plugin "
+                     "selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path")
+    for name in ("ada-criticalkv", "defensivekv"):
+        assert host_lib.parse(encode_fields(node_fields(KVPolicy(name)))) == ""

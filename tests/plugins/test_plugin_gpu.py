@@ -178,7 +178,7 @@ def check_selection(got, ref, policy, n, context, min_overlap=0.99):
     mask_got = torch.zeros(batch, heads, n + 1, dtype=torch.bool, device=indices.device)
     mask_got.scatter_(-1, indices.masked_fill(indices < 0, n), True)
     mask_got = mask_got[..., :n]
-    if policy.base in ("adakv", "laprox"):
+    if policy.method.base.shared_allocation:  # adakv, laprox, defensivekv: per-head lengths follow the scores
         assert torch.equal(lengths.sum(-1), ref.lengths.sum(-1)), context
     else:
         assert torch.equal(lengths, ref.lengths), context
@@ -212,7 +212,7 @@ def test_select_layer_matches_the_reference(cuda_lib, case, dtype):
             check_selection(tuple(t.cuda() for t in host), ref, policy, n, (case[0], "host", layer))
 
 
-@pytest.mark.parametrize("name", ["criticalkv", "ada-criticalkv", "laprox", "pyramidkv"])
+@pytest.mark.parametrize("name", ["criticalkv", "ada-criticalkv", "laprox", "pyramidkv", "defensivekv"])
 @pytest.mark.parametrize("n, budget", [(32768, 2048), (131072, 8192)])
 def test_long_prompts(cuda_lib, name, n, budget):
     q, k, v, o = cuda_layer(torch.float16, batch=1, heads=8, kv_heads=2, n=n, head_dim=128, hidden=1024,

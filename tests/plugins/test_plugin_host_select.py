@@ -76,8 +76,60 @@ def test_equals_the_reference_with_realistic_head_dims(host_lib, case):
         assert_same_selection(got, ref, (case[0], layer))
 
 
+#: defensivekv's knobs beyond the shared table: the reference's pool (5), no pool, a wide pool, l2 norms, the floors'
+#: extremes, stage 1 off (mass 0) and unbounded (mass 1, capped at each head's share)
+DEFENSIVE_VARIANTS = [
+    dict(pool_kernel=5), dict(pool_kernel=1), dict(pool_kernel=31, value_norm="l2"), dict(ada_floor=0.0),
+    dict(ada_floor=1.0), dict(stage1_mass=0.0), dict(stage1_mass=1.0, ada_floor=0.5),
+]
+
+
+@pytest.mark.parametrize("knobs", DEFENSIVE_VARIANTS, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4)], ids=["gqa9x3", "mha4"])
+def test_defensivekv_knobs_equal_the_reference(host_lib, knobs, heads, kv_heads):
+    n = 190
+    q, k, v, o = random_layer(batch=3, heads=heads, kv_heads=kv_heads, n=n, head_dim=16, hidden=40, window=8, seed=3)
+    lengths = torch.tensor([n, n - 51, 20])
+    for budget in (16, 40, 100):
+        policy = KVPolicy("defensivekv", budget=budget, window=8, **knobs)
+        ref = select_layer(policy, q, k, v, o, prompt_lengths=lengths)
+        got = host_lib.select_layer(policy, q, k, v, o, prompt_lengths=lengths)
+        assert_same_selection(got, ref, (knobs, budget))
+
+
+def test_stage1_mass_count_is_the_reference_cumulative_count(host_lib):
+    """defensivekv's stage-1 count (a radix flow over per-digit sums) equals the reference's sorted cumulative sum
+    (accumulated in double by torch's CPU cumsum, compared in float32), with ties, zeros, padding and any limit."""
+    g = torch.Generator().manual_seed(2)
+    for trial in range(300):
+        m = int(torch.randint(1, 300, (1,), generator=g))
+        levels = [1, 3, 20, None][trial % 4]
+        raw = torch.rand(m, generator=g) if levels is None else torch.randint(0, levels + 1, (m,), generator=g).float()
+        raw[torch.rand(m, generator=g) < 0.1] = 0.0
+        first_valid = int(torch.randint(0, max(1, m // 4), (1,), generator=g)) if trial % 3 == 0 else 0
+        eligible = torch.arange(m) >= first_valid
+        mass = torch.where(eligible, raw, torch.zeros(m))
+        mass = mass / mass.sum().clamp_min(torch.finfo(torch.float32).tiny)
+        cumulative = torch.cumsum(torch.sort(torch.where(eligible, mass, 0.0), descending=True).values, 0)
+        for limit in (-0.1, 0.0, 1e-6, float(torch.rand(1, generator=g)), 0.5, 0.9, 1.0, 1.5):
+            want = int((cumulative < torch.tensor(limit, dtype=torch.float32)).sum())
+            got = host_lib.mass_count(mass, limit, first_valid=first_valid)
+            assert got == min(want, int(eligible.sum())), (trial, limit, got, want)
+
+
+def test_stage1_mass_needs_no_decimals_rule(host_lib):
+    """stage1_mass only meets fp32 cumulative masses: float32(x) survives the ONNX float32 attribute and its widening,
+    so any value in [0, 1] selects the same in both languages (no 6-decimals rule as for alpha / ada_floor)."""
+    q, k, v, o = random_layer(n=200, window=8, seed=6)
+    for mass in (0.3, 0.123456789, 0.7071067811865476):
+        policy = KVPolicy("defensivekv", budget=60, window=8, stage1_mass=mass)
+        ref = select_layer(policy, q, k, v, o)
+        for kind in ("float32", "float64"):
+            assert_same_selection(host_lib.select_layer(policy, q, k, v, o, float_kind=kind), ref, (mass, kind))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name", ["criticalkv", "ada-criticalkv", "laprox", "pyramidkv"])
+@pytest.mark.parametrize("name", ["criticalkv", "ada-criticalkv", "laprox", "pyramidkv", "defensivekv"])
 def test_low_precision_inputs(host_lib, dtype, name):
     q, k, v, o = random_layer(batch=2, n=180, window=8, seed=2, dtype=dtype)
     policy = KVPolicy(name, budget=40, window=8)
@@ -91,7 +143,8 @@ def test_ties_go_to_the_lower_index(host_lib):
     k, v = torch.zeros_like(k), torch.zeros_like(v)
     for policy in (KVPolicy("snapkv", budget=24, window=8), KVPolicy("criticalkv", budget=24, window=8),
                    KVPolicy("pyramidkv", budget=24, window=8), KVPolicy("adakv", budget=24, window=8, ada_floor=0.25),
-                   KVPolicy("ada-criticalkv", budget=24, window=8, ada_floor=0.25), KVPolicy("laprox", budget=24, window=8)):
+                   KVPolicy("ada-criticalkv", budget=24, window=8, ada_floor=0.25), KVPolicy("laprox", budget=24, window=8),
+                   KVPolicy("defensivekv", budget=24, window=8), KVPolicy("defensivekv", budget=24, window=8, stage1_mass=0.3)):
         ref = select_layer(policy, q, k, v, o)
         assert_same_selection(host_lib.select_layer(policy, q, k, v, o), ref, policy.name)
 

@@ -94,3 +94,22 @@ def test_integer_rules_need_no_rounding_help():
     """The cases the float rules needed round(x, 9) for come out right by construction."""
     assert stage1_count(0.3, 10) == 3 and stage1_count(0.7, 10) == 7 and stage1_count(0.1, 30) == 3
     assert head_floor(0.3, 10) == 3 and head_floor(0.7, 10) == 7
+
+
+def test_stage1_mass_is_a_float32_threshold_and_needs_no_decimals_rule():
+    """defensivekv's stage1_mass meets no integer arithmetic: the reference compares fp32 cumulative masses with
+    float32(stage1_mass) - window mass (torch rounds the Python scalar to float32 first), and float32(x) survives the
+    ONNX float32 attribute and the plugin's shortest-decimal widening, so C++ gets the same threshold for any x."""
+    import numpy as np
+    import torch
+
+    from criticalkv import KVPolicy
+
+    KVPolicy("defensivekv", stage1_mass=0.123456789)  # accepted: no 6-decimals rule, unlike alpha / ada_floor
+    rng = np.random.default_rng(0)
+    window_mass = torch.rand(256, generator=torch.Generator().manual_seed(0)) * 0.5
+    for x in rng.random(2000):
+        f = np.float32(x)
+        assert np.float32(float(str(f))) == f  # attribute -> shortest decimal -> float32 again
+        want = torch.tensor(f, dtype=torch.float32) - window_mass
+        assert torch.equal(float(x) - window_mass, want)

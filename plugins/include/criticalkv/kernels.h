@@ -43,6 +43,11 @@ struct WorkspaceLayout
     size_t laprox;     //!< float [B, H_kv, m]: LaProx importance
     size_t flags;      //!< uint8 [B, H_kv, m]: chosen older tokens
     size_t headCounts; //!< int32 [B, H_kv]: adakv share of every head
+    size_t rowMass;    //!< float2 [B, H, w]: (mass, pooled total) of every window query's row (defensivekv)
+    size_t worst;      //!< float [B, H, m]: max over the window queries of the rescaled pooled rows (defensivekv)
+    size_t stage1;     //!< float [B, H_kv, m]: stage-1 mass (defensivekv)
+    size_t ranking;    //!< float [B, H_kv, m]: the shared allocation's ranking (defensivekv)
+    size_t totals;     //!< DefensiveTotals [B, H_kv] (defensivekv)
     size_t total;
 };
 
@@ -92,6 +97,12 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     layout.laprox = take(laproxOn ? b * hkv * m * sizeof(float) : 0);
     layout.flags = take(b * hkv * m);
     layout.headCounts = take(b * hkv * sizeof(int32_t));
+    bool const rowsOn = rowScores(config);
+    layout.rowMass = take(rowsOn ? b * h * w * 2 * sizeof(float) : 0);
+    layout.worst = take(rowsOn ? b * h * m * sizeof(float) : 0);
+    layout.stage1 = take(rowsOn ? b * hkv * m * sizeof(float) : 0);
+    layout.ranking = take(rowsOn ? b * hkv * m * sizeof(float) : 0);
+    layout.totals = take(rowsOn ? b * hkv * 4 * sizeof(float) : 0);
     layout.total = offset;
     return layout;
 }
@@ -113,6 +124,14 @@ cudaError_t launchWindowScores(SelectConfig const& config, RuntimeBudget budget,
     void const* queries,
     void const* keys, int32_t const* promptLengths, float* partials, float* rowStats, float* raw, float* squares,
     cudaStream_t stream);
+
+//! defensivekv's rows (defensive.h): worst [B, H, m] = max over the window queries of the average-pooled rows of
+//! window attention over the older tokens, each rescaled to its own mass; rowMass [B, H, w] float2 (mass, pooled
+//! total) of every row. rowStats: launchWindowScores's softmax statistics; partials: its scratch, reused (it must
+//! hold B * H * w * ceil(m / 64) float2). Two passes over K plus a combine; uncompressed sequences are skipped.
+cudaError_t launchDefensiveRows(SelectConfig const& config, RuntimeBudget budget, SelectShape const& shape, DType dtype,
+    void const* queries, void const* keys, int32_t const* promptLengths, float const* rowStats, float* partials,
+    float* rowMass, float* worst, cudaStream_t stream);
 
 //! Projected-value norms out[b, h, i] = ||V[b, g(h), i] W_O^h|| for i < numTokens, fp32 accumulation
 //! (tensor cores for fp16/bf16 when d_h % 16 == 0). When promptLengths / config are given, uncompressed

@@ -16,12 +16,14 @@ namespace criticalkv
         CKV_FOR_EACH_BASE(trait)                                                                                       \
     }                                                                                                                  \
     return false;
-#define CKV_BASE_SCORED(enumerator, name, scored, shared, ownL2)                                                       \
+#define CKV_BASE_SCORED(enumerator, name, scored, shared, ownL2, rows)                                                 \
     case BaseMethod::enumerator: return (scored) != 0;
-#define CKV_BASE_SHARED(enumerator, name, scored, shared, ownL2)                                                       \
+#define CKV_BASE_SHARED(enumerator, name, scored, shared, ownL2, rows)                                                 \
     case BaseMethod::enumerator: return (shared) != 0;
-#define CKV_BASE_OWN_L2(enumerator, name, scored, shared, ownL2)                                                       \
+#define CKV_BASE_OWN_L2(enumerator, name, scored, shared, ownL2, rows)                                                 \
     case BaseMethod::enumerator: return (ownL2) != 0;
+#define CKV_BASE_ROWS(enumerator, name, scored, shared, ownL2, rows)                                                   \
+    case BaseMethod::enumerator: return (rows) != 0;
 
 //! The method ranks older tokens by window-attention scores (every base but full and streamingllm).
 CKV_HD bool needsScores(SelectConfig const& config)
@@ -41,6 +43,13 @@ CKV_HD bool ownL2Norms(SelectConfig const& config)
     CKV_BASE_TRAIT(CKV_BASE_OWN_L2)
 }
 
+//! The base's score reads every window query's attention row, not only their mean (defensivekv: defensive.h).
+CKV_HD bool rowScores(SelectConfig const& config)
+{
+    CKV_BASE_TRAIT(CKV_BASE_ROWS)
+}
+
+#undef CKV_BASE_ROWS
 #undef CKV_BASE_OWN_L2
 #undef CKV_BASE_SHARED
 #undef CKV_BASE_SCORED
@@ -49,7 +58,7 @@ CKV_HD bool ownL2Norms(SelectConfig const& config)
 //! Projected-value norms are needed: by CriticalKV's stage 2 or by a base that scores with them.
 CKV_HD bool needsNorms(SelectConfig const& config)
 {
-    return ownL2Norms(config) || (needsScores(config) && config.twoStage != 0);
+    return ownL2Norms(config) || rowScores(config) || (needsScores(config) && config.twoStage != 0);
 }
 
 //! Norm the stage-2 / LaProx score uses.

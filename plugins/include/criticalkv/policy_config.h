@@ -144,10 +144,8 @@ inline std::string validatePolicy(PolicyConfig const& p)
 {
     if (!detail::oneOf(p.name, policyNames()))
         return "name: unknown KV policy '" + p.name + "'; choose one of " + detail::joinChoices(policyNames());
-    if (p.name == "defensivekv")
-        return "name: defensivekv has no C++ selection flow yet (plugins/README.md); run it on ONNX Runtime";
     if (p.name == "layer-defensivekv")
-        return "name: layer-defensivekv has no C++ selection flow yet (plugins/README.md); run it on ONNX Runtime";
+        return "name: layer-defensivekv shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime";
     if (!(p.budget > 0))
         return "budget: must be a positive number of tokens, got " + std::to_string(p.budget);
     if ((p.name == "streamingllm" || p.name == "snapkv" || p.name == "pyramidkv" || p.name == "adakv" || p.name == "laprox" || p.name == "defensivekv" || p.name == "layer-defensivekv" || p.name == "criticalkv" || p.name == "pyramid-criticalkv" || p.name == "ada-criticalkv") && p.budget < p.window)

@@ -25,6 +25,7 @@ struct SelectConfig
     ValueNorm valueNorm;      //!< l1 / l2 (laprox always uses l2)
     GqaReduce gqaReduce;      //!< mean of products / kvpress product of means
     Stage2Scores stage2Scores;
+    float stage1Mass;         //!< defensivekv stage-1 mass threshold, float32 like the reference's comparison
     int32_t layerBudget;      //!< r_l at the built budget: layer_budgets[budget - window]
     int32_t budgetTable;      //!< 1: r_l at a runtime budget b is layer_budgets[b - window] (PyramidKV); 0: b - window
     int32_t capacity;         //!< static per-head output size; outputs hold min(n, capacity) entries
