@@ -54,6 +54,6 @@ def test_methods_without_a_cpp_flow_are_refused(host_lib):
     assert refused == ["layer-defensivekv"], "a model-level selection needs every layer's scores in one node"
     error = host_lib.parse(encode_fields(node_fields(KVPolicy("layer-defensivekv"))))
     assert error == ("name: layer-defensivekv shares the budget across all layers, and the CriticalKVSelect plugin "
-                     "selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path")
+                     "selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime")
     for name in ("ada-criticalkv", "defensivekv"):
         assert host_lib.parse(encode_fields(node_fields(KVPolicy(name)))) == ""
