@@ -35,6 +35,13 @@ def two_stage_mask(attention, critical, r, alpha: float, eligible):
     return stage1 | stage2
 
 
+def torch_cat_heads(w_heads):
+    """[d_h, G * d]: the heads' W_O^h side by side (as ``value_projection_norms`` concatenates them)."""
+    import torch
+
+    return torch.cat(list(w_heads), dim=1)
+
+
 class TwoStage:
     """The refinement: stage 1 by attention, stage 2 by attention x projected-value norm."""
 
@@ -44,15 +51,34 @@ class TwoStage:
     score_knobs = ("epsilon", "value_norm", "gqa_reduce", "stage2_scores")
 
     def group_scores(self, policy, inputs: GroupScoreInputs):
-        norms = inputs.norms(policy.value_norm)
+        from criticalkv.selection import pruned
+        from criticalkv.selection.pruned import BoundTerms, DeferredCritical, combine_critical
+
         p = inputs.pooled if policy.stage2_scores == "pooled" else inputs.raw
-        if policy.gqa_reduce == "mean":
-            return {"critical": ((p + policy.epsilon) * norms).mean(dim=1)}
-        return {"critical": (p.mean(dim=1) + policy.epsilon) * norms.mean(dim=1)}  # kvpress: product of the means
+        if pruned.PRUNED and policy.value_norm == "l1" and inputs.values is not None:
+            # the cheap upper bound for every token now; the exact score only for the candidates stage 2 needs
+            w = inputs.w_heads
+            values = inputs.values.float()
+            bound = combine_critical(p, BoundTerms.of(w).upper(values), policy.epsilon, policy.gqa_reduce)
+            deferred = DeferredCritical(p, values, torch_cat_heads(w), policy.epsilon, policy.gqa_reduce,
+                                        lambda: inputs.norms("l1"))
+            return {"critical_bound": bound, "critical": deferred}
+        return {"critical": combine_critical(p, inputs.norms(policy.value_norm), policy.epsilon, policy.gqa_reduce)}
 
     def choose(self, policy, scores, counts, eligible):
         """[B, H_kv, m] kept older tokens given each head's ``counts`` [B, H_kv]."""
-        return two_stage_mask(scores["attention"], scores["critical"], counts, policy.alpha, eligible)
+        from criticalkv.selection import pruned
+        from criticalkv.selection.topk import topk_mask
+
+        deferred = getattr(scores, "deferred", {}).get("critical")
+        if deferred is None or not pruned.PRUNED:
+            return two_stage_mask(scores["attention"], scores["critical"], counts, policy.alpha, eligible)
+        first = stage1_counts(policy.alpha, counts)
+        stage1 = topk_mask(scores["attention"], first, eligible)
+        w_cat = deferred[0].w_cat
+        margin = pruned.stop_margin(w_cat.shape[1] // deferred[0].p.shape[1], deferred[0].p.shape[1])
+        stage2 = pruned.pruned_stage2(scores["critical_bound"], deferred, counts - first, eligible & ~stage1, margin)
+        return stage1 | stage2
 
     # ------------------------------------------------------------------ ONNX function body
     def onnx_group_scores(self, body, g, probs, raw, pooled, values_m):
