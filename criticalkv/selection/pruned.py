@@ -181,22 +181,22 @@ def pruned_topk_row(bound: torch.Tensor, exact, k: int, eligible: torch.Tensor, 
     keyed = bound.masked_fill(~eligible, float("-inf"))
     order = torch.sort(keyed, descending=True, stable=True).indices[:count]  # eligible tokens, best bound first
     c = min(CANDIDATE_FACTOR * k, count)
-    rounds = 0
-    while True:
+    full = torch.full((m,), float("-inf"), dtype=torch.float32, device=bound.device)
+    chosen = torch.zeros(m, dtype=torch.bool, device=bound.device)
+    done = rounds = 0
+    while True:  # each round computes only the new candidates (a token's exact score never depends on the others)
         rounds += 1
-        candidates = order[:c]
-        values = exact(candidates)
-        full = torch.full((m,), float("-inf"), dtype=values.dtype, device=bound.device)
-        full[candidates] = values
-        chosen = torch.zeros(m, dtype=torch.bool, device=bound.device)
-        chosen[candidates] = True
+        fresh = order[done:c]
+        full[fresh] = exact(fresh)
+        chosen[fresh] = True
+        done = c
         if c >= count:
-            return topk_mask(full, k, chosen), c, rounds
-        kth = torch.topk(values, k).values[-1]
-        following = keyed[order[c]]
-        if float(following) * (1 + margin) < float(kth):  # no token left out can reach the k-th exact score
-            return topk_mask(full, k, chosen), c, rounds
+            break
+        kth = torch.topk(full[order[:c]], k).values[-1]
+        if float(keyed[order[c]]) * (1 + margin) < float(kth):  # no token left out can reach the k-th exact score
+            break
         c = min(2 * c, count)
+    return topk_mask(full, k, chosen), c, rounds
 
 
 def pruned_stage2(bound: torch.Tensor, deferred: list[DeferredCritical], k: torch.Tensor, eligible: torch.Tensor,
