@@ -82,20 +82,45 @@ class TwoStage:
 
     # ------------------------------------------------------------------ ONNX function body
     def onnx_group_scores(self, body, g, probs, raw, pooled, values_m):
+        from criticalkv.selection import pruned
+
+        p = body.policy
+        attn = pooled if p.stage2_scores == "pooled" else raw
+        if pruned.PRUNED and p.value_norm == "l1":  # the bound now; the exact scores inside the stage-2 choice
+            body.stage2_inputs = (attn, values_m)
+            return {"critical_bound": self.onnx_combine(body, g, attn, body.l1_upper_bounds(g, values_m))}
+        return {"critical": self.onnx_combine(body, g, attn, body.value_norms(g, values_m, p.value_norm))}
+
+    @staticmethod
+    def onnx_combine(body, g, attn, norms):
+        """[B, H_kv, c] stage-2 scores from the heads' attention and norms [B, H_kv, G, c] (``combine_critical``)."""
         import numpy as np
 
         p = body.policy
-        norms = body.value_norms(g, values_m, p.value_norm)  # [B, H_kv, G, m]
-        attn = pooled if p.stage2_scores == "pooled" else raw
         eps = g.const(p.epsilon, np.float32)
         if p.gqa_reduce == "mean":
-            return {"critical": g.ReduceMean(g.Mul(g.Add(attn, eps), norms), g.i64(2), keepdims=0)}
-        return {"critical": g.Mul(g.Add(g.ReduceMean(attn, g.i64(2), keepdims=0), eps), g.ReduceMean(norms, g.i64(2), keepdims=0))}
+            return g.ReduceMean(g.Mul(g.Add(attn, eps), norms), g.i64(2), keepdims=0)
+        return g.Mul(g.Add(g.ReduceMean(attn, g.i64(2), keepdims=0), eps), g.ReduceMean(norms, g.i64(2), keepdims=0))
 
     def onnx_choose(self, body, g, scores, counts, eligible):
         first = body.stage1_count(g, counts)
         stage1 = body.topk_mask(g, scores["attention"], first, eligible)
-        stage2 = body.topk_mask(g, scores["critical"], g.Sub(counts, first), g.And(eligible, g.Not(stage1)))
+        rest = g.And(eligible, g.Not(stage1))
+        if "critical_bound" not in scores:
+            return g.Or(stage1, body.topk_mask(g, scores["critical"], g.Sub(counts, first), rest))
+        attn, values_m = body.stage2_inputs
+        group = body.group
+
+        def exact(gb, index):  # index [B, H_kv, c] -> the exact scores [B, H_kv, c]
+            rows = gb.GatherND(values_m, gb.unsqueeze(index, -1), batch_dims=2)  # [B, H_kv, c, d_h]
+            shape = gb.concat(gb.shape_of(index, 0, 2), gb.i64(group), gb.shape_of(index, 2, 3))
+            p = gb.GatherND(attn, gb.unsqueeze(gb.Expand(gb.unsqueeze(index, 2), shape), -1), batch_dims=3)  # [B, H_kv, G, c]
+            return self.onnx_combine(body, gb, p, body.value_norms(gb, rows, "l1"))
+
+        def full(gb):
+            return self.onnx_combine(body, gb, attn, body.value_norms(gb, values_m, "l1"))
+
+        stage2 = body.pruned_topk(g, scores["critical_bound"], g.Sub(counts, first), rest, exact, full)
         return g.Or(stage1, stage2)
 
 
