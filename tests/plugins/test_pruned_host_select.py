@@ -36,10 +36,27 @@ def adversarial(kind, q, k, v, o):
         v = torch.zeros_like(v)
         v[..., 0] = torch.rand(v.shape[:3], generator=torch.Generator().manual_seed(2))
         return q, k, v, o
+    if kind == "mixed":  # half the tokens project flat (L1 = sqrt(d) L2), half onto one output (L1 = L2) with 3x
+        # the L2: the best bounds are the wrong tokens, so the first candidates never suffice
+        return (q, k) + mixed_values(v, o)
     return q, k, v, o
 
 
-@pytest.mark.parametrize("kind", ["random", "equal", "equal-values", "aligned", "flat"])
+def mixed_values(v, o):
+    hidden, width = o.shape
+    o = torch.zeros(hidden, width)
+    o[:, 0::v.shape[3]] = torch.sign(torch.randn(hidden, width // v.shape[3], generator=torch.Generator().manual_seed(3)))
+    o[0, 1::v.shape[3]] = 1.0
+    g = torch.Generator().manual_seed(5)
+    size = torch.rand(v.shape[:3], generator=g) + 1
+    flat = torch.rand(v.shape[:3], generator=g) < 0.5
+    v = torch.zeros_like(v)
+    v[..., 0] = torch.where(flat, size, 0)
+    v[..., 1] = torch.where(flat, 0, 3 * size * hidden ** 0.5)
+    return v, o
+
+
+@pytest.mark.parametrize("kind", ["random", "equal", "equal-values", "aligned", "flat", "mixed"])
 @pytest.mark.parametrize("name, extra", [("criticalkv", {}), ("criticalkv", {"gqa_reduce": "kvpress", "stage2_scores": "raw"}),
                                          ("ada-criticalkv", {}), ("pyramid-criticalkv", {})])
 def test_host_pruned_stage2_equals_the_reference(host_lib, kind, name, extra):

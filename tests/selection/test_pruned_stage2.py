@@ -146,7 +146,7 @@ def test_stop_rule_rows_match_topk_on_ties_and_near_ties():
         assert computed <= int(eligible.sum())
 
 
-@pytest.mark.parametrize("adversary", ["equal", "near-tie", "aligned", "flat-values"])
+@pytest.mark.parametrize("adversary", ["equal", "near-tie", "aligned", "flat-values", "mixed"])
 def test_adversarial_layers_identical_to_unpruned(adversary):
     q, k, v, o = random_layer(batch=1, heads=4, kv_heads=2, n=600, head_dim=16, hidden=64, window=8, seed=7)
     if adversary == "equal":  # zero keys and equal values: every score ties, the lowest positions win
@@ -166,10 +166,22 @@ def test_adversarial_layers_identical_to_unpruned(adversary):
         o = sign * 0.1
         v = torch.zeros_like(v)
         v[..., 0] = torch.rand(1, 2, 600, generator=torch.Generator().manual_seed(5))
+    elif adversary == "mixed":  # flat projections (L1 = sqrt(d) L2) and one-hot ones with 3x the L2: the best
+        # bounds are the wrong tokens, so the first candidates never suffice (the stop rule must say so)
+        o = torch.zeros(64, 4 * 16)
+        o[:, 0::16] = torch.sign(torch.randn(64, 4, generator=torch.Generator().manual_seed(3)))
+        o[0, 1::16] = 1.0
+        size = torch.rand(1, 2, 600, generator=torch.Generator().manual_seed(5)) + 1
+        flat = torch.rand(1, 2, 600, generator=torch.Generator().manual_seed(6)) < 0.5
+        v = torch.zeros_like(v)
+        v[..., 0] = torch.where(flat, size, 0)
+        v[..., 1] = torch.where(flat, 0, 3 * size * 8)
     for name, extra in (("criticalkv", {}), ("criticalkv", dict(gqa_reduce="kvpress")), ("ada-criticalkv", {})):
         for budget in (40, 140):
-            a, b, _ = both(KVPolicy(name, budget=budget, window=8, **extra), q, k, v, o)
+            a, b, fraction = both(KVPolicy(name, budget=budget, window=8, **extra), q, k, v, o)
             assert_identical(a, b)
+            if adversary == "mixed":
+                assert max(c["rounds"] for c in pruned.STATS.calls) > 1, "the first candidates sufficed: no adversary"
 
 
 def test_l2_and_unrefined_policies_compute_no_l1_norms():
