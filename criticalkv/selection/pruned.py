@@ -9,7 +9,7 @@ the float32 margin ``stop_margin``, is strictly below the k-th exact score: no t
 top k (ties included), so the kept set is the unpruned one. Otherwise ``m`` doubles. docs/operator.md, step 6a,
 derives the bound and the margin.
 
-Bit stability: the exact L1 norms go through ``l1_norms_rows``, fixed 64-row GEMM blocks, so a token's norm is the
+Bit stability: the exact L1 norms go through ``l1_norms_rows``, fixed-shape GEMMs of 64-row blocks, so a token's norm is the
 same float whether it is computed among the candidates or with the whole prompt (``value_projection_norms`` uses
 the same function): pruned and unpruned selections then agree even on exact and near ties.
 """
@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 #: The pruned stage 2 is how the operator runs; tests set this to False to compare with the unpruned path.
 PRUNED = True
-#: Rows per GEMM block of the exact L1 norms (every block has this shape, the last one zero padded).
+#: Rows per GEMM block of the exact L1 norms, and blocks per batched product (every call has this shape).
 NORM_BLOCK = 64
+NORM_CALL_BLOCKS = 4
 #: First candidate count = CANDIDATE_FACTOR * k; it doubles until the stop rule holds.
 CANDIDATE_FACTOR = 2
 #: float32 unit roundoff (round to nearest)
@@ -92,20 +93,26 @@ class BoundTerms:
 
 
 def l1_norms_rows(rows: torch.Tensor, w_cat: torch.Tensor, heads: int) -> torch.Tensor:
-    """||row W_O^h||_1 for every row and head, in fixed ``NORM_BLOCK``-row GEMM blocks: [R, heads] fp32.
+    """||row W_O^h||_1 for every row and head, in fixed-shape GEMMs: [R, heads] fp32.
 
     ``rows`` [R, d_h] (any float dtype, computed in fp32); ``w_cat`` [d_h, heads * d]: the heads' W_O^h side by
-    side. Every block is the same [NORM_BLOCK, d_h] x [d_h, heads * d] product, so a row's norm does not depend
-    on which other rows are computed with it (a single-row product takes another BLAS path and other roundings).
+    side. Rows go in calls of ``NORM_CALL_BLOCKS`` blocks of ``NORM_BLOCK`` rows (zero padded), each call the same
+    [blocks, 64, d_h] x [d_h, heads * d] batched product, so a row's norm does not depend on which other rows are
+    computed with it (a single-row product takes another BLAS path and other roundings; a fixed shape also keeps
+    a GPU library on one algorithm).
     """
     count, d_h = rows.shape
     if count == 0:
         return torch.empty(0, heads, dtype=torch.float32, device=rows.device)
-    pad = (-count) % NORM_BLOCK
-    blocks = F.pad(rows.float(), (0, 0, 0, pad)).view(-1, NORM_BLOCK, d_h)
-    projected = torch.bmm(blocks, w_cat.expand(blocks.shape[0], *w_cat.shape))  # [nb, 64, heads * d]
-    norms = projected.abs().view(blocks.shape[0], NORM_BLOCK, heads, -1).sum(-1)
-    return norms.reshape(-1, heads)[:count]
+    per_call = NORM_BLOCK * NORM_CALL_BLOCKS
+    padded = F.pad(rows.float(), (0, 0, 0, (-count) % per_call))
+    weights = w_cat.expand(NORM_CALL_BLOCKS, *w_cat.shape)
+    out = []
+    for start in range(0, padded.shape[0], per_call):
+        blocks = padded[start : start + per_call].view(NORM_CALL_BLOCKS, NORM_BLOCK, d_h)
+        projected = torch.bmm(blocks, weights)  # [blocks, 64, heads * d]
+        out.append(projected.abs().view(per_call, heads, -1).sum(-1))
+    return torch.cat(out)[:count]
 
 
 def combine_critical(p: torch.Tensor, norms: torch.Tensor, epsilon: float, gqa_reduce: str) -> torch.Tensor:

@@ -63,7 +63,7 @@ def value_projection_norms(
         from criticalkv.selection.pruned import l1_norms_rows
 
         w_o = torch.cat([head_output_projection(o_proj_weight, heads[j], head_dim) for j in cols], dim=1)  # [d_h, k*d]
-        for start in range(0, n, chunk_size):  # fixed 64-row GEMM blocks: a token's norm never depends on the others
+        for start in range(0, n, chunk_size):  # fixed-shape GEMMs: a token's norm never depends on the others
             rows = v[:, start : start + chunk_size].reshape(-1, head_dim)
             norms = l1_norms_rows(rows, w_o, len(cols)).view(batch, -1, len(cols))  # [B, c, k]
             out[:, cols, start : start + chunk_size] = norms.transpose(1, 2)
