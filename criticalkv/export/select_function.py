@@ -174,31 +174,33 @@ class _Body:
         keyed = g.Where(eligible, bound, g.const(-np.inf, np.float32))
         kmax = g.Max(g.reshape(g.ReduceMax(k, keepdims=0), [1]), g.i64(1))
         margin = self.stop_margin(g)
+        ninf = g.const(-np.inf, np.float32)
+        m = g.shape_of(keyed, 2, 3)
+        first, second = (g.Min(g.Mul(kmax, g.i64(factor)), m) for factor in (2, 4))
+        # one ranking for both tries (so the second extends the first): the best 4 k_max + 1 bounds
+        top, index = g.op("TopK", keyed, g.Min(g.Add(second, g.i64(1)), m), outputs=2, axis=2, largest=1, sorted=1)
+        padded = g.concat(top, g.Expand(ninf, g.concat(g.shape_of(top, 0, 2), g.i64(1))), axis=2)
 
-        def attempt(gb: GraphBuilder, factor: int) -> tuple[str, str]:
-            m = gb.shape_of(keyed, 2, 3)
-            c = gb.Min(gb.Mul(kmax, gb.i64(factor)), m)
-            top, index = gb.op("TopK", keyed, gb.Min(gb.Add(c, gb.i64(1)), m), outputs=2, axis=2, largest=1, sorted=1)
-            candidates = gb.slice_axis(index, 0, c, axis=2)  # [B, H_kv, c]: best bounds first
-            ninf = gb.const(-np.inf, np.float32)
-            padded = gb.concat(top, gb.Expand(ninf, gb.concat(gb.shape_of(top, 0, 2), gb.i64(1))), axis=2)
-            following = gb.squeeze(gb.slice_axis(padded, c, gb.Add(c, gb.i64(1)), axis=2), 2)  # the best bound left out
+        def attempt(gb: GraphBuilder, c: str, done: str | None, earlier: str | None) -> tuple[str, str, str]:
+            """Candidates index[:c]; the exact scores of index[:done] are ``earlier``. Returns (mask, ok, scores)."""
+            fresh = gb.slice_axis(index, done if done is not None else 0, c, axis=2)
             # GatherND rather than GatherElements: onnx.reference 1.23 gathers elements with np.choose (<= 64 values)
-            scores = gb.Where(gb.GatherND(eligible, gb.unsqueeze(candidates, -1), batch_dims=2), exact(gb, candidates),
-                              ninf)  # [B, H_kv, c]
+            fresh_scores = gb.Where(gb.GatherND(eligible, gb.unsqueeze(fresh, -1), batch_dims=2), exact(gb, fresh), ninf)
+            scores = fresh_scores if earlier is None else gb.concat(earlier, fresh_scores, axis=2)  # [B, H_kv, c]
+            candidates = gb.slice_axis(index, 0, c, axis=2)
+            following = gb.squeeze(gb.slice_axis(padded, c, gb.Add(c, gb.i64(1)), axis=2), 2)  # the best bound left out
             spread = gb.ScatterElements(gb.Expand(ninf, gb.Shape(keyed)), candidates, scores, axis=2)
-            computed = gb.Greater(spread, ninf)
-            mask = self.topk_mask(gb, spread, k, computed)
+            mask = self.topk_mask(gb, spread, k, gb.Greater(spread, ninf))
             kth_values = gb.op("TopK", scores, gb.Min(kmax, c), outputs=2, axis=2, largest=1, sorted=1)[0]
             kth = gb.GatherND(kth_values, gb.unsqueeze(gb.Max(gb.Sub(k, gb.scalar(1)), gb.scalar(0)), 2), batch_dims=2)
             ok = gb.Or(gb.Or(gb.LessOrEqual(k, gb.scalar(0)), gb.Equal(following, ninf)),
                        gb.Less(gb.Mul(following, gb.Add(margin, gb.const(1.0, np.float32))), kth))
             all_ok = gb.Cast(gb.ReduceMin(gb.Cast(ok, to=INT64), keepdims=0), to=BOOL)
-            return mask, all_ok
+            return mask, all_ok, scores
 
-        mask2k, ok2k = attempt(g, 2)
+        mask2k, ok2k, scores2k = attempt(g, first, None, None)
         retry = g.child()
-        mask4k, ok4k = attempt(retry, 4)
+        mask4k, ok4k, _ = attempt(retry, second, first, scores2k)  # only the candidates 2 k_max .. 4 k_max are new
         fallback = retry.child()
         # the accepting Identity nodes are named so that a profile tells which branch ran (BRANCH_NODES)
         # (an And with the eligible mask there, a no-op that ONNX Runtime's optimizer cannot remove as it does an Identity)
