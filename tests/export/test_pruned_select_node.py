@@ -1,6 +1,9 @@
 """The pruned stage 2 in the CriticalKVSelect function body (ONNX Runtime) against the PyTorch reference."""
 
 import contextlib
+import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -34,10 +37,14 @@ def run_profiled(policy, q, k, v, o, lengths, layer_idx=0, num_layers=1):
                                 max_prompt_len=k.shape[2])
     options = ort.SessionOptions()
     options.enable_profiling = True
+    options.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ort_profile")
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     feeds = {"queries": q.numpy(), "keys": k.numpy(), "values": v.numpy(), "prompt_lengths": lengths.numpy().astype(np.int32)}
     _, _, kept_lengths, kept_indices = session.run(None, feeds)
-    return kept_indices, kept_lengths, stage2_branches(session.end_profiling())
+    trace = Path(session.end_profiling())
+    branches = stage2_branches(trace)
+    shutil.rmtree(trace.parent)
+    return kept_indices, kept_lengths, branches
 
 
 def assert_same(policy, q, k, v, o, lengths, layer_idx=0, num_layers=1):

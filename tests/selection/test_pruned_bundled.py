@@ -4,6 +4,8 @@ Prints, per layer, the fraction of the older tokens' L1 norms the pruned PyTorch
 computes all of them) with the most candidate rounds a head needed, and which branch of the ONNX body ran.
 """
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -41,10 +43,13 @@ def run_onnx_body(policy, q, k, v, o, layer, layers):
     options = ort.SessionOptions()
     options.enable_profiling = True
     options.intra_op_num_threads = 1
+    options.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ort_profile")
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     feeds = {"queries": q.numpy(), "keys": k.numpy(), "values": v.numpy(), "prompt_lengths": np.array([k.shape[2]], np.int32)}
     indices = session.run(None, feeds)[3]
-    branches = stage2_branches(session.end_profiling())
+    trace = Path(session.end_profiling())
+    branches = stage2_branches(trace)
+    shutil.rmtree(trace.parent)
     assert sum(branches.values()) == 1, branches
     return indices, max(branches, key=branches.get)
 
