@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="results path without suffix: writes OUTPUT.json, OUTPUT.txt and OUTPUT.png (the committed "
                         "results are benchmarks/results/cpu_smollm2 and cpu_smollm2_1thread: name them to "
                         "replace them)")
+    p.add_argument("--compare-unpruned", action="store_true",
+                   help="only measurement 1 with value_norm l1, the pruned stage 2 (the operator) against the unpruned "
+                        "one (every norm computed), repeats interleaved in one run: medians, ratios, load average, and "
+                        "the norms' FLOP counts; writes OUTPUT.json and OUTPUT.txt")
     p.add_argument("--no-plot", action="store_true", help="do not draw OUTPUT.png")
     p.add_argument("--replot", action="store_true", help="only redraw OUTPUT.png from OUTPUT.json (no measurement)")
     return p
@@ -178,11 +182,12 @@ def check_args(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
-    for budget in [args.budget, *int_list(args.memory_budgets, "--memory-budgets")]:
+    memory_budgets = [] if args.compare_unpruned else int_list(args.memory_budgets, "--memory-budgets")
+    for budget in [args.budget, *memory_budgets]:
         policy = KVPolicy("criticalkv", budget=budget)  # its own checks (e.g. a budget below the window)
         if policy.budget >= args.prompt_len:
             raise ValueError(f"budget {budget} >= --prompt-len {args.prompt_len}: nothing would be evicted")
-    if max(int_list(args.memory_prompts, "--memory-prompts")) < args.budget:
+    if not args.compare_unpruned and max(int_list(args.memory_prompts, "--memory-prompts")) < args.budget:
         raise ValueError(f"--memory-prompts: every length is below --budget {args.budget}: nothing would be evicted")
 
 
@@ -216,6 +221,8 @@ def run(args, argv: list[str] | None) -> int:
 
     from criticalkv.hf import load_model
 
+    if args.compare_unpruned:
+        return compare_unpruned(args, argv)
     command = "python scripts/benchmark_latency.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     info = {"command": command, "machine": machine(), "versions": package_versions(), "ort_threads": args.threads,
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
@@ -327,6 +334,102 @@ def run(args, argv: list[str] | None) -> int:
     args.output.with_suffix(".txt").write_text(table + "\n")
     if not args.no_plot:
         plot(results, args, args.output.with_suffix(".png"))
+    return 0
+
+
+def compare_unpruned(args, argv: list[str] | None) -> int:
+    """Selection time / prefill time with the pruned stage 2 and without, value_norm l1, interleaved repeats."""
+    from criticalkv.bench.machine import git_commit, load_average
+    from criticalkv.hf import load_model
+    from criticalkv.selection import pruned
+    from criticalkv.selection.pruned import norm_flops
+
+    command = "python scripts/benchmark_latency.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    info = {"command": command, "machine": machine(), "versions": package_versions(), "ort_threads": args.threads,
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    print(f"# {command}\n# {info['machine']['cpu']}, {info['machine']['logical_cpus']} logical CPUs, "
+          f"load {info['machine']['load_average_start']}, ORT threads {args.threads or 'default'}", flush=True)
+    model, tokenizer = load_model(args.model)
+    ids = tokenizer(long_text())["input_ids"][: args.prompt_len]
+    if len(ids) < args.prompt_len:
+        raise ValueError(f"the benchmark text has only {len(ids)} tokens; use a shorter --prompt-len")
+    policy = KVPolicy("criticalkv", budget=args.budget, value_norm="l1")
+    workdir = Path(tempfile.mkdtemp(prefix="criticalkv-bench-"))
+    engines, results = {}, {**info}
+    try:
+        for side, on in (("pruned", True), ("unpruned", False)):
+            previous, pruned.PRUNED = pruned.PRUNED, on  # the function body is generated at export
+            try:
+                engines[side] = make_engine(model, tokenizer, policy, BuildConfig(args.prompt_len, 3), workdir,
+                                            args.threads, True)
+            finally:
+                pruned.PRUNED = previous
+        from criticalkv.runtime.profiling import stage2_branches
+
+        n = len(ids)
+        feeds = (np.array([ids]), np.ones((1, n), np.int64), np.arange(n)[None])
+        walls = {side: [] for side in engines}
+        for _ in range(args.repeats):  # interleaved, so that a change of load hits both sides alike
+            for side, engine in engines.items():
+                walls[side].append(engine.backend.prefill(*feeds).seconds)
+        for side, engine in engines.items():
+            trace = engine.backend.end_profiling()
+            profile = selection_profile(trace)
+            results[side] = {"prefill_wall_s": walls[side], "prefill_profiled_s": [r.total_s for r in profile],
+                             "selection_s": [r.selection_s for r in profile],
+                             "selection_fraction": [r.selection_fraction for r in profile],
+                             "stage2_branches_all_runs": stage2_branches(trace)}
+            os.remove(trace)
+            engine.close()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    results["machine"]["load_average_end"] = load_average()
+    results["commit"] = git_commit()
+    spec = model.config
+    flops = norm_flops(args.prompt_len, args.budget, policy.window, policy.alpha, spec.num_attention_heads,
+                       spec.hidden_size // spec.num_attention_heads, spec.hidden_size)
+    results["norm_flops_per_layer"] = flops
+    a, b = results["pruned"], results["unpruned"]
+    results["summary"] = {
+        "selection_fraction_pruned": median(a["selection_fraction"]),
+        "selection_fraction_unpruned": median(b["selection_fraction"]),
+        "selection_time_ratio_unpruned_over_pruned": median(b["selection_s"]) / median(a["selection_s"]),
+        "prefill_time_ratio_unpruned_over_pruned": median(b["prefill_profiled_s"]) / median(a["prefill_profiled_s"]),
+    }
+    lines = [
+        f"# {command}",
+        f"# machine: {info['machine']['cpu']}, {info['machine']['logical_cpus']} logical CPUs, load average "
+        f"{', '.join(f'{x:.2f}' for x in info['machine']['load_average_start'])} (start) / "
+        f"{', '.join(f'{x:.2f}' for x in results['machine']['load_average_end'])} (end); ORT threads: "
+        f"{args.threads or 'default'}",
+        "# versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if k != "platform"),
+        f"# medians over {args.repeats} interleaved repeats",
+        "",
+        f"## prefill of {args.prompt_len} tokens, criticalkv budget {args.budget}, value_norm l1 (ONNX Runtime profile)",
+        "| stage 2 | prefill s (profiled run) | selection s | selection / prefill | target |",
+        "|---|---|---|---|---|",
+    ]
+    for side, r in (("pruned", a), ("unpruned", b)):
+        frac = median(r["selection_fraction"])
+        lines.append(f"| {side} | {median(r['prefill_profiled_s']):.3f} | {median(r['selection_s']):.3f} | "
+                     f"{100 * frac:.2f} % | <= 2 %: {'met' if frac <= 0.02 else 'NOT met'} |")
+    summary = results["summary"]
+    lines += [
+        "",
+        f"pruned stage-2 branches over {args.repeats} runs x {spec.num_hidden_layers} layers: "
+        + ", ".join(f"{label}: {a['stage2_branches_all_runs'][k]}"
+                    for k, label in (("2k", "2k candidates"), ("4k", "4k candidates"), ("all", "every norm"))),
+        f"unpruned / pruned: selection time {summary['selection_time_ratio_unpruned_over_pruned']:.2f}x, "
+        f"prefill time {summary['prefill_time_ratio_unpruned_over_pruned']:.3f}x",
+        f"stage-2 norm GFLOPs per layer: unpruned {flops['unpruned'] / 1e9:.3f}, pruned {flops['pruned'] / 1e9:.3f} "
+        f"(bound {flops['bound'] / 1e9:.3f} + exact {flops['exact'] / 1e9:.3f}; first round accepted), "
+        f"{flops['ratio']:.1f}x fewer",
+    ]
+    table = "\n".join(lines)
+    print(table)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    args.output.with_suffix(".txt").write_text(table + "\n")
     return 0
 
 

@@ -69,3 +69,16 @@ def test_the_package_metadata_installs_without_a_license_warning():
         dist = apply_configuration(Distribution(), ROOT / "pyproject.toml")
     assert [str(w.message) for w in caught if "license" in str(w.message)] == []
     assert dist.metadata.license_expression == "Apache-2.0"
+
+
+def test_norm_flops_prints_both_model_shapes_with_fewer_pruned_flops():
+    import sys
+
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "norm_flops.py"), "--prompt-lens", "4096"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split("|") for line in run.stdout.splitlines() if line.startswith("| SmolLM2") or line.startswith("| Llama")]
+    assert len(rows) == 2
+    for row in rows:
+        unpruned, pruned = float(row[3]), float(row[6])
+        assert 0 < pruned < unpruned / 3  # budget 256 at 4k tokens: far fewer norm FLOPs

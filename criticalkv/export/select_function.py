@@ -36,8 +36,11 @@ from criticalkv.export.graph import BOOL, FLOAT, INT32, INT64, OPSET, GraphBuild
 from criticalkv.node import DOMAIN, INPUTS, LAYER_ATTRIBUTES, OP_TYPE, OPSET_VERSION, OUTPUTS, node_attributes
 from criticalkv.policy import KVPolicy
 from criticalkv.selection.budget import head_floor, layer_selectable_budget, stage1_count
+from criticalkv.selection.pruned import TINY, UNIT_ROUNDOFF, gamma
 
 FLOAT32_MIN = float(np.finfo(np.float32).min)
+#: Names (prefixes) of the nodes that accept the pruned stage 2's result: 2 k_max candidates, 4 k_max, every token.
+BRANCH_NODES = ("stage2_accept_2k", "stage2_accept_4k", "stage2_accept_all")
 
 
 def selection_tables(policy: KVPolicy, num_layers: int, num_kv_heads: int) -> dict[str, np.ndarray]:
@@ -112,12 +115,108 @@ class _Body:
             projected = g.reshape(g.MatMul(values_m, w), [0, 0, 0, self.group, -1])  # [B, H_kv, m, G, D]
             norms = g.ReduceL1(projected, g.i64(-1), keepdims=0)  # [B, H_kv, m, G]
             return g.Transpose(norms, perm=[0, 1, 3, 2])
-        # l2 through the Gram matrices W_O^h W_O^h^T [d_h, d_h]
-        w = g.Transpose(g.reshape(o_proj, [-1, self.heads, d]), perm=[1, 2, 0])  # [H, d_h, D]
+        return g.Sqrt(g.Max(self.gram_quadratic(g, values_m), g.const(0.0, np.float32)))
+
+    def head_weights(self, g: GraphBuilder) -> str:
+        """[H, d_h, D]: W_O^h of every query head."""
+        return g.Transpose(g.reshape(self.o_proj, [-1, self.heads, self.head_dim]), perm=[1, 2, 0])
+
+    def gram_quadratic(self, g: GraphBuilder, values_m: str) -> str:
+        """[B, H_kv, G, m] fl(v G_h v^T) through the Gram matrices G_h = W_O^h W_O^h^T [d_h, d_h] (weights only)."""
+        d = self.head_dim
+        w = self.head_weights(g)
         gram = g.reshape(g.MatMul(w, g.Transpose(w, perm=[0, 2, 1])), [self.kv_heads, self.group, d, d])
         v = g.unsqueeze(values_m, 2)  # [B, H_kv, 1, m, d_h]
-        quad = g.ReduceSum(g.Mul(g.MatMul(v, gram), v), g.i64(-1), keepdims=0)
-        return g.Sqrt(g.Max(quad, g.const(0.0, np.float32)))
+        return g.ReduceSum(g.Mul(g.MatMul(v, gram), v), g.i64(-1), keepdims=0)
+
+    # ------------------------------------------------------------------ pruned stage 2 (criticalkv/selection/pruned.py)
+    def hidden_float(self, g: GraphBuilder) -> str:
+        """d (rows of ``o_proj``) as a float32 [1]."""
+        return g.Cast(g.shape_of(self.o_proj, 0, 1), to=FLOAT)
+
+    def gamma(self, g: GraphBuilder, k: str) -> str:
+        """gamma_k = k u / (1 - k u) for the float32 tensor ``k``."""
+        ku = g.Mul(k, g.const(UNIT_ROUNDOFF, np.float32))
+        return g.Div(ku, g.Sub(g.const(1.0, np.float32), ku))
+
+    def l1_upper_bounds(self, g: GraphBuilder, values_m: str) -> str:
+        """[B, H_kv, G, m] ``BoundTerms.upper``: an upper bound of every computed ||v W_O^h||_1 (up to the margin)."""
+        w = self.head_weights(g)  # [H, d_h, D]
+        d = self.hidden_float(g)
+        d_h = float(self.head_dim)
+        q = g.Max(self.gram_quadratic(g, values_m), g.const(0.0, np.float32))
+        absv = g.Abs(values_m)  # [B, H_kv, m, d_h]
+        row_l1 = g.Transpose(g.reshape(g.ReduceL1(w, g.i64(2), keepdims=0), [self.kv_heads, self.group, self.head_dim]),
+                             perm=[0, 2, 1])  # [H_kv, d_h, G]
+        a = g.Transpose(g.MatMul(absv, row_l1), perm=[0, 1, 3, 2])  # [B, H_kv, G, m]
+        col_l1 = g.reshape(g.ReduceMax(g.ReduceL1(w, g.i64(1), keepdims=0), g.i64(1), keepdims=0),
+                           [1, self.kv_heads, self.group, 1])
+        b = g.Mul(g.Mul(a, g.unsqueeze(g.ReduceMax(absv, g.i64(-1), keepdims=0), 2)), col_l1)
+        gamma2 = self.gamma(g, g.Add(d, g.const(2 * d_h + 2, np.float32)))
+        l2 = g.Sqrt(g.Add(q, g.Mul(gamma2, b)))
+        tiny = g.Mul(d, g.const(TINY * (d_h + 2), np.float32))
+        return g.Add(g.Add(g.Mul(g.Sqrt(d), l2), g.Mul(g.const(gamma(self.head_dim), np.float32), a)), tiny)
+
+    def stop_margin(self, g: GraphBuilder) -> str:
+        """[1] float32 ``pruned.stop_margin(d, G)`` (d read from ``o_proj``)."""
+        rho = g.Add(self.gamma(g, self.hidden_float(g)),
+                    g.const(gamma(self.group + 2) + 2 * gamma(self.group + 10), np.float32))
+        return g.Mul(rho, g.const(2.0, np.float32))
+
+    def pruned_topk(self, g: GraphBuilder, bound: str, k: str, eligible: str, exact, full) -> str:
+        """[B, H_kv, m] bool: ``topk_mask`` of the exact stage-2 scores computed for as few tokens as the bound allows.
+
+        ``bound`` [B, H_kv, m] upper bounds, ``k`` [B, H_kv] int64, ``eligible`` [B, H_kv, m]; ``exact(gb, index)``
+        writes the exact scores [B, H_kv, c] of the positions ``index`` [B, H_kv, c]; ``full(gb)`` those of every
+        older token. Try the best 2 k_max by the bound, then 4 k_max (an ``If``), then every token (its else branch);
+        a try stands when every head passes the stop rule.
+        """
+        keyed = g.Where(eligible, bound, g.const(-np.inf, np.float32))
+        kmax = g.Max(g.reshape(g.ReduceMax(k, keepdims=0), [1]), g.i64(1))
+        margin = self.stop_margin(g)
+        ninf = g.const(-np.inf, np.float32)
+        m = g.shape_of(keyed, 2, 3)
+        first, second = (g.Min(g.Mul(kmax, g.i64(factor)), m) for factor in (2, 4))
+        # one ranking for both tries (so the second extends the first): the best 4 k_max + 1 bounds
+        top, index = g.op("TopK", keyed, g.Min(g.Add(second, g.i64(1)), m), outputs=2, axis=2, largest=1, sorted=1)
+        padded = g.concat(top, g.Expand(ninf, g.concat(g.shape_of(top, 0, 2), g.i64(1))), axis=2)
+
+        def attempt(gb: GraphBuilder, c: str, done: str | None, earlier: str | None) -> tuple[str, str, str]:
+            """Candidates index[:c]; the exact scores of index[:done] are ``earlier``. Returns (mask, ok, scores)."""
+            fresh = gb.slice_axis(index, done if done is not None else 0, c, axis=2)
+            # GatherND rather than GatherElements: onnx.reference 1.23 gathers elements with np.choose (<= 64 values)
+            fresh_scores = gb.Where(gb.GatherND(eligible, gb.unsqueeze(fresh, -1), batch_dims=2), exact(gb, fresh), ninf)
+            scores = fresh_scores if earlier is None else gb.concat(earlier, fresh_scores, axis=2)  # [B, H_kv, c]
+            candidates = gb.slice_axis(index, 0, c, axis=2)
+            following = gb.squeeze(gb.slice_axis(padded, c, gb.Add(c, gb.i64(1)), axis=2), 2)  # the best bound left out
+            spread = gb.ScatterElements(gb.Expand(ninf, gb.Shape(keyed)), candidates, scores, axis=2)
+            mask = self.topk_mask(gb, spread, k, gb.Greater(spread, ninf))
+            kth_values = gb.op("TopK", scores, gb.Min(kmax, c), outputs=2, axis=2, largest=1, sorted=1)[0]
+            kth = gb.GatherND(kth_values, gb.unsqueeze(gb.Max(gb.Sub(k, gb.scalar(1)), gb.scalar(0)), 2), batch_dims=2)
+            ok = gb.Or(gb.Or(gb.LessOrEqual(k, gb.scalar(0)), gb.Equal(following, ninf)),
+                       gb.Less(gb.Mul(following, gb.Add(margin, gb.const(1.0, np.float32))), kth))
+            all_ok = gb.Cast(gb.ReduceMin(gb.Cast(ok, to=INT64), keepdims=0), to=BOOL)
+            return mask, all_ok, scores
+
+        mask2k, ok2k, scores2k = attempt(g, first, None, None)
+        retry = g.child()
+        mask4k, ok4k, _ = attempt(retry, second, first, scores2k)  # only the candidates 2 k_max .. 4 k_max are new
+        fallback = retry.child()
+        # the accepting Identity nodes are named so that a profile tells which branch ran (BRANCH_NODES)
+        # (an And with the eligible mask there, a no-op that ONNX Runtime's optimizer cannot remove as it does an Identity)
+        all_mask = fallback.op("And", self.topk_mask(fallback, full(fallback), k, eligible), eligible, name=g.fresh(BRANCH_NODES[2]))
+        accept4k = retry.child()
+        accepted4k = accept4k.op("Identity", mask4k, name=g.fresh(BRANCH_NODES[1]))
+        inner = retry.op("If", ok4k,
+                         then_branch=accept4k.graph("stage2_4k", [], [value_info(accepted4k, BOOL, None)]),
+                         else_branch=fallback.graph("stage2_all", [], [value_info(all_mask, BOOL, None)]),
+                         hint="stage2_retry", name=g.fresh("stage2_if_4k"))
+        accept2k = g.child()
+        accepted2k = accept2k.op("Identity", mask2k, name=g.fresh(BRANCH_NODES[0]))
+        return g.op("If", ok2k,
+                    then_branch=accept2k.graph("stage2_2k", [], [value_info(accepted2k, BOOL, None)]),
+                    else_branch=retry.graph("stage2_retry", [], [value_info(inner, BOOL, None)]),
+                    hint="stage2", name=g.fresh("stage2_if_2k"))
 
     def compressed_keep(self, g: GraphBuilder, ctx: dict[str, str]) -> str:
         """[B, H_kv, n] bool keep mask when n > budget (sequences of at most budget tokens kept whole)."""

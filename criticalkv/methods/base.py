@@ -38,7 +38,8 @@ class GroupScoreInputs:
 
     probs : [B, G, w, m] window attention over the older tokens; raw : [B, G, m] its mean over the window;
     pooled : [B, G, m] ``raw`` max-pooled over positions; norms(kind) -> [B, G, m] projected-value norms;
-    valid : [B, m] bool, older positions that are not left padding.
+    valid : [B, m] bool, older positions that are not left padding; values : [B, m, d_h] the group's older values;
+    w_heads : [G, d_h, d] fp32, W_O^h of the group's query heads.
     """
 
     probs: "torch.Tensor"
@@ -46,6 +47,8 @@ class GroupScoreInputs:
     pooled: "torch.Tensor"
     norms: Callable[[str], "torch.Tensor"]
     valid: "torch.Tensor" = None
+    values: "torch.Tensor" = None
+    w_heads: "torch.Tensor" = None
 
 
 class BaseMethod:

@@ -35,6 +35,13 @@ def two_stage_mask(attention, critical, r, alpha: float, eligible):
     return stage1 | stage2
 
 
+def torch_cat_heads(w_heads):
+    """[d_h, G * d]: the heads' W_O^h side by side (as ``value_projection_norms`` concatenates them)."""
+    import torch
+
+    return torch.cat(list(w_heads), dim=1)
+
+
 class TwoStage:
     """The refinement: stage 1 by attention, stage 2 by attention x projected-value norm."""
 
@@ -44,32 +51,76 @@ class TwoStage:
     score_knobs = ("epsilon", "value_norm", "gqa_reduce", "stage2_scores")
 
     def group_scores(self, policy, inputs: GroupScoreInputs):
-        norms = inputs.norms(policy.value_norm)
+        from criticalkv.selection import pruned
+        from criticalkv.selection.pruned import BoundTerms, DeferredCritical, combine_critical
+
         p = inputs.pooled if policy.stage2_scores == "pooled" else inputs.raw
-        if policy.gqa_reduce == "mean":
-            return {"critical": ((p + policy.epsilon) * norms).mean(dim=1)}
-        return {"critical": (p.mean(dim=1) + policy.epsilon) * norms.mean(dim=1)}  # kvpress: product of the means
+        if pruned.PRUNED and policy.value_norm == "l1" and inputs.values is not None:
+            # the cheap upper bound for every token now; the exact score only for the candidates stage 2 needs
+            w = inputs.w_heads
+            values = inputs.values.float()
+            bound = combine_critical(p, BoundTerms.of(w).upper(values), policy.epsilon, policy.gqa_reduce)
+            deferred = DeferredCritical(p, values, torch_cat_heads(w), policy.epsilon, policy.gqa_reduce,
+                                        lambda: inputs.norms("l1"))
+            return {"critical_bound": bound, "critical": deferred}
+        return {"critical": combine_critical(p, inputs.norms(policy.value_norm), policy.epsilon, policy.gqa_reduce)}
 
     def choose(self, policy, scores, counts, eligible):
         """[B, H_kv, m] kept older tokens given each head's ``counts`` [B, H_kv]."""
-        return two_stage_mask(scores["attention"], scores["critical"], counts, policy.alpha, eligible)
+        from criticalkv.selection import pruned
+        from criticalkv.selection.topk import topk_mask
+
+        deferred = getattr(scores, "deferred", {}).get("critical")
+        if deferred is None or not pruned.PRUNED:
+            return two_stage_mask(scores["attention"], scores["critical"], counts, policy.alpha, eligible)
+        first = stage1_counts(policy.alpha, counts)
+        stage1 = topk_mask(scores["attention"], first, eligible)
+        w_cat = deferred[0].w_cat
+        margin = pruned.stop_margin(w_cat.shape[1] // deferred[0].p.shape[1], deferred[0].p.shape[1])
+        stage2 = pruned.pruned_stage2(scores["critical_bound"], deferred, counts - first, eligible & ~stage1, margin)
+        return stage1 | stage2
 
     # ------------------------------------------------------------------ ONNX function body
     def onnx_group_scores(self, body, g, probs, raw, pooled, values_m):
+        from criticalkv.selection import pruned
+
+        p = body.policy
+        attn = pooled if p.stage2_scores == "pooled" else raw
+        if pruned.PRUNED and p.value_norm == "l1":  # the bound now; the exact scores inside the stage-2 choice
+            body.stage2_inputs = (attn, values_m)
+            return {"critical_bound": self.onnx_combine(body, g, attn, body.l1_upper_bounds(g, values_m))}
+        return {"critical": self.onnx_combine(body, g, attn, body.value_norms(g, values_m, p.value_norm))}
+
+    @staticmethod
+    def onnx_combine(body, g, attn, norms):
+        """[B, H_kv, c] stage-2 scores from the heads' attention and norms [B, H_kv, G, c] (``combine_critical``)."""
         import numpy as np
 
         p = body.policy
-        norms = body.value_norms(g, values_m, p.value_norm)  # [B, H_kv, G, m]
-        attn = pooled if p.stage2_scores == "pooled" else raw
         eps = g.const(p.epsilon, np.float32)
         if p.gqa_reduce == "mean":
-            return {"critical": g.ReduceMean(g.Mul(g.Add(attn, eps), norms), g.i64(2), keepdims=0)}
-        return {"critical": g.Mul(g.Add(g.ReduceMean(attn, g.i64(2), keepdims=0), eps), g.ReduceMean(norms, g.i64(2), keepdims=0))}
+            return g.ReduceMean(g.Mul(g.Add(attn, eps), norms), g.i64(2), keepdims=0)
+        return g.Mul(g.Add(g.ReduceMean(attn, g.i64(2), keepdims=0), eps), g.ReduceMean(norms, g.i64(2), keepdims=0))
 
     def onnx_choose(self, body, g, scores, counts, eligible):
         first = body.stage1_count(g, counts)
         stage1 = body.topk_mask(g, scores["attention"], first, eligible)
-        stage2 = body.topk_mask(g, scores["critical"], g.Sub(counts, first), g.And(eligible, g.Not(stage1)))
+        rest = g.And(eligible, g.Not(stage1))
+        if "critical_bound" not in scores:
+            return g.Or(stage1, body.topk_mask(g, scores["critical"], g.Sub(counts, first), rest))
+        attn, values_m = body.stage2_inputs
+        group = body.group
+
+        def exact(gb, index):  # index [B, H_kv, c] -> the exact scores [B, H_kv, c]
+            rows = gb.GatherND(values_m, gb.unsqueeze(index, -1), batch_dims=2)  # [B, H_kv, c, d_h]
+            shape = gb.concat(gb.shape_of(index, 0, 2), gb.i64(group), gb.shape_of(index, 2, 3))
+            p = gb.GatherND(attn, gb.unsqueeze(gb.Expand(gb.unsqueeze(index, 2), shape), -1), batch_dims=3)  # [B, H_kv, G, c]
+            return self.onnx_combine(body, gb, p, body.value_norms(gb, rows, "l1"))
+
+        def full(gb):
+            return self.onnx_combine(body, gb, attn, body.value_norms(gb, values_m, "l1"))
+
+        stage2 = body.pruned_topk(g, scores["critical_bound"], g.Sub(counts, first), rest, exact, full)
         return g.Or(stage1, stage2)
 
 

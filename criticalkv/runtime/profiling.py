@@ -56,3 +56,13 @@ def selection_profile(trace: str | Path) -> list[RunProfile]:
                 spans[i].append((e["ts"], e["ts"] + e["dur"]))
                 break
     return [RunProfile(run["dur"] / 1e6, _union_length(s) / 1e6) for run, s in zip(runs, spans)]
+
+
+def stage2_branches(trace: str | Path) -> dict[str, int]:
+    """How often each branch of the pruned stage 2 ran in a profiled session (all runs, all layers): the counts of
+    ``2k``, ``4k`` (the first candidates did not suffice) and ``all`` (every norm computed)."""
+    from criticalkv.export.select_function import BRANCH_NODES
+
+    events = json.loads(Path(trace).read_text())
+    names = [e["name"] for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
+    return {node.rsplit("_", 1)[1]: sum(f"/{node}_" in name for name in names) for node in BRANCH_NODES}

@@ -60,10 +60,12 @@ def value_projection_norms(
                 w = head_output_projection(o_proj_weight, heads[j], head_dim)
                 out[:, j] = ((vf @ (w @ w.t())) * vf).sum(-1).clamp_min(0).sqrt()
             continue
+        from criticalkv.selection.pruned import l1_norms_rows
+
         w_o = torch.cat([head_output_projection(o_proj_weight, heads[j], head_dim) for j in cols], dim=1)  # [d_h, k*d]
-        for start in range(0, n, chunk_size):
-            chunk = v[:, start : start + chunk_size].float() @ w_o  # [B, c, k*d]
-            norms = chunk.abs().view(batch, chunk.shape[1], len(cols), -1).sum(-1)  # [B, c, k]
+        for start in range(0, n, chunk_size):  # fixed-shape GEMMs: a token's norm never depends on the others
+            rows = v[:, start : start + chunk_size].reshape(-1, head_dim)
+            norms = l1_norms_rows(rows, w_o, len(cols)).view(batch, -1, len(cols))  # [B, c, k]
             out[:, cols, start : start + chunk_size] = norms.transpose(1, 2)
     return out
 
@@ -115,19 +117,24 @@ class LayerScores:
     not use reads as None.
     """
 
-    def __init__(self, scores: dict[str, torch.Tensor]):
+    def __init__(self, scores: dict[str, torch.Tensor], deferred: dict[str, list] | None = None):
         self.scores = dict(scores)
+        #: scores computed on demand, one object per KV group with ``full()`` -> [B, m] and ``rows(b, index)``
+        #: (CriticalKV's pruned stage 2 reads a few rows; reading the score itself computes every row once)
+        self.deferred = dict(deferred or {})
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.scores and name in self.deferred:
+            self.scores[name] = torch.stack([group.full() for group in self.deferred[name]], dim=1)
         return self.scores[name]
 
     def __getattr__(self, name: str):
-        if name == "scores":
+        if name in ("scores", "deferred"):
             raise AttributeError(name)
         from criticalkv.methods import METHODS
 
-        if name in self.scores:
-            return self.scores[name]
+        if name in self.scores or name in self.deferred:
+            return self[name]
         if any(name in m.score_names for m in METHODS.values()):
             return None
         raise AttributeError(f"LayerScores has no score {name!r}")
@@ -191,6 +198,7 @@ def layer_scores(
     positions = torch.arange(m, device=keys.device)
     valid = positions[None, :] >= (valid_start[:, None] if valid_start is not None else torch.zeros(batch, 1, dtype=torch.int64, device=keys.device))
     out = {name: torch.empty(batch, num_kv_heads, m, dtype=torch.float32, device=keys.device) for name in method.score_names}
+    deferred: dict[str, list] = {}
     for g in range(num_kv_heads):
         heads = range(g * group, (g + 1) * group)
 
@@ -207,11 +215,19 @@ def layer_scores(
                             lambda: value_projection_norms(values[..., :m, :], o_proj_weight, num_heads, kind, heads))
 
         out["attention"][:, g] = pooled.mean(dim=1)
-        inputs = GroupScoreInputs(probs=probs, raw=raw, pooled=pooled, norms=norms, valid=valid)
+        w_heads = torch.stack([head_output_projection(o_proj_weight, h, keys.shape[-1]) for h in heads])  # [G, d_h, d]
+        inputs = GroupScoreInputs(probs=probs, raw=raw, pooled=pooled, norms=norms, valid=valid,
+                                  values=values[:, g, :m], w_heads=w_heads)
         for part in parts:
             for name, score in part.group_scores(policy, inputs).items():
-                out[name][:, g] = score
-    result = LayerScores(out)
+                if isinstance(score, torch.Tensor):
+                    out.setdefault(name, torch.empty(batch, num_kv_heads, m, dtype=torch.float32, device=keys.device))
+                    out[name][:, g] = score
+                else:  # computed on demand (CriticalKV's pruned stage 2)
+                    deferred.setdefault(name, [None] * num_kv_heads)[g] = score
+    for name in deferred:
+        out.pop(name, None)
+    result = LayerScores(out, deferred)
     memo.entries[whole_key] = result
     memo.seconds += time.perf_counter() - start
     return result

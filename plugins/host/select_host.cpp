@@ -4,11 +4,13 @@
 #include "criticalkv/group_scores.h"
 #include "criticalkv/head_selection.h"
 #include "criticalkv/kept_positions.h"
+#include "criticalkv/pruned_stage2.h"
 #include "criticalkv/radix_select.h"
 #include "criticalkv/shared_allocation.h"
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -354,6 +356,146 @@ int64_t HostTopK::massCount(float const* scores, uint8_t const* flags, int64_t l
     return radixMassCount(row, limit);
 }
 
+//! ||v W_O^h||_1 of one token, the same loops (and floats) as valueProjectionNorms.
+float l1NormOfToken(SelectShape const& s, float const* vi, float const* oProj, int32_t h)
+{
+    int32_t const d = s.headDim;
+    int64_t const ld = static_cast<int64_t>(s.heads) * d;
+    float const* w = oProj + static_cast<int64_t>(h) * d;
+    float norm = 0.0F;
+    for (int32_t c = 0; c < s.hidden; ++c)
+    {
+        float dot = 0.0F;
+        for (int32_t k = 0; k < d; ++k)
+        {
+            dot += vi[k] * w[c * ld + k];
+        }
+        norm += std::fabs(dot);
+    }
+    return norm;
+}
+
+//! Weights-only terms of the L1 upper bound of query head h (pruned_stage2.h): G_h [d_h, d_h], s_h [d_h], c_h.
+struct BoundTerms
+{
+    std::vector<float> gram;
+    std::vector<float> rowL1;
+    float colL1 = 0.0F;
+};
+
+BoundTerms boundTerms(SelectShape const& s, float const* oProj, int32_t h)
+{
+    int32_t const d = s.headDim;
+    int64_t const ld = static_cast<int64_t>(s.heads) * d;
+    float const* w = oProj + static_cast<int64_t>(h) * d; // W_O^h[k, c] = w[c * ld + k]
+    BoundTerms t{std::vector<float>(static_cast<size_t>(d) * d, 0.0F), std::vector<float>(static_cast<size_t>(d), 0.0F)};
+    for (int32_t k = 0; k < d; ++k)
+    {
+        for (int32_t l = 0; l < d; ++l)
+        {
+            float acc = 0.0F;
+            for (int32_t c = 0; c < s.hidden; ++c)
+            {
+                acc += w[c * ld + k] * w[c * ld + l];
+            }
+            t.gram[static_cast<size_t>(k) * d + l] = acc;
+        }
+    }
+    for (int32_t c = 0; c < s.hidden; ++c)
+    {
+        float column = 0.0F;
+        for (int32_t k = 0; k < d; ++k)
+        {
+            float const a = std::fabs(w[c * ld + k]);
+            t.rowL1[k] += a;
+            column += a;
+        }
+        t.colL1 = std::max(t.colL1, column);
+    }
+    return t;
+}
+
+constexpr uint8_t kLeftOut = 255; //!< an eligible token whose exact score was not needed (cleared afterwards)
+
+//! CriticalKV's two stages for KV head g of sequence b with the pruned stage 2: `bound` [m] holds the upper bounds
+//! U of C (group scores of the bounds); the exact C is computed for the candidates only, ranked by U, until the
+//! stop rule holds. exactNorms: [H, m] scratch of the sequence. Returns the exact norms computed.
+int64_t selectHeadPruned(SelectConfig const& config, SelectShape const& s, HostInputs const& in, int32_t b, int32_t g,
+    int32_t m, int32_t validStart, int64_t count, float const* attention, float const* bound, float const* raw,
+    float const* squares, float* exactNorms, uint8_t* flags)
+{
+    int32_t const group = s.heads / s.kvHeads;
+    int64_t const first = stage1Count(config.alphaMicros, count);
+    selectTopK(attention, flags, m, m, validStart, first, kChosenByAttention);
+    int64_t const k = count - first;
+    std::vector<int32_t> order;
+    for (int32_t i = validStart; i < m; ++i)
+    {
+        if (flags[i] == 0)
+        {
+            order.push_back(i);
+        }
+    }
+    int64_t const eligible = static_cast<int64_t>(order.size());
+    if (k <= 0)
+    {
+        return 0;
+    }
+    if (k >= eligible)
+    {
+        for (int32_t i : order)
+        {
+            flags[i] = kChosenByCritical;
+        }
+        return 0;
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return bound[x] > bound[y]; });
+    float const* v = in.values + (static_cast<int64_t>(b) * s.kvHeads + g) * s.n * s.headDim;
+    float const margin = stopMargin(s.hidden, group);
+    std::vector<float> exact(static_cast<size_t>(m), -INFINITY);
+    std::vector<float> best;
+    int64_t c = std::min<int64_t>(kCandidateFactor * k, eligible);
+    int64_t done = 0;
+    while (true)
+    {
+        for (int64_t j = done; j < c; ++j)
+        {
+            int32_t const i = order[j];
+            for (int32_t h = g * group; h < (g + 1) * group; ++h)
+            {
+                exactNorms[static_cast<int64_t>(h) * m + i] = l1NormOfToken(s, v + static_cast<int64_t>(i) * s.headDim, in.oProj, h);
+            }
+            exact[i] = groupScoresAt(config, raw, squares, exactNorms, g * group, group, m, i).critical;
+        }
+        done = c;
+        if (c >= eligible)
+        {
+            break;
+        }
+        best.clear();
+        for (int64_t j = 0; j < c; ++j)
+        {
+            best.push_back(exact[order[j]]);
+        }
+        std::nth_element(best.begin(), best.begin() + (k - 1), best.end(), std::greater<float>());
+        if (stage2Settled(bound[order[c]], best[k - 1], margin))
+        {
+            break;
+        }
+        c = std::min<int64_t>(2 * c, eligible);
+    }
+    for (int64_t j = done; j < eligible; ++j)
+    {
+        flags[order[j]] = kLeftOut;
+    }
+    selectTopK(exact.data(), flags, m, m, validStart, k, kChosenByCritical);
+    for (int64_t j = done; j < eligible; ++j)
+    {
+        flags[order[j]] = 0;
+    }
+    return done;
+}
+
 } // namespace
 
 int64_t massCount(float const* scores, uint8_t const* flags, int64_t len, int64_t period, int64_t firstValid,
@@ -405,6 +547,14 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
     size_t const perKvHead = static_cast<size_t>(s.batch) * rowsPerBatch;
     std::vector<float> raw(perHead, 0.0F), squares(perHead, 0.0F), norms(needsNorms(config) ? perHead : 0, 0.0F);
     std::vector<float> attention(perKvHead, 0.0F), critical(perKvHead, 0.0F), laprox(perKvHead, 0.0F);
+    // CriticalKV with l1 norms: `norms` holds the upper bounds, `critical` their group score U (pruned_stage2.h)
+    bool const pruned = config.twoStage && needsScores(config) && normKind(config) == ValueNorm::kL1;
+    std::vector<BoundTerms> terms;
+    std::vector<float> exactNorms(pruned ? static_cast<size_t>(s.heads) * m : 0, 0.0F);
+    for (int32_t h = 0; pruned && anyScored && h < s.heads; ++h)
+    {
+        terms.push_back(boundTerms(s, in.oProj, h));
+    }
     std::vector<uint8_t> flags(perKvHead, 0);
     std::vector<int64_t> headCounts(static_cast<size_t>(s.batch) * s.kvHeads, 0);
     // defensivekv: every window query's row of one head, each head's worst, each row's mass, the two scores
@@ -432,7 +582,16 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
                 defensiveRows(config, rows.data(), w, m, info.validStart, &worst[row],
                     &rowMass[(static_cast<size_t>(b) * s.heads + h) * w]);
             }
-            if (needsNorms(config))
+            if (pruned)
+            {
+                float const* v = in.values + (static_cast<int64_t>(b) * s.kvHeads + h / group) * n * d;
+                for (int32_t i = 0; i < m; ++i)
+                {
+                    norms[row + i] = l1UpperBound(v + static_cast<int64_t>(i) * d, terms[h].gram.data(),
+                        terms[h].rowL1.data(), terms[h].colL1, d, s.hidden);
+                }
+            }
+            else if (needsNorms(config))
             {
                 valueProjectionNorms(s, in.values, in.oProj, b, h, m, normKind(config), &norms[row]);
             }
@@ -484,6 +643,12 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
             std::fill(&flags[row], &flags[row] + m, 0);
             int64_t const count
                 = sharedAllocation(config) ? headCounts[static_cast<size_t>(b) * s.kvHeads + g] : info.r;
+            if (pruned)
+            {
+                selectHeadPruned(config, s, in, b, g, m, info.validStart, count, &attention[row], &critical[row],
+                    &raw[sequence], &squares[sequence], exactNorms.data(), &flags[row]);
+                continue;
+            }
             selectHead(topK, config, &attention[row], &critical[row], &flags[row], m, info.validStart, count);
         }
     }

@@ -1,0 +1,64 @@
+// Exact pruning of CriticalKV's stage 2 (criticalkv/selection/pruned.py, docs/operator.md step 6a): an upper bound of
+// the computed ||v W_O^h||_1 from the d_h x d_h Gram matrix G_h = W_O^h W_O^h^T, and the stop rule that lets stage 2
+// compute the exact L1 norms of a few candidates only while keeping exactly the unpruned entries.
+#pragma once
+
+#include "criticalkv/common.h"
+
+#include <cmath>
+
+namespace criticalkv
+{
+
+constexpr float kUnitRoundoff = 5.9604644775390625e-8F; //!< 2^-24
+constexpr float kSubnormalSlack = 1.1754943508222875e-38F; //!< 2^-126: a flushed subnormal product
+constexpr int32_t kCandidateFactor = 2; //!< first candidate count = 2 k; it doubles until the stop rule holds
+
+//! gamma_k = k u / (1 - k u): bound of the relative error of any k-term float32 sum or dot product.
+CKV_HD float roundingGamma(float k)
+{
+    return k * kUnitRoundoff / (1.0F - k * kUnitRoundoff);
+}
+
+//! rho: fl(C_i) <= fl(U_i) (1 + rho) for every token (pruned.stop_margin).
+CKV_HD float stopMargin(int32_t hidden, int32_t group)
+{
+    return 2.0F
+        * (roundingGamma(static_cast<float>(hidden)) + roundingGamma(static_cast<float>(group + 2))
+            + 2.0F * roundingGamma(static_cast<float>(group + 10)));
+}
+
+//! Upper bound B of the computed ||v W_O^h||_1 (pruned.BoundTerms.upper). v: [d_h]; gram: [d_h, d_h] G_h;
+//! rowL1: [d_h] s_h[r] = sum_j |W_O^h[r, j]|; colL1 = max_j sum_r |W_O^h[r, j]|.
+CKV_HD float l1UpperBound(float const* v, float const* gram, float const* rowL1, float colL1, int32_t headDim,
+    int32_t hidden)
+{
+    float quad = 0.0F;
+    float a = 0.0F;
+    float maxAbs = 0.0F;
+    for (int32_t l = 0; l < headDim; ++l)
+    {
+        float u = 0.0F;
+        for (int32_t k = 0; k < headDim; ++k)
+        {
+            u += v[k] * gram[k * headDim + l];
+        }
+        quad += u * v[l];
+        float const absV = std::fabs(v[l]);
+        a += absV * rowL1[l];
+        maxAbs = absV > maxAbs ? absV : maxAbs;
+    }
+    float const d = static_cast<float>(hidden);
+    float const b = a * maxAbs * colL1;
+    float const l2 = std::sqrt((quad > 0.0F ? quad : 0.0F) + roundingGamma(d + 2.0F * headDim + 2.0F) * b);
+    return std::sqrt(d) * l2 + roundingGamma(static_cast<float>(headDim)) * a
+        + kSubnormalSlack * d * static_cast<float>(headDim + 2);
+}
+
+//! The stop rule: no token whose bound is at most `following` can reach the k-th exact score `kth` (not even a tie).
+CKV_HD bool stage2Settled(float following, float kth, float margin)
+{
+    return following == -INFINITY || following * (1.0F + margin) < kth;
+}
+
+} // namespace criticalkv

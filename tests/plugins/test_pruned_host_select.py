@@ -1,0 +1,72 @@
+"""The host C++ version's pruned stage 2 (plugins/include/criticalkv/pruned_stage2.h, plugins/host/select_host.cpp)
+keeps what the PyTorch reference keeps, pruned or not, on inputs where pruning matters and on adversarial ones."""
+
+import pytest
+import torch
+
+from criticalkv import KVPolicy, select_layer
+from criticalkv.selection import pruned
+from criticalkv.selection.scores import head_output_projection
+from helpers import random_layer
+
+
+def reference(policy, q, k, v, o, lengths, unpruned=False):
+    previous = pruned.PRUNED
+    pruned.PRUNED = not unpruned
+    try:
+        return select_layer(policy, q, k, v, o, 1, 3, prompt_lengths=lengths)
+    finally:
+        pruned.PRUNED = previous
+
+
+def adversarial(kind, q, k, v, o):
+    if kind == "equal":  # every score ties: the lowest positions win
+        return q, torch.zeros_like(k), torch.ones_like(v), o
+    if kind == "equal-values":  # every bound ties, the attention orders the exact scores
+        return q, k, torch.ones_like(v), o
+    if kind == "aligned":  # values along each KV head's first query head's top singular direction
+        v = v.clone()
+        for g in range(k.shape[1]):
+            u = torch.linalg.svd(head_output_projection(o, g * (q.shape[1] // k.shape[1]), k.shape[3]),
+                                 full_matrices=False).U[:, 0]
+            v[:, g] = u * v[:, g].norm(dim=-1, keepdim=True)
+        return q, k, v, o
+    if kind == "flat":  # ||v W||_1 = sqrt(d) ||v W||_2: the bound is tight
+        o = torch.sign(torch.randn(o.shape, generator=torch.Generator().manual_seed(1))) * 0.1
+        v = torch.zeros_like(v)
+        v[..., 0] = torch.rand(v.shape[:3], generator=torch.Generator().manual_seed(2))
+        return q, k, v, o
+    if kind == "mixed":  # half the tokens project flat (L1 = sqrt(d) L2), half onto one output (L1 = L2) with 3x
+        # the L2: the best bounds are the wrong tokens, so the first candidates never suffice
+        return (q, k) + mixed_values(v, o)
+    return q, k, v, o
+
+
+def mixed_values(v, o):
+    hidden, width = o.shape
+    o = torch.zeros(hidden, width)
+    o[:, 0::v.shape[3]] = torch.sign(torch.randn(hidden, width // v.shape[3], generator=torch.Generator().manual_seed(3)))
+    o[0, 1::v.shape[3]] = 1.0
+    g = torch.Generator().manual_seed(5)
+    size = torch.rand(v.shape[:3], generator=g) + 1
+    flat = torch.rand(v.shape[:3], generator=g) < 0.5
+    v = torch.zeros_like(v)
+    v[..., 0] = torch.where(flat, size, 0)
+    v[..., 1] = torch.where(flat, 0, 3 * size * hidden ** 0.5)
+    return v, o
+
+
+@pytest.mark.parametrize("kind", ["random", "equal", "equal-values", "aligned", "flat", "mixed"])
+@pytest.mark.parametrize("name, extra", [("criticalkv", {}), ("criticalkv", {"gqa_reduce": "kvpress", "stage2_scores": "raw"}),
+                                         ("ada-criticalkv", {}), ("pyramid-criticalkv", {})])
+def test_host_pruned_stage2_equals_the_reference(host_lib, kind, name, extra):
+    q, k, v, o = adversarial(kind, *random_layer(batch=2, heads=6, kv_heads=2, n=360, head_dim=16, hidden=48, window=8, seed=4))
+    lengths = torch.tensor([360, 251])
+    for budget in (24, 72):
+        policy = KVPolicy(name, budget=budget, window=8, **extra)
+        want = reference(policy, q, k, v, o, lengths)
+        assert torch.equal(want.indices, reference(policy, q, k, v, o, lengths, unpruned=True).indices)
+        indices, got_lengths = host_lib.select_layer(policy, q, k, v, o, 1, 3, prompt_lengths=lengths)[:2]
+        assert torch.equal(got_lengths, want.lengths)
+        width = want.indices.shape[-1]
+        assert torch.equal(indices[..., :width], want.indices), (kind, name, budget)
