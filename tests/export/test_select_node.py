@@ -191,7 +191,7 @@ def test_tensorrt_step_skips_a_method_the_plugin_has_no_flow_for(tmp_path):
 
     messages = []
     out = tensorrt_step(tmp_path, SimpleNamespace(policy=KVPolicy("layer-defensivekv")), messages.append)
-    assert out == {"built": False, "skipped_reason": "layer-defensivekv shares the budget across all layers, and the "
-                   "CriticalKVSelect plugin selects one layer per node (plugins/README.md, Known limits); select it on "
-                   "the PyTorch path"}
-    assert "SKIPPED because layer-defensivekv shares the budget across all layers" in messages[0]
+    # a model-level method is refused first (its export writes no TensorRT flavour), before the plugin's refusal
+    assert out == {"built": False, "skipped_reason": "layer-defensivekv selects after the last layer over every layer's "
+                   "entries: no TensorRT flavour (docs/operator.md, model-level selection)"}
+    assert "SKIPPED because layer-defensivekv selects after the last layer" in messages[0]
