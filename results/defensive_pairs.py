@@ -44,14 +44,18 @@ def scores(records, key, length=None):
     return [r["results"][key]["score"] for r in records if length is None or r["length"] == length]
 
 
-def score_section(path: Path) -> list[str]:
-    doc = json.loads(path.read_text())
-    records = doc["records"]
+def score_section(paths: list[Path]) -> list[str]:
+    """Tables and paired statistics over the records of one or more runs of the same task and policies (runs
+    with different seeds are different prompts: their records are pooled)."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    doc = docs[0]
+    records = [r for d in docs for r in d["records"]]
+    path = ", ".join(f"`{p.relative_to(ROOT)}`" for p in paths)
     keys = list(records[0]["results"])
     budgets = sorted({int(k.split("@")[1]) for k in keys if "@" in k})
     policies = list(dict.fromkeys(k.split("@")[0] for k in keys if "@" in k))
     lengths = sorted({r["length"] for r in records})
-    out = [f"### {doc['task']} ({len(records)} prompts; `{path.relative_to(ROOT)}`)", "",
+    out = [f"### {doc['task']} ({len(records)} prompts; {path})", "",
            "| policy | " + " | ".join(f"b={b}" for b in budgets) + " | mean |",
            "|---|" + "---:|" * (len(budgets) + 1)]
     for p in policies:
@@ -103,17 +107,18 @@ def perturbation_section(path: Path) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--needle", type=Path, default=ROOT / "results/needle_defensive/needle.json")
-    p.add_argument("--ruler", type=Path, default=ROOT / "results/ruler_defensive/ruler.json")
+    p.add_argument("--needle", type=Path, nargs="+", default=[ROOT / "results/needle_defensive/needle.json",
+                                                             ROOT / "results/needle_defensive_seed1/needle.json"])
+    p.add_argument("--ruler", type=Path, nargs="+", default=[ROOT / "results/ruler_defensive/ruler.json"])
     p.add_argument("--perturbation", type=Path, default=ROOT / "results/perturbation_defensive/perturbation.json")
     p.add_argument("--out", type=Path, help="also write the markdown here")
     args = p.parse_args()
     lines = ["# DefensiveKV: paired statistics", "", "`python results/defensive_pairs.py --out results/defensive_pairs.md`", ""]
-    for path, section in ((args.needle, score_section), (args.ruler, score_section), (args.perturbation, perturbation_section)):
-        if path.is_file():
-            lines += section(path.resolve())
-        else:
-            lines += [f"(no {path.name})", ""]
+    for paths in (args.needle, args.ruler):
+        found = [p.resolve() for p in paths if p.is_file()]
+        lines += score_section(found) if found else ["(no results)", ""]
+    if args.perturbation.is_file():
+        lines += perturbation_section(args.perturbation.resolve())
     text = "\n".join(lines)
     print(text)
     if args.out:
