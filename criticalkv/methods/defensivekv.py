@@ -153,8 +153,10 @@ class DefensiveKV(AdaKV):
             box = g.Reshape(g.AveragePool(padded, kernel_shape=[p.pool_kernel], strides=[1]), g.Shape(probs))
         box = g.Mul(box, valid5)
         total = g.ReduceSum(box, g.i64(4), keepdims=1)
-        rescaled = g.Mul(g.Div(box, g.Max(total, tiny)), mass)
-        pooled_rows = g.Where(g.Greater(total, zero), rescaled, box)
+        # the reference's where(total > 0, box / total * mass, box) without the Where: a row whose total is 0 is all
+        # zeros (box >= 0), and 0 / tiny * mass is 0, so the same numbers; a broadcast Where over this 5-D tensor
+        # cost ONNX Runtime as much as the rest of the defensive scoring (benchmarks/results/selection_defensivekv)
+        pooled_rows = g.Mul(g.Div(box, g.Max(total, tiny)), mass)
         worst = g.ReduceMax(pooled_rows, g.i64(2, 3), keepdims=0)  # [B, H_kv, m]
         count = g.Max(g.ReduceSum(valid, g.i64(2), keepdims=1), g.const(1.0, np.float32))
         prior = g.Div(g.ReduceSum(g.Mul(worst, valid), g.i64(2), keepdims=1), count)
