@@ -103,10 +103,13 @@ def _interference_rows(folder: Path) -> list[dict]:
             continue
         if not isinstance(data, dict) or "rounds" not in data or "summary" not in data:
             continue
-        s, cases, t = data["settings"], data["summary"]["cases"], data["summary"]["target"]
+        from criticalkv.bench.interference import summarize_cases
+
+        summary = summarize_cases(data["rounds"], data["settings"].get("goal", 1.5))  # from the raw rounds
+        s, cases, t = data["settings"], summary["cases"], summary["target"]
         idle, dec, pre = (cases[c]["ttft_ms"] for c in ("idle", "decode", "prefill"))
         label = (data.get("engine") or {}).get("label", "?")
-        where = (f"({label}, short ISL {s['short_isl']} OSL {s['short_osl']}, long ISL {s['long_isl']} "
+        where = (f"({path.stem}: {label}, short ISL {s['short_isl']} OSL {s['short_osl']}, long ISL {s['long_isl']} "
                  f"OSL {s['long_osl']})")
 
         def ms(d):
@@ -114,11 +117,13 @@ def _interference_rows(folder: Path) -> list[dict]:
 
         rows.append({"target": f"short request during a long one's decode {where}: TTFT <= {t['goal']:g}x idle (medians)",
                      "measured": f"{ms(dec)} vs {ms(idle)} (p50 of {cases['decode']['used']} / {cases['idle']['used']}; "
-                                 f"p90 ratio {_fmt(cases['decode'].get('ratio_p90'))})",
+                                 f"p90 ratio {_fmt(cases['decode'].get('ratio_p90'))}; same-round ratio p50 "
+                                 f"{_fmt(cases['decode']['paired_ratio']['p50'])})",
                      "ratio": t["ratio"], "goal": t["goal"], "met": t["met"], "files": [path.name]})
         rows.append({"target": f"same, arriving during the long prompt's prefill {where} (not chunked: waits; no goal)",
                      "measured": f"{ms(pre)} vs {ms(idle)} (p50 of {cases['prefill']['used']} / {cases['idle']['used']}; "
-                                 f"p90 ratio {_fmt(cases['prefill'].get('ratio_p90'))})",
+                                 f"p90 ratio {_fmt(cases['prefill'].get('ratio_p90'))}; same-round ratio p50 "
+                                 f"{_fmt(cases['prefill']['paired_ratio']['p50'])})",
                      "ratio": cases["prefill"].get("ratio_p50"), "goal": "-", "met": None, "files": [path.name]})
     return rows
 
