@@ -112,8 +112,12 @@ def parse_event(record: RequestRecord, event: dict, arrived: float) -> None:
         record.finish_reason = _as_str(event["finish_reason"])
 
 
-def send_request(endpoint: Endpoint, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> RequestRecord:
-    """POST ``body`` to ``generate_stream`` and read the event stream to its end."""
+def send_request(endpoint: Endpoint, body: dict, timeout: float = REQUEST_TIMEOUT_S,
+                 on_event: Callable[[RequestRecord], None] | None = None) -> RequestRecord:
+    """POST ``body`` to ``generate_stream`` and read the event stream to its end.
+
+    ``on_event``: called with the record after every event was folded in (from the reading thread),
+    e.g. to start another request once this one streamed its first tokens."""
     host, port = endpoint.host_port
     payload = json.dumps(body).encode()
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
@@ -144,6 +148,8 @@ def send_request(endpoint: Endpoint, body: dict, timeout: float = REQUEST_TIMEOU
                 record.error = f"malformed event: {line[:200]!r}"
                 break
             parse_event(record, event, arrived)
+            if on_event is not None:
+                on_event(record)
             if record.error:
                 break
         if not record.chunks and record.error is None:

@@ -4,7 +4,10 @@
 * output tokens/s at concurrency 8 >= 2.5x concurrency 1 at ISL 512, OSL 256 (continuous batching);
 * KV bytes per sequence kept / full = b / n for every policy (the server's kv_bytes_kept / kv_bytes_full);
 * one request, ISL 2048, OSL 16: criticalkv on ONNX Runtime <= 0.5x kvpress's time, same run;
-* AIPerf agrees with this load generator within 10 % (TTFT, TPOT / ITL, output tokens/s).
+* AIPerf agrees with this load generator within 10 % (TTFT, TPOT / ITL, output tokens/s);
+* a short request arriving during a long generation's decode gets its first token within 1.5x of its
+  idle TTFT (medians, ``criticalkv bench interference``); the same request arriving during the long
+  prompt's prefill is reported beside it (no goal: the prefill is not chunked, it waits).
 """
 
 from __future__ import annotations
@@ -85,7 +88,48 @@ def check(folder: Path) -> list[dict]:
                     "measured": "; ".join(f"{r['what']}: {r['ratio']:.3f}" for r in rows),
                     "ratio": worst["ratio"] if worst else None, "goal": "0.9-1.1",
                     "met": all(r["within"] for r in rows) if rows else None, "files": [cross.name]})
+    out += _interference_rows(folder)
     return out
+
+
+def _interference_rows(folder: Path) -> list[dict]:
+    """The rows of every ``criticalkv bench interference`` result of the folder (JSON with ``interference``
+    settings and a ``summary``)."""
+    rows = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if not isinstance(data, dict) or "rounds" not in data or "summary" not in data:
+            continue
+        from criticalkv.bench.interference import summarize_cases
+
+        summary = summarize_cases(data["rounds"], data["settings"].get("goal", 1.5))  # from the raw rounds
+        s, cases, t = data["settings"], summary["cases"], summary["target"]
+        idle, dec, pre = (cases[c]["ttft_ms"] for c in ("idle", "decode", "prefill"))
+        label = (data.get("engine") or {}).get("label", "?")
+        where = (f"({path.stem}: {label}, short ISL {s['short_isl']} OSL {s['short_osl']}, long ISL {s['long_isl']} "
+                 f"OSL {s['long_osl']})")
+
+        def ms(d):
+            return "-" if d["p50"] is None else f"{d['p50']:.0f} ms"
+
+        rows.append({"target": f"short request during a long one's decode {where}: TTFT <= {t['goal']:g}x idle (medians)",
+                     "measured": f"{ms(dec)} vs {ms(idle)} (p50 of {cases['decode']['used']} / {cases['idle']['used']}; "
+                                 f"p90 ratio {_fmt(cases['decode'].get('ratio_p90'))}; same-round ratio p50 "
+                                 f"{_fmt(cases['decode']['paired_ratio']['p50'])})",
+                     "ratio": t["ratio"], "goal": t["goal"], "met": t["met"], "files": [path.name]})
+        rows.append({"target": f"same, arriving during the long prompt's prefill {where} (not chunked: waits; no goal)",
+                     "measured": f"{ms(pre)} vs {ms(idle)} (p50 of {cases['prefill']['used']} / {cases['idle']['used']}; "
+                                 f"p90 ratio {_fmt(cases['prefill'].get('ratio_p90'))}; same-round ratio p50 "
+                                 f"{_fmt(cases['prefill']['paired_ratio']['p50'])})",
+                     "ratio": cases["prefill"].get("ratio_p50"), "goal": "-", "met": None, "files": [path.name]})
+    return rows
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def render(rows: list[dict]) -> str:

@@ -1,4 +1,5 @@
-"""``criticalkv bench``: serving benchmark (``serve``), single-request comparison with kvpress and
+"""``criticalkv bench``: serving benchmark (``serve``), short-request TTFT next to a long one
+(``interference``), single-request comparison with kvpress and
 transformers (``single``), AIPerf cross-check (``aiperf``), and ``report`` (redraw from JSON)."""
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def register(subparsers) -> None:
                            description=plain(serving.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     serving.add_arguments(serve)
     serve.set_defaults(func=run_serve)
+
+    from criticalkv.bench import interference
+
+    inter = sub.add_parser("interference", help="TTFT of a short request alone vs during a long one's decode and prefill",
+                           description=plain(interference.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    interference.add_arguments(inter)
+    inter.set_defaults(func=run_interference)
 
     from criticalkv.bench import peers
 
@@ -175,6 +183,13 @@ def run_serve(args) -> int:
 
     args.command_line = getattr(args, "command_line", None) or command_line()
     return serving.main(args)
+
+
+def run_interference(args) -> int:
+    from criticalkv.bench import interference
+
+    args.command_line = getattr(args, "command_line", None) or command_line()
+    return interference.main(args)
 
 
 def run_report(args) -> int:

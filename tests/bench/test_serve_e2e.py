@@ -14,7 +14,9 @@ def tiny_engine(tmp_path_factory):
 
     if not launcher.is_set_up():
         pytest.fail("tritonserver is not set up: run `criticalkv serve --setup` (scripts/install.sh does)")
-    return build_tiny_engine(tmp_path_factory.mktemp("engine"), max_batch_size=2)
+    # 1000 new tokens: the interference test's long request (tiny model: ~0.2 ms a token) still decodes when its
+    # short one arrives
+    return build_tiny_engine(tmp_path_factory.mktemp("engine"), max_batch_size=2, max_new_tokens=1000)
 
 
 def test_bench_serve_on_a_started_server(tiny_engine, tmp_path):
@@ -43,3 +45,29 @@ def test_bench_serve_on_a_started_server(tiny_engine, tmp_path):
     csv_lines = (out / "serving.csv").read_text().splitlines()
     assert len(csv_lines) == 4 and csv_lines[0].startswith("engine,policy,budget,isl,osl,concurrency")
     assert (out / "serving.png").stat().st_size > 10_000
+
+
+def test_bench_interference_on_a_started_server(tiny_engine, tmp_path):
+    out = tmp_path / "results"
+    code = main(["bench", "interference", "--engine-dir", str(tiny_engine), "--short-isl", "48", "--short-osl", "4",
+                 "--long-isl", "200", "--long-osl", "1000", "--decode-after-tokens", "2", "--prefill-delay", "0",
+                 "--repeats", "2", "--warmup", "0", "--out", str(out), "--server-args", "--threads 1", "--no-progress"])
+    assert code == 0
+    results = json.loads((out / "interference.json").read_text())
+    assert results["machine"]["load_average_end"] and "load average" in results["uptime_after"]
+    assert [r["case"] for r in results["rounds"]] == ["idle", "decode", "prefill"] * 2
+    for r in results["rounds"]:
+        assert r["short"]["ok"] and r["short"]["output_tokens"] == 4 and r["short"]["input_tokens"] == 48
+        assert r["load_average_before"] and r["load_average_after"]
+        if r["case"] != "idle":
+            assert r["long"]["ok"] and r["long"]["output_tokens"] == 1000
+    for r in results["rounds"]:
+        if r["case"] == "decode":  # sent after the long request's 2nd token, first token before its last
+            assert r["phase_ok"] and r["long_tokens_at_short_start"] >= 2
+            assert r["long_tokens_at_short_first_token"] < 1000
+    cases = results["summary"]["cases"]
+    assert cases["idle"]["used"] == 2 and cases["decode"]["used"] == 2
+    assert cases["decode"]["ratio_p50"] == pytest.approx(cases["decode"]["ttft_ms"]["p50"] / cases["idle"]["ttft_ms"]["p50"])
+    assert results["summary"]["target"]["met"] == (cases["decode"]["ratio_p50"] <= 1.5)
+    assert "| decode | 2 of 2 |" in (out / "interference.md").read_text()
+    assert (out / "interference.png").stat().st_size > 10_000

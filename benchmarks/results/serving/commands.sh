@@ -29,4 +29,14 @@ uptime
 $B bench aiperf --engine-dir engines/ckv256 --isl 512 --osl 64 --concurrency 4 --num-requests 8 --warmup 1 --out $OUT \
   || echo "(the AIPerf cross-check exits 1 when a metric differs by more than 10 %)"
 uptime
+# 6. a short request (ISL 128, OSL 16) alone vs arriving during a long one's (ISL 2048, OSL 256) decode and its
+#    prefill, interleaved on one server (engine ckv256 above; taken later, from 19:59 UTC, on another machine: see
+#    README.md). First run, 7 rounds; its files were then renamed, and its .md / .png redrawn from its JSON after the
+#    same-round ratios were added to the tables (criticalkv.bench.interference.summarize_cases / write_all)
+$B bench interference --engine-dir engines/ckv256 --repeats 7 --warmup 1 --out $OUT --no-progress
+for e in json md png; do mv $OUT/interference.$e $OUT/interference_first_run.$e; done
+uptime
+# 7. the same, 9 rounds
+$B bench interference --engine-dir engines/ckv256 --repeats 9 --warmup 1 --out $OUT --no-progress
+uptime
 $B bench targets $OUT

@@ -1,0 +1,357 @@
+"""``criticalkv bench interference``: time to first token of a short request, alone and next to a long one.
+
+Against one server (started here from ``--engine-dir``, or a running one at ``--url``), ``--repeats``
+rounds, each measuring three cases one after the other (interleaved, so every case sees the same
+machine load), after ``--warmup`` unmeasured rounds:
+
+* ``idle``: the short request (``--short-isl`` prompt tokens, ``--short-osl`` new tokens) with nothing
+  else on the server;
+* ``decode``: a long request (``--long-isl`` / ``--long-osl``) is sent first; once it has streamed
+  ``--decode-after-tokens`` tokens (its prefill is over, it is decoding) the short request is sent;
+* ``prefill``: the long request is sent first and the short one ``--prefill-delay`` s later, while the
+  long prompt is being prefilled. The scheduler prefills each request whole (no chunked prefill), so
+  the short request waits for the rest of that prefill: users hit this case too, and it is reported
+  as its own row.
+
+Every request is the same text each round (greedy, ``ignore_eos``: exact output lengths); the next
+case starts only when the previous one's requests have all finished. Per case: the short request's
+TTFT distribution (median, p90, ...); ratios of the loaded cases' median and p90 to the idle ones. The
+target of the serving issue: ``decode`` median TTFT <= 1.5x the ``idle`` median. Each round records the
+load average before and after, and whether the short request really arrived in the intended phase of
+the long one (``phase_ok``; rounds where it did not are kept in the JSON but left out of the statistics).
+
+Results: ``OUT/NAME.json`` (header with machine, versions, commit, ``uptime`` before and after; every
+round's timings), ``NAME.md`` (tables) and ``NAME.png`` (TTFT per round and case).
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from criticalkv.bench import machine
+from criticalkv.bench.client import Endpoint, is_ready, request_body, send_request
+from criticalkv.bench.metrics import RequestRecord, distribution
+
+#: The cases of a round, in the order they are measured.
+CASES = ("idle", "decode", "prefill")
+#: The issue's target: a short request during a long generation's decode gets its first token within
+#: this factor of its idle time to first token (medians).
+TARGET_RATIO = 1.5
+#: Seconds to wait for the long request's first tokens before a round is given up.
+PHASE_TIMEOUT_S = 900.0
+
+
+def uptime() -> str | None:
+    """The ``uptime`` line (load averages of the whole machine), or None where there is no such command."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _tokens_by(record: RequestRecord, t: float) -> int:
+    """Tokens of ``record`` that had arrived by time ``t``."""
+    return sum(n for arrived, n in record.chunks if arrived <= t)
+
+
+def _request_json(r: RequestRecord, t0: float) -> dict:
+    return {"ok": r.ok, "error": r.error, "input_tokens": r.input_tokens,
+            "output_tokens": r.num_output_tokens if r.ok else None,
+            "ttft_ms": r.ttft * 1e3 if r.ok else None, "latency_ms": r.latency * 1e3 if r.ok else None,
+            "start_s": round(r.start - t0, 6), "chunk_ms": [round((t - r.start) * 1e3, 3) for t, _ in r.chunks]}
+
+
+def pair_facts(short: RequestRecord, long: RequestRecord, case: str) -> dict:
+    """Where the short request fell in the long one's life, and whether that is the intended ``case``.
+
+    decode: the long request's first token had arrived when the short one was sent, and it was still
+    streaming when the short one got its first token. prefill: the long request had been sent before
+    the short one and its first token came after the short one was sent."""
+    facts = {"long_tokens_at_short_start": None, "long_tokens_at_short_first_token": None,
+             "long_first_token_after_short_start_ms": None, "long_max_gap_during_short_ms": None, "phase_ok": False}
+    if not (short.ok and long.ok):
+        return facts
+    first = short.chunks[0][0]
+    facts["long_tokens_at_short_start"] = _tokens_by(long, short.start)
+    facts["long_tokens_at_short_first_token"] = _tokens_by(long, first)
+    facts["long_first_token_after_short_start_ms"] = (long.chunks[0][0] - short.start) * 1e3
+    # the longest wait the long request's user saw between two responses while the short one was served
+    gaps = [(b - a) for (a, _), (b, _) in zip(long.chunks, long.chunks[1:]) if b >= short.start and a <= short.end]
+    facts["long_max_gap_during_short_ms"] = max(gaps) * 1e3 if gaps else None
+    if case == "decode":
+        facts["phase_ok"] = long.chunks[0][0] <= short.start and long.end > first
+    elif case == "prefill":
+        facts["phase_ok"] = long.start < short.start < long.chunks[0][0]
+    return facts
+
+
+def run_case(endpoint: Endpoint, case: str, short_body: dict, long_body: dict, decode_after_tokens: int,
+             prefill_delay_s: float) -> dict:
+    """One case of one round; returns its JSON (the short request, the long one where there is one)."""
+    load_before = machine.load_average()
+    if case == "idle":
+        short = send_request(endpoint, short_body)
+        return {"case": case, "short": _request_json(short, short.start), "long": None, "phase_ok": short.ok,
+                "load_average_before": load_before, "load_average_after": machine.load_average()}
+    started = threading.Event()  # decode: set once the long request streamed enough tokens (or ended)
+    holder: dict = {}
+
+    def on_event(record: RequestRecord) -> None:
+        if record.error or sum(n for _, n in record.chunks) >= decode_after_tokens:
+            started.set()
+
+    def long_worker():
+        holder["long"] = send_request(endpoint, long_body, on_event=on_event if case == "decode" else None)
+        started.set()
+
+    thread = threading.Thread(target=long_worker, daemon=True)
+    thread.start()
+    if case == "decode":
+        started.wait(PHASE_TIMEOUT_S)
+    else:
+        time.sleep(prefill_delay_s)
+    short = send_request(endpoint, short_body)
+    thread.join()
+    long = holder["long"]
+    t0 = min(long.start, short.start)
+    facts = pair_facts(short, long, case)
+    return {"case": case, "short": _request_json(short, t0), "long": _request_json(long, t0), **facts,
+            "load_average_before": load_before, "load_average_after": machine.load_average()}
+
+
+def summarize_cases(rounds: list[dict], goal: float = TARGET_RATIO) -> dict:
+    """Per case the short request's TTFT distribution (ms) over the rounds whose phase was right; the
+    loaded cases' median and p90 ratios to ``idle``; the target (``decode`` median ratio <= ``goal``)."""
+    cases = {}
+    for case in CASES:
+        rows = [r for r in rounds if r["case"] == case]
+        good = [r for r in rows if r["short"]["ok"] and r["phase_ok"]]
+        cases[case] = {"rounds": len(rows), "used": len(good),
+                       "failed": sum(1 for r in rows if not r["short"]["ok"] or (r["long"] and not r["long"]["ok"])),
+                       "ttft_ms": distribution([r["short"]["ttft_ms"] for r in good])}
+        gaps = [r.get("long_max_gap_during_short_ms") for r in good]
+        if case != "idle":
+            cases[case]["long_max_gap_during_short_ms"] = distribution(gaps)
+    idle = cases["idle"]["ttft_ms"]
+    idle_by_round = {r.get("round"): r["short"]["ttft_ms"] for r in rounds
+                     if r["case"] == "idle" and r["short"]["ok"] and r["phase_ok"]}
+    for case in CASES[1:]:
+        d = cases[case]["ttft_ms"]
+        for stat in ("p50", "p90"):
+            ok = d[stat] is not None and idle[stat]
+            cases[case][f"ratio_{stat}"] = d[stat] / idle[stat] if ok else None
+        # the same round's idle request, seconds before: a ratio that the machine's load drifting between
+        # rounds (other work on a shared machine) affects much less than the ratio of the medians
+        paired = [r["short"]["ttft_ms"] / idle_by_round[r.get("round")] for r in rounds
+                  if r["case"] == case and r["short"]["ok"] and r["phase_ok"] and idle_by_round.get(r.get("round"))]
+        cases[case]["paired_ratio"] = distribution(paired)
+    ratio = cases["decode"]["ratio_p50"]
+    return {"cases": cases, "target": {"what": f"short request during a long one's decode: median TTFT <= {goal:g}x idle",
+                                       "ratio": ratio, "goal": goal, "met": None if ratio is None else ratio <= goal,
+                                       "paired_ratio_p50": cases["decode"]["paired_ratio"]["p50"]}}
+
+
+def render(results: dict) -> str:
+    """Markdown: header, settings, one row per case, the target."""
+    s, summary = results["settings"], results["summary"]
+    lines = [*machine.header_lines(results), f"# uptime before: {results.get('uptime_before')}",
+             f"# uptime after: {results.get('uptime_after')}", f"# server: {results.get('server_note')}", "",
+             f"Short request: ISL {s['short_isl']}, OSL {s['short_osl']}. Long request: ISL {s['long_isl']}, "
+             f"OSL {s['long_osl']}. {s['repeats']} rounds (after {s['warmup']} warm-up), cases interleaved in each. "
+             f"decode: the short request is sent once the long one streamed {s['decode_after_tokens']} tokens; "
+             f"prefill: {s['prefill_delay_s']} s after the long one was sent.", "",
+             "| case | rounds used | TTFT p50 (ms) | TTFT p90 (ms) | TTFT min-max (ms) | p50 / idle | p90 / idle "
+             "| same-round ratio p50 (min-max) | long request's longest stall while the short one ran, p50 (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for case in CASES:
+        c = summary["cases"][case]
+        d = c["ttft_ms"]
+
+        def f(x, digits=1):
+            return "-" if x is None else f"{x:.{digits}f}"
+
+        stall = (c.get("long_max_gap_during_short_ms") or {}).get("p50")
+        pr = c.get("paired_ratio") or {}
+        paired = "-" if pr.get("p50") is None else f"{pr['p50']:.2f} ({pr['min']:.2f}-{pr['max']:.2f})"
+        lines.append(f"| {case} | {c['used']} of {c['rounds']} | {f(d['p50'])} | {f(d['p90'])} | {f(d['min'])}-{f(d['max'])} "
+                     f"| {f(c.get('ratio_p50'), 2) if case != 'idle' else '1'} | {f(c.get('ratio_p90'), 2) if case != 'idle' else '1'} "
+                     f"| {paired} | {f(stall) if case != 'idle' else '-'} |")
+    t = summary["target"]
+    met = "-" if t["met"] is None else ("met" if t["met"] else "NOT met")
+    ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}x"
+    paired = t.get("paired_ratio_p50")
+    lines += ["", f"Target ({t['what']}): {ratio}, {met}."
+              + ("" if paired is None else f" Median of the same-round ratios: {paired:.2f}x."), ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, case in enumerate(CASES):
+        rows = [r for r in results["rounds"] if r["case"] == case and r["short"]["ok"]]
+        ys = [r["short"]["ttft_ms"] for r in rows]
+        colors = ["tab:blue" if r["phase_ok"] else "tab:gray" for r in rows]
+        ax.scatter([i] * len(ys), ys, c=colors, alpha=0.7, zorder=3)
+        med = results["summary"]["cases"][case]["ttft_ms"]["p50"]
+        if med is not None:
+            ax.hlines(med, i - 0.25, i + 0.25, colors="black", zorder=4)
+    idle = results["summary"]["cases"]["idle"]["ttft_ms"]["p50"]
+    if idle:
+        ax.axhline(idle * results["summary"]["target"]["goal"], color="tab:red", linestyle="--",
+                   label=f"{results['summary']['target']['goal']:g}x idle median")
+        ax.legend()
+    s = results["settings"]
+    ax.set_xticks(range(len(CASES)), [f"{c}" for c in CASES])
+    ax.set_yscale("log")
+    ax.set_ylabel("short request TTFT (ms, log)")
+    ax.set_title(f"short ISL {s['short_isl']} OSL {s['short_osl']} vs long ISL {s['long_isl']} OSL {s['long_osl']} "
+                 f"({results.get('engine', {}).get('label', '')})", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_all(results: dict, stem: Path, figure: bool) -> None:
+    import json
+
+    from criticalkv.bench.report import write_atomic
+
+    write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
+    if "summary" in results:
+        write_atomic(stem.with_suffix(".md"), render(results))
+        if figure:
+            plot(results, stem.with_suffix(".png"))
+
+
+def measure(endpoint: Endpoint, args, results: dict, stem: Path) -> None:
+    from criticalkv.bench.prompts import corpus_ids, make_prompts
+
+    tokenizer = _tokenizer(args)
+    ids = corpus_ids(tokenizer)
+    short_text = make_prompts(tokenizer, args.short_isl, 1, seed=args.seed, ids=ids)[0].text
+    long_text = make_prompts(tokenizer, args.long_isl, 1, seed=args.seed, ids=ids)[0].text
+    short_body = request_body(short_text, args.short_osl, True, args.kv_budget)
+    long_body = request_body(long_text, args.long_osl, True, args.kv_budget)
+    bar = None
+    total = (args.warmup + args.repeats) * len(CASES)
+    if args.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="interference", unit="case")
+    results["rounds"], results["warmup_rounds"] = [], []
+    try:
+        for i in range(args.warmup + args.repeats):
+            for case in CASES:
+                row = run_case(endpoint, case, short_body, long_body, args.decode_after_tokens, args.prefill_delay)
+                row["round"] = i - args.warmup
+                (results["warmup_rounds"] if i < args.warmup else results["rounds"]).append(row)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix_str(f"{case} TTFT {row['short']['ttft_ms'] or float('nan'):.0f} ms")
+            if i >= args.warmup:
+                results["summary"] = summarize_cases(results["rounds"], args.goal)
+            write_all(results, stem, figure=False)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _tokenizer(args):
+    from transformers import AutoTokenizer
+
+    folder = Path(args.tokenizer) if args.tokenizer else Path(args.engine_dir) / "tokenizer"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no tokenizer folder (give --tokenizer with --url)")
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def main(args) -> int:
+    from criticalkv.bench.server import ServerProcess, engine_label
+
+    if bool(args.url) == bool(args.engine_dir):
+        raise ValueError("give either --url (a running server) or --engine-dir (started here)")
+    if min(args.short_isl, args.short_osl, args.long_isl, args.long_osl, args.repeats, args.decode_after_tokens) < 1:
+        raise ValueError("--short-isl/--short-osl/--long-isl/--long-osl, --repeats and --decode-after-tokens must be >= 1")
+    if args.warmup < 0 or args.prefill_delay < 0:
+        raise ValueError("--warmup and --prefill-delay must be >= 0")
+    if args.decode_after_tokens >= args.long_osl:
+        raise ValueError("--decode-after-tokens must be below --long-osl (the long request must still be decoding)")
+    if args.engine_dir and not (Path(args.engine_dir) / "manifest.json").is_file():
+        raise FileNotFoundError(f"{args.engine_dir}: not an engine directory (no manifest.json)")
+    stem = Path(args.out) / args.name
+    results = machine.header(args.command_line)
+    results["uptime_before"] = uptime()
+    results["settings"] = {k: getattr(args, k) for k in ("short_isl", "short_osl", "long_isl", "long_osl", "repeats",
+                                                           "warmup", "decode_after_tokens", "kv_budget", "seed", "goal")}
+    results["settings"]["prefill_delay_s"] = args.prefill_delay
+    print("\n".join(machine.header_lines(results)), flush=True)
+    if args.url:
+        from criticalkv.bench.serving import _only_model
+
+        url = args.url.rstrip("/")
+        if not is_ready(url):
+            raise ValueError(f"{url}: the server is not ready (GET /v2/health/ready)")
+        model = args.model_name or _only_model(url)
+        results["engine"] = {"label": args.label or model, "engine_dir": None}
+        results["server_note"] = f"running server {url}, model {model}"
+        measure(Endpoint(url, model), args, results, stem)
+    else:
+        from criticalkv.bench.serving import _only_model
+
+        results["engine"] = engine_label(Path(args.engine_dir))
+        extra = shlex.split(args.server_args) if args.server_args else []
+        log = Path(tempfile.mkdtemp(prefix="criticalkv-bench-logs-")) / "server.log"
+        started = time.perf_counter()
+        with ServerProcess(Path(args.engine_dir), extra, log) as server:
+            results["engine"]["server_ready_s"] = time.perf_counter() - started
+            model = args.model_name or _only_model(server.url)
+            results["server_note"] = f"criticalkv serve --engine-dir {results['engine']['engine_dir']} {' '.join(extra)}".strip()
+            measure(Endpoint(server.url, model), args, results, stem)
+    results["uptime_after"] = uptime()
+    machine.finish(results)
+    write_all(results, stem, figure=not args.no_plot)
+    print(render(results), flush=True)
+    print(f"results: {stem}.json / .md" + ("" if args.no_plot else " / .png"), flush=True)
+    failed = sum(c["failed"] for c in results["summary"]["cases"].values())
+    return 1 if failed else 0
+
+
+def add_arguments(p) -> None:
+    target = p.add_argument_group("server")
+    target.add_argument("--engine-dir", metavar="DIR", help="start `criticalkv serve` on this engine directory")
+    target.add_argument("--url", help="a running server instead, e.g. http://127.0.0.1:8000")
+    target.add_argument("--model-name", help="the Triton model to call (default: the server's only ready model)")
+    target.add_argument("--server-args", default="", help="extra arguments for `criticalkv serve`, one quoted string")
+    target.add_argument("--tokenizer", help="tokenizer folder for the prompts (default: the engine's tokenizer/)")
+    target.add_argument("--label", help="with --url: name of the server in the results")
+    load = p.add_argument_group("workload")
+    load.add_argument("--short-isl", type=int, default=128, help="short request's prompt tokens (default: 128)")
+    load.add_argument("--short-osl", type=int, default=16, help="short request's new tokens (default: 16)")
+    load.add_argument("--long-isl", type=int, default=2048, help="long request's prompt tokens (default: 2048)")
+    load.add_argument("--long-osl", type=int, default=256, help="long request's new tokens (default: 256)")
+    load.add_argument("--repeats", type=int, default=5, help="measured rounds, each with every case (default: 5)")
+    load.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default: 1)")
+    load.add_argument("--decode-after-tokens", type=int, default=4,
+                      help="decode case: send the short request once the long one streamed this many tokens (default: 4)")
+    load.add_argument("--prefill-delay", type=float, default=0.5,
+                      help="prefill case: seconds between the long request and the short one (default: 0.5)")
+    load.add_argument("--kv-budget", type=int, help="per-request kv_budget sent with every request (default: the engine's)")
+    load.add_argument("--goal", type=float, default=TARGET_RATIO,
+                      help=f"target: decode median TTFT / idle median TTFT (default: {TARGET_RATIO:g})")
+    load.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default="benchmarks/results/serving", help="results folder (default: benchmarks/results/serving)")
+    out.add_argument("--name", default="interference", help="file stem of the results (default: interference)")
+    out.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
