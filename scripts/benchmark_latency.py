@@ -203,6 +203,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def header_lines(command, info, results, args) -> list[str]:
+    """The command, the machine with its load average at start and end, and the versions: the head of every table."""
+    return [
+        f"# {command}",
+        f"# machine: {info['machine']['cpu']}, {info['machine']['logical_cpus']} logical CPUs, load average "
+        f"{', '.join(f'{x:.2f}' for x in info['machine']['load_average_start'])} (start) / "
+        f"{', '.join(f'{x:.2f}' for x in results['machine']['load_average_end'])} (end); ORT threads: "
+        f"{args.threads or 'default'}",
+        "# versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if k != "platform"),
+    ]
+
+
 def run(args, argv: list[str] | None) -> int:
     if args.replot:
         source = args.output.with_suffix(".json")
@@ -288,12 +300,7 @@ def run(args, argv: list[str] | None) -> int:
         "decode_memory_grows_with_budget": grows_with_budget,
     }
     lines = [
-        f"# {command}",
-        f"# machine: {info['machine']['cpu']}, {info['machine']['logical_cpus']} logical CPUs, load average "
-        f"{', '.join(f'{x:.2f}' for x in info['machine']['load_average_start'])} (start) / "
-        f"{', '.join(f'{x:.2f}' for x in results['machine']['load_average_end'])} (end); ORT threads: "
-        f"{args.threads or 'default'}",
-        "# versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if k != "platform"),
+        *header_lines(command, info, results, args),
         f"# medians over {args.repeats} repeats",
         "",
         f"## 1. prefill of {args.prompt_len} tokens, criticalkv budget {args.budget} (ONNX Runtime profile)",
@@ -397,12 +404,7 @@ def compare_unpruned(args, argv: list[str] | None) -> int:
         "prefill_time_ratio_unpruned_over_pruned": median(b["prefill_profiled_s"]) / median(a["prefill_profiled_s"]),
     }
     lines = [
-        f"# {command}",
-        f"# machine: {info['machine']['cpu']}, {info['machine']['logical_cpus']} logical CPUs, load average "
-        f"{', '.join(f'{x:.2f}' for x in info['machine']['load_average_start'])} (start) / "
-        f"{', '.join(f'{x:.2f}' for x in results['machine']['load_average_end'])} (end); ORT threads: "
-        f"{args.threads or 'default'}",
-        "# versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if k != "platform"),
+        *header_lines(command, info, results, args),
         f"# medians over {args.repeats} interleaved repeats",
         "",
         f"## prefill of {args.prompt_len} tokens, criticalkv budget {args.budget}, value_norm l1 (ONNX Runtime profile)",
