@@ -380,7 +380,7 @@ struct BlockPrunedRow
 // END pruned row
 
 //! prunedStage2 run by one block on precomputed exact scores `scores` (exact: [m] scratch; done: how many got their
-//! exact score). Not launched by the pipeline yet: it instantiates the block executor under nvcc.
+//! exact score). Not launched by the pipeline yet (launchPrunedRow: the GPU tests).
 __global__ void __launch_bounds__(kSelectThreads) prunedRowKernel(float const* bound, float const* scores,
     float* exact, uint8_t* flags, int32_t m, int32_t validStart, int64_t k, int64_t eligible, float margin,
     int64_t* done)
@@ -816,6 +816,18 @@ cudaError_t launchTopKRows(float const* scores, int64_t const* k, uint8_t* flags
         return cudaSuccess;
     }
     kernels::topKRowsKernel<<<static_cast<uint32_t>(rows), kernels::kSelectThreads, 0, stream>>>(scores, k, flags, len);
+    return cudaGetLastError();
+}
+
+cudaError_t launchPrunedRow(float const* bound, float const* scores, float* exact, uint8_t* flags, int32_t m,
+    int32_t validStart, int64_t k, int64_t eligible, float margin, int64_t* done, cudaStream_t stream)
+{
+    if (m <= 0 || validStart < 0 || k <= 0 || k >= eligible || eligible > m)
+    {
+        return cudaErrorInvalidValue;
+    }
+    kernels::prunedRowKernel<<<1, kernels::kSelectThreads, 0, stream>>>(
+        bound, scores, exact, flags, m, validStart, k, eligible, margin, done);
     return cudaGetLastError();
 }
 
