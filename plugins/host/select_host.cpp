@@ -1,4 +1,5 @@
 #include "select_host.h"
+#include "pruned_row_host.h"
 
 #include "criticalkv/defensive.h"
 #include "criticalkv/group_scores.h"
@@ -415,8 +416,6 @@ BoundTerms boundTerms(SelectShape const& s, float const* oProj, int32_t h)
     return t;
 }
 
-constexpr uint8_t kLeftOut = 255; //!< an eligible token whose exact score was not needed (cleared afterwards)
-
 //! CriticalKV's two stages for KV head g of sequence b with the pruned stage 2: `bound` [m] holds the upper bounds
 //! U of C (group scores of the bounds); the exact C is computed for the candidates only, ranked by U, until the
 //! stop rule holds. exactNorms: [H, m] scratch of the sequence. Returns the exact norms computed.
@@ -451,49 +450,17 @@ int64_t selectHeadPruned(SelectConfig const& config, SelectShape const& s, HostI
     }
     std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return bound[x] > bound[y]; });
     float const* v = in.values + (static_cast<int64_t>(b) * s.kvHeads + g) * s.n * s.headDim;
-    float const margin = stopMargin(s.hidden, group);
-    std::vector<float> exact(static_cast<size_t>(m), -INFINITY);
-    std::vector<float> best;
-    int64_t c = std::min<int64_t>(kCandidateFactor * k, eligible);
-    int64_t done = 0;
-    while (true)
+    auto exactScore = [&](int32_t i)
     {
-        for (int64_t j = done; j < c; ++j)
+        for (int32_t h = g * group; h < (g + 1) * group; ++h)
         {
-            int32_t const i = order[j];
-            for (int32_t h = g * group; h < (g + 1) * group; ++h)
-            {
-                exactNorms[static_cast<int64_t>(h) * m + i] = l1NormOfToken(s, v + static_cast<int64_t>(i) * s.headDim, in.oProj, h);
-            }
-            exact[i] = groupScoresAt(config, raw, squares, exactNorms, g * group, group, m, i).critical;
+            exactNorms[static_cast<int64_t>(h) * m + i] = l1NormOfToken(s, v + static_cast<int64_t>(i) * s.headDim, in.oProj, h);
         }
-        done = c;
-        if (c >= eligible)
-        {
-            break;
-        }
-        best.clear();
-        for (int64_t j = 0; j < c; ++j)
-        {
-            best.push_back(exact[order[j]]);
-        }
-        std::nth_element(best.begin(), best.begin() + (k - 1), best.end(), std::greater<float>());
-        if (stage2Settled(bound[order[c]], best[k - 1], margin))
-        {
-            break;
-        }
-        c = std::min<int64_t>(2 * c, eligible);
-    }
-    for (int64_t j = done; j < eligible; ++j)
-    {
-        flags[order[j]] = kLeftOut;
-    }
-    selectTopK(exact.data(), flags, m, m, validStart, k, kChosenByCritical);
-    for (int64_t j = done; j < eligible; ++j)
-    {
-        flags[order[j]] = 0;
-    }
-    return done;
+        return groupScoresAt(config, raw, squares, exactNorms, g * group, group, m, i).critical;
+    };
+    HostPrunedRow<decltype(exactScore)> row{exactScore, bound, flags, m, validStart, order,
+        std::vector<float>(static_cast<size_t>(m), -INFINITY), 0};
+    return prunedStage2(row, k, eligible, stopMargin(s.hidden, group));
 }
 
 } // namespace

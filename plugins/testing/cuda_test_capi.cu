@@ -238,4 +238,12 @@ extern "C"
         return report(launchTopKRows(scores, k, flags, rows, len, nullptr), err, errLen);
     }
 
+    //! launchPrunedRow on device arrays (kernels.h).
+    int32_t ckv_cuda_pruned_row(float const* bound, float const* scores, float* exact, uint8_t* flags, int32_t m,
+        int32_t validStart, int64_t k, int64_t eligible, float margin, int64_t* done, char* err, int32_t errLen)
+    {
+        return report(launchPrunedRow(bound, scores, exact, flags, m, validStart, k, eligible, margin, done, nullptr),
+            err, errLen);
+    }
+
 } // extern "C"

@@ -1,6 +1,7 @@
 // extern "C" shims of libcriticalkv_host.so: the host C++ version and the shared helpers, for ctypes tests.
 // Every entry point catches exceptions and reports them through (err, errLen); none throws across the ABI.
 #include "select_host.h"
+#include "pruned_row_host.h"
 
 #include "ckv_field.h"
 
@@ -154,6 +155,31 @@ extern "C"
         float limit)
     {
         return host::massCount(scores, flags, len, period, firstValid, limit);
+    }
+
+    //! The host driver's pruned stage 2 of one row (prunedStage2 with HostPrunedRow) on precomputed exact scores:
+    //! flags [m] after stage 1, updated in place. Returns how many exact scores it used, -1 unless 0 < k < eligible.
+    int64_t ckv_host_pruned_row(float const* bound, float const* scores, uint8_t* flags, int32_t m,
+        int32_t validStart, int64_t k, float margin)
+    {
+        std::vector<int32_t> order;
+        for (int32_t i = validStart; i < m; ++i)
+        {
+            if (flags[i] == 0)
+            {
+                order.push_back(i);
+            }
+        }
+        int64_t const eligible = static_cast<int64_t>(order.size());
+        if (k <= 0 || k >= eligible)
+        {
+            return -1;
+        }
+        std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return bound[x] > bound[y]; });
+        auto score = [scores](int32_t i) { return scores[i]; };
+        host::HostPrunedRow<decltype(score)> row{score, bound, flags, m, validStart, order,
+            std::vector<float>(static_cast<size_t>(m), -INFINITY), 0};
+        return prunedStage2(row, k, eligible, margin);
     }
 
     //! The whole operator on fp32 host arrays. shape = {B, H, H_kv, n, queryLen, d_h, hidden}; lengths and kvBudget

@@ -117,6 +117,9 @@ class HostLibrary:
         L.ckv_select_top_k.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_uint8]
         L.ckv_mass_count.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_float]
         L.ckv_mass_count.restype = ctypes.c_int64
+        L.ckv_host_pruned_row.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64,
+                                                                  ctypes.c_float]
+        L.ckv_host_pruned_row.restype = ctypes.c_int64
         L.ckv_host_select_layer.argtypes = (
             [P(CkvField), ctypes.c_int32, P(ctypes.c_int32)] + [ctypes.c_void_p] * 10 + [ctypes.c_char_p, ctypes.c_int32]
         )
@@ -187,6 +190,14 @@ class HostLibrary:
         flags = torch.zeros(scores.numel(), dtype=torch.uint8) if flags is None else flags.contiguous()
         n = scores.numel()
         return int(self.lib.ckv_mass_count(scores.data_ptr(), flags.data_ptr(), n, n, first_valid, limit))
+
+    def pruned_row(self, bound, scores, flags, valid_start: int, k: int, margin: float):
+        """(flags after the host driver's pruned stage 2 of one row, exact scores used); CPU tensors."""
+        bound, scores = bound.float().contiguous(), scores.float().contiguous()
+        flags = flags.to(torch.uint8).contiguous().clone()
+        done = self.lib.ckv_host_pruned_row(bound.data_ptr(), scores.data_ptr(), flags.data_ptr(), flags.numel(),
+                                            valid_start, k, margin)
+        return flags, int(done)
 
     # ---------------------------------------------------------------- the operator
     def select_layer(self, policy: KVPolicy, q, k, v, o, layer_idx=0, num_layers=1, capacity=None,
@@ -358,6 +369,9 @@ class CudaLibrary:
         )
         L.ckv_cuda_top_k_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
                                           ctypes.c_int64, ctypes.c_char_p, ctypes.c_int32]
+        L.ckv_cuda_pruned_row.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64,
+                                          ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p,
+                                          ctypes.c_int32])
 
     def device_count(self) -> int:
         return self.lib.ckv_cuda_device_count()
@@ -451,6 +465,20 @@ class CudaLibrary:
             raise RuntimeError(err.value.decode())
         return raw, squares
 
+    def pruned_row(self, bound, scores, flags, valid_start: int, k: int, margin: float):
+        """(flags after the pruned stage 2, exact scores used) from launchPrunedRow on one row (CUDA tensors)."""
+        bound, scores = bound.float().contiguous(), scores.float().contiguous()
+        flags = flags.to(torch.uint8).contiguous().clone()
+        m = flags.numel()
+        eligible = int((flags[valid_start:] == 0).sum())
+        exact = torch.empty(m, dtype=torch.float32, device=bound.device)
+        done = torch.zeros(1, dtype=torch.int64, device=bound.device)
+        err = ctypes.create_string_buffer(512)
+        if self.lib.ckv_cuda_pruned_row(bound.data_ptr(), scores.data_ptr(), exact.data_ptr(), flags.data_ptr(), m,
+                                        valid_start, k, eligible, margin, done.data_ptr(), err, 512) != 0:
+            raise RuntimeError(err.value.decode())
+        return flags, int(done.item())
+
     def top_k_rows(self, scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """bool [rows, len]: the k[r] best of every row (ties: lower index)."""
         scores = scores.float().contiguous()
@@ -461,3 +489,29 @@ class CudaLibrary:
         if self.lib.ckv_cuda_top_k_rows(scores.data_ptr(), k.data_ptr(), flags.data_ptr(), rows, length, err, 512) != 0:
             raise RuntimeError(err.value.decode())
         return flags.bool()
+
+
+PRUNED_ROW_KINDS = ("loose", "tight", "score-ties", "equal-bounds", "near-ties", "two-levels")
+
+
+def pruned_row(kind: str, m: int, seed: int, margin: float):
+    """One KV head's row for the pruned stage 2 (CPU tensors): (bound U, exact scores C <= U, flags after stage 1,
+    valid start, k). Kinds as in plugins/testing/pruned_row_emulation.cpp: loose bounds, tight (U = C), exact-score
+    ties, every bound equal, near-ties within the margin, bounds far from C for half the tokens."""
+    g = torch.Generator().manual_seed(seed)
+    exact = torch.rand(m, generator=g)
+    if kind in ("score-ties", "equal-bounds"):
+        exact = torch.randint(0, 4, (m,), generator=g).float() / 3
+    bound = {
+        "loose": lambda: exact * (1 + 2 * torch.rand(m, generator=g)),
+        "tight": lambda: exact.clone(),
+        "score-ties": lambda: exact * (1 + 2 * torch.rand(m, generator=g)),
+        "equal-bounds": lambda: torch.full((m,), 2.0),
+        "near-ties": lambda: exact * (1 + margin * torch.randint(0, 3, (m,), generator=g).float()),
+        "two-levels": lambda: exact + 0.25 * torch.randint(0, 2, (m,), generator=g).float(),
+    }[kind]().float()
+    flags = (torch.rand(m, generator=g) < 0.1).to(torch.uint8)  # chosen by stage 1
+    valid_start = m // 7 if seed % 2 else 0
+    eligible = int((flags[valid_start:] == 0).sum())
+    k = [1, 3, eligible // 5, eligible // 2, eligible - 1][seed % 5]
+    return bound, exact.float(), flags, valid_start, max(1, min(k, eligible - 1))

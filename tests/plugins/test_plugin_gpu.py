@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckv_native import BUILD_DIR, HostLibrary
+from ckv_native import BUILD_DIR, PRUNED_ROW_KINDS, HostLibrary, pruned_row
 from criticalkv import KVPolicy, gather_kv, select_layer
 from criticalkv.node import node_attributes, node_capacity
 from criticalkv.selection import topk_mask
@@ -153,6 +153,21 @@ def test_radix_top_k(cuda_lib, n, levels):
         got = cuda_lib.top_k_rows(scores, ks)
         want = topk_mask(scores, k)
         assert torch.equal(got, want), (n, levels, k)
+
+
+@pytest.mark.parametrize("kind", PRUNED_ROW_KINDS)
+@pytest.mark.parametrize("m, seed", [(700, 0), (700, 1), (5000, 2), (5000, 3), (40000, 4)])
+def test_pruned_row_kernel_equals_the_host_driver(cuda_lib, kind, m, seed):
+    """launchPrunedRow (the block executor of prunedStage2, kernels/selection.cu "pruned row") gives the host
+    driver's flags and count of exact scores."""
+    from criticalkv.selection import pruned
+
+    margin = pruned.stop_margin(576, 3)
+    bound, exact, flags, valid_start, k = pruned_row(kind, m, seed, margin)
+    want, want_done = HostLibrary().pruned_row(bound, exact, flags, valid_start, k, margin)
+    got, done = cuda_lib.pruned_row(bound.cuda(), exact.cuda(), flags.cuda(), valid_start, k, margin)
+    assert torch.equal(got.cpu(), want), (kind, m, seed, k)
+    assert done == want_done
 
 
 def test_radix_top_k_with_nan_infinities_and_k_zero(cuda_lib):

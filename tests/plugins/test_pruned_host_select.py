@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from criticalkv import KVPolicy, select_layer
-from criticalkv.selection import pruned
+from criticalkv.selection import pruned, topk_mask
 from criticalkv.selection.scores import head_output_projection
+from ckv_native import PRUNED_ROW_KINDS, pruned_row
 from helpers import random_layer
 
 
@@ -70,3 +71,17 @@ def test_host_pruned_stage2_equals_the_reference(host_lib, kind, name, extra):
         assert torch.equal(got_lengths, want.lengths)
         width = want.indices.shape[-1]
         assert torch.equal(indices[..., :width], want.indices), (kind, name, budget)
+
+
+@pytest.mark.parametrize("kind", PRUNED_ROW_KINDS)
+@pytest.mark.parametrize("seed", range(5))
+def test_host_pruned_row_keeps_the_unpruned_top_k(host_lib, kind, seed):
+    """The host driver's executor of prunedStage2 (ckv_host_pruned_row, the rows the GPU test gives the kernel)."""
+    margin = pruned.stop_margin(576, 3)
+    bound, exact, flags, valid_start, k = pruned_row(kind, 700, seed, margin)
+    got, done = host_lib.pruned_row(bound, exact, flags, valid_start, k, margin)
+    eligible = (flags == 0) & (torch.arange(700) >= valid_start)
+    want = flags.clone()
+    want[topk_mask(torch.where(eligible, exact, torch.tensor(-float("inf"))), k) & eligible] = 2
+    assert torch.equal(got, want), (kind, seed, k)
+    assert k < done <= int(eligible.sum())

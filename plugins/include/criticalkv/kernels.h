@@ -146,4 +146,11 @@ cudaError_t launchValueProjectionNorms(SelectConfig const* config, RuntimeBudget
 cudaError_t launchTopKRows(float const* scores, int64_t const* k, uint8_t* flags, int32_t rows, int64_t len,
     cudaStream_t stream);
 
+//! The pruned stage 2 (pruned_stage2.h: prunedStage2) of one KV head's row by one thread block, on precomputed exact
+//! scores: bound, scores [m]; exact [m] scratch; flags [m] after stage 1 (in: 0 eligible, out: kChosenByCritical on
+//! the k kept); *done (device int64): how many exact scores it used. Requires 0 < k < eligible. For the GPU tests
+//! (kernels == host driver); the pipeline does not launch it yet.
+cudaError_t launchPrunedRow(float const* bound, float const* scores, float* exact, uint8_t* flags, int32_t m,
+    int32_t validStart, int64_t k, int64_t eligible, float margin, int64_t* done, cudaStream_t stream);
+
 } // namespace criticalkv

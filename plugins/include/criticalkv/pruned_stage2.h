@@ -4,6 +4,7 @@
 #pragma once
 
 #include "criticalkv/common.h"
+#include "criticalkv/select_flow.h"
 
 #include <cmath>
 
@@ -59,6 +60,42 @@ CKV_HD float l1UpperBound(float const* v, float const* gram, float const* rowL1,
 CKV_HD bool stage2Settled(float following, float kth, float margin)
 {
     return following == -INFINITY || following * (1.0F + margin) < kth;
+}
+
+//! Stage 2 of one KV head with pruned exact scores, written once for the host driver (select_host.cpp) and a thread
+//! block (kernels/selection.cu, "pruned row"; every thread runs it with the same arguments). Requires
+//! 0 < k < eligible. The executor supplies, over the eligible tokens of the row (stage 1 done):
+//!   void addCandidates(count)  the `count` best non-candidates by bound (ties: lower index) become candidates,
+//!                              with their exact group score C
+//!   float nextBound()          the best bound among the non-candidates (-inf when none is left)
+//!   float kthExact(k)          the k-th largest exact score among the candidates
+//!   void keepBest(k)           mark the k best candidates by exact score (ties: lower index) kChosenByCritical
+//! Returns how many tokens got their exact score. Candidates are a prefix of the bound order, so the kept set is
+//! the unpruned one whenever the stop rule held (docs/operator.md step 6a).
+CKV_FLOW_TEMPLATE
+template <typename Exec>
+CKV_HD int64_t prunedStage2(Exec& exec, int64_t k, int64_t eligible, float margin)
+{
+    int64_t c = kCandidateFactor * k < eligible ? kCandidateFactor * k : eligible;
+    int64_t done = 0;
+    while (true)
+    {
+        exec.addCandidates(c - done);
+        done = c;
+        if (c >= eligible)
+        {
+            break;
+        }
+        float const following = exec.nextBound();
+        float const kth = exec.kthExact(k);
+        if (stage2Settled(following, kth, margin))
+        {
+            break;
+        }
+        c = 2 * c < eligible ? 2 * c : eligible;
+    }
+    exec.keepBest(k);
+    return done;
 }
 
 } // namespace criticalkv
