@@ -42,6 +42,8 @@ void validateShape(SelectConfig const& config, SelectShape const& s)
     }
 }
 
+} // namespace
+
 //! Ā and sum_j A_j^2 of query head h over the m older positions (window attention, causal inside the window), and
 //! when rows is not null every window query's attention row over them ([w, m], 0 where a key is not seen).
 void windowScores(SelectConfig const& config, SelectShape const& s, HostInputs const& in, int32_t b, int32_t h,
@@ -101,6 +103,9 @@ void windowScores(SelectConfig const& config, SelectShape const& s, HostInputs c
         raw[i] /= static_cast<float>(w);
     }
 }
+
+namespace
+{
 
 //! The sequential radix select as the flows' top-k primitive (select_flow.h).
 struct HostTopK
@@ -357,26 +362,33 @@ int64_t HostTopK::massCount(float const* scores, uint8_t const* flags, int64_t l
     return radixMassCount(row, limit);
 }
 
-//! ||v W_O^h||_1 of one token, the same loops (and floats) as valueProjectionNorms.
-float l1NormOfToken(SelectShape const& s, float const* vi, float const* oProj, int32_t h)
+//! W_O^h[k, c] of query head h as pruned_stage2.h's Weight(c, k).
+struct HeadWeight
 {
-    int32_t const d = s.headDim;
-    int64_t const ld = static_cast<int64_t>(s.heads) * d;
-    float const* w = oProj + static_cast<int64_t>(h) * d;
-    float norm = 0.0F;
-    for (int32_t c = 0; c < s.hidden; ++c)
+    float const* w; //!< o_proj + h d_h
+    int64_t ld;     //!< o_proj row length H d_h
+
+    float operator()(int32_t c, int32_t k) const
     {
-        float dot = 0.0F;
-        for (int32_t k = 0; k < d; ++k)
-        {
-            dot += vi[k] * w[c * ld + k];
-        }
-        norm += std::fabs(dot);
+        return w[c * ld + k];
     }
-    return norm;
+};
+
+HeadWeight headWeight(SelectShape const& s, float const* oProj, int32_t h)
+{
+    return HeadWeight{oProj + static_cast<int64_t>(h) * s.headDim, static_cast<int64_t>(s.heads) * s.headDim};
 }
 
-//! Weights-only terms of the L1 upper bound of query head h (pruned_stage2.h): G_h [d_h, d_h], s_h [d_h], c_h.
+//! ||v W_O^h||_1 of one token (pruned_stage2.h: projectedL1Norm, the same loops as valueProjectionNorms; the
+//! pipeline's pruned stage 2 calls the same function).
+float l1NormOfToken(SelectShape const& s, float const* vi, float const* oProj, int32_t h)
+{
+    auto value = [vi](int32_t k) { return vi[k]; };
+    return projectedL1Norm(value, headWeight(s, oProj, h), s.headDim, s.hidden);
+}
+
+//! Weights-only terms of the L1 upper bound of query head h (pruned_stage2.h): G_h [d_h, d_h], s_h [d_h], c_h,
+//! entry by entry with the functions the pipeline's bound-terms kernel calls.
 struct BoundTerms
 {
     std::vector<float> gram;
@@ -387,31 +399,19 @@ struct BoundTerms
 BoundTerms boundTerms(SelectShape const& s, float const* oProj, int32_t h)
 {
     int32_t const d = s.headDim;
-    int64_t const ld = static_cast<int64_t>(s.heads) * d;
-    float const* w = oProj + static_cast<int64_t>(h) * d; // W_O^h[k, c] = w[c * ld + k]
+    HeadWeight const weight = headWeight(s, oProj, h);
     BoundTerms t{std::vector<float>(static_cast<size_t>(d) * d, 0.0F), std::vector<float>(static_cast<size_t>(d), 0.0F)};
     for (int32_t k = 0; k < d; ++k)
     {
         for (int32_t l = 0; l < d; ++l)
         {
-            float acc = 0.0F;
-            for (int32_t c = 0; c < s.hidden; ++c)
-            {
-                acc += w[c * ld + k] * w[c * ld + l];
-            }
-            t.gram[static_cast<size_t>(k) * d + l] = acc;
+            t.gram[static_cast<size_t>(k) * d + l] = gramEntry(weight, k, l, s.hidden);
         }
+        t.rowL1[k] = rowL1Entry(weight, k, s.hidden);
     }
     for (int32_t c = 0; c < s.hidden; ++c)
     {
-        float column = 0.0F;
-        for (int32_t k = 0; k < d; ++k)
-        {
-            float const a = std::fabs(w[c * ld + k]);
-            t.rowL1[k] += a;
-            column += a;
-        }
-        t.colL1 = std::max(t.colL1, column);
+        t.colL1 = std::max(t.colL1, columnL1(weight, c, d));
     }
     return t;
 }
@@ -515,7 +515,7 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
     std::vector<float> raw(perHead, 0.0F), squares(perHead, 0.0F), norms(needsNorms(config) ? perHead : 0, 0.0F);
     std::vector<float> attention(perKvHead, 0.0F), critical(perKvHead, 0.0F), laprox(perKvHead, 0.0F);
     // CriticalKV with l1 norms: `norms` holds the upper bounds, `critical` their group score U (pruned_stage2.h)
-    bool const pruned = config.twoStage && needsScores(config) && normKind(config) == ValueNorm::kL1;
+    bool const pruned = prunedStage2On(config);
     std::vector<BoundTerms> terms;
     std::vector<float> exactNorms(pruned ? static_cast<size_t>(s.heads) * m : 0, 0.0F);
     for (int32_t h = 0; pruned && anyScored && h < s.heads; ++h)

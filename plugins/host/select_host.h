@@ -48,6 +48,12 @@ void selectTopK(float const* scores, uint8_t* flags, int64_t len, int64_t period
 int64_t massCount(float const* scores, uint8_t const* flags, int64_t len, int64_t period, int64_t firstValid,
     float limit);
 
+//! The window attention of query head h of sequence b (the window-score kernels' result): raw [m] Ā and squares [m]
+//! sum_j A_j^2 over the m = n - w older positions, and when rows is not null every window query's row over them
+//! ([w, m], 0 where a key is not seen). validStart: the sequence's first valid position.
+void windowScores(SelectConfig const& config, SelectShape const& s, HostInputs const& in, int32_t b, int32_t h,
+    int32_t validStart, float* raw, float* squares, float* rows);
+
 //! Projected-value norms of query head h for tokens [0, count): ||V[g(h), i] W_O^h|| (l1, or l2 through the
 //! d_h x d_h Gram matrix like the reference). out: [count].
 void valueProjectionNorms(SelectShape const& shape, float const* values, float const* oProj, int32_t b, int32_t h,

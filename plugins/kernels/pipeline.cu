@@ -3,12 +3,18 @@
 //   window attention  ->  value norms  ->  [defensivekv: pooled rows]  ->  group scores  ->  radix selection
 //   ->  compaction  ->  gather
 //
+// CriticalKV with value_norm=l1 (prunedStage2On) prunes stage 2 like the host driver: the value-norm step writes
+// L1 upper bounds from the Gram terms of W_O (launchL1Bounds), the group-score kernel turns them into U, and the
+// per-head selection (selectPrunedKernel) computes exact norms for the best candidates by U only
+// (docs/operator.md step 6a).
+//
 // No host synchronisation and no allocation: the workspace (workspaceLayout) holds every intermediate, so the
 // launch is CUDA-graph capturable. The request's budget b (the kv_budget input) stays in device memory: every
 // kernel reads it, and PyramidKV's r_l = layer_budgets[b - window] is looked up on the device first (the table
 // travels as kernel parameters). Sequences of at most b tokens (and every sequence under `full`) skip the
 // scoring kernels and are written by the compaction directly.
 #include "criticalkv/kernels.h"
+#include "criticalkv/pruned_stage2.h"
 #include "device_utils.cuh"
 #include "selection.cuh"
 
@@ -127,7 +133,28 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
             return status;
         }
         float* norms = nullptr;
-        if (needsNorms(config))
+        bool const pruned = prunedStage2On(config);
+        if (pruned)
+        {
+            // CriticalKV's pruned stage 2: L1 upper bounds here (norms), U = their group score (critical) in the
+            // group-score kernel, exact norms for the candidates only in selectPrunedKernel.
+            norms = at<float>(workspace, layout.norms);
+            status = launchL1Bounds(config, budget, t.promptLengths, shape, t.dtype, t.values, t.oProj, m,
+                at<float>(workspace, layout.gram), at<float>(workspace, layout.rowL1), at<float>(workspace, layout.colL1),
+                norms, stream);
+            if (status != cudaSuccess)
+            {
+                return status;
+            }
+            s.pruned = true;
+            s.dtype = t.dtype;
+            s.values = t.values;
+            s.oProj = t.oProj;
+            s.exactNorms = norms;
+            s.exact = at<float>(workspace, layout.exact);
+            s.margin = stopMargin(shape.hidden, shape.heads / shape.kvHeads);
+        }
+        else if (needsNorms(config))
         {
             norms = at<float>(workspace, layout.norms);
             status = launchValueProjectionNorms(&config, budget, t.promptLengths, shape, t.dtype, t.values, t.oProj, m,

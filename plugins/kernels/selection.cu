@@ -186,8 +186,8 @@ struct BlockMassRow
 // prunedStage2's block executor (pruned_stage2.h) for one KV head's row: simple steps (per-element shared atomics,
 // ties at the radix threshold marked by thread 0, block reductions through shared memory). Flags during the flow:
 // 0 eligible non-candidate, kPrunedFresh just picked, kPrunedCandidate exact score known, kPrunedLeftOut parked.
-// Not yet launched by the pipeline (the kernels still compute every L1 norm); the emulation checks it against the
-// host driver's executor (host/pruned_row_host.h).
+// The pipeline runs it with exact norms computed by the block ("pruned pipeline" below); the emulation checks it
+// against the host driver's executor (host/pruned_row_host.h).
 enum PrunedFlag : uint8_t
 {
     kPrunedFresh = 253,
@@ -200,6 +200,7 @@ struct PrunedSmem
     uint32_t histogram[kRadixBins];
     float partial[kSelectThreads];
     float result;
+    uint32_t count;
 };
 
 //! radix_select.h's executor over the tokens e >= firstValid with flags[e] == match; marks with `mark`.
@@ -379,6 +380,100 @@ struct BlockPrunedRow
 };
 // END pruned row
 
+// BEGIN pruned pipeline (tests/plugins/test_plugin_kernel_emulation.py runs this section on the CPU)
+// Both stages of one KV head with the pruned stage 2, as the host driver's selectHeadPruned: stage 1 by S (the radix
+// select over the row), then prunedStage2 with BlockPrunedRow whose exact score of a candidate is computed by the
+// thread that owns it: the group's exact L1 norms (projectedL1Norm, the host driver's loops and floats) written over
+// their bounds in `norms`, then the group score C (groupScoresAt) in the host's order. The kept set is the host
+// driver's, bit for bit.
+struct PrunedPipelineArgs
+{
+    SelectConfig config;
+    SelectShape shape;
+    float const* raw;       // [B, H, m]
+    float const* squares;   // [B, H, m] or nullptr
+    float* norms;           // [B, H, m]: the bounds; the exact norms of the candidates are written over them
+    float const* attention; // [B, H_kv, m] S
+    float const* critical;  // [B, H_kv, m] U: the group score of the bounds
+    float* exact;           // [B, H_kv, m] scratch: the candidates' exact C
+    uint8_t* flags;         // [B, H_kv, m]
+    void const* values;     // [B, H_kv, n, d_h]
+    void const* oProj;      // [hidden, H * d_h]
+    float margin;           // stopMargin(hidden, group)
+};
+
+//! Choose `count` older tokens of KV head g of sequence b (flags cleared here). Called by every thread of a
+//! kSelectThreads block with the same arguments. Returns how many tokens got their exact score.
+template <typename T>
+__device__ int64_t prunedHeadSelect(PrunedPipelineArgs const& a, int32_t b, int32_t g, int32_t validStart,
+    int64_t count, PrunedSmem& s)
+{
+    int32_t const tid = static_cast<int32_t>(threadIdx.x);
+    int32_t const n = a.shape.n;
+    int32_t const d = a.shape.headDim;
+    int32_t const m = n - windowLength(a.config, n);
+    int32_t const group = a.shape.heads / a.shape.kvHeads;
+    int64_t const row = (static_cast<int64_t>(b) * a.shape.kvHeads + g) * m;
+    int64_t const sequence = static_cast<int64_t>(b) * a.shape.heads * m;
+    uint8_t* flags = a.flags + row;
+    for (int32_t i = tid; i < m; i += kSelectThreads)
+    {
+        flags[i] = 0;
+    }
+    if (tid == 0)
+    {
+        s.count = 0u;
+    }
+    __syncthreads();
+    int64_t const first = stage1Count(a.config.alphaMicros, count);
+    BlockMatchRadix stage1{a.attention + row, flags, m, validStart, 0, kChosenByAttention, s};
+    radixSelectTopK(stage1, first);
+    __syncthreads();
+    int64_t const k = count - first;
+    if (k <= 0)
+    {
+        return 0;
+    }
+    uint32_t mine = 0u;
+    for (int32_t i = validStart + tid; i < m; i += kSelectThreads)
+    {
+        mine += flags[i] == 0 ? 1u : 0u;
+    }
+    atomicAdd(&s.count, mine);
+    __syncthreads();
+    int64_t const eligible = static_cast<int64_t>(s.count);
+    if (k >= eligible)
+    {
+        for (int32_t i = validStart + tid; i < m; i += kSelectThreads)
+        {
+            if (flags[i] == 0)
+            {
+                flags[i] = kChosenByCritical;
+            }
+        }
+        __syncthreads();
+        return 0;
+    }
+    int64_t const ld = static_cast<int64_t>(a.shape.heads) * d;
+    T const* values = static_cast<T const*>(a.values) + (static_cast<int64_t>(b) * a.shape.kvHeads + g) * n * d;
+    auto exactScore = [&](int32_t i) {
+        T const* v = values + static_cast<int64_t>(i) * d;
+        auto value = [v](int32_t c) { return toFloat(v[c]); };
+        for (int32_t h = g * group; h < (g + 1) * group; ++h)
+        {
+            T const* w = static_cast<T const*>(a.oProj) + static_cast<int64_t>(h) * d;
+            auto weight = [w, ld](int32_t c, int32_t r) { return toFloat(w[c * ld + r]); };
+            a.norms[sequence + static_cast<int64_t>(h) * m + i] = projectedL1Norm(value, weight, d, a.shape.hidden);
+        }
+        return groupScoresAt(a.config, a.raw + sequence, a.squares != nullptr ? a.squares + sequence : nullptr,
+            a.norms + sequence, g * group, group, m, i)
+            .critical;
+    };
+    BlockPrunedRow<decltype(exactScore)> pruned{exactScore, a.critical + row, a.exact + row, flags, m, validStart, s};
+    return prunedStage2(pruned, k, eligible, a.margin);
+}
+// END pruned pipeline
+
 //! prunedStage2 run by one block on precomputed exact scores `scores` (exact: [m] scratch; done: how many got their
 //! exact score). Not launched by the pipeline yet (launchPrunedRow: the GPU tests).
 __global__ void __launch_bounds__(kSelectThreads) prunedRowKernel(float const* bound, float const* scores,
@@ -393,6 +488,25 @@ __global__ void __launch_bounds__(kSelectThreads) prunedRowKernel(float const* b
     {
         *done = count;
     }
+}
+
+//! Per-head selection of the pruned two-stage policies (prunedStage2On: criticalkv, pyramid-criticalkv, and
+//! ada-criticalkv inside each head's share). grid (H_kv, B), block kSelectThreads.
+template <typename T>
+__global__ void __launch_bounds__(kSelectThreads) selectPrunedKernel(ScoreArgs a)
+{
+    int32_t const g = static_cast<int32_t>(blockIdx.x);
+    int32_t const b = static_cast<int32_t>(blockIdx.y);
+    SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
+    if (!info.compress)
+    {
+        return;
+    }
+    __shared__ PrunedSmem smem;
+    int64_t const count = sharedAllocation(a.config) ? a.headCounts[static_cast<int64_t>(b) * a.shape.kvHeads + g] : info.r;
+    PrunedPipelineArgs const p{a.config, a.shape, a.raw, a.squares, a.exactNorms, a.attention, a.critical, a.exact,
+        a.flags, a.values, a.oProj, a.margin};
+    prunedHeadSelect<T>(p, b, g, info.validStart, count, smem);
 }
 
 //! The block-wide radix select as the flows' top-k primitive (select_flow.h), with defensivekv's steps.
@@ -754,15 +868,24 @@ cudaError_t launchScoresAndSelection(ScoreArgs const& a, cudaStream_t stream)
     if (sharedAllocation(a.config))
     {
         selectSharedKernel<<<static_cast<uint32_t>(a.shape.batch), kSelectThreads, 0, stream>>>(a);
-        if (a.config.twoStage)
+        if (!a.config.twoStage)
         {
-            selectPerHeadKernel<<<headGrid, kSelectThreads, 0, stream>>>(a);
+            return cudaGetLastError();
         }
     }
-    else
+    if (a.pruned)
     {
-        selectPerHeadKernel<<<headGrid, kSelectThreads, 0, stream>>>(a);
+        cudaError_t const status = dispatchDType(a.dtype, [&](auto tag) {
+            selectPrunedKernel<decltype(tag)><<<headGrid, kSelectThreads, 0, stream>>>(a);
+            return cudaSuccess;
+        });
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+        return cudaGetLastError();
     }
+    selectPerHeadKernel<<<headGrid, kSelectThreads, 0, stream>>>(a);
     return cudaGetLastError();
 }
 

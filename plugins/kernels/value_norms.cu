@@ -11,6 +11,7 @@
 //   2 d_h d: d / d_h = 32x fewer for Llama-3-8B). fp32 throughout (SIMT).
 // * L2 without one: the direct sum of squares of the product, on the paths above.
 #include "criticalkv/kernels.h"
+#include "criticalkv/pruned_stage2.h"
 #include "device_utils.cuh"
 
 #include <mma.h>
@@ -462,6 +463,133 @@ cudaError_t launchNormsTyped(NormArgs const& a, cudaStream_t stream)
     return cudaGetLastError();
 }
 
+// BEGIN l1 bounds (tests/plugins/test_plugin_kernel_emulation.py runs this section on the CPU)
+// CriticalKV's pruned stage 2 (pruned_stage2.h, docs/operator.md step 6a): the weights-only terms of the L1 upper
+// bound and the bound of every older token, one thread per entry, through the same __host__ __device__ functions as
+// the host driver (same floats, same summation order, products rounded on their own), so the bounds are bitwise the
+// host driver's. Simple loops rather than tiles: the Gram matrices cost H d_h^2 hidden products per enqueue.
+struct BoundArgs
+{
+    SelectConfig config;
+    RuntimeBudget budget;
+    int32_t const* promptLengths;
+    SelectShape shape;
+    void const* values;
+    void const* oProj;
+    int32_t numTokens; // m: the older tokens
+    float* gram;       // [H, d_h, d_h] G_h = W_O^h W_O^h^T
+    float* rowL1;      // [H, d_h] s_h
+    float* colL1;      // [H] c_h
+    float* bounds;     // [B, H, numTokens]
+};
+
+//! Entry e of query head h's bound terms: G_h[e / d_h, e % d_h] for e < d_h^2, s_h[e - d_h^2] for the next d_h.
+template <typename T>
+__device__ void boundTermAt(BoundArgs const& a, int32_t h, int64_t e)
+{
+    int32_t const d = a.shape.headDim;
+    int64_t const ld = static_cast<int64_t>(a.shape.heads) * d;
+    T const* w = static_cast<T const*>(a.oProj) + static_cast<int64_t>(h) * d;
+    auto weight = [w, ld](int32_t c, int32_t k) { return toFloat(w[c * ld + k]); };
+    int64_t const entries = static_cast<int64_t>(d) * d;
+    if (e < entries)
+    {
+        int32_t const k = static_cast<int32_t>(e / d);
+        int32_t const l = static_cast<int32_t>(e % d);
+        a.gram[static_cast<int64_t>(h) * entries + e] = gramEntry(weight, k, l, a.shape.hidden);
+    }
+    else if (e < entries + d)
+    {
+        int32_t const k = static_cast<int32_t>(e - entries);
+        a.rowL1[static_cast<int64_t>(h) * d + k] = rowL1Entry(weight, k, a.shape.hidden);
+    }
+}
+
+//! c_h of query head h by one block of `threads` threads (every thread calls it; partial: [threads] shared).
+template <typename T>
+__device__ void columnL1Block(BoundArgs const& a, int32_t h, int32_t threads, float* partial)
+{
+    int32_t const d = a.shape.headDim;
+    int64_t const ld = static_cast<int64_t>(a.shape.heads) * d;
+    T const* w = static_cast<T const*>(a.oProj) + static_cast<int64_t>(h) * d;
+    auto weight = [w, ld](int32_t c, int32_t k) { return toFloat(w[c * ld + k]); };
+    int32_t const tid = static_cast<int32_t>(threadIdx.x);
+    float best = 0.0F; // the host driver's start value
+    for (int32_t c = tid; c < a.shape.hidden; c += threads)
+    {
+        float const column = columnL1(weight, c, d);
+        best = column > best ? column : best;
+    }
+    partial[tid] = best;
+    __syncthreads();
+    if (tid == 0)
+    {
+        for (int32_t t = 1; t < threads; ++t)
+        {
+            best = partial[t] > best ? partial[t] : best;
+        }
+        a.colL1[h] = best;
+    }
+}
+
+//! bounds[b, h, i] = l1UpperBoundOf(V[b, g(h), i]) (the Gram terms of head h complete).
+template <typename T>
+__device__ void l1BoundAt(BoundArgs const& a, int32_t b, int32_t h, int32_t i)
+{
+    int32_t const d = a.shape.headDim;
+    int32_t const g = h / (a.shape.heads / a.shape.kvHeads);
+    T const* v = static_cast<T const*>(a.values) + ((static_cast<int64_t>(b) * a.shape.kvHeads + g) * a.shape.n + i) * d;
+    auto value = [v](int32_t k) { return toFloat(v[k]); };
+    a.bounds[(static_cast<int64_t>(b) * a.shape.heads + h) * a.numTokens + i] = l1UpperBoundOf(value,
+        a.gram + static_cast<int64_t>(h) * d * d, a.rowL1 + static_cast<int64_t>(h) * d, a.colL1[h], d, a.shape.hidden);
+}
+// END l1 bounds
+
+constexpr int kBoundThreads = 256;
+
+//! G_h and s_h. grid (ceil((d_h^2 + d_h) / kBoundThreads), H).
+template <typename T>
+__global__ void __launch_bounds__(kBoundThreads) boundTermsKernel(BoundArgs a)
+{
+    int64_t const e = static_cast<int64_t>(blockIdx.x) * kBoundThreads + threadIdx.x;
+    boundTermAt<T>(a, static_cast<int32_t>(blockIdx.y), e);
+}
+
+//! c_h. grid (H), block kBoundThreads.
+template <typename T>
+__global__ void __launch_bounds__(kBoundThreads) columnL1Kernel(BoundArgs a)
+{
+    __shared__ float partial[kBoundThreads];
+    columnL1Block<T>(a, static_cast<int32_t>(blockIdx.x), kBoundThreads, partial);
+}
+
+//! The bounds of every older token of the compressed sequences. grid (ceil(m / kBoundThreads), H, B).
+template <typename T>
+__global__ void __launch_bounds__(kBoundThreads) l1BoundsKernel(BoundArgs a)
+{
+    int32_t const i = static_cast<int32_t>(blockIdx.x) * kBoundThreads + static_cast<int32_t>(threadIdx.x);
+    int32_t const b = static_cast<int32_t>(blockIdx.z);
+    if (i >= a.numTokens || !sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b).compress)
+    {
+        return;
+    }
+    l1BoundAt<T>(a, b, static_cast<int32_t>(blockIdx.y), i);
+}
+
+template <typename T>
+cudaError_t launchL1BoundsTyped(BoundArgs const& a, cudaStream_t stream)
+{
+    int64_t const d = a.shape.headDim;
+    uint32_t const heads = static_cast<uint32_t>(a.shape.heads);
+    boundTermsKernel<T><<<dim3(static_cast<uint32_t>((d * d + d + kBoundThreads - 1) / kBoundThreads), heads),
+        kBoundThreads, 0, stream>>>(a);
+    columnL1Kernel<T><<<heads, kBoundThreads, 0, stream>>>(a);
+    dim3 const grid(static_cast<uint32_t>((a.numTokens + kBoundThreads - 1) / kBoundThreads), heads,
+        static_cast<uint32_t>(a.shape.batch));
+    l1BoundsKernel<T><<<grid, kBoundThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+}
+
 } // namespace
 } // namespace kernels
 
@@ -500,6 +628,24 @@ cudaError_t launchValueProjectionNorms(SelectConfig const* config, RuntimeBudget
         return kind == ValueNorm::kL2 ? kernels::launchNormsTyped<T, true>(a, stream)
                                       : kernels::launchNormsTyped<T, false>(a, stream);
     });
+}
+
+cudaError_t launchL1Bounds(SelectConfig const& config, RuntimeBudget budget, int32_t const* promptLengths,
+    SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, float* gram,
+    float* rowL1, float* colL1, float* bounds, cudaStream_t stream)
+{
+    if (shape.headDim <= 0 || shape.headDim > kMaxHeadDim || shape.kvHeads <= 0 || shape.heads % shape.kvHeads != 0
+        || numTokens < 0 || numTokens > shape.n || shape.hidden <= 0 || gram == nullptr || rowL1 == nullptr
+        || colL1 == nullptr || bounds == nullptr)
+    {
+        return cudaErrorInvalidValue;
+    }
+    if (numTokens == 0)
+    {
+        return cudaSuccess;
+    }
+    kernels::BoundArgs a{config, budget, promptLengths, shape, values, oProj, numTokens, gram, rowL1, colL1, bounds};
+    return kernels::dispatchDType(dtype, [&](auto tag) { return kernels::launchL1BoundsTyped<decltype(tag)>(a, stream); });
 }
 
 } // namespace criticalkv

@@ -5,6 +5,7 @@ Skipped cleanly without one (tests/conftest.py). What they check:
   with flash-attention's tolerance rule (low precision at most 2x PyTorch's own error in that precision);
 * the whole operator against select_layer on the same GPU tensors, for every policy, fp32 / fp16 / bf16, padded
   batches and long prompts (n up to 128k, budgets up to 8k);
+* CriticalKV's pruned stage 2 in the pipeline: the host driver's kept indices exactly (uniform window attention);
 * compute-sanitizer memcheck / racecheck / synccheck / initcheck on plugins/testing/sanitizer_driver.cu;
 * kernel time against the floor of reading V and W_O once, printed as a ratio;
 * an engine built from an ONNX graph holding only the CriticalKVSelect node (needs tensorrt and onnx).
@@ -168,6 +169,39 @@ def test_pruned_row_kernel_equals_the_host_driver(cuda_lib, kind, m, seed):
     got, done = cuda_lib.pruned_row(bound.cuda(), exact.cuda(), flags.cuda(), valid_start, k, margin)
     assert torch.equal(got.cpu(), want), (kind, m, seed, k)
     assert done == want_done
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("values", ["random", "ties"])
+@pytest.mark.parametrize(
+    "name, heads, kv_heads, n, budget, kv_budget, layer",
+    [
+        ("criticalkv", 8, 2, 1000, 160, None, 0),  # GQA, a padded batch
+        ("criticalkv", 4, 4, 1000, 160, 70, 0),  # MHA at a runtime budget
+        ("pyramid-criticalkv", 8, 2, 1000, 256, 100, 3),  # r_l from the table at a runtime budget
+        ("ada-criticalkv", 8, 2, 1000, 160, None, 1),  # each head's share of the shared allocation
+        ("criticalkv", 8, 2, 32768, 2048, None, 0),  # many candidates, large rows
+    ],
+)
+def test_pruned_pipeline_keeps_the_host_driver_indices(cuda_lib, dtype, values, name, heads, kv_heads, n, budget,
+                                                      kv_budget, layer):
+    """The CUDA pipeline's pruned stage 2 (launchL1Bounds, selectPrunedKernel) keeps exactly the host driver's indices.
+    Keys are 0 so that the window attention is uniform on both (the attention kernels sum in another order than the
+    host driver): stage 2 is then decided by the value norms, whose bounds and exact L1 norms the kernels compute with
+    the host driver's functions and floats. `ties`: 3 distinct value rows per head, the lower index wins."""
+    q, k, v, o = random_layer(batch=3, heads=heads, kv_heads=kv_heads, n=n, head_dim=64, hidden=256, window=32,
+                              seed=11, dtype=dtype)
+    k = torch.zeros_like(k)
+    if values == "ties":
+        v = v[:, :, torch.randint(0, 3, (n,), generator=torch.Generator().manual_seed(2))]
+    lengths = torch.tensor([n, n * 7 // 10, n // 10])
+    policy = KVPolicy(name, budget=budget, window=32)
+    host = HostLibrary().select_layer(policy, q.float(), k.float(), v.float(), o.float(), layer, 4,
+                                      prompt_lengths=lengths, kv_budget=kv_budget)
+    got = cuda_lib.select_layer(policy, q.cuda(), k.cuda(), v.cuda(), o.cuda(), layer, 4,
+                                prompt_lengths=lengths.cuda(), kv_budget=kv_budget)
+    assert torch.equal(got[1].cpu(), host[1]), (name, values, dtype)
+    assert torch.equal(got[0].cpu(), host[0]), (name, values, dtype)
 
 
 def test_radix_top_k_with_nan_infinities_and_k_zero(cuda_lib):

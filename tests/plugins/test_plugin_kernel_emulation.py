@@ -3,9 +3,12 @@ a barrier, shared-memory atomics std::atomic_ref): the row kernels (kernels/wind
 with the host driver's whole-row form, and the block executor of the stage-1 count (kernels/selection.cu, "block mass
 row") gives every thread of a 512-thread block the host's count. No GPU is needed: this checks the kernels' tiling, halo
 chunks, reductions, barriers and indexing where nothing CUDA can run. The pruned stage-2 block executor
-(kernels/selection.cu, "pruned row", not yet launched by the pipeline) runs prunedStage2 (pruned_stage2.h) to the host
-driver's flags, count of exact scores and the unpruned kept set."""
+(kernels/selection.cu, "pruned row") runs prunedStage2 (pruned_stage2.h) to the host
+driver's flags, count of exact scores and the unpruned kept set. The CUDA pipeline's pruned stage 2 (kernels/value_norms.cu
+"l1 bounds": the bound-terms and bound kernels' per-thread bodies; kernels/selection.cu "pruned pipeline": a KV head's
+two stages with the exact norms computed in the block) keeps the host driver's indices on whole layers."""
 
+import re
 import shutil
 import subprocess
 
@@ -16,15 +19,20 @@ from ckv_native import ROOT
 PLUGINS = ROOT / "plugins"
 
 
-def build_emulator(folder, source: str, section: str, include: str, harness: str, extra=()):
-    """Copy the marked section of a kernel source next to the harness and compile both with g++ (with `extra`
-    sources of plugins/, e.g. the host driver)."""
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("g++ not found")
+def copy_section(folder, source: str, section: str, include: str):
     text = (PLUGINS / "kernels" / source).read_text()
     begin, end = text.index(f"// BEGIN {section}"), text.index(f"// END {section}")
     (folder / include).write_text(text[begin:end])
+
+
+def build_emulator(folder, source: str, section: str, include: str, harness: str, extra=(), sections=()):
+    """Copy the marked section of a kernel source (and the `sections`, (source, section, include) triples) next to
+    the harness and compile both with g++ (with `extra` sources of plugins/, e.g. the host driver)."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("g++ not found")
+    for triple in ((source, section, include), *sections):
+        copy_section(folder, *triple)
     binary = folder / harness.removesuffix(".cpp")
     result = subprocess.run([compiler, "-std=c++20", "-O1", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror",
                              f"-I{PLUGINS / 'include'}", f"-I{PLUGINS / 'host'}", f"-I{folder}",
@@ -69,3 +77,38 @@ def test_pruned_row_block_executor_equals_the_host_driver(tmp_path, seed):
     result = subprocess.run([str(binary), str(seed), "60"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 of 60 trials differ" in result.stdout, result.stdout
+
+
+@pytest.fixture(scope="module")
+def pipeline_emulator(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pruned_pipeline")
+    return build_emulator(folder, "selection.cu", "pruned pipeline", "pruned_pipeline_section.inc",
+                          "pruned_pipeline_emulation.cpp", extra=("host/select_host.cpp",),
+                          sections=(("selection.cu", "pruned row", "pruned_row_section.inc"),
+                                    ("value_norms.cu", "l1 bounds", "l1_bounds_section.inc")))
+
+
+@pytest.mark.parametrize(
+    "base, batch, heads, kv_heads, n, head_dim, hidden, window, budget, kv_budget, kind, seed",
+    [
+        ("snapkv", 2, 6, 2, 300, 16, 48, 8, 72, 0, "random", 0),  # GQA, a padded sequence
+        ("snapkv", 1, 3, 3, 260, 8, 40, 16, 40, 0, "random", 1),  # MHA, alpha 0.5
+        ("snapkv", 2, 4, 2, 240, 16, 64, 8, 96, 40, "random", 2),  # a runtime budget below the built one, kvpress reduce
+        ("pyramidkv", 2, 4, 1, 280, 16, 48, 8, 64, 48, "random", 3),  # r_l from the table at a runtime budget, raw P
+        ("adakv", 2, 6, 2, 300, 16, 48, 8, 64, 0, "random", 4),  # each head's share of the shared allocation
+        ("snapkv", 2, 4, 2, 260, 16, 48, 8, 64, 0, "ties", 0),  # exact-score ties: the lower index wins
+        ("adakv", 1, 4, 2, 260, 16, 48, 8, 48, 0, "ties", 1),
+        ("snapkv", 2, 4, 2, 260, 16, 48, 8, 64, 0, "near", 0),  # exact scores within the stop margin
+        ("snapkv", 2, 4, 2, 300, 16, 48, 8, 40, 0, "mixed", 0),  # the best bounds are the wrong tokens: doubling rounds
+    ],
+)
+def test_pruned_pipeline_keeps_the_host_driver_indices(pipeline_emulator, base, batch, heads, kv_heads, n, head_dim,
+                                                       hidden, window, budget, kv_budget, kind, seed):
+    args = (base, batch, heads, kv_heads, n, head_dim, hidden, window, budget, kv_budget, kind, seed)
+    result = subprocess.run([str(pipeline_emulator), *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f" of {batch * kv_heads} heads differ" in result.stdout and result.stdout.startswith("0 of"), result.stdout
+    computed, eligible = re.search(r"exact scores: (\d+) of (\d+) eligible", result.stdout).groups()
+    assert 0 < int(computed) <= int(eligible), result.stdout
+    if kind in ("random", "mixed"):  # the pruning happened: some rows stopped before computing every exact score
+        assert int(re.search(r"pruned rows: (\d+)", result.stdout).group(1)) > 0, result.stdout

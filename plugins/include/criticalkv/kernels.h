@@ -36,10 +36,15 @@ struct WorkspaceLayout
     size_t rowStats;   //!< float2 [B, H, w]: softmax (max, sum) of every window query
     size_t raw;        //!< float [B, H, m]: Ā, window-mean attention of the older tokens
     size_t squares;    //!< float [B, H, m]: sum_j A_j^2 (laprox)
-    size_t norms;      //!< float [B, H, m]: ||V W_O^h|| (two-stage policies, laprox)
-    size_t gram;       //!< float [H, d_h, d_h]: W_O^h W_O^h^T (l2 norms: two-stage with value_norm=l2, laprox)
+    size_t norms;      //!< float [B, H, m]: ||V W_O^h|| (two-stage policies, laprox); pruned stage 2: the L1 upper
+                       //!< bounds, overwritten with the exact norms at the candidates
+    size_t gram;       //!< float [H, d_h, d_h]: W_O^h W_O^h^T (l2 norms: two-stage with value_norm=l2, laprox; the
+                       //!< pruned stage 2's bound terms G_h)
+    size_t rowL1;      //!< float [H, d_h]: s_h[k] = sum_c |W_O^h[k, c]| (pruned stage 2)
+    size_t colL1;      //!< float [H]: c_h = max_c sum_k |W_O^h[k, c]| (pruned stage 2)
     size_t attention;  //!< float [B, H_kv, m]: S
-    size_t critical;   //!< float [B, H_kv, m]: C
+    size_t critical;   //!< float [B, H_kv, m]: C; pruned stage 2: U, the group score of the bounds
+    size_t exact;      //!< float [B, H_kv, m]: the exact C of the candidates (pruned stage 2)
     size_t laprox;     //!< float [B, H_kv, m]: LaProx importance
     size_t flags;      //!< uint8 [B, H_kv, m]: chosen older tokens
     size_t headCounts; //!< int32 [B, H_kv]: adakv share of every head
@@ -89,11 +94,15 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     layout.raw = take(b * h * m * sizeof(float));
     layout.squares = take(laproxOn ? b * h * m * sizeof(float) : 0);
     layout.norms = take(needsNorms(config) ? b * h * m * sizeof(float) : 0);
-    bool const gramOn = needsNorms(config) && normKind(config) == ValueNorm::kL2;
+    bool const pruned = prunedStage2On(config);
+    bool const gramOn = (needsNorms(config) && normKind(config) == ValueNorm::kL2) || pruned;
     size_t const d = static_cast<size_t>(s.headDim);
     layout.gram = take(gramOn ? h * d * d * sizeof(float) : 0);
+    layout.rowL1 = take(pruned ? h * d * sizeof(float) : 0);
+    layout.colL1 = take(pruned ? h * sizeof(float) : 0);
     layout.attention = take(b * hkv * m * sizeof(float));
     layout.critical = take(config.twoStage ? b * hkv * m * sizeof(float) : 0);
+    layout.exact = take(pruned ? b * hkv * m * sizeof(float) : 0);
     layout.laprox = take(laproxOn ? b * hkv * m * sizeof(float) : 0);
     layout.flags = take(b * hkv * m);
     layout.headCounts = take(b * hkv * sizeof(int32_t));
@@ -141,6 +150,14 @@ cudaError_t launchValueProjectionNorms(SelectConfig const* config, RuntimeBudget
     SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, ValueNorm kind,
     float* gram, float* out, cudaStream_t stream);
 
+//! The L1 upper bounds of CriticalKV's pruned stage 2 (pruned_stage2.h: l1UpperBoundOf), bitwise the host driver's:
+//! gram [H, d_h, d_h], rowL1 [H, d_h], colL1 [H] from oProj (the weights-only terms, every launch), then
+//! bounds [B, H, numTokens] of the first numTokens tokens of every compressed sequence (uncompressed ones skipped).
+//! One thread per entry and per token, fp32 throughout.
+cudaError_t launchL1Bounds(SelectConfig const& config, RuntimeBudget budget, int32_t const* promptLengths,
+    SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, float* gram,
+    float* rowL1, float* colL1, float* bounds, cudaStream_t stream);
+
 //! Radix top-k of every row of scores [rows, len]: flags[r, e] = 1 for the k[r] highest (ties: lower index),
 //! else 0. The building block of the selection; exposed for the top-k tests (n up to 128k, k up to 8k).
 cudaError_t launchTopKRows(float const* scores, int64_t const* k, uint8_t* flags, int32_t rows, int64_t len,
@@ -149,7 +166,8 @@ cudaError_t launchTopKRows(float const* scores, int64_t const* k, uint8_t* flags
 //! The pruned stage 2 (pruned_stage2.h: prunedStage2) of one KV head's row by one thread block, on precomputed exact
 //! scores: bound, scores [m]; exact [m] scratch; flags [m] after stage 1 (in: 0 eligible, out: kChosenByCritical on
 //! the k kept); *done (device int64): how many exact scores it used. Requires 0 < k < eligible. For the GPU tests
-//! (kernels == host driver); the pipeline does not launch it yet.
+//! (kernels == host driver); the pipeline runs the same executor with exact norms computed in the block
+//! (kernels/selection.cu, "pruned pipeline").
 cudaError_t launchPrunedRow(float const* bound, float const* scores, float* exact, uint8_t* flags, int32_t m,
     int32_t validStart, int64_t k, int64_t eligible, float margin, int64_t* done, cudaStream_t stream);
 

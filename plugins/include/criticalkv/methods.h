@@ -67,4 +67,14 @@ CKV_HD ValueNorm normKind(SelectConfig const& config)
     return ownL2Norms(config) ? ValueNorm::kL2 : config.valueNorm;
 }
 
+//! CriticalKV's stage 2 computes exact L1 norms for a few candidates only (pruned_stage2.h, docs/operator.md step 6a):
+//! the pipeline and the host driver then hold the L1 upper bounds in `norms` and their group score U in `critical`.
+//! Every two-stage policy with value_norm=l1 (criticalkv, pyramid-criticalkv, ada-criticalkv); l2 norms go through
+//! the Gram matrix at full price already, and the methods whose base scores with the norms need all of them.
+CKV_HD bool prunedStage2On(SelectConfig const& config)
+{
+    return config.twoStage != 0 && needsScores(config) && !ownL2Norms(config) && !rowScores(config)
+        && normKind(config) == ValueNorm::kL1;
+}
+
 } // namespace criticalkv

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "criticalkv/common.h"
+#include "criticalkv/group_scores.h" // multiplyRounded
 #include "criticalkv/select_flow.h"
 
 #include <cmath>
@@ -18,7 +19,8 @@ constexpr int32_t kCandidateFactor = 2; //!< first candidate count = 2 k; it dou
 //! gamma_k = k u / (1 - k u): bound of the relative error of any k-term float32 sum or dot product.
 CKV_HD float roundingGamma(float k)
 {
-    return k * kUnitRoundoff / (1.0F - k * kUnitRoundoff);
+    float const ku = multiplyRounded(k, kUnitRoundoff);
+    return ku / (1.0F - ku);
 }
 
 //! rho: fl(C_i) <= fl(U_i) (1 + rho) for every token (pruned.stop_margin).
@@ -26,12 +28,76 @@ CKV_HD float stopMargin(int32_t hidden, int32_t group)
 {
     return 2.0F
         * (roundingGamma(static_cast<float>(hidden)) + roundingGamma(static_cast<float>(group + 2))
-            + 2.0F * roundingGamma(static_cast<float>(group + 10)));
+            + multiplyRounded(2.0F, roundingGamma(static_cast<float>(group + 10))));
 }
 
-//! Upper bound B of the computed ||v W_O^h||_1 (pruned.BoundTerms.upper). v: [d_h]; gram: [d_h, d_h] G_h;
-//! rowL1: [d_h] s_h[r] = sum_j |W_O^h[r, j]|; colL1 = max_j sum_r |W_O^h[r, j]|.
-CKV_HD float l1UpperBound(float const* v, float const* gram, float const* rowL1, float colL1, int32_t headDim,
+// Every product below that feeds a sum is rounded on its own (multiplyRounded): nvcc would otherwise fuse it into an
+// FMA and the device's bounds and exact norms would differ from the host driver's (-ffp-contract=off) in the last bit.
+// Weight(c, k) returns W_O^h[k, c] as float (c < hidden, k < d_h); Value(k) the token's v[k] as float.
+
+//! The computed ||v W_O^h||_1, summed in this order: dot_c = sum_k v[k] W_O^h[k, c] (k ascending), then
+//! sum_c |dot_c| (c ascending). The host driver's exact scores and the pipeline's pruned stage 2 both call it.
+CKV_FLOW_TEMPLATE
+template <typename Value, typename Weight>
+CKV_HD float projectedL1Norm(Value const& value, Weight const& weight, int32_t headDim, int32_t hidden)
+{
+    float norm = 0.0F;
+    for (int32_t c = 0; c < hidden; ++c)
+    {
+        float dot = 0.0F;
+        for (int32_t k = 0; k < headDim; ++k)
+        {
+            dot += multiplyRounded(value(k), weight(c, k));
+        }
+        norm += std::fabs(dot);
+    }
+    return norm;
+}
+
+//! G_h[k, l] = sum_c W_O^h[k, c] W_O^h[l, c] (c ascending).
+CKV_FLOW_TEMPLATE
+template <typename Weight>
+CKV_HD float gramEntry(Weight const& weight, int32_t k, int32_t l, int32_t hidden)
+{
+    float acc = 0.0F;
+    for (int32_t c = 0; c < hidden; ++c)
+    {
+        acc += multiplyRounded(weight(c, k), weight(c, l));
+    }
+    return acc;
+}
+
+//! s_h[k] = sum_c |W_O^h[k, c]| (c ascending).
+CKV_FLOW_TEMPLATE
+template <typename Weight>
+CKV_HD float rowL1Entry(Weight const& weight, int32_t k, int32_t hidden)
+{
+    float acc = 0.0F;
+    for (int32_t c = 0; c < hidden; ++c)
+    {
+        acc += std::fabs(weight(c, k));
+    }
+    return acc;
+}
+
+//! sum_k |W_O^h[k, c]| (k ascending) of column c; c_h is the maximum over the columns (order-free).
+CKV_FLOW_TEMPLATE
+template <typename Weight>
+CKV_HD float columnL1(Weight const& weight, int32_t c, int32_t headDim)
+{
+    float acc = 0.0F;
+    for (int32_t k = 0; k < headDim; ++k)
+    {
+        acc += std::fabs(weight(c, k));
+    }
+    return acc;
+}
+
+//! Upper bound B of the computed ||v W_O^h||_1 (pruned.BoundTerms.upper). gram: [d_h, d_h] G_h; rowL1: [d_h]
+//! s_h[r] = sum_j |W_O^h[r, j]|; colL1 = max_j sum_r |W_O^h[r, j]|.
+CKV_FLOW_TEMPLATE
+template <typename Value>
+CKV_HD float l1UpperBoundOf(Value const& value, float const* gram, float const* rowL1, float colL1, int32_t headDim,
     int32_t hidden)
 {
     float quad = 0.0F;
@@ -42,18 +108,29 @@ CKV_HD float l1UpperBound(float const* v, float const* gram, float const* rowL1,
         float u = 0.0F;
         for (int32_t k = 0; k < headDim; ++k)
         {
-            u += v[k] * gram[k * headDim + l];
+            u += multiplyRounded(value(k), gram[k * headDim + l]);
         }
-        quad += u * v[l];
-        float const absV = std::fabs(v[l]);
-        a += absV * rowL1[l];
+        float const vl = value(l);
+        quad += multiplyRounded(u, vl);
+        float const absV = std::fabs(vl);
+        a += multiplyRounded(absV, rowL1[l]);
         maxAbs = absV > maxAbs ? absV : maxAbs;
     }
     float const d = static_cast<float>(hidden);
+    float const dh = static_cast<float>(headDim);
     float const b = a * maxAbs * colL1;
-    float const l2 = std::sqrt((quad > 0.0F ? quad : 0.0F) + roundingGamma(d + 2.0F * headDim + 2.0F) * b);
-    return std::sqrt(d) * l2 + roundingGamma(static_cast<float>(headDim)) * a
-        + kSubnormalSlack * d * static_cast<float>(headDim + 2);
+    float const l2 = std::sqrt((quad > 0.0F ? quad : 0.0F)
+        + multiplyRounded(roundingGamma(d + multiplyRounded(2.0F, dh) + 2.0F), b));
+    return multiplyRounded(std::sqrt(d), l2) + multiplyRounded(roundingGamma(dh), a)
+        + multiplyRounded(multiplyRounded(kSubnormalSlack, d), static_cast<float>(headDim + 2));
+}
+
+//! l1UpperBoundOf for v: [d_h] float.
+CKV_HD float l1UpperBound(float const* v, float const* gram, float const* rowL1, float colL1, int32_t headDim,
+    int32_t hidden)
+{
+    auto value = [v](int32_t k) { return v[k]; };
+    return l1UpperBoundOf(value, gram, rowL1, colL1, headDim, hidden);
 }
 
 //! The stop rule: no token whose bound is at most `following` can reach the k-th exact score `kth` (not even a tie).
