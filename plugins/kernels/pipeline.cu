@@ -5,8 +5,8 @@
 //
 // CriticalKV with value_norm=l1 (prunedStage2On) prunes stage 2 like the host driver: the value-norm step writes
 // L1 upper bounds from the Gram terms of W_O (launchL1Bounds), the group-score kernel turns them into U, and the
-// per-head selection (selectPrunedKernel) computes exact norms for the best candidates by U only
-// (docs/operator.md step 6a).
+// per-head selection (prunedPrepareKernel, prunedExactKernel, prunedFinishKernel) computes exact norms for the best
+// candidates by U only (docs/operator.md step 6a).
 //
 // No host synchronisation and no allocation: the workspace (workspaceLayout) holds every intermediate, so the
 // launch is CUDA-graph capturable. The request's budget b (the kv_budget input) stays in device memory: every
@@ -137,7 +137,7 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
         if (pruned)
         {
             // CriticalKV's pruned stage 2: L1 upper bounds here (norms), U = their group score (critical) in the
-            // group-score kernel, exact norms for the candidates only in selectPrunedKernel.
+            // group-score kernel, exact norms for the candidates only in the pruned selection kernels.
             norms = at<float>(workspace, layout.norms);
             status = launchL1Bounds(config, budget, t.promptLengths, shape, t.dtype, t.values, t.oProj, m,
                 at<float>(workspace, layout.gram), at<float>(workspace, layout.rowL1), at<float>(workspace, layout.colL1),

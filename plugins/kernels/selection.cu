@@ -381,11 +381,16 @@ struct BlockPrunedRow
 // END pruned row
 
 // BEGIN pruned pipeline (tests/plugins/test_plugin_kernel_emulation.py runs this section on the CPU)
-// Both stages of one KV head with the pruned stage 2, as the host driver's selectHeadPruned: stage 1 by S (the radix
-// select over the row), then prunedStage2 with BlockPrunedRow whose exact score of a candidate is computed by the
-// thread that owns it: the group's exact L1 norms (projectedL1Norm, the host driver's loops and floats) written over
-// their bounds in `norms`, then the group score C (groupScoresAt) in the host's order. The kept set is the host
-// driver's, bit for bit.
+// Both stages of one KV head with the pruned stage 2, as the host driver's selectHeadPruned, in three launches:
+//   1. prunedPrepare (one block per head): stage 1 by S (the radix select over the row); k <= 0 or k >= the eligible
+//      count ends the head here; else the first c = min(2k, eligible) candidates by U are flagged kPrunedFresh;
+//   2. prunedExactAt (one thread per flagged token, over the whole grid: most heads stop after this first round, and
+//      its exact norms, the bulk of the work, then use every SM): the token's exact score;
+//   3. prunedFinish (one block per head): prunedStage2 with BlockPrunedRow, its first round already done; a
+//      doubling round computes the new candidates' exact scores in the block.
+// A token's exact score is the group's exact L1 norms (projectedL1Norm: the host driver's loops and floats) written
+// over their bounds in `norms`, then C (groupScoresAt) in the host's order: the same float whichever thread computes
+// it, so the kept set is the host driver's, bit for bit.
 struct PrunedPipelineArgs
 {
     SelectConfig config;
@@ -402,27 +407,62 @@ struct PrunedPipelineArgs
     float margin;           // stopMargin(hidden, group)
 };
 
-//! Choose `count` older tokens of KV head g of sequence b (flags cleared here). Called by every thread of a
-//! kSelectThreads block with the same arguments. Returns how many tokens got their exact score.
+//! The exact C of older token i of KV head g of sequence b, by one thread (its group's norms written into norms).
 template <typename T>
-__device__ int64_t prunedHeadSelect(PrunedPipelineArgs const& a, int32_t b, int32_t g, int32_t validStart,
-    int64_t count, PrunedSmem& s)
+__device__ float prunedExactScore(PrunedPipelineArgs const& a, int32_t b, int32_t g, int32_t i)
 {
-    int32_t const tid = static_cast<int32_t>(threadIdx.x);
     int32_t const n = a.shape.n;
     int32_t const d = a.shape.headDim;
     int32_t const m = n - windowLength(a.config, n);
     int32_t const group = a.shape.heads / a.shape.kvHeads;
-    int64_t const row = (static_cast<int64_t>(b) * a.shape.kvHeads + g) * m;
     int64_t const sequence = static_cast<int64_t>(b) * a.shape.heads * m;
+    int64_t const ld = static_cast<int64_t>(a.shape.heads) * d;
+    T const* v = static_cast<T const*>(a.values) + ((static_cast<int64_t>(b) * a.shape.kvHeads + g) * n + i) * d;
+    auto value = [v](int32_t k) { return toFloat(v[k]); };
+    for (int32_t h = g * group; h < (g + 1) * group; ++h)
+    {
+        T const* w = static_cast<T const*>(a.oProj) + static_cast<int64_t>(h) * d;
+        auto weight = [w, ld](int32_t c, int32_t k) { return toFloat(w[c * ld + k]); };
+        a.norms[sequence + static_cast<int64_t>(h) * m + i] = projectedL1Norm(value, weight, d, a.shape.hidden);
+    }
+    return groupScoresAt(a.config, a.raw + sequence, a.squares != nullptr ? a.squares + sequence : nullptr,
+        a.norms + sequence, g * group, group, m, i)
+        .critical;
+}
+
+//! The tokens of [validStart, m) whose flag is `match` or `also`, counted by the block (every thread gets it).
+__device__ int64_t blockCountFlags(uint8_t const* flags, int32_t validStart, int32_t m, uint8_t match, uint8_t also,
+    PrunedSmem& s)
+{
+    int32_t const tid = static_cast<int32_t>(threadIdx.x);
+    __syncthreads(); // s.count is free
+    if (tid == 0)
+    {
+        s.count = 0u;
+    }
+    __syncthreads();
+    uint32_t mine = 0u;
+    for (int32_t i = validStart + tid; i < m; i += kSelectThreads)
+    {
+        mine += flags[i] == match || flags[i] == also ? 1u : 0u;
+    }
+    atomicAdd(&s.count, mine);
+    __syncthreads();
+    return static_cast<int64_t>(s.count);
+}
+
+//! Launch 1 for KV head g of sequence b keeping `count` older tokens (flags cleared here). Every thread of a
+//! kSelectThreads block calls it with the same arguments.
+__device__ void prunedPrepare(PrunedPipelineArgs const& a, int32_t b, int32_t g, int32_t validStart, int64_t count,
+    PrunedSmem& s)
+{
+    int32_t const tid = static_cast<int32_t>(threadIdx.x);
+    int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
+    int64_t const row = (static_cast<int64_t>(b) * a.shape.kvHeads + g) * m;
     uint8_t* flags = a.flags + row;
     for (int32_t i = tid; i < m; i += kSelectThreads)
     {
         flags[i] = 0;
-    }
-    if (tid == 0)
-    {
-        s.count = 0u;
     }
     __syncthreads();
     int64_t const first = stage1Count(a.config.alphaMicros, count);
@@ -432,16 +472,9 @@ __device__ int64_t prunedHeadSelect(PrunedPipelineArgs const& a, int32_t b, int3
     int64_t const k = count - first;
     if (k <= 0)
     {
-        return 0;
+        return;
     }
-    uint32_t mine = 0u;
-    for (int32_t i = validStart + tid; i < m; i += kSelectThreads)
-    {
-        mine += flags[i] == 0 ? 1u : 0u;
-    }
-    atomicAdd(&s.count, mine);
-    __syncthreads();
-    int64_t const eligible = static_cast<int64_t>(s.count);
+    int64_t const eligible = blockCountFlags(flags, validStart, m, 0, 0, s);
     if (k >= eligible)
     {
         for (int32_t i = validStart + tid; i < m; i += kSelectThreads)
@@ -452,25 +485,84 @@ __device__ int64_t prunedHeadSelect(PrunedPipelineArgs const& a, int32_t b, int3
             }
         }
         __syncthreads();
+        return;
+    }
+    // prunedStage2's first round: the best min(2k, eligible) by U (ties: lower index)
+    int64_t const candidates = kCandidateFactor * k < eligible ? kCandidateFactor * k : eligible;
+    BlockMatchRadix pick{a.critical + row, flags, m, validStart, 0, kPrunedFresh, s};
+    radixSelectTopK(pick, candidates);
+    __syncthreads();
+}
+
+//! Launch 2, one thread per older token i of KV head g of sequence b: a first-round candidate gets its exact score.
+template <typename T>
+__device__ void prunedExactAt(PrunedPipelineArgs const& a, int32_t b, int32_t g, int32_t i)
+{
+    int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
+    int64_t const at = (static_cast<int64_t>(b) * a.shape.kvHeads + g) * m + i;
+    if (a.flags[at] == kPrunedFresh)
+    {
+        a.exact[at] = prunedExactScore<T>(a, b, g, i);
+        a.flags[at] = kPrunedCandidate;
+    }
+}
+
+//! prunedStage2's executor whose first addCandidates (launches 1 and 2) is already done.
+template <typename Exec>
+struct FirstRoundDone
+{
+    Exec& exec;
+    bool pending;
+
+    __device__ void addCandidates(int64_t count)
+    {
+        if (pending)
+        {
+            pending = false;
+            return;
+        }
+        exec.addCandidates(count);
+    }
+
+    __device__ float nextBound()
+    {
+        return exec.nextBound();
+    }
+
+    __device__ float kthExact(int64_t k)
+    {
+        return exec.kthExact(k);
+    }
+
+    __device__ void keepBest(int64_t k)
+    {
+        exec.keepBest(k);
+    }
+};
+
+//! Launch 3 for KV head g of sequence b (the arguments of launch 1). Returns how many tokens got their exact score.
+template <typename T>
+__device__ int64_t prunedFinish(PrunedPipelineArgs const& a, int32_t b, int32_t g, int32_t validStart, int64_t count,
+    PrunedSmem& s)
+{
+    int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
+    int64_t const row = (static_cast<int64_t>(b) * a.shape.kvHeads + g) * m;
+    uint8_t* flags = a.flags + row;
+    int64_t const k = count - stage1Count(a.config.alphaMicros, count);
+    if (k <= 0)
+    {
         return 0;
     }
-    int64_t const ld = static_cast<int64_t>(a.shape.heads) * d;
-    T const* values = static_cast<T const*>(a.values) + (static_cast<int64_t>(b) * a.shape.kvHeads + g) * n * d;
-    auto exactScore = [&](int32_t i) {
-        T const* v = values + static_cast<int64_t>(i) * d;
-        auto value = [v](int32_t c) { return toFloat(v[c]); };
-        for (int32_t h = g * group; h < (g + 1) * group; ++h)
-        {
-            T const* w = static_cast<T const*>(a.oProj) + static_cast<int64_t>(h) * d;
-            auto weight = [w, ld](int32_t c, int32_t r) { return toFloat(w[c * ld + r]); };
-            a.norms[sequence + static_cast<int64_t>(h) * m + i] = projectedL1Norm(value, weight, d, a.shape.hidden);
-        }
-        return groupScoresAt(a.config, a.raw + sequence, a.squares != nullptr ? a.squares + sequence : nullptr,
-            a.norms + sequence, g * group, group, m, i)
-            .critical;
-    };
+    // the eligible tokens: neither chosen by stage 1 nor, when launch 1 kept them all, by stage 2 (then 0 here)
+    int64_t const eligible = blockCountFlags(flags, validStart, m, 0, kPrunedCandidate, s);
+    if (k >= eligible)
+    {
+        return 0;
+    }
+    auto exactScore = [&](int32_t i) { return prunedExactScore<T>(a, b, g, i); };
     BlockPrunedRow<decltype(exactScore)> pruned{exactScore, a.critical + row, a.exact + row, flags, m, validStart, s};
-    return prunedStage2(pruned, k, eligible, a.margin);
+    FirstRoundDone<decltype(pruned)> resumed{pruned, true};
+    return prunedStage2(resumed, k, eligible, a.margin);
 }
 // END pruned pipeline
 
@@ -490,10 +582,20 @@ __global__ void __launch_bounds__(kSelectThreads) prunedRowKernel(float const* b
     }
 }
 
-//! Per-head selection of the pruned two-stage policies (prunedStage2On: criticalkv, pyramid-criticalkv, and
-//! ada-criticalkv inside each head's share). grid (H_kv, B), block kSelectThreads.
-template <typename T>
-__global__ void __launch_bounds__(kSelectThreads) selectPrunedKernel(ScoreArgs a)
+PrunedPipelineArgs prunedArgs(ScoreArgs const& a)
+{
+    return PrunedPipelineArgs{a.config, a.shape, a.raw, a.squares, a.exactNorms, a.attention, a.critical, a.exact,
+        a.flags, a.values, a.oProj, a.margin};
+}
+
+__device__ int64_t headCount(ScoreArgs const& a, SequenceInfo const& info, int32_t b, int32_t g)
+{
+    return sharedAllocation(a.config) ? a.headCounts[static_cast<int64_t>(b) * a.shape.kvHeads + g] : info.r;
+}
+
+//! The pruned two-stage policies (prunedStage2On: criticalkv, pyramid-criticalkv, and ada-criticalkv inside each
+//! head's share), launch 1: stage 1 and the first candidates. grid (H_kv, B), block kSelectThreads.
+__global__ void __launch_bounds__(kSelectThreads) prunedPrepareKernel(ScoreArgs a, PrunedPipelineArgs p)
 {
     int32_t const g = static_cast<int32_t>(blockIdx.x);
     int32_t const b = static_cast<int32_t>(blockIdx.y);
@@ -503,10 +605,37 @@ __global__ void __launch_bounds__(kSelectThreads) selectPrunedKernel(ScoreArgs a
         return;
     }
     __shared__ PrunedSmem smem;
-    int64_t const count = sharedAllocation(a.config) ? a.headCounts[static_cast<int64_t>(b) * a.shape.kvHeads + g] : info.r;
-    PrunedPipelineArgs const p{a.config, a.shape, a.raw, a.squares, a.exactNorms, a.attention, a.critical, a.exact,
-        a.flags, a.values, a.oProj, a.margin};
-    prunedHeadSelect<T>(p, b, g, info.validStart, count, smem);
+    prunedPrepare(p, b, g, info.validStart, headCount(a, info, b, g), smem);
+}
+
+//! Launch 2: the first candidates' exact scores. grid (ceil(m / kScoreThreads), H_kv, B).
+template <typename T>
+__global__ void __launch_bounds__(kScoreThreads) prunedExactKernel(ScoreArgs a, PrunedPipelineArgs p)
+{
+    int32_t const g = static_cast<int32_t>(blockIdx.y);
+    int32_t const b = static_cast<int32_t>(blockIdx.z);
+    int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
+    int32_t const i = static_cast<int32_t>(blockIdx.x) * kScoreThreads + static_cast<int32_t>(threadIdx.x);
+    if (i >= m || !sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b).compress)
+    {
+        return;
+    }
+    prunedExactAt<T>(p, b, g, i);
+}
+
+//! Launch 3: the stop rule, doubling rounds, the k kept. grid (H_kv, B), block kSelectThreads.
+template <typename T>
+__global__ void __launch_bounds__(kSelectThreads) prunedFinishKernel(ScoreArgs a, PrunedPipelineArgs p)
+{
+    int32_t const g = static_cast<int32_t>(blockIdx.x);
+    int32_t const b = static_cast<int32_t>(blockIdx.y);
+    SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
+    if (!info.compress)
+    {
+        return;
+    }
+    __shared__ PrunedSmem smem;
+    prunedFinish<T>(p, b, g, info.validStart, headCount(a, info, b, g), smem);
 }
 
 //! The block-wide radix select as the flows' top-k primitive (select_flow.h), with defensivekv's steps.
@@ -875,8 +1004,12 @@ cudaError_t launchScoresAndSelection(ScoreArgs const& a, cudaStream_t stream)
     }
     if (a.pruned)
     {
+        PrunedPipelineArgs const p = prunedArgs(a);
+        prunedPrepareKernel<<<headGrid, kSelectThreads, 0, stream>>>(a, p);
         cudaError_t const status = dispatchDType(a.dtype, [&](auto tag) {
-            selectPrunedKernel<decltype(tag)><<<headGrid, kSelectThreads, 0, stream>>>(a);
+            using T = decltype(tag);
+            prunedExactKernel<T><<<scoreGrid, kScoreThreads, 0, stream>>>(a, p);
+            prunedFinishKernel<T><<<headGrid, kSelectThreads, 0, stream>>>(a, p);
             return cudaSuccess;
         });
         if (status != cudaSuccess)

@@ -1,7 +1,8 @@
 // CPU emulation of the CUDA pipeline's pruned stage 2 (CriticalKV with value_norm=l1) against the host driver. The test
 // copies three marked sections of the kernels next to this file: kernels/value_norms.cu "l1 bounds" (the bound-terms
 // and bound kernels' per-thread bodies), kernels/selection.cu "pruned row" (the block executor) and "pruned pipeline"
-// (a KV head's two stages with the exact norms computed in the block). One std::thread per CUDA thread,
+// (a KV head's two stages in three launches: stage 1 and the first candidates by one block, their exact scores by
+// one thread per token, the stop rule and the doubling rounds by one block). One std::thread per CUDA thread,
 // __syncthreads() a std::barrier, shared-memory atomics std::atomic_ref, blocks one after the other. The steps the
 // emulation does not cover run as the host driver runs them: window attention (host::windowScores), the group score
 // (groupScoresAt, the kernel's function), the shared allocation (shared_allocation.h over the host radix select) and
@@ -9,13 +10,15 @@
 // with its own executor (host/pruned_row_host.h). Not built by CMake: tests/plugins/test_plugin_kernel_emulation.py
 // compiles it with g++ -std=c++20.
 //   pruned_pipeline_emulation BASE BATCH HEADS KV_HEADS N HEAD_DIM HIDDEN WINDOW BUDGET KV_BUDGET KIND SEED
-//     BASE snapkv | pyramidkv | adakv (two-stage on top), KV_BUDGET 0 = none, KIND random | ties | near | mixed
-//   -> exit 0 when every kept index agrees; prints "exact scores: X of Y eligible tokens"
+//     BASE snapkv | pyramidkv | adakv (two-stage on top), KV_BUDGET 0 = none, KIND random | ties | near | flat | mixed
+//   -> exit 0 when every kept index agrees; prints "exact scores: X of Y eligible tokens", how many rows stopped
+//      before computing every exact score and how many needed a doubling round
 #include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
@@ -168,6 +171,21 @@ int main(int argc, char** argv)
             }
         }
     }
+    else if (kind == "flat")
+    {
+        // every output of v W_O^h has the same magnitude, so ||x||_1 = sqrt(hidden) ||x||_2: the bound is tight and
+        // the first round (2k candidates) settles the head
+        for (float& e : o)
+        {
+            e = rng() % 2 == 0 ? 0.1F : -0.1F;
+        }
+        std::uniform_real_distribution<float> uniform(0.0F, 1.0F);
+        for (int64_t row = 0; row < int64_t(B) * Hkv * n; ++row)
+        {
+            std::fill(&v[row * d], &v[row * d] + d, 0.0F);
+            v[row * d] = uniform(rng);
+        }
+    }
     else if (kind == "mixed")
     {
         // half the tokens project flat (L1 = sqrt(hidden) L2), half onto one output with 3x the L2: the best bounds
@@ -240,7 +258,7 @@ int main(int argc, char** argv)
         kernels::runBlock(static_cast<unsigned>(h), 0, kColumnThreads,
             [&] { kernels::columnL1Block<float>(bounds, h, kColumnThreads, partial.data()); });
     }
-    int64_t computed = 0, eligibleTotal = 0, prunedRows = 0;
+    int64_t computed = 0, eligibleTotal = 0, prunedRows = 0, doubledRows = 0;
     for (int b = 0; b < B; ++b)
     {
         SequenceInfo const info = sequenceInfo(c, runtime, s, lengths.data(), b);
@@ -285,12 +303,18 @@ int main(int argc, char** argv)
         }
         kernels::PrunedPipelineArgs const args{c, s, raw.data(), squares.data(), norms.data(), attention.data(),
             critical.data(), exact.data(), flags.data(), v.data(), o.data(), stopMargin(hidden, group)};
-        for (int g = 0; g < Hkv; ++g) // selectPrunedKernel: one block per KV head
+        for (int g = 0; g < Hkv; ++g) // the three launches of the pruned per-head selection
         {
             std::vector<int64_t> done(kernels::kSelectThreads, -1);
             kernels::PrunedSmem smem{};
+            kernels::runBlock(static_cast<unsigned>(g), static_cast<unsigned>(b), kernels::kSelectThreads,
+                [&] { kernels::prunedPrepare(args, b, g, info.validStart, counts[g], smem); });
+            for (int i = 0; i < m; ++i) // prunedExactKernel: one thread per token
+            {
+                kernels::prunedExactAt<float>(args, b, g, i);
+            }
             kernels::runBlock(static_cast<unsigned>(g), static_cast<unsigned>(b), kernels::kSelectThreads, [&] {
-                done[threadIdx.x] = kernels::prunedHeadSelect<float>(args, b, g, info.validStart, counts[g], smem);
+                done[threadIdx.x] = kernels::prunedFinish<float>(args, b, g, info.validStart, counts[g], smem);
             });
             for (int64_t x : done)
             {
@@ -311,6 +335,8 @@ int main(int argc, char** argv)
                 computed += done[0];
                 eligibleTotal += eligible;
                 prunedRows += done[0] < eligible ? 1 : 0;
+                int64_t const k = counts[g] - first;
+                doubledRows += done[0] > std::min(kCandidateFactor * k, eligible) ? 1 : 0;
             }
         }
     }
@@ -351,8 +377,9 @@ int main(int argc, char** argv)
             }
         }
     }
-    std::printf("%d of %d heads differ; exact scores: %lld of %lld eligible tokens; pruned rows: %lld\n", mismatches,
-        B * Hkv, static_cast<long long>(computed), static_cast<long long>(eligibleTotal),
-        static_cast<long long>(prunedRows));
+    std::printf("%d of %d heads differ; exact scores: %lld of %lld eligible tokens; pruned rows: %lld; rows past the "
+                "first round: %lld\n",
+        mismatches, B * Hkv, static_cast<long long>(computed), static_cast<long long>(eligibleTotal),
+        static_cast<long long>(prunedRows), static_cast<long long>(doubledRows));
     return mismatches == 0 ? 0 : 1;
 }

@@ -185,7 +185,7 @@ def test_pruned_row_kernel_equals_the_host_driver(cuda_lib, kind, m, seed):
 )
 def test_pruned_pipeline_keeps_the_host_driver_indices(cuda_lib, dtype, values, name, heads, kv_heads, n, budget,
                                                       kv_budget, layer):
-    """The CUDA pipeline's pruned stage 2 (launchL1Bounds, selectPrunedKernel) keeps exactly the host driver's indices.
+    """The CUDA pipeline's pruned stage 2 (launchL1Bounds, the pruned selection kernels) keeps exactly the host driver's indices.
     Keys are 0 so that the window attention is uniform on both (the attention kernels sum in another order than the
     host driver): stage 2 is then decided by the value norms, whose bounds and exact L1 norms the kernels compute with
     the host driver's functions and floats. `ties`: 3 distinct value rows per head, the lower index wins."""

@@ -6,11 +6,13 @@ chunks, reductions, barriers and indexing where nothing CUDA can run. The pruned
 (kernels/selection.cu, "pruned row") runs prunedStage2 (pruned_stage2.h) to the host
 driver's flags, count of exact scores and the unpruned kept set. The CUDA pipeline's pruned stage 2 (kernels/value_norms.cu
 "l1 bounds": the bound-terms and bound kernels' per-thread bodies; kernels/selection.cu "pruned pipeline": a KV head's
-two stages with the exact norms computed in the block) keeps the host driver's indices on whole layers."""
+two stages in three launches) keeps the host driver's indices on whole layers, and its kernels' PTX holds no fused
+multiply-add (which would change the device's floats)."""
 
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -100,6 +102,8 @@ def pipeline_emulator(tmp_path_factory):
         ("adakv", 1, 4, 2, 260, 16, 48, 8, 48, 0, "ties", 1),
         ("snapkv", 2, 4, 2, 260, 16, 48, 8, 64, 0, "near", 0),  # exact scores within the stop margin
         ("snapkv", 2, 4, 2, 300, 16, 48, 8, 40, 0, "mixed", 0),  # the best bounds are the wrong tokens: doubling rounds
+        ("snapkv", 2, 4, 2, 300, 16, 48, 8, 72, 0, "flat", 0),  # tight bounds: the first round (launch 2) settles it
+        ("adakv", 2, 4, 2, 300, 16, 48, 8, 72, 0, "flat", 1),
     ],
 )
 def test_pruned_pipeline_keeps_the_host_driver_indices(pipeline_emulator, base, batch, heads, kv_heads, n, head_dim,
@@ -110,5 +114,41 @@ def test_pruned_pipeline_keeps_the_host_driver_indices(pipeline_emulator, base, 
     assert f" of {batch * kv_heads} heads differ" in result.stdout and result.stdout.startswith("0 of"), result.stdout
     computed, eligible = re.search(r"exact scores: (\d+) of (\d+) eligible", result.stdout).groups()
     assert 0 < int(computed) <= int(eligible), result.stdout
-    if kind in ("random", "mixed"):  # the pruning happened: some rows stopped before computing every exact score
-        assert int(re.search(r"pruned rows: (\d+)", result.stdout).group(1)) > 0, result.stdout
+    pruned_rows = int(re.search(r"pruned rows: (\d+)", result.stdout).group(1))
+    doubled_rows = int(re.search(r"rows past the first round: (\d+)", result.stdout).group(1))
+    if kind in ("random", "mixed", "flat"):  # the pruning happened: some rows stopped before every exact score
+        assert pruned_rows > 0, result.stdout
+    if kind == "mixed":  # doubling rounds ran in the finishing block
+        assert doubled_rows > 0, result.stdout
+    if kind == "flat":  # the first candidates, scored by the grid-wide launch, sufficed
+        assert doubled_rows == 0, result.stdout
+
+
+PRUNED_KERNELS = {
+    "value_norms.cu": ("boundTermsKernel", "columnL1Kernel", "l1BoundsKernel"),
+    "selection.cu": ("groupScoresKernel", "prunedPrepareKernel", "prunedExactKernel", "prunedFinishKernel"),
+}
+
+
+@pytest.mark.parametrize("source", sorted(PRUNED_KERNELS))
+def test_pruned_kernels_fuse_no_multiply_add(tmp_path, source):
+    """The emulation runs the device code with g++ -ffp-contract=off; nvcc fuses a product into a following sum (FMA)
+    unless it is rounded on its own (multiplyRounded), which would make the device's bounds and exact norms differ
+    from the host driver's in the last bit. The PTX of the pruned stage 2's kernels holds no fma.rn.f32."""
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(nvcc).exists():
+        pytest.skip("nvcc not found")
+    ptx = tmp_path / "kernels.ptx"
+    result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-ptx", "-O3", f"-I{PLUGINS / 'include'}",
+                             str(PLUGINS / "kernels" / source), "-o", str(ptx)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    entries = re.split(r"(?=\.visible \.entry |\.weak \.entry |\.entry )", ptx.read_text())
+    seen = set()
+    for entry in entries:
+        name = re.match(r"\.(?:visible |weak )?\.?entry\s+(\S+)\(", entry)
+        kernel = next((k for k in PRUNED_KERNELS[source] if name and k in name.group(1)), None)
+        if kernel is None:
+            continue
+        seen.add(kernel)
+        assert "fma.rn.f32" not in entry, f"{name.group(1)} fuses a multiply-add"
+    assert seen == set(PRUNED_KERNELS[source]), seen
