@@ -465,6 +465,19 @@ int64_t selectHeadPruned(SelectConfig const& config, SelectShape const& s, HostI
 
 } // namespace
 
+void l1UpperBounds(SelectShape const& s, float const* values, float const* oProj, int32_t b, int32_t h,
+    int32_t count, float* out)
+{
+    BoundTerms const terms = boundTerms(s, oProj, h);
+    int32_t const d = s.headDim;
+    float const* v = values + (static_cast<int64_t>(b) * s.kvHeads + h / (s.heads / s.kvHeads)) * s.n * d;
+    for (int32_t i = 0; i < count; ++i)
+    {
+        out[i] = l1UpperBound(v + static_cast<int64_t>(i) * d, terms.gram.data(), terms.rowL1.data(), terms.colL1, d,
+            s.hidden);
+    }
+}
+
 int64_t massCount(float const* scores, uint8_t const* flags, int64_t len, int64_t period, int64_t firstValid,
     float limit)
 {

@@ -59,4 +59,10 @@ void windowScores(SelectConfig const& config, SelectShape const& s, HostInputs c
 void valueProjectionNorms(SelectShape const& shape, float const* values, float const* oProj, int32_t b, int32_t h,
     int32_t count, ValueNorm kind, float* out);
 
+//! The L1 upper bounds of CriticalKV's pruned stage 2 (pruned_stage2.h: l1UpperBoundOf) of query head h for tokens
+//! [0, count) of sequence b, from the weights-only terms the host driver computes: what the pipeline's bound
+//! kernels (launchL1Bounds) must give bit for bit. out: [count].
+void l1UpperBounds(SelectShape const& shape, float const* values, float const* oProj, int32_t b, int32_t h,
+    int32_t count, float* out);
+
 } // namespace criticalkv::host

@@ -139,7 +139,7 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
             // CriticalKV's pruned stage 2: L1 upper bounds here (norms), U = their group score (critical) in the
             // group-score kernel, exact norms for the candidates only in the pruned selection kernels.
             norms = at<float>(workspace, layout.norms);
-            status = launchL1Bounds(config, budget, t.promptLengths, shape, t.dtype, t.values, t.oProj, m,
+            status = launchL1Bounds(&config, budget, t.promptLengths, shape, t.dtype, t.values, t.oProj, m,
                 at<float>(workspace, layout.gram), at<float>(workspace, layout.rowL1), at<float>(workspace, layout.colL1),
                 norms, stream);
             if (status != cudaSuccess)

@@ -471,6 +471,7 @@ cudaError_t launchNormsTyped(NormArgs const& a, cudaStream_t stream)
 struct BoundArgs
 {
     SelectConfig config;
+    bool skipUncompressed;
     RuntimeBudget budget;
     int32_t const* promptLengths;
     SelectShape shape;
@@ -569,7 +570,8 @@ __global__ void __launch_bounds__(kBoundThreads) l1BoundsKernel(BoundArgs a)
 {
     int32_t const i = static_cast<int32_t>(blockIdx.x) * kBoundThreads + static_cast<int32_t>(threadIdx.x);
     int32_t const b = static_cast<int32_t>(blockIdx.z);
-    if (i >= a.numTokens || !sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b).compress)
+    if (i >= a.numTokens
+        || (a.skipUncompressed && !sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b).compress))
     {
         return;
     }
@@ -630,7 +632,7 @@ cudaError_t launchValueProjectionNorms(SelectConfig const* config, RuntimeBudget
     });
 }
 
-cudaError_t launchL1Bounds(SelectConfig const& config, RuntimeBudget budget, int32_t const* promptLengths,
+cudaError_t launchL1Bounds(SelectConfig const* config, RuntimeBudget budget, int32_t const* promptLengths,
     SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, float* gram,
     float* rowL1, float* colL1, float* bounds, cudaStream_t stream)
 {
@@ -644,7 +646,8 @@ cudaError_t launchL1Bounds(SelectConfig const& config, RuntimeBudget budget, int
     {
         return cudaSuccess;
     }
-    kernels::BoundArgs a{config, budget, promptLengths, shape, values, oProj, numTokens, gram, rowL1, colL1, bounds};
+    kernels::BoundArgs a{config != nullptr ? *config : SelectConfig{}, config != nullptr, budget, promptLengths, shape,
+        values, oProj, numTokens, gram, rowL1, colL1, bounds};
     return kernels::dispatchDType(dtype, [&](auto tag) { return kernels::launchL1BoundsTyped<decltype(tag)>(a, stream); });
 }
 

@@ -195,6 +195,28 @@ extern "C"
         return report(status, err, errLen);
     }
 
+    //! The pruned stage 2's L1 upper bounds out [B, H, numTokens] fp32 of every sequence (launchL1Bounds).
+    int32_t ckv_cuda_l1_bounds(int32_t const* shape, int32_t dtype, void const* values, void const* oProj,
+        int32_t numTokens, float* out, char* err, int32_t errLen)
+    {
+        SelectShape const s = toShape(shape);
+        size_t const heads = static_cast<size_t>(s.heads);
+        size_t const d = static_cast<size_t>(s.headDim);
+        DeviceBuffer gram;
+        DeviceBuffer rowL1;
+        DeviceBuffer colL1;
+        cudaError_t status = gram.allocate(heads * d * d * sizeof(float));
+        status = status == cudaSuccess ? rowL1.allocate(heads * d * sizeof(float)) : status;
+        status = status == cudaSuccess ? colL1.allocate(heads * sizeof(float)) : status;
+        if (status == cudaSuccess)
+        {
+            status = launchL1Bounds(nullptr, RuntimeBudget{}, nullptr, s, static_cast<DType>(dtype), values, oProj,
+                numTokens, static_cast<float*>(gram.ptr), static_cast<float*>(rowL1.ptr),
+                static_cast<float*>(colL1.ptr), out, nullptr);
+        }
+        return report(status, err, errLen);
+    }
+
     //! Window scores raw / squares [B, H, m] of the compressed sequences of the policy given by fields.
     int32_t ckv_cuda_window_scores(CkvField const* fields, int32_t count, int32_t const* shape, int32_t dtype,
         void const* queries, void const* keys, int32_t const* promptLengths, float* raw, float* squares, char* err,

@@ -182,6 +182,22 @@ extern "C"
         return prunedStage2(row, k, eligible, margin);
     }
 
+    //! The pruned stage 2's L1 upper bounds out [B, H, numTokens] (host::l1UpperBounds). shape = {B, H, H_kv, n,
+    //! queryLen, d_h, hidden}.
+    void ckv_host_l1_bounds(int32_t const* shape, float const* values, float const* oProj, int32_t numTokens,
+        float* out)
+    {
+        SelectShape const s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6]};
+        for (int32_t b = 0; b < s.batch; ++b)
+        {
+            for (int32_t h = 0; h < s.heads; ++h)
+            {
+                host::l1UpperBounds(s, values, oProj, b, h, numTokens,
+                    out + (static_cast<int64_t>(b) * s.heads + h) * numTokens);
+            }
+        }
+    }
+
     //! The whole operator on fp32 host arrays. shape = {B, H, H_kv, n, queryLen, d_h, hidden}; lengths and kvBudget
     //! may be nullptr; keptKeys / keptValues may be nullptr. Returns 0, or non-zero with the error in err.
     int32_t ckv_host_select_layer(CkvField const* fields, int32_t count, int32_t const* shape, float const* queries,

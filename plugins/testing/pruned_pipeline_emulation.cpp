@@ -242,7 +242,7 @@ int main(int argc, char** argv)
     std::vector<float> gram(size_t(H) * d * d), rowL1(size_t(H) * d), colL1(H);
     std::vector<float> attention(perKvHead, 0.0F), critical(perKvHead, 0.0F), exact(perKvHead, 0.0F);
     std::vector<uint8_t> flags(perKvHead, 0);
-    kernels::BoundArgs bounds{c, runtime, lengths.data(), s, v.data(), o.data(), m, gram.data(), rowL1.data(),
+    kernels::BoundArgs bounds{c, true, runtime, lengths.data(), s, v.data(), o.data(), m, gram.data(), rowL1.data(),
         colL1.data(), norms.data()};
     for (int h = 0; h < H; ++h) // boundTermsKernel: one thread per entry
     {

@@ -120,6 +120,8 @@ class HostLibrary:
         L.ckv_host_pruned_row.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64,
                                                                   ctypes.c_float]
         L.ckv_host_pruned_row.restype = ctypes.c_int64
+        L.ckv_host_l1_bounds.argtypes = [P(ctypes.c_int32)] + [ctypes.c_void_p] * 2 + [ctypes.c_int32, ctypes.c_void_p]
+        L.ckv_host_l1_bounds.restype = None
         L.ckv_host_select_layer.argtypes = (
             [P(CkvField), ctypes.c_int32, P(ctypes.c_int32)] + [ctypes.c_void_p] * 10 + [ctypes.c_char_p, ctypes.c_int32]
         )
@@ -198,6 +200,16 @@ class HostLibrary:
         done = self.lib.ckv_host_pruned_row(bound.data_ptr(), scores.data_ptr(), flags.data_ptr(), flags.numel(),
                                             valid_start, k, margin)
         return flags, int(done)
+
+    def l1_bounds(self, values, o_proj, num_heads: int, num_tokens: int | None = None):
+        """[B, H, num_tokens] the host driver's L1 upper bounds of the pruned stage 2 (fp32 inputs)."""
+        batch, kv_heads, n, head_dim = values.shape
+        num_tokens = n if num_tokens is None else num_tokens
+        shape = (ctypes.c_int32 * 7)(batch, num_heads, kv_heads, n, 0, head_dim, o_proj.shape[0])
+        values, o_proj = values.float().contiguous(), o_proj.float().contiguous()
+        out = torch.empty(batch, num_heads, num_tokens, dtype=torch.float32)
+        self.lib.ckv_host_l1_bounds(shape, values.data_ptr(), o_proj.data_ptr(), num_tokens, out.data_ptr())
+        return out
 
     # ---------------------------------------------------------------- the operator
     def select_layer(self, policy: KVPolicy, q, k, v, o, layer_idx=0, num_layers=1, capacity=None,
@@ -359,6 +371,10 @@ class CudaLibrary:
             [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 11
             + [ctypes.c_int64, ctypes.c_void_p]
         )
+        L.ckv_cuda_l1_bounds.argtypes = (
+            [P(ctypes.c_int32), ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+             ctypes.c_char_p, ctypes.c_int32]
+        )
         L.ckv_cuda_value_norms.argtypes = (
             [P(ctypes.c_int32), ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
              ctypes.c_void_p, ctypes.c_int32, P(ctypes.c_float), ctypes.c_char_p, ctypes.c_int32]
@@ -428,6 +444,20 @@ class CudaLibrary:
             indices.data_ptr(), workspace.data_ptr(),
             workspace.numel(), stream.cuda_stream,
         )
+
+    def l1_bounds(self, values, o_proj, num_heads: int, num_tokens: int | None = None):
+        """[B, H, num_tokens] fp32 L1 upper bounds of the pruned stage 2 from launchL1Bounds (CUDA tensors)."""
+        batch, kv_heads, n, head_dim = values.shape
+        num_tokens = n if num_tokens is None else num_tokens
+        shape = (ctypes.c_int32 * 7)(batch, num_heads, kv_heads, n, 0, head_dim, o_proj.shape[0])
+        out = torch.empty(batch, num_heads, num_tokens, dtype=torch.float32, device=values.device)
+        err = ctypes.create_string_buffer(512)
+        values, o_proj = values.contiguous(), o_proj.contiguous()
+        status = self.lib.ckv_cuda_l1_bounds(shape, _DTYPE_CODES[values.dtype], values.data_ptr(), o_proj.data_ptr(),
+                                             num_tokens, out.data_ptr(), err, 512)
+        if status != 0:
+            raise RuntimeError(err.value.decode())
+        return out
 
     def value_norms(self, values, o_proj, num_heads: int, num_tokens: int | None = None, kind: str = "l1",
                     iterations: int = 1, gram: bool = False):

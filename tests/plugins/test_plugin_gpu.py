@@ -171,6 +171,19 @@ def test_pruned_row_kernel_equals_the_host_driver(cuda_lib, kind, m, seed):
     assert done == want_done
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch, heads, kv_heads, n, head_dim, hidden", [(2, 8, 2, 300, 64, 256), (1, 4, 4, 130, 128, 1024),
+                                                                       (1, 3, 1, 77, 24, 40)])
+def test_l1_bounds_equal_the_host_driver(cuda_lib, dtype, batch, heads, kv_heads, n, head_dim, hidden):
+    """launchL1Bounds (Gram terms and bounds of the pruned stage 2) gives the host driver's bounds bit for bit (the
+    inputs widened to fp32 exactly): same functions, same order, no fused multiply-add."""
+    q, k, v, o = random_layer(batch=batch, heads=heads, kv_heads=kv_heads, n=n, head_dim=head_dim, hidden=hidden,
+                              window=8, seed=4, dtype=dtype)
+    want = HostLibrary().l1_bounds(v.float(), o.float(), heads)
+    got = cuda_lib.l1_bounds(v.cuda(), o.cuda(), heads)
+    assert torch.equal(got.cpu(), want), (got.cpu() - want).abs().max().item()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("values", ["random", "ties"])
 @pytest.mark.parametrize(

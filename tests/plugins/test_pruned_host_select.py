@@ -85,3 +85,22 @@ def test_host_pruned_row_keeps_the_unpruned_top_k(host_lib, kind, seed):
     want[topk_mask(torch.where(eligible, exact, torch.tensor(-float("inf"))), k) & eligible] = 2
     assert torch.equal(got, want), (kind, seed, k)
     assert k < done <= int(eligible.sum())
+
+
+@pytest.mark.parametrize("kind", ["random", "aligned", "flat", "mixed"])
+def test_host_l1_bounds_bound_the_norms_and_match_the_reference(host_lib, kind):
+    """host::l1UpperBounds (what the pipeline's bound kernels give bit for bit, tests/plugins/test_plugin_gpu.py) is an
+    upper bound of the exact L1 norm (fp64), tight where every output has the same magnitude, and equals the PyTorch
+    reference's bound up to fp32 rounding."""
+    q, k, v, o = adversarial(kind, *random_layer(batch=2, heads=6, kv_heads=2, n=200, head_dim=16, hidden=48, seed=7))
+    heads, d_h = q.shape[1], v.shape[3]
+    bounds = host_lib.l1_bounds(v, o, heads)
+    exact = torch.stack([(v[:, h // 3].double() @ head_output_projection(o, h, d_h).double()).abs().sum(-1)
+                         for h in range(heads)], 1)
+    margin = pruned.stop_margin(o.shape[0], heads // v.shape[1])
+    assert (exact <= bounds.double() * (1 + margin)).all(), kind
+    if kind == "flat":  # ||x||_1 = sqrt(d) ||x||_2: only the rounding terms separate the bound from the norm
+        assert (bounds.double() <= exact * (1 + 1e-4) + 1e-30).all()
+    reference = torch.stack([pruned.BoundTerms.of(head_output_projection(o, h, d_h)[None]).upper(v[:, h // 3])[:, 0]
+                             for h in range(heads)], 1)
+    torch.testing.assert_close(bounds, reference, rtol=1e-5, atol=1e-30)

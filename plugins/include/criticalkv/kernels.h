@@ -152,9 +152,9 @@ cudaError_t launchValueProjectionNorms(SelectConfig const* config, RuntimeBudget
 
 //! The L1 upper bounds of CriticalKV's pruned stage 2 (pruned_stage2.h: l1UpperBoundOf), bitwise the host driver's:
 //! gram [H, d_h, d_h], rowL1 [H, d_h], colL1 [H] from oProj (the weights-only terms, every launch), then
-//! bounds [B, H, numTokens] of the first numTokens tokens of every compressed sequence (uncompressed ones skipped).
-//! One thread per entry and per token, fp32 throughout.
-cudaError_t launchL1Bounds(SelectConfig const& config, RuntimeBudget budget, int32_t const* promptLengths,
+//! bounds [B, H, numTokens] of the first numTokens tokens of every sequence; when config is given, uncompressed
+//! sequences are skipped. One thread per entry and per token, fp32 throughout.
+cudaError_t launchL1Bounds(SelectConfig const* config, RuntimeBudget budget, int32_t const* promptLengths,
     SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, float* gram,
     float* rowL1, float* colL1, float* bounds, cudaStream_t stream);
 
