@@ -157,6 +157,31 @@ class _Body:
         tiny = g.Mul(d, g.const(TINY * (d_h + 2), np.float32))
         return g.Add(g.Add(g.Mul(g.Sqrt(d), l2), g.Mul(g.const(gamma(self.head_dim), np.float32), a)), tiny)
 
+    def group_upper_bounds(self, g: GraphBuilder, values_m: str) -> str:
+        """[B, H_kv, m] ``BoundTerms.group_upper``: an upper bound of the mean over each group's heads of the computed
+        ||v W_O^h||_1, through one quadratic form with the group's mean Gram matrix (G times cheaper than
+        ``l1_upper_bounds``)."""
+        d_h, group = self.head_dim, self.group
+        w = self.head_weights(g)  # [H, d_h, D]
+        d = self.hidden_float(g)
+        gram = g.reshape(g.MatMul(w, g.Transpose(w, perm=[0, 2, 1])), [self.kv_heads, group, d_h, d_h])
+        mean_gram = g.ReduceMean(gram, g.i64(1), keepdims=0)  # [H_kv, d_h, d_h]
+        q = g.Max(g.ReduceSum(g.Mul(g.MatMul(values_m, mean_gram), values_m), g.i64(-1), keepdims=0),
+                  g.const(0.0, np.float32))  # [B, H_kv, m]
+        absv = g.Abs(values_m)
+        row_l1 = g.reshape(g.ReduceL1(w, g.i64(2), keepdims=0), [self.kv_heads, group, d_h])
+        col_l1 = g.reshape(g.ReduceMax(g.ReduceL1(w, g.i64(1), keepdims=0), g.i64(1), keepdims=0),
+                           [self.kv_heads, group, 1])
+        sums = g.concat(g.ReduceMean(row_l1, g.i64(1), keepdims=1), g.ReduceMean(g.Mul(row_l1, col_l1), g.i64(1), keepdims=1),
+                        axis=1)  # [H_kv, 2, d_h]: mean_h s_h, mean_h c_h s_h
+        at = g.MatMul(absv, g.Transpose(sums, perm=[0, 2, 1]))  # [B, H_kv, m, 2]
+        a = g.squeeze(g.slice_axis(at, 0, 1, axis=3), 3)
+        b = g.Mul(g.squeeze(g.slice_axis(at, 1, 2, axis=3), 3), g.ReduceMax(absv, g.i64(-1), keepdims=0))
+        gamma2 = self.gamma(g, g.Add(d, g.const(2 * d_h + group + 3, np.float32)))
+        l2 = g.Sqrt(g.Add(q, g.Mul(gamma2, b)))
+        tiny = g.Mul(d, g.const(TINY * (d_h + 2), np.float32))
+        return g.Add(g.Add(g.Mul(g.Sqrt(d), l2), g.Mul(g.const(gamma(d_h), np.float32), a)), tiny)
+
     def stop_margin(self, g: GraphBuilder) -> str:
         """[1] float32 ``pruned.stop_margin(d, G)`` (d read from ``o_proj``)."""
         rho = g.Add(self.gamma(g, self.hidden_float(g)),
@@ -259,7 +284,10 @@ class _Body:
         query_pos = g.Add(g.Range(g.scalar(0), w_s, g.scalar(1)), m_s)
         causal = g.Greater(g.unsqueeze(pos, 0), g.unsqueeze(query_pos, 1))  # [w, n]
         padding = g.reshape(g.Not(valid), [0, 1, 1, 1, -1])  # [B, 1, 1, 1, n]
-        logits = g.Where(g.Or(causal, padding), g.const(FLOAT32_MIN, np.float32), logits)
+        # an additive mask [B, 1, 1, w, n]: FLOAT32_MIN + a finite logit rounds to FLOAT32_MIN, so this equals
+        # Where(mask, FLOAT32_MIN, logits) (the reference) at a third of its time on ONNX Runtime's CPU
+        bias = g.Where(g.Or(causal, padding), g.const(FLOAT32_MIN, np.float32), g.const(0.0, np.float32))
+        logits = g.Add(logits, bias)
         probs = g.slice_axis(g.Softmax(logits, axis=-1), 0, m, axis=4)  # [B, H_kv, G, w, m]
         raw = g.ReduceMean(probs, g.i64(3), keepdims=0)  # Ā [B, H_kv, G, m]
         # 2. pool over the older positions only
