@@ -288,8 +288,11 @@ class _Body:
         # Where(mask, FLOAT32_MIN, logits) (the reference) at a third of its time on ONNX Runtime's CPU
         bias = g.Where(g.Or(causal, padding), g.const(FLOAT32_MIN, np.float32), g.const(0.0, np.float32))
         logits = g.Add(logits, bias)
-        probs = g.slice_axis(g.Softmax(logits, axis=-1), 0, m, axis=4)  # [B, H_kv, G, w, m]
-        raw = g.ReduceMean(probs, g.i64(3), keepdims=0)  # Ā [B, H_kv, G, m]
+        softmax = g.Softmax(logits, axis=-1)
+        probs = g.slice_axis(softmax, 0, m, axis=4)  # [B, H_kv, G, w, m] (ONNX Runtime drops it when no method reads it)
+        # Ā [B, H_kv, G, m]: the mean over the window of every column, then the older columns (not a slice of probs:
+        # a copy of [B, H_kv, G, w, m] saved; each column's mean is the same sum)
+        raw = g.slice_axis(g.ReduceMean(softmax, g.i64(3), keepdims=0), 0, m, axis=3)
         # 2. pool over the older positions only
         pooled = raw
         if p.pool_kernel > 1:
@@ -304,7 +307,9 @@ class _Body:
         self.eligible = eligible  # [B, H_kv, m] bool, read by methods whose scores exclude the padding
         r_layer = g.Gather(ctx["layer_budgets"], g.Sub(ctx["budget"], g.scalar(p.window)))  # r_l at this budget
         r = g.Min(g.Max(g.Sub(lens, w), g.scalar(0)), r_layer)  # [B]: never more than the valid older tokens
-        values_m = g.slice_axis(ctx["values"], 0, m, axis=2)
+        values_m = g.slice_axis(ctx["values"], 0, m, axis=2)  # (dropped when no method reads it: see live_nodes)
+        self.values, self.older = ctx["values"], m  # every value [B, H_kv, n, d_h] and m [1]: a row-wise score of
+        # all n rows, then the first m, saves the copy of the older values
         # 3-4. the method's own scores and its refinement's
         for part in (method.base, method.refine):
             if part is not None:
@@ -391,6 +396,35 @@ def check_exportable(policy: KVPolicy, num_layers: int = 2) -> None:
         )
 
 
+def _names_read(node: onnx.NodeProto) -> set[str]:
+    """Every value ``node`` reads, its subgraphs' references to the outer scope included."""
+    names = {name for name in node.input if name}
+    for attribute in node.attribute:
+        for graph in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+            for inner in graph.node:
+                names |= _names_read(inner)
+            names |= {out.name for out in graph.output}
+    return names
+
+
+def live_nodes(nodes: list[onnx.NodeProto], outputs) -> list[onnx.NodeProto]:
+    """``nodes`` without those whose outputs nothing reads (ONNX ops have no side effects; ONNX Runtime runs a dead
+    node of a function body, e.g. a slice of the window attention that only some methods read)."""
+    nodes = list(nodes)
+    for node in nodes:  # the subgraphs first (an If branch only reads what its own nodes and outputs read)
+        for attribute in node.attribute:
+            for graph in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+                inner = live_nodes(list(graph.node), [out.name for out in graph.output])
+                del graph.node[:]
+                graph.node.extend(inner)
+    while True:
+        read = set(outputs).union(*(_names_read(n) for n in nodes))
+        kept = [n for n in nodes if any(o in read for o in n.output)]
+        if len(kept) == len(nodes):
+            return kept
+        nodes = kept
+
+
 def selection_function(policy: KVPolicy, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> onnx.FunctionProto:
     """The model-local function ``ai.criticalkv::CriticalKVSelect`` for ``policy`` and this attention shape."""
     check_exportable(policy, num_layers)
@@ -399,7 +433,7 @@ def selection_function(policy: KVPolicy, num_layers: int, num_heads: int, num_kv
     g = GraphBuilder("ckv/")
     _Body(g, policy, num_layers, num_heads, num_kv_heads, head_dim).build()
     return helper.make_function(
-        DOMAIN, OP_TYPE, list(INPUTS), list(OUTPUTS), g.nodes,
+        DOMAIN, OP_TYPE, list(INPUTS), list(OUTPUTS), live_nodes(g.nodes, OUTPUTS),
         opset_imports=[helper.make_opsetid("", OPSET)],
         attributes=list(KVPolicy.knob_names()) + list(LAYER_ATTRIBUTES),
         doc_string=f"CriticalKVSelect body generated for policy {policy.to_json()} (H={num_heads}, "

@@ -88,8 +88,9 @@ class TwoStage:
         p = body.policy
         attn = pooled if p.stage2_scores == "pooled" else raw
         if pruned.PRUNED and p.value_norm == "l1":  # the group bound now; the rest inside the stage-2 choice
-            body.stage2_inputs = (attn, values_m)
-            return {"critical_bound": self.onnx_combine_group_bound(body, g, attn, body.group_upper_bounds(g, values_m))}
+            body.stage2_inputs = (attn, body.values)  # rows are gathered at older positions < m
+            mean_bound = g.slice_axis(body.group_upper_bounds(g, body.values), 0, body.older, axis=2)
+            return {"critical_bound": self.onnx_combine_group_bound(body, g, attn, mean_bound)}
         return {"critical": self.onnx_combine(body, g, attn, body.value_norms(g, values_m, p.value_norm))}
 
     @staticmethod
@@ -124,11 +125,11 @@ class TwoStage:
         rest = g.And(eligible, g.Not(stage1))
         if "critical_bound" not in scores:
             return g.Or(stage1, body.topk_mask(g, scores["critical"], g.Sub(counts, first), rest))
-        attn, values_m = body.stage2_inputs
+        attn, values = body.stage2_inputs
         group = body.group
 
         def gather(gb, index):  # index [B, H_kv, c] -> (values [B, H_kv, c, d_h], attention [B, H_kv, G, c])
-            rows = gb.GatherND(values_m, gb.unsqueeze(index, -1), batch_dims=2)
+            rows = gb.GatherND(values, gb.unsqueeze(index, -1), batch_dims=2)
             shape = gb.concat(gb.shape_of(index, 0, 2), gb.i64(group), gb.shape_of(index, 2, 3))
             return rows, gb.GatherND(attn, gb.unsqueeze(gb.Expand(gb.unsqueeze(index, 2), shape), -1), batch_dims=3)
 
@@ -137,7 +138,7 @@ class TwoStage:
             return self.onnx_combine(body, gb, p, body.value_norms(gb, rows, "l1"))
 
         def full(gb):
-            return self.onnx_combine(body, gb, attn, body.value_norms(gb, values_m, "l1"))
+            return self.onnx_combine(body, gb, attn, body.value_norms(gb, gb.slice_axis(values, 0, body.older, axis=2), "l1"))
 
         # the per-head bound for the best PREFILTER_FACTOR k_max tokens by the group bound; each keeps the smaller
         k2 = g.Sub(counts, first)
