@@ -270,22 +270,27 @@ def pruned_stage2(bound: torch.Tensor, deferred: list[DeferredCritical], k: torc
 
 
 def norm_flops(n: int, budget: int, window: int, alpha: float, heads: int, head_dim: int, hidden: int,
-               candidate_factor: int = CANDIDATE_FACTOR) -> dict[str, float]:
+               candidate_factor: int = CANDIDATE_FACTOR, kv_heads: int | None = None,
+               prefilter_factor: int = PREFILTER_FACTOR) -> dict[str, float]:
     """Multiply-add FLOPs (2 per multiply-add) of one layer's stage-2 value norms for an n-token prompt, unpruned
     and pruned (first candidate round accepted; ``candidate_factor`` k candidates per KV head, each read by the G
     heads of its group). The Gram matrices are weights only (computed at export), not counted.
 
-    unpruned : 2 n H d_h d (the projection) + n H d (the |x| sums);  bound : n H (2 d_h^2 + 2 d_h) for v G v^T plus
-    about 4 n H d_h for the rounding terms;  exact : the unpruned formula over c = factor * k candidates.
+    unpruned : 2 n H d_h d (the projection) + n H d (the |x| sums);  bound : the group bound over every token,
+    n H_kv (2 d_h^2 + 6 d_h) (one quadratic form per KV head, plus its rounding terms), then the per-head bound over
+    the best ``prefilter_factor`` k tokens, (2 d_h^2 + 6 d_h) per token and query head;  exact : the unpruned
+    formula over c = factor * k candidates.
     """
     from criticalkv.selection.budget import stage1_count
 
+    kv_heads = heads if kv_heads is None else kv_heads
     m = n - window
     r = budget - window
     k = r - stage1_count(alpha, r)
     c = min(candidate_factor * k, m)
+    per_token = 2.0 * head_dim * head_dim + 6.0 * head_dim
     unpruned = 2.0 * m * heads * head_dim * hidden + m * heads * hidden
-    bound = m * heads * (2.0 * head_dim * head_dim + 6.0 * head_dim)
+    bound = m * kv_heads * per_token + min(prefilter_factor * k, m) * heads * per_token
     exact = 2.0 * c * heads * head_dim * hidden + c * heads * hidden
     return {"unpruned": unpruned, "bound": bound, "exact": exact, "pruned": bound + exact,
             "ratio": unpruned / (bound + exact), "candidates": c, "stage2_count": k}
