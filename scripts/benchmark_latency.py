@@ -394,7 +394,8 @@ def compare_unpruned(args, argv: list[str] | None) -> int:
     results["commit"] = git_commit()
     spec = model.config
     flops = norm_flops(args.prompt_len, args.budget, policy.window, policy.alpha, spec.num_attention_heads,
-                       spec.hidden_size // spec.num_attention_heads, spec.hidden_size)
+                       spec.hidden_size // spec.num_attention_heads, spec.hidden_size,
+                       kv_heads=spec.num_key_value_heads)
     results["norm_flops_per_layer"] = flops
     a, b = results["pruned"], results["unpruned"]
     results["summary"] = {

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from criticalkv.selection.pruned import norm_flops  # noqa: E402
 
-#: (name, layers, query heads, head dim, hidden)
-SHAPES = [("SmolLM2-135M", 30, 9, 64, 576), ("Llama-3-8B", 32, 32, 128, 4096)]
+#: (name, layers, query heads, KV heads, head dim, hidden)
+SHAPES = [("SmolLM2-135M", 30, 9, 3, 64, 576), ("Llama-3-8B", 32, 32, 8, 128, 4096)]
 
 
 def main(argv=None) -> int:
@@ -29,11 +29,11 @@ def main(argv=None) -> int:
     p.add_argument("--alpha", type=float, default=0.25, help="stage-1 fraction (default: 0.25)")
     args = p.parse_args(argv)
     print(f"# stage-2 value-norm GFLOPs per prefill, budget {args.budget}, window {args.window}, alpha {args.alpha}")
-    print("| model | prompt | unpruned | bound (Gram) | exact (candidates) | pruned | ratio |")
+    print("| model | prompt | unpruned | bound (group + per-head Gram) | exact (candidates) | pruned | ratio |")
     print("|---|---|---|---|---|---|---|")
-    for name, layers, heads, head_dim, hidden in SHAPES:
+    for name, layers, heads, kv_heads, head_dim, hidden in SHAPES:
         for n in (int(x) for x in args.prompt_lens.split(",")):
-            f = norm_flops(n, args.budget, args.window, args.alpha, heads, head_dim, hidden)
+            f = norm_flops(n, args.budget, args.window, args.alpha, heads, head_dim, hidden, kv_heads=kv_heads)
             g = {k: layers * v / 1e9 for k, v in f.items() if k in ("unpruned", "bound", "exact", "pruned")}
             print(f"| {name} | {n} | {g['unpruned']:.2f} | {g['bound']:.2f} | {g['exact']:.2f} | {g['pruned']:.2f} | "
                   f"{f['ratio']:.1f}x |")

@@ -52,16 +52,17 @@ class TwoStage:
 
     def group_scores(self, policy, inputs: GroupScoreInputs):
         from criticalkv.selection import pruned
-        from criticalkv.selection.pruned import BoundTerms, DeferredCritical, combine_critical
+        from criticalkv.selection.pruned import BoundTerms, DeferredCritical, combine_critical, combine_group_bound
 
         p = inputs.pooled if policy.stage2_scores == "pooled" else inputs.raw
         if pruned.PRUNED and policy.value_norm == "l1" and inputs.values is not None:
-            # the cheap upper bound for every token now; the exact score only for the candidates stage 2 needs
+            # the group bound for every token now; the per-head bound and the exact score only for the candidates
             w = inputs.w_heads
             values = inputs.values.float()
-            bound = combine_critical(p, BoundTerms.of(w).upper(values), policy.epsilon, policy.gqa_reduce)
+            terms = BoundTerms.of(w)
+            bound = combine_group_bound(p, terms.group_upper(values), policy.epsilon, policy.gqa_reduce)
             deferred = DeferredCritical(p, values, torch_cat_heads(w), policy.epsilon, policy.gqa_reduce,
-                                        lambda: inputs.norms("l1"))
+                                        lambda: inputs.norms("l1"), terms)
             return {"critical_bound": bound, "critical": deferred}
         return {"critical": combine_critical(p, inputs.norms(policy.value_norm), policy.epsilon, policy.gqa_reduce)}
 
@@ -86,9 +87,10 @@ class TwoStage:
 
         p = body.policy
         attn = pooled if p.stage2_scores == "pooled" else raw
-        if pruned.PRUNED and p.value_norm == "l1":  # the bound now; the exact scores inside the stage-2 choice
-            body.stage2_inputs = (attn, values_m)
-            return {"critical_bound": self.onnx_combine(body, g, attn, body.l1_upper_bounds(g, values_m))}
+        if pruned.PRUNED and p.value_norm == "l1":  # the group bound now; the rest inside the stage-2 choice
+            body.stage2_inputs = (attn, body.values)  # rows are gathered at older positions < m
+            mean_bound = g.slice_axis(body.group_upper_bounds(g, body.values), 0, body.older, axis=2)
+            return {"critical_bound": self.onnx_combine_group_bound(body, g, attn, mean_bound)}
         return {"critical": self.onnx_combine(body, g, attn, body.value_norms(g, values_m, p.value_norm))}
 
     @staticmethod
@@ -102,25 +104,53 @@ class TwoStage:
             return g.ReduceMean(g.Mul(g.Add(attn, eps), norms), g.i64(2), keepdims=0)
         return g.Mul(g.Add(g.ReduceMean(attn, g.i64(2), keepdims=0), eps), g.ReduceMean(norms, g.i64(2), keepdims=0))
 
+    @staticmethod
+    def onnx_combine_group_bound(body, g, attn, mean_bound):
+        """[B, H_kv, c] ``combine_group_bound``: attention [B, H_kv, G, c] and the group bound [B, H_kv, c]."""
+        import numpy as np
+
+        p = body.policy
+        eps = g.const(p.epsilon, np.float32)
+        if p.gqa_reduce == "mean":
+            return g.Mul(g.ReduceMax(g.Add(attn, eps), g.i64(2), keepdims=0), mean_bound)
+        return g.Mul(g.Add(g.ReduceMean(attn, g.i64(2), keepdims=0), eps), mean_bound)
+
     def onnx_choose(self, body, g, scores, counts, eligible):
+        import numpy as np
+
+        from criticalkv.selection import pruned
+
         first = body.stage1_count(g, counts)
         stage1 = body.topk_mask(g, scores["attention"], first, eligible)
         rest = g.And(eligible, g.Not(stage1))
         if "critical_bound" not in scores:
             return g.Or(stage1, body.topk_mask(g, scores["critical"], g.Sub(counts, first), rest))
-        attn, values_m = body.stage2_inputs
+        attn, values = body.stage2_inputs
         group = body.group
 
-        def exact(gb, index):  # index [B, H_kv, c] -> the exact scores [B, H_kv, c]
-            rows = gb.GatherND(values_m, gb.unsqueeze(index, -1), batch_dims=2)  # [B, H_kv, c, d_h]
+        def gather(gb, index):  # index [B, H_kv, c] -> (values [B, H_kv, c, d_h], attention [B, H_kv, G, c])
+            rows = gb.GatherND(values, gb.unsqueeze(index, -1), batch_dims=2)
             shape = gb.concat(gb.shape_of(index, 0, 2), gb.i64(group), gb.shape_of(index, 2, 3))
-            p = gb.GatherND(attn, gb.unsqueeze(gb.Expand(gb.unsqueeze(index, 2), shape), -1), batch_dims=3)  # [B, H_kv, G, c]
+            return rows, gb.GatherND(attn, gb.unsqueeze(gb.Expand(gb.unsqueeze(index, 2), shape), -1), batch_dims=3)
+
+        def exact(gb, index):  # index [B, H_kv, c] -> the exact scores [B, H_kv, c]
+            rows, p = gather(gb, index)
             return self.onnx_combine(body, gb, p, body.value_norms(gb, rows, "l1"))
 
         def full(gb):
-            return self.onnx_combine(body, gb, attn, body.value_norms(gb, values_m, "l1"))
+            return self.onnx_combine(body, gb, attn, body.value_norms(gb, gb.slice_axis(values, 0, body.older, axis=2), "l1"))
 
-        stage2 = body.pruned_topk(g, scores["critical_bound"], g.Sub(counts, first), rest, exact, full)
+        # the per-head bound for the best PREFILTER_FACTOR k_max tokens by the group bound; each keeps the smaller
+        k2 = g.Sub(counts, first)
+        kmax = g.Max(g.reshape(g.ReduceMax(k2, keepdims=0), [1]), g.i64(1))
+        bound = scores["critical_bound"]
+        keyed = g.Where(rest, bound, g.const(-np.inf, np.float32))
+        width = g.Min(g.Mul(kmax, g.i64(pruned.PREFILTER_FACTOR)), g.shape_of(bound, 2, 3))
+        top, index = g.op("TopK", keyed, width, outputs=2, axis=2, largest=1, sorted=1)
+        rows, p = gather(g, index)
+        tight = g.Min(self.onnx_combine(body, g, p, body.l1_upper_bounds(g, rows)), top)
+        bound = g.ScatterElements(bound, index, tight, axis=2)
+        stage2 = body.pruned_topk(g, bound, k2, rest, exact, full)
         return g.Or(stage1, stage2)
 
 

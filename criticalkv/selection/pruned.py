@@ -28,6 +28,9 @@ NORM_BLOCK = 64
 NORM_CALL_BLOCKS = 4
 #: First candidate count = CANDIDATE_FACTOR * k; it doubles until the stop rule holds.
 CANDIDATE_FACTOR = 2
+#: The per-head bound is computed for the best PREFILTER_FACTOR * k tokens by the group bound only (the others keep
+#: the group bound, looser but still an upper bound of C).
+PREFILTER_FACTOR = 6
 #: float32 unit roundoff (round to nearest)
 UNIT_ROUNDOFF = 2.0 ** -24
 #: Absolute slack for flushed subnormals (a product below the smallest normal float may read as 0).
@@ -91,6 +94,24 @@ class BoundTerms:
         l2 = (q + gamma(d + 2 * d_h + 2) * b).sqrt()
         return (d ** 0.5) * l2 + gamma(d_h) * a + TINY * d * (d_h + 2)
 
+    def group_upper(self, v: torch.Tensor) -> torch.Tensor:
+        """[..., c] upper bound of the mean over the k heads of the computed ||v W_O^h||_1 (up to ``stop_margin``),
+        from one quadratic form with the mean Gram matrix: k times cheaper than ``upper``.
+
+        mean_h ||x_h||_1 <= sqrt(d) mean_h ||x_h||_2 <= sqrt(d) sqrt(mean_h ||x_h||_2^2) (the square root is concave)
+        and mean_h ||x_h||_2^2 = v (mean_h G_h) v^T; the rounding terms are the heads' means (a-bar = |v| . mean_h s_h,
+        b-bar = max|v| |v| . mean_h c_h s_h), the Gram path's gamma counting the mean's k + 1 extra operations.
+        """
+        d_h = v.shape[-1]
+        d, k = self.hidden, self.gram.shape[0]
+        mean_gram = self.gram.mean(0)
+        q = ((v @ mean_gram) * v).sum(-1).clamp_min(0)
+        absv = v.abs()
+        a = absv @ self.row_l1.mean(0)
+        b = (absv @ (self.col_l1[:, None] * self.row_l1).mean(0)) * absv.amax(-1)
+        l2 = (q + gamma(d + 2 * d_h + k + 3) * b).sqrt()
+        return (d ** 0.5) * l2 + gamma(d_h) * a + TINY * d * (d_h + 2)
+
 
 def l1_norms_rows(rows: torch.Tensor, w_cat: torch.Tensor, heads: int) -> torch.Tensor:
     """||row W_O^h||_1 for every row and head, in fixed-shape GEMMs: [R, heads] fp32.
@@ -122,6 +143,15 @@ def combine_critical(p: torch.Tensor, norms: torch.Tensor, epsilon: float, gqa_r
     return (p.mean(dim=-2) + epsilon) * norms.mean(dim=-2)  # kvpress: product of the means
 
 
+def combine_group_bound(p: torch.Tensor, mean_bound: torch.Tensor, epsilon: float, gqa_reduce: str) -> torch.Tensor:
+    """[..., c] upper bound of C from the heads' attention P [..., G, c] and ``group_upper`` [..., c]:
+    mean_h (P_h + eps) N_h <= max_h (P_h + eps) mean_h N_h (``gqa_reduce=mean``); kvpress' C is already a product
+    with mean_h N_h."""
+    if gqa_reduce == "mean":
+        return (p + epsilon).amax(dim=-2) * mean_bound
+    return (p.mean(dim=-2) + epsilon) * mean_bound
+
+
 @dataclass
 class DeferredCritical:
     """CriticalKV's stage-2 score of one KV group, computed on demand (for some tokens or all).
@@ -136,12 +166,18 @@ class DeferredCritical:
     epsilon: float
     gqa_reduce: str
     full_norms: object
+    terms: BoundTerms | None = None
 
     def rows(self, b: int, index: torch.Tensor) -> torch.Tensor:
         """C of sequence ``b`` at the older positions ``index`` [c] (int64): [c] fp32."""
         group = self.p.shape[1]
         norms = l1_norms_rows(self.values[b, index], self.w_cat, group).t()  # [G, c]
         return combine_critical(self.p[b][:, index], norms, self.epsilon, self.gqa_reduce)
+
+    def head_bounds(self, b: int, index: torch.Tensor) -> torch.Tensor:
+        """U of sequence ``b`` at ``index`` [c] from the per-head bounds (``BoundTerms.upper``): [c] fp32."""
+        return combine_critical(self.p[b][:, index], self.terms.upper(self.values[b, index]), self.epsilon,
+                                self.gqa_reduce)
 
     def full(self) -> torch.Tensor:
         """C of every older token: [B, m]."""
@@ -170,11 +206,14 @@ class PruningStats:
 STATS = PruningStats()
 
 
-def pruned_topk_row(bound: torch.Tensor, exact, k: int, eligible: torch.Tensor, margin: float) -> tuple[torch.Tensor, int, int]:
+def pruned_topk_row(bound: torch.Tensor, exact, k: int, eligible: torch.Tensor, margin: float,
+                    refine=None) -> tuple[torch.Tensor, int, int]:
     """The ``topk_mask`` of the exact scores of one head, computing ``exact`` for as few tokens as the bound allows.
 
     bound : [m] upper bounds (fp32); exact : index [c] -> [c] exact scores; k : count; eligible : [m] bool;
-    margin : ``stop_margin``. Returns (mask [m] bool, exact scores computed, rounds).
+    margin : ``stop_margin``; refine : index [c] -> [c] tighter upper bounds, computed for the best
+    ``PREFILTER_FACTOR * k`` tokens by ``bound`` (each token keeps the smaller of its two bounds).
+    Returns (mask [m] bool, exact scores computed, rounds).
     """
     from criticalkv.selection.topk import topk_mask
 
@@ -186,6 +225,9 @@ def pruned_topk_row(bound: torch.Tensor, exact, k: int, eligible: torch.Tensor, 
     if k >= count:  # every eligible token is kept, whatever its score
         return eligible.clone(), 0, 0
     keyed = bound.masked_fill(~eligible, float("-inf"))
+    if refine is not None:  # both are upper bounds of C: their minimum is one too
+        top = torch.topk(keyed, min(PREFILTER_FACTOR * k, count)).indices
+        keyed[top] = torch.minimum(keyed[top], refine(top))
     order = torch.sort(keyed, descending=True, stable=True).indices[:count]  # eligible tokens, best bound first
     c = min(CANDIDATE_FACTOR * k, count)
     full = torch.full((m,), float("-inf"), dtype=torch.float32, device=bound.device)
@@ -217,8 +259,9 @@ def pruned_stage2(bound: torch.Tensor, deferred: list[DeferredCritical], k: torc
     computed = rounds = 0
     for b in range(batch):
         for g in range(heads):
+            refine = None if deferred[g].terms is None else (lambda idx, b=b, g=g: deferred[g].head_bounds(b, idx))
             mask, c, r = pruned_topk_row(bound[b, g], lambda idx, b=b, g=g: deferred[g].rows(b, idx), int(k[b, g]),
-                                         eligible[b, g], margin)
+                                         eligible[b, g], margin, refine)
             out[b, g] = mask
             computed += c
             rounds = max(rounds, r)
@@ -227,22 +270,27 @@ def pruned_stage2(bound: torch.Tensor, deferred: list[DeferredCritical], k: torc
 
 
 def norm_flops(n: int, budget: int, window: int, alpha: float, heads: int, head_dim: int, hidden: int,
-               candidate_factor: int = CANDIDATE_FACTOR) -> dict[str, float]:
+               candidate_factor: int = CANDIDATE_FACTOR, kv_heads: int | None = None,
+               prefilter_factor: int = PREFILTER_FACTOR) -> dict[str, float]:
     """Multiply-add FLOPs (2 per multiply-add) of one layer's stage-2 value norms for an n-token prompt, unpruned
     and pruned (first candidate round accepted; ``candidate_factor`` k candidates per KV head, each read by the G
     heads of its group). The Gram matrices are weights only (computed at export), not counted.
 
-    unpruned : 2 n H d_h d (the projection) + n H d (the |x| sums);  bound : n H (2 d_h^2 + 2 d_h) for v G v^T plus
-    about 4 n H d_h for the rounding terms;  exact : the unpruned formula over c = factor * k candidates.
+    unpruned : 2 n H d_h d (the projection) + n H d (the |x| sums);  bound : the group bound over every token,
+    n H_kv (2 d_h^2 + 6 d_h) (one quadratic form per KV head, plus its rounding terms), then the per-head bound over
+    the best ``prefilter_factor`` k tokens, (2 d_h^2 + 6 d_h) per token and query head;  exact : the unpruned
+    formula over c = factor * k candidates.
     """
     from criticalkv.selection.budget import stage1_count
 
+    kv_heads = heads if kv_heads is None else kv_heads
     m = n - window
     r = budget - window
     k = r - stage1_count(alpha, r)
     c = min(candidate_factor * k, m)
+    per_token = 2.0 * head_dim * head_dim + 6.0 * head_dim
     unpruned = 2.0 * m * heads * head_dim * hidden + m * heads * hidden
-    bound = m * heads * (2.0 * head_dim * head_dim + 6.0 * head_dim)
+    bound = m * kv_heads * per_token + min(prefilter_factor * k, m) * heads * per_token
     exact = 2.0 * c * heads * head_dim * hidden + c * heads * hidden
     return {"unpruned": unpruned, "bound": bound, "exact": exact, "pruned": bound + exact,
             "ratio": unpruned / (bound + exact), "candidates": c, "stage2_count": k}

@@ -122,6 +122,10 @@ def test_the_bound_holds_for_computed_norms(kind):
     assert (ratio <= 1 + stop_margin(d, 2)).all(), float(ratio.max())
     if kind == "flat":
         assert ratio.max() > 0.999  # the adversarial case does reach the bound
+    # the group bound (one quadratic form with the mean Gram matrix) bounds the heads' mean computed norm
+    group_ratio = exact.mean(0) / BoundTerms.of(w).group_upper(v)
+    assert (group_ratio <= 1 + stop_margin(d, 2)).all(), float(group_ratio.max())
+    assert (BoundTerms.of(w).group_upper(v) >= bound.mean(0) * (1 - 1e-6)).all()  # never tighter than the heads'
 
 
 def test_stop_rule_rows_match_topk_on_ties_and_near_ties():
