@@ -567,7 +567,7 @@ __device__ int64_t prunedFinish(PrunedPipelineArgs const& a, int32_t b, int32_t 
 // END pruned pipeline
 
 //! prunedStage2 run by one block on precomputed exact scores `scores` (exact: [m] scratch; done: how many got their
-//! exact score). Not launched by the pipeline yet (launchPrunedRow: the GPU tests).
+//! exact score). For the GPU tests (launchPrunedRow); the pipeline runs the same executor in prunedFinishKernel.
 __global__ void __launch_bounds__(kSelectThreads) prunedRowKernel(float const* bound, float const* scores,
     float* exact, uint8_t* flags, int32_t m, int32_t validStart, int64_t k, int64_t eligible, float margin,
     int64_t* done)
