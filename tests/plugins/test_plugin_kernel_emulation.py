@@ -98,6 +98,7 @@ def pipeline_emulator(tmp_path_factory):
         ("snapkv", 2, 4, 2, 240, 16, 64, 8, 96, 40, "random", 2),  # a runtime budget below the built one, kvpress reduce
         ("pyramidkv", 2, 4, 1, 280, 16, 48, 8, 64, 48, "random", 3),  # r_l from the table at a runtime budget, raw P
         ("adakv", 2, 6, 2, 300, 16, 48, 8, 64, 0, "random", 4),  # each head's share of the shared allocation
+        ("adakv", 3, 4, 2, 200, 16, 48, 8, 100, 96, "random", 7),  # the third sequence (94 tokens <= b = 96) kept whole
         ("snapkv", 2, 4, 2, 260, 16, 48, 8, 64, 0, "ties", 0),  # exact-score ties: the lower index wins
         ("adakv", 1, 4, 2, 260, 16, 48, 8, 48, 0, "ties", 1),
         ("snapkv", 2, 4, 2, 260, 16, 48, 8, 64, 0, "near", 0),  # exact scores within the stop margin
