@@ -87,9 +87,10 @@ class TwoStage:
 
         p = body.policy
         attn = pooled if p.stage2_scores == "pooled" else raw
-        if pruned.PRUNED and p.value_norm == "l1":  # bounds and exact scores inside the stage-2 choice
+        if pruned.PRUNED and p.value_norm == "l1":  # the group bound now; the rest inside the stage-2 choice
             body.stage2_inputs = (attn, body.values)  # rows are gathered at older positions < m
-            return {"critical_bound": attn}  # (a marker: onnx_choose computes the bounds it needs)
+            mean_bound = g.slice_axis(body.group_upper_bounds(g, body.values), 0, body.older, axis=2)
+            return {"critical_bound": self.onnx_combine_group_bound(body, g, attn, mean_bound)}
         return {"critical": self.onnx_combine(body, g, attn, body.value_norms(g, values_m, p.value_norm))}
 
     @staticmethod
@@ -139,29 +140,16 @@ class TwoStage:
         def full(gb):
             return self.onnx_combine(body, gb, attn, body.value_norms(gb, gb.slice_axis(values, 0, body.older, axis=2), "l1"))
 
-        # the bound: if the best PREFILTER_FACTOR k_max tokens are fewer than the older ones, the group bound U' of
-        # every token and the per-head U of those (each keeps the smaller); else U of every token (short prompts)
-        from criticalkv.export.graph import FLOAT, value_info
-
+        # the per-head bound for the best PREFILTER_FACTOR k_max tokens by the group bound; each keeps the smaller
         k2 = g.Sub(counts, first)
         kmax = g.Max(g.reshape(g.ReduceMax(k2, keepdims=0), [1]), g.i64(1))
-        m = g.shape_of(attn, 3, 4)
-        width = g.Min(g.Mul(kmax, g.i64(pruned.PREFILTER_FACTOR)), m)
-        refined = g.child()
-        group_bound = self.onnx_combine_group_bound(
-            body, refined, attn, refined.slice_axis(body.group_upper_bounds(refined, values), 0, body.older, axis=2))
-        keyed = refined.Where(rest, group_bound, refined.const(-np.inf, np.float32))
-        top, index = refined.op("TopK", keyed, width, outputs=2, axis=2, largest=1, sorted=1)
-        rows, p = gather(refined, index)
-        tight = refined.Min(self.onnx_combine(body, refined, p, body.l1_upper_bounds(refined, rows)), top)
-        refined_bound = refined.ScatterElements(group_bound, index, tight, axis=2)
-        every = g.child()
-        every_bound = self.onnx_combine(body, every, attn,
-                                        body.l1_upper_bounds(every, every.slice_axis(values, 0, body.older, axis=2)))
-        bound = g.op("If", g.squeeze(g.Less(width, m), 0),
-                     then_branch=refined.graph("bound_refined", [], [value_info(refined_bound, FLOAT, None)]),
-                     else_branch=every.graph("bound_every", [], [value_info(every_bound, FLOAT, None)]),
-                     hint="stage2_bound")
+        bound = scores["critical_bound"]
+        keyed = g.Where(rest, bound, g.const(-np.inf, np.float32))
+        width = g.Min(g.Mul(kmax, g.i64(pruned.PREFILTER_FACTOR)), g.shape_of(bound, 2, 3))
+        top, index = g.op("TopK", keyed, width, outputs=2, axis=2, largest=1, sorted=1)
+        rows, p = gather(g, index)
+        tight = g.Min(self.onnx_combine(body, g, p, body.l1_upper_bounds(g, rows)), top)
+        bound = g.ScatterElements(bound, index, tight, axis=2)
         stage2 = body.pruned_topk(g, bound, k2, rest, exact, full)
         return g.Or(stage1, stage2)
 
