@@ -13,23 +13,9 @@
 #include <thread>
 #include <vector>
 
-struct ThreadIndex
-{
-    unsigned x, y, z;
-};
-thread_local ThreadIndex threadIdx;
-std::barrier<>* gBarrier = nullptr;
-#define __device__
-#define __forceinline__ inline
-#define __syncthreads() gBarrier->arrive_and_wait()
+#include "cuda_emulation.h"
 
 #include "criticalkv/defensive.h"
-
-template <typename T>
-T atomicAdd(T* address, T value)
-{
-    return std::atomic_ref<T>(*address).fetch_add(value);
-}
 
 namespace criticalkv::kernels
 {

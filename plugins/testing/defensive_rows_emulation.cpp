@@ -21,18 +21,7 @@ inline float2 make_float2(float a, float b)
 {
     return {a, b};
 }
-struct ThreadIndex
-{
-    unsigned x, y, z;
-};
-thread_local ThreadIndex threadIdx, blockIdx;
-std::barrier<>* gBarrier = nullptr;
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(x)
-#define __shared__
-#define __syncthreads() gBarrier->arrive_and_wait()
+#include "cuda_emulation.h"
 
 #include "criticalkv/defensive.h"
 

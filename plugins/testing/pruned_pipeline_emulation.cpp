@@ -25,17 +25,7 @@
 #include <thread>
 #include <vector>
 
-struct ThreadIndex
-{
-    unsigned x, y, z;
-};
-thread_local ThreadIndex threadIdx, blockIdx;
-std::barrier<>* gBarrier = nullptr;
-#define __device__
-#define __global__
-#define __forceinline__ inline
-#define __launch_bounds__(x)
-#define __syncthreads() gBarrier->arrive_and_wait()
+#include "cuda_emulation.h"
 
 #include "select_host.h"
 
@@ -44,12 +34,6 @@ std::barrier<>* gBarrier = nullptr;
 #include "criticalkv/pruned_stage2.h"
 #include "criticalkv/radix_select.h"
 #include "criticalkv/shared_allocation.h"
-
-template <typename T>
-T atomicAdd(T* address, T value)
-{
-    return std::atomic_ref<T>(*address).fetch_add(value);
-}
 
 namespace criticalkv::kernels
 {

@@ -16,25 +16,11 @@
 #include <thread>
 #include <vector>
 
-struct ThreadIndex
-{
-    unsigned x, y, z;
-};
-thread_local ThreadIndex threadIdx;
-std::barrier<>* gBarrier = nullptr;
-#define __device__
-#define __forceinline__ inline
-#define __syncthreads() gBarrier->arrive_and_wait()
+#include "cuda_emulation.h"
 
 #include "pruned_row_host.h"
 
 #include "criticalkv/radix_select.h"
-
-template <typename T>
-T atomicAdd(T* address, T value)
-{
-    return std::atomic_ref<T>(*address).fetch_add(value);
-}
 
 namespace criticalkv::kernels
 {
