@@ -121,13 +121,21 @@ class _Body:
         """[H, d_h, D]: W_O^h of every query head."""
         return g.Transpose(g.reshape(self.o_proj, [-1, self.heads, self.head_dim]), perm=[1, 2, 0])
 
+    def bound_terms(self, g: GraphBuilder) -> tuple[str, str, str]:
+        """Weights-only terms of the bounds (``pruned.BoundTerms``), per KV group and head: G_h = W_O^h W_O^h^T
+        [H_kv, G, d_h, d_h], s_h = row L1 sums [H_kv, G, d_h], c_h = the largest column L1 sum [H_kv, G, 1]."""
+        d_h = self.head_dim
+        w = self.head_weights(g)  # [H, d_h, D]
+        gram = g.reshape(g.MatMul(w, g.Transpose(w, perm=[0, 2, 1])), [self.kv_heads, self.group, d_h, d_h])
+        row_l1 = g.reshape(g.ReduceL1(w, g.i64(2), keepdims=0), [self.kv_heads, self.group, d_h])
+        col_l1 = g.reshape(g.ReduceMax(g.ReduceL1(w, g.i64(1), keepdims=0), g.i64(1), keepdims=0),
+                           [self.kv_heads, self.group, 1])
+        return gram, row_l1, col_l1
+
     def gram_quadratic(self, g: GraphBuilder, values_m: str) -> str:
         """[B, H_kv, G, m] fl(v G_h v^T) through the Gram matrices G_h = W_O^h W_O^h^T [d_h, d_h] (weights only)."""
-        d = self.head_dim
-        w = self.head_weights(g)
-        gram = g.reshape(g.MatMul(w, g.Transpose(w, perm=[0, 2, 1])), [self.kv_heads, self.group, d, d])
         v = g.unsqueeze(values_m, 2)  # [B, H_kv, 1, m, d_h]
-        return g.ReduceSum(g.Mul(g.MatMul(v, gram), v), g.i64(-1), keepdims=0)
+        return g.ReduceSum(g.Mul(g.MatMul(v, self.bound_terms(g)[0]), v), g.i64(-1), keepdims=0)
 
     # ------------------------------------------------------------------ pruned stage 2 (criticalkv/selection/pruned.py)
     def hidden_float(self, g: GraphBuilder) -> str:
@@ -139,48 +147,39 @@ class _Body:
         ku = g.Mul(k, g.const(UNIT_ROUNDOFF, np.float32))
         return g.Div(ku, g.Sub(g.const(1.0, np.float32), ku))
 
-    def l1_upper_bounds(self, g: GraphBuilder, values_m: str) -> str:
-        """[B, H_kv, G, m] ``BoundTerms.upper``: an upper bound of every computed ||v W_O^h||_1 (up to the margin)."""
-        w = self.head_weights(g)  # [H, d_h, D]
+    def l1_bound_from(self, g: GraphBuilder, q: str, a: str, b: str, extra_ops: int) -> str:
+        """sqrt(d) sqrt(max(q, 0) + gamma_{d + 2 d_h + 2 + extra_ops} b) + gamma_{d_h} a + the subnormal slack: the
+        bound of ``BoundTerms`` from a computed Gram form q and its rounding terms a and b (any common shape)."""
         d = self.hidden_float(g)
         d_h = float(self.head_dim)
-        q = g.Max(self.gram_quadratic(g, values_m), g.const(0.0, np.float32))
-        absv = g.Abs(values_m)  # [B, H_kv, m, d_h]
-        row_l1 = g.Transpose(g.reshape(g.ReduceL1(w, g.i64(2), keepdims=0), [self.kv_heads, self.group, self.head_dim]),
-                             perm=[0, 2, 1])  # [H_kv, d_h, G]
-        a = g.Transpose(g.MatMul(absv, row_l1), perm=[0, 1, 3, 2])  # [B, H_kv, G, m]
-        col_l1 = g.reshape(g.ReduceMax(g.ReduceL1(w, g.i64(1), keepdims=0), g.i64(1), keepdims=0),
-                           [1, self.kv_heads, self.group, 1])
-        b = g.Mul(g.Mul(a, g.unsqueeze(g.ReduceMax(absv, g.i64(-1), keepdims=0), 2)), col_l1)
-        gamma2 = self.gamma(g, g.Add(d, g.const(2 * d_h + 2, np.float32)))
+        q = g.Max(q, g.const(0.0, np.float32))
+        gamma2 = self.gamma(g, g.Add(d, g.const(2 * d_h + 2 + extra_ops, np.float32)))
         l2 = g.Sqrt(g.Add(q, g.Mul(gamma2, b)))
         tiny = g.Mul(d, g.const(TINY * (d_h + 2), np.float32))
         return g.Add(g.Add(g.Mul(g.Sqrt(d), l2), g.Mul(g.const(gamma(self.head_dim), np.float32), a)), tiny)
+
+    def l1_upper_bounds(self, g: GraphBuilder, values_m: str) -> str:
+        """[B, H_kv, G, m] ``BoundTerms.upper``: an upper bound of every computed ||v W_O^h||_1 (up to the margin)."""
+        _, row_l1, col_l1 = self.bound_terms(g)
+        absv = g.Abs(values_m)  # [B, H_kv, m, d_h]
+        a = g.Transpose(g.MatMul(absv, g.Transpose(row_l1, perm=[0, 2, 1])), perm=[0, 1, 3, 2])  # [B, H_kv, G, m]
+        b = g.Mul(g.Mul(a, g.unsqueeze(g.ReduceMax(absv, g.i64(-1), keepdims=0), 2)), g.unsqueeze(col_l1, 0))
+        return self.l1_bound_from(g, self.gram_quadratic(g, values_m), a, b, 0)
 
     def group_upper_bounds(self, g: GraphBuilder, values_m: str) -> str:
         """[B, H_kv, m] ``BoundTerms.group_upper``: an upper bound of the mean over each group's heads of the computed
         ||v W_O^h||_1, through one quadratic form with the group's mean Gram matrix (G times cheaper than
         ``l1_upper_bounds``)."""
-        d_h, group = self.head_dim, self.group
-        w = self.head_weights(g)  # [H, d_h, D]
-        d = self.hidden_float(g)
-        gram = g.reshape(g.MatMul(w, g.Transpose(w, perm=[0, 2, 1])), [self.kv_heads, group, d_h, d_h])
+        gram, row_l1, col_l1 = self.bound_terms(g)
         mean_gram = g.ReduceMean(gram, g.i64(1), keepdims=0)  # [H_kv, d_h, d_h]
-        q = g.Max(g.ReduceSum(g.Mul(g.MatMul(values_m, mean_gram), values_m), g.i64(-1), keepdims=0),
-                  g.const(0.0, np.float32))  # [B, H_kv, m]
+        q = g.ReduceSum(g.Mul(g.MatMul(values_m, mean_gram), values_m), g.i64(-1), keepdims=0)  # [B, H_kv, m]
         absv = g.Abs(values_m)
-        row_l1 = g.reshape(g.ReduceL1(w, g.i64(2), keepdims=0), [self.kv_heads, group, d_h])
-        col_l1 = g.reshape(g.ReduceMax(g.ReduceL1(w, g.i64(1), keepdims=0), g.i64(1), keepdims=0),
-                           [self.kv_heads, group, 1])
         sums = g.concat(g.ReduceMean(row_l1, g.i64(1), keepdims=1), g.ReduceMean(g.Mul(row_l1, col_l1), g.i64(1), keepdims=1),
                         axis=1)  # [H_kv, 2, d_h]: mean_h s_h, mean_h c_h s_h
         at = g.MatMul(absv, g.Transpose(sums, perm=[0, 2, 1]))  # [B, H_kv, m, 2]
         a = g.squeeze(g.slice_axis(at, 0, 1, axis=3), 3)
         b = g.Mul(g.squeeze(g.slice_axis(at, 1, 2, axis=3), 3), g.ReduceMax(absv, g.i64(-1), keepdims=0))
-        gamma2 = self.gamma(g, g.Add(d, g.const(2 * d_h + group + 3, np.float32)))
-        l2 = g.Sqrt(g.Add(q, g.Mul(gamma2, b)))
-        tiny = g.Mul(d, g.const(TINY * (d_h + 2), np.float32))
-        return g.Add(g.Add(g.Mul(g.Sqrt(d), l2), g.Mul(g.const(gamma(d_h), np.float32), a)), tiny)
+        return self.l1_bound_from(g, q, a, b, self.group + 1)
 
     def stop_margin(self, g: GraphBuilder) -> str:
         """[1] float32 ``pruned.stop_margin(d, G)`` (d read from ``o_proj``)."""

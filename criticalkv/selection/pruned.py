@@ -85,13 +85,16 @@ class BoundTerms:
 
     def upper(self, v: torch.Tensor) -> torch.Tensor:
         """[..., k, c] upper bound of the computed ||v W_O^h||_1 (up to ``stop_margin``), ``v`` [..., c, d_h] fp32."""
-        d_h = v.shape[-1]
-        d = self.hidden
-        q = self.squared_l2(v).clamp_min(0)
         absv = v.abs()
         a = (absv @ self.row_l1.t()).transpose(-1, -2)  # [..., k, c]
         b = a * absv.amax(-1).unsqueeze(-2) * self.col_l1[:, None]
-        l2 = (q + gamma(d + 2 * d_h + 2) * b).sqrt()
+        return self.l1_from(self.squared_l2(v), a, b, v.shape[-1], 0)
+
+    def l1_from(self, q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, d_h: int, extra_ops: int) -> torch.Tensor:
+        """sqrt(d) sqrt(max(q, 0) + gamma_{d + 2 d_h + 2 + extra_ops} b) + gamma_{d_h} a + the subnormal slack: the
+        bound from a computed Gram form q and its rounding terms a and b."""
+        d = self.hidden
+        l2 = (q.clamp_min(0) + gamma(d + 2 * d_h + 2 + extra_ops) * b).sqrt()
         return (d ** 0.5) * l2 + gamma(d_h) * a + TINY * d * (d_h + 2)
 
     def group_upper(self, v: torch.Tensor) -> torch.Tensor:
@@ -102,15 +105,11 @@ class BoundTerms:
         and mean_h ||x_h||_2^2 = v (mean_h G_h) v^T; the rounding terms are the heads' means (a-bar = |v| . mean_h s_h,
         b-bar = max|v| |v| . mean_h c_h s_h), the Gram path's gamma counting the mean's k + 1 extra operations.
         """
-        d_h = v.shape[-1]
-        d, k = self.hidden, self.gram.shape[0]
-        mean_gram = self.gram.mean(0)
-        q = ((v @ mean_gram) * v).sum(-1).clamp_min(0)
+        q = ((v @ self.gram.mean(0)) * v).sum(-1)
         absv = v.abs()
         a = absv @ self.row_l1.mean(0)
         b = (absv @ (self.col_l1[:, None] * self.row_l1).mean(0)) * absv.amax(-1)
-        l2 = (q + gamma(d + 2 * d_h + k + 3) * b).sqrt()
-        return (d ** 0.5) * l2 + gamma(d_h) * a + TINY * d * (d_h + 2)
+        return self.l1_from(q, a, b, v.shape[-1], self.gram.shape[0] + 1)
 
 
 def l1_norms_rows(rows: torch.Tensor, w_cat: torch.Tensor, heads: int) -> torch.Tensor:
