@@ -126,3 +126,33 @@ class GraphBuilder:
 def value_info(name: str, elem_type: int, shape: list[Any] | None) -> onnx.ValueInfoProto:
     """``make_tensor_value_info`` (shape None: rank unknown)."""
     return helper.make_tensor_value_info(name, elem_type, shape)
+
+
+def _names_read(node: onnx.NodeProto) -> set[str]:
+    """Every value ``node`` reads, its subgraphs' references to the outer scope included."""
+    names = {name for name in node.input if name}
+    for attribute in node.attribute:
+        for graph in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+            for inner in graph.node:
+                names |= _names_read(inner)
+            names |= {out.name for out in graph.output}
+    return names
+
+
+def live_nodes(nodes: list[onnx.NodeProto], outputs) -> list[onnx.NodeProto]:
+    """``nodes`` without those whose outputs nothing reads (ONNX ops have no side effects; ONNX Runtime runs a dead
+    node of a function body, e.g. a slice of the window attention that only some methods read). Every function
+    body of the export goes through it.."""
+    nodes = list(nodes)
+    for node in nodes:  # the subgraphs first (an If branch only reads what its own nodes and outputs read)
+        for attribute in node.attribute:
+            for graph in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+                inner = live_nodes(list(graph.node), [out.name for out in graph.output])
+                del graph.node[:]
+                graph.node.extend(inner)
+    while True:
+        read = set(outputs).union(*(_names_read(n) for n in nodes))
+        kept = [n for n in nodes if any(o in read for o in n.output)]
+        if len(kept) == len(nodes):
+            return kept
+        nodes = kept

@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from criticalkv.export.graph import BOOL, FLOAT, INT64, OPSET, GraphBuilder, value_info
+from criticalkv.export.graph import BOOL, FLOAT, INT64, OPSET, GraphBuilder, live_nodes, value_info
 from criticalkv.export.select_function import _Body, emit_kept, selection_node
 from criticalkv.node import DOMAIN, INPUTS, LAYER_ATTRIBUTES, MODEL_OP_TYPE, OUTPUTS, SCORE_OP_TYPE
 from criticalkv.policy import KVPolicy
@@ -104,7 +104,7 @@ def score_function(policy: KVPolicy, num_layers: int, num_heads: int, num_kv_hea
     g = GraphBuilder("ckvs/")
     _ScoreBody(g, policy, num_layers, num_heads, num_kv_heads, head_dim).build()
     return helper.make_function(
-        DOMAIN, SCORE_OP, list(INPUTS), list(SCORE_OUTPUTS), g.nodes,
+        DOMAIN, SCORE_OP, list(INPUTS), list(SCORE_OUTPUTS), live_nodes(g.nodes, SCORE_OUTPUTS),
         opset_imports=[helper.make_opsetid("", OPSET)],
         attributes=list(KVPolicy.knob_names()) + list(LAYER_ATTRIBUTES),
         doc_string=f"CriticalKVScore body (per-layer ranking of a model-level selection) for policy {policy.to_json()} "
@@ -181,7 +181,8 @@ def model_function(policy: KVPolicy, num_layers: int, num_kv_heads: int) -> onnx
     g = GraphBuilder("ckvm/")
     _model_body(g, policy, num_layers, num_kv_heads)
     return helper.make_function(
-        DOMAIN, MODEL_OP, model_inputs(num_layers), model_outputs(num_layers), g.nodes,
+        DOMAIN, MODEL_OP, model_inputs(num_layers), model_outputs(num_layers),
+        live_nodes(g.nodes, model_outputs(num_layers)),
         opset_imports=[helper.make_opsetid("", OPSET)],
         attributes=list(KVPolicy.knob_names()) + list(MODEL_ATTRIBUTES),
         doc_string=f"CriticalKVSelectModel body (model-level selection after the last layer) for policy {policy.to_json()} "

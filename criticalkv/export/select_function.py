@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from criticalkv.export.graph import BOOL, FLOAT, INT32, INT64, OPSET, GraphBuilder, value_info
+from criticalkv.export.graph import BOOL, FLOAT, INT32, INT64, OPSET, GraphBuilder, live_nodes, value_info
 from criticalkv.node import DOMAIN, INPUTS, LAYER_ATTRIBUTES, OP_TYPE, OPSET_VERSION, OUTPUTS, node_attributes
 from criticalkv.policy import KVPolicy
 from criticalkv.selection.budget import head_floor, layer_selectable_budget, stage1_count
@@ -393,35 +393,6 @@ def check_exportable(policy: KVPolicy, num_layers: int = 2) -> None:
             "express: the prefill graph selects it after the last layer (criticalkv.export.model_select: "
             "CriticalKVScore per layer, then CriticalKVSelectModel)"
         )
-
-
-def _names_read(node: onnx.NodeProto) -> set[str]:
-    """Every value ``node`` reads, its subgraphs' references to the outer scope included."""
-    names = {name for name in node.input if name}
-    for attribute in node.attribute:
-        for graph in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
-            for inner in graph.node:
-                names |= _names_read(inner)
-            names |= {out.name for out in graph.output}
-    return names
-
-
-def live_nodes(nodes: list[onnx.NodeProto], outputs) -> list[onnx.NodeProto]:
-    """``nodes`` without those whose outputs nothing reads (ONNX ops have no side effects; ONNX Runtime runs a dead
-    node of a function body, e.g. a slice of the window attention that only some methods read)."""
-    nodes = list(nodes)
-    for node in nodes:  # the subgraphs first (an If branch only reads what its own nodes and outputs read)
-        for attribute in node.attribute:
-            for graph in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
-                inner = live_nodes(list(graph.node), [out.name for out in graph.output])
-                del graph.node[:]
-                graph.node.extend(inner)
-    while True:
-        read = set(outputs).union(*(_names_read(n) for n in nodes))
-        kept = [n for n in nodes if any(o in read for o in n.output)]
-        if len(kept) == len(nodes):
-            return kept
-        nodes = kept
 
 
 def selection_function(policy: KVPolicy, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> onnx.FunctionProto:

@@ -195,3 +195,32 @@ def test_tensorrt_step_skips_a_method_the_plugin_has_no_flow_for(tmp_path):
     assert out == {"built": False, "skipped_reason": "layer-defensivekv selects after the last layer over every layer's "
                    "entries: no TensorRT flavour (docs/operator.md, model-level selection)"}
     assert "SKIPPED because layer-defensivekv selects after the last layer" in messages[0]
+
+
+def test_live_nodes_drops_unread_nodes_also_inside_branches():
+    from onnx import helper
+
+    from criticalkv.export.graph import GraphBuilder, live_nodes
+    from criticalkv.export.select_function import _Body
+    from criticalkv.node import OUTPUTS
+
+    then = helper.make_graph([helper.make_node("Neg", ["x"], ["dead_inner"]), helper.make_node("Abs", ["x"], ["y_then"])],
+                             "then", [], [helper.make_tensor_value_info("y_then", onnx.TensorProto.FLOAT, None)])
+    other = helper.make_graph([helper.make_node("Identity", ["read_by_branch"], ["y_else"])],
+                              "else", [], [helper.make_tensor_value_info("y_else", onnx.TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("Relu", ["x"], ["read_by_branch"]), helper.make_node("Exp", ["x"], ["dead"]),
+             helper.make_node("Sqrt", ["dead"], ["dead2"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)]
+    kept = live_nodes(nodes, ["y"])
+    assert [n.op_type for n in kept] == ["Relu", "If"]  # the dead chain goes, the branch's outer read stays
+    branches = {a.name: [n.op_type for n in a.g.node] for a in kept[1].attribute}
+    assert branches == {"then_branch": ["Abs"], "else_branch": ["Identity"]}
+
+    def count(graph_nodes):
+        return sum(1 + sum(count(a.g.node) for a in n.attribute if a.HasField("g")) for n in graph_nodes)
+
+    # criticalkv reads no window-attention rows nor the older values' copy: the body loses their slices
+    g = GraphBuilder("ckv/")
+    _Body(g, KVPolicy("criticalkv", budget=40, window=8), 1, 9, 3, 16).build()
+    before = count(g.nodes)
+    assert count(live_nodes(g.nodes, OUTPUTS)) < before
