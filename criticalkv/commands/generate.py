@@ -128,11 +128,11 @@ def engine_policy(args, built: KVPolicy) -> tuple[KVPolicy, int | None]:
         if name == "budget" and built.method.base.evicts:
             try:
                 kv_budget = built.request_budget(value)
-            except ValueError as err:
+            except ValueError:
                 raise ValueError(
-                    f"--budget {value} differs from the engine's policy (budget = {built.budget}) and is not a "
-                    f"per-request budget of this engine: {err}; to keep more, rebuild it with scripts/build_engine.py "
-                    "--budget") from None
+                    f"--budget {value} differs from the engine's policy (budget = {built.budget}), and this engine "
+                    f"serves per-request budgets in [{built.min_budget}, {built.budget}] only (--budget must lie there); "
+                    "to keep more, rebuild it with scripts/build_engine.py --budget") from None
             continue
         raise ValueError(
             f"{KVPolicy.flag_of(name)} {value} differs from the engine's policy ({name} = {getattr(built, name)!r}); "

@@ -331,3 +331,20 @@ def test_profiling_leaves_no_trace_files(built, tmp_path, monkeypatch, capsys):
     engine.close()
     Engine.load(built[0], profile=True).close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_budget_within_the_engine_range_is_the_request_budget(built, capsys):
+    # an engine serves any budget in [window, built budget] (a runtime input of its selection): --budget in that
+    # range is this request's budget; outside it the command says what --budget must be
+    text = words([(7 * i) % 120 + 2 for i in range(150)])
+    base = ["generate", "--engine-dir", str(built[0]), "--prompt", text, "--max-new-tokens", "3", "--json"]
+    assert main(base) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main(base + ["--budget", "16"]) == 0
+    small = json.loads(capsys.readouterr().out)
+    assert default["policy"]["budget"] == 40 and small["policy"]["budget"] == 16
+    assert small["kv_bytes"]["kept"] < default["kv_bytes"]["kept"]
+    for bad in ("0", "7", "41"):
+        assert main(base + ["--budget", bad]) == 2
+        err = capsys.readouterr().err
+        assert "per-request budgets in [8, 40] only (--budget must lie there)" in err, err
