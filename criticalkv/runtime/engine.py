@@ -279,6 +279,7 @@ class Engine:
         on_tokens: Callable[[np.ndarray], None] | None = None,
         attention_mask: np.ndarray | None = None,
         kv_budget: int | None = None,
+        questions: Sequence[Sequence[int]] | None = None,
     ) -> GenerationResult:
         """Prefill (selection inside the graph), then decode up to ``max_new_tokens`` tokens per sequence.
 
@@ -288,6 +289,9 @@ class Engine:
         kv_budget : this request's budget, in [policy.min_budget, the built budget] (None: the built budget);
             the selection inside the prefill is exactly ``select_layer`` with ``policy.with_budget(kv_budget)``.
         """
+        if questions is not None:
+            raise EngineError(f"{self.folder}: this engine has no extend graph to ask a question after a compressed "
+                              "context; rebuild it with scripts/build_engine.py")
         if self._rows:
             raise EngineError(f"generate runs a static batch over the engine's rows, but slots {sorted(self._rows)} "
                               "hold sequences: release them first")

@@ -348,3 +348,26 @@ def test_cli_budget_within_the_engine_range_is_the_request_budget(built, capsys)
         assert main(base + ["--budget", bad]) == 2
         err = capsys.readouterr().err
         assert "per-request budgets in [8, 40] only (--budget must lie there)" in err, err
+
+
+def test_cli_context_then_question_on_the_pytorch_path(checkpoint, capsys):
+    # --context/--question: the context is compressed alone, then the question runs through the compressed cache
+    # (criticalkv.hf.generate with question_ids); the JSON counts both
+    import torch
+
+    from criticalkv.hf import generate, load_model
+
+    context, question = words([(5 * i) % 120 + 2 for i in range(140)]), words([9, 10, 11, 12])
+    args = ["generate", "--model", str(checkpoint), "--budget", "40", "--window", "8", "--max-new-tokens", "6",
+            "--json", "--context", context, "--question", question]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    model, tokenizer = load_model(str(checkpoint))
+    ids = tokenizer(context)["input_ids"]
+    q = tokenizer("\n\n" + question, add_special_tokens=False)["input_ids"]
+    ref = generate(model, torch.tensor([ids]), POLICY, 6, question_ids=torch.tensor([q]))
+    assert out["token_ids"] == ref.tokens[0] and (out["prompt_tokens"], out["question_tokens"]) == (len(ids), len(q))
+    assert main(["generate", "--model", str(checkpoint), "--context", context]) == 2
+    assert "--question goes with --context" in capsys.readouterr().err
+    assert main(["generate", "--model", str(checkpoint), "--prompt", context, "--question", "why"]) == 2
+    assert "--question goes with --context" in capsys.readouterr().err
