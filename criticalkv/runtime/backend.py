@@ -40,6 +40,22 @@ class PrefillOutputs:
     seconds: float
 
 
+@dataclass
+class RowSnapshot:
+    """A copy of one buffer row's entries (``Backend.save_row``): per layer keys and values [H_kv, n_l, d_h]
+    (n_l = the row's longest head in that layer; NumPy on ONNX Runtime, device tensors on TensorRT) and lengths
+    [H_kv] int32."""
+
+    keys: list[Any]
+    values: list[Any]
+    lengths: list[Any]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the copy holds (every layer's K and V, the padding of shorter heads included)."""
+        return sum(int(k.nbytes) + int(v.nbytes) for k, v in zip(self.keys, self.values))
+
+
 class BuiltShapes:
     """The built shapes a backend sizes its buffers with, read from the engine's manifest."""
 
@@ -96,6 +112,12 @@ class Backend(Protocol):
 
     def load_row(self, target: int, prefill: PrefillOutputs, row: int = 0) -> None:
         """Copy row ``row`` of the last prefill's kept K/V and lengths into buffer row ``target``."""
+
+    def save_row(self, row: int) -> RowSnapshot:
+        """A copy of row ``row``'s valid entries and lengths (the row is unchanged)."""
+
+    def restore_row(self, row: int, snapshot: RowSnapshot) -> None:
+        """Write ``snapshot`` into row ``row`` (entries and lengths), as ``load_row`` does a prefill's."""
 
     def move_row(self, source: int, target: int) -> None:
         """Copy buffer row ``source`` (K, V, lengths) into row ``target``."""

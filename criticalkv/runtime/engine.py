@@ -26,7 +26,7 @@ from criticalkv.errors import EngineError, RequestError
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.request import NO_BUDGET_INPUT, EngineLimits, Request, SamplingParams
-from criticalkv.runtime.backend import Backend, create_backend
+from criticalkv.runtime.backend import Backend, RowSnapshot, create_backend
 from criticalkv.runtime.manifest import read_manifest
 from criticalkv.sampling import Sampler, decode_loop
 
@@ -76,6 +76,20 @@ class PrefillResult:
     kv_bytes_kept: int
     kv_bytes_full: int
     seconds: float
+
+
+@dataclass
+class SlotSnapshot:
+    """A copy of one slot's entries (``Engine.save``): what the serving context cache keeps of a compressed
+    context. ``position``: the absolute position of the next token (the context's length)."""
+
+    row: RowSnapshot
+    position: int
+    kept_entries: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.row.nbytes
 
 
 @dataclass
@@ -215,6 +229,21 @@ class Engine:
         for s in slots:
             self._slots[s].position += 1
         return logits if in_row_order else logits[rows]
+
+    def save(self, slot: int) -> SlotSnapshot:
+        """A copy of ``slot``'s entries and position (the slot is unchanged and stays occupied)."""
+        state = self._slot(slot)
+        row = self.backend.save_row(state.row)
+        kept = sum(int(np.asarray(x.cpu() if hasattr(x, "cpu") else x).sum()) for x in row.lengths)
+        return SlotSnapshot(row=row, position=state.position, kept_entries=kept)
+
+    def restore(self, slot: int, snapshot: SlotSnapshot) -> None:
+        """Load ``snapshot`` into the free ``slot``: it continues exactly where the saved slot was."""
+        self._free_slot(slot)
+        row = len(self._rows)
+        self.backend.restore_row(row, snapshot.row)
+        self._rows.append(slot)
+        self._slots[slot] = _Slot(row=row, position=snapshot.position)
 
     def release(self, slot: int) -> None:
         """Free ``slot`` at once; the last occupied row moves into its row (the decode batch stays rows 0..B-1)."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from criticalkv.runtime.backend import NO_BUDGET_INPUT, BuiltShapes, PrefillOutputs, budget_feed
+from criticalkv.runtime.backend import NO_BUDGET_INPUT, BuiltShapes, PrefillOutputs, RowSnapshot, budget_feed
 from criticalkv.runtime.manifest import EngineError
 
 #: Environment variable overriding ONNX Runtime's intra-op thread count (0 = ORT's default).
@@ -169,6 +169,27 @@ class OnnxRuntimeBackend(BuiltShapes):
             self.keys[i][target, :, :kept] = prefill.keys[i][row]
             self.values[i][target, :, :kept] = prefill.values[i][row]
             self.lengths[i][target] = prefill.lengths[i][row]
+
+    def save_row(self, row: int) -> RowSnapshot:
+        self.check_row(row)
+        keys, values, lengths = [], [], []
+        for i in range(self.num_layers):
+            n = int(self.lengths[i][row].max())  # entries beyond every head's length are never read
+            keys.append(self.keys[i][row, :, :n].copy())
+            values.append(self.values[i][row, :, :n].copy())
+            lengths.append(self.lengths[i][row].copy())
+        return RowSnapshot(keys, values, lengths)
+
+    def restore_row(self, row: int, snapshot: RowSnapshot) -> None:
+        self.check_row(row)
+        for i in range(self.num_layers):
+            n = snapshot.keys[i].shape[1]
+            if n > self.capacities[i]:
+                raise EngineError(f"layer {i}: a snapshot of {n} entries per head does not fit the KV buffer "
+                                  f"({self.capacities[i]} entries per head)")
+            self.keys[i][row, :, :n] = snapshot.keys[i]
+            self.values[i][row, :, :n] = snapshot.values[i]
+            self.lengths[i][row] = snapshot.lengths[i]
 
     def move_row(self, source: int, target: int) -> None:
         self.check_row(source)
