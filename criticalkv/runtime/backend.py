@@ -41,6 +41,30 @@ class PrefillOutputs:
 
 
 @dataclass
+class ExtendOutputs:
+    """What the extend graph returns: logits [B, vocab] of each sequence's last new token, and per layer the
+    post-RoPE queries [B, H, min(N, window), d_h] of the last new tokens (the chunked prefill's selection needs
+    the prompt's last ``window`` queries)."""
+
+    logits: Any
+    window_queries: list[Any]
+
+
+@dataclass
+class PrefillBuffer:
+    """One prompt's K/V at full length while it is prefilled in chunks: per layer keys and values
+    [1, H_kv, max_input_len, d_h] and lengths [1, H_kv] int32 (the tokens prefilled so far)."""
+
+    keys: list[Any]
+    values: list[Any]
+    lengths: list[Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(k.nbytes) + int(v.nbytes) for k, v in zip(self.keys, self.values))
+
+
+@dataclass
 class RowSnapshot:
     """A copy of one buffer row's entries (``Backend.save_row``): per layer keys and values [H_kv, n_l, d_h]
     (n_l = the row's longest head in that layer; NumPy on ONNX Runtime, device tensors on TensorRT) and lengths
