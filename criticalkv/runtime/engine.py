@@ -140,12 +140,13 @@ class Engine:
         self.limits = EngineLimits(
             max_input_len=self.max_input_len, max_new_tokens=self.max_new_tokens, vocab_size=self.spec["vocab_size"],
             policy=self.policy, accepts_kv_budget=bool(getattr(backend, "accepts_kv_budget", False)),
-            eos_token_ids=tuple(self.eos_token_ids))
+            eos_token_ids=tuple(self.eos_token_ids),
+            max_question_len=int(build.get("max_question_len", 0)) if getattr(backend, "has_extend", False) else 0)
         #: K + V bytes of one entry of one KV head in the backend's buffers (fp32 on ONNX Runtime)
         capacities = manifest["shapes"]["decode_capacity"]
         self.entry_bytes = backend.kv_buffer_bytes() // (self.max_batch_size * self.spec["num_kv_heads"] * sum(capacities))
-        #: per layer: most entries a head keeps from a prompt (the decode buffers add max_new_tokens to it)
-        self.selection_capacities = [c - self.max_new_tokens for c in capacities]
+        #: per layer: most entries a head keeps from a prompt (the decode buffers add room for the tokens after it)
+        self.selection_capacities = list(manifest["shapes"]["prefill_capacity"])
         #: most tokens one run of the extend graph takes (``extend``, ``prefill_step`` split longer inputs)
         self.extend_chunk = int(build.get("extend_chunk", 256))
         self._slots: dict[int, _Slot] = {}
@@ -200,6 +201,10 @@ class Engine:
         capacity) per head) plus ``max_tokens`` new entries per head and layer. Known before its prefill."""
         kept = sum(min(num_prompt_tokens, cap) for cap in self.selection_capacities)
         return (kept + self.spec["num_layers"] * max_tokens) * self.spec["num_kv_heads"] * self.entry_bytes
+
+    def kv_bytes_full(self, num_tokens: int) -> int:
+        """KV bytes of ``num_tokens`` tokens without eviction (every KV head of every layer)."""
+        return num_tokens * self.spec["num_layers"] * self.spec["num_kv_heads"] * self.entry_bytes
 
     def growth_bytes(self, max_tokens: int) -> int:
         """KV bytes ``max_tokens`` decoded tokens add (one entry per KV head and layer each)."""

@@ -94,6 +94,7 @@ class OnnxRuntimeBackend(BuiltShapes):
         # step): engines built before these graphs existed have neither
         self.extend_session = self.session(self.folder / files["extend"], threads) if "extend" in files else None
         self.select_session = self.session(self.folder / files["select"], threads) if "select" in files else None
+        self.has_extend = self.extend_session is not None and self.select_session is not None
         self._allocate()
         budget_inputs = [i for i in self.prefill_session.get_inputs() if i.name == "kv_budget"]
         self._budget_input = budget_inputs[0] if budget_inputs else None

@@ -142,7 +142,7 @@ def test_max_num_seqs_and_the_kv_pool_queue_requests(engine):
     finally:
         scheduler.close()
     one = engine.kv_bytes_bound(60, 10)  # the KV bytes one such request is charged before its prefill
-    pooled = Scheduler(engine, max_num_seqs=4, kv_pool_mib=1.2 * one / 2**20)  # room for one at a time
+    pooled = Scheduler(engine, max_num_seqs=4, kv_memory_mib=1.2 * one / 2**20)  # room for one at a time
     try:
         seen.clear()
 
@@ -155,7 +155,7 @@ def test_max_num_seqs_and_the_kv_pool_queue_requests(engine):
         results = [h.result(60) for h in handles]
         assert [r.token_ids for r in results] == [alone(engine, prompt(60, seed=30 + i), 10) for i in range(3)]
         assert max(n for n, _ in seen) == 1 and max(b for _, b in seen) <= 1.2 * one
-        with pytest.raises(RequestError, match="more than the whole KV pool"):
+        with pytest.raises(RequestError, match="more than the whole KV memory"):
             submit(pooled, prompt(200), max_tokens=32)
     finally:
         pooled.close()
