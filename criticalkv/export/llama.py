@@ -52,7 +52,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from criticalkv.export.graph import FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, value_info
+from criticalkv.export.graph import FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, live_nodes, value_info
 from criticalkv.export.select_function import FLOAT32_MIN, selection_function, selection_node, selection_opset
 from criticalkv.weights import WeightStore
 from criticalkv.node import node_capacity
@@ -225,6 +225,7 @@ class DecoderGraphBuilder:
 
     def _finish(self, name: str, inputs: list, outputs: list, functions: list, doc: str) -> onnx.ModelProto:
         g, store = self.g, self.store
+        g.nodes = live_nodes(g.nodes, [o.name for o in outputs])  # e.g. the 1/sqrt(d_h) constant select never reads
         used = _used_initializers(g.nodes)
         graph = g.graph(name, inputs, outputs, [store.initializer(w) for w in store.arrays if w in used])
         self.g = None
@@ -241,6 +242,11 @@ class DecoderGraphBuilder:
         if model_level and self.flavour == "tensorrt":
             model_select.check_tensorrt_flavour(self.policy, self.spec.num_layers)
         return model_level
+
+    def _window(self, graph: str) -> int:
+        if self.policy is None:
+            raise ValueError(f"the {graph} graph needs a policy (its window)")
+        return self.policy.window
 
     # ------------------------------------------------------------------ pieces: norms, RoPE, projections
     def rms_norm(self, x: str, weight: str) -> str:
@@ -462,6 +468,34 @@ class DecoderGraphBuilder:
         attn = g.Add(g.MatMul(p_past, past_v), g.Mul(p_own, v))  # [B, H_kv, G, d_h]
         return g.reshape(attn, [0, 1, s.num_heads * s.head_dim])
 
+    def extend_attention(self, q: str, k: str, v: str, past_k: str, past_v: str, past_len: str, ctx: dict) -> str:
+        """N new queries q [B, H, N, d_h] with their own k, v [B, H_kv, N, d_h] over the buffers past_k, past_v
+        [B, H_kv, capacity, d_h], each head's first ``past_len`` [B, H_kv] int32 entries valid; new token t sees every
+        valid entry and the new tokens 0..t. Returns [B, N, H*d_h].
+
+        onnxruntime flavour: ``blocked_attention`` over past[:, :, :P] ⊕ new, P = the largest length (entries of a head
+        beyond its own length masked with the float32 minimum, as the prefill's left padding). tensorrt flavour:
+        ``causal_attention`` over the whole capacity ⊕ new (a shape from the input's dims, not from its values, like
+        decode), entries beyond each head's length masked."""
+        g, s = self.g, self.spec
+        lengths = g.Cast(past_len, to=INT64)  # [B, H_kv]
+        if self.flavour == "onnxruntime":
+            past = g.reshape(g.ReduceMax(lengths, keepdims=1), [1])  # P
+            keys = g.concat(g.slice_axis(past_k, 0, past, axis=2), k, axis=2)  # [B, H_kv, P + N, d_h]
+            values = g.concat(g.slice_axis(past_v, 0, past, axis=2), v, axis=2)
+            key_pos = g.Range(g.scalar(0), g.squeeze(g.Add(past, ctx["queries"]), 0), g.scalar(1))
+            beyond = g.And(g.GreaterOrEqual(key_pos, g.unsqueeze(lengths, 2)), g.Less(key_pos, past))  # [B, H_kv, P + N]
+            return self.blocked_attention(q, keys, values, {**ctx, "past": past, "key_mask": g.unsqueeze(beyond, 2, 3)})
+        cap = g.shape_of(past_k, 2, 3)
+        keys = g.concat(past_k, k, axis=2)  # [B, H_kv, cap + N, d_h]
+        values = g.concat(past_v, v, axis=2)
+        key_pos = g.Range(g.scalar(0), g.squeeze(g.Add(cap, ctx["queries"]), 0), g.scalar(1))  # [K]
+        valid = g.Less(key_pos, g.unsqueeze(lengths, 2))  # [B, H_kv, K]: a length <= cap, so only past entries
+        valid = g.reshape(g.Expand(g.unsqueeze(valid, 2), g.i64(1, 1, s.group, 1)), [0, s.num_heads, 1, -1])  # [B, H, 1, K]
+        query_pos = g.Add(g.Range(g.scalar(0), g.squeeze(ctx["queries"], 0), g.scalar(1)), g.squeeze(cap, 0))  # [N]
+        own = g.And(g.GreaterOrEqual(key_pos, cap), g.LessOrEqual(g.unsqueeze(key_pos, 0), g.unsqueeze(query_pos, 1)))
+        return self.causal_attention(q, keys, values, g.Or(valid, own))  # [B, H, N, K]
+
     # ------------------------------------------------------------------ pieces: selection
     def select_layer(self, i: int, window_queries: str, k: str, v: str, prompt_lengths: str, kv_budget: str,
                      pending: list, model_level: bool) -> list:
@@ -590,6 +624,68 @@ class DecoderGraphBuilder:
         return self._finish("criticalkv_decode", inputs, outputs, [],
                             "criticalkv decode: one token over fixed-capacity per-head KV buffers")
 
+    def extend(self) -> onnx.ModelProto:
+        """The extend model: N new tokens per sequence over per-head KV buffers of any capacity (module docstring).
+
+        Chunked prefill: a prompt extended in chunks that are multiples of ``attention_chunk`` from an empty buffer
+        gives bitwise the prefill's K/V and last logits on ONNX Runtime (``blocked_attention``)."""
+        window = self._window("extend")
+        g = self._begin()
+        s = self.spec
+        new_tokens = g.shape_of("input_ids", 1, 2)  # N
+        if self.flavour == "onnxruntime":
+            ctx = self._block_context(new_tokens)
+        else:
+            ctx = {"queries": new_tokens}
+        inputs = [value_info(name, INT64, ["batch", "new_tokens"]) for name in ("input_ids", "position_ids")]
+        outputs = [value_info("logits", FLOAT, ["batch", s.vocab_size])]
+        for i in range(s.num_layers):
+            inputs += self._past_inputs(i, f"capacity_{i}")
+            outputs += [value_info(f"present.{i}.{kind}", FLOAT, ["batch", s.num_kv_heads, "new_tokens", s.head_dim])
+                        for kind in ("key", "value")]
+            outputs.append(value_info(f"present.{i}.window_queries", FLOAT,
+                                      ["batch", s.num_heads, "window_tokens", s.head_dim]))
+
+        def attention(i, q, k, v):
+            past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
+            return self.extend_attention(q, k, v, past_k, past_v, past_len, ctx)
+
+        def window_queries(i, q, k, v):  # post-RoPE, unscaled: the selection node's queries input
+            g.op("Slice", q, g.i64(-window), g.i64(_INT64_MAX), g.i64(2), outputs=[f"present.{i}.window_queries"])
+
+        cos, sin = self.rope_tables("position_ids")
+        x = g.Gather("embed_tokens", "input_ids", axis=0)  # [B, N, d]
+        x = self.decoder_layers(x, cos, sin, attention, window_queries, present_kv=True,
+                                transposed_gemm=self.flavour == "tensorrt")
+        self.last_logits(x)
+        return self._finish("criticalkv_extend", inputs, outputs, [],
+                            f"criticalkv extend ({self.flavour} flavour): new tokens over per-head KV buffers")
+
+    def select(self) -> onnx.ModelProto:
+        """The select model: each layer's selection of a prompt of n tokens held in the first n entries of every head
+        of a buffer (module docstring); the prefill's ``present.*`` outputs, same nodes and attributes."""
+        model_level = self._selection_kind("select")
+        policy, s = self.policy, self.spec
+        g = self._begin()
+        kv_budget = g.Cast("kv_budget", to=INT32, hint="kv_budget_int32")
+        inputs, outputs, pending, first_lengths = [], [], [], None
+        for i in range(s.num_layers):
+            past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
+            queries = f"window_queries.{i}"
+            inputs.append(value_info(queries, FLOAT, ["batch", s.num_heads, "window_tokens", s.head_dim]))
+            inputs += self._past_inputs(i, f"capacity_{i}")
+            n = g.reshape(g.ReduceMax(g.Cast(past_len, to=INT64), keepdims=1), [1])
+            prompt_lengths = g.reshape(g.slice_axis(past_len, 0, 1, axis=1), [-1])  # [B] int32: every head holds n
+            first_lengths = first_lengths or prompt_lengths
+            keys, values = g.slice_axis(past_k, 0, n, axis=2), g.slice_axis(past_v, 0, n, axis=2)  # [B, H_kv, n, d_h]
+            outputs += self.select_layer(i, queries, keys, values, prompt_lengths, kv_budget, pending, model_level)
+        if model_level:
+            self.select_model(pending, first_lengths, kv_budget)
+        inputs.append(value_info("kv_budget", INT64, [1]))
+        return self._finish("criticalkv_select", inputs, outputs, self.selection_functions(model_level),
+                            f"criticalkv select ({self.flavour} flavour), policy {policy.to_json()}")
+
+
 #: Graph builders of the model families that differ from Llama's graph, by ``ModelSpec.model_type``.
 FAMILY_BUILDERS: dict[str, type[DecoderGraphBuilder]] = {}
 
@@ -618,6 +714,18 @@ def build_prefill(
 def build_decode(spec: ModelSpec, store: WeightStore, buffer_capacities: list[int]) -> onnx.ModelProto:
     """The decode model (one token per sequence) over fixed-capacity per-head KV buffers."""
     return graph_builder(spec, store).decode(buffer_capacities)
+
+
+def build_extend(spec: ModelSpec, store: WeightStore, policy: KVPolicy, attention_chunk: int = 256,
+                 flavour: str = "onnxruntime") -> onnx.ModelProto:
+    """The extend model (N new tokens over per-head KV buffers); ``policy`` gives the window of its queries output."""
+    return graph_builder(spec, store, policy, None, flavour, attention_chunk).extend()
+
+
+def build_select(spec: ModelSpec, store: WeightStore, policy: KVPolicy, capacities: list[int],
+                 flavour: str = "onnxruntime") -> onnx.ModelProto:
+    """The select model (the selection of a prompt held in full-size buffers, the chunked prefill's last step)."""
+    return graph_builder(spec, store, policy, capacities, flavour).select()
 
 
 def _used_initializers(nodes: list[onnx.NodeProto]) -> set[str]:
