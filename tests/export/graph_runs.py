@@ -14,8 +14,11 @@ import numpy as np
 import onnxruntime as ort
 
 
-def session(folder: Path, name: str) -> ort.InferenceSession:
-    return ort.InferenceSession(str(Path(folder) / name), providers=["CPUExecutionProvider"])
+def session(folder: Path, name: str, threads: int = 0) -> ort.InferenceSession:
+    """A session of one graph (``threads``: intra-op threads, 0 = ONNX Runtime's default)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(Path(folder) / name), options, providers=["CPUExecutionProvider"])
 
 
 def run(sess: ort.InferenceSession, feeds: dict) -> dict[str, np.ndarray]:

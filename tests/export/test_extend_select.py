@@ -211,3 +211,31 @@ def test_a_model_level_policy_has_no_tensorrt_flavours(tmp_path):
     for key in ("prefill_tensorrt", "extend_tensorrt", "select_tensorrt"):
         assert "refused" in report[key]
     assert report["select"]["score_nodes"] == LAYERS and report["select"]["selection_nodes"] == 1
+
+
+@pytest.mark.slow
+def test_chunked_prefill_of_the_bundled_model_is_bitwise_the_prefill(tmp_path):
+    # SmolLM2-135M (30 layers, GQA 9/3, d_h 64), criticalkv at budget 256, a 1,100-token prompt, the built attention
+    # block of 256: extend chunks of 256 (4 x 256 + 76) and 512 (2 x 512 + 76) from an empty full-size buffer, then
+    # select.onnx, give the prefill's logits and kept K/V, lengths and indices bitwise. One thread per session, as
+    # tests/runtime/test_bundled_parity.py (2 shared vCPUs); the thread count does not change what is compared
+    from pathlib import Path
+
+    from criticalkv.hf import load_model
+
+    model, tokenizer = load_model()
+    text = (Path(__file__).resolve().parents[2] / "examples" / "needle_2k.txt").read_text()
+    ids = np.array([tokenizer(text)["input_ids"][:1100]])
+    assert ids.shape == (1, 1100)
+    policy = KVPolicy("criticalkv", budget=256)
+    result = export_model(model, policy, tmp_path, BuildConfig(max_input_len=1100, max_new_tokens=8))
+    spec = result.spec
+    prefill_s, extend_s, select_s = (session(tmp_path, f, threads=1) for f in ("prefill.onnx", "extend.onnx", "select.onnx"))
+    reference = prefill(prefill_s, ids, 256)
+    for chunk in (256, 512):
+        kept, logits, _ = chunked_prefill(extend_s, select_s, ids, chunk, 1100, spec.num_layers, spec.num_kv_heads,
+                                          spec.head_dim, policy.window, 256)
+        assert bitwise(logits, reference["logits"]), chunk
+        for name, value in reference.items():
+            if name != "logits":
+                assert bitwise(kept[name], value), f"chunks of {chunk}: {name}"
