@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from criticalkv.runtime.backend import NO_BUDGET_INPUT, BuiltShapes, PrefillOutputs, budget_feed
+from criticalkv.runtime.backend import NO_BUDGET_INPUT, BuiltShapes, PrefillOutputs, RowSnapshot, budget_feed
 from criticalkv.runtime.manifest import EngineError
 
 #: Environment variable overriding ONNX Runtime's intra-op thread count (0 = ORT's default).
@@ -160,19 +160,40 @@ class OnnxRuntimeBackend(BuiltShapes):
 
     def begin_decode(self, prefill: PrefillOutputs) -> None:
         for row in range(prefill.logits.shape[0]):
-            self.load_slot(row, prefill, row)
+            self.load_row(row, prefill, row)
 
-    def load_slot(self, slot: int, prefill: PrefillOutputs, row: int = 0) -> None:
-        self.check_slot(slot)
+    def load_row(self, target: int, prefill: PrefillOutputs, row: int = 0) -> None:
+        self.check_row(target)
         for i in range(self.num_layers):
             kept = prefill.keys[i].shape[2]
-            self.keys[i][slot, :, :kept] = prefill.keys[i][row]
-            self.values[i][slot, :, :kept] = prefill.values[i][row]
-            self.lengths[i][slot] = prefill.lengths[i][row]
+            self.keys[i][target, :, :kept] = prefill.keys[i][row]
+            self.values[i][target, :, :kept] = prefill.values[i][row]
+            self.lengths[i][target] = prefill.lengths[i][row]
 
-    def move_slot(self, source: int, target: int) -> None:
-        self.check_slot(source)
-        self.check_slot(target)
+    def save_row(self, row: int) -> RowSnapshot:
+        self.check_row(row)
+        keys, values, lengths = [], [], []
+        for i in range(self.num_layers):
+            n = int(self.lengths[i][row].max())  # entries beyond every head's length are never read
+            keys.append(self.keys[i][row, :, :n].copy())
+            values.append(self.values[i][row, :, :n].copy())
+            lengths.append(self.lengths[i][row].copy())
+        return RowSnapshot(keys, values, lengths)
+
+    def restore_row(self, row: int, snapshot: RowSnapshot) -> None:
+        self.check_row(row)
+        for i in range(self.num_layers):
+            n = snapshot.keys[i].shape[1]
+            if n > self.capacities[i]:
+                raise EngineError(f"layer {i}: a snapshot of {n} entries per head does not fit the KV buffer "
+                                  f"({self.capacities[i]} entries per head)")
+            self.keys[i][row, :, :n] = snapshot.keys[i]
+            self.values[i][row, :, :n] = snapshot.values[i]
+            self.lengths[i][row] = snapshot.lengths[i]
+
+    def move_row(self, source: int, target: int) -> None:
+        self.check_row(source)
+        self.check_row(target)
         for i in range(self.num_layers):
             kept = int(self.lengths[i][source].max())  # entries beyond every head's length are never read
             self.keys[i][target, :, :kept] = self.keys[i][source, :, :kept]
