@@ -183,9 +183,9 @@ class Request:
             if not limits.max_question_len:
                 raise RequestError("context: this engine cannot keep a compressed context (it has no extend graph); "
                                    "rebuild it with scripts/build_engine.py")
-            if len(context) > limits.max_input_len:
-                raise RequestError(f"the context has {len(context)} tokens, more than the engine's max input length "
-                                   f"{limits.max_input_len}")
+            if len(context) + len(ids) > limits.max_input_len:
+                raise RequestError(f"the context and the prompt after it have {len(context)} + {len(ids)} tokens, more "
+                                   f"than the engine's max input length {limits.max_input_len}")
             if len(ids) > limits.max_question_len:
                 raise RequestError(f"the prompt after the context has {len(ids)} tokens, more than the engine's max "
                                    f"question length {limits.max_question_len} (rebuild with a larger "

@@ -39,6 +39,8 @@ class BuildConfig:
     extend_chunk : most new tokens per sequence in one run of the extend graph (a chunk of a chunked prefill, a
         question after a cached context). A prompt prefilled in extend chunks that are multiples of
         attention_chunk gets bitwise the one-shot prefill's K/V, logits and kept entries on ONNX Runtime
+    max_question_len : most tokens asked after a compressed (cached) context: every slot's decode buffers hold the
+        layer's selection capacity + max_question_len + max_new_tokens entries per head
     """
 
     max_input_len: int = 4096
@@ -47,9 +49,11 @@ class BuildConfig:
     dtype: str = "float16"
     attention_chunk: int = 256
     extend_chunk: int = 256
+    max_question_len: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("max_input_len", "max_new_tokens", "max_batch_size", "attention_chunk", "extend_chunk"):
+        for name in ("max_input_len", "max_new_tokens", "max_batch_size", "attention_chunk", "extend_chunk",
+                     "max_question_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
@@ -86,17 +90,15 @@ def kv_buffer_bytes(spec: ModelSpec, decode_capacities: list[int], batch: int) -
 
 
 def check_model_limits(model, spec: ModelSpec, config: BuildConfig) -> None:
+    # a question after a context counts in max_input_len (they are one prompt): positions stay below this total
     total = config.max_input_len + config.max_new_tokens
+    what = "max_input_len + max_new_tokens"
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and total > limit:
-        raise ValueError(
-            f"max_input_len + max_new_tokens = {total} exceeds the model's max_position_embeddings ({limit})"
-        )
+        raise ValueError(f"{what} = {total} exceeds the model's max_position_embeddings ({limit})")
     if spec.sliding_window is not None and total > spec.sliding_window:
-        raise ValueError(
-            f"max_input_len + max_new_tokens = {total} exceeds the model's sliding window ({spec.sliding_window}); "
-            "sliding-window attention is not exported"
-        )
+        raise ValueError(f"{what} = {total} exceeds the model's sliding window ({spec.sliding_window}); "
+                         "sliding-window attention is not exported")
 
 
 def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfig | None = None, tokenizer=None) -> ExportResult:
@@ -118,7 +120,7 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
     store = collect_weights(model, spec)
     store.write(folder)
     capacities = layer_capacities(policy, spec, config.max_input_len)
-    decode_capacities = [c + config.max_new_tokens for c in capacities]
+    decode_capacities = [c + config.max_question_len + config.max_new_tokens for c in capacities]
     flavours = [("onnxruntime", {"prefill": PREFILL_FILE, "extend": EXTEND_FILE, "select": SELECT_FILE}),
                 ("tensorrt", {"prefill": PREFILL_TENSORRT_FILE, "extend": EXTEND_TENSORRT_FILE, "select": SELECT_TENSORRT_FILE})]
     if is_model_level(policy, spec.num_layers):  # no TensorRT flavour: model_select.check_tensorrt_flavour says why

@@ -88,6 +88,7 @@ class BuiltShapes:
     head_dim: int
     vocab: int
     max_batch: int
+    max_input_len: int  # the longest prompt: a chunked prefill's buffer holds that many entries per head
     capacities: list[int]  # decode capacity per layer
     built_budget: int  # the policy's budget the engine was built with (the largest per-request budget)
 
@@ -98,6 +99,7 @@ class BuiltShapes:
         self.head_dim = spec["head_dim"]
         self.vocab = spec["vocab_size"]
         self.max_batch = manifest["build"]["max_batch_size"]
+        self.max_input_len = manifest["build"]["max_input_len"]
         self.capacities = manifest["shapes"]["decode_capacity"]
         self.built_budget = manifest["policy"]["budget"]
 
