@@ -67,10 +67,11 @@ def read_prompt(args) -> str:
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if chat:
+        from criticalkv.chat import chat_input_ids
+
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("--chat: this model's tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_input_ids(tokenizer, [{"role": "user", "content": text}])
     return tokenizer(text)["input_ids"]
 
 
