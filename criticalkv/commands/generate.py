@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from criticalkv.policy import KVPolicy
-from criticalkv.sampling import SamplingConfig
+from criticalkv.request import SamplingParams
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -31,7 +31,8 @@ def register(subparsers) -> None:
                    help="with --engine-dir only: ONNX Runtime (CPU, default) or the TensorRT engines "
                         "(GPU, CUDA graphs)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as the user turn of the model's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=64,
+                   help="tokens to generate at most (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
@@ -115,17 +116,30 @@ def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int]
               f" | decode {1000 * timings['decode_s_per_token']:.1f} ms/token", file=sys.stderr)
 
 
-def engine_policy(args, built: KVPolicy) -> KVPolicy:
-    """The engine's policy; a policy flag given on the command line must agree with it."""
+def engine_policy(args, built: KVPolicy) -> tuple[KVPolicy, int | None]:
+    """The engine's policy and the request's budget. A policy flag given on the command line must agree with the
+    built policy, except ``--budget``: a budget in the engine's per-request range [min_budget, built budget] is this
+    request's ``kv_budget`` (the selection inside the prefill takes it as an input)."""
     default = KVPolicy()
+    kv_budget = None
     for name in KVPolicy.knob_names():
         value = getattr(args, name)
-        if value != getattr(default, name) and value != getattr(built, name):
-            raise ValueError(
-                f"{KVPolicy.flag_of(name)} {value} differs from the engine's policy ({name} = {getattr(built, name)!r}); "
-                "the policy is built into the engine: rebuild it with scripts/build_engine.py to change it"
-            )
-    return built
+        if value == getattr(default, name) or value == getattr(built, name):
+            continue
+        if name == "budget" and built.method.base.evicts:
+            try:
+                kv_budget = built.request_budget(value)
+            except ValueError:
+                raise ValueError(
+                    f"--budget {value} differs from the engine's policy (budget = {built.budget}), and this engine "
+                    f"serves per-request budgets in [{built.min_budget}, {built.budget}] only (--budget must lie there); "
+                    "to keep more, rebuild it with scripts/build_engine.py --budget") from None
+            continue
+        raise ValueError(
+            f"{KVPolicy.flag_of(name)} {value} differs from the engine's policy ({name} = {getattr(built, name)!r}); "
+            "the policy is built into the engine: rebuild it with scripts/build_engine.py to change it"
+        )
+    return (built if kv_budget is None else built.with_budget(kv_budget)), kv_budget
 
 
 def run_engine(args) -> int:
@@ -140,23 +154,21 @@ def run_engine(args) -> int:
         if value is not None:
             raise ValueError(f"{flag} and --engine-dir exclude each other: {why}")
     args.backend = args.backend or "onnxruntime"
-    sampling = SamplingConfig(args.temperature, args.top_p, args.seed)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     text = read_prompt(args)
     # profile=True: ONNX Runtime profiles the prefill run, which gives the selection nodes' time
     # (TensorRT reports selection_s as null: the plugin runs inside the engine, timed as part of prefill)
     options = {"profile": True} if args.backend == "onnxruntime" else {}
     engine = Engine.load(args.engine_dir, backend=args.backend, **options)
     try:
-        policy = engine_policy(args, engine.policy)
+        policy, kv_budget = engine_policy(args, engine.policy)
         tokenizer = engine.tokenizer
         ids = encode_prompt(tokenizer, text, args.chat)
         args.stop_ids = engine.eos_token_ids
         args.model = engine.manifest["model"]["name"]
         stream = None if args.json else _streamer(tokenizer, args.stop_ids)
         out = engine.generate([ids], args.max_new_tokens, sampling=sampling, stop_token_ids=args.stop_ids,
-                              on_tokens=stream)
+                              on_tokens=stream, kv_budget=kv_budget)
     finally:
         engine.close()
     report(args, policy, tokenizer, len(ids), out.tokens[0], out.timings(), out.kv_bytes_full, out.kv_bytes_kept,
@@ -208,9 +220,8 @@ def run(args) -> int:
     args.dtype = args.dtype or "float32"
     args.device = torch_device(args.device or "cpu")
     policy = KVPolicy.from_args(args)
-    sampling = SamplingConfig(args.temperature, args.top_p, args.seed)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              seed=args.seed)
     text = read_prompt(args)
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     model.to(args.device)

@@ -11,7 +11,8 @@ import torch
 from criticalkv.hf.cache import packed_decoding
 from criticalkv.hf.compress import PrefillResult, prefill_and_compress
 from criticalkv.policy import KVPolicy
-from criticalkv.sampling import Sampler, SamplingConfig, decode_loop
+from criticalkv.request import SamplingParams
+from criticalkv.sampling import Sampler, decode_loop
 
 
 @dataclass
@@ -43,7 +44,7 @@ def generate(
     max_new_tokens: int = 64,
     attention_mask: torch.Tensor | None = None,
     stop_token_ids: Sequence[int] = (),
-    sampling: SamplingConfig | None = None,
+    sampling: SamplingParams | None = None,
     on_tokens: Callable[[np.ndarray], None] | None = None,
 ) -> GenerationOutput:
     """Prefill, compress the cache with ``policy``, then decode up to ``max_new_tokens`` tokens.

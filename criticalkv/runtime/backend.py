@@ -1,11 +1,11 @@
-"""The interface between ``Engine`` (generation loop, sampling, stop tokens, streaming) and a backend
-that runs the prefill and decode graphs (ONNX Runtime here; TensorRT beside it on GPUs).
+"""The interface between ``Engine`` (slots, requests, the generation loop) and a backend that runs the
+graphs (ONNX Runtime here; TensorRT beside it on GPUs).
 
-A backend owns the KV buffers: it allocates them once for the built maximum batch (one row per sequence
-slot), fills them from the prefill outputs in ``begin_decode`` (or one slot at a time with ``load_slot``)
-and updates them in place in every ``decode`` step, which runs over the first B rows. The serving
-scheduler keeps its running sequences in those first B rows: it loads a new request's kept K/V into row
-B with ``load_slot`` and, when a sequence ends, moves the last row into the freed one with ``move_slot``.
+A backend owns the KV buffers: it allocates them once for the built maximum batch (one row per sequence),
+fills rows from the prefill outputs (``begin_decode`` for a static batch, ``load_row`` one row at a time) and
+updates them in place in every ``decode`` step, which runs over the first B rows. Which row holds which
+request is ``Engine``'s business: it keeps its occupied slots in the first B rows, loading a new one into row
+B and moving the last row into a freed one (``move_row``). Nothing above ``Engine`` calls a backend.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from criticalkv.runtime.manifest import EngineError
+from criticalkv.errors import EngineError
+from criticalkv.request import NO_BUDGET_INPUT
 
 
 @dataclass
@@ -60,9 +61,9 @@ class BuiltShapes:
         self.capacities = manifest["shapes"]["decode_capacity"]
         self.built_budget = manifest["policy"]["budget"]
 
-    def check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.max_batch:
-            raise EngineError(f"slot {slot} is outside the engine's {self.max_batch} rows (max batch size)")
+    def check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_batch:
+            raise EngineError(f"row {row} is outside the engine's {self.max_batch} rows (max batch size)")
 
 
 def budget_feed(kv_budget: int, input_type: str, rank: int) -> np.ndarray:
@@ -73,9 +74,6 @@ def budget_feed(kv_budget: int, input_type: str, rank: int) -> np.ndarray:
     value = np.array(kv_budget, dtype=dtype)
     return value.reshape((1,) * rank)
 
-
-#: The error for a per-request budget on an engine whose prefill graph fixes the budget.
-NO_BUDGET_INPUT = "this engine was built without a runtime budget input; rebuild it"
 
 
 class Backend(Protocol):
@@ -96,10 +94,10 @@ class Backend(Protocol):
     def begin_decode(self, prefill: PrefillOutputs) -> None:
         """Copy the kept K/V and lengths of the last prefill into rows 0..B-1 (B = prefill's batch)."""
 
-    def load_slot(self, slot: int, prefill: PrefillOutputs, row: int = 0) -> None:
-        """Copy row ``row`` of the last prefill's kept K/V and lengths into buffer row ``slot``."""
+    def load_row(self, target: int, prefill: PrefillOutputs, row: int = 0) -> None:
+        """Copy row ``row`` of the last prefill's kept K/V and lengths into buffer row ``target``."""
 
-    def move_slot(self, source: int, target: int) -> None:
+    def move_row(self, source: int, target: int) -> None:
         """Copy buffer row ``source`` (K, V, lengths) into row ``target``."""
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from criticalkv.errors import EngineError
 from criticalkv.files import sha256_file
 from criticalkv.policy import SCHEMA_VERSION, KVPolicy
 
@@ -17,10 +18,6 @@ MANIFEST_FILE = "manifest.json"
 FORMAT = "criticalkv-engine"
 #: Bumped whenever graph I/O, file layout or manifest fields change incompatibly.
 FORMAT_VERSION = 1
-
-
-class EngineError(ValueError):
-    """An engine directory, or a request to it, that cannot be served (the message says why)."""
 
 
 def file_table(folder: Path) -> dict[str, dict[str, Any]]:

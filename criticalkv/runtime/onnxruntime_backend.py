@@ -160,19 +160,19 @@ class OnnxRuntimeBackend(BuiltShapes):
 
     def begin_decode(self, prefill: PrefillOutputs) -> None:
         for row in range(prefill.logits.shape[0]):
-            self.load_slot(row, prefill, row)
+            self.load_row(row, prefill, row)
 
-    def load_slot(self, slot: int, prefill: PrefillOutputs, row: int = 0) -> None:
-        self.check_slot(slot)
+    def load_row(self, target: int, prefill: PrefillOutputs, row: int = 0) -> None:
+        self.check_row(target)
         for i in range(self.num_layers):
             kept = prefill.keys[i].shape[2]
-            self.keys[i][slot, :, :kept] = prefill.keys[i][row]
-            self.values[i][slot, :, :kept] = prefill.values[i][row]
-            self.lengths[i][slot] = prefill.lengths[i][row]
+            self.keys[i][target, :, :kept] = prefill.keys[i][row]
+            self.values[i][target, :, :kept] = prefill.values[i][row]
+            self.lengths[i][target] = prefill.lengths[i][row]
 
-    def move_slot(self, source: int, target: int) -> None:
-        self.check_slot(source)
-        self.check_slot(target)
+    def move_row(self, source: int, target: int) -> None:
+        self.check_row(source)
+        self.check_row(target)
         for i in range(self.num_layers):
             kept = int(self.lengths[i][source].max())  # entries beyond every head's length are never read
             self.keys[i][target, :, :kept] = self.keys[i][source, :, :kept]

@@ -7,7 +7,7 @@ Same contract as the ONNX Runtime backend (``criticalkv.runtime.backend.Backend`
   int32, allocated once on the GPU (torch tensors, so TensorRT reads them through raw addresses).
 * ``prefill`` runs the prompt; the kept K/V stay on the GPU (``begin_decode`` copies them device to device
   into the buffers), only logits, lengths and indices come back to the host.
-* ``load_slot`` / ``move_slot`` (the serving scheduler's slots) copy one row of the prefill outputs or of
+* ``load_row`` / ``move_row`` (the rows of ``Engine``'s slots) copy one row of the prefill outputs or of
   the buffers device to device.
 * ``decode`` over the first B rows: one TensorRT launch, then every layer's new K/V is scattered at slot
   ``lengths[b, g]`` of its head and the lengths are incremented, all on the GPU stream. With
@@ -191,29 +191,29 @@ class TensorRTBackend(BuiltShapes):
         self._graphs.clear()  # a new static batch: capture afresh
         self._batch = 0
         for row in range(prefill.logits.shape[0]):
-            self.load_slot(row, prefill, row)
+            self.load_row(row, prefill, row)
         self._device_prefill = None  # free the prefill outputs
 
-    def load_slot(self, slot: int, prefill: PrefillOutputs, row: int = 0) -> None:
+    def load_row(self, target: int, prefill: PrefillOutputs, row: int = 0) -> None:
         torch = self.torch
-        self.check_slot(slot)
+        self.check_row(target)
         if self._device_prefill is None:
-            raise EngineError("load_slot: run prefill on this backend first")
+            raise EngineError("load_row: run prefill on this backend first")
         out = self._device_prefill
         with torch.cuda.stream(self.stream):
             for i in range(self.num_layers):
                 kept = out[f"present.{i}.key"].shape[2]
-                self.keys[i][slot].zero_()
-                self.values[i][slot].zero_()
-                self.keys[i][slot, :, :kept] = out[f"present.{i}.key"][row]
-                self.values[i][slot, :, :kept] = out[f"present.{i}.value"][row]
-                self.lengths[i][slot] = out[f"present.{i}.lengths"][row]
-                self._row_max[slot, i] = int(prefill.lengths[i][row].max())
+                self.keys[i][target].zero_()
+                self.values[i][target].zero_()
+                self.keys[i][target, :, :kept] = out[f"present.{i}.key"][row]
+                self.values[i][target, :, :kept] = out[f"present.{i}.value"][row]
+                self.lengths[i][target] = out[f"present.{i}.lengths"][row]
+                self._row_max[target, i] = int(prefill.lengths[i][row].max())
 
-    def move_slot(self, source: int, target: int) -> None:
+    def move_row(self, source: int, target: int) -> None:
         torch = self.torch
-        self.check_slot(source)
-        self.check_slot(target)
+        self.check_row(source)
+        self.check_row(target)
         with torch.cuda.stream(self.stream):
             for i in range(self.num_layers):
                 self.keys[i][target].copy_(self.keys[i][source])

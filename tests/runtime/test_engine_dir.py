@@ -285,9 +285,9 @@ def test_cli_engine_dir_errors(built, tmp_path, capsys):
     assert main(["generate", "--engine-dir", str(tmp_path / "none"), "--prompt", text]) == 2
     assert "no such engine directory" in capsys.readouterr().err
     assert main(["generate", "--engine-dir", str(built[0]), "--prompt", words([5] * 300), "--max-new-tokens", "8"]) == 2
-    assert "exceeds the engine's max input length" in capsys.readouterr().err
+    assert "more than the engine's max input length" in capsys.readouterr().err
     assert main(["generate", "--engine-dir", str(built[0]), "--prompt", text, "--max-new-tokens", "64"]) == 2
-    assert "max_new_tokens must lie in [1, 32]" in capsys.readouterr().err
+    assert "max_tokens must lie in [1, 32]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("n", [5, 20, 40])  # below the window (8), below the budget (40), equal to it
@@ -331,3 +331,20 @@ def test_profiling_leaves_no_trace_files(built, tmp_path, monkeypatch, capsys):
     engine.close()
     Engine.load(built[0], profile=True).close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_budget_within_the_engine_range_is_the_request_budget(built, capsys):
+    # an engine serves any budget in [window, built budget] (a runtime input of its selection): --budget in that
+    # range is this request's budget; outside it the command says what --budget must be
+    text = words([(7 * i) % 120 + 2 for i in range(150)])
+    base = ["generate", "--engine-dir", str(built[0]), "--prompt", text, "--max-new-tokens", "3", "--json"]
+    assert main(base) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main(base + ["--budget", "16"]) == 0
+    small = json.loads(capsys.readouterr().out)
+    assert default["policy"]["budget"] == 40 and small["policy"]["budget"] == 16
+    assert small["kv_bytes"]["kept"] < default["kv_bytes"]["kept"]
+    for bad in ("0", "7", "41"):
+        assert main(base + ["--budget", bad]) == 2
+        err = capsys.readouterr().err
+        assert "per-request budgets in [8, 40] only (--budget must lie there)" in err, err

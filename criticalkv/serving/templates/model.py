@@ -32,13 +32,13 @@ class TritonPythonModel:
             if path not in sys.path:
                 sys.path.append(path)
         from criticalkv.chat import chat_input_ids
-        from criticalkv.runtime import Engine
+        from criticalkv.runtime import Engine, Request, RequestError
         from criticalkv.serving import Scheduler
         from criticalkv.serving.requests import TextStream, parse_request
-        from criticalkv.serving.scheduler import RequestError
 
         self.parse_request, self.TextStream, self.RequestError = parse_request, TextStream, RequestError
         self.chat_input_ids = chat_input_ids
+        self.Request = Request
         options = {}
         if self.config.get("backend", "onnxruntime") == "tensorrt":
             options["device"] = int(args.get("model_instance_device_id", 0))
@@ -109,10 +109,8 @@ class TritonPythonModel:
         # the Triton request stays referenced until its final response: its sender needs it alive
         state = {"request": parsed, "triton_request": request, "sender": sender, "num_sent": 0, "handle": None,
                  "text": self.TextStream(self.tokenizer, parsed.stop)}
-        stop = [] if parsed.ignore_eos else None
-        state["handle"] = self.scheduler.submit(
-            ids, max_tokens=parsed.max_tokens, sampling=parsed.sampling, stop_token_ids=stop,
-            kv_budget=parsed.kv_budget, on_output=lambda out: self._responses.put((state, out)))
+        request = self.Request(ids, parsed.sampling, parsed.kv_budget)
+        state["handle"] = self.scheduler.submit(request, on_output=lambda out: self._responses.put((state, out)))
 
     def _send_error(self, sender, message):
         sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
