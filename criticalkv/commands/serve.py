@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{args.repo}: no such model repository")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty")
+    parent = Path(tempfile.gettempdir())
+    remove_stale_temporaries(parent, TEMP_PREFIX, lambda m: print(f"criticalkv serve: {m}", file=sys.stderr))
     ports = {"--http-port": args.http_port, "--grpc-port": args.grpc_port, "--metrics-port": args.metrics_port}
     if args.openai_port:
         ports["--openai-port"] = args.openai_port
@@ -93,10 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     # handlers first: a signal during start-up stops what has started (the finally below)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    parent = Path(tempfile.gettempdir())
-    remove_stale_temporaries(parent, TEMP_PREFIX, lambda m: print(f"criticalkv serve: {m}", file=sys.stderr))
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     tmp = temporary_dir(parent, TEMP_PREFIX)
     server = frontend = None
     try:
@@ -120,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
             if openai_sock is not None and not stop.is_set():
                 from criticalkv.serving.openai_api import OpenAIFrontend
 
-                frontend = OpenAIFrontend(openai_sock, server.grpc_url, args.model_name, tokenizer, args.api_key)
+                frontend = OpenAIFrontend(openai_sock, server.grpc_url, args.model_name, tokenizer, args.api_key,
+                                          chat_max_tokens=_max_new_tokens(engine_dir))
                 frontend.start(cancelled=stop.is_set)
         except (RuntimeError, TimeoutError) as err:
             print(f"criticalkv serve: error: {err}", file=sys.stderr)
@@ -145,7 +145,15 @@ def run(args: argparse.Namespace) -> int:
             code = server.stop()
             print(f"tritonserver stopped (exit code {code})", file=sys.stderr)
         shutil.rmtree(tmp, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def _max_new_tokens(engine_dir: Path) -> int:
+    from criticalkv.runtime.manifest import read_manifest
+
+    return int(read_manifest(engine_dir, verify=False)["build"]["max_new_tokens"])
 
 
 def _load_tokenizer(engine_dir: Path):

@@ -35,9 +35,11 @@ from starlette.requests import Request  # module level: FastAPI reads the handle
 
 
 from criticalkv.chat import chat_prompt_text
+from criticalkv.request import DEFAULT_MAX_TOKENS
 
-#: max_tokens of /v1/completions when the request gives none (OpenAI's and vLLM's default)
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: max_tokens of /v1/completions when the request gives none (OpenAI's and vLLM's default); a chat completion
+#: without one may use the engine's whole built maximum (``chat_max_tokens``), as vLLM fills the context
+COMPLETIONS_DEFAULT_MAX_TOKENS = DEFAULT_MAX_TOKENS
 INT32_MAX = 2**31 - 1
 INTERNAL_PREFIX = "internal error: "
 
@@ -287,12 +289,16 @@ def model_error(message: str) -> APIError:
 
 
 # --------------------------------------------------------------------------------------------------- app
-def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = None):
-    """The ASGI app. ``tokenizer``: the engine's (its chat template renders the chat messages)."""
+def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = None,
+               chat_max_tokens: int | None = None):
+    """The ASGI app. ``tokenizer``: the engine's (its chat template renders the chat messages);
+    ``chat_max_tokens``: max_tokens of a chat completion that gives none (None: the model's default)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse
+
+    ClosingStreamingResponse = _closing_streaming_response()
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     model = TritonModel(grpc_url, model_name)
@@ -324,16 +330,8 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
     async def _unexpected(request, err: Exception):
         return error_response(APIError(500, f"{INTERNAL_PREFIX}{type(err).__name__}: {err}"))
 
-    @app.middleware("http")
-    async def _check_api_key(request: Request, call_next):
-        # as `vllm serve --api-key`: every /v1 request needs the key; /health stays open
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(APIError(
-                    401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key "
-                         "the server was started with (--api-key)"))
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -365,6 +363,7 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
         except Exception as err:  # the template's own checks (e.g. roles that must alternate)
             raise APIError(400, f"messages: the model's chat template refused them: {err}", "messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = chat_max_tokens if max_tokens is None else max_tokens
         return await respond(request, body, prompt, max_tokens, chat=True)
 
     @app.post("/v1/completions")
@@ -395,8 +394,8 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
                 first = await responses.__anext__()
             except StopAsyncIteration:
                 raise APIError(500, f"{INTERNAL_PREFIX}the model closed the stream without a response") from None
-            return StreamingResponse(stream_events(body, request_id, first, responses, chat, echo),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return ClosingStreamingResponse(stream_events(body, request_id, first, responses, chat, echo),
+                                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(_last(responses))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -456,9 +455,50 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
                 yield event([], _usage(prompt_tokens, completion_tokens))
         except APIError as err:  # after the 200: the error goes in the stream, as vLLM does
             yield f"data: {json.dumps(err.body())}\n\n"
+        finally:
+            await responses.aclose()  # cancels the Triton request unless it finished
         yield "data: [DONE]\n\n"
 
     return app
+
+
+class APIKeyMiddleware:
+    """As `vllm serve --api-key`: every /v1 request needs the header ``Authorization: Bearer KEY`` (else 401);
+    /health stays open. Plain ASGI (not Starlette's BaseHTTPMiddleware, which wraps streaming responses and
+    the client's disconnect)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                from fastapi.responses import JSONResponse
+
+                err = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
+                                    "the key the server was started with (--api-key)")
+                response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _closing_streaming_response():
+    from fastapi.responses import StreamingResponse
+
+    class ClosingStreamingResponse(StreamingResponse):
+        """A StreamingResponse that closes its generator when the response ends in any way: a client that goes
+        away leaves the generator suspended at a ``yield`` (the send was cancelled, not the generator), and its
+        ``finally``, which cancels the Triton request, would otherwise wait for the garbage collector."""
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self.body_iterator.aclose()
+
+    return ClosingStreamingResponse
 
 
 async def _last(responses: AsyncIterator[dict]) -> dict:
@@ -483,11 +523,12 @@ class OpenAIFrontend:
     """The app served by uvicorn in a thread of this process, on a socket bound beforehand (so a taken port
     is reported by the launcher before anything starts, and nobody can take it in between)."""
 
-    def __init__(self, sock, grpc_url: str, model_name: str, tokenizer, api_key: str | None = None):
+    def __init__(self, sock, grpc_url: str, model_name: str, tokenizer, api_key: str | None = None,
+                 chat_max_tokens: int | None = None):
         import uvicorn
 
         self.sock = sock
-        app = create_app(grpc_url, model_name, tokenizer, api_key)
+        app = create_app(grpc_url, model_name, tokenizer, api_key, chat_max_tokens)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                                                     timeout_graceful_shutdown=5))
         self.thread = None
