@@ -171,9 +171,10 @@ def ready_message(args, server) -> str:
     if args.openai_port:
         base = f"http://{host}:{args.openai_port}/v1"
         auth = ' -H "Authorization: Bearer $CRITICALKV_API_KEY"' if args.api_key else ""  # the key is not printed
-        lines.append(f"  OpenAI API {base}  (model \"{args.model_name}\"{', API key required' if args.api_key else ''})")
-        lines.append(f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} "
-                     f"-d '{{\"model\": \"{args.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"...\"}}]}}'")
+        key_note = ", API key required" if args.api_key else ""
+        body = json.dumps({"model": args.model_name, "messages": [{"role": "user", "content": "..."}]})
+        lines.append(f"  OpenAI API {base}  (model \"{args.model_name}\"{key_note})")
+        lines.append(f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
     lines.append(f"  curl -N -X POST {server.http_url}/v2/models/{args.model_name}/generate_stream "
                  "-d '{\"text_input\": \"...\", \"max_tokens\": 64, \"stream\": true, \"apply_chat_template\": true}'")
     if args.host in ("0.0.0.0", "::", ""):

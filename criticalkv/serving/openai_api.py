@@ -411,8 +411,8 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                    "finish_reason": reason} if chat else
                   {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
-        return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model_name, "choices": [choice], "usage": usage}
+        return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage}
 
     async def stream_events(body, request_id, first, responses, chat, echo) -> AsyncIterator[str]:
         created_at = int(time.time())
