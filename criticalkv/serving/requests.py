@@ -7,7 +7,8 @@ Inputs (Triton model ``config.pbtxt``): ``text_input`` (STRING, required), ``str
 ``return_num_output_tokens`` / ``return_kv_bytes`` (BOOL), ``apply_chat_template`` (BOOL: ``text_input`` is
 one user message, wrapped by the tokenizer's chat template as ``criticalkv generate --chat`` does). Without
 ``sampling_parameters`` the same keys are read from the request's parameters (Triton's generate endpoint puts
-unknown JSON fields there). As in vllm_backend: a streamed response carries the new text only; a non-streamed one the whole text,
+unknown JSON fields there).
+As in vllm_backend: a streamed response carries the new text only; a non-streamed one the whole text,
 after the prompt unless ``exclude_input_in_output`` is true; streaming with ``exclude_input_in_output``
 false is an error.
 """
