@@ -129,6 +129,8 @@ class EngineLimits:
     policy: KVPolicy
     accepts_kv_budget: bool = True
     eos_token_ids: tuple[int, ...] = ()
+    #: most question tokens after a cached context (the extend graph's room in a slot); 0: no context requests
+    max_question_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,21 +142,26 @@ class Request:
     kv_budget : tokens per KV head the selection keeps for this request, in [min_budget, the built budget]
         (``KVPolicy.request_budget``); None = the engine's built budget
     request_id : the caller's name for it (logs, outputs); the scheduler numbers requests that have none
+    context_token_ids : a context (a document, a conversation's earlier turns) that comes before the prompt and is
+        compressed alone, question-agnostically, and cached: later requests with the same context skip its prefill
+        (the serving context cache). The prompt is then the question asked after it. Empty: no context.
     """
 
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     kv_budget: int | None = None
     request_id: Any = None
+    context_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        ids = self.prompt_token_ids
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-            raise RequestError(f"prompt_token_ids: expected a list of token ids, got {type(ids).__name__}")
-        ids = tuple(ids)
-        if not all(_is_int(t) for t in ids):
-            raise RequestError("prompt_token_ids: every token id must be an integer")
-        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in ids))
+        for name in ("prompt_token_ids", "context_token_ids"):
+            ids = getattr(self, name)
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise RequestError(f"{name}: expected a list of token ids, got {type(ids).__name__}")
+            ids = tuple(ids)
+            if not all(_is_int(t) for t in ids):
+                raise RequestError(f"{name}: every token id must be an integer")
+            object.__setattr__(self, name, tuple(int(t) for t in ids))
         if not isinstance(self.sampling, SamplingParams):
             raise RequestError(f"sampling: expected SamplingParams, got {type(self.sampling).__name__}")
 
@@ -162,16 +169,31 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def num_context_tokens(self) -> int:
+        return len(self.context_token_ids)
+
     def checked(self, limits: EngineLimits) -> "Request":
         """This request checked against an engine's ``limits``, defaults filled: ``max_tokens`` set, ``kv_budget``
         None for the built budget. Raises ``RequestError`` naming the field."""
-        ids = self.prompt_token_ids
+        ids, context = self.prompt_token_ids, self.context_token_ids
         if not ids:
             raise RequestError("the prompt is empty")
-        if len(ids) > limits.max_input_len:
+        if context:
+            if not limits.max_question_len:
+                raise RequestError("context: this engine cannot keep a compressed context (it has no extend graph); "
+                                   "rebuild it with scripts/build_engine.py")
+            if len(context) + len(ids) > limits.max_input_len:
+                raise RequestError(f"the context and the prompt after it have {len(context)} + {len(ids)} tokens, more "
+                                   f"than the engine's max input length {limits.max_input_len}")
+            if len(ids) > limits.max_question_len:
+                raise RequestError(f"the prompt after the context has {len(ids)} tokens, more than the engine's max "
+                                   f"question length {limits.max_question_len} (rebuild with a larger "
+                                   "--max-question-len, or send it without a context)")
+        elif len(ids) > limits.max_input_len:
             raise RequestError(f"the prompt has {len(ids)} tokens, more than the engine's max input length "
                                f"{limits.max_input_len}")
-        if min(ids) < 0 or max(ids) >= limits.vocab_size:
+        if min(ids + context) < 0 or max(ids + context) >= limits.vocab_size:
             raise RequestError(f"prompt token ids must lie in [0, {limits.vocab_size})")
         sampling = self.sampling
         if sampling.max_tokens is None:

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from criticalkv.chat import encode_context_question, encode_prompt
 from criticalkv.files import read_text_interruptibly
 from criticalkv.policy import KVPolicy
 from criticalkv.request import SamplingParams
@@ -25,6 +26,11 @@ def register(subparsers) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", type=Path, help="text file with the prompt")
     src.add_argument("--prompt", help="the prompt itself")
+    src.add_argument("--context-file", type=Path,
+                     help="text file with a context (a document) to compress without the question, then ask "
+                          "--question about it (what the server's context cache does)")
+    src.add_argument("--context", help="the context itself (see --context-file)")
+    p.add_argument("--question", help="with --context-file/--context: the question asked after the compressed context")
     p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--engine-dir", type=Path,
                    help="run an engine built by scripts/build_engine.py (ONNX Runtime or TensorRT) instead of PyTorch")
@@ -48,33 +54,46 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def read_prompt(args) -> str:
-    if args.prompt is not None:
-        text = args.prompt
-    else:
-        path = args.prompt_file
+def read_text(text: str | None, path: Path | None, what: str) -> str:
+    flag = f"--{what}-file"
+    if text is None:
         if path.is_dir():
-            raise ValueError(f"--prompt-file {path}: is a directory, not a text file")
+            raise ValueError(f"{flag} {path}: is a directory, not a text file")
         if not path.exists():
-            raise FileNotFoundError(f"--prompt-file {path}: no such prompt file")
+            raise FileNotFoundError(f"{flag} {path}: no such {what} file")
         try:
             text = read_text_interruptibly(path)  # a FIFO or a terminal: Ctrl-C ends the wait at any moment
         except UnicodeDecodeError as err:
-            raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {err.start}: {err.reason}); "
+            raise ValueError(f"{flag} {path}: not UTF-8 text (byte {err.start}: {err.reason}); "
                              "give a text file") from None
     if not text.strip():
-        raise ValueError("the prompt is empty")
+        raise ValueError(f"the {what} is empty")
     return text
 
 
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat:
-        from criticalkv.chat import chat_input_ids
+def read_prompt(args) -> str:
+    return read_text(args.prompt, args.prompt_file, "prompt")
 
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("--chat: this model's tokenizer has no chat template")
-        return chat_input_ids(tokenizer, [{"role": "user", "content": text}])
-    return tokenizer(text)["input_ids"]
+
+def read_inputs(args) -> tuple[str, str | None]:
+    """(prompt, None), or (context, question) with --context/--context-file and --question: read before the model
+    loads, so a missing file fails at once."""
+    has_context = args.context is not None or args.context_file is not None
+    if has_context != (args.question is not None):
+        raise ValueError("--question goes with --context or --context-file (and they need a --question)")
+    if not has_context:
+        return read_prompt(args), None
+    if not args.question.strip():
+        raise ValueError("the question is empty")
+    return read_text(args.context, args.context_file, "context"), args.question
+
+
+def encode_inputs(tokenizer, inputs: tuple[str, str | None], chat: bool) -> tuple[list[int], list[int] | None]:
+    """(prompt ids, None) or (context ids, question ids)."""
+    text, question = inputs
+    if question is None:
+        return encode_prompt(tokenizer, text, chat), None
+    return encode_context_question(tokenizer, text, question, chat)
 
 
 def kept_whole(policy: KVPolicy, prompt_len: int) -> bool:
@@ -92,7 +111,10 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int], timings: dict, kv_full: int, kv_kept: int, backend: str) -> None:
+def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int], timings: dict, kv_full: int, kv_kept: int,
+           backend: str, question_len: int | None = None) -> None:
+    """Print the answer (or one JSON object). ``prompt_len``: the tokens compressed (the context when a question
+    follows it); ``question_len``: the question's tokens asked after the compressed context."""
     stops = set(args.stop_ids)
     text = tokenizer.decode([t for t in tokens if t not in stops], skip_special_tokens=True)
     if policy.name != "full" and kept_whole(policy, prompt_len):
@@ -103,6 +125,7 @@ def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int]
             "text": text,
             "token_ids": tokens,
             "prompt_tokens": prompt_len,
+            **({} if question_len is None else {"question_tokens": question_len}),
             "new_tokens": len(tokens),
             "backend": backend,
             "model": args.model or "smollm2-135m",
@@ -156,7 +179,7 @@ def run_engine(args) -> int:
             raise ValueError(f"{flag} and --engine-dir exclude each other: {why}")
     args.backend = args.backend or "onnxruntime"
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    text = read_prompt(args)
+    inputs = read_inputs(args)
     # profile=True: ONNX Runtime profiles the prefill run, which gives the selection nodes' time
     # (TensorRT reports selection_s as null: the plugin runs inside the engine, timed as part of prefill)
     options = {"profile": True} if args.backend == "onnxruntime" else {}
@@ -164,16 +187,16 @@ def run_engine(args) -> int:
     try:
         policy, kv_budget = engine_policy(args, engine.policy)
         tokenizer = engine.tokenizer
-        ids = encode_prompt(tokenizer, text, args.chat)
+        ids, question = encode_inputs(tokenizer, inputs, args.chat)
         args.stop_ids = engine.eos_token_ids
         args.model = engine.manifest["model"]["name"]
         stream = None if args.json else _streamer(tokenizer, args.stop_ids)
         out = engine.generate([ids], args.max_new_tokens, sampling=sampling, stop_token_ids=args.stop_ids,
-                              on_tokens=stream, kv_budget=kv_budget)
+                              on_tokens=stream, kv_budget=kv_budget, questions=None if question is None else [question])
     finally:
         engine.close()
     report(args, policy, tokenizer, len(ids), out.tokens[0], out.timings(), out.kv_bytes_full, out.kv_bytes_kept,
-           engine.backend.name)
+           engine.backend.name, None if question is None else len(question))
     if not args.json:
         print()
     return 0
@@ -217,7 +240,7 @@ def run(args) -> int:
     policy = KVPolicy.from_args(args)
     sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed)
-    text = read_prompt(args)  # before torch's seconds of imports: a prompt from a pipe is read at once
+    inputs = read_inputs(args)  # before torch's seconds of imports: a prompt from a pipe is read at once
     import torch
 
     from criticalkv.hf import generate, load_model
@@ -226,13 +249,15 @@ def run(args) -> int:
     args.device = torch_device(args.device or "cpu")
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     model.to(args.device)
-    ids = encode_prompt(tokenizer, text, args.chat)
+    ids, question = encode_inputs(tokenizer, inputs, args.chat)
     args.stop_ids = stop_token_ids(tokenizer, model)
     out = generate(
         model, torch.tensor([ids], device=args.device), policy, args.max_new_tokens,
         stop_token_ids=args.stop_ids, sampling=sampling, on_tokens=None if args.json else _streamer(tokenizer, args.stop_ids),
+        question_ids=None if question is None else torch.tensor([question], device=args.device),
     )
-    report(args, policy, tokenizer, len(ids), out.tokens[0], out.timings(), out.kv_bytes_full, out.kv_bytes_kept, "pytorch")
+    report(args, policy, tokenizer, len(ids), out.tokens[0], out.timings(), out.kv_bytes_full, out.kv_bytes_kept, "pytorch",
+           None if question is None else len(question))
     if not args.json:
         print()
     return 0

@@ -13,7 +13,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from criticalkv.commands.triton_repo import add_model_arguments
+from criticalkv.commands.triton_repo import add_model_arguments, scheduler_config
 
 #: temporary model repositories: <tmp>/criticalkv-serve-<launcher pid>-<random>/ (a killed launcher's is removed
 #: by the next start)
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         if repo is None:
             repo = tmp / "models"
             make_repository(args.engine_dir, repo, model_name=args.model_name, instances=args.instances,
-                            max_num_seqs=args.max_num_seqs, kv_pool_mib=args.kv_pool_mib, backend=args.backend,
+                            scheduler=scheduler_config(args), backend=args.backend,
                             gpus=args.gpus, threads=args.threads, execution_env=str(launcher.model_env()),
                             python_paths=launcher.project_paths())
         engine_dir = engine_dir_of(args) if openai_sock is not None else None

@@ -40,6 +40,46 @@ class PrefillOutputs:
     seconds: float
 
 
+@dataclass
+class ExtendOutputs:
+    """What the extend graph returns: logits [B, vocab] of each sequence's last new token, and per layer the
+    post-RoPE queries [B, H, min(N, window), d_h] of the last new tokens (the chunked prefill's selection needs
+    the prompt's last ``window`` queries)."""
+
+    logits: Any
+    window_queries: list[Any]
+
+
+@dataclass
+class PrefillBuffer:
+    """One prompt's K/V at full length while it is prefilled in chunks: per layer keys and values
+    [1, H_kv, max_input_len, d_h] and lengths [1, H_kv] int32 (the tokens prefilled so far)."""
+
+    keys: list[Any]
+    values: list[Any]
+    lengths: list[Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(k.nbytes) + int(v.nbytes) for k, v in zip(self.keys, self.values))
+
+
+@dataclass
+class RowSnapshot:
+    """A copy of one buffer row's entries (``Backend.save_row``): per layer keys and values [H_kv, n_l, d_h]
+    (n_l = the row's longest head in that layer; NumPy on ONNX Runtime, device tensors on TensorRT) and lengths
+    [H_kv] int32."""
+
+    keys: list[Any]
+    values: list[Any]
+    lengths: list[Any]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the copy holds (every layer's K and V, the padding of shorter heads included)."""
+        return sum(int(k.nbytes) + int(v.nbytes) for k, v in zip(self.keys, self.values))
+
+
 class BuiltShapes:
     """The built shapes a backend sizes its buffers with, read from the engine's manifest."""
 
@@ -48,6 +88,7 @@ class BuiltShapes:
     head_dim: int
     vocab: int
     max_batch: int
+    max_input_len: int  # the longest prompt: a chunked prefill's buffer holds that many entries per head
     capacities: list[int]  # decode capacity per layer
     built_budget: int  # the policy's budget the engine was built with (the largest per-request budget)
 
@@ -58,6 +99,7 @@ class BuiltShapes:
         self.head_dim = spec["head_dim"]
         self.vocab = spec["vocab_size"]
         self.max_batch = manifest["build"]["max_batch_size"]
+        self.max_input_len = manifest["build"]["max_input_len"]
         self.capacities = manifest["shapes"]["decode_capacity"]
         self.built_budget = manifest["policy"]["budget"]
 
@@ -96,6 +138,12 @@ class Backend(Protocol):
 
     def load_row(self, target: int, prefill: PrefillOutputs, row: int = 0) -> None:
         """Copy row ``row`` of the last prefill's kept K/V and lengths into buffer row ``target``."""
+
+    def save_row(self, row: int) -> RowSnapshot:
+        """A copy of row ``row``'s valid entries and lengths (the row is unchanged)."""
+
+    def restore_row(self, row: int, snapshot: RowSnapshot) -> None:
+        """Write ``snapshot`` into row ``row`` (entries and lengths), as ``load_row`` does a prefill's."""
 
     def move_row(self, source: int, target: int) -> None:
         """Copy buffer row ``source`` (K, V, lengths) into row ``target``."""

@@ -16,6 +16,7 @@ last one). ``generate`` is the one-call form for a static batch (the command lin
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,7 +27,7 @@ from criticalkv.errors import EngineError, RequestError
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.request import NO_BUDGET_INPUT, EngineLimits, Request, SamplingParams
-from criticalkv.runtime.backend import Backend, create_backend
+from criticalkv.runtime.backend import Backend, RowSnapshot, create_backend
 from criticalkv.runtime.manifest import read_manifest
 from criticalkv.sampling import Sampler, decode_loop
 
@@ -79,6 +80,43 @@ class PrefillResult:
 
 
 @dataclass
+class SlotSnapshot:
+    """A copy of one slot's entries (``Engine.save``): what the serving context cache keeps of a compressed
+    context. ``position``: the absolute position of the next token (the context's length)."""
+
+    row: RowSnapshot
+    position: int
+    kept_entries: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.row.nbytes
+
+
+@dataclass
+class PrefillJob:
+    """One prompt prefilled in chunks through the extend graph (``Engine.begin_prefill``): its full K/V grow in a
+    prefill buffer, its last ``window`` queries are kept, and ``finish_prefill`` runs the selection over the whole
+    prompt and loads the kept entries into a slot."""
+
+    request: Request
+    buffer: Any
+    done: int = 0  # prompt tokens prefilled so far
+    queries: list | None = None  # per layer the last window queries seen so far [1, H, <= w, d_h]
+    logits: np.ndarray | None = None  # [vocab] of the last token prefilled
+    seconds: float = 0.0
+
+    @property
+    def remaining(self) -> int:
+        return self.request.num_prompt_tokens - self.done
+
+    @property
+    def nbytes(self) -> int:
+        """KV bytes the prompt holds while it is prefilled (its whole buffer)."""
+        return self.buffer.nbytes
+
+
+@dataclass
 class _Slot:
     row: int  # the backend row that holds the slot's entries
     position: int  # absolute position of the next token fed to the slot (the prompt length + tokens fed)
@@ -102,12 +140,15 @@ class Engine:
         self.limits = EngineLimits(
             max_input_len=self.max_input_len, max_new_tokens=self.max_new_tokens, vocab_size=self.spec["vocab_size"],
             policy=self.policy, accepts_kv_budget=bool(getattr(backend, "accepts_kv_budget", False)),
-            eos_token_ids=tuple(self.eos_token_ids))
+            eos_token_ids=tuple(self.eos_token_ids),
+            max_question_len=int(build.get("max_question_len", 0)) if getattr(backend, "has_extend", False) else 0)
         #: K + V bytes of one entry of one KV head in the backend's buffers (fp32 on ONNX Runtime)
         capacities = manifest["shapes"]["decode_capacity"]
         self.entry_bytes = backend.kv_buffer_bytes() // (self.max_batch_size * self.spec["num_kv_heads"] * sum(capacities))
-        #: per layer: most entries a head keeps from a prompt (the decode buffers add max_new_tokens to it)
-        self.selection_capacities = [c - self.max_new_tokens for c in capacities]
+        #: per layer: most entries a head keeps from a prompt (the decode buffers add room for the tokens after it)
+        self.selection_capacities = list(manifest["shapes"]["prefill_capacity"])
+        #: most tokens one run of the extend graph takes (``extend``, ``prefill_step`` split longer inputs)
+        self.extend_chunk = int(build.get("extend_chunk", 256))
         self._slots: dict[int, _Slot] = {}
         self._rows: list[int] = []  # rows[r] = the slot whose entries row r holds; rows 0..B-1 are occupied
 
@@ -160,6 +201,10 @@ class Engine:
         capacity) per head) plus ``max_tokens`` new entries per head and layer. Known before its prefill."""
         kept = sum(min(num_prompt_tokens, cap) for cap in self.selection_capacities)
         return (kept + self.spec["num_layers"] * max_tokens) * self.spec["num_kv_heads"] * self.entry_bytes
+
+    def kv_bytes_full(self, num_tokens: int) -> int:
+        """KV bytes of ``num_tokens`` tokens without eviction (every KV head of every layer)."""
+        return num_tokens * self.spec["num_layers"] * self.spec["num_kv_heads"] * self.entry_bytes
 
     def growth_bytes(self, max_tokens: int) -> int:
         """KV bytes ``max_tokens`` decoded tokens add (one entry per KV head and layer each)."""
@@ -215,6 +260,90 @@ class Engine:
         for s in slots:
             self._slots[s].position += 1
         return logits if in_row_order else logits[rows]
+
+    def save(self, slot: int) -> SlotSnapshot:
+        """A copy of ``slot``'s entries and position (the slot is unchanged and stays occupied)."""
+        state = self._slot(slot)
+        row = self.backend.save_row(state.row)
+        kept = sum(int(np.asarray(x.cpu() if hasattr(x, "cpu") else x).sum()) for x in row.lengths)
+        return SlotSnapshot(row=row, position=state.position, kept_entries=kept)
+
+    def restore(self, slot: int, snapshot: SlotSnapshot) -> None:
+        """Load ``snapshot`` into the free ``slot``: it continues exactly where the saved slot was."""
+        self._free_slot(slot)
+        row = len(self._rows)
+        self.backend.restore_row(row, snapshot.row)
+        self._rows.append(slot)
+        self._slots[slot] = _Slot(row=row, position=snapshot.position)
+
+    def extend(self, slot: int, token_ids: Sequence[int]) -> np.ndarray:
+        """Feed ``token_ids`` (a question after a cached context, ...) to ``slot`` in chunks of at most the built
+        ``extend_chunk``: they attend to the slot's entries and causally to each other, and their K/V join the
+        slot. Returns the last token's logits [vocab] (a copy)."""
+        state = self._slot(slot)
+        ids = np.asarray(list(token_ids), dtype=np.int64)
+        if ids.size == 0:
+            raise RequestError("extend: no tokens given")
+        logits = None
+        for start in range(0, ids.size, self.extend_chunk):
+            chunk = ids[start:start + self.extend_chunk]
+            positions = state.position + np.arange(chunk.size, dtype=np.int64)
+            out = self.backend.extend_row(state.row, chunk[None, :], positions[None, :])
+            state.position += chunk.size
+            logits = out.logits
+        return np.array(logits[0], dtype=np.float32)
+
+    # ------------------------------------------------------------------ chunked prefill
+    def begin_prefill(self, request: Request) -> PrefillJob:
+        """Start prefilling ``request``'s prompt in chunks (``prefill_step``) into a new prefill buffer; no slot is
+        taken until ``finish_prefill``. The buffer holds the prompt's full K/V (``PrefillJob.nbytes``)."""
+        request = self.check(request)
+        return PrefillJob(request=request, buffer=self.backend.new_prefill_buffer())
+
+    def prefill_step(self, job: PrefillJob, max_tokens: int) -> bool:
+        """Prefill the next ``max_tokens`` prompt tokens of ``job`` (at most; fewer at the end); True when the
+        whole prompt is in. A last chunk shorter than the window is fine: the queries of the last window positions
+        are kept across chunks."""
+        if job.remaining <= 0:
+            return True
+        if max_tokens < 1:
+            raise EngineError(f"prefill_step: max_tokens must be >= 1, got {max_tokens}")
+        ids = np.asarray(job.request.prompt_token_ids[job.done:job.done + max_tokens], dtype=np.int64)
+        positions = job.done + np.arange(ids.size, dtype=np.int64)
+        start = time.perf_counter()
+        logits = None
+        for at in range(0, ids.size, self.extend_chunk):  # the graph takes at most extend_chunk tokens per run
+            part = slice(at, at + self.extend_chunk)
+            out = self.backend.extend_buffer(job.buffer, ids[None, part], positions[None, part])
+            w = self.policy.window
+            job.queries = out.window_queries if job.queries is None else [
+                np.concatenate([old, new], axis=2)[:, :, -w:] for old, new in zip(job.queries, out.window_queries)]
+            logits = out.logits
+        job.done += ids.size
+        job.logits = np.array(logits[0], dtype=np.float32)
+        job.seconds += time.perf_counter() - start
+        return job.remaining == 0
+
+    def finish_prefill(self, job: PrefillJob, slot: int) -> PrefillResult:
+        """Select over ``job``'s whole prompt (the same kept entries as ``prefill``'s one run) and load them into
+        the free ``slot``, which then decodes from position n; the prefill buffer is dropped."""
+        if job.remaining:
+            raise EngineError(f"finish_prefill: {job.remaining} prompt tokens are not prefilled yet")
+        self._free_slot(slot)
+        start = time.perf_counter()
+        selected = self.backend.select(job.buffer, job.queries, kv_budget=job.request.kv_budget)
+        row = len(self._rows)
+        self.backend.load_row(row, selected, 0)
+        self._rows.append(slot)
+        n = job.request.num_prompt_tokens
+        self._slots[slot] = _Slot(row=row, position=n)
+        job.buffer = None
+        kept = sum(int(x.sum()) for x in selected.lengths)
+        spec = self.spec
+        return PrefillResult(
+            logits=job.logits, num_prompt_tokens=n, kept_entries=kept, kv_bytes_kept=kept * self.entry_bytes,
+            kv_bytes_full=n * spec["num_kv_heads"] * spec["num_layers"] * self.entry_bytes,
+            seconds=job.seconds + time.perf_counter() - start)
 
     def release(self, slot: int) -> None:
         """Free ``slot`` at once; the last occupied row moves into its row (the decode batch stays rows 0..B-1)."""
@@ -279,6 +408,7 @@ class Engine:
         on_tokens: Callable[[np.ndarray], None] | None = None,
         attention_mask: np.ndarray | None = None,
         kv_budget: int | None = None,
+        questions: Sequence[Sequence[int]] | None = None,
     ) -> GenerationResult:
         """Prefill (selection inside the graph), then decode up to ``max_new_tokens`` tokens per sequence.
 
@@ -287,11 +417,16 @@ class Engine:
             every step's token ids [B] (streaming). The token after prompt b sits at position len_b + t.
         kv_budget : this request's budget, in [policy.min_budget, the built budget] (None: the built budget);
             the selection inside the prefill is exactly ``select_layer`` with ``policy.with_budget(kv_budget)``.
+        questions : token ids asked after each prompt: the prompt is then a context compressed without its question
+            (question-agnostic) and the question runs through the compressed cache (``criticalkv.hf.generate``'s
+            ``question_ids``); kept lengths and indices are not returned in this mode
         """
         if self._rows:
             raise EngineError(f"generate runs a static batch over the engine's rows, but slots {sorted(self._rows)} "
                               "hold sequences: release them first")
         sampling = replace(sampling or SamplingParams(), max_tokens=max_new_tokens)
+        if questions is not None:
+            return self._generate_questions(prompts, questions, sampling, stop_token_ids, on_tokens, kv_budget)
         ids, mask, requests = self._batch(prompts, attention_mask, sampling, kv_budget)
         budget = requests[0].kv_budget
         lengths = mask.sum(1)
@@ -326,6 +461,37 @@ class Engine:
             kept_lengths=pre.lengths,
             kept_indices=pre.indices,
         )
+
+    def _generate_questions(self, contexts, questions, sampling, stop_token_ids, on_tokens, kv_budget) -> GenerationResult:
+        """``generate`` with a question after each compressed context: every context is prefilled alone into a slot
+        (its selection without the question), the question runs through the extend graph, then the slots decode."""
+        contexts, questions = [list(c) for c in contexts], [list(q) for q in questions]
+        if len(contexts) != len(questions) or not contexts:
+            raise EngineError(f"questions: {len(questions)} questions for {len(contexts)} contexts")
+        if len(contexts) > self.num_slots:
+            raise EngineError(f"batch of {len(contexts)} prompts exceeds the engine's max batch size {self.num_slots} "
+                              "(rebuild with a larger --max-batch-size)")
+        sampler = Sampler(sampling)
+        slots = list(range(len(contexts)))
+        first_logits, prefill_s, full, kept = [], 0.0, 0, 0
+        try:
+            for slot, context, question in zip(slots, contexts, questions):
+                if not question:
+                    raise RequestError("a question in the batch is empty")
+                start = time.perf_counter()
+                result = self.prefill(slot, Request(context, sampling, kv_budget))
+                first_logits.append(self.extend(slot, question))
+                prefill_s += time.perf_counter() - start
+                full, kept = full + result.kv_bytes_full, kept + result.kv_bytes_kept
+            first = sampler(np.stack(first_logits))
+            generated, steps, decode_s = decode_loop(
+                lambda tokens, t: self.decode(slots, tokens), first, sampling.max_tokens,
+                self.eos_token_ids if stop_token_ids is None else stop_token_ids, sampler, on_tokens)
+        finally:
+            self.release_all()
+        return GenerationResult(
+            tokens=generated.tokens, prompt_lengths=[len(c) for c in contexts], prefill_s=prefill_s, selection_s=None,
+            decode_s_per_token=decode_s / steps if steps else 0.0, kv_bytes_full=full, kv_bytes_kept=kept)
 
     def close(self) -> None:
         self.backend.close()

@@ -16,8 +16,9 @@ from criticalkv.policy import SCHEMA_VERSION, KVPolicy
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "criticalkv-engine"
-#: Bumped whenever graph I/O, file layout or manifest fields change incompatibly.
-FORMAT_VERSION = 1
+#: Bumped whenever graph I/O, file layout or manifest fields change incompatibly. 2: extend.onnx and select.onnx
+#: (+ TensorRT flavours) and ``build.extend_chunk``, which chunked prefill and the context cache need.
+FORMAT_VERSION = 2
 
 
 def file_table(folder: Path) -> dict[str, dict[str, Any]]:

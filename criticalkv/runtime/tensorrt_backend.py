@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from criticalkv.runtime.backend import NO_BUDGET_INPUT, BuiltShapes, PrefillOutputs, budget_feed
+from criticalkv.runtime.backend import NO_BUDGET_INPUT, BuiltShapes, PrefillOutputs, RowSnapshot, budget_feed
 from criticalkv.runtime.manifest import EngineError
 
 ENGINE_FOLDER = "tensorrt"
@@ -209,6 +209,30 @@ class TensorRTBackend(BuiltShapes):
                 self.values[i][target, :, :kept] = out[f"present.{i}.value"][row]
                 self.lengths[i][target] = out[f"present.{i}.lengths"][row]
                 self._row_max[target, i] = int(prefill.lengths[i][row].max())
+
+    def save_row(self, row: int) -> RowSnapshot:
+        self.check_row(row)
+        keys, values, lengths = [], [], []
+        with self.torch.cuda.stream(self.stream):
+            for i in range(self.num_layers):
+                n = int(self._row_max[row, i])  # the host knows each row's longest head: no device sync
+                keys.append(self.keys[i][row, :, :n].clone())
+                values.append(self.values[i][row, :, :n].clone())
+                lengths.append(self.lengths[i][row].clone())
+        return RowSnapshot(keys, values, lengths)
+
+    def restore_row(self, row: int, snapshot: RowSnapshot) -> None:
+        self.check_row(row)
+        with self.torch.cuda.stream(self.stream):
+            for i in range(self.num_layers):
+                n = snapshot.keys[i].shape[1]
+                if n > self.capacities[i]:
+                    raise EngineError(f"layer {i}: a snapshot of {n} entries per head does not fit the KV buffer "
+                                      f"({self.capacities[i]} entries per head)")
+                self.keys[i][row, :, :n].copy_(snapshot.keys[i])
+                self.values[i][row, :, :n].copy_(snapshot.values[i])
+                self.lengths[i][row].copy_(snapshot.lengths[i])
+                self._row_max[row, i] = n
 
     def move_row(self, source: int, target: int) -> None:
         torch = self.torch

@@ -82,3 +82,23 @@ def test_a_request_budget_in_a_slot_keeps_fewer_entries(engine):
     engine.release_all()
     assert small.kept_entries < full.kept_entries
     assert engine.kv_bytes_bound(150, 4) >= full.kv_bytes_kept + engine.growth_bytes(4)
+
+
+def test_a_saved_slot_restored_elsewhere_continues_exactly(engine):
+    ids = prompt(140, seed=7)
+    expected = alone(engine, ids, 6)
+    first = greedy(engine.prefill(2, Request(ids)).logits)
+    logits = engine.decode([2], [first])
+    snapshot = engine.save(2)
+    assert snapshot.position == 141 and 0 < snapshot.nbytes and snapshot.kept_entries > 0
+    engine.release(2)
+    engine.prefill(0, Request(prompt(60, seed=8)))  # another sequence takes row 0 meanwhile
+    engine.restore(1, snapshot)  # restored into another slot (row 1)
+    tokens = [first, greedy(logits[0])]
+    for _ in range(4):
+        out = engine.decode([0, 1], [3, tokens[-1]])
+        tokens.append(greedy(out[1]))
+    engine.release_all()
+    assert tokens == expected
+    with pytest.raises(EngineError, match="holds no sequence"):
+        engine.save(2)

@@ -142,7 +142,7 @@ def test_max_num_seqs_and_the_kv_pool_queue_requests(engine):
     finally:
         scheduler.close()
     one = engine.kv_bytes_bound(60, 10)  # the KV bytes one such request is charged before its prefill
-    pooled = Scheduler(engine, max_num_seqs=4, kv_pool_mib=1.2 * one / 2**20)  # room for one at a time
+    pooled = Scheduler(engine, max_num_seqs=4, kv_memory_mib=1.2 * one / 2**20)  # room for one at a time
     try:
         seen.clear()
 
@@ -155,7 +155,7 @@ def test_max_num_seqs_and_the_kv_pool_queue_requests(engine):
         results = [h.result(60) for h in handles]
         assert [r.token_ids for r in results] == [alone(engine, prompt(60, seed=30 + i), 10) for i in range(3)]
         assert max(n for n, _ in seen) == 1 and max(b for _, b in seen) <= 1.2 * one
-        with pytest.raises(RequestError, match="more than the whole KV pool"):
+        with pytest.raises(RequestError, match="more than the whole KV memory"):
             submit(pooled, prompt(200), max_tokens=32)
     finally:
         pooled.close()
@@ -208,3 +208,104 @@ def test_backend_decodes_rows_independently(engine):
     backend.move_row(1, 0)
     moved = backend.decode(np.array([4]), np.array([120])).copy()
     np.testing.assert_array_equal(moved[0], alone_logits[0])  # same batch size: bitwise
+
+
+@pytest.fixture(scope="module")
+def chunky(tmp_path_factory):
+    """An engine with extend/select graphs whose attention block (32) the prefill chunks below are multiples of."""
+    folder = tmp_path_factory.mktemp("chunky")
+    policy = KVPolicy("ada-criticalkv", budget=40, window=8)
+    engine = Engine.load(export_tiny_engine(tiny_model("llama", seed=4), policy, folder, max_batch_size=4,
+                                            extend_chunk=32, max_question_len=24), threads=1)
+    yield engine
+    engine.close()
+
+
+def context_request(context, question, max_tokens, kv_budget=None):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(question, params, kv_budget, context_token_ids=context)
+
+
+def test_chunked_prefill_gives_the_tokens_of_one_prefill(chunky):
+    # prompts longer than a chunk go through extend chunks interleaved with the others' decode steps; a chunk of
+    # the attention block keeps the one-shot prefill's floats, so every request gets exactly its tokens alone
+    requests = [(prompt(70 + 37 * i, seed=60 + i), 4 + 3 * i) for i in range(5)]
+    expected = [alone(chunky, ids, m) for ids, m in requests]
+    scheduler = Scheduler(chunky, prefill_chunk=32)
+    try:
+        assert scheduler.chunked
+        handles = [submit(scheduler, ids, max_tokens=m, stop_token_ids=[]) for ids, m in requests]
+        assert [h.result(120).token_ids for h in handles] == expected
+        assert scheduler.kv_bytes_reserved == scheduler.context_cache.stats.bytes_held == 0
+    finally:
+        scheduler.close()
+
+
+def test_a_cached_context_answers_like_a_cold_one(chunky):
+    # the first request compresses the context (question-agnostic) and caches it; the others restore a copy and
+    # only run their question: the same tokens as on a cold cache, which are the engine's generate(questions=...)
+    context = prompt(150, seed=70)
+    questions = [prompt(6 + i, seed=71 + i) for i in range(4)]
+    expected = [chunky.generate([context], 6, stop_token_ids=[], questions=[q]).tokens[0] for q in questions]
+    scheduler = Scheduler(chunky, prefill_chunk=64)
+    try:
+        first = scheduler.submit(context_request(context, questions[0], 6)).result(120)
+        assert first.token_ids == expected[0] and first.context_cache_hit is False
+        later = [scheduler.submit(context_request(context, q, 6)) for q in questions[1:]]
+        outs = [h.result(120) for h in later]
+        assert [o.token_ids for o in outs] == expected[1:] and all(o.context_cache_hit for o in outs)
+        stats = scheduler.context_cache.stats
+        assert (stats.hits, stats.misses, stats.entries) == (3, 1, 1) and stats.bytes_held > 0
+        assert outs[0].kv_bytes_kept == first.kv_bytes_kept < first.kv_bytes_full
+        # another budget is another context: compressed again
+        other = scheduler.submit(context_request(context, questions[1], 6, kv_budget=16)).result(120)
+        assert other.context_cache_hit is False and scheduler.context_cache.stats.entries == 2
+    finally:
+        scheduler.close()
+    cold = Scheduler(chunky, context_cache_mib=0)  # no cache: every request compresses its context
+    try:
+        outs = [cold.submit(context_request(context, q, 6)).result(120) for q in questions]
+        assert [o.token_ids for o in outs] == expected and not any(o.context_cache_hit for o in outs)
+        assert cold.context_cache.stats.entries == 0
+    finally:
+        cold.close()
+
+
+def test_concurrent_requests_on_one_context_compress_it_once(chunky):
+    context = prompt(200, seed=80)
+    questions = [prompt(5, seed=81 + i) for i in range(4)]
+    scheduler = Scheduler(chunky, prefill_chunk=32)
+    try:
+        handles = [scheduler.submit(context_request(context, q, 4)) for q in questions]
+        outs = [h.result(120) for h in handles]
+        assert [o.context_cache_hit for o in outs] == [False, True, True, True]
+        assert [o.token_ids for o in outs] == [chunky.generate([context], 4, stop_token_ids=[], questions=[q]).tokens[0]
+                                               for q in questions]
+    finally:
+        scheduler.close()
+
+
+def test_the_kv_memory_evicts_cached_contexts_before_requests_wait(chunky):
+    contexts = [prompt(150, seed=90 + i) for i in range(3)]
+    scheduler = Scheduler(chunky, prefill_chunk=32, context_cache_mib=64)
+    try:
+        sizes = []
+        for context in contexts:
+            scheduler.submit(context_request(context, prompt(5), 3)).result(120)
+            sizes.append(scheduler.context_cache.stats.bytes_held)
+        assert 0 < sizes[0] < sizes[1] < sizes[2]  # every context cached (adakv heads: sizes differ a little)
+        one = max(sizes[0], sizes[1] - sizes[0], sizes[2] - sizes[1])
+    finally:
+        scheduler.close()
+    # KV memory for the running request + about one cached context: the older contexts go, least recently used first
+    need = chunky.kv_bytes_full(150)
+    tight = Scheduler(chunky, prefill_chunk=32, kv_memory_mib=(need + 1.5 * one) / 2**20)
+    try:
+        for context in contexts:
+            tight.submit(context_request(context, prompt(5), 3)).result(120)
+            assert tight.kv_bytes_reserved <= tight.kv_memory_bytes
+        assert tight.context_cache.stats.evictions >= 1 and tight.context_cache.stats.entries <= 1
+        again = tight.submit(context_request(contexts[-1], prompt(5), 3)).result(120)
+        assert again.context_cache_hit  # the most recent one stayed
+    finally:
+        tight.close()

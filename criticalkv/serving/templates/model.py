@@ -47,8 +47,7 @@ class TritonPythonModel:
         self.engine = Engine.load(self.config["engine_dir"], backend=self.config.get("backend", "onnxruntime"),
                                   verify=False, **options)
         self.tokenizer = self.engine.tokenizer
-        self.scheduler = Scheduler(self.engine, max_num_seqs=self.config.get("max_num_seqs"),
-                                   kv_pool_mib=self.config.get("kv_pool_mib"))
+        self.scheduler = Scheduler(self.engine, **self.config.get("scheduler", {}))
         self._setup_metrics(args)
         self._responses = queue.Queue()
         self._response_thread = threading.Thread(target=self._response_loop, daemon=True)
@@ -68,7 +67,7 @@ class TritonPythonModel:
                    family.COUNTER),
             family("criticalkv_requests_running", "Requests decoding", family.GAUGE),
             family("criticalkv_requests_waiting", "Requests waiting for a slot", family.GAUGE),
-            family("criticalkv_kv_pool_bytes_reserved", "KV bytes reserved by the running requests", family.GAUGE),
+            family("criticalkv_kv_bytes_reserved", "KV bytes held: running requests, prompts under prefill, cached contexts", family.GAUGE),
         ]
         ttft, tpot, kept, full, running, waiting, reserved = self._metric_families
         self.m_ttft = ttft.Metric(labels=labels, buckets=TTFT_BUCKETS)
