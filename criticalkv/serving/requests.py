@@ -4,8 +4,10 @@ incrementally, stop strings. Pure Python (no Triton imports), so it is unit-test
 Inputs (Triton model ``config.pbtxt``): ``text_input`` (STRING, required), ``stream`` (BOOL),
 ``sampling_parameters`` (STRING, JSON object: ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``ignore_eos``), ``exclude_input_in_output`` (BOOL), ``kv_budget`` (INT32), ``return_num_input_tokens`` /
-``return_num_output_tokens`` / ``return_kv_bytes`` (BOOL). Without ``sampling_parameters`` the same keys
-are read from the request's parameters (Triton's generate endpoint puts unknown JSON fields there).
+``return_num_output_tokens`` / ``return_kv_bytes`` (BOOL), ``apply_chat_template`` (BOOL: ``text_input`` is
+one user message, wrapped by the tokenizer's chat template as ``criticalkv generate --chat`` does). Without
+``sampling_parameters`` the same keys are read from the request's parameters (Triton's generate endpoint puts
+unknown JSON fields there).
 As in vllm_backend: a streamed response carries the new text only; a non-streamed one the whole text,
 after the prompt unless ``exclude_input_in_output`` is true; streaming with ``exclude_input_in_output``
 false is an error.
@@ -22,7 +24,7 @@ import numpy as np
 from criticalkv.errors import RequestError
 from criticalkv.request import SamplingParams
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens",
-               "return_kv_bytes")
+               "return_kv_bytes", "apply_chat_template")
 
 
 @dataclass
@@ -38,6 +40,7 @@ class TextRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_kv_bytes: bool = False
+    apply_chat_template: bool = False
 
     @property
     def max_tokens(self) -> int | None:
@@ -114,6 +117,7 @@ def parse_request(inputs: dict[str, Any], parameters: str | dict | None = None) 
         return_num_input_tokens=flags.get("return_num_input_tokens", False),
         return_num_output_tokens=flags.get("return_num_output_tokens", False),
         return_kv_bytes=flags.get("return_kv_bytes", False), sampling=sampling,
+        apply_chat_template=flags.get("apply_chat_template", False),
     )
 
 
@@ -121,8 +125,9 @@ class TextStream:
     """Incremental detokenization of one request's tokens, with stop strings.
 
     ``add(token_ids, final)`` returns ``(new_text, stopped)``: the text that became certain since the last
-    call (a trailing incomplete UTF-8 sequence is held back until the next token or the end) and whether a
-    stop string was reached (the text is then cut before it and the request should be cancelled).
+    call (a trailing incomplete UTF-8 sequence is held back until a later token completes it; a stream that
+    ends inside a character drops those bytes: no U+FFFD is ever sent for them) and whether a stop string
+    was reached (the text is then cut before it and the request should be cancelled).
     """
 
     def __init__(self, tokenizer, stop: list[str] | None = None):
@@ -143,8 +148,12 @@ class TextStream:
             if hits:
                 full = full[: min(hits)]
                 self.stopped = True
-        if not (final or self.stopped) and full.endswith("\ufffd"):
-            return "", False  # an incomplete multi-byte character: wait for the next token
+        if full.endswith("\ufffd"):  # the tokens so far end inside a multi-byte UTF-8 character
+            if not (final or self.stopped):
+                return "", False  # wait for the next token to complete it
+            # the stream ends there (max_tokens, a stop): the held bytes never complete; drop them rather than
+            # send U+FFFD (a genuine U+FFFD as the very last character looks the same and is dropped too)
+            full = full[: len(self.text)] + full[len(self.text):].rstrip("\ufffd")
         if self.stop and not (final or self.stopped):  # hold back a suffix that may start a stop string
             hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
             full = full[: len(full) - hold] if hold else full

@@ -183,7 +183,7 @@ def test_model_config_has_the_vllm_backend_names_and_two_instances(served):
     assert config["model_transaction_policy"]["decoupled"] is True
     assert [i["name"] for i in config["input"]] == [
         "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "kv_budget",
-        "return_num_input_tokens", "return_num_output_tokens", "return_kv_bytes"]
+        "return_num_input_tokens", "return_num_output_tokens", "return_kv_bytes", "apply_chat_template"]
     assert [o["name"] for o in config["output"]] == [
         "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "kv_bytes_kept", "kv_bytes_full"]
     assert config["instance_group"][0]["count"] == 2 and config["instance_group"][0]["kind"] == "KIND_CPU"

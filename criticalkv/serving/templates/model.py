@@ -4,7 +4,9 @@
 the scheduler thread produces tokens, a response thread sends them through the request's response sender
 (new text per token when streaming; the whole text at the end otherwise), closes with
 TRITONSERVER_RESPONSE_COMPLETE_FINAL, and cancels the request when ``is_cancelled()`` turns true. A bad
-request gets a TritonError naming the problem, on that request alone. Engine arguments: ``model.json``.
+request gets a TritonError naming the problem, on that request alone; a failure that is not the client's
+(an unexpected exception, an engine error) is sent as "internal error: ..." (the OpenAI frontend answers it
+with 500, the rest with 400). Engine arguments: ``model.json``.
 """
 
 import json
@@ -29,11 +31,13 @@ class TritonPythonModel:
         for path in self.config.get("python_paths", []):  # the stub ignores PYTHONPATH
             if path not in sys.path:
                 sys.path.append(path)
+        from criticalkv.chat import chat_input_ids
         from criticalkv.runtime import Engine, Request, RequestError
         from criticalkv.serving import Scheduler
         from criticalkv.serving.requests import TextStream, parse_request
 
         self.parse_request, self.TextStream, self.RequestError = parse_request, TextStream, RequestError
+        self.chat_input_ids = chat_input_ids
         self.Request = Request
         options = {}
         if self.config.get("backend", "onnxruntime") == "tensorrt":
@@ -82,19 +86,25 @@ class TritonPythonModel:
             except self.RequestError as err:
                 self._send_error(sender, str(err))
             except Exception as err:  # an unexpected failure still answers this request alone
-                self._send_error(sender, f"{type(err).__name__}: {err}")
+                self._send_error(sender, f"internal error: {type(err).__name__}: {err}")
                 pb_utils.Logger.log_error(traceback.format_exc())
         return None
 
     def _submit(self, request, sender):
         names = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output", "kv_budget",
-                 "return_num_input_tokens", "return_num_output_tokens", "return_kv_bytes")
+                 "return_num_input_tokens", "return_num_output_tokens", "return_kv_bytes", "apply_chat_template")
         inputs = {}
         for name in names:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             inputs[name] = None if tensor is None else tensor.as_numpy()
         parsed = self.parse_request(inputs, request.parameters())
-        ids = self.tokenizer(parsed.prompt)["input_ids"]
+        if parsed.apply_chat_template:  # text_input is one user message (as `criticalkv generate --chat`)
+            try:
+                ids = self.chat_input_ids(self.tokenizer, [{"role": "user", "content": parsed.prompt}])
+            except ValueError as err:
+                raise self.RequestError(f"apply_chat_template: {err}") from None
+        else:
+            ids = self.tokenizer(parsed.prompt)["input_ids"]
         # the Triton request stays referenced until its final response: its sender needs it alive
         state = {"request": parsed, "triton_request": request, "sender": sender, "num_sent": 0, "handle": None,
                  "text": self.TextStream(self.tokenizer, parsed.stop)}
@@ -141,7 +151,7 @@ class TritonPythonModel:
             self.m_full.increment(out.kv_bytes_full)
         if out.error is not None:
             state["closed"] = True
-            self._send_error(sender, out.error)
+            self._send_error(sender, f"internal error: {out.error}")
             return
         if out.finish_reason == "cancelled":
             state["closed"] = True
