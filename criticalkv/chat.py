@@ -96,3 +96,24 @@ def split_chat(tokenizer, messages: Sequence[dict]) -> tuple[list[int], list[int
     if not full.startswith(history):  # a template that rewrites earlier turns (e.g. drops old reasoning)
         return [], encode_text(tokenizer, full, special=False)
     return encode_text(tokenizer, history, special=False), encode_text(tokenizer, full[len(history):], special=False)
+
+
+def chat_context_ids(tokenizer, messages: Sequence[dict], context: str | bool) -> tuple[list[int], list[int]]:
+    """A chat as (context ids, question ids) for the compressed context cache.
+
+    ``context`` a string: a document placed at the start of the last (user) message, ``context + "\n\n" + its
+    content``, and the chat cut right before that content (earlier turns, the template's opening and the document
+    are the context; the last message and the generation prompt the question). ``context`` True: the
+    conversation's earlier messages are the context (``split_chat``), so a follow-up turn reuses its compressed
+    history.
+    """
+    if not messages or messages[-1].get("role") != "user":
+        raise ValueError("context: the last message must be the user's (the question asked after the context)")
+    if context is True:
+        return split_chat(tokenizer, messages)
+    if not isinstance(context, str) or not context:
+        raise ValueError("context: a non-empty string (a document) or true (the earlier messages)")
+    last = dict(messages[-1])
+    last["content"] = context + CONTEXT_SEPARATOR + _SPLIT + str(last.get("content") or "")
+    before, after = render_chat(tokenizer, [*messages[:-1], last]).split(_SPLIT)
+    return encode_text(tokenizer, before, special=False), encode_text(tokenizer, after, special=False)

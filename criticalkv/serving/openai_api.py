@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request  # module level: FastAPI reads the handlers' (string) annotations
 
 
-from criticalkv.chat import chat_prompt_text
+from criticalkv.chat import chat_context_ids, chat_prompt_text
 from criticalkv.request import DEFAULT_MAX_TOKENS
 
 #: max_tokens of /v1/completions when the request gives none (OpenAI's and vLLM's default); a chat completion
@@ -101,7 +101,7 @@ class _Common(_Strict):
     # criticalkv's own fields (extra_body)
     kv_budget: int | None = None
     ignore_eos: bool | None = None
-    context: str | None = None
+    context: str | bool | None = None
     # OpenAI fields not implemented here (accepted at their neutral value only)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -179,6 +179,8 @@ def check_common(request: _Common, served_model: str, model_inputs: set[str]) ->
             raise APIError(400, f"{name}: not supported by this server (got {value!r})", name)
     if request.kv_budget is not None and not 0 <= request.kv_budget <= INT32_MAX:
         raise APIError(400, f"kv_budget: {request.kv_budget} is out of range (a token count per KV head)", "kv_budget")
+    if request.context is False:
+        request.context = None
     if request.context is not None and "context" not in model_inputs:
         raise APIError(400, "context: not supported by this server (its model has no compressed-context input)",
                        "context")
@@ -227,13 +229,15 @@ class TritonModel:
 
         tensors = []
         for name, value in values.items():
-            if isinstance(value, bool):
+            if isinstance(value, list):  # token ids
+                array, dtype = np.array(value, dtype=np.int32), "INT32"
+            elif isinstance(value, bool):
                 array, dtype = np.array([value], dtype=bool), "BOOL"
             elif isinstance(value, int):
                 array, dtype = np.array([value], dtype=np.int32), "INT32"
             else:
                 array, dtype = np.array([str(value).encode("utf-8")], dtype=np.object_), "BYTES"
-            tensor = grpcclient.InferInput(name, [1], dtype)
+            tensor = grpcclient.InferInput(name, list(array.shape), dtype)
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
         return tensors
@@ -253,11 +257,14 @@ class TritonModel:
                 if error is not None:
                     raise model_error(str(error.message() if hasattr(error, "message") else error))
                 out = {}
-                for name in ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens"):
+                for name in ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
+                             "context_cache_hit"):
                     array = result.as_numpy(name)
                     if array is None:
                         continue
-                    if array.dtype == np.object_:
+                    if array.dtype == bool:
+                        out[name] = bool(array.reshape(-1)[0])
+                    elif array.dtype == np.object_:
                         out[name] = b"".join(array.reshape(-1)).decode("utf-8")
                     else:
                         out[name] = int(array.reshape(-1)[0])
@@ -358,13 +365,24 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
             if message.content is None and message.role != "assistant":
                 raise APIError(400, f"messages.{i}.content: required for role {message.role!r}", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = None
         try:
-            prompt = chat_prompt_text(tokenizer, messages)
+            if body.context is not None:  # the context (a document, or the earlier turns) is compressed and cached
+                ids = chat_context_ids(tokenizer, messages, body.context)
+                prompt = ""
+            else:
+                prompt = chat_prompt_text(tokenizer, messages)
+        except APIError:
+            raise
+        except ValueError as err:
+            if str(err).startswith("context:"):
+                raise APIError(400, str(err), "context") from None
+            raise APIError(400, f"messages: the model's chat template refused them: {err}", "messages") from None
         except Exception as err:  # the template's own checks (e.g. roles that must alternate)
             raise APIError(400, f"messages: the model's chat template refused them: {err}", "messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = chat_max_tokens if max_tokens is None else max_tokens
-        return await respond(request, body, prompt, max_tokens, chat=True)
+        return await respond(request, body, prompt, max_tokens, chat=True, ids=ids)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -373,10 +391,14 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:
             raise APIError(400, f"prompt: one prompt per request is supported, got {len(prompts)}", "prompt")
+        if body.context is True:
+            raise APIError(400, "context: true (the earlier messages) needs /v1/chat/completions; give the context's "
+                                "text here", "context")
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         return await respond(request, body, prompts[0], max_tokens, chat=False)
 
-    async def respond(request: Request, body: _Common, prompt: str, max_tokens: int | None, chat: bool):
+    async def respond(request: Request, body: _Common, prompt: str, max_tokens: int | None, chat: bool,
+                      ids: tuple[list[int], list[int]] | None = None):
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         values: dict[str, Any] = {
             "text_input": prompt, "stream": body.stream, "exclude_input_in_output": True,
@@ -385,7 +407,13 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
         }
         if body.kv_budget is not None:
             values["kv_budget"] = body.kv_budget
-        if body.context is not None:
+        if ids is not None:  # a chat cut into its context and its question, as token ids
+            context_ids, question_ids = ids
+            values.pop("text_input")
+            values["input_ids"] = question_ids
+            if context_ids:
+                values["context_ids"] = context_ids
+        elif body.context is not None:
             values["context"] = body.context
         echo = prompt if (not chat and getattr(body, "echo", False)) else ""
         responses = model.generate(values, request_id)
@@ -411,8 +439,11 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                    "finish_reason": reason} if chat else
                   {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
-        return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage}
+        response = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                    "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage}
+        if "context_cache_hit" in out:  # criticalkv's own field: the context's compressed entries were cached
+            response["context_cache_hit"] = out["context_cache_hit"]
+        return response
 
     async def stream_events(body, request_id, first, responses, chat, echo) -> AsyncIterator[str]:
         created_at = int(time.time())
@@ -421,10 +452,11 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
         kind = "chat.completion.chunk" if chat else "text_completion"
         prompt_tokens, completion_tokens = 0, 0
 
-        def event(choices, usage=None, with_usage=include_usage):
+        def event(choices, usage=None, with_usage=include_usage, extra=None):
             chunk = {"id": request_id, "object": kind, "created": created_at, "model": model_name, "choices": choices}
             if with_usage:
                 chunk["usage"] = usage
+            chunk.update(extra or {})
             return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
         def choice(text, reason=None, role=False):
@@ -450,7 +482,8 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
                 text = out.get("text_output", "")
                 usage = _usage(prompt_tokens, completion_tokens) if continuous else None
                 if text or reason:
-                    yield event([choice(text, reason)], usage)
+                    extra = {"context_cache_hit": out["context_cache_hit"]} if "context_cache_hit" in out else None
+                    yield event([choice(text, reason)], usage, extra=extra)
             if include_usage:
                 yield event([], _usage(prompt_tokens, completion_tokens))
         except APIError as err:  # after the 200: the error goes in the stream, as vLLM does

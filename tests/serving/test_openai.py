@@ -177,8 +177,9 @@ BAD = [  # (path, body, status, what the message names)
     ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "n": 2}, 400, "only n=1"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "kv_budget": 41}, 400,
      r"kv_budget must lie in \[8, 40\]"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "context": "w6 w7"}, 400,
-     "context: not supported by this server"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "context": 5}, 400, "context"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "context": ""}, 400,
+     "context: a non-empty string"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "max_token": 3}, 400,
      "max_token: unknown field"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "presence_penalty": 0.5}, 400,
@@ -259,6 +260,45 @@ def test_a_client_that_goes_away_frees_its_slot(served):
     assert box["out"].choices[0].text == served.expected(ids, 4)
 
 
+def test_a_context_is_compressed_once_and_reused(served):
+    # `context` (criticalkv's field): the document is compressed alone and cached; later questions about it skip its
+    # prefill (context_cache_hit) and answer like the engine does from the same split of the chat
+    from criticalkv.chat import chat_context_ids
+
+    tokenizer = served.engine.tokenizer
+    doc, _ = random_words(150, seed=21)
+    hits, texts = [], []
+    for seed in (22, 23):
+        question, _ = random_words(6, seed=seed)
+        messages = [{"role": "user", "content": question}]
+        status, out = served.post("/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 7,
+                                                        "context": doc})
+        assert status == 200, out
+        context_ids, question_ids = chat_context_ids(tokenizer, messages, doc)
+        tokens = served.engine.generate([context_ids], 7, questions=[question_ids]).tokens[0]
+        assert out["choices"][0]["message"]["content"] == tokenizer.decode(tokens, skip_special_tokens=True)
+        assert out["usage"]["prompt_tokens"] == len(context_ids) + len(question_ids)
+        hits.append(out["context_cache_hit"])
+    assert hits == [False, True]
+    # context: true = the conversation's earlier turns are the context (a follow-up turn reuses them)
+    turns = [{"role": "user", "content": doc}, {"role": "assistant", "content": "w7 w8"},
+             {"role": "user", "content": random_words(5, seed=24)[0]}]
+    outs = [served.post("/chat/completions", {"model": MODEL, "messages": turns, "max_tokens": 5, "context": True})
+            for _ in range(2)]
+    assert [o[0] for o in outs] == [200, 200] and [o[1]["context_cache_hit"] for o in outs] == [False, True]
+    context_ids, question_ids = chat_context_ids(tokenizer, turns, True)
+    tokens = served.engine.generate([context_ids], 5, questions=[question_ids]).tokens[0]
+    assert outs[1][1]["choices"][0]["message"]["content"] == tokenizer.decode(tokens, skip_special_tokens=True)
+    # streaming carries the flag on its last chunk; a bad context is a 400
+    chunks = list(served.client.chat.completions.create(model=MODEL, messages=turns, max_tokens=5, stream=True,
+                                                        extra_body={"context": True}))
+    assert [c.model_extra.get("context_cache_hit") for c in chunks if c.choices and c.choices[0].finish_reason] == [True]
+    status, out = served.post("/chat/completions", {"model": MODEL, "messages": turns[:2], "context": True})
+    assert status == 400 and "the last message must be the user's" in out["error"]["message"]
+    status, out = served.post("/completions", {"model": MODEL, "prompt": "w5", "context": True})
+    assert status == 400 and "needs /v1/chat/completions" in out["error"]["message"]
+
+
 def test_taken_ports_are_named_before_anything_starts(served, capsys, tmp_path):
     """A second serve on the ports of the running one: one line naming the port, status 2, no `ready:`."""
     from criticalkv.serving.launcher import free_port
@@ -316,3 +356,4 @@ def test_a_killed_launcher_takes_its_server_with_it(served, capsys, monkeypatch)
     err = capsys.readouterr().err
     assert f"removed {leftovers[0]}: a temporary left by process {served.process.pid}" in err
     assert not leftovers[0].exists()
+
