@@ -101,15 +101,6 @@ def kept_whole(policy: KVPolicy, prompt_len: int) -> bool:
     return policy.name == "full" or prompt_len <= policy.budget
 
 
-def stop_token_ids(tokenizer, model) -> list[int]:
-    ids = set()
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return sorted(ids)
-
-
 def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int], timings: dict, kv_full: int, kv_kept: int,
            backend: str, question_len: int | None = None) -> None:
     """Print the answer (or one JSON object). ``prompt_len``: the tokens compressed (the context when a question

@@ -155,3 +155,13 @@ def load_model(
         hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return hf_model.eval(), tokenizer
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """The end-of-sequence ids that ``model`` (its generation config, its config) and ``tokenizer`` declare, sorted."""
+    ids = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(ids)

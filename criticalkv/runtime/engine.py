@@ -27,8 +27,9 @@ from criticalkv.errors import EngineError, RequestError
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.request import NO_BUDGET_INPUT, EngineLimits, Request, SamplingParams
-from criticalkv.runtime.backend import Backend, RowSnapshot, create_backend
+from criticalkv.runtime.backend import Backend, RowSnapshot
 from criticalkv.runtime.manifest import read_manifest
+from criticalkv.runtime.registry import create_backend
 from criticalkv.sampling import Sampler, decode_loop
 
 
