@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import signal
 import sys
+from importlib import metadata
 from typing import Iterator
 
 #: Modules that define ``register(subparsers)``; one line per subcommand.
@@ -48,8 +49,6 @@ def sigterm_raises() -> Iterator[None]:
 
 
 def version() -> str:
-    from importlib import metadata
-
     try:
         return metadata.version("criticalkv")
     except metadata.PackageNotFoundError:

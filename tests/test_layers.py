@@ -29,17 +29,19 @@ PACKAGE = ROOT / "criticalkv"
 #: The allowed order, ground floor first. A module may import its own unit and any unit on a LOWER floor; never a
 #: unit on its own floor or above (so two units on one floor do not know each other).
 FLOORS: tuple[tuple[str, ...], ...] = (
-    # 0. leaves: the knob rules, file and padding helpers, sampling, external ONNX weights
-    ("criticalkv.spec", "criticalkv.spec.rules", "criticalkv.files", "criticalkv.padding", "criticalkv.sampling",
+    # 0. leaves: the knob rules, the error types, file and padding helpers, external ONNX weights
+    ("criticalkv.spec", "criticalkv.spec.rules", "criticalkv.errors", "criticalkv.files", "criticalkv.padding",
      "criticalkv.weights"),
     # 1. the eviction methods: scores, budget sharing, integer rules, top-k, pruned stage 2, ONNX pieces
     ("criticalkv.methods",),
     # 2. KVPolicy (reads the methods registry)
     ("criticalkv.policy",),
-    # 3. the CriticalKVSelect node contract (attributes, capacities, plugin fields, profile branch names)
-    ("criticalkv.node",),
-    # 4. the TensorRT plugin library and engine building (tensorrt itself is optional)
-    ("criticalkv.tensorrt",),
+    # 3. the CriticalKVSelect node contract (attributes, capacities, plugin fields, profile branch names); the request
+    #    rules (Request, SamplingParams: one place, checked against the policy)
+    ("criticalkv.node", "criticalkv.request"),
+    # 4. next-token sampling and the decode loop (NumPy); the TensorRT plugin library and engine building (tensorrt
+    #    itself is optional)
+    ("criticalkv.sampling", "criticalkv.tensorrt"),
     # 5. the runtime: Engine over ONNX Runtime or TensorRT (no torch, no exporter)
     ("criticalkv.runtime",),
     # 6. serving: scheduler, Triton model and repository, launcher

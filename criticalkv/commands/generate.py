@@ -7,9 +7,14 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from criticalkv.chat import encode_context_question, encode_prompt
+from criticalkv.hf import generate, load_model
+from criticalkv.hf.loading import stop_token_ids
 from criticalkv.policy import KVPolicy
 from criticalkv.request import SamplingParams
+from criticalkv.runtime import Engine
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -158,8 +163,6 @@ def engine_policy(args, built: KVPolicy) -> tuple[KVPolicy, int | None]:
 
 def run_engine(args) -> int:
     """``--engine-dir``: the engine runtime (criticalkv.runtime) on ONNX Runtime or TensorRT."""
-    from criticalkv.runtime import Engine
-
     for flag, value, why in (
         ("--model", args.model, "the engine directory holds its model"),
         ("--dtype", args.dtype, "the engine's dtype is fixed when it is built (build_engine.py --dtype)"),
@@ -210,8 +213,6 @@ def _streamer(tokenizer, stop_ids):
 
 def torch_device(name: str):
     """``torch.device(name)`` after checking that this torch can use it (one-line error otherwise)."""
-    import torch
-
     try:
         device = torch.device(name)
         torch.empty(0, device=device)
@@ -227,9 +228,6 @@ def run(args) -> int:
     if args.backend is not None:
         raise ValueError(f"--backend {args.backend}: only with --engine-dir (without it generate runs the PyTorch "
                          "model; build an engine with scripts/build_engine.py)")
-    import torch
-
-    from criticalkv.hf import generate, load_model
 
     args.dtype = args.dtype or "float32"
     args.device = torch_device(args.device or "cpu")

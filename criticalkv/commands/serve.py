@@ -10,6 +10,8 @@ import threading
 from pathlib import Path
 
 from criticalkv.commands.triton_repo import add_model_arguments, scheduler_config
+from criticalkv.serving import launcher
+from criticalkv.serving.repository import make_repository
 
 
 def register(subparsers) -> None:
@@ -34,9 +36,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from criticalkv.serving import launcher
-    from criticalkv.serving.repository import make_repository
-
     launcher.setup(log=lambda m: print(m, file=sys.stderr))
     if args.setup:
         print(f"tritonserver ready to run from {launcher.server_dir()} (model environment {launcher.model_env()})")

@@ -29,6 +29,7 @@ from criticalkv.policy import KVPolicy
 from criticalkv.request import NO_BUDGET_INPUT, EngineLimits, Request, SamplingParams
 from criticalkv.runtime.backend import Backend, RowSnapshot
 from criticalkv.runtime.manifest import read_manifest
+from criticalkv.runtime.profiling import selection_profile
 from criticalkv.runtime.registry import create_backend
 from criticalkv.sampling import Sampler, decode_loop
 
@@ -165,6 +166,7 @@ class Engine:
     def tokenizer(self):
         """The tokenizer saved with the engine (transformers ``AutoTokenizer``)."""
         if self._tokenizer is None:
+            # only when asked for: transformers' AutoTokenizer imports torch, which the rest of the runtime never loads
             from transformers import AutoTokenizer
 
             path = self.folder / "tokenizer"
@@ -439,8 +441,6 @@ class Engine:
         if end_profiling is not None:
             trace = end_profiling()
             if trace:
-                from criticalkv.runtime.profiling import selection_profile
-
                 selection_s = selection_profile(trace)[-1].selection_s
                 os.remove(trace)
         first = sampler(pre.logits)
