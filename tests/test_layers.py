@@ -29,9 +29,10 @@ PACKAGE = ROOT / "criticalkv"
 #: The allowed order, ground floor first. A module may import its own unit and any unit on a LOWER floor; never a
 #: unit on its own floor or above (so two units on one floor do not know each other).
 FLOORS: tuple[tuple[str, ...], ...] = (
-    # 0. leaves: the knob rules, the error types, file and padding helpers, external ONNX weights
-    ("criticalkv.spec", "criticalkv.spec.rules", "criticalkv.errors", "criticalkv.files", "criticalkv.padding",
-     "criticalkv.weights"),
+    # 0. leaves: the knob rules, the error types, prompts as token ids (chat template, context / question), file and
+    #    padding helpers, external ONNX weights
+    ("criticalkv.spec", "criticalkv.spec.rules", "criticalkv.errors", "criticalkv.chat", "criticalkv.files",
+     "criticalkv.padding", "criticalkv.weights"),
     # 1. the eviction methods: scores, budget sharing, integer rules, top-k, pruned stage 2, ONNX pieces
     ("criticalkv.methods",),
     # 2. KVPolicy (reads the methods registry)
