@@ -3,13 +3,14 @@
 ``FLOORS`` is the allowed order, from the ground up (docs/architecture.md draws the same list and says why each
 unit stands where it does). A unit is a package or a module; a module belongs to the longest unit that names it.
 Every module of the package is parsed with ``ast``; an import counts wherever it stands (module top, inside a
-function, under ``if TYPE_CHECKING``), and so do ``importlib.import_module("criticalkv...")`` calls and any string
-that names a module of the package (the CLI's and the runtime backends' registries load modules by name). Importing
-``a.b.c`` also runs the package faces ``a.b/__init__`` on the way, so those count too. There is no exception list:
-a new module that no floor names fails until it is placed.
+function, under ``if TYPE_CHECKING``), and so do ``importlib.import_module("criticalkv...")`` calls and, in a module
+that loads modules by a computed name (the CLI's subcommands, the runtime's backends), every string that names a
+module of the package. Importing ``a.b.c`` also runs the package faces ``a.b/__init__`` on the way, so those count
+too. There is no exception list: a new module that no floor names fails until it is placed.
 
 The ONNX Runtime side (``runtime``, ``serving``) stands below ``selection``, where PyTorch starts: the floors alone
-keep it from importing torch through the package; ``test_onnx_runtime_side_runs_without_torch`` checks the rest.
+keep it from importing torch through the package; ``test_onnx_runtime_side_imports_without_torch`` here and
+``tests/runtime/test_without_torch.py`` (an engine generating where torch cannot be imported) check the rest.
 """
 
 from __future__ import annotations
@@ -218,9 +219,9 @@ def test_the_root_package_loads_nothing_at_import():
     eager = [n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
              and any((getattr(n, "module", None) or a.name).startswith("criticalkv") for a in n.names)]
     assert not eager, f"criticalkv/__init__.py imports package modules at lines {eager}"
-    code = "import sys, criticalkv.spec.rules; print(sorted(m for m in sys.modules if m.startswith('criticalkv')))"
-    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-                        .stdout.replace("'", '"'))
+    code = ("import json, sys, criticalkv.spec.rules; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('criticalkv'))))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert loaded == ["criticalkv", "criticalkv.spec", "criticalkv.spec.rules"]
 
 
@@ -240,6 +241,10 @@ def test_the_walker_sees_every_kind_of_import():
     # a module that names another only in a string (a command line, a policy called "criticalkv") imports nothing
     assert imports_in("import subprocess, sys\nNAME = 'criticalkv'\n"
                       "subprocess.run([sys.executable, '-m', 'criticalkv.cli', 'serve'])\n", "criticalkv.bench.x") == {}
+    # and the package's own loads by name are seen: the CLI's subcommands, the runtime's backends, the face's names
+    assert "criticalkv.commands.serve" in GRAPH["criticalkv.cli"]
+    assert "criticalkv.runtime.onnxruntime_backend" in GRAPH["criticalkv.runtime.registry"]
+    assert {"criticalkv.policy", "criticalkv.selection"} <= set(GRAPH["criticalkv"])
 
 
 @pytest.mark.parametrize("module", ["criticalkv.runtime", "criticalkv.serving", "criticalkv"])
