@@ -9,6 +9,7 @@ which holds a lock on it (``build_lock``) so that two builds never write one out
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import platform
 import shutil
@@ -20,6 +21,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import torch
+
+import criticalkv.tensorrt as trt_engine
 from criticalkv.export.exporter import (
     DECODE_FILE,
     EXTEND_TENSORRT_FILE,
@@ -32,7 +36,10 @@ from criticalkv.export.exporter import (
 )
 from criticalkv.export.validate import validate_export
 from criticalkv.files import remove_stale_temporaries, temporary_dir
+from criticalkv.hf import generate, load_model, resolve_model
+from criticalkv.hf.loading import stop_token_ids
 from criticalkv.policy import SCHEMA_VERSION, KVPolicy
+from criticalkv.runtime import Engine, create_backend
 from criticalkv.runtime.manifest import FORMAT as MANIFEST_FORMAT
 from criticalkv.runtime.manifest import FORMAT_VERSION, MANIFEST_FILE, EngineError, write_manifest
 
@@ -60,8 +67,6 @@ def build_request(model_name: str, model_path: str, policy: KVPolicy, config: Bu
 
 def existing_manifest(output: Path) -> dict[str, Any] | None:
     """The criticalkv manifest in ``output`` (None when there is none, or it is not one of ours)."""
-    import json
-
     try:
         manifest = json.loads((output / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
@@ -120,11 +125,6 @@ def smoke_test(
 ) -> dict[str, Any]:
     """Generate a few greedy tokens on ONNX Runtime from a prompt long enough to be compressed, and the
     same with the PyTorch path; record whether tokens and kept indices agree."""
-    import torch
-
-    from criticalkv.hf import generate
-    from criticalkv.runtime import Engine, create_backend
-
     n = min(config.max_input_len, policy.budget + 64 if policy.name != "full" else 96)
     ids = list(tokenizer(SMOKE_TEXT * (n // 20 + 2))["input_ids"][:n])
     vocab = manifest["model"]["spec"]["vocab_size"]
@@ -171,11 +171,6 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
                         "flavour (docs/operator.md, model-level selection)", log)
     if not result.policy.method.base.native:
         return _skipped(f"{result.policy.name} {result.policy.method.base.cpp_refusal}", log)
-    try:
-        import criticalkv.tensorrt as trt_engine
-    except ImportError as err:
-        reason = f"the criticalkv.tensorrt package (TensorRT plugin and engine build) is not available: {err}"
-        return _skipped(reason, log)
     reason = trt_engine.tensorrt_unavailable_reason()
     if reason:
         return _skipped(reason, log)
@@ -221,8 +216,6 @@ def export_engine(
 ) -> tuple[ExportResult, dict[str, Any]]:
     """Export ``model`` into ``folder`` and validate it; returns the export and the manifest content
     (``write_manifest(folder, content)`` completes an engine directory)."""
-    from criticalkv.commands.generate import stop_token_ids
-
     result = export_model(model, policy, folder, config, tokenizer)
     validation = validate_export(result) if validate else None
     content = {
@@ -295,8 +288,6 @@ def build_engine(
     from a different request is an error unless ``force``. Anything at ``output`` that is not an engine
     directory (or an empty one) is never replaced: see ``check_replaceable``.
     """
-    from criticalkv.hf import resolve_model
-
     config = config or BuildConfig()
     check_compresses(policy, config)
     output = Path(output)
@@ -315,8 +306,6 @@ def build_engine(
 
 def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | None, model_name: str, model_path: str,
            request: dict[str, Any], smoke: bool, tensorrt: bool, log: Callable[[str], None]) -> Path:
-    from criticalkv.hf import load_model
-
     tmp = temporary_dir(output.parent, f".{output.name}.building-")
     try:
         start = time.perf_counter()

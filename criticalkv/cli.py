@@ -10,6 +10,7 @@ if __name__ == "__main__":  # `python -m criticalkv.cli`: signals are noted from
 import argparse
 import importlib
 import sys
+from importlib import metadata
 
 from criticalkv.interrupts import (  # noqa: F401 (re-exported: scripts/ use them)
     EXIT_INTERRUPTED,
@@ -33,8 +34,6 @@ SUBCOMMANDS = [
 
 
 def version() -> str:
-    from importlib import metadata
-
     try:
         return metadata.version("criticalkv")
     except metadata.PackageNotFoundError:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""FLOPs of CriticalKV's stage-2 value norms per prefill, unpruned and pruned (criticalkv/selection/pruned.py).
+"""FLOPs of CriticalKV's stage-2 value norms per prefill, unpruned and pruned (criticalkv/methods/pruned.py).
 
     python scripts/norm_flops.py            # SmolLM2-135M and Llama-3-8B shapes, 1k/4k/8k tokens, budget 256
 

@@ -28,6 +28,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from tqdm import tqdm
+
 from criticalkv.bench.metrics import RequestRecord
 
 #: Seconds a single request may take before the client gives up on it (recorded as an error).
@@ -236,8 +238,6 @@ def run_load(endpoint: Endpoint, bodies: Sequence[dict], concurrency: int | None
     bar = None
     lock = threading.Lock()
     if progress is not None:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(bodies), desc=progress, unit="req", leave=False)
 
     def on_done(_record):

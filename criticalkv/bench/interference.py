@@ -26,6 +26,7 @@ round's timings), ``NAME.md`` (tables) and ``NAME.png`` (TTFT per round and case
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import tempfile
@@ -33,9 +34,16 @@ import threading
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
 from criticalkv.bench import machine
 from criticalkv.bench.client import Endpoint, is_ready, request_body, send_request
 from criticalkv.bench.metrics import RequestRecord, distribution
+from criticalkv.bench.prompts import corpus_ids, make_prompts
+from criticalkv.bench.report import write_atomic
+from criticalkv.bench.server import ServerProcess, engine_label
+from criticalkv.bench.serving import _only_model
 
 #: The cases of a round, in the order they are measured.
 CASES = ("idle", "decode", "prefill")
@@ -191,7 +199,7 @@ def render(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # optional (the eval / bench extras): needed only for figures
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -223,10 +231,6 @@ def plot(results: dict, path: Path) -> None:
 
 
 def write_all(results: dict, stem: Path, figure: bool) -> None:
-    import json
-
-    from criticalkv.bench.report import write_atomic
-
     write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
     if "summary" in results:
         write_atomic(stem.with_suffix(".md"), render(results))
@@ -235,8 +239,6 @@ def write_all(results: dict, stem: Path, figure: bool) -> None:
 
 
 def measure(endpoint: Endpoint, args, results: dict, stem: Path) -> None:
-    from criticalkv.bench.prompts import corpus_ids, make_prompts
-
     tokenizer = _tokenizer(args)
     ids = corpus_ids(tokenizer)
     short_text = make_prompts(tokenizer, args.short_isl, 1, seed=args.seed, ids=ids)[0].text
@@ -246,8 +248,6 @@ def measure(endpoint: Endpoint, args, results: dict, stem: Path) -> None:
     bar = None
     total = (args.warmup + args.repeats) * len(CASES)
     if args.progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=total, desc="interference", unit="case")
     results["rounds"], results["warmup_rounds"] = [], []
     try:
@@ -268,8 +268,6 @@ def measure(endpoint: Endpoint, args, results: dict, stem: Path) -> None:
 
 
 def _tokenizer(args):
-    from transformers import AutoTokenizer
-
     folder = Path(args.tokenizer) if args.tokenizer else Path(args.engine_dir) / "tokenizer"
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no tokenizer folder (give --tokenizer with --url)")
@@ -277,8 +275,6 @@ def _tokenizer(args):
 
 
 def main(args) -> int:
-    from criticalkv.bench.server import ServerProcess, engine_label
-
     if bool(args.url) == bool(args.engine_dir):
         raise ValueError("give either --url (a running server) or --engine-dir (started here)")
     if min(args.short_isl, args.short_osl, args.long_isl, args.long_osl, args.repeats, args.decode_after_tokens) < 1:
@@ -297,8 +293,6 @@ def main(args) -> int:
     results["settings"]["prefill_delay_s"] = args.prefill_delay
     print("\n".join(machine.header_lines(results)), flush=True)
     if args.url:
-        from criticalkv.bench.serving import _only_model
-
         url = args.url.rstrip("/")
         if not is_ready(url):
             raise ValueError(f"{url}: the server is not ready (GET /v2/health/ready)")
@@ -307,8 +301,6 @@ def main(args) -> int:
         results["server_note"] = f"running server {url}, model {model}"
         measure(Endpoint(url, model), args, results, stem)
     else:
-        from criticalkv.bench.serving import _only_model
-
         results["engine"] = engine_label(Path(args.engine_dir))
         extra = shlex.split(args.server_args) if args.server_args else []
         log = Path(tempfile.mkdtemp(prefix="criticalkv-bench-logs-")) / "server.log"

@@ -14,6 +14,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from criticalkv.eval.haystack import haystack_sentences
+
 #: How far a window may slide to find a text that tokenises back to exactly ``isl`` tokens.
 MAX_SLIDE = 64
 
@@ -32,8 +34,6 @@ def corpus_ids(tokenizer) -> list[int]:
 
     The unknown token is dropped (a word-level tokenizer maps words outside its vocabulary to it, and its
     text would not tokenise back to one id)."""
-    from criticalkv.eval.haystack import haystack_sentences
-
     ids = tokenizer(" ".join(haystack_sentences()), add_special_tokens=False)["input_ids"]
     unk = getattr(tokenizer, "unk_token_id", None)
     return [i for i in ids if i != unk]

@@ -8,8 +8,10 @@ descendants (the launcher, ``tritonserver`` and the Python-backend stubs) with p
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -91,7 +93,7 @@ class ServerProcess:
 
 def pid_listening_on(port: int) -> int | None:
     """PID of the process listening on TCP ``port`` (for a server given by ``--url``), or None."""
-    import psutil
+    import psutil  # optional (the bench extra): needed only to sample a server's memory
 
     try:
         for conn in psutil.net_connections(kind="tcp"):
@@ -104,7 +106,7 @@ def pid_listening_on(port: int) -> int | None:
 
 def tree_rss_bytes(pid: int) -> int:
     """Resident bytes of ``pid`` and all its descendants right now (0 when it is gone)."""
-    import psutil
+    import psutil  # optional (the bench extra): needed only to sample a server's memory
 
     try:
         root = psutil.Process(pid)
@@ -159,8 +161,6 @@ class RssMonitor:
 
 def engine_label(engine_dir: Path) -> dict:
     """Policy name, budget and build limits of an engine directory (from its manifest)."""
-    import json
-
     manifest = json.loads((Path(engine_dir) / "manifest.json").read_text())
     policy = manifest.get("policy", {})
     build = manifest.get("build", {})
@@ -176,8 +176,6 @@ class PySpyProfile:
     stubs) while a workload runs; ``stop`` returns the collapsed stacks (``--format raw``)."""
 
     def __init__(self, pid: int, out: Path, rate: int = 50):
-        import shutil
-
         exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         if not Path(exe).exists():
             raise FileNotFoundError("--profile needs py-spy (pip install py-spy)")

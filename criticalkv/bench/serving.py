@@ -16,12 +16,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from criticalkv.bench import machine, report
 from criticalkv.bench.client import Endpoint, is_ready, ready_models, request_body, run_load
 from criticalkv.bench.metrics import summarize
 from criticalkv.bench.prompts import corpus_ids, make_prompts
-from criticalkv.bench.server import (PySpyProfile, RssMonitor, ServerProcess, engine_label, pid_listening_on,
-                                     profile_breakdown)
+from criticalkv.bench.server import (
+    PySpyProfile,
+    RssMonitor,
+    ServerProcess,
+    engine_label,
+    pid_listening_on,
+    profile_breakdown,
+)
 
 
 def int_list(text: str, what: str) -> list[int]:
@@ -45,8 +53,6 @@ def float_list(text: str, what: str) -> list[float]:
 
 
 def load_tokenizer(args):
-    from transformers import AutoTokenizer
-
     folder = Path(args.tokenizer) if args.tokenizer else Path(args.engine_dir[0]) / "tokenizer"
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no tokenizer folder (give --tokenizer with --url)")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from criticalkv.bench.interference import summarize_cases
+
 
 def _runs(folder: Path) -> list[dict]:
     runs = []
@@ -103,7 +105,6 @@ def _interference_rows(folder: Path) -> list[dict]:
             continue
         if not isinstance(data, dict) or "rounds" not in data or "summary" not in data:
             continue
-        from criticalkv.bench.interference import summarize_cases
 
         summary = summarize_cases(data["rounds"], data["settings"].get("goal", 1.5))  # from the raw rounds
         s, cases, t = data["settings"], summary["cases"], summary["target"]

@@ -11,6 +11,7 @@ from criticalkv.chat import encode_context_question, encode_prompt
 from criticalkv.files import read_text_interruptibly
 from criticalkv.policy import KVPolicy
 from criticalkv.request import SamplingParams
+from criticalkv.runtime import Engine
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -102,15 +103,6 @@ def kept_whole(policy: KVPolicy, prompt_len: int) -> bool:
     return policy.name == "full" or prompt_len <= policy.budget
 
 
-def stop_token_ids(tokenizer, model) -> list[int]:
-    ids = set()
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return sorted(ids)
-
-
 def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int], timings: dict, kv_full: int, kv_kept: int,
            backend: str, question_len: int | None = None) -> None:
     """Print the answer (or one JSON object). ``prompt_len``: the tokens compressed (the context when a question
@@ -168,8 +160,6 @@ def engine_policy(args, built: KVPolicy) -> tuple[KVPolicy, int | None]:
 
 def run_engine(args) -> int:
     """``--engine-dir``: the engine runtime (criticalkv.runtime) on ONNX Runtime or TensorRT."""
-    from criticalkv.runtime import Engine
-
     for flag, value, why in (
         ("--model", args.model, "the engine directory holds its model"),
         ("--dtype", args.dtype, "the engine's dtype is fixed when it is built (build_engine.py --dtype)"),
@@ -220,7 +210,7 @@ def _streamer(tokenizer, stop_ids):
 
 def torch_device(name: str):
     """``torch.device(name)`` after checking that this torch can use it (one-line error otherwise)."""
-    import torch
+    import torch  # the PyTorch path only (see run)
 
     try:
         device = torch.device(name)
@@ -241,9 +231,12 @@ def run(args) -> int:
     sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed)
     inputs = read_inputs(args)  # before torch's seconds of imports: a prompt from a pipe is read at once
+    # the PyTorch path's imports load torch (seconds): only this path pays them, after the prompt is read, so the
+    # command line starts (and takes Ctrl-C) at once and --engine-dir never loads torch
     import torch
 
     from criticalkv.hf import generate, load_model
+    from criticalkv.hf.loading import stop_token_ids
 
     args.dtype = args.dtype or "float32"
     args.device = torch_device(args.device or "cpu")

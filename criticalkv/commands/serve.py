@@ -14,6 +14,9 @@ import threading
 from pathlib import Path
 
 from criticalkv.commands.triton_repo import add_model_arguments, scheduler_config
+from criticalkv.files import remove_stale_temporaries, temporary_dir
+from criticalkv.serving import launcher
+from criticalkv.serving.repository import make_repository
 
 #: temporary model repositories: <tmp>/criticalkv-serve-<launcher pid>-<random>/ (a killed launcher's is removed
 #: by the next start)
@@ -71,10 +74,6 @@ def engine_dir_of(args) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from criticalkv.files import remove_stale_temporaries, temporary_dir
-    from criticalkv.serving import launcher
-    from criticalkv.serving.repository import make_repository
-
     launcher.setup(log=lambda m: print(m, file=sys.stderr))
     if args.setup:
         print(f"tritonserver ready to run from {launcher.server_dir()} (model environment {launcher.model_env()})")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from criticalkv.serving.repository import DEFAULT_MODEL_NAME
+from criticalkv.serving import launcher
+from criticalkv.serving.repository import DEFAULT_MODEL_NAME, make_repository
 from criticalkv.serving.scheduler import SchedulerConfig
 
 
@@ -62,9 +63,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from criticalkv.serving import launcher
-    from criticalkv.serving.repository import make_repository
-
     env = {"auto": str(launcher.model_env()), "none": None}.get(args.execution_env, args.execution_env)
     paths = launcher.project_paths() if args.execution_env != "none" else []
     target = make_repository(args.engine_dir, args.out, model_name=args.model_name, instances=args.instances,

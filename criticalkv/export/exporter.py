@@ -9,9 +9,10 @@ import onnx
 
 from criticalkv.export.graph import IR_VERSION, OPSET
 from criticalkv.export.llama import ModelSpec, collect_weights, graph_builder, layer_capacities, model_spec
-from criticalkv.weights import WEIGHTS_FILE
+from criticalkv.export.model_select import is_model_level
 from criticalkv.node import DOMAIN, OPSET_VERSION
 from criticalkv.policy import KVPolicy
+from criticalkv.weights import WEIGHTS_FILE
 
 PREFILL_FILE = "prefill.onnx"
 PREFILL_TENSORRT_FILE = "prefill_tensorrt.onnx"
@@ -114,7 +115,6 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
     folder = Path(folder)
     spec = model_spec(model)
     check_model_limits(model, spec, config)
-    from criticalkv.export.model_select import is_model_level
 
     folder.mkdir(parents=True, exist_ok=True)
     store = collect_weights(model, spec)

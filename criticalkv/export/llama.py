@@ -55,11 +55,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from criticalkv.export import model_select
 from criticalkv.export.graph import FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, live_nodes, value_info
 from criticalkv.export.select_function import FLOAT32_MIN, selection_function, selection_node, selection_opset
-from criticalkv.weights import WeightStore
+from criticalkv.hf.loading import check_supported
 from criticalkv.node import node_capacity
 from criticalkv.policy import KVPolicy
+from criticalkv.weights import WeightStore
 
 #: RoPE variants whose inverse frequencies do not depend on the sequence length (precomputed once).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -91,8 +93,6 @@ class ModelSpec:
 
 def model_spec(model) -> ModelSpec:
     """Read a transformers Llama/Mistral/Qwen2 model's config (raises ValueError when unsupported)."""
-    from criticalkv.hf.loading import check_supported
-
     config = model.config
     check_supported(config)
     act = getattr(config, "hidden_act", "silu")
@@ -239,7 +239,6 @@ class DecoderGraphBuilder:
         flavour of a model-level policy)."""
         if self.policy is None or self.capacities is None:
             raise ValueError(f"the {graph} graph needs a policy and the per-layer capacities")
-        from criticalkv.export import model_select
 
         model_level = model_select.is_model_level(self.policy, self.spec.num_layers)
         if model_level and self.flavour == "tensorrt":
@@ -506,8 +505,6 @@ class DecoderGraphBuilder:
         prompt_lengths [B] int32 and kv_budget [1] int32: outputs ``present.{i}.key/value/lengths/indices`` (or, for a
         model-level policy, the layer's ``CriticalKVScore`` node, its inputs kept in ``pending`` for
         ``select_model``). Returns the value infos of the four outputs."""
-        from criticalkv.export import model_select
-
         policy, s = self.policy, self.spec
         names = [f"present.{i}.key", f"present.{i}.value", f"present.{i}.lengths", f"present.{i}.indices"]
         node_inputs = [window_queries, k, v, f"layers.{i}.o_proj", prompt_lengths, kv_budget]
@@ -528,8 +525,6 @@ class DecoderGraphBuilder:
 
     def select_model(self, pending: list, prompt_lengths: str, kv_budget: str) -> None:
         """The model-level selection node after the last layer (one selection over every layer and head)."""
-        from criticalkv.export import model_select
-
         present = [f"present.{i}.{kind}" for i in range(self.spec.num_layers) for kind in ("key", "value", "lengths", "indices")]
         self.g.nodes.append(model_select.model_node(
             self.policy, self.capacities, [e[0] for e in pending] + [e[1] for e in pending] + [e[2] for e in pending]
@@ -539,7 +534,6 @@ class DecoderGraphBuilder:
         """The selection nodes' function bodies (none in the tensorrt flavour: the plugin runs the node)."""
         if self.flavour != "onnxruntime":
             return []
-        from criticalkv.export import model_select
 
         policy, s = self.policy, self.spec
         if model_level:

@@ -18,7 +18,7 @@ TensorRT flavour of the prefill graph carries the node without a body). The body
   -1 padded, and the K/V rows gathered with ``GatherND(batch_dims=2)``, zero padded.
 
 Integer rules that depend only on the policy (pyramid per-layer r_l, ``ceil(alpha * r)``, the per-head
-floor) are tabulated at export from ``criticalkv.selection.budget`` over every count that can occur and
+floor) are tabulated at export from ``criticalkv.methods.budget`` over every count that can occur and
 looked up in the graph, so they are the reference's numbers exactly. The body is generated for the
 model's policy; the per-layer values ``layer_idx`` and ``capacity`` are read from the node's attributes
 (``ref_attr_name``). A prompt whose padded length n is at most the budget skips the scoring (an ``If``).
@@ -30,17 +30,25 @@ import math
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
-from criticalkv.export.graph import BOOL, FLOAT, INT32, INT64, OPSET, GraphBuilder, live_nodes, value_info
-from criticalkv.node import DOMAIN, INPUTS, LAYER_ATTRIBUTES, OP_TYPE, OPSET_VERSION, OUTPUTS, node_attributes
+from criticalkv.export.graph import BOOL, FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, live_nodes, value_info
+from criticalkv.methods.budget import head_floor, layer_selectable_budget, stage1_count
+from criticalkv.methods.pruned import TINY, UNIT_ROUNDOFF, gamma
+from criticalkv.node import (
+    BRANCH_NODES,
+    DOMAIN,
+    INPUTS,
+    LAYER_ATTRIBUTES,
+    OP_TYPE,
+    OPSET_VERSION,
+    OUTPUTS,
+    node_attributes,
+    node_capacity,
+)
 from criticalkv.policy import KVPolicy
-from criticalkv.selection.budget import head_floor, layer_selectable_budget, stage1_count
-from criticalkv.selection.pruned import TINY, UNIT_ROUNDOFF, gamma
 
 FLOAT32_MIN = float(np.finfo(np.float32).min)
-#: Names (prefixes) of the nodes that accept the pruned stage 2's result: 2 k_max candidates, 4 k_max, every token.
-BRANCH_NODES = ("stage2_accept_2k", "stage2_accept_4k", "stage2_accept_all")
 
 
 def selection_tables(policy: KVPolicy, num_layers: int, num_kv_heads: int) -> dict[str, np.ndarray]:
@@ -137,7 +145,7 @@ class _Body:
         v = g.unsqueeze(values_m, 2)  # [B, H_kv, 1, m, d_h]
         return g.ReduceSum(g.Mul(g.MatMul(v, self.bound_terms(g)[0]), v), g.i64(-1), keepdims=0)
 
-    # ------------------------------------------------------------------ pruned stage 2 (criticalkv/selection/pruned.py)
+    # ------------------------------------------------------------------ pruned stage 2 (criticalkv/methods/pruned.py)
     def hidden_float(self, g: GraphBuilder) -> str:
         """d (rows of ``o_proj``) as a float32 [1]."""
         return g.Cast(g.shape_of(self.o_proj, 0, 1), to=FLOAT)
@@ -447,11 +455,6 @@ def selection_model(
     ``node_capacity(policy, max_prompt_len, ...)``. ``with_body=False`` leaves the function out (TensorRT flavour).
     ``runtime_budget=True`` makes ``kv_budget`` [1] int32 a graph input; otherwise it is a constant = the budget.
     """
-    from onnx import numpy_helper
-
-    from criticalkv.export.graph import IR_VERSION
-    from criticalkv.node import node_capacity
-
     o_proj_weight = np.asarray(o_proj_weight, dtype=np.float32)
     head_dim = o_proj_weight.shape[1] // num_heads
     if capacity is None:

@@ -44,6 +44,8 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, numpy_helper
 
+from criticalkv.node import plugin_field_specs
+
 #: The TensorRT release whose ONNX importer these rules follow.
 TENSORRT_VERSION = "10.14"
 #: Opsets of the default domain it imports: 9 (README) up to 23 (the opset-23 ``Attention`` importer was
@@ -369,8 +371,6 @@ def check_tensorrt_model(model: onnx.ModelProto, plugin_fields=None) -> list[Vio
     ``plugin_fields``: the CriticalKVSelect creator's fields (default: ``plugin_field_specs()``).
     """
     if plugin_fields is None:
-        from criticalkv.spec.generate import plugin_field_specs
-
         plugin_fields = plugin_field_specs()
     checker = _Checker(model, plugin_fields)
     checker.check_model()

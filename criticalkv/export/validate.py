@@ -20,10 +20,10 @@ from criticalkv.export.exporter import (
     SELECT_TENSORRT_FILE,
     ExportResult,
 )
+from criticalkv.export.model_select import MODEL_OP, SCORE_OP, is_model_level, model_attributes
 from criticalkv.export.tensorrt_rules import TENSORRT_VERSION, check_tensorrt_model
 from criticalkv.node import DOMAIN, OP_TYPE, policy_from_attributes
 from criticalkv.policy import KVPolicy
-
 
 #: (report key, file, carries the selection nodes, parsed by TensorRT) of every graph of an export.
 GRAPHS = (
@@ -53,8 +53,6 @@ def same_policy(a: KVPolicy, b: KVPolicy) -> bool:
 
 def validate_export(result: ExportResult) -> dict:
     """Validate every graph of an export (``GRAPHS``); returns a report for the manifest. Raises ValueError."""
-    from criticalkv.export.model_select import is_model_level
-
     report = {}
     model_level = is_model_level(result.policy, result.spec.num_layers)
     for key, name, selects, tensorrt in GRAPHS:
@@ -112,8 +110,6 @@ def validate_export(result: ExportResult) -> dict:
 def _validate_model_level(result: ExportResult, model: onnx.ModelProto, inferred: onnx.ModelProto, name: str) -> dict:
     """The prefill graph of a model-level policy: one ``CriticalKVScore`` node per layer (the layer's attributes), one
     ``CriticalKVSelectModel`` node (the policy and every layer's capacity) after them, and exactly their two bodies."""
-    from criticalkv.export.model_select import MODEL_OP, SCORE_OP, model_attributes
-
     ours = [n for n in model.graph.node if n.domain == DOMAIN]
     scores = [n for n in ours if n.op_type == SCORE_OP]
     selects = [n for n in ours if n.op_type == MODEL_OP]

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from criticalkv.hf.cache import CompressedKVCache, CompressedLayer
 from criticalkv.hf.loading import check_supported
@@ -43,8 +45,6 @@ def window_queries(module, hidden_states: torch.Tensor, position_embeddings, w: 
 
     Llama, Mistral and Qwen2 share Llama's ``apply_rotary_pos_emb``.
     """
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     batch = hidden_states.shape[0]
     head_dim = module.head_dim
     q = module.q_proj(hidden_states[:, -w:]).view(batch, w, -1, head_dim).transpose(1, 2)
@@ -56,8 +56,6 @@ def window_queries(module, hidden_states: torch.Tensor, position_embeddings, w: 
 def hooked_prefill(model, make_hook, input_ids, attention_mask, position_ids):
     """The prompt's forward pass with a fresh ``DynamicCache`` and ``make_hook(layer_idx)`` registered as a
     forward hook (with kwargs) on every layer's attention, removed afterwards; only the last logits."""
-    from transformers import DynamicCache
-
     layers = model.model.layers
     handles = [layer.self_attn.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from criticalkv.files import remove_stale_temporaries, sha256_file, temporary_dir
 
@@ -53,8 +55,6 @@ def bundled_gguf() -> Path:
 def no_transformers_bars() -> Iterator[None]:
     """transformers' own progress bars ("Loading weights", "Writing model shards") off while inside: a
     load takes about a second, and the bars would fill logs with carriage returns."""
-    from transformers.utils import logging as hf_logging
-
     enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -94,8 +94,6 @@ def convert_gguf(gguf: Path, progress: bool = True) -> Path:
 
 def _convert(gguf: Path, digest: str, tmp: Path) -> None:
     """Dequantise ``gguf`` into the folder ``tmp``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -146,7 +144,6 @@ def load_model(
 ):
     """``(model, tokenizer)`` for a supported checkpoint, offline, in eval mode."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder = resolve_model(model)
     config = AutoConfig.from_pretrained(folder)
@@ -155,3 +152,13 @@ def load_model(
         hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return hf_model.eval(), tokenizer
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """The end-of-sequence ids that ``model`` (its generation config, its config) and ``tokenizer`` declare, sorted."""
+    ids = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(ids)

@@ -5,6 +5,11 @@ holds its scores, how it shares the budget and its piece of the ONNX function bo
 CriticalKV's selection applied on top of any scored base. ``POLICIES`` below is the only list of policies:
 ``KVPolicy``, the CLI, the generated C++ header, the plugin YAML and the README table all read it.
 
+What the methods share sits beside them, on the same ground floor (nothing of the package above is imported here):
+``budget`` (the integer budget rules), ``topk`` (top-k with the tie rule), ``pruned`` (CriticalKV's exactly pruned
+stage 2) and ``lazy`` (torch, imported when a method first runs PyTorch code, so that ``KVPolicy`` and the ONNX
+Runtime side load this registry without torch).
+
 Adding a base method: a module here with a ``BaseMethod`` subclass, one line in ``BASE_METHODS`` and one in
 ``POLICIES`` (its knobs, if new, in ``criticalkv/policy.py``), then ``python -m criticalkv.spec.generate``.
 """

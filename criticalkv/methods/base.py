@@ -4,7 +4,13 @@ A base method decides two things for one attention layer: the scores its older t
 and how the layer's budget is shared among its KV heads. ``criticalkv.selection.select_layer`` (PyTorch)
 and ``criticalkv.export.select_function`` (the ONNX function body) drive a method through this
 interface; neither names a method. A refinement (``two_stage.TwoStage``, CriticalKV) then picks, inside
-each head's share, which tokens are kept.
+each head's share, which tokens are kept. A model-level method (``model_level``) also ranks each layer's tokens
+(``priority``) and shares one budget over every layer (``model_allocate``): ``criticalkv.selection.select_model``
+and ``criticalkv.export.model_select`` call those hooks.
+
+The ONNX pieces are written into the graph builder they are given (``g``, a ``criticalkv.export.graph.GraphBuilder``:
+``g.Add(...)`` appends a node, ``g.FLOAT`` is the float element type), with the function body's own helpers
+(``body.topk_mask``, ``body.head_floor``, ``body.value_norms``, ...): the methods import nothing of the exporter.
 
 Shapes: B batch, H_kv KV heads, G query heads per KV head, w window, m = n - w older tokens.
 """
@@ -12,12 +18,12 @@ Shapes: B batch, H_kv KV heads, G query heads per KV head, w window, m = n - w o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    import torch
+from criticalkv.methods.lazy import torch
 
-    from criticalkv.policy import KVPolicy
+#: A ``criticalkv.policy.KVPolicy`` (the policy stands a floor above the methods: it imports their registry).
+Policy = Any
 
 
 @dataclass(frozen=True)
@@ -90,28 +96,38 @@ class BaseMethod:
     score_names: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ budget arithmetic (integers)
-    def layer_budget(self, policy: "KVPolicy", r: int, layer_idx: int, num_layers: int) -> int:
+    def layer_budget(self, policy: Policy, r: int, layer_idx: int, num_layers: int) -> int:
         """r_l: older tokens per KV head (average over the layer's heads) that layer ``layer_idx`` may keep when
         the model-wide average is ``r`` (= budget - window)."""
         return r
 
-    def max_older_per_head(self, policy: "KVPolicy", r: int, m: int, num_kv_heads: int) -> int:
+    def max_older_per_head(self, policy: Policy, r: int, m: int, num_kv_heads: int) -> int:
         """Most older tokens one head of a layer with budget r can keep out of m."""
         return min(r, m)
 
     # ------------------------------------------------------------------ PyTorch
-    def group_scores(self, policy: "KVPolicy", inputs: GroupScoreInputs) -> dict[str, "torch.Tensor"]:
+    def group_scores(self, policy: Policy, inputs: GroupScoreInputs) -> dict[str, "torch.Tensor"]:
         """Scores [B, m] of one KV group beyond "attention" (named as in ``score_names``)."""
         return {}
 
-    def allocate(self, policy: "KVPolicy", scores: Any, eligible: "torch.Tensor", r: "torch.Tensor") -> Allocation:
+    def allocate(self, policy: Policy, scores: Any, eligible: "torch.Tensor", r: "torch.Tensor") -> Allocation:
         """Share the layer's budget: ``r`` [B] older tokens per head on average, ``eligible`` [B, H_kv, m]."""
         batch, heads, _ = eligible.shape
         return Allocation(counts=r[:, None].expand(batch, heads))
 
-    def unscored_keep(self, policy: "KVPolicy", valid: "torch.Tensor", valid_start: "torch.Tensor", num_kv_heads: int) -> "torch.Tensor":
+    def unscored_keep(self, policy: Policy, valid: "torch.Tensor", valid_start: "torch.Tensor", num_kv_heads: int) -> "torch.Tensor":
         """[B, H_kv, n] chosen entries of a method that does not score (``scored`` False)."""
         raise NotImplementedError(f"{self.name} is scored")
+
+    # ------------------------------------------------------------------ model level (``model_level`` methods)
+    def priority(self, policy: Policy, scores: Any, eligible: "torch.Tensor", r: "torch.Tensor") -> "torch.Tensor":
+        """[B, H_kv, m] one layer's ranking of its older tokens in the model-wide allocation (``r`` [B])."""
+        raise NotImplementedError(f"{self.name} is not a model-level method")
+
+    def model_allocate(self, policy: Policy, ranking: "torch.Tensor", eligible: "torch.Tensor", r: "torch.Tensor") -> "torch.Tensor":
+        """[B, L * H_kv, m] bool: the older tokens every head of every layer keeps, from the layers' ``priority``
+        concatenated layer-major ([B, L * H_kv, m]), ``eligible`` (same shape) and r [B] per head on average."""
+        raise NotImplementedError(f"{self.name} is not a model-level method")
 
     # ------------------------------------------------------------------ ONNX function body
     def onnx_group_scores(self, body: Any, g: Any, probs: str, raw: str, pooled: str, values_m: str) -> dict[str, str]:
@@ -125,3 +141,13 @@ class BaseMethod:
     def onnx_unscored_keep(self, body: Any, g: Any, ctx: dict[str, str]) -> str:
         """The body's version of ``unscored_keep``: [B, H_kv or 1, n] bool."""
         raise NotImplementedError(f"{self.name} is scored")
+
+    def onnx_priority(self, body: Any, g: Any, scores: dict[str, str], eligible: str, r: str) -> str:
+        """The body's version of ``priority`` (the ``CriticalKVScore`` node's output): [B, H_kv, m] float."""
+        raise NotImplementedError(f"{self.name} is not a model-level method")
+
+    def onnx_model_allocate(self, body: Any, g: Any, ranking: str, eligible: str, r: str, budget: str) -> str:
+        """The body's version of ``model_allocate`` (inside ``CriticalKVSelectModel``): ``ranking`` and ``eligible``
+        [B, L * H_kv, m], ``r`` [B] int64, ``budget`` the request's budget (int64 scalar); ``body`` sees the model's
+        L * H_kv heads as one layer's (``body.kv_heads``, ``body.topk_mask``, ``body.head_floor``)."""
+        raise NotImplementedError(f"{self.name} is not a model-level method")

@@ -46,7 +46,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from criticalkv.methods.adakv import AdaKV, onnx_shared_allocation_mask, shared_allocation_mask
+from criticalkv.methods.adakv import AdaKV, head_floors, onnx_shared_allocation_mask, shared_allocation_mask
+from criticalkv.methods.base import Allocation
+from criticalkv.methods.budget import head_cap
+from criticalkv.methods.lazy import torch
+from criticalkv.methods.topk import topk_mask
 
 #: Offset that ranks stage-1 tokens above every other (defensive scores lie in [0, 1]).
 STAGE1_OFFSET = 2.0
@@ -55,13 +59,10 @@ STAGE1_OFFSET = 2.0
 def avg_pool_rows(probs, kernel: int, valid):
     """Average-pool [..., m] rows over positions (zero padding), zero outside ``valid`` [B, m], each row rescaled
     to keep its mass over the valid older tokens. ``probs``: [B, G, w, m] fp32."""
-    import torch
-    import torch.nn.functional as F
-
     mass = probs.sum(-1, keepdim=True)
     if kernel > 1:
         shape = probs.shape
-        pooled = F.avg_pool1d(probs.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2,
+        pooled = torch.nn.functional.avg_pool1d(probs.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2,
                               count_include_pad=True).reshape(shape)
     else:
         pooled = probs
@@ -74,10 +75,6 @@ def stage1_mask(mass, window_mass, threshold: float, r, eligible):
     """Stage 1: per head the most-attended older tokens while their cumulative mass stays below
     ``threshold - window_mass``, at most r. ``mass`` [B, H_kv, m] (normalised over the valid older tokens),
     ``window_mass`` [B], ``r`` [B], ``eligible`` [B, H_kv, m]; returns [B, H_kv, m] bool."""
-    import torch
-
-    from criticalkv.selection.topk import topk_mask
-
     masked = torch.where(eligible, mass, torch.zeros_like(mass))
     cumulative = torch.cumsum(torch.sort(masked, dim=-1, descending=True).values, dim=-1)
     limit = (threshold - window_mass)[:, None, None].to(mass.dtype)
@@ -106,8 +103,6 @@ class DefensiveKV(AdaKV):
     model_level = False
 
     def group_scores(self, policy, inputs):
-        import torch
-
         valid = inputs.valid.to(torch.float32)  # [B, m]
         count = valid.sum(-1, keepdim=True).clamp_min(1.0)
         pooled = avg_pool_rows(inputs.probs, policy.pool_kernel, inputs.valid)  # [B, G, w, m]
@@ -125,22 +120,17 @@ class DefensiveKV(AdaKV):
             "window_mass": window_mass[:, None].expand_as(stage1_mass),
         }
 
+    def priority(self, policy, scores, eligible, r):
+        return priority(scores, policy.stage1_mass, r, eligible)
+
     def allocate(self, policy, scores, eligible, r):
-        import torch
-
-        from criticalkv.methods.base import Allocation
-        from criticalkv.selection.budget import head_floor
-
-        floor = torch.tensor([head_floor(policy.ada_floor, int(x)) for x in r.tolist()], dtype=torch.int64, device=r.device)
-        ranking = priority(scores, policy.stage1_mass, r, eligible)
-        return Allocation(mask=shared_allocation_mask(ranking, r, floor, eligible))
+        ranking = self.priority(policy, scores, eligible, r)
+        return Allocation(mask=shared_allocation_mask(ranking, r, head_floors(policy, r), eligible))
 
     # ------------------------------------------------------------------ ONNX function body
     def onnx_group_scores(self, body, g, probs, raw, pooled, values_m):
-        from criticalkv.export.graph import FLOAT
-
         p = body.policy
-        valid = g.Cast(body.eligible, to=FLOAT)  # [B, H_kv, m]
+        valid = g.Cast(body.eligible, to=g.FLOAT)  # [B, H_kv, m]
         valid5 = g.unsqueeze(g.unsqueeze(valid, 2), 2)  # [B, H_kv, 1, 1, m]
         tiny = g.const(float(np.finfo(np.float32).tiny), np.float32)
         zero = g.const(0.0, np.float32)
@@ -174,8 +164,6 @@ class DefensiveKV(AdaKV):
 
     def onnx_priority(self, body, g, scores, eligible, r):
         """The body's ``priority``: [B, H_kv, m] float."""
-        from criticalkv.export.graph import FLOAT, INT64
-
         p = body.policy
         window_mass = g.ReduceMean(g.slice_axis(scores["window_mass"], 0, 1, axis=2), g.i64(1, 2), keepdims=0)  # [B]
         mass = scores["stage1_mass"]
@@ -184,14 +172,12 @@ class DefensiveKV(AdaKV):
         ordered = g.op("TopK", masked, m, outputs=2, axis=2, largest=1, sorted=1)[0]
         cumulative = g.CumSum(ordered, g.scalar(2))
         limit = g.reshape(g.Sub(g.const(p.stage1_mass, np.float32), window_mass), [-1, 1, 1])
-        count = g.ReduceSum(g.Cast(g.Less(cumulative, limit), to=INT64), g.i64(2), keepdims=0)  # [B, H_kv]
+        count = g.ReduceSum(g.Cast(g.Less(cumulative, limit), to=g.INT64), g.i64(2), keepdims=0)  # [B, H_kv]
         count = g.Min(count, g.unsqueeze(r, 1))
         first = body.topk_mask(g, mass, count, eligible)
-        return g.Add(scores["defensive"], g.Mul(g.Cast(first, to=FLOAT), g.const(STAGE1_OFFSET, np.float32)))
+        return g.Add(scores["defensive"], g.Mul(g.Cast(first, to=g.FLOAT), g.const(STAGE1_OFFSET, np.float32)))
 
     def onnx_allocate(self, body, g, scores, eligible, r):
-        from criticalkv.methods.base import Allocation
-
         floor = body.head_floor(g, r)
         ranking = self.onnx_priority(body, g, scores, eligible, r)
         return Allocation(mask=onnx_shared_allocation_mask(body, g, ranking, r, floor, eligible))
@@ -214,14 +200,38 @@ class LayerDefensiveKV(DefensiveKV):
         # cap (head_cap_ratio × budget, window included) when one is set
         return m if policy.head_cap_ratio == 0 else min(m, older_cap(policy))  # compressing: n > budget, so w = window
 
+    def model_allocate(self, policy, ranking, eligible, r):
+        """Each head its own top floor, the other L * H_kv * (r - floor) slots over the flattened ranking (ties: lower
+        layer, head, position), a head never beyond ``head_cap_ratio``'s cap."""
+        floor = head_floors(policy, r)
+        cap = older_cap(policy)
+        if cap is not None:  # a full head is skipped: only each head's own top ``cap`` may be taken (cap >= r >= floor)
+            eligible = topk_mask(ranking, torch.clamp(eligible.sum(-1), max=cap), eligible)
+        return shared_allocation_mask(ranking, r, floor, eligible)
+
+    def onnx_model_allocate(self, body, g, ranking, eligible, r, budget):
+        p = body.policy
+        floor = body.head_floor(g, r)
+        if p.head_cap_ratio:
+            cap = g.Gather(g.const(older_cap_table(p), hint="older_cap_table"), g.Sub(budget, g.scalar(p.window)))
+            count = g.ReduceSum(g.Cast(eligible, to=g.INT64), g.i64(2), keepdims=0)  # [B, L * H_kv]
+            eligible = body.topk_mask(g, ranking, g.Min(count, cap), eligible)
+        return onnx_shared_allocation_mask(body, g, ranking, r, floor, eligible)
+
 
 def older_cap(policy) -> int | None:
     """Most older tokens one head keeps under ``head_cap_ratio``: its cap minus the window (a compressed prompt has
     n > budget >= window, so its whole window); None when the cap is off. At least r = budget - window."""
-    from criticalkv.selection.budget import head_cap
-
     cap = head_cap(policy.head_cap_ratio, policy.budget)
     return None if cap == 0 else cap - policy.window
+
+
+def older_cap_table(policy) -> np.ndarray:
+    """int64 [budget - window + 1]: ``older_cap`` at every request budget b = window .. budget (index b - window), the
+    ONNX body's lookup table (-1 everywhere when the cap is off; the body reads it only when it is on)."""
+    caps = [head_cap(policy.head_cap_ratio, b) - policy.window if policy.head_cap_ratio else -1
+            for b in range(policy.window, policy.budget + 1)]
+    return np.array(caps, dtype=np.int64)
 
 
 METHOD = DefensiveKV()

@@ -8,15 +8,18 @@ over the heads of each GQA group (``gqa_reduce``), with the attention pooled or 
 
 from __future__ import annotations
 
+import numpy as np
+
+from criticalkv.methods import pruned
 from criticalkv.methods.base import GroupScoreInputs
+from criticalkv.methods.budget import stage1_count
+from criticalkv.methods.lazy import torch
+from criticalkv.methods.pruned import BoundTerms, DeferredCritical, combine_critical, combine_group_bound
+from criticalkv.methods.topk import topk_mask
 
 
 def stage1_counts(alpha: float, r):
-    """ceil(alpha * r) for every entry of the int64 tensor ``r`` (``criticalkv.selection.budget.stage1_count``)."""
-    import torch
-
-    from criticalkv.selection.budget import stage1_count
-
+    """ceil(alpha * r) for every entry of the int64 tensor ``r`` (``criticalkv.methods.budget.stage1_count``)."""
     first = torch.tensor([stage1_count(alpha, int(x)) for x in r.flatten().tolist()], dtype=torch.int64)
     return first.reshape(r.shape).to(r.device)
 
@@ -27,8 +30,6 @@ def two_stage_mask(attention, critical, r, alpha: float, eligible):
     Stage 1 keeps the top ``ceil(alpha * r)`` by ``attention``; stage 2 the top ``r - ceil(alpha * r)``
     of the rest by ``critical``. ``attention``, ``critical``, ``eligible``: [B, H_kv, m]; ``r``: [B, H_kv].
     """
-    from criticalkv.selection.topk import topk_mask
-
     first = stage1_counts(alpha, r)
     stage1 = topk_mask(attention, first, eligible)
     stage2 = topk_mask(critical, r - first, eligible & ~stage1)
@@ -37,8 +38,6 @@ def two_stage_mask(attention, critical, r, alpha: float, eligible):
 
 def torch_cat_heads(w_heads):
     """[d_h, G * d]: the heads' W_O^h side by side (as ``value_projection_norms`` concatenates them)."""
-    import torch
-
     return torch.cat(list(w_heads), dim=1)
 
 
@@ -51,9 +50,6 @@ class TwoStage:
     score_knobs = ("epsilon", "value_norm", "gqa_reduce", "stage2_scores")
 
     def group_scores(self, policy, inputs: GroupScoreInputs):
-        from criticalkv.selection import pruned
-        from criticalkv.selection.pruned import BoundTerms, DeferredCritical, combine_critical, combine_group_bound
-
         p = inputs.pooled if policy.stage2_scores == "pooled" else inputs.raw
         if pruned.PRUNED and policy.value_norm == "l1" and inputs.values is not None:
             # the group bound for every token now; the per-head bound and the exact score only for the candidates
@@ -68,9 +64,6 @@ class TwoStage:
 
     def choose(self, policy, scores, counts, eligible):
         """[B, H_kv, m] kept older tokens given each head's ``counts`` [B, H_kv]."""
-        from criticalkv.selection import pruned
-        from criticalkv.selection.topk import topk_mask
-
         deferred = getattr(scores, "deferred", {}).get("critical")
         if deferred is None or not pruned.PRUNED:
             return two_stage_mask(scores["attention"], scores["critical"], counts, policy.alpha, eligible)
@@ -83,8 +76,6 @@ class TwoStage:
 
     # ------------------------------------------------------------------ ONNX function body
     def onnx_group_scores(self, body, g, probs, raw, pooled, values_m):
-        from criticalkv.selection import pruned
-
         p = body.policy
         attn = pooled if p.stage2_scores == "pooled" else raw
         if pruned.PRUNED and p.value_norm == "l1":  # the group bound now; the rest inside the stage-2 choice
@@ -96,8 +87,6 @@ class TwoStage:
     @staticmethod
     def onnx_combine(body, g, attn, norms):
         """[B, H_kv, c] stage-2 scores from the heads' attention and norms [B, H_kv, G, c] (``combine_critical``)."""
-        import numpy as np
-
         p = body.policy
         eps = g.const(p.epsilon, np.float32)
         if p.gqa_reduce == "mean":
@@ -107,8 +96,6 @@ class TwoStage:
     @staticmethod
     def onnx_combine_group_bound(body, g, attn, mean_bound):
         """[B, H_kv, c] ``combine_group_bound``: attention [B, H_kv, G, c] and the group bound [B, H_kv, c]."""
-        import numpy as np
-
         p = body.policy
         eps = g.const(p.epsilon, np.float32)
         if p.gqa_reduce == "mean":
@@ -116,10 +103,6 @@ class TwoStage:
         return g.Mul(g.Add(g.ReduceMean(attn, g.i64(2), keepdims=0), eps), mean_bound)
 
     def onnx_choose(self, body, g, scores, counts, eligible):
-        import numpy as np
-
-        from criticalkv.selection import pruned
-
         first = body.stage1_count(g, counts)
         stage1 = body.topk_mask(g, scores["attention"], first, eligible)
         rest = g.And(eligible, g.Not(stage1))

@@ -10,9 +10,7 @@ B and moving the last row into a freed one (``move_row``). Nothing above ``Engin
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -187,17 +185,3 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release sessions and buffers."""
-
-
-#: Backend name -> "module:class", imported only when asked for (a TensorRT backend registers here).
-BACKENDS: dict[str, str] = {
-    "onnxruntime": "criticalkv.runtime.onnxruntime_backend:OnnxRuntimeBackend",
-    "tensorrt": "criticalkv.runtime.tensorrt_backend:TensorRTBackend",
-}
-
-
-def create_backend(name: str, folder: Path, manifest: dict[str, Any], **options: Any) -> Backend:
-    if name not in BACKENDS:
-        raise ValueError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
-    module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(folder, manifest, **options)

@@ -27,8 +27,10 @@ from criticalkv.errors import EngineError, RequestError
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.request import NO_BUDGET_INPUT, EngineLimits, Request, SamplingParams
-from criticalkv.runtime.backend import Backend, RowSnapshot, create_backend
+from criticalkv.runtime.backend import Backend, RowSnapshot
 from criticalkv.runtime.manifest import read_manifest
+from criticalkv.runtime.profiling import selection_profile
+from criticalkv.runtime.registry import create_backend
 from criticalkv.sampling import Sampler, decode_loop
 
 
@@ -162,14 +164,22 @@ class Engine:
 
     @property
     def tokenizer(self):
-        """The tokenizer saved with the engine (transformers ``AutoTokenizer``)."""
+        """The tokenizer saved with the engine: its fast (Rust) tokenizer when the folder has ``tokenizer.json``
+        (chat template and special tokens included; this loads no torch), else transformers' ``AutoTokenizer``."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
             path = self.folder / "tokenizer"
             if not path.is_dir():
                 raise EngineError(f"{self.folder}: no tokenizer folder (the engine was built without one)")
-            self._tokenizer = AutoTokenizer.from_pretrained(path)
+            # imported when asked for: transformers is heavy, and its AutoTokenizer imports torch, which a serving
+            # process never needs when the fast tokenizer is there
+            if (path / "tokenizer.json").is_file():
+                from transformers import PreTrainedTokenizerFast
+
+                self._tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+            else:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(path)
         return self._tokenizer
 
     # ------------------------------------------------------------------ requests and slots
@@ -438,8 +448,6 @@ class Engine:
         if end_profiling is not None:
             trace = end_profiling()
             if trace:
-                from criticalkv.runtime.profiling import selection_profile
-
                 selection_s = selection_profile(trace)[-1].selection_s
                 os.remove(trace)
         first = sampler(pre.logits)

@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
 
 from criticalkv.runtime.backend import (
     NO_BUDGET_INPUT,
@@ -36,16 +39,13 @@ from criticalkv.runtime.backend import (
     prefill_buffer_capacity,
 )
 from criticalkv.runtime.manifest import EngineError
+from criticalkv.weights import load_external_weights
 
 #: Environment variable overriding ONNX Runtime's intra-op thread count (0 = ORT's default).
 THREADS_ENV = "CRITICALKV_ORT_THREADS"
 
 
 def _external_weights(onnx_path: Path) -> dict[str, np.ndarray]:
-    import onnx
-
-    from criticalkv.weights import load_external_weights
-
     try:
         model = onnx.load(str(onnx_path), load_external_data=False)
     except Exception as err:  # protobuf DecodeError and friends
@@ -67,8 +67,6 @@ class OnnxRuntimeBackend(BuiltShapes):
         providers: list[str] | None = None,
         weights: str = "shared",
     ):
-        import onnxruntime as ort
-
         self.ort = ort
         self.folder = Path(folder)
         self.manifest = manifest
@@ -116,7 +114,6 @@ class OnnxRuntimeBackend(BuiltShapes):
         if profile:
             options.enable_profiling = True
             options.profile_file_prefix = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"criticalkv_prefill_{os.getpid()}")
-        import onnx
 
         try:
             names = {t.name for t in onnx.load(str(path), load_external_data=False).graph.initializer}
@@ -168,8 +165,6 @@ class OnnxRuntimeBackend(BuiltShapes):
 
     # ------------------------------------------------------------------ decode
     def _bind(self, name: str, array: np.ndarray, output: bool = False) -> None:
-        from onnx import helper
-
         element = helper.tensor_dtype_to_np_dtype(helper.np_dtype_to_tensor_dtype(array.dtype))
         bind = self._binding.bind_output if output else self._binding.bind_input
         bind(name, "cpu", 0, element, list(array.shape), array.ctypes.data)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from criticalkv.runtime.backend import (
     NO_BUDGET_INPUT,
@@ -49,6 +50,7 @@ from criticalkv.runtime.backend import (
     prefill_buffer_capacity,
 )
 from criticalkv.runtime.manifest import EngineError
+from criticalkv.tensorrt import load_plugin_library, resolve_plugin_library, tensorrt_unavailable_reason
 
 ENGINE_FOLDER = "tensorrt"
 PREFILL_ENGINE = "prefill.engine"
@@ -72,8 +74,6 @@ TORCH_DTYPES = {
 
 def torch_dtype(trt_dtype: Any):
     """torch dtype of a TensorRT ``DataType`` (by name, so it also works on the enum's string form)."""
-    import torch
-
     name = getattr(trt_dtype, "name", str(trt_dtype).rsplit(".", 1)[-1])
     if name not in TORCH_DTYPES:
         raise EngineError(f"TensorRT tensor type {name} is not supported by the criticalkv runtime")
@@ -201,15 +201,12 @@ class TensorRTBackend(BuiltShapes):
 
     def __init__(self, folder: Path, manifest: dict[str, Any], device: int = 0, cuda_graphs: bool = True,
                  plugin_library: str | None = None, log_level: str = "WARNING"):
-        from criticalkv.tensorrt import load_plugin_library, resolve_plugin_library, tensorrt_unavailable_reason
-
         self.folder = Path(folder)
         files = engine_files(self.folder, manifest)
         reason = tensorrt_unavailable_reason()
         if reason is not None:
             raise EngineError(f"the tensorrt backend cannot run here: {reason}")
-        import tensorrt as trt
-        import torch
+        import tensorrt as trt  # optional: only on a GPU machine with TensorRT (checked just above)
 
         self.trt, self.torch = trt, torch
         self.device = torch.device("cuda", device)

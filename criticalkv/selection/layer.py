@@ -10,12 +10,10 @@ from typing import Sequence
 
 import torch
 
+from criticalkv.methods.budget import layer_selectable_budget
+from criticalkv.methods.topk import mask_to_indices, topk_mask
 from criticalkv.policy import KVPolicy
-from criticalkv.methods.adakv import shared_allocation_mask  # noqa: F401 (re-exported by criticalkv.selection)
-from criticalkv.methods.two_stage import two_stage_mask  # noqa: F401 (re-exported by criticalkv.selection)
-from criticalkv.selection.budget import layer_selectable_budget
 from criticalkv.selection.scores import LayerScores, ScoreMemo, layer_scores
-from criticalkv.selection.topk import mask_to_indices, topk_mask
 
 
 @dataclass(frozen=True)
@@ -208,22 +206,14 @@ def select_model(
 
 def model_level_mask(policy: KVPolicy, ranking: torch.Tensor, eligible: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """The model-level allocation: [B, L * H_kv, m] bool, from every head's ``ranking`` [B, L * H_kv, m] (layer-major),
-    ``eligible`` [B, L * H_kv, m] and r [B]: each head its own top floor, the other L * H_kv * (r - floor) slots over
-    the flattened ranking (ties: lower layer, head, position), a head never beyond ``head_cap_ratio``'s cap."""
-    from criticalkv.methods.defensivekv import older_cap
-    from criticalkv.selection.budget import head_floor
-
-    floor = torch.tensor([head_floor(policy.ada_floor, int(x)) for x in r.tolist()], dtype=torch.int64, device=r.device)
-    cap = older_cap(policy)
-    if cap is not None:  # a full head is skipped: only each head's own top ``cap`` may be taken (cap >= r >= floor)
-        eligible = topk_mask(ranking, torch.clamp(eligible.sum(-1), max=cap), eligible)
-    return shared_allocation_mask(ranking, r, floor, eligible)
+    ``eligible`` [B, L * H_kv, m] and r [B] (the method's ``model_allocate``; ``layer-defensivekv``: each head its own
+    top floor, the other L * H_kv * (r - floor) slots over the flattened ranking, ties to the lower layer, head and
+    position, a head never beyond ``head_cap_ratio``'s cap)."""
+    return policy.method.base.model_allocate(policy, ranking, eligible, r)
 
 
 @torch.no_grad()
 def _select_model_level(policy, layers, prompt_lengths, memo) -> list[LayerSelection]:
-    from criticalkv.methods.defensivekv import priority
-
     num_layers = len(layers)
     for i, (q, k, v, o) in enumerate(layers):
         _validate(policy, q, k, v, o, i, num_layers, prompt_lengths, memo)
@@ -247,7 +237,7 @@ def _select_model_level(policy, layers, prompt_lengths, memo) -> list[LayerSelec
     ranks = []
     for i, (q, k, v, o) in enumerate(layers):
         scores = layer_scores(policy, q[:, :, -w:], k, v, o, valid_start, memo, i)
-        ranks.append(priority(scores, policy.stage1_mass, r, eligible))
+        ranks.append(policy.method.base.priority(policy, scores, eligible, r))
     older = model_level_mask(policy, torch.cat(ranks, dim=1), eligible.repeat(1, num_layers, 1), r)
     window = torch.ones(batch, num_kv_heads, w, dtype=torch.bool, device=device)
     out = []

@@ -8,9 +8,13 @@ w window, n prompt length (padded), m = n - w older tokens, d_h head dim, d hidd
 from __future__ import annotations
 
 import math
+import time
+
 import torch
 import torch.nn.functional as F
 
+from criticalkv.methods import METHODS, GroupScoreInputs
+from criticalkv.methods.pruned import l1_norms_rows
 from criticalkv.policy import KVPolicy
 
 #: Tokens per chunk when projecting values through W_O: memory stays O(chunk * G * d), not O(n * H * d).
@@ -60,8 +64,6 @@ def value_projection_norms(
                 w = head_output_projection(o_proj_weight, heads[j], head_dim)
                 out[:, j] = ((vf @ (w @ w.t())) * vf).sum(-1).clamp_min(0).sqrt()
             continue
-        from criticalkv.selection.pruned import l1_norms_rows
-
         w_o = torch.cat([head_output_projection(o_proj_weight, heads[j], head_dim) for j in cols], dim=1)  # [d_h, k*d]
         for start in range(0, n, chunk_size):  # fixed-shape GEMMs: a token's norm never depends on the others
             rows = v[:, start : start + chunk_size].reshape(-1, head_dim)
@@ -131,8 +133,6 @@ class LayerScores:
     def __getattr__(self, name: str):
         if name in ("scores", "deferred"):
             raise AttributeError(name)
-        from criticalkv.methods import METHODS
-
         if name in self.scores or name in self.deferred:
             return self[name]
         if any(name in m.score_names for m in METHODS.values()):
@@ -180,10 +180,6 @@ def layer_scores(
     group and O(B * chunk * d) for the value projection. ``memo`` (with this layer's ``layer_idx``) reuses
     what an earlier call on the same prompt computed; the results are the same tensors either way.
     """
-    import time
-
-    from criticalkv.methods import GroupScoreInputs
-
     method = policy.method
     batch, num_heads, w, _ = queries.shape
     num_kv_heads, n = keys.shape[1], keys.shape[2]

@@ -33,6 +33,7 @@ so a greedy request yields the same tokens as ``Engine.generate`` on it alone, w
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import queue
 import threading
@@ -40,7 +41,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
-
 
 from criticalkv.errors import EngineError, RequestError
 from criticalkv.request import DEFAULT_MAX_TOKENS, Request
@@ -139,8 +139,6 @@ class RequestHandle:
 
     async def outputs_async(self):
         """``async for out in handle.outputs_async()``: the outputs, awaited without blocking the event loop."""
-        import asyncio
-
         if self._on_output is not None:
             raise RuntimeError("this request delivers its outputs to its on_output callback")
         while True:

@@ -1,11 +1,13 @@
 """TensorRT side of criticalkv: the CriticalKVSelect plugin library and engine building.
 
 * ``plugin``: find / check / register ``libcriticalkv_trt_plugin.so`` (built by scripts/build_plugin.sh);
-* the plugin creator's fields come from ``criticalkv.spec.generate`` (generated from ``KVPolicy``);
+* the plugin creator's fields are the ``CriticalKVSelect`` node's attributes (``criticalkv.node.plugin_field_specs``,
+  from ``KVPolicy``); ``criticalkv.spec.generate`` writes the C++ header of them;
 * ``tensorrt_build``: ``build_tensorrt_engines`` (prefill, decode, extend and select engines, optimization
   profiles: ``engine_plan``) and ``tensorrt_unavailable_reason``. ``tensorrt`` is imported only when an engine is built.
 """
 
+from criticalkv.node import plugin_field_specs
 from criticalkv.tensorrt.plugin import (
     PLUGIN_LIBRARY_ENV,
     PLUGIN_LIBRARY_NAME,
@@ -15,7 +17,6 @@ from criticalkv.tensorrt.plugin import (
     load_plugin_library,
     resolve_plugin_library,
 )
-from criticalkv.spec.generate import plugin_field_specs, render_policy_fields_header
 from criticalkv.tensorrt.tensorrt_build import (
     ENGINE_FILES,
     DimRange,
@@ -54,7 +55,6 @@ __all__ = [
     "load_plugin_library",
     "plugin_field_specs",
     "profile_shapes",
-    "render_policy_fields_header",
     "resolve_plugin_library",
     "tensorrt_unavailable_reason",
 ]

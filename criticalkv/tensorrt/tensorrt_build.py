@@ -455,7 +455,7 @@ def build_tensorrt_engines(
     reason = tensorrt_unavailable_reason()
     if reason is not None:
         raise TensorRTUnavailable(reason)
-    import tensorrt as trt
+    import tensorrt as trt  # optional: only on a GPU machine with TensorRT (checked just above)
 
     logger = trt.Logger(getattr(trt.Logger, log_level))
     library = load_plugin_library(plugin_library, trt.get_plugin_registry())
