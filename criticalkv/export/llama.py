@@ -62,6 +62,9 @@ class ModelSpec:
     rms_norm_eps: float
     rope_attention_scaling: float
     sliding_window: int | None
+    #: Qwen3: RMSNorm over d_h of every query and key head (weights ``layers.{i}.q_norm`` / ``.k_norm`` [d_h], eps
+    #: rms_norm_eps) after the projections and before RoPE
+    qk_norm: bool = False
 
     @property
     def group(self) -> int:
@@ -76,7 +79,7 @@ def model_spec(model) -> ModelSpec:
     from criticalkv.hf.loading import check_supported
 
     config = model.config
-    check_supported(config)
+    check_supported(config, export=True)
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (Llama-family MLPs use silu)")
@@ -100,6 +103,7 @@ def model_spec(model) -> ModelSpec:
         rms_norm_eps=float(config.rms_norm_eps),
         rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
         sliding_window=sliding,
+        qk_norm=getattr(model.model.layers[0].self_attn, "q_norm", None) is not None,
     )
 
 
@@ -126,6 +130,9 @@ def collect_weights(model, spec: ModelSpec) -> WeightStore:
         if a.q_proj.bias is not None:
             store.add(p + "qkv_bias", np.concatenate([_t(a.q_proj.bias), _t(a.k_proj.bias), _t(a.v_proj.bias)]))
         store.add(p + "o_proj", _t(a.o_proj.weight))  # [d, H*d_h]: also the selection node's o_proj_weight
+        if getattr(a, "q_norm", None) is not None:  # Qwen3's per-head RMSNorm weights [d_h]
+            store.add(p + "q_norm", _t(a.q_norm.weight))
+            store.add(p + "k_norm", _t(a.k_norm.weight))
         if a.o_proj.bias is not None:
             store.add(p + "o_bias", _t(a.o_proj.bias))
         store.add(p + "gate_up_proj", np.concatenate([_t(mlp.gate_proj.weight), _t(mlp.up_proj.weight)]).T)
