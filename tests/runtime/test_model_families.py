@@ -1,0 +1,129 @@
+"""Every supported architecture on ONNX Runtime, from random checkpoints (tests/model_families.py).
+
+* ``full`` engines generate exactly the greedy tokens of transformers' own ``generate`` (the oracle is transformers,
+  not this project's PyTorch path);
+* every policy of tests/policies.py (and ``layer-defensivekv``) keeps exactly the PyTorch path's entries in every
+  layer and KV head, on a left-padded batch of two prompts, at the built budget and at a smaller request budget, and
+  the first greedy tokens agree.
+
+The engines and the PyTorch path compute the model with different float operations (the selection's inputs differ by
+about 1e-6 relatively), so a selection that only agrees up to rounding would show up here as a near tie decided
+differently; the operator is built so that identical inputs give identical choices (docs/operator.md).
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from criticalkv import KVPolicy
+from criticalkv.hf import generate
+from criticalkv.runtime import Engine
+from criticalkv.runtime.onnxruntime_backend import THREADS_ENV
+from export.tiny_engine import export_tiny_engine
+from model_families import EXPORTABLE, random_checkpoint, random_prompt
+from policies import POLICY_CASES, make_policy
+
+WINDOW = 8
+BUDGET = 48
+LENGTHS = (150, 97)  # a left-padded batch: both compressed, the second with 53 padding positions
+NEW_TOKENS = 3
+CASES = POLICY_CASES + [("layer-defensivekv", dict(name="layer-defensivekv"))]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """One thread for both backends (the tiny models gain nothing from two on CI's shared cores)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    os.environ[THREADS_ENV] = "1"
+    yield
+    torch.set_num_threads(previous)
+    os.environ.pop(THREADS_ENV, None)
+
+
+def padded_batch(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, n] left-padded ids (pad 0) and their attention mask."""
+    n = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), n, dtype=torch.int64)
+    mask = torch.zeros(len(prompts), n, dtype=torch.int64)
+    for row, p in enumerate(prompts):
+        ids[row, n - len(p):] = torch.tensor(p)
+        mask[row, n - len(p):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("fam", EXPORTABLE, ids=[f.id for f in EXPORTABLE])
+def test_full_engine_generates_what_transformers_generates(fam, tmp_path):
+    seed = EXPORTABLE.index(fam)
+    model = random_checkpoint(fam, seed=seed)
+    folder = export_tiny_engine(model, KVPolicy("full"), tmp_path / "full", max_input_len=160, max_new_tokens=12,
+                                max_batch_size=2)
+    prompts = [random_prompt(n, seed=100 * seed + n) for n in LENGTHS]
+    engine = Engine.load(folder)
+    try:
+        got = engine.generate(prompts, max_new_tokens=12, stop_token_ids=[])
+    finally:
+        engine.close()
+    for row, p in enumerate(prompts):
+        want = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+        assert got.tokens[row] == want, f"{fam.id}: prompt {row}"
+
+
+@pytest.mark.parametrize("fam", EXPORTABLE, ids=[f.id for f in EXPORTABLE])
+def test_every_policy_keeps_the_pytorch_paths_entries(fam, tmp_path):
+    seed = EXPORTABLE.index(fam)
+    model = random_checkpoint(fam, seed=seed)
+    prompts = [random_prompt(n, seed=100 * seed + n + 1) for n in LENGTHS]
+    ids, mask = padded_batch(prompts)
+    layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    for case_id, kwargs in CASES:
+        built = make_policy(kwargs, budget=BUDGET, window=WINDOW)
+        folder = export_tiny_engine(model, built, tmp_path / case_id, max_input_len=160, max_new_tokens=NEW_TOKENS,
+                                    max_batch_size=2)
+        engine = Engine.load(folder)
+        try:
+            for budget in (BUDGET, 20):
+                got = engine.generate(prompts, max_new_tokens=NEW_TOKENS, stop_token_ids=[], kv_budget=budget)
+                ref = generate(model, ids, built.with_budget(budget), max_new_tokens=NEW_TOKENS, attention_mask=mask)
+                where = f"{fam.id}, {case_id}, budget {budget}"
+                assert len(ref.prefill.selections) == layers
+                for layer, selection in enumerate(ref.prefill.selections):
+                    for row in range(len(prompts)):
+                        for head in range(kv_heads):
+                            want = [i for i in selection.indices[row, head].tolist() if i >= 0]
+                            kept = got.kept(layer, row, head)
+                            assert kept == want, (f"{where}: layer {layer}, sequence {row}, KV head {head}: ONNX Runtime "
+                                                  f"only {sorted(set(kept) - set(want))}, PyTorch only "
+                                                  f"{sorted(set(want) - set(kept))}")
+                assert got.tokens == ref.tokens, where
+        finally:
+            engine.close()
+        shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_issue_22_shape_defensivekv_keeps_the_pytorch_paths_entries(seed, tmp_path):
+    """The shape of issue 22's report: a Qwen2 checkpoint with 4 layers, hidden 256, 4 query / 2 KV heads and q/k/v
+    biases, defensivekv at budget 64 (window 32) on a ~340-token prompt: the same kept entries in every layer and head
+    and the same 16 greedy tokens."""
+    from model_families import Family
+
+    fam = Family("qwen2-issue22", "qwen2", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                               num_attention_heads=4, num_key_value_heads=2), bias_std=0.1)
+    model = random_checkpoint(fam, seed=seed)
+    ids = random_prompt(330 + 7 * seed, seed=seed + 22)
+    policy = KVPolicy("defensivekv", budget=64)
+    folder = export_tiny_engine(model, policy, tmp_path / "engine", max_input_len=360, max_new_tokens=16, max_batch_size=1)
+    engine = Engine.load(folder)
+    try:
+        got = engine.generate([ids], max_new_tokens=16, stop_token_ids=[])
+    finally:
+        engine.close()
+    ref = generate(model, torch.tensor([ids]), policy, max_new_tokens=16)
+    for layer, selection in enumerate(ref.prefill.selections):
+        for head in range(2):
+            want = [i for i in selection.indices[0, head].tolist() if i >= 0]
+            assert got.kept(layer, 0, head) == want, f"seed {seed}: layer {layer}, KV head {head}"
+    assert got.tokens == ref.tokens
