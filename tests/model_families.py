@@ -9,7 +9,7 @@ initialises to zero, get random values so that the export's bias path is exercis
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,7 +27,6 @@ class Family:
     bias_std: float = 0.0  # std of random q/k/v biases (0: transformers' zeros)
     exportable: bool = True
     notes: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
