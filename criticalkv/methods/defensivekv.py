@@ -24,7 +24,8 @@ queries j and older tokens i (m = n - w of them):
    window query, per sequence. (The reference slices the window off before summing, so its number is the mass
    on the ``window`` older tokens just before the window, and it averages over the batch too; here it is the
    mass the reference's comment and the paper name, per sequence, so a sequence's selection does not depend on
-   its batch.) As in the reference the crossing token itself is not in stage 1.
+   its batch.) As in the reference the crossing token itself is not in stage 1. The cumulative mass is summed exactly
+   in fixed point (``stage1_count``), so every backend counts the same stage-1 tokens.
 5. Allocation: stage-1 tokens rank above every other (the reference gives them the layer's maximum score; here
    score + 2, above any score, which is at most 1), then AdaKV's shared allocation of the layer's H_kv * r slots
    with the per-head floor ``ada_floor`` (the reference's AdaKV press); the window is always kept.
