@@ -107,8 +107,10 @@ def test_every_policy_keeps_the_pytorch_paths_entries(fam, tmp_path):
 def test_issue_22_shape_defensivekv_keeps_the_pytorch_paths_entries(seed, init, tmp_path):
     """The shape of issue 22's report: a Qwen2 checkpoint with 4 layers, hidden 256, 4 query / 2 KV heads and q/k/v
     biases, defensivekv at budget 64 (window 32) on a ~340-token prompt: the same kept entries in every layer and head
-    and the same 16 greedy tokens. With transformers' initializer (0.02) attention is nearly uniform and every head's
-    stage 1 fills its share; with 0.2 it is peaked and the stage-1 mass limit decides the counts."""
+    and the same 16 greedy tokens, with transformers' initializer (0.02: nearly uniform attention) and a peaked one
+    (0.2). In this shape every head's stage 1 fills its share of 32 either way (measured), so the kept set is the top 32
+    by stage-1 mass; the family tests above exercise the mass limit itself (budget 48 and window 8 on peaked models,
+    stage1_mass 0.2)."""
     from model_families import Family
 
     fam = Family("qwen2-issue22", "qwen2", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
