@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -160,19 +161,36 @@ class KVPolicy:
             low = max(low, self.sink_tokens)
         return low
 
-    def with_budget(self, kv_budget: int | None) -> "KVPolicy":
-        """This policy with a per-request budget in [min_budget, budget] (None: the built budget)."""
-        if kv_budget is None or kv_budget == self.budget:
-            return self
-        if isinstance(kv_budget, bool) or not isinstance(kv_budget, int):
+    def request_budget(self, kv_budget: int | None) -> int | None:
+        """A request's ``kv_budget`` checked against this (built) policy: the one owner of that rule.
+
+        Returns None for the built budget (None or equal to it), else the budget, which lies in
+        [min_budget, budget]. Raises ValueError naming ``kv_budget`` otherwise, and for a policy that does not
+        evict (``full`` keeps every entry: there is no budget to lower).
+        """
+        if kv_budget is None:
+            return None
+        integral = isinstance(kv_budget, numbers.Integral) or (isinstance(kv_budget, float) and kv_budget.is_integer())
+        if isinstance(kv_budget, bool) or not integral:
             raise ValueError(f"kv_budget: expected an integer, got {kv_budget!r}")
-        if self.method.base.evicts and not self.min_budget <= kv_budget <= self.budget:
-            raise ValueError(
-                f"kv_budget: {kv_budget} is outside [{self.min_budget}, {self.budget}] (the window and the built budget)"
-            )
+        kv_budget = int(kv_budget)
         if not self.method.base.evicts:
+            raise ValueError(f"kv_budget: this engine's policy {self.name!r} keeps every entry (no budget to lower)")
+        if not self.min_budget <= kv_budget <= self.budget:
+            why = "the window and the engine's built budget"
+            if self.min_budget > self.window:
+                why = "the window or sink_tokens, whichever is larger, and the engine's built budget"
+            raise ValueError(f"kv_budget: {kv_budget} is outside the range; kv_budget must lie in "
+                             f"[{self.min_budget}, {self.budget}] ({why}), got {kv_budget}")
+        return None if kv_budget == self.budget else kv_budget
+
+    def with_budget(self, kv_budget: int | None) -> "KVPolicy":
+        """This policy with a per-request budget in [min_budget, budget] (None: the built budget; a policy that
+        does not evict is returned unchanged). The range is ``request_budget``'s."""
+        if kv_budget is None or kv_budget == self.budget or not self.method.base.evicts:
             return self
-        return self.replace(budget=kv_budget)
+        budget = self.request_budget(kv_budget)
+        return self if budget is None else self.replace(budget=budget)
 
     @property
     def selectable_budget(self) -> int:

@@ -44,6 +44,7 @@ def register(subparsers) -> None:
     _common(needle, ALL_POLICIES)
     needle.add_argument("--depths", default="0,10,20,30,40,50,60,70,80,90,100",
                         help="needle depths in percent (default: 0,10,...,100)")
+    _question_agnostic(needle)
     ruler = tasks.add_parser(
         "ruler", help="RULER-style synthetic tasks (NIAH single/multi-key/multi-value, vt, cwe, qa)",
         description="RULER-style synthetic tasks (--tasks): single-key, multi-key and multi-value needles, variable "
@@ -53,6 +54,7 @@ def register(subparsers) -> None:
     from criticalkv.eval.ruler import TASKS as RULER_TASKS
 
     ruler.add_argument("--tasks", default=",".join(RULER_TASKS), help=f"tasks (default: {','.join(RULER_TASKS)})")
+    _question_agnostic(ruler)
     pert = tasks.add_parser(
         "perturbation", help="the paper's Section 5: head-wise and layer-wise output perturbation",
         description="The paper's Section 5 at the first decoding token: per layer and head the L1 perturbation of "
@@ -76,6 +78,13 @@ def register(subparsers) -> None:
     rep.add_argument("paths", nargs="+", type=Path, metavar="PATH",
                      help="a results JSON, or a directory holding needle.json / ruler.json / perturbation.json")
     rep.set_defaults(func=run_report)
+
+
+def _question_agnostic(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--question-agnostic", action="store_true",
+                   help="compress each prompt's context without its question (the selection's window is the "
+                        "context's own last tokens), then ask: the question runs through the compressed cache, as "
+                        "the serving context cache does when one compressed document answers many questions")
 
 
 def run_report(args) -> int:
@@ -144,6 +153,8 @@ def canonical_command(args) -> str:
         parts += ["--model", args.model]
     if args.no_chat:
         parts.append("--no-chat")
+    if getattr(args, "question_agnostic", False):
+        parts.append("--question-agnostic")
     if args.verify:
         parts += ["--verify", str(args.verify)]
     if args.threads is not None:
@@ -204,6 +215,9 @@ def run(args) -> int:
         "chat": chat,
         "runs": {r.key: {"spec": r.spec, "budget": r.budget, "policy": r.policy.to_dict()} for r in runs},
     }
+    question_agnostic = getattr(args, "question_agnostic", False)
+    if question_agnostic:  # only then: results of earlier, question-aware runs keep their configuration
+        config["question_agnostic"] = True
     path = out / f"{args.task}.json"
     done, previous = _earlier_results(path, config, args.resume, args.overwrite)
 
@@ -241,6 +255,7 @@ def run(args) -> int:
         progress=not args.no_progress,
         done=done,
         on_record=writer.partial,
+        question_agnostic=question_agnostic,
     )
     meta["wall_s"] = time.time() - started
     headline = writer.final(records, meta)

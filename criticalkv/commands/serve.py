@@ -9,7 +9,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from criticalkv.commands.triton_repo import add_model_arguments
+from criticalkv.commands.triton_repo import add_model_arguments, scheduler_config
 
 
 def register(subparsers) -> None:
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         if repo is None:
             repo = Path(tmp) / "models"
             make_repository(args.engine_dir, repo, model_name=args.model_name, instances=args.instances,
-                            max_num_seqs=args.max_num_seqs, kv_pool_mib=args.kv_pool_mib, backend=args.backend,
+                            scheduler=scheduler_config(args), backend=args.backend,
                             gpus=args.gpus, threads=args.threads, execution_env=str(launcher.model_env()),
                             python_paths=launcher.project_paths())
         elif not Path(repo).is_dir():

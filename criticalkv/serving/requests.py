@@ -19,29 +19,33 @@ from typing import Any
 
 import numpy as np
 
-from criticalkv.sampling import SamplingConfig
-from criticalkv.serving.scheduler import RequestError
-
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos")
+from criticalkv.errors import RequestError
+from criticalkv.request import SamplingParams
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens",
                "return_kv_bytes")
 
 
 @dataclass
 class TextRequest:
-    """A parsed request. ``max_tokens`` None = the scheduler's default."""
+    """A parsed Triton request: the prompt text, its ``SamplingParams`` (``max_tokens`` None = the engine's
+    default; ``stop`` strings cut the text) and the response flags."""
 
     prompt: str
     stream: bool = False
     prepend_input: bool = True
-    max_tokens: int | None = None
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     kv_budget: int | None = None
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_kv_bytes: bool = False
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling.max_tokens
+
+    @property
+    def stop(self) -> list[str]:
+        return list(self.sampling.stop)
 
 
 def _scalar(name: str, array: Any):
@@ -61,47 +65,6 @@ def _text(name: str, array: Any) -> str:
     if isinstance(value, str):
         return value
     raise RequestError(f"{name}: expected a string (BYTES), got {type(value).__name__}")
-
-
-def _sampling(values: dict[str, Any], strict: bool, source: str) -> dict[str, Any]:
-    unknown = sorted(set(values) - set(SAMPLING_KEYS))
-    if unknown and strict:
-        raise RequestError(f"{source}: unknown key(s) {', '.join(unknown)} (known: {', '.join(SAMPLING_KEYS)})")
-    out = {}
-    if values.get("max_tokens") is not None:
-        m = values["max_tokens"]
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or int(m) != m:
-            raise RequestError(f"{source}: max_tokens must be an integer, got {m!r}")
-        if m <= 0:
-            raise RequestError(f"{source}: max_tokens must be >= 1, got {int(m)}")
-        out["max_tokens"] = int(m)
-    config = {}
-    for key in ("temperature", "top_p"):
-        if values.get(key) is not None:
-            v = values[key]
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise RequestError(f"{source}: {key} must be a number, got {v!r}")
-            config[key] = float(v)
-    if values.get("seed") is not None:
-        s = values["seed"]
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise RequestError(f"{source}: seed must be an integer >= 0, got {s!r}")
-        config["seed"] = s
-    try:
-        out["sampling"] = SamplingConfig(**config)
-    except ValueError as err:
-        raise RequestError(f"{source}: {err}") from None
-    stop = values.get("stop")
-    if stop is not None:
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise RequestError(f"{source}: stop must be a non-empty string or a list of them, got {values['stop']!r}")
-        out["stop"] = stop
-    if values.get("ignore_eos") is not None:
-        if not isinstance(values["ignore_eos"], bool):
-            raise RequestError(f"{source}: ignore_eos must be true or false, got {values['ignore_eos']!r}")
-        out["ignore_eos"] = values["ignore_eos"]
-    return out
 
 
 def parse_request(inputs: dict[str, Any], parameters: str | dict | None = None) -> TextRequest:
@@ -132,16 +95,14 @@ def parse_request(inputs: dict[str, Any], parameters: str | dict | None = None) 
             values = json.loads(raw) if raw.strip() else {}
         except json.JSONDecodeError as err:
             raise RequestError(f"sampling_parameters: malformed JSON ({err.msg} at character {err.pos})") from None
-        if not isinstance(values, dict):
-            raise RequestError(f"sampling_parameters: expected a JSON object, got {type(values).__name__}")
-        sampling = _sampling(values, strict=True, source="sampling_parameters")
+        sampling = SamplingParams.from_dict(values, strict=True, source="sampling_parameters")
     else:
         if isinstance(parameters, str):
             try:
                 parameters = json.loads(parameters) if parameters.strip() else {}
             except json.JSONDecodeError:
                 parameters = {}
-        sampling = _sampling(dict(parameters or {}), strict=False, source="request parameters")
+        sampling = SamplingParams.from_dict(dict(parameters or {}), strict=False, source="request parameters")
     kv_budget = None
     if inputs.get("kv_budget") is not None:
         value = _scalar("kv_budget", inputs["kv_budget"])
@@ -152,7 +113,7 @@ def parse_request(inputs: dict[str, Any], parameters: str | dict | None = None) 
         prompt=prompt, stream=stream, prepend_input=prepend, kv_budget=kv_budget,
         return_num_input_tokens=flags.get("return_num_input_tokens", False),
         return_num_output_tokens=flags.get("return_num_output_tokens", False),
-        return_kv_bytes=flags.get("return_kv_bytes", False), **sampling,
+        return_kv_bytes=flags.get("return_kv_bytes", False), sampling=sampling,
     )
 
 

@@ -32,14 +32,15 @@ def test_budget_covering_the_prompt_is_identical_too(llama):
         assert generate(llama, ids, KVPolicy(name, budget=64, window=8), max_new_tokens=16).tokens[0] == ref
 
 
-def reference_masked_decode(model, ids, selections, steps):
+def reference_masked_decode(model, ids, selections, steps, question=None):
     """Greedy decoding with the full cache, where every generated token's attention is masked (per
-    query head) to the kept prompt entries of its KV head: what eviction must be equivalent to."""
+    query head) to the kept prompt entries of its KV head: what eviction must be equivalent to.
+    ``question`` [1, q]: tokens after the compressed prompt ``ids`` that attend like generated ones."""
     n = ids.shape[1]
     heads = model.config.num_attention_heads
     group = heads // model.config.num_key_value_heads
     model.config._attn_implementation = "eager"  # eager accepts a per-head 4-D additive mask
-    seq, out = ids, []
+    seq, out = (ids if question is None else torch.cat([ids, question], dim=1)), []
     for _ in range(steps):
         total = seq.shape[1]
         mask = torch.full((1, heads, total, total), float("-inf")).triu(1)

@@ -7,7 +7,7 @@ import pytest
 
 from criticalkv.serving.repository import TEMPLATES, make_repository, render, template_keys
 from criticalkv.serving.requests import TextStream, parse_request
-from criticalkv.serving.scheduler import RequestError
+from criticalkv.serving.scheduler import RequestError, SchedulerConfig
 from export.tiny_engine import word_tokenizer
 from serving.servers import build_tiny_engine
 
@@ -26,20 +26,29 @@ def test_render_fills_every_key_and_refuses_missing_or_unknown_ones():
 
 def test_make_repository_writes_the_three_files(tmp_path):
     engine = build_tiny_engine(tmp_path / "engine", max_batch_size=4)
-    model = make_repository(engine, tmp_path / "repo", model_name="tiny", instances=2, max_num_seqs=3,
-                            kv_pool_mib=64, execution_env=str(tmp_path / "env"), python_paths=["/x"])
+    model = make_repository(engine, tmp_path / "repo", model_name="tiny", instances=2,
+                            scheduler=SchedulerConfig(max_num_seqs=3, kv_memory_mib=64, prefill_chunk=256),
+                            execution_env=str(tmp_path / "env"), python_paths=["/x"])
     config = (model / "config.pbtxt").read_text()
     assert 'name: "tiny"' in config and 'backend: "python"' in config and "decoupled: true" in config
     assert "count: 2, kind: KIND_CPU" in config and "EXECUTION_ENV_PATH" in config and "$" not in config
     arguments = json.loads((model / "1" / "model.json").read_text())
-    assert arguments["engine_dir"] == str(engine.resolve()) and arguments["max_num_seqs"] == 3
-    assert arguments["kv_pool_mib"] == 64 and arguments["python_paths"] == ["/x"]
+    assert arguments["engine_dir"] == str(engine.resolve()) and arguments["scheduler"]["max_num_seqs"] == 3
+    assert arguments["scheduler"]["kv_memory_mib"] == 64 and arguments["python_paths"] == ["/x"]
+    assert arguments["scheduler"]["prefill_chunk"] == 256 and arguments["scheduler"]["context_cache_mib"] == 256
+    assert make_repository(engine, tmp_path / "defaults").joinpath("1", "model.json").read_text().count('"max_num_seqs": 4')
     assert (model / "1" / "model.py").read_text() == (TEMPLATES / "model.py").read_text()
     gpu = make_repository(engine, tmp_path / "gpu", backend="tensorrt", gpus=[0, 1])
     assert "kind: KIND_GPU, gpus: [ 0, 1 ]" in (gpu / "config.pbtxt").read_text()
     assert "EXECUTION_ENV_PATH" not in (gpu / "config.pbtxt").read_text()
     with pytest.raises(ValueError, match="rebuild the engine with --max-batch-size 5"):
-        make_repository(engine, tmp_path / "repo2", max_num_seqs=5)
+        make_repository(engine, tmp_path / "repo2", scheduler=SchedulerConfig(max_num_seqs=5))
+    for bad, message in [(dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
+                         (dict(kv_memory_mib=0), "kv_memory_mib must be > 0"),
+                         (dict(prefill_chunk=-1), "prefill_chunk must be an integer >= 0"),
+                         (dict(context_cache_mib=-1), "context_cache_mib must be >= 0")]:
+        with pytest.raises(ValueError, match=message):
+            SchedulerConfig(**bad)
     with pytest.raises(ValueError, match="exists"):
         make_repository(engine, tmp_path / "repo", model_name="tiny")
 

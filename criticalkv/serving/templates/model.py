@@ -29,12 +29,12 @@ class TritonPythonModel:
         for path in self.config.get("python_paths", []):  # the stub ignores PYTHONPATH
             if path not in sys.path:
                 sys.path.append(path)
-        from criticalkv.runtime import Engine
+        from criticalkv.runtime import Engine, Request, RequestError
         from criticalkv.serving import Scheduler
         from criticalkv.serving.requests import TextStream, parse_request
-        from criticalkv.serving.scheduler import RequestError
 
         self.parse_request, self.TextStream, self.RequestError = parse_request, TextStream, RequestError
+        self.Request = Request
         options = {}
         if self.config.get("backend", "onnxruntime") == "tensorrt":
             options["device"] = int(args.get("model_instance_device_id", 0))
@@ -43,8 +43,7 @@ class TritonPythonModel:
         self.engine = Engine.load(self.config["engine_dir"], backend=self.config.get("backend", "onnxruntime"),
                                   verify=False, **options)
         self.tokenizer = self.engine.tokenizer
-        self.scheduler = Scheduler(self.engine, max_num_seqs=self.config.get("max_num_seqs"),
-                                   kv_pool_mib=self.config.get("kv_pool_mib"))
+        self.scheduler = Scheduler(self.engine, **self.config.get("scheduler", {}))
         self._setup_metrics(args)
         self._responses = queue.Queue()
         self._response_thread = threading.Thread(target=self._response_loop, daemon=True)
@@ -64,7 +63,7 @@ class TritonPythonModel:
                    family.COUNTER),
             family("criticalkv_requests_running", "Requests decoding", family.GAUGE),
             family("criticalkv_requests_waiting", "Requests waiting for a slot", family.GAUGE),
-            family("criticalkv_kv_pool_bytes_reserved", "KV bytes reserved by the running requests", family.GAUGE),
+            family("criticalkv_kv_bytes_reserved", "KV bytes held: running requests, prompts under prefill, cached contexts", family.GAUGE),
         ]
         ttft, tpot, kept, full, running, waiting, reserved = self._metric_families
         self.m_ttft = ttft.Metric(labels=labels, buckets=TTFT_BUCKETS)
@@ -99,10 +98,8 @@ class TritonPythonModel:
         # the Triton request stays referenced until its final response: its sender needs it alive
         state = {"request": parsed, "triton_request": request, "sender": sender, "num_sent": 0, "handle": None,
                  "text": self.TextStream(self.tokenizer, parsed.stop)}
-        stop = [] if parsed.ignore_eos else None
-        state["handle"] = self.scheduler.submit(
-            ids, max_tokens=parsed.max_tokens, sampling=parsed.sampling, stop_token_ids=stop,
-            kv_budget=parsed.kv_budget, on_output=lambda out: self._responses.put((state, out)))
+        request = self.Request(ids, parsed.sampling, parsed.kv_budget)
+        state["handle"] = self.scheduler.submit(request, on_output=lambda out: self._responses.put((state, out)))
 
     def _send_error(self, sender, message):
         sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
