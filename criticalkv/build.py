@@ -321,7 +321,7 @@ def check_exportable_model(model_path: str) -> None:
     from criticalkv.hf.loading import check_supported
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    check_supported(AutoConfig.from_pretrained(model_path), export=True)
+    check_supported(AutoConfig.from_pretrained(model_path))
 
 
 def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | None, model_name: str, model_path: str,

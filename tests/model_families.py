@@ -25,7 +25,6 @@ class Family:
     config: dict
     init: float = 0.02
     bias_std: float = 0.0  # std of random q/k/v biases (0: transformers' zeros)
-    exportable: bool = True
     notes: str = ""
 
 
@@ -55,10 +54,9 @@ FAMILIES = [
            init=0.2, notes="Ministral: interleaved sliding-window layers (window longer than any prompt here)"),
     Family("qwen3", "qwen3", dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=32),
-           init=0.2, exportable=False, notes="Qwen3 dense: per-head q/k RMSNorm before RoPE (PyTorch path only)"),
+           init=0.2, notes="Qwen3 dense: per-head q/k RMSNorm before RoPE"),
 ]
 FAMILY_IDS = [f.id for f in FAMILIES]
-EXPORTABLE = [f for f in FAMILIES if f.exportable]
 
 
 def family(family_id: str) -> Family:

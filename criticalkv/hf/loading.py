@@ -25,12 +25,6 @@ from criticalkv.files import remove_stale_temporaries, sha256_file, temporary_di
 #: (``mistral``), Ministral (``ministral``), Qwen2/Qwen2.5 (``qwen2``, q/k/v biases), Qwen3 dense (``qwen3``: per-head
 #: RMSNorm of queries and keys before RoPE).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
-#: Supported on the PyTorch path, not yet by the ONNX export (criticalkv.export.llama), and what the graphs lack.
-EXPORT_PENDING = {
-    "qwen3": "its per-head q_norm / k_norm (RMSNorm of every query and key head before RoPE) are not in the graphs yet",
-}
-#: Those the ONNX export writes graphs for.
-EXPORT_MODEL_TYPES = tuple(t for t in SUPPORTED_MODEL_TYPES if t not in EXPORT_PENDING)
 #: Families users bring that are refused, and why (what their checkpoints compute that these graphs and hooks do not).
 REFUSED_MODEL_TYPES = {
     "phi3": "Phi-3 / Phi-4-mini fuse q/k/v into one qkv_proj and gate/up into one gate_up_proj, and rotate only part of "
@@ -174,19 +168,14 @@ def resolve_model(model: str | os.PathLike | None = None) -> Path:
     raise FileNotFoundError(f"{model}: no such model folder or .gguf file (and no model hub here: models are local)")
 
 
-def check_supported(config, export: bool = False) -> None:
-    """Raise ValueError unless ``config`` is a Llama-family causal LM criticalkv supports: on the PyTorch path
-    (``export=False``), or also in the ONNX export (``export=True``). The message names the family's reason."""
+def check_supported(config) -> None:
+    """Raise ValueError unless ``config`` is a Llama-family causal LM criticalkv supports (the PyTorch path and the
+    ONNX export alike); the message names the family's reason."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"model_type {model_type!r} is not supported: {refusal_reason(model_type)}. Supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3.x, SmolLM, Mistral, Ministral, Qwen2/2.5, Qwen3 dense)"
-        )
-    if export and model_type not in EXPORT_MODEL_TYPES:
-        raise ValueError(
-            f"model_type {model_type!r} runs on the PyTorch path (criticalkv generate --model, criticalkv.hf) but "
-            f"not yet in the ONNX export: {EXPORT_PENDING[model_type]}. Exportable: {', '.join(EXPORT_MODEL_TYPES)}"
         )
 
 
