@@ -150,3 +150,36 @@ def test_issue_22_shape_defensivekv_keeps_the_pytorch_paths_entries(seed, init, 
             want = [i for i in selection.indices[0, head].tolist() if i >= 0]
             assert got.kept(layer, 0, head) == want, f"seed {seed}: layer {layer}, KV head {head}"
     assert got.tokens == ref.tokens
+
+
+def test_qwen3_end_to_end_build_and_serve(tmp_path):
+    """A Qwen3 checkpoint folder through build_engine (export, validation, smoke test against the PyTorch path), then
+    requests served by the scheduler (chunked prefill, continuous batching): the PyTorch path's greedy tokens."""
+    from criticalkv.build import build_engine
+    from criticalkv.export import BuildConfig
+    from criticalkv.request import Request, SamplingParams
+    from criticalkv.serving import Scheduler
+    from export.tiny_engine import word_tokenizer
+    from model_families import family
+
+    model = random_checkpoint(family("qwen3"), seed=7)
+    model.save_pretrained(tmp_path / "qwen3")
+    word_tokenizer().save_pretrained(tmp_path / "qwen3")
+    policy = KVPolicy("ada-criticalkv", budget=40, window=8)
+    config = BuildConfig(max_input_len=200, max_new_tokens=8, max_batch_size=2, attention_chunk=32, extend_chunk=64)
+    folder = build_engine(tmp_path / "engine", policy, config, model=str(tmp_path / "qwen3"), tensorrt=False,
+                          log=lambda msg: None)
+    engine = Engine.load(folder)
+    smoke = engine.manifest["smoke_test"]
+    assert smoke["tokens_match_pytorch"] and smoke["kept_indices_match_pytorch"], smoke
+    prompts = [random_prompt(n, seed=n) for n in (150, 61, 120)]
+    scheduler = Scheduler(engine, max_num_seqs=2, prefill_chunk=64)  # the 150- and 120-token prompts in chunks
+    try:
+        params = SamplingParams(max_tokens=8, stop_token_ids=(), ignore_eos=True)
+        handles = [scheduler.submit(Request(p, params, None)) for p in prompts]
+        served = [h.result(timeout=120).token_ids for h in handles]
+    finally:
+        scheduler.close()
+        engine.close()
+    for p, tokens in zip(prompts, served):
+        assert tokens == generate(model, torch.tensor([p]), policy, max_new_tokens=8).tokens[0]
