@@ -293,6 +293,7 @@ def build_engine(
     output = Path(output)
     model_name = model or "smollm2-135m"
     model_path = str(resolve_model(model))
+    check_exportable_model(model_path)
     request = build_request(model_name, model_path, policy, config)
     output.parent.mkdir(parents=True, exist_ok=True)
     with build_lock(output):
@@ -302,6 +303,16 @@ def build_engine(
             log(f"{output} is already built for this model, policy and limits (use --force to rebuild)")
             return output
         return _build(output, policy, config, model, model_name, model_path, request, smoke, tensorrt, log)
+
+
+def check_exportable_model(model_path: str) -> None:
+    """Refuse a model the export cannot write graphs for from its config alone, before loading its weights."""
+    from transformers import AutoConfig
+
+    from criticalkv.hf.loading import check_supported
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    check_supported(AutoConfig.from_pretrained(model_path))
 
 
 def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | None, model_name: str, model_path: str,

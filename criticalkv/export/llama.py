@@ -82,6 +82,9 @@ class ModelSpec:
     rms_norm_eps: float
     rope_attention_scaling: float
     sliding_window: int | None
+    #: Qwen3: RMSNorm over d_h of every query and key head after the projections, before RoPE (eps rms_norm_eps;
+    #: weight ``layers.{i}.qk_norm`` [H + H_kv, 1, d_h]: q_norm on the query heads, k_norm on the key heads)
+    qk_norm: bool = False
 
     @property
     def group(self) -> int:
@@ -118,6 +121,7 @@ def model_spec(model) -> ModelSpec:
         rms_norm_eps=float(config.rms_norm_eps),
         rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
         sliding_window=sliding,
+        qk_norm=getattr(model.model.layers[0].self_attn, "q_norm", None) is not None,
     )
 
 
@@ -144,6 +148,9 @@ def collect_weights(model, spec: ModelSpec) -> WeightStore:
         if a.q_proj.bias is not None:
             store.add(p + "qkv_bias", np.concatenate([_t(a.q_proj.bias), _t(a.k_proj.bias), _t(a.v_proj.bias)]))
         store.add(p + "o_proj", _t(a.o_proj.weight))  # [d, H*d_h]: also the selection node's o_proj_weight
+        if spec.qk_norm:  # Qwen3: q_norm on each of the H query heads, k_norm on each of the H_kv key heads
+            qk = [_t(a.q_norm.weight)] * spec.num_heads + [_t(a.k_norm.weight)] * spec.num_kv_heads
+            store.add(p + "qk_norm", np.stack(qk)[:, None, :])  # [H + H_kv, 1, d_h]: broadcasts over qk's positions
         if a.o_proj.bias is not None:
             store.add(p + "o_bias", _t(a.o_proj.bias))
         store.add(p + "gate_up_proj", np.concatenate([_t(mlp.gate_proj.weight), _t(mlp.up_proj.weight)]).T)
@@ -687,8 +694,17 @@ class DecoderGraphBuilder:
                             f"criticalkv select ({self.flavour} flavour), policy {policy.to_json()}")
 
 
+class Qwen3GraphBuilder(DecoderGraphBuilder):
+    """Qwen3 dense: Llama's graph with a per-head RMSNorm of the queries and keys before RoPE (``q_norm`` / ``k_norm``
+    of ``Qwen3Attention``). The kept keys are post-norm, post-RoPE, as the PyTorch path's cache holds them."""
+
+    def qk_norm(self, i: int, qk: str) -> str:
+        # the portable RMSNorm over d_h with one weight row per head (a fused form's norm takes one [d] weight)
+        return DecoderGraphBuilder.rms_norm(self, qk, f"layers.{i}.qk_norm")
+
+
 #: Graph builders of the model families that differ from Llama's graph, by ``ModelSpec.model_type``.
-FAMILY_BUILDERS: dict[str, type[DecoderGraphBuilder]] = {}
+FAMILY_BUILDERS: dict[str, type[DecoderGraphBuilder]] = {"qwen3": Qwen3GraphBuilder}
 
 
 def graph_builder(spec: ModelSpec, store: WeightStore, policy: KVPolicy | None = None, capacities: list[int] | None = None,

@@ -24,7 +24,8 @@ queries j and older tokens i (m = n - w of them):
    window query, per sequence. (The reference slices the window off before summing, so its number is the mass
    on the ``window`` older tokens just before the window, and it averages over the batch too; here it is the
    mass the reference's comment and the paper name, per sequence, so a sequence's selection does not depend on
-   its batch.) As in the reference the crossing token itself is not in stage 1.
+   its batch.) As in the reference the crossing token itself is not in stage 1. The cumulative mass is summed exactly
+   in fixed point (``stage1_count``), so every backend counts the same stage-1 tokens.
 5. Allocation: stage-1 tokens rank above every other (the reference gives them the layer's maximum score; here
    score + 2, above any score, which is at most 1), then AdaKV's shared allocation of the layer's H_kv * r slots
    with the per-head floor ``ada_floor`` (the reference's AdaKV press); the window is always kept.
@@ -71,15 +72,40 @@ def avg_pool_rows(probs, kernel: int, valid):
     return torch.where(total > 0, pooled / total.clamp_min(torch.finfo(torch.float32).tiny) * mass, pooled)
 
 
+#: Stage 1's cumulative mass is summed in units of 2^-MASS_FIXED_BITS (exact int64 sums): a float sum depends on its
+#: order and precision (torch's CPU cumsum accumulates in double, its CUDA cumsum and ONNX Runtime's CumSum in float32,
+#: the plugin in per-digit bins), and near the limit that decided the count differently per backend. Masses are at
+#: most 1, so the sums stay far below 2^63; a token's mass is truncated by less than 2^-48.
+MASS_FIXED_BITS = 48
+MASS_SCALE = float(2**MASS_FIXED_BITS)
+
+
+def fixed_mass(mass):
+    """floor(mass * 2^48) as int64 (exact: a power-of-two scaling and a floor). ``mass``: fp32 tensor >= 0."""
+    return torch.floor(mass * MASS_SCALE).to(torch.int64)
+
+
+def fixed_limit(limit):
+    """ceil(limit * 2^48) as int64: for an integer sum C, C < limit * 2^48 exactly when C < fixed_limit(limit)."""
+    return torch.ceil(limit * MASS_SCALE).to(torch.int64)
+
+
+def stage1_count(mass, limit, r, eligible):
+    """[B, H_kv] int64: how many of the most massive eligible tokens keep their cumulative fixed-point mass below
+    ``limit`` [B] (fp32), at most r [B]. ``mass`` [B, H_kv, m] fp32 >= 0."""
+    masked = torch.where(eligible, mass, torch.zeros_like(mass))
+    ordered = fixed_mass(torch.sort(masked, dim=-1, descending=True).values)  # floor is monotone: still sorted
+    cumulative = torch.cumsum(ordered, dim=-1)  # exact: integers
+    return torch.minimum((cumulative < fixed_limit(limit)[:, None, None]).sum(-1), r[:, None])
+
+
 def stage1_mask(mass, window_mass, threshold: float, r, eligible):
     """Stage 1: per head the most-attended older tokens while their cumulative mass stays below
-    ``threshold - window_mass``, at most r. ``mass`` [B, H_kv, m] (normalised over the valid older tokens),
-    ``window_mass`` [B], ``r`` [B], ``eligible`` [B, H_kv, m]; returns [B, H_kv, m] bool."""
-    masked = torch.where(eligible, mass, torch.zeros_like(mass))
-    cumulative = torch.cumsum(torch.sort(masked, dim=-1, descending=True).values, dim=-1)
-    limit = (threshold - window_mass)[:, None, None].to(mass.dtype)
-    count = torch.minimum((cumulative < limit).sum(-1), r[:, None])
-    return topk_mask(mass, count, eligible)
+    ``threshold - window_mass`` (fp32; the mass summed exactly in units of 2^-48), at most r. ``mass`` [B, H_kv, m]
+    (normalised over the valid older tokens), ``window_mass`` [B], ``r`` [B], ``eligible`` [B, H_kv, m]; returns
+    [B, H_kv, m] bool."""
+    limit = torch.tensor(threshold, dtype=torch.float32, device=mass.device) - window_mass.to(torch.float32)
+    return topk_mask(mass, stage1_count(mass, limit, r, eligible), eligible)
 
 
 def priority(scores, threshold: float, r, eligible):
@@ -170,8 +196,12 @@ class DefensiveKV(AdaKV):
         masked = g.Where(eligible, mass, g.const(0.0, np.float32))
         m = g.shape_of(mass, 2, 3)
         ordered = g.op("TopK", masked, m, outputs=2, axis=2, largest=1, sorted=1)[0]
-        cumulative = g.CumSum(ordered, g.scalar(2))
-        limit = g.reshape(g.Sub(g.const(p.stage1_mass, np.float32), window_mass), [-1, 1, 1])
+        scale = g.const(MASS_SCALE, np.float32)
+        # stage1_count's exact fixed-point sums (a float CumSum accumulates in float32 here, in double in torch's CPU
+        # cumsum: near the limit the counts differed)
+        cumulative = g.CumSum(g.Cast(g.Floor(g.Mul(ordered, scale)), to=g.INT64), g.scalar(2))
+        limit = g.Sub(g.const(p.stage1_mass, np.float32), window_mass)
+        limit = g.reshape(g.Cast(g.Ceil(g.Mul(limit, scale)), to=g.INT64), [-1, 1, 1])
         count = g.ReduceSum(g.Cast(g.Less(cumulative, limit), to=g.INT64), g.i64(2), keepdims=0)  # [B, H_kv]
         count = g.Min(count, g.unsqueeze(r, 1))
         first = body.topk_mask(g, mass, count, eligible)

@@ -66,9 +66,11 @@ def test_chunked_prefill_is_bitwise_the_prefill_for_every_policy(llama, tmp_path
                 assert (reference["present.0.indices"][0, 0] == np.arange(n)).all()
 
 
-def test_chunks_of_256_and_512_over_the_attention_block_of_256(tmp_path):
-    # the built default attention_chunk (256), a 600-token prompt: chunks 256 + 256 + 88 and 512 + 88
-    model = tiny_model("qwen2", seed=4)
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_chunks_of_256_and_512_over_the_attention_block_of_256(tmp_path, model_type):
+    # the built default attention_chunk (256), a 600-token prompt: chunks 256 + 256 + 88 and 512 + 88 (Qwen3: its q/k
+    # norm in the extend graph too)
+    model = tiny_model(model_type, seed=4)
     policy = KVPolicy("ada-criticalkv", budget=64, window=16)
     export_model(model, policy, tmp_path, BuildConfig(max_input_len=700))
     prefill_s, extend_s, select_s = (session(tmp_path, f) for f in ("prefill.onnx", "extend.onnx", "select.onnx"))
