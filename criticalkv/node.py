@@ -45,6 +45,14 @@ MODEL_OP_TYPE = "CriticalKVSelectModel"
 OPSET_VERSION = 1
 INPUTS = ("queries", "keys", "values", "o_proj_weight", "prompt_lengths", "kv_budget")
 OUTPUTS = ("kept_keys", "kept_values", "kept_lengths", "kept_indices")
+#: The seventh input of a node whose method reads RoPE's rotation tables (``BaseMethod.needs_rotation``:
+#: expected-attention): [2, window, d_h] float32, ``criticalkv.methods.expected_attention.rotation_tables``.
+ROTATION_INPUT = "rotation"
+
+
+def node_inputs(policy: KVPolicy) -> tuple[str, ...]:
+    """The inputs of ``policy``'s ``CriticalKVSelect`` node (its function body's signature)."""
+    return INPUTS + ((ROTATION_INPUT,) if policy.method.base.needs_rotation else ())
 #: Attributes beyond the policy knobs.
 LAYER_ATTRIBUTES = ("layer_idx", "num_layers", "capacity", "layer_budgets")
 #: Names (prefixes) of the body's nodes that accept the pruned stage 2's result: 2 k_max candidates, 4 k_max, every

@@ -99,7 +99,7 @@ class KVPolicy:
                              rules=(Between(0.0, 1.0), Decimals(6)))
     pyramid_beta: float = _knob(20.0, "pyramidkv: ratio between the first and the last layer's selectable budget",
                                 rules=(AtLeast(1.0), Decimals(6)))
-    sink_tokens: int = _knob(4, "streamingllm: number of leading attention-sink tokens kept",
+    sink_tokens: int = _knob(4, "streamingllm, expected-attention: number of leading attention-sink tokens kept",
                              rules=(AtLeast(0), Scoped(NotAboveField("budget"), "reads"), AtMost(MAX_TOKENS)))
     stage1_mass: float = _knob(0.9, "defensivekv: stage 1 keeps each head's most-attended older tokens while their "
                                "attention mass stays below stage1_mass minus the window's own mass (capped at the head's share)",
@@ -108,6 +108,9 @@ class KVPolicy:
                                   "(window included; 0 = no cap, a head may keep its whole prompt); an engine's per-layer "
                                   "KV buffers hold min(max_input_len, head_cap_ratio × budget) entries per head",
                                   rules=(ZeroOrAtLeast(1.0), Decimals(6)))
+    future_positions: int = _knob(512, "expected-attention: the next positions the window's queries are carried to "
+                                  "through RoPE (their rotation averaged over them), as kvpress's n_future_positions",
+                                  rules=(Positive(), AtMost(MAX_TOKENS)))
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -132,6 +135,10 @@ class KVPolicy:
                 problem = rule.check(self, f.name)
                 if problem:
                     raise ValueError(problem)
+        sinks = self.method.base.sinks(self)
+        if sinks and self.budget < self.window + sinks:
+            raise ValueError(f"budget: {self.name} keeps the window ({self.window}) and the first sink_tokens ({sinks}) "
+                             f"tokens, so the budget must be at least {self.window + sinks}, got {self.budget}")
 
     def _rule_applies(self, scoped: Scoped, knob: str) -> bool:
         method = _methods.method_of(self.name)
@@ -159,7 +166,8 @@ class KVPolicy:
         low = self.window
         if "sink_tokens" in self.method.knobs:
             low = max(low, self.sink_tokens)
-        return low
+        # a scored method that also keeps its first tokens (expected-attention) keeps them beside the window
+        return max(low, self.window + self.method.base.sinks(self))
 
     def request_budget(self, kv_budget: int | None) -> int | None:
         """A request's ``kv_budget`` checked against this (built) policy: the one owner of that rule.

@@ -29,6 +29,7 @@ from criticalkv.hf.cache import CompressedKVCache, CompressedLayer, packed_decod
 from criticalkv.hf.compress import hooked_prefill, window_queries
 from criticalkv.hf.generate import extend_cache, generate
 from criticalkv.hf.loading import check_supported
+from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.policy import KVPolicy
 from criticalkv.sampling import Sampler, decode_loop
 from criticalkv.selection import LayerScores, LayerSelection, ScoreMemo, layer_scores, select_layer, select_model
@@ -51,6 +52,7 @@ class SharedPrefill:
     queries: dict[int, list[torch.Tensor]]
     o_proj: list[torch.Tensor]
     prefill_s: float
+    inv_freq: "np.ndarray | None" = None  # RoPE's [d_h / 2] (expected-attention reads it)
 
     @property
     def n(self) -> int:
@@ -96,6 +98,7 @@ def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int]) -> Sh
         queries=queries,
         o_proj=[layer.self_attn.o_proj.weight for layer in layers],
         prefill_s=time.perf_counter() - start,
+        inv_freq=model.model.rotary_emb.inv_freq.detach().float().cpu().numpy(),
     )
 
 
@@ -109,6 +112,12 @@ class ScoreBank:
     def __init__(self, prefill: SharedPrefill):
         self.prefill = prefill
         self.memo = ScoreMemo()
+
+    def rotation(self, policy: KVPolicy):
+        """RoPE's rotation tables for a policy that reads them (``expected-attention``), else None."""
+        if not policy.method.base.needs_rotation or self.prefill.inv_freq is None:
+            return None  # (select_layer then assumes RoPE's default angles)
+        return torch.from_numpy(rotation_tables(self.prefill.inv_freq, policy.window, policy.future_positions))
 
     @property
     def seconds(self) -> float:
@@ -132,20 +141,21 @@ class ScoreBank:
         """``criticalkv.selection.layer_scores`` of ``policy`` for ``layer`` (memoised)."""
         q, k, v, o = self.layer_inputs(policy, layer)
         valid_start = torch.zeros(k.shape[0], dtype=torch.int64, device=k.device)
-        return layer_scores(policy, q, k, v, o, valid_start, self.memo, layer)
+        return layer_scores(policy, q, k, v, o, valid_start, self.memo, layer, self.rotation(policy))
 
 
 def select_from_bank(policy: KVPolicy, bank: ScoreBank, layer: int) -> LayerSelection:
     """``select_layer(policy, ...)`` for layer ``layer`` of the bank's (unpadded, batch 1) prompt, memoised scores."""
     q, k, v, o = bank.layer_inputs(policy, layer)
-    return select_layer(policy, q, k, v, o, layer, bank.prefill.num_layers, memo=bank.memo)
+    return select_layer(policy, q, k, v, o, layer, bank.prefill.num_layers, memo=bank.memo,
+                        rotation=bank.rotation(policy))
 
 
 def select_all_layers(policy: KVPolicy, bank: ScoreBank) -> list[LayerSelection]:
     """``select_model`` over the bank's layers (memoised scores): every layer's selection, model-level methods
     (the budget shared across layers) included."""
     layers = [bank.layer_inputs(policy, layer) for layer in range(bank.prefill.num_layers)]
-    return select_model(policy, layers, memo=bank.memo)
+    return select_model(policy, layers, memo=bank.memo, rotation=bank.rotation(policy))
 
 
 @dataclass

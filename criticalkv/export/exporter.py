@@ -9,7 +9,7 @@ import onnx
 
 from criticalkv.export.graph import IR_VERSION, OPSET
 from criticalkv.export.llama import ModelSpec, collect_weights, graph_builder, layer_capacities, model_spec
-from criticalkv.export.model_select import is_model_level
+from criticalkv.export.model_select import tensorrt_refusal
 from criticalkv.node import DOMAIN, OPSET_VERSION
 from criticalkv.policy import KVPolicy
 from criticalkv.weights import WEIGHTS_FILE
@@ -123,7 +123,7 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
     decode_capacities = [c + config.max_question_len + config.max_new_tokens for c in capacities]
     flavours = [("onnxruntime", {"prefill": PREFILL_FILE, "extend": EXTEND_FILE, "select": SELECT_FILE}),
                 ("tensorrt", {"prefill": PREFILL_TENSORRT_FILE, "extend": EXTEND_TENSORRT_FILE, "select": SELECT_TENSORRT_FILE})]
-    if is_model_level(policy, spec.num_layers):  # no TensorRT flavour: model_select.check_tensorrt_flavour says why
+    if tensorrt_refusal(policy, spec.num_layers):  # no TensorRT flavour (it says why)
         flavours = flavours[:1]
     for flavour, files in flavours:
         builder = graph_builder(spec, store, policy, capacities, flavour, config.attention_chunk)

@@ -58,6 +58,7 @@ from onnx import helper
 from criticalkv.export import model_select
 from criticalkv.export.graph import FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, live_nodes, value_info
 from criticalkv.export.select_function import FLOAT32_MIN, selection_function, selection_node, selection_opset
+from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.hf.loading import check_supported
 from criticalkv.node import node_capacity
 from criticalkv.policy import KVPolicy
@@ -506,6 +507,13 @@ class DecoderGraphBuilder:
         return self.causal_attention(q, keys, values, g.Or(valid, own))  # [B, H, N, K]
 
     # ------------------------------------------------------------------ pieces: selection
+    def rotation_tables(self) -> str:
+        """The graph's constant [2, window, d_h]: RoPE's rotation averaged over the next positions, from this model's
+        inv_freq (``criticalkv.methods.expected_attention.rotation_tables``; ``const`` shares it across the layers)."""
+        p = self.policy
+        return self.g.const(rotation_tables(self.store.arrays["inv_freq"], p.window, p.future_positions),
+                            hint="expected_rotation")
+
     def select_layer(self, i: int, window_queries: str, k: str, v: str, prompt_lengths: str, kv_budget: str,
                      pending: list, model_level: bool) -> list:
         """Layer i's selection node on window_queries [B, H, w, d_h], the prompt's k, v [B, H_kv, n, d_h],
@@ -515,6 +523,8 @@ class DecoderGraphBuilder:
         policy, s = self.policy, self.spec
         names = [f"present.{i}.key", f"present.{i}.value", f"present.{i}.lengths", f"present.{i}.indices"]
         node_inputs = [window_queries, k, v, f"layers.{i}.o_proj", prompt_lengths, kv_budget]
+        if policy.method.base.needs_rotation:  # RoPE's rotation tables of this model (expected-attention)
+            node_inputs.append(self.rotation_tables())
         if model_level:  # this layer's ranking; its full K/V stay graph tensors until the model-level node
             ranking = f"ranking_{i}"
             self.g.nodes.append(model_select.score_node(policy, i, s.num_layers, self.capacities[i], node_inputs, ranking))

@@ -63,6 +63,16 @@ def is_model_level(policy: KVPolicy, num_layers: int) -> bool:
     return policy.method.base.model_level and num_layers > 1
 
 
+def tensorrt_refusal(policy: KVPolicy, num_layers: int) -> str | None:
+    """Why ``policy`` has no TensorRT flavour (None when it has one): a model-level selection (below), or a method
+    the CriticalKVSelect plugin refuses (its ``cpp_refusal``)."""
+    if is_model_level(policy, num_layers):
+        return "model-level selection: no TensorRT flavour (criticalkv.export.model_select.check_tensorrt_flavour)"
+    if not policy.method.base.native:
+        return f"the CriticalKVSelect plugin refuses {policy.name}: it {policy.method.base.cpp_refusal}"
+    return None
+
+
 def check_tensorrt_flavour(policy: KVPolicy, num_layers: int) -> None:
     """Refuse the TensorRT flavour of a model-level policy, with the reason (module docstring)."""
     if is_model_level(policy, num_layers):

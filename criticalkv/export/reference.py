@@ -39,7 +39,7 @@ class CriticalKVSelect(OpRun):
 
     op_domain = DOMAIN
 
-    def _run(self, queries, keys, values, o_proj_weight, prompt_lengths=None, kv_budget=None, **_):  # noqa: D401
+    def _run(self, queries, keys, values, o_proj_weight, prompt_lengths=None, kv_budget=None, rotation=None, **_):  # noqa: D401
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in self.onnx_node.attribute}
         policy, layer_idx, num_layers, capacity = policy_from_attributes(attributes)
         if kv_budget is not None and policy.method.base.evicts:  # the node clamps the request's budget
@@ -47,7 +47,8 @@ class CriticalKVSelect(OpRun):
             policy = policy.with_budget(min(max(requested, policy.min_budget), policy.budget))
         lengths = None if prompt_lengths is None else torch.from_numpy(np.asarray(prompt_lengths, dtype=np.int64))
         q, k, v, o = (torch.from_numpy(np.array(x, copy=True)) for x in (queries, keys, values, o_proj_weight))
-        selection = select_layer(policy, q, k, v, o, layer_idx, num_layers, lengths)
+        rotation = None if rotation is None else torch.from_numpy(np.array(rotation, copy=True))
+        selection = select_layer(policy, q, k, v, o, layer_idx, num_layers, lengths, rotation=rotation)
         kept_keys, kept_values = gather_kv(selection, k, v)
         batch, heads, n, head_dim = keys.shape
         cap = min(n, capacity)

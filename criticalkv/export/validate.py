@@ -20,7 +20,7 @@ from criticalkv.export.exporter import (
     SELECT_TENSORRT_FILE,
     ExportResult,
 )
-from criticalkv.export.model_select import MODEL_OP, SCORE_OP, is_model_level, model_attributes
+from criticalkv.export.model_select import MODEL_OP, SCORE_OP, is_model_level, model_attributes, tensorrt_refusal
 from criticalkv.export.tensorrt_rules import TENSORRT_VERSION, check_tensorrt_model
 from criticalkv.node import DOMAIN, OP_TYPE, policy_from_attributes
 from criticalkv.policy import KVPolicy
@@ -55,13 +55,13 @@ def validate_export(result: ExportResult) -> dict:
     """Validate every graph of an export (``GRAPHS``); returns a report for the manifest. Raises ValueError."""
     report = {}
     model_level = is_model_level(result.policy, result.spec.num_layers)
+    refusal = tensorrt_refusal(result.policy, result.spec.num_layers)
     for key, name, selects, tensorrt in GRAPHS:
         path = Path(result.folder) / name
-        if model_level and key in TENSORRT_FLAVOURS:
+        if refusal and key in TENSORRT_FLAVOURS:
             if path.exists():
-                raise ValueError(f"{name}: a model-level policy ({result.policy.name}) has no TensorRT flavour")
-            report[key] = {"file": None, "refused": "model-level selection: no TensorRT flavour "
-                           "(criticalkv.export.model_select.check_tensorrt_flavour)"}
+                raise ValueError(f"{name}: {result.policy.name} has no TensorRT flavour ({refusal})")
+            report[key] = {"file": None, "refused": refusal}
             continue
         try:
             onnx.checker.check_model(str(path), full_check=True)

@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from criticalkv.hf.cache import CompressedKVCache, CompressedLayer
 from criticalkv.hf.loading import check_supported
+from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.selection import LayerSelection, select_layer, select_model
@@ -91,6 +92,14 @@ def validate_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     return lengths
 
 
+def model_rotation(model, policy: KVPolicy):
+    """RoPE's rotation tables of ``model`` for a policy that reads them (``expected-attention``), else None."""
+    if not policy.method.base.needs_rotation:
+        return None
+    inv_freq = model.model.rotary_emb.inv_freq.detach().float().cpu().numpy()
+    return torch.from_numpy(rotation_tables(inv_freq, policy.window, policy.future_positions))
+
+
 @torch.no_grad()
 def prefill_and_compress(
     model,
@@ -120,11 +129,12 @@ def prefill_and_compress(
     selection_s = 0.0
     full_bytes = 0
     model_level = policy.method.base.model_level and num_layers > 1
+    rotation = model_rotation(model, policy)
     pending: list = []  # model-level methods: every layer's (queries, keys, values, o_proj) until the last layer
 
     def compress_pending():
         """Select over every layer at once (the budget shared across layers), then free the full K/V."""
-        sels = select_model(policy, [entry[:4] for entry in pending], lengths)
+        sels = select_model(policy, [entry[:4] for entry in pending], lengths, rotation=rotation)
         for (q, keys, values, o, idx, cache_layer), sel in zip(pending, sels):
             compressed[idx] = CompressedLayer.from_selection(keys, values, sel, tail_capacity)
             selections[idx] = sel
@@ -149,7 +159,7 @@ def prefill_and_compress(
                     compress_pending()
                 selection_s += time.perf_counter() - start
                 return
-            sel = select_layer(policy, q, keys, values, module.o_proj.weight, idx, num_layers, lengths)
+            sel = select_layer(policy, q, keys, values, module.o_proj.weight, idx, num_layers, lengths, rotation=rotation)
             compressed[idx] = CompressedLayer.from_selection(keys, values, sel, tail_capacity)
             selection_s += time.perf_counter() - start
             selections[idx] = sel

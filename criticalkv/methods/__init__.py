@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from criticalkv.methods import adakv, defensivekv, full, laprox, pyramidkv, snapkv, streamingllm
+from criticalkv.methods import adakv, defensivekv, expected_attention, full, laprox, pyramidkv, snapkv, streamingllm
 from criticalkv.methods.base import Allocation, BaseMethod, GroupScoreInputs
 from criticalkv.methods.two_stage import TWO_STAGE, TwoStage
 
@@ -26,7 +26,7 @@ from criticalkv.methods.two_stage import TWO_STAGE, TwoStage
 BASE_METHODS: dict[str, BaseMethod] = {
     m.name: m
     for m in (full.METHOD, streamingllm.METHOD, snapkv.METHOD, pyramidkv.METHOD, adakv.METHOD, laprox.METHOD,
-              defensivekv.METHOD, defensivekv.LAYER_METHOD)
+              defensivekv.METHOD, defensivekv.LAYER_METHOD, expected_attention.METHOD)
 }
 
 
@@ -67,6 +67,8 @@ METHODS: dict[str, Method] = {
         _compose("criticalkv", "snapkv", True, "snapkv budgets, two-stage: alpha by attention, rest by attention × ‖V W_O‖"),
         _compose("pyramid-criticalkv", "pyramidkv", True, "pyramidkv budgets + CriticalKV two-stage selection"),
         _compose("ada-criticalkv", "adakv", True, "adakv budgets + CriticalKV two-stage selection inside each head's share"),
+        _compose("expected-criticalkv", "expected-attention", True,
+                 "CriticalKV's two stages on the expected attention (question-agnostic): alpha by it, the rest by it × ‖V W_O‖"),
     )
 }
 

@@ -76,6 +76,9 @@ class BaseMethod:
     model_level : whether the budget is shared across all layers (``select_model`` selects after the last layer)
     native : whether the C++ selection flow (plugin, host version) implements it; otherwise the plugin refuses it
     cpp_refusal : why the plugin refuses a method that is not native (the generated validation's message)
+    pools : whether its attention is max-pooled over positions (``pool_kernel``) before it ranks
+    needs_rotation : whether it reads RoPE's rotation tables (``expected_attention.rotation_tables``): the drivers then
+        take them (``select_layer(rotation=...)``, the selection node's input ``rotation``)
     """
 
     name: str = ""
@@ -92,6 +95,8 @@ class BaseMethod:
     native: bool = True
     cpp_refusal: str = ""
     score_knobs: tuple[str, ...] = ("pool_kernel",)
+    pools: bool = True
+    needs_rotation: bool = False
     #: names of the per-token scores ``group_scores`` adds (besides "attention", which every scored method has)
     score_names: tuple[str, ...] = ()
 
@@ -105,7 +110,17 @@ class BaseMethod:
         """Most older tokens one head of a layer with budget r can keep out of m."""
         return min(r, m)
 
+    def sinks(self, policy: Policy) -> int:
+        """How many of the first (valid) tokens are always kept, inside the budget (0: none)."""
+        return 0
+
     # ------------------------------------------------------------------ PyTorch
+    def attention_rows(self, policy: Policy, queries, keys, valid_start, rotation, m: int):
+        """The attention the method ranks by, for one KV group: (probs [B, G, rows, m], raw [B, G, m] = the rows'
+        mean) over the older tokens, from ``queries`` [B, G, w, d_h] and ``keys`` [B, G, n, d_h] (post-RoPE).
+        None (the default): the window's own attention (``criticalkv.selection.scores.window_attention``)."""
+        return None
+
     def group_scores(self, policy: Policy, inputs: GroupScoreInputs) -> dict[str, "torch.Tensor"]:
         """Scores [B, m] of one KV group beyond "attention" (named as in ``score_names``)."""
         return {}
@@ -130,6 +145,11 @@ class BaseMethod:
         raise NotImplementedError(f"{self.name} is not a model-level method")
 
     # ------------------------------------------------------------------ ONNX function body
+    def onnx_attention_rows(self, body: Any, g: Any, q: str, keys: str, ctx: dict[str, str], w: str, m: str):
+        """The body's ``attention_rows``: q [B, H_kv, G, w, d_h], keys [B, H_kv, n, d_h] -> (probs
+        [B, H_kv, G, rows, m], raw [B, H_kv, G, m]); None: the window's own attention (the body's default)."""
+        return None
+
     def onnx_group_scores(self, body: Any, g: Any, probs: str, raw: str, pooled: str, values_m: str) -> dict[str, str]:
         """The body's version of ``group_scores`` over all groups at once ([B, H_kv, m] tensor names)."""
         return {}

@@ -1,9 +1,11 @@
 """CriticalKV's two-stage selection (arXiv 2502.03805), applied on top of any scored base method.
 
 Inside each KV head's share of the budget (the base's allocation, r_g older tokens), stage 1 keeps the
-top ``ceil(alpha * r_g)`` by the pooled window attention S and stage 2 the top ``r_g - ceil(alpha * r_g)``
-of the rest by the critical score C = (attention + epsilon) x ||V_i W_O^h|| (``value_norm``), reduced
-over the heads of each GQA group (``gqa_reduce``), with the attention pooled or raw (``stage2_scores``).
+top ``ceil(alpha * r_g)`` by the base's own score (the pooled window attention S for SnapKV, PyramidKV and AdaKV;
+the expected attention x ||v|| for Expected Attention), so alpha = 1 is the base method, and stage 2 the top
+``r_g - ceil(alpha * r_g)`` of the rest by the critical score C = (attention + epsilon) x ||V_i W_O^h||
+(``value_norm``), reduced over the heads of each GQA group (``gqa_reduce``), with the base's attention (the window's,
+pooled or raw: ``stage2_scores``; or the expected attention).
 """
 
 from __future__ import annotations
@@ -66,9 +68,9 @@ class TwoStage:
         """[B, H_kv, m] kept older tokens given each head's ``counts`` [B, H_kv]."""
         deferred = getattr(scores, "deferred", {}).get("critical")
         if deferred is None or not pruned.PRUNED:
-            return two_stage_mask(scores["attention"], scores["critical"], counts, policy.alpha, eligible)
+            return two_stage_mask(scores[policy.method.base.score_name], scores["critical"], counts, policy.alpha, eligible)
         first = stage1_counts(policy.alpha, counts)
-        stage1 = topk_mask(scores["attention"], first, eligible)
+        stage1 = topk_mask(scores[policy.method.base.score_name], first, eligible)
         w_cat = deferred[0].w_cat
         margin = pruned.stop_margin(w_cat.shape[1] // deferred[0].p.shape[1], deferred[0].p.shape[1])
         stage2 = pruned.pruned_stage2(scores["critical_bound"], deferred, counts - first, eligible & ~stage1, margin)
@@ -104,7 +106,7 @@ class TwoStage:
 
     def onnx_choose(self, body, g, scores, counts, eligible):
         first = body.stage1_count(g, counts)
-        stage1 = body.topk_mask(g, scores["attention"], first, eligible)
+        stage1 = body.topk_mask(g, scores[body.policy.method.base.score_name], first, eligible)
         rest = g.And(eligible, g.Not(stage1))
         if "critical_bound" not in scores:
             return g.Or(stage1, body.topk_mask(g, scores["critical"], g.Sub(counts, first), rest))
