@@ -56,6 +56,10 @@ class ContextCache:
     def __contains__(self, key: tuple) -> bool:
         return key in self._entries
 
+    def peek(self, key: tuple):
+        """The entry under ``key`` or None, without counting a hit or a miss or touching its recency."""
+        return self._entries.get(key)
+
     def get(self, key: tuple):
         """The entry stored under ``key`` (now the most recently used) or None; counts a hit or a miss."""
         entry = self._entries.get(key)
@@ -82,11 +86,14 @@ class ContextCache:
         self.stats.entries = len(self._entries)
         return True
 
-    def shrink(self, capacity_bytes: int) -> int:
-        """Evict least recently used entries until at most ``capacity_bytes`` are held; returns the bytes freed."""
+    def shrink(self, capacity_bytes: int, keep: tuple | None = None) -> int:
+        """Evict least recently used entries (never ``keep``) until at most ``capacity_bytes`` are held; returns the
+        bytes freed."""
         freed = 0
-        while self._entries and self.stats.bytes_held > capacity_bytes:
-            key = next(iter(self._entries))
+        while self.stats.bytes_held > capacity_bytes:
+            key = next((k for k in self._entries if k != keep), None)
+            if key is None:
+                break
             freed += int(self._entries[key].nbytes)
             self._drop(key)
             self.stats.evictions += 1

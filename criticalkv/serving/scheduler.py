@@ -360,15 +360,17 @@ class Scheduler:
         for seq in [s for s in self._running + self._prefilling if s.handle.cancel_requested]:
             self._finish(seq, seq.handle.cancel_reason)
 
-    def _fits(self, charge: int) -> bool:
-        """Whether ``charge`` more bytes fit the KV memory, evicting cached contexts if that makes room."""
+    def _fits(self, charge: int, keep: tuple | None = None) -> bool:
+        """Whether ``charge`` more bytes fit the KV memory, evicting cached contexts (least recently used first,
+        never ``keep``: the context this request is about to read) if that makes room."""
         if self.kv_memory_bytes is None:
             return True
         room = self.kv_memory_bytes - self._reserved
-        if charge > room:
+        kept = self.context_cache.peek(keep).nbytes if keep is not None else 0
+        if charge + kept > room:
             return False
         if charge > room - self.context_cache.stats.bytes_held:
-            self.context_cache.shrink(room - charge)
+            self.context_cache.shrink(room - charge, keep=keep)
         return True
 
     def _admit(self) -> None:
@@ -379,9 +381,13 @@ class Scheduler:
                 seq = self._waiting[0]
                 if seq.key is not None and seq.key in self._compressing:
                     return  # its context is being compressed: it waits for the copy (first come, first served)
-                if self.chunked and len(self._prefilling) >= self.max_prefills:
+                cached = self.context_cache.peek(seq.key) if seq.key is not None else None
+                if cached is not None:  # a hit holds the cached entries + its question + its growth, no prefill
+                    seq.charge = cached.kept_entries * self.engine.entry_bytes + self.engine.growth_bytes(
+                        seq.max_tokens + seq.request.num_prompt_tokens)
+                elif self.chunked and len(self._prefilling) >= self.max_prefills:
                     return
-                if not self._fits(seq.charge):
+                if not self._fits(seq.charge, keep=seq.key if cached is not None else None):
                     return  # first come, first served: later requests wait behind it
                 self._waiting.popleft()
                 self._reserved += seq.charge
@@ -465,6 +471,9 @@ class Scheduler:
             return
         snapshot = self.engine.save(seq.slot)
         self._forget_compression(seq)
+        # the request now holds its kept entries (+ question and growth), no longer its whole prompt: charge that first,
+        # so that the room left for the copy is what is really free
+        self._recharge(seq, result.kv_bytes_kept + self.engine.growth_bytes(seq.max_tokens + seq.request.num_prompt_tokens))
         room = self.context_cache.capacity_bytes
         if self.kv_memory_bytes is not None:  # the copy must fit the KV memory too (other contexts may go)
             room = min(room, self.kv_memory_bytes - self._reserved)

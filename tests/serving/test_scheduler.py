@@ -297,15 +297,32 @@ def test_the_kv_memory_evicts_cached_contexts_before_requests_wait(chunky):
         one = max(sizes[0], sizes[1] - sizes[0], sizes[2] - sizes[1])
     finally:
         scheduler.close()
-    # KV memory for the running request + about one cached context: the older contexts go, least recently used first
+    # KV memory for one request's full prompt + about 1.5 cached contexts: admitting a cold request leaves room for one
+    # context beside it (the older ones go, least recently used first); once compressed, the request holds only its
+    # kept entries and its own copy joins the cache
     need = chunky.kv_bytes_full(150)
     tight = Scheduler(chunky, prefill_chunk=32, kv_memory_mib=(need + 1.5 * one) / 2**20)
     try:
         for context in contexts:
             tight.submit(context_request(context, prompt(5), 3)).result(120)
             assert tight.kv_bytes_reserved <= tight.kv_memory_bytes
-        assert tight.context_cache.stats.evictions >= 1 and tight.context_cache.stats.entries <= 1
+        assert tight.context_cache.stats.evictions >= 1 and tight.context_cache.stats.entries <= 2
         again = tight.submit(context_request(contexts[-1], prompt(5), 3)).result(120)
         assert again.context_cache_hit  # the most recent one stayed
     finally:
         tight.close()
+
+
+def test_a_cache_hit_is_charged_what_it_holds_and_keeps_its_context(chunky):
+    # a request whose context is cached needs no prefill: it is charged its copy of the kept entries + its question +
+    # its growth, not the context's full size, so admitting it evicts nothing (its own context least of all)
+    context = prompt(150, seed=95)
+    memory = 1.05 * chunky.kv_bytes_full(150)  # a cold request fits alone; a full-size charge and the copy would not
+    scheduler = Scheduler(chunky, prefill_chunk=32, kv_memory_mib=memory / 2**20)
+    try:
+        first = scheduler.submit(context_request(context, prompt(5, seed=96), 3)).result(120)
+        assert first.context_cache_hit is False and scheduler.context_cache.stats.entries == 1
+        again = scheduler.submit(context_request(context, prompt(5, seed=97), 3)).result(120)
+        assert again.context_cache_hit and scheduler.context_cache.stats.evictions == 0
+    finally:
+        scheduler.close()
