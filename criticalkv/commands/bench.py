@@ -1,5 +1,6 @@
 """``criticalkv bench``: serving benchmark (``serve``), short-request TTFT next to a long one
-(``interference``), single-request comparison with kvpress and
+(``interference``), document QA with the context cache (``docqa``), memory-bound decode (``memory``), a question
+after a cached context (``cached-context``), single-request comparison with kvpress and
 transformers (``single``), AIPerf cross-check (``aiperf``), and ``report`` (redraw from JSON)."""
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def register(subparsers) -> None:
     ai.add_argument("--out", default="benchmarks/results/serving", help="results folder")
     ai.add_argument("--name", default="aiperf_crosscheck", help="file stem (default: aiperf_crosscheck)")
     ai.set_defaults(func=run_aiperf)
+
+    _register_served_loads(sub)
 
     from criticalkv.bench import targets
 
@@ -203,3 +206,27 @@ def run_report(args) -> int:
     report.write_all(results, args.json.with_suffix(""))
     print(report.render(results))
     return 0
+
+
+def _register_served_loads(sub) -> None:
+    """``docqa``, ``memory`` and ``cached-context``: workloads of the context cache and the KV memory budget."""
+    from criticalkv.bench import cached, docqa, memory
+
+    for name, module, help_text in (
+            ("docqa", docqa, "documents x questions in random order at concurrency 8, same KV memory for every "
+                             "server: context-cache hit rate, TTFT, output tokens/s, KV held; ratios to full"),
+            ("memory", memory, "memory-bound decode (ISL 2048, OSL 256, KV memory of 2 full sequences): output "
+                               "tokens/s and the sequences each server holds at once; ratios to full"),
+            ("cached-context", cached, "TTFT of a question after a cached context vs the same request uncached")):
+        p = sub.add_parser(name, help=help_text, description=plain(module.__doc__),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=_run_module(module))
+
+
+def _run_module(module):
+    def run(args) -> int:
+        args.command_line = getattr(args, "command_line", None) or command_line()
+        return module.main(args)
+
+    return run
