@@ -25,6 +25,8 @@ MODEL = "standin"
 TTFT_MS, ITL_MS = 300.0, 50.0
 OSL = 8
 REQUESTS = 6
+#: AIPerf's own processes take most of a core of a 2-core machine while it measures: more requests for a steadier median
+AIPERF_REQUESTS = 10
 TOLERANCE = 0.05
 #: the text of every streamed token: one token of the test tokenizer (AIPerf re-tokenises the streamed text)
 TOKEN_TEXT = " the"
@@ -105,16 +107,16 @@ def test_aiperf_measures_the_known_schedule(standin, tmp_path):
         def __init__(self, text):
             self.text = text
 
-    prompts = [Prompt(f"prompt number {i}") for i in range(REQUESTS + 1)]
+    prompts = [Prompt(f"prompt number {i}") for i in range(AIPERF_REQUESTS + 1)]
     metrics, command, osl = run_aiperf(_peers_dir(), standin, MODEL, tokenizer_dir, prompts, OSL, concurrency=2,
-                                       num_requests=REQUESTS, warmup=1, workdir=tmp_path / "aiperf")
+                                       num_requests=AIPERF_REQUESTS, warmup=1, workdir=tmp_path / "aiperf")
     assert osl.get("avg") == OSL
     truth = expected()
     ttft, itl, latency = (metrics[k] for k in ("time_to_first_token", "inter_token_latency", "request_latency"))
     checked = {"ttft p50": (ttft["p50"], truth["ttft"]), "inter_token_latency avg": (itl["avg"], truth["tpot"]),
                "inter_token_latency p50": (itl["p50"], truth["tpot"]), "request_latency p50": (latency["p50"], truth["latency"])}
     shown = {**checked, "ttft avg": (ttft["avg"], truth["ttft"]), "ttft max": (ttft["max"], truth["ttft"])}
-    print(f"\nAIPerf ({command.split()[0]} ...) vs the stand-in's schedule (ms): "
+    print(f"\nAIPerf ({AIPERF_REQUESTS} requests, concurrency 2) vs the stand-in's schedule (ms): "
           + "; ".join(f"{k} {v:.2f} (truth {t:g})" for k, (v, t) in shown.items()))
     bad = {k: v for k, v in checked.items() if not within(*v)}
     assert not bad, f"AIPerf off by more than {TOLERANCE:.0%}: {bad}"
