@@ -3,7 +3,9 @@ fixed schedule (first token 300 ms after the request arrives, then one every 50 
 criticalkv's load generator, then AIPerf (only where its environment exists: `criticalkv bench setup-peers --only
 aiperf` makes .peers/aiperf; else skipped), must measure TTFT, ITL / TPOT and request latency within 5 %.
 
-Medians of TTFT and latency are checked (one request's wake-up delayed by other work on a shared 2-core machine
+A check that misses is measured once more (``ATTEMPTS``): a stall of another process on a shared machine (one run
+in ~10 here saw a 0.5 s stall at load 5) must not fail CI, while an error of the client repeats itself in every
+attempt. Medians of TTFT and latency are checked (one request's wake-up delayed by other work on a shared 2-core machine
 moves a mean of a few requests by more than 5 %, seen at load 10); ITL and TPOT are checked as means too: the
 schedule sets every token by its deadline from the arrival, so their mean over a request is immune to one late
 token. Every value measured is printed.
@@ -28,6 +30,7 @@ REQUESTS = 6
 #: AIPerf's own processes take most of a core of a 2-core machine while it measures: more requests for a steadier median
 AIPERF_REQUESTS = 10
 TOLERANCE = 0.05
+ATTEMPTS = 2
 #: the text of every streamed token: one token of the test tokenizer (AIPerf re-tokenises the streamed text)
 TOKEN_TEXT = " the"
 
@@ -64,26 +67,42 @@ def expected():
     return {"ttft": TTFT_MS, "itl": ITL_MS, "tpot": ITL_MS, "latency": TTFT_MS + (OSL - 1) * ITL_MS}
 
 
+def attempts(measure):
+    """Call ``measure()`` -> (checked, shown) up to ``ATTEMPTS`` times, printing each; the values off by more than
+    the tolerance in the last attempt (empty when one attempt was within it)."""
+    for attempt in range(1, ATTEMPTS + 1):
+        name, checked, shown = measure()
+        print(f"\n{name} vs the stand-in's schedule (ms), attempt {attempt}: "
+              + "; ".join(f"{k} {v:.2f} (truth {t:g})" for k, (v, t) in {**checked, **shown}.items()))
+        bad = {k: v for k, v in checked.items() if not within(*v)}
+        if not bad:
+            return {}
+    return bad
+
+
 def test_this_client_measures_the_known_schedule(standin):
     endpoint = Endpoint(standin, MODEL)
     bodies = [request_body(f"prompt number {i}", OSL) for i in range(REQUESTS + 1)]
-    records = run_load(endpoint, bodies[:1], concurrency=1)  # warm-up: the stub's first request
-    records = run_load(endpoint, bodies[1:], concurrency=2)
-    s = summarize(records)
-    assert s["completed"] == REQUESTS and s["failed"] == 0
-    assert s["output_tokens"]["min"] == s["output_tokens"]["max"] == OSL
-    assert s["itl_ms"]["count"] == REQUESTS * (OSL - 1)
-    truth = expected()
-    checked = {"ttft p50": (s["ttft_ms"]["p50"], truth["ttft"]), "itl avg": (s["itl_ms"]["avg"], truth["itl"]),
-               "itl p50": (s["itl_ms"]["p50"], truth["itl"]), "tpot avg": (s["tpot_ms"]["avg"], truth["tpot"]),
-               "tpot p50": (s["tpot_ms"]["p50"], truth["tpot"]), "latency p50": (s["latency_ms"]["p50"], truth["latency"])}
-    shown = {**checked, "ttft avg": (s["ttft_ms"]["avg"], truth["ttft"]), "ttft max": (s["ttft_ms"]["max"], truth["ttft"])}
-    print("\nthis client vs the stand-in's schedule (ms): "
-          + "; ".join(f"{k} {v:.2f} (truth {t:g})" for k, (v, t) in shown.items()))
-    bad = {k: v for k, v in checked.items() if not within(*v)}
-    assert not bad, f"off by more than {TOLERANCE:.0%}: {bad}"
-    # concurrency 2: two requests overlapped (the schedule does not depend on load: no model runs)
-    assert s["peak_requests_in_flight"] == 2
+    run_load(endpoint, bodies[:1], concurrency=1)  # warm-up: the stub's first request
+
+    def measure():
+        records = run_load(endpoint, bodies[1:], concurrency=2)
+        s = summarize(records)
+        assert s["completed"] == REQUESTS and s["failed"] == 0
+        assert s["output_tokens"]["min"] == s["output_tokens"]["max"] == OSL
+        assert s["itl_ms"]["count"] == REQUESTS * (OSL - 1)
+        # concurrency 2: two requests overlapped (the schedule does not depend on load: no model runs)
+        assert s["peak_requests_in_flight"] == 2
+        truth = expected()
+        checked = {"ttft p50": (s["ttft_ms"]["p50"], truth["ttft"]), "itl avg": (s["itl_ms"]["avg"], truth["itl"]),
+                   "itl p50": (s["itl_ms"]["p50"], truth["itl"]), "tpot avg": (s["tpot_ms"]["avg"], truth["tpot"]),
+                   "tpot p50": (s["tpot_ms"]["p50"], truth["tpot"]),
+                   "latency p50": (s["latency_ms"]["p50"], truth["latency"])}
+        shown = {"ttft avg": (s["ttft_ms"]["avg"], truth["ttft"]), "ttft max": (s["ttft_ms"]["max"], truth["ttft"])}
+        return f"this client ({REQUESTS} requests, concurrency 2)", checked, shown
+
+    bad = attempts(measure)
+    assert not bad, f"off by more than {TOLERANCE:.0%} in {ATTEMPTS} attempts: {bad}"
 
 
 def _peers_dir() -> Path:
@@ -108,15 +127,19 @@ def test_aiperf_measures_the_known_schedule(standin, tmp_path):
             self.text = text
 
     prompts = [Prompt(f"prompt number {i}") for i in range(AIPERF_REQUESTS + 1)]
-    metrics, command, osl = run_aiperf(_peers_dir(), standin, MODEL, tokenizer_dir, prompts, OSL, concurrency=2,
-                                       num_requests=AIPERF_REQUESTS, warmup=1, workdir=tmp_path / "aiperf")
-    assert osl.get("avg") == OSL
-    truth = expected()
-    ttft, itl, latency = (metrics[k] for k in ("time_to_first_token", "inter_token_latency", "request_latency"))
-    checked = {"ttft p50": (ttft["p50"], truth["ttft"]), "inter_token_latency avg": (itl["avg"], truth["tpot"]),
-               "inter_token_latency p50": (itl["p50"], truth["tpot"]), "request_latency p50": (latency["p50"], truth["latency"])}
-    shown = {**checked, "ttft avg": (ttft["avg"], truth["ttft"]), "ttft max": (ttft["max"], truth["ttft"])}
-    print(f"\nAIPerf ({AIPERF_REQUESTS} requests, concurrency 2) vs the stand-in's schedule (ms): "
-          + "; ".join(f"{k} {v:.2f} (truth {t:g})" for k, (v, t) in shown.items()))
-    bad = {k: v for k, v in checked.items() if not within(*v)}
-    assert not bad, f"AIPerf off by more than {TOLERANCE:.0%}: {bad}"
+
+    def measure():
+        workdir = tmp_path / f"aiperf-{len(list(tmp_path.glob('aiperf-*')))}"
+        metrics, command, osl = run_aiperf(_peers_dir(), standin, MODEL, tokenizer_dir, prompts, OSL, concurrency=2,
+                                           num_requests=AIPERF_REQUESTS, warmup=1, workdir=workdir)
+        assert osl.get("avg") == OSL
+        truth = expected()
+        ttft, itl, latency = (metrics[k] for k in ("time_to_first_token", "inter_token_latency", "request_latency"))
+        checked = {"ttft p50": (ttft["p50"], truth["ttft"]), "inter_token_latency avg": (itl["avg"], truth["tpot"]),
+                   "inter_token_latency p50": (itl["p50"], truth["tpot"]),
+                   "request_latency p50": (latency["p50"], truth["latency"])}
+        shown = {"ttft avg": (ttft["avg"], truth["ttft"]), "ttft max": (ttft["max"], truth["ttft"])}
+        return f"AIPerf ({AIPERF_REQUESTS} requests, concurrency 2)", checked, shown
+
+    bad = attempts(measure)
+    assert not bad, f"AIPerf off by more than {TOLERANCE:.0%} in {ATTEMPTS} attempts: {bad}"
