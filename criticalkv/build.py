@@ -20,7 +20,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from criticalkv.export.exporter import DECODE_FILE, PREFILL_TENSORRT_FILE, BuildConfig, ExportResult, export_model, onnx_info
+from criticalkv.export.exporter import (
+    DECODE_FILE,
+    EXTEND_TENSORRT_FILE,
+    PREFILL_TENSORRT_FILE,
+    SELECT_TENSORRT_FILE,
+    BuildConfig,
+    ExportResult,
+    export_model,
+    onnx_info,
+)
 from criticalkv.export.validate import validate_export
 from criticalkv.files import remove_stale_temporaries, temporary_dir
 from criticalkv.policy import SCHEMA_VERSION, KVPolicy
@@ -174,6 +183,8 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
     if plugin is None:
         return _skipped("the CriticalKVSelect plugin library is not built (run `bash scripts/build_plugin.sh`)", log)
     config = result.config
+    # extend and select (chunked prefill, the context cache) when the export wrote their TensorRT flavours
+    chunked = (folder / EXTEND_TENSORRT_FILE).exists() and (folder / SELECT_TENSORRT_FILE).exists()
     log(f"building TensorRT engines ({config.dtype}) with {plugin} ...")
     try:
         built = trt_engine.build_tensorrt_engines(
@@ -181,6 +192,11 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
             max_batch=config.max_batch_size, max_input_len=config.max_input_len,
             max_capacity=max(result.prefill_capacities), dtype=config.dtype,
             strongly_typed=config.dtype == "float32",  # the graphs are fp32: fp16/bf16 are builder precision flags
+            onnx_extend_path=folder / EXTEND_TENSORRT_FILE if chunked else None,
+            onnx_select_path=folder / SELECT_TENSORRT_FILE if chunked else None,
+            extend_chunk=config.extend_chunk, window=result.policy.window,
+            # an extend runs over a slot's decode buffers or over a prompt's prefill buffer (at most max_input_len)
+            extend_capacities=[max(c, config.max_input_len) for c in result.decode_capacities],
         )
     except Exception as err:  # noqa: BLE001: any TensorRT failure leaves the ONNX Runtime engine intact
         shutil.rmtree(folder / "tensorrt", ignore_errors=True)
@@ -188,14 +204,13 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
         log(f"TensorRT engines: FAILED ({error}). The ONNX Runtime engine is complete; the error is recorded in "
             f"{MANIFEST_FILE} (tensorrt.error)")
         return {"built": False, "failed": True, "error": error}
-    library = Path(os.path.relpath(built.plugin_library, folder))  # tensorrt/<library>: moves with the folder
-    return {"built": True, "tensorrt_version": built.tensorrt_version, "dtype": built.dtype,
-            "plugin_layers": built.plugin_layers, "plugin_library": library.as_posix()}
+    return built.manifest_entry(folder)  # paths relative to the engine directory: they move with it
 
 
 def _skipped(reason: str, log: Callable[[str], None]) -> dict[str, Any]:
     log(f"TensorRT engines: SKIPPED because {reason}. The ONNX Runtime engine is complete; "
-        f"{PREFILL_TENSORRT_FILE} (when written) and {DECODE_FILE} are the inputs of criticalkv.tensorrt.build_tensorrt_engines "
+        f"{PREFILL_TENSORRT_FILE}, {EXTEND_TENSORRT_FILE}, {SELECT_TENSORRT_FILE} (when written) and {DECODE_FILE} are the "
+        "inputs of criticalkv.tensorrt.build_tensorrt_engines "
         "on a GPU machine.")
     return {"built": False, "skipped_reason": reason}
 

@@ -32,6 +32,28 @@ def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool
     return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
+def chat_input_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Prompt ids of ``messages`` rendered by the chat template, the assistant turn opened: list[int]."""
+    _check_chat(tokenizer)
+    return _ids(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
+
+
+def chat_prompt_text(tokenizer, messages: Sequence[dict]) -> str:
+    """The chat template's text for ``messages`` (assistant turn opened), written so that the plain
+    ``tokenizer(text)`` (as a text prompt is tokenised: ``encode_text``) gives back ``chat_input_ids``: a
+    tokenizer that adds its BOS itself would add it a second time to a template that already starts with it, so
+    that leading BOS text is left out (the ids are checked; ValueError if they still differ). The OpenAI
+    frontend sends a chat to the model as this text."""
+    text = render_chat(tokenizer, messages)
+    expected = chat_input_ids(tokenizer, messages)
+    if encode_text(tokenizer, text) == expected:
+        return text
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and text.startswith(bos) and encode_text(tokenizer, text[len(bos):]) == expected:
+        return text[len(bos):]
+    raise ValueError("the chat template's text does not tokenize back to the template's ids with this tokenizer")
+
+
 def encode_text(tokenizer, text: str, special: bool = True) -> list[int]:
     """``text`` as token ids; ``special``: with the tokens the tokenizer adds by default (a BOS)."""
     return _ids(tokenizer(text, add_special_tokens=special))
@@ -40,9 +62,7 @@ def encode_text(tokenizer, text: str, special: bool = True) -> list[int]:
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     """A prompt: plain text, or with ``chat`` the user turn of the model's chat template (generation prompt added)."""
     if chat:
-        _check_chat(tokenizer)
-        return _ids(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True))
+        return chat_input_ids(tokenizer, [{"role": "user", "content": text}])
     return encode_text(tokenizer, text)
 
 
@@ -76,3 +96,24 @@ def split_chat(tokenizer, messages: Sequence[dict]) -> tuple[list[int], list[int
     if not full.startswith(history):  # a template that rewrites earlier turns (e.g. drops old reasoning)
         return [], encode_text(tokenizer, full, special=False)
     return encode_text(tokenizer, history, special=False), encode_text(tokenizer, full[len(history):], special=False)
+
+
+def chat_context_ids(tokenizer, messages: Sequence[dict], context: str | bool) -> tuple[list[int], list[int]]:
+    """A chat as (context ids, question ids) for the compressed context cache.
+
+    ``context`` a string: a document placed at the start of the last (user) message, ``context + "\n\n" + its
+    content``, and the chat cut right before that content (earlier turns, the template's opening and the document
+    are the context; the last message and the generation prompt the question). ``context`` True: the
+    conversation's earlier messages are the context (``split_chat``), so a follow-up turn reuses its compressed
+    history.
+    """
+    if not messages or messages[-1].get("role") != "user":
+        raise ValueError("context: the last message must be the user's (the question asked after the context)")
+    if context is True:
+        return split_chat(tokenizer, messages)
+    if not isinstance(context, str) or not context:
+        raise ValueError("context: a non-empty string (a document) or true (the earlier messages)")
+    last = dict(messages[-1])
+    last["content"] = context + CONTEXT_SEPARATOR + _SPLIT + str(last.get("content") or "")
+    before, after = render_chat(tokenizer, [*messages[:-1], last]).split(_SPLIT)
+    return encode_text(tokenizer, before, special=False), encode_text(tokenizer, after, special=False)

@@ -33,7 +33,8 @@ def free_port() -> int:
 class ServerProcess:
     """A ``criticalkv serve`` child process on 127.0.0.1 (context manager)."""
 
-    def __init__(self, engine_dir: Path, extra_args: list[str] | None = None, log_path: Path | None = None):
+    def __init__(self, engine_dir: Path, extra_args: list[str] | None = None, log_path: Path | None = None,
+                 openai: bool = False):
         self.engine_dir = Path(engine_dir)
         if not (self.engine_dir / "manifest.json").is_file():
             raise FileNotFoundError(f"{self.engine_dir}: not an engine directory (no manifest.json)")
@@ -43,13 +44,17 @@ class ServerProcess:
         self.metrics_port = free_port()
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        # the OpenAI API only when asked (its process holds a tokenizer: measured RSS stays comparable), and
+        # never on the default 9000: servers side by side must not collide
+        self.openai_port = free_port() if openai else 0
+        self.openai_url = f"http://127.0.0.1:{self.openai_port}/v1" if openai else None
         self.proc: subprocess.Popen | None = None
         self._log = None
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> "ServerProcess":
         cmd = [sys.executable, "-m", "criticalkv.cli", "serve", "--engine-dir", str(self.engine_dir),
                "--http-port", str(self.http_port), "--grpc-port", str(free_port()),
-               "--metrics-port", str(self.metrics_port), *self.extra_args]
+               "--metrics-port", str(self.metrics_port), "--openai-port", str(self.openai_port), *self.extra_args]
         self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from criticalkv.chat import encode_context_question, encode_prompt
+from criticalkv.files import read_text_interruptibly
 from criticalkv.policy import KVPolicy
 from criticalkv.request import SamplingParams
 
@@ -61,7 +62,7 @@ def read_text(text: str | None, path: Path | None, what: str) -> str:
         if not path.exists():
             raise FileNotFoundError(f"{flag} {path}: no such {what} file")
         try:
-            text = path.read_text(encoding="utf-8")
+            text = read_text_interruptibly(path)  # a FIFO or a terminal: Ctrl-C ends the wait at any moment
         except UnicodeDecodeError as err:
             raise ValueError(f"{flag} {path}: not UTF-8 text (byte {err.start}: {err.reason}); "
                              "give a text file") from None
@@ -236,16 +237,16 @@ def run(args) -> int:
     if args.backend is not None:
         raise ValueError(f"--backend {args.backend}: only with --engine-dir (without it generate runs the PyTorch "
                          "model; build an engine with scripts/build_engine.py)")
+    policy = KVPolicy.from_args(args)
+    sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              seed=args.seed)
+    inputs = read_inputs(args)  # before torch's seconds of imports: a prompt from a pipe is read at once
     import torch
 
     from criticalkv.hf import generate, load_model
 
     args.dtype = args.dtype or "float32"
     args.device = torch_device(args.device or "cpu")
-    policy = KVPolicy.from_args(args)
-    sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              seed=args.seed)
-    inputs = read_inputs(args)
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     model.to(args.device)
     ids, question = encode_inputs(tokenizer, inputs, args.chat)

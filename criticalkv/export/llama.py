@@ -32,6 +32,9 @@ select (the selection of a prompt of n tokens whose K/V fill the first n entries
        extends' ``present.{l}.window_queries``), ``past_key_values.{l}.key`` / ``.value`` [B, H_kv, capacity_l, d_h],
        ``past_key_values.{l}.lengths`` [B, H_kv] int32 (n on every head); then ``kv_budget`` [1] int64
   out  prefill's per-layer ``present.{l}.key`` / ``.value`` / ``.lengths`` / ``.indices`` (same shapes and dtypes)
+       The tensorrt flavour takes buffers of exactly the prompt: ``past_key_values.{l}.key`` / ``.value``
+       [B, H_kv, prompt_tokens, d_h] with prompt_tokens = n (no slice to max(lengths): a shape computed from the
+       values of an input is data-dependent in TensorRT, see docs/gpu.md)
 
 Prompt attention on ONNX Runtime never materialises n x n scores: the queries are processed in blocks of
 ``attention_chunk`` inside a ``Loop``; block i attends keys [0, (i + 1) * chunk) (causal), so a layer holds
@@ -673,11 +676,15 @@ class DecoderGraphBuilder:
             past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
             queries = f"window_queries.{i}"
             inputs.append(value_info(queries, FLOAT, ["batch", s.num_heads, "window_tokens", s.head_dim]))
-            inputs += self._past_inputs(i, f"capacity_{i}")
-            n = g.reshape(g.ReduceMax(g.Cast(past_len, to=INT64), keepdims=1), [1])
             prompt_lengths = g.reshape(g.slice_axis(past_len, 0, 1, axis=1), [-1])  # [B] int32: every head holds n
             first_lengths = first_lengths or prompt_lengths
-            keys, values = g.slice_axis(past_k, 0, n, axis=2), g.slice_axis(past_v, 0, n, axis=2)  # [B, H_kv, n, d_h]
+            if self.flavour == "tensorrt":  # buffers of exactly n entries: no data-dependent shape for TensorRT
+                inputs += self._past_inputs(i, "prompt_tokens")
+                keys, values = past_k, past_v
+            else:
+                inputs += self._past_inputs(i, f"capacity_{i}")
+                n = g.reshape(g.ReduceMax(g.Cast(past_len, to=INT64), keepdims=1), [1])
+                keys, values = g.slice_axis(past_k, 0, n, axis=2), g.slice_axis(past_v, 0, n, axis=2)  # [B, H_kv, n, d_h]
             outputs += self.select_layer(i, queries, keys, values, prompt_lengths, kv_budget, pending, model_level)
         if model_level:
             self.select_model(pending, first_lengths, kv_budget)

@@ -53,7 +53,8 @@ class ExtendOutputs:
 @dataclass
 class PrefillBuffer:
     """One prompt's K/V at full length while it is prefilled in chunks: per layer keys and values
-    [1, H_kv, max_input_len, d_h] and lengths [1, H_kv] int32 (the tokens prefilled so far)."""
+    [1, H_kv, capacity, d_h] (capacity = the prompt's length, ``Backend.new_prefill_buffer``) and lengths [1, H_kv]
+    int32 (the tokens prefilled so far)."""
 
     keys: list[Any]
     values: list[Any]
@@ -108,6 +109,17 @@ class BuiltShapes:
             raise EngineError(f"row {row} is outside the engine's {self.max_batch} rows (max batch size)")
 
 
+def prefill_buffer_capacity(num_tokens: int | None, max_input_len: int) -> int:
+    """Entries per head of a prefill buffer for a prompt of ``num_tokens`` tokens (None: the longest prompt).
+    Sized to the prompt: the select graph of TensorRT takes the prompt's K/V as they lie in the buffer, and the
+    scheduler counts n entries per head for a prompt under prefill."""
+    if num_tokens is None:
+        return max_input_len
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or not 1 <= num_tokens <= max_input_len:
+        raise EngineError(f"a prefill buffer holds 1 to max_input_len = {max_input_len} tokens, not {num_tokens!r}")
+    return int(num_tokens)
+
+
 def budget_feed(kv_budget: int, input_type: str, rank: int) -> np.ndarray:
     """The value fed to a prefill graph's ``kv_budget`` input: its integer type, scalar or [1]."""
     dtype = {"tensor(int32)": np.int32, "tensor(int64)": np.int64}.get(input_type)
@@ -152,6 +164,23 @@ class Backend(Protocol):
         """One step over the first B = len(tokens) rows: tokens and absolute positions [B] int64 (one per
         row) -> logits [B, vocab] (valid until the next call). Each row is computed from that row's inputs only
         (bitwise only for one batch size: ONNX Runtime's CPU GEMM rounds M = 1 and M > 1 differently, ~1e-7)."""
+
+    #: True when the engine has the extend and select graphs (chunked prefill, a question after a cached context).
+    has_extend: bool
+
+    def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
+        """N tokens ([1, N] int64 ids and absolute positions) through the extend graph over buffer row ``row``: they
+        attend to its entries and causally to each other, their K/V join the row at each head's length."""
+
+    def new_prefill_buffer(self, num_tokens: int | None = None) -> PrefillBuffer:
+        """Empty buffers for one prompt of ``num_tokens`` tokens (None: max_input_len) prefilled in chunks."""
+
+    def extend_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
+        """``extend_row`` over a prefill buffer: the prompt's next N tokens."""
+
+    def select(self, buffer: PrefillBuffer, window_queries: list, kv_budget: int | None = None) -> PrefillOutputs:
+        """The selection over the prompt in ``buffer`` (per layer its last min(window, n) queries [1, H, w, d_h]),
+        the outputs of ``prefill`` for ``load_row`` (no logits: the last chunk's extend gave them)."""
 
     def kv_buffer_bytes(self) -> int:
         """Bytes of the K and V buffers (all max_batch rows)."""

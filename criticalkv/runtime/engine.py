@@ -295,10 +295,10 @@ class Engine:
 
     # ------------------------------------------------------------------ chunked prefill
     def begin_prefill(self, request: Request) -> PrefillJob:
-        """Start prefilling ``request``'s prompt in chunks (``prefill_step``) into a new prefill buffer; no slot is
-        taken until ``finish_prefill``. The buffer holds the prompt's full K/V (``PrefillJob.nbytes``)."""
+        """Start prefilling ``request``'s prompt in chunks (``prefill_step``) into a new prefill buffer of the prompt's
+        length; no slot is taken until ``finish_prefill``. The buffer holds the prompt's full K/V (``PrefillJob.nbytes``)."""
         request = self.check(request)
-        return PrefillJob(request=request, buffer=self.backend.new_prefill_buffer())
+        return PrefillJob(request=request, buffer=self.backend.new_prefill_buffer(request.num_prompt_tokens))
 
     def prefill_step(self, job: PrefillJob, max_tokens: int) -> bool:
         """Prefill the next ``max_tokens`` prompt tokens of ``job`` (at most; fewer at the end); True when the

@@ -33,6 +33,7 @@ from criticalkv.runtime.backend import (
     PrefillOutputs,
     RowSnapshot,
     budget_feed,
+    prefill_buffer_capacity,
 )
 from criticalkv.runtime.manifest import EngineError
 
@@ -306,9 +307,10 @@ class OnnxRuntimeBackend(BuiltShapes):
         return self.extend([k[view] for k in self.keys], [v[view] for v in self.values],
                            [n[view] for n in self.lengths], token_ids, positions)
 
-    def new_prefill_buffer(self) -> PrefillBuffer:
-        """Buffers for one prompt prefilled in chunks: every layer's K/V at full length (max_input_len)."""
-        shape = (1, self.kv_heads, self.max_input_len, self.head_dim)
+    def new_prefill_buffer(self, num_tokens: int | None = None) -> PrefillBuffer:
+        """Buffers for one prompt of ``num_tokens`` tokens prefilled in chunks: every layer's K/V for that many
+        entries per head (default max_input_len, the longest prompt)."""
+        shape = (1, self.kv_heads, prefill_buffer_capacity(num_tokens, self.max_input_len), self.head_dim)
         return PrefillBuffer(keys=[np.zeros(shape, np.float32) for _ in range(self.num_layers)],
                              values=[np.zeros(shape, np.float32) for _ in range(self.num_layers)],
                              lengths=[np.zeros((1, self.kv_heads), np.int32) for _ in range(self.num_layers)])

@@ -4,8 +4,12 @@ incrementally, stop strings. Pure Python (no Triton imports), so it is unit-test
 Inputs (Triton model ``config.pbtxt``): ``text_input`` (STRING, required), ``stream`` (BOOL),
 ``sampling_parameters`` (STRING, JSON object: ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``ignore_eos``), ``exclude_input_in_output`` (BOOL), ``kv_budget`` (INT32), ``return_num_input_tokens`` /
-``return_num_output_tokens`` / ``return_kv_bytes`` (BOOL). Without ``sampling_parameters`` the same keys
-are read from the request's parameters (Triton's generate endpoint puts unknown JSON fields there).
+``return_num_output_tokens`` / ``return_kv_bytes`` (BOOL), ``apply_chat_template`` (BOOL: ``text_input`` is
+one user message, wrapped by the tokenizer's chat template as ``criticalkv generate --chat`` does), ``context``
+(STRING: a document compressed once without the question and cached; ``text_input`` is the question after it),
+``input_ids`` / ``context_ids`` (INT32 [-1]: the prompt and the context as token ids, instead of text). Without
+``sampling_parameters`` the same keys are read from the request's parameters (Triton's generate endpoint puts
+unknown JSON fields there).
 As in vllm_backend: a streamed response carries the new text only; a non-streamed one the whole text,
 after the prompt unless ``exclude_input_in_output`` is true; streaming with ``exclude_input_in_output``
 false is an error.
@@ -19,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from criticalkv.chat import chat_input_ids, encode_context_question, encode_text
 from criticalkv.errors import RequestError
 from criticalkv.request import SamplingParams
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens",
-               "return_kv_bytes")
+               "return_kv_bytes", "apply_chat_template")
 
 
 @dataclass
@@ -38,6 +43,10 @@ class TextRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_kv_bytes: bool = False
+    apply_chat_template: bool = False
+    context: str | None = None
+    input_ids: list[int] | None = None
+    context_ids: list[int] | None = None
 
     @property
     def max_tokens(self) -> int | None:
@@ -72,9 +81,14 @@ def parse_request(inputs: dict[str, Any], parameters: str | dict | None = None) 
 
     Raises RequestError naming the problem (missing ``text_input``, malformed JSON, a bad value).
     """
-    if inputs.get("text_input") is None:
+    token_inputs = {name: _ids(name, inputs[name]) for name in ("input_ids", "context_ids")
+                    if inputs.get(name) is not None}
+    if inputs.get("text_input") is None and "input_ids" not in token_inputs:
         raise RequestError("missing required input 'text_input'")
-    prompt = _text("text_input", inputs["text_input"])
+    prompt = "" if inputs.get("text_input") is None else _text("text_input", inputs["text_input"])
+    context = None if inputs.get("context") is None else _text("context", inputs["context"])
+    if context is not None and "context_ids" in token_inputs:
+        raise RequestError("context and context_ids exclude each other (text or token ids)")
     flags = {}
     for name in BOOL_INPUTS:
         if inputs.get(name) is not None:
@@ -114,15 +128,48 @@ def parse_request(inputs: dict[str, Any], parameters: str | dict | None = None) 
         return_num_input_tokens=flags.get("return_num_input_tokens", False),
         return_num_output_tokens=flags.get("return_num_output_tokens", False),
         return_kv_bytes=flags.get("return_kv_bytes", False), sampling=sampling,
+        apply_chat_template=flags.get("apply_chat_template", False), context=context,
+        input_ids=token_inputs.get("input_ids"), context_ids=token_inputs.get("context_ids"),
     )
+
+
+def _ids(name: str, array: Any) -> list[int]:
+    array = np.asarray(array)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise RequestError(f"{name}: expected token ids (INT32), got {array.dtype}")
+    return [int(t) for t in array.reshape(-1)]
+
+
+def encode_inputs(parsed: TextRequest, tokenizer) -> tuple[list[int], list[int]]:
+    """(prompt ids, context ids) of a parsed request: ``input_ids`` / ``context_ids`` as given, else the texts
+    tokenised as ``criticalkv generate`` does (``criticalkv.chat``): with ``apply_chat_template`` the prompt is one
+    user message (and a ``context`` comes first in that message, the question after it); without it a ``context``
+    is the text before ``text_input`` (tokenised on its own, with the tokenizer's BOS; the prompt without)."""
+    context_ids = parsed.context_ids or []
+    if parsed.input_ids is not None:
+        ids = parsed.input_ids
+        if parsed.context is not None:
+            context_ids = encode_text(tokenizer, parsed.context)
+        return ids, context_ids
+    try:
+        if parsed.apply_chat_template:
+            if parsed.context is not None:
+                return encode_context_question(tokenizer, parsed.context, parsed.prompt, chat=True)
+            return chat_input_ids(tokenizer, [{"role": "user", "content": parsed.prompt}]), context_ids
+    except ValueError as err:
+        raise RequestError(f"apply_chat_template: {err}") from None
+    if parsed.context is not None:
+        return encode_text(tokenizer, parsed.prompt, special=False), encode_text(tokenizer, parsed.context)
+    return encode_text(tokenizer, parsed.prompt, special=not context_ids), context_ids
 
 
 class TextStream:
     """Incremental detokenization of one request's tokens, with stop strings.
 
     ``add(token_ids, final)`` returns ``(new_text, stopped)``: the text that became certain since the last
-    call (a trailing incomplete UTF-8 sequence is held back until the next token or the end) and whether a
-    stop string was reached (the text is then cut before it and the request should be cancelled).
+    call (a trailing incomplete UTF-8 sequence is held back until a later token completes it; a stream that
+    ends inside a character drops those bytes: no U+FFFD is ever sent for them) and whether a stop string
+    was reached (the text is then cut before it and the request should be cancelled).
     """
 
     def __init__(self, tokenizer, stop: list[str] | None = None):
@@ -143,8 +190,12 @@ class TextStream:
             if hits:
                 full = full[: min(hits)]
                 self.stopped = True
-        if not (final or self.stopped) and full.endswith("\ufffd"):
-            return "", False  # an incomplete multi-byte character: wait for the next token
+        if full.endswith("\ufffd"):  # the tokens so far end inside a multi-byte UTF-8 character
+            if not (final or self.stopped):
+                return "", False  # wait for the next token to complete it
+            # the stream ends there (max_tokens, a stop): the held bytes never complete; drop them rather than
+            # send U+FFFD (a genuine U+FFFD as the very last character looks the same and is dropped too)
+            full = full[: len(self.text)] + full[len(self.text):].rstrip("\ufffd")
         if self.stop and not (final or self.stopped):  # hold back a suffix that may start a stop string
             hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
             full = full[: len(full) - hold] if hold else full

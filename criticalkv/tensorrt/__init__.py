@@ -2,8 +2,8 @@
 
 * ``plugin``: find / check / register ``libcriticalkv_trt_plugin.so`` (built by scripts/build_plugin.sh);
 * the plugin creator's fields come from ``criticalkv.spec.generate`` (generated from ``KVPolicy``);
-* ``tensorrt_build``: ``build_tensorrt_engines`` (prefill + decode engines, optimization profiles) and
-  ``tensorrt_unavailable_reason``. ``tensorrt`` is imported only when an engine is built.
+* ``tensorrt_build``: ``build_tensorrt_engines`` (prefill, decode, extend and select engines, optimization
+  profiles: ``engine_plan``) and ``tensorrt_unavailable_reason``. ``tensorrt`` is imported only when an engine is built.
 """
 
 from criticalkv.tensorrt.plugin import (
@@ -17,17 +17,29 @@ from criticalkv.tensorrt.plugin import (
 )
 from criticalkv.spec.generate import plugin_field_specs, render_policy_fields_header
 from criticalkv.tensorrt.tensorrt_build import (
+    ENGINE_FILES,
     DimRange,
     EngineBuildResult,
+    EnginePlan,
     TensorRTUnavailable,
     build_tensorrt_engines,
     default_dim_ranges,
     dim_role,
+    engine_plan,
+    extend_dim_ranges,
+    onnx_graph_inputs,
     profile_shapes,
+    select_dim_ranges,
     tensorrt_unavailable_reason,
 )
 
 __all__ = [
+    "ENGINE_FILES",
+    "EnginePlan",
+    "engine_plan",
+    "extend_dim_ranges",
+    "onnx_graph_inputs",
+    "select_dim_ranges",
     "PLUGIN_LIBRARY_ENV",
     "PLUGIN_LIBRARY_NAME",
     "PLUGIN_NAME",

@@ -179,18 +179,26 @@ def test_graph_io_and_tensorrt_flavours(tmp_path):
         for init in m.graph.initializer:  # the one weights file of the engine
             assert {e.key: e.value for e in init.external_data}["location"] == "weights.bin"
 
-    # the TensorRT flavours run on ONNX Runtime (select with the body put back) to the onnxruntime flavours' results
+    # the TensorRT select flavour takes buffers of exactly the prompt (no data-dependent slice: docs/gpu.md)
+    assert dims(graphs["select_tensorrt"].graph.input[1]) == ["batch", 2, "prompt_tokens", 16]
+    assert dims(graphs["select"].graph.input[1]) == ["batch", 2, "capacity_0", 16]
+    assert not any(n.op_type == "ReduceMax" for n in graphs["select_tensorrt"].graph.node)
+
+    # the TensorRT flavours run on ONNX Runtime (select with the body put back) to the onnxruntime flavours' results;
+    # the TensorRT runtime prefills into a buffer of the prompt's length, so the TensorRT chunks run over one here
     trt = graphs["select_tensorrt"]
     trt.functions.append(selection_function(policy, LAYERS, 6, KV_HEADS, HEAD_DIM))
     onnx.save(trt, str(tmp_path / "select_with_body.onnx"))
-    ids = np.random.default_rng(8).integers(1, 128, (2, 100))
+    n = 100
+    ids = np.random.default_rng(8).integers(1, 128, (2, n))
     extend_s, trt_extend_s = session(tmp_path, "extend.onnx"), session(tmp_path, "extend_tensorrt.onnx")
     a, _, buffers = chunked_prefill(extend_s, session(tmp_path, "select.onnx"), ids, CHUNK, MAX_INPUT, LAYERS,
                                     KV_HEADS, HEAD_DIM, WINDOW, BUDGET)
     b, logits_trt, trt_buffers = chunked_prefill(trt_extend_s, session(tmp_path, "select_with_body.onnx"), ids, CHUNK,
-                                                 MAX_INPUT, LAYERS, KV_HEADS, HEAD_DIM, WINDOW, BUDGET)
+                                                 n, LAYERS, KV_HEADS, HEAD_DIM, WINDOW, BUDGET)
     for layer in range(LAYERS):
-        np.testing.assert_allclose(trt_buffers.keys[layer], buffers.keys[layer], rtol=0, atol=1e-5)
+        assert not buffers.keys[layer][:, :, n:].any()  # nothing beyond the prompt
+        np.testing.assert_allclose(trt_buffers.keys[layer], buffers.keys[layer][:, :, :n], rtol=0, atol=1e-5)
     for name, value in a.items():
         if value.dtype == np.int32:
             assert (b[name] == value).all(), name
@@ -198,8 +206,9 @@ def test_graph_io_and_tensorrt_flavours(tmp_path):
             np.testing.assert_allclose(b[name], value, rtol=0, atol=1e-5)
     feeds = {"kv_budget": np.array([BUDGET]), **buffers.feeds()}
     feeds.update({f"window_queries.{layer}": np.zeros((2, 6, WINDOW, HEAD_DIM), np.float32) for layer in range(LAYERS)})
+    trimmed = {k: v[:, :, :n] if k.endswith((".key", ".value")) else v for k, v in feeds.items()}
     assert all(bitwise(x, y) for x, y in zip(run(session(tmp_path, "select.onnx"), feeds).values(),
-                                             run(session(tmp_path, "select_with_body.onnx"), feeds).values()))
+                                             run(session(tmp_path, "select_with_body.onnx"), trimmed).values()))
 
 
 def test_a_model_level_policy_has_no_tensorrt_flavours(tmp_path):

@@ -187,6 +187,32 @@ def test_if_branches_must_match_the_node_outputs():
     assert "if" in rules(model)
 
 
+def test_shapes_from_input_values_are_rejected(exported):
+    # TensorRT sizes every tensor of the graphs it runs from the input shapes; the ONNX Runtime flavours slice the
+    # buffers to the largest length (a value of the lengths input) and are not TensorRT's. The select graph's
+    # slice before the TensorRT fix was the same (docs/gpu.md)
+    folder, _, _ = exported
+    for name in ("select.onnx", "extend.onnx"):
+        model = load(folder, name)
+        model.ClearField("functions")
+        found = [v for v in check_tensorrt_model(model) if v.rule == "data-dependent-shape"]
+        assert found and all("values of a graph input" in v.message for v in found), name
+    model = load(folder, "decode.onnx")  # lengths feed a mask: values, not shapes
+    assert check_tensorrt_model(model) == []
+    lengths = model.graph.input[4].name
+    assert lengths == "past_key_values.0.lengths"
+    model.graph.node.append(helper.make_node("NonZero", [lengths], ["nonzero"]))
+    assert "data-dependent-shape" in rules(model)
+    model = load(folder, "decode.onnx")
+    model.graph.node.append(helper.make_node("Shape", [lengths], ["lengths_shape"]))  # a shape: allowed
+    model.graph.node.append(helper.make_node("ConstantOfShape", ["lengths_shape"], ["zeros"]))
+    assert check_tensorrt_model(model) == []
+    model.graph.node.append(helper.make_node("Cast", [lengths], ["lengths64"], to=TensorProto.INT64))
+    model.graph.node.append(helper.make_node("ReduceMax", ["lengths64"], ["longest"], keepdims=1))
+    model.graph.node.append(helper.make_node("ConstantOfShape", ["longest"], ["by_value"]))
+    assert [v.rule for v in check_tensorrt_model(model)] == ["data-dependent-shape"]
+
+
 def test_dynamic_inputs_need_named_dimensions(exported):
     folder, _, _ = exported
     model = load(folder, "decode.onnx")

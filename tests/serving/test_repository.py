@@ -93,3 +93,61 @@ def test_text_stream_deltas_add_up_and_stop_strings_cut():
         if stopped:
             break
     assert stopped and "w42" not in out and out.rstrip().endswith("w41")
+
+
+@pytest.fixture(scope="module")
+def bundled_tokenizer():
+    """The bundled SmolLM2 tokenizer (byte-level BPE: one CJK character spans several tokens)."""
+    from transformers import AutoTokenizer
+
+    from criticalkv.hf.loading import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(None))
+
+
+def test_text_stream_never_sends_a_broken_character(bundled_tokenizer):
+    tokenizer = bundled_tokenizer
+    text = "Price: 5 € for 日本語 ok"
+    ids = tokenizer(text)["input_ids"]
+    cuts = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts, "no token boundary inside a character: the test would prove nothing"
+    # token by token to the end: each held byte is sent once its character completes
+    stream = TextStream(tokenizer)
+    deltas = [stream.add([i], final=k == len(ids) - 1)[0] for k, i in enumerate(ids)]
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    for cut in cuts:  # max_tokens ends the stream inside a character: its bytes are dropped, never U+FFFD
+        stream = TextStream(tokenizer)
+        deltas = [stream.add([i], final=k == cut - 1)[0] for k, i in enumerate(ids[:cut])]
+        sent = "".join(deltas)
+        assert "\ufffd" not in sent and sent == tokenizer.decode(ids[:cut]).rstrip("\ufffd") == stream.text
+        assert text.startswith(sent)
+    # a stop string: the text ends before it
+    stream = TextStream(tokenizer, stop=["ok"])
+    out = "".join(stream.add([i])[0] for i in ids)
+    assert stream.stopped and out == "Price: 5 € for 日本語 "
+
+
+def test_chat_prompt_text_tokenizes_back_to_the_template_ids(bundled_tokenizer):
+    from tokenizers import processors
+
+    from criticalkv.chat import chat_input_ids, chat_prompt_text
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "w5 w6 €"},
+                {"role": "assistant", "content": "w7"}, {"role": "user", "content": "and?"}]
+    text = chat_prompt_text(bundled_tokenizer, messages)
+    assert bundled_tokenizer(text)["input_ids"] == chat_input_ids(bundled_tokenizer, messages)
+    assert text.endswith("<|im_start|>assistant\n")
+    # a tokenizer that adds its BOS itself to a template that writes it too (as Llama's): the text leaves it out
+    tokenizer = word_tokenizer()
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)])
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    ids = chat_input_ids(tokenizer, messages[1:2])
+    assert ids[0] == bos and ids[1] != bos
+    text = chat_prompt_text(tokenizer, messages[1:2])
+    assert not text.startswith("<s>") and tokenizer(text)["input_ids"] == ids
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        chat_prompt_text(tokenizer, messages)
