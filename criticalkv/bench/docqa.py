@@ -16,8 +16,9 @@ hit (the ceiling, printed).
 
 Per server: the context-cache hit rate (from each response's ``context_cache_hit``), TTFT p50 / p90 (all requests,
 and hits and misses apart), output tokens/s, the KV MiB the scheduler held (its ``criticalkv_kv_bytes_reserved``
-gauge: running requests, prompts under prefill, cached contexts; peak and time-weighted mean) and the requests
-decoding at once; then each server's ratios to ``full``. The issue's targets (D = 16, Q = 8, ISL 2048): criticalkv
+gauge: running requests, prompts under prefill, cached contexts; peak and time-weighted mean), the contexts it kept
+cached (``criticalkv_context_cache``: entries, and the evictions during the run) and the requests running at once;
+then each server's ratios to ``full``. The issue's targets (D = 16, Q = 8, ISL 2048): criticalkv
 output tokens/s >= 3x ``full`` and TTFT p50 <= 0.25x ``full``, same memory.
 
 Results: ``OUT/NAME.json`` (command, machine, load average, versions, settings, every request), ``NAME.md``
@@ -68,6 +69,8 @@ def summarize_run(run: dict) -> dict:
     rows = [r for r in run["requests"] if r["ok"]]
     held = m.get("criticalkv_kv_bytes_reserved") or {}
     running = m.get("criticalkv_requests_running") or {}
+    cache_held, cache_entries = (m.get(f"criticalkv_context_cache:{k}") or {} for k in ("bytes_held", "entries"))
+    evictions = m.get("criticalkv_context_cache:evictions") or {}
     return {
         "hit_rate": s.get("context_cache_hit_rate"), "hits": s.get("context_cache_hits"),
         "misses": s.get("context_cache_misses"),
@@ -76,6 +79,10 @@ def summarize_run(run: dict) -> dict:
         "kv_mib_held_peak": None if held.get("peak") is None else held["peak"] / 2**20,
         "kv_mib_held_mean": None if held.get("mean") is None else held["mean"] / 2**20,
         "running_peak": running.get("peak"), "running_mean": running.get("mean"),
+        "cache_mib_held_mean": None if cache_held.get("mean") is None else cache_held["mean"] / 2**20,
+        "cached_contexts_mean": cache_entries.get("mean"), "cached_contexts_peak": cache_entries.get("peak"),
+        # the gauge counts since the server started: what this run evicted (warm-up and sampling gaps aside)
+        "cache_evictions": None if not evictions else evictions["last"] - evictions["first"],
     }
 
 
@@ -115,19 +122,20 @@ def render(results: dict) -> str:
         f"({s['kv_memory_note']}), --context-cache-mib {f(s['context_cache_mib'], 1)}. Hit rate ceiling "
         f"{f(100 * s['hit_rate_ceiling'], 1)} % (each document's first request must miss).", "",
         "| server | ok / failed | hit rate | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p50 hit / miss (ms) | output tokens/s "
-        "| KV MiB held, mean (peak) | running, mean (peak) | duration (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "| KV MiB held, mean (peak) | cached contexts, mean (peak; evictions) | running, mean (peak) | duration (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in results["runs"]:
         sm, d = run["summary"], run["docqa"]
         if not sm.get("completed"):
             lines.append(f"| {run['engine']['label']} | 0 / {sm.get('failed')} | all failed: {run.get('first_error')} "
-                         "| | | | | | | |")
+                         "| | | | | | | | |")
             continue
         hit = "-" if d["hit_rate"] is None else f"{100 * d['hit_rate']:.1f} % ({d['hits']} of {d['hits'] + d['misses']})"
         lines.append(
             f"| {run['engine']['label']} | {sm['completed']} / {sm['failed']} | {hit} | {f(sm['ttft_ms']['p50'])} "
             f"| {f(sm['ttft_ms']['p90'])} | {f(d['ttft_ms_hit']['p50'])} / {f(d['ttft_ms_miss']['p50'])} "
             f"| {f(sm['output_throughput'], 2)} | {f(d['kv_mib_held_mean'])} ({f(d['kv_mib_held_peak'])}) "
+            f"| {f(d.get('cached_contexts_mean'), 2)} ({f(d.get('cached_contexts_peak'), 0)}; {f(d.get('cache_evictions'), 0)}) "
             f"| {f(d['running_mean'], 2)} ({f(d['running_peak'], 0)}) | {f(sm['duration_s'], 1)} |")
     if results.get("versus_full"):
         lines += ["", "| server / full | output tokens/s | TTFT p50 | TTFT p90 | hit rate | KV MiB held (mean) |",

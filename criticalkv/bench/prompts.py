@@ -92,11 +92,12 @@ QUESTION_TRIES = 64
 
 
 def question_ids(tokenizer, question: str, chat: bool) -> list[int]:
-    """The ids the server runs after a cached context for ``question`` (``criticalkv.chat.encode_context_question``:
-    plain text: ``"\\n\\n" + question``; chat: the question, the end of the user turn and the assistant header)."""
-    from criticalkv.chat import encode_context_question
+    """The ids the server runs after a cached context for ``question``: what the Triton model makes of a request
+    with a ``context`` (``criticalkv.serving.requests.encode_inputs``; plain text: the question alone, without a
+    BOS; chat: the question, the end of the user turn and the assistant header)."""
+    from criticalkv.serving.requests import TextRequest, encode_inputs
 
-    return encode_context_question(tokenizer, "context", question, chat)[1]
+    return list(encode_inputs(TextRequest(prompt=question, apply_chat_template=chat, context="context"), tokenizer)[0])
 
 
 def make_questions(tokenizer, document: BenchPrompt, count: int, num_tokens: int, seed: int = 0,

@@ -159,18 +159,23 @@ class RssMonitor:
         self.stop()
 
 
-#: The scheduler's gauges (criticalkv/serving/templates/model.py) a ``MetricsMonitor`` follows.
-GAUGES = ("criticalkv_requests_running", "criticalkv_requests_waiting", "criticalkv_kv_bytes_reserved")
+#: The scheduler's gauges (criticalkv/serving/templates/model.py) a ``MetricsMonitor`` follows; the context cache's
+#: gauge has one series per ``stat`` label, named ``criticalkv_context_cache:STAT`` here.
+GAUGES = ("criticalkv_requests_running", "criticalkv_requests_waiting", "criticalkv_kv_bytes_reserved",
+          *(f"criticalkv_context_cache:{k}" for k in ("hits", "misses", "evictions", "bytes_held", "entries")))
 
 
 def parse_gauges(text: str, names=GAUGES) -> dict[str, float]:
-    """The value of each gauge in Prometheus text ``text``, summed over its label sets (model instances);
-    a gauge the text lacks is left out."""
+    """The value of each gauge in Prometheus text ``text``, summed over its label sets (model instances); a
+    ``stat`` label is part of the name (``NAME:STAT``); a gauge the text lacks is left out."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
+        stat = re.search(r'[{,]stat="([^"]*)"', line.split("}", 1)[0]) if "{" in line else None
+        if stat:
+            name = f"{name}:{stat.group(1)}"
         if name in names:
             try:
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -224,7 +229,9 @@ class MetricsMonitor:
         return self.summary()
 
     def summary(self) -> dict:
-        """{gauge: {"peak", "mean"}} (mean weighted by the time to the next sample), "samples", "errors"."""
+        """{gauge: {"peak", "mean", "first", "last"}} (mean weighted by the time to the next sample; first and last
+        samples: a count since the server started, e.g. the context cache's evictions, grew by last - first during
+        the run), "samples", "errors"."""
         out: dict = {"samples": len(self.samples), "errors": self.errors}
         for name in GAUGES:
             points = [(t, v[name]) for t, v in self.samples if name in v]
@@ -234,7 +241,7 @@ class MetricsMonitor:
             span = points[-1][0] - points[0][0]
             mean = (sum(v * (t1 - t0) for (t0, v), (t1, _) in zip(points, points[1:])) / span) if span > 0 \
                 else points[0][1]
-            out[name] = {"peak": peak, "mean": mean}
+            out[name] = {"peak": peak, "mean": mean, "first": points[0][1], "last": points[-1][1]}
         return out
 
     def __enter__(self):

@@ -60,14 +60,18 @@ def test_gauges_are_summed_over_instances_and_monitored():
         'criticalkv_requests_running{model="m",version="1",instance="m_0"} 3',
         'criticalkv_requests_running{model="m",version="1",instance="m_1"} 2',
         'criticalkv_kv_bytes_reserved{model="m",version="1",instance="m_0"} 1.048576e+06',
+        'criticalkv_context_cache{model="m",version="1",instance="m_0",stat="evictions"} 4',
+        'criticalkv_context_cache{model="m",version="1",instance="m_1",stat="evictions"} 1',
+        'criticalkv_context_cache{model="m",version="1",instance="m_0",stat="entries"} 2',
         'criticalkv_time_to_first_token_seconds_count{model="m"} 7', "nv_inference_count 9"])
-    assert parse_gauges(text) == {"criticalkv_requests_running": 5.0, "criticalkv_kv_bytes_reserved": 1048576.0}
+    assert parse_gauges(text) == {"criticalkv_requests_running": 5.0, "criticalkv_kv_bytes_reserved": 1048576.0,
+                                  "criticalkv_context_cache:evictions": 5.0, "criticalkv_context_cache:entries": 2.0}
     m = MetricsMonitor(None)
     # running 2 for 1 s, then 4 for 3 s, then 1 (last sample): mean (2*1 + 4*3) / 4 = 3.5, peak 4
     m.samples = [(10.0, {"criticalkv_requests_running": 2.0}), (11.0, {"criticalkv_requests_running": 4.0}),
                  (14.0, {"criticalkv_requests_running": 1.0})]
     s = m.summary()
-    assert s["criticalkv_requests_running"] == {"peak": 4.0, "mean": pytest.approx(3.5)}
+    assert s["criticalkv_requests_running"] == {"peak": 4.0, "mean": pytest.approx(3.5), "first": 2.0, "last": 1.0}
     assert "criticalkv_kv_bytes_reserved" not in s and s["samples"] == 3
 
 
