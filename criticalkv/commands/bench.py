@@ -1,6 +1,5 @@
 """``criticalkv bench``: serving benchmark (``serve``), short-request TTFT next to a long one
-(``interference``), document QA with the context cache (``docqa``), memory-bound decode (``memory``), a question
-after a cached context (``cached-context``), single-request comparison with kvpress and
+(``interference``), single-request comparison with kvpress and
 transformers (``single``), AIPerf cross-check (``aiperf``), and ``report`` (redraw from JSON)."""
 
 from __future__ import annotations
