@@ -10,8 +10,6 @@ import shlex
 import sys
 from pathlib import Path
 
-from criticalkv.bench import aiperf, interference, machine, peers, report, serving, targets
-
 
 def command_line() -> str:
     """The command as typed (``criticalkv bench ...`` or ``python scripts/benchmark_serving.py ...``)."""
@@ -33,16 +31,21 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    from criticalkv.bench import serving
 
     serve = sub.add_parser("serve", help="load-test a criticalkv Triton server: TTFT/TPOT/ITL percentiles, throughput, KV, RSS",
                            description=plain(serving.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     serving.add_arguments(serve)
     serve.set_defaults(func=run_serve)
 
+    from criticalkv.bench import interference
+
     inter = sub.add_parser("interference", help="TTFT of a short request alone vs during a long one's decode and prefill",
                            description=plain(interference.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     interference.add_arguments(inter)
     inter.set_defaults(func=run_interference)
+
+    from criticalkv.bench import peers
 
     setup = sub.add_parser("setup-peers", help="create the peers' virtual environments (kvpress, transformers, aiperf)",
                            description=plain(peers.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +68,8 @@ def register(subparsers) -> None:
     single.add_argument("--name", default="single_request", help="file stem (default: single_request)")
     single.set_defaults(func=run_single)
 
+    from criticalkv.bench import aiperf
+
     ai = sub.add_parser("aiperf", help="cross-check this load generator against AIPerf 0.13 on one workload",
                         description=plain(aiperf.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     ai.add_argument("--engine-dir", help="start `criticalkv serve` on this engine directory")
@@ -84,6 +89,10 @@ def register(subparsers) -> None:
     ai.add_argument("--out", default="benchmarks/results/serving", help="results folder")
     ai.add_argument("--name", default="aiperf_crosscheck", help="file stem (default: aiperf_crosscheck)")
     ai.set_defaults(func=run_aiperf)
+
+    _register_served_loads(sub)
+
+    from criticalkv.bench import targets
 
     tg = sub.add_parser("targets", help="check the serving targets from the result files of a folder (no requests)",
                         description=plain(targets.__doc__),
@@ -105,11 +114,15 @@ def _peers_dir(p) -> None:
 
 
 def run_setup_peers(args) -> int:
+    from criticalkv.bench import peers
+
     peers.setup_peers(args.peers_dir, [n for n in args.only.split(",") if n])
     return 0
 
 
 def run_single(args) -> int:
+    from criticalkv.bench import machine, peers, report
+
     if not (args.engine_dir / "manifest.json").is_file():
         raise FileNotFoundError(f"{args.engine_dir}: not an engine directory (no manifest.json)")
     if args.isl < 64 or args.new_tokens < 1 or args.repeats < 1:
@@ -131,6 +144,8 @@ def run_single(args) -> int:
 
 
 def run_aiperf(args) -> int:
+    from criticalkv.bench import aiperf, peers, report
+
     if bool(args.url) == bool(args.engine_dir):
         raise ValueError("give either --url (with --tokenizer) or --engine-dir")
     if args.engine_dir and not (Path(args.engine_dir) / "manifest.json").is_file():
@@ -152,6 +167,8 @@ def run_aiperf(args) -> int:
 
 
 def run_targets(args) -> int:
+    from criticalkv.bench import report, targets
+
     if not args.folder.is_dir():
         raise FileNotFoundError(f"{args.folder}: no such folder")
     text = targets.render(targets.check(args.folder))
@@ -164,16 +181,22 @@ def run_targets(args) -> int:
 
 
 def run_serve(args) -> int:
+    from criticalkv.bench import serving
+
     args.command_line = getattr(args, "command_line", None) or command_line()
     return serving.main(args)
 
 
 def run_interference(args) -> int:
+    from criticalkv.bench import interference
+
     args.command_line = getattr(args, "command_line", None) or command_line()
     return interference.main(args)
 
 
 def run_report(args) -> int:
+    from criticalkv.bench import report
+
     if not args.json.is_file():
         raise FileNotFoundError(f"{args.json}: no such file")
     results = json.loads(args.json.read_text())
@@ -182,3 +205,27 @@ def run_report(args) -> int:
     report.write_all(results, args.json.with_suffix(""))
     print(report.render(results))
     return 0
+
+
+def _register_served_loads(sub) -> None:
+    """``docqa``, ``memory`` and ``cached-context``: workloads of the context cache and the KV memory budget."""
+    from criticalkv.bench import cached, docqa, memory
+
+    for name, module, help_text in (
+            ("docqa", docqa, "documents x questions in random order at concurrency 8, same KV memory for every "
+                             "server: context-cache hit rate, TTFT, output tokens/s, KV held; ratios to full"),
+            ("memory", memory, "memory-bound decode (ISL 2048, OSL 256, KV memory of 2 full sequences): output "
+                               "tokens/s and the sequences each server holds at once; ratios to full"),
+            ("cached-context", cached, "TTFT of a question after a cached context vs the same request uncached")):
+        p = sub.add_parser(name, help=help_text, description=plain(module.__doc__),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=_run_module(module))
+
+
+def _run_module(module):
+    def run(args) -> int:
+        args.command_line = getattr(args, "command_line", None) or command_line()
+        return module.main(args)
+
+    return run

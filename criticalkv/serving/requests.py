@@ -153,8 +153,9 @@ def encode_inputs(parsed: TextRequest, tokenizer) -> tuple[list[int], list[int]]
         return ids, context_ids
     try:
         if parsed.apply_chat_template:
-            if parsed.context is not None:
-                return encode_context_question(tokenizer, parsed.context, parsed.prompt, chat=True)
+            if parsed.context is not None:  # encode_context_question gives (context, question): swap to (prompt, context)
+                context_ids, question_ids = encode_context_question(tokenizer, parsed.context, parsed.prompt, chat=True)
+                return question_ids, context_ids
             return chat_input_ids(tokenizer, [{"role": "user", "content": parsed.prompt}]), context_ids
     except ValueError as err:
         raise RequestError(f"apply_chat_template: {err}") from None

@@ -151,3 +151,20 @@ def test_chat_prompt_text_tokenizes_back_to_the_template_ids(bundled_tokenizer):
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         chat_prompt_text(tokenizer, messages)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_encode_inputs_returns_the_question_then_the_context(chat):
+    # (prompt ids, context ids) in both forms: the chat form once came back as (context, question)
+    from criticalkv.chat import encode_context_question, encode_text
+    from criticalkv.serving.requests import TextRequest, encode_inputs
+    from eval.conftest import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    document, question = "The play was first printed in 1623. " * 8, "When was it printed?"
+    ids, context_ids = encode_inputs(TextRequest(prompt=question, context=document, apply_chat_template=chat), tok)
+    if chat:
+        assert (context_ids, ids) == tuple(encode_context_question(tok, document, question, chat=True))
+        assert len(context_ids) > len(ids)  # the document is the long part
+    else:
+        assert context_ids == encode_text(tok, document) and ids == encode_text(tok, question, special=False)
