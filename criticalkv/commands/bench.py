@@ -1,6 +1,10 @@
-"""``criticalkv bench``: serving benchmark (``serve``), short-request TTFT next to a long one
-(``interference``), single-request comparison with kvpress and
-transformers (``single``), AIPerf cross-check (``aiperf``), and ``report`` (redraw from JSON)."""
+"""``criticalkv bench``: every speed measurement of the project, its results under ``results/benchmarks/``.
+
+Served load: ``serve`` (TTFT/TPOT/ITL percentiles, throughput), ``interference`` (a short request next to a long
+one), ``docqa`` (the compressed context cache), ``memory`` (memory-bound decode), ``cached-context``; one request:
+``single`` (vs kvpress and transformers), ``aiperf`` (cross-check); the engine alone: ``latency`` (selection share of
+the prefill, decode per token, decode memory), ``selection`` (the selection nodes of several policies),
+``norm-flops``; and ``targets`` / ``report`` (from the result files, no model run)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from pathlib import Path
 
 
 def command_line() -> str:
-    """The command as typed (``criticalkv bench ...`` or ``python scripts/benchmark_serving.py ...``)."""
+    """The command as typed (``criticalkv bench ...``)."""
     script = Path(sys.argv[0]).name
     prefix = f"python scripts/{script}" if script.endswith(".py") else "criticalkv"
     return " ".join([prefix, *map(shlex.quote, sys.argv[1:])])
@@ -64,7 +68,7 @@ def register(subparsers) -> None:
     single.add_argument("--peers", default="kvpress,transformers", help="peers to compare (default: kvpress,transformers)")
     single.add_argument("--setup-peers", action="store_true", help="create missing peer environments first")
     _peers_dir(single)
-    single.add_argument("--out", default="benchmarks/results/serving", help="results folder")
+    single.add_argument("--out", default="results/benchmarks/serving", help="results folder")
     single.add_argument("--name", default="single_request", help="file stem (default: single_request)")
     single.set_defaults(func=run_single)
 
@@ -86,19 +90,20 @@ def register(subparsers) -> None:
     ai.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
     ai.add_argument("--setup-peers", action="store_true", help="create the AIPerf environment first if missing")
     _peers_dir(ai)
-    ai.add_argument("--out", default="benchmarks/results/serving", help="results folder")
+    ai.add_argument("--out", default="results/benchmarks/serving", help="results folder")
     ai.add_argument("--name", default="aiperf_crosscheck", help="file stem (default: aiperf_crosscheck)")
     ai.set_defaults(func=run_aiperf)
 
     _register_served_loads(sub)
+    _register_engine_benchmarks(sub)
 
     from criticalkv.bench import targets
 
     tg = sub.add_parser("targets", help="check the serving targets from the result files of a folder (no requests)",
                         description=plain(targets.__doc__),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    tg.add_argument("folder", type=Path, nargs="?", default=Path("benchmarks/results/serving"),
-                    help="results folder (default: benchmarks/results/serving); writes FOLDER/targets.md and "
+    tg.add_argument("folder", type=Path, nargs="?", default=Path("results/benchmarks/serving"),
+                    help="results folder (default: results/benchmarks/serving); writes FOLDER/targets.md and "
                          "FOLDER/summary.png (every serving run of the folder)")
     tg.set_defaults(func=run_targets)
 
@@ -205,6 +210,30 @@ def run_report(args) -> int:
     report.write_all(results, args.json.with_suffix(""))
     print(report.render(results))
     return 0
+
+
+def _register_engine_benchmarks(sub) -> None:
+    """``latency``, ``selection`` and ``norm-flops``: modules with their own argument parsers (``main(argv)``); the
+    arguments after the name go to them, ``--help`` included."""
+    for name, module_name, help_text in (
+            ("latency", "criticalkv.bench.latency",
+             "the engine alone: the selection nodes' share of a long prefill, decode per token, decode memory"),
+            ("selection", "criticalkv.bench.selection", "the selection nodes of several policies on one prompt, "
+                                                        "interleaved (seconds, per-operator profile)"),
+            ("norm-flops", "criticalkv.bench.norm_flops", "FLOPs of CriticalKV's stage-2 value norms, unpruned and pruned")):
+        p = sub.add_parser(name, help=help_text, add_help=False,
+                           description=f"{help_text} (`criticalkv bench {name} --help` lists its options)")
+        p.add_argument("-h", "--help", action="store_true", dest="module_help", help=argparse.SUPPRESS)
+        p.set_defaults(func=_run_main(module_name), passes_arguments=True, arguments=[])
+
+
+def _run_main(module_name: str):
+    def run(args) -> int:
+        import importlib
+
+        return importlib.import_module(module_name).main((["--help"] if args.module_help else []) + args.arguments)
+
+    return run
 
 
 def _register_served_loads(sub) -> None:
