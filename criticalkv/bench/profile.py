@@ -150,7 +150,7 @@ def breakdown(trace: list[dict], spec: dict, first: int = 0) -> dict:
     count = len(chosen)
     for entry in classes.values():
         for key in entry:
-            entry[key] = entry[key] / count
+            entry[key] = entry[key] / count if count > 1 else entry[key]
     run_s = sum(r["dur"] for r in chosen) / 1e6 / count
     return {"run_s": run_s, "runs": count, "classes": classes,
             "unaccounted_s": run_s - sum(c["seconds"] for c in classes.values())}
@@ -290,7 +290,7 @@ def render(results: dict) -> str:
         useful = model_flops(e["spec"], e["prompt_tokens"])
         floor_s = sum(useful.values()) / (gemm * 1e9)
         lines += ["", f"## {label} ({e['engine_dir']}): prefill of {e['prompt_tokens']} tokens",
-                  f"profiled run {p['run_s']:.3f} s (unprofiled wall {e['prefill_wall_s']:.3f} s); useful FLOPs "
+                  f"profiled run {p['run_s']:.3f} s (wall time of that call {e['prefill_wall_s']:.3f} s); useful FLOPs "
                   f"{sum(useful.values()) / 1e9:.0f} G (causal attention), floor at the GEMM rate {floor_s:.2f} s "
                   f"({100 * floor_s / e['prefill_wall_s']:.0f} % of the wall time)",
                   "| op class | ms | % | nodes | GFLOP computed | GFLOP useful | GFLOP/s | % of GEMM rate |",
@@ -300,7 +300,7 @@ def render(results: dict) -> str:
             if not c["nodes"]:
                 continue
             rate = c["flops"] / c["seconds"] / 1e9 if c["flops"] and c["seconds"] else None
-            lines.append(f"| {cls} | {1e3 * c['seconds']:.1f} | {100 * c['seconds'] / p['run_s']:.1f} | {c['nodes']} | "
+            lines.append(f"| {cls} | {1e3 * c['seconds']:.1f} | {100 * c['seconds'] / p['run_s']:.1f} | {c['nodes']:.0f} | "
                          f"{c['flops'] / 1e9:.1f} | {useful.get(cls, 0) / 1e9:.1f} | "
                          + (f"{rate:.1f} | {100 * rate / gemm:.0f} |" if rate else "| |"))
         bytes_ = decode_bytes(e["spec"], e["decode_capacity"], e["kept_per_layer_max"])

@@ -101,6 +101,8 @@ def register(subparsers) -> None:
     prof.add_argument("--engine-dir", action="append", type=Path, required=True, help="an engine directory (repeat)")
     prof.add_argument("--isl", type=int, default=2025, help="prompt tokens, chat template included (default: 2025)")
     prof.add_argument("--steps", type=int, default=16, help="decode steps profiled and timed (default: 16)")
+    prof.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads of the engines and the floors "
+                      "(default: $CRITICALKV_ORT_THREADS, else ONNX Runtime's default, one per core)")
     prof.add_argument("--seed", type=int, default=0, help="prompt offset (default: 0)")
     prof.add_argument("--out", default="benchmarks/results/profile", help="results folder (default: benchmarks/results/profile)")
     prof.add_argument("--name", default="profile", help="file stem (default: profile)")
@@ -215,15 +217,20 @@ def run_profile(args) -> int:
     from criticalkv.runtime.manifest import read_manifest
 
     _check_engines(args.engine_dir)
-    if args.isl < 64 or args.steps < 1:
-        raise ValueError("--isl must be >= 64 and --steps >= 1")
+    if args.isl < 64 or args.steps < 1 or (args.threads is not None and args.threads < 0):
+        raise ValueError("--isl must be >= 64, --steps >= 1 and --threads >= 0")
     results = machine.header(command_line())
     print("\n".join(machine.header_lines(results)), flush=True)
     tokenizer = AutoTokenizer.from_pretrained(Path(args.engine_dir[0]) / "tokenizer")
     ids = chat_ids(tokenizer, text_for_chat_length(tokenizer, args.isl, args.seed))
     spec = read_manifest(Path(args.engine_dir[0]), verify=False)["model"]["spec"]
-    results["floors"] = floors.measure(spec, len(ids))
-    results["engines"] = [profile.profile_engine(Path(d), ids, args.steps) for d in args.engine_dir]
+    import os
+
+    from criticalkv.runtime.onnxruntime_backend import THREADS_ENV
+
+    threads = args.threads if args.threads is not None else int(os.environ.get(THREADS_ENV, "0"))
+    results["floors"] = floors.measure(spec, len(ids), threads)
+    results["engines"] = [profile.profile_engine(Path(d), ids, args.steps, threads) for d in args.engine_dir]
     machine.finish(results)
     stem = Path(args.out) / args.name
     report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
