@@ -168,3 +168,17 @@ def test_the_peer_runner_answers_errors_per_request(tmp_path):
     run = subprocess.run([sys.executable, str(cpu_peers.RUNNER), "--impl", "vllm", "--model", str(tmp_path)],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "invalid choice" in run.stderr
+
+
+def test_cpu_peer_environments_pin_the_cpu_torch_in_the_peer_step():
+    """optimum-intel and the model builder accept any torch: pip keeps the CPU build only when the same step pins it."""
+    from criticalkv.bench import peers
+
+    for name in ("onnxruntime-genai", "openvino"):
+        steps = peers.peer_requirements(name)
+        assert steps[0] == [peers.TORCH] and peers.TORCH in steps[1], name
+    assert "onnxruntime-genai==0.18.0" in peers.peer_requirements("onnxruntime-genai")[1]
+    assert {"openvino-genai==2026.4.1.0", "optimum-intel==2.2.0"} <= set(peers.peer_requirements("openvino")[1])
+    assert peers.UNINSTALL_AFTER["openvino"] == ["torchvision"]
+    with pytest.raises(ValueError, match="unknown peer 'vllm'"):
+        peers.peer_requirements("vllm")
