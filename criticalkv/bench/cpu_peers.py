@@ -150,16 +150,20 @@ class PeerWorker:
 
     def __init__(self, root: Path, name: str, model: Path, cache_gb: int = 1):
         self.name, self.label = name, LABELS[name]
-        self.proc = subprocess.Popen([str(peer_python(root, name)), str(RUNNER), "--impl", name, "--model", str(model),
-                                      "--cache-gb", str(cache_gb)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
+        self.log = Path(root) / "logs" / f"{name}.log"  # the peer's own messages, quoted when it fails
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as err:
+            self.proc = subprocess.Popen([str(peer_python(root, name)), str(RUNNER), "--impl", name, "--model", str(model),
+                                          "--cache-gb", str(cache_gb)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, text=True)
         self.load_s = self._read()["load_s"]
         self.versions = self.request({"op": "info"})["versions"]
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"peer {self.name} exited (status {self.proc.poll()})")
+            tail = self.log.read_text(errors="replace")[-3000:] if self.log.is_file() else ""
+            raise RuntimeError(f"peer {self.name} exited (status {self.proc.wait()}); {self.log}:\n{tail}")
         answer = json.loads(line)
         if "error" in answer:
             raise RuntimeError(f"peer {self.name}: {answer['error']}")
