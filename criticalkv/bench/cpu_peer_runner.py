@@ -14,7 +14,8 @@ The model is loaded once; then every line of stdin is one JSON request and every
 * ``{"op": "single", "ids": [...], "new_tokens": N}``: one request, greedy, exactly N new tokens (stop tokens
   ignored): ``{"prefill_s", "decode_s_per_token", "tokens"}``. onnxruntime-genai: prefill = ``append_tokens``
   (the prompt's forward), decode = the median ``generate_next_token`` after the first (which only samples);
-  OpenVINO: ``LLMPipeline.generate`` with its own perf metrics (TTFT, TPOT);
+  OpenVINO: ``LLMPipeline.generate`` with its own perf metrics (TTFT, TPOT); prefix caching is off in both OpenVINO
+  pipelines (a repeated prompt would reuse its KV blocks);
 * ``{"op": "batch", "prompts": [[...], ...], "new_tokens": N, "eviction": null | {...}}``: the prompts together
   (equal lengths: no padding), wall time from the call to the last token: ``{"seconds", "output_tokens",
   "tokens"}``. onnxruntime-genai: one Generator with ``batch_size`` = the number of prompts; OpenVINO:
@@ -82,8 +83,16 @@ class OpenVINOGenAI:
         import openvino_genai as genai
 
         self.ov, self.genai, self.folder, self.cache_gb = ov, genai, folder, cache_gb
-        self.pipe = genai.LLMPipeline(folder, "CPU")
+        # no prefix caching: a repeated prompt would otherwise reuse its KV blocks (a 2k-token prefill measured
+        # 0.26 s the second time), and criticalkv's Engine.generate keeps nothing between calls
+        self.pipe = genai.LLMPipeline(folder, "CPU", scheduler_config=self._scheduler())
         self.batch_pipes = {}
+
+    def _scheduler(self):
+        scheduler = self.genai.SchedulerConfig()
+        scheduler.cache_size = self.cache_gb
+        scheduler.enable_prefix_caching = False
+        return scheduler
 
     def _config(self, new_tokens: int):
         config = self.genai.GenerationConfig()
@@ -111,8 +120,7 @@ class OpenVINOGenAI:
         key = json.dumps(eviction, sort_keys=True)
         if key not in self.batch_pipes:
             genai = self.genai
-            scheduler = genai.SchedulerConfig()
-            scheduler.cache_size = self.cache_gb
+            scheduler = self._scheduler()
             if eviction:
                 scheduler.use_cache_eviction = True
                 scheduler.cache_eviction_config = genai.CacheEvictionConfig(
