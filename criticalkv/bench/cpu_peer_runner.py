@@ -21,7 +21,8 @@ The model is loaded once; then every line of stdin is one JSON request and every
   "tokens"}``. onnxruntime-genai: one Generator with ``batch_size`` = the number of prompts; OpenVINO:
   ``ContinuousBatchingPipeline`` (its default scheduler, ``cache_size`` GB of KV cache), with
   ``CacheEvictionConfig(start_size, recent_size, max_cache_size, NORM_SUM)`` when ``eviction`` is given;
-* ``{"op": "info"}``: versions and threads; ``{"op": "quit"}`` ends the worker.
+* ``{"op": "info"}``: versions and the compute precision (``--precision``: OpenVINO's CPU default, bf16 on CPUs
+  with BF16 even for fp32 weights, or f32); ``{"op": "quit"}`` ends the worker.
 """
 
 from __future__ import annotations
@@ -78,14 +79,18 @@ class OrtGenAI:
 
 
 class OpenVINOGenAI:
-    def __init__(self, folder: str, cache_gb: int):
+    def __init__(self, folder: str, cache_gb: int, precision: str = "default"):
         import openvino as ov
         import openvino_genai as genai
 
         self.ov, self.genai, self.folder, self.cache_gb = ov, genai, folder, cache_gb
+        # OpenVINO's CPU plugin computes in bf16 by default where the CPU has BF16 (INFERENCE_PRECISION_HINT), even for
+        # fp32 weights; "f32" asks for fp32 compute, criticalkv's precision
+        self.properties = {"INFERENCE_PRECISION_HINT": "f32"} if precision == "f32" else {}
+        self.precision = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").to_string() if precision == "default" else "f32"
         # no prefix caching: a repeated prompt would otherwise reuse its KV blocks (a 2k-token prefill measured
         # 0.26 s the second time), and criticalkv's Engine.generate keeps nothing between calls
-        self.pipe = genai.LLMPipeline(folder, "CPU", scheduler_config=self._scheduler())
+        self.pipe = genai.LLMPipeline(folder, "CPU", scheduler_config=self._scheduler(), **self.properties)
         self.batch_pipes = {}
 
     def _scheduler(self):
@@ -125,7 +130,7 @@ class OpenVINOGenAI:
                 scheduler.use_cache_eviction = True
                 scheduler.cache_eviction_config = genai.CacheEvictionConfig(
                     eviction["start_size"], eviction["recent_size"], eviction["max_cache_size"], genai.AggregationMode.NORM_SUM)
-            self.batch_pipes[key] = genai.ContinuousBatchingPipeline(self.folder, scheduler, "CPU")
+            self.batch_pipes[key] = genai.ContinuousBatchingPipeline(self.folder, scheduler, "CPU", self.properties)
         return self.batch_pipes[key]
 
     def batch(self, prompts, new_tokens: int, eviction) -> dict:
@@ -155,9 +160,12 @@ def main() -> int:
     p.add_argument("--impl", choices=("onnxruntime-genai", "openvino"), required=True)
     p.add_argument("--model", required=True, help="the peer's exported model folder")
     p.add_argument("--cache-gb", type=int, default=2, help="OpenVINO ContinuousBatchingPipeline KV cache size (GB)")
+    p.add_argument("--precision", choices=("default", "f32"), default="default",
+                   help="OpenVINO compute precision: its CPU default (bf16 where the CPU has BF16) or f32")
     args = p.parse_args()
     start = time.perf_counter()
-    runner = OrtGenAI(args.model) if args.impl == "onnxruntime-genai" else OpenVINOGenAI(args.model, args.cache_gb)
+    runner = (OrtGenAI(args.model) if args.impl == "onnxruntime-genai"
+              else OpenVINOGenAI(args.model, args.cache_gb, args.precision))
     print(json.dumps({"ready": True, "load_s": time.perf_counter() - start}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -166,7 +174,7 @@ def main() -> int:
             if op == "quit":
                 break
             if op == "info":
-                answer = {"versions": versions(args.impl)}
+                answer = {"versions": versions(args.impl), "precision": getattr(runner, "precision", "f32")}
             elif op == "single":
                 answer = runner.single(request["ids"], request["new_tokens"])
             elif op == "batch":

@@ -15,7 +15,9 @@ Systems (criticalkv in this process; each peer in its own process and virtual en
 * onnxruntime-genai 0.18: its model builder's fp32 CPU export of the same Hugging Face folder
   (``python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32 -e cpu``), one ``Generator``;
 * OpenVINO GenAI 2026.4: ``optimum-cli export openvino --weight-format fp32 --task text-generation-with-past``
-  (fp32 weights; its KV cache is f16 by default); ``LLMPipeline`` for one request, ``ContinuousBatchingPipeline``
+  (fp32 weights; its KV cache is f16 by default), prefix caching off, once with its CPU plugin's default compute
+  precision (bf16 on CPUs with BF16, even for fp32 weights) and once with ``INFERENCE_PRECISION_HINT=f32``
+  (``--ov-precision``); ``LLMPipeline`` for one request, ``ContinuousBatchingPipeline``
   for the batch, without and with ``CacheEvictionConfig`` (``--ov-eviction START,RECENT,MAX``, default 32,96,256:
   block-wise eviction to about the criticalkv budget, during decoding only).
 
@@ -43,7 +45,14 @@ CPU_PEERS = ("onnxruntime-genai", "openvino")
 #: OpenVINO's CacheEvictionConfig (start_size, recent_size, max_cache_size) by default: ~the b=256 budget.
 DEFAULT_EVICTION = (32, 96, 256)
 LABELS = {"onnxruntime-genai": "onnxruntime-genai (model builder, fp32)",
-          "openvino": "OpenVINO GenAI (fp32 weights, f16 KV)"}
+          "openvino": "OpenVINO GenAI (fp32 weights, f16 KV"}
+#: OpenVINO compute precisions run by default: its CPU default (bf16 on CPUs with BF16, even for fp32 weights) and f32.
+OV_PRECISIONS = ("default", "f32")
+
+
+def ov_label(precision: str | None) -> str:
+    """OpenVINO's row: the compute precision the runner reported (``bf16`` where its CPU default is bf16)."""
+    return f"{LABELS['openvino']}, {precision or '?'} compute)"
 
 
 def label(policy: str, budget: int | None) -> str:
@@ -69,6 +78,14 @@ def parse_peers(text: str) -> list[str]:
     unknown = [n for n in names if n not in CPU_PEERS]
     if unknown:
         raise ValueError(f"--peers: unknown {', '.join(unknown)} (choose from {', '.join(CPU_PEERS)})")
+    return names
+
+
+def parse_precisions(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    bad = [n for n in names if n not in OV_PRECISIONS]
+    if bad or not names:
+        raise ValueError(f"--ov-precision: expected a comma-separated subset of {','.join(OV_PRECISIONS)}, got {text!r}")
     return names
 
 
@@ -148,16 +165,20 @@ class CriticalKVWorker:
 class PeerWorker:
     """A ``cpu_peer_runner.py`` process in the peer's virtual environment (JSON lines over stdin/stdout)."""
 
-    def __init__(self, root: Path, name: str, model: Path, cache_gb: int = 1):
+    def __init__(self, root: Path, name: str, model: Path, cache_gb: int = 1, precision: str = "default"):
         self.name, self.label = name, LABELS[name]
         self.log = Path(root) / "logs" / f"{name}.log"  # the peer's own messages, quoted when it fails
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as err:
             self.proc = subprocess.Popen([str(peer_python(root, name)), str(RUNNER), "--impl", name, "--model", str(model),
-                                          "--cache-gb", str(cache_gb)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          "--cache-gb", str(cache_gb), "--precision", precision],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=err, text=True)
         self.load_s = self._read()["load_s"]
-        self.versions = self.request({"op": "info"})["versions"]
+        info = self.request({"op": "info"})
+        self.versions, self.precision = info["versions"], info.get("precision")
+        if name == "openvino":
+            self.label = ov_label(self.precision)
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -216,7 +237,8 @@ def common_prefix(a, b) -> int:
 
 
 def run(engine_dirs: list[Path], peers: list[str], root: Path, isl: int = 2025, new_tokens: int = 64, batch: int = 8,
-        repeats: int = 2, eviction: dict | None = None, model=None, seed: int = 0, log=print) -> dict:
+        repeats: int = 2, eviction: dict | None = None, model=None, seed: int = 0, ov_precisions=OV_PRECISIONS,
+        log=print) -> dict:
     """Every system on the same ids, interleaved; returns the raw runs, medians and the floors."""
     from transformers import AutoTokenizer
 
@@ -241,12 +263,12 @@ def run(engine_dirs: list[Path], peers: list[str], root: Path, isl: int = 2025, 
             w = CriticalKVWorker(Path(d))
             workers[w.label] = w
         for name in peers:
-            w = PeerWorker(root, name, exports[name][0])
-            workers[w.label] = w
+            for precision in (ov_precisions if name == "openvino" else ["default"]):
+                w = PeerWorker(root, name, exports[name][0], precision=precision)
+                workers[w.label] = w
         jobs = [(label, "single", None) for label in workers]
         jobs += [(label, "batch", None) for label in workers]
-        if "openvino" in peers:
-            jobs.append((LABELS["openvino"], "batch", eviction))
+        jobs += [(label, "batch", eviction) for label, w in workers.items() if getattr(w, "name", None) == "openvino"]
         records = {label: {"load_s": w.load_s, "single": [], "batch": [], "batch_eviction": [],
                            "versions": getattr(w, "versions", None)} for label, w in workers.items()}
         log("warm-up round ...")
@@ -306,7 +328,7 @@ def targets(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
     """The issue's targets: (what, measured ratio, bound, met) for each; None where a system is missing."""
     systems = results["systems"]
     ckv = next((v for k, v in systems.items() if k.startswith("criticalkv") and not k.endswith(" full")), None)
-    ov = systems.get(LABELS["openvino"])
+    ov = _find(systems, LABELS["openvino"])  # the first OpenVINO row: its default precision, what a user gets
     og = systems.get(LABELS["onnxruntime-genai"])
     floor_ms = decode_floor_ms(results)
     out = []

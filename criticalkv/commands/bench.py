@@ -87,6 +87,9 @@ def register(subparsers) -> None:
     cpu.add_argument("--repeats", type=int, default=2, help="interleaved rounds after the warm-up (default: 2)")
     cpu.add_argument("--ov-eviction", default=",".join(map(str, cpu_peers.DEFAULT_EVICTION)),
                      help="OpenVINO CacheEvictionConfig START,RECENT,MAX tokens (default: %(default)s)")
+    cpu.add_argument("--ov-precision", default=",".join(cpu_peers.OV_PRECISIONS),
+                     help="OpenVINO compute precisions to run, comma-separated: default (its CPU plugin's, bf16 on CPUs "
+                     "with BF16) and/or f32 (default: %(default)s)")
     cpu.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
     _peers_dir(cpu)
     cpu.add_argument("--out", default="benchmarks/results/peers", help="results folder (default: benchmarks/results/peers)")
@@ -195,11 +198,12 @@ def run_cpu_peers(args) -> int:
         raise ValueError("--isl must be >= 64, --new-tokens, --batch and --repeats >= 1")
     names = cpu_peers.parse_peers(args.peers)
     eviction = cpu_peers.parse_eviction(args.ov_eviction)
+    precisions = cpu_peers.parse_precisions(args.ov_precision)
     cpu_peers.check_ready(args.peers_dir, names)
     results = machine.header(command_line())
     print("\n".join(machine.header_lines(results)), flush=True)
     results.update(cpu_peers.run(args.engine_dir, names, args.peers_dir, args.isl, args.new_tokens, args.batch,
-                                 args.repeats, eviction, model=args.model, seed=args.seed))
+                                 args.repeats, eviction, model=args.model, seed=args.seed, ov_precisions=precisions))
     machine.finish(results)
     stem = Path(args.out) / args.name
     report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")

@@ -36,7 +36,8 @@ def _results(ckv_decode=20.0):
             "criticalkv full": _system(4.9, 36.5, 10.0),
             "criticalkv b=256": _system(3.5, ckv_decode, 16.0, agree=20),
             cpu_peers.LABELS["onnxruntime-genai"]: _system(9.1, 42.0, 5.4),
-            cpu_peers.LABELS["openvino"]: _system(3.7, 25.0, 14.9, eviction=15.2),
+            cpu_peers.ov_label("bf16"): _system(3.7, 25.0, 14.9, eviction=15.2),
+            cpu_peers.ov_label("f32"): _system(6.0, 50.0, 8.0, eviction=8.5),
         },
     }
 
@@ -45,12 +46,14 @@ def test_render_prints_every_system_with_its_medians_and_the_load():
     text = cpu_peers.render(_results())
     assert "load average [0.1, 0.1, 0.1] (start) / [0.2, 0.1, 0.1] (end)" in text
     assert "| criticalkv b=256 | 3.60 | 21.0 | 16.00 | - | 20 / 64 |" in text
-    assert f"| {cpu_peers.LABELS['openvino']} | 3.80 | 26.0 | 14.90 | 15.20 | 64 / 64 |" in text
+    assert "| OpenVINO GenAI (fp32 weights, f16 KV, bf16 compute) | 3.80 | 26.0 | 14.90 | 15.20 | 64 / 64 |" in text
+    assert "| OpenVINO GenAI (fp32 weights, f16 KV, f32 compute) | 6.10 | 51.0 | 8.00 | 8.50 | 64 / 64 |" in text
     assert "floor 20.0 ms/token" in text  # 540 MB at 27 GB/s
     assert "CacheEvictionConfig(start_size=32, recent_size=96, max_cache_size=256, NORM_SUM)" in text
 
 
 def test_targets_compare_the_budgeted_engine_with_openvino_and_the_floor():
+    """Against OpenVINO's first row (its default precision, what a user gets), not its f32 row."""
     rows = {what: (value, ok) for what, value, _, ok in cpu_peers.targets(_results(ckv_decode=20.0))}
     assert rows["prefill: criticalkv b / OpenVINO"] == (pytest.approx(3.6 / 3.8), True)
     assert rows["decode: criticalkv b / OpenVINO (full cache)"] == (pytest.approx(21.0 / 26.0), False)  # 0.81 > 0.8
@@ -64,7 +67,8 @@ def test_targets_compare_the_budgeted_engine_with_openvino_and_the_floor():
 
 def test_targets_without_openvino_are_not_judged():
     results = _results()
-    del results["systems"][cpu_peers.LABELS["openvino"]]
+    for precision in ("bf16", "f32"):
+        del results["systems"][cpu_peers.ov_label(precision)]
     rows = {what: (value, ok) for what, value, _, ok in cpu_peers.targets(results)}
     assert rows["prefill: criticalkv b / OpenVINO"] == (None, None)
     assert "| prefill: criticalkv b / OpenVINO | - | <= 1.0 | - |" in cpu_peers.render(results)
@@ -92,6 +96,13 @@ def test_summarize_takes_medians_and_counts_the_agreeing_tokens():
 def test_bad_eviction_sizes_are_refused(text, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         cpu_peers.parse_eviction(text)
+
+
+def test_precisions_parse():
+    assert cpu_peers.parse_precisions("default,f32") == ["default", "f32"]
+    for bad in ("", "bf16", "f32,fp16"):
+        with pytest.raises(ValueError, match="--ov-precision"):
+            cpu_peers.parse_precisions(bad)
 
 
 def test_eviction_sizes_parse():
@@ -133,6 +144,7 @@ def test_display_hides_the_home_directory():
     (["bench", "peers", "--engine-dir", "{tmp}/e", "--peers", "vllm"], "--peers: unknown vllm"),
     (["bench", "peers", "--engine-dir", "{tmp}/e", "--repeats", "0"], "--repeats >= 1"),
     (["bench", "peers", "--engine-dir", "{tmp}/e", "--ov-eviction", "1,2"], "--ov-eviction"),
+    (["bench", "peers", "--engine-dir", "{tmp}/e", "--ov-precision", "int8"], "--ov-precision"),
     (["bench", "peers", "--engine-dir", "{tmp}/e", "--peers-dir", "{tmp}/p"], "setup-peers --peers onnxruntime-genai,openvino"),
     (["bench", "profile", "--engine-dir", "{tmp}/none"], "{tmp}/none: not an engine directory"),
     (["bench", "profile", "--engine-dir", "{tmp}/e", "--steps", "0"], "--steps >= 1"),
