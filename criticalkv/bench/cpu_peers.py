@@ -45,7 +45,7 @@ CPU_PEERS = ("onnxruntime-genai", "openvino")
 #: OpenVINO's CacheEvictionConfig (start_size, recent_size, max_cache_size) by default: ~the b=256 budget.
 DEFAULT_EVICTION = (32, 96, 256)
 LABELS = {"onnxruntime-genai": "onnxruntime-genai (model builder, fp32)",
-          "openvino": "OpenVINO GenAI (fp32 weights, f16 KV"}
+          "openvino": "OpenVINO GenAI (fp32 export"}
 #: OpenVINO compute precisions run by default: its CPU default (bf16 on CPUs with BF16, even for fp32 weights) and f32.
 OV_PRECISIONS = ("default", "f32")
 

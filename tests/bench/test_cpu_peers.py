@@ -46,8 +46,8 @@ def test_render_prints_every_system_with_its_medians_and_the_load():
     text = cpu_peers.render(_results())
     assert "load average [0.1, 0.1, 0.1] (start) / [0.2, 0.1, 0.1] (end)" in text
     assert "| criticalkv b=256 | 3.60 | 21.0 | 16.00 | - | 20 / 64 |" in text
-    assert "| OpenVINO GenAI (fp32 weights, f16 KV, bf16 compute) | 3.80 | 26.0 | 14.90 | 15.20 | 64 / 64 |" in text
-    assert "| OpenVINO GenAI (fp32 weights, f16 KV, f32 compute) | 6.10 | 51.0 | 8.00 | 8.50 | 64 / 64 |" in text
+    assert "| OpenVINO GenAI (fp32 export, bf16 compute) | 3.80 | 26.0 | 14.90 | 15.20 | 64 / 64 |" in text
+    assert "| OpenVINO GenAI (fp32 export, f32 compute) | 6.10 | 51.0 | 8.00 | 8.50 | 64 / 64 |" in text
     assert "floor 20.0 ms/token" in text  # 540 MB at 27 GB/s
     assert "CacheEvictionConfig(start_size=32, recent_size=96, max_cache_size=256, NORM_SUM)" in text
 
