@@ -9,6 +9,7 @@ which holds a lock on it (``build_lock``) so that two builds never write one out
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import platform
 import shutil
@@ -20,10 +21,25 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from criticalkv.export.exporter import DECODE_FILE, PREFILL_TENSORRT_FILE, BuildConfig, ExportResult, export_model, onnx_info
+import torch
+
+import criticalkv.tensorrt as trt_engine
+from criticalkv.export.exporter import (
+    DECODE_FILE,
+    EXTEND_TENSORRT_FILE,
+    PREFILL_TENSORRT_FILE,
+    SELECT_TENSORRT_FILE,
+    BuildConfig,
+    ExportResult,
+    export_model,
+    onnx_info,
+)
 from criticalkv.export.validate import validate_export
 from criticalkv.files import remove_stale_temporaries, temporary_dir
+from criticalkv.hf import generate, load_model, resolve_model
+from criticalkv.hf.loading import stop_token_ids
 from criticalkv.policy import SCHEMA_VERSION, KVPolicy
+from criticalkv.runtime import Engine, create_backend
 from criticalkv.runtime.manifest import FORMAT as MANIFEST_FORMAT
 from criticalkv.runtime.manifest import FORMAT_VERSION, MANIFEST_FILE, EngineError, write_manifest
 
@@ -51,8 +67,6 @@ def build_request(model_name: str, model_path: str, policy: KVPolicy, config: Bu
 
 def existing_manifest(output: Path) -> dict[str, Any] | None:
     """The criticalkv manifest in ``output`` (None when there is none, or it is not one of ours)."""
-    import json
-
     try:
         manifest = json.loads((output / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
@@ -111,11 +125,6 @@ def smoke_test(
 ) -> dict[str, Any]:
     """Generate a few greedy tokens on ONNX Runtime from a prompt long enough to be compressed, and the
     same with the PyTorch path; record whether tokens and kept indices agree."""
-    import torch
-
-    from criticalkv.hf import generate
-    from criticalkv.runtime import Engine, create_backend
-
     n = min(config.max_input_len, policy.budget + 64 if policy.name != "full" else 96)
     ids = list(tokenizer(SMOKE_TEXT * (n // 20 + 2))["input_ids"][:n])
     vocab = manifest["model"]["spec"]["vocab_size"]
@@ -162,11 +171,6 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
                         "flavour (docs/operator.md, model-level selection)", log)
     if not result.policy.method.base.native:
         return _skipped(f"{result.policy.name} {result.policy.method.base.cpp_refusal}", log)
-    try:
-        import criticalkv.tensorrt as trt_engine
-    except ImportError as err:
-        reason = f"the criticalkv.tensorrt package (TensorRT plugin and engine build) is not available: {err}"
-        return _skipped(reason, log)
     reason = trt_engine.tensorrt_unavailable_reason()
     if reason:
         return _skipped(reason, log)
@@ -174,6 +178,8 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
     if plugin is None:
         return _skipped("the CriticalKVSelect plugin library is not built (run `bash scripts/build_plugin.sh`)", log)
     config = result.config
+    # extend and select (chunked prefill, the context cache) when the export wrote their TensorRT flavours
+    chunked = (folder / EXTEND_TENSORRT_FILE).exists() and (folder / SELECT_TENSORRT_FILE).exists()
     log(f"building TensorRT engines ({config.dtype}) with {plugin} ...")
     try:
         built = trt_engine.build_tensorrt_engines(
@@ -181,6 +187,11 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
             max_batch=config.max_batch_size, max_input_len=config.max_input_len,
             max_capacity=max(result.prefill_capacities), dtype=config.dtype,
             strongly_typed=config.dtype == "float32",  # the graphs are fp32: fp16/bf16 are builder precision flags
+            onnx_extend_path=folder / EXTEND_TENSORRT_FILE if chunked else None,
+            onnx_select_path=folder / SELECT_TENSORRT_FILE if chunked else None,
+            extend_chunk=config.extend_chunk, window=result.policy.window,
+            # an extend runs over a slot's decode buffers or over a prompt's prefill buffer (at most max_input_len)
+            extend_capacities=[max(c, config.max_input_len) for c in result.decode_capacities],
         )
     except Exception as err:  # noqa: BLE001: any TensorRT failure leaves the ONNX Runtime engine intact
         shutil.rmtree(folder / "tensorrt", ignore_errors=True)
@@ -188,14 +199,13 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
         log(f"TensorRT engines: FAILED ({error}). The ONNX Runtime engine is complete; the error is recorded in "
             f"{MANIFEST_FILE} (tensorrt.error)")
         return {"built": False, "failed": True, "error": error}
-    library = Path(os.path.relpath(built.plugin_library, folder))  # tensorrt/<library>: moves with the folder
-    return {"built": True, "tensorrt_version": built.tensorrt_version, "dtype": built.dtype,
-            "plugin_layers": built.plugin_layers, "plugin_library": library.as_posix()}
+    return built.manifest_entry(folder)  # paths relative to the engine directory: they move with it
 
 
 def _skipped(reason: str, log: Callable[[str], None]) -> dict[str, Any]:
     log(f"TensorRT engines: SKIPPED because {reason}. The ONNX Runtime engine is complete; "
-        f"{PREFILL_TENSORRT_FILE} (when written) and {DECODE_FILE} are the inputs of criticalkv.tensorrt.build_tensorrt_engines "
+        f"{PREFILL_TENSORRT_FILE}, {EXTEND_TENSORRT_FILE}, {SELECT_TENSORRT_FILE} (when written) and {DECODE_FILE} are the "
+        "inputs of criticalkv.tensorrt.build_tensorrt_engines "
         "on a GPU machine.")
     return {"built": False, "skipped_reason": reason}
 
@@ -206,8 +216,6 @@ def export_engine(
 ) -> tuple[ExportResult, dict[str, Any]]:
     """Export ``model`` into ``folder`` and validate it; returns the export and the manifest content
     (``write_manifest(folder, content)`` completes an engine directory)."""
-    from criticalkv.commands.generate import stop_token_ids
-
     result = export_model(model, policy, folder, config, tokenizer)
     validation = validate_export(result) if validate else None
     content = {
@@ -280,13 +288,12 @@ def build_engine(
     from a different request is an error unless ``force``. Anything at ``output`` that is not an engine
     directory (or an empty one) is never replaced: see ``check_replaceable``.
     """
-    from criticalkv.hf import resolve_model
-
     config = config or BuildConfig()
     check_compresses(policy, config)
     output = Path(output)
     model_name = model or "smollm2-135m"
     model_path = str(resolve_model(model))
+    check_exportable_model(model_path)
     request = build_request(model_name, model_path, policy, config)
     output.parent.mkdir(parents=True, exist_ok=True)
     with build_lock(output):
@@ -298,10 +305,18 @@ def build_engine(
         return _build(output, policy, config, model, model_name, model_path, request, smoke, tensorrt, log)
 
 
+def check_exportable_model(model_path: str) -> None:
+    """Refuse a model the export cannot write graphs for from its config alone, before loading its weights."""
+    from transformers import AutoConfig
+
+    from criticalkv.hf.loading import check_supported
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    check_supported(AutoConfig.from_pretrained(model_path))
+
+
 def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | None, model_name: str, model_path: str,
            request: dict[str, Any], smoke: bool, tensorrt: bool, log: Callable[[str], None]) -> Path:
-    from criticalkv.hf import load_model
-
     tmp = temporary_dir(output.parent, f".{output.name}.building-")
     try:
         start = time.perf_counter()

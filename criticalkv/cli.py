@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m criticalkv.cli`: signals are noted from the first line, raised in main()
+    from criticalkv import interrupts
+
+    interrupts.note_early()
+
 import argparse
-import contextlib
 import importlib
-import signal
 import sys
-from typing import Iterator
+from importlib import metadata
+
+from criticalkv.interrupts import (  # noqa: F401 (re-exported: scripts/ use them)
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    Terminated,
+    raise_pending,
+    signals_raise,
+    sigterm_raises,
+)
 
 #: Modules that define ``register(subparsers)``; one line per subcommand.
 SUBCOMMANDS = [
@@ -20,36 +32,8 @@ SUBCOMMANDS = [
     "criticalkv.commands.bench",
 ]
 
-#: Exit status after Ctrl-C (128 + SIGINT) and after SIGTERM (128 + SIGTERM), as shells report them.
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
-
-
-class Terminated(BaseException):
-    """Raised in the main thread on SIGTERM (``timeout``, ``kill``, a CI cancellation), like
-    KeyboardInterrupt on Ctrl-C, so that every ``finally`` (temporary directories, locks) runs."""
-
-
-@contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """While inside, SIGTERM raises ``Terminated`` in the main thread (the previous handler is restored)."""
-    def handler(signum, frame):
-        raise Terminated()
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
 
 def version() -> str:
-    from importlib import metadata
-
     try:
         return metadata.version("criticalkv")
     except metadata.PackageNotFoundError:
@@ -69,11 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    name = f"criticalkv {args.command}"
+    # Ctrl-C (KeyboardInterrupt) and SIGTERM (Terminated) are caught from here on, before the subcommands'
+    # modules (torch, ONNX Runtime: seconds) are imported: a signal during start-up ends the command with
+    # its one line too (before this point only Python's own start-up runs: the signal then simply kills it)
+    args = None
+    name = _command_name(sys.argv[1:] if argv is None else argv)
     try:
-        with sigterm_raises():
-            return int(args.func(args) or 0)
+        with signals_raise():
+            parser = build_parser()
+            args, extra = parser.parse_known_args(argv)
+            if extra and not getattr(args, "passes_arguments", False):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            if extra:  # a subcommand that hands its arguments to a module's own parser (criticalkv bench latency)
+                args.arguments = list(args.arguments) + extra
+            name = f"criticalkv {args.command}"
+            code = int(args.func(args) or 0)
+            raise_pending()  # a signal whose exception was dropped (it landed in a __del__): the command still ends
+            return code
     except (ValueError, OSError) as err:  # user errors: one clear line, no traceback
         print(f"{name}: error: {err}", file=sys.stderr)
         return 2
@@ -83,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         print(f"{name}: terminated (SIGTERM){_hint(args)}", file=sys.stderr)
         return EXIT_TERMINATED
+
+
+def _command_name(argv: list[str]) -> str:
+    """``criticalkv SUBCOMMAND`` as far as the raw arguments tell (before the parser exists)."""
+    words = [a for a in argv if not a.startswith("-")]
+    return f"criticalkv {words[0]}" if words else "criticalkv"
 
 
 def _hint(args) -> str:

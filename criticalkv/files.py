@@ -6,10 +6,14 @@ import glob
 import hashlib
 import os
 import re
+import select
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+from criticalkv.interrupts import raise_pending
 
 
 def sha256_file(path: Path) -> str:
@@ -64,3 +68,44 @@ def remove_stale_temporaries(parent: Path, prefix: str, log: Callable[[str], Non
         log(f"removed {path}: a temporary left by {owner} (killed before it could clean up)")
         removed.append(path)
     return removed
+
+
+def read_text_interruptibly(path: Path, poll_s: float = 0.1) -> str:
+    """The UTF-8 text of ``path`` (universal newlines, as ``Path.read_text``), read so that Ctrl-C and
+    SIGTERM end the wait at any moment when ``path`` is a FIFO, a terminal or another file a read can block on.
+
+    Why: Python runs a signal's handler between bytecodes; a signal that lands after the last check and
+    before a blocking ``read()`` starts is noted but never acted on, since the read does not return (it
+    was not interrupted: the signal came before it) and the command hangs until a writer closes the file.
+    Here such files are opened without blocking and read after ``poll()`` with a timeout of ``poll_s``:
+    a signal that lands anywhere is acted on within ``poll_s`` (and one whose exception was dropped is
+    raised again: ``criticalkv.interrupts.raise_pending``). Regular files cannot block and are read at once.
+    UnicodeDecodeError as ``read_text`` raises it.
+    """
+    path = Path(path)
+    if stat.S_ISREG(os.stat(path).st_mode):
+        return path.read_text(encoding="utf-8")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, before any writer
+    try:
+        fifo = stat.S_ISFIFO(os.fstat(fd).st_mode)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        chunks = []
+        while True:
+            events = poller.poll(int(poll_s * 1000))  # the loop itself is where a pending signal is acted on
+            raise_pending()  # one whose exception was dropped (see criticalkv.interrupts)
+            if not events:
+                continue
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if data:
+                chunks.append(data)
+            # end of file: a FIFO reads empty before its first writer too, but only then polls without POLLHUP
+            elif not fifo or any(mask & select.POLLHUP for _, mask in events):
+                break
+    finally:
+        os.close(fd)
+    text = b"".join(chunks).decode("utf-8")
+    return text.replace("\r\n", "\n").replace("\r", "\n")

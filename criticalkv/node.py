@@ -20,16 +20,21 @@ Outputs (cap = min(n, capacity)):
   1 ``kept_values``    [B, H_kv, cap, d_h] float
   2 ``kept_lengths``   [B, H_kv]           int32  kept entries of each KV head
   3 ``kept_indices``   [B, H_kv, cap]      int32  their positions in [0, n), -1 padded
+
+The TensorRT plugin's creator fields are these attributes (``plugin_field_specs``), and an ONNX Runtime profile
+tells the pruned stage 2's branches apart by the names of their nodes (``BRANCH_NODES``): both are part of the
+contract, so the runtime and the plugin tools read them here, not from the exporter or the code generator.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from criticalkv.methods.budget import layer_budget_table, max_kept_per_head
 from criticalkv.policy import KVPolicy
-from criticalkv.selection.budget import layer_budget_table, max_kept_per_head
 
 DOMAIN = "ai.criticalkv"
 OP_TYPE = "CriticalKVSelect"
@@ -40,8 +45,58 @@ MODEL_OP_TYPE = "CriticalKVSelectModel"
 OPSET_VERSION = 1
 INPUTS = ("queries", "keys", "values", "o_proj_weight", "prompt_lengths", "kv_budget")
 OUTPUTS = ("kept_keys", "kept_values", "kept_lengths", "kept_indices")
+#: The seventh input of a node whose method reads RoPE's rotation tables (``BaseMethod.needs_rotation``:
+#: expected-attention): [2, window, d_h] float32, ``criticalkv.methods.expected_attention.rotation_tables``.
+ROTATION_INPUT = "rotation"
+
+
+def node_inputs(policy: KVPolicy) -> tuple[str, ...]:
+    """The inputs of ``policy``'s ``CriticalKVSelect`` node (its function body's signature)."""
+    return INPUTS + ((ROTATION_INPUT,) if policy.method.base.needs_rotation else ())
 #: Attributes beyond the policy knobs.
 LAYER_ATTRIBUTES = ("layer_idx", "num_layers", "capacity", "layer_budgets")
+#: Names (prefixes) of the body's nodes that accept the pruned stage 2's result: 2 k_max candidates, 4 k_max, every
+#: token (``criticalkv.export.select_function`` names them; ``criticalkv.runtime.profiling`` counts them).
+BRANCH_NODES = ("stage2_accept_2k", "stage2_accept_4k", "stage2_accept_all")
+
+#: Python field type -> (kind in the header, TensorRT PluginFieldType the ONNX parser passes for it, C++ type)
+KINDS = {
+    "str": ("STRING", "kCHAR", "std::string"),
+    "int": ("INT", "kINT32", "int32_t"),
+    "float": ("FLOAT", "kFLOAT32", "double"),
+    "ints": ("INTS", "kINT32", "std::vector<int32_t>"),
+}
+
+#: Layer attributes of the node (beyond the knobs): kind and default; capacity 0 means "not given".
+LAYER_FIELDS = {"layer_idx": ("int", 0), "num_layers": ("int", 1), "capacity": ("int", 0), "layer_budgets": ("ints", ())}
+
+
+class PluginFieldSpec(NamedTuple):
+    """One creator field: its name, kind (STRING/INT/FLOAT/INTS), TensorRT field type and default."""
+
+    name: str
+    kind: str
+    trt_type: str
+    default: object
+
+
+def knob_type_name(f: dataclasses.Field) -> str:
+    """``"int"``, ``"float"`` or ``"str"``: the type of a ``KVPolicy`` field (a string under postponed annotations)."""
+    return f.type if isinstance(f.type, str) else f.type.__name__
+
+
+def plugin_field_specs() -> list[PluginFieldSpec]:
+    """Every creator field in order: the KVPolicy knobs (declaration order), then the layer attributes."""
+    specs = []
+    default = KVPolicy()
+    for f in dataclasses.fields(KVPolicy):
+        kind, trt_type, _ = KINDS[knob_type_name(f)]
+        specs.append(PluginFieldSpec(f.name, kind, trt_type, getattr(default, f.name)))
+    for name in LAYER_ATTRIBUTES:
+        type_name, value = LAYER_FIELDS[name]
+        kind, trt_type, _ = KINDS[type_name]
+        specs.append(PluginFieldSpec(name, kind, trt_type, value))
+    return specs
 
 
 def node_capacity(policy: KVPolicy, max_prompt_len: int, num_kv_heads: int, layer_idx: int, num_layers: int) -> int:

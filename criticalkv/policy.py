@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -98,7 +99,7 @@ class KVPolicy:
                              rules=(Between(0.0, 1.0), Decimals(6)))
     pyramid_beta: float = _knob(20.0, "pyramidkv: ratio between the first and the last layer's selectable budget",
                                 rules=(AtLeast(1.0), Decimals(6)))
-    sink_tokens: int = _knob(4, "streamingllm: number of leading attention-sink tokens kept",
+    sink_tokens: int = _knob(4, "streamingllm, expected-attention: number of leading attention-sink tokens kept",
                              rules=(AtLeast(0), Scoped(NotAboveField("budget"), "reads"), AtMost(MAX_TOKENS)))
     stage1_mass: float = _knob(0.9, "defensivekv: stage 1 keeps each head's most-attended older tokens while their "
                                "attention mass stays below stage1_mass minus the window's own mass (capped at the head's share)",
@@ -107,6 +108,9 @@ class KVPolicy:
                                   "(window included; 0 = no cap, a head may keep its whole prompt); an engine's per-layer "
                                   "KV buffers hold min(max_input_len, head_cap_ratio × budget) entries per head",
                                   rules=(ZeroOrAtLeast(1.0), Decimals(6)))
+    future_positions: int = _knob(512, "expected-attention: the next positions the window's queries are carried to "
+                                  "through RoPE (their rotation averaged over them), as kvpress's n_future_positions",
+                                  rules=(Positive(), AtMost(MAX_TOKENS)))
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -131,6 +135,10 @@ class KVPolicy:
                 problem = rule.check(self, f.name)
                 if problem:
                     raise ValueError(problem)
+        sinks = self.method.base.sinks(self)
+        if sinks and self.budget < self.window + sinks:
+            raise ValueError(f"budget: {self.name} keeps the window ({self.window}) and the first sink_tokens ({sinks}) "
+                             f"tokens, so the budget must be at least {self.window + sinks}, got {self.budget}")
 
     def _rule_applies(self, scoped: Scoped, knob: str) -> bool:
         method = _methods.method_of(self.name)
@@ -158,21 +166,39 @@ class KVPolicy:
         low = self.window
         if "sink_tokens" in self.method.knobs:
             low = max(low, self.sink_tokens)
-        return low
+        # a scored method that also keeps its first tokens (expected-attention) keeps them beside the window
+        return max(low, self.window + self.method.base.sinks(self))
+
+    def request_budget(self, kv_budget: int | None) -> int | None:
+        """A request's ``kv_budget`` checked against this (built) policy: the one owner of that rule.
+
+        Returns None for the built budget (None or equal to it), else the budget, which lies in
+        [min_budget, budget]. Raises ValueError naming ``kv_budget`` otherwise, and for a policy that does not
+        evict (``full`` keeps every entry: there is no budget to lower).
+        """
+        if kv_budget is None:
+            return None
+        integral = isinstance(kv_budget, numbers.Integral) or (isinstance(kv_budget, float) and kv_budget.is_integer())
+        if isinstance(kv_budget, bool) or not integral:
+            raise ValueError(f"kv_budget: expected an integer, got {kv_budget!r}")
+        kv_budget = int(kv_budget)
+        if not self.method.base.evicts:
+            raise ValueError(f"kv_budget: this engine's policy {self.name!r} keeps every entry (no budget to lower)")
+        if not self.min_budget <= kv_budget <= self.budget:
+            why = "the window and the engine's built budget"
+            if self.min_budget > self.window:
+                why = "the window or sink_tokens, whichever is larger, and the engine's built budget"
+            raise ValueError(f"kv_budget: {kv_budget} is outside the range; kv_budget must lie in "
+                             f"[{self.min_budget}, {self.budget}] ({why}), got {kv_budget}")
+        return None if kv_budget == self.budget else kv_budget
 
     def with_budget(self, kv_budget: int | None) -> "KVPolicy":
-        """This policy with a per-request budget in [min_budget, budget] (None: the built budget)."""
-        if kv_budget is None or kv_budget == self.budget:
+        """This policy with a per-request budget in [min_budget, budget] (None: the built budget; a policy that
+        does not evict is returned unchanged). The range is ``request_budget``'s."""
+        if kv_budget is None or kv_budget == self.budget or not self.method.base.evicts:
             return self
-        if isinstance(kv_budget, bool) or not isinstance(kv_budget, int):
-            raise ValueError(f"kv_budget: expected an integer, got {kv_budget!r}")
-        if self.method.base.evicts and not self.min_budget <= kv_budget <= self.budget:
-            raise ValueError(
-                f"kv_budget: {kv_budget} is outside [{self.min_budget}, {self.budget}] (the window and the built budget)"
-            )
-        if not self.method.base.evicts:
-            return self
-        return self.replace(budget=kv_budget)
+        budget = self.request_budget(kv_budget)
+        return self if budget is None else self.replace(budget=budget)
 
     @property
     def selectable_budget(self) -> int:

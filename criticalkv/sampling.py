@@ -4,32 +4,18 @@ per-sequence stop-token bookkeeping and the decode loop every generation path ru
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """temperature 0 is greedy (argmax, ties to the lower token id); top_p in (0, 1]; seed for repeatability."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
-            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must lie in (0, 1], got {self.top_p}")
+from criticalkv.request import SamplingParams
 
 
 class Sampler:
     """Turns last-position logits [B, V] (NumPy, any float dtype) into token ids [B] int64."""
 
-    def __init__(self, config: SamplingConfig | None = None):
-        self.config = config or SamplingConfig()
+    def __init__(self, params: SamplingParams | None = None):
+        self.config = params or SamplingParams()
         self.rng = np.random.default_rng(self.config.seed)
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:

@@ -39,6 +39,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ONNX Runtime token for token). The ONNX graphs and ONNX Runtime are always fp32")
     p.add_argument("--attention-chunk", type=int, default=defaults.attention_chunk,
                    help=f"query block size of the prompt attention (default: {defaults.attention_chunk})")
+    p.add_argument("--extend-chunk", type=int, default=defaults.extend_chunk,
+                   help="most new tokens per sequence in one run of extend.onnx: a chunk of a chunked prefill, or a "
+                        "question after a cached context (default: %(default)s). Chunks that are multiples of "
+                        "--attention-chunk reproduce the one-shot prefill bitwise on ONNX Runtime")
+    p.add_argument("--max-question-len", type=int, default=defaults.max_question_len,
+                   help="most tokens of a question asked after a cached context (the serving context cache); every "
+                        "slot's KV buffers keep room for them (default: %(default)s)")
     p.add_argument("--force", action="store_true",
                    help="rebuild, replacing the engine at --output; anything there that is not an engine directory "
                    "(a file, other folders) is never replaced")
@@ -56,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_raises():
             policy = KVPolicy.from_args(args)
             config = BuildConfig(args.max_input_len, args.max_new_tokens, args.max_batch_size, args.dtype,
-                                 args.attention_chunk)
+                                 args.attention_chunk, args.extend_chunk, args.max_question_len)
             folder = build_engine(args.output, policy, config, model=args.model, force=args.force,
                                   smoke=not args.skip_smoke_test, tensorrt=not args.skip_tensorrt)
     except (ValueError, OSError) as err:

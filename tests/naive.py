@@ -48,6 +48,43 @@ def naive_scores(p, q, k, v, o):
     return S, C, L
 
 
+def naive_expected_scores(p, q, k, v, o):
+    """Expected attention, loop by loop (arXiv 2510.00636, from its definition; RoPE's default angles, base 10000):
+    every window query rotated by each of the next ``future_positions`` offsets and averaged, the Gaussian's
+    closed-form logits, softmax over the non-sink keys. Returns (own score A ||v||_2, C with P = A_h) [H_kv, m]."""
+    heads, w_all, d = q.shape
+    kv_heads, n, _ = k.shape
+    group = heads // kv_heads
+    w = min(p.window, n)
+    m = n - w
+    theta = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
+    A, C = np.zeros((kv_heads, m)), np.zeros((kv_heads, m))
+    for h in range(heads):
+        g = h // group
+        rows = []
+        for j in range(w):
+            x = q[h, w_all - w + j]
+            e = w - j  # query j sits e positions before the next one
+            carried = np.zeros(d)
+            for t in range(e, e + p.future_positions):
+                ang = np.concatenate([t * theta, t * theta])
+                rotated = np.concatenate([-x[d // 2:], x[: d // 2]])
+                carried += x * np.cos(ang) + rotated * np.sin(ang)
+            rows.append(carried / p.future_positions)
+        X = np.array(rows)
+        mu = X.mean(0)
+        sigma = (X - mu).T @ (X - mu) / w
+        logits = np.array([k[g, i] @ mu / math.sqrt(d) + k[g, i] @ sigma @ k[g, i] / (2 * d) for i in range(n)])
+        logits[: p.sink_tokens] = -np.inf
+        e_ = np.exp(logits - logits[p.sink_tokens:].max())
+        probs = (e_ / e_.sum())[:m]
+        A[g] += probs / group
+        proj = v[g, :m] @ o[:, h * d : (h + 1) * d].T
+        norm = np.abs(proj).sum(1) if p.value_norm == "l1" else np.sqrt((proj**2).sum(1))
+        C[g] += (probs + p.epsilon) * norm / group
+    return A * np.sqrt((v[:, :m] ** 2).sum(-1)), C
+
+
 def naive_select(p, q, k, v, o, layer_idx=0, num_layers=1):
     """Kept positions of every KV head: a list of sorted lists. q [H, w, d_h], k/v [H_kv, n, d_h], o [d, H*d_h]."""
     q, k, v, o = (np.asarray(x, dtype=np.float64) for x in (q, k, v, o))
@@ -61,9 +98,16 @@ def naive_select(p, q, k, v, o, layer_idx=0, num_layers=1):
     m = n - w
     if p.base == "defensivekv":
         return naive_defensive_select(p, q, k, v, o, min(layer_selectable_budget(p, layer_idx, num_layers), m))
-    S, C, L = naive_scores(p, q, k, v, o)
     r = min(layer_selectable_budget(p, layer_idx, num_layers), m)
     older = [range(m)] * kv_heads
+    sinks = set()
+    if p.base == "expected-attention":
+        S, C = naive_expected_scores(p, q, k, v, o)
+        sinks = set(range(p.sink_tokens))  # kept first, inside the budget
+        r = min(r - p.sink_tokens, m - p.sink_tokens)
+        older = [range(p.sink_tokens, m)] * kv_heads
+    else:
+        S, C, L = naive_scores(p, q, k, v, o)
 
     def two_stage(g, count):
         first = stage1_count(p.alpha, count)
@@ -71,8 +115,9 @@ def naive_select(p, q, k, v, o, layer_idx=0, num_layers=1):
         rest = [i for i in older[g] if i not in s1]
         return s1 | top({i: C[g, i] for i in rest}, count - first, rest)
 
-    if p.base in ("snapkv", "pyramidkv"):
+    if p.base in ("snapkv", "pyramidkv", "expected-attention"):
         chosen = [two_stage(g, r) if p.two_stage else top(dict(enumerate(S[g])), r, list(older[g])) for g in range(kv_heads)]
+        chosen = [c | sinks for c in chosen]
     else:
         scores = L if p.base == "laprox" else S
         floor = head_floor(p.ada_floor, r)

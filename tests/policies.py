@@ -18,10 +18,13 @@ POLICY_CASES = [
     ("ada-criticalkv", dict(name="ada-criticalkv")),
     ("defensivekv", dict(name="defensivekv")),
     ("defensivekv-mass0.2", dict(name="defensivekv", stage1_mass=0.2)),
+    ("expected-attention", dict(name="expected-attention")),
+    ("expected-criticalkv", dict(name="expected-criticalkv", future_positions=64)),
 ]
 
 #: Two-stage policies and the base method alpha = 1 must reduce them to.
-TWO_STAGE_BASES = [("criticalkv", "snapkv"), ("pyramid-criticalkv", "pyramidkv"), ("ada-criticalkv", "adakv")]
+TWO_STAGE_BASES = [("criticalkv", "snapkv"), ("pyramid-criticalkv", "pyramidkv"), ("ada-criticalkv", "adakv"),
+                   ("expected-criticalkv", "expected-attention")]
 
 
 def make_policy(kwargs: dict, budget: int, window: int, **extra) -> KVPolicy:

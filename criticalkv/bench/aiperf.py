@@ -19,11 +19,22 @@ from __future__ import annotations
 import json
 import resource
 import shlex
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
+from criticalkv.bench import machine
+from criticalkv.bench.client import Endpoint, request_body, run_load
+from criticalkv.bench.machine import header_lines
+from criticalkv.bench.metrics import summarize
 from criticalkv.bench.peers import peer_ready
+from criticalkv.bench.prompts import make_prompts
+from criticalkv.bench.server import ServerProcess, engine_label
+from criticalkv.bench.serving import _only_model
 
 #: Agreement the issue asks for between the two tools (relative difference).
 TOLERANCE = 0.10
@@ -96,8 +107,6 @@ def _num(x, digits: int) -> str:
 
 
 def render(results: dict) -> str:
-    from criticalkv.bench.machine import header_lines
-
     c = results["cross_check"]
     lines = header_lines(results) + [
         f"# aiperf: {c['aiperf_command']}",
@@ -157,17 +166,6 @@ def scrub_paths(folder: Path, replacements: dict[str, str]) -> None:
 
 def cross_check(args, log=print) -> dict:
     """``criticalkv bench aiperf``: both tools on one server and workload; returns the results dict."""
-    import shutil
-    import tempfile
-
-    from transformers import AutoTokenizer
-
-    from criticalkv.bench import machine
-    from criticalkv.bench.client import Endpoint, request_body, run_load
-    from criticalkv.bench.metrics import summarize
-    from criticalkv.bench.prompts import make_prompts
-    from criticalkv.bench.server import ServerProcess, engine_label
-
     results = machine.header(args.command_line)
     log("\n".join(machine.header_lines(results)))
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else Path(args.engine_dir) / "tokenizer"
@@ -182,8 +180,6 @@ def cross_check(args, log=print) -> dict:
             url = server.url
         else:
             engine, url = args.label or "server", args.url.rstrip("/")
-        from criticalkv.bench.serving import _only_model
-
         model = args.model_name or _only_model(url)
         endpoint = Endpoint(url, model)
         bodies = [request_body(p.text, args.osl, True, args.kv_budget) for p in prompts]

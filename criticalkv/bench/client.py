@@ -28,6 +28,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from tqdm import tqdm
+
 from criticalkv.bench.metrics import RequestRecord
 
 #: Seconds a single request may take before the client gives up on it (recorded as an error).
@@ -54,11 +56,13 @@ class Endpoint:
 
 
 def request_body(text: str, max_tokens: int, ignore_eos: bool = True, kv_budget: int | None = None,
-                 extra_sampling: dict | None = None) -> dict:
+                 extra_sampling: dict | None = None, context: str | None = None, chat: bool | None = None) -> dict:
     """The JSON body of one generate request (Triton generate extension: keys are the model's inputs).
 
     Greedy decoding (temperature 0) and ``ignore_eos`` so that every request produces exactly
     ``max_tokens`` tokens; the server returns token counts and KV bytes with the final response.
+    ``context``: a document sent apart from the question ``text`` (the server compresses it once and caches it;
+    its response says ``context_cache_hit``); ``chat``: the model's ``apply_chat_template`` input (None: not sent).
     """
     sampling = {"max_tokens": int(max_tokens), "temperature": 0.0, "ignore_eos": bool(ignore_eos)}
     sampling.update(extra_sampling or {})
@@ -73,6 +77,10 @@ def request_body(text: str, max_tokens: int, ignore_eos: bool = True, kv_budget:
     }
     if kv_budget is not None:
         body["kv_budget"] = int(kv_budget)
+    if context is not None:
+        body["context"] = context
+    if chat is not None:
+        body["apply_chat_template"] = bool(chat)
     return body
 
 
@@ -80,6 +88,14 @@ def _as_int(value) -> int | None:
     if isinstance(value, list):  # a [1]-shaped output comes back as a one-element list
         value = value[0] if value else None
     return None if value is None else int(value)
+
+
+def _as_bool(value) -> bool | None:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if isinstance(value, str):  # a BOOL output may come back as "true" / "false"
+        return value.strip().lower() in ("true", "1")
+    return None if value is None else bool(value)
 
 
 def _as_str(value) -> str | None:
@@ -94,7 +110,7 @@ def parse_event(record: RequestRecord, event: dict, arrived: float) -> None:
     A streamed response's ``num_output_tokens`` counts the tokens *it* carries (criticalkv's model sends
     a response when new text is ready, so a token that completes no character travels with the next
     one); a response with ``text_output`` and no count carries one token. The final response adds the
-    input count, KV bytes and finish reason.
+    input count, KV bytes and finish reason (and, for a request with a context, ``context_cache_hit``).
     """
     if "error" in event:
         record.error = str(event["error"])
@@ -108,6 +124,8 @@ def parse_event(record: RequestRecord, event: dict, arrived: float) -> None:
                       ("kv_bytes_full", "kv_bytes_full")):
         if event.get(key) is not None:
             setattr(record, attr, _as_int(event[key]))
+    if event.get("context_cache_hit") is not None:
+        record.context_cache_hit = _as_bool(event["context_cache_hit"])
     if event.get("finish_reason") not in (None, "", [""], [None]):
         record.finish_reason = _as_str(event["finish_reason"])
 
@@ -236,8 +254,6 @@ def run_load(endpoint: Endpoint, bodies: Sequence[dict], concurrency: int | None
     bar = None
     lock = threading.Lock()
     if progress is not None:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(bodies), desc=progress, unit="req", leave=False)
 
     def on_done(_record):

@@ -9,19 +9,24 @@ machine load), after ``--warmup`` unmeasured rounds:
 * ``decode``: a long request (``--long-isl`` / ``--long-osl``) is sent first; once it has streamed
   ``--decode-after-tokens`` tokens (its prefill is over, it is decoding) the short request is sent;
 * ``prefill``: the long request is sent first and the short one ``--prefill-delay`` s later, while the
-  long prompt is being prefilled. The scheduler prefills each request whole (no chunked prefill), so
-  the short request waits for the rest of that prefill: users hit this case too, and it is reported
-  as its own row.
+  long prompt is being prefilled. With chunked prefill (``criticalkv serve --prefill-chunk N``, N > 0) the
+  scheduler runs the long prompt N tokens at a time and the short prompt's chunk goes first, so the short
+  request waits for at most one chunk; with ``--prefill-chunk 0`` it waits for the whole rest of the prefill.
 
 Every request is the same text each round (greedy, ``ignore_eos``: exact output lengths); the next
 case starts only when the previous one's requests have all finished. Per case: the short request's
 TTFT distribution (median, p90, ...); ratios of the loaded cases' median and p90 to the idle ones. The
-target of the serving issue: ``decode`` median TTFT <= 1.5x the ``idle`` median. Each round records the
-load average before and after, and whether the short request really arrived in the intended phase of
-the long one (``phase_ok``; rounds where it did not are kept in the JSON but left out of the statistics).
+targets of the serving issues: ``decode`` median TTFT <= 1.5x the ``idle`` median, and with chunked prefill
+``prefill`` median TTFT <= 2x the ``idle`` median. Each round records the load average before and after, and
+whether the short request really arrived in the intended phase of the long one (``phase_ok``; rounds where it
+did not are kept in the JSON but left out of the statistics).
 
-Results: ``OUT/NAME.json`` (header with machine, versions, commit, ``uptime`` before and after; every
-round's timings), ``NAME.md`` (tables) and ``NAME.png`` (TTFT per round and case).
+Chunk sizes compared in one run: ``--prefill-chunk 0,512,256`` starts one server per value (one after the other,
+each with ``--prefill-chunk`` added to ``--server-args``) and measures every round on each; each server's
+setting is recorded with its rounds (with ``--url``, ``--prefill-chunk`` only records the running server's).
+
+Results: ``OUT/NAME.json`` (header with machine, versions, commit, ``uptime`` before and after; per chunk size
+(``variants``) every round's timings), ``NAME.md`` (tables) and ``NAME.png`` (TTFT per round and case).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ CASES = ("idle", "decode", "prefill")
 #: The issue's target: a short request during a long generation's decode gets its first token within
 #: this factor of its idle time to first token (medians).
 TARGET_RATIO = 1.5
+#: With chunked prefill, a short request arriving during a long prompt's prefill: within this factor (medians).
+PREFILL_TARGET_RATIO = 2.0
 #: Seconds to wait for the long request's first tokens before a round is given up.
 PHASE_TIMEOUT_S = 900.0
 
@@ -124,9 +131,11 @@ def run_case(endpoint: Endpoint, case: str, short_body: dict, long_body: dict, d
             "load_average_before": load_before, "load_average_after": machine.load_average()}
 
 
-def summarize_cases(rounds: list[dict], goal: float = TARGET_RATIO) -> dict:
+def summarize_cases(rounds: list[dict], goal: float = TARGET_RATIO, prefill_chunk: int | None = None,
+                    prefill_goal: float = PREFILL_TARGET_RATIO) -> dict:
     """Per case the short request's TTFT distribution (ms) over the rounds whose phase was right; the
-    loaded cases' median and p90 ratios to ``idle``; the target (``decode`` median ratio <= ``goal``)."""
+    loaded cases' median and p90 ratios to ``idle``; the targets (``decode`` median ratio <= ``goal``; with
+    ``prefill_chunk`` > 0, ``prefill`` median ratio <= ``prefill_goal``, else no goal: the prefill is not chunked)."""
     cases = {}
     for case in CASES:
         rows = [r for r in rounds if r["case"] == case]
@@ -151,42 +160,93 @@ def summarize_cases(rounds: list[dict], goal: float = TARGET_RATIO) -> dict:
                   if r["case"] == case and r["short"]["ok"] and r["phase_ok"] and idle_by_round.get(r.get("round"))]
         cases[case]["paired_ratio"] = distribution(paired)
     ratio = cases["decode"]["ratio_p50"]
+    chunked = bool(prefill_chunk)
+    pre = cases["prefill"]["ratio_p50"]
     return {"cases": cases, "target": {"what": f"short request during a long one's decode: median TTFT <= {goal:g}x idle",
                                        "ratio": ratio, "goal": goal, "met": None if ratio is None else ratio <= goal,
-                                       "paired_ratio_p50": cases["decode"]["paired_ratio"]["p50"]}}
+                                       "paired_ratio_p50": cases["decode"]["paired_ratio"]["p50"]},
+            "prefill_target": {"what": (f"short request during a long one's prefill (chunks of {prefill_chunk}): median "
+                                        f"TTFT <= {prefill_goal:g}x idle") if chunked else
+                               "short request during a long one's prefill (not chunked: it waits; no goal)",
+                               "ratio": pre, "goal": prefill_goal if chunked else None,
+                               "met": None if pre is None or not chunked else pre <= prefill_goal,
+                               "paired_ratio_p50": cases["prefill"]["paired_ratio"]["p50"]}}
 
 
-def render(results: dict) -> str:
-    """Markdown: header, settings, one row per case, the target."""
-    s, summary = results["settings"], results["summary"]
-    lines = [*machine.header_lines(results), f"# uptime before: {results.get('uptime_before')}",
-             f"# uptime after: {results.get('uptime_after')}", f"# server: {results.get('server_note')}", "",
-             f"Short request: ISL {s['short_isl']}, OSL {s['short_osl']}. Long request: ISL {s['long_isl']}, "
-             f"OSL {s['long_osl']}. {s['repeats']} rounds (after {s['warmup']} warm-up), cases interleaved in each. "
-             f"decode: the short request is sent once the long one streamed {s['decode_after_tokens']} tokens; "
-             f"prefill: {s['prefill_delay_s']} s after the long one was sent.", "",
+def variants(results: dict) -> list[dict]:
+    """The measured servers of a result: its ``variants`` (one per ``--prefill-chunk``), or, in a file written before
+    chunked prefill existed, the file itself as one variant (its server prefilled every prompt whole: chunk 0)."""
+    if "variants" in results:
+        return results["variants"]
+    if "rounds" in results:
+        return [{"prefill_chunk": 0, "prefill_chunk_note": "before chunked prefill", "engine": results.get("engine", {}),
+                 "server_note": results.get("server_note"), "rounds": results["rounds"],
+                 "warmup_rounds": results.get("warmup_rounds", []), "summary": results.get("summary")}]
+    return []
+
+
+def chunk_label(variant: dict) -> str:
+    c = variant.get("prefill_chunk")
+    if c is None:
+        return "prefill chunk unknown"
+    return "prefill not chunked" if c == 0 else f"prefill chunks of {c}"
+
+
+def _f(x, digits=1):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _variant_table(variant: dict) -> list[str]:
+    summary = variant["summary"]
+    lines = [f"## {variant.get('engine', {}).get('label', '')}, {chunk_label(variant)}"
+             + (f" (server: {variant['server_note']})" if variant.get("server_note") else ""), "",
              "| case | rounds used | TTFT p50 (ms) | TTFT p90 (ms) | TTFT min-max (ms) | p50 / idle | p90 / idle "
              "| same-round ratio p50 (min-max) | long request's longest stall while the short one ran, p50 (ms) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for case in CASES:
         c = summary["cases"][case]
         d = c["ttft_ms"]
-
-        def f(x, digits=1):
-            return "-" if x is None else f"{x:.{digits}f}"
-
         stall = (c.get("long_max_gap_during_short_ms") or {}).get("p50")
         pr = c.get("paired_ratio") or {}
         paired = "-" if pr.get("p50") is None else f"{pr['p50']:.2f} ({pr['min']:.2f}-{pr['max']:.2f})"
-        lines.append(f"| {case} | {c['used']} of {c['rounds']} | {f(d['p50'])} | {f(d['p90'])} | {f(d['min'])}-{f(d['max'])} "
-                     f"| {f(c.get('ratio_p50'), 2) if case != 'idle' else '1'} | {f(c.get('ratio_p90'), 2) if case != 'idle' else '1'} "
-                     f"| {paired} | {f(stall) if case != 'idle' else '-'} |")
-    t = summary["target"]
-    met = "-" if t["met"] is None else ("met" if t["met"] else "NOT met")
-    ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}x"
-    paired = t.get("paired_ratio_p50")
-    lines += ["", f"Target ({t['what']}): {ratio}, {met}."
-              + ("" if paired is None else f" Median of the same-round ratios: {paired:.2f}x."), ""]
+        lines.append(f"| {case} | {c['used']} of {c['rounds']} | {_f(d['p50'])} | {_f(d['p90'])} | {_f(d['min'])}-{_f(d['max'])} "
+                     f"| {_f(c.get('ratio_p50'), 2) if case != 'idle' else '1'} | {_f(c.get('ratio_p90'), 2) if case != 'idle' else '1'} "
+                     f"| {paired} | {_f(stall) if case != 'idle' else '-'} |")
+    lines.append("")
+    for key in ("target", "prefill_target"):
+        t = summary.get(key)
+        if not t:
+            continue
+        met = "-" if t["met"] is None else ("met" if t["met"] else "NOT met")
+        ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}x"
+        paired = t.get("paired_ratio_p50")
+        lines.append(f"Target ({t['what']}): {ratio}, {met}."
+                     + ("" if paired is None else f" Median of the same-round ratios: {paired:.2f}x."))
+    return lines + [""]
+
+
+def render(results: dict) -> str:
+    """Markdown: header, settings, one table per chunk size (cases), the targets, a comparison of the chunk sizes."""
+    s = results["settings"]
+    lines = [*machine.header_lines(results), f"# uptime before: {results.get('uptime_before')}",
+             f"# uptime after: {results.get('uptime_after')}", f"# server: {results.get('server_note')}", "",
+             f"Short request: ISL {s['short_isl']}, OSL {s['short_osl']}. Long request: ISL {s['long_isl']}, "
+             f"OSL {s['long_osl']}. {s['repeats']} rounds (after {s['warmup']} warm-up), cases interleaved in each. "
+             f"decode: the short request is sent once the long one streamed {s['decode_after_tokens']} tokens; "
+             f"prefill: {s['prefill_delay_s']} s after the long one was sent.", ""]
+    measured = [v for v in variants(results) if v.get("summary")]
+    for v in measured:
+        lines += _variant_table(v)
+    if len(measured) > 1:
+        lines += ["## chunk sizes compared (medians; ratios to the same server's idle TTFT)", "",
+                  "| prefill chunk | idle TTFT (ms) | decode TTFT (ms) | decode / idle | prefill TTFT (ms) | prefill / idle |",
+                  "|---|---|---|---|---|---|"]
+        for v in measured:
+            c = v["summary"]["cases"]
+            lines.append(f"| {v.get('prefill_chunk')} | {_f(c['idle']['ttft_ms']['p50'])} | {_f(c['decode']['ttft_ms']['p50'])} "
+                         f"| {_f(c['decode'].get('ratio_p50'), 2)} | {_f(c['prefill']['ttft_ms']['p50'])} "
+                         f"| {_f(c['prefill'].get('ratio_p50'), 2)} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -196,27 +256,33 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, case in enumerate(CASES):
-        rows = [r for r in results["rounds"] if r["case"] == case and r["short"]["ok"]]
-        ys = [r["short"]["ttft_ms"] for r in rows]
-        colors = ["tab:blue" if r["phase_ok"] else "tab:gray" for r in rows]
-        ax.scatter([i] * len(ys), ys, c=colors, alpha=0.7, zorder=3)
-        med = results["summary"]["cases"][case]["ttft_ms"]["p50"]
-        if med is not None:
-            ax.hlines(med, i - 0.25, i + 0.25, colors="black", zorder=4)
-    idle = results["summary"]["cases"]["idle"]["ttft_ms"]["p50"]
-    if idle:
-        ax.axhline(idle * results["summary"]["target"]["goal"], color="tab:red", linestyle="--",
-                   label=f"{results['summary']['target']['goal']:g}x idle median")
-        ax.legend()
+    measured = [v for v in variants(results) if v.get("summary")]
+    fig, axes = plt.subplots(1, len(measured), figsize=(5.5 * len(measured), 4), sharey=True, squeeze=False)
+    for ax, v in zip(axes[0], measured):
+        for i, case in enumerate(CASES):
+            rows = [r for r in v["rounds"] if r["case"] == case and r["short"]["ok"]]
+            ys = [r["short"]["ttft_ms"] for r in rows]
+            colors = ["tab:blue" if r["phase_ok"] else "tab:gray" for r in rows]
+            ax.scatter([i] * len(ys), ys, c=colors, alpha=0.7, zorder=3)
+            med = v["summary"]["cases"][case]["ttft_ms"]["p50"]
+            if med is not None:
+                ax.hlines(med, i - 0.25, i + 0.25, colors="black", zorder=4)
+        idle = v["summary"]["cases"]["idle"]["ttft_ms"]["p50"]
+        if idle:
+            goal = v["summary"]["target"]["goal"]
+            ax.axhline(idle * goal, color="tab:red", linestyle="--", label=f"{goal:g}x idle median (decode target)")
+            pgoal = (v["summary"].get("prefill_target") or {}).get("goal")
+            if pgoal:
+                ax.axhline(idle * pgoal, color="tab:orange", linestyle=":", label=f"{pgoal:g}x idle median (prefill target)")
+            ax.legend(fontsize=7)
+        ax.set_xticks(range(len(CASES)), list(CASES))
+        ax.set_yscale("log")
+        ax.set_title(f"{v.get('engine', {}).get('label', '')}, {chunk_label(v)}", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("short request TTFT (ms, log)")
     s = results["settings"]
-    ax.set_xticks(range(len(CASES)), [f"{c}" for c in CASES])
-    ax.set_yscale("log")
-    ax.set_ylabel("short request TTFT (ms, log)")
-    ax.set_title(f"short ISL {s['short_isl']} OSL {s['short_osl']} vs long ISL {s['long_isl']} OSL {s['long_osl']} "
-                 f"({results.get('engine', {}).get('label', '')})", fontsize=9)
-    ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"short ISL {s['short_isl']} OSL {s['short_osl']} vs long ISL {s['long_isl']} OSL {s['long_osl']}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -228,39 +294,34 @@ def write_all(results: dict, stem: Path, figure: bool) -> None:
     from criticalkv.bench.report import write_atomic
 
     write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
-    if "summary" in results:
+    if any(v.get("summary") for v in variants(results)):
         write_atomic(stem.with_suffix(".md"), render(results))
         if figure:
             plot(results, stem.with_suffix(".png"))
 
 
-def measure(endpoint: Endpoint, args, results: dict, stem: Path) -> None:
-    from criticalkv.bench.prompts import corpus_ids, make_prompts
-
-    tokenizer = _tokenizer(args)
-    ids = corpus_ids(tokenizer)
-    short_text = make_prompts(tokenizer, args.short_isl, 1, seed=args.seed, ids=ids)[0].text
-    long_text = make_prompts(tokenizer, args.long_isl, 1, seed=args.seed, ids=ids)[0].text
-    short_body = request_body(short_text, args.short_osl, True, args.kv_budget)
-    long_body = request_body(long_text, args.long_osl, True, args.kv_budget)
+def measure(endpoint: Endpoint, args, results: dict, variant: dict, stem: Path, bodies: tuple[dict, dict]) -> None:
+    """Every round on one server; fills ``variant`` (a member of ``results['variants']``) and rewrites the files."""
+    short_body, long_body = bodies
     bar = None
     total = (args.warmup + args.repeats) * len(CASES)
     if args.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, desc="interference", unit="case")
-    results["rounds"], results["warmup_rounds"] = [], []
+        bar = tqdm(total=total, desc=f"interference, {chunk_label(variant)}", unit="case")
+    variant["rounds"], variant["warmup_rounds"] = [], []
     try:
         for i in range(args.warmup + args.repeats):
             for case in CASES:
                 row = run_case(endpoint, case, short_body, long_body, args.decode_after_tokens, args.prefill_delay)
                 row["round"] = i - args.warmup
-                (results["warmup_rounds"] if i < args.warmup else results["rounds"]).append(row)
+                (variant["warmup_rounds"] if i < args.warmup else variant["rounds"]).append(row)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix_str(f"{case} TTFT {row['short']['ttft_ms'] or float('nan'):.0f} ms")
             if i >= args.warmup:
-                results["summary"] = summarize_cases(results["rounds"], args.goal)
+                variant["summary"] = summarize_cases(variant["rounds"], args.goal, variant.get("prefill_chunk"),
+                                                     args.prefill_goal)
             write_all(results, stem, figure=False)
     finally:
         if bar is not None:
@@ -276,7 +337,21 @@ def _tokenizer(args):
     return AutoTokenizer.from_pretrained(folder)
 
 
+def chunk_list(text: str | None) -> list[int | None]:
+    """``--prefill-chunk`` as a list of chunk sizes (>= 0); None when not given (the server's default is used)."""
+    if text is None or not str(text).strip():
+        return [None]
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--prefill-chunk: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise ValueError(f"--prefill-chunk: expected integers >= 0 (0: not chunked), got {text!r}")
+    return values
+
+
 def main(args) -> int:
+    from criticalkv.bench.prompts import corpus_ids, make_prompts
     from criticalkv.bench.server import ServerProcess, engine_label
 
     if bool(args.url) == bool(args.engine_dir):
@@ -289,13 +364,30 @@ def main(args) -> int:
         raise ValueError("--decode-after-tokens must be below --long-osl (the long request must still be decoding)")
     if args.engine_dir and not (Path(args.engine_dir) / "manifest.json").is_file():
         raise FileNotFoundError(f"{args.engine_dir}: not an engine directory (no manifest.json)")
+    chunks = chunk_list(args.prefill_chunk)
+    if args.url and len(chunks) > 1:
+        raise ValueError("--url: give one --prefill-chunk (the running server's), or start servers with --engine-dir")
+    extra = shlex.split(args.server_args) if args.server_args else []
+    if any(a.split("=", 1)[0] == "--prefill-chunk" for a in extra):
+        raise ValueError("--server-args: give the chunk size with this command's --prefill-chunk (it may list several)")
     stem = Path(args.out) / args.name
     results = machine.header(args.command_line)
+    results["benchmark"] = "interference"
     results["uptime_before"] = uptime()
     results["settings"] = {k: getattr(args, k) for k in ("short_isl", "short_osl", "long_isl", "long_osl", "repeats",
-                                                           "warmup", "decode_after_tokens", "kv_budget", "seed", "goal")}
+                                                           "warmup", "decode_after_tokens", "kv_budget", "seed", "goal",
+                                                           "prefill_goal")}
     results["settings"]["prefill_delay_s"] = args.prefill_delay
+    results["settings"]["prefill_chunks"] = chunks
+    results["variants"] = []
     print("\n".join(machine.header_lines(results)), flush=True)
+    tokenizer = _tokenizer(args)
+    ids = corpus_ids(tokenizer)
+    short_text = make_prompts(tokenizer, args.short_isl, 1, seed=args.seed, ids=ids)[0].text
+    long_text = make_prompts(tokenizer, args.long_isl, 1, seed=args.seed, ids=ids)[0].text
+    bodies = (request_body(short_text, args.short_osl, True, args.kv_budget),
+              request_body(long_text, args.long_osl, True, args.kv_budget))
+    notes = []
     if args.url:
         from criticalkv.bench.serving import _only_model
 
@@ -303,27 +395,35 @@ def main(args) -> int:
         if not is_ready(url):
             raise ValueError(f"{url}: the server is not ready (GET /v2/health/ready)")
         model = args.model_name or _only_model(url)
-        results["engine"] = {"label": args.label or model, "engine_dir": None}
-        results["server_note"] = f"running server {url}, model {model}"
-        measure(Endpoint(url, model), args, results, stem)
+        note = f"running server {url}, model {model}"
+        variant = {"prefill_chunk": chunks[0], "engine": {"label": args.label or model, "engine_dir": None},
+                   "server_note": note}
+        results["variants"].append(variant)
+        notes.append(note)
+        measure(Endpoint(url, model), args, results, variant, stem, bodies)
     else:
         from criticalkv.bench.serving import _only_model
 
-        results["engine"] = engine_label(Path(args.engine_dir))
-        extra = shlex.split(args.server_args) if args.server_args else []
-        log = Path(tempfile.mkdtemp(prefix="criticalkv-bench-logs-")) / "server.log"
-        started = time.perf_counter()
-        with ServerProcess(Path(args.engine_dir), extra, log) as server:
-            results["engine"]["server_ready_s"] = time.perf_counter() - started
-            model = args.model_name or _only_model(server.url)
-            results["server_note"] = f"criticalkv serve --engine-dir {results['engine']['engine_dir']} {' '.join(extra)}".strip()
-            measure(Endpoint(server.url, model), args, results, stem)
+        logs = Path(tempfile.mkdtemp(prefix="criticalkv-bench-logs-"))
+        for chunk in chunks:
+            server_args = extra + ([] if chunk is None else ["--prefill-chunk", str(chunk)])
+            engine = engine_label(Path(args.engine_dir))
+            started = time.perf_counter()
+            with ServerProcess(Path(args.engine_dir), server_args, logs / f"server-chunk{chunk}.log") as server:
+                engine["server_ready_s"] = time.perf_counter() - started
+                model = args.model_name or _only_model(server.url)
+                note = f"criticalkv serve --engine-dir {engine['engine_dir']} {shlex.join(server_args)}".strip()
+                variant = {"prefill_chunk": chunk, "engine": engine, "server_note": note, "server_args": server_args}
+                results["variants"].append(variant)
+                notes.append(note)
+                measure(Endpoint(server.url, model), args, results, variant, stem, bodies)
+    results["server_note"] = "; ".join(notes)
     results["uptime_after"] = uptime()
     machine.finish(results)
     write_all(results, stem, figure=not args.no_plot)
     print(render(results), flush=True)
     print(f"results: {stem}.json / .md" + ("" if args.no_plot else " / .png"), flush=True)
-    failed = sum(c["failed"] for c in results["summary"]["cases"].values())
+    failed = sum(c["failed"] for v in results["variants"] for c in v["summary"]["cases"].values())
     return 1 if failed else 0
 
 
@@ -349,9 +449,16 @@ def add_arguments(p) -> None:
     load.add_argument("--kv-budget", type=int, help="per-request kv_budget sent with every request (default: the engine's)")
     load.add_argument("--goal", type=float, default=TARGET_RATIO,
                       help=f"target: decode median TTFT / idle median TTFT (default: {TARGET_RATIO:g})")
+    load.add_argument("--prefill-goal", type=float, default=PREFILL_TARGET_RATIO,
+                      help=f"target with chunked prefill: prefill median TTFT / idle median TTFT (default: "
+                           f"{PREFILL_TARGET_RATIO:g})")
+    load.add_argument("--prefill-chunk", metavar="N[,N...]",
+                      help="the servers' --prefill-chunk, comma-separated to compare several in one run (one server "
+                           "each, one after the other), e.g. 0,512,256 (0: not chunked); default: the server's own. "
+                           "With --url: the running server's setting, recorded only")
     load.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="benchmarks/results/serving", help="results folder (default: benchmarks/results/serving)")
+    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
     out.add_argument("--name", default="interference", help="file stem of the results (default: interference)")
     out.add_argument("--no-plot", action="store_true", help="skip the PNG")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

@@ -40,6 +40,8 @@ class RequestRecord:
     input_tokens, output_tokens : counts reported by the server (``output_tokens`` None: the sum of
         the chunks' tokens is used)
     kv_bytes_kept, kv_bytes_full : the server's KV bytes of this sequence (None when not returned)
+    context_cache_hit : for a request with a context, whether the server found it compressed in its cache
+        (None: no context, or not returned)
     error : the error message of a failed request (its timings are not used)
     """
 
@@ -49,6 +51,7 @@ class RequestRecord:
     output_tokens: int | None = None
     kv_bytes_kept: int | None = None
     kv_bytes_full: int | None = None
+    context_cache_hit: bool | None = None
     finish_reason: str | None = None
     error: str | None = None
 
@@ -149,7 +152,39 @@ def summarize(records: Iterable[RequestRecord]) -> dict:
         "kv_mib_full_per_seq": distribution([r.kv_bytes_full for r in done], 2.0**-20),
         "kv_mib_kept_peak_in_flight": peak_in_flight(done, "kv_bytes_kept") / 2**20,
         "peak_requests_in_flight": peak_in_flight(done, None),
+        **cache_hits(done),
     }
+
+
+def cache_hits(records: Sequence[RequestRecord]) -> dict:
+    """Context-cache hits and misses of the requests that reported one, and the hit rate (None without any)."""
+    flags = [r.context_cache_hit for r in records if r.context_cache_hit is not None]
+    hits = sum(1 for f in flags if f)
+    return {"context_cache_hits": hits, "context_cache_misses": len(flags) - hits,
+            "context_cache_hit_rate": hits / len(flags) if flags else None}
+
+
+def decoding_intervals(records: Sequence[RequestRecord]) -> list[tuple[float, float]]:
+    """(first token, last token) of every completed request: the time it held a decoding sequence on the server
+    (seen from the client: admission and prefill come before the first token)."""
+    return [(r.chunks[0][0], r.end) for r in records if r.ok]
+
+
+def concurrency_profile(intervals: Sequence[tuple[float, float]]) -> dict:
+    """How many intervals overlap: the peak, and the time-weighted mean over the span from the first start to the
+    last end (intervals that only touch do not overlap)."""
+    if not intervals:
+        return {"peak": 0, "mean": None, "span_s": 0.0}
+    events = sorted([(a, 1) for a, b in intervals] + [(b, -1) for a, b in intervals], key=lambda e: (e[0], e[1]))
+    level = peak = 0
+    area, last = 0.0, events[0][0]
+    for t, delta in events:
+        area += level * (t - last)
+        last = t
+        level += delta
+        peak = max(peak, level)
+    span = events[-1][0] - events[0][0]
+    return {"peak": peak, "mean": area / span if span > 0 else None, "span_s": span}
 
 
 def peak_in_flight(records: Sequence[RequestRecord], attr: str | None) -> float:

@@ -21,6 +21,9 @@ import sys
 import time
 from importlib import metadata
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, pipeline
+
 
 class ForwardTimer:
     """Times every call of the decoder stack (``model.model.forward``): the first call of a request is
@@ -54,9 +57,6 @@ def chat_text(tokenizer, text: str) -> str:
 
 
 def run_transformers(args, text: str) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
@@ -75,9 +75,7 @@ def run_transformers(args, text: str) -> dict:
 
 
 def run_kvpress(args, text: str) -> dict:
-    import torch
-    from kvpress import CriticalKVPress, SnapKVPress
-    from transformers import DynamicCache, pipeline
+    from kvpress import CriticalKVPress, SnapKVPress  # only the kvpress peer's environment has it
 
     start = time.perf_counter()
     pipe = pipeline("kv-press-text-generation", model=args.model, device="cpu", dtype=torch.float32)
@@ -137,8 +135,6 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = p.parse_args()
-    import torch
-
     if args.threads:
         torch.set_num_threads(args.threads)
     with open(args.text_file, encoding="utf-8") as f:

@@ -34,6 +34,14 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
+from criticalkv.bench.machine import header_lines
+from criticalkv.bench.prompts import corpus_ids, make_prompts
+from criticalkv.hf.loading import resolve_model
+from criticalkv.runtime import Engine
+from criticalkv.runtime.manifest import read_manifest
+
 PEER_RUNNER = Path(__file__).with_name("peer_runner.py")
 TORCH = "torch==2.13.0"
 KVPRESS = "kvpress==0.5.5"
@@ -103,8 +111,6 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 def text_for_chat_length(tokenizer, total: int, seed: int = 0) -> str:
     """A haystack text whose chat-wrapped form is exactly ``total`` tokens."""
-    from criticalkv.bench.prompts import corpus_ids, make_prompts
-
     ids = corpus_ids(tokenizer)
     overhead = len(chat_ids(tokenizer, "x")) - len(tokenizer("x", add_special_tokens=False)["input_ids"])
     body = total - overhead
@@ -117,8 +123,6 @@ def text_for_chat_length(tokenizer, total: int, seed: int = 0) -> str:
 
 def time_criticalkv(engine_dir: Path, text: str, new_tokens: int, repeats: int) -> dict:
     """criticalkv on ONNX Runtime in this process: tokenisation + ``Engine.generate`` (stop tokens off)."""
-    from criticalkv.runtime import Engine
-
     start = time.perf_counter()
     engine = Engine.load(engine_dir)
     tokenizer = engine.tokenizer
@@ -166,13 +170,9 @@ def single_request(engine_dir: Path, root: Path, isl: int, new_tokens: int, repe
                    peers=("kvpress", "transformers"), log=print) -> dict:
     """Time criticalkv (ONNX Runtime), kvpress and transformers on one chat-wrapped prompt of ``isl``
     tokens; returns each implementation's numbers, medians and the ratios to criticalkv."""
-    from criticalkv.hf.loading import resolve_model
-    from criticalkv.runtime.manifest import read_manifest
-
     model_dir = resolve_model(model)
     manifest = read_manifest(Path(engine_dir), verify=False)
     budget = manifest["policy"]["budget"]
-    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(Path(engine_dir) / "tokenizer")
     text = text_for_chat_length(tokenizer, isl, seed)
@@ -191,8 +191,6 @@ def single_request(engine_dir: Path, root: Path, isl: int, new_tokens: int, repe
 
 
 def render_single(results: dict) -> str:
-    from criticalkv.bench.machine import header_lines
-
     s = results["single"]
     lines = header_lines(results) + [
         "",

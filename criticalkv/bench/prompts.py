@@ -14,6 +14,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from criticalkv.eval.haystack import haystack_sentences
+
 #: How far a window may slide to find a text that tokenises back to exactly ``isl`` tokens.
 MAX_SLIDE = 64
 
@@ -32,8 +34,6 @@ def corpus_ids(tokenizer) -> list[int]:
 
     The unknown token is dropped (a word-level tokenizer maps words outside its vocabulary to it, and its
     text would not tokenise back to one id)."""
-    from criticalkv.eval.haystack import haystack_sentences
-
     ids = tokenizer(" ".join(haystack_sentences()), add_special_tokens=False)["input_ids"]
     unk = getattr(tokenizer, "unk_token_id", None)
     return [i for i in ids if i != unk]
@@ -74,3 +74,60 @@ def make_prompts(tokenizer, isl: int, count: int, seed: int = 0, ids: list[int] 
         else:
             raise ValueError(f"no window near token {offset} tokenises back to {isl} tokens")
     return prompts
+
+
+#: How the benchmark questions begin; each ends with a quoted phrase of its document and a question mark.
+QUESTION_STEMS = (
+    "What does the document say about",
+    "Who is described in the passage that mentions",
+    "Summarise what the text tells us about",
+    "Why does the author bring up",
+    "Which play or person is connected with",
+    "What happens, according to the text, around",
+    "How does the passage describe",
+    "Quote the sentence that contains",
+)
+#: Offsets tried per question before giving up on an exact token count.
+QUESTION_TRIES = 64
+
+
+def question_ids(tokenizer, question: str, chat: bool) -> list[int]:
+    """The ids the server runs after a cached context for ``question``: what the Triton model makes of a request
+    with a ``context`` (``criticalkv.serving.requests.encode_inputs``; plain text: the question alone, without a
+    BOS; chat: the question, the end of the user turn and the assistant header)."""
+    from criticalkv.serving.requests import TextRequest, encode_inputs
+
+    return list(encode_inputs(TextRequest(prompt=question, apply_chat_template=chat, context="context"), tokenizer)[0])
+
+
+def make_questions(tokenizer, document: BenchPrompt, count: int, num_tokens: int, seed: int = 0,
+                   chat: bool = False) -> list[str]:
+    """``count`` distinct questions about ``document``, each ``num_tokens`` ids long as the server sees it after the
+    context (``question_ids``): a stem of ``QUESTION_STEMS`` and a quoted phrase cut from the document, the phrase
+    grown one token at a time until the count is reached (another offset is tried when the text's tokenisation
+    jumps over it). Reproducible: ``random.Random(seed, document)``."""
+    if num_tokens < 1 or count < 1:
+        raise ValueError(f"questions: count and token count must be >= 1, got {count} and {num_tokens}")
+    ids = list(document.input_ids)
+    rng = random.Random(f"bench-questions/{seed}/{document.index}/{num_tokens}")
+    out: list[str] = []
+    for i in range(count):
+        stem = QUESTION_STEMS[(i + rng.randrange(len(QUESTION_STEMS))) % len(QUESTION_STEMS)]
+        for _ in range(QUESTION_TRIES):
+            offset = rng.randrange(0, max(1, len(ids) - num_tokens))
+            found = None
+            for k in range(1, num_tokens + 1):
+                phrase = " ".join(tokenizer.decode(ids[offset: offset + k], skip_special_tokens=True).split())
+                question = f'{stem} "{phrase}"?'
+                n = len(question_ids(tokenizer, question, chat))
+                if n == num_tokens and question not in out:
+                    found = question
+                if n >= num_tokens:
+                    break
+            if found is not None:
+                out.append(found)
+                break
+        else:
+            raise ValueError(f"no question of exactly {num_tokens} tokens found for document {document.index} "
+                             f"(the stem alone may be longer: use more tokens)")
+    return out

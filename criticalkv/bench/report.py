@@ -174,7 +174,7 @@ def render(results: dict) -> str:
 
 # ---------------------------------------------------------------------- figures
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # optional (the eval / bench extras): needed only for figures
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

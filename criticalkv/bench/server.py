@@ -8,8 +8,10 @@ descendants (the launcher, ``tritonserver`` and the Python-backend stubs) with p
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,21 +35,28 @@ def free_port() -> int:
 class ServerProcess:
     """A ``criticalkv serve`` child process on 127.0.0.1 (context manager)."""
 
-    def __init__(self, engine_dir: Path, extra_args: list[str] | None = None, log_path: Path | None = None):
+    def __init__(self, engine_dir: Path, extra_args: list[str] | None = None, log_path: Path | None = None,
+                 openai: bool = False):
         self.engine_dir = Path(engine_dir)
         if not (self.engine_dir / "manifest.json").is_file():
             raise FileNotFoundError(f"{self.engine_dir}: not an engine directory (no manifest.json)")
         self.extra_args = list(extra_args or [])
         self.log_path = log_path
         self.http_port = free_port()
+        self.metrics_port = free_port()
         self.url = f"http://127.0.0.1:{self.http_port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        # the OpenAI API only when asked (its process holds a tokenizer: measured RSS stays comparable), and
+        # never on the default 9000: servers side by side must not collide
+        self.openai_port = free_port() if openai else 0
+        self.openai_url = f"http://127.0.0.1:{self.openai_port}/v1" if openai else None
         self.proc: subprocess.Popen | None = None
         self._log = None
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> "ServerProcess":
         cmd = [sys.executable, "-m", "criticalkv.cli", "serve", "--engine-dir", str(self.engine_dir),
                "--http-port", str(self.http_port), "--grpc-port", str(free_port()),
-               "--metrics-port", str(free_port()), *self.extra_args]
+               "--metrics-port", str(self.metrics_port), "--openai-port", str(self.openai_port), *self.extra_args]
         self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -86,7 +95,7 @@ class ServerProcess:
 
 def pid_listening_on(port: int) -> int | None:
     """PID of the process listening on TCP ``port`` (for a server given by ``--url``), or None."""
-    import psutil
+    import psutil  # optional (the bench extra): needed only to sample a server's memory
 
     try:
         for conn in psutil.net_connections(kind="tcp"):
@@ -99,7 +108,7 @@ def pid_listening_on(port: int) -> int | None:
 
 def tree_rss_bytes(pid: int) -> int:
     """Resident bytes of ``pid`` and all its descendants right now (0 when it is gone)."""
-    import psutil
+    import psutil  # optional (the bench extra): needed only to sample a server's memory
 
     try:
         root = psutil.Process(pid)
@@ -152,10 +161,112 @@ class RssMonitor:
         self.stop()
 
 
-def engine_label(engine_dir: Path) -> dict:
-    """Policy name, budget and build limits of an engine directory (from its manifest)."""
+#: The scheduler's gauges (criticalkv/serving/templates/model.py) a ``MetricsMonitor`` follows; the context cache's
+#: gauge has one series per ``stat`` label, named ``criticalkv_context_cache:STAT`` here.
+GAUGES = ("criticalkv_requests_running", "criticalkv_requests_waiting", "criticalkv_kv_bytes_reserved",
+          *(f"criticalkv_context_cache:{k}" for k in ("hits", "misses", "evictions", "bytes_held", "entries")))
+
+
+def parse_gauges(text: str, names=GAUGES) -> dict[str, float]:
+    """The value of each gauge in Prometheus text ``text``, summed over its label sets (model instances); a
+    ``stat`` label is part of the name (``NAME:STAT``); a gauge the text lacks is left out."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        stat = re.search(r'[{,]stat="([^"]*)"', line.split("}", 1)[0]) if "{" in line else None
+        if stat:
+            name = f"{name}:{stat.group(1)}"
+        if name in names:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return out
+
+
+class MetricsMonitor:
+    """Samples the server's scheduler gauges (requests running and waiting, KV bytes held) every ``interval`` s from
+    its Prometheus endpoint while a workload runs; ``summary()`` gives each gauge's peak and time-weighted mean.
+
+    The model sets the gauges when it sends a response, so they are exact at the sampled instants; a sequence that
+    starts and ends between two samples is missed (the interval is far below a request's life)."""
+
+    def __init__(self, metrics_url: str | None, interval: float = 0.1):
+        self.metrics_url = metrics_url
+        self.interval = interval
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2.0) as response:
+                values = parse_gauges(response.read().decode(errors="replace"))
+        except OSError:
+            self.errors += 1
+            return
+        if values:
+            self.samples.append((time.perf_counter(), values))
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def start(self) -> "MetricsMonitor":
+        if self.metrics_url:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        return self.summary()
+
+    def summary(self) -> dict:
+        """{gauge: {"peak", "mean", "first", "last"}} (mean weighted by the time to the next sample; first and last
+        samples: a count since the server started, e.g. the context cache's evictions, grew by last - first during
+        the run), "samples", "errors"."""
+        out: dict = {"samples": len(self.samples), "errors": self.errors}
+        for name in GAUGES:
+            points = [(t, v[name]) for t, v in self.samples if name in v]
+            if not points:
+                continue
+            peak = max(v for _, v in points)
+            span = points[-1][0] - points[0][0]
+            mean = (sum(v * (t1 - t0) for (t0, v), (t1, _) in zip(points, points[1:])) / span) if span > 0 \
+                else points[0][1]
+            out[name] = {"peak": peak, "mean": mean, "first": points[0][1], "last": points[-1][1]}
+        return out
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def kv_bytes_per_token(engine_dir: Path) -> int:
+    """KV bytes one token of a sequence takes without eviction: every KV head of every layer (keys and values),
+    from the manifest (``Engine.kv_bytes_full(1)``, without loading the engine)."""
     import json
 
+    manifest = json.loads((Path(engine_dir) / "manifest.json").read_text())
+    spec, shapes = manifest["model"]["spec"], manifest["shapes"]
+    batch = manifest["build"]["max_batch_size"]
+    entry = shapes["kv_buffer_bytes"] // (batch * spec["num_kv_heads"] * sum(shapes["decode_capacity"]))
+    return entry * spec["num_kv_heads"] * spec["num_layers"]
+
+
+def engine_label(engine_dir: Path) -> dict:
+    """Policy name, budget and build limits of an engine directory (from its manifest)."""
     manifest = json.loads((Path(engine_dir) / "manifest.json").read_text())
     policy = manifest.get("policy", {})
     build = manifest.get("build", {})
@@ -171,8 +282,6 @@ class PySpyProfile:
     stubs) while a workload runs; ``stop`` returns the collapsed stacks (``--format raw``)."""
 
     def __init__(self, pid: int, out: Path, rate: int = 50):
-        import shutil
-
         exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         if not Path(exe).exists():
             raise FileNotFoundError("--profile needs py-spy (pip install py-spy)")

@@ -16,12 +16,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from criticalkv.bench import machine, report
 from criticalkv.bench.client import Endpoint, is_ready, ready_models, request_body, run_load
 from criticalkv.bench.metrics import summarize
 from criticalkv.bench.prompts import corpus_ids, make_prompts
-from criticalkv.bench.server import (PySpyProfile, RssMonitor, ServerProcess, engine_label, pid_listening_on,
-                                     profile_breakdown)
+from criticalkv.bench.server import (
+    PySpyProfile,
+    RssMonitor,
+    ServerProcess,
+    engine_label,
+    pid_listening_on,
+    profile_breakdown,
+)
 
 
 def int_list(text: str, what: str) -> list[int]:
@@ -45,8 +53,6 @@ def float_list(text: str, what: str) -> list[float]:
 
 
 def load_tokenizer(args):
-    from transformers import AutoTokenizer
-
     folder = Path(args.tokenizer) if args.tokenizer else Path(args.engine_dir[0]) / "tokenizer"
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no tokenizer folder (give --tokenizer with --url)")
@@ -210,7 +216,7 @@ def add_arguments(p) -> None:
     load.add_argument("--keep-eos", action="store_true", help="let requests stop at EOS (default: ignore_eos, exact OSL)")
     load.add_argument("--seed", type=int, default=0, help="prompt offsets and Poisson arrivals (default: 0)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="benchmarks/results/serving", help="results folder (default: benchmarks/results/serving)")
+    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
     out.add_argument("--name", default="serving", help="file stem of the results (default: serving)")
     out.add_argument("--no-plot", action="store_true", help="skip the PNG")
     out.add_argument("--profile", action="store_true",

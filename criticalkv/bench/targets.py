@@ -1,4 +1,4 @@
-"""The serving issue's targets, checked from the committed result files of one folder.
+"""The serving issues' targets, checked from the committed result files of one folder.
 
 * output tokens/s of criticalkv b=256 >= 1.8x ``full`` at ISL 2048, OSL 64, concurrency 8;
 * output tokens/s at concurrency 8 >= 2.5x concurrency 1 at ISL 512, OSL 256 (continuous batching);
@@ -6,8 +6,16 @@
 * one request, ISL 2048, OSL 16: criticalkv on ONNX Runtime <= 0.5x kvpress's time, same run;
 * AIPerf agrees with this load generator within 10 % (TTFT, TPOT / ITL, output tokens/s);
 * a short request arriving during a long generation's decode gets its first token within 1.5x of its
-  idle TTFT (medians, ``criticalkv bench interference``); the same request arriving during the long
-  prompt's prefill is reported beside it (no goal: the prefill is not chunked, it waits).
+  idle TTFT (medians, ``criticalkv bench interference``); arriving during the long prompt's prefill, within
+  2x with chunked prefill (each chunk size of the file its own row; not chunked: reported, no goal);
+* ``docqa`` (D 16, Q 8, ISL 2048, concurrency 8, KV memory of 4 uncompressed contexts): criticalkv output
+  tokens/s >= 3x ``full`` and TTFT p50 <= 0.25x ``full``;
+* memory-bound decode (``bench memory``: ISL 2048, OSL 256, KV memory of 2 full sequences): criticalkv output
+  tokens/s >= 1.4x ``full``;
+* a question after a cached context (``bench cached-context``: ISL 2048 context, 32-token question): TTFT <= 0.1x
+  the same request uncached.
+
+A result of another workload than a target's is still listed, with "-" for met.
 """
 
 from __future__ import annotations
@@ -16,12 +24,29 @@ import json
 from pathlib import Path
 
 
+def _results(folder: Path, benchmark: str) -> list[tuple[Path, dict]]:
+    """(path, content) of every JSON of ``folder`` written by ``criticalkv bench BENCHMARK`` (its ``benchmark`` key)."""
+    out = []
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if isinstance(data, dict) and data.get("benchmark") == benchmark:
+            out.append((path, data))
+    return out
+
+
 def _runs(folder: Path) -> list[dict]:
+    """The runs of every ``bench serve`` result of the folder (files of the other benchmarks, which name themselves
+    in a ``benchmark`` key, are not serve runs)."""
     runs = []
     for path in sorted(folder.glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except ValueError:
+            continue
+        if not isinstance(data, dict) or data.get("benchmark", "serve") != "serve":
             continue
         for run in data.get("runs", []):
             run = dict(run, file=path.name)
@@ -89,47 +114,124 @@ def check(folder: Path) -> list[dict]:
                     "ratio": worst["ratio"] if worst else None, "goal": "0.9-1.1",
                     "met": all(r["within"] for r in rows) if rows else None, "files": [cross.name]})
     out += _interference_rows(folder)
+    out += _docqa_rows(folder) + _memory_rows(folder) + _cached_rows(folder)
     return out
 
 
+def _docqa_rows(folder: Path) -> list[dict]:
+    from criticalkv.bench import docqa
+
+    rows = []
+    for path, data in _results(folder, "docqa"):
+        s = data["settings"]
+        where = (f"({path.stem}: D {s['docs']} x Q {s['questions']}, ISL {s['isl']}, OSL {s['osl']}, conc "
+                 f"{s['concurrency']}, KV memory {_fmt(s.get('kv_memory_mib'), 0)} MiB)")
+        by_label = {r["engine"]["label"]: r for r in data["runs"]}
+        for t in docqa.targets(data):
+            row = next(r for r in data["versus_full"] if r["engine"] == t["engine"])
+            key = "output_throughput" if "tokens/s" in t["what"] else "ttft_p50_ms"
+            unit = "tokens/s" if key == "output_throughput" else "ms"
+            hits = [by_label[x]["docqa"]["hit_rate"] for x in (row["engine"], row["base"])]
+            rows.append({"target": f"docqa {where}: {t['engine']} {t['what']}",
+                         "measured": f"{_fmt(row[key]['value'])} vs {_fmt(row[key]['base'])} {unit}; hit rate "
+                                     f"{_pct(hits[0])} vs {_pct(hits[1])}",
+                         "ratio": t["ratio"], "goal": t["goal"], "met": t["met"], "files": [path.name]})
+    return rows
+
+
+def _memory_rows(folder: Path) -> list[dict]:
+    from criticalkv.bench import memory
+
+    rows = []
+    for path, data in _results(folder, "memory"):
+        s = data["settings"]
+        where = f"({path.stem}: ISL {s['isl']}, OSL {s['osl']}, conc {s['concurrency']}, {s['kv_memory_note']})"
+        for t in memory.targets(data):
+            row = next(r for r in data["versus_full"] if r["engine"] == t["engine"])
+            rows.append({"target": f"memory-bound decode {where}: {t['engine']} {t['what']}",
+                         "measured": f"{_fmt(row['output_throughput']['value'])} vs {_fmt(row['output_throughput']['base'])} "
+                                     f"tokens/s; sequences decoding (mean) {_fmt(row['decoding_mean']['value'])} vs "
+                                     f"{_fmt(row['decoding_mean']['base'])}",
+                         "ratio": t["ratio"], "goal": t["goal"], "met": t["met"], "files": [path.name]})
+    return rows
+
+
+def _cached_rows(folder: Path) -> list[dict]:
+    from criticalkv.bench import cached
+
+    rows = []
+    for path, data in _results(folder, "cached-context"):
+        s = data["settings"]
+        target = cached.is_target_workload(s)
+        for run in data["runs"]:
+            if not run.get("rounds"):
+                continue
+            c = cached.summarize_rounds(run["rounds"], s.get("goal", cached.TARGET_RATIO))  # from the raw rounds
+            goal = c["target"]["goal"]
+            rows.append({"target": f"cached context ({path.stem}: {run['engine']['label']}, ISL {s['isl']} context, "
+                                   f"{s['question_tokens']}-token question): TTFT <= {goal:g}x uncached (medians)",
+                         "measured": f"{_fmt(c['cached']['p50'])} vs {_fmt(c['uncached']['p50'])} ms (p50 of {c['used']} "
+                                     f"rounds; same-round ratio p50 {_fmt(c['paired_ratio']['p50'], 3)})",
+                         "ratio": c["ratio_p50"], "goal": goal, "met": c["target"]["met"] if target else None,
+                         "files": [path.name]})
+    return rows
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
 def _interference_rows(folder: Path) -> list[dict]:
-    """The rows of every ``criticalkv bench interference`` result of the folder (JSON with ``interference``
-    settings and a ``summary``)."""
+    """The rows of every ``criticalkv bench interference`` result of the folder (a JSON with ``variants``, one per
+    prefill chunk size, or, written before chunked prefill, ``rounds`` and a ``summary``): per chunk size, the decode
+    target and the prefill case (a target when the prefill was chunked)."""
+    from criticalkv.bench.interference import summarize_cases, variants
+
     rows = []
     for path in sorted(folder.glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except ValueError:
             continue
-        if not isinstance(data, dict) or "rounds" not in data or "summary" not in data:
+        if not isinstance(data, dict) or "settings" not in data or not ("variants" in data or "rounds" in data):
             continue
-        from criticalkv.bench.interference import summarize_cases
+        s = data["settings"]
+        for v in variants(data):
+            if not v.get("rounds"):
+                continue
+            chunk = v.get("prefill_chunk")
+            summary = summarize_cases(v["rounds"], s.get("goal", 1.5), chunk, s.get("prefill_goal", 2.0))  # raw rounds
+            cases, t, pt = summary["cases"], summary["target"], summary["prefill_target"]
+            idle, dec, pre = (cases[c]["ttft_ms"] for c in ("idle", "decode", "prefill"))
+            label = (v.get("engine") or {}).get("label", "?")
+            chunk_note = "" if "variants" not in data else \
+                (", prefill not chunked" if chunk == 0 else f", prefill chunk {chunk}" if chunk else ", prefill chunk ?")
+            where = (f"({path.stem}: {label}{chunk_note}, short ISL {s['short_isl']} OSL {s['short_osl']}, long ISL "
+                     f"{s['long_isl']} OSL {s['long_osl']})")
 
-        summary = summarize_cases(data["rounds"], data["settings"].get("goal", 1.5))  # from the raw rounds
-        s, cases, t = data["settings"], summary["cases"], summary["target"]
-        idle, dec, pre = (cases[c]["ttft_ms"] for c in ("idle", "decode", "prefill"))
-        label = (data.get("engine") or {}).get("label", "?")
-        where = (f"({path.stem}: {label}, short ISL {s['short_isl']} OSL {s['short_osl']}, long ISL {s['long_isl']} "
-                 f"OSL {s['long_osl']})")
+            def ms(d):
+                return "-" if d["p50"] is None else f"{d['p50']:.0f} ms"
 
-        def ms(d):
-            return "-" if d["p50"] is None else f"{d['p50']:.0f} ms"
-
-        rows.append({"target": f"short request during a long one's decode {where}: TTFT <= {t['goal']:g}x idle (medians)",
-                     "measured": f"{ms(dec)} vs {ms(idle)} (p50 of {cases['decode']['used']} / {cases['idle']['used']}; "
-                                 f"p90 ratio {_fmt(cases['decode'].get('ratio_p90'))}; same-round ratio p50 "
-                                 f"{_fmt(cases['decode']['paired_ratio']['p50'])})",
-                     "ratio": t["ratio"], "goal": t["goal"], "met": t["met"], "files": [path.name]})
-        rows.append({"target": f"same, arriving during the long prompt's prefill {where} (not chunked: waits; no goal)",
-                     "measured": f"{ms(pre)} vs {ms(idle)} (p50 of {cases['prefill']['used']} / {cases['idle']['used']}; "
-                                 f"p90 ratio {_fmt(cases['prefill'].get('ratio_p90'))}; same-round ratio p50 "
-                                 f"{_fmt(cases['prefill']['paired_ratio']['p50'])})",
-                     "ratio": cases["prefill"].get("ratio_p50"), "goal": "-", "met": None, "files": [path.name]})
+            rows.append({"target": f"short request during a long one's decode {where}: TTFT <= {t['goal']:g}x idle (medians)",
+                         "measured": f"{ms(dec)} vs {ms(idle)} (p50 of {cases['decode']['used']} / {cases['idle']['used']}; "
+                                     f"p90 ratio {_fmt(cases['decode'].get('ratio_p90'))}; same-round ratio p50 "
+                                     f"{_fmt(cases['decode']['paired_ratio']['p50'])})",
+                         "ratio": t["ratio"], "goal": t["goal"], "met": t["met"], "files": [path.name]})
+            measured = (f"{ms(pre)} vs {ms(idle)} (p50 of {cases['prefill']['used']} / {cases['idle']['used']}; "
+                        f"p90 ratio {_fmt(cases['prefill'].get('ratio_p90'))}; same-round ratio p50 "
+                        f"{_fmt(cases['prefill']['paired_ratio']['p50'])})")
+            if pt["goal"] is None:
+                rows.append({"target": f"same, arriving during the long prompt's prefill {where} (not chunked: waits; no goal)",
+                             "measured": measured, "ratio": pt["ratio"], "goal": "-", "met": None, "files": [path.name]})
+            else:
+                rows.append({"target": f"short request during a long one's prefill {where}: TTFT <= {pt['goal']:g}x idle "
+                                       "(medians)", "measured": measured, "ratio": pt["ratio"], "goal": pt["goal"],
+                             "met": pt["met"], "files": [path.name]})
     return rows
 
 
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.2f}"
+def _fmt(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def render(rows: list[dict]) -> str:

@@ -1,7 +1,11 @@
-"""``criticalkv bench``: serving benchmark (``serve``), short-request TTFT next to a long one
-(``interference``), single-request comparison with kvpress and
-transformers (``single``), the CPU runtimes onnxruntime-genai and OpenVINO GenAI (``peers``), where the time of a
-prefill and a decode step goes (``profile``), AIPerf cross-check (``aiperf``), and ``report`` (redraw from JSON)."""
+"""``criticalkv bench``: every speed measurement of the project, its results under ``results/benchmarks/``.
+
+Served load: ``serve`` (TTFT/TPOT/ITL percentiles, throughput), ``interference`` (a short request next to a long
+one), ``docqa`` (the compressed context cache), ``memory`` (memory-bound decode), ``cached-context``; one request:
+``single`` (vs kvpress and transformers), ``aiperf`` (cross-check), ``peers`` (vs onnxruntime-genai and OpenVINO
+GenAI, with the CPU's GEMM and bandwidth floors); the engine alone: ``latency`` (selection share of the prefill, decode
+per token, decode memory), ``selection`` (the selection nodes of several policies), ``norm-flops``, ``profile`` (where
+a prefill and a decode step spend their time); and ``targets`` / ``report`` (from the result files, no model run)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from pathlib import Path
 
 
 def command_line() -> str:
-    """The command as typed (``criticalkv bench ...`` or ``python scripts/benchmark_serving.py ...``)."""
+    """The command as typed (``criticalkv bench ...``)."""
     script = Path(sys.argv[0]).name
     prefix = f"python scripts/{script}" if script.endswith(".py") else "criticalkv"
     return " ".join([prefix, *map(shlex.quote, sys.argv[1:])])
@@ -66,7 +70,7 @@ def register(subparsers) -> None:
     single.add_argument("--peers", default="kvpress,transformers", help="peers to compare (default: kvpress,transformers)")
     single.add_argument("--setup-peers", action="store_true", help="create missing peer environments first")
     _peers_dir(single)
-    single.add_argument("--out", default="benchmarks/results/serving", help="results folder")
+    single.add_argument("--out", default="results/benchmarks/serving", help="results folder")
     single.add_argument("--name", default="single_request", help="file stem (default: single_request)")
     single.set_defaults(func=run_single)
 
@@ -92,7 +96,7 @@ def register(subparsers) -> None:
                      "with BF16) and/or f32 (default: %(default)s)")
     cpu.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
     _peers_dir(cpu)
-    cpu.add_argument("--out", default="benchmarks/results/peers", help="results folder (default: benchmarks/results/peers)")
+    cpu.add_argument("--out", default="results/benchmarks/peers", help="results folder (default: results/benchmarks/peers)")
     cpu.add_argument("--name", default="cpu_peers", help="file stem (default: cpu_peers)")
     cpu.set_defaults(func=run_cpu_peers)
 
@@ -107,7 +111,7 @@ def register(subparsers) -> None:
     prof.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads of the engines and the floors "
                       "(default: $CRITICALKV_ORT_THREADS, else ONNX Runtime's default, one per core)")
     prof.add_argument("--seed", type=int, default=0, help="prompt offset (default: 0)")
-    prof.add_argument("--out", default="benchmarks/results/profile", help="results folder (default: benchmarks/results/profile)")
+    prof.add_argument("--out", default="results/benchmarks/profile", help="results folder (default: results/benchmarks/profile)")
     prof.add_argument("--name", default="profile", help="file stem (default: profile)")
     prof.set_defaults(func=run_profile)
 
@@ -129,17 +133,20 @@ def register(subparsers) -> None:
     ai.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
     ai.add_argument("--setup-peers", action="store_true", help="create the AIPerf environment first if missing")
     _peers_dir(ai)
-    ai.add_argument("--out", default="benchmarks/results/serving", help="results folder")
+    ai.add_argument("--out", default="results/benchmarks/serving", help="results folder")
     ai.add_argument("--name", default="aiperf_crosscheck", help="file stem (default: aiperf_crosscheck)")
     ai.set_defaults(func=run_aiperf)
+
+    _register_served_loads(sub)
+    _register_engine_benchmarks(sub)
 
     from criticalkv.bench import targets
 
     tg = sub.add_parser("targets", help="check the serving targets from the result files of a folder (no requests)",
                         description=plain(targets.__doc__),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    tg.add_argument("folder", type=Path, nargs="?", default=Path("benchmarks/results/serving"),
-                    help="results folder (default: benchmarks/results/serving); writes FOLDER/targets.md and "
+    tg.add_argument("folder", type=Path, nargs="?", default=Path("results/benchmarks/serving"),
+                    help="results folder (default: results/benchmarks/serving); writes FOLDER/targets.md and "
                          "FOLDER/summary.png (every serving run of the folder)")
     tg.set_defaults(func=run_targets)
 
@@ -306,3 +313,51 @@ def run_report(args) -> int:
     report.write_all(results, args.json.with_suffix(""))
     print(report.render(results))
     return 0
+
+
+def _register_engine_benchmarks(sub) -> None:
+    """``latency``, ``selection`` and ``norm-flops``: modules with their own argument parsers (``main(argv)``); the
+    arguments after the name go to them, ``--help`` included."""
+    for name, module_name, help_text in (
+            ("latency", "criticalkv.bench.latency",
+             "the engine alone: the selection nodes' share of a long prefill, decode per token, decode memory"),
+            ("selection", "criticalkv.bench.selection", "the selection nodes of several policies on one prompt, "
+                                                        "interleaved (seconds, per-operator profile)"),
+            ("norm-flops", "criticalkv.bench.norm_flops", "FLOPs of CriticalKV's stage-2 value norms, unpruned and pruned")):
+        p = sub.add_parser(name, help=help_text, add_help=False,
+                           description=f"{help_text} (`criticalkv bench {name} --help` lists its options)")
+        p.add_argument("-h", "--help", action="store_true", dest="module_help", help=argparse.SUPPRESS)
+        p.set_defaults(func=_run_main(module_name), passes_arguments=True, arguments=[])
+
+
+def _run_main(module_name: str):
+    def run(args) -> int:
+        import importlib
+
+        return importlib.import_module(module_name).main((["--help"] if args.module_help else []) + args.arguments)
+
+    return run
+
+
+def _register_served_loads(sub) -> None:
+    """``docqa``, ``memory`` and ``cached-context``: workloads of the context cache and the KV memory budget."""
+    from criticalkv.bench import cached, docqa, memory
+
+    for name, module, help_text in (
+            ("docqa", docqa, "documents x questions in random order at concurrency 8, same KV memory for every "
+                             "server: context-cache hit rate, TTFT, output tokens/s, KV held; ratios to full"),
+            ("memory", memory, "memory-bound decode (ISL 2048, OSL 256, KV memory of 2 full sequences): output "
+                               "tokens/s and the sequences each server holds at once; ratios to full"),
+            ("cached-context", cached, "TTFT of a question after a cached context vs the same request uncached")):
+        p = sub.add_parser(name, help=help_text, description=plain(module.__doc__),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=_run_module(module))
+
+
+def _run_module(module):
+    def run(args) -> int:
+        args.command_line = getattr(args, "command_line", None) or command_line()
+        return module.main(args)
+
+    return run

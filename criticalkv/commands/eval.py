@@ -15,7 +15,20 @@ import sys
 import time
 from pathlib import Path
 
-from criticalkv.eval.specs import default_policy_specs
+import torch
+
+from criticalkv.eval import report
+from criticalkv.eval.io import environment, prepare_out_dir
+from criticalkv.eval.needle import needle_prompts
+from criticalkv.eval.report import refresh
+from criticalkv.eval.ruler import TASKS as RULER_TASKS
+from criticalkv.eval.ruler import ruler_prompts
+from criticalkv.eval.runner import evaluate
+from criticalkv.eval.specs import PolicyRun, check_lengths, default_policy_specs, expand_runs, parse_list
+from criticalkv.hf import load_model
+from criticalkv.hf.loading import resolve_model, stop_token_ids
+from criticalkv.methods import same_selection
+from criticalkv.methods import unrefined as base_policy
 from criticalkv.policy import POLICIES, KVPolicy
 
 TASKS = ("needle", "ruler", "perturbation")
@@ -44,15 +57,16 @@ def register(subparsers) -> None:
     _common(needle, ALL_POLICIES)
     needle.add_argument("--depths", default="0,10,20,30,40,50,60,70,80,90,100",
                         help="needle depths in percent (default: 0,10,...,100)")
+    _question_agnostic(needle)
     ruler = tasks.add_parser(
         "ruler", help="RULER-style synthetic tasks (NIAH single/multi-key/multi-value, vt, cwe, qa)",
         description="RULER-style synthetic tasks (--tasks): single-key, multi-key and multi-value needles, variable "
                     "tracking, common-words extraction and question answering over documents; a score per task and "
                     "the average. " + SHARED)
     _common(ruler, ALL_POLICIES)
-    from criticalkv.eval.ruler import TASKS as RULER_TASKS
 
     ruler.add_argument("--tasks", default=",".join(RULER_TASKS), help=f"tasks (default: {','.join(RULER_TASKS)})")
+    _question_agnostic(ruler)
     pert = tasks.add_parser(
         "perturbation", help="the paper's Section 5: head-wise and layer-wise output perturbation",
         description="The paper's Section 5 at the first decoding token: per layer and head the L1 perturbation of "
@@ -78,9 +92,14 @@ def register(subparsers) -> None:
     rep.set_defaults(func=run_report)
 
 
-def run_report(args) -> int:
-    from criticalkv.eval.report import refresh
+def _question_agnostic(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--question-agnostic", action="store_true",
+                   help="compress each prompt's context without its question (the selection's window is the "
+                        "context's own last tokens), then ask: the question runs through the compressed cache, as "
+                        "the serving context cache does when one compressed document answers many questions")
 
+
+def run_report(args) -> int:
     files = []
     for path in args.paths:
         if path.is_dir():
@@ -144,6 +163,8 @@ def canonical_command(args) -> str:
         parts += ["--model", args.model]
     if args.no_chat:
         parts.append("--no-chat")
+    if getattr(args, "question_agnostic", False):
+        parts.append("--question-agnostic")
     if args.verify:
         parts += ["--verify", str(args.verify)]
     if args.threads is not None:
@@ -157,9 +178,6 @@ def canonical_command(args) -> str:
 
 
 def run(args) -> int:
-    from criticalkv.eval.io import prepare_out_dir
-    from criticalkv.eval.specs import check_lengths, expand_runs, parse_list
-
     base = base_policy_from_args(args)
     runs = expand_runs(args.policies, parse_list(args.budgets, "--budgets"), base)
     lengths = parse_list(args.lengths, "--lengths")
@@ -176,8 +194,6 @@ def run(args) -> int:
             raise ValueError(f"--depths: {d:g} is outside [0, 100] (depths are percentages)")
     tasks = parse_list(args.tasks, "--tasks", str) if getattr(args, "tasks", None) is not None else None
     if tasks is not None:
-        from criticalkv.eval.ruler import TASKS as RULER_TASKS
-
         unknown = [t for t in tasks if t not in RULER_TASKS]
         if unknown:
             raise ValueError(f"--tasks: unknown task(s) {', '.join(unknown)}; choose from {', '.join(RULER_TASKS)}")
@@ -204,19 +220,14 @@ def run(args) -> int:
         "chat": chat,
         "runs": {r.key: {"spec": r.spec, "budget": r.budget, "policy": r.policy.to_dict()} for r in runs},
     }
+    question_agnostic = getattr(args, "question_agnostic", False)
+    if question_agnostic:  # only then: results of earlier, question-aware runs keep their configuration
+        config["question_agnostic"] = True
     path = out / f"{args.task}.json"
     done, previous = _earlier_results(path, config, args.resume, args.overwrite)
 
-    from criticalkv.commands.generate import stop_token_ids
-    from criticalkv.eval import report
-    from criticalkv.eval.io import environment
-    from criticalkv.hf import load_model
-    from criticalkv.hf.loading import resolve_model
-
     started = time.time()
     if args.threads is not None:
-        import torch
-
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     prompts = _prompts(args.task, tokenizer, lengths, depths, tasks, args.samples, args.seed, chat, getattr(args, "prompts", None))
@@ -231,7 +242,6 @@ def run(args) -> int:
     if previous is not None:
         meta["resumed"] = previous
     writer = report.Writer(args.task, out, meta, runs, lengths, tasks)
-    from criticalkv.eval.runner import evaluate
 
     records = evaluate(
         model, tokenizer, prompts, runs,
@@ -241,6 +251,7 @@ def run(args) -> int:
         progress=not args.no_progress,
         done=done,
         on_record=writer.partial,
+        question_agnostic=question_agnostic,
     )
     meta["wall_s"] = time.time() - started
     headline = writer.final(records, meta)
@@ -250,10 +261,6 @@ def run(args) -> int:
 
 def _with_bases(runs):
     """The perturbation analysis compares each CriticalKV run with its base: add missing bases."""
-    from criticalkv.eval.specs import PolicyRun
-    from criticalkv.methods import same_selection
-    from criticalkv.methods import unrefined as base_policy
-
     out = list(runs)
     for run in runs:
         base = base_policy(run.policy)
@@ -268,9 +275,6 @@ def _with_bases(runs):
 
 
 def _prompts(task, tokenizer, lengths, depths, tasks, samples, seed, chat, source):
-    from criticalkv.eval.needle import needle_prompts
-    from criticalkv.eval.ruler import ruler_prompts
-
     if task == "needle":
         return needle_prompts(tokenizer, lengths, depths, samples, seed, chat)
     if task == "ruler":

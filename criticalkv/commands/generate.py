@@ -7,8 +7,11 @@ import json
 import sys
 from pathlib import Path
 
+from criticalkv.chat import encode_context_question, encode_prompt
+from criticalkv.files import read_text_interruptibly
 from criticalkv.policy import KVPolicy
-from criticalkv.sampling import SamplingConfig
+from criticalkv.request import SamplingParams
+from criticalkv.runtime import Engine
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -24,6 +27,11 @@ def register(subparsers) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", type=Path, help="text file with the prompt")
     src.add_argument("--prompt", help="the prompt itself")
+    src.add_argument("--context-file", type=Path,
+                     help="text file with a context (a document) to compress without the question, then ask "
+                          "--question about it (what the server's context cache does)")
+    src.add_argument("--context", help="the context itself (see --context-file)")
+    p.add_argument("--question", help="with --context-file/--context: the question asked after the compressed context")
     p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--engine-dir", type=Path,
                    help="run an engine built by scripts/build_engine.py (ONNX Runtime or TensorRT) instead of PyTorch")
@@ -31,7 +39,8 @@ def register(subparsers) -> None:
                    help="with --engine-dir only: ONNX Runtime (CPU, default) or the TensorRT engines "
                         "(GPU, CUDA graphs)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as the user turn of the model's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=64,
+                   help="tokens to generate at most (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
@@ -46,32 +55,46 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def read_prompt(args) -> str:
-    if args.prompt is not None:
-        text = args.prompt
-    else:
-        path = args.prompt_file
+def read_text(text: str | None, path: Path | None, what: str) -> str:
+    flag = f"--{what}-file"
+    if text is None:
         if path.is_dir():
-            raise ValueError(f"--prompt-file {path}: is a directory, not a text file")
+            raise ValueError(f"{flag} {path}: is a directory, not a text file")
         if not path.exists():
-            raise FileNotFoundError(f"--prompt-file {path}: no such prompt file")
+            raise FileNotFoundError(f"{flag} {path}: no such {what} file")
         try:
-            text = path.read_text(encoding="utf-8")
+            text = read_text_interruptibly(path)  # a FIFO or a terminal: Ctrl-C ends the wait at any moment
         except UnicodeDecodeError as err:
-            raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {err.start}: {err.reason}); "
+            raise ValueError(f"{flag} {path}: not UTF-8 text (byte {err.start}: {err.reason}); "
                              "give a text file") from None
     if not text.strip():
-        raise ValueError("the prompt is empty")
+        raise ValueError(f"the {what} is empty")
     return text
 
 
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("--chat: this model's tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer(text)["input_ids"]
+def read_prompt(args) -> str:
+    return read_text(args.prompt, args.prompt_file, "prompt")
+
+
+def read_inputs(args) -> tuple[str, str | None]:
+    """(prompt, None), or (context, question) with --context/--context-file and --question: read before the model
+    loads, so a missing file fails at once."""
+    has_context = args.context is not None or args.context_file is not None
+    if has_context != (args.question is not None):
+        raise ValueError("--question goes with --context or --context-file (and they need a --question)")
+    if not has_context:
+        return read_prompt(args), None
+    if not args.question.strip():
+        raise ValueError("the question is empty")
+    return read_text(args.context, args.context_file, "context"), args.question
+
+
+def encode_inputs(tokenizer, inputs: tuple[str, str | None], chat: bool) -> tuple[list[int], list[int] | None]:
+    """(prompt ids, None) or (context ids, question ids)."""
+    text, question = inputs
+    if question is None:
+        return encode_prompt(tokenizer, text, chat), None
+    return encode_context_question(tokenizer, text, question, chat)
 
 
 def kept_whole(policy: KVPolicy, prompt_len: int) -> bool:
@@ -80,16 +103,10 @@ def kept_whole(policy: KVPolicy, prompt_len: int) -> bool:
     return policy.name == "full" or prompt_len <= policy.budget
 
 
-def stop_token_ids(tokenizer, model) -> list[int]:
-    ids = set()
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return sorted(ids)
-
-
-def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int], timings: dict, kv_full: int, kv_kept: int, backend: str) -> None:
+def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int], timings: dict, kv_full: int, kv_kept: int,
+           backend: str, question_len: int | None = None) -> None:
+    """Print the answer (or one JSON object). ``prompt_len``: the tokens compressed (the context when a question
+    follows it); ``question_len``: the question's tokens asked after the compressed context."""
     stops = set(args.stop_ids)
     text = tokenizer.decode([t for t in tokens if t not in stops], skip_special_tokens=True)
     if policy.name != "full" and kept_whole(policy, prompt_len):
@@ -100,6 +117,7 @@ def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int]
             "text": text,
             "token_ids": tokens,
             "prompt_tokens": prompt_len,
+            **({} if question_len is None else {"question_tokens": question_len}),
             "new_tokens": len(tokens),
             "backend": backend,
             "model": args.model or "smollm2-135m",
@@ -114,23 +132,34 @@ def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int]
               f" | decode {1000 * timings['decode_s_per_token']:.1f} ms/token", file=sys.stderr)
 
 
-def engine_policy(args, built: KVPolicy) -> KVPolicy:
-    """The engine's policy; a policy flag given on the command line must agree with it."""
+def engine_policy(args, built: KVPolicy) -> tuple[KVPolicy, int | None]:
+    """The engine's policy and the request's budget. A policy flag given on the command line must agree with the
+    built policy, except ``--budget``: a budget in the engine's per-request range [min_budget, built budget] is this
+    request's ``kv_budget`` (the selection inside the prefill takes it as an input)."""
     default = KVPolicy()
+    kv_budget = None
     for name in KVPolicy.knob_names():
         value = getattr(args, name)
-        if value != getattr(default, name) and value != getattr(built, name):
-            raise ValueError(
-                f"{KVPolicy.flag_of(name)} {value} differs from the engine's policy ({name} = {getattr(built, name)!r}); "
-                "the policy is built into the engine: rebuild it with scripts/build_engine.py to change it"
-            )
-    return built
+        if value == getattr(default, name) or value == getattr(built, name):
+            continue
+        if name == "budget" and built.method.base.evicts:
+            try:
+                kv_budget = built.request_budget(value)
+            except ValueError:
+                raise ValueError(
+                    f"--budget {value} differs from the engine's policy (budget = {built.budget}), and this engine "
+                    f"serves per-request budgets in [{built.min_budget}, {built.budget}] only (--budget must lie there); "
+                    "to keep more, rebuild it with scripts/build_engine.py --budget") from None
+            continue
+        raise ValueError(
+            f"{KVPolicy.flag_of(name)} {value} differs from the engine's policy ({name} = {getattr(built, name)!r}); "
+            "the policy is built into the engine: rebuild it with scripts/build_engine.py to change it"
+        )
+    return (built if kv_budget is None else built.with_budget(kv_budget)), kv_budget
 
 
 def run_engine(args) -> int:
     """``--engine-dir``: the engine runtime (criticalkv.runtime) on ONNX Runtime or TensorRT."""
-    from criticalkv.runtime import Engine
-
     for flag, value, why in (
         ("--model", args.model, "the engine directory holds its model"),
         ("--dtype", args.dtype, "the engine's dtype is fixed when it is built (build_engine.py --dtype)"),
@@ -139,27 +168,25 @@ def run_engine(args) -> int:
         if value is not None:
             raise ValueError(f"{flag} and --engine-dir exclude each other: {why}")
     args.backend = args.backend or "onnxruntime"
-    sampling = SamplingConfig(args.temperature, args.top_p, args.seed)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    text = read_prompt(args)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    inputs = read_inputs(args)
     # profile=True: ONNX Runtime profiles the prefill run, which gives the selection nodes' time
     # (TensorRT reports selection_s as null: the plugin runs inside the engine, timed as part of prefill)
     options = {"profile": True} if args.backend == "onnxruntime" else {}
     engine = Engine.load(args.engine_dir, backend=args.backend, **options)
     try:
-        policy = engine_policy(args, engine.policy)
+        policy, kv_budget = engine_policy(args, engine.policy)
         tokenizer = engine.tokenizer
-        ids = encode_prompt(tokenizer, text, args.chat)
+        ids, question = encode_inputs(tokenizer, inputs, args.chat)
         args.stop_ids = engine.eos_token_ids
         args.model = engine.manifest["model"]["name"]
         stream = None if args.json else _streamer(tokenizer, args.stop_ids)
         out = engine.generate([ids], args.max_new_tokens, sampling=sampling, stop_token_ids=args.stop_ids,
-                              on_tokens=stream)
+                              on_tokens=stream, kv_budget=kv_budget, questions=None if question is None else [question])
     finally:
         engine.close()
     report(args, policy, tokenizer, len(ids), out.tokens[0], out.timings(), out.kv_bytes_full, out.kv_bytes_kept,
-           engine.backend.name)
+           engine.backend.name, None if question is None else len(question))
     if not args.json:
         print()
     return 0
@@ -183,7 +210,7 @@ def _streamer(tokenizer, stop_ids):
 
 def torch_device(name: str):
     """``torch.device(name)`` after checking that this torch can use it (one-line error otherwise)."""
-    import torch
+    import torch  # the PyTorch path only (see run)
 
     try:
         device = torch.device(name)
@@ -200,26 +227,30 @@ def run(args) -> int:
     if args.backend is not None:
         raise ValueError(f"--backend {args.backend}: only with --engine-dir (without it generate runs the PyTorch "
                          "model; build an engine with scripts/build_engine.py)")
+    policy = KVPolicy.from_args(args)
+    sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              seed=args.seed)
+    inputs = read_inputs(args)  # before torch's seconds of imports: a prompt from a pipe is read at once
+    # the PyTorch path's imports load torch (seconds): only this path pays them, after the prompt is read, so the
+    # command line starts (and takes Ctrl-C) at once and --engine-dir never loads torch
     import torch
 
     from criticalkv.hf import generate, load_model
+    from criticalkv.hf.loading import stop_token_ids
 
     args.dtype = args.dtype or "float32"
     args.device = torch_device(args.device or "cpu")
-    policy = KVPolicy.from_args(args)
-    sampling = SamplingConfig(args.temperature, args.top_p, args.seed)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    text = read_prompt(args)
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     model.to(args.device)
-    ids = encode_prompt(tokenizer, text, args.chat)
+    ids, question = encode_inputs(tokenizer, inputs, args.chat)
     args.stop_ids = stop_token_ids(tokenizer, model)
     out = generate(
         model, torch.tensor([ids], device=args.device), policy, args.max_new_tokens,
         stop_token_ids=args.stop_ids, sampling=sampling, on_tokens=None if args.json else _streamer(tokenizer, args.stop_ids),
+        question_ids=None if question is None else torch.tensor([question], device=args.device),
     )
-    report(args, policy, tokenizer, len(ids), out.tokens[0], out.timings(), out.kv_bytes_full, out.kv_bytes_kept, "pytorch")
+    report(args, policy, tokenizer, len(ids), out.tokens[0], out.timings(), out.kv_bytes_full, out.kv_bytes_kept, "pytorch",
+           None if question is None else len(question))
     if not args.json:
         print()
     return 0

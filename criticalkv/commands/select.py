@@ -10,16 +10,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from criticalkv.policy import KVPolicy
-from criticalkv.selection import select_layer
 
 REQUIRED = ("queries", "keys", "values", "o_proj_weight")
 
 
-def load_layer_tensors(path: Path) -> dict[str, torch.Tensor]:
+def load_layer_tensors(path: Path) -> dict[str, "torch.Tensor"]:  # noqa: F821 (imported below: torch takes seconds)
+    import numpy as np
+    import torch
+
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     try:
@@ -57,6 +56,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from criticalkv.selection import select_layer
+
     policy = KVPolicy.from_args(args)
     t = load_layer_tensors(args.inputs)
     sel = select_layer(

@@ -1,80 +1,182 @@
-"""``criticalkv serve``: serve an engine with Triton Inference Server (the server of the nvidia-pytriton wheel)."""
+"""``criticalkv serve``: serve an engine with Triton Inference Server (the server of the nvidia-pytriton wheel)
+and an OpenAI-compatible API in front of it."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 from pathlib import Path
 
-from criticalkv.commands.triton_repo import add_model_arguments
+from criticalkv.commands.triton_repo import add_model_arguments, scheduler_config
+from criticalkv.files import remove_stale_temporaries, temporary_dir
+from criticalkv.serving import launcher
+from criticalkv.serving.repository import make_repository
+
+#: temporary model repositories: <tmp>/criticalkv-serve-<launcher pid>-<random>/ (a killed launcher's is removed
+#: by the next start)
+TEMP_PREFIX = "criticalkv-serve-"
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "serve",
-        help="serve an engine over HTTP/gRPC with Triton Inference Server (continuous batching)",
-        description="Render a model repository for --engine-dir (unless --repo names one), start tritonserver on "
-        "127.0.0.1, wait until it is ready, print its URLs, and stop it on Ctrl-C / SIGTERM. The server and its "
-        "Python-backend stub come from the nvidia-pytriton wheel; `--setup` (also run by scripts/install.sh) "
-        "unpacks them into .triton/ with a numpy<2 environment for the model. GPU machines: see the README "
-        "(official Triton container, --backend tensorrt).",
+        help="serve an engine over HTTP/gRPC with Triton Inference Server and an OpenAI-compatible API "
+             "(continuous batching)",
+        description="Render a model repository for --engine-dir (unless --repo names one), start tritonserver, "
+        "wait until it is ready, start the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models; "
+        "the chat template is the engine tokenizer's) in front of it, print the URLs, and stop everything on "
+        "Ctrl-C / SIGTERM. Both APIs share one engine and scheduler per model instance. A port already in use is "
+        "named and the command exits with status 2 before anything starts. tritonserver and its model processes "
+        "stop when this command dies in any way (SIGKILL included). The server and its Python-backend stub come "
+        "from the nvidia-pytriton wheel; `--setup` (also run by scripts/install.sh) unpacks them into .triton/ "
+        "with a numpy<2 environment for the model. GPU machines: see the README (official Triton container, "
+        "--backend tensorrt).",
     )
     p.add_argument("--engine-dir", type=Path, help="engine directory built by scripts/build_engine.py")
     p.add_argument("--repo", type=Path, help="serve this model repository as is (default: render one into a temp dir)")
-    p.add_argument("--http-port", type=int, default=8000, help="HTTP port (default: 8000)")
-    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default: 8001)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address every port binds to (default: 127.0.0.1, this machine only). 0.0.0.0 exposes all "
+                        "of them to every network the machine is on: Triton's HTTP and gRPC inference and "
+                        "model-control endpoints and its metrics (never authenticated) and the OpenAI API "
+                        "(authenticated only with --api-key)")
+    p.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port (default: 8000)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port (default: 8001)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default: 8002)")
+    p.add_argument("--openai-port", type=int, default=9000,
+                   help="port of the OpenAI-compatible API (default: 9000, as Triton's own OpenAI frontend; "
+                        "0 = do not start it)")
+    p.add_argument("--api-key", default=os.environ.get("CRITICALKV_API_KEY"),
+                   help="as `vllm serve --api-key`: every OpenAI API request (/v1/...) must carry the header "
+                        "'Authorization: Bearer KEY', else 401 (default: $CRITICALKV_API_KEY, or no key). "
+                        "Triton's own ports are not covered")
     add_model_arguments(p)
     p.add_argument("--setup", action="store_true", help="only set up tritonserver and the model environment, then exit")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server (default: 600)")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from criticalkv.serving import launcher
-    from criticalkv.serving.repository import make_repository
+def engine_dir_of(args) -> Path:
+    """The engine directory: --engine-dir, or the one the --repo model's model.json names."""
+    if args.engine_dir is not None:
+        return Path(args.engine_dir)
+    arguments = Path(args.repo) / args.model_name / "1" / "model.json"
+    try:
+        return Path(json.loads(arguments.read_text())["engine_dir"])
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"--repo {args.repo}: cannot read the engine directory from {arguments} ({err}); "
+                         "the OpenAI API needs the engine's tokenizer (or give --openai-port 0)") from None
 
+
+def run(args: argparse.Namespace) -> int:
     launcher.setup(log=lambda m: print(m, file=sys.stderr))
     if args.setup:
         print(f"tritonserver ready to run from {launcher.server_dir()} (model environment {launcher.model_env()})")
         return 0
     if args.repo is None and args.engine_dir is None:
         raise ValueError("give --engine-dir (or --repo with a rendered model repository)")
-    with tempfile.TemporaryDirectory(prefix="criticalkv-triton-") as tmp:
+    if args.repo is not None and not Path(args.repo).is_dir():
+        raise FileNotFoundError(f"{args.repo}: no such model repository")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty")
+    parent = Path(tempfile.gettempdir())
+    remove_stale_temporaries(parent, TEMP_PREFIX, lambda m: print(f"criticalkv serve: {m}", file=sys.stderr))
+    ports = {"--http-port": args.http_port, "--grpc-port": args.grpc_port, "--metrics-port": args.metrics_port}
+    if args.openai_port:
+        ports["--openai-port"] = args.openai_port
+    launcher.check_ports_free(args.host, ports)  # PortInUse (an OSError): one line, status 2
+    openai_sock = launcher.bind_socket(args.host, args.openai_port, "--openai-port") if args.openai_port else None
+
+    # handlers first: a signal during start-up stops what has started (the finally below)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    tmp = temporary_dir(parent, TEMP_PREFIX)
+    server = frontend = None
+    try:
         repo = args.repo
         if repo is None:
-            repo = Path(tmp) / "models"
+            repo = tmp / "models"
             make_repository(args.engine_dir, repo, model_name=args.model_name, instances=args.instances,
-                            max_num_seqs=args.max_num_seqs, kv_pool_mib=args.kv_pool_mib, backend=args.backend,
+                            scheduler=scheduler_config(args), backend=args.backend,
                             gpus=args.gpus, threads=args.threads, execution_env=str(launcher.model_env()),
                             python_paths=launcher.project_paths())
-        elif not Path(repo).is_dir():
-            raise FileNotFoundError(f"{repo}: no such model repository")
+        engine_dir = engine_dir_of(args) if openai_sock is not None else None
         server = launcher.TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port,
-                                       log_file=Path(tmp) / "tritonserver.log")
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        print(f"starting tritonserver (log: {server.log_file}) ...", file=sys.stderr)
+                                       log_file=tmp / "tritonserver.log", host=args.host)
+        print(f"starting tritonserver (log: {server.log_file}) ...", file=sys.stderr, flush=True)
+        # from this (the main) thread: tritonserver gets SIGKILL when the thread that started it ends
+        server.launch()
         try:
-            try:
-                server.start(timeout_s=args.ready_timeout)
-            except (RuntimeError, TimeoutError) as err:
-                print(f"criticalkv serve: error: {err}", file=sys.stderr)
+            # the frontend's imports and tokenizer load while the model loads
+            tokenizer = _load_tokenizer(engine_dir) if engine_dir is not None else None
+            server.wait_ready(args.ready_timeout, cancelled=stop.is_set)
+            if openai_sock is not None and not stop.is_set():
+                from criticalkv.serving.openai_api import OpenAIFrontend
+
+                frontend = OpenAIFrontend(openai_sock, server.grpc_url, args.model_name, tokenizer, args.api_key,
+                                          chat_max_tokens=_max_new_tokens(engine_dir))
+                frontend.start(cancelled=stop.is_set)
+        except (RuntimeError, TimeoutError) as err:
+            print(f"criticalkv serve: error: {err}", file=sys.stderr)
+            return 1
+        if stop.is_set():
+            return 0
+        print(ready_message(args, server), flush=True)
+        while not stop.wait(1.0):
+            if server.process.poll() is not None:
+                print(f"tritonserver exited with code {server.process.returncode}:\n{server.log_tail()}",
+                      file=sys.stderr)
                 return 1
-            print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}\n"
-                  f"  curl -N -X POST {server.http_url}/v2/models/{args.model_name}/generate_stream "
-                  "-d '{\"text_input\": \"...\", \"max_tokens\": 64, \"stream\": true}'\n"
-                  "Ctrl-C stops the server.", flush=True)
-            while not stop.wait(1.0):
-                if server.process.poll() is not None:
-                    print(f"tritonserver exited with code {server.process.returncode}:\n{server.log_tail()}",
-                          file=sys.stderr)
-                    return 1
-        finally:
+            if frontend is not None and not frontend.alive():
+                print("criticalkv serve: the OpenAI-compatible frontend stopped", file=sys.stderr)
+                return 1
+    finally:
+        if frontend is not None:
+            frontend.stop()
+        elif openai_sock is not None:
+            openai_sock.close()
+        if server is not None and server.process is not None:
             code = server.stop()
             print(f"tritonserver stopped (exit code {code})", file=sys.stderr)
+        shutil.rmtree(tmp, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def _max_new_tokens(engine_dir: Path) -> int:
+    from criticalkv.runtime.manifest import read_manifest
+
+    return int(read_manifest(engine_dir, verify=False)["build"]["max_new_tokens"])
+
+
+def _load_tokenizer(engine_dir: Path):
+    from transformers import AutoTokenizer
+
+    folder = Path(engine_dir) / "tokenizer"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{engine_dir}: no tokenizer folder (the OpenAI API needs it; or give --openai-port 0)")
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def ready_message(args, server) -> str:
+    lines = [f"ready: Triton HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}"]
+    host = server.http_url.split("//")[1].rsplit(":", 1)[0]
+    if args.openai_port:
+        base = f"http://{host}:{args.openai_port}/v1"
+        auth = ' -H "Authorization: Bearer $CRITICALKV_API_KEY"' if args.api_key else ""  # the key is not printed
+        key_note = ", API key required" if args.api_key else ""
+        body = json.dumps({"model": args.model_name, "messages": [{"role": "user", "content": "..."}]})
+        lines.append(f"  OpenAI API {base}  (model \"{args.model_name}\"{key_note})")
+        lines.append(f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+    lines.append(f"  curl -N -X POST {server.http_url}/v2/models/{args.model_name}/generate_stream "
+                 "-d '{\"text_input\": \"...\", \"max_tokens\": 64, \"stream\": true, \"apply_chat_template\": true}'")
+    if args.host in ("0.0.0.0", "::", ""):
+        lines.append(f"  listening on every network interface (--host {args.host})")
+    lines.append("Ctrl-C stops the server.")
+    return "\n".join(lines)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from criticalkv.serving.repository import DEFAULT_MODEL_NAME
+from criticalkv.serving import launcher
+from criticalkv.serving.repository import DEFAULT_MODEL_NAME, make_repository
+from criticalkv.serving.scheduler import SchedulerConfig
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,15 +19,29 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "with --backend tensorrt: per GPU)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="sequences decoding at once per instance (default and maximum: the engine's --max-batch-size)")
-    p.add_argument("--kv-pool-mib", type=float, default=None,
-                   help="KV memory the running sequences of an instance may hold, MiB (default: no limit beyond "
-                        "--max-num-seqs); requests beyond it wait")
+    p.add_argument("--kv-memory-mib", "--kv-pool-mib", dest="kv_memory_mib", type=float, default=None,
+                   help="one KV memory budget per instance, MiB: what running requests keep (+ their growth), prompts "
+                        "under prefill (their full K/V) and cached contexts hold together (default: no limit beyond "
+                        "--max-num-seqs); requests beyond it wait, cached contexts are evicted first")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prefill long prompts in chunks of this many tokens, interleaved with the running requests' "
+                        "decode steps (default: 512, a multiple of the engine's attention block: the same kept entries "
+                        "and tokens as one prefill; 0 = one prefill per prompt)")
+    p.add_argument("--context-cache-mib", type=float, default=256.0,
+                   help="compressed contexts kept for reuse per instance, MiB (default: 256; 0 = none): a request's "
+                        "`context` is compressed once and later questions about it skip its prefill")
     p.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
                    help="onnxruntime (KIND_CPU, default) or tensorrt (KIND_GPU)")
     p.add_argument("--gpus", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="with --backend tensorrt: comma-separated GPU ids (default: 0)")
     p.add_argument("--threads", type=int, default=0,
                    help="ONNX Runtime threads per instance (default: 0 = ORT's choice)")
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    """The scheduler options of ``add_model_arguments`` (checked here, before any server starts)."""
+    return SchedulerConfig(max_num_seqs=args.max_num_seqs, kv_memory_mib=args.kv_memory_mib,
+                           prefill_chunk=args.prefill_chunk, context_cache_mib=args.context_cache_mib)
 
 
 def register(subparsers) -> None:
@@ -47,13 +63,10 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from criticalkv.serving import launcher
-    from criticalkv.serving.repository import make_repository
-
     env = {"auto": str(launcher.model_env()), "none": None}.get(args.execution_env, args.execution_env)
     paths = launcher.project_paths() if args.execution_env != "none" else []
     target = make_repository(args.engine_dir, args.out, model_name=args.model_name, instances=args.instances,
-                             max_num_seqs=args.max_num_seqs, kv_pool_mib=args.kv_pool_mib, backend=args.backend,
+                             scheduler=scheduler_config(args), backend=args.backend,
                              gpus=args.gpus, threads=args.threads, execution_env=env, python_paths=paths,
                              force=args.force)
     print(f"model repository written: {target}")

@@ -27,7 +27,9 @@ import torch
 
 from criticalkv.hf.cache import CompressedKVCache, CompressedLayer, packed_decoding
 from criticalkv.hf.compress import hooked_prefill, window_queries
+from criticalkv.hf.generate import extend_cache, generate
 from criticalkv.hf.loading import check_supported
+from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.policy import KVPolicy
 from criticalkv.sampling import Sampler, decode_loop
 from criticalkv.selection import LayerScores, LayerSelection, ScoreMemo, layer_scores, select_layer, select_model
@@ -50,6 +52,7 @@ class SharedPrefill:
     queries: dict[int, list[torch.Tensor]]
     o_proj: list[torch.Tensor]
     prefill_s: float
+    inv_freq: "np.ndarray | None" = None  # RoPE's [d_h / 2] (expected-attention reads it)
 
     @property
     def n(self) -> int:
@@ -95,6 +98,7 @@ def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int]) -> Sh
         queries=queries,
         o_proj=[layer.self_attn.o_proj.weight for layer in layers],
         prefill_s=time.perf_counter() - start,
+        inv_freq=model.model.rotary_emb.inv_freq.detach().float().cpu().numpy(),
     )
 
 
@@ -108,6 +112,12 @@ class ScoreBank:
     def __init__(self, prefill: SharedPrefill):
         self.prefill = prefill
         self.memo = ScoreMemo()
+
+    def rotation(self, policy: KVPolicy):
+        """RoPE's rotation tables for a policy that reads them (``expected-attention``), else None."""
+        if not policy.method.base.needs_rotation or self.prefill.inv_freq is None:
+            return None  # (select_layer then assumes RoPE's default angles)
+        return torch.from_numpy(rotation_tables(self.prefill.inv_freq, policy.window, policy.future_positions))
 
     @property
     def seconds(self) -> float:
@@ -131,20 +141,21 @@ class ScoreBank:
         """``criticalkv.selection.layer_scores`` of ``policy`` for ``layer`` (memoised)."""
         q, k, v, o = self.layer_inputs(policy, layer)
         valid_start = torch.zeros(k.shape[0], dtype=torch.int64, device=k.device)
-        return layer_scores(policy, q, k, v, o, valid_start, self.memo, layer)
+        return layer_scores(policy, q, k, v, o, valid_start, self.memo, layer, self.rotation(policy))
 
 
 def select_from_bank(policy: KVPolicy, bank: ScoreBank, layer: int) -> LayerSelection:
     """``select_layer(policy, ...)`` for layer ``layer`` of the bank's (unpadded, batch 1) prompt, memoised scores."""
     q, k, v, o = bank.layer_inputs(policy, layer)
-    return select_layer(policy, q, k, v, o, layer, bank.prefill.num_layers, memo=bank.memo)
+    return select_layer(policy, q, k, v, o, layer, bank.prefill.num_layers, memo=bank.memo,
+                        rotation=bank.rotation(policy))
 
 
 def select_all_layers(policy: KVPolicy, bank: ScoreBank) -> list[LayerSelection]:
     """``select_model`` over the bank's layers (memoised scores): every layer's selection, model-level methods
     (the budget shared across layers) included."""
     layers = [bank.layer_inputs(policy, layer) for layer in range(bank.prefill.num_layers)]
-    return select_model(policy, layers, memo=bank.memo)
+    return select_model(policy, layers, memo=bank.memo, rotation=bank.rotation(policy))
 
 
 @dataclass
@@ -167,6 +178,7 @@ def decode(
     stop_token_ids: Sequence[int] = (),
     first_step: Callable[[], object] | None = None,
     force_first_step: bool = False,
+    question_ids: torch.Tensor | None = None,
 ) -> Decoded:
     """``criticalkv.hf.generate``'s greedy decode loop on a cache built from ``prefill`` and ``selections``.
 
@@ -174,11 +186,14 @@ def decode(
     after the prompt, at position n): the perturbation analysis records hidden states there.
     ``force_first_step`` runs that forward even when no second token is wanted (``max_new_tokens``
     1 or a stop token first); its output is then not part of ``tokens``.
+    ``question_ids`` [1, q]: the prefill was a context compressed without its question; the question runs through
+    the compressed cache first (``criticalkv.hf.generate``'s ``question_ids``) and the answer follows it.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    q = 0 if question_ids is None else question_ids.shape[1]
     layers = [
-        CompressedLayer.from_selection(k, v, sel, max_new_tokens)
+        CompressedLayer.from_selection(k, v, sel, q + max_new_tokens)
         for k, v, sel in zip(prefill.keys, prefill.values, selections)
     ]
     cache = CompressedKVCache(layers, seen_tokens=prefill.n)
@@ -191,7 +206,7 @@ def decode(
         with ctx:
             out = model(
                 input_ids=torch.as_tensor(tokens, device=device)[:, None],
-                position_ids=torch.full((1, 1), prefill.n + t, device=device),
+                position_ids=torch.full((1, 1), prefill.n + q + t, device=device),
                 attention_mask=dummy_mask,
                 past_key_values=cache,
                 use_cache=True,
@@ -199,7 +214,10 @@ def decode(
         return out.logits[:, -1].float().cpu().numpy()
 
     with packed_decoding(model):
-        first = sampler(prefill.logits.float().cpu().numpy())
+        logits = prefill.logits
+        if question_ids is not None:
+            logits = extend_cache(model, cache, question_ids.to(device), torch.full((1,), prefill.n, device=device))
+        first = sampler(logits.float().cpu().numpy())
         generated, steps, seconds = decode_loop(step, first, max_new_tokens, stop_token_ids, sampler,
                                                 force_first_step=force_first_step)
     return Decoded(tokens=generated.tokens[0], decode_s=seconds, steps=steps, cache=cache)
@@ -213,11 +231,10 @@ def kept_fraction(selections: Sequence[LayerSelection], n: int) -> float:
 
 
 def tokens_equal_generate(model, prefill: SharedPrefill, policy: KVPolicy, tokens: list[int], max_new_tokens: int,
-                          stop_token_ids: Sequence[int]) -> tuple[bool, list[int]]:
+                          stop_token_ids: Sequence[int], question_ids: torch.Tensor | None = None) -> tuple[bool, list[int]]:
     """Re-run ``criticalkv.hf.generate`` for one policy and compare its tokens with ``tokens``."""
-    from criticalkv.hf import generate
-
-    ref = generate(model, prefill.input_ids, policy, max_new_tokens, stop_token_ids=stop_token_ids).tokens[0]
+    ref = generate(model, prefill.input_ids, policy, max_new_tokens, stop_token_ids=stop_token_ids,
+                   question_ids=question_ids).tokens[0]
     return ref == tokens, ref
 
 

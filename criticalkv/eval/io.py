@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import torch
+import transformers
+
+import criticalkv
 
 
 def prepare_out_dir(path: Path) -> Path:
@@ -92,7 +96,7 @@ def write_text(path: Path, text: str) -> None:
 
 def save_figure(fig, path: Path) -> None:
     """Save a matplotlib figure as PNG atomically and close it."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional (the eval extra): needed only for figures
 
     write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
@@ -100,15 +104,6 @@ def save_figure(fig, path: Path) -> None:
 
 def environment() -> dict:
     """Machine and versions, for the results files."""
-    import torch
-    import transformers
-
-    try:
-        import criticalkv
-
-        version = criticalkv.__version__
-    except Exception:  # pragma: no cover - the package always imports here
-        version = "?"
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -117,7 +112,7 @@ def environment() -> dict:
     except OSError:
         pass
     return {
-        "criticalkv": version,
+        "criticalkv": criticalkv.__version__,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -13,7 +13,7 @@ from criticalkv.eval.summary import budgets_in_order, run_key, specs_in_order
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # optional (the eval / bench extras): needed only for figures
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -51,6 +51,7 @@ def evaluate(
     progress: bool = True,
     done: dict[str, dict] | None = None,
     on_record: Callable[[list[dict]], None] | None = None,
+    question_agnostic: bool = False,
 ) -> list[dict]:
     """Evaluate ``runs`` on ``prompts``; records come back in prompt order.
 
@@ -58,7 +59,12 @@ def evaluate(
     verify : re-run ``criticalkv.hf.generate`` for every run on the first ``verify`` prompts of each
         length computed here and raise ``VerificationError`` if any token differs
     done : records of an earlier, interrupted run of the same configuration, by prompt key (reused)
+    question_agnostic : compress each prompt's context without its question (the prompt up to the end of its
+        ``context_span``; the selection's window is the context's last tokens), then ask: the question runs through
+        the compressed cache and the answer follows (what the serving context cache does)
     """
+    if question_agnostic and perturbation:
+        raise ValueError("the perturbation analysis runs on question-aware prompts only")
     done = done or {}
     stop = {int(t) for t in stop_token_ids}
     windows = sorted({r.policy.window for r in runs})
@@ -76,7 +82,8 @@ def evaluate(
                 continue
             bar.set_description(prompt.key)
             check = verify > verified.get(prompt.length, 0)
-            record = _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, perturbation, check, bar)
+            record = _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, perturbation, check, bar,
+                                      question_agnostic)
             verified[prompt.length] = verified.get(prompt.length, 0) + check
             records.append(record)
             finished += 1
@@ -90,8 +97,21 @@ def evaluate(
     return records
 
 
-def _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, perturbation, verify, bar) -> dict:
+def split_question(prompt: EvalPrompt) -> int:
+    """Where a prompt's question starts: the end of its context (``meta["context_span"]``)."""
+    span = prompt.meta.get("context_span")
+    if not span or not 0 < span[1] < prompt.length:
+        raise ValueError(f"{prompt.key}: no context span to split the question from (question-agnostic mode)")
+    return span[1]
+
+
+def _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, perturbation, verify, bar,
+                     question_agnostic=False) -> dict:
     ids = torch.tensor([prompt.input_ids], device=device)
+    question = None
+    if question_agnostic:
+        split = split_question(prompt)
+        ids, question = ids[:, :split], ids[:, split:]
     start = time.perf_counter()
     prefill = shared_prefill(model, ids, windows)
     bank = ScoreBank(prefill)
@@ -116,7 +136,8 @@ def _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, pert
             decoded = full_decoded  # the reference run is this run (the recorder changes no numbers)
             recorder = None
         else:
-            decoded = decode(model, prefill, selections, prompt.max_new_tokens, sorted(stop), recorder, perturbation)
+            decoded = decode(model, prefill, selections, prompt.max_new_tokens, sorted(stop), recorder, perturbation,
+                             question_ids=question)
         text = _text(tokenizer, decoded.tokens, stop)
         result = {
             "text": text,
@@ -131,7 +152,8 @@ def _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, pert
         if perturbation:
             result.update(_perturbation(run, bank, reference, selections, recorder, n))
         if verify:
-            same, ref = tokens_equal_generate(model, prefill, run.policy, decoded.tokens, prompt.max_new_tokens, sorted(stop))
+            same, ref = tokens_equal_generate(model, prefill, run.policy, decoded.tokens, prompt.max_new_tokens,
+                                              sorted(stop), question)
             if not same:
                 raise VerificationError(
                     f"{prompt.key} {run.key}: the shared prefill decoded {decoded.tokens} but criticalkv.hf.generate "

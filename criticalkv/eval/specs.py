@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from criticalkv.methods import BASE_METHODS, METHODS
 from criticalkv.policy import POLICIES, KVPolicy
 
 _TYPES = {f.name: f.type for f in dataclasses.fields(KVPolicy)}
@@ -43,8 +44,6 @@ def default_policy_specs(pairs_only: bool = False) -> list[str]:
 
     ``pairs_only``: only the two-stage policies and the bases they refine (the perturbation analysis).
     """
-    from criticalkv.methods import BASE_METHODS, METHODS
-
     specs = []
     for base in BASE_METHODS.values():
         refined = [m.name for m in METHODS.values() if m.base is base and m.refine is not None]

@@ -1,4 +1,4 @@
-"""``export_model``: a transformers Llama-family model -> prefill / decode ONNX graphs + shared weights."""
+"""``export_model``: a transformers Llama-family model -> prefill / decode / extend / select ONNX graphs + shared weights."""
 
 from __future__ import annotations
 
@@ -8,14 +8,19 @@ from pathlib import Path
 import onnx
 
 from criticalkv.export.graph import IR_VERSION, OPSET
-from criticalkv.export.llama import ModelSpec, build_decode, build_prefill, collect_weights, layer_capacities, model_spec
-from criticalkv.weights import WEIGHTS_FILE
+from criticalkv.export.llama import ModelSpec, collect_weights, graph_builder, layer_capacities, model_spec
+from criticalkv.export.model_select import tensorrt_refusal
 from criticalkv.node import DOMAIN, OPSET_VERSION
 from criticalkv.policy import KVPolicy
+from criticalkv.weights import WEIGHTS_FILE
 
 PREFILL_FILE = "prefill.onnx"
 PREFILL_TENSORRT_FILE = "prefill_tensorrt.onnx"
 DECODE_FILE = "decode.onnx"
+EXTEND_FILE = "extend.onnx"
+EXTEND_TENSORRT_FILE = "extend_tensorrt.onnx"
+SELECT_FILE = "select.onnx"
+SELECT_TENSORRT_FILE = "select_tensorrt.onnx"
 TOKENIZER_DIR = "tokenizer"
 #: Precision of the TensorRT engines (the ONNX graphs and ONNX Runtime are always fp32).
 EXPORT_DTYPES = ("float16", "bfloat16", "float32")
@@ -32,6 +37,11 @@ class BuildConfig:
         (strongly typed, TF32 off: the parity build that matches ONNX Runtime token for token). The ONNX
         graphs and the ONNX Runtime path are fp32 whatever this says
     attention_chunk : query block size of the prompt attention (scores held: H * chunk * n per layer)
+    extend_chunk : most new tokens per sequence in one run of the extend graph (a chunk of a chunked prefill, a
+        question after a cached context). A prompt prefilled in extend chunks that are multiples of
+        attention_chunk gets bitwise the one-shot prefill's K/V, logits and kept entries on ONNX Runtime
+    max_question_len : most tokens asked after a compressed (cached) context: every slot's decode buffers hold the
+        layer's selection capacity + max_question_len + max_new_tokens entries per head
     """
 
     max_input_len: int = 4096
@@ -39,9 +49,12 @@ class BuildConfig:
     max_batch_size: int = 1
     dtype: str = "float16"
     attention_chunk: int = 256
+    extend_chunk: int = 256
+    max_question_len: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("max_input_len", "max_new_tokens", "max_batch_size", "attention_chunk"):
+        for name in ("max_input_len", "max_new_tokens", "max_batch_size", "attention_chunk", "extend_chunk",
+                     "max_question_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
@@ -78,22 +91,22 @@ def kv_buffer_bytes(spec: ModelSpec, decode_capacities: list[int], batch: int) -
 
 
 def check_model_limits(model, spec: ModelSpec, config: BuildConfig) -> None:
+    # a question after a context counts in max_input_len (they are one prompt): positions stay below this total
     total = config.max_input_len + config.max_new_tokens
+    what = "max_input_len + max_new_tokens"
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and total > limit:
-        raise ValueError(
-            f"max_input_len + max_new_tokens = {total} exceeds the model's max_position_embeddings ({limit})"
-        )
+        raise ValueError(f"{what} = {total} exceeds the model's max_position_embeddings ({limit})")
     if spec.sliding_window is not None and total > spec.sliding_window:
-        raise ValueError(
-            f"max_input_len + max_new_tokens = {total} exceeds the model's sliding window ({spec.sliding_window}); "
-            "sliding-window attention is not exported"
-        )
+        raise ValueError(f"{what} = {total} exceeds the model's sliding window ({spec.sliding_window}); "
+                         "sliding-window attention is not exported")
 
 
 def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfig | None = None, tokenizer=None) -> ExportResult:
-    """Write ``weights.bin``, ``prefill.onnx`` (selection node + function body), ``prefill_tensorrt.onnx``
-    (node without body, for the TensorRT plugin), ``decode.onnx`` and the tokenizer into ``folder``.
+    """Write into ``folder``: ``weights.bin`` (shared by every graph), ``prefill.onnx`` (selection nodes + their
+    function body), ``decode.onnx``, ``extend.onnx`` and ``select.onnx`` (the chunked prefill's chunks and its last
+    step), their TensorRT flavours ``prefill_tensorrt.onnx``, ``extend_tensorrt.onnx`` and ``select_tensorrt.onnx``
+    (nodes without body for the plugin, attention without a Loop; none for a model-level policy), and the tokenizer.
 
     ``model``: a transformers Llama / Mistral / Qwen2 causal LM (fp32 weights are exported).
     The folder should be a fresh temporary directory (``build_engine`` renames it into place).
@@ -102,20 +115,21 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
     folder = Path(folder)
     spec = model_spec(model)
     check_model_limits(model, spec, config)
-    from criticalkv.export.model_select import is_model_level
 
     folder.mkdir(parents=True, exist_ok=True)
     store = collect_weights(model, spec)
     store.write(folder)
     capacities = layer_capacities(policy, spec, config.max_input_len)
-    decode_capacities = [c + config.max_new_tokens for c in capacities]
-    flavours = [("onnxruntime", PREFILL_FILE), ("tensorrt", PREFILL_TENSORRT_FILE)]
-    if is_model_level(policy, spec.num_layers):  # no TensorRT flavour: model_select.check_tensorrt_flavour says why
+    decode_capacities = [c + config.max_question_len + config.max_new_tokens for c in capacities]
+    flavours = [("onnxruntime", {"prefill": PREFILL_FILE, "extend": EXTEND_FILE, "select": SELECT_FILE}),
+                ("tensorrt", {"prefill": PREFILL_TENSORRT_FILE, "extend": EXTEND_TENSORRT_FILE, "select": SELECT_TENSORRT_FILE})]
+    if tensorrt_refusal(policy, spec.num_layers):  # no TensorRT flavour (it says why)
         flavours = flavours[:1]
-    for flavour, name in flavours:
-        prefill = build_prefill(spec, store, policy, capacities, config.attention_chunk, flavour)
-        onnx.save(prefill, folder / name)
-    onnx.save(build_decode(spec, store, decode_capacities), folder / DECODE_FILE)
+    for flavour, files in flavours:
+        builder = graph_builder(spec, store, policy, capacities, flavour, config.attention_chunk)
+        for graph, name in files.items():
+            onnx.save(getattr(builder, graph)(), folder / name)
+    onnx.save(graph_builder(spec, store).decode(decode_capacities), folder / DECODE_FILE)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder / TOKENIZER_DIR)
     return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes())
@@ -128,5 +142,6 @@ def onnx_info() -> dict:
         "ir_version": IR_VERSION,
         "custom_domain": {DOMAIN: OPSET_VERSION},
         "files": {"prefill": PREFILL_FILE, "prefill_tensorrt": PREFILL_TENSORRT_FILE, "decode": DECODE_FILE,
-                  "weights": WEIGHTS_FILE},
+                  "extend": EXTEND_FILE, "extend_tensorrt": EXTEND_TENSORRT_FILE, "select": SELECT_FILE,
+                  "select_tensorrt": SELECT_TENSORRT_FILE, "weights": WEIGHTS_FILE},
     }

@@ -27,7 +27,16 @@ BOOL = TensorProto.BOOL
 
 
 class GraphBuilder:
-    """Accumulates nodes; every ``g.OpType(*inputs, **attributes)`` call adds one node."""
+    """Accumulates nodes; every ``g.OpType(*inputs, **attributes)`` call adds one node.
+
+    The element types are attributes too (``g.FLOAT``, ...), so that code given a builder (a method's ONNX piece,
+    ``criticalkv.methods``) needs nothing else from this module.
+    """
+
+    FLOAT = FLOAT
+    INT64 = INT64
+    INT32 = INT32
+    BOOL = BOOL
 
     def __init__(self, prefix: str = "", parent: "GraphBuilder | None" = None):
         self.prefix = prefix

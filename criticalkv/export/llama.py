@@ -1,8 +1,8 @@
-"""Prefill and decode ONNX graphs of a Llama-family model (Llama, Mistral, Qwen2, SmolLM), written
-directly with ``onnx.helper`` from the Hugging Face weights (standard operators only).
+"""Every ONNX graph of a Llama-family engine (Llama, Mistral, Qwen2, SmolLM), written directly with ``onnx.helper``
+from the Hugging Face weights (standard operators only) by one builder, ``DecoderGraphBuilder``.
 
-Graph I/O follows onnxruntime-genai's decoder naming (B = batch, n = padded prompt length,
-cap_l = layer l's fixed decode capacity, H_kv KV heads, d_h head dim):
+Graph I/O follows onnxruntime-genai's decoder naming (B = batch, n = padded prompt length, N = new tokens of an
+extend, cap_l = layer l's buffer capacity, H query heads, H_kv KV heads, d_h head dim, w = min(window, tokens)):
 
 prefill (left-padded prompts)
   in   ``input_ids`` [B, n] int64, ``attention_mask`` [B, n] int64 (1 = token), ``position_ids`` [B, n] int64,
@@ -19,13 +19,31 @@ decode (one new token per sequence)
   out  ``logits`` [B, vocab]; ``present.{l}.key`` / ``.value`` [B, H_kv, 1, d_h]: the new token's entries,
        which the runtime writes in place at slot ``lengths[b, g]`` of each head's buffer (a shared
        past/present buffer, like onnxruntime-genai's past_present_share_buffer: no per-step copy of the cache)
+extend (N new tokens per sequence, N up to the engine's ``extend_chunk``; no padding among them)
+  in   ``input_ids`` [B, N], ``position_ids`` [B, N] (absolute: after eviction the prompt length + t),
+       per layer: ``past_key_values.{l}.key`` / ``.value`` [B, H_kv, capacity_l, d_h] (any capacity: a decode slot's
+       buffers or a full-size prefill buffer), ``past_key_values.{l}.lengths`` [B, H_kv] int32 (valid entries per head)
+  out  ``logits`` [B, vocab] (the last new token); ``present.{l}.key`` / ``.value`` [B, H_kv, N, d_h]: the new
+       tokens' entries, which the runtime writes at each head's length (as decode's);
+       ``present.{l}.window_queries`` [B, H, min(N, window), d_h]: post-RoPE queries of the last new tokens
+select (the selection of a prompt of n tokens whose K/V fill the first n entries of every head of a buffer: the
+       chunked prefill's last step; the sequences of a batch have the same n)
+  in   per layer: ``window_queries.{l}`` [B, H, w, d_h] (the prompt's last w = min(window, n) queries, from the
+       extends' ``present.{l}.window_queries``), ``past_key_values.{l}.key`` / ``.value`` [B, H_kv, capacity_l, d_h],
+       ``past_key_values.{l}.lengths`` [B, H_kv] int32 (n on every head); then ``kv_budget`` [1] int64
+  out  prefill's per-layer ``present.{l}.key`` / ``.value`` / ``.lengths`` / ``.indices`` (same shapes and dtypes)
+       The tensorrt flavour takes buffers of exactly the prompt: ``past_key_values.{l}.key`` / ``.value``
+       [B, H_kv, prompt_tokens, d_h] with prompt_tokens = n (no slice to max(lengths): a shape computed from the
+       values of an input is data-dependent in TensorRT, see docs/gpu.md)
 
 Prompt attention on ONNX Runtime never materialises n x n scores: the queries are processed in blocks of
 ``attention_chunk`` inside a ``Loop``; block i attends keys [0, (i + 1) * chunk) (causal), so a layer holds
-at most H * chunk * n scores at a time. The TensorRT flavour has no Loop: one causal attention per layer
-(MatMul, ``Where`` with a finite mask value, Softmax, MatMul) that TensorRT fuses into one attention kernel,
-and the selection node without its body. ``criticalkv.export.tensorrt_rules`` checks both TensorRT inputs
-(``prefill_tensorrt.onnx``, ``decode.onnx``) against the ONNX-TensorRT importer's rules.
+at most H * chunk * n scores at a time. An extend runs the same blocks over past ⊕ new, so a prompt prefilled in
+extend chunks that are multiples of ``attention_chunk`` gets bitwise the prefill's K/V and logits. The TensorRT
+flavour has no Loop: one attention per layer (MatMul, ``Where`` with a finite mask value, Softmax, MatMul) that
+TensorRT fuses into one attention kernel, and the selection nodes without their body. ``criticalkv.export.
+tensorrt_rules`` checks every TensorRT input (``prefill_tensorrt.onnx``, ``decode.onnx``, ``extend_tensorrt.onnx``,
+``select_tensorrt.onnx``) against the ONNX-TensorRT importer's rules.
 """
 
 from __future__ import annotations
@@ -37,11 +55,14 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from criticalkv.export.graph import FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, value_info
+from criticalkv.export import model_select
+from criticalkv.export.graph import FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, live_nodes, value_info
 from criticalkv.export.select_function import FLOAT32_MIN, selection_function, selection_node, selection_opset
-from criticalkv.weights import WeightStore
+from criticalkv.methods.expected_attention import rotation_tables
+from criticalkv.hf.loading import check_supported
 from criticalkv.node import node_capacity
 from criticalkv.policy import KVPolicy
+from criticalkv.weights import WeightStore
 
 #: RoPE variants whose inverse frequencies do not depend on the sequence length (precomputed once).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -62,6 +83,9 @@ class ModelSpec:
     rms_norm_eps: float
     rope_attention_scaling: float
     sliding_window: int | None
+    #: Qwen3: RMSNorm over d_h of every query and key head after the projections, before RoPE (eps rms_norm_eps;
+    #: weight ``layers.{i}.qk_norm`` [H + H_kv, 1, d_h]: q_norm on the query heads, k_norm on the key heads)
+    qk_norm: bool = False
 
     @property
     def group(self) -> int:
@@ -73,8 +97,6 @@ class ModelSpec:
 
 def model_spec(model) -> ModelSpec:
     """Read a transformers Llama/Mistral/Qwen2 model's config (raises ValueError when unsupported)."""
-    from criticalkv.hf.loading import check_supported
-
     config = model.config
     check_supported(config)
     act = getattr(config, "hidden_act", "silu")
@@ -100,6 +122,7 @@ def model_spec(model) -> ModelSpec:
         rms_norm_eps=float(config.rms_norm_eps),
         rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
         sliding_window=sliding,
+        qk_norm=getattr(model.model.layers[0].self_attn, "q_norm", None) is not None,
     )
 
 
@@ -126,6 +149,9 @@ def collect_weights(model, spec: ModelSpec) -> WeightStore:
         if a.q_proj.bias is not None:
             store.add(p + "qkv_bias", np.concatenate([_t(a.q_proj.bias), _t(a.k_proj.bias), _t(a.v_proj.bias)]))
         store.add(p + "o_proj", _t(a.o_proj.weight))  # [d, H*d_h]: also the selection node's o_proj_weight
+        if spec.qk_norm:  # Qwen3: q_norm on each of the H query heads, k_norm on each of the H_kv key heads
+            qk = [_t(a.q_norm.weight)] * spec.num_heads + [_t(a.k_norm.weight)] * spec.num_kv_heads
+            store.add(p + "qk_norm", np.stack(qk)[:, None, :])  # [H + H_kv, 1, d_h]: broadcasts over qk's positions
         if a.o_proj.bias is not None:
             store.add(p + "o_bias", _t(a.o_proj.bias))
         store.add(p + "gate_up_proj", np.concatenate([_t(mlp.gate_proj.weight), _t(mlp.up_proj.weight)]).T)
@@ -141,17 +167,108 @@ def layer_capacities(policy: KVPolicy, spec: ModelSpec, max_input_len: int) -> l
     return [node_capacity(policy, max_input_len, spec.num_kv_heads, i, spec.num_layers) for i in range(spec.num_layers)]
 
 
-class _Decoder:
-    """The shared decoder-layer pieces of both graphs."""
+#: The two flavours of the graphs: ``onnxruntime`` (selection nodes with their function bodies, prompt attention in
+#: query blocks inside a ``Loop``) and ``tensorrt`` (selection nodes without bodies, for the plugin; attention without
+#: a Loop, in the form TensorRT fuses). ``decode.onnx`` is one graph for both.
+FLAVOURS = ("onnxruntime", "tensorrt")
 
-    def __init__(self, g: GraphBuilder, spec: ModelSpec, store: WeightStore):
-        self.g, self.spec, self.store = g, spec, store
-        self.scale = g.const(1.0 / math.sqrt(spec.head_dim), np.float32)
+#: Score of a masked attention entry in the graphs TensorRT builds (the TensorRT prefill flavour, decode):
+#: finite in fp16 and bf16 (a FLOAT32_MIN constant becomes -inf in a weakly typed fp16 engine, and a row masked
+#: everywhere then turns to NaN), and far enough below any real score that its softmax weight underflows to
+#: exactly 0 in fp32, fp16 and bf16.
+MASKED_SCORE = -30000.0
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+class DecoderGraphBuilder:
+    """Every graph of an engine for a Llama-family decoder, written from shared pieces.
+
+    The layout of onnxruntime-genai's model builder: one builder emits the whole decoder op by op, a model family is
+    a small subclass overriding only what differs, and fused forms sit beside the portable ones. Graphs (each returns
+    an ``onnx.ModelProto`` whose initializers are the store's weights, one ``weights.bin`` shared by every graph):
+
+    * ``prefill()``: prompt -> last logits + each layer's selection (kept K/V, lengths, indices);
+    * ``decode(buffer_capacities)``: one token per sequence over fixed-capacity per-head KV buffers;
+    * ``extend()``: N new tokens per sequence over per-head KV buffers of any capacity (chunked prefill, a question
+      after a cached context);
+    * ``select()``: the selection of a prompt whose K/V sit in a full-size buffer (the chunked prefill's last step).
+
+    Pieces, each a method writing into ``self.g`` (a fresh ``GraphBuilder`` per graph) that a subclass may override:
+    ``rms_norm``, ``add_rms_norm`` (the residual add and the next norm: com.microsoft
+    ``SkipSimplifiedLayerNormalization`` in a fused form), ``rope_tables`` / ``rope`` (``RotaryEmbedding``),
+    ``qk_norm`` (identity for Llama; Qwen3's per-head RMSNorm of q and k before RoPE), ``qkv``,
+    ``output_projection``, ``mlp``, ``logits``, and the attention of each graph: ``blocked_attention`` (prefill and
+    extend, onnxruntime flavour), ``causal_attention`` (prefill and extend, tensorrt flavour), ``decode_attention``
+    (``GroupQueryAttention`` / ``MultiHeadAttention`` in a fused form). The selection node's body and every graph of
+    the tensorrt flavour stay standard ONNX.
+
+    spec, store : the model's config and weights (``model_spec``, ``collect_weights``)
+    policy : the KV policy (prefill, select; extend reads its ``window``); None for a decode-only builder
+    capacities : per-layer static capacity of the selection nodes (``layer_capacities``); prefill and select
+    flavour : ``onnxruntime`` or ``tensorrt`` (``FLAVOURS``)
+    attention_chunk : query block size of the onnxruntime flavour's prompt and extend attention
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        store: WeightStore,
+        policy: KVPolicy | None = None,
+        capacities: list[int] | None = None,
+        flavour: str = "onnxruntime",
+        attention_chunk: int = 256,
+    ):
+        if flavour not in FLAVOURS:
+            raise ValueError(f"flavour: {flavour!r} is not onnxruntime or tensorrt")
+        if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 1:
+            raise ValueError(f"attention_chunk: must be a positive integer, got {attention_chunk!r}")
+        self.spec, self.store, self.policy, self.capacities = spec, store, policy, capacities
+        self.flavour = flavour
+        self.attention_chunk = attention_chunk
+        self.g: GraphBuilder | None = None
+
+    # ------------------------------------------------------------------ graph lifecycle
+    def _begin(self) -> GraphBuilder:
+        self.g = GraphBuilder()
+        self.scale = self.g.const(1.0 / math.sqrt(self.spec.head_dim), np.float32)
+        return self.g
+
+    def _finish(self, name: str, inputs: list, outputs: list, functions: list, doc: str) -> onnx.ModelProto:
+        g, store = self.g, self.store
+        g.nodes = live_nodes(g.nodes, [o.name for o in outputs])  # e.g. the 1/sqrt(d_h) constant select never reads
+        used = _used_initializers(g.nodes)
+        graph = g.graph(name, inputs, outputs, [store.initializer(w) for w in store.arrays if w in used])
+        self.g = None
+        return _model(graph, functions, doc)
+
+    def _selection_kind(self, graph: str) -> bool:
+        """Whether the policy selects at model level (raises when the builder has no policy, or for the TensorRT
+        flavour of a model-level policy)."""
+        if self.policy is None or self.capacities is None:
+            raise ValueError(f"the {graph} graph needs a policy and the per-layer capacities")
+
+        model_level = model_select.is_model_level(self.policy, self.spec.num_layers)
+        if model_level and self.flavour == "tensorrt":
+            model_select.check_tensorrt_flavour(self.policy, self.spec.num_layers)
+        return model_level
+
+    def _window(self, graph: str) -> int:
+        if self.policy is None:
+            raise ValueError(f"the {graph} graph needs a policy (its window)")
+        return self.policy.window
+
+    # ------------------------------------------------------------------ pieces: norms, RoPE, projections
     def rms_norm(self, x: str, weight: str) -> str:
+        """RMSNorm of x [..., d] over its last axis, times ``weight`` [d]."""
         g = self.g
         variance = g.ReduceMean(g.Pow(x, g.const(2.0, np.float32)), g.i64(-1), keepdims=1)
         return g.Mul(g.Div(x, g.Sqrt(g.Add(variance, g.const(self.spec.rms_norm_eps, np.float32)))), weight)
+
+    def add_rms_norm(self, x: str, delta: str, weight: str) -> tuple[str, str]:
+        """The residual add and the following norm: (x + delta, rms_norm(x + delta)), both [B, s, d]."""
+        total = self.g.Add(x, delta)
+        return total, self.rms_norm(total, weight)
 
     def rope_tables(self, position_ids: str) -> tuple[str, str]:
         """cos, sin [B, 1, s, d_h] for positions [B, s]."""
@@ -180,10 +297,17 @@ class _Decoder:
             rotated = g.concat(g.Neg(g.slice_axis(x, half, d, axis=3)), g.slice_axis(x, 0, half, axis=3), axis=-1)
         return g.Add(g.Mul(x, cos), g.Mul(rotated, sin))
 
+    def qk_norm(self, i: int, qk: str) -> str:
+        """Layer i's norm of the query and key heads before RoPE, on qk [B, H + H_kv, s, d_h] (q heads first).
+
+        The identity for Llama, Mistral, Qwen2 and SmolLM; Qwen3 overrides it (per-head RMSNorm over d_h with the
+        layer's q_norm weight on the H query heads and k_norm on the H_kv key heads)."""
+        return qk
+
     def qkv(self, i: int, h: str, cos: str, sin: str, decode: bool = False, kv_names: tuple = ()) -> tuple[str, str, str]:
         """Post-RoPE q [B, H, s, d_h], k and v [B, H_kv, s, d_h] from h [B, s, d].
 
-        One MatMul for q, k and v; RoPE once over the q and k heads together. ``decode`` (s = 1):
+        One MatMul for q, k and v; ``qk_norm``, then RoPE once over the q and k heads together. ``decode`` (s = 1):
         [B, 1, N*d_h] -> [B, N, 1, d_h] is a plain reshape. ``kv_names``: output names for k and v.
         """
         g, s = self.g, self.spec
@@ -197,7 +321,7 @@ class _Decoder:
             x = g.Transpose(g.reshape(x, [0, 0, heads, s.head_dim]), perm=[0, 2, 1, 3])  # [B, N, s, d_h]
         k_name, v_name = kv_names or (g.fresh("k"), g.fresh("v"))
         qk, v = g.op("Split", x, g.i64(s.num_heads + s.num_kv_heads, s.num_kv_heads), outputs=[g.fresh("qk"), v_name], axis=1)
-        qk = self.rope(qk, cos, sin, rotation_matmul=decode)
+        qk = self.rope(self.qk_norm(i, qk), cos, sin, rotation_matmul=decode)
         q, k = g.op("Split", qk, g.i64(s.num_heads, s.num_kv_heads), outputs=[g.fresh("q"), k_name], axis=1)
         return q, k, v
 
@@ -229,77 +353,375 @@ class _Decoder:
         head = "lm_head" if "lm_head" in self.store.arrays else "embed_tokens"
         return self.g.Gemm(self.rms_norm(last, "norm"), head, transB=1, outputs=["logits"])
 
+    def last_logits(self, x: str) -> str:
+        """[B, vocab] of the last position of x [B, s, d]."""
+        g = self.g
+        return self.logits(g.reshape(g.slice_axis(x, -1, _INT64_MAX, axis=1), [-1, self.spec.hidden_size]))
 
-#: Score of a masked attention entry in the graphs TensorRT builds (the TensorRT prefill flavour, decode):
-#: finite in fp16 and bf16 (a FLOAT32_MIN constant becomes -inf in a weakly typed fp16 engine, and a row masked
-#: everywhere then turns to NaN), and far enough below any real score that its softmax weight underflows to
-#: exactly 0 in fp32, fp16 and bf16.
-MASKED_SCORE = -30000.0
+    def decoder_layers(self, x: str, cos: str, sin: str, attention, after_layer=None, decode: bool = False,
+                       present_kv: bool = False, transposed_gemm: bool = False) -> str:
+        """Every decoder layer over the embeddings x [B, s, d]; returns the last residual stream [B, s, d].
 
+        ``attention(i, q, k, v)`` -> [B, s, H*d_h] is the graph's attention; ``after_layer(i, q, k, v)`` adds what a
+        graph needs of a layer (selection nodes, outputs). ``present_kv``: k and v are named ``present.{i}.key`` /
+        ``.value`` (graph outputs). The residual add before each norm is ``add_rms_norm`` (fusable with it)."""
+        g, layers = self.g, self.spec.num_layers
+        h = self.rms_norm(x, "layers.0.input_layernorm")
+        for i in range(layers):
+            kv_names = (f"present.{i}.key", f"present.{i}.value") if present_kv else ()
+            q, k, v = self.qkv(i, h, cos, sin, decode=decode, kv_names=kv_names)
+            attn = attention(i, q, k, v)
+            projected = self.output_projection(i, attn, transposed_gemm=transposed_gemm)
+            x, h = self.add_rms_norm(x, projected, f"layers.{i}.post_attention_layernorm")
+            out = self.mlp(i, h)
+            if i + 1 < layers:
+                x, h = self.add_rms_norm(x, out, f"layers.{i + 1}.input_layernorm")
+            else:
+                x = g.Add(x, out)
+            if after_layer is not None:
+                after_layer(i, q, k, v)
+        return x
 
-def _prompt_attention(dec: _Decoder, q: str, k: str, v: str, ctx: dict, chunk: int) -> str:
-    """Causal attention of the prompt [B, n, H*d_h], in query blocks of ``chunk`` (a Loop; ONNX Runtime flavour).
+    # ------------------------------------------------------------------ pieces: attention
+    def blocked_attention(self, q: str, k: str, v: str, ctx: dict) -> str:
+        """Causal attention of s queries [B, H, s, d_h] in blocks of ``attention_chunk`` (a Loop; onnxruntime flavour).
 
-    Per block: scores [B, H, c, k] = (q / sqrt(d_h)) K^T (one MatMul per KV head for its G query heads),
-    + a [B, 1, c, k] additive mask (causal and left padding, float32 minimum), Softmax, @ V.
-    The Loop has a trip count and no condition input; its body therefore never reads its ``cond_in`` input
-    and returns a constant True as the condition (the ONNX-TensorRT Loop importer registers ``cond_in`` only
-    when the node has a condition input, see criticalkv/export/tensorrt_rules.py).
-    """
-    g, s = dec.g, dec.spec
-    qg = g.reshape(g.Mul(q, dec.scale), [0, s.num_kv_heads, s.group, -1, s.head_dim])  # [B, H_kv, G, n, d_h]
-    qg = g.Pad(qg, g.concat(g.i64(0, 0, 0, 0, 0, 0, 0, 0), ctx["pad_len"], g.i64(0)), mode="constant")
-    body = g.child()
-    step = body.fresh("iter")
-    cond_in = body.fresh("cond_in")
-    start = body.Mul(body.unsqueeze(step, 0), body.i64(chunk))  # [1]
-    end = body.Add(start, body.i64(chunk))
-    qc = body.reshape(body.slice_axis(qg, start, end, axis=3), [0, 0, -1, s.head_dim])  # [B, H_kv, G*c, d_h]
-    key_end = body.Min(end, ctx["n"])
-    kc = body.slice_axis(k, 0, key_end, axis=2)
-    vc = body.slice_axis(v, 0, key_end, axis=2)
-    scores = body.reshape(body.MatMul(qc, body.Transpose(kc, perm=[0, 1, 3, 2])), [0, s.num_heads, chunk, -1])
-    query_pos = body.Add(body.Range(body.scalar(0), body.scalar(chunk), body.scalar(1)), body.squeeze(start, 0))
-    key_pos = body.Range(body.scalar(0), body.squeeze(key_end, 0), body.scalar(1))
-    causal = body.Greater(body.unsqueeze(key_pos, 0), body.unsqueeze(query_pos, 1))  # [c, k]
-    blocked = body.Or(causal, body.slice_axis(ctx["key_padding"], 0, key_end, axis=3))  # [B, 1, c, k]
-    bias = body.Where(blocked, body.const(FLOAT32_MIN, np.float32), body.const(0.0, np.float32))
-    probs = body.Softmax(body.Add(scores, bias), axis=-1)  # [B, H, c, k]
-    probs = body.Reshape(probs, body.concat(body.i64(0, s.num_kv_heads, -1), key_end))
-    out = body.reshape(body.MatMul(probs, vc), [0, 0, s.group, chunk, s.head_dim])
-    out = body.reshape(body.Transpose(out, perm=[0, 3, 1, 2, 4]), [0, 0, s.num_heads * s.head_dim])  # [B, c, H*d_h]
-    cond_out = body.const(True, np.bool_, hint="cond_out")
-    loop_body = body.graph(
-        "attention_block",
-        [value_info(step, INT64, []), value_info(cond_in, onnx.TensorProto.BOOL, [])],
-        [value_info(cond_out, onnx.TensorProto.BOOL, []), value_info(out, FLOAT, None)],
-    )
-    blocks = g.op("Loop", ctx["num_blocks"], "", body=loop_body, hint="attention_blocks")  # [T, B, c, H*d_h]
-    merged = g.reshape(g.Transpose(blocks, perm=[1, 0, 2, 3]), [0, -1, s.num_heads * s.head_dim])
-    return g.slice_axis(merged, 0, ctx["n"], axis=1)
+        k, v [B, H_kv, past + s, d_h]: query t sits at key position past + t (past = 0 in the prefill). Block j holds
+        queries [j c, (j + 1) c) (zero padded to a whole block) and attends keys [0, past + min((j + 1) c, s)):
+        scores [B, H_kv, G*c, k] = (q / sqrt(d_h)) K^T (one MatMul per KV head for its G query heads), + an additive
+        mask (float32 minimum where ``key > query`` or ``ctx["key_mask"]`` blocks the key), Softmax, @ V. So a layer
+        holds at most H * c * (past + s) scores at a time, and block j of an extend over a past P that is a multiple of
+        c computes exactly the MatMul shapes and values of block P / c + j of the unchunked prefill.
 
+        ctx: ``queries`` s (int64 [1]); ``num_blocks`` (int64 scalar) and ``pad_len`` (int64 [1]) of the query padding;
+        ``past`` (int64 [1], extend only); ``key_mask``: bool, True = blocked, [B, 1, 1, n] (prefill: left padding;
+        scores broadcast as [B, H, c, k]) or [B, H_kv, 1, 1, past + s] (extend: each head's entries beyond its own
+        length; scores as [B, H_kv, G, c, k]).
+        The Loop has a trip count and no condition input; its body therefore never reads its ``cond_in`` input
+        and returns a constant True as the condition (the ONNX-TensorRT Loop importer registers ``cond_in`` only
+        when the node has a condition input, see criticalkv/export/tensorrt_rules.py).
+        """
+        g, s, chunk = self.g, self.spec, self.attention_chunk
+        past = ctx.get("past")
+        qg = g.reshape(g.Mul(q, self.scale), [0, s.num_kv_heads, s.group, -1, s.head_dim])  # [B, H_kv, G, s, d_h]
+        qg = g.Pad(qg, g.concat(g.i64(0, 0, 0, 0, 0, 0, 0, 0), ctx["pad_len"], g.i64(0)), mode="constant")
+        body = g.child()
+        step = body.fresh("iter")
+        cond_in = body.fresh("cond_in")
+        start = body.Mul(body.unsqueeze(step, 0), body.i64(chunk))  # [1]
+        end = body.Add(start, body.i64(chunk))
+        qc = body.reshape(body.slice_axis(qg, start, end, axis=3), [0, 0, -1, s.head_dim])  # [B, H_kv, G*c, d_h]
+        key_end = body.Min(end, ctx["queries"])
+        if past is not None:
+            key_end = body.Add(past, key_end)
+        kc = body.slice_axis(k, 0, key_end, axis=2)
+        vc = body.slice_axis(v, 0, key_end, axis=2)
+        score_shape = [0, s.num_heads, chunk, -1] if past is None else [0, s.num_kv_heads, s.group, chunk, -1]
+        scores = body.reshape(body.MatMul(qc, body.Transpose(kc, perm=[0, 1, 3, 2])), score_shape)
+        query_pos = body.Add(body.Range(body.scalar(0), body.scalar(chunk), body.scalar(1)), body.squeeze(start, 0))
+        if past is not None:
+            query_pos = body.Add(query_pos, body.squeeze(past, 0))
+        key_pos = body.Range(body.scalar(0), body.squeeze(key_end, 0), body.scalar(1))
+        causal = body.Greater(body.unsqueeze(key_pos, 0), body.unsqueeze(query_pos, 1))  # [c, k]
+        mask_axis = 3 if past is None else 4
+        blocked = body.Or(causal, body.slice_axis(ctx["key_mask"], 0, key_end, axis=mask_axis))
+        bias = body.Where(blocked, body.const(FLOAT32_MIN, np.float32), body.const(0.0, np.float32))
+        probs = body.Softmax(body.Add(scores, bias), axis=-1)  # [B, H, c, k] or [B, H_kv, G, c, k]
+        probs = body.Reshape(probs, body.concat(body.i64(0, s.num_kv_heads, -1), key_end))
+        out = body.reshape(body.MatMul(probs, vc), [0, 0, s.group, chunk, s.head_dim])
+        out = body.reshape(body.Transpose(out, perm=[0, 3, 1, 2, 4]), [0, 0, s.num_heads * s.head_dim])  # [B, c, H*d_h]
+        cond_out = body.const(True, np.bool_, hint="cond_out")
+        loop_body = body.graph(
+            "attention_block",
+            [value_info(step, INT64, []), value_info(cond_in, onnx.TensorProto.BOOL, [])],
+            [value_info(cond_out, onnx.TensorProto.BOOL, []), value_info(out, FLOAT, None)],
+        )
+        blocks = g.op("Loop", ctx["num_blocks"], "", body=loop_body, hint="attention_blocks")  # [T, B, c, H*d_h]
+        merged = g.reshape(g.Transpose(blocks, perm=[1, 0, 2, 3]), [0, -1, s.num_heads * s.head_dim])
+        return g.slice_axis(merged, 0, ctx["queries"], axis=1)
 
-def _causal_attention(dec: _Decoder, q: str, k: str, v: str, ctx: dict) -> str:
-    """Causal attention of the prompt [B, n, H*d_h] in one block, without a Loop (TensorRT flavour).
+    def causal_attention(self, q: str, k: str, v: str, allowed: str) -> str:
+        """Attention of s queries [B, H, s, d_h] over k, v [B, H_kv, K, d_h] in one block, without a Loop (tensorrt
+        flavour); ``allowed`` [B, 1 or H, s, K] bool says which keys each query sees.
 
-    The pattern TensorRT fuses into one attention kernel ("Fused Attention", method 2 of the TensorRT
-    developer guide): Q already scaled by 1/sqrt(d_h) before the first MatMul, scores [B, H, n, n] = Q K^T,
-    ``Where(allowed, scores, MASKED_SCORE)`` with the causal and left-padding mask [B, 1, n, n] (a finite value:
-    see MASKED_SCORE), Softmax, @ V, on 4-D [B, heads, n, d_h] tensors; K and V are repeated to the H query
-    heads with Unsqueeze-Expand-Reshape, the ``repeat_kv`` form of exported Llama graphs (GQA). The ONNX
-    ``Attention`` operator (opset 23, imported by TensorRT >= 10.14 as ``IAttention``) is not used:
-    ``IAttention::setCausal`` cannot be combined with ``setMask`` (NvInfer.h 10.14), and left-padded batches
-    need a mask.
-    """
-    g, s = dec.g, dec.spec
+        The pattern TensorRT fuses into one attention kernel ("Fused Attention", method 2 of the TensorRT
+        developer guide): Q already scaled by 1/sqrt(d_h) before the first MatMul, scores [B, H, s, K] = Q K^T,
+        ``Where(allowed, scores, MASKED_SCORE)`` (a finite value: see MASKED_SCORE), Softmax, @ V, on 4-D
+        [B, heads, s, d_h] tensors; K and V are repeated to the H query heads with Unsqueeze-Expand-Reshape, the
+        ``repeat_kv`` form of exported Llama graphs (GQA). The ONNX ``Attention`` operator (opset 23, imported by
+        TensorRT >= 10.14 as ``IAttention``) is not used: ``IAttention::setCausal`` cannot be combined with
+        ``setMask`` (NvInfer.h 10.14), and left-padded batches and per-head lengths need a mask.
+        """
+        g, s = self.g, self.spec
+        scores = g.MatMul(g.Mul(q, self.scale), g.Transpose(self.repeat_kv(k), perm=[0, 1, 3, 2]))  # [B, H, s, K]
+        probs = g.Softmax(g.Where(allowed, scores, g.const(MASKED_SCORE, np.float32)), axis=-1)
+        out = g.Transpose(g.MatMul(probs, self.repeat_kv(v)), perm=[0, 2, 1, 3])  # [B, s, H, d_h]
+        return g.reshape(out, [0, 0, s.num_heads * s.head_dim])
 
-    def repeat_kv(x: str) -> str:  # [B, H_kv, n, d_h] -> [B, H, n, d_h], query head h reads KV head h // G
+    def repeat_kv(self, x: str) -> str:
+        """[B, H_kv, K, ...] -> [B, H, K, ...] with d_h = the last axis: query head h reads KV head h // G."""
+        g, s = self.g, self.spec
         return g.reshape(g.Expand(g.unsqueeze(x, 2), g.i64(1, 1, s.group, 1, 1)), [0, s.num_heads, -1, s.head_dim])
 
-    scores = g.MatMul(g.Mul(q, dec.scale), g.Transpose(repeat_kv(k), perm=[0, 1, 3, 2]))  # [B, H, n, n]
-    probs = g.Softmax(g.Where(ctx["allowed"], scores, g.const(MASKED_SCORE, np.float32)), axis=-1)
-    out = g.Transpose(g.MatMul(probs, repeat_kv(v)), perm=[0, 2, 1, 3])  # [B, n, H, d_h]
-    return g.reshape(out, [0, 0, s.num_heads * s.head_dim])
+    def decode_attention(self, q: str, k: str, v: str, past_k: str, past_v: str, past_len: str, cap: int) -> str:
+        """One query per sequence: q [B, H, 1, d_h], its own k, v [B, H_kv, 1, d_h] and the fixed-capacity buffers
+        past_k, past_v [B, H_kv, cap, d_h] of which each head's first ``past_len`` [B, H_kv] int32 entries are valid.
+        Returns [B, 1, H*d_h]. The new token's own score is concatenated after the buffer's (no buffer copy)."""
+        g, s = self.g, self.spec
+        qg = g.reshape(g.Mul(q, self.scale), [0, s.num_kv_heads, s.group, s.head_dim])  # [B, H_kv, G, d_h], scaled
+        past_scores = g.MatMul(qg, g.Transpose(past_k, perm=[0, 1, 3, 2]))  # [B, H_kv, G, cap]
+        visible = g.Less(g.const(np.arange(cap, dtype=np.int64)), g.unsqueeze(g.Cast(past_len, to=INT64), 2, 3))
+        past_scores = g.Where(visible, past_scores, g.const(MASKED_SCORE, np.float32))
+        own_score = g.MatMul(qg, g.Transpose(k, perm=[0, 1, 3, 2]))  # [B, H_kv, G, 1]
+        probs = g.Softmax(g.concat(past_scores, own_score, axis=-1), axis=-1)
+        p_past, p_own = g.op("Split", probs, g.i64(cap, 1), outputs=2, axis=-1)
+        attn = g.Add(g.MatMul(p_past, past_v), g.Mul(p_own, v))  # [B, H_kv, G, d_h]
+        return g.reshape(attn, [0, 1, s.num_heads * s.head_dim])
+
+    def extend_attention(self, q: str, k: str, v: str, past_k: str, past_v: str, past_len: str, ctx: dict) -> str:
+        """N new queries q [B, H, N, d_h] with their own k, v [B, H_kv, N, d_h] over the buffers past_k, past_v
+        [B, H_kv, capacity, d_h], each head's first ``past_len`` [B, H_kv] int32 entries valid; new token t sees every
+        valid entry and the new tokens 0..t. Returns [B, N, H*d_h].
+
+        onnxruntime flavour: ``blocked_attention`` over past[:, :, :P] ⊕ new, P = the largest length (entries of a head
+        beyond its own length masked with the float32 minimum, as the prefill's left padding). tensorrt flavour:
+        ``causal_attention`` over the whole capacity ⊕ new (a shape from the input's dims, not from its values, like
+        decode), entries beyond each head's length masked."""
+        g, s = self.g, self.spec
+        lengths = g.Cast(past_len, to=INT64)  # [B, H_kv]
+        if self.flavour == "onnxruntime":
+            past = g.reshape(g.ReduceMax(lengths, keepdims=1), [1])  # P
+            keys = g.concat(g.slice_axis(past_k, 0, past, axis=2), k, axis=2)  # [B, H_kv, P + N, d_h]
+            values = g.concat(g.slice_axis(past_v, 0, past, axis=2), v, axis=2)
+            key_pos = g.Range(g.scalar(0), g.squeeze(g.Add(past, ctx["queries"]), 0), g.scalar(1))
+            beyond = g.And(g.GreaterOrEqual(key_pos, g.unsqueeze(lengths, 2)), g.Less(key_pos, past))  # [B, H_kv, P + N]
+            return self.blocked_attention(q, keys, values, {**ctx, "past": past, "key_mask": g.unsqueeze(beyond, 2, 3)})
+        cap = g.shape_of(past_k, 2, 3)
+        keys = g.concat(past_k, k, axis=2)  # [B, H_kv, cap + N, d_h]
+        values = g.concat(past_v, v, axis=2)
+        key_pos = g.Range(g.scalar(0), g.squeeze(g.Add(cap, ctx["queries"]), 0), g.scalar(1))  # [K]
+        valid = g.Less(key_pos, g.unsqueeze(lengths, 2))  # [B, H_kv, K]: a length <= cap, so only past entries
+        valid = g.reshape(g.Expand(g.unsqueeze(valid, 2), g.i64(1, 1, s.group, 1)), [0, s.num_heads, 1, -1])  # [B, H, 1, K]
+        query_pos = g.Add(g.Range(g.scalar(0), g.squeeze(ctx["queries"], 0), g.scalar(1)), g.squeeze(cap, 0))  # [N]
+        own = g.And(g.GreaterOrEqual(key_pos, cap), g.LessOrEqual(g.unsqueeze(key_pos, 0), g.unsqueeze(query_pos, 1)))
+        return self.causal_attention(q, keys, values, g.Or(valid, own))  # [B, H, N, K]
+
+    # ------------------------------------------------------------------ pieces: selection
+    def rotation_tables(self) -> str:
+        """The graph's constant [2, window, d_h]: RoPE's rotation averaged over the next positions, from this model's
+        inv_freq (``criticalkv.methods.expected_attention.rotation_tables``; ``const`` shares it across the layers)."""
+        p = self.policy
+        return self.g.const(rotation_tables(self.store.arrays["inv_freq"], p.window, p.future_positions),
+                            hint="expected_rotation")
+
+    def select_layer(self, i: int, window_queries: str, k: str, v: str, prompt_lengths: str, kv_budget: str,
+                     pending: list, model_level: bool) -> list:
+        """Layer i's selection node on window_queries [B, H, w, d_h], the prompt's k, v [B, H_kv, n, d_h],
+        prompt_lengths [B] int32 and kv_budget [1] int32: outputs ``present.{i}.key/value/lengths/indices`` (or, for a
+        model-level policy, the layer's ``CriticalKVScore`` node, its inputs kept in ``pending`` for
+        ``select_model``). Returns the value infos of the four outputs."""
+        policy, s = self.policy, self.spec
+        names = [f"present.{i}.key", f"present.{i}.value", f"present.{i}.lengths", f"present.{i}.indices"]
+        node_inputs = [window_queries, k, v, f"layers.{i}.o_proj", prompt_lengths, kv_budget]
+        if policy.method.base.needs_rotation:  # RoPE's rotation tables of this model (expected-attention)
+            node_inputs.append(self.rotation_tables())
+        if model_level:  # this layer's ranking; its full K/V stay graph tensors until the model-level node
+            ranking = f"ranking_{i}"
+            self.g.nodes.append(model_select.score_node(policy, i, s.num_layers, self.capacities[i], node_inputs, ranking))
+            pending.append((ranking, k, v))
+        else:
+            self.g.nodes.append(selection_node(policy, i, s.num_layers, self.capacities[i], node_inputs, names,
+                                               name=f"criticalkv_select_{i}"))
+        kept = f"kept_{i}"
+        return [
+            value_info(names[0], FLOAT, ["batch", s.num_kv_heads, kept, s.head_dim]),
+            value_info(names[1], FLOAT, ["batch", s.num_kv_heads, kept, s.head_dim]),
+            value_info(names[2], INT32, ["batch", s.num_kv_heads]),
+            value_info(names[3], INT32, ["batch", s.num_kv_heads, kept]),
+        ]
+
+    def select_model(self, pending: list, prompt_lengths: str, kv_budget: str) -> None:
+        """The model-level selection node after the last layer (one selection over every layer and head)."""
+        present = [f"present.{i}.{kind}" for i in range(self.spec.num_layers) for kind in ("key", "value", "lengths", "indices")]
+        self.g.nodes.append(model_select.model_node(
+            self.policy, self.capacities, [e[0] for e in pending] + [e[1] for e in pending] + [e[2] for e in pending]
+            + [prompt_lengths, kv_budget], present))
+
+    def selection_functions(self, model_level: bool) -> list[onnx.FunctionProto]:
+        """The selection nodes' function bodies (none in the tensorrt flavour: the plugin runs the node)."""
+        if self.flavour != "onnxruntime":
+            return []
+
+        policy, s = self.policy, self.spec
+        if model_level:
+            return [model_select.score_function(policy, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim),
+                    model_select.model_function(policy, s.num_layers, s.num_kv_heads)]
+        return [selection_function(policy, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim)]
+
+    # ------------------------------------------------------------------ graphs
+    def prefill(self) -> onnx.ModelProto:
+        """The prefill model (left-padded prompts; module docstring for its I/O). onnxruntime flavour: attention in
+        query blocks inside a Loop; tensorrt: one causal block per layer (``attention_chunk`` is not used)."""
+        model_level = self._selection_kind("prefill")
+        policy, spec = self.policy, self.spec
+        pending = []  # model-level selection: every layer's (ranking, keys, values) until the last layer
+        g = self._begin()
+        n = g.shape_of("input_ids", 1, 2)
+        lengths = g.ReduceSum("attention_mask", g.i64(1), keepdims=0)  # [B]
+        prompt_lengths = g.Cast(lengths, to=INT32, hint="prompt_lengths")
+        kv_budget = g.Cast("kv_budget", to=INT32, hint="kv_budget_int32")  # the request's budget (node input 5)
+        key_pos = g.Range(g.scalar(0), g.squeeze(n, 0), g.scalar(1))
+        key_padding = g.Less(g.unsqueeze(key_pos, 0), g.unsqueeze(g.Sub(n, lengths), 1))  # [B, n]: left padding
+        if self.flavour == "onnxruntime":
+            ctx = self._block_context(n)
+            ctx["key_mask"] = g.reshape(key_padding, [0, 1, 1, -1])
+
+            def attention(i, q, k, v):
+                return self.blocked_attention(q, k, v, ctx)
+        else:
+            causal = g.LessOrEqual(g.unsqueeze(key_pos, 0), g.unsqueeze(key_pos, 1))  # [n, n]: key <= query
+            allowed = g.And(causal, g.reshape(g.Not(key_padding), [0, 1, 1, -1]))  # [B, 1, n, n]
+
+            def attention(i, q, k, v):
+                return self.causal_attention(q, k, v, allowed)
+        outputs = [value_info("logits", FLOAT, ["batch", spec.vocab_size])]
+
+        def select(i, q, k, v):
+            window_queries = g.slice_axis(q, -policy.window, _INT64_MAX, axis=2)
+            outputs.extend(self.select_layer(i, window_queries, k, v, prompt_lengths, kv_budget, pending, model_level))
+
+        cos, sin = self.rope_tables("position_ids")
+        x = g.Gather("embed_tokens", "input_ids", axis=0)
+        x = self.decoder_layers(x, cos, sin, attention, select, transposed_gemm=self.flavour == "tensorrt")
+        if model_level:
+            self.select_model(pending, prompt_lengths, kv_budget)
+        self.last_logits(x)
+        inputs = [value_info(name, INT64, ["batch", "sequence"]) for name in ("input_ids", "attention_mask", "position_ids")]
+        inputs.append(value_info("kv_budget", INT64, [1]))
+        return self._finish("criticalkv_prefill", inputs, outputs, self.selection_functions(model_level),
+                            f"criticalkv prefill ({self.flavour} flavour), policy {policy.to_json()}")
+
+    def _block_context(self, queries: str) -> dict:
+        """``blocked_attention``'s query blocking for ``queries`` (int64 [1]) queries."""
+        g, chunk = self.g, self.attention_chunk
+        num_blocks = g.Div(g.Add(queries, g.i64(chunk - 1)), g.i64(chunk))
+        return {"queries": queries, "num_blocks": g.squeeze(num_blocks, 0),
+                "pad_len": g.Sub(g.Mul(num_blocks, g.i64(chunk)), queries)}
+
+    def _past_inputs(self, i: int, capacity) -> list:
+        s = self.spec
+        return [
+            value_info(f"past_key_values.{i}.key", FLOAT, ["batch", s.num_kv_heads, capacity, s.head_dim]),
+            value_info(f"past_key_values.{i}.value", FLOAT, ["batch", s.num_kv_heads, capacity, s.head_dim]),
+            value_info(f"past_key_values.{i}.lengths", INT32, ["batch", s.num_kv_heads]),
+        ]
+
+    def decode(self, buffer_capacities: list[int]) -> onnx.ModelProto:
+        """The decode model (one token per sequence) over fixed-capacity per-head KV buffers (one graph for both
+        flavours: TensorRT parses it as it is)."""
+        g = self._begin()
+        s = self.spec
+        cos, sin = self.rope_tables("position_ids")
+        x = g.Gather("embed_tokens", "input_ids", axis=0)  # [B, 1, d]
+        inputs = [value_info("input_ids", INT64, ["batch", 1]), value_info("position_ids", INT64, ["batch", 1])]
+        outputs = [value_info("logits", FLOAT, ["batch", s.vocab_size])]
+        for i in range(s.num_layers):
+            inputs += self._past_inputs(i, buffer_capacities[i])
+            outputs += [value_info(f"present.{i}.{kind}", FLOAT, ["batch", s.num_kv_heads, 1, s.head_dim]) for kind in ("key", "value")]
+
+        def attention(i, q, k, v):
+            past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
+            return self.decode_attention(q, k, v, past_k, past_v, past_len, buffer_capacities[i])
+
+        x = self.decoder_layers(x, cos, sin, attention, decode=True, present_kv=True)
+        self.logits(g.reshape(x, [-1, s.hidden_size]))
+        return self._finish("criticalkv_decode", inputs, outputs, [],
+                            "criticalkv decode: one token over fixed-capacity per-head KV buffers")
+
+    def extend(self) -> onnx.ModelProto:
+        """The extend model: N new tokens per sequence over per-head KV buffers of any capacity (module docstring).
+
+        Chunked prefill: a prompt extended in chunks that are multiples of ``attention_chunk`` from an empty buffer
+        gives bitwise the prefill's K/V and last logits on ONNX Runtime (``blocked_attention``)."""
+        window = self._window("extend")
+        g = self._begin()
+        s = self.spec
+        new_tokens = g.shape_of("input_ids", 1, 2)  # N
+        if self.flavour == "onnxruntime":
+            ctx = self._block_context(new_tokens)
+        else:
+            ctx = {"queries": new_tokens}
+        inputs = [value_info(name, INT64, ["batch", "new_tokens"]) for name in ("input_ids", "position_ids")]
+        outputs = [value_info("logits", FLOAT, ["batch", s.vocab_size])]
+        for i in range(s.num_layers):
+            inputs += self._past_inputs(i, f"capacity_{i}")
+            outputs += [value_info(f"present.{i}.{kind}", FLOAT, ["batch", s.num_kv_heads, "new_tokens", s.head_dim])
+                        for kind in ("key", "value")]
+            outputs.append(value_info(f"present.{i}.window_queries", FLOAT,
+                                      ["batch", s.num_heads, "window_tokens", s.head_dim]))
+
+        def attention(i, q, k, v):
+            past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
+            return self.extend_attention(q, k, v, past_k, past_v, past_len, ctx)
+
+        def window_queries(i, q, k, v):  # post-RoPE, unscaled: the selection node's queries input
+            g.op("Slice", q, g.i64(-window), g.i64(_INT64_MAX), g.i64(2), outputs=[f"present.{i}.window_queries"])
+
+        cos, sin = self.rope_tables("position_ids")
+        x = g.Gather("embed_tokens", "input_ids", axis=0)  # [B, N, d]
+        x = self.decoder_layers(x, cos, sin, attention, window_queries, present_kv=True,
+                                transposed_gemm=self.flavour == "tensorrt")
+        self.last_logits(x)
+        return self._finish("criticalkv_extend", inputs, outputs, [],
+                            f"criticalkv extend ({self.flavour} flavour): new tokens over per-head KV buffers")
+
+    def select(self) -> onnx.ModelProto:
+        """The select model: each layer's selection of a prompt of n tokens held in the first n entries of every head
+        of a buffer (module docstring); the prefill's ``present.*`` outputs, same nodes and attributes."""
+        model_level = self._selection_kind("select")
+        policy, s = self.policy, self.spec
+        g = self._begin()
+        kv_budget = g.Cast("kv_budget", to=INT32, hint="kv_budget_int32")
+        inputs, outputs, pending, first_lengths = [], [], [], None
+        for i in range(s.num_layers):
+            past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
+            queries = f"window_queries.{i}"
+            inputs.append(value_info(queries, FLOAT, ["batch", s.num_heads, "window_tokens", s.head_dim]))
+            prompt_lengths = g.reshape(g.slice_axis(past_len, 0, 1, axis=1), [-1])  # [B] int32: every head holds n
+            first_lengths = first_lengths or prompt_lengths
+            if self.flavour == "tensorrt":  # buffers of exactly n entries: no data-dependent shape for TensorRT
+                inputs += self._past_inputs(i, "prompt_tokens")
+                keys, values = past_k, past_v
+            else:
+                inputs += self._past_inputs(i, f"capacity_{i}")
+                n = g.reshape(g.ReduceMax(g.Cast(past_len, to=INT64), keepdims=1), [1])
+                keys, values = g.slice_axis(past_k, 0, n, axis=2), g.slice_axis(past_v, 0, n, axis=2)  # [B, H_kv, n, d_h]
+            outputs += self.select_layer(i, queries, keys, values, prompt_lengths, kv_budget, pending, model_level)
+        if model_level:
+            self.select_model(pending, first_lengths, kv_budget)
+        inputs.append(value_info("kv_budget", INT64, [1]))
+        return self._finish("criticalkv_select", inputs, outputs, self.selection_functions(model_level),
+                            f"criticalkv select ({self.flavour} flavour), policy {policy.to_json()}")
+
+
+class Qwen3GraphBuilder(DecoderGraphBuilder):
+    """Qwen3 dense: Llama's graph with a per-head RMSNorm of the queries and keys before RoPE (``q_norm`` / ``k_norm``
+    of ``Qwen3Attention``). The kept keys are post-norm, post-RoPE, as the PyTorch path's cache holds them."""
+
+    def qk_norm(self, i: int, qk: str) -> str:
+        # the portable RMSNorm over d_h with one weight row per head (a fused form's norm takes one [d] weight)
+        return DecoderGraphBuilder.rms_norm(self, qk, f"layers.{i}.qk_norm")
+
+
+#: Graph builders of the model families that differ from Llama's graph, by ``ModelSpec.model_type``.
+FAMILY_BUILDERS: dict[str, type[DecoderGraphBuilder]] = {"qwen3": Qwen3GraphBuilder}
+
+
+def graph_builder(spec: ModelSpec, store: WeightStore, policy: KVPolicy | None = None, capacities: list[int] | None = None,
+                  flavour: str = "onnxruntime", attention_chunk: int = 256) -> DecoderGraphBuilder:
+    """The graph builder of ``spec``'s family (``FAMILY_BUILDERS``; Llama's by default)."""
+    cls = FAMILY_BUILDERS.get(spec.model_type, DecoderGraphBuilder)
+    return cls(spec, store, policy, capacities, flavour, attention_chunk)
 
 
 def build_prefill(
@@ -313,117 +735,24 @@ def build_prefill(
     """The prefill model. ``flavour``: ``onnxruntime`` (selection node + its function body, attention in
     query blocks inside a Loop) or ``tensorrt`` (the node without a body, for the plugin; attention without a
     Loop, in the form TensorRT fuses; ``attention_chunk`` is not used)."""
-    if flavour not in ("onnxruntime", "tensorrt"):
-        raise ValueError(f"flavour: {flavour!r} is not onnxruntime or tensorrt")
-    from criticalkv.export import model_select
-
-    model_level = model_select.is_model_level(policy, spec.num_layers)
-    if model_level and flavour == "tensorrt":
-        model_select.check_tensorrt_flavour(policy, spec.num_layers)
-    pending = []  # model-level selection: every layer's (ranking, keys, values) until the last layer
-    g = GraphBuilder()
-    dec = _Decoder(g, spec, store)
-    n = g.shape_of("input_ids", 1, 2)
-    lengths = g.ReduceSum("attention_mask", g.i64(1), keepdims=0)  # [B]
-    prompt_lengths = g.Cast(lengths, to=INT32, hint="prompt_lengths")
-    kv_budget = g.Cast("kv_budget", to=INT32, hint="kv_budget_int32")  # the request's budget (node input 5)
-    key_pos = g.Range(g.scalar(0), g.squeeze(n, 0), g.scalar(1))
-    key_padding = g.Less(g.unsqueeze(key_pos, 0), g.unsqueeze(g.Sub(n, lengths), 1))  # [B, n]: left padding
-    if flavour == "onnxruntime":
-        num_blocks = g.Div(g.Add(n, g.i64(attention_chunk - 1)), g.i64(attention_chunk))
-        ctx = {
-            "n": n,
-            "key_padding": g.reshape(key_padding, [0, 1, 1, -1]),
-            "num_blocks": g.squeeze(num_blocks, 0),
-            "pad_len": g.Sub(g.Mul(num_blocks, g.i64(attention_chunk)), n),
-        }
-    else:
-        causal = g.LessOrEqual(g.unsqueeze(key_pos, 0), g.unsqueeze(key_pos, 1))  # [n, n]: key <= query
-        ctx = {"allowed": g.And(causal, g.reshape(g.Not(key_padding), [0, 1, 1, -1]))}  # [B, 1, n, n]
-    cos, sin = dec.rope_tables("position_ids")
-    x = g.Gather("embed_tokens", "input_ids", axis=0)
-    outputs = [value_info("logits", FLOAT, ["batch", spec.vocab_size])]
-    for i in range(spec.num_layers):
-        h = dec.rms_norm(x, f"layers.{i}.input_layernorm")
-        q, k, v = dec.qkv(i, h, cos, sin)
-        if flavour == "onnxruntime":
-            attn = _prompt_attention(dec, q, k, v, ctx, attention_chunk)
-        else:
-            attn = _causal_attention(dec, q, k, v, ctx)
-        x = g.Add(x, dec.output_projection(i, attn, transposed_gemm=flavour == "tensorrt"))
-        x = g.Add(x, dec.mlp(i, dec.rms_norm(x, f"layers.{i}.post_attention_layernorm")))
-        window_queries = g.slice_axis(q, -policy.window, np.iinfo(np.int64).max, axis=2)
-        names = [f"present.{i}.key", f"present.{i}.value", f"present.{i}.lengths", f"present.{i}.indices"]
-        node_inputs = [window_queries, k, v, f"layers.{i}.o_proj", prompt_lengths, kv_budget]
-        if model_level:  # this layer's ranking; its full K/V stay graph tensors until the model-level node
-            ranking = f"ranking_{i}"
-            g.nodes.append(model_select.score_node(policy, i, spec.num_layers, capacities[i], node_inputs, ranking))
-            pending.append((ranking, k, v))
-        else:
-            g.nodes.append(selection_node(policy, i, spec.num_layers, capacities[i], node_inputs, names,
-                                          name=f"criticalkv_select_{i}"))
-        kept = f"kept_{i}"
-        outputs += [
-            value_info(names[0], FLOAT, ["batch", spec.num_kv_heads, kept, spec.head_dim]),
-            value_info(names[1], FLOAT, ["batch", spec.num_kv_heads, kept, spec.head_dim]),
-            value_info(names[2], INT32, ["batch", spec.num_kv_heads]),
-            value_info(names[3], INT32, ["batch", spec.num_kv_heads, kept]),
-        ]
-    if model_level:  # one selection over every layer and head, after the last layer
-        present = [f"present.{i}.{kind}" for i in range(spec.num_layers) for kind in ("key", "value", "lengths", "indices")]
-        g.nodes.append(model_select.model_node(
-            policy, capacities, [e[0] for e in pending] + [e[1] for e in pending] + [e[2] for e in pending]
-            + [prompt_lengths, kv_budget], present))
-    last = g.reshape(g.slice_axis(x, -1, np.iinfo(np.int64).max, axis=1), [-1, spec.hidden_size])
-    dec.logits(last)
-    inputs = [value_info(name, INT64, ["batch", "sequence"]) for name in ("input_ids", "attention_mask", "position_ids")]
-    inputs.append(value_info("kv_budget", INT64, [1]))
-    used = _used_initializers(g.nodes)
-    graph = g.graph("criticalkv_prefill", inputs, outputs, [store.initializer(w) for w in store.arrays if w in used])
-    functions = []
-    if flavour == "onnxruntime" and model_level:
-        functions += [model_select.score_function(policy, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim),
-                      model_select.model_function(policy, spec.num_layers, spec.num_kv_heads)]
-    elif flavour == "onnxruntime":
-        functions.append(selection_function(policy, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim))
-    return _model(graph, functions, f"criticalkv prefill ({flavour} flavour), policy {policy.to_json()}")
+    return graph_builder(spec, store, policy, capacities, flavour, attention_chunk).prefill()
 
 
 def build_decode(spec: ModelSpec, store: WeightStore, buffer_capacities: list[int]) -> onnx.ModelProto:
     """The decode model (one token per sequence) over fixed-capacity per-head KV buffers."""
-    g = GraphBuilder()
-    dec = _Decoder(g, spec, store)
-    s = spec
-    cos, sin = dec.rope_tables("position_ids")
-    x = g.Gather("embed_tokens", "input_ids", axis=0)  # [B, 1, d]
-    inputs = [value_info("input_ids", INT64, ["batch", 1]), value_info("position_ids", INT64, ["batch", 1])]
-    outputs = [value_info("logits", FLOAT, ["batch", s.vocab_size])]
-    for i in range(s.num_layers):
-        cap = buffer_capacities[i]
-        past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
-        inputs += [
-            value_info(past_k, FLOAT, ["batch", s.num_kv_heads, cap, s.head_dim]),
-            value_info(past_v, FLOAT, ["batch", s.num_kv_heads, cap, s.head_dim]),
-            value_info(past_len, INT32, ["batch", s.num_kv_heads]),
-        ]
-        h = dec.rms_norm(x, f"layers.{i}.input_layernorm")
-        q, k, v = dec.qkv(i, h, cos, sin, decode=True, kv_names=(f"present.{i}.key", f"present.{i}.value"))
-        outputs += [value_info(f"present.{i}.{kind}", FLOAT, ["batch", s.num_kv_heads, 1, s.head_dim]) for kind in ("key", "value")]
-        qg = g.reshape(g.Mul(q, dec.scale), [0, s.num_kv_heads, s.group, s.head_dim])  # [B, H_kv, G, d_h], scaled
-        past_scores = g.MatMul(qg, g.Transpose(past_k, perm=[0, 1, 3, 2]))  # [B, H_kv, G, cap]
-        visible = g.Less(g.const(np.arange(cap, dtype=np.int64)), g.unsqueeze(g.Cast(past_len, to=INT64), 2, 3))
-        past_scores = g.Where(visible, past_scores, g.const(MASKED_SCORE, np.float32))
-        own_score = g.MatMul(qg, g.Transpose(k, perm=[0, 1, 3, 2]))  # [B, H_kv, G, 1]
-        probs = g.Softmax(g.concat(past_scores, own_score, axis=-1), axis=-1)
-        p_past, p_own = g.op("Split", probs, g.i64(cap, 1), outputs=2, axis=-1)
-        attn = g.Add(g.MatMul(p_past, past_v), g.Mul(p_own, v))  # [B, H_kv, G, d_h]
-        attn = g.reshape(attn, [0, 1, s.num_heads * s.head_dim])
-        x = g.Add(x, dec.output_projection(i, attn))
-        x = g.Add(x, dec.mlp(i, dec.rms_norm(x, f"layers.{i}.post_attention_layernorm")))
-    dec.logits(g.reshape(x, [-1, s.hidden_size]))
-    used = _used_initializers(g.nodes)
-    graph = g.graph("criticalkv_decode", inputs, outputs, [store.initializer(w) for w in store.arrays if w in used])
-    return _model(graph, [], "criticalkv decode: one token over fixed-capacity per-head KV buffers")
+    return graph_builder(spec, store).decode(buffer_capacities)
+
+
+def build_extend(spec: ModelSpec, store: WeightStore, policy: KVPolicy, attention_chunk: int = 256,
+                 flavour: str = "onnxruntime") -> onnx.ModelProto:
+    """The extend model (N new tokens over per-head KV buffers); ``policy`` gives the window of its queries output."""
+    return graph_builder(spec, store, policy, None, flavour, attention_chunk).extend()
+
+
+def build_select(spec: ModelSpec, store: WeightStore, policy: KVPolicy, capacities: list[int],
+                 flavour: str = "onnxruntime") -> onnx.ModelProto:
+    """The select model (the selection of a prompt held in full-size buffers, the chunked prefill's last step)."""
+    return graph_builder(spec, store, policy, capacities, flavour).select()
 
 
 def _used_initializers(nodes: list[onnx.NodeProto]) -> set[str]:

@@ -14,13 +14,13 @@ no layer can decide alone what it keeps. The ONNX Runtime prefill graph expresse
   layer (the full post-RoPE K/V of the prompt, alive as graph tensors until here, as during any prefill),
   ``prompt_lengths``, ``kv_budget``. Attributes: the knobs, ``num_layers`` and ``capacities`` (ints, per layer).
   Body, for a prompt longer than the request's budget b (an ``If``; otherwise every layer keeps it whole):
-  the rankings concatenated over layers [B, L * H_kv, m]; r = min(valid older tokens, b - window) and the per-head
-  floor f (export-time table, ``head_floor``); with ``head_cap_ratio`` set, each head's entries beyond its own top
-  ``head_cap(ratio, b) - window`` are dropped (the walk down the model-wide ranking skips a full head); then every
-  head keeps its own top f and the model's remaining L * H_kv * (r - f) slots go to the top of the flattened ranking
-  (ties to the lower flattened index: lower layer, then head, then position), the window of every head kept. The
-  mask is split per layer and step 7 (``emit_kept``) writes ``present.{l}.key/value/lengths/indices`` at each layer's
-  static capacity.
+  the rankings concatenated over layers [B, L * H_kv, m]; r = min(valid older tokens, b - window); the method's
+  ``onnx_model_allocate`` (``layer-defensivekv``: the per-head floor f from an export-time table, ``head_floor``; with
+  ``head_cap_ratio`` set, each head's entries beyond its own top ``head_cap(ratio, b) - window`` dropped, so the walk
+  down the model-wide ranking skips a full head; then every head keeps its own top f and the model's remaining
+  L * H_kv * (r - f) slots go to the top of the flattened ranking, ties to the lower flattened index: lower layer,
+  then head, then position), the window of every head kept. The mask is split per layer and step 7 (``emit_kept``)
+  writes ``present.{l}.key/value/lengths/indices`` at each layer's static capacity.
 
 Top-k is ``_Body.topk_mask``: ``TopK`` supplies only the k-th largest value, ties resolved by an exclusive
 ``CumSum`` over the equal scores, so the tie rule is exact whatever a runtime's ``TopK`` does with ties; this is
@@ -34,17 +34,22 @@ budget 256).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import onnx
 from onnx import helper
 
-from criticalkv.export.graph import BOOL, FLOAT, INT64, OPSET, GraphBuilder, live_nodes, value_info
-from criticalkv.export.select_function import _Body, emit_kept, selection_node
-from criticalkv.node import DOMAIN, INPUTS, LAYER_ATTRIBUTES, MODEL_OP_TYPE, OUTPUTS, SCORE_OP_TYPE
+from criticalkv.export.graph import BOOL, FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, live_nodes, value_info
+from criticalkv.export.select_function import _Body, emit_kept, selection_node, selection_opset
+from criticalkv.node import (
+    DOMAIN,
+    INPUTS,
+    LAYER_ATTRIBUTES,
+    MODEL_OP_TYPE,
+    OUTPUTS,
+    SCORE_OP_TYPE,
+    policy_from_attributes,
+)
 from criticalkv.policy import KVPolicy
-from criticalkv.selection.budget import head_cap
 
 SCORE_OP = SCORE_OP_TYPE
 MODEL_OP = MODEL_OP_TYPE
@@ -58,6 +63,16 @@ def is_model_level(policy: KVPolicy, num_layers: int) -> bool:
     return policy.method.base.model_level and num_layers > 1
 
 
+def tensorrt_refusal(policy: KVPolicy, num_layers: int) -> str | None:
+    """Why ``policy`` has no TensorRT flavour (None when it has one): a model-level selection (below), or a method
+    the CriticalKVSelect plugin refuses (its ``cpp_refusal``)."""
+    if is_model_level(policy, num_layers):
+        return "model-level selection: no TensorRT flavour (criticalkv.export.model_select.check_tensorrt_flavour)"
+    if not policy.method.base.native:
+        return f"the CriticalKVSelect plugin refuses {policy.name}: it {policy.method.base.cpp_refusal}"
+    return None
+
+
 def check_tensorrt_flavour(policy: KVPolicy, num_layers: int) -> None:
     """Refuse the TensorRT flavour of a model-level policy, with the reason (module docstring)."""
     if is_model_level(policy, num_layers):
@@ -67,15 +82,6 @@ def check_tensorrt_flavour(policy: KVPolicy, num_layers: int) -> None:
             "and in standard operators the model-wide top-k exceeds TensorRT's TopK limit (k <= 3840). The engine "
             "runs on ONNX Runtime (prefill.onnx with the CriticalKVSelectModel node)"
         )
-
-
-def model_level_tables(policy: KVPolicy) -> dict[str, np.ndarray]:
-    """Export-time integer tables, indexed by b - window for every request budget b = window .. budget:
-    ``older_cap``: the most older tokens one head keeps (head_cap - window; the prompt length when the cap is off is
-    handled in the graph, so -1 marks "no cap")."""
-    caps = [head_cap(policy.head_cap_ratio, b) - policy.window if policy.head_cap_ratio else -1
-            for b in range(policy.window, policy.budget + 1)]
-    return {"older_cap": np.array(caps, dtype=np.int64)}
 
 
 class _ScoreBody(_Body):
@@ -130,7 +136,6 @@ def model_outputs(num_layers: int) -> list[str]:
 
 
 def _model_body(g: GraphBuilder, policy: KVPolicy, num_layers: int, num_kv_heads: int) -> None:
-    helper_body = _Body(g, policy, num_layers, num_kv_heads, num_kv_heads, 1)  # its top-k and floor table only
     p = policy
     heads = num_layers * num_kv_heads
     keys0 = "keys.0"
@@ -150,16 +155,8 @@ def _model_body(g: GraphBuilder, policy: KVPolicy, num_layers: int, num_kv_heads
     eligible = t.slice_axis(valid_all, 0, m, axis=2)  # [B, L * H_kv, m]
     ranking = t.concat(*[f"ranking.{i}" for i in range(num_layers)], axis=1)  # [B, L * H_kv, m]
     r = t.Min(t.Max(t.Sub(lens, w), t.scalar(0)), t.Sub(budget, t.scalar(p.window)))  # [B]
-    floor = helper_body.head_floor(t, r)
-    selectable = eligible
-    if p.head_cap_ratio:
-        cap = t.Gather(t.const(model_level_tables(p)["older_cap"], hint="older_cap_table"), t.Sub(budget, t.scalar(p.window)))
-        count = t.ReduceSum(t.Cast(eligible, to=INT64), t.i64(2), keepdims=0)  # [B, L * H_kv]
-        selectable = helper_body.topk_mask(t, ranking, t.Min(count, cap), eligible)
-    shared = SimpleNamespace(topk_mask=helper_body.topk_mask, kv_heads=heads)
-    from criticalkv.methods.adakv import onnx_shared_allocation_mask
-
-    older = onnx_shared_allocation_mask(shared, t, ranking, r, floor, selectable)
+    model = _Body(t, policy, num_layers, heads, heads, 1)  # the model's L * H_kv heads as one layer's: top-k, floor table
+    older = p.method.base.onnx_model_allocate(model, t, ranking, eligible, r, budget)
     window = t.Expand(t.const(True, np.bool_), t.concat(batch, t.i64(heads), w))
     compress = t.reshape(t.Greater(lens, budget), [-1, 1, 1])
     then_keep = _Body.where_bool(t, compress, t.concat(older, window, axis=-1), valid_all)
@@ -203,8 +200,6 @@ def model_node(policy: KVPolicy, capacities: list[int], inputs: list[str], outpu
 
 def model_attributes(node: onnx.NodeProto) -> tuple[KVPolicy, int, list[int]]:
     """(policy, num_layers, capacities) of a ``CriticalKVSelectModel`` node (inverse of ``model_node``)."""
-    from criticalkv.node import policy_from_attributes
-
     values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     capacities = [int(c) for c in values.pop("capacities")]
     policy, _, num_layers, _ = policy_from_attributes({**values, "layer_idx": 0, "capacity": 0})
@@ -216,10 +211,6 @@ def model_selection_model(policy: KVPolicy, num_layers: int, num_kv_heads: int, 
     """A model holding one ``CriticalKVSelectModel`` node (tests): inputs ``ranking.{l}`` [batch, H_kv, m] float,
     ``keys.{l}`` / ``values.{l}`` [batch, H_kv, n, d_h] float, ``prompt_lengths`` [batch] int32, ``kv_budget`` [1]
     int32; outputs the node's (``kept_keys.{l}``, ...)."""
-    from criticalkv.export.graph import INT32, IR_VERSION
-
-    from criticalkv.export.select_function import selection_opset
-
     inputs = model_inputs(num_layers)
     outputs = model_outputs(num_layers)
     node = model_node(policy, capacities, inputs, outputs)

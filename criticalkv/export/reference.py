@@ -16,9 +16,18 @@ from typing import Iterable
 
 import numpy as np
 import onnx
+import torch
+from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
+from polygraphy.backend.base import BaseRunner
+from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+from polygraphy.common import TensorMetadata
+from polygraphy.comparator import Comparator
+from polygraphy.comparator.compare import SimpleCompareFunc
+from polygraphy.datatype import DataType
 
 from criticalkv.node import DOMAIN, OP_TYPE, policy_from_attributes
+from criticalkv.selection import gather_kv, select_layer
 
 
 class CriticalKVSelect(OpRun):
@@ -30,11 +39,7 @@ class CriticalKVSelect(OpRun):
 
     op_domain = DOMAIN
 
-    def _run(self, queries, keys, values, o_proj_weight, prompt_lengths=None, kv_budget=None, **_):  # noqa: D401
-        import torch
-
-        from criticalkv.selection import gather_kv, select_layer
-
+    def _run(self, queries, keys, values, o_proj_weight, prompt_lengths=None, kv_budget=None, rotation=None, **_):  # noqa: D401
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in self.onnx_node.attribute}
         policy, layer_idx, num_layers, capacity = policy_from_attributes(attributes)
         if kv_budget is not None and policy.method.base.evicts:  # the node clamps the request's budget
@@ -42,7 +47,8 @@ class CriticalKVSelect(OpRun):
             policy = policy.with_budget(min(max(requested, policy.min_budget), policy.budget))
         lengths = None if prompt_lengths is None else torch.from_numpy(np.asarray(prompt_lengths, dtype=np.int64))
         q, k, v, o = (torch.from_numpy(np.array(x, copy=True)) for x in (queries, keys, values, o_proj_weight))
-        selection = select_layer(policy, q, k, v, o, layer_idx, num_layers, lengths)
+        rotation = None if rotation is None else torch.from_numpy(np.array(rotation, copy=True))
+        selection = select_layer(policy, q, k, v, o, layer_idx, num_layers, lengths, rotation=rotation)
         kept_keys, kept_values = gather_kv(selection, k, v)
         batch, heads, n, head_dim = keys.shape
         cap = min(n, capacity)
@@ -60,17 +66,11 @@ class CriticalKVSelect(OpRun):
 
 def reference_evaluator(model: onnx.ModelProto):
     """``ReferenceEvaluator`` that computes every ``CriticalKVSelect`` node with the PyTorch oracle."""
-    from onnx.reference import ReferenceEvaluator
-
     return ReferenceEvaluator(model, new_ops=[CriticalKVSelect])
 
 
 def reference_runner(model: onnx.ModelProto, name: str = "onnx-reference-oracle"):
     """A polygraphy runner around ``reference_evaluator(model)``."""
-    from polygraphy.backend.base import BaseRunner
-    from polygraphy.common import TensorMetadata
-    from polygraphy.datatype import DataType
-
     class ReferenceRunner(BaseRunner):
         def __init__(self):
             super().__init__(name=name, prefix="onnx-reference-runner")
@@ -101,10 +101,6 @@ def reference_runner(model: onnx.ModelProto, name: str = "onnx-reference-oracle"
 def compare_with_reference(model: onnx.ModelProto, feeds: Iterable[dict[str, np.ndarray]]) -> bool:
     """Run ``model`` on ONNX Runtime (its function bodies) and on the reference oracle through
     polygraphy (``OnnxrtRunner``, ``Comparator``); True when every output of every feed is identical."""
-    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-    from polygraphy.comparator import Comparator
-    from polygraphy.comparator.compare import SimpleCompareFunc
-
     runners = [OnnxrtRunner(SessionFromOnnx(model.SerializeToString())), reference_runner(model)]
     results = Comparator.run(runners, data_loader=list(feeds))
     exact = SimpleCompareFunc(atol=0.0, rtol=0.0, check_shapes=True)

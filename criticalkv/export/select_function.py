@@ -18,7 +18,7 @@ TensorRT flavour of the prefill graph carries the node without a body). The body
   -1 padded, and the K/V rows gathered with ``GatherND(batch_dims=2)``, zero padded.
 
 Integer rules that depend only on the policy (pyramid per-layer r_l, ``ceil(alpha * r)``, the per-head
-floor) are tabulated at export from ``criticalkv.selection.budget`` over every count that can occur and
+floor) are tabulated at export from ``criticalkv.methods.budget`` over every count that can occur and
 looked up in the graph, so they are the reference's numbers exactly. The body is generated for the
 model's policy; the per-layer values ``layer_idx`` and ``capacity`` are read from the node's attributes
 (``ref_attr_name``). A prompt whose padded length n is at most the budget skips the scoring (an ``If``).
@@ -30,17 +30,28 @@ import math
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
-from criticalkv.export.graph import BOOL, FLOAT, INT32, INT64, OPSET, GraphBuilder, live_nodes, value_info
-from criticalkv.node import DOMAIN, INPUTS, LAYER_ATTRIBUTES, OP_TYPE, OPSET_VERSION, OUTPUTS, node_attributes
+from criticalkv.export.graph import BOOL, FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, live_nodes, value_info
+from criticalkv.methods.budget import head_floor, layer_selectable_budget, stage1_count
+from criticalkv.methods.expected_attention import default_inv_freq, rotation_tables
+from criticalkv.methods.pruned import TINY, UNIT_ROUNDOFF, gamma
+from criticalkv.node import (
+    BRANCH_NODES,
+    DOMAIN,
+    INPUTS,
+    LAYER_ATTRIBUTES,
+    OP_TYPE,
+    OPSET_VERSION,
+    OUTPUTS,
+    ROTATION_INPUT,
+    node_attributes,
+    node_capacity,
+    node_inputs,
+)
 from criticalkv.policy import KVPolicy
-from criticalkv.selection.budget import head_floor, layer_selectable_budget, stage1_count
-from criticalkv.selection.pruned import TINY, UNIT_ROUNDOFF, gamma
 
 FLOAT32_MIN = float(np.finfo(np.float32).min)
-#: Names (prefixes) of the nodes that accept the pruned stage 2's result: 2 k_max candidates, 4 k_max, every token.
-BRANCH_NODES = ("stage2_accept_2k", "stage2_accept_4k", "stage2_accept_all")
 
 
 def selection_tables(policy: KVPolicy, num_layers: int, num_kv_heads: int) -> dict[str, np.ndarray]:
@@ -70,6 +81,7 @@ class _Body:
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.tables = selection_tables(policy, num_layers, num_kv_heads)
+        self.rotation = ROTATION_INPUT if policy.method.base.needs_rotation else None
 
     @staticmethod
     def where_bool(g: GraphBuilder, cond: str, a: str, b: str) -> str:
@@ -137,7 +149,7 @@ class _Body:
         v = g.unsqueeze(values_m, 2)  # [B, H_kv, 1, m, d_h]
         return g.ReduceSum(g.Mul(g.MatMul(v, self.bound_terms(g)[0]), v), g.i64(-1), keepdims=0)
 
-    # ------------------------------------------------------------------ pruned stage 2 (criticalkv/selection/pruned.py)
+    # ------------------------------------------------------------------ pruned stage 2 (criticalkv/methods/pruned.py)
     def hidden_float(self, g: GraphBuilder) -> str:
         """d (rows of ``o_proj``) as a float32 [1]."""
         return g.Cast(g.shape_of(self.o_proj, 0, 1), to=FLOAT)
@@ -262,21 +274,17 @@ class _Body:
             older = allocation.mask
         else:
             older = self.topk_mask(g, scores[method.base.score_name], allocation.counts, eligible)
+        if self.sink is not None:
+            older = g.Or(older, self.sink)
         window = g.Expand(g.const(True, np.bool_), g.concat(batch, g.i64(self.kv_heads), w))
         chosen = g.concat(older, window, axis=-1)
         return self.where_bool(g, compress, chosen, valid_h)
 
-    def window_scores(self, g: GraphBuilder, ctx: dict[str, str]) -> tuple[dict[str, str], str, str, str]:
-        """Steps 1-4 for a prompt longer than the budget: (scores {name: [B, H_kv, m] float}, eligible [B, H_kv, m]
-        bool, r [B] int64 (older tokens per head at this budget, clamped to the valid ones), w [1] int64)."""
-        p = self.policy
-        method = p.method
-        n, lens, pos, valid, valid_h = (ctx[k] for k in ("n", "lens", "pos", "valid", "valid_h"))
-        w = g.Min(g.i64(p.window), n)  # [1]
-        m = g.Sub(n, w)
-        n_s, w_s, m_s = (g.squeeze(x, 0) for x in (n, w, m))
-        # 1. window attention [B, H_kv, G, w, n]; query head h = g * G + j, rows (j, t)
-        q = g.Slice(ctx["queries"], g.Neg(w), g.i64(np.iinfo(np.int64).max), g.i64(2))
+    def window_attention(self, g: GraphBuilder, q: str, ctx: dict[str, str], w: str, m: str) -> tuple[str, str]:
+        """Step 1, the window's own attention, query head h = g * G + j, rows (j, t): q [B, H, w, d_h] (the window
+        queries) -> (probs [B, H_kv, G, w, m], raw [B, H_kv, G, m] = every older column's mean over the window)."""
+        n, pos, valid = ctx["n"], ctx["pos"], ctx["valid"]
+        w_s, m_s = g.squeeze(w, 0), g.squeeze(m, 0)
         q = g.reshape(q, [0, self.kv_heads, -1, self.head_dim])
         logits = g.Div(g.MatMul(q, g.Transpose(ctx["keys"], perm=[0, 1, 3, 2])), g.const(math.sqrt(self.head_dim), np.float32))
         logits = g.Reshape(logits, g.concat(g.i64(0, self.kv_heads, self.group, -1), n))
@@ -292,9 +300,24 @@ class _Body:
         # Ā [B, H_kv, G, m]: the mean over the window of every column, then the older columns (not a slice of probs:
         # a copy of [B, H_kv, G, w, m] saved; each column's mean is the same sum)
         raw = g.slice_axis(g.ReduceMean(softmax, g.i64(3), keepdims=0), 0, m, axis=3)
+        return probs, raw
+
+    def window_scores(self, g: GraphBuilder, ctx: dict[str, str]) -> tuple[dict[str, str], str, str, str]:
+        """Steps 1-4 for a prompt longer than the budget: (scores {name: [B, H_kv, m] float}, eligible [B, H_kv, m]
+        bool, r [B] int64 (older tokens per head at this budget, clamped to the valid ones), w [1] int64)."""
+        p = self.policy
+        method = p.method
+        n, lens, valid_h = ctx["n"], ctx["lens"], ctx["valid_h"]
+        w = g.Min(g.i64(p.window), n)  # [1]
+        m = g.Sub(n, w)
+        # 1. the window's attention [B, H_kv, G, w, m] (or the method's own: expected-attention)
+        q = g.Slice(ctx["queries"], g.Neg(w), g.i64(np.iinfo(np.int64).max), g.i64(2))  # [B, H, w, d_h]
+        own = method.base.onnx_attention_rows(self, g, g.reshape(q, [0, self.kv_heads, self.group, -1, self.head_dim]),
+                                              ctx["keys"], ctx, w, m)
+        probs, raw = own if own is not None else self.window_attention(g, q, ctx, w, m)
         # 2. pool over the older positions only
         pooled = raw
-        if p.pool_kernel > 1:
+        if p.pool_kernel > 1 and method.base.pools:
             # explicit -inf padding rather than MaxPool's pads (onnx.reference 1.23 mis-sizes padded 1-D pools)
             half = p.pool_kernel // 2
             padded = g.Pad(g.Reshape(raw, g.concat(g.i64(-1, 1), m)), g.i64(0, 0, half, 0, 0, half),
@@ -305,7 +328,17 @@ class _Body:
         eligible = g.slice_axis(valid_h, 0, m, axis=2)
         self.eligible = eligible  # [B, H_kv, m] bool, read by methods whose scores exclude the padding
         r_layer = g.Gather(ctx["layer_budgets"], g.Sub(ctx["budget"], g.scalar(p.window)))  # r_l at this budget
-        r = g.Min(g.Max(g.Sub(lens, w), g.scalar(0)), r_layer)  # [B]: never more than the valid older tokens
+        sinks = method.base.sinks(p)
+        self.sink = None
+        if sinks:  # the first valid tokens, kept inside the budget: not eligible, and r shrinks by as many
+            positions = g.slice_axis(ctx["pos"], 0, m, axis=0)  # [m]
+            first = g.Less(g.unsqueeze(positions, 0), g.unsqueeze(g.Add(ctx["valid_start"], g.scalar(sinks)), 1))
+            self.sink = g.And(eligible, g.unsqueeze(first, 1))  # [B, H_kv, m]
+            eligible = g.And(eligible, g.Not(self.sink))
+            r_layer = g.Max(g.Sub(r_layer, g.scalar(sinks)), g.scalar(0))
+            r = g.Min(g.Max(g.Sub(g.Sub(lens, w), g.scalar(sinks)), g.scalar(0)), r_layer)
+        else:
+            r = g.Min(g.Max(g.Sub(lens, w), g.scalar(0)), r_layer)  # [B]: never more than the valid older tokens
         values_m = g.slice_axis(ctx["values"], 0, m, axis=2)  # (dropped when no method reads it: see live_nodes)
         self.values, self.older = ctx["values"], m  # every value [B, H_kv, n, d_h] and m [1]: a row-wise score of
         # all n rows, then the first m, saves the copy of the older values
@@ -403,7 +436,7 @@ def selection_function(policy: KVPolicy, num_layers: int, num_heads: int, num_kv
     g = GraphBuilder("ckv/")
     _Body(g, policy, num_layers, num_heads, num_kv_heads, head_dim).build()
     return helper.make_function(
-        DOMAIN, OP_TYPE, list(INPUTS), list(OUTPUTS), live_nodes(g.nodes, OUTPUTS),
+        DOMAIN, OP_TYPE, list(node_inputs(policy)), list(OUTPUTS), live_nodes(g.nodes, OUTPUTS),
         opset_imports=[helper.make_opsetid("", OPSET)],
         attributes=list(KVPolicy.knob_names()) + list(LAYER_ATTRIBUTES),
         doc_string=f"CriticalKVSelect body generated for policy {policy.to_json()} (H={num_heads}, "
@@ -447,16 +480,12 @@ def selection_model(
     ``node_capacity(policy, max_prompt_len, ...)``. ``with_body=False`` leaves the function out (TensorRT flavour).
     ``runtime_budget=True`` makes ``kv_budget`` [1] int32 a graph input; otherwise it is a constant = the budget.
     """
-    from onnx import numpy_helper
-
-    from criticalkv.export.graph import IR_VERSION
-    from criticalkv.node import node_capacity
-
     o_proj_weight = np.asarray(o_proj_weight, dtype=np.float32)
     head_dim = o_proj_weight.shape[1] // num_heads
     if capacity is None:
         capacity = node_capacity(policy, max_prompt_len, num_kv_heads, layer_idx, num_layers)
-    node = selection_node(policy, layer_idx, num_layers, capacity, list(INPUTS), list(OUTPUTS), "criticalkv_select")
+    node = selection_node(policy, layer_idx, num_layers, capacity, list(node_inputs(policy)), list(OUTPUTS),
+                          "criticalkv_select")
     inputs = [
         value_info(INPUTS[0], FLOAT, ["batch", num_heads, "window", head_dim]),
         value_info(INPUTS[1], FLOAT, ["batch", num_kv_heads, "sequence", head_dim]),
@@ -464,6 +493,9 @@ def selection_model(
         value_info(INPUTS[4], INT32, ["batch"]),
     ]
     initializers = [numpy_helper.from_array(o_proj_weight, INPUTS[3])]
+    if policy.method.base.needs_rotation:  # RoPE's default tables, as select_layer assumes when given none
+        table = rotation_tables(default_inv_freq(head_dim), policy.window, policy.future_positions)
+        initializers.append(numpy_helper.from_array(table, ROTATION_INPUT))
     if runtime_budget:
         inputs.append(value_info(INPUTS[5], INT32, [1]))
     else:

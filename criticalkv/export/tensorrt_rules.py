@@ -27,6 +27,12 @@ named at each rule) and from this project's own engine build (``criticalkv.tenso
   ``loadFields``: INT -> kINT32, FLOAT -> kFLOAT32, STRING -> kCHAR), INT values within int32 and a capacity.
 * ``profile``: every dynamic graph-input dimension is named (the engine build derives the optimization
   profile from the names, ``tensorrt_build.profile_shapes``).
+* ``data-dependent-shape``: no shape is computed from the values of a graph input (a shape input of Slice,
+  Reshape, Range, Expand, ... that derives from input values other than through Shape/Size, or NonZero-like
+  operators). TensorRT calls such a dimension data-dependent: ``IExecutionContext::getTensorShape`` reports -1 for
+  it (NvInferRuntime.h), a network output with one needs an ``IOutputAllocator``, and a plugin input with one is
+  sized from bounds TensorRT has to derive itself. The runtime sizes every output from the input shapes before
+  ``enqueueV3`` (``criticalkv.runtime.tensorrt_backend``), so the graphs it runs have none (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, numpy_helper
+
+from criticalkv.node import plugin_field_specs
 
 #: The TensorRT release whose ONNX importer these rules follow.
 TENSORRT_VERSION = "10.14"
@@ -91,6 +99,11 @@ SHAPE_INPUTS = {
     "Unsqueeze": (1,),
     "Squeeze": (1,),
 }
+
+#: Operators whose output shape depends on the values of their data input (explicitly data-dependent in TensorRT).
+DATA_SHAPED_OPS = frozenset({"NonZero", "Compress", "Unique", "NonMaxSuppression"})
+#: Operators whose output carries only the shape of their input, never its values.
+SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
 
 #: Tensor element types TensorRT represents (importerUtils.cpp ``convertDtype``).
 SUPPORTED_TYPES = frozenset({
@@ -172,6 +185,7 @@ class _Checker:
             if t.data_type not in SUPPORTED_TYPES:
                 self.add("type", f"initializer {t.name}", f"element type {TensorProto.DataType.Name(t.data_type)}")
         self.check_graph(m.graph, "graph", constants, tainted=None)
+        self.check_data_dependent_shapes(m.graph, constants)
 
     def check_value_type(self, value: onnx.ValueInfoProto, where: str) -> None:
         if value.type.HasField("tensor_type"):
@@ -242,6 +256,24 @@ class _Checker:
                     self.add("fp16-range", name, "float constant beyond the fp16 range")
             elif attr.name in ("value_string", "value_strings"):
                 self.add("type", name, "string constant")
+
+    def check_data_dependent_shapes(self, graph: onnx.GraphProto, constants: set[str]) -> None:
+        """Follow the values of the graph inputs through the nodes (Shape and Size stop them: they read shapes) and
+        report every shape input they reach."""
+        values = {i.name for i in graph.input} - constants
+        for node in graph.node:
+            if node.op_type in SHAPE_ONLY_OPS or node.op_type == "Constant":
+                continue
+            name = f"graph/{node.name or node.op_type}"
+            if node.op_type in DATA_SHAPED_OPS and (node.domain or "") in ("", "ai.onnx"):
+                self.add("data-dependent-shape", name, f"{node.op_type}'s output shape depends on its input values")
+            for index in SHAPE_INPUTS.get(node.op_type, ()):
+                if index < len(node.input) and node.input[index] in values:
+                    self.add("data-dependent-shape", name, f"input {index} ({node.input[index]}) sets a shape from the "
+                             "values of a graph input: TensorRT cannot size it from the input shapes")
+            if any(i in values for i in node.input) or any(i in values for sub in _subgraphs(node).values()
+                                                            for i in _reads(sub)):
+                values.update(node.output)
 
     # ------------------------------------------------------------------ control flow
     def check_loop(self, node: onnx.NodeProto, name: str, constants: set[str]) -> None:
@@ -339,8 +371,6 @@ def check_tensorrt_model(model: onnx.ModelProto, plugin_fields=None) -> list[Vio
     ``plugin_fields``: the CriticalKVSelect creator's fields (default: ``plugin_field_specs()``).
     """
     if plugin_fields is None:
-        from criticalkv.spec.generate import plugin_field_specs
-
         plugin_fields = plugin_field_specs()
     checker = _Checker(model, plugin_fields)
     checker.check_model()

@@ -1,6 +1,7 @@
 """Checks of the exported graphs: ``onnx.checker`` (full check, with strict shape inference), the
-selection nodes' attributes against the policy and the per-layer capacities, and, on the two graphs
-TensorRT parses, the ONNX-TensorRT importer's rules (``criticalkv.export.tensorrt_rules``)."""
+selection nodes' attributes against the policy and the per-layer capacities (prefill and select), and, on the
+graphs TensorRT parses (``prefill_tensorrt``, ``decode``, ``extend_tensorrt``, ``select_tensorrt``), the
+ONNX-TensorRT importer's rules (``criticalkv.export.tensorrt_rules``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,33 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from criticalkv.export.exporter import DECODE_FILE, PREFILL_FILE, PREFILL_TENSORRT_FILE, ExportResult
+from criticalkv.export.exporter import (
+    DECODE_FILE,
+    EXTEND_FILE,
+    EXTEND_TENSORRT_FILE,
+    PREFILL_FILE,
+    PREFILL_TENSORRT_FILE,
+    SELECT_FILE,
+    SELECT_TENSORRT_FILE,
+    ExportResult,
+)
+from criticalkv.export.model_select import MODEL_OP, SCORE_OP, is_model_level, model_attributes, tensorrt_refusal
 from criticalkv.export.tensorrt_rules import TENSORRT_VERSION, check_tensorrt_model
 from criticalkv.node import DOMAIN, OP_TYPE, policy_from_attributes
 from criticalkv.policy import KVPolicy
+
+#: (report key, file, carries the selection nodes, parsed by TensorRT) of every graph of an export.
+GRAPHS = (
+    ("prefill", PREFILL_FILE, True, False),
+    ("prefill_tensorrt", PREFILL_TENSORRT_FILE, True, True),
+    ("decode", DECODE_FILE, False, True),
+    ("extend", EXTEND_FILE, False, False),
+    ("extend_tensorrt", EXTEND_TENSORRT_FILE, False, True),
+    ("select", SELECT_FILE, True, False),
+    ("select_tensorrt", SELECT_TENSORRT_FILE, True, True),
+)
+#: The TensorRT flavours a model-level policy does not have (``decode.onnx`` is also its ONNX Runtime decode graph).
+TENSORRT_FLAVOURS = ("prefill_tensorrt", "extend_tensorrt", "select_tensorrt")
 
 
 def _attributes(node: onnx.NodeProto) -> dict:
@@ -28,18 +52,16 @@ def same_policy(a: KVPolicy, b: KVPolicy) -> bool:
 
 
 def validate_export(result: ExportResult) -> dict:
-    """Validate the three graphs of an export; returns a report for the manifest. Raises ValueError."""
-    from criticalkv.export.model_select import is_model_level
-
+    """Validate every graph of an export (``GRAPHS``); returns a report for the manifest. Raises ValueError."""
     report = {}
     model_level = is_model_level(result.policy, result.spec.num_layers)
-    for key, name in (("prefill", PREFILL_FILE), ("prefill_tensorrt", PREFILL_TENSORRT_FILE), ("decode", DECODE_FILE)):
+    refusal = tensorrt_refusal(result.policy, result.spec.num_layers)
+    for key, name, selects, tensorrt in GRAPHS:
         path = Path(result.folder) / name
-        if model_level and key == "prefill_tensorrt":
+        if refusal and key in TENSORRT_FLAVOURS:
             if path.exists():
-                raise ValueError(f"{name}: a model-level policy ({result.policy.name}) has no TensorRT flavour")
-            report[key] = {"file": None, "refused": "model-level selection: no TensorRT flavour "
-                           "(criticalkv.export.model_select.check_tensorrt_flavour)"}
+                raise ValueError(f"{name}: {result.policy.name} has no TensorRT flavour ({refusal})")
+            report[key] = {"file": None, "refused": refusal}
             continue
         try:
             onnx.checker.check_model(str(path), full_check=True)
@@ -47,11 +69,11 @@ def validate_export(result: ExportResult) -> dict:
             inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
             raise ValueError(f"{name}: the exported graph does not validate: {err}") from None
-        if model_level and key == "prefill":
+        if model_level and selects:
             report[key] = _validate_model_level(result, model, inferred, name)
             continue
         selection = [n for n in model.graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
-        expected = result.spec.num_layers if key != "decode" else 0
+        expected = result.spec.num_layers if selects else 0
         if len(selection) != expected:
             raise ValueError(f"{name}: {len(selection)} {OP_TYPE} nodes, expected {expected}")
         for i, node in enumerate(selection):
@@ -61,14 +83,14 @@ def validate_export(result: ExportResult) -> dict:
             ):
                 raise ValueError(f"{name}: node {node.name} attributes do not match the export's policy / layer / capacity")
         functions = [f"{f.domain}::{f.name}" for f in model.functions]
-        if key == "prefill" and functions != [f"{DOMAIN}::{OP_TYPE}"]:
-            raise ValueError(f"{name}: expected the {OP_TYPE} function body, found {functions}")
-        if key == "prefill_tensorrt" and functions:
-            raise ValueError(f"{name}: the TensorRT flavour must not carry function bodies, found {functions}")
+        body = [f"{DOMAIN}::{OP_TYPE}"] if selects and not tensorrt else []
+        if functions != body:
+            raise ValueError(f"{name}: expected the function bodies {body}, found {functions}"
+                             + (" (the TensorRT flavours carry none: the plugin runs the node)" if tensorrt else ""))
         domains = {n.domain for n in model.graph.node} - {"", DOMAIN}
         if domains:
             raise ValueError(f"{name}: unexpected operator domains {sorted(domains)}")
-        if key != "prefill":  # the graphs TensorRT parses: the importer's rules (criticalkv.export.tensorrt_rules)
+        if tensorrt:  # the graphs TensorRT parses: the importer's rules (criticalkv.export.tensorrt_rules)
             violations = check_tensorrt_model(model)
             if violations:
                 listed = "; ".join(str(v) for v in violations[:8])
@@ -80,8 +102,7 @@ def validate_export(result: ExportResult) -> dict:
             "nodes": len(model.graph.node),
             "selection_nodes": len(selection),
             "functions": functions,
-            **({"tensorrt_rules": f"TensorRT {TENSORRT_VERSION} ONNX importer rules passed"}
-               if key != "prefill" else {}),
+            **({"tensorrt_rules": f"TensorRT {TENSORRT_VERSION} ONNX importer rules passed"} if tensorrt else {}),
         }
     return report
 
@@ -89,8 +110,6 @@ def validate_export(result: ExportResult) -> dict:
 def _validate_model_level(result: ExportResult, model: onnx.ModelProto, inferred: onnx.ModelProto, name: str) -> dict:
     """The prefill graph of a model-level policy: one ``CriticalKVScore`` node per layer (the layer's attributes), one
     ``CriticalKVSelectModel`` node (the policy and every layer's capacity) after them, and exactly their two bodies."""
-    from criticalkv.export.model_select import MODEL_OP, SCORE_OP, model_attributes
-
     ours = [n for n in model.graph.node if n.domain == DOMAIN]
     scores = [n for n in ours if n.op_type == SCORE_OP]
     selects = [n for n in ours if n.op_type == MODEL_OP]

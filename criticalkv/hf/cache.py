@@ -18,6 +18,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from transformers import AttentionInterface
 
 from criticalkv.selection import LayerSelection
 
@@ -176,8 +177,6 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
-
     AttentionInterface.register(ATTENTION_NAME, packed_attention)
 
 

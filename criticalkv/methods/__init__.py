@@ -5,6 +5,11 @@ holds its scores, how it shares the budget and its piece of the ONNX function bo
 CriticalKV's selection applied on top of any scored base. ``POLICIES`` below is the only list of policies:
 ``KVPolicy``, the CLI, the generated C++ header, the plugin YAML and the README table all read it.
 
+What the methods share sits beside them, on the same ground floor (nothing of the package above is imported here):
+``budget`` (the integer budget rules), ``topk`` (top-k with the tie rule), ``pruned`` (CriticalKV's exactly pruned
+stage 2) and ``lazy`` (torch, imported when a method first runs PyTorch code, so that ``KVPolicy`` and the ONNX
+Runtime side load this registry without torch).
+
 Adding a base method: a module here with a ``BaseMethod`` subclass, one line in ``BASE_METHODS`` and one in
 ``POLICIES`` (its knobs, if new, in ``criticalkv/policy.py``), then ``python -m criticalkv.spec.generate``.
 """
@@ -13,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from criticalkv.methods import adakv, defensivekv, full, laprox, pyramidkv, snapkv, streamingllm
+from criticalkv.methods import adakv, defensivekv, expected_attention, full, laprox, pyramidkv, snapkv, streamingllm
 from criticalkv.methods.base import Allocation, BaseMethod, GroupScoreInputs
 from criticalkv.methods.two_stage import TWO_STAGE, TwoStage
 
@@ -21,7 +26,7 @@ from criticalkv.methods.two_stage import TWO_STAGE, TwoStage
 BASE_METHODS: dict[str, BaseMethod] = {
     m.name: m
     for m in (full.METHOD, streamingllm.METHOD, snapkv.METHOD, pyramidkv.METHOD, adakv.METHOD, laprox.METHOD,
-              defensivekv.METHOD, defensivekv.LAYER_METHOD)
+              defensivekv.METHOD, defensivekv.LAYER_METHOD, expected_attention.METHOD)
 }
 
 
@@ -62,6 +67,8 @@ METHODS: dict[str, Method] = {
         _compose("criticalkv", "snapkv", True, "snapkv budgets, two-stage: alpha by attention, rest by attention × ‖V W_O‖"),
         _compose("pyramid-criticalkv", "pyramidkv", True, "pyramidkv budgets + CriticalKV two-stage selection"),
         _compose("ada-criticalkv", "adakv", True, "adakv budgets + CriticalKV two-stage selection inside each head's share"),
+        _compose("expected-criticalkv", "expected-attention", True,
+                 "CriticalKV's two stages on the expected attention (question-agnostic): alpha by it, the rest by it × ‖V W_O‖"),
     )
 }
 

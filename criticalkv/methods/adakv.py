@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from criticalkv.methods.base import Allocation, BaseMethod
+from criticalkv.methods.budget import head_floor
+from criticalkv.methods.lazy import torch
+from criticalkv.methods.topk import topk_mask
 
 
 def shared_allocation_mask(scores, r, floor, eligible):
@@ -12,8 +15,6 @@ def shared_allocation_mask(scores, r, floor, eligible):
     highest ``scores`` over all heads of the layer (ties: lower head, then lower position).
     ``scores``, ``eligible``: [B, H_kv, m]; ``r``, ``floor``: [B]. Returns the chosen [B, H_kv, m] mask.
     """
-    from criticalkv.selection.topk import topk_mask
-
     batch, heads, m = scores.shape
     safe = topk_mask(scores, floor[:, None], eligible)
     rest = topk_mask(scores.reshape(batch, heads * m), heads * (r - floor), (eligible & ~safe).reshape(batch, -1))
@@ -29,6 +30,11 @@ def onnx_shared_allocation_mask(body, g, scores: str, r: str, floor: str, eligib
     return g.Or(safe, g.Reshape(rest, g.Shape(scores)))
 
 
+def head_floors(policy, r):
+    """[B] int64: the per-head floor (``head_floor``) of every sequence's ``r`` [B]."""
+    return torch.tensor([head_floor(policy.ada_floor, int(x)) for x in r.tolist()], dtype=torch.int64, device=r.device)
+
+
 class AdaKV(BaseMethod):
     name = "adakv"
     cpp_enum = "kAdaKV"
@@ -37,18 +43,11 @@ class AdaKV(BaseMethod):
     shared_allocation = True
 
     def max_older_per_head(self, policy, r, m, num_kv_heads):
-        from criticalkv.selection.budget import head_floor
-
         rm = min(r, m)
         return min(num_kv_heads * rm - (num_kv_heads - 1) * head_floor(policy.ada_floor, rm), m)
 
     def allocate(self, policy, scores, eligible, r):
-        import torch
-
-        from criticalkv.selection.budget import head_floor
-
-        floor = torch.tensor([head_floor(policy.ada_floor, int(x)) for x in r.tolist()], dtype=torch.int64, device=r.device)
-        return Allocation(mask=shared_allocation_mask(scores[self.score_name], r, floor, eligible))
+        return Allocation(mask=shared_allocation_mask(scores[self.score_name], r, head_floors(policy, r), eligible))
 
     def onnx_allocate(self, body, g, scores, eligible, r):
         floor = body.head_floor(g, r)

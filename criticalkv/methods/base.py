@@ -4,7 +4,13 @@ A base method decides two things for one attention layer: the scores its older t
 and how the layer's budget is shared among its KV heads. ``criticalkv.selection.select_layer`` (PyTorch)
 and ``criticalkv.export.select_function`` (the ONNX function body) drive a method through this
 interface; neither names a method. A refinement (``two_stage.TwoStage``, CriticalKV) then picks, inside
-each head's share, which tokens are kept.
+each head's share, which tokens are kept. A model-level method (``model_level``) also ranks each layer's tokens
+(``priority``) and shares one budget over every layer (``model_allocate``): ``criticalkv.selection.select_model``
+and ``criticalkv.export.model_select`` call those hooks.
+
+The ONNX pieces are written into the graph builder they are given (``g``, a ``criticalkv.export.graph.GraphBuilder``:
+``g.Add(...)`` appends a node, ``g.FLOAT`` is the float element type), with the function body's own helpers
+(``body.topk_mask``, ``body.head_floor``, ``body.value_norms``, ...): the methods import nothing of the exporter.
 
 Shapes: B batch, H_kv KV heads, G query heads per KV head, w window, m = n - w older tokens.
 """
@@ -12,12 +18,12 @@ Shapes: B batch, H_kv KV heads, G query heads per KV head, w window, m = n - w o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    import torch
+from criticalkv.methods.lazy import torch
 
-    from criticalkv.policy import KVPolicy
+#: A ``criticalkv.policy.KVPolicy`` (the policy stands a floor above the methods: it imports their registry).
+Policy = Any
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,9 @@ class BaseMethod:
     model_level : whether the budget is shared across all layers (``select_model`` selects after the last layer)
     native : whether the C++ selection flow (plugin, host version) implements it; otherwise the plugin refuses it
     cpp_refusal : why the plugin refuses a method that is not native (the generated validation's message)
+    pools : whether its attention is max-pooled over positions (``pool_kernel``) before it ranks
+    needs_rotation : whether it reads RoPE's rotation tables (``expected_attention.rotation_tables``): the drivers then
+        take them (``select_layer(rotation=...)``, the selection node's input ``rotation``)
     """
 
     name: str = ""
@@ -86,34 +95,61 @@ class BaseMethod:
     native: bool = True
     cpp_refusal: str = ""
     score_knobs: tuple[str, ...] = ("pool_kernel",)
+    pools: bool = True
+    needs_rotation: bool = False
     #: names of the per-token scores ``group_scores`` adds (besides "attention", which every scored method has)
     score_names: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ budget arithmetic (integers)
-    def layer_budget(self, policy: "KVPolicy", r: int, layer_idx: int, num_layers: int) -> int:
+    def layer_budget(self, policy: Policy, r: int, layer_idx: int, num_layers: int) -> int:
         """r_l: older tokens per KV head (average over the layer's heads) that layer ``layer_idx`` may keep when
         the model-wide average is ``r`` (= budget - window)."""
         return r
 
-    def max_older_per_head(self, policy: "KVPolicy", r: int, m: int, num_kv_heads: int) -> int:
+    def max_older_per_head(self, policy: Policy, r: int, m: int, num_kv_heads: int) -> int:
         """Most older tokens one head of a layer with budget r can keep out of m."""
         return min(r, m)
 
+    def sinks(self, policy: Policy) -> int:
+        """How many of the first (valid) tokens are always kept, inside the budget (0: none)."""
+        return 0
+
     # ------------------------------------------------------------------ PyTorch
-    def group_scores(self, policy: "KVPolicy", inputs: GroupScoreInputs) -> dict[str, "torch.Tensor"]:
+    def attention_rows(self, policy: Policy, queries, keys, valid_start, rotation, m: int):
+        """The attention the method ranks by, for one KV group: (probs [B, G, rows, m], raw [B, G, m] = the rows'
+        mean) over the older tokens, from ``queries`` [B, G, w, d_h] and ``keys`` [B, G, n, d_h] (post-RoPE).
+        None (the default): the window's own attention (``criticalkv.selection.scores.window_attention``)."""
+        return None
+
+    def group_scores(self, policy: Policy, inputs: GroupScoreInputs) -> dict[str, "torch.Tensor"]:
         """Scores [B, m] of one KV group beyond "attention" (named as in ``score_names``)."""
         return {}
 
-    def allocate(self, policy: "KVPolicy", scores: Any, eligible: "torch.Tensor", r: "torch.Tensor") -> Allocation:
+    def allocate(self, policy: Policy, scores: Any, eligible: "torch.Tensor", r: "torch.Tensor") -> Allocation:
         """Share the layer's budget: ``r`` [B] older tokens per head on average, ``eligible`` [B, H_kv, m]."""
         batch, heads, _ = eligible.shape
         return Allocation(counts=r[:, None].expand(batch, heads))
 
-    def unscored_keep(self, policy: "KVPolicy", valid: "torch.Tensor", valid_start: "torch.Tensor", num_kv_heads: int) -> "torch.Tensor":
+    def unscored_keep(self, policy: Policy, valid: "torch.Tensor", valid_start: "torch.Tensor", num_kv_heads: int) -> "torch.Tensor":
         """[B, H_kv, n] chosen entries of a method that does not score (``scored`` False)."""
         raise NotImplementedError(f"{self.name} is scored")
 
+    # ------------------------------------------------------------------ model level (``model_level`` methods)
+    def priority(self, policy: Policy, scores: Any, eligible: "torch.Tensor", r: "torch.Tensor") -> "torch.Tensor":
+        """[B, H_kv, m] one layer's ranking of its older tokens in the model-wide allocation (``r`` [B])."""
+        raise NotImplementedError(f"{self.name} is not a model-level method")
+
+    def model_allocate(self, policy: Policy, ranking: "torch.Tensor", eligible: "torch.Tensor", r: "torch.Tensor") -> "torch.Tensor":
+        """[B, L * H_kv, m] bool: the older tokens every head of every layer keeps, from the layers' ``priority``
+        concatenated layer-major ([B, L * H_kv, m]), ``eligible`` (same shape) and r [B] per head on average."""
+        raise NotImplementedError(f"{self.name} is not a model-level method")
+
     # ------------------------------------------------------------------ ONNX function body
+    def onnx_attention_rows(self, body: Any, g: Any, q: str, keys: str, ctx: dict[str, str], w: str, m: str):
+        """The body's ``attention_rows``: q [B, H_kv, G, w, d_h], keys [B, H_kv, n, d_h] -> (probs
+        [B, H_kv, G, rows, m], raw [B, H_kv, G, m]); None: the window's own attention (the body's default)."""
+        return None
+
     def onnx_group_scores(self, body: Any, g: Any, probs: str, raw: str, pooled: str, values_m: str) -> dict[str, str]:
         """The body's version of ``group_scores`` over all groups at once ([B, H_kv, m] tensor names)."""
         return {}
@@ -125,3 +161,13 @@ class BaseMethod:
     def onnx_unscored_keep(self, body: Any, g: Any, ctx: dict[str, str]) -> str:
         """The body's version of ``unscored_keep``: [B, H_kv or 1, n] bool."""
         raise NotImplementedError(f"{self.name} is scored")
+
+    def onnx_priority(self, body: Any, g: Any, scores: dict[str, str], eligible: str, r: str) -> str:
+        """The body's version of ``priority`` (the ``CriticalKVScore`` node's output): [B, H_kv, m] float."""
+        raise NotImplementedError(f"{self.name} is not a model-level method")
+
+    def onnx_model_allocate(self, body: Any, g: Any, ranking: str, eligible: str, r: str, budget: str) -> str:
+        """The body's version of ``model_allocate`` (inside ``CriticalKVSelectModel``): ``ranking`` and ``eligible``
+        [B, L * H_kv, m], ``r`` [B] int64, ``budget`` the request's budget (int64 scalar); ``body`` sees the model's
+        L * H_kv heads as one layer's (``body.kv_heads``, ``body.topk_mask``, ``body.head_floor``)."""
+        raise NotImplementedError(f"{self.name} is not a model-level method")

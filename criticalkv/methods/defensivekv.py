@@ -24,7 +24,8 @@ queries j and older tokens i (m = n - w of them):
    window query, per sequence. (The reference slices the window off before summing, so its number is the mass
    on the ``window`` older tokens just before the window, and it averages over the batch too; here it is the
    mass the reference's comment and the paper name, per sequence, so a sequence's selection does not depend on
-   its batch.) As in the reference the crossing token itself is not in stage 1.
+   its batch.) As in the reference the crossing token itself is not in stage 1. The cumulative mass is summed exactly
+   in fixed point (``stage1_count``), so every backend counts the same stage-1 tokens.
 5. Allocation: stage-1 tokens rank above every other (the reference gives them the layer's maximum score; here
    score + 2, above any score, which is at most 1), then AdaKV's shared allocation of the layer's H_kv * r slots
    with the per-head floor ``ada_floor`` (the reference's AdaKV press); the window is always kept.
@@ -46,7 +47,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from criticalkv.methods.adakv import AdaKV, onnx_shared_allocation_mask, shared_allocation_mask
+from criticalkv.methods.adakv import AdaKV, head_floors, onnx_shared_allocation_mask, shared_allocation_mask
+from criticalkv.methods.base import Allocation
+from criticalkv.methods.budget import head_cap
+from criticalkv.methods.lazy import torch
+from criticalkv.methods.topk import topk_mask
 
 #: Offset that ranks stage-1 tokens above every other (defensive scores lie in [0, 1]).
 STAGE1_OFFSET = 2.0
@@ -55,13 +60,10 @@ STAGE1_OFFSET = 2.0
 def avg_pool_rows(probs, kernel: int, valid):
     """Average-pool [..., m] rows over positions (zero padding), zero outside ``valid`` [B, m], each row rescaled
     to keep its mass over the valid older tokens. ``probs``: [B, G, w, m] fp32."""
-    import torch
-    import torch.nn.functional as F
-
     mass = probs.sum(-1, keepdim=True)
     if kernel > 1:
         shape = probs.shape
-        pooled = F.avg_pool1d(probs.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2,
+        pooled = torch.nn.functional.avg_pool1d(probs.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2,
                               count_include_pad=True).reshape(shape)
     else:
         pooled = probs
@@ -70,19 +72,40 @@ def avg_pool_rows(probs, kernel: int, valid):
     return torch.where(total > 0, pooled / total.clamp_min(torch.finfo(torch.float32).tiny) * mass, pooled)
 
 
+#: Stage 1's cumulative mass is summed in units of 2^-MASS_FIXED_BITS (exact int64 sums): a float sum depends on its
+#: order and precision (torch's CPU cumsum accumulates in double, its CUDA cumsum and ONNX Runtime's CumSum in float32,
+#: the plugin in per-digit bins), and near the limit that decided the count differently per backend. Masses are at
+#: most 1, so the sums stay far below 2^63; a token's mass is truncated by less than 2^-48.
+MASS_FIXED_BITS = 48
+MASS_SCALE = float(2**MASS_FIXED_BITS)
+
+
+def fixed_mass(mass):
+    """floor(mass * 2^48) as int64 (exact: a power-of-two scaling and a floor). ``mass``: fp32 tensor >= 0."""
+    return torch.floor(mass * MASS_SCALE).to(torch.int64)
+
+
+def fixed_limit(limit):
+    """ceil(limit * 2^48) as int64: for an integer sum C, C < limit * 2^48 exactly when C < fixed_limit(limit)."""
+    return torch.ceil(limit * MASS_SCALE).to(torch.int64)
+
+
+def stage1_count(mass, limit, r, eligible):
+    """[B, H_kv] int64: how many of the most massive eligible tokens keep their cumulative fixed-point mass below
+    ``limit`` [B] (fp32), at most r [B]. ``mass`` [B, H_kv, m] fp32 >= 0."""
+    masked = torch.where(eligible, mass, torch.zeros_like(mass))
+    ordered = fixed_mass(torch.sort(masked, dim=-1, descending=True).values)  # floor is monotone: still sorted
+    cumulative = torch.cumsum(ordered, dim=-1)  # exact: integers
+    return torch.minimum((cumulative < fixed_limit(limit)[:, None, None]).sum(-1), r[:, None])
+
+
 def stage1_mask(mass, window_mass, threshold: float, r, eligible):
     """Stage 1: per head the most-attended older tokens while their cumulative mass stays below
-    ``threshold - window_mass``, at most r. ``mass`` [B, H_kv, m] (normalised over the valid older tokens),
-    ``window_mass`` [B], ``r`` [B], ``eligible`` [B, H_kv, m]; returns [B, H_kv, m] bool."""
-    import torch
-
-    from criticalkv.selection.topk import topk_mask
-
-    masked = torch.where(eligible, mass, torch.zeros_like(mass))
-    cumulative = torch.cumsum(torch.sort(masked, dim=-1, descending=True).values, dim=-1)
-    limit = (threshold - window_mass)[:, None, None].to(mass.dtype)
-    count = torch.minimum((cumulative < limit).sum(-1), r[:, None])
-    return topk_mask(mass, count, eligible)
+    ``threshold - window_mass`` (fp32; the mass summed exactly in units of 2^-48), at most r. ``mass`` [B, H_kv, m]
+    (normalised over the valid older tokens), ``window_mass`` [B], ``r`` [B], ``eligible`` [B, H_kv, m]; returns
+    [B, H_kv, m] bool."""
+    limit = torch.tensor(threshold, dtype=torch.float32, device=mass.device) - window_mass.to(torch.float32)
+    return topk_mask(mass, stage1_count(mass, limit, r, eligible), eligible)
 
 
 def priority(scores, threshold: float, r, eligible):
@@ -106,8 +129,6 @@ class DefensiveKV(AdaKV):
     model_level = False
 
     def group_scores(self, policy, inputs):
-        import torch
-
         valid = inputs.valid.to(torch.float32)  # [B, m]
         count = valid.sum(-1, keepdim=True).clamp_min(1.0)
         pooled = avg_pool_rows(inputs.probs, policy.pool_kernel, inputs.valid)  # [B, G, w, m]
@@ -125,22 +146,17 @@ class DefensiveKV(AdaKV):
             "window_mass": window_mass[:, None].expand_as(stage1_mass),
         }
 
+    def priority(self, policy, scores, eligible, r):
+        return priority(scores, policy.stage1_mass, r, eligible)
+
     def allocate(self, policy, scores, eligible, r):
-        import torch
-
-        from criticalkv.methods.base import Allocation
-        from criticalkv.selection.budget import head_floor
-
-        floor = torch.tensor([head_floor(policy.ada_floor, int(x)) for x in r.tolist()], dtype=torch.int64, device=r.device)
-        ranking = priority(scores, policy.stage1_mass, r, eligible)
-        return Allocation(mask=shared_allocation_mask(ranking, r, floor, eligible))
+        ranking = self.priority(policy, scores, eligible, r)
+        return Allocation(mask=shared_allocation_mask(ranking, r, head_floors(policy, r), eligible))
 
     # ------------------------------------------------------------------ ONNX function body
     def onnx_group_scores(self, body, g, probs, raw, pooled, values_m):
-        from criticalkv.export.graph import FLOAT
-
         p = body.policy
-        valid = g.Cast(body.eligible, to=FLOAT)  # [B, H_kv, m]
+        valid = g.Cast(body.eligible, to=g.FLOAT)  # [B, H_kv, m]
         valid5 = g.unsqueeze(g.unsqueeze(valid, 2), 2)  # [B, H_kv, 1, 1, m]
         tiny = g.const(float(np.finfo(np.float32).tiny), np.float32)
         zero = g.const(0.0, np.float32)
@@ -155,7 +171,7 @@ class DefensiveKV(AdaKV):
         total = g.ReduceSum(box, g.i64(4), keepdims=1)
         # the reference's where(total > 0, box / total * mass, box) without the Where: a row whose total is 0 is all
         # zeros (box >= 0), and 0 / tiny * mass is 0, so the same numbers; a broadcast Where over this 5-D tensor
-        # cost ONNX Runtime as much as the rest of the defensive scoring (benchmarks/results/selection_defensivekv)
+        # cost ONNX Runtime as much as the rest of the defensive scoring (results/benchmarks/selection_defensivekv)
         pooled_rows = g.Mul(g.Div(box, g.Max(total, tiny)), mass)
         worst = g.ReduceMax(pooled_rows, g.i64(2, 3), keepdims=0)  # [B, H_kv, m]
         count = g.Max(g.ReduceSum(valid, g.i64(2), keepdims=1), g.const(1.0, np.float32))
@@ -174,24 +190,24 @@ class DefensiveKV(AdaKV):
 
     def onnx_priority(self, body, g, scores, eligible, r):
         """The body's ``priority``: [B, H_kv, m] float."""
-        from criticalkv.export.graph import FLOAT, INT64
-
         p = body.policy
         window_mass = g.ReduceMean(g.slice_axis(scores["window_mass"], 0, 1, axis=2), g.i64(1, 2), keepdims=0)  # [B]
         mass = scores["stage1_mass"]
         masked = g.Where(eligible, mass, g.const(0.0, np.float32))
         m = g.shape_of(mass, 2, 3)
         ordered = g.op("TopK", masked, m, outputs=2, axis=2, largest=1, sorted=1)[0]
-        cumulative = g.CumSum(ordered, g.scalar(2))
-        limit = g.reshape(g.Sub(g.const(p.stage1_mass, np.float32), window_mass), [-1, 1, 1])
-        count = g.ReduceSum(g.Cast(g.Less(cumulative, limit), to=INT64), g.i64(2), keepdims=0)  # [B, H_kv]
+        scale = g.const(MASS_SCALE, np.float32)
+        # stage1_count's exact fixed-point sums (a float CumSum accumulates in float32 here, in double in torch's CPU
+        # cumsum: near the limit the counts differed)
+        cumulative = g.CumSum(g.Cast(g.Floor(g.Mul(ordered, scale)), to=g.INT64), g.scalar(2))
+        limit = g.Sub(g.const(p.stage1_mass, np.float32), window_mass)
+        limit = g.reshape(g.Cast(g.Ceil(g.Mul(limit, scale)), to=g.INT64), [-1, 1, 1])
+        count = g.ReduceSum(g.Cast(g.Less(cumulative, limit), to=g.INT64), g.i64(2), keepdims=0)  # [B, H_kv]
         count = g.Min(count, g.unsqueeze(r, 1))
         first = body.topk_mask(g, mass, count, eligible)
-        return g.Add(scores["defensive"], g.Mul(g.Cast(first, to=FLOAT), g.const(STAGE1_OFFSET, np.float32)))
+        return g.Add(scores["defensive"], g.Mul(g.Cast(first, to=g.FLOAT), g.const(STAGE1_OFFSET, np.float32)))
 
     def onnx_allocate(self, body, g, scores, eligible, r):
-        from criticalkv.methods.base import Allocation
-
         floor = body.head_floor(g, r)
         ranking = self.onnx_priority(body, g, scores, eligible, r)
         return Allocation(mask=onnx_shared_allocation_mask(body, g, ranking, r, floor, eligible))
@@ -214,14 +230,38 @@ class LayerDefensiveKV(DefensiveKV):
         # cap (head_cap_ratio × budget, window included) when one is set
         return m if policy.head_cap_ratio == 0 else min(m, older_cap(policy))  # compressing: n > budget, so w = window
 
+    def model_allocate(self, policy, ranking, eligible, r):
+        """Each head its own top floor, the other L * H_kv * (r - floor) slots over the flattened ranking (ties: lower
+        layer, head, position), a head never beyond ``head_cap_ratio``'s cap."""
+        floor = head_floors(policy, r)
+        cap = older_cap(policy)
+        if cap is not None:  # a full head is skipped: only each head's own top ``cap`` may be taken (cap >= r >= floor)
+            eligible = topk_mask(ranking, torch.clamp(eligible.sum(-1), max=cap), eligible)
+        return shared_allocation_mask(ranking, r, floor, eligible)
+
+    def onnx_model_allocate(self, body, g, ranking, eligible, r, budget):
+        p = body.policy
+        floor = body.head_floor(g, r)
+        if p.head_cap_ratio:
+            cap = g.Gather(g.const(older_cap_table(p), hint="older_cap_table"), g.Sub(budget, g.scalar(p.window)))
+            count = g.ReduceSum(g.Cast(eligible, to=g.INT64), g.i64(2), keepdims=0)  # [B, L * H_kv]
+            eligible = body.topk_mask(g, ranking, g.Min(count, cap), eligible)
+        return onnx_shared_allocation_mask(body, g, ranking, r, floor, eligible)
+
 
 def older_cap(policy) -> int | None:
     """Most older tokens one head keeps under ``head_cap_ratio``: its cap minus the window (a compressed prompt has
     n > budget >= window, so its whole window); None when the cap is off. At least r = budget - window."""
-    from criticalkv.selection.budget import head_cap
-
     cap = head_cap(policy.head_cap_ratio, policy.budget)
     return None if cap == 0 else cap - policy.window
+
+
+def older_cap_table(policy) -> np.ndarray:
+    """int64 [budget - window + 1]: ``older_cap`` at every request budget b = window .. budget (index b - window), the
+    ONNX body's lookup table (-1 everywhere when the cap is off; the body reads it only when it is on)."""
+    caps = [head_cap(policy.head_cap_ratio, b) - policy.window if policy.head_cap_ratio else -1
+            for b in range(policy.window, policy.budget + 1)]
+    return np.array(caps, dtype=np.int64)
 
 
 METHOD = DefensiveKV()

@@ -1,5 +1,6 @@
 """``pyramidkv``: SnapKV with per-layer budgets decreasing linearly from the first to the last layer."""
 
+from criticalkv.methods.budget import pyramid_layer_budgets
 from criticalkv.methods.snapkv import SnapKV
 
 
@@ -10,8 +11,6 @@ class PyramidKV(SnapKV):
     knobs = ("pool_kernel", "pyramid_beta")
 
     def layer_budget(self, policy, r, layer_idx, num_layers):
-        from criticalkv.selection.budget import pyramid_layer_budgets
-
         return pyramid_layer_budgets(r, num_layers, policy.pyramid_beta)[layer_idx]
 
 

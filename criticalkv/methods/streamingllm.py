@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from criticalkv.methods.base import BaseMethod
+from criticalkv.methods.lazy import torch
 
 
 class StreamingLLM(BaseMethod):
@@ -14,8 +15,6 @@ class StreamingLLM(BaseMethod):
     score_knobs = ()
 
     def unscored_keep(self, policy, valid, valid_start, num_kv_heads):
-        import torch
-
         batch, n = valid.shape
         pos = torch.arange(n, device=valid.device)
         sinks = pos[None, :] < (valid_start + policy.sink_tokens)[:, None]

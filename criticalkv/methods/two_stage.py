@@ -1,22 +1,27 @@
 """CriticalKV's two-stage selection (arXiv 2502.03805), applied on top of any scored base method.
 
 Inside each KV head's share of the budget (the base's allocation, r_g older tokens), stage 1 keeps the
-top ``ceil(alpha * r_g)`` by the pooled window attention S and stage 2 the top ``r_g - ceil(alpha * r_g)``
-of the rest by the critical score C = (attention + epsilon) x ||V_i W_O^h|| (``value_norm``), reduced
-over the heads of each GQA group (``gqa_reduce``), with the attention pooled or raw (``stage2_scores``).
+top ``ceil(alpha * r_g)`` by the base's own score (the pooled window attention S for SnapKV, PyramidKV and AdaKV;
+the expected attention x ||v|| for Expected Attention), so alpha = 1 is the base method, and stage 2 the top
+``r_g - ceil(alpha * r_g)`` of the rest by the critical score C = (attention + epsilon) x ||V_i W_O^h||
+(``value_norm``), reduced over the heads of each GQA group (``gqa_reduce``), with the base's attention (the window's,
+pooled or raw: ``stage2_scores``; or the expected attention).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+from criticalkv.methods import pruned
 from criticalkv.methods.base import GroupScoreInputs
+from criticalkv.methods.budget import stage1_count
+from criticalkv.methods.lazy import torch
+from criticalkv.methods.pruned import BoundTerms, DeferredCritical, combine_critical, combine_group_bound
+from criticalkv.methods.topk import topk_mask
 
 
 def stage1_counts(alpha: float, r):
-    """ceil(alpha * r) for every entry of the int64 tensor ``r`` (``criticalkv.selection.budget.stage1_count``)."""
-    import torch
-
-    from criticalkv.selection.budget import stage1_count
-
+    """ceil(alpha * r) for every entry of the int64 tensor ``r`` (``criticalkv.methods.budget.stage1_count``)."""
     first = torch.tensor([stage1_count(alpha, int(x)) for x in r.flatten().tolist()], dtype=torch.int64)
     return first.reshape(r.shape).to(r.device)
 
@@ -27,8 +32,6 @@ def two_stage_mask(attention, critical, r, alpha: float, eligible):
     Stage 1 keeps the top ``ceil(alpha * r)`` by ``attention``; stage 2 the top ``r - ceil(alpha * r)``
     of the rest by ``critical``. ``attention``, ``critical``, ``eligible``: [B, H_kv, m]; ``r``: [B, H_kv].
     """
-    from criticalkv.selection.topk import topk_mask
-
     first = stage1_counts(alpha, r)
     stage1 = topk_mask(attention, first, eligible)
     stage2 = topk_mask(critical, r - first, eligible & ~stage1)
@@ -37,8 +40,6 @@ def two_stage_mask(attention, critical, r, alpha: float, eligible):
 
 def torch_cat_heads(w_heads):
     """[d_h, G * d]: the heads' W_O^h side by side (as ``value_projection_norms`` concatenates them)."""
-    import torch
-
     return torch.cat(list(w_heads), dim=1)
 
 
@@ -51,9 +52,6 @@ class TwoStage:
     score_knobs = ("epsilon", "value_norm", "gqa_reduce", "stage2_scores")
 
     def group_scores(self, policy, inputs: GroupScoreInputs):
-        from criticalkv.selection import pruned
-        from criticalkv.selection.pruned import BoundTerms, DeferredCritical, combine_critical, combine_group_bound
-
         p = inputs.pooled if policy.stage2_scores == "pooled" else inputs.raw
         if pruned.PRUNED and policy.value_norm == "l1" and inputs.values is not None:
             # the group bound for every token now; the per-head bound and the exact score only for the candidates
@@ -68,14 +66,11 @@ class TwoStage:
 
     def choose(self, policy, scores, counts, eligible):
         """[B, H_kv, m] kept older tokens given each head's ``counts`` [B, H_kv]."""
-        from criticalkv.selection import pruned
-        from criticalkv.selection.topk import topk_mask
-
         deferred = getattr(scores, "deferred", {}).get("critical")
         if deferred is None or not pruned.PRUNED:
-            return two_stage_mask(scores["attention"], scores["critical"], counts, policy.alpha, eligible)
+            return two_stage_mask(scores[policy.method.base.score_name], scores["critical"], counts, policy.alpha, eligible)
         first = stage1_counts(policy.alpha, counts)
-        stage1 = topk_mask(scores["attention"], first, eligible)
+        stage1 = topk_mask(scores[policy.method.base.score_name], first, eligible)
         w_cat = deferred[0].w_cat
         margin = pruned.stop_margin(w_cat.shape[1] // deferred[0].p.shape[1], deferred[0].p.shape[1])
         stage2 = pruned.pruned_stage2(scores["critical_bound"], deferred, counts - first, eligible & ~stage1, margin)
@@ -83,8 +78,6 @@ class TwoStage:
 
     # ------------------------------------------------------------------ ONNX function body
     def onnx_group_scores(self, body, g, probs, raw, pooled, values_m):
-        from criticalkv.selection import pruned
-
         p = body.policy
         attn = pooled if p.stage2_scores == "pooled" else raw
         if pruned.PRUNED and p.value_norm == "l1":  # the group bound now; the rest inside the stage-2 choice
@@ -96,8 +89,6 @@ class TwoStage:
     @staticmethod
     def onnx_combine(body, g, attn, norms):
         """[B, H_kv, c] stage-2 scores from the heads' attention and norms [B, H_kv, G, c] (``combine_critical``)."""
-        import numpy as np
-
         p = body.policy
         eps = g.const(p.epsilon, np.float32)
         if p.gqa_reduce == "mean":
@@ -107,8 +98,6 @@ class TwoStage:
     @staticmethod
     def onnx_combine_group_bound(body, g, attn, mean_bound):
         """[B, H_kv, c] ``combine_group_bound``: attention [B, H_kv, G, c] and the group bound [B, H_kv, c]."""
-        import numpy as np
-
         p = body.policy
         eps = g.const(p.epsilon, np.float32)
         if p.gqa_reduce == "mean":
@@ -116,12 +105,8 @@ class TwoStage:
         return g.Mul(g.Add(g.ReduceMean(attn, g.i64(2), keepdims=0), eps), mean_bound)
 
     def onnx_choose(self, body, g, scores, counts, eligible):
-        import numpy as np
-
-        from criticalkv.selection import pruned
-
         first = body.stage1_count(g, counts)
-        stage1 = body.topk_mask(g, scores["attention"], first, eligible)
+        stage1 = body.topk_mask(g, scores[body.policy.method.base.score_name], first, eligible)
         rest = g.And(eligible, g.Not(stage1))
         if "critical_bound" not in scores:
             return g.Or(stage1, body.topk_mask(g, scores["critical"], g.Sub(counts, first), rest))

@@ -1,9 +1,13 @@
-"""Generation from a built engine directory: ``Engine.load(dir).generate(...)`` over ONNX Runtime
-(TensorRT backends register in ``criticalkv.runtime.backend.BACKENDS``)."""
+"""The runtime: ``Engine.load(dir)`` over ONNX Runtime (TensorRT backends register in
+``criticalkv.runtime.registry.BACKENDS``): slots (prefill / decode / release) for serving, ``generate`` for a
+static batch; ``Request`` and ``SamplingParams`` are what it serves."""
 
-from criticalkv.runtime.backend import BACKENDS, Backend, PrefillOutputs, create_backend
-from criticalkv.runtime.engine import Engine, GenerationResult
+from criticalkv.runtime.backend import Backend, PrefillOutputs
+from criticalkv.errors import RequestError
+from criticalkv.request import Request, SamplingParams
+from criticalkv.runtime.engine import Engine, GenerationResult, PrefillResult
 from criticalkv.runtime.manifest import FORMAT_VERSION, MANIFEST_FILE, EngineError, read_manifest
+from criticalkv.runtime.registry import BACKENDS, create_backend
 
 __all__ = [
     "BACKENDS",
@@ -13,6 +17,10 @@ __all__ = [
     "Engine",
     "EngineError",
     "GenerationResult",
+    "PrefillResult",
+    "Request",
+    "RequestError",
+    "SamplingParams",
     "PrefillOutputs",
     "create_backend",
     "read_manifest",

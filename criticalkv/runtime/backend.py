@@ -1,23 +1,22 @@
-"""The interface between ``Engine`` (generation loop, sampling, stop tokens, streaming) and a backend
-that runs the prefill and decode graphs (ONNX Runtime here; TensorRT beside it on GPUs).
+"""The interface between ``Engine`` (slots, requests, the generation loop) and a backend that runs the
+graphs (ONNX Runtime here; TensorRT beside it on GPUs).
 
-A backend owns the KV buffers: it allocates them once for the built maximum batch (one row per sequence
-slot), fills them from the prefill outputs in ``begin_decode`` (or one slot at a time with ``load_slot``)
-and updates them in place in every ``decode`` step, which runs over the first B rows. The serving
-scheduler keeps its running sequences in those first B rows: it loads a new request's kept K/V into row
-B with ``load_slot`` and, when a sequence ends, moves the last row into the freed one with ``move_slot``.
+A backend owns the KV buffers: it allocates them once for the built maximum batch (one row per sequence),
+fills rows from the prefill outputs (``begin_decode`` for a static batch, ``load_row`` one row at a time) and
+updates them in place in every ``decode`` step, which runs over the first B rows. Which row holds which
+request is ``Engine``'s business: it keeps its occupied slots in the first B rows, loading a new one into row
+B and moving the last row into a freed one (``move_row``). Nothing above ``Engine`` calls a backend.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from criticalkv.runtime.manifest import EngineError
+from criticalkv.errors import EngineError
+from criticalkv.request import NO_BUDGET_INPUT
 
 
 @dataclass
@@ -39,6 +38,47 @@ class PrefillOutputs:
     seconds: float
 
 
+@dataclass
+class ExtendOutputs:
+    """What the extend graph returns: logits [B, vocab] of each sequence's last new token, and per layer the
+    post-RoPE queries [B, H, min(N, window), d_h] of the last new tokens (the chunked prefill's selection needs
+    the prompt's last ``window`` queries)."""
+
+    logits: Any
+    window_queries: list[Any]
+
+
+@dataclass
+class PrefillBuffer:
+    """One prompt's K/V at full length while it is prefilled in chunks: per layer keys and values
+    [1, H_kv, capacity, d_h] (capacity = the prompt's length, ``Backend.new_prefill_buffer``) and lengths [1, H_kv]
+    int32 (the tokens prefilled so far)."""
+
+    keys: list[Any]
+    values: list[Any]
+    lengths: list[Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(k.nbytes) + int(v.nbytes) for k, v in zip(self.keys, self.values))
+
+
+@dataclass
+class RowSnapshot:
+    """A copy of one buffer row's entries (``Backend.save_row``): per layer keys and values [H_kv, n_l, d_h]
+    (n_l = the row's longest head in that layer; NumPy on ONNX Runtime, device tensors on TensorRT) and lengths
+    [H_kv] int32."""
+
+    keys: list[Any]
+    values: list[Any]
+    lengths: list[Any]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the copy holds (every layer's K and V, the padding of shorter heads included)."""
+        return sum(int(k.nbytes) + int(v.nbytes) for k, v in zip(self.keys, self.values))
+
+
 class BuiltShapes:
     """The built shapes a backend sizes its buffers with, read from the engine's manifest."""
 
@@ -47,6 +87,7 @@ class BuiltShapes:
     head_dim: int
     vocab: int
     max_batch: int
+    max_input_len: int  # the longest prompt: a chunked prefill's buffer holds that many entries per head
     capacities: list[int]  # decode capacity per layer
     built_budget: int  # the policy's budget the engine was built with (the largest per-request budget)
 
@@ -57,12 +98,24 @@ class BuiltShapes:
         self.head_dim = spec["head_dim"]
         self.vocab = spec["vocab_size"]
         self.max_batch = manifest["build"]["max_batch_size"]
+        self.max_input_len = manifest["build"]["max_input_len"]
         self.capacities = manifest["shapes"]["decode_capacity"]
         self.built_budget = manifest["policy"]["budget"]
 
-    def check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.max_batch:
-            raise EngineError(f"slot {slot} is outside the engine's {self.max_batch} rows (max batch size)")
+    def check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_batch:
+            raise EngineError(f"row {row} is outside the engine's {self.max_batch} rows (max batch size)")
+
+
+def prefill_buffer_capacity(num_tokens: int | None, max_input_len: int) -> int:
+    """Entries per head of a prefill buffer for a prompt of ``num_tokens`` tokens (None: the longest prompt).
+    Sized to the prompt: the select graph of TensorRT takes the prompt's K/V as they lie in the buffer, and the
+    scheduler counts n entries per head for a prompt under prefill."""
+    if num_tokens is None:
+        return max_input_len
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or not 1 <= num_tokens <= max_input_len:
+        raise EngineError(f"a prefill buffer holds 1 to max_input_len = {max_input_len} tokens, not {num_tokens!r}")
+    return int(num_tokens)
 
 
 def budget_feed(kv_budget: int, input_type: str, rank: int) -> np.ndarray:
@@ -73,9 +126,6 @@ def budget_feed(kv_budget: int, input_type: str, rank: int) -> np.ndarray:
     value = np.array(kv_budget, dtype=dtype)
     return value.reshape((1,) * rank)
 
-
-#: The error for a per-request budget on an engine whose prefill graph fixes the budget.
-NO_BUDGET_INPUT = "this engine was built without a runtime budget input; rebuild it"
 
 
 class Backend(Protocol):
@@ -96,10 +146,16 @@ class Backend(Protocol):
     def begin_decode(self, prefill: PrefillOutputs) -> None:
         """Copy the kept K/V and lengths of the last prefill into rows 0..B-1 (B = prefill's batch)."""
 
-    def load_slot(self, slot: int, prefill: PrefillOutputs, row: int = 0) -> None:
-        """Copy row ``row`` of the last prefill's kept K/V and lengths into buffer row ``slot``."""
+    def load_row(self, target: int, prefill: PrefillOutputs, row: int = 0) -> None:
+        """Copy row ``row`` of the last prefill's kept K/V and lengths into buffer row ``target``."""
 
-    def move_slot(self, source: int, target: int) -> None:
+    def save_row(self, row: int) -> RowSnapshot:
+        """A copy of row ``row``'s valid entries and lengths (the row is unchanged)."""
+
+    def restore_row(self, row: int, snapshot: RowSnapshot) -> None:
+        """Write ``snapshot`` into row ``row`` (entries and lengths), as ``load_row`` does a prefill's."""
+
+    def move_row(self, source: int, target: int) -> None:
         """Copy buffer row ``source`` (K, V, lengths) into row ``target``."""
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -107,22 +163,25 @@ class Backend(Protocol):
         row) -> logits [B, vocab] (valid until the next call). Each row is computed from that row's inputs only
         (bitwise only for one batch size: ONNX Runtime's CPU GEMM rounds M = 1 and M > 1 differently, ~1e-7)."""
 
+    #: True when the engine has the extend and select graphs (chunked prefill, a question after a cached context).
+    has_extend: bool
+
+    def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
+        """N tokens ([1, N] int64 ids and absolute positions) through the extend graph over buffer row ``row``: they
+        attend to its entries and causally to each other, their K/V join the row at each head's length."""
+
+    def new_prefill_buffer(self, num_tokens: int | None = None) -> PrefillBuffer:
+        """Empty buffers for one prompt of ``num_tokens`` tokens (None: max_input_len) prefilled in chunks."""
+
+    def extend_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
+        """``extend_row`` over a prefill buffer: the prompt's next N tokens."""
+
+    def select(self, buffer: PrefillBuffer, window_queries: list, kv_budget: int | None = None) -> PrefillOutputs:
+        """The selection over the prompt in ``buffer`` (per layer its last min(window, n) queries [1, H, w, d_h]),
+        the outputs of ``prefill`` for ``load_row`` (no logits: the last chunk's extend gave them)."""
+
     def kv_buffer_bytes(self) -> int:
         """Bytes of the K and V buffers (all max_batch rows)."""
 
     def close(self) -> None:
         """Release sessions and buffers."""
-
-
-#: Backend name -> "module:class", imported only when asked for (a TensorRT backend registers here).
-BACKENDS: dict[str, str] = {
-    "onnxruntime": "criticalkv.runtime.onnxruntime_backend:OnnxRuntimeBackend",
-    "tensorrt": "criticalkv.runtime.tensorrt_backend:TensorRTBackend",
-}
-
-
-def create_backend(name: str, folder: Path, manifest: dict[str, Any], **options: Any) -> Backend:
-    if name not in BACKENDS:
-        raise ValueError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
-    module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(folder, manifest, **options)

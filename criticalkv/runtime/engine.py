@@ -1,19 +1,37 @@
-"""``Engine``: load an engine directory and generate from it (prefill -> compressed KV -> decode loop)."""
+"""``Engine``: the runtime's API over a built engine directory.
+
+Serving drives it through slots (``criticalkv.serving.Scheduler`` calls nothing else):
+
+* ``check(request)``: the request checked against the engine's limits (``Request.checked``: the one place);
+* ``prefill(slot, request)``: the prompt runs (selection inside the graph) and its kept K/V land in ``slot``;
+  returns the last prompt token's logits;
+* ``decode(slots, tokens)``: one step of every occupied slot, each at its own position;
+* ``release(slot)``: the slot's entries are dropped and the slot is free again.
+
+A slot is a stable handle for one sequence; the backend's decode runs over the first B rows of its buffers, so
+the engine keeps the occupied slots in rows 0..B-1 (a new sequence takes row B; a released row is filled by the
+last one). ``generate`` is the one-call form for a static batch (the command line, the build's smoke test).
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from criticalkv.errors import EngineError, RequestError
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
-from criticalkv.runtime.backend import Backend, create_backend
-from criticalkv.runtime.manifest import EngineError, read_manifest
-from criticalkv.sampling import Sampler, SamplingConfig, decode_loop
+from criticalkv.request import NO_BUDGET_INPUT, EngineLimits, Request, SamplingParams
+from criticalkv.runtime.backend import Backend, RowSnapshot
+from criticalkv.runtime.manifest import read_manifest
+from criticalkv.runtime.profiling import selection_profile
+from criticalkv.runtime.registry import create_backend
+from criticalkv.sampling import Sampler, decode_loop
 
 
 @dataclass
@@ -45,6 +63,67 @@ class GenerationResult:
         return ids[ids >= 0].tolist()
 
 
+@dataclass
+class PrefillResult:
+    """What ``Engine.prefill`` returns for one slot.
+
+    logits : [vocab] float32, the last prompt token's (a copy: the caller samples the first token from it)
+    kept_entries : KV entries the selection kept, summed over layers and KV heads
+    kv_bytes_kept / kv_bytes_full : the prompt's cache after the selection / without eviction (bytes)
+    seconds : wall time of the prefill (selection included)
+    """
+
+    logits: np.ndarray
+    num_prompt_tokens: int
+    kept_entries: int
+    kv_bytes_kept: int
+    kv_bytes_full: int
+    seconds: float
+
+
+@dataclass
+class SlotSnapshot:
+    """A copy of one slot's entries (``Engine.save``): what the serving context cache keeps of a compressed
+    context. ``position``: the absolute position of the next token (the context's length)."""
+
+    row: RowSnapshot
+    position: int
+    kept_entries: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.row.nbytes
+
+
+@dataclass
+class PrefillJob:
+    """One prompt prefilled in chunks through the extend graph (``Engine.begin_prefill``): its full K/V grow in a
+    prefill buffer, its last ``window`` queries are kept, and ``finish_prefill`` runs the selection over the whole
+    prompt and loads the kept entries into a slot."""
+
+    request: Request
+    buffer: Any
+    done: int = 0  # prompt tokens prefilled so far
+    queries: list | None = None  # per layer the last window queries seen so far [1, H, <= w, d_h]
+    logits: np.ndarray | None = None  # [vocab] of the last token prefilled
+    seconds: float = 0.0
+
+    @property
+    def remaining(self) -> int:
+        return self.request.num_prompt_tokens - self.done
+
+    @property
+    def nbytes(self) -> int:
+        """KV bytes the prompt holds while it is prefilled (its whole buffer)."""
+        return self.buffer.nbytes
+
+
+@dataclass
+class _Slot:
+    row: int  # the backend row that holds the slot's entries
+    position: int  # absolute position of the next token fed to the slot (the prompt length + tokens fed)
+
+
 class Engine:
     """A built engine directory (``manifest.json``, ONNX graphs, weights, tokenizer) and its backend."""
 
@@ -60,6 +139,20 @@ class Engine:
         self.spec = manifest["model"]["spec"]
         self.eos_token_ids = list(manifest.get("generation", {}).get("eos_token_ids", []))
         self._tokenizer = None
+        self.limits = EngineLimits(
+            max_input_len=self.max_input_len, max_new_tokens=self.max_new_tokens, vocab_size=self.spec["vocab_size"],
+            policy=self.policy, accepts_kv_budget=bool(getattr(backend, "accepts_kv_budget", False)),
+            eos_token_ids=tuple(self.eos_token_ids),
+            max_question_len=int(build.get("max_question_len", 0)) if getattr(backend, "has_extend", False) else 0)
+        #: K + V bytes of one entry of one KV head in the backend's buffers (fp32 on ONNX Runtime)
+        capacities = manifest["shapes"]["decode_capacity"]
+        self.entry_bytes = backend.kv_buffer_bytes() // (self.max_batch_size * self.spec["num_kv_heads"] * sum(capacities))
+        #: per layer: most entries a head keeps from a prompt (the decode buffers add room for the tokens after it)
+        self.selection_capacities = list(manifest["shapes"]["prefill_capacity"])
+        #: most tokens one run of the extend graph takes (``extend``, ``prefill_step`` split longer inputs)
+        self.extend_chunk = int(build.get("extend_chunk", 256))
+        self._slots: dict[int, _Slot] = {}
+        self._rows: list[int] = []  # rows[r] = the slot whose entries row r holds; rows 0..B-1 are occupied
 
     @classmethod
     def load(cls, folder: str | os.PathLike, backend: str = "onnxruntime", verify: bool = True, **options: Any) -> "Engine":
@@ -71,64 +164,261 @@ class Engine:
 
     @property
     def tokenizer(self):
-        """The tokenizer saved with the engine (transformers ``AutoTokenizer``)."""
+        """The tokenizer saved with the engine: its fast (Rust) tokenizer when the folder has ``tokenizer.json``
+        (chat template and special tokens included; this loads no torch), else transformers' ``AutoTokenizer``."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
             path = self.folder / "tokenizer"
             if not path.is_dir():
                 raise EngineError(f"{self.folder}: no tokenizer folder (the engine was built without one)")
-            self._tokenizer = AutoTokenizer.from_pretrained(path)
+            # imported when asked for: transformers is heavy, and its AutoTokenizer imports torch, which a serving
+            # process never needs when the fast tokenizer is there
+            if (path / "tokenizer.json").is_file():
+                from transformers import PreTrainedTokenizerFast
+
+                self._tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+            else:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(path)
         return self._tokenizer
 
+    # ------------------------------------------------------------------ requests and slots
+    def check(self, request: Request) -> Request:
+        """``request`` checked against this engine (``Request.checked``), defaults filled; ``RequestError``
+        naming the field otherwise. ``prefill`` checks a request that was not checked here."""
+        if not isinstance(request, Request):
+            raise RequestError(f"expected a criticalkv.request.Request, got {type(request).__name__}")
+        return request.checked(self.limits)
+
+    @property
+    def num_slots(self) -> int:
+        """Sequences the engine holds at once (its built max batch size)."""
+        return self.max_batch_size
+
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.num_slots) if s not in self._slots]
+
+    def occupied_slots(self) -> list[int]:
+        """The occupied slots, in the order ``decode`` runs them without reordering its inputs."""
+        return list(self._rows)
+
+    def stop_ids(self, request: Request) -> frozenset[int]:
+        """The token ids that end ``request``: the model's EOS ids (unless ignore_eos) and its stop_token_ids."""
+        return request.sampling.stop_ids(self.eos_token_ids)
+
+    def kv_bytes_bound(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """Most KV bytes a request can hold: its prompt's kept entries at most (min(n, the layer's selection
+        capacity) per head) plus ``max_tokens`` new entries per head and layer. Known before its prefill."""
+        kept = sum(min(num_prompt_tokens, cap) for cap in self.selection_capacities)
+        return (kept + self.spec["num_layers"] * max_tokens) * self.spec["num_kv_heads"] * self.entry_bytes
+
+    def kv_bytes_full(self, num_tokens: int) -> int:
+        """KV bytes of ``num_tokens`` tokens without eviction (every KV head of every layer)."""
+        return num_tokens * self.spec["num_layers"] * self.spec["num_kv_heads"] * self.entry_bytes
+
+    def growth_bytes(self, max_tokens: int) -> int:
+        """KV bytes ``max_tokens`` decoded tokens add (one entry per KV head and layer each)."""
+        return self.spec["num_layers"] * self.spec["num_kv_heads"] * max_tokens * self.entry_bytes
+
+    def _free_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
+            raise EngineError(f"slot {slot!r} is not one of the engine's slots 0..{self.num_slots - 1}")
+        if slot in self._slots:
+            raise EngineError(f"slot {slot} is occupied; release it first")
+
+    def _slot(self, slot: int) -> _Slot:
+        state = self._slots.get(slot)
+        if state is None:
+            raise EngineError(f"slot {slot!r} holds no sequence (prefill it first)")
+        return state
+
+    def prefill(self, slot: int, request: Request) -> PrefillResult:
+        """Run ``request``'s prompt alone (batch 1, its selection at its ``kv_budget``) and load the kept K/V
+        into the free ``slot``; the slot then decodes from position n (the prompt length)."""
+        self._free_slot(slot)
+        request = self.check(request)
+        ids = np.asarray(request.prompt_token_ids, dtype=np.int64)[None, :]
+        n = ids.shape[1]
+        pre = self.backend.prefill(ids, np.ones_like(ids), np.arange(n, dtype=np.int64)[None, :],
+                                   kv_budget=request.kv_budget)
+        row = len(self._rows)
+        self.backend.load_row(row, pre, 0)
+        self._rows.append(slot)
+        self._slots[slot] = _Slot(row=row, position=n)
+        kept = sum(int(x.sum()) for x in pre.lengths)
+        spec = self.spec
+        return PrefillResult(
+            logits=np.array(pre.logits[0], dtype=np.float32), num_prompt_tokens=n, kept_entries=kept,
+            kv_bytes_kept=kept * self.entry_bytes,
+            kv_bytes_full=n * spec["num_kv_heads"] * spec["num_layers"] * self.entry_bytes, seconds=pre.seconds)
+
+    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """One decode step: ``tokens[i]`` is fed to ``slots[i]`` at that slot's next position. ``slots`` are all
+        the occupied slots (any order). Returns logits [len(slots), vocab] in the order of ``slots``, valid until
+        the next call. Each slot's logits depend on that slot's entries only."""
+        slots = [int(s) for s in slots]
+        if sorted(slots) != sorted(self._rows) or len(set(slots)) != len(slots):
+            raise EngineError(f"decode runs every occupied slot once: occupied {sorted(self._rows)}, got {slots}")
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if len(tokens) != len(slots):
+            raise EngineError(f"decode: {len(tokens)} tokens for {len(slots)} slots")
+        rows = np.array([self._slots[s].row for s in slots])
+        in_row_order = bool((rows == np.arange(len(rows))).all())
+        by_row = tokens if in_row_order else tokens[np.argsort(rows)]
+        positions = np.array([self._slots[s].position for s in self._rows], dtype=np.int64)
+        logits = self.backend.decode(by_row, positions)
+        for s in slots:
+            self._slots[s].position += 1
+        return logits if in_row_order else logits[rows]
+
+    def save(self, slot: int) -> SlotSnapshot:
+        """A copy of ``slot``'s entries and position (the slot is unchanged and stays occupied)."""
+        state = self._slot(slot)
+        row = self.backend.save_row(state.row)
+        kept = sum(int(np.asarray(x.cpu() if hasattr(x, "cpu") else x).sum()) for x in row.lengths)
+        return SlotSnapshot(row=row, position=state.position, kept_entries=kept)
+
+    def restore(self, slot: int, snapshot: SlotSnapshot) -> None:
+        """Load ``snapshot`` into the free ``slot``: it continues exactly where the saved slot was."""
+        self._free_slot(slot)
+        row = len(self._rows)
+        self.backend.restore_row(row, snapshot.row)
+        self._rows.append(slot)
+        self._slots[slot] = _Slot(row=row, position=snapshot.position)
+
+    def extend(self, slot: int, token_ids: Sequence[int]) -> np.ndarray:
+        """Feed ``token_ids`` (a question after a cached context, ...) to ``slot`` in chunks of at most the built
+        ``extend_chunk``: they attend to the slot's entries and causally to each other, and their K/V join the
+        slot. Returns the last token's logits [vocab] (a copy)."""
+        state = self._slot(slot)
+        ids = np.asarray(list(token_ids), dtype=np.int64)
+        if ids.size == 0:
+            raise RequestError("extend: no tokens given")
+        logits = None
+        for start in range(0, ids.size, self.extend_chunk):
+            chunk = ids[start:start + self.extend_chunk]
+            positions = state.position + np.arange(chunk.size, dtype=np.int64)
+            out = self.backend.extend_row(state.row, chunk[None, :], positions[None, :])
+            state.position += chunk.size
+            logits = out.logits
+        return np.array(logits[0], dtype=np.float32)
+
+    # ------------------------------------------------------------------ chunked prefill
+    def begin_prefill(self, request: Request) -> PrefillJob:
+        """Start prefilling ``request``'s prompt in chunks (``prefill_step``) into a new prefill buffer of the prompt's
+        length; no slot is taken until ``finish_prefill``. The buffer holds the prompt's full K/V (``PrefillJob.nbytes``)."""
+        request = self.check(request)
+        return PrefillJob(request=request, buffer=self.backend.new_prefill_buffer(request.num_prompt_tokens))
+
+    def prefill_step(self, job: PrefillJob, max_tokens: int) -> bool:
+        """Prefill the next ``max_tokens`` prompt tokens of ``job`` (at most; fewer at the end); True when the
+        whole prompt is in. A last chunk shorter than the window is fine: the queries of the last window positions
+        are kept across chunks."""
+        if job.remaining <= 0:
+            return True
+        if max_tokens < 1:
+            raise EngineError(f"prefill_step: max_tokens must be >= 1, got {max_tokens}")
+        ids = np.asarray(job.request.prompt_token_ids[job.done:job.done + max_tokens], dtype=np.int64)
+        positions = job.done + np.arange(ids.size, dtype=np.int64)
+        start = time.perf_counter()
+        logits = None
+        for at in range(0, ids.size, self.extend_chunk):  # the graph takes at most extend_chunk tokens per run
+            part = slice(at, at + self.extend_chunk)
+            out = self.backend.extend_buffer(job.buffer, ids[None, part], positions[None, part])
+            w = self.policy.window
+            job.queries = out.window_queries if job.queries is None else [
+                np.concatenate([old, new], axis=2)[:, :, -w:] for old, new in zip(job.queries, out.window_queries)]
+            logits = out.logits
+        job.done += ids.size
+        job.logits = np.array(logits[0], dtype=np.float32)
+        job.seconds += time.perf_counter() - start
+        return job.remaining == 0
+
+    def finish_prefill(self, job: PrefillJob, slot: int) -> PrefillResult:
+        """Select over ``job``'s whole prompt (the same kept entries as ``prefill``'s one run) and load them into
+        the free ``slot``, which then decodes from position n; the prefill buffer is dropped."""
+        if job.remaining:
+            raise EngineError(f"finish_prefill: {job.remaining} prompt tokens are not prefilled yet")
+        self._free_slot(slot)
+        start = time.perf_counter()
+        selected = self.backend.select(job.buffer, job.queries, kv_budget=job.request.kv_budget)
+        row = len(self._rows)
+        self.backend.load_row(row, selected, 0)
+        self._rows.append(slot)
+        n = job.request.num_prompt_tokens
+        self._slots[slot] = _Slot(row=row, position=n)
+        job.buffer = None
+        kept = sum(int(x.sum()) for x in selected.lengths)
+        spec = self.spec
+        return PrefillResult(
+            logits=job.logits, num_prompt_tokens=n, kept_entries=kept, kv_bytes_kept=kept * self.entry_bytes,
+            kv_bytes_full=n * spec["num_kv_heads"] * spec["num_layers"] * self.entry_bytes,
+            seconds=job.seconds + time.perf_counter() - start)
+
+    def release(self, slot: int) -> None:
+        """Free ``slot`` at once; the last occupied row moves into its row (the decode batch stays rows 0..B-1)."""
+        state = self._slot(slot)
+        last = len(self._rows) - 1
+        if state.row != last:
+            moved = self._rows[last]
+            self.backend.move_row(last, state.row)
+            self._rows[state.row] = moved
+            self._slots[moved].row = state.row
+        self._rows.pop()
+        del self._slots[slot]
+
+    def release_all(self) -> None:
+        for slot in list(self._slots):
+            self.release(slot)
+
     # ------------------------------------------------------------------ inputs
-    def _batch(self, prompts, attention_mask) -> tuple[np.ndarray, np.ndarray]:
-        """Left-padded [B, n] ids and mask from lists of ids or a 2-D array (+ mask)."""
+    def _batch(self, prompts, attention_mask, sampling: SamplingParams, kv_budget) -> tuple[np.ndarray, np.ndarray, list[Request]]:
+        """Left-padded [B, n] ids and mask from lists of ids or a 2-D array (+ mask), and every prompt as a
+        checked ``Request`` (the rules of ``Request.checked``)."""
         if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
             ids = prompts.astype(np.int64)
             mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, dtype=np.int64)
             if mask.shape != ids.shape:
                 raise EngineError(f"attention_mask: shape {mask.shape} differs from the prompts {ids.shape}")
             try:
-                lengths = left_padded_lengths(mask)
+                left_padded_lengths(mask)
             except ValueError as e:
                 raise EngineError(str(e)) from None
+            seqs = [row[m == 1].tolist() for row, m in zip(ids, mask)]
         else:
-            seqs = [list(map(int, p)) for p in prompts]
+            seqs = [list(p) for p in prompts]
             if not seqs:
                 raise EngineError("no prompt given")
             n = max(len(s) for s in seqs)
             ids = np.zeros((len(seqs), n), np.int64)
             mask = np.zeros((len(seqs), n), np.int64)
-            for b, s in enumerate(seqs):
-                if s:
-                    ids[b, n - len(s):] = s
-                    mask[b, n - len(s):] = 1
-            lengths = mask.sum(1)
-        batch, n = ids.shape
-        if batch == 0 or n == 0 or lengths.min() < 1:
-            raise EngineError("a prompt in the batch is empty")
-        if batch > self.max_batch_size:
-            raise EngineError(f"batch of {batch} prompts exceeds the engine's max batch size {self.max_batch_size} "
+        if any(not s for s in seqs):
+            raise RequestError("a prompt in the batch is empty")
+        if len(seqs) > self.max_batch_size:
+            raise EngineError(f"batch of {len(seqs)} prompts exceeds the engine's max batch size {self.max_batch_size} "
                               "(rebuild with a larger --max-batch-size)")
-        if n > self.max_input_len:
-            raise EngineError(f"prompt of {n} tokens exceeds the engine's max input length {self.max_input_len} "
-                              "(rebuild with a larger --max-input-len)")
+        requests = [self.check(Request(s, sampling, kv_budget)) for s in seqs]
+        if not (isinstance(prompts, np.ndarray) and prompts.ndim == 2):
+            n = ids.shape[1]
+            for b, s in enumerate(seqs):
+                ids[b, n - len(s):] = s
+                mask[b, n - len(s):] = 1
         vocab = self.spec["vocab_size"]
-        if ids.min() < 0 or ids.max() >= vocab:
-            raise EngineError(f"token ids must lie in [0, {vocab})")
-        return ids, mask
+        if ids.min() < 0 or ids.max() >= vocab:  # the padding too: it is embedded like any token
+            raise RequestError(f"token ids must lie in [0, {vocab})")
+        return ids, mask, requests
 
     # ------------------------------------------------------------------ generation
     def generate(
         self,
         prompts: Sequence[Sequence[int]] | np.ndarray,
         max_new_tokens: int = 64,
-        sampling: SamplingConfig | None = None,
+        sampling: SamplingParams | None = None,
         stop_token_ids: Sequence[int] | None = None,
         on_tokens: Callable[[np.ndarray], None] | None = None,
         attention_mask: np.ndarray | None = None,
         kv_budget: int | None = None,
+        questions: Sequence[Sequence[int]] | None = None,
     ) -> GenerationResult:
         """Prefill (selection inside the graph), then decode up to ``max_new_tokens`` tokens per sequence.
 
@@ -137,15 +427,18 @@ class Engine:
             every step's token ids [B] (streaming). The token after prompt b sits at position len_b + t.
         kv_budget : this request's budget, in [policy.min_budget, the built budget] (None: the built budget);
             the selection inside the prefill is exactly ``select_layer`` with ``policy.with_budget(kv_budget)``.
+        questions : token ids asked after each prompt: the prompt is then a context compressed without its question
+            (question-agnostic) and the question runs through the compressed cache (``criticalkv.hf.generate``'s
+            ``question_ids``); kept lengths and indices are not returned in this mode
         """
-        if not 1 <= max_new_tokens <= self.max_new_tokens:
-            raise EngineError(f"max_new_tokens must lie in [1, {self.max_new_tokens}] (the engine's built maximum), "
-                              f"got {max_new_tokens}")
-        try:
-            budget = self.policy.with_budget(kv_budget).budget if kv_budget is not None else None
-        except ValueError as e:
-            raise EngineError(str(e)) from None
-        ids, mask = self._batch(prompts, attention_mask)
+        if self._rows:
+            raise EngineError(f"generate runs a static batch over the engine's rows, but slots {sorted(self._rows)} "
+                              "hold sequences: release them first")
+        sampling = replace(sampling or SamplingParams(), max_tokens=max_new_tokens)
+        if questions is not None:
+            return self._generate_questions(prompts, questions, sampling, stop_token_ids, on_tokens, kv_budget)
+        ids, mask, requests = self._batch(prompts, attention_mask, sampling, kv_budget)
+        budget = requests[0].kv_budget
         lengths = mask.sum(1)
         sampler = Sampler(sampling)
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
@@ -155,8 +448,6 @@ class Engine:
         if end_profiling is not None:
             trace = end_profiling()
             if trace:
-                from criticalkv.runtime.profiling import selection_profile
-
                 selection_s = selection_profile(trace)[-1].selection_s
                 os.remove(trace)
         first = sampler(pre.logits)
@@ -165,10 +456,8 @@ class Engine:
             lambda tokens, t: self.backend.decode(tokens, lengths + t), first, max_new_tokens,
             self.eos_token_ids if stop_token_ids is None else stop_token_ids, sampler, on_tokens,
         )
-        itemsize = 4  # fp32 caches
-        per_entry = 2 * self.spec["head_dim"] * itemsize
-        full = per_entry * self.spec["num_kv_heads"] * int(lengths.sum()) * self.spec["num_layers"]
-        kept = per_entry * sum(int(x.sum()) for x in pre.lengths)
+        full = self.entry_bytes * self.spec["num_kv_heads"] * int(lengths.sum()) * self.spec["num_layers"]
+        kept = self.entry_bytes * sum(int(x.sum()) for x in pre.lengths)
         return GenerationResult(
             tokens=generated.tokens,
             prompt_lengths=lengths.tolist(),
@@ -180,6 +469,37 @@ class Engine:
             kept_lengths=pre.lengths,
             kept_indices=pre.indices,
         )
+
+    def _generate_questions(self, contexts, questions, sampling, stop_token_ids, on_tokens, kv_budget) -> GenerationResult:
+        """``generate`` with a question after each compressed context: every context is prefilled alone into a slot
+        (its selection without the question), the question runs through the extend graph, then the slots decode."""
+        contexts, questions = [list(c) for c in contexts], [list(q) for q in questions]
+        if len(contexts) != len(questions) or not contexts:
+            raise EngineError(f"questions: {len(questions)} questions for {len(contexts)} contexts")
+        if len(contexts) > self.num_slots:
+            raise EngineError(f"batch of {len(contexts)} prompts exceeds the engine's max batch size {self.num_slots} "
+                              "(rebuild with a larger --max-batch-size)")
+        sampler = Sampler(sampling)
+        slots = list(range(len(contexts)))
+        first_logits, prefill_s, full, kept = [], 0.0, 0, 0
+        try:
+            for slot, context, question in zip(slots, contexts, questions):
+                if not question:
+                    raise RequestError("a question in the batch is empty")
+                start = time.perf_counter()
+                result = self.prefill(slot, Request(context, sampling, kv_budget))
+                first_logits.append(self.extend(slot, question))
+                prefill_s += time.perf_counter() - start
+                full, kept = full + result.kv_bytes_full, kept + result.kv_bytes_kept
+            first = sampler(np.stack(first_logits))
+            generated, steps, decode_s = decode_loop(
+                lambda tokens, t: self.decode(slots, tokens), first, sampling.max_tokens,
+                self.eos_token_ids if stop_token_ids is None else stop_token_ids, sampler, on_tokens)
+        finally:
+            self.release_all()
+        return GenerationResult(
+            tokens=generated.tokens, prompt_lengths=[len(c) for c in contexts], prefill_s=prefill_s, selection_s=None,
+            decode_s_per_token=decode_s / steps if steps else 0.0, kv_bytes_full=full, kv_bytes_kept=kept)
 
     def close(self) -> None:
         self.backend.close()

@@ -10,17 +10,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from criticalkv.errors import EngineError
 from criticalkv.files import sha256_file
 from criticalkv.policy import SCHEMA_VERSION, KVPolicy
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "criticalkv-engine"
-#: Bumped whenever graph I/O, file layout or manifest fields change incompatibly.
-FORMAT_VERSION = 1
-
-
-class EngineError(ValueError):
-    """An engine directory, or a request to it, that cannot be served (the message says why)."""
+#: Bumped whenever graph I/O, file layout or manifest fields change incompatibly. 2: extend.onnx and select.onnx
+#: (+ TensorRT flavours) and ``build.extend_chunk``, which chunked prefill and the context cache need.
+FORMAT_VERSION = 2
 
 
 def file_table(folder: Path) -> dict[str, dict[str, Any]]:

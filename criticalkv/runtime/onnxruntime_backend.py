@@ -24,19 +24,28 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
 
-from criticalkv.runtime.backend import NO_BUDGET_INPUT, BuiltShapes, PrefillOutputs, budget_feed
+from criticalkv.runtime.backend import (
+    NO_BUDGET_INPUT,
+    BuiltShapes,
+    ExtendOutputs,
+    PrefillBuffer,
+    PrefillOutputs,
+    RowSnapshot,
+    budget_feed,
+    prefill_buffer_capacity,
+)
 from criticalkv.runtime.manifest import EngineError
+from criticalkv.weights import load_external_weights
 
 #: Environment variable overriding ONNX Runtime's intra-op thread count (0 = ORT's default).
 THREADS_ENV = "CRITICALKV_ORT_THREADS"
 
 
 def _external_weights(onnx_path: Path) -> dict[str, np.ndarray]:
-    import onnx
-
-    from criticalkv.weights import load_external_weights
-
     try:
         model = onnx.load(str(onnx_path), load_external_data=False)
     except Exception as err:  # protobuf DecodeError and friends
@@ -58,8 +67,6 @@ class OnnxRuntimeBackend(BuiltShapes):
         providers: list[str] | None = None,
         weights: str = "shared",
     ):
-        import onnxruntime as ort
-
         self.ort = ort
         self.folder = Path(folder)
         self.manifest = manifest
@@ -74,12 +81,19 @@ class OnnxRuntimeBackend(BuiltShapes):
         self.shared_weights = weights == "shared"
         self._weight_values = {}
         if self.shared_weights:  # one memory-mapped copy of the weights for both sessions
-            arrays = _external_weights(self.folder / files["decode"])
-            arrays.update(_external_weights(self.folder / files["prefill"]))
+            arrays = {}
+            for graph in ("decode", "prefill", "extend", "select"):
+                if graph in files:
+                    arrays.update(_external_weights(self.folder / files[graph]))
             self._weight_values = {name: ort.OrtValue.ortvalue_from_numpy(np.asarray(a)) for name, a in arrays.items()}
         self.profile = profile
         self.prefill_session = self.session(self.folder / files["prefill"], threads, profile)
         self.decode_session = self.session(self.folder / files["decode"], threads, False)
+        # extend (N tokens over a slot's or a prefill buffer's entries) and select (the chunked prefill's last
+        # step): engines built before these graphs existed have neither
+        self.extend_session = self.session(self.folder / files["extend"], threads) if "extend" in files else None
+        self.select_session = self.session(self.folder / files["select"], threads) if "select" in files else None
+        self.has_extend = self.extend_session is not None and self.select_session is not None
         self._allocate()
         budget_inputs = [i for i in self.prefill_session.get_inputs() if i.name == "kv_budget"]
         self._budget_input = budget_inputs[0] if budget_inputs else None
@@ -100,7 +114,6 @@ class OnnxRuntimeBackend(BuiltShapes):
         if profile:
             options.enable_profiling = True
             options.profile_file_prefix = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"criticalkv_prefill_{os.getpid()}")
-        import onnx
 
         try:
             names = {t.name for t in onnx.load(str(path), load_external_data=False).graph.initializer}
@@ -152,27 +165,46 @@ class OnnxRuntimeBackend(BuiltShapes):
 
     # ------------------------------------------------------------------ decode
     def _bind(self, name: str, array: np.ndarray, output: bool = False) -> None:
-        from onnx import helper
-
         element = helper.tensor_dtype_to_np_dtype(helper.np_dtype_to_tensor_dtype(array.dtype))
         bind = self._binding.bind_output if output else self._binding.bind_input
         bind(name, "cpu", 0, element, list(array.shape), array.ctypes.data)
 
     def begin_decode(self, prefill: PrefillOutputs) -> None:
         for row in range(prefill.logits.shape[0]):
-            self.load_slot(row, prefill, row)
+            self.load_row(row, prefill, row)
 
-    def load_slot(self, slot: int, prefill: PrefillOutputs, row: int = 0) -> None:
-        self.check_slot(slot)
+    def load_row(self, target: int, prefill: PrefillOutputs, row: int = 0) -> None:
+        self.check_row(target)
         for i in range(self.num_layers):
             kept = prefill.keys[i].shape[2]
-            self.keys[i][slot, :, :kept] = prefill.keys[i][row]
-            self.values[i][slot, :, :kept] = prefill.values[i][row]
-            self.lengths[i][slot] = prefill.lengths[i][row]
+            self.keys[i][target, :, :kept] = prefill.keys[i][row]
+            self.values[i][target, :, :kept] = prefill.values[i][row]
+            self.lengths[i][target] = prefill.lengths[i][row]
 
-    def move_slot(self, source: int, target: int) -> None:
-        self.check_slot(source)
-        self.check_slot(target)
+    def save_row(self, row: int) -> RowSnapshot:
+        self.check_row(row)
+        keys, values, lengths = [], [], []
+        for i in range(self.num_layers):
+            n = int(self.lengths[i][row].max())  # entries beyond every head's length are never read
+            keys.append(self.keys[i][row, :, :n].copy())
+            values.append(self.values[i][row, :, :n].copy())
+            lengths.append(self.lengths[i][row].copy())
+        return RowSnapshot(keys, values, lengths)
+
+    def restore_row(self, row: int, snapshot: RowSnapshot) -> None:
+        self.check_row(row)
+        for i in range(self.num_layers):
+            n = snapshot.keys[i].shape[1]
+            if n > self.capacities[i]:
+                raise EngineError(f"layer {i}: a snapshot of {n} entries per head does not fit the KV buffer "
+                                  f"({self.capacities[i]} entries per head)")
+            self.keys[i][row, :, :n] = snapshot.keys[i]
+            self.values[i][row, :, :n] = snapshot.values[i]
+            self.lengths[i][row] = snapshot.lengths[i]
+
+    def move_row(self, source: int, target: int) -> None:
+        self.check_row(source)
+        self.check_row(target)
         for i in range(self.num_layers):
             kept = int(self.lengths[i][source].max())  # entries beyond every head's length are never read
             self.keys[i][target, :, :kept] = self.keys[i][source, :, :kept]
@@ -216,6 +248,96 @@ class OnnxRuntimeBackend(BuiltShapes):
             self.values[i][rows, heads, slots] = self.new_values[i][:batch, :, 0]
             slots += 1
         return self.logits[:batch]
+
+    # ------------------------------------------------------------------ extend and select
+    def _run_bound(self, session, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+        """Run ``session`` with every input bound in place (no copy) and the named outputs allocated by ONNX
+        Runtime; returns them as NumPy arrays."""
+        binding = session.io_binding()
+        for name, array in inputs.items():
+            binding.bind_cpu_input(name, array)
+        for name in outputs:
+            binding.bind_output(name, "cpu")
+        session.run_with_iobinding(binding)
+        return dict(zip(outputs, binding.copy_outputs_to_cpu()))
+
+    def extend(self, keys: list[np.ndarray], values: list[np.ndarray], lengths: list[np.ndarray],
+               token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
+        """N tokens per sequence over the buffers ``keys``/``values`` [B, H_kv, cap_l, d_h] and ``lengths``
+        [B, H_kv] (views, updated in place: the new entries land at each head's length, which grows by N).
+        token_ids, positions: [B, N] int64 (absolute positions)."""
+        if self.extend_session is None:
+            raise EngineError(f"{self.folder}: this engine has no extend graph; rebuild it with scripts/build_engine.py")
+        token_ids = np.ascontiguousarray(token_ids, dtype=np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        n_new = token_ids.shape[1]
+        for i in range(self.num_layers):
+            if int(lengths[i].max()) + n_new > keys[i].shape[2]:
+                raise EngineError(f"layer {i}: {n_new} more entries do not fit the KV buffer "
+                                  f"({keys[i].shape[2]} entries per head, {int(lengths[i].max())} used)")
+        inputs = {"input_ids": token_ids, "position_ids": positions}
+        names = ["logits"]
+        for i in range(self.num_layers):
+            inputs[f"past_key_values.{i}.key"] = keys[i]
+            inputs[f"past_key_values.{i}.value"] = values[i]
+            inputs[f"past_key_values.{i}.lengths"] = lengths[i]
+            names += [f"present.{i}.key", f"present.{i}.value", f"present.{i}.window_queries"]
+        out = self._run_bound(self.extend_session, inputs, names)
+        batch, heads = lengths[0].shape
+        for i in range(self.num_layers):
+            new_k, new_v = out[f"present.{i}.key"], out[f"present.{i}.value"]
+            for b in range(batch):
+                for g in range(heads):
+                    at = int(lengths[i][b, g])
+                    keys[i][b, g, at:at + n_new] = new_k[b, g]
+                    values[i][b, g, at:at + n_new] = new_v[b, g]
+            lengths[i] += n_new
+        return ExtendOutputs(logits=out["logits"], window_queries=[out[f"present.{i}.window_queries"]
+                                                                   for i in range(self.num_layers)])
+
+    def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
+        """``extend`` over decode buffer row ``row`` (token_ids, positions: [1, N])."""
+        self.check_row(row)
+        view = slice(row, row + 1)
+        return self.extend([k[view] for k in self.keys], [v[view] for v in self.values],
+                           [n[view] for n in self.lengths], token_ids, positions)
+
+    def new_prefill_buffer(self, num_tokens: int | None = None) -> PrefillBuffer:
+        """Buffers for one prompt of ``num_tokens`` tokens prefilled in chunks: every layer's K/V for that many
+        entries per head (default max_input_len, the longest prompt)."""
+        shape = (1, self.kv_heads, prefill_buffer_capacity(num_tokens, self.max_input_len), self.head_dim)
+        return PrefillBuffer(keys=[np.zeros(shape, np.float32) for _ in range(self.num_layers)],
+                             values=[np.zeros(shape, np.float32) for _ in range(self.num_layers)],
+                             lengths=[np.zeros((1, self.kv_heads), np.int32) for _ in range(self.num_layers)])
+
+    def extend_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
+        return self.extend(buffer.keys, buffer.values, buffer.lengths, token_ids, positions)
+
+    def select(self, buffer: PrefillBuffer, window_queries: list[np.ndarray], kv_budget: int | None = None) -> PrefillOutputs:
+        """The selection over a prompt prefilled into ``buffer`` (its last ``window`` queries per layer
+        [1, H, w, d_h]): the same outputs as ``prefill``'s, for ``load_row``."""
+        if self.select_session is None:
+            raise EngineError(f"{self.folder}: this engine has no select graph; rebuild it with scripts/build_engine.py")
+        budget = self.built_budget if kv_budget is None else kv_budget
+        inputs = {"kv_budget": np.array([budget], np.int64)}
+        names = []
+        for i in range(self.num_layers):
+            inputs[f"window_queries.{i}"] = np.ascontiguousarray(window_queries[i], dtype=np.float32)
+            inputs[f"past_key_values.{i}.key"] = buffer.keys[i]
+            inputs[f"past_key_values.{i}.value"] = buffer.values[i]
+            inputs[f"past_key_values.{i}.lengths"] = buffer.lengths[i]
+            names += [f"present.{i}.{kind}" for kind in ("key", "value", "lengths", "indices")]
+        start = time.perf_counter()
+        out = self._run_bound(self.select_session, inputs, names)
+        layers = range(self.num_layers)
+        return PrefillOutputs(
+            logits=None,
+            keys=[out[f"present.{i}.key"] for i in layers],
+            values=[out[f"present.{i}.value"] for i in layers],
+            lengths=[out[f"present.{i}.lengths"] for i in layers],
+            indices=[out[f"present.{i}.indices"] for i in layers],
+            seconds=time.perf_counter() - start,
+        )
 
     # ------------------------------------------------------------------ profiling
     def end_profiling(self) -> str | None:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from criticalkv.node import MODEL_OP_TYPE, OP_TYPE, SCORE_OP_TYPE
+from criticalkv.node import BRANCH_NODES, MODEL_OP_TYPE, OP_TYPE, SCORE_OP_TYPE
 
 SELECTION_MARK = f"_inlfunc_{OP_TYPE}_"
 SELECTION_MARKS = tuple(f"_inlfunc_{op}_" for op in (OP_TYPE, SCORE_OP_TYPE, MODEL_OP_TYPE))
@@ -61,8 +61,6 @@ def selection_profile(trace: str | Path) -> list[RunProfile]:
 def stage2_branches(trace: str | Path) -> dict[str, int]:
     """How often each branch of the pruned stage 2 ran in a profiled session (all runs, all layers): the counts of
     ``2k``, ``4k`` (the first candidates did not suffice) and ``all`` (every norm computed)."""
-    from criticalkv.export.select_function import BRANCH_NODES
-
     events = json.loads(Path(trace).read_text())
     names = [e["name"] for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
     return {node.rsplit("_", 1)[1]: sum(f"/{node}_" in name for name in names) for node in BRANCH_NODES}

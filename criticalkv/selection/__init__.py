@@ -1,20 +1,26 @@
-"""PyTorch reference of the KV selection operator (the oracle every backend is tested against)."""
+"""PyTorch reference of the KV selection operator (the oracle every backend is tested against).
 
-from criticalkv.selection.budget import (
+``select_layer`` / ``select_model`` (``layer``) drive the policy's method (``criticalkv.methods``) over the scores of
+``scores``. The integer budget rules, the top-k and the pruned stage 2 belong to the methods, one floor down:
+``criticalkv.selection.budget``, ``.topk`` and ``.pruned`` are other names of ``criticalkv.methods.budget``, ``.topk``
+and ``.pruned`` (the same module objects, registered like ``os.path``: one ``pruned.PRUNED`` switch, whichever name
+sets it).
+"""
+
+import sys
+
+from criticalkv.methods import budget, pruned, topk
+from criticalkv.methods.adakv import shared_allocation_mask
+from criticalkv.methods.budget import (
     head_floor,
     layer_selectable_budget,
     max_kept_per_head,
     pyramid_layer_budgets,
     stage1_count,
 )
-from criticalkv.selection.layer import (
-    LayerSelection,
-    gather_kv,
-    select_layer,
-    select_model,
-    shared_allocation_mask,
-    two_stage_mask,
-)
+from criticalkv.methods.topk import mask_to_indices, topk_mask
+from criticalkv.methods.two_stage import two_stage_mask
+from criticalkv.selection.layer import LayerSelection, gather_kv, select_layer, select_model
 from criticalkv.selection.scores import (
     LayerScores,
     ScoreMemo,
@@ -23,7 +29,10 @@ from criticalkv.selection.scores import (
     value_projection_norms,
     window_attention,
 )
-from criticalkv.selection.topk import mask_to_indices, topk_mask
+
+for _module in (budget, pruned, topk):
+    sys.modules.setdefault(f"{__name__}.{_module.__name__.rpartition('.')[2]}", _module)
+del _module
 
 __all__ = [
     "LayerScores",

@@ -10,12 +10,11 @@ from typing import Sequence
 
 import torch
 
+from criticalkv.methods.budget import layer_selectable_budget
+from criticalkv.methods.expected_attention import policy_rotation
+from criticalkv.methods.topk import mask_to_indices, topk_mask
 from criticalkv.policy import KVPolicy
-from criticalkv.methods.adakv import shared_allocation_mask  # noqa: F401 (re-exported by criticalkv.selection)
-from criticalkv.methods.two_stage import two_stage_mask  # noqa: F401 (re-exported by criticalkv.selection)
-from criticalkv.selection.budget import layer_selectable_budget
 from criticalkv.selection.scores import LayerScores, ScoreMemo, layer_scores
-from criticalkv.selection.topk import mask_to_indices, topk_mask
 
 
 @dataclass(frozen=True)
@@ -107,9 +106,24 @@ def choose_older_tokens(policy: KVPolicy, scores: LayerScores, eligible: torch.T
 
     The policy's base method shares the layer's budget among its heads (``allocate``); a refinement
     (CriticalKV's two stages) then chooses inside each head's share, otherwise the base's own choice stands.
+    A method's sink tokens (``BaseMethod.sinks``: the first valid tokens) are kept first, inside the budget.
     """
     method = policy.method
+    sinks = method.base.sinks(policy)
+    sink = None
+    if sinks:
+        first = eligible.int().argmax(-1, keepdim=True)  # [B, H_kv, 1]: each sequence's first valid position
+        pos = torch.arange(eligible.shape[-1], device=eligible.device)
+        sink = eligible & (pos < first + sinks)
+        eligible = eligible & ~sink
+        r_layer = max(r_layer - sinks, 0)
     r = torch.clamp(eligible[:, 0].sum(-1), max=r_layer)  # [B], never more than the valid older tokens
+    older = _choose(policy, scores, eligible, r)
+    return older if sink is None else older | sink
+
+
+def _choose(policy: KVPolicy, scores: LayerScores, eligible: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    method = policy.method
     allocation = method.base.allocate(policy, scores, eligible, r)
     if method.refine is not None:
         counts = allocation.counts if allocation.counts is not None else allocation.mask.sum(-1)
@@ -130,6 +144,7 @@ def select_layer(
     num_layers: int = 1,
     prompt_lengths: torch.Tensor | None = None,
     memo: ScoreMemo | None = None,
+    rotation=None,
 ) -> LayerSelection:
     """Choose the KV entries one attention layer keeps after the prompt.
 
@@ -145,6 +160,9 @@ def select_layer(
         window queries of every sequence are the last positions. Padding is never selected.
     memo : a ``ScoreMemo`` shared by calls on the same prompt (every policy and budget of an evaluation):
         its scores are computed once; the selection is the same with or without it.
+    rotation : RoPE's rotation tables [2, >= window, d_h] (``criticalkv.methods.expected_attention.rotation_tables``
+        of the model's ``inv_freq``), for a method that reads them (``expected-attention``; RoPE's default, base
+        10000, when not given); ignored otherwise
 
     Returns
     -------
@@ -154,6 +172,7 @@ def select_layer(
     Inputs may be fp32/fp16/bf16 on CPU or CUDA; scores accumulate in fp32.
     """
     _validate(policy, queries, keys, values, o_proj_weight, layer_idx, num_layers, prompt_lengths, memo)
+    rotation = policy_rotation(policy, rotation, queries.shape[-1])
     if policy.method.base.model_level and num_layers > 1:
         raise ValueError(f"{policy.name} shares the budget across all layers: select with select_model, not layer by layer")
     batch, num_kv_heads, n, _ = keys.shape
@@ -175,7 +194,8 @@ def select_layer(
     else:
         w = min(policy.window, n)
         m = n - w
-        scores = layer_scores(policy, queries[:, :, -w:], keys, values, o_proj_weight, valid_start, memo, layer_idx)
+        scores = layer_scores(policy, queries[:, :, -w:], keys, values, o_proj_weight, valid_start, memo, layer_idx,
+                              rotation)
         eligible = valid[:, None, :m].expand(batch, num_kv_heads, m)
         older = choose_older_tokens(policy, scores, eligible, layer_selectable_budget(policy, layer_idx, num_layers))
         window = torch.ones(batch, num_kv_heads, w, dtype=torch.bool, device=device)
@@ -189,6 +209,7 @@ def select_model(
     layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
     prompt_lengths: torch.Tensor | None = None,
     memo: ScoreMemo | None = None,
+    rotation=None,
 ) -> list[LayerSelection]:
     """``select_layer`` over every layer of a model: ``layers[l] = (queries, keys, values, o_proj_weight)``.
 
@@ -200,7 +221,8 @@ def select_model(
     """
     if not policy.method.base.model_level or len(layers) == 1:
         return [
-            select_layer(policy, q, k, v, o, layer_idx=i, num_layers=len(layers), prompt_lengths=prompt_lengths, memo=memo)
+            select_layer(policy, q, k, v, o, layer_idx=i, num_layers=len(layers), prompt_lengths=prompt_lengths, memo=memo,
+                         rotation=rotation)
             for i, (q, k, v, o) in enumerate(layers)
         ]
     return _select_model_level(policy, layers, prompt_lengths, memo)
@@ -208,22 +230,14 @@ def select_model(
 
 def model_level_mask(policy: KVPolicy, ranking: torch.Tensor, eligible: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """The model-level allocation: [B, L * H_kv, m] bool, from every head's ``ranking`` [B, L * H_kv, m] (layer-major),
-    ``eligible`` [B, L * H_kv, m] and r [B]: each head its own top floor, the other L * H_kv * (r - floor) slots over
-    the flattened ranking (ties: lower layer, head, position), a head never beyond ``head_cap_ratio``'s cap."""
-    from criticalkv.methods.defensivekv import older_cap
-    from criticalkv.selection.budget import head_floor
-
-    floor = torch.tensor([head_floor(policy.ada_floor, int(x)) for x in r.tolist()], dtype=torch.int64, device=r.device)
-    cap = older_cap(policy)
-    if cap is not None:  # a full head is skipped: only each head's own top ``cap`` may be taken (cap >= r >= floor)
-        eligible = topk_mask(ranking, torch.clamp(eligible.sum(-1), max=cap), eligible)
-    return shared_allocation_mask(ranking, r, floor, eligible)
+    ``eligible`` [B, L * H_kv, m] and r [B] (the method's ``model_allocate``; ``layer-defensivekv``: each head its own
+    top floor, the other L * H_kv * (r - floor) slots over the flattened ranking, ties to the lower layer, head and
+    position, a head never beyond ``head_cap_ratio``'s cap)."""
+    return policy.method.base.model_allocate(policy, ranking, eligible, r)
 
 
 @torch.no_grad()
 def _select_model_level(policy, layers, prompt_lengths, memo) -> list[LayerSelection]:
-    from criticalkv.methods.defensivekv import priority
-
     num_layers = len(layers)
     for i, (q, k, v, o) in enumerate(layers):
         _validate(policy, q, k, v, o, i, num_layers, prompt_lengths, memo)
@@ -247,7 +261,7 @@ def _select_model_level(policy, layers, prompt_lengths, memo) -> list[LayerSelec
     ranks = []
     for i, (q, k, v, o) in enumerate(layers):
         scores = layer_scores(policy, q[:, :, -w:], k, v, o, valid_start, memo, i)
-        ranks.append(priority(scores, policy.stage1_mass, r, eligible))
+        ranks.append(policy.method.base.priority(policy, scores, eligible, r))
     older = model_level_mask(policy, torch.cat(ranks, dim=1), eligible.repeat(1, num_layers, 1), r)
     window = torch.ones(batch, num_kv_heads, w, dtype=torch.bool, device=device)
     out = []

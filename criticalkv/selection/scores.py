@@ -8,9 +8,14 @@ w window, n prompt length (padded), m = n - w older tokens, d_h head dim, d hidd
 from __future__ import annotations
 
 import math
+import time
+
 import torch
 import torch.nn.functional as F
 
+from criticalkv.methods import METHODS, BaseMethod, GroupScoreInputs
+from criticalkv.methods.expected_attention import policy_rotation
+from criticalkv.methods.pruned import l1_norms_rows
 from criticalkv.policy import KVPolicy
 
 #: Tokens per chunk when projecting values through W_O: memory stays O(chunk * G * d), not O(n * H * d).
@@ -60,8 +65,6 @@ def value_projection_norms(
                 w = head_output_projection(o_proj_weight, heads[j], head_dim)
                 out[:, j] = ((vf @ (w @ w.t())) * vf).sum(-1).clamp_min(0).sqrt()
             continue
-        from criticalkv.selection.pruned import l1_norms_rows
-
         w_o = torch.cat([head_output_projection(o_proj_weight, heads[j], head_dim) for j in cols], dim=1)  # [d_h, k*d]
         for start in range(0, n, chunk_size):  # fixed-shape GEMMs: a token's norm never depends on the others
             rows = v[:, start : start + chunk_size].reshape(-1, head_dim)
@@ -131,8 +134,6 @@ class LayerScores:
     def __getattr__(self, name: str):
         if name in ("scores", "deferred"):
             raise AttributeError(name)
-        from criticalkv.methods import METHODS
-
         if name in self.scores or name in self.deferred:
             return self[name]
         if any(name in m.score_names for m in METHODS.values()):
@@ -172,18 +173,16 @@ def layer_scores(
     valid_start: torch.Tensor | None = None,
     memo: ScoreMemo | None = None,
     layer_idx: int = 0,
+    rotation=None,
 ) -> LayerScores:
     """Compute the scores ``policy`` needs for the older tokens of one layer.
 
     ``queries`` [B, H, w, d_h] are the last w prompt positions (w <= n); keys and values are
     [B, H_kv, n, d_h]. Memory peaks at O(B * G * w * n) for the window attention of one KV head's
     group and O(B * chunk * d) for the value projection. ``memo`` (with this layer's ``layer_idx``) reuses
-    what an earlier call on the same prompt computed; the results are the same tensors either way.
+    what an earlier call on the same prompt computed; the results are the same tensors either way. ``rotation``:
+    RoPE's rotation tables for a method that reads them (``BaseMethod.needs_rotation``).
     """
-    import time
-
-    from criticalkv.methods import GroupScoreInputs
-
     method = policy.method
     batch, num_heads, w, _ = queries.shape
     num_kv_heads, n = keys.shape[1], keys.shape[2]
@@ -199,16 +198,29 @@ def layer_scores(
     valid = positions[None, :] >= (valid_start[:, None] if valid_start is not None else torch.zeros(batch, 1, dtype=torch.int64, device=keys.device))
     out = {name: torch.empty(batch, num_kv_heads, m, dtype=torch.float32, device=keys.device) for name in method.score_names}
     deferred: dict[str, list] = {}
+    # the window's own attention is shared by every method that ranks by it; a method with its own (expected
+    # attention) memoises it under its name and the knobs it depends on
+    own = type(method.base).attention_rows is not BaseMethod.attention_rows
+    rotation = policy_rotation(policy, rotation, queries.shape[-1])
+    attention_key = (method.base.name,) + tuple(getattr(policy, k) for k in method.base.score_knobs) if own else ()
     for g in range(num_kv_heads):
         heads = range(g * group, (g + 1) * group)
 
         def probs_raw(g=g, heads=heads):
             k = keys[:, g : g + 1].expand(batch, group, n, keys.shape[-1])
-            probs = window_attention(queries[:, heads.start : heads.stop], k, valid_start)[..., :m]  # [B, G, w, m]
+            q = queries[:, heads.start : heads.stop]
+            own = method.base.attention_rows(policy, q, k, valid_start, rotation, m)  # a method's own attention
+            if own is not None:
+                return own
+            probs = window_attention(q, k, valid_start)[..., :m]  # [B, G, w, m]
             return probs, probs.mean(dim=2)  # Ā, [B, G, m]
 
-        probs, raw = memo.get(("probs", layer_idx, w, g), probs_raw)
-        pooled = memo.get(("pooled", layer_idx, w, policy.pool_kernel, g), lambda: max_pool_positions(raw, policy.pool_kernel))
+        probs, raw = memo.get(("probs", layer_idx, w, g) + attention_key, probs_raw)
+        if not method.base.pools:
+            pooled = raw
+        else:
+            pooled = memo.get(("pooled", layer_idx, w, policy.pool_kernel, g) + attention_key,
+                              lambda: max_pool_positions(raw, policy.pool_kernel))
 
         def norms(kind, heads=heads, g=g):
             return memo.get(("norms", layer_idx, w, kind, g),

@@ -11,13 +11,21 @@ official Triton container, see the README).
   input), while the project keeps its own numpy. Everything else (criticalkv, ONNX Runtime, transformers)
   comes from the project's environment, appended to the model's ``sys.path`` by ``model.py``.
 
-``TritonServer`` starts the server on 127.0.0.1, waits until it is ready, and stops it by its PID
-(SIGTERM, then SIGKILL after a timeout: a server whose stub crashed ignores SIGTERM for ~30 s).
+``TritonServer`` starts the server (on 127.0.0.1 unless told otherwise), waits until it is ready, and stops
+it by its PID (SIGTERM, then SIGKILL after a timeout: a server whose stub crashed ignores SIGTERM for ~30 s).
+It never reports a server ready that is not its own: the ports are checked free first (``PortInUse`` names
+the one taken), and ready means this process is alive, has logged that it listens on each of its ports,
+and answers ``/v2/health/ready``. The server dies with the process that started it, however that ends
+(SIGKILL and the OOM killer included): it gets SIGKILL as its parent-death signal (``prctl``), and the
+Python-backend stubs exit on their own once their ``tritonserver`` is gone (checked: within ~3 s).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import re
 import shutil
 import signal
 import socket
@@ -134,71 +142,175 @@ def server_environment() -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(_family(host)) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-class TritonServer:
-    """One ``tritonserver`` process on 127.0.0.1 serving ``repo``.
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
-    ``start()`` returns once ``/v2/health/ready`` answers 200 (or raises with the server's last log lines);
-    ``stop()`` sends SIGTERM to its PID, waits ``grace_s``, then SIGKILLs it.
+
+def connect_host(host: str) -> str:
+    """The address a client on this machine uses to reach a server bound to ``host`` (a wildcard address
+    is reached through loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def url_host(host: str) -> str:
+    host = connect_host(host)
+    return f"[{host}]" if ":" in host else host
+
+
+class PortInUse(OSError):
+    """A port the server needs is taken (another server, or any other program)."""
+
+
+def bind_socket(host: str, port: int, flag: str) -> socket.socket:
+    """A TCP socket bound to (host, port) (not listening yet), or PortInUse naming the port and its flag.
+
+    SO_REUSEADDR as servers set it (a port in TIME_WAIT is free), never SO_REUSEPORT: a port another
+    socket listens on, with or without SO_REUSEPORT, is refused."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise PortInUse(f"port {port} ({flag}) on {host} is already in use (another server?): stop it or "
+                            f"choose another port with {flag}") from None
+        raise OSError(f"cannot bind {host}:{port} ({flag}): {err.strerror}") from None
+    return sock
+
+
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """PortInUse for the first of ``ports`` (flag -> port) that cannot be bound on ``host``."""
+    seen: dict[int, str] = {}
+    for flag, port in ports.items():
+        if port in seen:
+            raise ValueError(f"{flag} and {seen[port]} are both {port}: give each its own port")
+        seen[port] = flag
+        bind_socket(host, port, flag).close()
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL):
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when its parent dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``; elsewhere a no-op). The kernel sends it when the *thread* that forked the
+    child ends, so start children from the main thread. A parent that died before the ``prctl`` took
+    effect is caught by comparing the parent id afterwards."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: nothing to load in the child
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
+class TritonServer:
+    """One ``tritonserver`` process serving ``repo`` on ``host`` (default 127.0.0.1, loopback only).
+
+    ``start()`` checks that the ports are free (PortInUse names the one taken), starts the server and
+    returns once it is ready (or raises with the server's last log lines); ``stop()`` sends SIGTERM to its
+    PID, waits ``grace_s``, then SIGKILLs it. The server gets SIGKILL when the process that started it dies.
     """
 
     def __init__(self, repo: Path, http_port: int | None = None, grpc_port: int | None = None,
-                 metrics_port: int | None = None, log_file: Path | None = None, verbose: bool = False):
+                 metrics_port: int | None = None, log_file: Path | None = None, verbose: bool = False,
+                 host: str = "127.0.0.1"):
         self.repo = Path(repo).resolve()
-        self.http_port = http_port or free_port()
-        self.grpc_port = grpc_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        self.host = host
+        self.http_port = http_port or free_port(host)
+        self.grpc_port = grpc_port or free_port(host)
+        self.metrics_port = metrics_port or free_port(host)
         self.log_file = Path(log_file) if log_file else self.repo / "tritonserver.log"
         self.verbose = verbose
         self.process: subprocess.Popen | None = None
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{url_host(self.host)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{url_host(self.host)}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return f"http://{url_host(self.host)}:{self.metrics_port}/metrics"
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return {"--http-port": self.http_port, "--grpc-port": self.grpc_port, "--metrics-port": self.metrics_port}
 
     def command(self) -> list[str]:
         server = server_dir()
         return [
             str(server / "bin" / "tritonserver"), f"--model-repository={self.repo}",
             f"--backend-directory={server / 'backends'}",
-            "--http-address=127.0.0.1", f"--http-port={self.http_port}",
-            "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
-            "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
+            f"--http-address={self.host}", f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
             "--exit-timeout-secs=10", f"--log-verbose={1 if self.verbose else 0}",
         ]
 
     def start(self, timeout_s: float = 300.0) -> "TritonServer":
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> "TritonServer":
+        """Check the ports and start the process (call it from the main thread: the server dies with the
+        thread that starts it); ``wait_ready`` then waits for it."""
         if not is_set_up():
             raise FileNotFoundError("tritonserver is not set up: run `criticalkv serve --setup` "
                                     "(or bash scripts/install.sh)")
+        check_ports_free(self.host, self.ports)
+        self._log_start = self.log_file.stat().st_size if self.log_file.exists() else 0
         log = open(self.log_file, "ab")
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                        env=server_environment(), start_new_session=True)
+                                        env=server_environment(), start_new_session=True,
+                                        preexec_fn=die_with_parent(os.getpid()))
         log.close()
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0, cancelled=lambda: False) -> "TritonServer":
+        """Return once ready (or at once when ``cancelled()`` turns true); RuntimeError if the process
+        exits first, TimeoutError (the server stopped) after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not cancelled():
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready:\n"
                                    f"{self.log_tail()}")
-            if self.ready():
+            # its own log says it listens on every port before any health answer counts: another server
+            # on a port this one failed to take must not make it look ready
+            if self.listening() and self.ready() and self.process.poll() is None:
                 return self
-            time.sleep(0.5)
+            time.sleep(0.2)
+        if cancelled():
+            return self
         self.stop()
         raise TimeoutError(f"tritonserver was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def listening(self) -> bool:
+        """Whether this server's log (since its start) says it listens on its HTTP, gRPC and metrics ports."""
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(self._log_start)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return False
+        return all(re.search(rf"Started {service} at \S*:{port}\b", text) for service, port in (
+            ("GRPCInferenceService", self.grpc_port), ("HTTPService", self.http_port),
+            ("Metrics Service", self.metrics_port)))
 
     def ready(self) -> bool:
         try:

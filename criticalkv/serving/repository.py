@@ -2,7 +2,7 @@
 
     REPO/NAME/config.pbtxt     decoupled Python-backend model, inputs/outputs of vllm_backend (+ kv_budget, KV bytes)
     REPO/NAME/1/model.py       the adapter over criticalkv.serving.Scheduler (copied as is)
-    REPO/NAME/1/model.json     the engine arguments (engine_dir, backend, max_num_seqs, kv_pool_mib, ...)
+    REPO/NAME/1/model.json     the engine arguments (engine_dir, backend, threads) and the scheduler's (SchedulerConfig)
 
 ``render`` is ``string.Template`` with a check that every ``${key}`` of the template was given (and no
 unknown key), so a template and its caller cannot drift apart silently. The repository is written into a
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from criticalkv.runtime.manifest import read_manifest
+from criticalkv.serving.scheduler import SchedulerConfig
 
 TEMPLATES = Path(__file__).parent / "templates"
 DEFAULT_MODEL_NAME = "criticalkv"
@@ -60,8 +61,7 @@ def make_repository(
     out: str | Path,
     model_name: str = DEFAULT_MODEL_NAME,
     instances: int = 1,
-    max_num_seqs: int | None = None,
-    kv_pool_mib: float | None = None,
+    scheduler: SchedulerConfig | None = None,
     backend: str = "onnxruntime",
     gpus: list[int] | None = None,
     threads: int = 0,
@@ -71,22 +71,23 @@ def make_repository(
 ) -> Path:
     """Write the model repository ``out`` for ``engine_dir``; returns ``out/model_name``.
 
+    scheduler : how each instance's scheduler serves (``SchedulerConfig``; max_num_seqs defaults to the engine's max
+        batch size and may not exceed it)
     backend : "onnxruntime" (KIND_CPU) or "tensorrt" (KIND_GPU, one instance per GPU in ``gpus`` times
-        ``instances``); max_num_seqs defaults to the engine's max batch size and may not exceed it
+        ``instances``)
     execution_env : a virtual environment the model runs in (``EXECUTION_ENV_PATH``; the bundled CPU server
         needs one with numpy<2); python_paths : appended to the model's ``sys.path`` (the project's packages)
     """
     engine_dir = Path(engine_dir).resolve()
     manifest = read_manifest(engine_dir, verify=False)
     max_batch = manifest["build"]["max_batch_size"]
-    max_num_seqs = max_batch if max_num_seqs is None else int(max_num_seqs)
+    scheduler = scheduler or SchedulerConfig()
+    max_num_seqs = max_batch if scheduler.max_num_seqs is None else scheduler.max_num_seqs
     if not 1 <= max_num_seqs <= max_batch:
         raise ValueError(f"max_num_seqs {max_num_seqs} must lie in [1, {max_batch}] (the engine's max batch size); "
                          f"rebuild the engine with --max-batch-size {max_num_seqs} to serve more sequences at once")
     if instances < 1:
         raise ValueError(f"instances must be >= 1, got {instances}")
-    if kv_pool_mib is not None and not kv_pool_mib > 0:
-        raise ValueError(f"kv_pool_mib must be > 0, got {kv_pool_mib}")
     if backend not in ("onnxruntime", "tensorrt"):
         raise ValueError(f"backend {backend!r} is not onnxruntime or tensorrt")
     name = _model_name(model_name)
@@ -98,8 +99,9 @@ def make_repository(
         "instance_kind": "KIND_CPU" if backend == "onnxruntime" else "KIND_GPU",
         "gpus": gpu_list, "execution_env_parameter": env_line,
     })
-    arguments = {"engine_dir": str(engine_dir), "backend": backend, "max_num_seqs": max_num_seqs,
-                 "kv_pool_mib": kv_pool_mib, "threads": threads, "python_paths": list(python_paths or [])}
+    arguments = {"engine_dir": str(engine_dir), "backend": backend, "threads": threads,
+                 "scheduler": {**scheduler.to_dict(), "max_num_seqs": max_num_seqs},
+                 "python_paths": list(python_paths or [])}
     out = Path(out)
     target = out / name
     if target.exists() and not force:

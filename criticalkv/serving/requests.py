@@ -4,8 +4,12 @@ incrementally, stop strings. Pure Python (no Triton imports), so it is unit-test
 Inputs (Triton model ``config.pbtxt``): ``text_input`` (STRING, required), ``stream`` (BOOL),
 ``sampling_parameters`` (STRING, JSON object: ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``ignore_eos``), ``exclude_input_in_output`` (BOOL), ``kv_budget`` (INT32), ``return_num_input_tokens`` /
-``return_num_output_tokens`` / ``return_kv_bytes`` (BOOL). Without ``sampling_parameters`` the same keys
-are read from the request's parameters (Triton's generate endpoint puts unknown JSON fields there).
+``return_num_output_tokens`` / ``return_kv_bytes`` (BOOL), ``apply_chat_template`` (BOOL: ``text_input`` is
+one user message, wrapped by the tokenizer's chat template as ``criticalkv generate --chat`` does), ``context``
+(STRING: a document compressed once without the question and cached; ``text_input`` is the question after it),
+``input_ids`` / ``context_ids`` (INT32 [-1]: the prompt and the context as token ids, instead of text). Without
+``sampling_parameters`` the same keys are read from the request's parameters (Triton's generate endpoint puts
+unknown JSON fields there).
 As in vllm_backend: a streamed response carries the new text only; a non-streamed one the whole text,
 after the prompt unless ``exclude_input_in_output`` is true; streaming with ``exclude_input_in_output``
 false is an error.
@@ -19,29 +23,38 @@ from typing import Any
 
 import numpy as np
 
-from criticalkv.sampling import SamplingConfig
-from criticalkv.serving.scheduler import RequestError
-
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos")
+from criticalkv.chat import chat_input_ids, encode_context_question, encode_text
+from criticalkv.errors import RequestError
+from criticalkv.request import SamplingParams
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens",
-               "return_kv_bytes")
+               "return_kv_bytes", "apply_chat_template")
 
 
 @dataclass
 class TextRequest:
-    """A parsed request. ``max_tokens`` None = the scheduler's default."""
+    """A parsed Triton request: the prompt text, its ``SamplingParams`` (``max_tokens`` None = the engine's
+    default; ``stop`` strings cut the text) and the response flags."""
 
     prompt: str
     stream: bool = False
     prepend_input: bool = True
-    max_tokens: int | None = None
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     kv_budget: int | None = None
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_kv_bytes: bool = False
+    apply_chat_template: bool = False
+    context: str | None = None
+    input_ids: list[int] | None = None
+    context_ids: list[int] | None = None
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling.max_tokens
+
+    @property
+    def stop(self) -> list[str]:
+        return list(self.sampling.stop)
 
 
 def _scalar(name: str, array: Any):
@@ -63,55 +76,19 @@ def _text(name: str, array: Any) -> str:
     raise RequestError(f"{name}: expected a string (BYTES), got {type(value).__name__}")
 
 
-def _sampling(values: dict[str, Any], strict: bool, source: str) -> dict[str, Any]:
-    unknown = sorted(set(values) - set(SAMPLING_KEYS))
-    if unknown and strict:
-        raise RequestError(f"{source}: unknown key(s) {', '.join(unknown)} (known: {', '.join(SAMPLING_KEYS)})")
-    out = {}
-    if values.get("max_tokens") is not None:
-        m = values["max_tokens"]
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or int(m) != m:
-            raise RequestError(f"{source}: max_tokens must be an integer, got {m!r}")
-        if m <= 0:
-            raise RequestError(f"{source}: max_tokens must be >= 1, got {int(m)}")
-        out["max_tokens"] = int(m)
-    config = {}
-    for key in ("temperature", "top_p"):
-        if values.get(key) is not None:
-            v = values[key]
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise RequestError(f"{source}: {key} must be a number, got {v!r}")
-            config[key] = float(v)
-    if values.get("seed") is not None:
-        s = values["seed"]
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise RequestError(f"{source}: seed must be an integer >= 0, got {s!r}")
-        config["seed"] = s
-    try:
-        out["sampling"] = SamplingConfig(**config)
-    except ValueError as err:
-        raise RequestError(f"{source}: {err}") from None
-    stop = values.get("stop")
-    if stop is not None:
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise RequestError(f"{source}: stop must be a non-empty string or a list of them, got {values['stop']!r}")
-        out["stop"] = stop
-    if values.get("ignore_eos") is not None:
-        if not isinstance(values["ignore_eos"], bool):
-            raise RequestError(f"{source}: ignore_eos must be true or false, got {values['ignore_eos']!r}")
-        out["ignore_eos"] = values["ignore_eos"]
-    return out
-
-
 def parse_request(inputs: dict[str, Any], parameters: str | dict | None = None) -> TextRequest:
     """A ``TextRequest`` from the request's input arrays (name -> NumPy array) and its parameters (JSON).
 
     Raises RequestError naming the problem (missing ``text_input``, malformed JSON, a bad value).
     """
-    if inputs.get("text_input") is None:
+    token_inputs = {name: _ids(name, inputs[name]) for name in ("input_ids", "context_ids")
+                    if inputs.get(name) is not None}
+    if inputs.get("text_input") is None and "input_ids" not in token_inputs:
         raise RequestError("missing required input 'text_input'")
-    prompt = _text("text_input", inputs["text_input"])
+    prompt = "" if inputs.get("text_input") is None else _text("text_input", inputs["text_input"])
+    context = None if inputs.get("context") is None else _text("context", inputs["context"])
+    if context is not None and "context_ids" in token_inputs:
+        raise RequestError("context and context_ids exclude each other (text or token ids)")
     flags = {}
     for name in BOOL_INPUTS:
         if inputs.get(name) is not None:
@@ -132,16 +109,14 @@ def parse_request(inputs: dict[str, Any], parameters: str | dict | None = None) 
             values = json.loads(raw) if raw.strip() else {}
         except json.JSONDecodeError as err:
             raise RequestError(f"sampling_parameters: malformed JSON ({err.msg} at character {err.pos})") from None
-        if not isinstance(values, dict):
-            raise RequestError(f"sampling_parameters: expected a JSON object, got {type(values).__name__}")
-        sampling = _sampling(values, strict=True, source="sampling_parameters")
+        sampling = SamplingParams.from_dict(values, strict=True, source="sampling_parameters")
     else:
         if isinstance(parameters, str):
             try:
                 parameters = json.loads(parameters) if parameters.strip() else {}
             except json.JSONDecodeError:
                 parameters = {}
-        sampling = _sampling(dict(parameters or {}), strict=False, source="request parameters")
+        sampling = SamplingParams.from_dict(dict(parameters or {}), strict=False, source="request parameters")
     kv_budget = None
     if inputs.get("kv_budget") is not None:
         value = _scalar("kv_budget", inputs["kv_budget"])
@@ -152,16 +127,50 @@ def parse_request(inputs: dict[str, Any], parameters: str | dict | None = None) 
         prompt=prompt, stream=stream, prepend_input=prepend, kv_budget=kv_budget,
         return_num_input_tokens=flags.get("return_num_input_tokens", False),
         return_num_output_tokens=flags.get("return_num_output_tokens", False),
-        return_kv_bytes=flags.get("return_kv_bytes", False), **sampling,
+        return_kv_bytes=flags.get("return_kv_bytes", False), sampling=sampling,
+        apply_chat_template=flags.get("apply_chat_template", False), context=context,
+        input_ids=token_inputs.get("input_ids"), context_ids=token_inputs.get("context_ids"),
     )
+
+
+def _ids(name: str, array: Any) -> list[int]:
+    array = np.asarray(array)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise RequestError(f"{name}: expected token ids (INT32), got {array.dtype}")
+    return [int(t) for t in array.reshape(-1)]
+
+
+def encode_inputs(parsed: TextRequest, tokenizer) -> tuple[list[int], list[int]]:
+    """(prompt ids, context ids) of a parsed request: ``input_ids`` / ``context_ids`` as given, else the texts
+    tokenised as ``criticalkv generate`` does (``criticalkv.chat``): with ``apply_chat_template`` the prompt is one
+    user message (and a ``context`` comes first in that message, the question after it); without it a ``context``
+    is the text before ``text_input`` (tokenised on its own, with the tokenizer's BOS; the prompt without)."""
+    context_ids = parsed.context_ids or []
+    if parsed.input_ids is not None:
+        ids = parsed.input_ids
+        if parsed.context is not None:
+            context_ids = encode_text(tokenizer, parsed.context)
+        return ids, context_ids
+    try:
+        if parsed.apply_chat_template:
+            if parsed.context is not None:  # encode_context_question gives (context, question): swap to (prompt, context)
+                context_ids, question_ids = encode_context_question(tokenizer, parsed.context, parsed.prompt, chat=True)
+                return question_ids, context_ids
+            return chat_input_ids(tokenizer, [{"role": "user", "content": parsed.prompt}]), context_ids
+    except ValueError as err:
+        raise RequestError(f"apply_chat_template: {err}") from None
+    if parsed.context is not None:
+        return encode_text(tokenizer, parsed.prompt, special=False), encode_text(tokenizer, parsed.context)
+    return encode_text(tokenizer, parsed.prompt, special=not context_ids), context_ids
 
 
 class TextStream:
     """Incremental detokenization of one request's tokens, with stop strings.
 
     ``add(token_ids, final)`` returns ``(new_text, stopped)``: the text that became certain since the last
-    call (a trailing incomplete UTF-8 sequence is held back until the next token or the end) and whether a
-    stop string was reached (the text is then cut before it and the request should be cancelled).
+    call (a trailing incomplete UTF-8 sequence is held back until a later token completes it; a stream that
+    ends inside a character drops those bytes: no U+FFFD is ever sent for them) and whether a stop string
+    was reached (the text is then cut before it and the request should be cancelled).
     """
 
     def __init__(self, tokenizer, stop: list[str] | None = None):
@@ -182,8 +191,12 @@ class TextStream:
             if hits:
                 full = full[: min(hits)]
                 self.stopped = True
-        if not (final or self.stopped) and full.endswith("\ufffd"):
-            return "", False  # an incomplete multi-byte character: wait for the next token
+        if full.endswith("\ufffd"):  # the tokens so far end inside a multi-byte UTF-8 character
+            if not (final or self.stopped):
+                return "", False  # wait for the next token to complete it
+            # the stream ends there (max_tokens, a stop): the held bytes never complete; drop them rather than
+            # send U+FFFD (a genuine U+FFFD as the very last character looks the same and is dropped too)
+            full = full[: len(self.text)] + full[len(self.text):].rstrip("\ufffd")
         if self.stop and not (final or self.stopped):  # hold back a suffix that may start a stop string
             hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
             full = full[: len(full) - hold] if hold else full

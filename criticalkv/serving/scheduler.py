@@ -1,56 +1,57 @@
-"""Continuous batching over one ``Engine``: per-request prefill, one shared decode batch, slots.
+"""Continuous batching over one ``Engine``: chunked prefill, a compressed context cache, one decode batch,
+one KV memory budget.
 
-A scheduler thread owns the engine's backend. Each loop iteration it
+A scheduler thread drives the engine through its API only (``check``, ``prefill`` / ``begin_prefill`` +
+``prefill_step`` + ``finish_prefill``, ``extend``, ``save`` / ``restore``, ``decode``, ``release``). Each loop
+iteration it
 
-1. drops the cancelled requests (waiting ones at once; running ones free their slot at once);
-2. admits waiting requests in arrival order while ``max_num_seqs`` and the KV pool allow: each one is
-   prefilled alone (batch 1, no padding; its selection runs inside the prefill graph), its first token
-   is sampled from the prefill logits, and its kept K/V are copied into buffer row B (the next free
-   slot), so it joins the decode batch at the next step;
-3. runs one decode step over the first B rows (one row per running sequence, each at its own
-   position) and samples every row with that request's own sampler;
-4. frees the rows of finished sequences at once, moving the last running row into each freed one so the
-   decode batch always stays the first B rows.
+1. drops the cancelled requests (waiting ones at once; prefilling and running ones free what they hold at once);
+2. admits waiting requests in arrival order while ``max_num_seqs``, the prefill buffers and the KV memory allow;
+3. runs ONE prefill chunk (``prefill_chunk`` tokens through the extend graph) of the prefilling request with the
+   fewest tokens left, so a short request that arrives during a long prompt's prefill waits for one chunk, not for
+   the whole prompt. The last chunk runs the selection over the whole prompt (the kept entries of one unchunked
+   prefill), loads them into a slot, and the first token is sampled: the request joins the decode batch;
+4. runs one decode step over every running request and samples each with its own sampler;
+5. releases the slots of finished requests at once.
 
-The decode graph computes every row from that row's cache only, and a request's sampler sees only its
-own logits, so a greedy request yields the same tokens as ``Engine.generate`` on it alone, whatever else
-shares the batch (tests/serving/test_scheduler.py checks it).
+Context cache: a request with a ``context`` has its context compressed alone (question-agnostic) the first time,
+a copy of the kept entries is kept in an LRU store (``ContextCache``) under (context ids, policy, budget), and this
+and every later request with that context restores the copy into a slot and runs its question through the extend
+graph: a hit skips the context's prefill. Requests waiting for a context that is being compressed wait for it
+instead of compressing it again.
 
-KV pool: a request is charged its kept entries plus its ``max_tokens`` growth (every head of every layer
-grows by one entry per token), at the backend's bytes per entry. Before its prefill the kept entries are
-bounded by min(prompt length, the layer's selection capacity); after it the charge drops to the real
-count. Requests that do not fit wait; one that could never fit in an empty pool is refused at submission.
-The backend's buffers themselves are allocated once for ``max_batch_size`` rows of full slot capacity;
-the pool limits what the admitted sequences may hold.
+KV memory (``kv_memory_mib``): one budget for what the requests hold: a running request its kept entries plus its
+``max_tokens`` growth (bounded before its prefill by ``Engine.kv_bytes_bound``, the real count after it), a prompt
+being prefilled its full K/V, and the cached contexts their kept entries. A request is admitted when it fits,
+after evicting cached contexts least recently used first; otherwise it waits (first come, first served), and one
+that could never fit is refused at submission.
+
+The decode graph computes every row from that row's cache only, and a request's sampler sees only its own logits,
+so a greedy request yields the same tokens as ``Engine.generate`` on it alone, whatever else shares the batch
+(tests/serving/test_scheduler.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
-import numpy as np
-
-from criticalkv.runtime.backend import NO_BUDGET_INPUT
-from criticalkv.runtime.engine import Engine
-from criticalkv.runtime.manifest import EngineError
-from criticalkv.sampling import Sampler, SamplingConfig
+from criticalkv.errors import EngineError, RequestError
+from criticalkv.request import DEFAULT_MAX_TOKENS, Request
+from criticalkv.runtime.engine import Engine, PrefillJob, PrefillResult
+from criticalkv.sampling import Sampler
+from criticalkv.serving.context_cache import ContextCache, context_key
 
 #: finish reasons (vllm's names): a stop token, max_tokens reached, cancelled by the client, an error
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 
-
-#: new tokens of a request that does not say (vllm's default)
-DEFAULT_MAX_TOKENS = 16
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve (the message names the problem)."""
+__all__ = ["DEFAULT_MAX_TOKENS", "RequestError", "RequestHandle", "RequestOutput", "Scheduler", "SchedulerConfig"]
 
 
 @dataclass
@@ -62,6 +63,7 @@ class RequestOutput:
     finish_reason : None while running, else "stop", "length", "cancelled" or "error"
     kv_bytes_kept / kv_bytes_full : the request's prompt cache after the selection / without eviction (bytes)
     ttft_s : time from submission to the first token; queue_s : time waiting for admission
+    context_cache_hit : with a context: True when its compressed entries came from the cache (no prefill of it)
     """
 
     request_id: int
@@ -76,6 +78,7 @@ class RequestOutput:
     ttft_s: float | None = None
     queue_s: float | None = None
     elapsed_s: float = 0.0
+    context_cache_hit: bool | None = None
 
     @property
     def time_per_output_token_s(self) -> float | None:
@@ -136,8 +139,6 @@ class RequestHandle:
 
     async def outputs_async(self):
         """``async for out in handle.outputs_async()``: the outputs, awaited without blocking the event loop."""
-        import asyncio
-
         if self._on_output is not None:
             raise RuntimeError("this request delivers its outputs to its on_output callback")
         while True:
@@ -156,137 +157,136 @@ class RequestHandle:
 @dataclass
 class _Sequence:
     handle: RequestHandle
-    prompt: np.ndarray  # [n] int64
-    max_tokens: int
+    request: Request  # checked by the engine (max_tokens filled, kv_budget normalised)
     sampler: Sampler
-    stop: set[int]
-    kv_budget: int | None
-    charge: int  # bytes reserved in the KV pool
+    stop: frozenset[int]
+    charge: int  # bytes reserved in the KV memory
     submitted: float
+    slot: int | None = None
+    job: PrefillJob | None = None  # while its prompt (or context) is prefilled in chunks
+    key: tuple | None = None  # its context's cache key
+    context_cache_hit: bool | None = None
     admitted: float = 0.0
     first_token_at: float | None = None
     tokens: list[int] = field(default_factory=list)
     kv_bytes_kept: int = 0
     kv_bytes_full: int = 0
 
+    @property
+    def max_tokens(self) -> int:
+        return self.request.sampling.max_tokens
+
+    @property
+    def prefill_ids(self) -> tuple[int, ...]:
+        """What the prefill runs: the context when there is one (compressed without the question), else the prompt."""
+        return self.request.context_token_ids or self.request.prompt_token_ids
+
     def output(self, new: list[int], finish_reason: str | None = None, error: str | None = None) -> RequestOutput:
         now = time.perf_counter()
         return RequestOutput(
             request_id=self.handle.request_id, new_token_ids=new, token_ids=list(self.tokens),
-            num_input_tokens=len(self.prompt), finished=finish_reason is not None, finish_reason=finish_reason,
-            error=error, kv_bytes_kept=self.kv_bytes_kept, kv_bytes_full=self.kv_bytes_full,
+            num_input_tokens=self.request.num_context_tokens + self.request.num_prompt_tokens,
+            finished=finish_reason is not None, finish_reason=finish_reason, error=error,
+            kv_bytes_kept=self.kv_bytes_kept, kv_bytes_full=self.kv_bytes_full,
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.submitted,
             queue_s=(self.admitted - self.submitted) if self.admitted else None, elapsed_s=now - self.submitted,
+            context_cache_hit=self.context_cache_hit,
         )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How a scheduler serves an engine (``criticalkv serve`` flags, ``model.json`` of the Triton model).
+
+    max_num_seqs : most requests holding a slot or a prefill buffer at once (default: the engine's max batch size)
+    kv_memory_mib : one KV memory budget (MiB) for running requests, prompts under prefill and cached contexts
+        (default: no limit beyond max_num_seqs)
+    prefill_chunk : tokens per prefill chunk through the extend graph, interleaved with decode steps; 0 prefills
+        every prompt in one run (engines without an extend graph always do). A multiple of the engine's attention
+        block (256) keeps the prefill bitwise identical to one run
+    context_cache_mib : most MiB of compressed contexts kept for reuse (0 = no cache: a context is compressed for
+        each request); cached contexts also count in ``kv_memory_mib``
+    max_prefills : prompts prefilled in chunks at once (each holds a full-length prefill buffer)
+    """
+
+    max_num_seqs: int | None = None
+    kv_memory_mib: float | None = None
+    prefill_chunk: int = 512
+    context_cache_mib: float = 256.0
+    max_prefills: int = 2
+
+    def __post_init__(self) -> None:
+        def integer(name, low):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+        if self.max_num_seqs is not None:
+            integer("max_num_seqs", 1)
+        integer("prefill_chunk", 0)
+        integer("max_prefills", 1)
+        if self.kv_memory_mib is not None and not (isinstance(self.kv_memory_mib, (int, float)) and self.kv_memory_mib > 0):
+            raise ValueError(f"kv_memory_mib must be > 0, got {self.kv_memory_mib!r}")
+        if not (isinstance(self.context_cache_mib, (int, float)) and self.context_cache_mib >= 0):
+            raise ValueError(f"context_cache_mib must be >= 0, got {self.context_cache_mib!r}")
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in ("max_num_seqs", "kv_memory_mib", "prefill_chunk", "context_cache_mib",
+                                              "max_prefills")}
 
 
 class Scheduler:
     """Continuous batching over ``engine`` (ONNX Runtime or TensorRT backend) on a background thread.
 
-    Parameters
-    ----------
-    engine : a loaded ``Engine``; its backend must implement ``load_slot`` / ``move_slot`` and decode over
-        the first B rows (both bundled backends do). It was built with ``--max-batch-size`` >= max_num_seqs.
-    max_num_seqs : most sequences decoding at once (default: the engine's max batch size)
-    kv_pool_mib : most KV memory the running sequences may hold, MiB (default: no limit beyond max_num_seqs)
+    ``engine``: a loaded ``Engine`` built with ``--max-batch-size`` >= max_num_seqs; the scheduler owns it while it
+    runs (nothing else may prefill, decode or release its slots). The other arguments are ``SchedulerConfig``'s.
     """
 
-    def __init__(self, engine: Engine, max_num_seqs: int | None = None, kv_pool_mib: float | None = None):
-        backend = engine.backend
-        for method in ("load_slot", "move_slot"):
-            if not hasattr(backend, method):
-                raise EngineError(f"backend {backend.name} has no {method}: it cannot serve continuous batches")
+    def __init__(self, engine: Engine, max_num_seqs: int | None = None, kv_memory_mib: float | None = None,
+                 prefill_chunk: int = 512, context_cache_mib: float = 256.0, max_prefills: int = 2):
+        config = SchedulerConfig(max_num_seqs, kv_memory_mib, prefill_chunk, context_cache_mib, max_prefills)
+        self.config = config
         self.engine = engine
-        self.backend = backend
-        self.max_num_seqs = engine.max_batch_size if max_num_seqs is None else int(max_num_seqs)
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_seqs > engine.max_batch_size:
+        self.max_num_seqs = engine.num_slots if max_num_seqs is None else max_num_seqs
+        if self.max_num_seqs > engine.num_slots:
             raise EngineError(
-                f"max_num_seqs {self.max_num_seqs} exceeds the engine's max batch size {engine.max_batch_size}: "
+                f"max_num_seqs {self.max_num_seqs} exceeds the engine's max batch size {engine.num_slots}: "
                 f"rebuild the engine with --max-batch-size {self.max_num_seqs} (or more), or lower max_num_seqs")
-        if kv_pool_mib is not None and not kv_pool_mib > 0:
-            raise ValueError(f"kv_pool_mib must be > 0, got {kv_pool_mib}")
-        self.kv_pool_bytes = None if kv_pool_mib is None else int(kv_pool_mib * 2**20)
-        spec = engine.spec
-        self.num_layers, self.kv_heads = spec["num_layers"], spec["num_kv_heads"]
-        capacities = engine.manifest["shapes"]["decode_capacity"]
-        # K + V bytes of one entry of one head, from the backend's own buffers (fp32 on ONNX Runtime)
-        self.entry_bytes = backend.kv_buffer_bytes() // (engine.max_batch_size * self.kv_heads * sum(capacities))
-        self.selection_capacities = [c - engine.max_new_tokens for c in capacities]
-        self.policy = engine.policy
+        self.kv_memory_bytes = None if kv_memory_mib is None else int(kv_memory_mib * 2**20)
+        self.chunked = prefill_chunk > 0 and engine.limits.max_question_len > 0  # the engine has extend + select
+        self.prefill_chunk = prefill_chunk
+        self.max_prefills = max_prefills
+        self.context_cache = ContextCache(int(context_cache_mib * 2**20))
+        self._policy_json = engine.policy.to_json()
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []  # row r of the decode buffers holds _running[r]
-        self._reserved = 0
+        self._prefilling: list[_Sequence] = []
+        self._running: list[_Sequence] = []
+        self._compressing: dict[tuple, _Sequence] = {}  # context key -> the request compressing it now
+        self._reserved = 0  # bytes held by prefilling and running requests (cached contexts apart)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="criticalkv-scheduler", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ submission
-    def validate_budget(self, kv_budget: int | None) -> int | None:
-        """The budget to pass to the prefill (None = the built one); RequestError when out of range."""
-        if kv_budget is None:
-            return None
-        policy = self.policy
-        if isinstance(kv_budget, bool) or int(kv_budget) != kv_budget:
-            raise RequestError(f"kv_budget must be an integer, got {kv_budget!r}")
-        kv_budget = int(kv_budget)
-        if policy.name == "full":
-            raise RequestError("kv_budget: this engine's policy 'full' keeps every entry (no budget to lower)")
-        if not policy.window <= kv_budget <= policy.budget:
-            raise RequestError(f"kv_budget must lie in [{policy.window}, {policy.budget}] (the window and the "
-                               f"engine's built budget), got {kv_budget}")
-        if kv_budget == policy.budget:
-            return None
-        if not getattr(self.backend, "accepts_kv_budget", False):
-            raise RequestError(NO_BUDGET_INPUT)
-        return kv_budget
-
-    def submit(
-        self,
-        prompt_ids: Sequence[int],
-        max_tokens: int | None = None,
-        sampling: SamplingConfig | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        kv_budget: int | None = None,
-        on_output: Callable[[RequestOutput], None] | None = None,
-    ) -> RequestHandle:
-        """Queue one request; returns at once. Raises RequestError naming the problem for a bad request.
-
-        prompt_ids : the prompt's token ids (1 <= n <= the engine's max input length)
-        max_tokens : new tokens at most (1 <= max_tokens <= the engine's max new tokens; default
-            ``DEFAULT_MAX_TOKENS`` or the engine's maximum if lower)
-        stop_token_ids : default the model's EOS ids; the stop token is part of the output
-        kv_budget : tokens per KV head kept by the selection (window <= kv_budget <= the built budget)
-        """
+    def submit(self, request: Request, on_output: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
+        """Queue one request; returns at once. Raises ``RequestError`` naming the problem for a bad request
+        (``Engine.check``: prompt and context lengths and ids, ``max_tokens`` within the built maximum (default
+        ``DEFAULT_MAX_TOKENS`` or the engine's maximum if lower), ``kv_budget`` within the policy's range), or one
+        that could never fit in the KV memory."""
         engine = self.engine
-        if max_tokens is None:
-            max_tokens = min(DEFAULT_MAX_TOKENS, engine.max_new_tokens)
-        prompt = np.asarray(list(prompt_ids), dtype=np.int64)
-        if prompt.size == 0:
-            raise RequestError("the prompt is empty")
-        if prompt.size > engine.max_input_len:
-            raise RequestError(f"the prompt has {prompt.size} tokens, more than the engine's max input length "
-                               f"{engine.max_input_len}")
-        vocab = engine.spec["vocab_size"]
-        if prompt.min() < 0 or prompt.max() >= vocab:
-            raise RequestError(f"prompt token ids must lie in [0, {vocab})")
-        if isinstance(max_tokens, bool) or int(max_tokens) != max_tokens:
-            raise RequestError(f"max_tokens must be an integer, got {max_tokens!r}")
-        if not 1 <= max_tokens <= engine.max_new_tokens:
-            raise RequestError(f"max_tokens must lie in [1, {engine.max_new_tokens}] (the engine's built maximum), "
-                               f"got {max_tokens}")
-        kv_budget = self.validate_budget(kv_budget)
-        charge = self._charge_bound(prompt.size, int(max_tokens))
-        if self.kv_pool_bytes is not None and charge > self.kv_pool_bytes:
+        request = engine.check(request)
+        charge = self._bound(request)
+        if self.kv_memory_bytes is not None and charge > self.kv_memory_bytes:
             raise RequestError(f"the request needs up to {charge / 2**20:.2f} MiB of KV cache, more than the whole "
-                               f"KV pool ({self.kv_pool_bytes / 2**20:.2f} MiB)")
-        stop = engine.eos_token_ids if stop_token_ids is None else stop_token_ids
-        handle = RequestHandle(next(self._ids), on_output)
-        seq = _Sequence(handle, prompt, int(max_tokens), Sampler(sampling), {int(t) for t in stop}, kv_budget,
-                        charge, time.perf_counter())
+                               f"KV memory ({self.kv_memory_bytes / 2**20:.2f} MiB)")
+        request_id = next(self._ids) if request.request_id is None else request.request_id
+        handle = RequestHandle(request_id, on_output)
+        seq = _Sequence(handle, request, Sampler(request.sampling), engine.stop_ids(request), charge,
+                        time.perf_counter())
+        if request.context_token_ids:
+            seq.key = context_key(request.context_token_ids, self._policy_json, request.kv_budget)
         with self._lock:
             if self._stopping:
                 raise RequestError("the scheduler is shutting down")
@@ -294,9 +294,13 @@ class Scheduler:
             self._lock.notify()
         return handle
 
-    def _charge_bound(self, prompt_len: int, max_tokens: int) -> int:
-        kept = sum(min(prompt_len, cap) for cap in self.selection_capacities)
-        return (kept + self.num_layers * max_tokens) * self.kv_heads * self.entry_bytes
+    def _bound(self, request: Request) -> int:
+        """Most KV bytes ``request`` holds at once: its full prompt (or context) while prefilled, or its kept
+        entries + question + growth while it runs."""
+        engine, n = self.engine, len(request.context_token_ids or request.prompt_token_ids)
+        question = request.num_prompt_tokens if request.context_token_ids else 0
+        running = engine.kv_bytes_bound(n, request.sampling.max_tokens + question)
+        return max(running, engine.kv_bytes_full(n))
 
     # ------------------------------------------------------------------ state
     @property
@@ -304,15 +308,20 @@ class Scheduler:
         return len(self._running)
 
     @property
+    def num_prefilling(self) -> int:
+        return len(self._prefilling)
+
+    @property
     def num_waiting(self) -> int:
         return len(self._waiting)
 
     @property
     def kv_bytes_reserved(self) -> int:
-        return self._reserved
+        """KV bytes held now: running requests, prompts under prefill and cached contexts."""
+        return self._reserved + self.context_cache.stats.bytes_held
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the thread; requests still waiting or running end with finish reason "cancelled"."""
+        """Stop the scheduler thread; requests still waiting or running end with finish reason "cancelled"."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
@@ -322,18 +331,19 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._waiting or self._running or self._stopping):
+                while not (self._waiting or self._prefilling or self._running or self._stopping):
                     self._lock.wait()
                 if self._stopping:
                     break
             try:
                 self._drop_cancelled()
                 self._admit()
+                self._prefill_step()
                 if self._running:
                     self._decode_step()
             except Exception as err:  # an engine failure ends the running requests, not the server
                 self._fail_running(f"{type(err).__name__}: {err}")
-        for seq in list(self._running):
+        for seq in list(self._running) + list(self._prefilling):
             self._finish(seq, FINISH_CANCELLED)
         with self._lock:
             waiting, self._waiting = list(self._waiting), deque()
@@ -347,52 +357,155 @@ class Scheduler:
                 self._waiting.remove(seq)
         for seq in cancelled:
             seq.handle._deliver(seq.output([], seq.handle.cancel_reason))
-        for seq in [s for s in self._running if s.handle.cancel_requested]:
+        for seq in [s for s in self._running + self._prefilling if s.handle.cancel_requested]:
             self._finish(seq, seq.handle.cancel_reason)
+
+    def _fits(self, charge: int, keep: tuple | None = None) -> bool:
+        """Whether ``charge`` more bytes fit the KV memory, evicting cached contexts (least recently used first,
+        never ``keep``: the context this request is about to read) if that makes room."""
+        if self.kv_memory_bytes is None:
+            return True
+        room = self.kv_memory_bytes - self._reserved
+        kept = self.context_cache.peek(keep).nbytes if keep is not None else 0
+        if charge + kept > room:
+            return False
+        if charge > room - self.context_cache.stats.bytes_held:
+            self.context_cache.shrink(room - charge, keep=keep)
+        return True
 
     def _admit(self) -> None:
         while True:
             with self._lock:
-                if not self._waiting or len(self._running) >= self.max_num_seqs:
+                if not self._waiting or len(self._running) + len(self._prefilling) >= self.max_num_seqs:
                     return
                 seq = self._waiting[0]
-                if self.kv_pool_bytes is not None and self._reserved + seq.charge > self.kv_pool_bytes:
+                if seq.key is not None and seq.key in self._compressing:
+                    return  # its context is being compressed: it waits for the copy (first come, first served)
+                cached = self.context_cache.peek(seq.key) if seq.key is not None else None
+                if cached is not None:  # a hit holds the cached entries + its question + its growth, no prefill
+                    seq.charge = cached.kept_entries * self.engine.entry_bytes + self.engine.growth_bytes(
+                        seq.max_tokens + seq.request.num_prompt_tokens)
+                elif self.chunked and len(self._prefilling) >= self.max_prefills:
+                    return
+                if not self._fits(seq.charge, keep=seq.key if cached is not None else None):
                     return  # first come, first served: later requests wait behind it
                 self._waiting.popleft()
                 self._reserved += seq.charge
             self._start(seq)
 
     def _start(self, seq: _Sequence) -> None:
-        """Prefill ``seq`` alone, sample its first token, load its kept K/V into the next free row."""
+        """Admit ``seq``: a cached context goes straight to its question; otherwise its prompt (or context) is
+        prefilled, in chunks when it is longer than one."""
         seq.admitted = time.perf_counter()
-        n = len(seq.prompt)
-        ids = seq.prompt[None, :]
-        try:
-            pre = self.backend.prefill(ids, np.ones_like(ids), np.arange(n, dtype=np.int64)[None, :],
-                                       kv_budget=seq.kv_budget)
-        except Exception as err:
-            with self._lock:
-                self._reserved -= seq.charge
-            seq.handle._deliver(seq.output([], FINISH_ERROR, f"prefill failed: {type(err).__name__}: {err}"))
+        if seq.key is not None:
+            snapshot = self.context_cache.get(seq.key)
+            if snapshot is not None:
+                seq.context_cache_hit = True
+                slot = self.engine.free_slots()[0]
+                if self._guard(seq, lambda: self.engine.restore(slot, snapshot) or True):
+                    seq.slot = slot
+                    self._ask(seq, snapshot.kept_entries, self.engine.kv_bytes_full(seq.request.num_context_tokens))
+                return
+            seq.context_cache_hit = False
+            self._compressing[seq.key] = seq
+        ids = seq.prefill_ids
+        prefill_request = Request(ids, seq.request.sampling, seq.request.kv_budget)
+        if self.chunked and len(ids) > self.prefill_chunk:
+            job = self._guard(seq, lambda: self.engine.begin_prefill(prefill_request))
+            if job is not None:
+                seq.job = job
+                self._prefilling.append(seq)
             return
-        kept = sum(int(x.sum()) for x in pre.lengths)
-        seq.kv_bytes_kept = kept * self.entry_bytes
-        seq.kv_bytes_full = n * self.kv_heads * self.num_layers * self.entry_bytes
-        actual = (kept + self.num_layers * self.kv_heads * seq.max_tokens) * self.entry_bytes
-        with self._lock:  # the bound charged at admission -> the real kept entries
+        slot = self.engine.free_slots()[0]
+        result = self._guard(seq, lambda: self.engine.prefill(slot, prefill_request))
+        if result is not None:
+            seq.slot = slot
+            self._prefilled(seq, result)
+
+    def _guard(self, seq: _Sequence, step):
+        """Run ``step`` for ``seq``; a failure ends that request alone (its reservation returned)."""
+        try:
+            return step()
+        except Exception as err:
+            self._abort(seq, f"{type(err).__name__}: {err}")
+            return None
+
+    def _abort(self, seq: _Sequence, message: str) -> None:
+        if seq.slot is not None:
+            self.engine.release(seq.slot)
+            seq.slot = None
+        seq.job = None
+        if seq in self._prefilling:
+            self._prefilling.remove(seq)
+        self._forget_compression(seq)
+        self._release(seq)
+        seq.handle._deliver(seq.output([], FINISH_ERROR, message))
+
+    def _forget_compression(self, seq: _Sequence) -> None:
+        if seq.key is not None and self._compressing.get(seq.key) is seq:
+            del self._compressing[seq.key]
+
+    def _prefill_step(self) -> None:
+        """One chunk of the prefilling request with the fewest tokens left."""
+        if not self._prefilling:
+            return
+        seq = min(self._prefilling, key=lambda s: (s.job.remaining, s.submitted))
+        done = self._guard(seq, lambda: self.engine.prefill_step(seq.job, self.prefill_chunk))
+        if not done:
+            return
+        self._prefilling.remove(seq)
+        slot = self.engine.free_slots()[0]
+        result = self._guard(seq, lambda: self.engine.finish_prefill(seq.job, slot))
+        seq.job = None
+        if result is not None:
+            seq.slot = slot
+            self._prefilled(seq, result)
+
+    def _prefilled(self, seq: _Sequence, result: PrefillResult) -> None:
+        """``seq``'s prompt (or context) is compressed into its slot: cache a context, ask a question, or sample
+        the first token."""
+        if seq.key is None:
+            seq.kv_bytes_kept, seq.kv_bytes_full = result.kv_bytes_kept, result.kv_bytes_full
+            self._recharge(seq, result.kv_bytes_kept + self.engine.growth_bytes(seq.max_tokens))
+            self._first_token(seq, result.logits)
+            return
+        snapshot = self.engine.save(seq.slot)
+        self._forget_compression(seq)
+        # the request now holds its kept entries (+ question and growth), no longer its whole prompt: charge that first,
+        # so that the room left for the copy is what is really free
+        self._recharge(seq, result.kv_bytes_kept + self.engine.growth_bytes(seq.max_tokens + seq.request.num_prompt_tokens))
+        room = self.context_cache.capacity_bytes
+        if self.kv_memory_bytes is not None:  # the copy must fit the KV memory too (other contexts may go)
+            room = min(room, self.kv_memory_bytes - self._reserved)
+        if snapshot.nbytes <= room:
+            self.context_cache.shrink(room - snapshot.nbytes)
+            self.context_cache.put(seq.key, snapshot)
+        self._ask(seq, result.kept_entries, result.kv_bytes_full)
+
+    def _ask(self, seq: _Sequence, kept_entries: int, kv_bytes_full: int) -> None:
+        """The question after a compressed context in ``seq``'s slot: through the extend graph, then the first token."""
+        seq.kv_bytes_kept = kept_entries * self.engine.entry_bytes
+        seq.kv_bytes_full = kv_bytes_full
+        self._recharge(seq, seq.kv_bytes_kept + self.engine.growth_bytes(seq.max_tokens + seq.request.num_prompt_tokens))
+        logits = self._guard(seq, lambda: self.engine.extend(seq.slot, seq.request.prompt_token_ids))
+        if logits is not None:
+            self._first_token(seq, logits)
+
+    def _recharge(self, seq: _Sequence, actual: int) -> None:
+        with self._lock:  # the bound charged at admission -> what it really holds
             self._reserved += actual - seq.charge
             seq.charge = actual
-        token = int(seq.sampler(pre.logits)[0])
+
+    def _first_token(self, seq: _Sequence, logits) -> None:
+        token = int(seq.sampler(logits[None, :])[0])
         seq.tokens.append(token)
         seq.first_token_at = time.perf_counter()
+        self._running.append(seq)
         reason = self._finish_reason(seq, token)
         if reason is not None:
-            self._release(seq)
+            self._remove(seq)
             seq.handle._deliver(seq.output([token], reason))
             return
-        row = len(self._running)
-        self.backend.load_slot(row, pre, 0)
-        self._running.append(seq)
         seq.handle._deliver(seq.output([token]))
 
     def _finish_reason(self, seq: _Sequence, token: int) -> str | None:
@@ -404,10 +517,8 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         running = self._running
-        tokens = np.array([s.tokens[-1] for s in running], dtype=np.int64)
-        # the token generated t-th (t from 0) after a prompt of n tokens sits at position n + t
-        positions = np.array([len(s.prompt) + len(s.tokens) - 1 for s in running], dtype=np.int64)
-        logits = self.backend.decode(tokens, positions)
+        tokens = [s.tokens[-1] for s in running]
+        logits = self.engine.decode([s.slot for s in running], tokens)
         finished = []
         for row, seq in enumerate(running):
             token = int(seq.sampler(logits[row:row + 1])[0])
@@ -428,13 +539,16 @@ class Scheduler:
             seq.charge = 0
 
     def _remove(self, seq: _Sequence) -> None:
-        """Free ``seq``'s row: the last running row moves into it, so the batch stays the first B rows."""
-        row = self._running.index(seq)
-        last = len(self._running) - 1
-        if row != last:
-            self.backend.move_slot(last, row)
-            self._running[row] = self._running[last]
-        self._running.pop()
+        """Release what ``seq`` holds: its slot or its prefill buffer, and its share of the KV memory."""
+        if seq in self._running:
+            self._running.remove(seq)
+        if seq in self._prefilling:
+            self._prefilling.remove(seq)
+        if seq.slot is not None:
+            self.engine.release(seq.slot)
+            seq.slot = None
+        seq.job = None
+        self._forget_compression(seq)
         self._release(seq)
 
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
@@ -444,5 +558,10 @@ class Scheduler:
     def _fail_running(self, message: str) -> None:
         for seq in list(self._running):
             self._running.remove(seq)
+            try:
+                self.engine.release(seq.slot)
+            except EngineError:  # the failure may have come from the slot itself
+                pass
+            seq.slot = None
             self._release(seq)
             seq.handle._deliver(seq.output([], FINISH_ERROR, message))

@@ -1,5 +1,5 @@
 // Host-only budget bound: the most entries a KV head of the layer keeps from an n-token prompt
-// (criticalkv/selection/budget.py: max_kept_per_head), for the capacity checks of the tests and tools.
+// (criticalkv/methods/budget.py: max_kept_per_head), for the capacity checks of the tests and tools.
 #pragma once
 
 #include "criticalkv/budget.h"

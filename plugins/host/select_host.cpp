@@ -335,12 +335,12 @@ struct HostMassRow
     int64_t period;
     int64_t firstValid;
     uint32_t counts[kRadixBins];
-    double sums[kRadixBins];
+    unsigned long long sums[kRadixBins];
 
     MassHistogram massHistogram(int pass, uint32_t prefix, uint32_t prefixMask)
     {
         std::fill(counts, counts + kRadixBins, 0u);
-        std::fill(sums, sums + kRadixBins, 0.0);
+        std::fill(sums, sums + kRadixBins, 0ull);
         for (int64_t e = 0; e < len; ++e)
         {
             uint32_t const key = orderedKey(scores[e]);
@@ -348,7 +348,7 @@ struct HostMassRow
             {
                 uint32_t const digit = radixDigit(key, pass);
                 ++counts[digit];
-                sums[digit] += static_cast<double>(scores[e]);
+                sums[digit] += static_cast<unsigned long long>(fixedMass(scores[e]));
             }
         }
         return MassHistogram{counts, sums};

@@ -31,7 +31,7 @@ constexpr int kGatherWarps = 8;
 struct SelectSmem
 {
     uint32_t histogram[kRadixBins];
-    double sums[kRadixBins]; // radixMassCount's per-digit sums (defensivekv)
+    unsigned long long sums[kRadixBins]; // radixMassCount's per-digit fixedMass sums (defensivekv)
     typename cub::BlockScan<int32_t, kSelectThreads>::TempStorage scan;
 };
 
@@ -142,7 +142,8 @@ __device__ void blockSelectTopK(float const* scores, uint8_t* flags, int64_t len
 }
 
 // BEGIN block mass row (tests/plugins/test_plugin_kernel_emulation.py runs this section on the CPU)
-//! radixMassCount's data-parallel step for one thread block (defensive.h): counts and double sums per digit.
+//! radixMassCount's data-parallel step for one thread block (defensive.h): counts and fixedMass sums per digit (integer
+//! atomics: the sums do not depend on the threads' order).
 struct BlockMassRow
 {
     float const* scores;
@@ -159,7 +160,7 @@ struct BlockMassRow
         for (int32_t i = tid; i < kRadixBins; i += kSelectThreads)
         {
             s.histogram[i] = 0u;
-            s.sums[i] = 0.0;
+            s.sums[i] = 0ull;
         }
         __syncthreads();
         for (int64_t e = tid; e < len; e += kSelectThreads)
@@ -173,7 +174,7 @@ struct BlockMassRow
             {
                 uint32_t const digit = radixDigit(key, pass);
                 atomicAdd(&s.histogram[digit], 1u);
-                atomicAdd(&s.sums[digit], static_cast<double>(scores[e]));
+                atomicAdd(&s.sums[digit], static_cast<unsigned long long>(fixedMass(scores[e])));
             }
         }
         __syncthreads();

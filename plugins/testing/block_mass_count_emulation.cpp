@@ -23,7 +23,7 @@ constexpr int kSelectThreads = 512; // selection.cu's
 struct SelectSmem                   // the fields the section uses
 {
     uint32_t histogram[kRadixBins];
-    double sums[kRadixBins];
+    unsigned long long sums[kRadixBins];
 };
 #include "block_mass_row_section.inc"
 } // namespace criticalkv::kernels
@@ -44,19 +44,19 @@ struct HostMassRow // the host driver's executor (select_host.cpp)
     int64_t period;
     int64_t firstValid;
     uint32_t counts[kRadixBins];
-    double sums[kRadixBins];
+    unsigned long long sums[kRadixBins];
 
     MassHistogram massHistogram(int pass, uint32_t prefix, uint32_t prefixMask)
     {
         std::fill(counts, counts + kRadixBins, 0u);
-        std::fill(sums, sums + kRadixBins, 0.0);
+        std::fill(sums, sums + kRadixBins, 0ull);
         for (int64_t e = 0; e < len; ++e)
         {
             uint32_t const key = orderedKey(scores[e]);
             if (radixCandidate(flags, e, period, firstValid) && (key & prefixMask) == prefix)
             {
                 ++counts[radixDigit(key, pass)];
-                sums[radixDigit(key, pass)] += static_cast<double>(scores[e]);
+                sums[radixDigit(key, pass)] += static_cast<unsigned long long>(fixedMass(scores[e]));
             }
         }
         return MassHistogram{counts, sums};

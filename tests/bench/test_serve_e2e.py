@@ -48,26 +48,36 @@ def test_bench_serve_on_a_started_server(tiny_engine, tmp_path):
 
 
 def test_bench_interference_on_a_started_server(tiny_engine, tmp_path):
+    # two servers, one after the other: the prefill not chunked, then in chunks of 64 tokens
     out = tmp_path / "results"
     code = main(["bench", "interference", "--engine-dir", str(tiny_engine), "--short-isl", "48", "--short-osl", "4",
                  "--long-isl", "200", "--long-osl", "1000", "--decode-after-tokens", "2", "--prefill-delay", "0",
-                 "--repeats", "2", "--warmup", "0", "--out", str(out), "--server-args", "--threads 1", "--no-progress"])
+                 "--repeats", "2", "--warmup", "0", "--prefill-chunk", "0,64", "--out", str(out),
+                 "--server-args", "--threads 1", "--no-progress"])
     assert code == 0
     results = json.loads((out / "interference.json").read_text())
     assert results["machine"]["load_average_end"] and "load average" in results["uptime_after"]
-    assert [r["case"] for r in results["rounds"]] == ["idle", "decode", "prefill"] * 2
-    for r in results["rounds"]:
-        assert r["short"]["ok"] and r["short"]["output_tokens"] == 4 and r["short"]["input_tokens"] == 48
-        assert r["load_average_before"] and r["load_average_after"]
-        if r["case"] != "idle":
-            assert r["long"]["ok"] and r["long"]["output_tokens"] == 1000
-    for r in results["rounds"]:
-        if r["case"] == "decode":  # sent after the long request's 2nd token, first token before its last
-            assert r["phase_ok"] and r["long_tokens_at_short_start"] >= 2
-            assert r["long_tokens_at_short_first_token"] < 1000
-    cases = results["summary"]["cases"]
-    assert cases["idle"]["used"] == 2 and cases["decode"]["used"] == 2
-    assert cases["decode"]["ratio_p50"] == pytest.approx(cases["decode"]["ttft_ms"]["p50"] / cases["idle"]["ttft_ms"]["p50"])
-    assert results["summary"]["target"]["met"] == (cases["decode"]["ratio_p50"] <= 1.5)
-    assert "| decode | 2 of 2 |" in (out / "interference.md").read_text()
+    assert results["benchmark"] == "interference" and results["settings"]["prefill_chunks"] == [0, 64]
+    assert [v["prefill_chunk"] for v in results["variants"]] == [0, 64]
+    for variant in results["variants"]:
+        assert variant["server_args"] == ["--threads", "1", "--prefill-chunk", str(variant["prefill_chunk"])]
+        assert [r["case"] for r in variant["rounds"]] == ["idle", "decode", "prefill"] * 2
+        for r in variant["rounds"]:
+            assert r["short"]["ok"] and r["short"]["output_tokens"] == 4 and r["short"]["input_tokens"] == 48
+            assert r["load_average_before"] and r["load_average_after"]
+            if r["case"] != "idle":
+                assert r["long"]["ok"] and r["long"]["output_tokens"] == 1000
+        for r in variant["rounds"]:
+            if r["case"] == "decode":  # sent after the long request's 2nd token, first token before its last
+                assert r["phase_ok"] and r["long_tokens_at_short_start"] >= 2
+                assert r["long_tokens_at_short_first_token"] < 1000
+        summary = variant["summary"]
+        cases = summary["cases"]
+        assert cases["idle"]["used"] == 2 and cases["decode"]["used"] == 2
+        assert cases["decode"]["ratio_p50"] == pytest.approx(cases["decode"]["ttft_ms"]["p50"] / cases["idle"]["ttft_ms"]["p50"])
+        assert summary["target"]["met"] == (cases["decode"]["ratio_p50"] <= 1.5)
+        # the prefill case has a goal only when the prefill is chunked
+        assert (summary["prefill_target"]["goal"] is None) == (variant["prefill_chunk"] == 0)
+    md = (out / "interference.md").read_text()
+    assert md.count("| decode | 2 of 2 |") == 2 and "prefill chunks of 64" in md and "chunk sizes compared" in md
     assert (out / "interference.png").stat().st_size > 10_000

@@ -65,6 +65,22 @@ def test_needle_end_to_end(model_dir, tmp_path, capsys):
     assert no_temp_files(out)
 
 
+def test_needle_question_agnostic(model_dir, tmp_path):
+    # the haystack compressed without the question, then asked (re-checked against criticalkv.hf.generate with
+    # question_ids by --verify); the configuration records the mode, so a question-aware run cannot resume it
+    out = tmp_path / "needle"
+    args = ["eval", "needle", "--model", str(model_dir), "--lengths", "300", "--depths", "0,100", "--policies",
+            "full,criticalkv", "--budgets", "48", "--verify", "2", "--question-agnostic", "--out", str(out), *COMMON]
+    assert main(args) == 0
+    doc = read(out / "needle.json")
+    assert doc["complete"] and doc["config"]["question_agnostic"] is True and "--question-agnostic" in doc["command"]
+    assert all("verified" in r["results"]["criticalkv@48"] for r in doc["records"])
+    span = doc["records"][0]["meta"]["context_span"]
+    # kept fractions count the context only: full keeps all of it
+    assert doc["records"][0]["results"]["full"]["kept_fraction"] == 1 and span[1] < 300
+    assert main([a for a in args if a != "--question-agnostic"] + ["--resume"]) == 2
+
+
 def test_needle_runs_the_defensive_policies(model_dir, tmp_path):
     """defensivekv and layer-defensivekv (budget shared across layers) through the evaluation, re-checked against
     criticalkv.hf.generate on the prompt (--verify)."""

@@ -94,3 +94,15 @@ class _Counter:
 
 def len_vocab(model):
     return model.config.vocab_size
+
+
+@pytest.mark.parametrize("case", POLICY_CASES, ids=IDS)
+def test_question_agnostic_shared_prefill_decodes_the_tokens_of_generate(model, case):
+    # the context compressed without its question, then the question through the cache: the shared-prefill
+    # evaluation path == criticalkv.hf.generate(context, question_ids=question)
+    ids = torch.randint(2, len_vocab(model), (1, 150), generator=torch.Generator().manual_seed(9))
+    context, question = ids[:, :140], ids[:, 140:]
+    policy = make_policy(case[1], budget=40, window=8)
+    prefill = shared_prefill(model, context, [8])
+    out = decode(model, prefill, select_all_layers(policy, ScoreBank(prefill)), 12, question_ids=question)
+    assert out.tokens == generate(model, context, policy, max_new_tokens=12, question_ids=question).tokens[0]

@@ -137,10 +137,11 @@ def test_graph_interface_and_validation(tmp_path):
     config = BuildConfig(max_input_len=200, max_new_tokens=16, attention_chunk=32)
     result = export_model(model, policy, tmp_path, config)
     report = validate_export(result)
-    assert set(report) == {"prefill", "prefill_tensorrt", "decode"}
+    assert set(report) == {"prefill", "prefill_tensorrt", "decode", "extend", "extend_tensorrt", "select", "select_tensorrt"}
     spec = model_spec(model)
     assert result.prefill_capacities == layer_capacities(policy, spec, 200)
-    assert result.decode_capacities == [c + 16 for c in result.prefill_capacities]
+    # decode buffers: the selection capacity + room for a question after a cached context + the new tokens
+    assert result.decode_capacities == [c + config.max_question_len + 16 for c in result.prefill_capacities]
     prefill = onnx.load(str(tmp_path / "prefill.onnx"), load_external_data=False)
     decode = onnx.load(str(tmp_path / "decode.onnx"), load_external_data=False)
     trt = onnx.load(str(tmp_path / "prefill_tensorrt.onnx"), load_external_data=False)

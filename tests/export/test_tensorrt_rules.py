@@ -84,8 +84,11 @@ def test_the_exported_tensorrt_graphs_pass(exported):
     folder, _, result = exported
     assert check_tensorrt_file(folder / "prefill_tensorrt.onnx") == []
     assert check_tensorrt_file(folder / "decode.onnx") == []
+    assert check_tensorrt_file(folder / "extend_tensorrt.onnx") == []
+    assert check_tensorrt_file(folder / "select_tensorrt.onnx") == []
     report = validate_export(result)
     assert "passed" in report["prefill_tensorrt"]["tensorrt_rules"] and "passed" in report["decode"]["tensorrt_rules"]
+    assert "passed" in report["extend_tensorrt"]["tensorrt_rules"] and "passed" in report["select_tensorrt"]["tensorrt_rules"]
 
 
 def test_the_graph_before_the_fix_fails(exported):
@@ -184,6 +187,32 @@ def test_if_branches_must_match_the_node_outputs():
     assert "if" in rules(model)
 
 
+def test_shapes_from_input_values_are_rejected(exported):
+    # TensorRT sizes every tensor of the graphs it runs from the input shapes; the ONNX Runtime flavours slice the
+    # buffers to the largest length (a value of the lengths input) and are not TensorRT's. The select graph's
+    # slice before the TensorRT fix was the same (docs/gpu.md)
+    folder, _, _ = exported
+    for name in ("select.onnx", "extend.onnx"):
+        model = load(folder, name)
+        model.ClearField("functions")
+        found = [v for v in check_tensorrt_model(model) if v.rule == "data-dependent-shape"]
+        assert found and all("values of a graph input" in v.message for v in found), name
+    model = load(folder, "decode.onnx")  # lengths feed a mask: values, not shapes
+    assert check_tensorrt_model(model) == []
+    lengths = model.graph.input[4].name
+    assert lengths == "past_key_values.0.lengths"
+    model.graph.node.append(helper.make_node("NonZero", [lengths], ["nonzero"]))
+    assert "data-dependent-shape" in rules(model)
+    model = load(folder, "decode.onnx")
+    model.graph.node.append(helper.make_node("Shape", [lengths], ["lengths_shape"]))  # a shape: allowed
+    model.graph.node.append(helper.make_node("ConstantOfShape", ["lengths_shape"], ["zeros"]))
+    assert check_tensorrt_model(model) == []
+    model.graph.node.append(helper.make_node("Cast", [lengths], ["lengths64"], to=TensorProto.INT64))
+    model.graph.node.append(helper.make_node("ReduceMax", ["lengths64"], ["longest"], keepdims=1))
+    model.graph.node.append(helper.make_node("ConstantOfShape", ["longest"], ["by_value"]))
+    assert [v.rule for v in check_tensorrt_model(model)] == ["data-dependent-shape"]
+
+
 def test_dynamic_inputs_need_named_dimensions(exported):
     folder, _, _ = exported
     model = load(folder, "decode.onnx")
@@ -193,7 +222,8 @@ def test_dynamic_inputs_need_named_dimensions(exported):
 
 @pytest.mark.slow
 def test_the_bundled_model_graphs_pass():
-    from criticalkv.export.llama import build_decode, build_prefill, collect_weights, layer_capacities, model_spec
+    from criticalkv.export.llama import (build_decode, build_extend, build_prefill, build_select, collect_weights,
+                                         layer_capacities, model_spec)
     from criticalkv.hf import load_model
 
     model, _ = load_model()
@@ -204,6 +234,8 @@ def test_the_bundled_model_graphs_pass():
     capacities = layer_capacities(policy, spec, 4096)
     assert check_tensorrt_model(build_prefill(spec, store, policy, capacities, flavour="tensorrt")) == []
     assert check_tensorrt_model(build_decode(spec, store, [c + 256 for c in capacities])) == []
+    assert check_tensorrt_model(build_extend(spec, store, policy, flavour="tensorrt")) == []
+    assert check_tensorrt_model(build_select(spec, store, policy, capacities, flavour="tensorrt")) == []
 
 
 def test_o_proj_is_stored_once(exported):
@@ -213,7 +245,8 @@ def test_o_proj_is_stored_once(exported):
     folder, _, result = exported
     size = (folder / "weights.bin").stat().st_size
     spans = {}
-    for name in ("prefill.onnx", "prefill_tensorrt.onnx", "decode.onnx"):
+    for name in ("prefill.onnx", "prefill_tensorrt.onnx", "decode.onnx", "extend.onnx", "extend_tensorrt.onnx",
+                 "select.onnx", "select_tensorrt.onnx"):
         for init in load(folder, name).graph.initializer:
             info = {e.key: e.value for e in init.external_data}
             span = (int(info["offset"]), int(info["length"]))
@@ -227,3 +260,8 @@ def test_o_proj_is_stored_once(exported):
     o_proj = "layers.0.o_proj"
     readers = sorted(n.op_type for n in model.graph.node if o_proj in n.input)
     assert readers == ["CriticalKVSelect", "Gemm"]
+    for name, expected in (("extend_tensorrt.onnx", ["Gemm"]), ("select_tensorrt.onnx", ["CriticalKVSelect"])):
+        model = load(folder, name)
+        weights = {i.name for i in model.graph.initializer}
+        assert not [n.name for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in weights]
+        assert sorted(n.op_type for n in model.graph.node if o_proj in n.input) == expected

@@ -72,3 +72,65 @@ def test_build_engine_script_exits_3_when_tensorrt_fails(failing_tensorrt, check
     assert failing_tensorrt[0]["dtype"] == "float32" and failing_tensorrt[0]["strongly_typed"] is True
     assert "TensorRT engines: FAILED" in capsys.readouterr().err
     assert (tmp_path / "engine" / "manifest.json").is_file()
+
+
+@pytest.fixture
+def succeeding_tensorrt(monkeypatch, tmp_path):
+    """build_tensorrt_engines replaced by one that writes the files a real build writes (TensorRT cannot run here):
+    the build step's wiring and the manifest are what is tested."""
+    from criticalkv.tensorrt import EngineBuildResult
+
+    library = tmp_path / "libcriticalkv_trt_plugin.so"
+    library.write_bytes(b"\x7fELF")
+    calls = []
+
+    def build_tensorrt_engines(prefill, decode, output_dir, **kwargs):
+        calls.append({"prefill": Path(prefill), "decode": Path(decode), **kwargs})
+        out = Path(output_dir)
+        out.mkdir(parents=True)
+        for name in ("prefill", "decode", "extend", "select"):
+            (out / f"{name}.engine").write_bytes(name.encode())
+        (out / library.name).write_bytes(library.read_bytes())
+        return EngineBuildResult(out / "prefill.engine", out / "decode.engine", out / library.name, "10.14.1",
+                                 kwargs["dtype"], 3, extend_engine=out / "extend.engine",
+                                 select_engine=out / "select.engine", select_plugin_layers=3)
+
+    monkeypatch.setattr(trt_engine, "tensorrt_unavailable_reason", lambda: None)
+    monkeypatch.setattr(trt_engine, "find_plugin_library", lambda required=True: library)
+    monkeypatch.setattr(trt_engine, "build_tensorrt_engines", build_tensorrt_engines)
+    return calls
+
+
+def test_the_build_gives_tensorrt_the_extend_and_select_graphs(succeeding_tensorrt, checkpoint, tmp_path):
+    from criticalkv.runtime.tensorrt_backend import engine_files
+
+    config = BuildConfig(max_input_len=128, max_new_tokens=8, attention_chunk=32, extend_chunk=64, max_question_len=16)
+    output = build_engine(tmp_path / "engine", KVPolicy("snapkv", budget=40, window=8), config, model=str(checkpoint),
+                          smoke=False, log=lambda message: None)
+    call = succeeding_tensorrt[0]
+    assert call["prefill"].name == "prefill_tensorrt.onnx" and call["decode"].name == "decode.onnx"
+    assert call["onnx_extend_path"].name == "extend_tensorrt.onnx" and call["onnx_select_path"].name == "select_tensorrt.onnx"
+    manifest = read_manifest(output, verify=True)
+    decode_capacity = manifest["shapes"]["decode_capacity"]
+    assert call["extend_chunk"] == 64 and call["window"] == 8 and call["max_input_len"] == 128
+    # a slot's decode buffers (selection capacity + question + new tokens) or a prompt's prefill buffer (<= 128)
+    assert call["extend_capacities"] == [max(c, 128) for c in decode_capacity] and decode_capacity[0] == 40 + 16 + 8
+    info = manifest["tensorrt"]
+    assert info["built"] and info["plugin_layers"] == info["select_plugin_layers"] == 3
+    assert info["engines"] == {name: f"tensorrt/{name}.engine" for name in ("prefill", "decode", "extend", "select")}
+    assert info["plugin_library"] == "tensorrt/libcriticalkv_trt_plugin.so"
+    files = engine_files(output, manifest)
+    assert {graph: path.read_bytes() for graph, path in files.items()} == {
+        graph: graph.encode() for graph in ("prefill", "decode", "extend", "select")}
+
+
+def test_a_model_level_policy_builds_no_tensorrt_engines(succeeding_tensorrt, checkpoint, tmp_path):
+    # layer-defensivekv has no TensorRT flavour of any graph: the step is skipped with the existing reason
+    messages = []
+    config = BuildConfig(max_input_len=128, max_new_tokens=8, attention_chunk=32)
+    output = build_engine(tmp_path / "engine", KVPolicy("layer-defensivekv", budget=40, window=8), config,
+                          model=str(checkpoint), smoke=False, log=messages.append)
+    assert succeeding_tensorrt == []
+    info = read_manifest(output, verify=False)["tensorrt"]
+    assert info["built"] is False and "selects after the last layer" in info["skipped_reason"]
+    assert not (output / "tensorrt").exists() and not (output / "extend_tensorrt.onnx").exists()

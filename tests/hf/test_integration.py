@@ -6,6 +6,7 @@ import torch
 from criticalkv import KVPolicy, select_layer
 from criticalkv.hf import generate, prefill_and_compress
 from hf.conftest import tiny_model
+from model_families import FAMILIES, random_checkpoint, random_prompt
 from policies import POLICY_CASES, make_policy
 
 IDS = [c[0] for c in POLICY_CASES]
@@ -15,7 +16,7 @@ def prompt(n, seed=1, batch=1):
     return torch.randint(1, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "ministral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_full_policy_is_token_identical_to_model_generate(model_type, attn):
     model = tiny_model(model_type, attn)
@@ -31,14 +32,15 @@ def test_budget_covering_the_prompt_is_identical_too(llama):
         assert generate(llama, ids, KVPolicy(name, budget=64, window=8), max_new_tokens=16).tokens[0] == ref
 
 
-def reference_masked_decode(model, ids, selections, steps):
+def reference_masked_decode(model, ids, selections, steps, question=None):
     """Greedy decoding with the full cache, where every generated token's attention is masked (per
-    query head) to the kept prompt entries of its KV head: what eviction must be equivalent to."""
+    query head) to the kept prompt entries of its KV head: what eviction must be equivalent to.
+    ``question`` [1, q]: tokens after the compressed prompt ``ids`` that attend like generated ones."""
     n = ids.shape[1]
     heads = model.config.num_attention_heads
     group = heads // model.config.num_key_value_heads
     model.config._attn_implementation = "eager"  # eager accepts a per-head 4-D additive mask
-    seq, out = ids, []
+    seq, out = (ids if question is None else torch.cat([ids, question], dim=1)), []
     for _ in range(steps):
         total = seq.shape[1]
         mask = torch.full((1, heads, total, total), float("-inf")).triu(1)
@@ -183,3 +185,49 @@ def test_layer_defensivekv_shares_the_budget_across_layers(llama):
     for i, want in enumerate(select_model(policy, layers)):
         assert torch.equal(pre.selections[i].indices, want.indices), f"layer {i}"
     assert out.tokens[0] == reference_masked_decode(llama, ids, pre.selections, 6)
+
+
+@pytest.mark.parametrize("fam", FAMILIES, ids=[f.id for f in FAMILIES])
+def test_window_queries_are_the_attentions_own_queries(fam):
+    """The queries the selection receives are the ones each layer's attention computes (Qwen3: q_norm before RoPE),
+    recorded from the attention function transformers calls (an independent oracle of window_queries)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from criticalkv.hf.compress import window_queries
+
+    model = random_checkpoint(fam, seed=3)
+    seen, recomputed = [], []
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        seen.append(query[:, :, -8:].detach().clone())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    def hook(module, args, kwargs, output):
+        recomputed.append(window_queries(module, kwargs["hidden_states"], kwargs["position_embeddings"], 8))
+
+    AttentionInterface.register("criticalkv_test_record", record)
+    model.config._attn_implementation = "criticalkv_test_record"
+    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([random_prompt(60, seed=5)]))
+    finally:
+        for h in handles:
+            h.remove()
+        model.config._attn_implementation = "sdpa"
+    assert len(seen) == len(recomputed) == model.config.num_hidden_layers
+    for layer, (want, got) in enumerate(zip(seen, recomputed)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{fam.id}: layer {layer}")
+
+
+@pytest.mark.parametrize("name", ["criticalkv", "ada-criticalkv", "defensivekv", "streamingllm"])
+def test_qwen3_compressed_decoding_equals_masked_full_attention(name):
+    """Qwen3 on the PyTorch path: the compressed cache decodes exactly as full attention masked to the kept entries
+    (transformers' own eager attention, q_norm / k_norm included)."""
+    from model_families import family
+
+    model = random_checkpoint(family("qwen3"), seed=4)
+    ids = torch.tensor([random_prompt(120, seed=6)])
+    out = generate(model, ids, KVPolicy(name, budget=40, window=8), max_new_tokens=8)
+    assert out.tokens[0] == reference_masked_decode(model, ids, out.prefill.selections, 8)

@@ -66,3 +66,54 @@ def test_a_corrupt_gguf_is_named(monkeypatch, tmp_path, size):
     with pytest.raises(ValueError, match=f"{bad}: cannot read this GGUF file .*truncated or corrupt"):
         loading.convert_gguf(bad, progress=False)
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == []
+
+
+#: (model_type, words of its refusal that name the family's own difference)
+REFUSED = [
+    ("phi3", "qkv_proj"), ("phi", "LayerNorm"), ("gemma", "(1 + weight) RMSNorm"), ("gemma2", "soft-capping"),
+    ("gemma3_text", "q/k norms"), ("mixtral", "mixture of experts"), ("qwen2_moe", "mixture of experts"),
+    ("qwen3_moe", "dense Qwen3"), ("smollm3", "no_rope_layers"), ("granite", "multipliers"),
+    ("olmo2", "post-norm"), ("gpt2", "separate q/k/v/o projections"),
+]
+
+
+@pytest.mark.parametrize("model_type, reason", REFUSED, ids=[r[0] for r in REFUSED])
+def test_other_families_are_refused_with_their_reason(model_type, reason):
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported") as err:
+        loading.check_supported(AutoConfig.for_model(model_type))
+    assert reason in str(err.value) and "qwen3" in str(err.value)  # the reason, then what is supported
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "ministral", "qwen2", "qwen3"])
+def test_llama_family_types_pass(model_type):
+    from transformers import AutoConfig
+
+    loading.check_supported(AutoConfig.for_model(model_type))
+
+
+def test_refused_models_fail_before_any_work(tmp_path):
+    """A refused family fails on the PyTorch path and at export with the family's reason; an engine build stops
+    from the config alone (the folder holds no weights: loading them would fail otherwise)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from criticalkv import KVPolicy
+    from criticalkv.build import build_engine
+    from criticalkv.export import BuildConfig
+    from criticalkv.export.llama import model_spec
+    from criticalkv.hf import prefill_and_compress
+
+    config = AutoConfig.for_model("phi3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2, pad_token_id=0)
+    phi3 = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="fuse q/k/v into one qkv_proj"):
+        prefill_and_compress(phi3, torch.ones(1, 20, dtype=torch.int64), KVPolicy("snapkv", budget=8, window=4))
+    with pytest.raises(ValueError, match="fuse q/k/v into one qkv_proj"):
+        model_spec(phi3)
+    config.save_pretrained(tmp_path / "phi3")
+    with pytest.raises(ValueError, match="fuse q/k/v into one qkv_proj"):
+        build_engine(tmp_path / "engine", KVPolicy("snapkv", budget=32), BuildConfig(max_input_len=64),
+                     model=str(tmp_path / "phi3"), log=lambda msg: None)
+    assert not (tmp_path / "engine").exists()

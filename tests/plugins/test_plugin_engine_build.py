@@ -8,14 +8,19 @@ import pytest
 from criticalkv.tensorrt import (
     PLUGIN_LIBRARY_ENV,
     DimRange,
+    EngineBuildResult,
     TensorRTUnavailable,
     build_tensorrt_engines,
     check_plugin_library,
     default_dim_ranges,
     dim_role,
+    engine_plan,
+    extend_dim_ranges,
     find_plugin_library,
     load_plugin_library,
+    onnx_graph_inputs,
     profile_shapes,
+    select_dim_ranges,
     tensorrt_unavailable_reason,
 )
 
@@ -40,8 +45,15 @@ def test_dim_roles_follow_the_export_naming_conventions():
     assert dim_role("sequence_length") == dim_role("seq_len") == dim_role("prompt_length") == "sequence"
     assert dim_role("past_sequence_length") == dim_role("kv_capacity") == dim_role("kept_len") == "past"
     assert dim_role("total_sequence_length") == "total"
+    # the extend and select graphs: new tokens and the prompt are sequences, the buffers' capacities past entries,
+    # and the last min(window, n) queries a window (it matched "token" as a sequence before)
+    assert dim_role("new_tokens") == dim_role("prompt_tokens") == "sequence"
+    assert dim_role("capacity_0") == dim_role("capacity_29") == "past"
+    assert dim_role("window_tokens") == "window"
     with pytest.raises(ValueError, match="'heads'"):
         dim_role("heads")
+    with pytest.raises(ValueError, match="'window_tokens', a window dimension\\) has no range"):
+        profile_shapes([("q", ["batch", "window_tokens"])], default_dim_ranges(1, 10, 5))
 
 
 def test_prefill_profile():
@@ -71,6 +83,104 @@ def test_profile_overrides_and_errors():
         DimRange(5, 4, 6)
     with pytest.raises(ValueError, match="max_capacity"):
         default_dim_ranges(1, 10, 0)
+
+
+LAYERS, KV_HEADS, HEADS, HEAD_DIM = 3, 2, 6, 16
+
+
+@pytest.fixture(scope="module")
+def exported_graphs(tmp_path_factory):
+    """A tiny Llama exported with every graph: max_input_len 256, extend_chunk 64, window 8, max batch 4."""
+    from criticalkv import KVPolicy
+    from criticalkv.export import BuildConfig, export_model
+    from hf.conftest import tiny_model
+
+    folder = tmp_path_factory.mktemp("graphs")
+    config = BuildConfig(max_input_len=256, max_new_tokens=16, max_batch_size=4, extend_chunk=64, max_question_len=24,
+                         attention_chunk=32)
+    result = export_model(tiny_model("llama", seed=5), KVPolicy("criticalkv", budget=40, window=8), folder, config)
+    return folder, result
+
+
+def plan_of(folder, result, **overrides):
+    config = result.config
+    return engine_plan(
+        folder / "prefill_tensorrt.onnx", folder / "decode.onnx", folder / "tensorrt", config.max_batch_size,
+        config.max_input_len, max(result.prefill_capacities), onnx_extend_path=folder / "extend_tensorrt.onnx",
+        onnx_select_path=folder / "select_tensorrt.onnx", extend_chunk=config.extend_chunk,
+        extend_capacities=[max(c, config.max_input_len) for c in result.decode_capacities], window=result.policy.window,
+        **overrides)
+
+
+def test_every_graph_gets_a_profile_from_its_dimension_names(exported_graphs):
+    # the four engines of an engine directory, each input's (min, opt, max) shape from the exported graphs' own
+    # dimension names: what build_tensorrt_engines gives TensorRT's optimization profiles
+    folder, result = exported_graphs
+    plan = plan_of(folder, result)
+    assert [(p.graph, p.onnx_path.name, p.engine_path.name, p.expect_plugin) for p in plan] == [
+        ("prefill", "prefill_tensorrt.onnx", "prefill.engine", True), ("decode", "decode.onnx", "decode.engine", False),
+        ("extend", "extend_tensorrt.onnx", "extend.engine", False), ("select", "select_tensorrt.onnx", "select.engine", True)]
+    shapes = {p.graph: profile_shapes(onnx_graph_inputs(p.onnx_path), p.ranges) for p in plan}
+    assert shapes["prefill"]["input_ids"] == ((1, 1), (4, 128), (4, 256))
+    assert shapes["decode"]["past_key_values.2.key"] == ((1, 2, result.decode_capacities[2], 16),
+                                                         (4, 2, result.decode_capacities[2], 16),
+                                                         (4, 2, result.decode_capacities[2], 16))
+    # extend: one sequence, 1..extend_chunk new tokens, any buffer from 1 entry to the larger of the decode buffer
+    # and the longest prompt per layer
+    extend = shapes["extend"]
+    assert extend["input_ids"] == extend["position_ids"] == ((1, 1), (1, 64), (1, 64))
+    for layer, capacity in enumerate(result.decode_capacities):
+        largest = max(capacity, 256)
+        assert extend[f"past_key_values.{layer}.key"] == ((1, 2, 1, 16), (1, 2, largest // 2, 16), (1, 2, largest, 16))
+        assert extend[f"past_key_values.{layer}.value"] == extend[f"past_key_values.{layer}.key"]
+        assert extend[f"past_key_values.{layer}.lengths"] == ((1, 2), (1, 2), (1, 2))
+    assert len(extend) == 2 + 3 * LAYERS
+    # select: the prompt's n entries (1..max_input_len), the last min(window, n) queries, the budget is static
+    select = shapes["select"]
+    for layer in range(LAYERS):
+        assert select[f"window_queries.{layer}"] == ((1, HEADS, 1, 16), (1, HEADS, 8, 16), (1, HEADS, 8, 16))
+        assert select[f"past_key_values.{layer}.key"] == ((1, 2, 1, 16), (1, 2, 128, 16), (1, 2, 256, 16))
+    assert "kv_budget" not in select and len(select) == 4 * LAYERS
+    # the ranges of a dimension name are one (TensorRT checks same-named dimensions against each other)
+    for graph, by_input in shapes.items():
+        seen = {}
+        for name, dims in onnx_graph_inputs(next(p for p in plan if p.graph == graph).onnx_path):
+            for axis, dim in enumerate(dims):
+                if isinstance(dim, str):
+                    bounds = tuple(shape[axis] for shape in by_input[name])
+                    assert seen.setdefault(dim, bounds) == bounds, (graph, name, dim)
+
+
+def test_engine_plan_rules():
+    plan = engine_plan("p.onnx", "d.onnx", "out", 2, 100, 50)
+    assert [p.graph for p in plan] == ["prefill", "decode"]  # engines built before extend and select existed
+    with pytest.raises(ValueError, match="both or neither"):
+        engine_plan("p.onnx", "d.onnx", "out", 2, 100, 50, onnx_extend_path="e.onnx")
+    with pytest.raises(ValueError, match="extend_chunk, extend_capacities"):
+        engine_plan("p.onnx", "d.onnx", "out", 2, 100, 50, onnx_extend_path="e.onnx", onnx_select_path="s.onnx")
+    plan = engine_plan("p.onnx", "d.onnx", "out", 2, 100, 50, onnx_extend_path="e.onnx", onnx_select_path="s.onnx",
+                       extend_chunk=16, extend_capacities=[120, 130], window=4,
+                       dim_ranges={"capacity_1": DimRange(1, 7, 9)})
+    assert plan[2].ranges["capacity_0"] == DimRange(1, 65, 120) and plan[2].ranges["capacity_1"] == DimRange(1, 7, 9)
+    with pytest.raises(ValueError, match="extend_chunk"):
+        extend_dim_ranges(0, [10], 4)
+    with pytest.raises(ValueError, match=r"capacities\[1\]"):
+        extend_dim_ranges(8, [10, 0], 4)
+    assert select_dim_ranges(100, 4, opt_input_len=30)["sequence"] == DimRange(1, 30, 100)
+
+
+def test_the_build_result_names_its_files_relative_to_the_engine_directory(tmp_path):
+    out = tmp_path / "engine" / "tensorrt"
+    result = EngineBuildResult(out / "prefill.engine", out / "decode.engine", out / "libcriticalkv_trt_plugin.so",
+                               "10.14.1", "float16", 3, extend_engine=out / "extend.engine",
+                               select_engine=out / "select.engine", select_plugin_layers=3)
+    assert result.manifest_entry(tmp_path / "engine") == {
+        "built": True, "tensorrt_version": "10.14.1", "dtype": "float16", "plugin_layers": 3, "select_plugin_layers": 3,
+        "plugin_library": "tensorrt/libcriticalkv_trt_plugin.so",
+        "engines": {"prefill": "tensorrt/prefill.engine", "decode": "tensorrt/decode.engine",
+                    "extend": "tensorrt/extend.engine", "select": "tensorrt/select.engine"}}
+    older = EngineBuildResult(out / "prefill.engine", out / "decode.engine", out / "lib.so", "10.14.1", "float16", 3)
+    assert set(older.manifest_entry(tmp_path / "engine")["engines"]) == {"prefill", "decode"}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="tensorrt is installed here")
@@ -218,15 +328,21 @@ def test_engines_build_in_every_dtype_and_twice_in_one_process(native_build, nee
     if tensorrt_unavailable_reason():
         pytest.skip(tensorrt_unavailable_reason())
     result = export_model(tiny_model("llama", seed=1), KVPolicy("criticalkv", budget=40, window=8), tmp_path / "onnx",
-                          BuildConfig(max_input_len=256, max_batch_size=2))
+                          BuildConfig(max_input_len=256, max_batch_size=2, extend_chunk=64))
+    folder = tmp_path / "onnx"
     for attempt in range(2):
         out = tmp_path / f"trt{attempt}"
         built = build_tensorrt_engines(
-            tmp_path / "onnx" / "prefill_tensorrt.onnx", tmp_path / "onnx" / "decode.onnx", out, find_plugin_library(),
+            folder / "prefill_tensorrt.onnx", folder / "decode.onnx", out, find_plugin_library(),
             max_batch=2, max_input_len=256, max_capacity=max(result.prefill_capacities), dtype=dtype,
-            strongly_typed=dtype == "float32",
+            strongly_typed=dtype == "float32", onnx_extend_path=folder / "extend_tensorrt.onnx",
+            onnx_select_path=folder / "select_tensorrt.onnx", extend_chunk=64, window=8,
+            extend_capacities=[max(c, 256) for c in result.decode_capacities],
         )
-        assert built.plugin_layers == result.spec.num_layers and built.dtype == dtype
+        assert built.plugin_layers == built.select_plugin_layers == result.spec.num_layers and built.dtype == dtype
         info = json.loads((out / "engines.json").read_text())
         assert info["plugin_library"] == "libcriticalkv_trt_plugin.so" and (out / info["plugin_library"]).is_file()
-        assert info["prefill_engine"] == "prefill.engine" and (out / "prefill.engine").stat().st_size > 0
+        for graph in ("prefill", "decode", "extend", "select"):
+            assert info[f"{graph}_engine"] == f"{graph}.engine" and (out / f"{graph}.engine").stat().st_size > 0
+            assert info["profiles"][graph], graph
+        assert info["profiles"]["extend"]["input_ids"] == [[1, 1], [1, 64], [1, 64]]

@@ -8,6 +8,7 @@ import torch
 
 from ckv_native import encode_fields, node_fields
 from criticalkv import KVPolicy, gather_kv, select_layer
+from criticalkv.methods.defensivekv import stage1_count
 from criticalkv.node import node_capacity
 from criticalkv.selection import topk_mask
 from helpers import random_layer
@@ -99,7 +100,8 @@ def test_defensivekv_knobs_equal_the_reference(host_lib, knobs, heads, kv_heads)
 
 def test_stage1_mass_count_is_the_reference_cumulative_count(host_lib):
     """defensivekv's stage-1 count (a radix flow over per-digit sums) equals the reference's sorted cumulative sum
-    (accumulated in double by torch's CPU cumsum, compared in float32), with ties, zeros, padding and any limit."""
+    (exact int64 sums of the masses in units of 2^-48, below the fixed-point limit), with ties, zeros, padding and any
+    limit."""
     g = torch.Generator().manual_seed(2)
     for trial in range(300):
         m = int(torch.randint(1, 300, (1,), generator=g))
@@ -110,11 +112,23 @@ def test_stage1_mass_count_is_the_reference_cumulative_count(host_lib):
         eligible = torch.arange(m) >= first_valid
         mass = torch.where(eligible, raw, torch.zeros(m))
         mass = mass / mass.sum().clamp_min(torch.finfo(torch.float32).tiny)
-        cumulative = torch.cumsum(torch.sort(torch.where(eligible, mass, 0.0), descending=True).values, 0)
         for limit in (-0.1, 0.0, 1e-6, float(torch.rand(1, generator=g)), 0.5, 0.9, 1.0, 1.5):
-            want = int((cumulative < torch.tensor(limit, dtype=torch.float32)).sum())
+            r = torch.tensor([int(eligible.sum())])  # the reference's cap: never more than the eligible tokens
+            want = int(stage1_count(mass[None, None], torch.tensor([limit]), r, eligible[None, None]))
             got = host_lib.mass_count(mass, limit, first_valid=first_valid)
-            assert got == min(want, int(eligible.sum())), (trial, limit, got, want)
+            assert got == want, (trial, limit, got, want)
+
+
+@pytest.mark.parametrize("m, seed", [(3000, 0), (1200, 2), (8000, 3)])
+def test_stage1_count_where_float32_and_double_sums_straddle_the_limit(host_lib, m, seed):
+    """A limit between a float32 and a double running sum of the sorted masses (issue 22: the plugin summed per radix
+    bin in double): the host count is the reference's exact fixed-point count."""
+    from helpers import straddling_masses
+
+    mass, limit, _ = straddling_masses(m, seed)
+    eligible = torch.ones(1, 1, m, dtype=torch.bool)
+    want = int(stage1_count(mass[None, None], torch.tensor([limit]), torch.tensor([m]), eligible))
+    assert host_lib.mass_count(mass, limit) == want
 
 
 def test_stage1_mass_needs_no_decimals_rule(host_lib):

@@ -7,7 +7,7 @@ import torch
 from criticalkv import KVPolicy
 from criticalkv.hf import generate
 from criticalkv.runtime import Engine, EngineError
-from criticalkv.sampling import SamplingConfig
+from criticalkv.request import SamplingParams
 from export.tiny_engine import export_tiny_engine
 from hf.conftest import tiny_model
 
@@ -31,12 +31,12 @@ def engine(model, tmp_path_factory):
 
 def test_sampling_with_a_seed_matches_the_pytorch_path(engine, model):
     ids = prompt(140, seed=2)
-    for config in (SamplingConfig(temperature=0.9, seed=5), SamplingConfig(temperature=0.7, top_p=0.8, seed=9)):
+    for config in (SamplingParams(temperature=0.9, seed=5), SamplingParams(temperature=0.7, top_p=0.8, seed=9)):
         got = engine.generate([ids], max_new_tokens=16, sampling=config, stop_token_ids=[])
         ref = generate(model, torch.tensor([ids]), engine.policy, max_new_tokens=16, sampling=config)
         assert got.tokens[0] == ref.tokens[0]
-    a = engine.generate([ids], max_new_tokens=16, sampling=SamplingConfig(temperature=1.0, seed=3), stop_token_ids=[])
-    b = engine.generate([ids], max_new_tokens=16, sampling=SamplingConfig(temperature=1.0, seed=3), stop_token_ids=[])
+    a = engine.generate([ids], max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=3), stop_token_ids=[])
+    b = engine.generate([ids], max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=3), stop_token_ids=[])
     assert a.tokens == b.tokens
 
 
@@ -81,11 +81,11 @@ def test_kv_buffers_are_allocated_once_and_bound_in_place(engine):
 
 
 def test_bad_requests_give_clear_errors(engine):
-    with pytest.raises(EngineError, match="exceeds the engine's max input length 256"):
+    with pytest.raises(EngineError, match="more than the engine's max input length 256"):
         engine.generate([prompt(257)], max_new_tokens=4)
     with pytest.raises(EngineError, match="exceeds the engine's max batch size 3"):
         engine.generate([prompt(20)] * 4, max_new_tokens=4)
-    with pytest.raises(EngineError, match="max_new_tokens must lie in"):
+    with pytest.raises(EngineError, match="max_tokens must lie in"):
         engine.generate([prompt(20)], max_new_tokens=33)
     with pytest.raises(EngineError, match="empty"):
         engine.generate([prompt(20), []], max_new_tokens=4)

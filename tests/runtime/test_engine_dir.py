@@ -53,11 +53,14 @@ def test_build_writes_a_complete_manifest(built, checkpoint):
     assert manifest["build"] == CONFIG.to_dict()
     assert manifest["model"]["spec"]["num_kv_heads"] == 2 and manifest["model"]["path"] == str(checkpoint)
     assert manifest["onnx"]["opset"] == 21 and manifest["onnx"]["custom_domain"] == {"ai.criticalkv": 1}
-    assert set(manifest["onnx"]["validation"]) == {"prefill", "prefill_tensorrt", "decode"}
+    graphs = {"prefill", "prefill_tensorrt", "decode", "extend", "extend_tensorrt", "select", "select_tensorrt"}
+    assert set(manifest["onnx"]["validation"]) == graphs
+    assert set(manifest["onnx"]["files"]) == graphs | {"weights"}
     assert {"python", "torch", "transformers", "onnx", "onnxruntime", "numpy"} <= set(manifest["versions"])
     files = {p.relative_to(output).as_posix() for p in output.rglob("*") if p.is_file()} - {"manifest.json"}
     assert set(manifest["files"]) == files
-    assert {"weights.bin", "prefill.onnx", "prefill_tensorrt.onnx", "decode.onnx"} <= files
+    assert {"weights.bin", "prefill.onnx", "prefill_tensorrt.onnx", "decode.onnx", "extend.onnx", "extend_tensorrt.onnx",
+            "select.onnx", "select_tensorrt.onnx"} <= files
     assert any(f.startswith("tokenizer/") for f in files)
     for rel, info in manifest["files"].items():
         assert info["sha256"] == sha256_file(output / rel)
@@ -285,9 +288,9 @@ def test_cli_engine_dir_errors(built, tmp_path, capsys):
     assert main(["generate", "--engine-dir", str(tmp_path / "none"), "--prompt", text]) == 2
     assert "no such engine directory" in capsys.readouterr().err
     assert main(["generate", "--engine-dir", str(built[0]), "--prompt", words([5] * 300), "--max-new-tokens", "8"]) == 2
-    assert "exceeds the engine's max input length" in capsys.readouterr().err
+    assert "more than the engine's max input length" in capsys.readouterr().err
     assert main(["generate", "--engine-dir", str(built[0]), "--prompt", text, "--max-new-tokens", "64"]) == 2
-    assert "max_new_tokens must lie in [1, 32]" in capsys.readouterr().err
+    assert "max_tokens must lie in [1, 32]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("n", [5, 20, 40])  # below the window (8), below the budget (40), equal to it
@@ -331,3 +334,43 @@ def test_profiling_leaves_no_trace_files(built, tmp_path, monkeypatch, capsys):
     engine.close()
     Engine.load(built[0], profile=True).close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_budget_within_the_engine_range_is_the_request_budget(built, capsys):
+    # an engine serves any budget in [window, built budget] (a runtime input of its selection): --budget in that
+    # range is this request's budget; outside it the command says what --budget must be
+    text = words([(7 * i) % 120 + 2 for i in range(150)])
+    base = ["generate", "--engine-dir", str(built[0]), "--prompt", text, "--max-new-tokens", "3", "--json"]
+    assert main(base) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main(base + ["--budget", "16"]) == 0
+    small = json.loads(capsys.readouterr().out)
+    assert default["policy"]["budget"] == 40 and small["policy"]["budget"] == 16
+    assert small["kv_bytes"]["kept"] < default["kv_bytes"]["kept"]
+    for bad in ("0", "7", "41"):
+        assert main(base + ["--budget", bad]) == 2
+        err = capsys.readouterr().err
+        assert "per-request budgets in [8, 40] only (--budget must lie there)" in err, err
+
+
+def test_cli_context_then_question_on_the_pytorch_path(checkpoint, capsys):
+    # --context/--question: the context is compressed alone, then the question runs through the compressed cache
+    # (criticalkv.hf.generate with question_ids); the JSON counts both
+    import torch
+
+    from criticalkv.hf import generate, load_model
+
+    context, question = words([(5 * i) % 120 + 2 for i in range(140)]), words([9, 10, 11, 12])
+    args = ["generate", "--model", str(checkpoint), "--budget", "40", "--window", "8", "--max-new-tokens", "6",
+            "--json", "--context", context, "--question", question]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    model, tokenizer = load_model(str(checkpoint))
+    ids = tokenizer(context)["input_ids"]
+    q = tokenizer("\n\n" + question, add_special_tokens=False)["input_ids"]
+    ref = generate(model, torch.tensor([ids]), POLICY, 6, question_ids=torch.tensor([q]))
+    assert out["token_ids"] == ref.tokens[0] and (out["prompt_tokens"], out["question_tokens"]) == (len(ids), len(q))
+    assert main(["generate", "--model", str(checkpoint), "--context", context]) == 2
+    assert "--question goes with --context" in capsys.readouterr().err
+    assert main(["generate", "--model", str(checkpoint), "--prompt", context, "--question", "why"]) == 2
+    assert "--question goes with --context" in capsys.readouterr().err

@@ -60,12 +60,14 @@ class Served:
 def start_server(tmp_path_factory, instances=1, max_num_seqs=None, **limits):
     from criticalkv.serving import launcher
     from criticalkv.serving.repository import make_repository
+    from criticalkv.serving.scheduler import SchedulerConfig
 
     if not launcher.is_set_up():
         pytest.fail("tritonserver is not set up: run `criticalkv serve --setup` (scripts/install.sh does)")
     engine_dir = build_tiny_engine(tmp_path_factory.mktemp("engine"), **limits)
     repo = tmp_path_factory.mktemp("repo")
-    make_repository(engine_dir, repo, model_name=MODEL, instances=instances, max_num_seqs=max_num_seqs, threads=1,
+    make_repository(engine_dir, repo, model_name=MODEL, instances=instances,
+                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs), threads=1,
                     execution_env=str(launcher.model_env()), python_paths=launcher.project_paths(), force=True)
     server = launcher.TritonServer(repo, log_file=repo / "tritonserver.log")
     server.start(timeout_s=240)

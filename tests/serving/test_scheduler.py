@@ -8,7 +8,7 @@ import torch
 
 from criticalkv import KVPolicy
 from criticalkv.runtime import Engine, EngineError
-from criticalkv.sampling import SamplingConfig
+from criticalkv.request import Request, SamplingParams
 from criticalkv.serving import RequestError, Scheduler
 from export.tiny_engine import export_tiny_engine
 from hf.conftest import tiny_model
@@ -34,6 +34,14 @@ def scheduler(engine):
     scheduler.close()
 
 
+def submit(scheduler, prompt_ids, max_tokens=None, sampling=None, stop_token_ids=None, kv_budget=None, on_output=None):
+    """One request: ``stop_token_ids`` given = exactly those end it (the model's EOS ids do not)."""
+    params = sampling or SamplingParams()
+    params = SamplingParams(max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+                            stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=stop_token_ids is not None)
+    return scheduler.submit(Request(prompt_ids, params, kv_budget), on_output=on_output)
+
+
 def alone(engine, ids, max_tokens, stop=(), sampling=None):
     return engine.generate([ids], max_new_tokens=max_tokens, stop_token_ids=list(stop), sampling=sampling).tokens[0]
 
@@ -43,7 +51,7 @@ def test_greedy_outputs_do_not_depend_on_the_batch(engine, scheduler):
     # decode batch at different steps and move between rows, yet each equals the request served alone
     requests = [(prompt(20 + 23 * i, seed=i), 3 + (7 * i) % 20) for i in range(10)]
     expected = [alone(engine, ids, m) for ids, m in requests]
-    handles = [scheduler.submit(ids, max_tokens=m, stop_token_ids=[]) for ids, m in requests]
+    handles = [submit(scheduler, ids, max_tokens=m, stop_token_ids=[]) for ids, m in requests]
     results = [h.result(timeout=120) for h in handles]
     assert [r.token_ids for r in results] == expected
     assert all(r.finish_reason == "length" and r.error is None for r in results)
@@ -51,9 +59,9 @@ def test_greedy_outputs_do_not_depend_on_the_batch(engine, scheduler):
 
 
 def test_streaming_outputs_per_token_and_requests_joining_late(engine, scheduler):
-    long = scheduler.submit(prompt(200, seed=40), max_tokens=30, stop_token_ids=[])
+    long = submit(scheduler, prompt(200, seed=40), max_tokens=30, stop_token_ids=[])
     first = next(iter(long))  # the long request is decoding ...
-    late = scheduler.submit(prompt(60, seed=41), max_tokens=5, stop_token_ids=[])  # ... when this one arrives
+    late = submit(scheduler, prompt(60, seed=41), max_tokens=5, stop_token_ids=[])  # ... when this one arrives
     late_outputs = list(late)
     long_outputs = [first, *long]
     assert [len(o.new_token_ids) for o in long_outputs] == [1] * 30
@@ -69,7 +77,7 @@ def test_async_outputs(engine, scheduler):
     import asyncio
 
     async def collect():
-        handles = [scheduler.submit(prompt(40 + i, seed=50 + i), max_tokens=6, stop_token_ids=[]) for i in range(3)]
+        handles = [submit(scheduler, prompt(40 + i, seed=50 + i), max_tokens=6, stop_token_ids=[]) for i in range(3)]
         return await asyncio.gather(*[_tokens(h) for h in handles])
 
     async def _tokens(handle):
@@ -82,11 +90,11 @@ def test_stop_tokens_and_sampling_per_request(engine, scheduler):
     ids = prompt(90, seed=3)
     free = alone(engine, ids, 12)
     stop = free[4]
-    config = SamplingConfig(temperature=0.8, top_p=0.9, seed=7)
+    config = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
     sampled = alone(engine, prompt(70, seed=5), 12, sampling=config)
-    a = scheduler.submit(ids, max_tokens=12, stop_token_ids=[stop])
-    b = scheduler.submit(prompt(70, seed=5), max_tokens=12, sampling=config, stop_token_ids=[])
-    c = scheduler.submit(prompt(50, seed=6), max_tokens=12, stop_token_ids=[])
+    a = submit(scheduler, ids, max_tokens=12, stop_token_ids=[stop])
+    b = submit(scheduler, prompt(70, seed=5), max_tokens=12, sampling=config, stop_token_ids=[])
+    c = submit(scheduler, prompt(50, seed=6), max_tokens=12, stop_token_ids=[])
     ra, rb, rc = a.result(60), b.result(60), c.result(60)
     assert ra.token_ids == free[: free.index(stop) + 1] and ra.finish_reason == "stop"
     assert rb.token_ids == sampled
@@ -103,8 +111,8 @@ def test_cancel_frees_the_slot_at_once(engine):
             outputs.append(out)
             started.set()
 
-        first = scheduler.submit(prompt(80, seed=8), max_tokens=32, stop_token_ids=[], on_output=on_output)
-        queued = scheduler.submit(prompt(40, seed=9), max_tokens=4, stop_token_ids=[])
+        first = submit(scheduler, prompt(80, seed=8), max_tokens=32, stop_token_ids=[], on_output=on_output)
+        queued = submit(scheduler, prompt(40, seed=9), max_tokens=4, stop_token_ids=[])
         assert started.wait(60)
         assert scheduler.num_waiting == 1  # one slot: the second request waits
         first.cancel()
@@ -125,7 +133,7 @@ def test_max_num_seqs_and_the_kv_pool_queue_requests(engine):
             with lock:
                 seen.append(scheduler.num_running)
 
-        handles = [scheduler.submit(prompt(60 + i, seed=20 + i), max_tokens=10, stop_token_ids=[], on_output=watch)
+        handles = [submit(scheduler, prompt(60 + i, seed=20 + i), max_tokens=10, stop_token_ids=[], on_output=watch)
                    for i in range(3)]
         results = [h.result(60) for h in handles]
         assert max(seen) == 2 and all(r.finish_reason == "length" for r in results)
@@ -133,8 +141,8 @@ def test_max_num_seqs_and_the_kv_pool_queue_requests(engine):
         assert [r.token_ids for r in results] == [alone(engine, prompt(60 + i, seed=20 + i), 10) for i in range(3)]
     finally:
         scheduler.close()
-    one = scheduler._charge_bound(60, 10)  # the KV bytes one such request is charged before its prefill
-    pooled = Scheduler(engine, max_num_seqs=4, kv_pool_mib=1.2 * one / 2**20)  # room for one at a time
+    one = engine.kv_bytes_bound(60, 10)  # the KV bytes one such request is charged before its prefill
+    pooled = Scheduler(engine, max_num_seqs=4, kv_memory_mib=1.2 * one / 2**20)  # room for one at a time
     try:
         seen.clear()
 
@@ -142,13 +150,13 @@ def test_max_num_seqs_and_the_kv_pool_queue_requests(engine):
             with lock:
                 seen.append((pooled.num_running, pooled.kv_bytes_reserved))
 
-        handles = [pooled.submit(prompt(60, seed=30 + i), max_tokens=10, stop_token_ids=[], on_output=watch_pool)
+        handles = [submit(pooled, prompt(60, seed=30 + i), max_tokens=10, stop_token_ids=[], on_output=watch_pool)
                    for i in range(3)]
         results = [h.result(60) for h in handles]
         assert [r.token_ids for r in results] == [alone(engine, prompt(60, seed=30 + i), 10) for i in range(3)]
         assert max(n for n, _ in seen) == 1 and max(b for _, b in seen) <= 1.2 * one
-        with pytest.raises(RequestError, match="more than the whole KV pool"):
-            pooled.submit(prompt(200), max_tokens=32)
+        with pytest.raises(RequestError, match="more than the whole KV memory"):
+            submit(pooled, prompt(200), max_tokens=32)
     finally:
         pooled.close()
 
@@ -158,19 +166,19 @@ def test_bad_requests_are_refused_with_the_problem_named(engine, scheduler):
         (dict(prompt_ids=[]), "prompt is empty"),
         (dict(prompt_ids=prompt(257)), "more than the engine's max input length 256"),
         (dict(prompt_ids=[5, 500]), r"token ids must lie in \[0, 128\)"),
-        (dict(prompt_ids=prompt(10), max_tokens=0), r"max_tokens must lie in \[1, 32\]"),
+        (dict(prompt_ids=prompt(10), max_tokens=0), r"max_tokens must be >= 1"),
         (dict(prompt_ids=prompt(10), max_tokens=33), r"max_tokens must lie in \[1, 32\]"),
         (dict(prompt_ids=prompt(10), kv_budget=41), r"kv_budget must lie in \[8, 40\]"),
         (dict(prompt_ids=prompt(10), kv_budget=7), r"kv_budget must lie in \[8, 40\]"),
     ]
     for kwargs, message in cases:
         with pytest.raises(RequestError, match=message):
-            scheduler.submit(**kwargs)
+            submit(scheduler, **kwargs)
     if not engine.backend.accepts_kv_budget:
         with pytest.raises(RequestError, match="built without a runtime budget input; rebuild it"):
-            scheduler.submit(prompt(10), kv_budget=20)
+            submit(scheduler, prompt(10), kv_budget=20)
     # the built budget itself is always accepted
-    assert scheduler.submit(prompt(30), max_tokens=3, kv_budget=40, stop_token_ids=[]).result(60).token_ids == \
+    assert submit(scheduler, prompt(30), max_tokens=3, kv_budget=40, stop_token_ids=[]).result(60).token_ids == \
         alone(engine, prompt(30), 3)
 
 
@@ -181,7 +189,7 @@ def test_max_num_seqs_above_the_built_batch_size_is_refused(engine):
 
 def test_backend_decodes_rows_independently(engine):
     # the backend contract the scheduler relies on: a row decoded in a batch == the row decoded alone, and a
-    # row moved by move_slot decodes as before. Not bitwise across batch sizes: ONNX Runtime's CPU GEMM takes
+    # row moved by move_row decodes as before. Not bitwise across batch sizes: ONNX Runtime's CPU GEMM takes
     # another path for one row (GEMV) than for several, which moves fp32 logits by ~1e-7; the greedy tokens
     # above are identical
     backend = engine.backend
@@ -189,14 +197,132 @@ def test_backend_decodes_rows_independently(engine):
     for p in (prompt(50, seed=11), prompt(120, seed=12)):
         x = np.array([p])
         pres.append(backend.prefill(x, np.ones_like(x), np.arange(len(p))[None]))
-    backend.load_slot(0, pres[1])
+    backend.load_row(0, pres[1])
     alone_logits = backend.decode(np.array([4]), np.array([120])).copy()
-    backend.load_slot(0, pres[0])
-    backend.load_slot(1, pres[1])
+    backend.load_row(0, pres[0])
+    backend.load_row(1, pres[1])
     both = backend.decode(np.array([3, 4]), np.array([50, 120])).copy()
     np.testing.assert_allclose(both[1], alone_logits[0], rtol=0, atol=1e-5)
-    backend.load_slot(0, pres[0])
-    backend.load_slot(1, pres[1])
-    backend.move_slot(1, 0)
+    backend.load_row(0, pres[0])
+    backend.load_row(1, pres[1])
+    backend.move_row(1, 0)
     moved = backend.decode(np.array([4]), np.array([120])).copy()
     np.testing.assert_array_equal(moved[0], alone_logits[0])  # same batch size: bitwise
+
+
+@pytest.fixture(scope="module")
+def chunky(tmp_path_factory):
+    """An engine with extend/select graphs whose attention block (32) the prefill chunks below are multiples of."""
+    folder = tmp_path_factory.mktemp("chunky")
+    policy = KVPolicy("ada-criticalkv", budget=40, window=8)
+    engine = Engine.load(export_tiny_engine(tiny_model("llama", seed=4), policy, folder, max_batch_size=4,
+                                            extend_chunk=32, max_question_len=24), threads=1)
+    yield engine
+    engine.close()
+
+
+def context_request(context, question, max_tokens, kv_budget=None):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(question, params, kv_budget, context_token_ids=context)
+
+
+def test_chunked_prefill_gives_the_tokens_of_one_prefill(chunky):
+    # prompts longer than a chunk go through extend chunks interleaved with the others' decode steps; a chunk of
+    # the attention block keeps the one-shot prefill's floats, so every request gets exactly its tokens alone
+    requests = [(prompt(70 + 37 * i, seed=60 + i), 4 + 3 * i) for i in range(5)]
+    expected = [alone(chunky, ids, m) for ids, m in requests]
+    scheduler = Scheduler(chunky, prefill_chunk=32)
+    try:
+        assert scheduler.chunked
+        handles = [submit(scheduler, ids, max_tokens=m, stop_token_ids=[]) for ids, m in requests]
+        assert [h.result(120).token_ids for h in handles] == expected
+        assert scheduler.kv_bytes_reserved == scheduler.context_cache.stats.bytes_held == 0
+    finally:
+        scheduler.close()
+
+
+def test_a_cached_context_answers_like_a_cold_one(chunky):
+    # the first request compresses the context (question-agnostic) and caches it; the others restore a copy and
+    # only run their question: the same tokens as on a cold cache, which are the engine's generate(questions=...)
+    context = prompt(150, seed=70)
+    questions = [prompt(6 + i, seed=71 + i) for i in range(4)]
+    expected = [chunky.generate([context], 6, stop_token_ids=[], questions=[q]).tokens[0] for q in questions]
+    scheduler = Scheduler(chunky, prefill_chunk=64)
+    try:
+        first = scheduler.submit(context_request(context, questions[0], 6)).result(120)
+        assert first.token_ids == expected[0] and first.context_cache_hit is False
+        later = [scheduler.submit(context_request(context, q, 6)) for q in questions[1:]]
+        outs = [h.result(120) for h in later]
+        assert [o.token_ids for o in outs] == expected[1:] and all(o.context_cache_hit for o in outs)
+        stats = scheduler.context_cache.stats
+        assert (stats.hits, stats.misses, stats.entries) == (3, 1, 1) and stats.bytes_held > 0
+        assert outs[0].kv_bytes_kept == first.kv_bytes_kept < first.kv_bytes_full
+        # another budget is another context: compressed again
+        other = scheduler.submit(context_request(context, questions[1], 6, kv_budget=16)).result(120)
+        assert other.context_cache_hit is False and scheduler.context_cache.stats.entries == 2
+    finally:
+        scheduler.close()
+    cold = Scheduler(chunky, context_cache_mib=0)  # no cache: every request compresses its context
+    try:
+        outs = [cold.submit(context_request(context, q, 6)).result(120) for q in questions]
+        assert [o.token_ids for o in outs] == expected and not any(o.context_cache_hit for o in outs)
+        assert cold.context_cache.stats.entries == 0
+    finally:
+        cold.close()
+
+
+def test_concurrent_requests_on_one_context_compress_it_once(chunky):
+    context = prompt(200, seed=80)
+    questions = [prompt(5, seed=81 + i) for i in range(4)]
+    scheduler = Scheduler(chunky, prefill_chunk=32)
+    try:
+        handles = [scheduler.submit(context_request(context, q, 4)) for q in questions]
+        outs = [h.result(120) for h in handles]
+        assert [o.context_cache_hit for o in outs] == [False, True, True, True]
+        assert [o.token_ids for o in outs] == [chunky.generate([context], 4, stop_token_ids=[], questions=[q]).tokens[0]
+                                               for q in questions]
+    finally:
+        scheduler.close()
+
+
+def test_the_kv_memory_evicts_cached_contexts_before_requests_wait(chunky):
+    contexts = [prompt(150, seed=90 + i) for i in range(3)]
+    scheduler = Scheduler(chunky, prefill_chunk=32, context_cache_mib=64)
+    try:
+        sizes = []
+        for context in contexts:
+            scheduler.submit(context_request(context, prompt(5), 3)).result(120)
+            sizes.append(scheduler.context_cache.stats.bytes_held)
+        assert 0 < sizes[0] < sizes[1] < sizes[2]  # every context cached (adakv heads: sizes differ a little)
+        one = max(sizes[0], sizes[1] - sizes[0], sizes[2] - sizes[1])
+    finally:
+        scheduler.close()
+    # KV memory for one request's full prompt + about 1.5 cached contexts: admitting a cold request leaves room for one
+    # context beside it (the older ones go, least recently used first); once compressed, the request holds only its
+    # kept entries and its own copy joins the cache
+    need = chunky.kv_bytes_full(150)
+    tight = Scheduler(chunky, prefill_chunk=32, kv_memory_mib=(need + 1.5 * one) / 2**20)
+    try:
+        for context in contexts:
+            tight.submit(context_request(context, prompt(5), 3)).result(120)
+            assert tight.kv_bytes_reserved <= tight.kv_memory_bytes
+        assert tight.context_cache.stats.evictions >= 1 and tight.context_cache.stats.entries <= 2
+        again = tight.submit(context_request(contexts[-1], prompt(5), 3)).result(120)
+        assert again.context_cache_hit  # the most recent one stayed
+    finally:
+        tight.close()
+
+
+def test_a_cache_hit_is_charged_what_it_holds_and_keeps_its_context(chunky):
+    # a request whose context is cached needs no prefill: it is charged its copy of the kept entries + its question +
+    # its growth, not the context's full size, so admitting it evicts nothing (its own context least of all)
+    context = prompt(150, seed=95)
+    memory = 1.05 * chunky.kv_bytes_full(150)  # a cold request fits alone; a full-size charge and the copy would not
+    scheduler = Scheduler(chunky, prefill_chunk=32, kv_memory_mib=memory / 2**20)
+    try:
+        first = scheduler.submit(context_request(context, prompt(5, seed=96), 3)).result(120)
+        assert first.context_cache_hit is False and scheduler.context_cache.stats.entries == 1
+        again = scheduler.submit(context_request(context, prompt(5, seed=97), 3)).result(120)
+        assert again.context_cache_hit and scheduler.context_cache.stats.evictions == 0
+    finally:
+        scheduler.close()

@@ -183,7 +183,28 @@ def test_model_config_has_the_vllm_backend_names_and_two_instances(served):
     assert config["model_transaction_policy"]["decoupled"] is True
     assert [i["name"] for i in config["input"]] == [
         "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "kv_budget",
-        "return_num_input_tokens", "return_num_output_tokens", "return_kv_bytes"]
+        "return_num_input_tokens", "return_num_output_tokens", "return_kv_bytes", "apply_chat_template",
+        "context", "input_ids", "context_ids"]
     assert [o["name"] for o in config["output"]] == [
-        "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "kv_bytes_kept", "kv_bytes_full"]
+        "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "kv_bytes_kept", "kv_bytes_full",
+        "context_cache_hit"]
     assert config["instance_group"][0]["count"] == 2 and config["instance_group"][0]["kind"] == "KIND_CPU"
+
+
+def test_a_context_input_is_cached_across_requests(served):
+    # Triton's generate endpoint with `context` (the document) and `text_input` (the question after it): later requests
+    # on the same context restore its compressed entries (context_cache_hit) and answer the same way. Each of the two
+    # model instances keeps its own cache: at most one miss per instance
+    doc, doc_ids = random_words(160, seed=31)
+    outs = []
+    for seed in (32, 33, 32, 33, 32):
+        question, question_ids = random_words(5, seed=seed)
+        status, out = served.post("generate", {"text_input": question, "context": doc, "max_tokens": 4,
+                                               "exclude_input_in_output": True})
+        assert status == 200, out
+        tokens = served.engine.generate([doc_ids], 4, questions=[question_ids]).tokens[0]
+        assert out["text_output"] == served.engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        outs.append(out)
+    hits = [o["context_cache_hit"] for o in outs]
+    assert hits[0] is False and hits.count(False) <= 2 and hits.count(True) >= 3, hits
+    assert outs[2]["text_output"] == outs[0]["text_output"]  # a hit answers as the cold request did

@@ -4,7 +4,9 @@
 the scheduler thread produces tokens, a response thread sends them through the request's response sender
 (new text per token when streaming; the whole text at the end otherwise), closes with
 TRITONSERVER_RESPONSE_COMPLETE_FINAL, and cancels the request when ``is_cancelled()`` turns true. A bad
-request gets a TritonError naming the problem, on that request alone. Engine arguments: ``model.json``.
+request gets a TritonError naming the problem, on that request alone; a failure that is not the client's
+(an unexpected exception, an engine error) is sent as "internal error: ..." (the OpenAI frontend answers it
+with 500, the rest with 400). Engine arguments: ``model.json``.
 """
 
 import json
@@ -29,12 +31,13 @@ class TritonPythonModel:
         for path in self.config.get("python_paths", []):  # the stub ignores PYTHONPATH
             if path not in sys.path:
                 sys.path.append(path)
-        from criticalkv.runtime import Engine
+        from criticalkv.runtime import Engine, Request, RequestError
         from criticalkv.serving import Scheduler
-        from criticalkv.serving.requests import TextStream, parse_request
-        from criticalkv.serving.scheduler import RequestError
+        from criticalkv.serving.requests import TextStream, encode_inputs, parse_request
 
         self.parse_request, self.TextStream, self.RequestError = parse_request, TextStream, RequestError
+        self.encode_inputs = encode_inputs
+        self.Request = Request
         options = {}
         if self.config.get("backend", "onnxruntime") == "tensorrt":
             options["device"] = int(args.get("model_instance_device_id", 0))
@@ -43,8 +46,7 @@ class TritonPythonModel:
         self.engine = Engine.load(self.config["engine_dir"], backend=self.config.get("backend", "onnxruntime"),
                                   verify=False, **options)
         self.tokenizer = self.engine.tokenizer
-        self.scheduler = Scheduler(self.engine, max_num_seqs=self.config.get("max_num_seqs"),
-                                   kv_pool_mib=self.config.get("kv_pool_mib"))
+        self.scheduler = Scheduler(self.engine, **self.config.get("scheduler", {}))
         self._setup_metrics(args)
         self._responses = queue.Queue()
         self._response_thread = threading.Thread(target=self._response_loop, daemon=True)
@@ -64,9 +66,14 @@ class TritonPythonModel:
                    family.COUNTER),
             family("criticalkv_requests_running", "Requests decoding", family.GAUGE),
             family("criticalkv_requests_waiting", "Requests waiting for a slot", family.GAUGE),
-            family("criticalkv_kv_pool_bytes_reserved", "KV bytes reserved by the running requests", family.GAUGE),
+            family("criticalkv_kv_bytes_reserved", "KV bytes held: running requests, prompts under prefill, cached contexts", family.GAUGE),
+            family("criticalkv_context_cache", "Compressed context cache: hits, misses, evictions (counts since start), "
+                   "bytes_held, entries (now)", family.GAUGE),
         ]
-        ttft, tpot, kept, full, running, waiting, reserved = self._metric_families
+        ttft, tpot, kept, full, running, waiting, reserved, cache = self._metric_families
+        self.m_cache = {key: cache.Metric(labels={**labels, "stat": key})
+                        for key in ("hits", "misses", "evictions", "bytes_held", "entries")}
+        self._cache_stats = {}
         self.m_ttft = ttft.Metric(labels=labels, buckets=TTFT_BUCKETS)
         self.m_tpot = tpot.Metric(labels=labels, buckets=TPOT_BUCKETS)
         self.m_kept, self.m_full = kept.Metric(labels=labels), full.Metric(labels=labels)
@@ -83,26 +90,25 @@ class TritonPythonModel:
             except self.RequestError as err:
                 self._send_error(sender, str(err))
             except Exception as err:  # an unexpected failure still answers this request alone
-                self._send_error(sender, f"{type(err).__name__}: {err}")
+                self._send_error(sender, f"internal error: {type(err).__name__}: {err}")
                 pb_utils.Logger.log_error(traceback.format_exc())
         return None
 
     def _submit(self, request, sender):
         names = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output", "kv_budget",
-                 "return_num_input_tokens", "return_num_output_tokens", "return_kv_bytes")
+                 "return_num_input_tokens", "return_num_output_tokens", "return_kv_bytes", "apply_chat_template",
+                 "context", "input_ids", "context_ids")
         inputs = {}
         for name in names:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             inputs[name] = None if tensor is None else tensor.as_numpy()
         parsed = self.parse_request(inputs, request.parameters())
-        ids = self.tokenizer(parsed.prompt)["input_ids"]
+        ids, context_ids = self.encode_inputs(parsed, self.tokenizer)
         # the Triton request stays referenced until its final response: its sender needs it alive
         state = {"request": parsed, "triton_request": request, "sender": sender, "num_sent": 0, "handle": None,
                  "text": self.TextStream(self.tokenizer, parsed.stop)}
-        stop = [] if parsed.ignore_eos else None
-        state["handle"] = self.scheduler.submit(
-            ids, max_tokens=parsed.max_tokens, sampling=parsed.sampling, stop_token_ids=stop,
-            kv_budget=parsed.kv_budget, on_output=lambda out: self._responses.put((state, out)))
+        request = self.Request(ids, parsed.sampling, parsed.kv_budget, context_token_ids=context_ids)
+        state["handle"] = self.scheduler.submit(request, on_output=lambda out: self._responses.put((state, out)))
 
     def _send_error(self, sender, message):
         sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
@@ -129,6 +135,12 @@ class TritonPythonModel:
                 if value != last:
                     metric.set(value)
             self._gauges = gauges
+        stats = self.scheduler.context_cache.stats.as_dict()
+        if stats != self._cache_stats:
+            for key, value in stats.items():
+                if value != self._cache_stats.get(key):
+                    self.m_cache[key].set(value)
+            self._cache_stats = stats
         if state.get("closed"):
             return
         new_text, stopped = state["text"].add(out.new_token_ids, final=out.finished)
@@ -144,7 +156,7 @@ class TritonPythonModel:
             self.m_full.increment(out.kv_bytes_full)
         if out.error is not None:
             state["closed"] = True
-            self._send_error(sender, out.error)
+            self._send_error(sender, f"internal error: {out.error}")
             return
         if out.finish_reason == "cancelled":
             state["closed"] = True
@@ -176,6 +188,8 @@ class TritonPythonModel:
             if parsed.return_kv_bytes:
                 tensors.append(pb_utils.Tensor("kv_bytes_kept", np.array([out.kv_bytes_kept], np.uint64)))
                 tensors.append(pb_utils.Tensor("kv_bytes_full", np.array([out.kv_bytes_full], np.uint64)))
+            if out.context_cache_hit is not None:  # a request with a context: were its entries cached?
+                tensors.append(pb_utils.Tensor("context_cache_hit", np.array([out.context_cache_hit], bool)))
         if parsed.return_num_output_tokens:
             tensors.append(pb_utils.Tensor("num_output_tokens", np.array([num_tokens], np.uint32)))
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0

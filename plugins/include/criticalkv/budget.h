@@ -1,4 +1,4 @@
-// Budget arithmetic shared by the CUDA kernels and the host driver, in integers (criticalkv/selection/budget.py).
+// Budget arithmetic shared by the CUDA kernels and the host driver, in integers (criticalkv/methods/budget.py).
 //
 // alpha and ada_floor are exact decimals with at most 6 decimals (KVPolicy's rule), carried as integer
 // millionths (policy_config.h: decimalMicros), so ceil(alpha * r) and floor(ada_floor * r) are exact integer

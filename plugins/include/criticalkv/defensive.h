@@ -8,15 +8,17 @@
 //   worst[g, i]  = max over h, j of R;  prior = mean over the valid i of worst
 //   defensive[i] = max(worst, prior) * Nbar[i] / sum_i Nbar   (Nbar: the group's mean projected-value norm)
 //   stage1[i]    = Abar[i] / sum_i Abar                      (Abar: the group's mean of the window-mean attention)
-// Stage 1 keeps per head the most massive tokens while the cumulative mass (sorted descending, accumulated in double
-// like torch's CPU cumsum, compared in fp32) stays below stage1_mass - the layer's window mass, at most r; those rank
-// STAGE1_OFFSET above every other in the shared allocation. Every float operation is the reference's, in its order
+// Stage 1 keeps per head the most massive tokens while the cumulative mass (sorted descending, summed exactly as int64
+// in units of 2^-48: fixedMass, fixedLimit, as the reference's stage1_count) stays below stage1_mass - the layer's
+// window mass, at most r; those rank STAGE1_OFFSET above every other in the shared allocation. Every float operation is the reference's, in its order
 // (sums over tokens excepted: accumulated in double here, in a vectorised float cascade by torch).
 #pragma once
 
 #include "criticalkv/group_scores.h"
 #include "criticalkv/radix_select.h"
 #include "criticalkv/shared_allocation.h"
+
+#include <cmath>
 
 namespace criticalkv
 {
@@ -150,6 +152,23 @@ CKV_HD float stage1Ranking(float defensive, bool first)
     return first ? defensive + kStage1Offset : defensive;
 }
 
+//! Stage 1 sums masses in units of 2^-kMassFixedBits (criticalkv/methods/defensivekv.py MASS_FIXED_BITS): integer sums
+//! are exact in any order (a block's atomics, a host loop, torch's and ONNX Runtime's CumSum alike).
+constexpr int kMassFixedBits = 48;
+constexpr float kMassScale = 281474976710656.0F; // 2^48
+
+//! floor(mass * 2^48): exact (a power-of-two scaling, then a floor of a float). mass in [0, 2^15).
+CKV_HD int64_t fixedMass(float mass)
+{
+    return static_cast<int64_t>(floorf(mass * kMassScale));
+}
+
+//! ceil(limit * 2^48): an integer sum C is below limit * 2^48 exactly when C < fixedLimit(limit). |limit| < 2^15.
+CKV_HD int64_t fixedLimit(float limit)
+{
+    return static_cast<int64_t>(ceilf(limit * kMassScale));
+}
+
 //! Inverse of orderedKey (radix.h) for keys of non-NaN floats.
 CKV_HD float keyValue(uint32_t key)
 {
@@ -163,25 +182,27 @@ CKV_HD float keyValue(uint32_t key)
 #endif
 }
 
-//! A 256-bin histogram of candidates by radix digit with the (double) sum of their scores per bin.
+//! A 256-bin histogram of candidates by radix digit with the sum of their fixedMass per bin.
 struct MassHistogram
 {
     uint32_t const* counts;
-    double const* sums;
+    unsigned long long const* sums;
 };
 
 //! How many candidates, taken best first, keep the cumulative sum of their (non-negative) scores below `limit`:
-//! #{k >= 1 : float(cum_k) < limit}, cum_k the sum of the k best. The executor supplies
-//!   MassHistogram massHistogram(pass, prefix, prefixMask)   counts and sums of the candidates matching prefix
+//! #{k >= 1 : cum_k < fixedLimit(limit)}, cum_k the int64 sum of fixedMass of the k best. The executor supplies
+//!   MassHistogram massHistogram(pass, prefix, prefixMask)   counts and fixedMass sums of the candidates matching prefix
 // (radix_select.h's passes): the digit holding the first candidate whose cumulative sum reaches the limit is fixed
-// pass by pass; among the candidates equal to it, the count is found by adding them one by one, like the reference.
+// pass by pass; among the candidates equal to it, the count is found by adding them one by one. fixedMass is monotone,
+// so the k best by score are the k largest fixed masses, and the integer sums make the bins' order irrelevant.
 CKV_FLOW_TEMPLATE
 template <typename Exec>
 CKV_HD int64_t radixMassCount(Exec& exec, float limit)
 {
+    int64_t const bound = fixedLimit(limit);
     uint32_t prefix = 0u;
     uint32_t prefixMask = 0u;
-    double above = 0.0;
+    int64_t above = 0;
     int64_t aboveCount = 0;
     for (int pass = 0; pass < kRadixPasses; ++pass)
     {
@@ -193,9 +214,9 @@ CKV_HD int64_t radixMassCount(Exec& exec, float limit)
             {
                 continue;
             }
-            if (static_cast<float>(above + h.sums[d]) < limit)
+            if (above + static_cast<int64_t>(h.sums[d]) < bound)
             {
-                above += h.sums[d];
+                above += static_cast<int64_t>(h.sums[d]);
                 aboveCount += h.counts[d];
                 continue;
             }
@@ -212,16 +233,16 @@ CKV_HD int64_t radixMassCount(Exec& exec, float limit)
         {
             // The candidates equal to the crossing one: add them one by one.
             int64_t const equal = h.counts[digit];
-            double const value = static_cast<double>(keyValue(prefix));
-            double cumulative = above;
+            int64_t const value = fixedMass(keyValue(prefix));
+            int64_t cumulative = above;
             for (int64_t j = 1; j <= equal; ++j)
             {
                 cumulative += value;
-                if (!(static_cast<float>(cumulative) < limit))
+                if (!(cumulative < bound))
                 {
                     return aboveCount + j - 1;
                 }
-                if (value == 0.0)
+                if (value == 0)
                 {
                     return aboveCount + equal; // the sum no longer grows
                 }

@@ -22,6 +22,7 @@
     CKV_FIELD(INT, sink_tokens, 4) \
     CKV_FIELD(FLOAT, stage1_mass, 0.9) \
     CKV_FIELD(FLOAT, head_cap_ratio, 0.0) \
+    CKV_FIELD(INT, future_positions, 512) \
     CKV_FIELD(INT, layer_idx, 0) \
     CKV_FIELD(INT, num_layers, 1) \
     CKV_FIELD(INT, capacity, 0) \
@@ -37,9 +38,11 @@
     CKV_POLICY("laprox", kLaProx, 0) \
     CKV_POLICY("defensivekv", kDefensiveKV, 0) \
     CKV_POLICY("layer-defensivekv", kLayerDefensiveKV, 0) \
+    CKV_POLICY("expected-attention", kExpectedAttention, 0) \
     CKV_POLICY("criticalkv", kSnapKV, 1) \
     CKV_POLICY("pyramid-criticalkv", kPyramidKV, 1) \
-    CKV_POLICY("ada-criticalkv", kAdaKV, 1)
+    CKV_POLICY("ada-criticalkv", kAdaKV, 1) \
+    CKV_POLICY("expected-criticalkv", kExpectedAttention, 1)
 
 //! CKV_BASE(enumerator, name, scored, shared_allocation, own_l2_norms, row_scores) for every base method, enum
 //! order. scored: ranks older tokens by window attention; shared_allocation: the layer's H_kv * r slots are
@@ -53,7 +56,8 @@
     CKV_BASE(kAdaKV, "adakv", 1, 1, 0, 0) \
     CKV_BASE(kLaProx, "laprox", 1, 1, 1, 0) \
     CKV_BASE(kDefensiveKV, "defensivekv", 1, 1, 0, 1) \
-    CKV_BASE(kLayerDefensiveKV, "layer-defensivekv", 1, 1, 0, 1)
+    CKV_BASE(kLayerDefensiveKV, "layer-defensivekv", 1, 1, 0, 1) \
+    CKV_BASE(kExpectedAttention, "expected-attention", 1, 0, 0, 0)
 
 #define CKV_CHOICES_value_norm "l1", "l2"
 #define CKV_CHOICES_gqa_reduce "mean", "kvpress"
@@ -73,6 +77,7 @@ enum class BaseMethod : int32_t
     kLaProx = 5,
     kDefensiveKV = 6,
     kLayerDefensiveKV = 7,
+    kExpectedAttention = 8,
 };
 
 //! KVPolicy.value_norm.

@@ -1,4 +1,4 @@
-// Exact pruning of CriticalKV's stage 2 (criticalkv/selection/pruned.py, docs/operator.md step 6a): an upper bound of
+// Exact pruning of CriticalKV's stage 2 (criticalkv/methods/pruned.py, docs/operator.md step 6a): an upper bound of
 // the computed ||v W_O^h||_1 from the d_h x d_h Gram matrix G_h = W_O^h W_O^h^T, and the stop rule that lets stage 2
 // compute the exact L1 norms of a few candidates only while keeping exactly the unpruned entries.
 #pragma once

@@ -1,6 +1,6 @@
 // Radix-select helpers shared by the CUDA kernels and the host C++ version.
 //
-// Top-k rule of the operator (criticalkv/selection/topk.py): the k highest scores among the candidates,
+// Top-k rule of the operator (criticalkv/methods/topk.py): the k highest scores among the candidates,
 // equal scores going to the lower index. Scores become order-preserving uint32 keys; a radix select over
 // 4 passes of 8 bits finds the key T of the k-th best candidate and how many of the k lie strictly above T;
 // the rest are the candidates with key T in ascending index order.
@@ -19,7 +19,7 @@ constexpr int kRadixPasses = 32 / kRadixBits;
 
 //! Order-preserving map of a float onto uint32: a < b <=> key(a) < key(b). -0 and +0 map to one key (they
 //! compare equal in torch's sort, so the tie rule decides between them). Every NaN maps to one key above +inf:
-//! torch's descending sort (criticalkv/selection/topk.py) puts NaN first, so a NaN score ranks best, NaNs
+//! torch's descending sort (criticalkv/methods/topk.py) puts NaN first, so a NaN score ranks best, NaNs
 //! among themselves by index.
 CKV_HD uint32_t orderedKey(float value)
 {

@@ -7,7 +7,7 @@
 #   .venv/bin/criticalkv bench setup-peers
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-OUT=benchmarks/results/serving
+OUT=results/benchmarks/serving
 B=.venv/bin/criticalkv
 uptime
 # 1. ISL 2048, OSL 64, concurrency 8 (and 1): criticalkv b=256 vs full, one server after the other (py-spy profile)
@@ -39,4 +39,34 @@ uptime
 # 7. the same, 9 rounds
 $B bench interference --engine-dir engines/ckv256 --repeats 9 --warmup 1 --out $OUT --no-progress
 uptime
+$B bench targets $OUT
+
+# ---- Issue 19: the context cache, chunked prefill and one KV memory budget (to be taken on an idle machine) ----
+# Engines with extend/select (the manifest format changed: rebuild), room for a 2,048-token context + its question:
+#   for spec in "criticalkv ckv256" "full full"; do set -- $spec
+#     .venv/bin/python scripts/build_engine.py --kv-policy $1 --budget 256 --max-input-len 2304 --max-new-tokens 256 \
+#       --max-batch-size 8 --max-question-len 64 --output engines/ctx-$2; done
+uptime
+# 8. docqa: 16 documents (ISL 2048) x 8 questions (32 tokens) in a random order, concurrency 8, OSL 64; both servers
+#    with --kv-memory-mib = 4 uncompressed 2,048-token contexts of the full engine (printed: 360 MiB for SmolLM2-135M)
+#    and --context-cache-mib the same
+$B bench docqa --engine-dir engines/ctx-full --engine-dir engines/ctx-ckv256 --docs 16 --questions 8 --isl 2048 \
+  --question-tokens 32 --osl 64 --concurrency 8 --out $OUT --name docqa --no-progress
+uptime
+# 9. memory-bound decode: ISL 2048, OSL 256, concurrency 8, KV memory of 2 full sequences (2 x 2,304 tokens)
+$B bench memory --engine-dir engines/ctx-full --engine-dir engines/ctx-ckv256 --isl 2048 --osl 256 --concurrency 8 \
+  --num-requests 16 --warmup 1 --out $OUT --name memory_bound --no-progress
+uptime
+# 10. a short request (ISL 128, OSL 16) alone / during a long one's (ISL 2048, OSL 256) decode / during its prefill,
+#     prefill not chunked vs chunks of 512 vs 256 (one server each, in this order)
+$B bench interference --engine-dir engines/ctx-ckv256 --prefill-chunk 0,512,256 --repeats 9 --warmup 1 --out $OUT \
+  --name interference_chunked --no-progress
+uptime
+# 11. a 32-token question after a cached 2,048-token context vs the same request uncached (a new document each round)
+$B bench cached-context --engine-dir engines/ctx-full --engine-dir engines/ctx-ckv256 --isl 2048 --question-tokens 32 \
+  --osl 4 --repeats 9 --warmup 1 --out $OUT --name cached_context
+uptime
+# 12. the benchmark clients against a stand-in model with a known schedule (TTFT 300 ms, then 50 ms per token);
+#     the AIPerf half runs when .peers/aiperf exists (criticalkv bench setup-peers --only aiperf)
+.venv/bin/python -m pytest -q -s tests/bench/test_ground_truth.py
 $B bench targets $OUT

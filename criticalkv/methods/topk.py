@@ -1,8 +1,9 @@
-"""Top-k masks with the operator's tie rule: equal scores go to the lower index."""
+"""Top-k masks with the operator's tie rule: equal scores go to the lower index (PyTorch; ``criticalkv.selection.topk``
+names the same module)."""
 
 from __future__ import annotations
 
-import torch
+from criticalkv.methods.lazy import torch
 
 
 def topk_mask(scores: torch.Tensor, k: torch.Tensor | int, eligible: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-import torch.nn.functional as F
+from criticalkv.methods.budget import stage1_count
+from criticalkv.methods.lazy import torch
+from criticalkv.methods.topk import topk_mask
 
 #: The pruned stage 2 is how the operator runs; tests set this to False to compare with the unpruned path.
 PRUNED = True
@@ -125,7 +126,7 @@ def l1_norms_rows(rows: torch.Tensor, w_cat: torch.Tensor, heads: int) -> torch.
     if count == 0:
         return torch.empty(0, heads, dtype=torch.float32, device=rows.device)
     per_call = NORM_BLOCK * NORM_CALL_BLOCKS
-    padded = F.pad(rows.float(), (0, 0, 0, (-count) % per_call))
+    padded = torch.nn.functional.pad(rows.float(), (0, 0, 0, (-count) % per_call))
     weights = w_cat.expand(NORM_CALL_BLOCKS, *w_cat.shape)
     out = []
     for start in range(0, padded.shape[0], per_call):
@@ -214,8 +215,6 @@ def pruned_topk_row(bound: torch.Tensor, exact, k: int, eligible: torch.Tensor, 
     ``PREFILTER_FACTOR * k`` tokens by ``bound`` (each token keeps the smaller of its two bounds).
     Returns (mask [m] bool, exact scores computed, rounds).
     """
-    from criticalkv.selection.topk import topk_mask
-
     m = bound.shape[0]
     mask = torch.zeros(m, dtype=torch.bool, device=bound.device)
     count = int(eligible.sum())
@@ -280,8 +279,6 @@ def norm_flops(n: int, budget: int, window: int, alpha: float, heads: int, head_
     the best ``prefilter_factor`` k tokens, (2 d_h^2 + 6 d_h) per token and query head;  exact : the unpruned
     formula over c = factor * k candidates.
     """
-    from criticalkv.selection.budget import stage1_count
-
     kv_heads = heads if kv_heads is None else kv_heads
     m = n - window
     r = budget - window

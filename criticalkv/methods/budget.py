@@ -17,13 +17,16 @@ Every rule is integer arithmetic, so every language computes the same numbers (t
 
 These equal the earlier float definitions (``ceil``/``floor`` of ``round(x, 9)``) for every case tested
 (``tests/selection/test_integer_rules.py``).
+
+The rules that take a policy read its knobs and its method (``policy.method.base``); they sit here, beside the
+methods, because the methods need them and ``KVPolicy`` stands a floor above (it imports the methods' registry).
 """
 
 from __future__ import annotations
 
 import functools
 
-from criticalkv.policy import KVPolicy
+from criticalkv.methods.base import Policy
 from criticalkv.spec.rules import DECIMAL_SCALE, micros
 
 
@@ -73,14 +76,14 @@ def _pyramid_layer_budgets(r: int, num_layers: int, beta_micros: int) -> tuple[i
     return tuple(floors)
 
 
-def layer_selectable_budget(policy: KVPolicy, layer_idx: int, num_layers: int) -> int:
+def layer_selectable_budget(policy: Policy, layer_idx: int, num_layers: int) -> int:
     """Older tokens per KV head (average over the layer's heads) that ``layer_idx`` may keep."""
     if not 0 <= layer_idx < num_layers:
         raise ValueError(f"layer_idx: {layer_idx} is outside [0, {num_layers})")
     return policy.method.base.layer_budget(policy, policy.selectable_budget, layer_idx, num_layers)
 
 
-def layer_budget_table(policy: KVPolicy, layer_idx: int, num_layers: int) -> list[int]:
+def layer_budget_table(policy: Policy, layer_idx: int, num_layers: int) -> list[int]:
     """r_l of layer ``layer_idx`` for every per-request budget b = window .. budget: ``table[b - window]``.
 
     This is the node attribute ``layer_budgets`` (the ONNX body and the plugin look r_l up in it, so no
@@ -94,7 +97,7 @@ def layer_budget_table(policy: KVPolicy, layer_idx: int, num_layers: int) -> lis
     return [base.layer_budget(policy, r, layer_idx, num_layers) for r in range(policy.selectable_budget + 1)]
 
 
-def max_kept_per_head(policy: KVPolicy, n: int, num_kv_heads: int, layer_idx: int = 0, num_layers: int = 1) -> int:
+def max_kept_per_head(policy: Policy, n: int, num_kv_heads: int, layer_idx: int = 0, num_layers: int = 1) -> int:
     """Upper bound of the entries any KV head of ``layer_idx`` keeps from an n-token prompt.
 
     This is the fixed capacity a compressed-cache buffer (or an ONNX/TensorRT output) needs.

@@ -1,0 +1,176 @@
+"""``criticalkv bench cached-context``: time to first token of a question after a cached context vs uncached.
+
+On one server after the other (``--engine-dir``, repeat), ``--warmup`` unmeasured rounds then ``--repeats`` rounds;
+round i takes a document of its own (``--isl`` tokens, never sent before, so not in the cache) and a question
+(``--question-tokens`` tokens as the server runs it after the context) and sends, one after the other:
+
+* ``uncached``: the document as ``context`` and the question as ``text_input``: the server prefills and compresses
+  the document, caches it, then runs the question (its response says ``context_cache_hit`` false);
+* ``cached``: the same request again: the compressed document comes from the cache, only the question runs
+  (``context_cache_hit`` true).
+
+Both ask ``--osl`` new tokens (greedy, ``ignore_eos``); nothing else runs on the server. Per server: TTFT of each
+case (median, p90, min-max) and the ratio cached / uncached, of the medians and per round (the same round's two
+requests, seconds apart: little exposed to load drifting between rounds). The issue's target (ISL 2048 context,
+32-token question): cached TTFT <= 0.1x uncached. Rounds where the hit flags are not (false, true) are kept in
+the JSON and left out of the statistics (``flags_ok``).
+
+Results: ``OUT/NAME.json`` (command, machine, load average, versions, every request), ``NAME.md``, ``NAME.png``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from criticalkv.bench import machine, served
+from criticalkv.bench.client import Endpoint, request_body, send_request
+from criticalkv.bench.metrics import distribution
+
+CASES = ("uncached", "cached")
+#: The issue's target: a cached-context question's TTFT <= this fraction of the same request uncached.
+TARGET_RATIO = 0.1
+TARGET_WORKLOAD = {"isl": 2048, "question_tokens": 32}
+
+
+def summarize_rounds(rounds: list[dict], goal: float = TARGET_RATIO) -> dict:
+    """TTFT distributions (ms) of both cases over the rounds whose hit flags were (false, true) and both succeeded,
+    the ratio of the medians, the per-round ratios, and the target."""
+    good = [r for r in rounds if r["flags_ok"]]
+    out = {"rounds": len(rounds), "used": len(good)}
+    for case in CASES:
+        out[case] = distribution([r[case]["ttft_ms"] for r in good])
+    a, b = out["cached"]["p50"], out["uncached"]["p50"]
+    out["ratio_p50"] = a / b if a is not None and b else None
+    out["paired_ratio"] = distribution([r["cached"]["ttft_ms"] / r["uncached"]["ttft_ms"] for r in good])
+    out["target"] = {"goal": goal, "met": None if out["ratio_p50"] is None else out["ratio_p50"] <= goal}
+    return out
+
+
+def render(results: dict) -> str:
+    s = results["settings"]
+    f = served.fmt
+    lines = served.header_block(results) + [
+        f"Each round: a new {s['isl']}-token document as the context and a {s['question_tokens']}-token question, sent "
+        f"twice in a row (uncached, then cached), OSL {s['osl']}; {s['repeats']} rounds after {s['warmup']} warm-up"
+        f"{', chat template' if s['chat'] else ''}.", "",
+        "| server | rounds used | uncached TTFT p50 (ms) | cached TTFT p50 (ms) | cached p90 | cached / uncached (medians) "
+        "| same-round ratio p50 (min-max) | target |",
+        "|---|---|---|---|---|---|---|---|"]
+    for run in results["runs"]:
+        c = run["cached_context"]
+        pr = c["paired_ratio"]
+        paired = "-" if pr["p50"] is None else f"{pr['p50']:.3f} ({pr['min']:.3f}-{pr['max']:.3f})"
+        t = c["target"]
+        met = "-" if t["met"] is None else ("met" if t["met"] else "NOT met")
+        if not is_target_workload(s):
+            met = "- (not the target's workload: ISL 2048 context, 32-token question)"
+        lines.append(f"| {run['engine']['label']} | {c['used']} of {c['rounds']} | {f(c['uncached']['p50'])} "
+                     f"| {f(c['cached']['p50'])} | {f(c['cached']['p90'])} | {f(c['ratio_p50'], 3)} | {paired} "
+                     f"| <= {t['goal']:g}x: {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def is_target_workload(settings: dict) -> bool:
+    return all(settings.get(k) == v for k, v in TARGET_WORKLOAD.items())
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, run in enumerate(results["runs"]):
+        for j, case in enumerate(CASES):
+            ys = [r[case]["ttft_ms"] for r in run["rounds"] if r[case]["ok"]]
+            x = 2 * i + j
+            ax.scatter([x] * len(ys), ys, alpha=0.7, color="tab:red" if case == "uncached" else "tab:green", zorder=3)
+            med = run["cached_context"][case]["p50"]
+            if med is not None:
+                ax.hlines(med, x - 0.3, x + 0.3, colors="black", zorder=4)
+    ax.set_xticks(range(2 * len(results["runs"])),
+                  [f"{r['engine']['label']}\n{c}" for r in results["runs"] for c in CASES], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT (ms, log)")
+    s = results["settings"]
+    ax.set_title(f"question ({s['question_tokens']} tokens) after a {s['isl']}-token context: uncached vs cached",
+                 fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    from criticalkv.bench.prompts import corpus_ids, make_prompts, make_questions
+
+    served.check_server_arguments(args)
+    if min(args.isl, args.question_tokens, args.osl, args.repeats) < 1 or args.warmup < 0:
+        raise ValueError("--isl, --question-tokens, --osl and --repeats must be >= 1, --warmup >= 0")
+    server_args = served.split_server_args(args.server_args, own=())
+    stem = Path(args.out) / args.name
+    results = machine.header(args.command_line)
+    results["benchmark"] = "cached-context"
+    results["uptime_before"] = served.uptime()
+    results["settings"] = {"isl": args.isl, "question_tokens": args.question_tokens, "osl": args.osl,
+                           "repeats": args.repeats, "warmup": args.warmup, "chat": args.chat, "seed": args.seed,
+                           "kv_budget": args.kv_budget, "server_args": server_args, "goal": args.goal}
+    results["runs"] = []
+    print("\n".join(machine.header_lines(results)), flush=True)
+    tokenizer = served.load_tokenizer(args)
+    rounds = args.warmup + args.repeats
+    documents = make_prompts(tokenizer, args.isl, rounds, seed=args.seed, ids=corpus_ids(tokenizer))
+    questions = [make_questions(tokenizer, d, 1, args.question_tokens, args.seed, args.chat)[0] for d in documents]
+    bodies = [request_body(q, args.osl, True, args.kv_budget, context=d.text, chat=args.chat if args.chat else None)
+              for d, q in zip(documents, questions)]
+
+    def on_server(endpoint: Endpoint, metrics_url, engine: dict) -> None:
+        run = {"engine": engine, "server_args": server_args, "rounds": [], "warmup_rounds": []}
+        results["runs"].append(run)
+        for i, body in enumerate(bodies):
+            row = {"round": i - args.warmup, "load_average_before": machine.load_average()}
+            for case in CASES:
+                record = send_request(endpoint, body)
+                row[case] = served.request_json(record, record.start)
+            row["load_average_after"] = machine.load_average()
+            row["flags_ok"] = (row["uncached"]["ok"] and row["cached"]["ok"]
+                               and row["uncached"]["context_cache_hit"] is False and row["cached"]["context_cache_hit"] is True)
+            (run["warmup_rounds"] if i < args.warmup else run["rounds"]).append(row)
+            if i >= args.warmup:
+                run["cached_context"] = summarize_rounds(run["rounds"], args.goal)
+                served.write_results(results, stem, render, None)
+            ttft = [row[c]["ttft_ms"] for c in CASES]
+            print(f"{engine['label']} round {row['round']}: TTFT uncached {served.fmt(ttft[0])} ms, cached "
+                  f"{served.fmt(ttft[1])} ms, hits {row['uncached']['context_cache_hit']} / "
+                  f"{row['cached']['context_cache_hit']}", flush=True)
+
+    served.on_each_server(args, server_args, on_server, results)
+    results["uptime_after"] = served.uptime()
+    machine.finish(results)
+    served.write_results(results, stem, render, None if args.no_plot else plot)
+    print(render(results), flush=True)
+    print(f"results: {stem}.json / .md" + ("" if args.no_plot else " / .png"), flush=True)
+    used = all(r["cached_context"]["used"] == r["cached_context"]["rounds"] for r in results["runs"])
+    return 0 if used else 1
+
+
+def add_arguments(p) -> None:
+    served.add_server_arguments(p)
+    load = p.add_argument_group("workload")
+    load.add_argument("--isl", type=int, default=2048, help="tokens of each round's document (default: 2048)")
+    load.add_argument("--question-tokens", type=int, default=32,
+                      help="tokens of the question as the server runs it after the context (default: 32)")
+    load.add_argument("--osl", type=int, default=4, help="new tokens per request (default: 4)")
+    load.add_argument("--repeats", type=int, default=5, help="measured rounds per server (default: 5)")
+    load.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default: 1)")
+    load.add_argument("--chat", action="store_true", help="send apply_chat_template (context and question in one user "
+                      "message of the chat template)")
+    load.add_argument("--kv-budget", type=int, help="per-request kv_budget (default: the engine's)")
+    load.add_argument("--goal", type=float, default=TARGET_RATIO,
+                      help=f"target: cached median TTFT / uncached median TTFT (default: {TARGET_RATIO:g})")
+    load.add_argument("--seed", type=int, default=0, help="documents and questions (default: 0)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
+    out.add_argument("--name", default="cached_context", help="file stem of the results (default: cached_context)")
+    out.add_argument("--no-plot", action="store_true", help="skip the PNG")

@@ -1,0 +1,302 @@
+"""``criticalkv bench docqa``: document question answering with reuse, the workload the context cache is for.
+
+``--docs`` D documents of ``--isl`` tokens each (cut from the benchmark prose as ``bench serve``'s prompts are:
+``criticalkv.bench.prompts``) and ``--questions`` Q questions about each (``--question-tokens`` tokens: a fixed stem
+and a quoted phrase of the document, seeded). The D x Q requests, each the document as ``context`` and the question
+as ``text_input``, are sent in a random (seeded) order, closed loop at ``--concurrency`` (default 8), ``--osl`` new
+tokens each (greedy, ``ignore_eos``), to one server after the other (``--engine-dir``, repeat: e.g. ``full`` and
+criticalkv b=256), all started with the same flags: ``--kv-memory-mib`` M (default: ``--kv-contexts`` 4 uncompressed
+documents, from the ``full`` engine's KV bytes per token; printed) and ``--context-cache-mib`` M (the cache may use
+all the KV memory running requests leave: the memory is the binding limit for both servers).
+
+Before the measured requests, ``--warmup`` requests on documents of their own (the first one compresses its
+document, the next ones hit it) warm each server's graphs; their cached entry is the least recently used and goes
+first. The measured requests start on a cache without any of the D documents, so at most (Q - 1) / Q of them can
+hit (the ceiling, printed).
+
+Per server: the context-cache hit rate (from each response's ``context_cache_hit``), TTFT p50 / p90 (all requests,
+and hits and misses apart), output tokens/s, the KV MiB the scheduler held (its ``criticalkv_kv_bytes_reserved``
+gauge: running requests, prompts under prefill, cached contexts; peak and time-weighted mean), the contexts it kept
+cached (``criticalkv_context_cache``: entries, and the evictions during the run) and the requests running at once;
+then each server's ratios to ``full``. The issue's targets (D = 16, Q = 8, ISL 2048): criticalkv
+output tokens/s >= 3x ``full`` and TTFT p50 <= 0.25x ``full``, same memory.
+
+Results: ``OUT/NAME.json`` (command, machine, load average, versions, settings, every request), ``NAME.md``
+(tables) and ``NAME.png``.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from criticalkv.bench import machine, served
+from criticalkv.bench.client import Endpoint, request_body, run_load, send_request
+from criticalkv.bench.metrics import distribution
+
+#: The issue's targets for this workload (D = 16, Q = 8, ISL 2048): criticalkv vs full, same KV memory.
+TARGET_THROUGHPUT = 3.0
+TARGET_TTFT_P50 = 0.25
+TARGET_WORKLOAD = {"isl": 2048, "docs": 16, "questions": 8, "kv_contexts": 4.0, "concurrency": 8}
+
+
+def workload(tokenizer, isl: int, docs: int, questions: int, question_tokens: int, seed: int, chat: bool,
+             warmup: int) -> dict:
+    """The documents, the questions and the order they are sent in.
+
+    Returns {"documents": [text] (D measured, then one for the warm-up), "questions": [[text] * Q] * D,
+    "order": [(document, question)] (a seeded shuffle of every pair), "warmup": [(D, question)] * warmup}."""
+    from criticalkv.bench.prompts import corpus_ids, make_prompts, make_questions
+
+    ids = corpus_ids(tokenizer)
+    documents = make_prompts(tokenizer, isl, docs + 1, seed=seed, ids=ids)
+    asked = [make_questions(tokenizer, d, questions if i < docs else max(warmup, 1), question_tokens, seed, chat)
+             for i, d in enumerate(documents)]
+    order = [(d, q) for d in range(docs) for q in range(questions)]
+    random.Random(f"bench-docqa-order/{seed}").shuffle(order)
+    return {"documents": [d.text for d in documents], "questions": asked, "order": order,
+            "warmup": [(docs, q) for q in range(warmup)]}
+
+
+def bodies(work: dict, pairs, osl: int, chat: bool, kv_budget: int | None) -> list[dict]:
+    return [request_body(work["questions"][d][q], osl, True, kv_budget, context=work["documents"][d],
+                         chat=chat if chat else None) for d, q in pairs]
+
+
+def summarize_run(run: dict) -> dict:
+    """The docqa figures of one server run: hit rate, TTFT by hit / miss, KV MiB held."""
+    s, m = run["summary"], run["server_metrics"]
+    rows = [r for r in run["requests"] if r["ok"]]
+    held = m.get("criticalkv_kv_bytes_reserved") or {}
+    running = m.get("criticalkv_requests_running") or {}
+    cache_held, cache_entries = (m.get(f"criticalkv_context_cache:{k}") or {} for k in ("bytes_held", "entries"))
+    evictions = m.get("criticalkv_context_cache:evictions") or {}
+    return {
+        "hit_rate": s.get("context_cache_hit_rate"), "hits": s.get("context_cache_hits"),
+        "misses": s.get("context_cache_misses"),
+        "ttft_ms_hit": distribution([r["ttft_ms"] for r in rows if r["context_cache_hit"] is True]),
+        "ttft_ms_miss": distribution([r["ttft_ms"] for r in rows if r["context_cache_hit"] is False]),
+        "kv_mib_held_peak": None if held.get("peak") is None else held["peak"] / 2**20,
+        "kv_mib_held_mean": None if held.get("mean") is None else held["mean"] / 2**20,
+        "running_peak": running.get("peak"), "running_mean": running.get("mean"),
+        "cache_mib_held_mean": None if cache_held.get("mean") is None else cache_held["mean"] / 2**20,
+        "cached_contexts_mean": cache_entries.get("mean"), "cached_contexts_peak": cache_entries.get("peak"),
+        # the gauge counts since the server started: what this run evicted (warm-up and sampling gaps aside)
+        "cache_evictions": None if not evictions else evictions["last"] - evictions["first"],
+    }
+
+
+RATIOS = {
+    "output_throughput": lambda r: r["summary"].get("output_throughput"),
+    "ttft_p50_ms": lambda r: (r["summary"].get("ttft_ms") or {}).get("p50"),
+    "ttft_p90_ms": lambda r: (r["summary"].get("ttft_ms") or {}).get("p90"),
+    "hit_rate": lambda r: r["docqa"]["hit_rate"],
+    "kv_mib_held_mean": lambda r: r["docqa"]["kv_mib_held_mean"],
+}
+
+
+def targets(results: dict) -> list[dict]:
+    """The issue's two docqa targets, per non-full server; ``met`` None when the run is not the target's workload."""
+    s = results["settings"]
+    is_target = all(s.get(k) == v for k, v in TARGET_WORKLOAD.items())
+    out = []
+    for row in results.get("versus_full", []):
+        tput, ttft = row["output_throughput"]["ratio"], row["ttft_p50_ms"]["ratio"]
+        for what, value, goal, ok in (
+                (f"output tokens/s >= {TARGET_THROUGHPUT:g}x full", tput, TARGET_THROUGHPUT,
+                 None if tput is None else tput >= TARGET_THROUGHPUT),
+                (f"TTFT p50 <= {TARGET_TTFT_P50:g}x full", ttft, TARGET_TTFT_P50,
+                 None if ttft is None else ttft <= TARGET_TTFT_P50)):
+            out.append({"engine": row["engine"], "what": what, "ratio": value, "goal": goal,
+                        "met": ok if is_target else None, "target_workload": is_target})
+    return out
+
+
+def render(results: dict) -> str:
+    s = results["settings"]
+    f = served.fmt
+    lines = served.header_block(results) + [
+        f"{s['docs']} documents of {s['isl']} tokens x {s['questions']} questions ({s['question_tokens']} tokens) each, "
+        f"{s['docs'] * s['questions']} requests in a random order (seed {s['seed']}), concurrency {s['concurrency']}, "
+        f"OSL {s['osl']}{', chat template' if s['chat'] else ''}. Every server: --kv-memory-mib {f(s['kv_memory_mib'], 1)} "
+        f"({s['kv_memory_note']}), --context-cache-mib {f(s['context_cache_mib'], 1)}. Hit rate ceiling "
+        f"{f(100 * s['hit_rate_ceiling'], 1)} % (each document's first request must miss).", "",
+        "| server | ok / failed | hit rate | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p50 hit / miss (ms) | output tokens/s "
+        "| KV MiB held, mean (peak) | cached contexts, mean (peak; evictions) | running, mean (peak) | duration (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in results["runs"]:
+        sm, d = run["summary"], run["docqa"]
+        if not sm.get("completed"):
+            lines.append(f"| {run['engine']['label']} | 0 / {sm.get('failed')} | all failed: {run.get('first_error')} "
+                         "| | | | | | | | |")
+            continue
+        hit = "-" if d["hit_rate"] is None else f"{100 * d['hit_rate']:.1f} % ({d['hits']} of {d['hits'] + d['misses']})"
+        lines.append(
+            f"| {run['engine']['label']} | {sm['completed']} / {sm['failed']} | {hit} | {f(sm['ttft_ms']['p50'])} "
+            f"| {f(sm['ttft_ms']['p90'])} | {f(d['ttft_ms_hit']['p50'])} / {f(d['ttft_ms_miss']['p50'])} "
+            f"| {f(sm['output_throughput'], 2)} | {f(d['kv_mib_held_mean'])} ({f(d['kv_mib_held_peak'])}) "
+            f"| {f(d.get('cached_contexts_mean'), 2)} ({f(d.get('cached_contexts_peak'), 0)}; {f(d.get('cache_evictions'), 0)}) "
+            f"| {f(d['running_mean'], 2)} ({f(d['running_peak'], 0)}) | {f(sm['duration_s'], 1)} |")
+    if results.get("versus_full"):
+        lines += ["", "| server / full | output tokens/s | TTFT p50 | TTFT p90 | hit rate | KV MiB held (mean) |",
+                  "|---|---|---|---|---|---|"]
+        for row in results["versus_full"]:
+            lines.append(f"| {row['engine']} / {row['base']} | " + " | ".join(
+                f"{f(row[k]['ratio'], 2)}x" if row[k]["ratio"] is not None else "-"
+                for k in ("output_throughput", "ttft_p50_ms", "ttft_p90_ms", "hit_rate", "kv_mib_held_mean")) + " |")
+    rows = targets(results)
+    if rows:
+        lines.append("")
+        for t in rows:
+            met = ("met" if t["met"] else "NOT met") if t["met"] is not None else \
+                ("-" if t["target_workload"] else "- (not the target's workload: D 16, Q 8, ISL 2048, 4 contexts of memory, "
+                 "concurrency 8)")
+            lines.append(f"Target ({t['engine']}: {t['what']}): {f(t['ratio'], 2)}x, {met}.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in results["runs"] if r["summary"].get("completed")]
+    labels = [r["engine"]["label"] for r in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    ax.bar(labels, [r["summary"]["output_throughput"] for r in runs], color="tab:blue")
+    for i, r in enumerate(runs):
+        rate = r["docqa"]["hit_rate"]
+        ax.text(i, r["summary"]["output_throughput"], "" if rate is None else f"hits {100 * rate:.0f} %",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput (context-cache hit rate)")
+    ax = axes[1]
+    width = 0.2
+    for k, (key, name) in enumerate((("p50", "p50"), ("p90", "p90"))):
+        ax.bar([i + (k - 1.5) * width for i in range(len(runs))], [r["summary"]["ttft_ms"][key] for r in runs],
+               width, label=f"TTFT {name}, all")
+    for k, (key, name) in enumerate((("ttft_ms_hit", "hits"), ("ttft_ms_miss", "misses"))):
+        ax.bar([i + (k + 0.5) * width for i in range(len(runs))], [r["docqa"][key]["p50"] or 0 for r in runs],
+               width, label=f"TTFT p50, {name}")
+    ax.set_xticks(range(len(runs)), labels)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms")
+    ax.set_title("time to first token")
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    for r, marker in zip(runs, "os^vD"):
+        for hit, color in ((True, "tab:green"), (False, "tab:red")):
+            pts = [(q["start_s"], q["ttft_ms"]) for q in r["requests"] if q["ok"] and q["context_cache_hit"] is hit]
+            if pts:
+                ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=color, marker=marker, s=14, alpha=0.7,
+                           label=f"{r['engine']['label']}, {'hit' if hit else 'miss'}")
+    ax.set_yscale("log")
+    ax.set_xlabel("request start (s after the first)")
+    ax.set_ylabel("TTFT (ms, log)")
+    ax.set_title("each request")
+    ax.legend(fontsize=7)
+    s = results["settings"]
+    fig.suptitle(f"docqa: {s['docs']} docs x {s['questions']} questions, ISL {s['isl']}, OSL {s['osl']}, "
+                 f"conc {s['concurrency']}, KV memory {s['kv_memory_mib']:.0f} MiB", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    served.check_server_arguments(args)
+    if min(args.isl, args.docs, args.questions, args.question_tokens, args.osl, args.concurrency) < 1:
+        raise ValueError("--isl, --docs, --questions, --question-tokens, --osl and --concurrency must be >= 1")
+    if args.warmup < 0 or args.kv_contexts <= 0:
+        raise ValueError("--warmup must be >= 0 and --kv-contexts > 0")
+    extra = served.split_server_args(args.server_args)
+    if args.kv_memory_mib is not None:
+        memory, note = args.kv_memory_mib, "given"
+    elif args.engine_dir:
+        full = served.full_engine(args.engine_dir)
+        memory = served.kv_mib(full, args.isl, args.kv_contexts)
+        note = (f"{args.kv_contexts:g} uncompressed {args.isl}-token contexts of {Path(full).name}: "
+                f"{served.kv_mib(full, args.isl, 1):.2f} MiB each")
+    else:
+        memory, note = None, "the running server's"
+    cache = memory if args.context_cache_mib is None else args.context_cache_mib
+    server_args = extra + ([] if memory is None else ["--kv-memory-mib", served.mib_flag(memory)]) + \
+        ([] if cache is None else ["--context-cache-mib", served.mib_flag(cache)])
+    stem = Path(args.out) / args.name
+    results = machine.header(args.command_line)
+    results["benchmark"] = "docqa"
+    results["uptime_before"] = served.uptime()
+    results["settings"] = {"isl": args.isl, "docs": args.docs, "questions": args.questions,
+                           "question_tokens": args.question_tokens, "osl": args.osl, "concurrency": args.concurrency,
+                           "warmup": args.warmup, "chat": args.chat, "seed": args.seed, "kv_budget": args.kv_budget,
+                           "kv_memory_mib": memory, "kv_memory_note": note, "context_cache_mib": cache,
+                           "kv_contexts": args.kv_contexts if args.kv_memory_mib is None and args.engine_dir else None,
+                           "server_args": server_args, "hit_rate_ceiling": (args.questions - 1) / args.questions}
+    results["runs"] = []
+    print("\n".join(machine.header_lines(results)), flush=True)
+    print(f"KV memory per server: {'-' if memory is None else f'{memory:.2f}'} MiB ({note}); context cache "
+          f"{'-' if cache is None else f'{cache:.2f}'} MiB", flush=True)
+    work = workload(served.load_tokenizer(args), args.isl, args.docs, args.questions, args.question_tokens, args.seed,
+                    args.chat, args.warmup)
+    measured = bodies(work, work["order"], args.osl, args.chat, args.kv_budget)
+    warm = bodies(work, work["warmup"], args.osl, args.chat, args.kv_budget)
+    labels = [{"document": d, "question": q} for d, q in work["order"]]
+
+    def on_server(endpoint: Endpoint, metrics_url, engine: dict) -> None:
+        for body in warm:  # one after the other: the first compresses the warm-up document, the next hit it
+            record = send_request(endpoint, body)
+            if record.error:
+                raise RuntimeError(f"{engine['label']}: warm-up request failed: {record.error}")
+        run = served.measure_run(endpoint, metrics_url, engine, server_args, lambda: run_load(
+            endpoint, measured, concurrency=args.concurrency,
+            progress=f"docqa {engine['label']}" if args.progress else None), extra=labels)
+        run["docqa"] = summarize_run(run)
+        results["runs"].append(run)
+        results["versus_full"] = served.versus_full(results["runs"], RATIOS)
+        served.write_results(results, stem, render, None)
+        d, sm = run["docqa"], run["summary"]
+        print(f"{engine['label']}: {sm.get('completed', 0)} ok, {sm.get('failed', 0)} failed; hit rate "
+              f"{served.fmt(None if d['hit_rate'] is None else 100 * d['hit_rate'])} %, TTFT p50 "
+              f"{served.fmt((sm.get('ttft_ms') or {}).get('p50'))} ms, {served.fmt(sm.get('output_throughput'), 2)} "
+              "output tokens/s", flush=True)
+
+    served.on_each_server(args, server_args, on_server, results)
+    results["uptime_after"] = served.uptime()
+    machine.finish(results)
+    served.write_results(results, stem, render, None if args.no_plot else plot)
+    print(render(results), flush=True)
+    print(f"results: {stem}.json / .md" + ("" if args.no_plot else " / .png"), flush=True)
+    failed = sum(r["summary"].get("failed", 0) for r in results["runs"])
+    return 1 if failed else 0
+
+
+def add_arguments(p) -> None:
+    served.add_server_arguments(p)
+    load = p.add_argument_group("workload")
+    load.add_argument("--isl", type=int, default=2048, help="tokens per document (default: 2048)")
+    load.add_argument("--docs", type=int, default=16, help="documents, D (default: 16)")
+    load.add_argument("--questions", type=int, default=8, help="questions per document, Q (default: 8)")
+    load.add_argument("--question-tokens", type=int, default=32,
+                      help="tokens of each question as the server runs it after the context (default: 32)")
+    load.add_argument("--osl", type=int, default=64, help="new tokens per request (default: 64)")
+    load.add_argument("--concurrency", type=int, default=8, help="requests in flight, closed loop (default: 8)")
+    load.add_argument("--warmup", type=int, default=2,
+                      help="warm-up requests per server on a document of their own, not measured (default: 2)")
+    load.add_argument("--chat", action="store_true",
+                      help="send apply_chat_template: context and question form one user message of the chat template")
+    load.add_argument("--kv-budget", type=int, help="per-request kv_budget (default: the engine's)")
+    load.add_argument("--seed", type=int, default=0, help="documents, questions and their order (default: 0)")
+    mem = p.add_argument_group("memory (the same for every server)")
+    mem.add_argument("--kv-memory-mib", type=float,
+                     help="each server's --kv-memory-mib (default: --kv-contexts uncompressed documents)")
+    mem.add_argument("--kv-contexts", type=float, default=4.0,
+                     help="KV memory as this many uncompressed --isl-token documents of the full engine (default: 4)")
+    mem.add_argument("--context-cache-mib", type=float,
+                     help="each server's --context-cache-mib (default: the KV memory: the cache may use all of it)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
+    out.add_argument("--name", default="docqa", help="file stem of the results (default: docqa)")
+    out.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")

@@ -1,0 +1,594 @@
+"""OpenAI-compatible API (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) in front of the
+criticalkv Triton model: a small ASGI app (FastAPI, served by uvicorn) that forwards each request to the
+model over gRPC streaming (``ModelStreamInfer``, the decoupled model's protocol), so the OpenAI API and
+Triton's own endpoints share one engine and one scheduler per model instance.
+
+Why not Triton's own OpenAI frontend (``triton-inference-server/server``, ``python/openai``): it drives an
+in-process server through the ``tritonserver`` Python bindings, which the ``nvidia-pytriton`` wheel does not
+ship (only the ``tritonserver`` binary), and the PyPI package of that name is a placeholder that refuses to
+install (checked 2026-11).
+
+The request is turned into the model's inputs (vllm_backend's names): ``text_input`` (the prompt; for chat,
+the messages rendered by the engine's chat template, ``criticalkv.chat``), ``stream``,
+``sampling_parameters`` (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``ignore_eos``),
+``exclude_input_in_output``, ``kv_budget`` and the token counts. criticalkv's own fields ride in the body
+(the ``openai`` client's ``extra_body``): ``kv_budget`` (tokens kept per KV head for this request),
+``ignore_eos`` (as vLLM) and ``context`` (the compressed context cache, forwarded only to a model that has a
+``context`` input). The model checks the values (ranges, lengths); its errors come back on the gRPC stream and
+become 400 with its message; this layer checks the shapes and types (pydantic, strict) and what only it
+knows (the model name, ``n``, fields the server does not implement). Every error is OpenAI's error object
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request  # module level: FastAPI reads the handlers' (string) annotations
+
+
+from criticalkv.chat import chat_context_ids, chat_prompt_text
+from criticalkv.request import DEFAULT_MAX_TOKENS
+
+#: max_tokens of /v1/completions when the request gives none (OpenAI's and vLLM's default); a chat completion
+#: without one may use the engine's whole built maximum (``chat_max_tokens``), as vLLM fills the context
+COMPLETIONS_DEFAULT_MAX_TOKENS = DEFAULT_MAX_TOKENS
+INT32_MAX = 2**31 - 1
+INTERNAL_PREFIX = "internal error: "
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                              405: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+# --------------------------------------------------------------------------------------------------- requests
+class _Strict(BaseModel):
+    # strict: "0.5" is not a number and 2.0 not an integer (a client mistake gets a 400, not a guess)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
+
+
+class _Common(_Strict):
+    """Fields shared by both endpoints. Fields the server does not implement are accepted only at their
+    neutral value (``UNSUPPORTED``), so a request that asks for them gets a 400 instead of being ignored."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # criticalkv's own fields (extra_body)
+    kv_budget: int | None = None
+    ignore_eos: bool | None = None
+    context: str | bool | None = None
+    # OpenAI fields not implemented here (accepted at their neutral value only)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Union[bool, int, None] = None
+    top_logprobs: int | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+#: field -> the values that mean "not used"
+UNSUPPORTED = {
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "store": (None, False), "service_tier": (None, "auto"),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]), "reasoning_effort": (None,), "suffix": (None, ""), "best_of": (None, 1),
+}
+
+
+def parse_body(raw: bytes, model_type: type[_Common]) -> _Common:
+    """The request model of ``raw`` (JSON), or APIError 400 naming every problem."""
+    try:
+        return model_type.model_validate_json(raw)
+    except ValidationError as err:
+        problems, param = [], None
+        for e in err.errors():
+            loc = ".".join(str(part) for part in e["loc"])
+            param = param or (str(e["loc"][0]) if e["loc"] else None)
+            if e["type"] == "json_invalid":
+                message = f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
+            elif e["type"] == "model_type" and not e["loc"]:
+                message = "the request body must be a JSON object"
+            elif e["type"] == "extra_forbidden":
+                message = f"{loc}: unknown field (not an OpenAI or criticalkv request field)"
+            elif e["type"] == "missing":
+                message = f"{loc}: required"
+            else:
+                message = f"{loc}: {e['msg']}"
+            if message not in problems:
+                problems.append(message)
+        # pydantic reports every member of a union; the first problems say it
+        raise APIError(400, "; ".join(problems[:4]), param) from None
+
+
+def check_common(request: _Common, served_model: str, model_inputs: set[str]) -> None:
+    if request.model is not None and request.model != served_model:
+        raise APIError(400, f"model {request.model!r} does not exist: this server serves {served_model!r} "
+                            "(GET /v1/models)", "model")
+    if request.n is not None and request.n != 1:
+        raise APIError(400, f"n: only n=1 is supported, got {request.n}", "n")
+    if request.stream_options is not None and not request.stream:
+        raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+    for name, neutral in UNSUPPORTED.items():
+        value = getattr(request, name, None)
+        if not any(_same(value, v) for v in neutral):
+            raise APIError(400, f"{name}: not supported by this server (got {value!r})", name)
+    if request.kv_budget is not None and not 0 <= request.kv_budget <= INT32_MAX:
+        raise APIError(400, f"kv_budget: {request.kv_budget} is out of range (a token count per KV head)", "kv_budget")
+    if request.context is False:
+        request.context = None
+    if request.context is not None and "context" not in model_inputs:
+        raise APIError(400, "context: not supported by this server (its model has no compressed-context input)",
+                       "context")
+
+
+def _same(value, neutral) -> bool:
+    if neutral is None or isinstance(neutral, bool) or isinstance(value, bool):
+        return value is neutral  # False is neutral, 0 for a bool field is not given as False, 1 is not True
+    return value == neutral
+
+
+def sampling_parameters(request: _Common, max_tokens: int | None) -> dict[str, Any]:
+    values = {"max_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
+              "seed": request.seed, "stop": request.stop, "ignore_eos": request.ignore_eos}
+    return {k: v for k, v in values.items() if v is not None}
+
+
+# --------------------------------------------------------------------------------------------------- Triton
+class TritonModel:
+    """The criticalkv model on a Triton server, reached over gRPC (``tritonclient.grpc.aio``)."""
+
+    def __init__(self, grpc_url: str, name: str):
+        self.grpc_url, self.name = grpc_url, name
+        self.client = None
+        self.inputs: set[str] = set()
+
+    async def connect(self) -> None:
+        import tritonclient.grpc.aio as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(self.grpc_url)
+        config = await self.client.get_model_config(self.name, as_json=True)
+        self.inputs = {i["name"] for i in config["config"]["input"]}
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self.client.is_model_ready(self.name))
+        except Exception:
+            return False
+
+    def _inputs(self, values: dict[str, Any]):
+        import tritonclient.grpc.aio as grpcclient
+
+        tensors = []
+        for name, value in values.items():
+            if isinstance(value, list):  # token ids
+                array, dtype = np.array(value, dtype=np.int32), "INT32"
+            elif isinstance(value, bool):
+                array, dtype = np.array([value], dtype=bool), "BOOL"
+            elif isinstance(value, int):
+                array, dtype = np.array([value], dtype=np.int32), "INT32"
+            else:
+                array, dtype = np.array([str(value).encode("utf-8")], dtype=np.object_), "BYTES"
+            tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        return tensors
+
+    async def generate(self, values: dict[str, Any], request_id: str) -> AsyncIterator[dict[str, Any]]:
+        """The model's responses to one request: dicts of its outputs (``text_output``, ``finish_reason``
+        on the last one, ``num_input_tokens``, ``num_output_tokens``); APIError for an error response.
+        Leaving the iteration early (a client that went away) cancels the request in Triton."""
+
+        async def one_request():
+            yield {"model_name": self.name, "inputs": self._inputs(values), "request_id": request_id}
+
+        call = self.client.stream_infer(one_request())
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise model_error(str(error.message() if hasattr(error, "message") else error))
+                out = {}
+                for name in ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
+                             "context_cache_hit"):
+                    array = result.as_numpy(name)
+                    if array is None:
+                        continue
+                    if array.dtype == bool:
+                        out[name] = bool(array.reshape(-1)[0])
+                    elif array.dtype == np.object_:
+                        out[name] = b"".join(array.reshape(-1)).decode("utf-8")
+                    else:
+                        out[name] = int(array.reshape(-1)[0])
+                final = "finish_reason" in out  # the model sends finish_reason with its final response only
+                yield out
+                if final:
+                    finished = True
+                    return
+        except APIError:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the gRPC channel itself (tritonserver gone, ...)
+            raise APIError(503, f"the inference server is unavailable: {err}") from None
+        finally:
+            if not finished:
+                call.cancel()  # Triton cancels the request: the model frees its slot
+
+
+def model_error(message: str) -> APIError:
+    """APIError for an error the model (or Triton) sent on the stream: the model's own checks of the
+    request are the client's mistakes (400); what it marks as internal is the server's (500)."""
+    if message.startswith(INTERNAL_PREFIX):
+        return APIError(500, message)
+    if "request cancelled" in message:
+        return APIError(499, message, type_="cancelled")
+    # the OpenAI fields were put into the model's sampling_parameters input: name them as the client did
+    return APIError(400, message.removeprefix("sampling_parameters: "))
+
+
+# --------------------------------------------------------------------------------------------------- app
+def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = None,
+               chat_max_tokens: int | None = None):
+    """The ASGI app. ``tokenizer``: the engine's (its chat template renders the chat messages);
+    ``chat_max_tokens``: max_tokens of a chat completion that gives none (None: the model's default)."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    ClosingStreamingResponse = _closing_streaming_response()
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    model = TritonModel(grpc_url, model_name)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await model.connect()
+        yield
+        await model.close()
+
+    app = FastAPI(title="criticalkv OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    def error_response(err: APIError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, err: APIError):
+        return error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, err: StarletteHTTPException):  # unknown path, wrong method
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"method {request.method} not allowed on {request.url.path}"}.get(err.status_code, err.detail)
+        return error_response(APIError(err.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, err: Exception):
+        return error_response(APIError(500, f"{INTERNAL_PREFIX}{type(err).__name__}: {err}"))
+
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health():
+        if await model.ready():
+            return JSONResponse({})
+        return error_response(APIError(503, f"model {model_name!r} is not ready"))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": created, "owned_by": "criticalkv"}]}
+
+    @app.get("/v1/models/{name}")
+    async def one_model(name: str):
+        if name != model_name:
+            raise APIError(404, f"model {name!r} does not exist: this server serves {model_name!r}", "model")
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "criticalkv"}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = parse_body(await request.body(), ChatRequest)
+        check_common(body, model_name, model.inputs)
+        for i, message in enumerate(body.messages):
+            if message.content is None and message.role != "assistant":
+                raise APIError(400, f"messages.{i}.content: required for role {message.role!r}", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = None
+        try:
+            if body.context is not None:  # the context (a document, or the earlier turns) is compressed and cached
+                ids = chat_context_ids(tokenizer, messages, body.context)
+                prompt = ""
+            else:
+                prompt = chat_prompt_text(tokenizer, messages)
+        except APIError:
+            raise
+        except ValueError as err:
+            if str(err).startswith("context:"):
+                raise APIError(400, str(err), "context") from None
+            raise APIError(400, f"messages: the model's chat template refused them: {err}", "messages") from None
+        except Exception as err:  # the template's own checks (e.g. roles that must alternate)
+            raise APIError(400, f"messages: the model's chat template refused them: {err}", "messages") from None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = chat_max_tokens if max_tokens is None else max_tokens
+        return await respond(request, body, prompt, max_tokens, chat=True, ids=ids)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse_body(await request.body(), CompletionRequest)
+        check_common(body, model_name, model.inputs)
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise APIError(400, f"prompt: one prompt per request is supported, got {len(prompts)}", "prompt")
+        if body.context is True:
+            raise APIError(400, "context: true (the earlier messages) needs /v1/chat/completions; give the context's "
+                                "text here", "context")
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        return await respond(request, body, prompts[0], max_tokens, chat=False)
+
+    async def respond(request: Request, body: _Common, prompt: str, max_tokens: int | None, chat: bool,
+                      ids: tuple[list[int], list[int]] | None = None):
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        values: dict[str, Any] = {
+            "text_input": prompt, "stream": body.stream, "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps(sampling_parameters(body, max_tokens)),
+            "return_num_input_tokens": True, "return_num_output_tokens": True,
+        }
+        if body.kv_budget is not None:
+            values["kv_budget"] = body.kv_budget
+        if ids is not None:  # a chat cut into its context and its question, as token ids
+            context_ids, question_ids = ids
+            values.pop("text_input")
+            values["input_ids"] = question_ids
+            if context_ids:
+                values["context_ids"] = context_ids
+        elif body.context is not None:
+            values["context"] = body.context
+        echo = prompt if (not chat and getattr(body, "echo", False)) else ""
+        responses = model.generate(values, request_id)
+        if body.stream:
+            try:  # the first response before the 200: a request the model refuses gets its 400
+                first = await responses.__anext__()
+            except StopAsyncIteration:
+                raise APIError(500, f"{INTERNAL_PREFIX}the model closed the stream without a response") from None
+            return ClosingStreamingResponse(stream_events(body, request_id, first, responses, chat, echo),
+                                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(_last(responses))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():  # the client went away: cancel the request (frees its slot)
+            collect.cancel()
+            await asyncio.gather(collect, return_exceptions=True)
+            return JSONResponse({}, status_code=499)
+        gone.cancel()
+        out = collect.result()
+        text = echo + out.get("text_output", "")
+        usage = _usage(out.get("num_input_tokens", 0), out.get("num_output_tokens", 0))
+        reason = out.get("finish_reason")
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": reason} if chat else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+        response = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                    "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage}
+        if "context_cache_hit" in out:  # criticalkv's own field: the context's compressed entries were cached
+            response["context_cache_hit"] = out["context_cache_hit"]
+        return response
+
+    async def stream_events(body, request_id, first, responses, chat, echo) -> AsyncIterator[str]:
+        created_at = int(time.time())
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        prompt_tokens, completion_tokens = 0, 0
+
+        def event(choices, usage=None, with_usage=include_usage, extra=None):
+            chunk = {"id": request_id, "object": kind, "created": created_at, "model": model_name, "choices": choices}
+            if with_usage:
+                chunk["usage"] = usage
+            chunk.update(extra or {})
+            return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+        def choice(text, reason=None, role=False):
+            if chat:
+                delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+        async def everything():
+            yield first
+            async for out in responses:
+                yield out
+
+        try:
+            if chat:  # OpenAI's first chunk: the role, empty content
+                yield event([choice("", role=True)])
+            elif echo:
+                yield event([choice(echo)])
+            async for out in everything():
+                prompt_tokens = out.get("num_input_tokens", prompt_tokens)
+                completion_tokens += out.get("num_output_tokens", 0)
+                reason = out.get("finish_reason")
+                text = out.get("text_output", "")
+                usage = _usage(prompt_tokens, completion_tokens) if continuous else None
+                if text or reason:
+                    extra = {"context_cache_hit": out["context_cache_hit"]} if "context_cache_hit" in out else None
+                    yield event([choice(text, reason)], usage, extra=extra)
+            if include_usage:
+                yield event([], _usage(prompt_tokens, completion_tokens))
+        except APIError as err:  # after the 200: the error goes in the stream, as vLLM does
+            yield f"data: {json.dumps(err.body())}\n\n"
+        finally:
+            await responses.aclose()  # cancels the Triton request unless it finished
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+class APIKeyMiddleware:
+    """As `vllm serve --api-key`: every /v1 request needs the header ``Authorization: Bearer KEY`` (else 401);
+    /health stays open. Plain ASGI (not Starlette's BaseHTTPMiddleware, which wraps streaming responses and
+    the client's disconnect)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                from fastapi.responses import JSONResponse
+
+                err = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
+                                    "the key the server was started with (--api-key)")
+                response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _closing_streaming_response():
+    from fastapi.responses import StreamingResponse
+
+    class ClosingStreamingResponse(StreamingResponse):
+        """A StreamingResponse that closes its generator when the response ends in any way: a client that goes
+        away leaves the generator suspended at a ``yield`` (the send was cancelled, not the generator), and its
+        ``finally``, which cancels the Triton request, would otherwise wait for the garbage collector."""
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self.body_iterator.aclose()
+
+    return ClosingStreamingResponse
+
+
+async def _last(responses: AsyncIterator[dict]) -> dict:
+    last = {}
+    async for out in responses:
+        last = out
+    return last
+
+
+async def _disconnected(request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# --------------------------------------------------------------------------------------------------- server
+class OpenAIFrontend:
+    """The app served by uvicorn in a thread of this process, on a socket bound beforehand (so a taken port
+    is reported by the launcher before anything starts, and nobody can take it in between)."""
+
+    def __init__(self, sock, grpc_url: str, model_name: str, tokenizer, api_key: str | None = None,
+                 chat_max_tokens: int | None = None):
+        import uvicorn
+
+        self.sock = sock
+        app = create_app(grpc_url, model_name, tokenizer, api_key, chat_max_tokens)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = None
+
+    @property
+    def port(self) -> int:
+        return self.sock.getsockname()[1]
+
+    def start(self, timeout_s: float = 60.0, cancelled=lambda: False) -> "OpenAIFrontend":
+        import threading
+
+        # uvicorn leaves signals alone outside the main thread: the launcher keeps handling them
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
+                                       name="openai-frontend")
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started and not cancelled():
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the OpenAI-compatible frontend did not start (see the messages above)")
+            time.sleep(0.05)
+        return self
+
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.thread is not None:
+            self.server.should_exit = True
+            self.thread.join(timeout_s)
+        self.sock.close()

@@ -1,0 +1,104 @@
+"""The Engine over the extend and select graphs: chunked prefill, a question after a compressed context, the
+engine against the PyTorch path (``criticalkv.hf.generate(question_ids=...)``) token for token."""
+
+import numpy as np
+import pytest
+import torch
+
+from criticalkv.hf import generate as torch_generate
+from criticalkv.runtime import Engine, EngineError, Request, SamplingParams
+from criticalkv.sampling import Sampler
+from export.tiny_engine import export_tiny_engine
+from hf.conftest import tiny_model
+from policies import POLICY_CASES, make_policy
+
+IDS = [c[0] for c in POLICY_CASES]
+CHUNK = 32  # the tiny engines' attention block (export_tiny_engine): chunks of it are exact
+
+
+def prompt(n, seed=1):
+    return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=4)
+
+
+@pytest.fixture(scope="module", params=POLICY_CASES, ids=IDS)
+def engine(request, model, tmp_path_factory):
+    policy = make_policy(request.param[1], budget=40, window=8)
+    folder = tmp_path_factory.mktemp(request.param[0])
+    # one thread: ONNX Runtime's GEMM over non-prepacked (shared) weights splits its work across threads by the
+    # number of rows, so with two threads a chunk's rows may round differently from the whole prompt's (~1e-7)
+    engine = Engine.load(export_tiny_engine(model, policy, folder, extend_chunk=CHUNK, max_question_len=24), threads=1)
+    yield engine
+    engine.release_all()
+    engine.close()
+
+
+def greedy(logits):
+    return int(Sampler()(np.asarray(logits)[None, :])[0])
+
+
+def decode_greedy(engine, slot, first, steps):
+    tokens = [first]
+    for _ in range(steps):
+        tokens.append(greedy(engine.decode([slot], [tokens[-1]])[0]))
+    return tokens
+
+
+@pytest.mark.parametrize("n, step", [(107, CHUNK), (37, CHUNK), (150, 2 * CHUNK)])
+def test_chunked_prefill_is_the_one_shot_prefill(engine, n, step):
+    # chunks that are multiples of the attention block: the same logits and kept entries bitwise, so the same
+    # tokens; 107 = 3 chunks + a last one of 11 (longer than the window 8), 37 = 1 chunk + 5 (shorter than it),
+    # 150 in chunks of two blocks (each run of the graph takes one block: extend_chunk = CHUNK)
+    ids = prompt(n, seed=n)
+    one = engine.prefill(0, Request(ids))
+    one_row = engine.save(0)
+    one_tokens = decode_greedy(engine, 0, greedy(one.logits), 5)
+    engine.release(0)
+    job = engine.begin_prefill(Request(ids))
+    steps = 0
+    while not engine.prefill_step(job, step):
+        steps += 1
+    assert steps == -(-n // step) - 1 and job.remaining == 0
+    chunked = engine.finish_prefill(job, 1)
+    assert np.array_equal(chunked.logits, one.logits) and chunked.kept_entries == one.kept_entries
+    row = engine.save(1)
+    for layer in range(len(row.row.keys)):
+        assert np.array_equal(row.row.lengths[layer], one_row.row.lengths[layer])
+        assert np.array_equal(row.row.keys[layer], one_row.row.keys[layer])
+        assert np.array_equal(row.row.values[layer], one_row.row.values[layer])
+    assert decode_greedy(engine, 1, greedy(chunked.logits), 5) == one_tokens
+    engine.release_all()
+
+
+def test_a_question_after_a_compressed_context_equals_the_pytorch_path(engine, model):
+    # the context compressed alone (question-agnostic), the question through the extend graph, then decoding:
+    # token for token what criticalkv.hf.generate(context, question_ids=question) gives
+    context, question = prompt(120, seed=11), prompt(13, seed=12)
+    got = engine.generate([context], max_new_tokens=10, stop_token_ids=[], questions=[question]).tokens[0]
+    ref = torch_generate(model, torch.tensor([context]), engine.policy, 10, question_ids=torch.tensor([question]))
+    assert got == ref.tokens[0]
+
+
+def test_extend_through_a_slot_in_pieces_equals_one_piece(engine):
+    context = prompt(90, seed=21)
+    question = prompt(40, seed=22)  # longer than the extend chunk: two runs of the graph
+    engine.prefill(0, Request(context))
+    whole = engine.extend(0, question)
+    engine.prefill(1, Request(context))
+    engine.extend(1, question[:17])
+    pieces = engine.extend(1, question[17:])
+    engine.release_all()
+    np.testing.assert_allclose(pieces, whole, rtol=1e-4, atol=1e-5)
+    assert greedy(pieces) == greedy(whole)
+
+
+def test_context_requests_are_checked(engine):
+    with pytest.raises(EngineError, match="more than the engine's max question length 24"):
+        engine.check(Request(prompt(25), context_token_ids=prompt(50)))
+    with pytest.raises(EngineError, match=r"the context and the prompt after it have 240 \+ 20 tokens"):
+        engine.check(Request(prompt(20), context_token_ids=prompt(240)))
+    assert engine.check(Request(prompt(20), SamplingParams(max_tokens=4), context_token_ids=prompt(200))).kv_budget is None

@@ -1,0 +1,257 @@
+"""The one staircase: every module of ``criticalkv`` imports only from its own unit or from units on lower floors.
+
+``FLOORS`` is the allowed order, from the ground up (docs/architecture.md draws the same list and says why each
+unit stands where it does). A unit is a package or a module; a module belongs to the longest unit that names it.
+Every module of the package is parsed with ``ast``; an import counts wherever it stands (module top, inside a
+function, under ``if TYPE_CHECKING``), and so do ``importlib.import_module("criticalkv...")`` calls and, in a module
+that loads modules by a computed name (the CLI's subcommands, the runtime's backends), every string that names a
+module of the package. Importing ``a.b.c`` also runs the package faces ``a.b/__init__`` on the way, so those count
+too. There is no exception list: a new module that no floor names fails until it is placed.
+
+The ONNX Runtime side (``runtime``, ``serving``) stands below ``selection``, where PyTorch starts: the floors alone
+keep it from importing torch through the package; ``test_onnx_runtime_side_imports_without_torch`` here and
+``tests/runtime/test_without_torch.py`` (an engine generating where torch cannot be imported) check the rest.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "criticalkv"
+
+#: The allowed order, ground floor first. A module may import its own unit and any unit on a LOWER floor; never a
+#: unit on its own floor or above (so two units on one floor do not know each other).
+FLOORS: tuple[tuple[str, ...], ...] = (
+    # the signal bookkeeping of the command line (Ctrl-C / SIGTERM noted early, raised where they are safe)
+    ("criticalkv.interrupts",),
+    # 0. leaves: the knob rules, the error types, prompts as token ids (chat template, context / question), file and
+    #    padding helpers, external ONNX weights
+    ("criticalkv.spec", "criticalkv.spec.rules", "criticalkv.errors", "criticalkv.chat", "criticalkv.files",
+     "criticalkv.padding", "criticalkv.weights"),
+    # 1. the eviction methods: scores, budget sharing, integer rules, top-k, pruned stage 2, ONNX pieces
+    ("criticalkv.methods",),
+    # 2. KVPolicy (reads the methods registry)
+    ("criticalkv.policy",),
+    # 3. the CriticalKVSelect node contract (attributes, capacities, plugin fields, profile branch names); the request
+    #    rules (Request, SamplingParams: one place, checked against the policy)
+    ("criticalkv.node", "criticalkv.request"),
+    # 4. next-token sampling and the decode loop (NumPy); the TensorRT plugin library and engine building (tensorrt
+    #    itself is optional)
+    ("criticalkv.sampling", "criticalkv.tensorrt"),
+    # 5. the runtime: Engine over ONNX Runtime or TensorRT (no torch, no exporter)
+    ("criticalkv.runtime",),
+    # 6. serving: scheduler, Triton model and repository, launcher
+    ("criticalkv.serving",),
+    # 7. PyTorch from here up: the reference selection (the oracle)
+    ("criticalkv.selection",),
+    # 8. the package's face: KVPolicy, select_layer, ... loaded on first use
+    ("criticalkv",),
+    # 9-11. transformers integration, the ONNX export, the build pipeline
+    ("criticalkv.hf",),
+    ("criticalkv.export",),
+    ("criticalkv.build",),
+    # 12-13. quality evaluation, then speed and serving benchmarks (which borrow eval's haystack text)
+    ("criticalkv.eval",),
+    ("criticalkv.bench",),
+    # 14-15. the command line, and the generator of the derived files
+    ("criticalkv.commands", "criticalkv.spec.generate"),
+    ("criticalkv.cli",),
+)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+UNITS = {unit: floor for floor, units in enumerate(FLOORS) for unit in units}
+NAME = re.compile(r"criticalkv(\.\w+)*")
+
+
+def unit_of(module: str) -> str | None:
+    """The longest unit naming ``module`` (the root unit ``criticalkv`` names only the root package itself)."""
+    best = None
+    for unit in UNITS:
+        if module == unit or (unit != "criticalkv" and module.startswith(unit + ".")):
+            if best is None or len(unit) > len(best):
+                best = unit
+    return best
+
+
+def resolve(name: str) -> str | None:
+    """The package module that an imported dotted name loads: ``a.b.c`` if it is a module, else its package."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def faces(module: str) -> list[str]:
+    """The packages whose ``__init__`` runs when ``module`` is imported (the root's own is checked apart)."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts))]
+
+
+def imports_of(module: str) -> dict[str, int]:
+    """Package modules that ``module`` imports, anywhere in its file -> the first line that does."""
+    path = MODULES[module]
+    return imports_in(path.read_text(), module, path.name == "__init__.py")
+
+
+def imports_in(source: str, module: str, is_package: bool = False) -> dict[str, int]:
+    """``imports_of`` for the text ``source`` of ``module``."""
+    tree = ast.parse(source)
+    package = module if is_package else module.rpartition(".")[0]
+    found: dict[str, int] = {}
+
+    def add(name: str | None, line: int) -> None:
+        target = resolve(name) if name else None
+        if target and target != module:
+            found.setdefault(target, line)
+
+    dynamic = False  # does the module load modules by a computed name?
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("criticalkv"):
+                    add(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            if base.startswith("criticalkv"):
+                for alias in node.names:
+                    add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base, node.lineno)
+        elif isinstance(node, ast.Call) and _loader_name(node.func) in ("import_module", "__import__") and node.args:
+            name = node.args[0]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                add(name.value if name.value.startswith("criticalkv") else None, node.lineno)
+            else:
+                dynamic = True
+    if dynamic:  # a registry ("criticalkv.x.y" or "criticalkv.x.y:Name" strings): every module it spells counts
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                text = node.value.split(":")[0]
+                if NAME.fullmatch(text) and text in MODULES:
+                    add(text, node.lineno)
+    return found
+
+
+def _loader_name(func: ast.expr) -> str | None:
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def test_every_module_stands_on_a_floor():
+    unplaced = sorted(m for m in MODULES if unit_of(m) is None)
+    assert not unplaced, f"modules no floor names (place them in FLOORS and docs/architecture.md): {unplaced}"
+    assert len(UNITS) == sum(len(units) for units in FLOORS), "a unit is named on two floors"
+    assert not [u for u in UNITS if u not in MODULES], "a unit names no module of the package"
+
+
+def test_no_import_runs_sideways_or_up():
+    problems = []
+    for module, targets in GRAPH.items():
+        here = unit_of(module)
+        for target, line in targets.items():
+            for reached in [target, *faces(target)]:
+                there = unit_of(reached)
+                if there == here or there is None:
+                    continue
+                if UNITS[there] >= UNITS[here]:
+                    way = "sideways" if UNITS[there] == UNITS[here] else "up"
+                    problems.append(f"{MODULES[module].relative_to(ROOT)}:{line}: {module} (floor {UNITS[here]}) "
+                                    f"imports {reached} (floor {UNITS[there]}): {way}")
+    assert not problems, "imports against the staircase:\n" + "\n".join(sorted(set(problems)))
+
+
+def test_no_import_cycle():
+    """Tarjan's strongly connected components over every import (those inside a unit included)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(GRAPH)))
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_root_package_loads_nothing_at_import():
+    """``criticalkv/__init__`` runs before any submodule: it imports none, so importing ``criticalkv.spec.rules``
+    loads the rules and nothing else (its names come on first use, through ``__getattr__``)."""
+    tree = ast.parse(MODULES["criticalkv"].read_text())
+    eager = [n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+             and any((getattr(n, "module", None) or a.name).startswith("criticalkv") for a in n.names)]
+    assert not eager, f"criticalkv/__init__.py imports package modules at lines {eager}"
+    code = ("import json, sys, criticalkv.spec.rules; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('criticalkv'))))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert loaded == ["criticalkv", "criticalkv.spec", "criticalkv.spec.rules"]
+
+
+def test_the_walker_sees_every_kind_of_import():
+    """Imports inside functions and under TYPE_CHECKING, import_module strings, registries, relative imports."""
+    source = ("import importlib\nfrom typing import TYPE_CHECKING\n"
+              "if TYPE_CHECKING:\n    from criticalkv.policy import KVPolicy\n"
+              "def f():\n    from criticalkv.selection import layer, select_layer\n"
+              "def g():\n    return importlib.import_module('criticalkv.export.graph')\n"
+              "REGISTRY = {'x': 'criticalkv.hf.loading:load_model'}\n"
+              "def h(name):\n    return importlib.import_module(REGISTRY[name].split(':')[0])\n"
+              "from . import manifest\nfrom .backend import Backend\n")
+    found = imports_in(source, "criticalkv.runtime.probe")
+    assert set(found) == {"criticalkv.policy", "criticalkv.selection.layer", "criticalkv.selection",
+                          "criticalkv.export.graph", "criticalkv.hf.loading", "criticalkv.runtime.manifest",
+                          "criticalkv.runtime.backend"}
+    # a module that names another only in a string (a command line, a policy called "criticalkv") imports nothing
+    assert imports_in("import subprocess, sys\nNAME = 'criticalkv'\n"
+                      "subprocess.run([sys.executable, '-m', 'criticalkv.cli', 'serve'])\n", "criticalkv.bench.x") == {}
+    # and the package's own loads by name are seen: the CLI's subcommands, the runtime's backends, the face's names
+    assert "criticalkv.commands.serve" in GRAPH["criticalkv.cli"]
+    assert "criticalkv.runtime.onnxruntime_backend" in GRAPH["criticalkv.runtime.registry"]
+    assert {"criticalkv.policy", "criticalkv.selection"} <= set(GRAPH["criticalkv"])
+
+
+@pytest.mark.parametrize("module", ["criticalkv.runtime", "criticalkv.serving", "criticalkv"])
+def test_onnx_runtime_side_imports_without_torch(module):
+    """``python -c "import sys; sys.modules['torch'] = None; import criticalkv.runtime"`` works."""
+    code = f"import sys; sys.modules['torch'] = None; import {module}"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

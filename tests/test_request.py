@@ -1,0 +1,95 @@
+"""Request and SamplingParams: every rule of a request in one place, one message each."""
+
+import numpy as np
+import pytest
+
+from criticalkv import KVPolicy
+from criticalkv.errors import EngineError, RequestError
+from criticalkv.request import DEFAULT_MAX_TOKENS, EngineLimits, Request, SamplingParams
+
+
+def limits(policy=None, **changes):
+    values = dict(max_input_len=100, max_new_tokens=32, vocab_size=50, policy=policy or KVPolicy(budget=40, window=8),
+                  accepts_kv_budget=True, eos_token_ids=(2,))
+    return EngineLimits(**{**values, **changes})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
+    (dict(max_tokens=2.5), "max_tokens must be an integer"),
+    (dict(max_tokens="3"), "max_tokens must be an integer"),
+    (dict(temperature=-1), "temperature: must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature: must be a finite number >= 0"),
+    (dict(temperature=True), "temperature must be a number"),
+    (dict(top_p=0), r"top_p: must lie in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p: must lie in \(0, 1\]"),
+    (dict(seed=-1), "seed must be an integer >= 0"),
+    (dict(seed=1.5), "seed must be an integer >= 0"),
+    (dict(stop=[1]), "stop must be a non-empty string or a list of them"),
+    (dict(stop=[""]), "stop must be a non-empty string or a list of them"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of token ids"),
+    (dict(ignore_eos="yes"), "ignore_eos must be true or false"),
+])
+def test_sampling_params_refuse_bad_values_naming_the_field(kwargs, message):
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalise_and_read_json():
+    params = SamplingParams(max_tokens=np.int32(5), temperature=1, stop="w9", stop_token_ids=[np.int64(7)], seed=3)
+    assert (params.max_tokens, params.temperature, params.stop, params.stop_token_ids) == (5, 1.0, ("w9",), (7,))
+    assert type(params.max_tokens) is int and params.stop_ids([2]) == {2, 7}
+    assert SamplingParams(ignore_eos=True, stop_token_ids=[7]).stop_ids([2]) == {7}
+    assert SamplingParams.from_dict({"max_tokens": 4, "temperature": None}) == SamplingParams(max_tokens=4)
+    with pytest.raises(RequestError, match="sampling_parameters: unknown key.*colour"):
+        SamplingParams.from_dict({"colour": 1})
+    assert SamplingParams.from_dict({"colour": 1, "top_p": 0.5}, strict=False) == SamplingParams(top_p=0.5)
+    with pytest.raises(RequestError, match="request parameters: max_tokens must be >= 1"):
+        SamplingParams.from_dict({"max_tokens": 0}, strict=False, source="request parameters")
+    with pytest.raises(RequestError, match="sampling_parameters: expected a JSON object, got list"):
+        SamplingParams.from_dict([1, 2])
+
+
+def test_request_checked_against_an_engine():
+    ok = Request([3, 4, 5]).checked(limits())
+    assert ok.sampling.max_tokens == DEFAULT_MAX_TOKENS and ok.kv_budget is None
+    assert Request([3]).checked(limits(max_new_tokens=8)).sampling.max_tokens == 8  # the default, capped
+    assert Request([3], kv_budget=40).checked(limits()).kv_budget is None  # the built budget
+    assert Request([3], kv_budget=20).checked(limits()).kv_budget == 20
+    cases = [
+        (Request([]), "the prompt is empty"),
+        (Request(list(range(101))), "the prompt has 101 tokens, more than the engine's max input length 100"),
+        (Request([3, 50]), r"prompt token ids must lie in \[0, 50\)"),
+        (Request([3], SamplingParams(max_tokens=33)), r"max_tokens must lie in \[1, 32\] \(the engine's built maximum\)"),
+        (Request([3], kv_budget=41), r"kv_budget: 41 is outside.*kv_budget must lie in \[8, 40\]"),
+        (Request([3], kv_budget=7), r"kv_budget must lie in \[8, 40\]"),
+        (Request([3], kv_budget=20.5), "kv_budget: expected an integer"),
+        (Request([3], kv_budget=True), "kv_budget: expected an integer"),
+    ]
+    for request, message in cases:
+        with pytest.raises(RequestError, match=message):
+            request.checked(limits())
+    with pytest.raises(RequestError, match="built without a runtime budget input; rebuild it"):
+        Request([3], kv_budget=20).checked(limits(accepts_kv_budget=False))
+    assert Request([3], kv_budget=40).checked(limits(accepts_kv_budget=False)).kv_budget is None
+    with pytest.raises(RequestError, match="prompt_token_ids: every token id must be an integer"):
+        Request([1.5])
+    assert issubclass(RequestError, EngineError) and issubclass(RequestError, ValueError)
+
+
+def test_the_budget_range_is_the_policys_one_rule():
+    # streamingllm keeps sink_tokens + recent tokens: its smallest budget is max(window, sink_tokens), and the
+    # request's range said so only in the policy; the scheduler used the window (a budget of 6 passed it)
+    policy = KVPolicy("streamingllm", budget=40, window=4, sink_tokens=8)
+    assert policy.min_budget == 8
+    for budget in (4, 6, 7):
+        with pytest.raises(RequestError, match=r"kv_budget must lie in \[8, 40\] \(the window or sink_tokens"):
+            Request([3], kv_budget=budget).checked(limits(policy))
+    assert Request([3], kv_budget=8).checked(limits(policy)).kv_budget == 8
+    with pytest.raises(RequestError, match="policy 'full' keeps every entry"):
+        Request([3], kv_budget=20).checked(limits(KVPolicy("full")))
+    assert Request([3]).checked(limits(KVPolicy("full"))).kv_budget is None
+    # with_budget applies the same range
+    with pytest.raises(ValueError, match=r"kv_budget must lie in \[8, 40\]"):
+        policy.with_budget(6)
+    assert policy.with_budget(12).budget == 12 and KVPolicy("full").with_budget(12) == KVPolicy("full")
