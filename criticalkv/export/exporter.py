@@ -17,6 +17,9 @@ from criticalkv.weights import WEIGHTS_FILE
 PREFILL_FILE = "prefill.onnx"
 PREFILL_TENSORRT_FILE = "prefill_tensorrt.onnx"
 DECODE_FILE = "decode.onnx"
+#: The ONNX-Runtime-only decode graph (com.microsoft GroupQueryAttention, SkipSimplifiedLayerNormalization): written
+#: beside decode.onnx, which stays the portable graph TensorRT parses
+DECODE_ORT_FILE = "decode_ort.onnx"
 EXTEND_FILE = "extend.onnx"
 EXTEND_TENSORRT_FILE = "extend_tensorrt.onnx"
 SELECT_FILE = "select.onnx"
@@ -76,6 +79,8 @@ class ExportResult:
     prefill_capacities: list[int]
     decode_capacities: list[int]
     weights_bytes: int
+    #: the fused decode graph: {"file", "per_head_lengths", "max_positions"}, or {"file": None, "refused": why}
+    fused_decode: dict | None = None
 
     def shapes(self) -> dict:
         return {
@@ -104,8 +109,9 @@ def check_model_limits(model, spec: ModelSpec, config: BuildConfig) -> None:
 
 def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfig | None = None, tokenizer=None) -> ExportResult:
     """Write into ``folder``: ``weights.bin`` (shared by every graph), ``prefill.onnx`` (selection nodes + their
-    function body), ``decode.onnx``, ``extend.onnx`` and ``select.onnx`` (the chunked prefill's chunks and its last
-    step), their TensorRT flavours ``prefill_tensorrt.onnx``, ``extend_tensorrt.onnx`` and ``select_tensorrt.onnx``
+    function body), ``decode.onnx`` (portable: the graph TensorRT parses), ``decode_ort.onnx`` (the fused decode ONNX
+    Runtime runs, unless the model refuses it: ``ExportResult.fused_decode`` says why), ``extend.onnx`` and
+    ``select.onnx`` (the chunked prefill's chunks and its last step), their TensorRT flavours ``prefill_tensorrt.onnx``, ``extend_tensorrt.onnx`` and ``select_tensorrt.onnx``
     (nodes without body for the plugin, attention without a Loop; none for a model-level policy), and the tokenizer.
 
     ``model``: a transformers Llama / Mistral / Qwen2 causal LM (fp32 weights are exported).
@@ -129,10 +135,27 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
         builder = graph_builder(spec, store, policy, capacities, flavour, config.attention_chunk)
         for graph, name in files.items():
             onnx.save(getattr(builder, graph)(), folder / name)
-    onnx.save(graph_builder(spec, store).decode(decode_capacities), folder / DECODE_FILE)
+    decode_builder = graph_builder(spec, store, policy)
+    onnx.save(decode_builder.decode(decode_capacities), folder / DECODE_FILE)
+    fused = fused_decode_info(decode_builder, policy, config)
+    if fused["file"]:
+        onnx.save(decode_builder.decode_fused(decode_capacities, fused["max_positions"], fused["per_head_lengths"]),
+                  folder / DECODE_ORT_FILE)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder / TOKENIZER_DIR)
-    return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes())
+    return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes(), fused)
+
+
+def fused_decode_info(builder, policy: KVPolicy, config: BuildConfig) -> dict:
+    """What the engine's fused decode graph is (``decode_ort.onnx``), or why it has none (the manifest's
+    ``onnx.fused_decode``). Positions reach max_input_len + max_question_len + max_new_tokens at most (a context, a
+    question after it, the generated tokens); the per-head mask only for policies whose heads may hold different
+    lengths (``BaseMethod.equal_head_lengths``)."""
+    refusal = builder.fused_decode_refusal()
+    if refusal:
+        return {"file": None, "refused": refusal}
+    return {"file": DECODE_ORT_FILE, "per_head_lengths": not policy.method.base.equal_head_lengths,
+            "max_positions": config.max_input_len + config.max_question_len + config.max_new_tokens}
 
 
 def onnx_info() -> dict:
@@ -142,6 +165,6 @@ def onnx_info() -> dict:
         "ir_version": IR_VERSION,
         "custom_domain": {DOMAIN: OPSET_VERSION},
         "files": {"prefill": PREFILL_FILE, "prefill_tensorrt": PREFILL_TENSORRT_FILE, "decode": DECODE_FILE,
-                  "extend": EXTEND_FILE, "extend_tensorrt": EXTEND_TENSORRT_FILE, "select": SELECT_FILE,
+                  "decode_ort": DECODE_ORT_FILE, "extend": EXTEND_FILE, "extend_tensorrt": EXTEND_TENSORRT_FILE, "select": SELECT_FILE,
                   "select_tensorrt": SELECT_TENSORRT_FILE, "weights": WEIGHTS_FILE},
     }
