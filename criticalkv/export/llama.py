@@ -188,6 +188,9 @@ _INT64_MAX = int(np.iinfo(np.int64).max)
 #: The domain of ONNX Runtime's contrib operators (``GroupQueryAttention``, ``SkipSimplifiedLayerNormalization``): only
 #: in the ONNX-Runtime-only decode graph (``decode_fused``), never in a graph TensorRT parses.
 ORT_DOMAIN = "com.microsoft"
+#: Element types of the ONNX Runtime KV buffers (``BuildConfig.kv_dtype``): float32 (the default, exact parity
+#: setting) or float16 (half the KV memory; only the fused decode graph reads them).
+KV_DTYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16}
 #: ONNX Runtime's CPU GroupQueryAttention kernel takes head sizes that are multiples of this only.
 GQA_HEAD_DIM_MULTIPLE = 16
 
@@ -637,11 +640,11 @@ class DecoderGraphBuilder:
         return {"queries": queries, "num_blocks": g.squeeze(num_blocks, 0),
                 "pad_len": g.Sub(g.Mul(num_blocks, g.i64(chunk)), queries)}
 
-    def _past_inputs(self, i: int, capacity) -> list:
+    def _past_inputs(self, i: int, capacity, kv_type: int = FLOAT) -> list:
         s = self.spec
         return [
-            value_info(f"past_key_values.{i}.key", FLOAT, ["batch", s.num_kv_heads, capacity, s.head_dim]),
-            value_info(f"past_key_values.{i}.value", FLOAT, ["batch", s.num_kv_heads, capacity, s.head_dim]),
+            value_info(f"past_key_values.{i}.key", kv_type, ["batch", s.num_kv_heads, capacity, s.head_dim]),
+            value_info(f"past_key_values.{i}.value", kv_type, ["batch", s.num_kv_heads, capacity, s.head_dim]),
             value_info(f"past_key_values.{i}.lengths", INT32, ["batch", s.num_kv_heads]),
         ]
 
@@ -739,44 +742,86 @@ class DecoderGraphBuilder:
             rotary_interleaved=0)
         return out
 
-    def decode_fused(self, buffer_capacities: list[int], max_positions: int, per_head_lengths: bool = True) -> onnx.ModelProto:
-        """The ONNX-Runtime-only decode model ``decode_ort.onnx``: ``decode``'s inputs, its outputs ``present.{l}.key``
-        / ``.value`` [B, H_kv, cap_l, d_h] being the updated buffers themselves (bound to the inputs' memory).
+    def cast_decode_attention(self, q: str, k: str, v: str, past_k: str, past_v: str, past_len: str) -> str:
+        """``decode_attention`` over float16 buffers past_k, past_v [B, H_kv, cap, d_h] (the fp16-KV fused decode):
+        only the first M = max(past_len) entries are sliced and cast to float32 (a shape from the lengths' values,
+        which ONNX Runtime takes and TensorRT would not), then the portable masked attention over them in float32.
+        q [B, H, 1, d_h], k, v [B, H_kv, 1, d_h] float32; returns [B, 1, H*d_h]."""
+        g, s = self.g, self.spec
+        lengths = g.Cast(past_len, to=INT64)  # [B, H_kv]
+        longest = g.reshape(g.ReduceMax(lengths, keepdims=1), [1])  # M
+        keys = g.Cast(g.slice_axis(past_k, 0, longest, axis=2), to=FLOAT)  # [B, H_kv, M, d_h]
+        values = g.Cast(g.slice_axis(past_v, 0, longest, axis=2), to=FLOAT)
+        qg = g.reshape(g.Mul(q, self.scale), [0, s.num_kv_heads, s.group, s.head_dim])  # [B, H_kv, G, d_h], scaled
+        past_scores = g.MatMul(qg, g.Transpose(keys, perm=[0, 1, 3, 2]))  # [B, H_kv, G, M]
+        slots = g.Range(g.scalar(0), g.squeeze(longest, 0), g.scalar(1))
+        visible = g.Less(slots, g.unsqueeze(lengths, 2, 3))  # [B, H_kv, 1, M]
+        past_scores = g.Where(visible, past_scores, g.const(MASKED_SCORE, np.float32))
+        own_score = g.MatMul(qg, g.Transpose(k, perm=[0, 1, 3, 2]))  # [B, H_kv, G, 1]
+        probs = g.Softmax(g.concat(past_scores, own_score, axis=-1), axis=-1)
+        p_past, p_own = g.op("Split", probs, g.concat(longest, g.i64(1)), outputs=2, axis=-1)
+        attn = g.Add(g.MatMul(p_past, values), g.Mul(p_own, v))  # [B, H_kv, G, d_h]
+        return g.reshape(attn, [0, 1, s.num_heads * s.head_dim])
 
-        Per layer one ``GroupQueryAttention`` (``group_query_attention``) instead of RoPE, the attention over the whole
-        capacity and the runtime's KV write, and ``SkipSimplifiedLayerNormalization`` for every residual add and the
-        norm after it (the last one included). ``max_positions``: positions 0 .. max_positions - 1 have RoPE caches
-        (the engine's longest prompt + question + generation). ``per_head_lengths``: see ``group_query_attention``
-        (False for policies whose heads always hold equal lengths: no bias). Raises ValueError with the reason when
-        ``fused_decode_refusal`` gives one."""
-        reason = self.fused_decode_refusal()
+    def decode_fused(self, buffer_capacities: list[int], max_positions: int, per_head_lengths: bool = True,
+                     kv_dtype: str = "float32") -> onnx.ModelProto:
+        """The ONNX-Runtime-only decode model ``decode_ort.onnx`` over the KV buffers of dtype ``kv_dtype``.
+
+        float32: ``decode``'s inputs, its outputs ``present.{l}.key`` / ``.value`` [B, H_kv, cap_l, d_h] being the
+        updated buffers themselves (bound to the inputs' memory). Per layer one ``GroupQueryAttention``
+        (``group_query_attention``) instead of RoPE, the attention over the whole capacity and the runtime's KV write.
+        ``max_positions``: positions 0 .. max_positions - 1 have RoPE caches (the engine's longest prompt + question +
+        generation). ``per_head_lengths``: see ``group_query_attention`` (False for policies whose heads always hold
+        equal lengths: no bias). Raises ValueError with the reason when ``fused_decode_refusal`` gives one.
+
+        float16: the buffers and the ``present`` outputs (the new token's entries [B, H_kv, 1, d_h], stored by the
+        runtime as the portable decode's) are float16; the portable RoPE and ``cast_decode_attention`` (ONNX Runtime's
+        GroupQueryAttention over a float16 cache with float32 queries measured slower than the portable graph).
+
+        Both: ``SkipSimplifiedLayerNormalization`` for every residual add and the norm after it."""
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype: {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        reason = self.fused_decode_refusal() if kv_dtype == "float32" else None
         if reason:
             raise ValueError(f"no fused decode graph: {reason}")
         g = self._begin()
         s = self.spec
+        kv_type = KV_DTYPES[kv_dtype]
         inputs = [value_info("input_ids", INT64, ["batch", 1]), value_info("position_ids", INT64, ["batch", 1])]
         outputs = [value_info("logits", FLOAT, ["batch", s.vocab_size])]
         for i, cap in enumerate(buffer_capacities):
-            inputs += self._past_inputs(i, cap)
-            outputs += [value_info(f"present.{i}.{kind}", FLOAT, ["batch", s.num_kv_heads, cap, s.head_dim])
+            inputs += self._past_inputs(i, cap, kv_type)
+            present = cap if kv_dtype == "float32" else 1
+            outputs += [value_info(f"present.{i}.{kind}", kv_type, ["batch", s.num_kv_heads, present, s.head_dim])
                         for kind in ("key", "value")]
         self.fused = True
         try:
-            cos_cache, sin_cache = self.rope_caches(max_positions)
             x = g.Gather("embed_tokens", "input_ids", axis=0)  # [B, 1, d]
-            h = self.rms_norm(x, "layers.0.input_layernorm")
-            for i in range(s.num_layers):
-                qkv = self.packed_qkv(i, h)
-                attn = self.group_query_attention(i, qkv, cos_cache, sin_cache, buffer_capacities[i], per_head_lengths)
-                x, h = self.add_rms_norm(x, self.output_projection(i, attn), f"layers.{i}.post_attention_layernorm")
-                following = f"layers.{i + 1}.input_layernorm" if i + 1 < s.num_layers else "norm"
-                x, h = self.add_rms_norm(x, self.mlp(i, h), following)
-            g.Gemm(g.reshape(h, [-1, s.hidden_size]), self.head_weight(), transB=1, outputs=["logits"])
+            if kv_dtype == "float32":
+                cos_cache, sin_cache = self.rope_caches(max_positions)
+                h = self.rms_norm(x, "layers.0.input_layernorm")
+                for i in range(s.num_layers):
+                    qkv = self.packed_qkv(i, h)
+                    attn = self.group_query_attention(i, qkv, cos_cache, sin_cache, buffer_capacities[i], per_head_lengths)
+                    x, h = self.add_rms_norm(x, self.output_projection(i, attn), f"layers.{i}.post_attention_layernorm")
+                    following = f"layers.{i + 1}.input_layernorm" if i + 1 < s.num_layers else "norm"
+                    x, h = self.add_rms_norm(x, self.mlp(i, h), following)
+                g.Gemm(g.reshape(h, [-1, s.hidden_size]), self.head_weight(), transB=1, outputs=["logits"])
+            else:
+                def attention(i, q, k, v):
+                    g.Cast(k, to=kv_type, outputs=[f"present.{i}.key"])
+                    g.Cast(v, to=kv_type, outputs=[f"present.{i}.value"])
+                    past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
+                    return self.cast_decode_attention(q, k, v, past_k, past_v, past_len)
+
+                cos, sin = self.rope_tables("position_ids")
+                x = self.decoder_layers(x, cos, sin, attention, decode=True)
+                self.logits(g.reshape(x, [-1, s.hidden_size]))
         finally:
             self.fused = False
         model = self._finish("criticalkv_decode_fused", inputs, outputs, [],
-                             "criticalkv fused decode (ONNX Runtime only: com.microsoft GroupQueryAttention and "
-                             "SkipSimplifiedLayerNormalization) over fixed-capacity per-head KV buffers shared in place")
+                             f"criticalkv fused decode (ONNX Runtime only: com.microsoft operators) over fixed-capacity "
+                             f"per-head {kv_dtype} KV buffers")
         model.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
         return model
 

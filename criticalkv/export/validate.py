@@ -41,8 +41,10 @@ GRAPHS = (
 )
 #: The TensorRT flavours a model-level policy does not have (``decode.onnx`` is also its ONNX Runtime decode graph).
 TENSORRT_FLAVOURS = ("prefill_tensorrt", "extend_tensorrt", "select_tensorrt")
-#: The only com.microsoft operators of the fused decode graph (``decode_ort``); no other graph holds any.
-ORT_OPERATORS = {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"}
+#: The only com.microsoft operators of the fused decode graph (``decode_ort``), by its attention form; no other graph
+#: holds any.
+ORT_OPERATORS = {"group_query_attention": {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"},
+                 "cast": {"SkipSimplifiedLayerNormalization"}}
 
 
 def _attributes(node: onnx.NodeProto) -> dict:
@@ -102,8 +104,9 @@ def validate_export(result: ExportResult) -> dict:
         domains = {n.domain for n in model.graph.node} - {"", DOMAIN}
         if key == "decode_ort":  # ONNX Runtime only: its fused operators, and no others of that domain
             contrib = {n.op_type for n in model.graph.node if n.domain == ORT_DOMAIN}
-            if contrib != ORT_OPERATORS:
-                raise ValueError(f"{name}: expected the {ORT_DOMAIN} operators {sorted(ORT_OPERATORS)}, found {sorted(contrib)}")
+            expected = ORT_OPERATORS[result.fused_decode["attention"]]
+            if contrib != expected:
+                raise ValueError(f"{name}: expected the {ORT_DOMAIN} operators {sorted(expected)}, found {sorted(contrib)}")
             domains -= {ORT_DOMAIN}
         if domains:
             raise ValueError(f"{name}: unexpected operator domains {sorted(domains)}")

@@ -112,10 +112,15 @@ class OnnxRuntimeBackend(BuiltShapes):
         self.providers = providers or ["CPUExecutionProvider"]
         if weights not in ("shared", "session"):
             raise ValueError(f"weights: {weights!r} is not 'shared' or 'session'")
+        #: element type of the decode KV buffers (``BuildConfig.kv_dtype``)
+        self.kv_dtype = np.dtype(manifest["build"].get("kv_dtype", "float32"))
         self.decode_form, self.decode_fallback = self._decode_form(decode or os.environ.get(DECODE_ENV) or "auto", files)
         self.fused = self.decode_form == "fused"
+        fused_info = manifest["onnx"].get("fused_decode") or {}
+        #: the decode graph writes the new entries into the buffers itself (GroupQueryAttention, float32 KV)
+        self.in_place = self.fused and fused_info.get("attention", "group_query_attention") == "group_query_attention"
         #: fused decode: whether its graph masks heads of different lengths (False: the policy keeps equal lengths)
-        self.per_head_lengths = bool((manifest["onnx"].get("fused_decode") or {}).get("per_head_lengths", True))
+        self.per_head_lengths = bool(fused_info.get("per_head_lengths", True))
         self.shared_weights = weights == "shared"
         self.prepack = (self.fused or not self.shared_weights) if prepack is None else bool(prepack)
         self._weight_values = {}
@@ -147,6 +152,9 @@ class OnnxRuntimeBackend(BuiltShapes):
         if decode not in DECODE_FORMS:
             raise ValueError(f"decode: {decode!r} is not one of {', '.join(DECODE_FORMS)}")
         if decode == "portable":
+            if self.kv_dtype != np.float32:
+                raise EngineError(f"{self.folder}: the engine's KV buffers are {self.kv_dtype} (built with --kv-dtype "
+                                  f"{self.kv_dtype}): decode.onnx reads float32 buffers; only decode='fused' runs it")
             return "portable", "decode='portable' was asked for"
         if "decode_ort" in files:
             return "fused", None
@@ -189,14 +197,14 @@ class OnnxRuntimeBackend(BuiltShapes):
 
     def _allocate(self) -> None:
         shape = (self.max_batch, self.kv_heads)
-        self.keys = [np.zeros(shape + (cap, self.head_dim), np.float32) for cap in self.capacities]
-        self.values = [np.zeros(shape + (cap, self.head_dim), np.float32) for cap in self.capacities]
+        self.keys = [np.zeros(shape + (cap, self.head_dim), self.kv_dtype) for cap in self.capacities]
+        self.values = [np.zeros(shape + (cap, self.head_dim), self.kv_dtype) for cap in self.capacities]
         # one block [L, max_batch, H_kv]: a decode step checks and bumps every layer's lengths in one operation
         self._length_block = np.zeros((self.num_layers,) + shape, np.int32)
         self.lengths = list(self._length_block)  # per layer [max_batch, H_kv] (views of the block)
         self._capacity_array = np.array(self.capacities, np.int64)
-        self.new_keys = [np.zeros(shape + (1, self.head_dim), np.float32) for _ in self.capacities]
-        self.new_values = [np.zeros(shape + (1, self.head_dim), np.float32) for _ in self.capacities]
+        self.new_keys = [np.zeros(shape + (1, self.head_dim), self.kv_dtype) for _ in self.capacities]
+        self.new_values = [np.zeros(shape + (1, self.head_dim), self.kv_dtype) for _ in self.capacities]
         self.logits = np.zeros((self.max_batch, self.vocab), np.float32)
         self.token_ids = np.zeros((self.max_batch, 1), np.int64)
         self.position_ids = np.zeros((self.max_batch, 1), np.int64)
@@ -249,7 +257,7 @@ class OnnxRuntimeBackend(BuiltShapes):
     def _check_equal_lengths(self, lengths: list[np.ndarray], what: str) -> None:
         """A fused decode graph without the per-head mask (built for a policy whose heads keep equal lengths) would
         attend a shorter head's unwritten slots: refuse a row whose heads differ (``lengths``: per layer [H_kv])."""
-        if not self.fused or self.per_head_lengths:
+        if not self.in_place or self.per_head_lengths:
             return
         for i, heads in enumerate(lengths):
             heads = np.asarray(heads)
@@ -304,7 +312,7 @@ class OnnxRuntimeBackend(BuiltShapes):
                 self._bind(f"past_key_values.{i}.key", self.keys[i][:batch])
                 self._bind(f"past_key_values.{i}.value", self.values[i][:batch])
                 self._bind(f"past_key_values.{i}.lengths", self.lengths[i][:batch])
-                if self.fused:  # present = past, the same memory: GroupQueryAttention writes the new entry in place
+                if self.in_place:  # present = past, the same memory: GroupQueryAttention writes the new entry in place
                     self._bind(f"present.{i}.key", self.keys[i][:batch], output=True)
                     self._bind(f"present.{i}.value", self.values[i][:batch], output=True)
                 else:
@@ -320,7 +328,7 @@ class OnnxRuntimeBackend(BuiltShapes):
         batch = self._batch
         self.token_ids[:batch, 0] = tokens
         self.position_ids[:batch, 0] = positions
-        if self.fused:
+        if self.in_place:
             return self._decode_fused(batch)
         self.decode_session.run_with_iobinding(self._binding)
         rows, heads = self._rows, self._heads
@@ -403,11 +411,22 @@ class OnnxRuntimeBackend(BuiltShapes):
                                                                    for i in range(self.num_layers)])
 
     def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
-        """``extend`` over decode buffer row ``row`` (token_ids, positions: [1, N])."""
+        """``extend`` over decode buffer row ``row`` (token_ids, positions: [1, N]). float16 buffers: the extend graph
+        reads float32, so it runs over a float32 copy of the row (exact: every float16 is a float32) whose entries,
+        the new ones rounded to float16, are then written back."""
         self.check_row(row)
         view = slice(row, row + 1)
-        return self.extend([k[view] for k in self.keys], [v[view] for v in self.values],
-                           [n[view] for n in self.lengths], token_ids, positions)
+        lengths = [n[view] for n in self.lengths]
+        if self.kv_dtype == np.float32:
+            return self.extend([k[view] for k in self.keys], [v[view] for v in self.values], lengths, token_ids, positions)
+        keys = [k[view].astype(np.float32) for k in self.keys]
+        values = [v[view].astype(np.float32) for v in self.values]
+        out = self.extend(keys, values, lengths, token_ids, positions)
+        for i in range(self.num_layers):
+            n = int(lengths[i].max())
+            self.keys[i][view, :, :n] = keys[i][:, :, :n]
+            self.values[i][view, :, :n] = values[i][:, :, :n]
+        return out
 
     def new_prefill_buffer(self, num_tokens: int | None = None) -> PrefillBuffer:
         """Buffers for one prompt of ``num_tokens`` tokens prefilled in chunks: every layer's K/V for that many

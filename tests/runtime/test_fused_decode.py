@@ -234,6 +234,64 @@ def test_the_decode_form_is_chosen_by_option_or_environment(tmp_path, monkeypatc
         Engine.load(folder, decode="fast")
 
 
+@pytest.mark.parametrize("name", ["criticalkv", "ada-criticalkv"])
+def test_float16_kv_buffers(name, tmp_path):
+    """``kv_dtype="float16"``: half the KV bytes (the scheduler's budget counts them), decode_ort.onnx reads the buffers
+    cast to float32. Its logits are within twice the portable float32 graph's error of the float64 oracle fed the state
+    each engine holds (the float16-rounded entries for it); rounding the entries moves the oracle's own logits by a
+    bounded amount; greedy tokens (after a question through the extend graph over a float16 slot too) are the float32
+    engine's; the portable graph cannot read float16 buffers."""
+    from criticalkv.request import Request, SamplingParams
+
+    model = random_checkpoint(family("llama3-gqa"), seed=0)
+    spec = model_spec(model)
+    arrays = collect_weights(model, spec).arrays
+    policy = KVPolicy(name, budget=48, window=8)
+    limits = dict(max_input_len=160, max_new_tokens=8, max_batch_size=2)
+    half = Engine.load(export_tiny_engine(model, policy, tmp_path / "half", kv_dtype="float16", **limits))
+    full = Engine.load(export_tiny_engine(model, policy, tmp_path / "full", **limits), decode="portable")
+    try:
+        assert half.backend.decode_form == "fused" and half.backend.keys[0].dtype == np.float16
+        assert half.manifest["shapes"]["kv_buffer_bytes"] * 2 == full.manifest["shapes"]["kv_buffer_bytes"]
+        assert half.backend.kv_buffer_bytes() * 2 == full.backend.kv_buffer_bytes() and half.entry_bytes * 2 == full.entry_bytes
+        ids, mask, positions = padded([random_prompt(n, seed=n) for n in LENGTHS])
+        pre = full.backend.prefill(ids, mask, positions)
+        half.backend.begin_decode(pre)
+        full.backend.begin_decode(pre)
+        tokens, at = pre.logits.argmax(-1), mask.sum(1)
+        errors, rounding = {"half": [], "full": []}, []
+        for _ in range(3):
+            states = {form: [[x[:2].astype(np.float64) for x in buffers] for buffers in
+                             (engine.backend.keys, engine.backend.values, engine.backend.lengths)]
+                      for form, engine in (("half", half), ("full", full))}
+            references = {form: decode_step(arrays, spec, tokens, at, *state) for form, state in states.items()}
+            rounding.append(float(np.abs(references["half"] - references["full"]).max()))
+            got = {form: engine.backend.decode(tokens, at).copy() for form, engine in (("half", half), ("full", full))}
+            for form in got:
+                errors[form].append(float(np.abs(got[form] - references[form]).max()))
+            assert (got["half"].argmax(-1) == got["full"].argmax(-1)).all()
+            tokens, at = got["full"].argmax(-1), at + 1
+        assert 0 < max(errors["half"]) <= 2 * max(errors["full"]), errors
+        scale = float(np.abs(references["full"]).max())
+        assert 0 < max(rounding) < 1e-2 * scale, (rounding, scale)  # float16 keeps ~3 decimal digits of each entry
+        streams = []
+        for engine in (half, full):
+            first = engine.prefill(0, Request(random_prompt(120, seed=11), SamplingParams(max_tokens=8)))
+            token = int(engine.extend(0, random_prompt(10, seed=12)).argmax())  # extend over a float16 row
+            stream = [int(first.logits.argmax()), token]
+            for _ in range(6):
+                token = int(engine.decode([0], [token])[0].argmax())
+                stream.append(token)
+            engine.release(0)
+            streams.append(stream)
+        assert streams[0] == streams[1]
+    finally:
+        half.close()
+        full.close()
+    with pytest.raises(EngineError, match="float16.*only decode='fused'"):
+        Engine.load(tmp_path / "half", decode="portable")
+
+
 @pytest.mark.slow
 def test_bundled_model_fused_decode_against_the_portable_graph_and_a_float64_oracle(tmp_path):
     """SmolLM2-135M (30 layers, 9 / 3 heads, d_h 64), a 1,100-token prompt, ada-criticalkv at budget 256 (heads of
