@@ -14,7 +14,10 @@ sequences join and leave). No per-step allocation and no copy of the cache in ei
   to that head's own length here, so the layout stays the one above and every other graph (extend, select) and
   row operation reads it unchanged. Its session prepacks its own copy of the weights (MLAS), measured 1.2x
   faster per step; the floats differ from the portable graph's by ~1e-5 (docs/performance.md, section 4).
-* ``decode="portable"``: ``decode.onnx`` (the graph TensorRT parses) attends every head's whole capacity under a
+  With float16 KV buffers (``--kv-dtype float16``) decode_ort.onnx instead casts each row's held entries to
+  float32 and returns the new token's entries (float16), stored as the portable form's below; the extend graph
+  then runs over a float32 copy of the row (``extend_row``).
+* ``decode="portable"``: ``decode.onnx`` (the graph TensorRT parses; float32 buffers only) attends every head's whole capacity under a
   length mask and returns the new token's K/V, which the backend stores at slot ``lengths[b, g]`` of each head;
   with the shared weights and no prepacking it computes the floats of the PyTorch path's tests.
 
@@ -98,7 +101,8 @@ class OnnxRuntimeBackend(BuiltShapes):
         ONNX Runtime execution providers (CPU). weights : ``shared`` or ``session`` (module docstring). decode :
         ``auto`` / ``fused`` / ``portable`` (None: ``$CRITICALKV_ORT_DECODE``, else ``auto``; ``fused`` on an engine
         without decode_ort.onnx raises EngineError with the reason). prepack : MLAS weight prepacking in the decode
-        session, which then loads its own weights (None: on for the fused decode, off for the portable one).
+        session, which then loads its own weights (None: on for the fused decode, off for the portable one unless
+        ``weights="session"``).
         spinning : let idle pool threads spin (None: ``$CRITICALKV_ORT_SPINNING`` == "1")."""
         self.ort = ort
         self.folder = Path(folder)
