@@ -60,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     name = _command_name(sys.argv[1:] if argv is None else argv)
     try:
         with signals_raise():
-            args = build_parser().parse_args(argv)
+            parser = build_parser()
+            args, extra = parser.parse_known_args(argv)
+            if extra and not getattr(args, "passes_arguments", False):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            if extra:  # a subcommand that hands its arguments to a module's own parser (criticalkv bench latency)
+                args.arguments = list(args.arguments) + extra
             name = f"criticalkv {args.command}"
             code = int(args.func(args) or 0)
             raise_pending()  # a signal whose exception was dropped (it landed in a __del__): the command still ends

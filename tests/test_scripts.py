@@ -10,13 +10,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def benchmark_latency():
-    """scripts/benchmark_latency.py as a module (its main() takes argv)."""
-    import importlib.util
+    """criticalkv.bench.latency (``criticalkv bench latency``; its main() takes argv)."""
+    from criticalkv.bench import latency
 
-    spec = importlib.util.spec_from_file_location("benchmark_latency", ROOT / "scripts" / "benchmark_latency.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return latency
 
 
 @pytest.mark.parametrize("args, message", [
@@ -74,7 +71,7 @@ def test_the_package_metadata_installs_without_a_license_warning():
 def test_norm_flops_prints_both_model_shapes_with_fewer_pruned_flops():
     import sys
 
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "norm_flops.py"), "--prompt-lens", "4096"],
+    run = subprocess.run([sys.executable, "-m", "criticalkv.cli", "bench", "norm-flops", "--prompt-lens", "4096"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     rows = [line.split("|") for line in run.stdout.splitlines() if line.startswith("| SmolLM2") or line.startswith("| Llama")]

@@ -171,6 +171,6 @@ def add_arguments(p) -> None:
                       help=f"target: cached median TTFT / uncached median TTFT (default: {TARGET_RATIO:g})")
     load.add_argument("--seed", type=int, default=0, help="documents and questions (default: 0)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="benchmarks/results/serving", help="results folder (default: benchmarks/results/serving)")
+    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
     out.add_argument("--name", default="cached_context", help="file stem of the results (default: cached_context)")
     out.add_argument("--no-plot", action="store_true", help="skip the PNG")

@@ -296,7 +296,7 @@ def add_arguments(p) -> None:
     mem.add_argument("--context-cache-mib", type=float,
                      help="each server's --context-cache-mib (default: the KV memory: the cache may use all of it)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="benchmarks/results/serving", help="results folder (default: benchmarks/results/serving)")
+    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
     out.add_argument("--name", default="docqa", help="file stem of the results (default: docqa)")
     out.add_argument("--no-plot", action="store_true", help="skip the PNG")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")

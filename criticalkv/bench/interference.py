@@ -458,7 +458,7 @@ def add_arguments(p) -> None:
                            "With --url: the running server's setting, recorded only")
     load.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="benchmarks/results/serving", help="results folder (default: benchmarks/results/serving)")
+    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
     out.add_argument("--name", default="interference", help="file stem of the results (default: interference)")
     out.add_argument("--no-plot", action="store_true", help="skip the PNG")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

@@ -200,7 +200,7 @@ def add_arguments(p) -> None:
     mem.add_argument("--kv-sequences", type=float, default=2.0,
                      help="KV memory as this many full sequences of ISL + OSL tokens of the full engine (default: 2)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="benchmarks/results/serving", help="results folder (default: benchmarks/results/serving)")
+    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
     out.add_argument("--name", default="memory_bound", help="file stem of the results (default: memory_bound)")
     out.add_argument("--no-plot", action="store_true", help="skip the PNG")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")

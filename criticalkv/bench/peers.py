@@ -6,7 +6,12 @@
   ``transformers<5.3``, so it cannot share criticalkv's environment);
 * ``transformers/``: ``torch==2.13.0`` and the same ``transformers`` version as criticalkv's, plain
   ``generate`` with the full cache;
-* ``aiperf/``: ``aiperf==0.13.0`` (NVIDIA's load generator, ~1.2 GB; never part of CI).
+* ``aiperf/``: ``aiperf==0.13.0`` (NVIDIA's load generator, ~1.2 GB; never part of CI);
+* ``onnxruntime-genai/``: ``torch==2.13.0``, then ``onnxruntime-genai==0.18.0`` with what its model builder
+  needs (transformers, onnx, onnx-ir, onnxscript, sentencepiece, protobuf), ~1 GB;
+* ``openvino/``: ``torch==2.13.0``, then (torch pinned again, with ``torchvision==0.28.0``) OpenVINO GenAI
+  2026.4.1 (``openvino``, ``openvino-tokenizers``, ``openvino-genai``) and ``optimum-intel==2.2.0`` /
+  ``optimum==2.3.0`` for ``optimum-cli export openvino`` (torchvision uninstalled afterwards), ~1.6 GB. These two are the CPU runtimes of ``criticalkv bench peers`` (``criticalkv/bench/cpu_peers.py``).
 
 ``single_request`` then times one request end to end (tokenisation + prefill + selection + decode,
 model load excluded, ``--repeats`` after one warm-up, medians): criticalkv's ``Engine.generate`` on
@@ -41,7 +46,16 @@ PEER_RUNNER = Path(__file__).with_name("peer_runner.py")
 TORCH = "torch==2.13.0"
 KVPRESS = "kvpress==0.5.5"
 AIPERF = "aiperf==0.13.0"
-PEER_NAMES = ("kvpress", "transformers", "aiperf")
+ORT_GENAI = ["onnxruntime-genai==0.18.0", "transformers", "onnx", "onnx-ir", "onnxscript", "sentencepiece", "protobuf"]
+# optimum-intel requires torch and torchvision: both pinned with torch==2.13.0 in the same step (otherwise pip
+# upgrades torch to a multi-GB CUDA build); the registry's torchvision is a CUDA build whose operators fail to
+# register on the CPU torch, and transformers imports it when present, so it is uninstalled afterwards
+# (the export does not need it)
+OPENVINO = ["torchvision==0.28.0", "openvino==2026.4.1", "openvino-tokenizers==2026.4.1.0", "openvino-genai==2026.4.1.0",
+            "optimum-intel==2.2.0", "optimum==2.3.0"]
+#: Distributions removed after a peer's install steps (see OPENVINO).
+UNINSTALL_AFTER = {"openvino": ["torchvision"]}
+PEER_NAMES = ("kvpress", "transformers", "aiperf", "onnxruntime-genai", "openvino")
 
 
 def peer_requirements(name: str) -> list[list[str]]:
@@ -52,6 +66,10 @@ def peer_requirements(name: str) -> list[list[str]]:
         return [[TORCH], [f"transformers=={metadata.version('transformers')}", "safetensors"]]
     if name == "aiperf":
         return [[AIPERF]]
+    if name == "onnxruntime-genai":
+        return [[TORCH], [TORCH, *ORT_GENAI]]
+    if name == "openvino":
+        return [[TORCH], [TORCH, *OPENVINO]]
     raise ValueError(f"unknown peer {name!r} (choose from {', '.join(PEER_NAMES)})")
 
 
@@ -79,6 +97,8 @@ def setup_peers(root: Path, names=PEER_NAMES, log=print) -> None:
         subprocess.run([py, "-m", "pip", "install", "--quiet", "--upgrade", "pip"], check=True)
         for step in steps:
             subprocess.run([py, "-m", "pip", "install", "--quiet", *step], check=True)
+        if UNINSTALL_AFTER.get(name):
+            subprocess.run([py, "-m", "pip", "uninstall", "--yes", "--quiet", *UNINSTALL_AFTER[name]], check=True)
         (venv / ".criticalkv-ready").write_text(" ".join(" ".join(s) for s in steps) + "\n")
         log(f"peer {name}: ready")
 

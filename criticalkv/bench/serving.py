@@ -216,7 +216,7 @@ def add_arguments(p) -> None:
     load.add_argument("--keep-eos", action="store_true", help="let requests stop at EOS (default: ignore_eos, exact OSL)")
     load.add_argument("--seed", type=int, default=0, help="prompt offsets and Poisson arrivals (default: 0)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="benchmarks/results/serving", help="results folder (default: benchmarks/results/serving)")
+    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
     out.add_argument("--name", default="serving", help="file stem of the results (default: serving)")
     out.add_argument("--no-plot", action="store_true", help="skip the PNG")
     out.add_argument("--profile", action="store_true",

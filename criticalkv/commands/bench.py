@@ -1,6 +1,11 @@
-"""``criticalkv bench``: serving benchmark (``serve``), short-request TTFT next to a long one
-(``interference``), single-request comparison with kvpress and
-transformers (``single``), AIPerf cross-check (``aiperf``), and ``report`` (redraw from JSON)."""
+"""``criticalkv bench``: every speed measurement of the project, its results under ``results/benchmarks/``.
+
+Served load: ``serve`` (TTFT/TPOT/ITL percentiles, throughput), ``interference`` (a short request next to a long
+one), ``docqa`` (the compressed context cache), ``memory`` (memory-bound decode), ``cached-context``; one request:
+``single`` (vs kvpress and transformers), ``aiperf`` (cross-check), ``peers`` (vs onnxruntime-genai and OpenVINO
+GenAI, with the CPU's GEMM and bandwidth floors); the engine alone: ``latency`` (selection share of the prefill, decode
+per token, decode memory), ``selection`` (the selection nodes of several policies), ``norm-flops``, ``profile`` (where
+a prefill and a decode step spend their time); and ``targets`` / ``report`` (from the result files, no model run)."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from pathlib import Path
 
 
 def command_line() -> str:
-    """The command as typed (``criticalkv bench ...`` or ``python scripts/benchmark_serving.py ...``)."""
+    """The command as typed (``criticalkv bench ...``)."""
     script = Path(sys.argv[0]).name
     prefix = f"python scripts/{script}" if script.endswith(".py") else "criticalkv"
     return " ".join([prefix, *map(shlex.quote, sys.argv[1:])])
@@ -47,10 +52,11 @@ def register(subparsers) -> None:
 
     from criticalkv.bench import peers
 
-    setup = sub.add_parser("setup-peers", help="create the peers' virtual environments (kvpress, transformers, aiperf)",
+    setup = sub.add_parser("setup-peers", help="create the peers' virtual environments (kvpress, transformers, aiperf, "
+                           "onnxruntime-genai, openvino)",
                            description=plain(peers.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     _peers_dir(setup)
-    setup.add_argument("--only", default=",".join(peers.PEER_NAMES),
+    setup.add_argument("--peers", "--only", dest="only", default=",".join(peers.PEER_NAMES),
                        help=f"comma-separated subset of {','.join(peers.PEER_NAMES)} (default: all)")
     setup.set_defaults(func=run_setup_peers)
 
@@ -64,9 +70,50 @@ def register(subparsers) -> None:
     single.add_argument("--peers", default="kvpress,transformers", help="peers to compare (default: kvpress,transformers)")
     single.add_argument("--setup-peers", action="store_true", help="create missing peer environments first")
     _peers_dir(single)
-    single.add_argument("--out", default="benchmarks/results/serving", help="results folder")
+    single.add_argument("--out", default="results/benchmarks/serving", help="results folder")
     single.add_argument("--name", default="single_request", help="file stem (default: single_request)")
     single.set_defaults(func=run_single)
+
+    from criticalkv.bench import cpu_peers
+
+    cpu = sub.add_parser("peers", help="criticalkv engines vs onnxruntime-genai and OpenVINO GenAI on the same ids, with "
+                         "the CPU's GEMM and bandwidth floors", description=plain(cpu_peers.__doc__),
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    cpu.add_argument("--engine-dir", action="append", type=Path, required=True,
+                     help="a criticalkv engine built with --max-batch-size >= --batch (repeat: e.g. full and b=256)")
+    cpu.add_argument("--peers", default=",".join(cpu_peers.CPU_PEERS),
+                     help=f"CPU peers to run, comma-separated (default: {','.join(cpu_peers.CPU_PEERS)}; empty: none)")
+    cpu.add_argument("--model", help="HF folder or .gguf the peers export (default: the bundled SmolLM2-135M-Instruct, "
+                     "the engines' checkpoint)")
+    cpu.add_argument("--isl", type=int, default=2025, help="prompt tokens, chat template included (default: 2025)")
+    cpu.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per request (default: 64)")
+    cpu.add_argument("--batch", type=int, default=8, help="prompts generated together (default: 8)")
+    cpu.add_argument("--repeats", type=int, default=2, help="interleaved rounds after the warm-up (default: 2)")
+    cpu.add_argument("--ov-eviction", default=",".join(map(str, cpu_peers.DEFAULT_EVICTION)),
+                     help="OpenVINO CacheEvictionConfig START,RECENT,MAX tokens (default: %(default)s)")
+    cpu.add_argument("--ov-precision", default=",".join(cpu_peers.OV_PRECISIONS),
+                     help="OpenVINO compute precisions to run, comma-separated: default (its CPU plugin's, bf16 on CPUs "
+                     "with BF16) and/or f32 (default: %(default)s)")
+    cpu.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
+    _peers_dir(cpu)
+    cpu.add_argument("--out", default="results/benchmarks/peers", help="results folder (default: results/benchmarks/peers)")
+    cpu.add_argument("--name", default="cpu_peers", help="file stem (default: cpu_peers)")
+    cpu.set_defaults(func=run_cpu_peers)
+
+    from criticalkv.bench import profile
+
+    prof = sub.add_parser("profile", help="per-op-class time of a prefill and a decode step (ONNX Runtime profile), "
+                          "the Python side of a step, and the CPU's GEMM / bandwidth floors",
+                          description=plain(profile.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    prof.add_argument("--engine-dir", action="append", type=Path, required=True, help="an engine directory (repeat)")
+    prof.add_argument("--isl", type=int, default=2025, help="prompt tokens, chat template included (default: 2025)")
+    prof.add_argument("--steps", type=int, default=16, help="decode steps profiled and timed (default: 16)")
+    prof.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads of the engines and the floors "
+                      "(default: $CRITICALKV_ORT_THREADS, else ONNX Runtime's default, one per core)")
+    prof.add_argument("--seed", type=int, default=0, help="prompt offset (default: 0)")
+    prof.add_argument("--out", default="results/benchmarks/profile", help="results folder (default: results/benchmarks/profile)")
+    prof.add_argument("--name", default="profile", help="file stem (default: profile)")
+    prof.set_defaults(func=run_profile)
 
     from criticalkv.bench import aiperf
 
@@ -86,19 +133,20 @@ def register(subparsers) -> None:
     ai.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
     ai.add_argument("--setup-peers", action="store_true", help="create the AIPerf environment first if missing")
     _peers_dir(ai)
-    ai.add_argument("--out", default="benchmarks/results/serving", help="results folder")
+    ai.add_argument("--out", default="results/benchmarks/serving", help="results folder")
     ai.add_argument("--name", default="aiperf_crosscheck", help="file stem (default: aiperf_crosscheck)")
     ai.set_defaults(func=run_aiperf)
 
     _register_served_loads(sub)
+    _register_engine_benchmarks(sub)
 
     from criticalkv.bench import targets
 
     tg = sub.add_parser("targets", help="check the serving targets from the result files of a folder (no requests)",
                         description=plain(targets.__doc__),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    tg.add_argument("folder", type=Path, nargs="?", default=Path("benchmarks/results/serving"),
-                    help="results folder (default: benchmarks/results/serving); writes FOLDER/targets.md and "
+    tg.add_argument("folder", type=Path, nargs="?", default=Path("results/benchmarks/serving"),
+                    help="results folder (default: results/benchmarks/serving); writes FOLDER/targets.md and "
                          "FOLDER/summary.png (every serving run of the folder)")
     tg.set_defaults(func=run_targets)
 
@@ -138,6 +186,66 @@ def run_single(args) -> int:
     stem = Path(args.out) / args.name
     report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
     text = peers.render_single(results)
+    report.write_atomic(stem.with_suffix(".txt"), text)
+    print(text)
+    return 0
+
+
+def _check_engines(dirs) -> None:
+    for d in dirs:
+        if not (Path(d) / "manifest.json").is_file():
+            raise FileNotFoundError(f"{d}: not an engine directory (no manifest.json)")
+
+
+def run_cpu_peers(args) -> int:
+    from criticalkv.bench import cpu_peers, machine, report
+
+    _check_engines(args.engine_dir)
+    if args.isl < 64 or min(args.new_tokens, args.batch, args.repeats) < 1:
+        raise ValueError("--isl must be >= 64, --new-tokens, --batch and --repeats >= 1")
+    names = cpu_peers.parse_peers(args.peers)
+    eviction = cpu_peers.parse_eviction(args.ov_eviction)
+    precisions = cpu_peers.parse_precisions(args.ov_precision)
+    cpu_peers.check_ready(args.peers_dir, names)
+    results = machine.header(command_line())
+    print("\n".join(machine.header_lines(results)), flush=True)
+    results.update(cpu_peers.run(args.engine_dir, names, args.peers_dir, args.isl, args.new_tokens, args.batch,
+                                 args.repeats, eviction, model=args.model, seed=args.seed, ov_precisions=precisions))
+    machine.finish(results)
+    stem = Path(args.out) / args.name
+    report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
+    text = cpu_peers.render(results)
+    report.write_atomic(stem.with_suffix(".txt"), text)
+    print(text)
+    return 0
+
+
+def run_profile(args) -> int:
+    from transformers import AutoTokenizer
+
+    from criticalkv.bench import floors, machine, profile, report
+    from criticalkv.bench.peers import chat_ids, text_for_chat_length
+    from criticalkv.runtime.manifest import read_manifest
+
+    _check_engines(args.engine_dir)
+    if args.isl < 64 or args.steps < 1 or (args.threads is not None and args.threads < 0):
+        raise ValueError("--isl must be >= 64, --steps >= 1 and --threads >= 0")
+    results = machine.header(command_line())
+    print("\n".join(machine.header_lines(results)), flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(Path(args.engine_dir[0]) / "tokenizer")
+    ids = chat_ids(tokenizer, text_for_chat_length(tokenizer, args.isl, args.seed))
+    spec = read_manifest(Path(args.engine_dir[0]), verify=False)["model"]["spec"]
+    import os
+
+    from criticalkv.runtime.onnxruntime_backend import THREADS_ENV
+
+    threads = args.threads if args.threads is not None else int(os.environ.get(THREADS_ENV, "0"))
+    results["floors"] = floors.measure(spec, len(ids), threads)
+    results["engines"] = [profile.profile_engine(Path(d), ids, args.steps, threads) for d in args.engine_dir]
+    machine.finish(results)
+    stem = Path(args.out) / args.name
+    report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
+    text = profile.render(results)
     report.write_atomic(stem.with_suffix(".txt"), text)
     print(text)
     return 0
@@ -205,6 +313,30 @@ def run_report(args) -> int:
     report.write_all(results, args.json.with_suffix(""))
     print(report.render(results))
     return 0
+
+
+def _register_engine_benchmarks(sub) -> None:
+    """``latency``, ``selection`` and ``norm-flops``: modules with their own argument parsers (``main(argv)``); the
+    arguments after the name go to them, ``--help`` included."""
+    for name, module_name, help_text in (
+            ("latency", "criticalkv.bench.latency",
+             "the engine alone: the selection nodes' share of a long prefill, decode per token, decode memory"),
+            ("selection", "criticalkv.bench.selection", "the selection nodes of several policies on one prompt, "
+                                                        "interleaved (seconds, per-operator profile)"),
+            ("norm-flops", "criticalkv.bench.norm_flops", "FLOPs of CriticalKV's stage-2 value norms, unpruned and pruned")):
+        p = sub.add_parser(name, help=help_text, add_help=False,
+                           description=f"{help_text} (`criticalkv bench {name} --help` lists its options)")
+        p.add_argument("-h", "--help", action="store_true", dest="module_help", help=argparse.SUPPRESS)
+        p.set_defaults(func=_run_main(module_name), passes_arguments=True, arguments=[])
+
+
+def _run_main(module_name: str):
+    def run(args) -> int:
+        import importlib
+
+        return importlib.import_module(module_name).main((["--help"] if args.module_help else []) + args.arguments)
+
+    return run
 
 
 def _register_served_loads(sub) -> None:

@@ -171,7 +171,7 @@ class DefensiveKV(AdaKV):
         total = g.ReduceSum(box, g.i64(4), keepdims=1)
         # the reference's where(total > 0, box / total * mass, box) without the Where: a row whose total is 0 is all
         # zeros (box >= 0), and 0 / tiny * mass is 0, so the same numbers; a broadcast Where over this 5-D tensor
-        # cost ONNX Runtime as much as the rest of the defensive scoring (benchmarks/results/selection_defensivekv)
+        # cost ONNX Runtime as much as the rest of the defensive scoring (results/benchmarks/selection_defensivekv)
         pooled_rows = g.Mul(g.Div(box, g.Max(total, tiny)), mass)
         worst = g.ReduceMax(pooled_rows, g.i64(2, 3), keepdims=0)  # [B, H_kv, m]
         count = g.Max(g.ReduceSum(valid, g.i64(2), keepdims=1), g.const(1.0, np.float32))

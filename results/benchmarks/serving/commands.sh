@@ -7,7 +7,7 @@
 #   .venv/bin/criticalkv bench setup-peers
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-OUT=benchmarks/results/serving
+OUT=results/benchmarks/serving
 B=.venv/bin/criticalkv
 uptime
 # 1. ISL 2048, OSL 64, concurrency 8 (and 1): criticalkv b=256 vs full, one server after the other (py-spy profile)

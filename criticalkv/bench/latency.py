@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Latency and memory of the ONNX Runtime engine on the bundled model (medians over repeats, ratios).
 
 Three measurements, each against the issue's target:
@@ -11,7 +10,7 @@ Three measurements, each against the issue's target:
 3. decode-session memory (the bound KV buffers + the decode session's own arena, from its profile) for
    several budgets and prompt lengths;                         target: grows with the budget, not the prompt
 
-    python scripts/benchmark_latency.py --output benchmarks/results/cpu_smollm2
+    criticalkv bench latency --output results/benchmarks/cpu_smollm2
 
 writes OUTPUT.json (every number, the machine, the versions, the command), OUTPUT.txt (the table below)
 and OUTPUT.png. Engines are exported into a temporary directory and deleted afterwards.
@@ -31,17 +30,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import numpy as np
 
-import numpy as np  # noqa: E402
+from criticalkv.export import BuildConfig
+from criticalkv.build import export_engine, package_versions
+from criticalkv.policy import KVPolicy
+from criticalkv.runtime import Engine, create_backend
+from criticalkv.runtime.profiling import selection_profile
 
-from criticalkv.export import BuildConfig  # noqa: E402
-from criticalkv.build import export_engine, package_versions  # noqa: E402
-from criticalkv.policy import KVPolicy  # noqa: E402
-from criticalkv.runtime import Engine, create_backend  # noqa: E402
-from criticalkv.runtime.profiling import selection_profile  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def machine() -> dict:
@@ -154,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ONNX Runtime intra-op threads (0: its default; default: $CRITICALKV_ORT_THREADS or 0)")
     p.add_argument("--output", type=Path, required=True,
                    help="results path without suffix: writes OUTPUT.json, OUTPUT.txt and OUTPUT.png (the committed "
-                        "results are benchmarks/results/cpu_smollm2 and cpu_smollm2_1thread: name them to "
+                        "results are results/benchmarks/cpu_smollm2 and cpu_smollm2_1thread: name them to "
                         "replace them)")
     p.add_argument("--compare-unpruned", action="store_true",
                    help="only measurement 1 with value_norm l1, the pruned stage 2 (the operator) against the unpruned "
@@ -235,7 +232,7 @@ def run(args, argv: list[str] | None) -> int:
 
     if args.compare_unpruned:
         return compare_unpruned(args, argv)
-    command = "python scripts/benchmark_latency.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    command = "criticalkv bench latency " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     info = {"command": command, "machine": machine(), "versions": package_versions(), "ort_threads": args.threads,
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     print(f"# {command}\n# {info['machine']['cpu']}, {info['machine']['logical_cpus']} logical CPUs, "
@@ -410,7 +407,7 @@ def compare_unpruned(args, argv: list[str] | None) -> int:
     from criticalkv.selection import pruned
     from criticalkv.selection.pruned import norm_flops
 
-    command = "python scripts/benchmark_latency.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    command = "criticalkv bench latency " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     info = {"command": command, "machine": machine(), "versions": package_versions(), "ort_threads": args.threads,
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     print(f"# {command}\n# {info['machine']['cpu']}, {info['machine']['logical_cpus']} logical CPUs, "

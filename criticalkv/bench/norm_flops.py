@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """FLOPs of CriticalKV's stage-2 value norms per prefill, unpruned and pruned (criticalkv/methods/pruned.py).
 
-    python scripts/norm_flops.py            # SmolLM2-135M and Llama-3-8B shapes, 1k/4k/8k tokens, budget 256
+    criticalkv bench norm-flops            # SmolLM2-135M and Llama-3-8B shapes, 1k/4k/8k tokens, budget 256
 
 Counts 2 FLOPs per multiply-add, summed over the layers; the pruned count assumes the first candidate round (2k
 per KV head) is accepted (on the bundled model's needle prompt it was in most layers: docs/operator.md).
@@ -13,9 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from criticalkv.selection.pruned import norm_flops  # noqa: E402
+from criticalkv.selection.pruned import norm_flops
 
 #: (name, layers, query heads, KV heads, head dim, hidden)
 SHAPES = [("SmolLM2-135M", 30, 9, 3, 64, 576), ("Llama-3-8B", 32, 32, 8, 128, 4096)]

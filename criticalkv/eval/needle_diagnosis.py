@@ -6,7 +6,7 @@ over the 30 layers x 3 KV heads, how often each answer-digit token of the needle
 the whole number is, next to whether the policy found the needle in results/needle/needle.json. No
 decoding, no tuning: a diagnosis of the committed results.
 
-    python results/needle_diagnosis.py --lengths 2048 --out results/needle_diagnosis.json
+    python -m criticalkv.eval.needle_diagnosis --lengths 2048 --out results/needle_diagnosis.json
 """
 
 import argparse

@@ -13,7 +13,7 @@ refinement of a base, so its comparisons are computed here with the suite's own 
   attention output at the first decoding token, averaged over the prompts) is below ``ada-criticalkv``'s
   (and below ``adakv``'s), the mean head-L1 ratio, and the fraction of prompts whose final hidden state moved less.
 
-    python results/defensive_pairs.py --out results/defensive_pairs.md
+    python -m criticalkv.eval.defensive_pairs --out results/defensive_pairs.md
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 from criticalkv.eval.scoring import paired_comparison  # noqa: E402
 
@@ -113,7 +112,7 @@ def main() -> int:
     p.add_argument("--perturbation", type=Path, default=ROOT / "results/perturbation_defensive/perturbation.json")
     p.add_argument("--out", type=Path, help="also write the markdown here")
     args = p.parse_args()
-    lines = ["# DefensiveKV: paired statistics", "", "`python results/defensive_pairs.py --out results/defensive_pairs.md`", ""]
+    lines = ["# DefensiveKV: paired statistics", "", "`python -m criticalkv.eval.defensive_pairs --out results/defensive_pairs.md`", ""]
     for paths in (args.needle, args.ruler):
         found = [p.resolve() for p in paths if p.is_file()]
         lines += score_section(found) if found else ["(no results)", ""]

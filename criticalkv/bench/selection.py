@@ -1,14 +1,13 @@
-#!/usr/bin/env python3
 """Selection time of several policies on ONNX Runtime, in one run (medians over repeats, ratio to a base).
 
 Each policy's engine is exported (same prompt, budget and build limits), and the prefill of the same long
 prompt is profiled ``--repeats`` times per policy, the policies interleaved repeat by repeat so that a
 change of machine load falls on all of them alike. The selection time of a run is the time of the inlined
 ``CriticalKVSelect`` body nodes (``criticalkv.runtime.profiling.selection_profile``, as
-``scripts/benchmark_latency.py`` measures it), summed over the 30 layers.
+``criticalkv bench latency`` measures it), summed over the 30 layers.
 
-    python scripts/benchmark_selection.py --policies ada-criticalkv,defensivekv --base ada-criticalkv \\
-        --output benchmarks/results/selection_defensivekv
+    criticalkv bench selection --policies ada-criticalkv,defensivekv --base ada-criticalkv \\
+        --output results/benchmarks/selection_defensivekv
 
 writes OUTPUT.json (every per-run number, the machine, the load average at start and end, the command) and
 OUTPUT.txt (the table). ``--op-profile`` adds, per policy, the body's time per operator type (median run).
@@ -27,17 +26,14 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from benchmark_latency import long_text, machine, make_engine  # noqa: E402
-from criticalkv.build import package_versions  # noqa: E402
-from criticalkv.eval.specs import parse_policy_spec  # noqa: E402
-from criticalkv.export import BuildConfig  # noqa: E402
-from criticalkv.policy import KVPolicy  # noqa: E402
-from criticalkv.runtime.profiling import SELECTION_MARK, selection_profile  # noqa: E402
+from criticalkv.bench.latency import long_text, machine, make_engine
+from criticalkv.build import package_versions
+from criticalkv.eval.specs import parse_policy_spec
+from criticalkv.export import BuildConfig
+from criticalkv.policy import KVPolicy
+from criticalkv.runtime.profiling import SELECTION_MARK, selection_profile
 
 
 def op_times(trace: str, run_index: int) -> dict[str, float]:
@@ -78,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from criticalkv.bench.machine import git_commit, load_average
     from criticalkv.hf import load_model
 
-    command = "python scripts/benchmark_selection.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    command = "criticalkv bench selection " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     info = {"command": command, "machine": machine(), "versions": package_versions(), "commit": git_commit(),
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     print(f"# {command}\n# load {info['machine']['load_average_start']}", flush=True)
