@@ -348,8 +348,8 @@ class OnnxRuntimeBackend(BuiltShapes):
     def _decode_fused(self, batch: int) -> np.ndarray:
         """One step of decode_ort.onnx over rows 0..batch-1: the graph writes each row's new entry at slot
         ``longest`` (its longest head's length) of every head, in place; a shorter head's entry then moves to its own
-        length (a hole between the two is what the graph's attention bias masks), so each head's entries stay its
-        first ``lengths`` slots."""
+        length (a hole between the two is what the graph's attention bias masks) and the written slot is zeroed, so each
+        head's entries stay its first ``lengths`` slots and the slots after them hold what the portable decode leaves."""
         lengths = self._length_block[:, :batch]  # [L, B, H_kv]
         longest = lengths.max(axis=2)  # [L, B]: the slot the graph writes (checked before it writes)
         full = longest.max(axis=1) >= self._capacity_array
@@ -363,8 +363,11 @@ class OnnxRuntimeBackend(BuiltShapes):
                 rows, heads = np.nonzero(slots < longest[i][:, None])
                 if rows.size:
                     written = longest[i][rows]
-                    self.keys[i][rows, heads, slots[rows, heads]] = self.keys[i][rows, heads, written]
-                    self.values[i][rows, heads, slots[rows, heads]] = self.values[i][rows, heads, written]
+                    for buffer in (self.keys[i], self.values[i]):
+                        buffer[rows, heads, slots[rows, heads]] = buffer[rows, heads, written]
+                        # the written slot lies beyond that head's length: zero it, as the portable decode leaves it
+                        # (a snapshot then holds the same padding whichever decode ran)
+                        buffer[rows, heads, written] = 0
         lengths += 1
         return self.logits[:batch]
 

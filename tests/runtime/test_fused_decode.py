@@ -124,7 +124,7 @@ def test_the_slot_api_reads_the_same_entries_after_fused_steps(name, tmp_path):
     fused, portable = engines(model, KVPolicy(name, budget=48, window=8), tmp_path / "e", max_batch_size=3)
     params = SamplingParams(max_tokens=8)
     prompts = [random_prompt(n, seed=n) for n in (140, 120, 90)]
-    streams = {}
+    streams, snapshots = {}, {}
     try:
         for form, engine in (("fused", fused), ("portable", portable)):
             tokens = [int(engine.prefill(slot, Request(p, params)).logits.argmax()) for slot, p in enumerate(prompts)]
@@ -139,6 +139,7 @@ def test_the_slot_api_reads_the_same_entries_after_fused_steps(name, tmp_path):
             for _ in range(3):
                 step([0, 1, 2])
             saved = engine.save(1)
+            snapshots[form] = saved.row
             engine.release(0)  # row 2 moves into row 0
             step([1, 2])
             engine.release(1)
@@ -149,6 +150,11 @@ def test_the_slot_api_reads_the_same_entries_after_fused_steps(name, tmp_path):
             streams[form] = out
             engine.release_all()
         assert streams["fused"] == streams["portable"]
+        for layer, (keys, values, lengths) in enumerate(zip(*(vars(snapshots["fused"])[k] for k in ("keys", "values", "lengths")))):
+            # the same entries and the same padding after each head's length (the fused step zeroes the slot it wrote)
+            assert (lengths == snapshots["portable"].lengths[layer]).all()
+            np.testing.assert_allclose(keys, snapshots["portable"].keys[layer], rtol=0, atol=1e-4)
+            np.testing.assert_allclose(values, snapshots["portable"].values[layer], rtol=0, atol=1e-4)
     finally:
         fused.close()
         portable.close()
