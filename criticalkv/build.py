@@ -226,7 +226,7 @@ def export_engine(
         "policy_schema_version": SCHEMA_VERSION,
         "build": config.to_dict(),
         "shapes": result.shapes(),
-        "onnx": {**_onnx_files(folder), "validation": validation},
+        "onnx": {**_onnx_files(folder), "validation": validation, "fused_decode": result.fused_decode},
         "generation": {"eos_token_ids": stop_token_ids(tokenizer, model) if tokenizer is not None else [],
                        "chat_template": bool(getattr(tokenizer, "chat_template", None))},
         "versions": package_versions(),

@@ -46,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-question-len", type=int, default=defaults.max_question_len,
                    help="most tokens of a question asked after a cached context (the serving context cache); every "
                         "slot's KV buffers keep room for them (default: %(default)s)")
+    p.add_argument("--kv-dtype", choices=("float32", "float16"), default=defaults.kv_dtype,
+                   help="element type of the ONNX Runtime decode KV buffers: float32 (default: the parity setting) or "
+                        "float16 (half the KV memory: twice the sequences and cached contexts in one KV budget; logits "
+                        "move by ~1e-2, docs/performance.md). Only the fused decode graph decode_ort.onnx reads them; "
+                        "the TensorRT engines keep --dtype")
     p.add_argument("--force", action="store_true",
                    help="rebuild, replacing the engine at --output; anything there that is not an engine directory "
                    "(a file, other folders) is never replaced")
@@ -63,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_raises():
             policy = KVPolicy.from_args(args)
             config = BuildConfig(args.max_input_len, args.max_new_tokens, args.max_batch_size, args.dtype,
-                                 args.attention_chunk, args.extend_chunk, args.max_question_len)
+                                 args.attention_chunk, args.extend_chunk, args.max_question_len, args.kv_dtype)
             folder = build_engine(args.output, policy, config, model=args.model, force=args.force,
                                   smoke=not args.skip_smoke_test, tensorrt=not args.skip_tensorrt)
     except (ValueError, OSError) as err:

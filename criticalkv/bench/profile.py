@@ -12,10 +12,12 @@ For each engine (batch 1, the same chat-wrapped prompt of ``--isl`` tokens cut f
   (RoPE, reshapes, residual adds, masks, ...). FLOPs of a MatMul / Gemm come from its input shapes in the
   profile (the attention Loop's from its nested MatMuls: what it computes, block-causal); achieved GFLOP/s =
   FLOPs / time;
-* decode: ``--steps`` profiled steps after the prefill and two warm-up steps (per-node mean); bytes of a projection =
-  its weight, of an attention MatMul = the KV buffer it reads; achieved GB/s = bytes / time;
+* decode: ``--steps`` profiled steps after the prefill and two warm-up steps (per-node mean) of the decode graph the
+  engine runs (the fused ``decode_ort.onnx`` when it has one, its GroupQueryAttention nodes in ``attention``;
+  ``CRITICALKV_ORT_DECODE=portable`` profiles ``decode.onnx``); bytes of a projection = its weight, of an attention
+  MatMul = the KV buffer it reads; achieved GB/s = bytes / time;
 * the Python side of a decode step, unprofiled: ``run_with_iobinding`` (wall time of the ORT call), the rest
-  of ``OnnxRuntimeBackend.decode`` (the in-place KV writes and length updates), greedy sampling and the loop.
+  of ``OnnxRuntimeBackend.decode`` (the KV writes or moves and the length updates), greedy sampling and the loop.
 
 The floors: ``gemm_rate`` at the prefill's projection shapes, ``gemv_bandwidth`` of the decode step's weights.
 Timings are only comparable within one run on an idle machine: the load average is recorded at start and end.
@@ -90,7 +92,7 @@ def classify(event: dict, spec: dict, selection_marks: tuple[str, ...]) -> str:
     name, op = event["name"], event["args"].get("op_name", "")
     if any(mark in name for mark in selection_marks):
         return "selection"
-    if op == "Loop":
+    if op in ("Loop", "GroupQueryAttention"):  # the prefill's query-block Loop; the fused decode's attention node
         return "attention"
     if op in NORM_OPS:
         return "rms_norm"
@@ -202,10 +204,12 @@ def profile_engine(engine_dir: Path, ids: list[int], steps: int = 16, threads: i
         del warm
         backend.profile = False
 
-        # decode, profiled: a session of the same graph with profiling on, bound like the backend's own
+        # decode, profiled: a session of the graph the backend runs (the fused decode_ort.onnx with its prepacked
+        # weights, or the portable decode.onnx) with profiling on, bound like the backend's own
         plain_session = backend.decode_session
-        backend.decode_session = backend.session(backend.folder / manifest["onnx"]["files"]["decode"], backend.threads,
-                                                 profile=True)
+        decode_file = manifest["onnx"]["files"]["decode_ort" if backend.fused else "decode"]
+        backend.decode_session = backend.session(backend.folder / decode_file, backend.threads, profile=True,
+                                                 prepack=backend.prepack)
         backend._bindings.clear()
         backend._batch = 0
         sampler = Sampler()
@@ -243,7 +247,7 @@ def profile_engine(engine_dir: Path, ids: list[int], steps: int = 16, threads: i
     finally:
         backend.close()
     return {"engine_dir": str(engine_dir), "policy": manifest["policy"]["name"], "budget": manifest["policy"].get("budget"),
-            "prompt_tokens": n, "decode_steps": steps, "kept_per_layer_max": kept,
+            "prompt_tokens": n, "decode_steps": steps, "kept_per_layer_max": kept, "decode_form": backend.decode_form,
             "decode_capacity": manifest["shapes"]["decode_capacity"], "threads": backend.threads or "default",
             "prefill_wall_s": prefill_wall, "prefill": prefill, "decode": decode, "python": python, "spec": spec}
 
@@ -305,10 +309,16 @@ def render(results: dict) -> str:
                          + (f"{rate:.1f} | {100 * rate / gemm:.0f} |" if rate else "| |"))
         bytes_ = decode_bytes(e["spec"], e["decode_capacity"], e["kept_per_layer_max"])
         floor_ms = (bytes_["weights"] + bytes_["kv_held"]) / (gemv * 1e9) * 1e3
-        lines += ["", f"## {label}: one decode step after the prompt (median of {e['decode_steps']} profiled steps)",
-                  f"profiled run {1e3 * d['run_s']:.2f} ms; reads {bytes_['weights'] / 1e6:.0f} MB of weights + "
-                  f"{bytes_['kv_read_by_graph'] / 1e6:.1f} MB of KV buffers (the graph reads each head's whole capacity; "
-                  f"{bytes_['kv_held'] / 1e6:.1f} MB held); floor at the GEMV bandwidth (weights + held KV) {floor_ms:.1f} ms",
+        if e.get("decode_form", "portable") == "fused":
+            kv_read = (f"{bytes_['kv_held'] / 1e6:.1f} MB of KV (the fused decode_ort.onnx reads each row's held entries, "
+                       "up to its longest head)")
+        else:
+            kv_read = (f"{bytes_['kv_read_by_graph'] / 1e6:.1f} MB of KV buffers (the portable decode.onnx reads each "
+                       f"head's whole capacity; {bytes_['kv_held'] / 1e6:.1f} MB held)")
+        lines += ["", f"## {label}: one decode step after the prompt (median of {e['decode_steps']} profiled steps, "
+                  f"{e.get('decode_form', 'portable')} decode graph)",
+                  f"profiled run {1e3 * d['run_s']:.2f} ms; reads {bytes_['weights'] / 1e6:.0f} MB of weights + {kv_read}; "
+                  f"floor at the GEMV bandwidth (weights + held KV) {floor_ms:.1f} ms",
                   "| op class | ms | % | nodes | MB read | GB/s | % of GEMV bandwidth |", "|---|---|---|---|---|---|---|"]
         for cls in CLASSES:
             c = d["classes"][cls]

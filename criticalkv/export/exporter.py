@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx
 
 from criticalkv.export.graph import IR_VERSION, OPSET
-from criticalkv.export.llama import ModelSpec, collect_weights, graph_builder, layer_capacities, model_spec
+from criticalkv.export.llama import KV_DTYPES, ModelSpec, collect_weights, graph_builder, layer_capacities, model_spec
 from criticalkv.export.model_select import tensorrt_refusal
 from criticalkv.node import DOMAIN, OPSET_VERSION
 from criticalkv.policy import KVPolicy
@@ -17,6 +17,9 @@ from criticalkv.weights import WEIGHTS_FILE
 PREFILL_FILE = "prefill.onnx"
 PREFILL_TENSORRT_FILE = "prefill_tensorrt.onnx"
 DECODE_FILE = "decode.onnx"
+#: The ONNX-Runtime-only decode graph (com.microsoft GroupQueryAttention, SkipSimplifiedLayerNormalization): written
+#: beside decode.onnx, which stays the portable graph TensorRT parses
+DECODE_ORT_FILE = "decode_ort.onnx"
 EXTEND_FILE = "extend.onnx"
 EXTEND_TENSORRT_FILE = "extend_tensorrt.onnx"
 SELECT_FILE = "select.onnx"
@@ -42,6 +45,10 @@ class BuildConfig:
         attention_chunk gets bitwise the one-shot prefill's K/V, logits and kept entries on ONNX Runtime
     max_question_len : most tokens asked after a compressed (cached) context: every slot's decode buffers hold the
         layer's selection capacity + max_question_len + max_new_tokens entries per head
+    kv_dtype : element type of the ONNX Runtime decode buffers: float32 (default; the parity setting) or float16 (half
+        the KV memory, so twice the sequences and cached contexts in one KV budget; only the fused decode graph
+        ``decode_ort.onnx`` reads them, converting to float32 inside; prefill, extend and select stay float32). The
+        TensorRT engines keep their own precision (``dtype``)
     """
 
     max_input_len: int = 4096
@@ -51,6 +58,7 @@ class BuildConfig:
     attention_chunk: int = 256
     extend_chunk: int = 256
     max_question_len: int = 256
+    kv_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         for name in ("max_input_len", "max_new_tokens", "max_batch_size", "attention_chunk", "extend_chunk",
@@ -60,6 +68,8 @@ class BuildConfig:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if self.dtype not in EXPORT_DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,18 +86,22 @@ class ExportResult:
     prefill_capacities: list[int]
     decode_capacities: list[int]
     weights_bytes: int
+    #: the fused decode graph: {"file", "per_head_lengths", "max_positions"}, or {"file": None, "refused": why}
+    fused_decode: dict | None = None
 
     def shapes(self) -> dict:
         return {
             "prefill_capacity": self.prefill_capacities,
             "decode_capacity": self.decode_capacities,
-            "kv_buffer_bytes": kv_buffer_bytes(self.spec, self.decode_capacities, self.config.max_batch_size),
+            "kv_buffer_bytes": kv_buffer_bytes(self.spec, self.decode_capacities, self.config.max_batch_size,
+                                               self.config.kv_dtype),
         }
 
 
-def kv_buffer_bytes(spec: ModelSpec, decode_capacities: list[int], batch: int) -> int:
-    """Bytes of the runtime's fp32 K and V decode buffers for ``batch`` sequences."""
-    return 2 * batch * spec.num_kv_heads * spec.head_dim * 4 * sum(decode_capacities)
+def kv_buffer_bytes(spec: ModelSpec, decode_capacities: list[int], batch: int, kv_dtype: str = "float32") -> int:
+    """Bytes of the ONNX Runtime K and V decode buffers (``kv_dtype``) for ``batch`` sequences."""
+    element = 2 if kv_dtype == "float16" else 4
+    return 2 * batch * spec.num_kv_heads * spec.head_dim * element * sum(decode_capacities)
 
 
 def check_model_limits(model, spec: ModelSpec, config: BuildConfig) -> None:
@@ -104,8 +118,9 @@ def check_model_limits(model, spec: ModelSpec, config: BuildConfig) -> None:
 
 def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfig | None = None, tokenizer=None) -> ExportResult:
     """Write into ``folder``: ``weights.bin`` (shared by every graph), ``prefill.onnx`` (selection nodes + their
-    function body), ``decode.onnx``, ``extend.onnx`` and ``select.onnx`` (the chunked prefill's chunks and its last
-    step), their TensorRT flavours ``prefill_tensorrt.onnx``, ``extend_tensorrt.onnx`` and ``select_tensorrt.onnx``
+    function body), ``decode.onnx`` (portable: the graph TensorRT parses), ``decode_ort.onnx`` (the fused decode ONNX
+    Runtime runs, unless the model refuses it: ``ExportResult.fused_decode`` says why), ``extend.onnx`` and
+    ``select.onnx`` (the chunked prefill's chunks and its last step), their TensorRT flavours ``prefill_tensorrt.onnx``, ``extend_tensorrt.onnx`` and ``select_tensorrt.onnx``
     (nodes without body for the plugin, attention without a Loop; none for a model-level policy), and the tokenizer.
 
     ``model``: a transformers Llama / Mistral / Qwen2 causal LM (fp32 weights are exported).
@@ -129,10 +144,32 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
         builder = graph_builder(spec, store, policy, capacities, flavour, config.attention_chunk)
         for graph, name in files.items():
             onnx.save(getattr(builder, graph)(), folder / name)
-    onnx.save(graph_builder(spec, store).decode(decode_capacities), folder / DECODE_FILE)
+    decode_builder = graph_builder(spec, store, policy)
+    onnx.save(decode_builder.decode(decode_capacities), folder / DECODE_FILE)
+    fused = fused_decode_info(decode_builder, policy, config)
+    if fused["file"]:
+        onnx.save(decode_builder.decode_fused(decode_capacities, fused.get("max_positions", 0), fused["per_head_lengths"],
+                                              config.kv_dtype), folder / DECODE_ORT_FILE)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder / TOKENIZER_DIR)
-    return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes())
+    return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes(), fused)
+
+
+def fused_decode_info(builder, policy: KVPolicy, config: BuildConfig) -> dict:
+    """What the engine's fused decode graph is (``decode_ort.onnx``), or why it has none (the manifest's
+    ``onnx.fused_decode``). float32 KV: GroupQueryAttention in place (``attention: group_query_attention``), refused
+    for some models (``fused_decode_refusal``); positions reach max_input_len + max_question_len + max_new_tokens at
+    most (a context, a question after it, the generated tokens); the per-head mask only for policies whose heads may
+    hold different lengths (``BaseMethod.equal_head_lengths``). float16 KV: the masked attention over the buffers cast
+    to float32 (``attention: cast``), any lengths, every model."""
+    if config.kv_dtype == "float16":
+        return {"file": DECODE_ORT_FILE, "attention": "cast", "kv_dtype": "float16", "per_head_lengths": True}
+    refusal = builder.fused_decode_refusal()
+    if refusal:
+        return {"file": None, "refused": refusal, "kv_dtype": "float32"}
+    return {"file": DECODE_ORT_FILE, "attention": "group_query_attention", "kv_dtype": "float32",
+            "per_head_lengths": not policy.method.base.equal_head_lengths,
+            "max_positions": config.max_input_len + config.max_question_len + config.max_new_tokens}
 
 
 def onnx_info() -> dict:
@@ -142,6 +179,6 @@ def onnx_info() -> dict:
         "ir_version": IR_VERSION,
         "custom_domain": {DOMAIN: OPSET_VERSION},
         "files": {"prefill": PREFILL_FILE, "prefill_tensorrt": PREFILL_TENSORRT_FILE, "decode": DECODE_FILE,
-                  "extend": EXTEND_FILE, "extend_tensorrt": EXTEND_TENSORRT_FILE, "select": SELECT_FILE,
+                  "decode_ort": DECODE_ORT_FILE, "extend": EXTEND_FILE, "extend_tensorrt": EXTEND_TENSORRT_FILE, "select": SELECT_FILE,
                   "select_tensorrt": SELECT_TENSORRT_FILE, "weights": WEIGHTS_FILE},
     }

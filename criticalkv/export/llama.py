@@ -19,6 +19,11 @@ decode (one new token per sequence)
   out  ``logits`` [B, vocab]; ``present.{l}.key`` / ``.value`` [B, H_kv, 1, d_h]: the new token's entries,
        which the runtime writes in place at slot ``lengths[b, g]`` of each head's buffer (a shared
        past/present buffer, like onnxruntime-genai's past_present_share_buffer: no per-step copy of the cache)
+decode_ort (the fused decode, ONNX Runtime only; ``DecoderGraphBuilder.decode_fused``)
+  in   decode's inputs
+  out  ``logits`` [B, vocab]; ``present.{l}.key`` / ``.value`` [B, H_kv, cap_l, d_h]: the buffers themselves, bound to
+       the past inputs' memory (com.microsoft GroupQueryAttention writes the new entry at slot max_g lengths[b, g] of
+       every head of row b in place; the runtime moves a shorter head's entry to its own length)
 extend (N new tokens per sequence, N up to the engine's ``extend_chunk``; no padding among them)
   in   ``input_ids`` [B, N], ``position_ids`` [B, N] (absolute: after eviction the prompt length + t),
        per layer: ``past_key_values.{l}.key`` / ``.value`` [B, H_kv, capacity_l, d_h] (any capacity: a decode slot's
@@ -180,6 +185,15 @@ MASKED_SCORE = -30000.0
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
+#: The domain of ONNX Runtime's contrib operators (``GroupQueryAttention``, ``SkipSimplifiedLayerNormalization``): only
+#: in the ONNX-Runtime-only decode graph (``decode_fused``), never in a graph TensorRT parses.
+ORT_DOMAIN = "com.microsoft"
+#: Element types of the ONNX Runtime KV buffers (``BuildConfig.kv_dtype``): float32 (the default, exact parity
+#: setting) or float16 (half the KV memory; only the fused decode graph reads them).
+KV_DTYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16}
+#: ONNX Runtime's CPU GroupQueryAttention kernel takes head sizes that are multiples of this only.
+GQA_HEAD_DIM_MULTIPLE = 16
+
 
 class DecoderGraphBuilder:
     """Every graph of an engine for a Llama-family decoder, written from shared pieces.
@@ -192,16 +206,20 @@ class DecoderGraphBuilder:
     * ``decode(buffer_capacities)``: one token per sequence over fixed-capacity per-head KV buffers;
     * ``extend()``: N new tokens per sequence over per-head KV buffers of any capacity (chunked prefill, a question
       after a cached context);
-    * ``select()``: the selection of a prompt whose K/V sit in a full-size buffer (the chunked prefill's last step).
+    * ``select()``: the selection of a prompt whose K/V sit in a full-size buffer (the chunked prefill's last step);
+    * ``decode_fused(buffer_capacities, max_positions)``: ``decode_ort.onnx``, the ONNX-Runtime-only decode (com.microsoft
+      ``GroupQueryAttention`` and ``SkipSimplifiedLayerNormalization``); ``decode.onnx`` stays the portable graph that
+      TensorRT parses.
 
     Pieces, each a method writing into ``self.g`` (a fresh ``GraphBuilder`` per graph) that a subclass may override:
     ``rms_norm``, ``add_rms_norm`` (the residual add and the next norm: com.microsoft
-    ``SkipSimplifiedLayerNormalization`` in a fused form), ``rope_tables`` / ``rope`` (``RotaryEmbedding``),
-    ``qk_norm`` (identity for Llama; Qwen3's per-head RMSNorm of q and k before RoPE), ``qkv``,
-    ``output_projection``, ``mlp``, ``logits``, and the attention of each graph: ``blocked_attention`` (prefill and
-    extend, onnxruntime flavour), ``causal_attention`` (prefill and extend, tensorrt flavour), ``decode_attention``
-    (``GroupQueryAttention`` / ``MultiHeadAttention`` in a fused form). The selection node's body and every graph of
-    the tensorrt flavour stay standard ONNX.
+    ``SkipSimplifiedLayerNormalization`` in the fused decode), ``rope_tables`` / ``rope`` (``rope_caches`` in the fused
+    decode), ``qk_norm`` (identity for Llama; Qwen3's per-head RMSNorm of q and k before RoPE), ``qkv`` (``packed_qkv``
+    in the fused decode), ``output_projection``, ``mlp``, ``logits``, and the attention of each graph:
+    ``blocked_attention`` (prefill and extend, onnxruntime flavour), ``causal_attention`` (prefill and extend, tensorrt
+    flavour), ``decode_attention`` (portable decode), ``group_query_attention`` (fused decode; a family that cannot use
+    it says why in ``fused_decode_refusal``). The selection node's body and every graph of the tensorrt flavour stay
+    standard ONNX.
 
     spec, store : the model's config and weights (``model_spec``, ``collect_weights``)
     policy : the KV policy (prefill, select; extend reads its ``window``); None for a decode-only builder
@@ -227,6 +245,9 @@ class DecoderGraphBuilder:
         self.flavour = flavour
         self.attention_chunk = attention_chunk
         self.g: GraphBuilder | None = None
+        #: True while ``decode_fused`` writes its graph: ``add_rms_norm`` then emits com.microsoft
+        #: ``SkipSimplifiedLayerNormalization``
+        self.fused = False
 
     # ------------------------------------------------------------------ graph lifecycle
     def _begin(self) -> GraphBuilder:
@@ -266,7 +287,15 @@ class DecoderGraphBuilder:
         return g.Mul(g.Div(x, g.Sqrt(g.Add(variance, g.const(self.spec.rms_norm_eps, np.float32)))), weight)
 
     def add_rms_norm(self, x: str, delta: str, weight: str) -> tuple[str, str]:
-        """The residual add and the following norm: (x + delta, rms_norm(x + delta)), both [B, s, d]."""
+        """The residual add and the following norm: (x + delta, rms_norm(x + delta)), both [B, s, d].
+
+        In the fused decode (``self.fused``) one com.microsoft ``SkipSimplifiedLayerNormalization`` node computes both
+        (its fourth output is the sum; it rounds the variance in another order than the portable nodes: ~1e-7)."""
+        if self.fused:
+            normed, _, _, total = self.g.op(
+                "SkipSimplifiedLayerNormalization", x, delta, weight, domain=ORT_DOMAIN,
+                outputs=[self.g.fresh("normed"), "", "", self.g.fresh("residual")], epsilon=self.spec.rms_norm_eps)
+            return total, normed
         total = self.g.Add(x, delta)
         return total, self.rms_norm(total, weight)
 
@@ -348,10 +377,13 @@ class DecoderGraphBuilder:
                         outputs=2, axis=-1)
         return g.MatMul(g.Mul(g.Mul(gate, g.Sigmoid(gate)), up), f"layers.{i}.down_proj")
 
+    def head_weight(self) -> str:
+        """The LM head's weight [vocab, d]: ``lm_head``, or the tied input embedding."""
+        return "lm_head" if "lm_head" in self.store.arrays else "embed_tokens"
+
     def logits(self, last: str) -> str:
         """[B, vocab] from the last hidden state [B, d]."""
-        head = "lm_head" if "lm_head" in self.store.arrays else "embed_tokens"
-        return self.g.Gemm(self.rms_norm(last, "norm"), head, transB=1, outputs=["logits"])
+        return self.g.Gemm(self.rms_norm(last, "norm"), self.head_weight(), transB=1, outputs=["logits"])
 
     def last_logits(self, x: str) -> str:
         """[B, vocab] of the last position of x [B, s, d]."""
@@ -608,11 +640,11 @@ class DecoderGraphBuilder:
         return {"queries": queries, "num_blocks": g.squeeze(num_blocks, 0),
                 "pad_len": g.Sub(g.Mul(num_blocks, g.i64(chunk)), queries)}
 
-    def _past_inputs(self, i: int, capacity) -> list:
+    def _past_inputs(self, i: int, capacity, kv_type: int = FLOAT) -> list:
         s = self.spec
         return [
-            value_info(f"past_key_values.{i}.key", FLOAT, ["batch", s.num_kv_heads, capacity, s.head_dim]),
-            value_info(f"past_key_values.{i}.value", FLOAT, ["batch", s.num_kv_heads, capacity, s.head_dim]),
+            value_info(f"past_key_values.{i}.key", kv_type, ["batch", s.num_kv_heads, capacity, s.head_dim]),
+            value_info(f"past_key_values.{i}.value", kv_type, ["batch", s.num_kv_heads, capacity, s.head_dim]),
             value_info(f"past_key_values.{i}.lengths", INT32, ["batch", s.num_kv_heads]),
         ]
 
@@ -637,6 +669,161 @@ class DecoderGraphBuilder:
         self.logits(g.reshape(x, [-1, s.hidden_size]))
         return self._finish("criticalkv_decode", inputs, outputs, [],
                             "criticalkv decode: one token over fixed-capacity per-head KV buffers")
+
+    # ------------------------------------------------------------------ the fused decode (ONNX Runtime only)
+    def fused_decode_refusal(self) -> str | None:
+        """Why this model has no fused decode graph (None: it has one). A family subclass adds its own reasons."""
+        d = self.spec.head_dim
+        if d % GQA_HEAD_DIM_MULTIPLE:
+            return (f"head_dim {d} is not a multiple of {GQA_HEAD_DIM_MULTIPLE} (ONNX Runtime's CPU GroupQueryAttention "
+                    "kernel requires it)")
+        if d % 2:
+            return f"head_dim {d} is odd (RoPE rotates half-heads)"
+        return None
+
+    def rope_caches(self, max_positions: int) -> tuple[str, str]:
+        """GroupQueryAttention's ``cos_cache``, ``sin_cache`` [max_positions, d_h / 2] float32: cos and sin of
+        position x inv_freq (the angle rounded to float32 as the portable graph's ``rope_tables`` rounds it), times
+        the RoPE attention scaling; constants of the graph."""
+        positions = np.arange(max_positions, dtype=np.float32)[:, None]
+        angles = (positions * self.store.arrays["inv_freq"].astype(np.float32)[None, :]).astype(np.float64)
+        scale = np.float64(np.float32(self.spec.rope_attention_scaling))
+        cos = (np.cos(angles) * scale).astype(np.float32)
+        sin = (np.sin(angles) * scale).astype(np.float32)
+        return self.g.const(cos, hint="cos_cache"), self.g.const(sin, hint="sin_cache")
+
+    def packed_qkv(self, i: int, h: str) -> str:
+        """Layer i's one-token q, k, v heads before RoPE, packed as GroupQueryAttention reads them: h [B, 1, d] ->
+        [B, 1, (H + 2 H_kv) d_h] (one MatMul, the bias, then ``qk_norm`` on the q and k heads when the family has one)."""
+        g, s = self.g, self.spec
+        x = g.MatMul(h, f"layers.{i}.qkv_proj")
+        if f"layers.{i}.qkv_bias" in self.store.arrays:
+            x = g.Add(x, f"layers.{i}.qkv_bias")
+        heads = s.num_heads + 2 * s.num_kv_heads
+        qk, v = g.op("Split", g.reshape(x, [0, heads, 1, s.head_dim]), g.i64(s.num_heads + s.num_kv_heads, s.num_kv_heads),
+                     outputs=2, axis=1)
+        normed = self.qk_norm(i, qk)
+        if normed == qk:  # no q/k norm (Llama): the packed MatMul output as it is (_finish drops the dead Split)
+            return x
+        return g.reshape(g.concat(normed, v, axis=1), [0, 1, heads * s.head_dim])
+
+    def group_query_attention(self, i: int, qkv: str, cos_cache: str, sin_cache: str, capacity: int,
+                              per_head_lengths: bool) -> str:
+        """Layer i's attention of one token per sequence in one com.microsoft ``GroupQueryAttention`` node: RoPE of q
+        and k inside (``do_rotary``, absolute ``position_ids``), the new K/V written into the shared buffers at slot
+        ``seqlens_k`` = the row's longest head's length, attention over that row's first seqlens_k + 1 entries only.
+
+        qkv [B, 1, (H + 2 H_kv) d_h]; the buffers ``past_key_values.{i}.key`` / ``.value`` [B, H_kv, cap, d_h] are also
+        the outputs ``present.{i}.key`` / ``.value`` (the runtime binds both to the same memory: the node then writes
+        the new entry in place and copies nothing); ``past_key_values.{i}.lengths`` [B, H_kv] int32. Returns
+        [B, 1, H*d_h].
+
+        ``per_head_lengths``: heads of a row may hold different lengths (adakv-style sharing). Each head's entries
+        [length_h, seqlens_k) then get an additive ``attention_bias`` [B, H, 1, cap] of -inf (0 elsewhere), so a head
+        sees exactly its own entries and the new one, which the node wrote at slot seqlens_k of every head; the runtime
+        then moves a shorter head's new entry to its own length (``OnnxRuntimeBackend.decode``), which keeps the
+        buffer layout of the portable decode. ``total_sequence_length`` is the constant capacity: the bias keeps one
+        shape and the kernel attends each row's own seqlens_k + 1 entries whatever it says."""
+        g, s = self.g, self.spec
+        past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
+        longest = g.ReduceMax(past_len, g.i64(1), keepdims=1)  # [B, 1] int32: the write slot of every head
+        seqlens = g.reshape(longest, [-1])
+        bias = ""
+        if per_head_lengths:
+            slots = g.const(np.arange(capacity, dtype=np.int32), hint="slots")
+            hole = g.And(g.GreaterOrEqual(slots, g.unsqueeze(past_len, 2)), g.Less(slots, g.unsqueeze(longest, 2)))
+            bias = g.Where(hole, g.const(-np.inf, np.float32), g.const(0.0, np.float32))  # [B, H_kv, cap]
+            bias = g.reshape(g.Expand(g.unsqueeze(bias, 2), g.i64(1, 1, s.group, 1)), [0, s.num_heads, 1, capacity])
+        out, _, _ = g.op(
+            "GroupQueryAttention", qkv, "", "", past_k, past_v, seqlens, g.const(np.int32(capacity), hint="total"),
+            cos_cache, sin_cache, "position_ids", bias, domain=ORT_DOMAIN,
+            outputs=[g.fresh("attention"), f"present.{i}.key", f"present.{i}.value"],
+            num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, scale=1.0 / math.sqrt(s.head_dim), do_rotary=1,
+            rotary_interleaved=0)
+        return out
+
+    def cast_decode_attention(self, q: str, k: str, v: str, past_k: str, past_v: str, past_len: str) -> str:
+        """``decode_attention`` over float16 buffers past_k, past_v [B, H_kv, cap, d_h] (the fp16-KV fused decode):
+        only the first M = max(past_len) entries are sliced and cast to float32 (a shape from the lengths' values,
+        which ONNX Runtime takes and TensorRT would not), then the portable masked attention over them in float32.
+        q [B, H, 1, d_h], k, v [B, H_kv, 1, d_h] float32; returns [B, 1, H*d_h]."""
+        g, s = self.g, self.spec
+        lengths = g.Cast(past_len, to=INT64)  # [B, H_kv]
+        longest = g.reshape(g.ReduceMax(lengths, keepdims=1), [1])  # M
+        keys = g.Cast(g.slice_axis(past_k, 0, longest, axis=2), to=FLOAT)  # [B, H_kv, M, d_h]
+        values = g.Cast(g.slice_axis(past_v, 0, longest, axis=2), to=FLOAT)
+        qg = g.reshape(g.Mul(q, self.scale), [0, s.num_kv_heads, s.group, s.head_dim])  # [B, H_kv, G, d_h], scaled
+        past_scores = g.MatMul(qg, g.Transpose(keys, perm=[0, 1, 3, 2]))  # [B, H_kv, G, M]
+        slots = g.Range(g.scalar(0), g.squeeze(longest, 0), g.scalar(1))
+        visible = g.Less(slots, g.unsqueeze(lengths, 2, 3))  # [B, H_kv, 1, M]
+        past_scores = g.Where(visible, past_scores, g.const(MASKED_SCORE, np.float32))
+        own_score = g.MatMul(qg, g.Transpose(k, perm=[0, 1, 3, 2]))  # [B, H_kv, G, 1]
+        probs = g.Softmax(g.concat(past_scores, own_score, axis=-1), axis=-1)
+        p_past, p_own = g.op("Split", probs, g.concat(longest, g.i64(1)), outputs=2, axis=-1)
+        attn = g.Add(g.MatMul(p_past, values), g.Mul(p_own, v))  # [B, H_kv, G, d_h]
+        return g.reshape(attn, [0, 1, s.num_heads * s.head_dim])
+
+    def decode_fused(self, buffer_capacities: list[int], max_positions: int, per_head_lengths: bool = True,
+                     kv_dtype: str = "float32") -> onnx.ModelProto:
+        """The ONNX-Runtime-only decode model ``decode_ort.onnx`` over the KV buffers of dtype ``kv_dtype``.
+
+        float32: ``decode``'s inputs, its outputs ``present.{l}.key`` / ``.value`` [B, H_kv, cap_l, d_h] being the
+        updated buffers themselves (bound to the inputs' memory). Per layer one ``GroupQueryAttention``
+        (``group_query_attention``) instead of RoPE, the attention over the whole capacity and the runtime's KV write.
+        ``max_positions``: positions 0 .. max_positions - 1 have RoPE caches (the engine's longest prompt + question +
+        generation). ``per_head_lengths``: see ``group_query_attention`` (False for policies whose heads always hold
+        equal lengths: no bias). Raises ValueError with the reason when ``fused_decode_refusal`` gives one.
+
+        float16: the buffers and the ``present`` outputs (the new token's entries [B, H_kv, 1, d_h], stored by the
+        runtime as the portable decode's) are float16; the portable RoPE and ``cast_decode_attention`` (ONNX Runtime's
+        GroupQueryAttention over a float16 cache with float32 queries measured slower than the portable graph).
+
+        Both: ``SkipSimplifiedLayerNormalization`` for every residual add and the norm after it."""
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype: {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        reason = self.fused_decode_refusal() if kv_dtype == "float32" else None
+        if reason:
+            raise ValueError(f"no fused decode graph: {reason}")
+        g = self._begin()
+        s = self.spec
+        kv_type = KV_DTYPES[kv_dtype]
+        inputs = [value_info("input_ids", INT64, ["batch", 1]), value_info("position_ids", INT64, ["batch", 1])]
+        outputs = [value_info("logits", FLOAT, ["batch", s.vocab_size])]
+        for i, cap in enumerate(buffer_capacities):
+            inputs += self._past_inputs(i, cap, kv_type)
+            present = cap if kv_dtype == "float32" else 1
+            outputs += [value_info(f"present.{i}.{kind}", kv_type, ["batch", s.num_kv_heads, present, s.head_dim])
+                        for kind in ("key", "value")]
+        self.fused = True
+        try:
+            x = g.Gather("embed_tokens", "input_ids", axis=0)  # [B, 1, d]
+            if kv_dtype == "float32":
+                cos_cache, sin_cache = self.rope_caches(max_positions)
+                h = self.rms_norm(x, "layers.0.input_layernorm")
+                for i in range(s.num_layers):
+                    qkv = self.packed_qkv(i, h)
+                    attn = self.group_query_attention(i, qkv, cos_cache, sin_cache, buffer_capacities[i], per_head_lengths)
+                    x, h = self.add_rms_norm(x, self.output_projection(i, attn), f"layers.{i}.post_attention_layernorm")
+                    following = f"layers.{i + 1}.input_layernorm" if i + 1 < s.num_layers else "norm"
+                    x, h = self.add_rms_norm(x, self.mlp(i, h), following)
+                g.Gemm(g.reshape(h, [-1, s.hidden_size]), self.head_weight(), transB=1, outputs=["logits"])
+            else:
+                def attention(i, q, k, v):
+                    g.Cast(k, to=kv_type, outputs=[f"present.{i}.key"])
+                    g.Cast(v, to=kv_type, outputs=[f"present.{i}.value"])
+                    past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
+                    return self.cast_decode_attention(q, k, v, past_k, past_v, past_len)
+
+                cos, sin = self.rope_tables("position_ids")
+                x = self.decoder_layers(x, cos, sin, attention, decode=True)
+                self.logits(g.reshape(x, [-1, s.hidden_size]))
+        finally:
+            self.fused = False
+        model = self._finish("criticalkv_decode_fused", inputs, outputs, [],
+                             f"criticalkv fused decode (ONNX Runtime only: com.microsoft operators) over fixed-capacity "
+                             f"per-head {kv_dtype} KV buffers")
+        model.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
+        return model
 
     def extend(self) -> onnx.ModelProto:
         """The extend model: N new tokens per sequence over per-head KV buffers of any capacity (module docstring).

@@ -1,7 +1,8 @@
 """Checks of the exported graphs: ``onnx.checker`` (full check, with strict shape inference), the
 selection nodes' attributes against the policy and the per-layer capacities (prefill and select), and, on the
 graphs TensorRT parses (``prefill_tensorrt``, ``decode``, ``extend_tensorrt``, ``select_tensorrt``), the
-ONNX-TensorRT importer's rules (``criticalkv.export.tensorrt_rules``)."""
+ONNX-TensorRT importer's rules (``criticalkv.export.tensorrt_rules``). Only ``decode_ort`` (ONNX Runtime only) may
+hold com.microsoft operators, and only the fused ones it is built from (``ORT_OPERATORS``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import onnx
 
 from criticalkv.export.exporter import (
     DECODE_FILE,
+    DECODE_ORT_FILE,
     EXTEND_FILE,
     EXTEND_TENSORRT_FILE,
     PREFILL_FILE,
@@ -20,6 +22,7 @@ from criticalkv.export.exporter import (
     SELECT_TENSORRT_FILE,
     ExportResult,
 )
+from criticalkv.export.llama import ORT_DOMAIN
 from criticalkv.export.model_select import MODEL_OP, SCORE_OP, is_model_level, model_attributes, tensorrt_refusal
 from criticalkv.export.tensorrt_rules import TENSORRT_VERSION, check_tensorrt_model
 from criticalkv.node import DOMAIN, OP_TYPE, policy_from_attributes
@@ -30,6 +33,7 @@ GRAPHS = (
     ("prefill", PREFILL_FILE, True, False),
     ("prefill_tensorrt", PREFILL_TENSORRT_FILE, True, True),
     ("decode", DECODE_FILE, False, True),
+    ("decode_ort", DECODE_ORT_FILE, False, False),
     ("extend", EXTEND_FILE, False, False),
     ("extend_tensorrt", EXTEND_TENSORRT_FILE, False, True),
     ("select", SELECT_FILE, True, False),
@@ -37,6 +41,10 @@ GRAPHS = (
 )
 #: The TensorRT flavours a model-level policy does not have (``decode.onnx`` is also its ONNX Runtime decode graph).
 TENSORRT_FLAVOURS = ("prefill_tensorrt", "extend_tensorrt", "select_tensorrt")
+#: The only com.microsoft operators of the fused decode graph (``decode_ort``), by its attention form; no other graph
+#: holds any.
+ORT_OPERATORS = {"group_query_attention": {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"},
+                 "cast": {"SkipSimplifiedLayerNormalization"}}
 
 
 def _attributes(node: onnx.NodeProto) -> dict:
@@ -63,6 +71,12 @@ def validate_export(result: ExportResult) -> dict:
                 raise ValueError(f"{name}: {result.policy.name} has no TensorRT flavour ({refusal})")
             report[key] = {"file": None, "refused": refusal}
             continue
+        fused_refusal = (result.fused_decode or {}).get("refused")
+        if key == "decode_ort" and (fused_refusal or result.fused_decode is None):
+            if path.exists():
+                raise ValueError(f"{name}: written although the export has no fused decode ({fused_refusal})")
+            report[key] = {"file": None, "refused": fused_refusal or "not exported"}
+            continue
         try:
             onnx.checker.check_model(str(path), full_check=True)
             model = onnx.load(str(path), load_external_data=False)
@@ -88,6 +102,12 @@ def validate_export(result: ExportResult) -> dict:
             raise ValueError(f"{name}: expected the function bodies {body}, found {functions}"
                              + (" (the TensorRT flavours carry none: the plugin runs the node)" if tensorrt else ""))
         domains = {n.domain for n in model.graph.node} - {"", DOMAIN}
+        if key == "decode_ort":  # ONNX Runtime only: its fused operators, and no others of that domain
+            contrib = {n.op_type for n in model.graph.node if n.domain == ORT_DOMAIN}
+            expected = ORT_OPERATORS[result.fused_decode["attention"]]
+            if contrib != expected:
+                raise ValueError(f"{name}: expected the {ORT_DOMAIN} operators {sorted(expected)}, found {sorted(contrib)}")
+            domains -= {ORT_DOMAIN}
         if domains:
             raise ValueError(f"{name}: unexpected operator domains {sorted(domains)}")
         if tensorrt:  # the graphs TensorRT parses: the importer's rules (criticalkv.export.tensorrt_rules)

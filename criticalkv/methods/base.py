@@ -100,6 +100,13 @@ class BaseMethod:
     #: names of the per-token scores ``group_scores`` adds (besides "attention", which every scored method has)
     score_names: tuple[str, ...] = ()
 
+    @property
+    def equal_head_lengths(self) -> bool:
+        """Whether every KV head of a layer keeps as many entries as the others (per sequence): true unless the layer's
+        or the model's budget is shared across heads (``shared_allocation``, ``model_level``). Layers may still differ
+        (pyramidkv). The fused decode graph of an engine whose heads hold equal lengths needs no per-head mask."""
+        return not (self.shared_allocation or self.model_level)
+
     # ------------------------------------------------------------------ budget arithmetic (integers)
     def layer_budget(self, policy: Policy, r: int, layer_idx: int, num_layers: int) -> int:
         """r_l: older tokens per KV head (average over the layer's heads) that layer ``layer_idx`` may keep when

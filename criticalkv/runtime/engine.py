@@ -157,7 +157,10 @@ class Engine:
     @classmethod
     def load(cls, folder: str | os.PathLike, backend: str = "onnxruntime", verify: bool = True, **options: Any) -> "Engine":
         """Open ``folder`` (checks the manifest, its format version and every file; ``verify`` also
-        checks sha256). ``options`` go to the backend (ONNX Runtime: ``threads``, ``profile``, ``providers``)."""
+        checks sha256). ``options`` go to the backend (ONNX Runtime: ``threads``, ``profile``, ``providers``,
+        ``weights``, ``decode`` = ``"auto"`` / ``"fused"`` / ``"portable"`` (the decode graph: decode_ort.onnx or
+        decode.onnx; default ``$CRITICALKV_ORT_DECODE`` or auto), ``prepack``, ``spinning``: see
+        ``criticalkv.runtime.onnxruntime_backend``)."""
         folder = Path(folder)
         manifest = read_manifest(folder, verify=verify)
         return cls(folder, manifest, create_backend(backend, folder, manifest, **options))

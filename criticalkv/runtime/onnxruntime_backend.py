@@ -2,18 +2,38 @@
 
 KV buffers: per layer l, K and V ``[max_batch, H_kv, cap_l, d_h]`` float32 and lengths
 ``[max_batch, H_kv]`` int32, allocated once when the backend is created (cap_l = the layer's selection
-capacity + the built max_new_tokens). Each generation binds views of the first B rows (contiguous) to
-the decode session once; every step ORT reads them in place, writes the new token's K/V into small
-preallocated output buffers, and the backend stores those at slot ``lengths[b, g]`` of each head and
-increments the lengths: no per-step allocation and no copy of the cache. A decode over B rows binds the
-first B rows of every buffer; the binding of each B is made once and kept (the serving scheduler changes
-B as sequences join and leave).
+capacity + the built max_question_len + max_new_tokens). Each head holds its valid entries in its first
+``lengths`` slots, whatever graph wrote them. A decode over B rows binds the first B rows of every buffer
+(contiguous views); the binding of each B is made once and kept (the serving scheduler changes B as
+sequences join and leave). No per-step allocation and no copy of the cache in either decode form:
 
-Weights (``weights="shared"``, the default): ``weights.bin`` is memory-mapped once and handed to both
-sessions as pre-allocated initializers (``SessionOptions.add_initializer``) with MLAS weight prepacking
-off, so the process holds one copy (measured on SmolLM2-135M: 0.56 GiB resident after loading instead of
-1.6 GiB, prefill and decode within the run-to-run noise of this shared CPU). ``weights="session"`` lets each
-session load and prepack its own copy.
+* ``decode="fused"`` (the default when the engine has ``decode_ort.onnx``): com.microsoft GroupQueryAttention
+  reads each row's first entries only and writes the new token's K/V into the buffers itself (past and present
+  are bound to the same memory), at slot ``seqlens_k`` = the row's longest head's length; a shorter head's new
+  entry (policies whose heads keep different lengths, masked apart by the graph's attention bias) is then moved
+  to that head's own length here, so the layout stays the one above and every other graph (extend, select) and
+  row operation reads it unchanged. Its session prepacks its own copy of the weights (MLAS), measured 1.2x
+  faster per step; the floats differ from the portable graph's by ~1e-5 (docs/performance.md, section 4).
+  With float16 KV buffers (``--kv-dtype float16``) decode_ort.onnx instead casts each row's held entries to
+  float32 and returns the new token's entries (float16), stored as the portable form's below; the extend graph
+  then runs over a float32 copy of the row (``extend_row``).
+* ``decode="portable"``: ``decode.onnx`` (the graph TensorRT parses; float32 buffers only) attends every head's whole capacity under a
+  length mask and returns the new token's K/V, which the backend stores at slot ``lengths[b, g]`` of each head;
+  with the shared weights and no prepacking it computes the floats of the PyTorch path's tests.
+
+``decode="auto"`` (default; ``$CRITICALKV_ORT_DECODE``) picks fused when the engine has it (the manifest's
+``onnx.fused_decode`` says why an engine has none), portable otherwise.
+
+Weights (``weights="shared"``, the default): ``weights.bin`` is memory-mapped once and handed to the prefill,
+extend and select sessions (and a portable decode session) as pre-allocated initializers
+(``SessionOptions.add_initializer``) with MLAS weight prepacking off, so the process holds one copy (measured on
+SmolLM2-135M: 0.56 GiB resident after loading instead of 1.6 GiB). The fused decode session loads and prepacks
+its own (``prepack``, default on for the fused decode only: +0.6 GiB resident on SmolLM2-135M, docs/performance.md).
+``weights="session"`` lets each session load and prepack its own copy.
+
+Threads: ``threads`` (``$CRITICALKV_ORT_THREADS``; 0 = ONNX Runtime's default) intra-op threads per session, with
+spinning off (``session.intra_op.allow_spinning = 0``) unless ``spinning`` (``$CRITICALKV_ORT_SPINNING=1``): a pool
+thread that spins waits on a core another process holds, measured 2x slower per decode step on shared cores.
 """
 
 from __future__ import annotations
@@ -43,6 +63,12 @@ from criticalkv.weights import load_external_weights
 
 #: Environment variable overriding ONNX Runtime's intra-op thread count (0 = ORT's default).
 THREADS_ENV = "CRITICALKV_ORT_THREADS"
+#: Environment variable choosing the decode graph when the caller does not (``DECODE_FORMS``).
+DECODE_ENV = "CRITICALKV_ORT_DECODE"
+#: Environment variable turning ONNX Runtime's pool-thread spinning back on ("1").
+SPINNING_ENV = "CRITICALKV_ORT_SPINNING"
+#: The decode forms: ``auto`` (fused when the engine has decode_ort.onnx), ``fused``, ``portable``.
+DECODE_FORMS = ("auto", "fused", "portable")
 
 
 def _external_weights(onnx_path: Path) -> dict[str, np.ndarray]:
@@ -66,7 +92,18 @@ class OnnxRuntimeBackend(BuiltShapes):
         profile: bool = False,
         providers: list[str] | None = None,
         weights: str = "shared",
+        decode: str | None = None,
+        prepack: bool | None = None,
+        spinning: bool | None = None,
     ):
+        """folder, manifest : the engine directory and its manifest. threads : intra-op threads per session (None:
+        ``$CRITICALKV_ORT_THREADS``, else ONNX Runtime's default). profile : profile the first prefill. providers :
+        ONNX Runtime execution providers (CPU). weights : ``shared`` or ``session`` (module docstring). decode :
+        ``auto`` / ``fused`` / ``portable`` (None: ``$CRITICALKV_ORT_DECODE``, else ``auto``; ``fused`` on an engine
+        without decode_ort.onnx raises EngineError with the reason). prepack : MLAS weight prepacking in the decode
+        session, which then loads its own weights (None: on for the fused decode, off for the portable one unless
+        ``weights="session"``).
+        spinning : let idle pool threads spin (None: ``$CRITICALKV_ORT_SPINNING`` == "1")."""
         self.ort = ort
         self.folder = Path(folder)
         self.manifest = manifest
@@ -75,12 +112,23 @@ class OnnxRuntimeBackend(BuiltShapes):
         if threads is None:
             threads = int(os.environ.get(THREADS_ENV, "0"))
         self.threads = threads
+        self.spinning = os.environ.get(SPINNING_ENV, "0") == "1" if spinning is None else bool(spinning)
         self.providers = providers or ["CPUExecutionProvider"]
         if weights not in ("shared", "session"):
             raise ValueError(f"weights: {weights!r} is not 'shared' or 'session'")
+        #: element type of the decode KV buffers (``BuildConfig.kv_dtype``)
+        self.kv_dtype = np.dtype(manifest["build"].get("kv_dtype", "float32"))
+        self.decode_form, self.decode_fallback = self._decode_form(decode or os.environ.get(DECODE_ENV) or "auto", files)
+        self.fused = self.decode_form == "fused"
+        fused_info = manifest["onnx"].get("fused_decode") or {}
+        #: the decode graph writes the new entries into the buffers itself (GroupQueryAttention, float32 KV)
+        self.in_place = self.fused and fused_info.get("attention", "group_query_attention") == "group_query_attention"
+        #: fused decode: whether its graph masks heads of different lengths (False: the policy keeps equal lengths)
+        self.per_head_lengths = bool(fused_info.get("per_head_lengths", True))
         self.shared_weights = weights == "shared"
+        self.prepack = (self.fused or not self.shared_weights) if prepack is None else bool(prepack)
         self._weight_values = {}
-        if self.shared_weights:  # one memory-mapped copy of the weights for both sessions
+        if self.shared_weights:  # one memory-mapped copy of the weights for the sessions that share it
             arrays = {}
             for graph in ("decode", "prefill", "extend", "select"):
                 if graph in files:
@@ -88,7 +136,8 @@ class OnnxRuntimeBackend(BuiltShapes):
             self._weight_values = {name: ort.OrtValue.ortvalue_from_numpy(np.asarray(a)) for name, a in arrays.items()}
         self.profile = profile
         self.prefill_session = self.session(self.folder / files["prefill"], threads, profile)
-        self.decode_session = self.session(self.folder / files["decode"], threads, False)
+        decode_file = files["decode_ort" if self.fused else "decode"]
+        self.decode_session = self.session(self.folder / decode_file, threads, False, prepack=self.prepack)
         # extend (N tokens over a slot's or a prefill buffer's entries) and select (the chunked prefill's last
         # step): engines built before these graphs existed have neither
         self.extend_session = self.session(self.folder / files["extend"], threads) if "extend" in files else None
@@ -102,14 +151,38 @@ class OnnxRuntimeBackend(BuiltShapes):
         self._binding = None
         self._batch = 0
 
-    def session(self, path: Path, threads: int, profile: bool = False):
-        """An InferenceSession of one graph of the engine (shared weights bound, profiling if asked)."""
+    def _decode_form(self, decode: str, files: dict[str, str]) -> tuple[str, str | None]:
+        """(the decode form to run, why it is not the fused one: None when it is)."""
+        if decode not in DECODE_FORMS:
+            raise ValueError(f"decode: {decode!r} is not one of {', '.join(DECODE_FORMS)}")
+        if decode == "portable":
+            if self.kv_dtype != np.float32:
+                raise EngineError(f"{self.folder}: the engine's KV buffers are {self.kv_dtype} (built with --kv-dtype "
+                                  f"{self.kv_dtype}): decode.onnx reads float32 buffers; only decode='fused' runs it")
+            return "portable", "decode='portable' was asked for"
+        if "decode_ort" in files:
+            return "fused", None
+        fused = self.manifest["onnx"].get("fused_decode") or {}
+        reason = fused.get("refused") or "the engine was built before decode_ort.onnx existed; rebuild it"
+        if decode == "fused":
+            raise EngineError(f"{self.folder}: no fused decode graph (decode_ort.onnx): {reason}; use decode='portable'")
+        return "portable", reason
+
+    def session(self, path: Path, threads: int, profile: bool = False, prepack: bool | None = None):
+        """An InferenceSession of one graph of the engine (shared weights bound, profiling if asked).
+
+        prepack : MLAS weight prepacking; True makes the session load its own weights from weights.bin (prepacking the
+        shared memory-mapped copy would add a packed copy per session). None: on with ``weights="session"`` only."""
         ort = self.ort
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads
         options.log_severity_level = 3
-        if self.shared_weights:  # prepacking would copy every shared weight into each session
+        if not self.spinning:  # an idle pool thread yields its core at once (measured 2x faster on shared cores)
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        prepack = not self.shared_weights if prepack is None else prepack
+        shared = self.shared_weights and not prepack
+        if not prepack:
             options.add_session_config_entry("session.disable_prepacking", "1")
         if profile:
             options.enable_profiling = True
@@ -119,7 +192,7 @@ class OnnxRuntimeBackend(BuiltShapes):
             names = {t.name for t in onnx.load(str(path), load_external_data=False).graph.initializer}
         except Exception as err:
             raise EngineError(f"{path}: not a readable ONNX model ({type(err).__name__}: {err}); rebuild the engine") from None
-        for name in names & set(self._weight_values):
+        for name in names & set(self._weight_values) if shared else ():
             options.add_initializer(name, self._weight_values[name])
         try:
             return ort.InferenceSession(str(path), options, providers=self.providers)
@@ -128,11 +201,14 @@ class OnnxRuntimeBackend(BuiltShapes):
 
     def _allocate(self) -> None:
         shape = (self.max_batch, self.kv_heads)
-        self.keys = [np.zeros(shape + (cap, self.head_dim), np.float32) for cap in self.capacities]
-        self.values = [np.zeros(shape + (cap, self.head_dim), np.float32) for cap in self.capacities]
-        self.lengths = [np.zeros(shape, np.int32) for _ in self.capacities]
-        self.new_keys = [np.zeros(shape + (1, self.head_dim), np.float32) for _ in self.capacities]
-        self.new_values = [np.zeros(shape + (1, self.head_dim), np.float32) for _ in self.capacities]
+        self.keys = [np.zeros(shape + (cap, self.head_dim), self.kv_dtype) for cap in self.capacities]
+        self.values = [np.zeros(shape + (cap, self.head_dim), self.kv_dtype) for cap in self.capacities]
+        # one block [L, max_batch, H_kv]: a decode step checks and bumps every layer's lengths in one operation
+        self._length_block = np.zeros((self.num_layers,) + shape, np.int32)
+        self.lengths = list(self._length_block)  # per layer [max_batch, H_kv] (views of the block)
+        self._capacity_array = np.array(self.capacities, np.int64)
+        self.new_keys = [np.zeros(shape + (1, self.head_dim), self.kv_dtype) for _ in self.capacities]
+        self.new_values = [np.zeros(shape + (1, self.head_dim), self.kv_dtype) for _ in self.capacities]
         self.logits = np.zeros((self.max_batch, self.vocab), np.float32)
         self.token_ids = np.zeros((self.max_batch, 1), np.int64)
         self.position_ids = np.zeros((self.max_batch, 1), np.int64)
@@ -175,11 +251,24 @@ class OnnxRuntimeBackend(BuiltShapes):
 
     def load_row(self, target: int, prefill: PrefillOutputs, row: int = 0) -> None:
         self.check_row(target)
+        self._check_equal_lengths([prefill.lengths[i][row] for i in range(self.num_layers)], "the prefill's")
         for i in range(self.num_layers):
             kept = prefill.keys[i].shape[2]
             self.keys[i][target, :, :kept] = prefill.keys[i][row]
             self.values[i][target, :, :kept] = prefill.values[i][row]
             self.lengths[i][target] = prefill.lengths[i][row]
+
+    def _check_equal_lengths(self, lengths: list[np.ndarray], what: str) -> None:
+        """A fused decode graph without the per-head mask (built for a policy whose heads keep equal lengths) would
+        attend a shorter head's unwritten slots: refuse a row whose heads differ (``lengths``: per layer [H_kv])."""
+        if not self.in_place or self.per_head_lengths:
+            return
+        for i, heads in enumerate(lengths):
+            heads = np.asarray(heads)
+            if heads.min() != heads.max():
+                raise EngineError(f"layer {i}: {what} KV heads hold different lengths ({heads.tolist()}), which this "
+                                  "engine's fused decode graph (built for a policy whose heads keep equal lengths) "
+                                  "cannot mask; load the engine with decode='portable'")
 
     def save_row(self, row: int) -> RowSnapshot:
         self.check_row(row)
@@ -193,6 +282,7 @@ class OnnxRuntimeBackend(BuiltShapes):
 
     def restore_row(self, row: int, snapshot: RowSnapshot) -> None:
         self.check_row(row)
+        self._check_equal_lengths(snapshot.lengths, "the snapshot's")
         for i in range(self.num_layers):
             n = snapshot.keys[i].shape[1]
             if n > self.capacities[i]:
@@ -226,8 +316,12 @@ class OnnxRuntimeBackend(BuiltShapes):
                 self._bind(f"past_key_values.{i}.key", self.keys[i][:batch])
                 self._bind(f"past_key_values.{i}.value", self.values[i][:batch])
                 self._bind(f"past_key_values.{i}.lengths", self.lengths[i][:batch])
-                self._bind(f"present.{i}.key", self.new_keys[i][:batch], output=True)
-                self._bind(f"present.{i}.value", self.new_values[i][:batch], output=True)
+                if self.in_place:  # present = past, the same memory: GroupQueryAttention writes the new entry in place
+                    self._bind(f"present.{i}.key", self.keys[i][:batch], output=True)
+                    self._bind(f"present.{i}.value", self.values[i][:batch], output=True)
+                else:
+                    self._bind(f"present.{i}.key", self.new_keys[i][:batch], output=True)
+                    self._bind(f"present.{i}.value", self.new_values[i][:batch], output=True)
             self._bind("logits", self.logits[:batch], output=True)
             self._bindings[batch] = (self._binding, *np.indices((batch, self.kv_heads)))
         self._binding, self._rows, self._heads = self._bindings[batch]
@@ -238,6 +332,8 @@ class OnnxRuntimeBackend(BuiltShapes):
         batch = self._batch
         self.token_ids[:batch, 0] = tokens
         self.position_ids[:batch, 0] = positions
+        if self.in_place:
+            return self._decode_fused(batch)
         self.decode_session.run_with_iobinding(self._binding)
         rows, heads = self._rows, self._heads
         for i in range(self.num_layers):
@@ -247,6 +343,32 @@ class OnnxRuntimeBackend(BuiltShapes):
             self.keys[i][rows, heads, slots] = self.new_keys[i][:batch, :, 0]
             self.values[i][rows, heads, slots] = self.new_values[i][:batch, :, 0]
             slots += 1
+        return self.logits[:batch]
+
+    def _decode_fused(self, batch: int) -> np.ndarray:
+        """One step of decode_ort.onnx over rows 0..batch-1: the graph writes each row's new entry at slot
+        ``longest`` (its longest head's length) of every head, in place; a shorter head's entry then moves to its own
+        length (a hole between the two is what the graph's attention bias masks) and the written slot is zeroed, so each
+        head's entries stay its first ``lengths`` slots and the slots after them hold what the portable decode leaves."""
+        lengths = self._length_block[:, :batch]  # [L, B, H_kv]
+        longest = lengths.max(axis=2)  # [L, B]: the slot the graph writes (checked before it writes)
+        full = longest.max(axis=1) >= self._capacity_array
+        if full.any():
+            i = int(np.argmax(full))
+            raise EngineError(f"layer {i}: the KV buffer ({self.capacities[i]} entries per head) is full")
+        self.decode_session.run_with_iobinding(self._binding)
+        if self.per_head_lengths:
+            for i in range(self.num_layers):
+                slots = lengths[i]  # [B, H_kv]
+                rows, heads = np.nonzero(slots < longest[i][:, None])
+                if rows.size:
+                    written = longest[i][rows]
+                    for buffer in (self.keys[i], self.values[i]):
+                        buffer[rows, heads, slots[rows, heads]] = buffer[rows, heads, written]
+                        # the written slot lies beyond that head's length: zero it, as the portable decode leaves it
+                        # (a snapshot then holds the same padding whichever decode ran)
+                        buffer[rows, heads, written] = 0
+        lengths += 1
         return self.logits[:batch]
 
     # ------------------------------------------------------------------ extend and select
@@ -296,11 +418,22 @@ class OnnxRuntimeBackend(BuiltShapes):
                                                                    for i in range(self.num_layers)])
 
     def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
-        """``extend`` over decode buffer row ``row`` (token_ids, positions: [1, N])."""
+        """``extend`` over decode buffer row ``row`` (token_ids, positions: [1, N]). float16 buffers: the extend graph
+        reads float32, so it runs over a float32 copy of the row (exact: every float16 is a float32) whose entries,
+        the new ones rounded to float16, are then written back."""
         self.check_row(row)
         view = slice(row, row + 1)
-        return self.extend([k[view] for k in self.keys], [v[view] for v in self.values],
-                           [n[view] for n in self.lengths], token_ids, positions)
+        lengths = [n[view] for n in self.lengths]
+        if self.kv_dtype == np.float32:
+            return self.extend([k[view] for k in self.keys], [v[view] for v in self.values], lengths, token_ids, positions)
+        keys = [k[view].astype(np.float32) for k in self.keys]
+        values = [v[view].astype(np.float32) for v in self.values]
+        out = self.extend(keys, values, lengths, token_ids, positions)
+        for i in range(self.num_layers):
+            n = int(lengths[i].max())
+            self.keys[i][view, :, :n] = keys[i][:, :, :n]
+            self.values[i][view, :, :n] = values[i][:, :, :n]
+        return out
 
     def new_prefill_buffer(self, num_tokens: int | None = None) -> PrefillBuffer:
         """Buffers for one prompt of ``num_tokens`` tokens prefilled in chunks: every layer's K/V for that many

@@ -137,7 +137,8 @@ def test_graph_interface_and_validation(tmp_path):
     config = BuildConfig(max_input_len=200, max_new_tokens=16, attention_chunk=32)
     result = export_model(model, policy, tmp_path, config)
     report = validate_export(result)
-    assert set(report) == {"prefill", "prefill_tensorrt", "decode", "extend", "extend_tensorrt", "select", "select_tensorrt"}
+    assert set(report) == {"prefill", "prefill_tensorrt", "decode", "decode_ort", "extend", "extend_tensorrt", "select",
+                           "select_tensorrt"}
     spec = model_spec(model)
     assert result.prefill_capacities == layer_capacities(policy, spec, 200)
     # decode buffers: the selection capacity + room for a question after a cached context + the new tokens
