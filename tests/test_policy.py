@@ -20,7 +20,9 @@ def test_registry_maps_names_to_base_and_stage2():
     assert set(POLICIES) == {
         "full", "streamingllm", "snapkv", "pyramidkv", "adakv", "laprox",
         "criticalkv", "pyramid-criticalkv", "ada-criticalkv", "defensivekv", "layer-defensivekv",
+        "expected-attention", "expected-criticalkv",
     }
+    assert KVPolicy("expected-criticalkv").base == "expected-attention" and KVPolicy("expected-criticalkv").two_stage
     assert KVPolicy("layer-defensivekv").base == "layer-defensivekv" and not KVPolicy("defensivekv").two_stage
     assert KVPolicy("pyramid-criticalkv").base == "pyramidkv" and KVPolicy("pyramid-criticalkv").two_stage
     assert KVPolicy("ada-criticalkv").base == "adakv" and not KVPolicy("adakv").two_stage
