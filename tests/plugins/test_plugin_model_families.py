@@ -23,9 +23,9 @@ def recorded_layers(model, ids, mask, policy, monkeypatch):
     """[(q, k, v, o, layer_idx, num_layers, lengths)] of every select_layer call of one prefill."""
     calls = []
 
-    def record(policy, q, k, v, o, layer_idx, num_layers, lengths):
+    def record(policy, q, k, v, o, layer_idx, num_layers, lengths, rotation=None):
         calls.append((q, k, v, o.detach(), layer_idx, num_layers, lengths))
-        return select_layer(policy, q, k, v, o, layer_idx, num_layers, lengths)
+        return select_layer(policy, q, k, v, o, layer_idx, num_layers, lengths, rotation=rotation)
 
     monkeypatch.setattr(compress, "select_layer", record)
     compress.prefill_and_compress(model, ids, policy, attention_mask=mask)
@@ -48,7 +48,8 @@ def test_host_selection_equals_the_reference_on_real_layers(host_lib, fam, monke
     budget = (40, 17)[seed % 2]
     for case_id, kwargs in POLICY_CASES:
         policy = make_policy(kwargs, budget=budget, window=WINDOW)
-        assert policy.method.base.native, case_id
+        if not policy.method.base.native:  # the plugin refuses it (test_plugin_fields); nothing to compare
+            continue
         for q, k, v, o, layer_idx, num_layers, lengths in layers:
             ref = select_layer(policy, q, k, v, o, layer_idx, num_layers, lengths)
             got = host_lib.select_layer(policy, q, k, v, o, layer_idx, num_layers, prompt_lengths=lengths)
