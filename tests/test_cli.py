@@ -203,7 +203,19 @@ def test_ctrl_c_and_sigterm_end_a_command_with_one_line(tmp_path, sig, code, lin
     results = {}
     for name, _, _, proc, _ in started:
         # 30 s: far beyond the 0.1 s the command needs, yet a hang fails here instead of stalling CI
-        out, err = proc.communicate(timeout=30)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            if name != "python-start-up" or sig != signal.SIGINT:
+                raise
+            # CPython's own start-up (site, runpy: before criticalkv's first line) may raise the KeyboardInterrupt
+            # inside an import lock's weakref callback, where CPython prints "Exception ignored" and drops it: no
+            # code of the command ever sees that Ctrl-C (CI met it once). The next one must end the command.
+            proc.send_signal(sig)
+            out, err = proc.communicate(timeout=30)
+            assert "Exception ignored" in err and "KeyboardInterrupt" in err, (name, proc.returncode, err)
+            assert err.strip().endswith(line) and proc.returncode in (code, -sig), (name, proc.returncode, err)
+            continue
         results[name] = (proc.returncode, err.strip(), out)
     for writer in writers:
         os.close(writer)

@@ -1,0 +1,118 @@
+"""The needle grid on built engines: what float16 KV buffers (``--kv-dtype float16``) cost in answers.
+
+``criticalkv eval`` runs the PyTorch path, whose cache is float32. The KV precision is an engine option (ONNX Runtime's
+decode buffers), so this runs the committed needle grid's prompts (same generator, seed and chat template as
+``criticalkv eval needle``) through each ``--engine-dir`` with ``Engine.generate`` (greedy), scores the answer the
+same way (``digits``), and counts, against the first engine, how many prompts give the same tokens. Engines built
+from one policy and budget with ``--kv-dtype float32`` and ``float16`` isolate the precision:
+
+    python -m criticalkv.eval.kv_precision --engine-dir engines/ckv256 --engine-dir engines/ckv256-fp16 \\
+        --lengths 2048 --samples 2 --out results/kv_precision
+
+Writes ``kv_precision.json`` (every prompt's tokens and scores, the command, the load average) and ``kv_precision.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from criticalkv.eval.needle import DEFAULT_DEPTHS, needle_prompts
+from criticalkv.eval.scoring import score
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m criticalkv.eval.kv_precision", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine-dir", action="append", required=True, type=Path,
+                    help="an engine folder (repeat; the first is the reference the others' tokens are compared with)")
+    ap.add_argument("--lengths", default="2048", help="comma-separated prompt lengths (each <= the engines' input)")
+    ap.add_argument("--samples", type=int, default=2, help="needle instances per length (default: 2)")
+    ap.add_argument("--depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS), help="needle depths in percent")
+    ap.add_argument("--seed", type=int, default=0, help="the prompt generator's seed (0: the committed grid's)")
+    ap.add_argument("--out", type=Path, required=True, help="folder for kv_precision.json and .md")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap.parse_args(argv)
+
+
+def describe(engine) -> str:
+    m = engine.manifest
+    policy = m.get("policy", {})
+    kv = m.get("build", {}).get("kv_dtype", "float32")
+    return f"{policy.get('name', '?')} b={policy.get('budget', '?')}, KV {kv}"
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    from criticalkv.runtime import Engine
+
+    engines = [Engine.load(d) for d in args.engine_dir]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    prompts = needle_prompts(engines[0].tokenizer, lengths, depths, samples=args.samples, seed=args.seed)
+    for d, e in zip(args.engine_dir, engines):
+        cap = e.limits.max_input_len
+        too_long = [p.length for p in prompts if p.length > cap]
+        if too_long:
+            raise SystemExit(f"{d}: prompts of {max(too_long)} tokens exceed the engine's --max-input-len {cap}")
+    rows = []
+    bar = tqdm(total=len(prompts) * len(engines), disable=args.no_progress, desc="needle on engines")
+    for p in prompts:  # interleaved: every engine answers a prompt before the next prompt
+        row = {"key": p.key, "answer": p.answers[0], "engines": []}
+        for e in engines:
+            start = time.perf_counter()
+            out = e.generate([list(p.input_ids)], max_new_tokens=p.max_new_tokens)
+            tokens = [int(t) for t in out.tokens[0]]
+            text = e.tokenizer.decode(tokens, skip_special_tokens=True)
+            row["engines"].append({"tokens": tokens, "text": text, "score": score(p.metric, text, p.answers),
+                                   "seconds": time.perf_counter() - start})
+            bar.update()
+        rows.append(row)
+    bar.close()
+    names = [describe(e) for e in engines]
+    summary = []
+    for i, name in enumerate(names):
+        scores = [r["engines"][i]["score"] for r in rows]
+        same = sum(r["engines"][i]["tokens"] == r["engines"][0]["tokens"] for r in rows)
+        summary.append({"engine": str(args.engine_dir[i]), "name": name, "accuracy": 100 * sum(scores) / len(scores),
+                        "same_tokens_as_first": same, "prompts": len(rows)})
+    return {"command": "python -m criticalkv.eval.kv_precision " + shlex.join(sys.argv[1:]),
+            "loadavg_before": os.getloadavg(), "summary": summary, "prompts": rows}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"`{result['command']}`", "", f"load average at the start: {result['loadavg_before'][0]:.2f}", "",
+             "| engine | policy, KV dtype | needle accuracy % | same greedy tokens as the first engine |",
+             "|---|---|---:|---:|"]
+    for s in result["summary"]:
+        lines.append(f"| `{s['engine']}` | {s['name']} | {s['accuracy']:.1f} | {s['same_tokens_as_first']} of "
+                     f"{s['prompts']} |")
+    differ = [r for r in result["prompts"] if any(e["tokens"] != r["engines"][0]["tokens"] for e in r["engines"])]
+    if differ:
+        lines += ["", "Prompts where the answers differ:", ""]
+        for r in differ:
+            answers = " / ".join(repr(e["text"]) for e in r["engines"])
+            lines.append(f"- {r['key']} (passcode {r['answer']}): {answers}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = run(args)
+    tmp = args.out / "kv_precision.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(args.out / "kv_precision.json")
+    (args.out / "kv_precision.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
