@@ -60,6 +60,10 @@ def test_targets_compare_the_budgeted_engine_with_openvino_and_the_floor():
     assert rows["decode: criticalkv b / weight-bandwidth floor"] == (pytest.approx(21.0 / 20.0), True)
     assert rows["batch: criticalkv b / OpenVINO with eviction (tokens/s)"] == (pytest.approx(16.0 / 15.2), True)
     assert rows["onnxruntime-genai behind criticalkv b on all three"] == (None, True)
+    # the f32 row (the same arithmetic as criticalkv's fp32 engine) is judged beside it
+    assert rows["prefill: criticalkv b / OpenVINO f32"] == (pytest.approx(3.6 / 6.1), True)
+    assert rows["decode: criticalkv b / OpenVINO f32 (full cache)"] == (pytest.approx(21.0 / 51.0), True)
+    assert rows["batch: criticalkv b / OpenVINO f32 with eviction (tokens/s)"] == (pytest.approx(16.0 / 8.5), True)
     slow = {what: ok for what, _, _, ok in cpu_peers.targets(_results(ckv_decode=45.0))}
     assert slow["decode: criticalkv b / weight-bandwidth floor"] is False
     assert slow["onnxruntime-genai behind criticalkv b on all three"] is False  # 42 ms beats 46

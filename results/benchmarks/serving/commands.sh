@@ -41,7 +41,7 @@ $B bench interference --engine-dir engines/ckv256 --repeats 9 --warmup 1 --out $
 uptime
 $B bench targets $OUT
 
-# ---- Issue 19: the context cache, chunked prefill and one KV memory budget (to be taken on an idle machine) ----
+# ---- Issue 19: the context cache, chunked prefill and one KV memory budget (taken 2026-11-24 11:24-12:25 UTC, idle) ----
 # Engines with extend/select (the manifest format changed: rebuild), room for a 2,048-token context + its question:
 #   for spec in "criticalkv ckv256" "full full"; do set -- $spec
 #     .venv/bin/python scripts/build_engine.py --kv-policy $1 --budget 256 --max-input-len 2304 --max-new-tokens 256 \
@@ -66,6 +66,16 @@ uptime
 $B bench cached-context --engine-dir engines/ctx-full --engine-dir engines/ctx-ckv256 --isl 2048 --question-tokens 32 \
   --osl 4 --repeats 9 --warmup 1 --out $OUT --name cached_context
 uptime
+# 11b. what one chunked-prefill step costs (the unit a short request waits for), and chunks of 128 served
+.venv/bin/python -m criticalkv.bench.chunks --engine-dir engines/ctx-ckv256 --chunks 512,256,128 --out $OUT
+uptime
+$B bench interference --engine-dir engines/ctx-ckv256 --prefill-chunk 128 --repeats 9 --warmup 1 --out $OUT \
+  --name interference_chunk128 --no-progress
+uptime
+# 11c. float16 KV buffers against float32 on the needle grid's 2,048-token prompts (engines/ckv256 as built above,
+#      engines/ckv256-fp16 the same with --kv-dtype float16)
+.venv/bin/python -m criticalkv.eval.kv_precision --engine-dir engines/ckv256 --engine-dir engines/ckv256-fp16 \
+  --lengths 2048 --samples 2 --out results/kv_precision --no-progress
 # 12. the benchmark clients against a stand-in model with a known schedule (TTFT 300 ms, then 50 ms per token);
 #     the AIPerf half runs when .peers/aiperf exists (criticalkv bench setup-peers --only aiperf)
 .venv/bin/python -m pytest -q -s tests/bench/test_ground_truth.py
