@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from criticalkv.hf.cache import CompressedKVCache, CompressedLayer, packed_decoding
+from criticalkv.hf.cache import CompressedKVCache, CompressedLayer, cache_kwargs, hook_cache, packed_decoding
 from criticalkv.hf.compress import hooked_prefill, window_queries
 from criticalkv.hf.generate import extend_cache, generate
 from criticalkv.hf.loading import check_supported
@@ -80,7 +80,7 @@ def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int]) -> Sh
     def make_hook(idx):
         def hook(module, args, kwargs, output):
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            cache_layer = kwargs["past_key_values"].layers[idx]
+            cache_layer = hook_cache(kwargs).layers[idx]
             keys[idx], values[idx] = cache_layer.keys, cache_layer.values
             for w in sizes:
                 queries[w][idx] = window_queries(module, hidden, kwargs["position_embeddings"], w)
@@ -208,8 +208,8 @@ def decode(
                 input_ids=torch.as_tensor(tokens, device=device)[:, None],
                 position_ids=torch.full((1, 1), prefill.n + q + t, device=device),
                 attention_mask=dummy_mask,
-                past_key_values=cache,
                 use_cache=True,
+                **cache_kwargs(model, cache),
             )
         return out.logits[:, -1].float().cpu().numpy()
 

@@ -15,6 +15,7 @@ batched matmul; otherwise it loops over the segments.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,18 @@ from transformers import AttentionInterface
 from criticalkv.selection import LayerSelection
 
 ATTENTION_NAME = "criticalkv_packed"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword that hands ``cache`` to ``model``'s forward: transformers 5.24 renamed ``past_key_values`` to
+    ``cache`` (the old name still works there, with a deprecation notice); earlier 5.x only know the old one."""
+    forward = getattr(model, "forward", model)
+    return {"cache": cache} if "cache" in inspect.signature(forward).parameters else {"past_key_values": cache}
+
+
+def hook_cache(kwargs: dict):
+    """The cache an attention module's forward received (``cache`` from transformers 5.24, ``past_key_values`` before)."""
+    return kwargs["cache"] if kwargs.get("cache") is not None else kwargs["past_key_values"]
 
 
 class CompressedLayer:

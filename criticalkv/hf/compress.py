@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from criticalkv.hf.cache import CompressedKVCache, CompressedLayer
+from criticalkv.hf.cache import CompressedKVCache, CompressedLayer, cache_kwargs, hook_cache
 from criticalkv.hf.loading import check_supported
 from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.padding import left_padded_lengths
@@ -69,9 +69,9 @@ def hooked_prefill(model, make_hook, input_ids, attention_mask, position_ids):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=DynamicCache(config=model.config),
             use_cache=True,
             logits_to_keep=1,
+            **cache_kwargs(model, DynamicCache(config=model.config)),
         )
     finally:
         for h in handles:
@@ -145,7 +145,7 @@ def prefill_and_compress(
         def hook(module, args, kwargs, output):
             nonlocal selection_s, full_bytes
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            cache_layer = kwargs["past_key_values"].layers[idx]
+            cache_layer = hook_cache(kwargs).layers[idx]
             keys, values = cache_layer.keys, cache_layer.values
             start = time.perf_counter()
             q = window_queries(module, hidden, kwargs["position_embeddings"], w)

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from criticalkv.hf.cache import packed_decoding
+from criticalkv.hf.cache import cache_kwargs, packed_decoding
 from criticalkv.hf.compress import PrefillResult, prefill_and_compress
 from criticalkv.policy import KVPolicy
 from criticalkv.request import SamplingParams
@@ -47,8 +47,8 @@ def extend_cache(model, cache, token_ids: torch.Tensor, positions: torch.Tensor)
         input_ids=token_ids,
         position_ids=positions.to(token_ids.device)[:, None] + torch.arange(q, device=token_ids.device)[None, :],
         attention_mask=dummy_mask,
-        past_key_values=cache,
         use_cache=True,
+        **cache_kwargs(model, cache),
     )
     return out.logits[:, -1].float()
 
@@ -96,8 +96,8 @@ def generate(
             input_ids=torch.as_tensor(tokens, device=input_ids.device)[:, None],
             position_ids=(positions + t)[:, None],
             attention_mask=dummy_mask,
-            past_key_values=pre.cache,
             use_cache=True,
+            **cache_kwargs(model, pre.cache),
         )
         return out.logits[:, -1].float().cpu().numpy()
 

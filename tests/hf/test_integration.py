@@ -5,6 +5,7 @@ import torch
 
 from criticalkv import KVPolicy, select_layer
 from criticalkv.hf import generate, prefill_and_compress
+from criticalkv.hf.cache import cache_kwargs
 from hf.conftest import tiny_model
 from model_families import FAMILIES, random_checkpoint, random_prompt
 from policies import POLICY_CASES, make_policy
@@ -88,7 +89,7 @@ def test_selection_uses_the_layers_real_post_rope_queries(llama):
     pre = prefill_and_compress(llama, ids, policy)
     cache = DynamicCache(config=llama.config)
     with torch.no_grad():
-        hidden = llama(ids, past_key_values=cache, use_cache=True, output_hidden_states=True).hidden_states
+        hidden = llama(ids, use_cache=True, output_hidden_states=True, **cache_kwargs(llama, cache)).hidden_states
         pos = torch.arange(90)[None]
         cos, sin = llama.model.rotary_emb(hidden[0], pos)
         for i, layer in enumerate(llama.model.layers):
@@ -176,7 +177,7 @@ def test_layer_defensivekv_shares_the_budget_across_layers(llama):
     cache = DynamicCache(config=llama.config)
     layers = []
     with torch.no_grad():
-        hidden = llama(ids, past_key_values=cache, use_cache=True, output_hidden_states=True).hidden_states
+        hidden = llama(ids, use_cache=True, output_hidden_states=True, **cache_kwargs(llama, cache)).hidden_states
         cos, sin = llama.model.rotary_emb(hidden[0], torch.arange(150)[None])
         for i, layer in enumerate(llama.model.layers):
             q = layer.self_attn.q_proj(layer.input_layernorm(hidden[i])).view(1, 150, 6, 16).transpose(1, 2)
