@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from criticalkv.bench.report import write_atomic
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m criticalkv.bench.chunks", description=__doc__,
@@ -110,9 +112,8 @@ def main(argv=None) -> int:
     text = markdown(res)
     print(text)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "prefill_chunks.json").write_text(json.dumps(res, indent=1))
-        (args.out / "prefill_chunks.md").write_text(text)
+        write_atomic(args.out / "prefill_chunks.json", json.dumps(res, indent=1) + "\n")
+        write_atomic(args.out / "prefill_chunks.md", text)
     return 0
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from criticalkv.bench.report import write_results
 from criticalkv.export import BuildConfig
 from criticalkv.build import export_engine, package_versions
 from criticalkv.policy import KVPolicy
@@ -109,7 +110,7 @@ def prefill_and_decode(engine: Engine, ids: list[int], repeats: int, steps: int)
 def decode_memory(engine: Engine, ids: list[int], steps: int) -> dict:
     """KV buffer bytes and the decode session's arena (profiled) after a prefill of ``ids``."""
     backend = engine.backend
-    backend.decode_session = backend.session(engine.folder / "decode.onnx", backend.threads, profile=True)
+    backend.profile_decode()  # the graph the backend runs (decode_ort.onnx when fused), profiled
     n = len(ids)
     pre = backend.prefill(np.array([ids]), np.ones((1, n), np.int64), np.arange(n)[None])
     backend.begin_decode(pre)
@@ -333,9 +334,7 @@ def run(args, argv: list[str] | None) -> int:
     ]
     table = "\n".join(lines)
     print(table)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    args.output.with_suffix(".txt").write_text(table + "\n")
+    write_results(args.output, results, table)
     if not args.no_plot:
         plot(results, args, args.output.with_suffix(".png"))
     return 0
@@ -508,9 +507,7 @@ def compare_unpruned(args, argv: list[str] | None) -> int:
     ]
     table = "\n".join(lines)
     print(table)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    args.output.with_suffix(".txt").write_text(table + "\n")
+    write_results(args.output, results, table)
     return 0
 
 

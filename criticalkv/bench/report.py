@@ -21,6 +21,13 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_results(stem: Path, results: dict, table: str) -> None:
+    """``STEM.json`` (the results) and ``STEM.txt`` (the printed table), each written whole or not at all."""
+    stem = Path(stem)
+    write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=2) + "\n")
+    write_atomic(stem.with_suffix(".txt"), table + "\n")
+
+
 def load_label(run: dict) -> str:
     if run.get("concurrency") is not None:
         return f"conc {run['concurrency']}"

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from criticalkv.bench.latency import long_text, machine, make_engine
+from criticalkv.bench.report import write_results
 from criticalkv.build import package_versions
 from criticalkv.eval.specs import parse_policy_spec
 from criticalkv.export import BuildConfig
@@ -130,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     results["summary"] = {"selection_median_s": med, "ratio_to_base": {k: v / med[args.base] for k, v in med.items()}}
     table = "\n".join(lines)
     print(table)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    args.output.with_suffix(".txt").write_text(table + "\n")
+    write_results(args.output, results, table)
     return 0
 
 
