@@ -207,11 +207,7 @@ def profile_engine(engine_dir: Path, ids: list[int], steps: int = 16, threads: i
         # decode, profiled: a session of the graph the backend runs (the fused decode_ort.onnx with its prepacked
         # weights, or the portable decode.onnx) with profiling on, bound like the backend's own
         plain_session = backend.decode_session
-        decode_file = manifest["onnx"]["files"]["decode_ort" if backend.fused else "decode"]
-        backend.decode_session = backend.session(backend.folder / decode_file, backend.threads, profile=True,
-                                                 prepack=backend.prepack)
-        backend._bindings.clear()
-        backend._batch = 0
+        backend.profile_decode()
         sampler = Sampler()
         backend.begin_decode(pre)
         token = sampler(pre.logits)
@@ -220,9 +216,7 @@ def profile_engine(engine_dir: Path, ids: list[int], steps: int = 16, threads: i
         decode = breakdown(_trace(backend.decode_session), spec, first=2)
 
         # decode, unprofiled: the Python side of a step
-        backend.decode_session = _TimedSession(plain_session)
-        backend._bindings.clear()
-        backend._batch = 0
+        backend.use_decode_session(_TimedSession(plain_session))
         backend.begin_decode(pre)
         token = sampler(pre.logits)
         split = defaultdict(list)

@@ -136,8 +136,9 @@ class OnnxRuntimeBackend(BuiltShapes):
             self._weight_values = {name: ort.OrtValue.ortvalue_from_numpy(np.asarray(a)) for name, a in arrays.items()}
         self.profile = profile
         self.prefill_session = self.session(self.folder / files["prefill"], threads, profile)
-        decode_file = files["decode_ort" if self.fused else "decode"]
-        self.decode_session = self.session(self.folder / decode_file, threads, False, prepack=self.prepack)
+        #: the decode graph this backend runs (decode_ort.onnx when fused, else decode.onnx)
+        self.decode_path = self.folder / files["decode_ort" if self.fused else "decode"]
+        self.decode_session = self.session(self.decode_path, threads, False, prepack=self.prepack)
         # extend (N tokens over a slot's or a prefill buffer's entries) and select (the chunked prefill's last
         # step): engines built before these graphs existed have neither
         self.extend_session = self.session(self.folder / files["extend"], threads) if "extend" in files else None
@@ -473,6 +474,18 @@ class OnnxRuntimeBackend(BuiltShapes):
         )
 
     # ------------------------------------------------------------------ profiling
+    def use_decode_session(self, session) -> None:
+        """Run the decode steps on ``session`` from now on (a profiled or timed one of ``decode_path``, as the
+        benchmarks use); the I/O bindings of the previous session are dropped and made again at the next step."""
+        self.decode_session = session
+        self._bindings.clear()
+        self._batch = 0
+
+    def profile_decode(self) -> None:
+        """Profile the decode steps from now on: a new session of the graph this backend runs (the fused one with its
+        prepacked weights, or the portable one); ``decode_session.end_profiling()`` returns the trace."""
+        self.use_decode_session(self.session(self.decode_path, self.threads, profile=True, prepack=self.prepack))
+
     def end_profiling(self) -> str | None:
         """Stop the prefill session's profiler and return the trace file (None when not profiling)."""
         if not self.profile:
