@@ -4,6 +4,7 @@
 #pragma once
 
 #include "criticalkv/methods.h"
+#include "criticalkv/pruned_stage2.h" // PrunedHeadState
 
 #include <cuda_runtime_api.h>
 
@@ -74,15 +75,6 @@ constexpr int32_t kMaxHeadDim = 256;
 //! Most 16-bit pieces a Gram matrix is split into for the tensor cores (value_norms.cu: l2 norms 3, bounds 2).
 constexpr size_t kGramPiecesMax = 3;
 
-//! Where CriticalKV's pruned stage 2 stands for one KV head of one sequence (kernels/pruned.cu).
-struct PrunedHeadState
-{
-    int64_t k;        //!< tokens stage 2 keeps
-    int64_t eligible; //!< tokens stage 2 chooses from
-    int64_t done;     //!< candidates whose exact score is known or being computed
-    int32_t active;   //!< 1: the head still has candidates to rank (0: settled by stage 1 alone, or uncompressed)
-    int32_t settled;  //!< 1: the stop rule held (or every eligible token is a candidate): no more rounds
-};
 
 //! Scratch layout for `shape`. Every term grows with every dimension, so the layout of the largest shape of an
 //! optimization profile bounds all smaller shapes (TensorRT's getWorkspaceSize relies on that).
@@ -106,7 +98,9 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
         offset += alignWorkspace(bytes);
         return at;
     };
-    layout.layerBudget = take(config.budgetTable ? sizeof(int32_t) : 0);
+    // always reserved: a layer without a budget table (pyramidkv's top layer at some budgets, every snapkv layer)
+    // then needs the same workspace as its neighbours, so one workspace sized for any layer serves them all
+    layout.layerBudget = take(sizeof(int32_t));
     layout.partials = take(b * h * w * tiles * 2 * sizeof(float));
     layout.rowStats = take(b * h * w * 2 * sizeof(float));
     layout.raw = take(b * h * m * sizeof(float));

@@ -173,6 +173,16 @@ CKV_HD float l1UpperBoundTensorCore(float quad, float weighted, float maxAbs, fl
         + kSubnormalSlack * d * (dh + 2.0F);
 }
 
+//! Where CriticalKV's pruned stage 2 stands for one KV head of one sequence (kernels/pruned.cu, kernels/pruned_flow.cuh).
+struct PrunedHeadState
+{
+    int64_t k;        //!< tokens stage 2 keeps
+    int64_t eligible; //!< tokens stage 2 chooses from
+    int64_t done;     //!< candidates whose exact score is known or being computed
+    int32_t active;   //!< 1: the head still has candidates to rank (0: settled by stage 1 alone, or uncompressed)
+    int32_t settled;  //!< 1: the stop rule held (or every eligible token is a candidate): no more rounds
+};
+
 //! The stop rule: no token whose bound is at most `following` can reach the k-th exact score `kth` (not even a tie).
 CKV_HD bool stage2Settled(float following, float kth, float margin)
 {
