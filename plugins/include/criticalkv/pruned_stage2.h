@@ -182,6 +182,7 @@ struct PrunedHeadState
     int32_t active;   //!< 1: the head still has candidates to rank (0: settled by stage 1 alone, or uncompressed)
     int32_t settled;  //!< 1: the stop rule held (or every eligible token is a candidate): no more rounds
 };
+static_assert(sizeof(PrunedHeadState) == 32, "the workspace layout's tests count 32 bytes per head");
 
 //! The stop rule: no token whose bound is at most `following` can reach the k-th exact score `kth` (not even a tie).
 CKV_HD bool stage2Settled(float following, float kth, float margin)
