@@ -71,7 +71,7 @@ def test_value_norm_tiles_equal_the_fp64_norms(tiles, dtype, kind, batch, heads,
     "dtype, batch, heads, kv_heads, n, head_dim, hidden, gather, seed, values",
     [
         ("bf16", 1, 4, 2, 280, 64, 128, 0, 3, "random"),
-        ("fp16", 2, 2, 1, 60, 128, 160, 1, 4, "random"),  # fp16 pieces with a power-of-two scale, gathered
+        ("fp16", 1, 2, 1, 60, 128, 128, 1, 4, "random"),  # fp16 pieces with a power-of-two scale, gathered
         ("bf16", 1, 2, 1, 70, 64, 128, 0, 5, "cancel"),  # v W_O cancelling: the bound's absolute terms
         ("fp16", 1, 2, 1, 70, 64, 128, 1, 6, "tiny"),  # values near fp16's subnormals
         ("bf16", 1, 2, 1, 70, 32, 64, 0, 7, "sparse"),
