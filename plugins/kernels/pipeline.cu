@@ -3,10 +3,10 @@
 //   window attention  ->  value norms  ->  [defensivekv: pooled rows]  ->  group scores  ->  radix selection
 //   ->  compaction  ->  gather
 //
-// CriticalKV with value_norm=l1 (prunedStage2On) prunes stage 2 like the host driver: the value-norm step writes
-// L1 upper bounds from the Gram terms of W_O (launchL1Bounds), the group-score kernel turns them into U, and the
-// per-head selection (prunedPrepareKernel, prunedExactKernel, prunedFinishKernel) computes exact norms for the best
-// candidates by U only (docs/operator.md step 6a).
+// CriticalKV with value_norm=l1 (prunedStage2On) prunes stage 2: the value-norm step writes L1 upper bounds from the
+// Gram terms of W_O (launchPrunedBounds), the group-score kernel turns them into U, and launchPrunedStage2 computes
+// exact norms on the tensor cores for the best candidates by U only, in a fixed number of rounds (docs/operator.md
+// step 6a).
 //
 // No host synchronisation and no allocation: the workspace (workspaceLayout) holds every intermediate, so the
 // launch is CUDA-graph capturable. The request's budget b (the kv_budget input) stays in device memory: every
@@ -48,6 +48,25 @@ __global__ void resolveLayerBudgetKernel(SelectConfig config, int32_t const* kvB
     {
         *out = chunk.values[index - chunk.first];
     }
+}
+
+//! A host-side upper bound of any head's stage-2 count k (<= its share of the older tokens): r_l at the largest
+//! runtime budget (the largest table entry for PyramidKV), times H_kv when the heads share the layer's slots.
+int32_t maxStage2Count(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape, int32_t m)
+{
+    int64_t r = config.layerBudget > config.budget - config.window ? config.layerBudget : config.budget - config.window;
+    if (config.budgetTable && table.values != nullptr)
+    {
+        for (int32_t i = 0; i < table.count; ++i)
+        {
+            r = table.values[i] > r ? table.values[i] : r;
+        }
+    }
+    if (sharedAllocation(config))
+    {
+        r *= shape.kvHeads;
+    }
+    return r < m ? static_cast<int32_t>(r) : m;
 }
 
 template <typename T>
@@ -134,32 +153,49 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
         }
         float* norms = nullptr;
         bool const pruned = prunedStage2On(config);
+        GramScratch const gram{at<float>(workspace, layout.gram), at<void>(workspace, layout.gramPieces),
+            at<float>(workspace, layout.gramScale)};
         if (pruned)
         {
             // CriticalKV's pruned stage 2: L1 upper bounds here (norms), U = their group score (critical) in the
-            // group-score kernel, exact norms for the candidates only in the pruned selection kernels.
+            // group-score kernel, exact norms for the candidates only in launchPrunedStage2.
             norms = at<float>(workspace, layout.norms);
-            status = launchL1Bounds(&config, budget, t.promptLengths, shape, t.dtype, t.values, t.oProj, m,
-                at<float>(workspace, layout.gram), at<float>(workspace, layout.rowL1), at<float>(workspace, layout.colL1),
-                norms, stream);
+            PrunedBoundParams bounds{};
+            bounds.shape = shape;
+            bounds.dtype = t.dtype;
+            bounds.values = t.values;
+            bounds.oProj = t.oProj;
+            bounds.numTokens = m;
+            bounds.config = &config;
+            bounds.budget = budget;
+            bounds.promptLengths = t.promptLengths;
+            bounds.gram = gram;
+            bounds.rowL1 = at<float>(workspace, layout.rowL1);
+            bounds.colL1 = at<float>(workspace, layout.colL1);
+            bounds.bounds = norms;
+            status = launchPrunedBounds(bounds, stream);
             if (status != cudaSuccess)
             {
                 return status;
             }
             s.pruned = true;
-            s.dtype = t.dtype;
-            s.values = t.values;
-            s.oProj = t.oProj;
-            s.exactNorms = norms;
-            s.exact = at<float>(workspace, layout.exact);
-            s.margin = stopMargin(shape.hidden, shape.heads / shape.kvHeads);
         }
         else if (needsNorms(config))
         {
             norms = at<float>(workspace, layout.norms);
-            status = launchValueProjectionNorms(&config, budget, t.promptLengths, shape, t.dtype, t.values, t.oProj, m,
-                normKind(config), normKind(config) == ValueNorm::kL2 ? at<float>(workspace, layout.gram) : nullptr,
-                norms, stream);
+            ValueNormParams p{};
+            p.shape = shape;
+            p.dtype = t.dtype;
+            p.values = t.values;
+            p.oProj = t.oProj;
+            p.numTokens = m;
+            p.kind = normKind(config);
+            p.out = norms;
+            p.config = &config;
+            p.budget = budget;
+            p.promptLengths = t.promptLengths;
+            p.gram = normKind(config) == ValueNorm::kL2 ? gram : GramScratch{};
+            status = launchValueNorms(p, stream);
             if (status != cudaSuccess)
             {
                 return status;
@@ -193,6 +229,35 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
         if (status != cudaSuccess)
         {
             return status;
+        }
+        if (pruned)
+        {
+            PrunedStage2Params p{};
+            p.config = config;
+            p.shape = shape;
+            p.dtype = t.dtype;
+            p.budget = budget;
+            p.promptLengths = t.promptLengths;
+            p.values = t.values;
+            p.oProj = t.oProj;
+            p.raw = s.raw;
+            p.squares = s.squares;
+            p.norms = norms;
+            p.attention = s.attention;
+            p.critical = s.critical;
+            p.headCounts = sharedAllocation(config) ? s.headCounts : nullptr;
+            p.exact = at<float>(workspace, layout.exact);
+            p.flags = s.flags;
+            p.candidates = at<int32_t>(workspace, layout.candidates);
+            p.candidateCounts = at<int32_t>(workspace, layout.candidateCounts);
+            p.states = at<PrunedHeadState>(workspace, layout.prunedStates);
+            p.margin = stopMargin(shape.hidden, shape.heads / shape.kvHeads);
+            p.maxCount = maxStage2Count(config, table, shape, m);
+            status = launchPrunedStage2(p, stream);
+            if (status != cudaSuccess)
+            {
+                return status;
+            }
         }
     }
     cudaError_t status = kernels::launchCompact(s, stream);

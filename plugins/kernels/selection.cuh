@@ -29,14 +29,9 @@ struct ScoreArgs
     DefensiveTotals* totals;  // [B, H_kv] (defensivekv)
     int32_t* keptIndices; // [B, H_kv, cap]
     int32_t* keptLengths; // [B, H_kv]
-    // CriticalKV's pruned stage 2 (prunedStage2On): norms hold the L1 bounds, critical their group score U
+    // CriticalKV's pruned stage 2 (prunedStage2On): norms hold the L1 bounds, critical their group score U; the
+    // per-head selection is launchPrunedStage2's (kernels/pruned.cu)
     bool pruned;
-    DType dtype;
-    void const* values;   // [B, H_kv, n, d_h]
-    void const* oProj;    // [hidden, H * d_h]
-    float* exactNorms;    // the norms buffer: the exact norms of the candidates are written over their bounds
-    float* exact;         // [B, H_kv, m] the candidates' exact C
-    float margin;         // stopMargin(hidden, group)
 };
 
 struct GatherArgs

@@ -1,20 +1,23 @@
-// Fused projected-value norms: N[b, h, i] = || V[b, g(h), i] W_O^h || without materialising the
-// [n, hidden] product. A 64-token tile of V and 64-column chunks of W_O^h go through shared memory; the
-// product tile is reduced to sum |x| (L1) or sum x^2 (L2) in the epilogue and accumulated per token in fp32.
+// Projected-value norms N[b, h, i] = || V[b, g(h), i] W_O^h || without materialising the [n, hidden] product, and
+// the pruned stage 2's L1 upper bounds.
 //
-// * fp16 / bf16 with d_h % 16 == 0: tensor cores (WMMA 16x16x16, fp32 accumulate), sm_80 and newer. One block
-//   loads its V tile once and loops over the query heads of the KV group and over the hidden dimension.
-// * fp32 (and any d_h): a SIMT FMA kernel (4x4 register tile per thread). No TF32: that would lose the
-//   precision the fp32 reference has.
-// * L2 with a Gram scratch buffer (the pipeline's path, the reference's formula): G_h = W_O^h W_O^h^T [d_h, d_h]
-//   once per launch (H d_h^2 d FLOPs, weights only), then N = sqrt(v^T G_h v) per token (2 d_h^2 FLOPs instead of
-//   2 d_h d: d / d_h = 32x fewer for Llama-3-8B). fp32 throughout (SIMT).
-// * L2 without one: the direct sum of squares of the product, on the paths above.
+// * fp16 / bf16, d_h % 16 == 0, d_h <= 128 (valueNormsOnTensorCores): the tensor-core tiles of mma_tiles.cuh
+//   (mma.sync m16n8k16 with ldmatrix and a cp.async ring of W_O tiles; |x| or x^2 folded in the accumulator
+//   registers). Also over gathered rows (the pruned stage 2's candidates of every head in one launch).
+// * fp32 (and any other d_h): a SIMT FMA kernel (4x4 register tile per thread), also over gathered rows. No TF32:
+//   that would lose the precision the fp32 reference has.
+// * L2 through the Gram matrices (value_norm=l2, laprox; the reference's formula): G_h = W_O^h W_O^h^T [d_h, d_h] in
+//   fp32 once per launch (H d_h^2 d FLOPs, weights only; each thread sums 16-term fp32 chunks into a double, since a
+//   plain running fp32 sum over d = 4096 lost 10x PyTorch's accuracy on 16-bit weights), then q = v^T G_h v per token:
+//   on the tensor cores from 3 16-bit pieces of G_h (d / d_h = 32x fewer FLOPs than the product for Llama-3-8B, and
+//   near-fp32 accuracy), or in SIMT fp32 on the other path.
+// * The pruned stage 2's bounds: the same quadratic forms from 2 pieces and l1UpperBoundTensorCore on the tensor-core
+//   path, the host driver's bitwise loops (l1_bounds.cuh) on the fp32 path.
 #include "criticalkv/kernels.h"
 #include "criticalkv/pruned_stage2.h"
 #include "device_utils.cuh"
-
-#include <mma.h>
+#include "l1_bounds.cuh"
+#include "mma_tiles.cuh"
 
 #include <cstdint>
 
@@ -29,29 +32,16 @@ constexpr int kTokenTile = 64;
 constexpr int kColumnTile = 64;
 constexpr int kSimtThreads = 256;
 constexpr int kSimtDepth = 16;
-constexpr int kWmmaThreads = 128;
-constexpr int kWmmaPad = 8;  // elements of row padding (16 bytes) for the 16-bit tiles
-constexpr int kAccPad = 4;   // floats of row padding of the accumulator tile
 
-struct NormArgs
-{
-    SelectConfig config;
-    bool skipUncompressed;
-    int32_t const* promptLengths;
-    RuntimeBudget budget;
-    SelectShape shape;
-    void const* values;
-    void const* oProj;
-    int32_t numTokens;
-    float* out; // [B, H, numTokens]
-};
+using NormArgs = NormTileArgs;
 
 __device__ __forceinline__ bool skipBatch(NormArgs const& a, int32_t b)
 {
     return a.skipUncompressed && !sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b).compress;
 }
 
-//! SIMT path. grid (token tiles, H, B), block kSimtThreads: thread (ty, tx) owns tokens ty*4.. and columns tx*4..
+//! SIMT path. grid (row tiles, H, B), block kSimtThreads: thread (ty, tx) owns rows ty*4.. and columns tx*4.. (rows:
+//! the tokens, or the listed ones of the head's list).
 template <typename T, bool kL2>
 __global__ void __launch_bounds__(kSimtThreads) valueNormsSimtKernel(NormArgs a)
 {
@@ -71,6 +61,16 @@ __global__ void __launch_bounds__(kSimtThreads) valueNormsSimtKernel(NormArgs a)
     int32_t const tx = tid % 16;
     int32_t const ty = tid / 16;
     int32_t const tokenBegin = tile * kTokenTile;
+    TileRows rows{static_cast<int64_t>(b) * a.shape.kvHeads + g, tokenBegin, a.numTokens};
+    if (a.rowTokens != nullptr)
+    {
+        int32_t const count = a.rowCounts[rows.head];
+        rows.count = count < 0 ? 0 : (count > a.rowStride ? a.rowStride : count);
+    }
+    if (tokenBegin >= rows.count)
+    {
+        return;
+    }
 
     __shared__ float valueTile[kSimtDepth][kTokenTile + 4];
     __shared__ float weightTile[kSimtDepth][kColumnTile + 4];
@@ -88,9 +88,9 @@ __global__ void __launch_bounds__(kSimtThreads) valueNormsSimtKernel(NormArgs a)
             {
                 int32_t const row = e / kSimtDepth;
                 int32_t const kk = e % kSimtDepth;
-                int32_t const token = tokenBegin + row;
-                valueTile[kk][row] = token < a.numTokens && k0 + kk < d
-                    ? toFloat(values[static_cast<int64_t>(token) * d + k0 + kk])
+                int32_t const position = tokenBegin + row;
+                valueTile[kk][row] = position < rows.count && k0 + kk < d
+                    ? toFloat(values[static_cast<int64_t>(tokenOf(a, rows, position)) * d + k0 + kk])
                     : 0.0F;
                 int32_t const column = c0 + row;
                 weightTile[kk][row] = column < hidden && k0 + kk < d
@@ -145,151 +145,13 @@ __global__ void __launch_bounds__(kSimtThreads) valueNormsSimtKernel(NormArgs a)
         float* out = a.out + (static_cast<int64_t>(b) * a.shape.heads + h) * a.numTokens;
         for (int32_t r = 0; r < 4; ++r)
         {
-            int32_t const token = tokenBegin + ty * 4 + r;
-            if (token < a.numTokens)
+            int32_t const position = tokenBegin + ty * 4 + r;
+            if (position < rows.count)
             {
-                out[token] = kL2 ? sqrtf(rowSum[r]) : rowSum[r];
+                out[tokenOf(a, rows, position)] = kL2 ? sqrtf(rowSum[r]) : rowSum[r];
             }
         }
     }
-}
-
-size_t wmmaSharedBytes(int32_t headDim)
-{
-    return 2 * static_cast<size_t>(kTokenTile) * (headDim + kWmmaPad) * 2 // value and weight tiles, 16-bit
-        + static_cast<size_t>(kTokenTile) * (kColumnTile + kAccPad) * sizeof(float);
-}
-
-//! Tensor-core path for 16-bit inputs, d_h % 16 == 0. grid (token tiles, H_kv, B), block kWmmaThreads (4 warps,
-//! each a 32x32 quarter of the 64x64 product tile).
-template <typename T, bool kL2>
-__global__ void __launch_bounds__(kWmmaThreads) valueNormsWmmaKernel(NormArgs a)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    using namespace nvcuda;
-    int32_t const tile = static_cast<int32_t>(blockIdx.x);
-    int32_t const g = static_cast<int32_t>(blockIdx.y);
-    int32_t const b = static_cast<int32_t>(blockIdx.z);
-    if (skipBatch(a, b))
-    {
-        return;
-    }
-    int32_t const d = a.shape.headDim;
-    int32_t const n = a.shape.n;
-    int32_t const hidden = a.shape.hidden;
-    int32_t const group = a.shape.heads / a.shape.kvHeads;
-    int64_t const ld = static_cast<int64_t>(a.shape.heads) * d;
-    int32_t const tid = static_cast<int32_t>(threadIdx.x);
-    int32_t const tokenBegin = tile * kTokenTile;
-    int32_t const stride = d + kWmmaPad;
-    int32_t const vectorsPerRow = d / 8; // 8 x 16-bit = one uint4
-
-    extern __shared__ __align__(128) unsigned char sharedBytes[];
-    T* valueTile = reinterpret_cast<T*>(sharedBytes);         // [64 tokens][d + pad], row-major A
-    T* weightTile = valueTile + kTokenTile * stride;           // [64 columns][d + pad]: column-major B (k fastest)
-    float* accTile = reinterpret_cast<float*>(weightTile + kColumnTile * stride); // [64][64 + pad]
-
-    T const* values = static_cast<T const*>(a.values) + (static_cast<int64_t>(b) * a.shape.kvHeads + g) * n * d;
-    for (int32_t e = tid; e < kTokenTile * vectorsPerRow; e += kWmmaThreads)
-    {
-        int32_t const row = e / vectorsPerRow;
-        int32_t const vec = e % vectorsPerRow;
-        int32_t const token = tokenBegin + row;
-        uint4 chunk = make_uint4(0, 0, 0, 0);
-        if (token < a.numTokens)
-        {
-            chunk = *reinterpret_cast<uint4 const*>(values + static_cast<int64_t>(token) * d + vec * 8);
-        }
-        *reinterpret_cast<uint4*>(valueTile + row * stride + vec * 8) = chunk;
-    }
-
-    int32_t const warp = tid / 32;
-    int32_t const warpRow = (warp / 2) * 32;
-    int32_t const warpCol = (warp % 2) * 32;
-    int32_t const sumRow = tid / 2;  // epilogue: two threads per token row
-    int32_t const sumHalf = tid % 2;
-
-    for (int32_t h = g * group; h < (g + 1) * group; ++h)
-    {
-        T const* weights = static_cast<T const*>(a.oProj) + static_cast<int64_t>(h) * d;
-        float rowSum = 0.0F;
-        for (int32_t c0 = 0; c0 < hidden; c0 += kColumnTile)
-        {
-            __syncthreads(); // value tile ready / previous chunk's weight and accumulator tiles consumed
-            for (int32_t e = tid; e < kColumnTile * vectorsPerRow; e += kWmmaThreads)
-            {
-                int32_t const column = e / vectorsPerRow;
-                int32_t const vec = e % vectorsPerRow;
-                uint4 chunk = make_uint4(0, 0, 0, 0);
-                if (c0 + column < hidden)
-                {
-                    chunk = *reinterpret_cast<uint4 const*>(weights + static_cast<int64_t>(c0 + column) * ld + vec * 8);
-                }
-                *reinterpret_cast<uint4*>(weightTile + column * stride + vec * 8) = chunk;
-            }
-            __syncthreads();
-
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-            {
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-                {
-                    wmma::fill_fragment(acc[i][j], 0.0F);
-                }
-            }
-            for (int32_t kk = 0; kk < d; kk += 16)
-            {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> aFrag[2];
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bFrag[2];
-#pragma unroll
-                for (int i = 0; i < 2; ++i)
-                {
-                    wmma::load_matrix_sync(aFrag[i], valueTile + (warpRow + i * 16) * stride + kk, stride);
-                    wmma::load_matrix_sync(bFrag[i], weightTile + (warpCol + i * 16) * stride + kk, stride);
-                }
-#pragma unroll
-                for (int i = 0; i < 2; ++i)
-                {
-#pragma unroll
-                    for (int j = 0; j < 2; ++j)
-                    {
-                        wmma::mma_sync(acc[i][j], aFrag[i], bFrag[j], acc[i][j]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-            {
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-                {
-                    wmma::store_matrix_sync(accTile + (warpRow + i * 16) * (kColumnTile + kAccPad) + warpCol + j * 16,
-                        acc[i][j], kColumnTile + kAccPad, wmma::mem_row_major);
-                }
-            }
-            __syncthreads();
-            float part = 0.0F;
-            float const* accRow = accTile + sumRow * (kColumnTile + kAccPad) + sumHalf * 32;
-#pragma unroll 8
-            for (int32_t c = 0; c < 32; ++c)
-            {
-                float const x = accRow[c];
-                part += kL2 ? x * x : fabsf(x);
-            }
-            part += __shfl_xor_sync(0xffffffffu, part, 1);
-            rowSum += part;
-        }
-        int32_t const token = tokenBegin + sumRow;
-        if (sumHalf == 0 && token < a.numTokens)
-        {
-            a.out[(static_cast<int64_t>(b) * a.shape.heads + h) * a.numTokens + token] = kL2 ? sqrtf(rowSum) : rowSum;
-        }
-    }
-#else
-    __trap(); // the tensor-core path is only launched on sm_80 and newer
-#endif
 }
 
 constexpr int kGramTile = 16;
@@ -298,7 +160,7 @@ constexpr int kQuadColumns = 16;
 constexpr int kQuadLanes = 8; // threads per token: each owns kQuadColumns / kQuadLanes Gram columns of a chunk
 constexpr int kQuadThreads = kQuadTokens * kQuadLanes;
 
-//! G[h, k, l] = sum_c W_O[c, h d_h + k] W_O[c, h d_h + l] in fp32. grid (ceil(d_h / 16), ceil(d_h / 16), H),
+//! G[h, k, l] = sum_c W_O[c, h d_h + k] W_O[c, h d_h + l] (fp32 products and 16-term sums, double total). grid (ceil(d_h / 16), ceil(d_h / 16), H),
 //! block 16 x 16: a 16 x 16 tile of G from 16-row slabs of W_O^h in shared memory.
 template <typename T>
 __global__ void __launch_bounds__(kGramTile * kGramTile) gramKernel(NormArgs a, float* gram)
@@ -313,7 +175,7 @@ __global__ void __launch_bounds__(kGramTile * kGramTile) gramKernel(NormArgs a, 
     T const* weights = static_cast<T const*>(a.oProj) + static_cast<int64_t>(h) * d;
     __shared__ float left[kGramTile][kGramTile + 1];
     __shared__ float right[kGramTile][kGramTile + 1];
-    float acc = 0.0F;
+    double acc = 0.0; // 16-term fp32 chunks summed in double: a running fp32 sum over d terms loses ~d u
     for (int32_t c0 = 0; c0 < a.shape.hidden; c0 += kGramTile)
     {
         int32_t const c = c0 + ty;
@@ -321,16 +183,18 @@ __global__ void __launch_bounds__(kGramTile * kGramTile) gramKernel(NormArgs a, 
         left[ty][tx] = row && k0 + tx < d ? toFloat(weights[static_cast<int64_t>(c) * ld + k0 + tx]) : 0.0F;
         right[ty][tx] = row && l0 + tx < d ? toFloat(weights[static_cast<int64_t>(c) * ld + l0 + tx]) : 0.0F;
         __syncthreads();
+        float chunk = 0.0F;
 #pragma unroll
         for (int32_t cc = 0; cc < kGramTile; ++cc)
         {
-            acc = fmaf(left[cc][ty], right[cc][tx], acc);
+            chunk = fmaf(left[cc][ty], right[cc][tx], chunk);
         }
+        acc += static_cast<double>(chunk);
         __syncthreads();
     }
     if (k0 + ty < d && l0 + tx < d)
     {
-        gram[(static_cast<int64_t>(h) * d + k0 + ty) * d + l0 + tx] = acc;
+        gram[(static_cast<int64_t>(h) * d + k0 + ty) * d + l0 + tx] = static_cast<float>(acc);
     }
 }
 
@@ -409,11 +273,17 @@ __global__ void __launch_bounds__(kQuadThreads) gramNormsKernel(NormArgs a, floa
 }
 
 template <typename T>
-cudaError_t launchGramNormsTyped(NormArgs const& a, float* gram, cudaStream_t stream)
+void launchGram(NormArgs const& a, float* gram, cudaStream_t stream)
 {
     uint32_t const gramTiles = static_cast<uint32_t>((a.shape.headDim + kGramTile - 1) / kGramTile);
     gramKernel<T><<<dim3(gramTiles, gramTiles, static_cast<uint32_t>(a.shape.heads)), kGramTile * kGramTile, 0,
         stream>>>(a, gram);
+}
+
+template <typename T>
+cudaError_t launchGramNormsSimt(NormArgs const& a, float* gram, cudaStream_t stream)
+{
+    launchGram<T>(a, gram, stream);
     size_t const shared = quadSharedBytes(a.shape.headDim);
     cudaError_t const status = allowDynamicSharedMemory(gramNormsKernel<T>, shared);
     if (status != cudaSuccess)
@@ -426,125 +296,112 @@ cudaError_t launchGramNormsTyped(NormArgs const& a, float* gram, cudaStream_t st
     return cudaGetLastError();
 }
 
-template <typename T, bool kL2>
-cudaError_t launchNormsTyped(NormArgs const& a, cudaStream_t stream)
+template <typename T, typename Cfg, bool kL2>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) valueNormsMmaKernel(NormArgs a)
 {
-    uint32_t const tiles = static_cast<uint32_t>((a.numTokens + kTokenTile - 1) / kTokenTile);
-    if constexpr (sizeof(T) == 2)
+    extern __shared__ __align__(128) unsigned char mmaShared[];
+    valueNormsMmaBlock<T, Cfg, kL2>(a, mmaShared);
+}
+
+template <typename T, typename Cfg, int kPieces, bool kBound>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) gramQuadKernel(NormArgs a)
+{
+    extern __shared__ __align__(128) unsigned char mmaShared[];
+    gramQuadBlock<T, Cfg, kPieces, kBound>(a, mmaShared);
+}
+
+template <typename T, int kPieces>
+__global__ void __launch_bounds__(kGramPieceThreads) gramPiecesKernel(float const* gram, int32_t headDim, T* pieces,
+    float* inverseScale)
+{
+    __shared__ float partial[kGramPieceThreads];
+    gramPiecesBlock<T, kPieces, kGramPieceThreads>(gram, headDim, pieces, inverseScale, partial);
+}
+
+//! Rows per head the grid must cover: every token, or the longest list.
+int32_t rowsToCover(NormArgs const& a, int32_t maxCount)
+{
+    return a.rowTokens != nullptr ? (maxCount < a.rowStride ? maxCount : a.rowStride) : a.numTokens;
+}
+
+template <typename Cfg, typename Kernel>
+cudaError_t launchTiles(Kernel kernel, NormArgs const& a, int32_t maxCount, cudaStream_t stream)
+{
+    int32_t const rows = rowsToCover(a, maxCount);
+    if (rows <= 0)
     {
-        int device = 0;
-        int major = 0;
-        cudaError_t status = cudaGetDevice(&device);
-        if (status == cudaSuccess)
-        {
-            status = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-        }
-        if (status != cudaSuccess)
-        {
-            return status;
-        }
-        bool const aligned = reinterpret_cast<uintptr_t>(a.values) % 16 == 0
-            && reinterpret_cast<uintptr_t>(a.oProj) % 16 == 0;
-        if (aligned && major >= 8 && a.shape.headDim % 16 == 0)
-        {
-            size_t const shared = wmmaSharedBytes(a.shape.headDim);
-            status = allowDynamicSharedMemory(valueNormsWmmaKernel<T, kL2>, shared);
-            if (status != cudaSuccess)
-            {
-                return status;
-            }
-            dim3 const grid(tiles, static_cast<uint32_t>(a.shape.kvHeads), static_cast<uint32_t>(a.shape.batch));
-            valueNormsWmmaKernel<T, kL2><<<grid, kWmmaThreads, shared, stream>>>(a);
-            return cudaGetLastError();
-        }
+        return cudaSuccess;
     }
-    dim3 const grid(tiles, static_cast<uint32_t>(a.shape.heads), static_cast<uint32_t>(a.shape.batch));
+    size_t const shared = Cfg::sharedBytes(a.shape.headDim);
+    cudaError_t const status = allowDynamicSharedMemory(kernel, shared);
+    if (status != cudaSuccess)
+    {
+        return status;
+    }
+    dim3 const grid(static_cast<uint32_t>((rows + Cfg::kRows - 1) / Cfg::kRows), static_cast<uint32_t>(a.shape.kvHeads),
+        static_cast<uint32_t>(a.shape.batch));
+    kernel<<<grid, Cfg::kThreads, shared, stream>>>(a);
+    return cudaGetLastError();
+}
+
+//! Largest dynamic shared memory a block of this device may opt into.
+cudaError_t sharedMemoryLimit(size_t& bytes)
+{
+    int device = 0;
+    int limit = 0;
+    cudaError_t status = cudaGetDevice(&device);
+    if (status == cudaSuccess)
+    {
+        status = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    }
+    bytes = static_cast<size_t>(limit);
+    return status;
+}
+
+template <typename T, bool kL2>
+cudaError_t launchNormsMma(NormArgs const& a, int32_t maxCount, cudaStream_t stream)
+{
+    size_t limit = 0;
+    cudaError_t const status = sharedMemoryLimit(limit);
+    if (status != cudaSuccess)
+    {
+        return status;
+    }
+    if (NormTiles::sharedBytes(a.shape.headDim) <= limit)
+    {
+        return launchTiles<NormTiles>(valueNormsMmaKernel<T, NormTiles, kL2>, a, maxCount, stream);
+    }
+    return launchTiles<NormTilesSmall>(valueNormsMmaKernel<T, NormTilesSmall, kL2>, a, maxCount, stream);
+}
+
+template <typename T, bool kL2>
+cudaError_t launchNormsSimt(NormArgs const& a, int32_t maxCount, cudaStream_t stream)
+{
+    int32_t const rows = rowsToCover(a, maxCount);
+    if (rows <= 0)
+    {
+        return cudaSuccess;
+    }
+    dim3 const grid(static_cast<uint32_t>((rows + kTokenTile - 1) / kTokenTile), static_cast<uint32_t>(a.shape.heads),
+        static_cast<uint32_t>(a.shape.batch));
     valueNormsSimtKernel<T, kL2><<<grid, kSimtThreads, 0, stream>>>(a);
     return cudaGetLastError();
 }
 
-// BEGIN l1 bounds (tests/plugins/test_plugin_kernel_emulation.py runs this section on the CPU)
-// CriticalKV's pruned stage 2 (pruned_stage2.h, docs/operator.md step 6a): the weights-only terms of the L1 upper
-// bound and the bound of every older token, one thread per entry, through the same __host__ __device__ functions as
-// the host driver (same floats, same summation order, products rounded on their own), so the bounds are bitwise the
-// host driver's. Simple loops rather than tiles: the Gram matrices cost H d_h^2 hidden products per enqueue.
-struct BoundArgs
+//! s_h G_h in kPieces 16-bit pieces (scratch.gram holds G_h), then the quadratic forms (kBound: the L1 bounds).
+template <typename T, int kPieces, bool kBound>
+cudaError_t launchGramQuad(NormArgs a, GramScratch const& scratch, cudaStream_t stream)
 {
-    SelectConfig config;
-    bool skipUncompressed;
-    RuntimeBudget budget;
-    int32_t const* promptLengths;
-    SelectShape shape;
-    void const* values;
-    void const* oProj;
-    int32_t numTokens; // m: the older tokens
-    float* gram;       // [H, d_h, d_h] G_h = W_O^h W_O^h^T
-    float* rowL1;      // [H, d_h] s_h
-    float* colL1;      // [H] c_h
-    float* bounds;     // [B, H, numTokens]
-};
-
-//! Entry e of query head h's bound terms: G_h[e / d_h, e % d_h] for e < d_h^2, s_h[e - d_h^2] for the next d_h.
-template <typename T>
-__device__ void boundTermAt(BoundArgs const& a, int32_t h, int64_t e)
-{
-    int32_t const d = a.shape.headDim;
-    int64_t const ld = static_cast<int64_t>(a.shape.heads) * d;
-    T const* w = static_cast<T const*>(a.oProj) + static_cast<int64_t>(h) * d;
-    auto weight = [w, ld](int32_t c, int32_t k) { return toFloat(w[c * ld + k]); };
-    int64_t const entries = static_cast<int64_t>(d) * d;
-    if (e < entries)
+    gramPiecesKernel<T, kPieces><<<static_cast<uint32_t>(a.shape.heads), kGramPieceThreads, 0, stream>>>(
+        scratch.gram, a.shape.headDim, static_cast<T*>(scratch.pieces), scratch.scale);
+    a.gramPieces = scratch.pieces;
+    a.gramScale = scratch.scale;
+    if (a.shape.headDim <= GramTiles64::kCols)
     {
-        int32_t const k = static_cast<int32_t>(e / d);
-        int32_t const l = static_cast<int32_t>(e % d);
-        a.gram[static_cast<int64_t>(h) * entries + e] = gramEntry(weight, k, l, a.shape.hidden);
+        return launchTiles<GramTiles64>(gramQuadKernel<T, GramTiles64, kPieces, kBound>, a, 0, stream);
     }
-    else if (e < entries + d)
-    {
-        int32_t const k = static_cast<int32_t>(e - entries);
-        a.rowL1[static_cast<int64_t>(h) * d + k] = rowL1Entry(weight, k, a.shape.hidden);
-    }
+    return launchTiles<GramTiles128>(gramQuadKernel<T, GramTiles128, kPieces, kBound>, a, 0, stream);
 }
-
-//! c_h of query head h by one block of `threads` threads (every thread calls it; partial: [threads] shared).
-template <typename T>
-__device__ void columnL1Block(BoundArgs const& a, int32_t h, int32_t threads, float* partial)
-{
-    int32_t const d = a.shape.headDim;
-    int64_t const ld = static_cast<int64_t>(a.shape.heads) * d;
-    T const* w = static_cast<T const*>(a.oProj) + static_cast<int64_t>(h) * d;
-    auto weight = [w, ld](int32_t c, int32_t k) { return toFloat(w[c * ld + k]); };
-    int32_t const tid = static_cast<int32_t>(threadIdx.x);
-    float best = 0.0F; // the host driver's start value
-    for (int32_t c = tid; c < a.shape.hidden; c += threads)
-    {
-        float const column = columnL1(weight, c, d);
-        best = column > best ? column : best;
-    }
-    partial[tid] = best;
-    __syncthreads();
-    if (tid == 0)
-    {
-        for (int32_t t = 1; t < threads; ++t)
-        {
-            best = partial[t] > best ? partial[t] : best;
-        }
-        a.colL1[h] = best;
-    }
-}
-
-//! bounds[b, h, i] = l1UpperBoundOf(V[b, g(h), i]) (the Gram terms of head h complete).
-template <typename T>
-__device__ void l1BoundAt(BoundArgs const& a, int32_t b, int32_t h, int32_t i)
-{
-    int32_t const d = a.shape.headDim;
-    int32_t const g = h / (a.shape.heads / a.shape.kvHeads);
-    T const* v = static_cast<T const*>(a.values) + ((static_cast<int64_t>(b) * a.shape.kvHeads + g) * a.shape.n + i) * d;
-    auto value = [v](int32_t k) { return toFloat(v[k]); };
-    a.bounds[(static_cast<int64_t>(b) * a.shape.heads + h) * a.numTokens + i] = l1UpperBoundOf(value,
-        a.gram + static_cast<int64_t>(h) * d * d, a.rowL1 + static_cast<int64_t>(h) * d, a.colL1[h], d, a.shape.hidden);
-}
-// END l1 bounds
 
 constexpr int kBoundThreads = 256;
 
@@ -578,14 +435,22 @@ __global__ void __launch_bounds__(kBoundThreads) l1BoundsKernel(BoundArgs a)
     l1BoundAt<T>(a, b, static_cast<int32_t>(blockIdx.y), i);
 }
 
+//! G_h, s_h (one thread per entry) and c_h (one block per head).
 template <typename T>
-cudaError_t launchL1BoundsTyped(BoundArgs const& a, cudaStream_t stream)
+void launchBoundTermsTyped(BoundArgs const& a, cudaStream_t stream)
 {
     int64_t const d = a.shape.headDim;
     uint32_t const heads = static_cast<uint32_t>(a.shape.heads);
     boundTermsKernel<T><<<dim3(static_cast<uint32_t>((d * d + d + kBoundThreads - 1) / kBoundThreads), heads),
         kBoundThreads, 0, stream>>>(a);
     columnL1Kernel<T><<<heads, kBoundThreads, 0, stream>>>(a);
+}
+
+template <typename T>
+cudaError_t launchL1BoundsTyped(BoundArgs const& a, cudaStream_t stream)
+{
+    launchBoundTermsTyped<T>(a, stream);
+    uint32_t const heads = static_cast<uint32_t>(a.shape.heads);
     dim3 const grid(static_cast<uint32_t>((a.numTokens + kBoundThreads - 1) / kBoundThreads), heads,
         static_cast<uint32_t>(a.shape.batch));
     l1BoundsKernel<T><<<grid, kBoundThreads, 0, stream>>>(a);
@@ -595,40 +460,128 @@ cudaError_t launchL1BoundsTyped(BoundArgs const& a, cudaStream_t stream)
 } // namespace
 } // namespace kernels
 
-cudaError_t launchValueProjectionNorms(SelectConfig const* config, RuntimeBudget budget, int32_t const* promptLengths,
-    SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, ValueNorm kind,
-    float* gram, float* out, cudaStream_t stream)
+namespace
 {
-    if (shape.headDim <= 0 || shape.headDim > kMaxHeadDim || shape.kvHeads <= 0 || shape.heads % shape.kvHeads != 0
-        || numTokens < 0 || numTokens > shape.n || shape.hidden <= 0)
-    {
-        return cudaErrorInvalidValue;
-    }
-    if (numTokens == 0)
-    {
-        return cudaSuccess;
-    }
+
+bool validShape(SelectShape const& shape, int32_t numTokens)
+{
+    return shape.batch > 0 && shape.headDim > 0 && shape.headDim <= kMaxHeadDim && shape.kvHeads > 0
+        && shape.heads % shape.kvHeads == 0 && numTokens >= 0 && numTokens <= shape.n && shape.hidden > 0;
+}
+
+kernels::NormArgs normArgs(SelectShape const& shape, void const* values, void const* oProj, int32_t numTokens,
+    float* out, SelectConfig const* config, RuntimeBudget budget, int32_t const* promptLengths)
+{
     kernels::NormArgs a{};
-    if (config != nullptr)
-    {
-        a.config = *config;
-        a.skipUncompressed = true;
-    }
-    a.promptLengths = promptLengths;
-    a.budget = budget;
     a.shape = shape;
     a.values = values;
     a.oProj = oProj;
     a.numTokens = numTokens;
     a.out = out;
-    return kernels::dispatchDType(dtype, [&](auto tag) {
+    a.rowStride = numTokens;
+    if (config != nullptr)
+    {
+        a.config = *config;
+        a.skipUncompressed = true;
+    }
+    a.budget = budget;
+    a.promptLengths = promptLengths;
+    return a;
+}
+
+} // namespace
+
+bool valueNormsOnTensorCores(SelectShape const& shape, DType dtype, void const* values, void const* oProj)
+{
+    if (dtype == DType::kFloat32 || shape.headDim % 16 != 0 || shape.headDim > kernels::GramTiles128::kCols
+        || reinterpret_cast<uintptr_t>(values) % 16 != 0 || reinterpret_cast<uintptr_t>(oProj) % 16 != 0)
+    {
+        return false;
+    }
+    int device = 0;
+    int major = 0;
+    return cudaGetDevice(&device) == cudaSuccess
+        && cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8;
+}
+
+cudaError_t launchValueNorms(ValueNormParams const& p, cudaStream_t stream)
+{
+    bool const gathered = p.rows.tokens != nullptr;
+    bool const gramPath = p.kind == ValueNorm::kL2 && p.gram.gram != nullptr;
+    if (!validShape(p.shape, p.numTokens) || p.out == nullptr
+        || (gathered && (p.rows.counts == nullptr || p.rows.stride <= 0 || p.rows.maxCount < 0 || gramPath)))
+    {
+        return cudaErrorInvalidValue;
+    }
+    if (p.numTokens == 0 || (gathered && p.rows.maxCount == 0))
+    {
+        return cudaSuccess;
+    }
+    kernels::NormArgs a = normArgs(p.shape, p.values, p.oProj, p.numTokens, p.out, p.config, p.budget,
+        p.promptLengths);
+    a.rowTokens = p.rows.tokens;
+    a.rowCounts = p.rows.counts;
+    a.rowStride = gathered ? p.rows.stride : p.numTokens;
+    bool const tensorCores = valueNormsOnTensorCores(p.shape, p.dtype, p.values, p.oProj);
+    return kernels::dispatchDType(p.dtype, [&](auto tag) -> cudaError_t {
         using T = decltype(tag);
-        if (kind == ValueNorm::kL2 && gram != nullptr)
+        if constexpr (sizeof(T) == 2)
         {
-            return kernels::launchGramNormsTyped<T>(a, gram, stream);
+            if (tensorCores)
+            {
+                if (gramPath)
+                {
+                    if (p.gram.pieces == nullptr || p.gram.scale == nullptr)
+                    {
+                        return cudaErrorInvalidValue;
+                    }
+                    kernels::launchGram<T>(a, p.gram.gram, stream);
+                    return kernels::launchGramQuad<T, kernels::kGramPiecesL2, false>(a, p.gram, stream);
+                }
+                return p.kind == ValueNorm::kL2 ? kernels::launchNormsMma<T, true>(a, p.rows.maxCount, stream)
+                                                : kernels::launchNormsMma<T, false>(a, p.rows.maxCount, stream);
+            }
         }
-        return kind == ValueNorm::kL2 ? kernels::launchNormsTyped<T, true>(a, stream)
-                                      : kernels::launchNormsTyped<T, false>(a, stream);
+        if (gramPath)
+        {
+            return kernels::launchGramNormsSimt<T>(a, p.gram.gram, stream);
+        }
+        return p.kind == ValueNorm::kL2 ? kernels::launchNormsSimt<T, true>(a, p.rows.maxCount, stream)
+                                        : kernels::launchNormsSimt<T, false>(a, p.rows.maxCount, stream);
+    });
+}
+
+cudaError_t launchPrunedBounds(PrunedBoundParams const& p, cudaStream_t stream)
+{
+    if (!valueNormsOnTensorCores(p.shape, p.dtype, p.values, p.oProj))
+    {
+        return launchL1Bounds(p.config, p.budget, p.promptLengths, p.shape, p.dtype, p.values, p.oProj, p.numTokens,
+            p.gram.gram, p.rowL1, p.colL1, p.bounds, stream);
+    }
+    if (!validShape(p.shape, p.numTokens) || p.gram.gram == nullptr || p.gram.pieces == nullptr
+        || p.gram.scale == nullptr || p.rowL1 == nullptr || p.colL1 == nullptr || p.bounds == nullptr)
+    {
+        return cudaErrorInvalidValue;
+    }
+    if (p.numTokens == 0)
+    {
+        return cudaSuccess;
+    }
+    // G_h, s_h and c_h as the fp32 path computes them (the weights-only terms), then the tensor-core bounds
+    kernels::BoundArgs terms{p.config != nullptr ? *p.config : SelectConfig{}, p.config != nullptr, p.budget,
+        p.promptLengths, p.shape, p.values, p.oProj, p.numTokens, p.gram.gram, p.rowL1, p.colL1, p.bounds};
+    kernels::NormArgs a = normArgs(p.shape, p.values, p.oProj, p.numTokens, p.bounds, p.config, p.budget,
+        p.promptLengths);
+    a.rowL1 = p.rowL1;
+    a.colL1 = p.colL1;
+    return kernels::dispatchDType(p.dtype, [&](auto tag) -> cudaError_t {
+        using T = decltype(tag);
+        if constexpr (sizeof(T) == 2)
+        {
+            kernels::launchBoundTermsTyped<T>(terms, stream);
+            return kernels::launchGramQuad<T, kernels::kGramPiecesBound, true>(a, p.gram, stream);
+        }
+        return cudaErrorInvalidValue; // fp32 never takes the tensor-core path
     });
 }
 

@@ -156,19 +156,32 @@ extern "C"
     }
 
     //! Projected-value norms out [B, H, numTokens] fp32 of every sequence (no skipping). l2: 0 = L1, 1 = L2
-    //! directly, 2 = L2 through the Gram matrices (the pipeline's path).
+    //! directly, 2 = L2 through the Gram matrices (the pipeline's path). rowTokens / rowCounts (device int32
+    //! [B, H_kv, rowStride] / [B, H_kv], may be null): only the listed tokens (launchValueNorms's gathered rows).
     int32_t ckv_cuda_value_norms(int32_t const* shape, int32_t dtype, void const* values, void const* oProj,
-        int32_t numTokens, int32_t l2, float* out, int32_t iterations, float* milliseconds, char* err, int32_t errLen)
+        int32_t numTokens, int32_t l2, int32_t const* rowTokens, int32_t const* rowCounts, int32_t rowStride,
+        int32_t maxCount, float* out, int32_t iterations, float* milliseconds, char* err, int32_t errLen)
     {
         SelectShape const s = toShape(shape);
-        ValueNorm const kind = l2 ? ValueNorm::kL2 : ValueNorm::kL1;
+        size_t const heads = static_cast<size_t>(s.heads);
+        size_t const d = static_cast<size_t>(s.headDim);
         DeviceBuffer gram;
-        cudaError_t status = gram.allocate(
-            l2 == 2 ? static_cast<size_t>(s.heads) * s.headDim * s.headDim * sizeof(float) : 0);
-        auto run = [&]() {
-            return launchValueProjectionNorms(nullptr, RuntimeBudget{}, nullptr, s, static_cast<DType>(dtype), values,
-                oProj, numTokens, kind, static_cast<float*>(gram.ptr), out, nullptr);
-        };
+        DeviceBuffer pieces;
+        DeviceBuffer scale;
+        cudaError_t status = gram.allocate(l2 == 2 ? heads * d * d * sizeof(float) : 0);
+        status = status == cudaSuccess ? pieces.allocate(l2 == 2 ? heads * kGramPiecesMax * d * d * 2 : 0) : status;
+        status = status == cudaSuccess ? scale.allocate(l2 == 2 ? heads * sizeof(float) : 0) : status;
+        ValueNormParams p{};
+        p.shape = s;
+        p.dtype = static_cast<DType>(dtype);
+        p.values = values;
+        p.oProj = oProj;
+        p.numTokens = numTokens;
+        p.kind = l2 ? ValueNorm::kL2 : ValueNorm::kL1;
+        p.out = out;
+        p.rows = GatheredRows{rowTokens, rowCounts, rowStride, maxCount};
+        p.gram = GramScratch{static_cast<float*>(gram.ptr), pieces.ptr, static_cast<float*>(scale.ptr)};
+        auto run = [&]() { return launchValueNorms(p, nullptr); };
         status = status == cudaSuccess ? run() : status;
         if (status == cudaSuccess && iterations > 1)
         {

@@ -1,24 +1,24 @@
-// CPU emulation of the CUDA pipeline's pruned stage 2 (CriticalKV with value_norm=l1) against the host driver. The test
-// copies three marked sections of the kernels next to this file: kernels/value_norms.cu "l1 bounds" (the bound-terms
-// and bound kernels' per-thread bodies), kernels/selection.cu "pruned row" (the block executor) and "pruned pipeline"
-// (a KV head's two stages in three launches: stage 1 and the first candidates by one block, their exact scores by
-// one thread per token, the stop rule and the doubling rounds by one block). One std::thread per CUDA thread,
-// __syncthreads() a std::barrier, shared-memory atomics std::atomic_ref, blocks one after the other. The steps the
-// emulation does not cover run as the host driver runs them: window attention (host::windowScores), the group score
-// (groupScoresAt, the kernel's function), the shared allocation (shared_allocation.h over the host radix select) and
-// the compaction rule (kept_positions.h). The kept indices and lengths must equal host::selectLayer's, which prunes
-// with its own executor (host/pruned_row_host.h). Not built by CMake: tests/plugins/test_plugin_kernel_emulation.py
-// compiles it with g++ -std=c++20.
-//   pruned_pipeline_emulation BASE BATCH HEADS KV_HEADS N HEAD_DIM HIDDEN WINDOW BUDGET KV_BUDGET KIND SEED
+// CPU emulation of the CUDA pipeline's pruned stage 2 (CriticalKV with value_norm=l1, 16-bit inputs: the tensor-core
+// path) on whole layers, from the headers the kernels compile: kernels/l1_bounds.cuh (the bound's weights-only terms),
+// kernels/mma_tiles.cuh (the Gram pieces, the tensor-core bounds and the exact L1 norms over gathered candidate rows),
+// kernels/pruned_flow.cuh (prepare, the rounds, finish) with the warp instructions of testing/mma_emulation.h, one
+// std::thread per CUDA thread. The steps the emulation does not cover run as the host driver runs them: window
+// attention (host::windowScores), the group score (groupScoresAt, the kernel's function), the shared allocation
+// (shared_allocation.h over the host radix select) and the compaction rule (kept_positions.h). Checks:
+//   * the kept indices equal the unpruned selection on the same computed values (stage 2 by the exact C of every
+//     eligible token from the same emulated norm kernel): the stop rule's certification, exactly;
+//   * they differ from the fp32 host driver's (host::selectLayer on the same 16-bit inputs) in at most `allowed`
+//     entries per head (rounding differences at near-ties: 0 for random values);
+//   * every candidate's bound covers its computed norm.
+// Not built by CMake: tests/plugins/test_tensor_core_emulation.py compiles it with g++ -std=c++20.
+//   pruned_pipeline_emulation BASE BATCH HEADS KV_HEADS N HEAD_DIM HIDDEN WINDOW BUDGET KV_BUDGET KIND SEED ALLOWED
 //     BASE snapkv | pyramidkv | adakv (two-stage on top), KV_BUDGET 0 = none, KIND random | ties | near | flat | mixed
-//   -> exit 0 when every kept index agrees; prints "exact scores: X of Y eligible tokens", how many rows stopped
-//      before computing every exact score and how many needed a doubling round
-#include <atomic>
-#include <barrier>
+//   -> exit 0 when the checks hold; prints "exact scores: X of Y eligible tokens", how many rows stopped before
+//      computing every exact score and how many needed a doubling round
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
@@ -27,49 +27,22 @@
 
 #include "cuda_emulation.h"
 
+#include "mma_emulation.h"
+
 #include "select_host.h"
 
 #include "criticalkv/group_scores.h"
+#include "criticalkv/head_selection.h"
 #include "criticalkv/kept_positions.h"
-#include "criticalkv/pruned_stage2.h"
 #include "criticalkv/radix_select.h"
 #include "criticalkv/shared_allocation.h"
 
-namespace criticalkv::kernels
-{
-constexpr int kSelectThreads = 512; // selection.cu's
-template <typename T>
-float toFloat(T value)
-{
-    return static_cast<float>(value);
-}
-#include "l1_bounds_section.inc"
-#include "pruned_row_section.inc"
-#include "pruned_pipeline_section.inc"
-
-//! One block of `threads` emulated threads running fn().
-template <typename Fn>
-void runBlock(unsigned x, unsigned y, unsigned threads, Fn fn)
-{
-    std::barrier<> barrier(threads);
-    gBarrier = &barrier;
-    std::vector<std::thread> pool;
-    for (unsigned t = 0; t < threads; ++t)
-    {
-        pool.emplace_back([&, t] {
-            threadIdx = {t, 0, 0};
-            blockIdx = {x, y, 0};
-            fn();
-        });
-    }
-    for (auto& thread : pool)
-    {
-        thread.join();
-    }
-}
-} // namespace criticalkv::kernels
+#include "l1_bounds.cuh"
+#include "mma_tiles.cuh"
+#include "pruned_flow.cuh"
 
 using namespace criticalkv;
+using T = __nv_bfloat16;
 
 namespace
 {
@@ -83,14 +56,74 @@ struct HostTopKFn
     }
 };
 
+//! Every CTA of a (x, y, z) grid of `threads`-thread blocks, one after the other.
+template <typename Fn>
+void runGrid(unsigned gx, unsigned gy, unsigned gz, unsigned threads, Fn fn)
+{
+    for (unsigned z = 0; z < gz; ++z)
+    {
+        for (unsigned y = 0; y < gy; ++y)
+        {
+            for (unsigned x = 0; x < gx; ++x)
+            {
+                runEmulatedBlock(x, y, z, threads, fn);
+            }
+        }
+    }
+}
+
+//! The kept positions of every head from the flags (compactKernel's rule): [B * H_kv] lists.
+std::vector<std::vector<int32_t>> keptPositions(SelectConfig const& c, RuntimeBudget const& runtime, SelectShape const& s,
+    int32_t const* lengths, std::vector<uint8_t> const& flags)
+{
+    int32_t const n = s.n;
+    int32_t const m = n - windowLength(c, n);
+    std::vector<std::vector<int32_t>> out;
+    for (int b = 0; b < s.batch; ++b)
+    {
+        SequenceInfo const info = sequenceInfo(c, runtime, s, lengths, b);
+        for (int g = 0; g < s.kvHeads; ++g)
+        {
+            std::vector<int32_t> kept;
+            int32_t const fixed = fixedKeptCount(c, info);
+            for (int32_t slot = 0; slot < fixed; ++slot)
+            {
+                kept.push_back(fixedKeptPosition(c, info, n, slot));
+            }
+            if (fixed < 0)
+            {
+                for (int32_t p = 0; p < n; ++p)
+                {
+                    if (scoredPositionKept(info, m, &flags[(int64_t(b) * s.kvHeads + g) * m], p))
+                    {
+                        kept.push_back(p);
+                    }
+                }
+            }
+            out.push_back(kept);
+        }
+    }
+    return out;
+}
+
+int32_t differing(std::vector<int32_t> const& a, std::vector<int32_t> const& b)
+{
+    int32_t missed = 0;
+    for (int32_t x : b)
+    {
+        missed += std::find(a.begin(), a.end(), x) == a.end() ? 1 : 0;
+    }
+    return missed + std::max<int32_t>(0, static_cast<int32_t>(a.size()) - static_cast<int32_t>(b.size()));
+}
+
 } // namespace
 
 int main(int argc, char** argv)
 {
-    if (argc != 13)
+    if (argc != 14)
     {
         std::fprintf(stderr,
-            "usage: %s BASE BATCH HEADS KV_HEADS N HEAD_DIM HIDDEN WINDOW BUDGET KV_BUDGET KIND SEED\n", argv[0]);
+            "usage: %s BASE BATCH HEADS KV_HEADS N HEAD_DIM HIDDEN WINDOW BUDGET KV_BUDGET KIND SEED ALLOWED\n", argv[0]);
         return 2;
     }
     std::string const base = argv[1];
@@ -99,6 +132,7 @@ int main(int argc, char** argv)
     int32_t kvBudget = std::atoi(argv[10]);
     std::string const kind = argv[11];
     int const seed = std::atoi(argv[12]);
+    int const allowed = std::atoi(argv[13]);
     int const m = n - w;
     int const group = H / Hkv;
 
@@ -199,6 +233,18 @@ int main(int argc, char** argv)
             }
         }
     }
+    // 16-bit inputs: the pipeline reads T, the host driver the same values widened to fp32.
+    std::vector<T> v16(v.size()), o16(o.size());
+    for (size_t i = 0; i < v.size(); ++i)
+    {
+        v16[i] = kernels::fromFloat<T>(v[i]);
+        v[i] = kernels::toFloat(v16[i]);
+    }
+    for (size_t i = 0; i < o.size(); ++i)
+    {
+        o16[i] = kernels::fromFloat<T>(o[i]);
+        o[i] = kernels::toFloat(o16[i]);
+    }
     std::vector<int32_t> lengths(B);
     for (int b = 0; b < B; ++b)
     {
@@ -207,13 +253,11 @@ int main(int argc, char** argv)
     int32_t const* kvBudgetPtr = kvBudget > 0 ? &kvBudget : nullptr;
     host::HostInputs const in{q.data(), k.data(), v.data(), o.data(), lengths.data(), kvBudgetPtr};
 
-    // The host driver.
+    // The host driver (fp32, bitwise the ONNX / PyTorch fp32 paths).
     int const cap = n;
     std::vector<int32_t> wantIndices(size_t(B) * Hkv * cap), wantLengths(size_t(B) * Hkv);
     host::selectLayer(c, budgets, s, in, host::HostOutputs{wantIndices.data(), wantLengths.data(), nullptr, nullptr});
 
-    // The pipeline with the pruned stage 2: resolve, bound terms and bounds, window scores, group scores (U), shared
-    // allocation, per-head selection, compaction.
     int32_t resolved = 0;
     RuntimeBudget runtime{kvBudgetPtr, nullptr};
     if (kvBudgetPtr != nullptr && c.budgetTable)
@@ -222,27 +266,67 @@ int main(int argc, char** argv)
         runtime.layerBudget = &resolved;
     }
     size_t const perHead = size_t(B) * H * m, perKvHead = size_t(B) * Hkv * m;
-    std::vector<float> raw(perHead, 0.0F), squares(perHead, 0.0F), norms(perHead, 0.0F);
-    std::vector<float> gram(size_t(H) * d * d), rowL1(size_t(H) * d), colL1(H);
+    std::vector<float> raw(perHead, 0.0F), squares(perHead, 0.0F), norms(perHead, NAN), exactNorms(perHead, NAN);
+    std::vector<float> gram(size_t(H) * d * d), rowL1(size_t(H) * d), colL1(H), scale(H);
+    std::vector<T> pieces(size_t(H) * kernels::kGramPiecesBound * d * d);
     std::vector<float> attention(perKvHead, 0.0F), critical(perKvHead, 0.0F), exact(perKvHead, 0.0F);
     std::vector<uint8_t> flags(perKvHead, 0);
-    kernels::BoundArgs bounds{c, true, runtime, lengths.data(), s, v.data(), o.data(), m, gram.data(), rowL1.data(),
+    std::vector<int32_t> headCounts(size_t(B) * Hkv, 0), candidates(perKvHead, 0), candidateCounts(size_t(B) * Hkv, 0);
+    std::vector<PrunedHeadState> states(size_t(B) * Hkv);
+
+    // launchPrunedBounds: G_h, s_h (a thread per entry), c_h (a block per head), the pieces, the tensor-core bounds
+    kernels::BoundArgs terms{c, true, runtime, lengths.data(), s, v16.data(), o16.data(), m, gram.data(), rowL1.data(),
         colL1.data(), norms.data()};
-    for (int h = 0; h < H; ++h) // boundTermsKernel: one thread per entry
+    for (int h = 0; h < H; ++h)
     {
         for (int64_t e = 0; e < int64_t(d) * d + d; ++e)
         {
-            kernels::boundTermAt<float>(bounds, h, e);
+            kernels::boundTermAt<T>(terms, h, e);
         }
     }
     constexpr unsigned kColumnThreads = 256; // columnL1Kernel's block
-    for (int h = 0; h < H; ++h)
+    std::vector<float> partial(kColumnThreads);
+    runGrid(H, 1, 1, kColumnThreads, [&] {
+        kernels::columnL1Block<T>(terms, static_cast<int32_t>(blockIdx.x), kColumnThreads, partial.data());
+    });
+    runGrid(H, 1, 1, kernels::kGramPieceThreads, [&] {
+        kernels::gramPiecesBlock<T, kernels::kGramPiecesBound, kernels::kGramPieceThreads>(gram.data(), d,
+            pieces.data(), scale.data(), partial.data());
+    });
+    kernels::NormTileArgs tiles{};
+    tiles.shape = s;
+    tiles.values = v16.data();
+    tiles.oProj = o16.data();
+    tiles.numTokens = m;
+    tiles.rowStride = m;
+    tiles.skipUncompressed = true;
+    tiles.config = c;
+    tiles.budget = runtime;
+    tiles.promptLengths = lengths.data();
+    kernels::NormTileArgs boundTiles = tiles;
+    boundTiles.out = norms.data();
+    boundTiles.gramPieces = pieces.data();
+    boundTiles.gramScale = scale.data();
+    boundTiles.rowL1 = rowL1.data();
+    boundTiles.colL1 = colL1.data();
+    auto runBoundTiles = [&](auto cfg) {
+        using Cfg = decltype(cfg);
+        std::vector<unsigned char> shared(Cfg::sharedBytes(d), 0x7F);
+        runGrid((m + Cfg::kRows - 1) / Cfg::kRows, Hkv, B, Cfg::kThreads, [&] {
+            kernels::gramQuadBlock<T, Cfg, kernels::kGramPiecesBound, true>(boundTiles, shared.data());
+        });
+    };
+    if (d <= kernels::GramTiles64::kCols)
     {
-        std::vector<float> partial(kColumnThreads);
-        kernels::runBlock(static_cast<unsigned>(h), 0, kColumnThreads,
-            [&] { kernels::columnL1Block<float>(bounds, h, kColumnThreads, partial.data()); });
+        runBoundTiles(kernels::GramTiles64{});
     }
-    int64_t computed = 0, eligibleTotal = 0, prunedRows = 0, doubledRows = 0;
+    else
+    {
+        runBoundTiles(kernels::GramTiles128{});
+    }
+    std::vector<float> const bounds = norms;
+
+    // Window scores, group scores (S, U), the shared allocation: as the host driver.
     for (int b = 0; b < B; ++b)
     {
         SequenceInfo const info = sequenceInfo(c, runtime, s, lengths.data(), b);
@@ -255,13 +339,9 @@ int main(int argc, char** argv)
         {
             host::windowScores(c, s, in, b, h, info.validStart, &raw[sequence + int64_t(h) * m],
                 &squares[sequence + int64_t(h) * m], nullptr);
-            for (int i = 0; i < m; ++i) // l1BoundsKernel: one thread per token
-            {
-                kernels::l1BoundAt<float>(bounds, b, h, i);
-            }
         }
         int64_t const base = int64_t(b) * Hkv * m;
-        for (int g = 0; g < Hkv; ++g) // groupScoresKernel
+        for (int g = 0; g < Hkv; ++g)
         {
             for (int i = 0; i < m; ++i)
             {
@@ -271,99 +351,154 @@ int main(int argc, char** argv)
                 critical[base + int64_t(g) * m + i] = scores.critical;
             }
         }
-        std::vector<int64_t> counts(Hkv, info.r);
-        if (sharedAllocation(c)) // selectSharedKernel
+        if (sharedAllocation(c))
         {
             HostTopKFn topK;
             selectShared(topK, c, &attention[base], &flags[base], Hkv, m, info.validStart, info.r);
             for (int g = 0; g < Hkv; ++g)
             {
-                counts[g] = 0;
                 for (int i = 0; i < m; ++i)
                 {
-                    counts[g] += flags[base + int64_t(g) * m + i] != 0 ? 1 : 0;
+                    headCounts[b * Hkv + g] += flags[base + int64_t(g) * m + i] != 0 ? 1 : 0;
                 }
-            }
-        }
-        kernels::PrunedPipelineArgs const args{c, s, raw.data(), squares.data(), norms.data(), attention.data(),
-            critical.data(), exact.data(), flags.data(), v.data(), o.data(), stopMargin(hidden, group)};
-        for (int g = 0; g < Hkv; ++g) // the three launches of the pruned per-head selection
-        {
-            std::vector<int64_t> done(kernels::kSelectThreads, -1);
-            kernels::PrunedSmem smem{};
-            kernels::runBlock(static_cast<unsigned>(g), static_cast<unsigned>(b), kernels::kSelectThreads,
-                [&] { kernels::prunedPrepare(args, b, g, info.validStart, counts[g], smem); });
-            for (int i = 0; i < m; ++i) // prunedExactKernel: one thread per token
-            {
-                kernels::prunedExactAt<float>(args, b, g, i);
-            }
-            kernels::runBlock(static_cast<unsigned>(g), static_cast<unsigned>(b), kernels::kSelectThreads, [&] {
-                done[threadIdx.x] = kernels::prunedFinish<float>(args, b, g, info.validStart, counts[g], smem);
-            });
-            for (int64_t x : done)
-            {
-                if (x != done[0])
-                {
-                    std::printf("row (%d, %d): the threads disagree on the exact-score count\n", b, g);
-                    return 1;
-                }
-            }
-            int64_t const first = stage1Count(c.alphaMicros, counts[g]);
-            int64_t eligible = 0;
-            for (int i = info.validStart; i < m; ++i)
-            {
-                eligible += flags[base + int64_t(g) * m + i] != kChosenByAttention ? 1 : 0;
-            }
-            if (counts[g] - first > 0 && counts[g] - first < eligible)
-            {
-                computed += done[0];
-                eligibleTotal += eligible;
-                prunedRows += done[0] < eligible ? 1 : 0;
-                int64_t const k = counts[g] - first;
-                doubledRows += done[0] > std::min(kCandidateFactor * k, eligible) ? 1 : 0;
             }
         }
     }
-    int mismatches = 0;
+
+    // launchPrunedStage2
+    kernels::PrunedFlowArgs const a{c, s, runtime, lengths.data(), raw.data(), squares.data(), norms.data(),
+        attention.data(), critical.data(), sharedAllocation(c) ? headCounts.data() : nullptr, exact.data(),
+        flags.data(), candidates.data(), candidateCounts.data(), states.data(), stopMargin(hidden, group)};
+    std::vector<kernels::PrunedSmem> smem(1);
+    runGrid(Hkv, B, 1, kernels::kPrunedThreads, [&] { kernels::prunedPrepareHead(a, smem[0]); });
+    kernels::NormTileArgs listed = tiles;
+    listed.skipUncompressed = false;
+    listed.out = norms.data();
+    listed.rowTokens = candidates.data();
+    listed.rowCounts = candidateCounts.data();
+    std::vector<unsigned char> shared(kernels::NormTiles::sharedBytes(d), 0x7F);
+    int64_t rounds = 0;
+    std::vector<int64_t> roundsOfHead(size_t(B) * Hkv, 0);
+    for (int32_t round = 0; round <= kernels::kPrunedRounds; ++round)
+    {
+        int32_t longest = 0;
+        for (int32_t x : candidateCounts)
+        {
+            longest = std::max(longest, x);
+        }
+        for (size_t head = 0; head < candidateCounts.size(); ++head)
+        {
+            roundsOfHead[head] += candidateCounts[head] > 0 ? 1 : 0;
+        }
+        rounds += longest > 0 ? 1 : 0;
+        runGrid((longest + kernels::NormTiles::kRows - 1) / kernels::NormTiles::kRows, Hkv, B,
+            kernels::NormTiles::kThreads,
+            [&] { kernels::valueNormsMmaBlock<T, kernels::NormTiles, false>(listed, shared.data()); });
+        for (unsigned z = 0; z < static_cast<unsigned>(B); ++z) // prunedScoreKernel: a thread per listed candidate
+        {
+            for (unsigned y = 0; y < static_cast<unsigned>(Hkv); ++y)
+            {
+                blockIdx = {0, y, z};
+                for (int32_t position = 0; position < m; ++position)
+                {
+                    kernels::prunedScoreAt(a, position);
+                }
+            }
+        }
+        if (round < kernels::kPrunedRounds)
+        {
+            bool const last = round == kernels::kPrunedRounds - 1;
+            runGrid(Hkv, B, 1, kernels::kPrunedThreads, [&] { kernels::prunedRoundHead(a, last, smem[0]); });
+        }
+    }
+    runGrid(Hkv, B, 1, kernels::kPrunedThreads, [&] { kernels::prunedFinishHead(a, smem[0]); });
+    std::vector<std::vector<int32_t>> const got = keptPositions(c, runtime, s, lengths.data(), flags);
+
+    // The unpruned selection on the same computed values: every older token's exact norm from the same kernel.
+    kernels::NormTileArgs every = tiles;
+    every.out = exactNorms.data();
+    runGrid((m + kernels::NormTiles::kRows - 1) / kernels::NormTiles::kRows, Hkv, B, kernels::NormTiles::kThreads,
+        [&] { kernels::valueNormsMmaBlock<T, kernels::NormTiles, false>(every, shared.data()); });
+    std::vector<uint8_t> unprunedFlags(perKvHead, 0);
+    int64_t computed = 0, eligibleTotal = 0, prunedRows = 0, doubledRows = 0;
+    int boundFailures = 0;
     for (int b = 0; b < B; ++b)
     {
         SequenceInfo const info = sequenceInfo(c, runtime, s, lengths.data(), b);
-        for (int g = 0; g < Hkv; ++g) // compactKernel
+        if (!info.compress)
         {
-            std::vector<int32_t> kept;
-            int32_t const fixed = fixedKeptCount(c, info);
-            for (int32_t slot = 0; slot < fixed; ++slot)
+            continue;
+        }
+        int64_t const sequence = int64_t(b) * H * m;
+        for (int g = 0; g < Hkv; ++g)
+        {
+            int64_t const row = (int64_t(b) * Hkv + g) * m;
+            std::vector<float> exactC(m);
+            for (int i = 0; i < m; ++i)
             {
-                kept.push_back(fixedKeptPosition(c, info, n, slot));
-            }
-            if (fixed < 0)
-            {
-                for (int32_t p = 0; p < n; ++p)
+                exactC[i] = groupScoresAt(c, &raw[sequence], &squares[sequence], &exactNorms[sequence], g * group,
+                    group, m, i).critical;
+                for (int h = g * group; h < (g + 1) * group; ++h)
                 {
-                    if (scoredPositionKept(info, m, &flags[(int64_t(b) * Hkv + g) * m], p))
+                    float const computedNorm = exactNorms[sequence + int64_t(h) * m + i];
+                    float const bound = bounds[sequence + int64_t(h) * m + i];
+                    if (i >= info.validStart && computedNorm > (1.0F + roundingGamma(float(hidden))) * bound)
                     {
-                        kept.push_back(p);
+                        ++boundFailures;
+                    }
+                    float const got = norms[sequence + int64_t(h) * m + i];
+                    if (got != bound && got != computedNorm) // a candidate's norm is the full kernel's, bit for bit
+                    {
+                        ++boundFailures;
                     }
                 }
             }
-            int64_t const head = int64_t(b) * Hkv + g;
-            bool same = static_cast<int32_t>(kept.size()) == wantLengths[head];
-            for (int32_t slot = 0; slot < cap; ++slot)
+            int64_t const count = sharedAllocation(c) ? headCounts[b * Hkv + g] : info.r;
+            HostTopKFn topK;
+            selectHead(topK, c, &attention[row], exactC.data(), &unprunedFlags[row], m, info.validStart, count);
+            PrunedHeadState const state = states[b * Hkv + g];
+            if (state.active)
             {
-                int32_t const got = slot < static_cast<int32_t>(kept.size()) ? kept[slot] : -1;
-                same = same && got == wantIndices[head * cap + slot];
-            }
-            if (!same)
-            {
-                std::printf("sequence %d, KV head %d: %zu kept, the host driver keeps %d, or different indices\n", b, g,
-                    kept.size(), wantLengths[head]);
-                ++mismatches;
+                computed += state.done;
+                eligibleTotal += state.eligible;
+                prunedRows += state.done < state.eligible ? 1 : 0;
+                doubledRows += roundsOfHead[b * Hkv + g] > 1 ? 1 : 0;
             }
         }
     }
-    std::printf("%d of %d heads differ; exact scores: %lld of %lld eligible tokens; pruned rows: %lld; rows past the "
-                "first round: %lld\n",
-        mismatches, B * Hkv, static_cast<long long>(computed), static_cast<long long>(eligibleTotal),
-        static_cast<long long>(prunedRows), static_cast<long long>(doubledRows));
+    std::vector<std::vector<int32_t>> const unpruned = keptPositions(c, runtime, s, lengths.data(), unprunedFlags);
+    int mismatches = 0;
+    int hostHeads = 0;
+    int32_t hostEntries = 0;
+    for (int head = 0; head < B * Hkv; ++head)
+    {
+        if (got[head] != unpruned[head])
+        {
+            std::printf("sequence %d, KV head %d: %zu kept, the unpruned selection keeps %zu, or other indices\n",
+                head / Hkv, head % Hkv, got[head].size(), unpruned[head].size());
+            ++mismatches;
+        }
+        std::vector<int32_t> host(wantIndices.begin() + int64_t(head) * cap,
+            wantIndices.begin() + int64_t(head) * cap + wantLengths[head]);
+        int32_t const apart = differing(got[head], host);
+        hostHeads += apart > 0 ? 1 : 0;
+        hostEntries += apart;
+        if (apart > allowed)
+        {
+            std::printf("sequence %d, KV head %d: %d kept entries differ from the host driver's\n", head / Hkv,
+                head % Hkv, apart);
+            ++mismatches;
+        }
+    }
+    if (boundFailures > 0)
+    {
+        std::printf("%d norms exceed (1 + gamma_d) times their bound or are not the full kernel's\n", boundFailures);
+        ++mismatches;
+    }
+    std::printf("%d of %d heads differ; host driver: %d heads, %d entries apart; exact scores: %lld of %lld eligible "
+                "tokens; pruned rows: %lld; rows past the first round: %lld; rounds with candidates: %lld\n",
+        mismatches, B * Hkv, hostHeads, hostEntries, static_cast<long long>(computed),
+        static_cast<long long>(eligibleTotal), static_cast<long long>(prunedRows), static_cast<long long>(doubledRows),
+        static_cast<long long>(rounds));
     return mismatches == 0 ? 0 : 1;
 }

@@ -1,5 +1,4 @@
-// CPU emulation of the kernels' pruned stage-2 executor (kernels/selection.cu, the section between "BEGIN pruned row"
-// and "END pruned row", copied by the test to pruned_row_section.inc) running prunedStage2 (pruned_stage2.h) with
+// CPU emulation of the kernels' pruned stage-2 block executor (kernels/pruned_row.cuh) running prunedStage2 (pruned_stage2.h) with
 // every thread of a 512-thread block: one std::thread per CUDA thread, __syncthreads() a std::barrier, shared-memory
 // atomics std::atomic_ref. Per trial (one KV head's row after stage 1: bounds U, exact scores C <= U) the block must
 // give the host driver's executor (host/pruned_row_host.h, linked with select_host.cpp) the same flags and the same
@@ -22,11 +21,7 @@
 
 #include "criticalkv/radix_select.h"
 
-namespace criticalkv::kernels
-{
-constexpr int kSelectThreads = 512; // selection.cu's
-#include "pruned_row_section.inc"
-} // namespace criticalkv::kernels
+#include "pruned_row.cuh"
 
 using namespace criticalkv;
 
@@ -143,11 +138,11 @@ int main(int argc, char** argv)
         std::vector<float> scratch(static_cast<size_t>(r.m), -INFINITY);
         std::vector<int> calls(static_cast<size_t>(r.m), 0);
         kernels::PrunedSmem smem{};
-        std::vector<int64_t> got(kernels::kSelectThreads, -1);
-        std::barrier<> barrier(kernels::kSelectThreads);
+        std::vector<int64_t> got(kernels::kPrunedThreads, -1);
+        std::barrier<> barrier(kernels::kPrunedThreads);
         gBarrier = &barrier;
         std::vector<std::thread> pool;
-        for (int t = 0; t < kernels::kSelectThreads; ++t)
+        for (int t = 0; t < kernels::kPrunedThreads; ++t)
         {
             pool.emplace_back([&, t] {
                 threadIdx = {static_cast<unsigned>(t), 0, 0};
@@ -172,7 +167,7 @@ int main(int argc, char** argv)
             twice = twice || c > 1;
         }
         bool ok = hostFlags == want && blockFlags == want && called == hostDone && !twice;
-        for (int t = 0; t < kernels::kSelectThreads; ++t)
+        for (int t = 0; t < kernels::kPrunedThreads; ++t)
         {
             ok = ok && got[t] == hostDone;
         }

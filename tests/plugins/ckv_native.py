@@ -322,6 +322,7 @@ class CudaLibrary:
         )
         L.ckv_cuda_value_norms.argtypes = (
             [P(ctypes.c_int32), ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
              ctypes.c_void_p, ctypes.c_int32, P(ctypes.c_float), ctypes.c_char_p, ctypes.c_int32]
         )
         L.ckv_cuda_window_scores.argtypes = (
@@ -371,8 +372,9 @@ class CudaLibrary:
         out = (indices.long(), kept.long(), kk, vv)
         return out + (ms.value,) if iterations > 1 else out
 
-    def workspace_bytes(self, policy: KVPolicy, q, k, o, capacity=None) -> int:
-        fields = encode_fields(node_fields(policy, 0, 1, capacity or k.shape[2]))
+    def workspace_bytes(self, policy: KVPolicy, q, k, o, capacity=None, layer_idx=0, num_layers=1) -> int:
+        """Workspace of the node of layer `layer_idx` of `num_layers` (its fields decide the layout)."""
+        fields = encode_fields(node_fields(policy, layer_idx, num_layers, capacity or k.shape[2]))
         return self.lib.ckv_cuda_workspace_bytes(fields.array, fields.count, self._shape(q, k, o))
 
     def select_layer_async(self, policy: KVPolicy, q, k, v, o, prompt_lengths, outputs, workspace, stream,
@@ -405,18 +407,27 @@ class CudaLibrary:
         return out
 
     def value_norms(self, values, o_proj, num_heads: int, num_tokens: int | None = None, kind: str = "l1",
-                    iterations: int = 1, gram: bool = False):
-        """[B, H, num_tokens] fp32 norms (and ms per call when iterations > 1); gram: l2 through the Gram matrices."""
+                    iterations: int = 1, gram: bool = False, rows=None, counts=None, out=None):
+        """[B, H, num_tokens] fp32 norms (and ms per call when iterations > 1); gram: l2 through the Gram matrices.
+        rows / counts (int32 CUDA [B, H_kv, stride] / [B, H_kv]): only the listed tokens are computed (gathered rows),
+        written into `out` (the others keep its values)."""
         batch, kv_heads, n, head_dim = values.shape
         num_tokens = n if num_tokens is None else num_tokens
         shape = (ctypes.c_int32 * 7)(batch, num_heads, kv_heads, n, 0, head_dim, o_proj.shape[0])
-        out = torch.empty(batch, num_heads, num_tokens, dtype=torch.float32, device=values.device)
+        if out is None:
+            out = torch.empty(batch, num_heads, num_tokens, dtype=torch.float32, device=values.device)
         ms = ctypes.c_float(0.0)
         err = ctypes.create_string_buffer(512)
         values, o_proj = values.contiguous(), o_proj.contiguous()
         mode = (2 if gram else 1) if kind == "l2" else 0
-        status = self.lib.ckv_cuda_value_norms(shape, _DTYPE_CODES[values.dtype], values.data_ptr(), o_proj.data_ptr(),
-                                               num_tokens, mode, out.data_ptr(), iterations, ctypes.byref(ms), err, 512)
+        stride = max_count = 0
+        if rows is not None:
+            rows, counts = rows.to(torch.int32).contiguous(), counts.to(torch.int32).contiguous()
+            stride, max_count = rows.shape[-1], int(counts.max().item()) if counts.numel() else 0
+        status = self.lib.ckv_cuda_value_norms(
+            shape, _DTYPE_CODES[values.dtype], values.data_ptr(), o_proj.data_ptr(), num_tokens, mode,
+            rows.data_ptr() if rows is not None else None, counts.data_ptr() if rows is not None else None, stride,
+            max_count, out.data_ptr(), iterations, ctypes.byref(ms), err, 512)
         if status != 0:
             raise RuntimeError(err.value.decode())
         return (out, ms.value) if iterations > 1 else out

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "criticalkv/methods.h"
+#include "criticalkv/pruned_stage2.h" // PrunedHeadState
 
 #include <cuda_runtime_api.h>
 
@@ -40,11 +41,16 @@ struct WorkspaceLayout
                        //!< bounds, overwritten with the exact norms at the candidates
     size_t gram;       //!< float [H, d_h, d_h]: W_O^h W_O^h^T (l2 norms: two-stage with value_norm=l2, laprox; the
                        //!< pruned stage 2's bound terms G_h)
+    size_t gramPieces; //!< 16-bit [H, 3, d_h, d_h]: s_h G_h in pieces for the tensor cores (with gram)
+    size_t gramScale;  //!< float [H]: 1 / s_h (with gram)
     size_t rowL1;      //!< float [H, d_h]: s_h[k] = sum_c |W_O^h[k, c]| (pruned stage 2)
     size_t colL1;      //!< float [H]: c_h = max_c sum_k |W_O^h[k, c]| (pruned stage 2)
     size_t attention;  //!< float [B, H_kv, m]: S
     size_t critical;   //!< float [B, H_kv, m]: C; pruned stage 2: U, the group score of the bounds
     size_t exact;      //!< float [B, H_kv, m]: the exact C of the candidates (pruned stage 2)
+    size_t candidates; //!< int32 [B, H_kv, m]: a round's new candidates of every head (pruned stage 2)
+    size_t candidateCounts; //!< int32 [B, H_kv]: how many (pruned stage 2)
+    size_t prunedStates;    //!< PrunedHeadState [B, H_kv] (pruned stage 2)
     size_t laprox;     //!< float [B, H_kv, m]: LaProx importance
     size_t flags;      //!< uint8 [B, H_kv, m]: chosen older tokens
     size_t headCounts; //!< int32 [B, H_kv]: adakv share of every head
@@ -65,6 +71,10 @@ inline size_t alignWorkspace(size_t bytes)
 
 //! Largest head dimension the kernels accept.
 constexpr int32_t kMaxHeadDim = 256;
+
+//! Most 16-bit pieces a Gram matrix is split into for the tensor cores (value_norms.cu: l2 norms 3, bounds 2).
+constexpr size_t kGramPiecesMax = 3;
+
 
 //! Scratch layout for `shape`. Every term grows with every dimension, so the layout of the largest shape of an
 //! optimization profile bounds all smaller shapes (TensorRT's getWorkspaceSize relies on that).
@@ -88,7 +98,9 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
         offset += alignWorkspace(bytes);
         return at;
     };
-    layout.layerBudget = take(config.budgetTable ? sizeof(int32_t) : 0);
+    // always reserved: a layer without a budget table (pyramidkv's top layer at some budgets, every snapkv layer)
+    // then needs the same workspace as its neighbours, so one workspace sized for any layer serves them all
+    layout.layerBudget = take(sizeof(int32_t));
     layout.partials = take(b * h * w * tiles * 2 * sizeof(float));
     layout.rowStats = take(b * h * w * 2 * sizeof(float));
     layout.raw = take(b * h * m * sizeof(float));
@@ -98,11 +110,16 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     bool const gramOn = (needsNorms(config) && normKind(config) == ValueNorm::kL2) || pruned;
     size_t const d = static_cast<size_t>(s.headDim);
     layout.gram = take(gramOn ? h * d * d * sizeof(float) : 0);
+    layout.gramPieces = take(gramOn ? h * kGramPiecesMax * d * d * 2 : 0);
+    layout.gramScale = take(gramOn ? h * sizeof(float) : 0);
     layout.rowL1 = take(pruned ? h * d * sizeof(float) : 0);
     layout.colL1 = take(pruned ? h * sizeof(float) : 0);
     layout.attention = take(b * hkv * m * sizeof(float));
     layout.critical = take(config.twoStage ? b * hkv * m * sizeof(float) : 0);
     layout.exact = take(pruned ? b * hkv * m * sizeof(float) : 0);
+    layout.candidates = take(pruned ? b * hkv * m * sizeof(int32_t) : 0);
+    layout.candidateCounts = take(pruned ? b * hkv * sizeof(int32_t) : 0);
+    layout.prunedStates = take(pruned ? b * hkv * sizeof(PrunedHeadState) : 0);
     layout.laprox = take(laproxOn ? b * hkv * m * sizeof(float) : 0);
     layout.flags = take(b * hkv * m);
     layout.headCounts = take(b * hkv * sizeof(int32_t));
@@ -142,13 +159,102 @@ cudaError_t launchDefensiveRows(SelectConfig const& config, RuntimeBudget budget
     void const* queries, void const* keys, int32_t const* promptLengths, float const* rowStats, float* partials,
     float* rowMass, float* worst, cudaStream_t stream);
 
-//! Projected-value norms out[b, h, i] = ||V[b, g(h), i] W_O^h|| for i < numTokens, fp32 accumulation
-//! (tensor cores for fp16/bf16 when d_h % 16 == 0). When promptLengths / config are given, uncompressed
-//! sequences are skipped. out: [B, H, numTokens]. L2 with `gram` (scratch float [H, d_h, d_h]) goes through the
-//! Gram matrices like the reference; with gram == nullptr it is the direct sum of squares.
-cudaError_t launchValueProjectionNorms(SelectConfig const* config, RuntimeBudget budget, int32_t const* promptLengths,
-    SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, ValueNorm kind,
-    float* gram, float* out, cudaStream_t stream);
+//! Scratch of the l2 norms through the Gram matrices (see WorkspaceLayout: gram, gramPieces, gramScale).
+struct GramScratch
+{
+    float* gram;   //!< float [H, d_h, d_h]
+    void* pieces;  //!< 16-bit [H, kGramPiecesMax, d_h, d_h]
+    float* scale;  //!< float [H]
+};
+
+//! Gathered rows of a value-norm launch (CriticalKV's pruned stage 2: the candidates of every head in one launch).
+struct GatheredRows
+{
+    int32_t const* tokens; //!< [B, H_kv, stride] token indices (< numTokens), or nullptr: every token
+    int32_t const* counts; //!< [B, H_kv] how many of every list are valid (device; read by the kernels)
+    int32_t stride;        //!< list capacity per head
+    int32_t maxCount;      //!< upper bound of every count, known on the host: the grid covers that many rows per head
+};
+
+//! Arguments of launchValueNorms.
+struct ValueNormParams
+{
+    SelectShape shape;
+    DType dtype;
+    void const* values;          //!< [B, H_kv, n, d_h]
+    void const* oProj;           //!< [hidden, H * d_h]
+    int32_t numTokens;           //!< tokens 0..numTokens-1 of every sequence; out's row length
+    ValueNorm kind;
+    float* out;                  //!< [B, H, numTokens]: every token, or only the listed ones
+    GatheredRows rows;           //!< tokens == nullptr: every token
+    SelectConfig const* config;  //!< non-null: uncompressed sequences (budget, promptLengths) are skipped
+    RuntimeBudget budget;
+    int32_t const* promptLengths;
+    GramScratch gram;            //!< L2 through the Gram matrices when gram.gram != nullptr, else the direct sum
+};
+
+//! Whether the value-norm kernels run on the tensor cores for these inputs (16-bit, d_h % 16 == 0, d_h <= 128, 16-byte
+//! aligned values and o_proj, compute capability >= 8.0); the pruned stage 2's bounds and exact norms follow the same
+//! rule, so the bound always covers the kernel that computes the norm.
+bool valueNormsOnTensorCores(SelectShape const& shape, DType dtype, void const* values, void const* oProj);
+
+//! Projected-value norms out[b, h, i] = ||V[b, g(h), i] W_O^h|| (kernels/value_norms.cu, kernels/mma_tiles.cuh): on
+//! the tensor cores (mma.sync, fp32 accumulate, never storing V W_O) when valueNormsOnTensorCores, else fp32 SIMT.
+//! L2 through the Gram matrices: G_h in fp32, then v^T G_h v on the tensor cores (3 16-bit pieces of G_h) or in SIMT.
+cudaError_t launchValueNorms(ValueNormParams const& params, cudaStream_t stream);
+
+//! Arguments of launchPrunedBounds.
+struct PrunedBoundParams
+{
+    SelectShape shape;
+    DType dtype;
+    void const* values;
+    void const* oProj;
+    int32_t numTokens;           //!< m: the older tokens
+    SelectConfig const* config;  //!< non-null: uncompressed sequences are skipped
+    RuntimeBudget budget;
+    int32_t const* promptLengths;
+    GramScratch gram;
+    float* rowL1;                //!< [H, d_h]
+    float* colL1;                //!< [H]
+    float* bounds;               //!< [B, H, numTokens]
+};
+
+//! The pruned stage 2's L1 upper bounds of every older token: on the tensor cores (pruned_stage2.h:
+//! l1UpperBoundTensorCore, bounding the tensor-core norms) when valueNormsOnTensorCores, else launchL1Bounds's
+//! host-identical fp32 bounds (bounding the SIMT norms).
+cudaError_t launchPrunedBounds(PrunedBoundParams const& params, cudaStream_t stream);
+
+//! Arguments of launchPrunedStage2 (kernels/pruned.cu): CriticalKV's stage 2 with exact norms for candidates only.
+struct PrunedStage2Params
+{
+    SelectConfig config;
+    SelectShape shape;
+    DType dtype;
+    RuntimeBudget budget;
+    int32_t const* promptLengths;
+    void const* values;          //!< [B, H_kv, n, d_h]
+    void const* oProj;           //!< [hidden, H * d_h]
+    float const* raw;            //!< [B, H, m] window attention
+    float const* squares;        //!< [B, H, m] or nullptr
+    float* norms;                //!< [B, H, m]: the bounds; the candidates' exact norms are written over them
+    float const* attention;      //!< [B, H_kv, m] S
+    float const* critical;       //!< [B, H_kv, m] U, the group score of the bounds
+    int32_t const* headCounts;   //!< [B, H_kv] each head's share (shared allocation), or nullptr: r of the sequence
+    float* exact;                //!< [B, H_kv, m] scratch: the candidates' exact C
+    uint8_t* flags;              //!< [B, H_kv, m] out: kChosenByAttention / kChosenByCritical
+    int32_t* candidates;         //!< [B, H_kv, m] scratch
+    int32_t* candidateCounts;    //!< [B, H_kv] scratch
+    PrunedHeadState* states;     //!< [B, H_kv] scratch
+    float margin;                //!< stopMargin(hidden, group)
+    int32_t maxCount;            //!< upper bound of every head's stage-2 count k, known on the host
+};
+
+//! Stage 1 and the pruned stage 2 of every KV head: a first round of min(2k, eligible) candidates by U, their exact
+//! norms on the tensor cores in one launch over every head's list, and doubling rounds (2k, 4k, 8k, then every eligible
+//! token) as further launches over the whole grid, each a no-op for the heads the stop rule already settled: a fixed
+//! number of launches, no host synchronisation (CUDA-graph capturable; k is read on the device).
+cudaError_t launchPrunedStage2(PrunedStage2Params const& params, cudaStream_t stream);
 
 //! The L1 upper bounds of CriticalKV's pruned stage 2 (pruned_stage2.h: l1UpperBoundOf), bitwise the host driver's:
 //! gram [H, d_h, d_h], rowL1 [H, d_h], colL1 [H] from oProj (the weights-only terms, every launch), then

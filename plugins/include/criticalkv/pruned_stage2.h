@@ -133,6 +133,57 @@ CKV_HD float l1UpperBound(float const* v, float const* gram, float const* rowL1,
     return l1UpperBoundOf(value, gram, rowL1, colL1, headDim, hidden);
 }
 
+//! Relative residual of s G split into `pieces` 16-bit pieces (kernels/mma_tiles.cuh: gramQuadBlock): each piece holds
+//! the rounding (to nearest) of what the previous ones left, 8 significant bits for bf16, 11 for fp16, so after p pieces
+//! |s G - sum| <= 2^-(bits p) |s G| (+ fp16's subnormal spacing, an absolute term the bound adds apart); twice that.
+CKV_HD float pieceResidual(int32_t pieces, bool half)
+{
+    float residual = 2.0F;
+    float const step = half ? 4.8828125e-4F : 3.90625e-3F; // 2^-11, 2^-8
+    for (int32_t p = 0; p < pieces; ++p)
+    {
+        residual *= step;
+    }
+    return residual;
+}
+
+//! Upper bound B of the L1 norm the tensor-core kernels compute (kernels/mma_tiles.cuh: valueNormsMmaBlock) from the
+//! tensor-core quadratic form quad = fl(v^T G_h v) (gramQuadBlock), weighted = |v| . s_h, maxAbs = max |v_k|,
+//! colL1 = c_h (docs/operator.md step 6a, "GPU"):
+//!   B = sqrt(d) sqrt(max(quad, 0) + kappa weighted maxAbs c_h + tau (d_h maxAbs)^2) (1 + 2^-20)
+//!       + gamma_{4 d_h} weighted + 2^-126 d (d_h + 2)
+//! kappa = 2 gamma_{d + 3 d_h + 64} + 2 residual covers the Gram entries' fp32 sums over d, the pieces' residual, each
+//! mma step's rounding (16 exact products summed with at most one unit in the last place of the largest addend lost
+//! per addend, truncating: 34 u of their magnitudes) and the fp32 sums of the steps and of the row dot; tau (per
+//! entry, absolute: fp16 pieces' subnormal spacing 2^-25 / s, 0 for bf16) the pieces' underflow. The computed L1
+//! norm's own error: each k16 mma step of the dot products over d_h loses at most 34 u of its addends' magnitudes, at
+//! most 2.2 d_h u of sum_k |v_k W_kc| in all (gamma_{4 d_h} weighted over the d columns), and its fp32 sum of the d
+//! |x_c| at most gamma_d: fl(N) <= (1 + gamma_d) B, the same form as l1UpperBoundOf's, so the stop margin
+//! (stopMargin) is unchanged. The (1 + 2^-20) absorbs this formula's own roundings.
+CKV_HD float l1UpperBoundTensorCore(float quad, float weighted, float maxAbs, float colL1, float residual, float tau,
+    int32_t headDim, int32_t hidden)
+{
+    float const d = static_cast<float>(hidden);
+    float const dh = static_cast<float>(headDim);
+    float const kappa = 2.0F * roundingGamma(d + 3.0F * dh + 64.0F) + 2.0F * residual;
+    float const spread = dh * maxAbs;
+    float const extra = kappa * weighted * maxAbs * colL1 + tau * spread * spread;
+    float const l2 = std::sqrt((quad > 0.0F ? quad : 0.0F) + extra);
+    return std::sqrt(d) * l2 * (1.0F + 9.5367431640625e-7F) + roundingGamma(4.0F * dh) * weighted
+        + kSubnormalSlack * d * (dh + 2.0F);
+}
+
+//! Where CriticalKV's pruned stage 2 stands for one KV head of one sequence (kernels/pruned.cu, kernels/pruned_flow.cuh).
+struct PrunedHeadState
+{
+    int64_t k;        //!< tokens stage 2 keeps
+    int64_t eligible; //!< tokens stage 2 chooses from
+    int64_t done;     //!< candidates whose exact score is known or being computed
+    int32_t active;   //!< 1: the head still has candidates to rank (0: settled by stage 1 alone, or uncompressed)
+    int32_t settled;  //!< 1: the stop rule held (or every eligible token is a candidate): no more rounds
+};
+static_assert(sizeof(PrunedHeadState) == 32, "the workspace layout's tests count 32 bytes per head");
+
 //! The stop rule: no token whose bound is at most `following` can reach the k-th exact score `kth` (not even a tie).
 CKV_HD bool stage2Settled(float following, float kth, float margin)
 {

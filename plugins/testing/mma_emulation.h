@@ -1,0 +1,238 @@
+// CPU versions of the warp-level instructions of kernels/mma_primitives.cuh, for running the tensor-core tile bodies
+// (kernels/mma_tiles.cuh) under the thread emulation of cuda_emulation.h (one std::thread per CUDA thread). Every
+// warp-collective instruction posts its lane's operands to the warp's exchange slots, meets the other 31 lanes at a
+// barrier, computes its result from the slots and meets them again before the slots can be reused:
+// * ldmatrixX4: register q of a lane = row (lane >> 2), columns 2 (lane % 4), +1 of the 8x8 matrix whose row addresses
+//   lanes 8q..8q+7 gave (criticalkv/mma_layout.h: ldmatrixElement);
+// * mmaSync: A, B rebuilt from the 32 lanes' fragments by aFragment / bFragment, D by cFragment; the products exact,
+//   their sum with C exact, then rounded toward zero (a model of the tensor core's truncating fp32 accumulation);
+// * cpAsync16: the copy is deferred to the cpAsyncWait that retires its group (the latest moment the hardware may
+//   complete it), so a read before the wait sees stale shared memory;
+// * shflXor through the slots.
+// Included after cuda_emulation.h, before the tile bodies. Not built by CMake (tests/plugins compile it with g++).
+#pragma once
+
+#include "criticalkv/mma_layout.h"
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <vector>
+
+struct __nv_bfloat16
+{
+    uint16_t bits;
+};
+
+struct __half
+{
+    uint16_t bits;
+};
+
+namespace criticalkv::kernels
+{
+
+inline float toFloat(float value)
+{
+    return value;
+}
+
+inline float toFloat(__nv_bfloat16 value)
+{
+    uint32_t const bits = static_cast<uint32_t>(value.bits) << 16;
+    float out;
+    std::memcpy(&out, &bits, sizeof(out));
+    return out;
+}
+
+inline float toFloat(__half value)
+{
+    _Float16 h;
+    std::memcpy(&h, &value.bits, sizeof(h));
+    return static_cast<float>(h);
+}
+
+template <typename T>
+T fromFloat(float value);
+
+template <>
+inline __nv_bfloat16 fromFloat<__nv_bfloat16>(float value)
+{
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    bits += 0x7FFFu + ((bits >> 16) & 1u); // round to nearest even (finite inputs)
+    return __nv_bfloat16{static_cast<uint16_t>(bits >> 16)};
+}
+
+template <>
+inline __half fromFloat<__half>(float value)
+{
+    _Float16 const h = static_cast<_Float16>(value);
+    __half out;
+    std::memcpy(&out.bits, &h, sizeof(h));
+    return out;
+}
+
+//! One warp's exchange slots.
+struct EmulatedWarp
+{
+    std::barrier<> sync{32};
+    void const* rows[32];
+    uint32_t a[32][4];
+    uint32_t b[32][2];
+    float value[32];
+};
+
+inline thread_local EmulatedWarp* tWarp = nullptr;
+
+struct PendingCopy
+{
+    void* shared;
+    void const* global;
+    bool valid;
+};
+
+inline thread_local std::vector<PendingCopy> tOpenGroup;
+inline thread_local std::deque<std::vector<PendingCopy>> tCommitted;
+
+inline int32_t laneId()
+{
+    return static_cast<int32_t>(threadIdx.x) & 31;
+}
+
+inline void ldmatrixX4(uint32_t (&r)[4], void const* row)
+{
+    int32_t const lane = laneId();
+    tWarp->rows[lane] = row;
+    tWarp->sync.arrive_and_wait();
+    mma::RowCol const e = mma::ldmatrixElement(lane);
+    for (int32_t q = 0; q < 4; ++q)
+    {
+        uint16_t const* source = static_cast<uint16_t const*>(tWarp->rows[q * 8 + e.row]);
+        r[q] = static_cast<uint32_t>(source[e.col]) | (static_cast<uint32_t>(source[e.col + 1]) << 16);
+    }
+    tWarp->sync.arrive_and_wait();
+}
+
+inline float truncateTowardZero(double x)
+{
+    float f = static_cast<float>(x);
+    if (std::fabs(static_cast<double>(f)) > std::fabs(x))
+    {
+        f = std::nextafter(f, 0.0F);
+    }
+    return f;
+}
+
+template <typename T>
+void mmaSync(float (&d)[4], uint32_t const (&a)[4], uint32_t const (&b)[2])
+{
+    int32_t const lane = laneId();
+    std::memcpy(tWarp->a[lane], a, sizeof(a));
+    std::memcpy(tWarp->b[lane], b, sizeof(b));
+    tWarp->sync.arrive_and_wait();
+    auto half = [](uint32_t reg, int32_t which) { return toFloat(T{static_cast<uint16_t>(reg >> (16 * which))}); };
+    float matA[16][16];
+    float matB[16][8];
+    for (int32_t l = 0; l < 32; ++l)
+    {
+        for (int32_t r = 0; r < 4; ++r)
+        {
+            mma::RowCol const rc = mma::aFragment(l, r);
+            matA[rc.row][rc.col] = half(tWarp->a[l][r], 0);
+            matA[rc.row][rc.col + 1] = half(tWarp->a[l][r], 1);
+        }
+        for (int32_t r = 0; r < 2; ++r)
+        {
+            mma::RowCol const rc = mma::bFragment(l, r);
+            matB[rc.row][rc.col] = half(tWarp->b[l][r], 0);
+            matB[rc.row + 1][rc.col] = half(tWarp->b[l][r], 1);
+        }
+    }
+    for (int32_t e = 0; e < 4; ++e)
+    {
+        mma::RowCol const rc = mma::cFragment(lane, e);
+        double sum = d[e];
+        for (int32_t k = 0; k < 16; ++k)
+        {
+            sum += static_cast<double>(matA[rc.row][k]) * static_cast<double>(matB[k][rc.col]);
+        }
+        d[e] = truncateTowardZero(sum);
+    }
+    tWarp->sync.arrive_and_wait();
+}
+
+inline void cpAsync16(void* shared, void const* global, bool valid)
+{
+    tOpenGroup.push_back(PendingCopy{shared, global, valid});
+}
+
+inline void cpAsyncCommit()
+{
+    tCommitted.push_back(std::move(tOpenGroup));
+    tOpenGroup.clear();
+}
+
+template <int kPending>
+void cpAsyncWait()
+{
+    while (static_cast<int>(tCommitted.size()) > kPending)
+    {
+        for (PendingCopy const& copy : tCommitted.front())
+        {
+            if (copy.valid)
+            {
+                std::memcpy(copy.shared, copy.global, 16);
+            }
+            else
+            {
+                std::memset(copy.shared, 0, 16);
+            }
+        }
+        tCommitted.pop_front();
+    }
+}
+
+inline float shflXor(float value, int32_t mask)
+{
+    int32_t const lane = laneId();
+    tWarp->value[lane] = value;
+    tWarp->sync.arrive_and_wait();
+    float const other = tWarp->value[lane ^ mask];
+    tWarp->sync.arrive_and_wait();
+    return other;
+}
+
+} // namespace criticalkv::kernels
+
+//! Run one block of `threads` emulated threads (threads % 32 == 0), warps with their exchange slots, fn() in each.
+template <typename Fn>
+void runEmulatedBlock(unsigned x, unsigned y, unsigned z, unsigned threads, Fn fn)
+{
+    std::barrier<> barrier(threads);
+    gBarrier = &barrier;
+    std::vector<criticalkv::kernels::EmulatedWarp> warps(threads / 32);
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; ++t)
+    {
+        pool.emplace_back([&, t] {
+            threadIdx = {t, 0, 0};
+            blockIdx = {x, y, z};
+            criticalkv::kernels::tWarp = &warps[t / 32];
+            criticalkv::kernels::tOpenGroup.clear();
+            criticalkv::kernels::tCommitted.clear();
+            fn();
+            if (!criticalkv::kernels::tCommitted.empty() || !criticalkv::kernels::tOpenGroup.empty())
+            {
+                std::fprintf(stderr, "thread %u of block (%u, %u, %u) left copies in flight\n", t, x, y, z);
+                std::abort();
+            }
+        });
+    }
+    for (auto& thread : pool)
+    {
+        thread.join();
+    }
+}
