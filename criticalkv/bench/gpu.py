@@ -57,6 +57,9 @@ DEFAULT_POLICIES = ("full", "streamingllm", "snapkv", "pyramidkv", "adakv", "lap
 DEFAULT_LENGTHS = (32768, 131072, 8192)  # the targets' 32k first: a run cut short still has it
 DEFAULT_BATCH_LENGTHS = tuple(4096 * i for i in range(1, 9))
 BATCH_TARGET = 1.2
+#: CUDA errors after which nothing more can run in the process (the context is lost)
+STICKY_CUDA_ERRORS = ("illegal memory access", "unspecified launch failure", "device-side assert", "misaligned address",
+                      "illegal instruction", "launch timed out", "uncorrectable ecc")
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,8 @@ class LayerShape:
 LLAMA31_8B = LayerShape(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, num_layers=32)
 #: --dry-run: small enough for a CPU test, the same code path.
 DRY_SHAPE = LayerShape(hidden=256, heads=8, kv_heads=2, head_dim=32, intermediate=512, num_layers=4)
-DRY_LENGTHS = (512, 256)
-DRY_BATCH_LENGTHS = tuple(64 * i for i in range(1, 9))
+DRY_LENGTHS = (256, 128)
+DRY_BATCH_LENGTHS = tuple(32 * i for i in range(1, 9))
 
 
 @dataclass(frozen=True)
@@ -235,15 +238,19 @@ def kernel_times(torch, fn, cuda: bool, clock: Clock) -> list[dict]:
 def floors(torch, device, dry: bool, clock: Clock) -> dict:
     """bf16 GEMM TFLOP/s (8192^3; fp32 256^3 in a dry run) and device copy GB/s (1 GiB; 64 MiB), random data."""
     size, dtype = (256, torch.float32) if dry else (8192, torch.bfloat16)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    gemm = clock.measure(lambda: torch.mm(a, b), repeats=10, cap_s=2.0)
-    del a, b
     nbytes = (64 if dry else 1024) * 2**20
-    src = torch.randn(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    copy = clock.measure(lambda: dst.copy_(src), repeats=10, cap_s=2.0)
-    del src, dst
+
+    def gemm_times():
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        return clock.measure(lambda: torch.mm(a, b), repeats=10, cap_s=2.0)
+
+    def copy_times():
+        src = torch.randn(nbytes // 4, device=device)
+        dst = torch.empty_like(src)
+        return clock.measure(lambda: dst.copy_(src), repeats=10, cap_s=2.0)
+
+    gemm, copy = gemm_times(), copy_times()
     return {"gemm": {"m_n_k": size, "dtype": str(dtype).removeprefix("torch."), **gemm},
             "gemm_tflops": 2.0 * size**3 / gemm["ms"] / 1e9,
             "copy": {"bytes_read_and_written": 2 * nbytes, **copy},
@@ -365,6 +372,7 @@ class Run:
         self.deadline = Deadline(args.time_budget)
         self.stem = Path(args.out) / args.name
         self.per_policy_cost: dict[str, tuple[int, float]] = {}  # label -> (n, seconds of its measurement)
+        self.broken: str | None = None  # the sticky CUDA error after which nothing more is tried
 
     def save(self):
         from criticalkv.bench.report import write_atomic
@@ -384,9 +392,20 @@ class Run:
         n0, seconds = self.per_policy_cost[label]
         return seconds * n / n0
 
+    def refusal(self, estimate_s: float) -> str | None:
+        """Why a measurement estimated at ``estimate_s`` seconds is not started (None: start it)."""
+        if self.broken:
+            return f"the CUDA context was lost earlier ({self.broken})"
+        if not self.deadline.allows(estimate_s):
+            return f"time budget ({max(self.deadline.remaining(), 0):.0f} s left, estimated {estimate_s:.1f} s)"
+        return None
+
     def error(self, what: str, err: BaseException):
-        self.results["errors"].append({"what": what, "error": f"{type(err).__name__}: {err}"})
-        print(f"  ERROR {what}: {type(err).__name__}: {err}", flush=True)
+        text = f"{type(err).__name__}: {err}"
+        self.results["errors"].append({"what": what, "error": text})
+        print(f"  ERROR {what}: {text}", flush=True)
+        if self.cuda and any(s in text.lower() for s in STICKY_CUDA_ERRORS):
+            self.broken = f"{what}: {text.splitlines()[0][:200]}"
         self.save()
 
 
@@ -418,7 +437,8 @@ def measure_length(run: Run, layer, rotary, policies: list, n: int, kvpress) -> 
     with torch.inference_mode():
         t = layer_inputs(torch, layer, rotary, n, 1, args.window, dtype, run.device, seed=n)
         prefill = None
-        if run.deadline.allows(run.estimate("prefill", n)):
+        reason = run.refusal(run.estimate("prefill", n))
+        if reason is None:
             try:
                 begin = time.monotonic()
                 fn = lambda: layer(t["hidden"], attention_mask=None, position_ids=t["positions"],  # noqa: E731
@@ -431,14 +451,14 @@ def measure_length(run: Run, layer, rotary, policies: list, n: int, kvpress) -> 
             except Exception as err:  # noqa: BLE001 (recorded; the policies still run)
                 run.error(f"prefill n={n}", err)
         else:
-            run.skip(f"prefill n={n}", "time budget")
+            run.skip(f"prefill n={n}", reason)
         del t["hidden"]
         work = stage_work(shape, n, args.window, torch.finfo(dtype).bits // 8)
         for label, policy in policies:
             what = f"{label} n={n}"
-            estimate = run.estimate(label, n)
-            if not run.deadline.allows(estimate):
-                run.skip(what, f"time budget (estimated {estimate:.1f} s from its smaller length)")
+            reason = run.refusal(run.estimate(label, n))
+            if reason is not None:
+                run.skip(what, reason)
                 continue
             row = {"policy": label, "n": n, "batch": 1, "path": path_of(run, policy, t)}
             try:
@@ -453,22 +473,33 @@ def measure_length(run: Run, layer, rotary, policies: list, n: int, kvpress) -> 
             except Exception as err:  # noqa: BLE001
                 run.error(what, err)
                 continue
+            # the verdict takes the GPU's time (the profiled kernels) when there is one: in a prefill the op's
+            # Python and launch overhead overlaps the previous layer's work; the event time is reported beside it
+            row["judged_by"] = "kernels" if row.get("kernels_ms") else "events"
+            judged = row["kernels_ms"] if row.get("kernels_ms") else row["ms"]
+            row["judged_ms"] = judged
             whole = work["layer inputs once"]
-            row["vs_memory_floor"] = against_floors(row["ms"], 0.0, whole["bytes"], run.results["floors"])
+            row["vs_memory_floor"] = against_floors(judged, 0.0, whole["bytes"], run.results["floors"])
             if prefill is not None:
                 row["prefill_ms"] = prefill["ms"]
-                row["share_percent"] = 100.0 * row["ms"] / prefill["ms"]
-            row["target"], row["met"] = judge(policy, n, row["ms"], row.get("share_percent"),
-                                              run.results["targets_apply"])
+                row["share_percent"] = 100.0 * judged / prefill["ms"]
+            row["target"], row["met"] = judge(policy, n, judged, row.get("share_percent"), run.results["targets_apply"])
             run.results["selection"].append(row)
-            print(f"  {label:28s} {row['ms']:9.3f} ms  {row['path']}"
+            print(f"  {label:28s} {row['ms']:9.3f} ms (kernels {_f(row.get('kernels_ms'))})  {row['path']}"
                   + (f"  {row['share_percent']:.2f} % of the prefill" if "share_percent" in row else ""), flush=True)
             run.save()
         if kvpress is not None:
             measure_kvpress(run, layer, t, n, kvpress)
-        del t
+        t.clear()  # this length's tensors go before the next length's are made
     if run.cuda:
         torch.cuda.empty_cache()
+
+
+def device_ms(run: Run, fn) -> float | None:
+    """The summed kernel time of one profiled call (None on the CPU or when the profiler saw no kernel)."""
+    if not run.cuda:
+        return None
+    return sum(k["ms"] for k in kernel_times(run.torch, fn, True, run.clock)) or None
 
 
 def stages(kernels: list[dict], work: dict, floor: dict) -> dict:
@@ -493,9 +524,9 @@ def measure_kvpress(run: Run, layer, t: dict, n: int, kv) -> None:
     kwargs = {"position_embeddings": (t["cos"], t["sin"])}
     for label, press in kvpress_presses(kv, args.budget, n, args.window).items():
         what = f"kvpress {label} n={n}"
-        estimate = run.estimate(label, n)
-        if not run.deadline.allows(estimate):
-            run.skip(what, f"time budget (estimated {estimate:.1f} s)")
+        reason = run.refusal(run.estimate(label, n))
+        if reason is not None:
+            run.skip(what, reason)
             continue
         try:
             begin = time.monotonic()
@@ -531,26 +562,39 @@ def measure_batch(run: Run, layer, rotary, policies: list, lengths: list[int]) -
                          "v": one["v"][:, :, n - length:].contiguous(), "o": one["o"]} for length in lengths}
         for label, policy in policies:
             what = f"batch {label}"
-            estimate = run.estimate(label, n) * (1 + sum(lengths) / n)
-            if not run.deadline.allows(estimate):
-                run.skip(what, f"time budget (estimated {estimate:.1f} s)")
+            reason = run.refusal(run.estimate(label, n) * (1 + sum(lengths) / n))
+            if reason is not None:
+                run.skip(what, reason)
                 continue
+            profiled = run.cuda and args.profile
             try:
-                together = run.clock.measure(select_call(run, policy, padded, n, prompt_lengths), args.repeats,
-                                             args.measure_seconds)
-                alone = {length: run.clock.measure(select_call(run, policy, rows[length], length), args.repeats,
-                                                   args.measure_seconds)["ms"] for length in lengths}
+                together_fn = select_call(run, policy, padded, n, prompt_lengths)
+                together = run.clock.measure(together_fn, args.repeats, args.measure_seconds)
+                alone_fns = {length: select_call(run, policy, rows[length], length) for length in lengths}
+                alone = {length: run.clock.measure(fn, args.repeats, args.measure_seconds)["ms"]
+                         for length, fn in alone_fns.items()}
+                if profiled:  # the GPU's time of one call each, as the single-row verdicts take it
+                    kernels_together = device_ms(run, together_fn)
+                    kernels_alone = {length: device_ms(run, fn) for length, fn in alone_fns.items()}
             except Exception as err:  # noqa: BLE001
                 run.error(what, err)
                 continue
             total = sum(alone.values())
-            ratio = together["ms"] / total
-            row = {"policy": label, "lengths": lengths, "path": path_of(run, policy, padded), "batch_ms": together["ms"],
+            row = {"policy": label, "lengths": lengths, "path": path_of(run, policy, padded),
+                   "batch_ms": together["ms"],
                    "batch_times_ms": together["times_ms"], "rows_ms": {str(k): v for k, v in alone.items()},
-                   "sum_of_rows_ms": total, "ratio": ratio, "target": f"<= {BATCH_TARGET}x",
-                   "met": (ratio <= BATCH_TARGET) if run.results["targets_apply"] else None}
+                   "sum_of_rows_ms": total, "ratio_events": together["ms"] / total, "target": f"<= {BATCH_TARGET}x"}
+            if profiled and kernels_together and all(kernels_alone.values()):
+                row.update(batch_kernels_ms=kernels_together,
+                           rows_kernels_ms={str(k): v for k, v in kernels_alone.items()},
+                           sum_of_rows_kernels_ms=sum(kernels_alone.values()), judged_by="kernels")
+                row["ratio"] = kernels_together / row["sum_of_rows_kernels_ms"]
+            else:
+                row.update(judged_by="events", ratio=row["ratio_events"])
+            row["met"] = (row["ratio"] <= BATCH_TARGET) if run.results["targets_apply"] else None
             run.results["batch"].append(row)
-            print(f"  {label:28s} batch {together['ms']:9.3f} ms, rows alone {total:9.3f} ms: {ratio:.2f}x", flush=True)
+            print(f"  {label:28s} batch {together['ms']:9.3f} ms, rows alone {total:9.3f} ms: {row['ratio']:.2f}x "
+                  f"({row['judged_by']})", flush=True)
             run.save()
         del padded, rows, one
     if run.cuda:
@@ -587,11 +631,14 @@ def render(results: dict) -> str:
                   f"| GEMM {fl['gemm']['m_n_k']}^3 {fl['gemm']['dtype']} | {fl['gemm_tflops']:.2f} TFLOP/s |",
                   f"| device copy (read + write) | {fl['copy_gbps']:.0f} GB/s |"]
     lines += ["", "## Selection vs prefill", "",
+              "Selection ms: CUDA events around the op (its Python and launch overhead included); kernels ms: the "
+              "GPU's time of one profiled call, which the share and the verdict take when there is one.", "",
               "| policy | n | path | selection ms | kernels ms | prefill ms | share % | target (issue 26) | met |",
               "|---|---:|---|---:|---:|---:|---:|---|---|"]
     for r in sorted(results["selection"], key=lambda r: (r["n"], results["policy_order"].index(r["policy"]))):
         lines.append(f"| {r['policy']} | {r['n']} | {r['path']} | {_f(r['ms'])} | {_f(r.get('kernels_ms'))} | "
-                     f"{_f(r.get('prefill_ms'))} | {_f(r.get('share_percent'), 2)} | {r['target']} | {_met(r['met'])} |")
+                     f"{_f(r.get('prefill_ms'))} | {_f(r.get('share_percent'), 2)} | {r['target']} | "
+                     f"{_met(r['met'])} |")
     stage_rows = [(r, name, st) for r in results["selection"] for name, st in (r.get("stages") or {}).items()]
     if stage_rows:
         lines += ["", "## Stages against the floors (torch.profiler kernel times of one call)", "",
@@ -610,12 +657,13 @@ def render(results: dict) -> str:
             lines.append(f"| {r['policy']} | {r['n']} | {top} |")
     if results["batch"]:
         lines += ["", "## Batch of mixed lengths vs its rows at batch 1", "",
-                  "| policy | lengths | path | batch ms | sum of rows ms | ratio | target | met |",
-                  "|---|---|---|---:|---:|---:|---|---|"]
+                  "| policy | lengths | path | batch ms | sum of rows ms | batch kernels ms | rows kernels ms | ratio "
+                  "| target | met |", "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
         for r in results["batch"]:
             lines.append(f"| {r['policy']} | {min(r['lengths'])}..{max(r['lengths'])} ({len(r['lengths'])}) | "
-                         f"{r['path']} | {_f(r['batch_ms'])} | {_f(r['sum_of_rows_ms'])} | {r['ratio']:.2f}x | "
-                         f"{r['target']} | {_met(r['met'])} |")
+                         f"{r['path']} | {_f(r['batch_ms'])} | {_f(r['sum_of_rows_ms'])} | "
+                         f"{_f(r.get('batch_kernels_ms'))} | {_f(r.get('sum_of_rows_kernels_ms'))} | "
+                         f"{r['ratio']:.2f}x ({r['judged_by']}) | {r['target']} | {_met(r['met'])} |")
     kv = results["kvpress"]
     lines += ["", "## kvpress presses on the same tensors", ""]
     if kv.get("rows"):
@@ -642,14 +690,14 @@ def parse_args(argv):
                    help="comma-separated policy specs name[:knob=value...] (default: every policy the kernels run, "
                         "and criticalkv with value_norm=l2)")
     p.add_argument("--lengths", help="prompt lengths, measured in this order (default: 32768,131072,8192; dry run "
-                                     "512,256)")
+                                     "256,128)")
     p.add_argument("--batch-lengths", help="row lengths of the mixed batch (default: 4096,8192,...,32768; dry run "
-                                          "64..512); 'none' skips the batch")
+                                          "32,64,...,256); 'none' skips the batch")
     p.add_argument("--budget", type=int, help="entries per KV head (default: 2048; dry run 64)")
     p.add_argument("--window", type=int, help="window queries (default: 32; dry run 8)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="default: bfloat16 (float32 in a dry run)")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement after a warm-up (default: 5)")
+    p.add_argument("--repeats", type=int, help="timed calls per measurement after a warm-up (default: 5; dry run 2)")
     p.add_argument("--measure-seconds", type=float, default=3.0,
                    help="fewer repeats when a measurement would take longer than this (default: 3)")
     p.add_argument("--time-budget", type=float, default=None,
@@ -667,7 +715,8 @@ def parse_args(argv):
             args.time_budget = float(os.environ[TIME_BUDGET_ENV])
         except ValueError:
             p.error(f"${TIME_BUDGET_ENV}={os.environ[TIME_BUDGET_ENV]!r} is not a number of seconds")
-    if args.repeats < 1 or args.measure_seconds <= 0 or (args.time_budget is not None and args.time_budget <= 0):
+    if ((args.repeats is not None and args.repeats < 1) or args.measure_seconds <= 0
+            or (args.time_budget is not None and args.time_budget <= 0)):
         p.error("--repeats must be >= 1, --measure-seconds and --time-budget > 0")
     try:
         args.lengths = parse_list(args.lengths, "--lengths") if args.lengths else None
@@ -699,6 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     args.budget = args.budget or (64 if dry else 2048)
     args.window = args.window or (8 if dry else 32)
     args.dtype = args.dtype or ("float32" if dry else "bfloat16")
+    args.repeats = args.repeats or (2 if dry else 5)
     if min(args.lengths + (args.batch_lengths or [args.window])) < args.window or args.budget < args.window:
         parser.error(f"--lengths, --batch-lengths and --budget must be >= the window ({args.window})")
     base = KVPolicy("full").replace(budget=args.budget, window=args.window)
@@ -747,9 +797,23 @@ def main(argv: list[str] | None = None) -> int:
             results["kvpress"]["skipped"] = "--no-kvpress"
         layer, rotary = make_layer(torch, shape, getattr(torch, args.dtype), device, layer_idx)
         for n in args.lengths:
-            measure_length(run, layer, rotary, policies, n, kvpress)
+            reason = run.refusal(0.0)
+            if reason is not None:
+                run.skip(f"n={n}", reason)
+                continue
+            try:
+                measure_length(run, layer, rotary, policies, n, kvpress)
+            except Exception as err:  # noqa: BLE001 (the layer's inputs could not be made: the next length may)
+                run.error(f"n={n}", err)
         if args.batch_lengths:
-            measure_batch(run, layer, rotary, policies, args.batch_lengths)
+            reason = run.refusal(0.0)
+            try:
+                if reason is None:
+                    measure_batch(run, layer, rotary, policies, args.batch_lengths)
+                else:
+                    run.skip("batch", reason)
+            except Exception as err:  # noqa: BLE001
+                run.error("batch", err)
         results["status"] = "complete" if not results["not_measured"] and not results["errors"] else "partial"
     finally:
         if results["status"] == "running":

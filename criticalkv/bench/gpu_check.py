@@ -44,9 +44,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ("build", "bench", "pytest", "sanitizer", "serve")
-#: seconds per step (the table of docs/gpu_check.md): 330 s in all, inside a 6-minute call
-DEFAULT_BUDGETS = {"prepare": 15, "build": 45, "bench": 75, "pytest": 120, "sanitizer": 30, "serve": 45}
-DEFAULT_TOTAL = 330
+#: seconds per step (the table of docs/gpu_check.md): 320 s in all, inside a call of at most 6 minutes (timeout_s 345)
+DEFAULT_BUDGETS = {"prepare": 15, "build": 45, "bench": 70, "pytest": 120, "sanitizer": 35, "serve": 35}
+DEFAULT_TOTAL = 320
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 #: the project's Python imports a GPU machine may lack (pyproject dependencies and extras)
 PROJECT_IMPORTS = ("torch", "numpy", "tqdm", "transformers", "gguf", "accelerate", "safetensors", "onnx", "onnxruntime",
@@ -210,7 +210,8 @@ class Check:
             info["wheels"] = {"installed": [w.name for w in wheels] if code == 0 else [],
                               "error": None if code == 0 else text[-800:]}
         else:
-            info["wheels"] = {"installed": [], "note": f"no *.whl in {args.wheels} (kvpress is skipped unless installed)"}
+            info["wheels"] = {"installed": [],
+                              "note": f"no *.whl in {args.wheels} (kvpress is skipped unless installed)"}
         torch_probe = ("import json, torch\n"
                        "d = {'torch': torch.__version__, 'cuda': torch.version.cuda, "
                        "'cuda_available': torch.cuda.is_available()}\n"
@@ -312,7 +313,8 @@ class Check:
         try:
             result = fn()
         except Exception as err:  # noqa: BLE001 (a bug of one step must not lose the others' results)
-            result = StepResult(name, "failed", self.args.budgets[name], note=f"driver error {type(err).__name__}: {err}")
+            result = StepResult(name, "failed", self.args.budgets[name],
+                                note=f"driver error {type(err).__name__}: {err}")
         result.seconds = result.seconds or time.monotonic() - begin
         self.record(result)
 
@@ -337,7 +339,8 @@ class Check:
         if not self.archs:
             return StepResult("build", "failed", budget, note="no GPU architecture found (give --archs, e.g. 90)")
         self.header("build", budget, f"CKV_CUDA_ARCHS={self.archs} bash scripts/build_plugin.sh")
-        code, timed_out, seconds = stream(["bash", "scripts/build_plugin.sh"], budget, self.log, self.env("build", budget))
+        code, timed_out, seconds = stream(["bash", "scripts/build_plugin.sh"], budget, self.log,
+                                          self.env("build", budget))
         return self.outcome("build", budget, code, timed_out, seconds)
 
     def build_failed(self) -> bool:
@@ -443,7 +446,8 @@ class Check:
             out.close()
             text = (self.scratch / f"sanitizer_{name}.log").read_text(errors="replace")
             summary = re.findall(r"ERROR SUMMARY: \d+ errors?", text)
-            ok = not timed_out and proc.returncode == 0 and bool(summary) and summary[-1].startswith("ERROR SUMMARY: 0 ")
+            clean = bool(summary) and summary[-1].startswith("ERROR SUMMARY: 0 ")
+            ok = not timed_out and proc.returncode == 0 and clean
             tools[name] = {"status": "passed" if ok else ("timed out" if timed_out else "failed"),
                            "returncode": proc.returncode, "summary": summary[-1] if summary else None}
             self.log(f"--- {name}: {tools[name]['status']} (exit {proc.returncode}; {tools[name]['summary']})")
@@ -465,7 +469,8 @@ class Check:
     def serve(self) -> StepResult:
         budget = self.budget("serve")
         if not self.serve_available():
-            return StepResult("serve", "skipped", budget, note="this checkout has no `criticalkv bench gpu-serve` (issue 27)")
+            return StepResult("serve", "skipped", budget,
+                              note="this checkout has no `criticalkv bench gpu-serve` (issue 27)")
         folder = self.scratch / "serve"
         cmd = [self.python, "-m", "criticalkv.cli", "bench", "gpu-serve", "--out", str(folder)]
         if self.dry:
@@ -477,8 +482,8 @@ class Check:
         self.header("serve", budget, shlex.join(cmd[2:]))
         code, timed_out, seconds = stream(cmd, budget, self.log, self.env("serve", budget))
         files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
-        preferred = sorted(files, key=lambda p: (p.suffix not in (".json", ".md", ".txt"), not p.stem.startswith("serv"),
-                                                 p.name))
+        preferred = sorted(files, key=lambda p: (p.suffix not in (".json", ".md", ".txt"),
+                                                 not p.stem.startswith("serv"), p.name))
         kept = preferred[:SERVE_FILES]
         for p in kept:
             shutil.copy2(p, self.out / p.name)
@@ -558,7 +563,8 @@ def render_summary(data: dict, out: Path) -> str:
     torch = env.get("torch", {})
     lines = ["# GPU check (`bash scripts/gpu_check.sh`)", "",
              f"- command: `{env.get('command')}`",
-             f"- started: {env.get('started_utc')}; elapsed {data['elapsed_s']} s of a {data['total_budget_s']} s budget",
+             f"- started: {env.get('started_utc')}; elapsed {data['elapsed_s']} s of a {data['total_budget_s']} s "
+             "budget",
              f"- git head: {env.get('git_head')}",
              f"- GPU (nvidia-smi: name, driver, compute capability, memory): {env.get('nvidia_smi')}",
              f"- torch {torch.get('torch')} (CUDA {torch.get('cuda')}, device {torch.get('name', '-')}, "
@@ -604,7 +610,8 @@ def render_summary(data: dict, out: Path) -> str:
         batch = re.search(r"## Batch of mixed lengths.*?(?=\n## |\Z)", text, re.S)
         if batch:
             lines += ["", batch.group(0).replace("## ", "### ", 1)]
-    lines += ["", "Files: " + ", ".join(p.name for p in sorted(out.iterdir()) if p.is_file() and not p.name.startswith("."))]
+    files = [p.name for p in sorted(out.iterdir()) if p.is_file() and not p.name.startswith(".")]
+    lines += ["", "Files: " + ", ".join(files)]
     return "\n".join(lines) + "\n"
 
 

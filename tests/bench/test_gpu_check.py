@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_gpu_dry_run_measures_every_section(tmp_path, capsys):
     out = tmp_path / "bench"
     code = gpu.main(["--dry-run", "--policies", "snapkv,criticalkv:value_norm=l2", "--lengths", "96",
-                     "--batch-lengths", "32,64", "--repeats", "1", "--no-profile", "--no-kvpress", "--out", str(out)])
+                     "--batch-lengths", "32,64", "--repeats", "1", "--no-kvpress", "--out", str(out)])
     assert code == 0
     results = json.loads((out / "selection_gpu.json").read_text())
     assert results["dry_run"] and results["status"] == "complete" and not results["targets_apply"]
@@ -28,11 +28,13 @@ def test_bench_gpu_dry_run_measures_every_section(tmp_path, capsys):
     assert set(rows) == {("snapkv", 96), ("criticalkv:value_norm=l2", 96)}
     for row in rows.values():
         assert row["path"] == "reference (CPU)" and row["ms"] > 0 and row["met"] is None
-        assert row["share_percent"] == pytest.approx(100 * row["ms"] / prefill)
+        assert row["judged_by"] == "events" and row["share_percent"] == pytest.approx(100 * row["ms"] / prefill)
+        assert row["kernels"] and all(k["ms"] > 0 and k["calls"] >= 1 for k in row["kernels"])  # CPU ops here
     batch = {r["policy"]: r for r in results["batch"]}
     assert set(batch) == {"snapkv", "criticalkv:value_norm=l2"}
     for row in batch.values():
         assert set(row["rows_ms"]) == {"32", "64"}
+        assert row["judged_by"] == "events"
         assert row["ratio"] == pytest.approx(row["batch_ms"] / sum(row["rows_ms"].values()))
     assert results["kvpress"]["skipped"] == "--no-kvpress"
     md = (out / "selection_gpu.md").read_text()
@@ -77,9 +79,9 @@ def test_issue_targets_and_the_floor_of_each_stage():
 
 def test_live_outcomes_count_failures_and_tests_never_reached(tmp_path):
     path = tmp_path / "live.jsonl"
+    passed = {"event": "outcome", "when": "call", "outcome": "passed", "message": ""}
     records = [{"event": "collected", "nodeids": ["t::a", "t::b", "t::c", "t::d"]},
-               {"event": "outcome", "nodeid": "t::a", "when": "call", "outcome": "passed", "duration": 0.1, "message": ""},
-               {"event": "outcome", "nodeid": "t::b", "when": "call", "outcome": "passed", "duration": 2.0, "message": ""},
+               {**passed, "nodeid": "t::a", "duration": 0.1}, {**passed, "nodeid": "t::b", "duration": 2.0},
                {"event": "outcome", "nodeid": "t::b", "when": "teardown", "outcome": "failed", "duration": 0.0,
                 "message": "E boom"},
                {"event": "outcome", "nodeid": "t::c", "when": "setup", "outcome": "skipped", "duration": 0.0,
@@ -139,3 +141,31 @@ def test_gpu_check_script_help():
     bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--steps", "nope"], capture_output=True,
                          text=True, timeout=60, env={**__import__("os").environ, "PYTHON": sys.executable})
     assert bad.returncode == 2 and "--steps: nope" in bad.stderr
+
+
+def test_bench_gpu_lists_what_the_time_budget_left_out(tmp_path):
+    out = tmp_path / "bench"
+    assert gpu.main(["--dry-run", "--policies", "snapkv", "--lengths", "64", "--batch-lengths", "32,64",
+                     "--time-budget", "0.001", "--no-kvpress", "--out", str(out)]) == 0
+    results = json.loads((out / "selection_gpu.json").read_text())
+    assert results["status"] == "partial" and results["selection"] == [] and results["batch"] == []
+    assert [x["what"] for x in results["not_measured"]] == ["n=64", "batch"]
+    assert all(x["reason"].startswith("time budget") for x in results["not_measured"])
+    assert "## Not measured" in (out / "selection_gpu.md").read_text()
+
+
+def test_a_lost_cuda_context_stops_the_run(tmp_path):
+    import types
+
+    import torch
+
+    args = types.SimpleNamespace(time_budget=None, out=str(tmp_path), name="x")
+    results = {"errors": [], "not_measured": [], "selection": [], "batch": [], "kvpress": {}, "prefill": {},
+               "settings": {"dtype": "float32", "window": 8, "budget": 64, "repeats": 1}, "shape_used": {},
+               "policy_order": [], "command": "x"}
+    run = gpu.Run(args, torch, torch.device("cpu"), gpu.DRY_SHAPE, results)
+    run.cuda = True  # as on a GPU
+    run.error("snapkv n=8", RuntimeError("out of memory"))
+    assert run.broken is None and run.refusal(0.0) is None  # an allocation failure leaves the context usable
+    run.error("criticalkv n=8", RuntimeError("criticalkv::select_layer: an illegal memory access was encountered"))
+    assert "CUDA context was lost" in run.refusal(0.0) and "criticalkv n=8" in run.refusal(0.0)
