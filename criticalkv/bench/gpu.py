@@ -304,22 +304,18 @@ def layer_inputs(torch, layer, rotary, n: int, batch: int, window: int, dtype, d
 def load_kvpress():
     """kvpress's SnapKVPress, CriticalKVPress, AdaKVPress and its version, or raise ImportError with the reason.
 
-    ``kvpress/__init__.py`` imports every press, and some need packages a bare GPU machine lacks (datasets,
-    cachetools, fire); the three presses timed here need only torch and transformers, so when the package face
-    fails they are loaded from its folder without it (the face only adds the attention patch for AdaKV's masks
-    during decoding, which is not timed here)."""
-    spec = importlib.util.find_spec("kvpress")
-    if spec is None:
+    The presses are loaded from kvpress's folder without running its package face (``kvpress/__init__.py``): the face
+    imports every press, some of which need packages a bare GPU machine lacks (datasets, cachetools, fire), and it
+    patches transformers' attention functions to apply AdaKV's key masks, which would then run inside the prefill
+    timed here (and apply one length's masks to the next). The three presses need only torch and transformers."""
+    spec = importlib.util.find_spec("kvpress")  # finds the package without executing it
+    if spec is None or not spec.submodule_search_locations:
         raise ImportError("kvpress is not installed (carry its wheel: pip download --no-deps kvpress==0.5.5)")
-    note = "kvpress imported"
-    try:
-        importlib.import_module("kvpress")
-    except Exception as err:  # noqa: BLE001 (any failure of the face: fall back to the presses' own modules)
+    if "kvpress" not in sys.modules:
         package = types.ModuleType("kvpress")
-        package.__path__ = list(spec.submodule_search_locations or [])
+        package.__path__ = list(spec.submodule_search_locations)
         package.__spec__ = spec
         sys.modules["kvpress"] = package
-        note = f"kvpress's package face failed ({type(err).__name__}: {err}); presses loaded from its folder"
     snapkv = importlib.import_module("kvpress.presses.snapkv_press").SnapKVPress
     critical = importlib.import_module("kvpress.presses.criticalkv_press").CriticalKVPress
     adakv = importlib.import_module("kvpress.presses.adakv_press").AdaKVPress
@@ -329,7 +325,8 @@ def load_kvpress():
         version = metadata.version("kvpress")
     except metadata.PackageNotFoundError:
         version = "unknown"
-    return {"SnapKV": snapkv, "CriticalKV": critical, "AdaKV": adakv, "version": version, "note": note}
+    return {"SnapKV": snapkv, "CriticalKV": critical, "AdaKV": adakv, "version": version,
+            "note": "presses loaded from its folder without its package face (no attention patch)"}
 
 
 def kvpress_presses(kv, budget: int, n: int, window: int) -> dict:
@@ -531,8 +528,12 @@ def measure_kvpress(run: Run, layer, t: dict, n: int, kv) -> None:
         try:
             begin = time.monotonic()
             fn = lambda: press.compress(layer.self_attn, t["normed"], t["k"], t["v"], None, kwargs)  # noqa: E731
-            row = {"press": label, "n": n, **run.clock.measure(fn, args.repeats, args.measure_seconds)}
+            kept = fn()[0].shape[2]  # AdaKV masks instead of gathering: it keeps all n
+            row = {"press": label, "n": n, "kept_per_head": kept,
+                   **run.clock.measure(fn, args.repeats, args.measure_seconds)}
             run.per_policy_cost[label] = (n, time.monotonic() - begin)
+            if hasattr(layer.self_attn, "masked_key_indices"):  # AdaKV's masks: nothing here reads them
+                del layer.self_attn.masked_key_indices
         except Exception as err:  # noqa: BLE001
             run.error(what, err)
             continue
@@ -668,9 +669,11 @@ def render(results: dict) -> str:
     lines += ["", "## kvpress presses on the same tensors", ""]
     if kv.get("rows"):
         lines += [f"kvpress {kv.get('version')} ({kv.get('note')}); `press.compress` (scores, top-k, gather or mask)",
-                  "", "| press | n | ms | share % |", "|---|---:|---:|---:|"]
+                  "CUDA events around the call (its host synchronisations included).", "",
+                  "| press | n | kept per head | ms | share % |", "|---|---:|---:|---:|---:|"]
         for r in sorted(kv["rows"], key=lambda r: (r["n"], r["press"])):
-            lines.append(f"| {r['press']} | {r['n']} | {_f(r['ms'])} | {_f(r.get('share_percent'), 2)} |")
+            lines.append(f"| {r['press']} | {r['n']} | {r['kept_per_head']} | {_f(r['ms'])} | "
+                         f"{_f(r.get('share_percent'), 2)} |")
     else:
         lines.append(f"not measured: {kv.get('skipped', 'no rows')}")
     if results["not_measured"] or results["errors"]:

@@ -169,3 +169,17 @@ def test_a_lost_cuda_context_stops_the_run(tmp_path):
     assert run.broken is None and run.refusal(0.0) is None  # an allocation failure leaves the context usable
     run.error("criticalkv n=8", RuntimeError("criticalkv::select_layer: an illegal memory access was encountered"))
     assert "CUDA context was lost" in run.refusal(0.0) and "criticalkv n=8" in run.refusal(0.0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvpress") is None,
+                    reason="kvpress is not installed (pip install --no-deps --target DIR kvpress==0.5.5)")
+def test_bench_gpu_times_kvpress_presses_on_the_same_tensors(tmp_path):
+    out = tmp_path / "bench"
+    assert gpu.main(["--dry-run", "--policies", "snapkv", "--lengths", "128", "--batch-lengths", "none",
+                     "--repeats", "1", "--no-profile", "--budget", "40", "--out", str(out)]) == 0
+    results = json.loads((out / "selection_gpu.json").read_text())
+    rows = {r["press"]: r for r in results["kvpress"]["rows"]}
+    assert set(rows) == {"SnapKVPress", "CriticalKVPress(SnapKV)", "AdaKVPress(SnapKV)"}
+    assert rows["SnapKVPress"]["kept_per_head"] == rows["CriticalKVPress(SnapKV)"]["kept_per_head"] == 40
+    assert rows["AdaKVPress(SnapKV)"]["kept_per_head"] == 128  # masks, frees nothing
+    assert all(r["ms"] > 0 for r in rows.values())
