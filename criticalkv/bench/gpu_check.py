@@ -396,10 +396,13 @@ class Check:
         else:
             notes.append("pytest-timeout absent: no per-test limit")
         workers = self.args.pytest_workers if self.cuda else 0
-        if workers and "xdist" not in missing:
-            cmd += ["-n", str(workers)]
-        elif workers:
+        if workers and "xdist" in missing:
             notes.append("pytest-xdist absent: one process")
+        elif workers and shutil.which("flock") is None:
+            # each worker's session fixture runs scripts/build_plugin.sh, which serialises them with flock
+            notes.append("no flock: one process")
+        elif workers:
+            cmd += ["-n", str(workers)]
         if self.wanted("sanitizer") and self.cuda:
             cmd += ["--deselect", "tests/plugins/test_plugin_gpu.py::test_compute_sanitizer"]
         cmd += self.pytest_files() + shlex.split(self.args.pytest_args)

@@ -5,7 +5,9 @@ one), ``docqa`` (the compressed context cache), ``memory`` (memory-bound decode)
 ``single`` (vs kvpress and transformers), ``aiperf`` (cross-check), ``peers`` (vs onnxruntime-genai and OpenVINO
 GenAI, with the CPU's GEMM and bandwidth floors); the engine alone: ``latency`` (selection share of the prefill, decode
 per token, decode memory), ``selection`` (the selection nodes of several policies), ``norm-flops``, ``profile`` (where
-a prefill and a decode step spend their time); and ``targets`` / ``report`` (from the result files, no model run)."""
+a prefill and a decode step spend their time); on a GPU: ``gpu`` (every policy's selection per layer against the
+layer's prefill, with the GPU's floors, under ``results/gpu/``; ``scripts/gpu_check.sh`` runs it with the GPU tests);
+and ``targets`` / ``report`` (from the result files, no model run)."""
 
 from __future__ import annotations
 
