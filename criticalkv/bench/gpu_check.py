@@ -245,7 +245,7 @@ class Check:
         info["cuda_archs"] = self.archs
         if not self.cuda and not self.dry:
             self.dry = True
-            info["dry_run_reason"] = "no CUDA device visible to torch: dry run"
+            info["dry_run_reason"] = "no CUDA device visible to torch"
         info["dry_run"] = self.dry
         for key in ("git_head", "nvidia_smi", "torch", "nvcc", "compute_sanitizer", "cuda_archs", "trt_headers",
                     "imports_missing", "wheels", "dry_run"):
@@ -320,7 +320,7 @@ class Check:
 
     @staticmethod
     def outcome(name: str, budget: float, code: int | None, timed_out: bool, seconds: float, note: str = "",
-                **details) -> StepResult:
+                details: dict | None = None) -> StepResult:
         if timed_out:
             status = "timed out"
         elif code == 0:
@@ -328,7 +328,7 @@ class Check:
         else:
             status = "failed"
         note = note or (f"exit {code}" if code not in (0, None) else "")
-        return StepResult(name, status, budget, seconds, code, note, details)
+        return StepResult(name, status, budget, seconds, code, note, details or {})
 
     def build(self) -> StepResult:
         budget = self.budget("build")
@@ -370,7 +370,7 @@ class Check:
                                 f"{details['not_measured']} not measured, {details['errors']} errors")
             except ValueError:
                 pass
-        return self.outcome("bench", budget, code, timed_out, seconds, note, **details)
+        return self.outcome("bench", budget, code, timed_out, seconds, note, details)
 
     def pytest_files(self) -> list[str]:
         if self.args.pytest_paths:
@@ -412,13 +412,13 @@ class Check:
         code, timed_out, seconds = stream(cmd, budget, self.log, env)
         details = summarize_live(live)
         counts = details.get("counts", {})
-        parts = [f"{v} {k}" for k, v in sorted(counts.items())]
+        parts = [f"{v} {k}" for k, v in sorted(counts.items())] + ([details["problem"]] if "problem" in details else [])
         if details.get("not_reached"):
             parts.append(f"{len(details['not_reached'])} not reached")
         if not self.cuda and self.args.marker == "gpu":
             notes.append("no CUDA: every GPU test skips")
         note = ", ".join(parts + notes) or (f"exit {code}" if code else "")
-        return self.outcome("pytest", budget, code, timed_out, seconds, note, **details)
+        return self.outcome("pytest", budget, code, timed_out, seconds, note, details)
 
     def sanitizer(self) -> StepResult:
         budget = self.budget("sanitizer")
@@ -493,7 +493,7 @@ class Check:
         note = f"files: {', '.join(p.name for p in kept) or 'none'}"
         if len(files) > len(kept):
             note += f"; not kept (8 files come back): {', '.join(p.name for p in files if p not in kept)}"
-        return self.outcome("serve", budget, code, timed_out, seconds, note, files=[p.name for p in kept])
+        return self.outcome("serve", budget, code, timed_out, seconds, note, {"files": [p.name for p in kept]})
 
     # -------------------------------------------------------------------- summary
     def write_summary(self) -> None:
@@ -536,7 +536,7 @@ def summarize_live(path: Path) -> dict:
     """Outcome counts, failures and tests never reached, from tests/live_report.py's lines."""
     collected, outcomes = [], {}
     if not path.is_file():
-        return {"counts": {}, "note": "no live report (pytest did not start?)"}
+        return {"counts": {}, "problem": "no live report: pytest did not start or loaded no tests/live_report.py"}
     for line in path.read_text(errors="replace").splitlines():
         try:
             record = json.loads(line)
@@ -570,8 +570,9 @@ def render_summary(data: dict, out: Path) -> str:
              "budget",
              f"- git head: {env.get('git_head')}",
              f"- GPU (nvidia-smi: name, driver, compute capability, memory): {env.get('nvidia_smi')}",
-             f"- torch {torch.get('torch')} (CUDA {torch.get('cuda')}, device {torch.get('name', '-')}, "
-             f"{torch.get('sms', '-')} SMs){' error: ' + torch['error'][-200:] if torch.get('error') else ''}",
+             (f"- torch {torch.get('torch')} (CUDA {torch.get('cuda')}, device {torch.get('name', '-')}, "
+              f"{torch.get('sms', '-')} SMs)" if not torch.get("error") else
+              f"- torch: **not usable**: {torch['error'].strip().splitlines()[-1][:300]}"),
              f"- nvcc: {env.get('nvcc')}; compute-sanitizer: {env.get('compute_sanitizer')}; "
              f"CKV_CUDA_ARCHS={env.get('cuda_archs')}",
              f"- python: {env.get('python')}; versions: "
