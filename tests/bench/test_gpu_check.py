@@ -90,6 +90,7 @@ def test_live_outcomes_count_failures_and_tests_never_reached(tmp_path):
     live = gpu_check.summarize_live(path)
     assert live["collected"] == 4 and live["counts"] == {"passed": 1, "error": 1, "skipped": 1}
     assert live["not_reached"] == ["t::d"] and [f["nodeid"] for f in live["failures"]] == ["t::b"]
+    assert "pytest did not start" in gpu_check.summarize_live(tmp_path / "absent.jsonl")["problem"]
 
 
 def test_driver_arguments():
