@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ("build", "bench", "pytest", "sanitizer", "serve")
 #: seconds per step (the table of docs/gpu_check.md): 320 s in all, inside a call of at most 6 minutes (timeout_s 360)
-DEFAULT_BUDGETS = {"prepare": 15, "build": 45, "bench": 70, "pytest": 120, "sanitizer": 35, "serve": 35}
+DEFAULT_BUDGETS = {"prepare": 15, "build": 45, "bench": 80, "pytest": 110, "sanitizer": 35, "serve": 35}
 DEFAULT_TOTAL = 320
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 #: the project's Python imports a GPU machine may lack (pyproject dependencies and extras)
@@ -350,7 +350,7 @@ class Check:
     def bench(self) -> StepResult:
         budget = self.budget("bench")
         cmd = [self.python, "-m", "criticalkv.cli", "bench", "gpu", "--out", str(self.out), "--name", "selection_gpu",
-               "--time-budget", str(max(10, int(budget - 20)))]
+               "--time-budget", str(max(10, int(budget - 25)))]
         cmd += ["--dry-run"] if self.dry else []
         cmd += shlex.split(self.args.bench_args)
         self.header("bench", budget, shlex.join(cmd[2:]))
