@@ -24,6 +24,14 @@ CKV_CUDA_ARCHS=${CKV_CUDA_ARCHS:-80;90}
 CKV_WERROR=${CKV_WERROR:-ON}
 KERNEL_LENS=kernel-lens==2.0.1
 
+# One build per build folder at a time: pytest-xdist workers (scripts/gpu_check.sh) each run this script from their
+# session fixture, and two cmake runs rewriting one tree at once can break it; the later ones find it up to date.
+mkdir -p "$BUILD_DIR"
+if command -v flock >/dev/null 2>&1; then
+    exec 9>"$BUILD_DIR/.build.lock"
+    flock 9
+fi
+
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
     export PATH=/usr/local/cuda/bin:$PATH
 fi
