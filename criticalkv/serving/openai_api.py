@@ -42,6 +42,8 @@ from criticalkv.request import DEFAULT_MAX_TOKENS
 COMPLETIONS_DEFAULT_MAX_TOKENS = DEFAULT_MAX_TOKENS
 INT32_MAX = 2**31 - 1
 INTERNAL_PREFIX = "internal error: "
+#: what a request still running when the server stops gets (503, as OpenAI's service_unavailable)
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class APIError(Exception):
@@ -206,10 +208,12 @@ class TritonModel:
         self.grpc_url, self.name = grpc_url, name
         self.client = None
         self.inputs: set[str] = set()
+        self.draining: asyncio.Event | None = None  # set when the server stops: requests end with SHUTTING_DOWN
 
     async def connect(self) -> None:
         import tritonclient.grpc.aio as grpcclient
 
+        self.draining = asyncio.Event()
         self.client = grpcclient.InferenceServerClient(self.grpc_url)
         config = await self.client.get_model_config(self.name, as_json=True)
         self.inputs = {i["name"] for i in config["config"]["input"]}
@@ -250,10 +254,12 @@ class TritonModel:
         async def one_request():
             yield {"model_name": self.name, "inputs": self._inputs(values), "request_id": request_id}
 
+        if self.draining is not None and self.draining.is_set():
+            raise APIError(503, SHUTTING_DOWN)
         call = self.client.stream_infer(one_request())
         finished = False
         try:
-            async for result, error in call:
+            async for result, error in _until(call, self.draining):
                 if error is not None:
                     raise model_error(str(error.message() if hasattr(error, "message") else error))
                 out = {}
@@ -284,11 +290,38 @@ class TritonModel:
                 call.cancel()  # Triton cancels the request: the model frees its slot
 
 
+async def _until(responses, draining: asyncio.Event | None):
+    """The items of ``responses`` until ``draining`` is set: then APIError 503 (the server is shutting down)."""
+    if draining is None:
+        async for item in responses:
+            yield item
+        return
+    iterator = responses.__aiter__()
+    stop = asyncio.ensure_future(draining.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(iterator.__anext__())
+            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+                raise APIError(503, SHUTTING_DOWN)
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        stop.cancel()
+
+
 def model_error(message: str) -> APIError:
     """APIError for an error the model (or Triton) sent on the stream: the model's own checks of the
     request are the client's mistakes (400); what it marks as internal is the server's (500)."""
     if message.startswith(INTERNAL_PREFIX):
         return APIError(500, message)
+    if message.startswith(SHUTTING_DOWN):  # the model was told to end its requests (the server stops)
+        return APIError(503, message)
     if "request cancelled" in message:
         return APIError(499, message, type_="cancelled")
     # the OpenAI fields were put into the model's sampling_parameters input: name them as the client did
@@ -314,10 +347,12 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
     @asynccontextmanager
     async def lifespan(app):
         await model.connect()
+        app.state.loop = asyncio.get_running_loop()
         yield
         await model.close()
 
     app = FastAPI(title="criticalkv OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.model = model
 
     def error_response(err: APIError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
@@ -561,9 +596,9 @@ class OpenAIFrontend:
         import uvicorn
 
         self.sock = sock
-        app = create_app(grpc_url, model_name, tokenizer, api_key, chat_max_tokens)
+        self.app = app = create_app(grpc_url, model_name, tokenizer, api_key, chat_max_tokens)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+                                                    timeout_graceful_shutdown=2))
         self.thread = None
 
     @property
@@ -588,7 +623,15 @@ class OpenAIFrontend:
         return self.thread is not None and self.thread.is_alive()
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting, end the requests in flight at once with OpenAI's error object (503, "the server is
+        shutting down"; a stream gets it as its last event, then ``[DONE]``), and wait for uvicorn to finish."""
         if self.thread is not None:
+            loop, model = getattr(self.app.state, "loop", None), self.app.state.model
+            if loop is not None and model.draining is not None:
+                try:
+                    loop.call_soon_threadsafe(model.draining.set)
+                except RuntimeError:  # the loop already closed: nothing is in flight
+                    pass
             self.server.should_exit = True
             self.thread.join(timeout_s)
         self.sock.close()
