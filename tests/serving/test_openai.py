@@ -332,21 +332,29 @@ def test_a_server_that_cannot_take_its_ports_is_never_reported_ready(served, tmp
     assert "failed to start HTTP service" in server.log_tail()
 
 
-def test_a_killed_launcher_takes_its_server_with_it(served, capsys, monkeypatch):
-    """SIGKILL of `criticalkv serve`: tritonserver and the model process end within seconds; the temporary
-    repository it could not remove is removed by the next start. Runs last: it ends the module's server."""
+def test_a_launcher_killed_with_its_watchdog_is_cleaned_up_by_the_next_start(served, capsys, monkeypatch):
+    """SIGKILL of `criticalkv serve` and of its watchdog at once (tests/serving/test_shutdown.py kills the launcher
+    alone): tritonserver ends by its parent-death signal; the next start (here one that stops at a taken port) kills
+    whatever of the server is left, and removes the temporary repository and the shared-memory regions the killed
+    launcher's server named after it. Runs last: it ends the module's server."""
     import tempfile
+
+    from criticalkv.serving.launcher import SHM_PREFIX
 
     launcher_process = psutil.Process(served.process.pid)
     children = launcher_process.children(recursive=True)
-    assert {p.name() for p in children} >= {"tritonserver", "triton_python_backend_stub"}, children
+    watchdogs = [p for p in children if "criticalkv/serving/watchdog.py" in " ".join(p.cmdline())]
+    assert {p.name() for p in children} >= {"tritonserver", "triton_python_backend_stub"} and len(watchdogs) == 1
     leftovers = sorted(served.tmp.glob(f"criticalkv-serve-{served.process.pid}-*"))
     assert len(leftovers) == 1 and (leftovers[0] / "models" / MODEL / "config.pbtxt").is_file()
+    regions = [p for p in Path("/dev/shm").glob(f"{SHM_PREFIX}{served.process.pid}_*")]
+    assert regions
+    watchdogs[0].kill()
     served.process.kill()
     served.process.wait(10)
-    gone, alive = psutil.wait_procs(children, timeout=10)
-    assert not alive, f"still running 10 s after the launcher's SIGKILL: {alive}"
-    # the next start (here one that stops at a taken port) removes the killed launcher's repository
+    gone, alive = psutil.wait_procs([p for p in children if p.name() == "tritonserver"], timeout=10)
+    assert not alive, f"tritonserver still running 10 s after the launcher's SIGKILL: {alive}"
+    # the next start removes the killed launcher's repository, its shared memory and any process of its server
     monkeypatch.setattr(tempfile, "tempdir", str(served.tmp))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -356,4 +364,6 @@ def test_a_killed_launcher_takes_its_server_with_it(served, capsys, monkeypatch)
     err = capsys.readouterr().err
     assert f"removed {leftovers[0]}: a temporary left by process {served.process.pid}" in err
     assert not leftovers[0].exists()
-
+    assert not [r for r in regions if r.exists()], err
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"still running after the next start: {alive}"
