@@ -209,11 +209,17 @@ def _max_new_tokens(engine_dir: Path) -> int:
 
 
 def _load_tokenizer(engine_dir: Path):
-    from transformers import AutoTokenizer
-
+    """The engine's tokenizer as ``Engine.tokenizer`` loads it: the fast (Rust) tokenizer when there is a
+    ``tokenizer.json``, which loads no torch (this process then starts and exits seconds sooner)."""
     folder = Path(engine_dir) / "tokenizer"
     if not folder.is_dir():
         raise FileNotFoundError(f"{engine_dir}: no tokenizer folder (the OpenAI API needs it; or give --openai-port 0)")
+    if (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(folder)
 
 

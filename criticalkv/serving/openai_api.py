@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Literal, Union
@@ -179,8 +180,10 @@ def check_common(request: _Common, served_model: str, model_inputs: set[str]) ->
         value = getattr(request, name, None)
         if not any(_same(value, v) for v in neutral):
             raise APIError(400, f"{name}: not supported by this server (got {value!r})", name)
-    if request.kv_budget is not None and not 0 <= request.kv_budget <= INT32_MAX:
-        raise APIError(400, f"kv_budget: {request.kv_budget} is out of range (a token count per KV head)", "kv_budget")
+    # the model checks kv_budget against the engine's range (and names it); here only what the INT32 input cannot carry
+    if request.kv_budget is not None and not -INT32_MAX - 1 <= request.kv_budget <= INT32_MAX:
+        raise APIError(400, f"kv_budget must lie in the engine's range (a token count per KV head, at most its built "
+                            f"budget), got {request.kv_budget}", "kv_budget")
     if request.context is False:
         request.context = None
     if request.context is not None and "context" not in model_inputs:
@@ -325,7 +328,18 @@ def model_error(message: str) -> APIError:
     if "request cancelled" in message:
         return APIError(499, message, type_="cancelled")
     # the OpenAI fields were put into the model's sampling_parameters input: name them as the client did
-    return APIError(400, message.removeprefix("sampling_parameters: "))
+    message = message.removeprefix("sampling_parameters: ")
+    return APIError(400, message, _param_of(message))
+
+
+#: the request fields a model error may name first ("kv_budget must lie in ...", "max_tokens: ...")
+_PARAMS = set(ChatRequest.model_fields) | set(CompletionRequest.model_fields)
+
+
+def _param_of(message: str) -> str | None:
+    """OpenAI's ``param`` of a model error: the request field its message starts with, if any."""
+    match = re.match(r"([a-z_]+)(?::| must| is)", message)
+    return match.group(1) if match and match.group(1) in _PARAMS else None
 
 
 # --------------------------------------------------------------------------------------------------- app

@@ -200,6 +200,11 @@ def test_bad_requests_get_400_naming_the_problem_and_the_server_keeps_serving(se
         code, out = served.post(path, body)
         assert code == status and re.search(message, out["error"]["message"]), (body, out)
         assert out["error"]["type"] == "invalid_request_error" and out["error"]["code"] == status
+    for kv_budget in (41, 7, -5, 10000):  # one message with the engine's range, and OpenAI's param names the field
+        code, out = served.post("/chat/completions", {"messages": [{"role": "user", "content": "w5"}],
+                                                      "kv_budget": kv_budget})
+        assert code == 400 and out["error"]["param"] == "kv_budget", out
+        assert re.fullmatch(rf"kv_budget must lie in \[8, 40\] \([^)]*\), got {kv_budget}", out["error"]["message"]), out
     with pytest.raises(openai.BadRequestError, match="kv_budget must lie in"):  # the client's own error class
         served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}],
                                               extra_body={"kv_budget": 7})
