@@ -60,6 +60,12 @@ def register(subparsers) -> None:
                         "'Authorization: Bearer KEY', else 401 (default: $CRITICALKV_API_KEY, or no key). "
                         "Triton's own ports are not covered")
     add_model_arguments(p)
+    p.add_argument("--tritonserver", type=Path, default=os.environ.get(launcher.TRITONSERVER_ENV) or None,
+                   metavar="DIR",
+                   help="run this Triton installation (DIR/bin/tritonserver, DIR/backends) instead of the one --setup "
+                        "unpacks, e.g. /opt/tritonserver in NVIDIA's tritonserver container (docs/gpu.md); the model "
+                        "then runs in that server's Python with this environment's packages on its path "
+                        "(default: $CRITICALKV_TRITONSERVER)")
     p.add_argument("--setup", action="store_true", help="only set up tritonserver and the model environment, then exit")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server (default: 600)")
     p.set_defaults(func=run)
@@ -78,9 +84,12 @@ def engine_dir_of(args) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tritonserver is not None:  # the launcher's helpers read it (and tritonserver's children inherit it)
+        os.environ[launcher.TRITONSERVER_ENV] = str(Path(args.tritonserver).resolve())
     launcher.setup(log=lambda m: print(m, file=sys.stderr))
     if args.setup:
-        print(f"tritonserver ready to run from {launcher.server_dir()} (model environment {launcher.model_env()})")
+        env = f"model environment {launcher.model_env()}" if launcher.model_env() else "the model runs in its Python"
+        print(f"tritonserver ready to run from {launcher.server_dir()} ({env})")
         return 0
     if args.repo is None and args.engine_dir is None:
         raise ValueError("give --engine-dir (or --repo with a rendered model repository)")
@@ -116,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
             repo = tmp / "models"
             make_repository(args.engine_dir, repo, model_name=args.model_name, instances=args.instances,
                             scheduler=scheduler_config(args), backend=args.backend,
-                            gpus=args.gpus, threads=args.threads, execution_env=str(launcher.model_env()),
+                            gpus=args.gpus, threads=args.threads,
+                            execution_env=str(launcher.model_env()) if launcher.model_env() else None,
                             python_paths=launcher.project_paths())
         engine_dir = engine_dir_of(args) if openai_sock is not None else None
         server = launcher.TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port,

@@ -64,12 +64,24 @@ def cache_dir() -> Path:
     return cache_root()
 
 
+#: a Triton installation to run instead of the one ``setup()`` unpacks (the official container's /opt/tritonserver):
+#: its ``bin/tritonserver`` and ``backends/``; the model then runs in that server's own Python (no model environment)
+TRITONSERVER_ENV = "CRITICALKV_TRITONSERVER"
+
+
+def external_server() -> Path | None:
+    """The Triton installation named by ``$CRITICALKV_TRITONSERVER`` (``serve --tritonserver``), or None."""
+    value = os.environ.get(TRITONSERVER_ENV)
+    return Path(value) if value else None
+
+
 def server_dir() -> Path:
-    return triton_home() / "server"
+    return external_server() or triton_home() / "server"
 
 
-def model_env() -> Path:
-    return triton_home() / "model-env"
+def model_env() -> Path | None:
+    """The virtual environment the model runs in (``EXECUTION_ENV_PATH``): None with an external server."""
+    return None if external_server() is not None else triton_home() / "model-env"
 
 
 def python_tag() -> str:
@@ -77,6 +89,8 @@ def python_tag() -> str:
 
 
 def is_set_up() -> bool:
+    if external_server() is not None:
+        return (server_dir() / "bin" / "tritonserver").is_file() and (server_dir() / "backends" / "python").is_dir()
     return (server_dir() / "bin" / "tritonserver").is_file() and \
         (server_dir() / "backends" / "python" / "triton_python_backend_stub").is_file() and \
         (model_env() / "bin" / "python").is_file()
@@ -87,7 +101,13 @@ def _pip(python: str, *args: str) -> None:
 
 
 def setup(force: bool = False, log=print) -> Path:
-    """Download the wheel (once, into the cache), unpack the server, create the model environment."""
+    """Download the wheel (once, into the cache), unpack the server, create the model environment. With an external
+    server (``$CRITICALKV_TRITONSERVER``) only check that it has ``bin/tritonserver`` and the Python backend."""
+    if external_server() is not None:
+        if not is_set_up():
+            raise FileNotFoundError(f"{server_dir()}: not a Triton installation (no bin/tritonserver or no "
+                                    "backends/python); --tritonserver names the folder holding both, e.g. /opt/tritonserver")
+        return server_dir()
     home = triton_home()
     if is_set_up() and not force:
         return home
