@@ -1,5 +1,5 @@
-"""Set up and run the ``tritonserver`` bundled in the ``nvidia-pytriton`` wheel (CPU machines; GPU boxes use the
-official Triton container, see the README).
+"""Set up and run the ``tritonserver`` bundled in the ``nvidia-pytriton`` wheel (a CUDA 12.6 build that also runs on
+CPU), or an installed Triton named by ``$CRITICALKV_TRITONSERVER`` (the official container's, docs/gpu.md).
 
 ``setup()`` makes, inside the checkout (``.triton/``, git-ignored):
 
