@@ -423,6 +423,7 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not cancelled():
             if self.process.poll() is not None:
+                self.stop()  # whatever of its group is left, and its watchdog
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready:\n"
                                    f"{self.log_tail()}")
             # its own log says it listens on every port before any health answer counts: another server
