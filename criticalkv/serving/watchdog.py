@@ -2,9 +2,11 @@
 
 Why: ``tritonserver`` gets SIGKILL when its launcher dies (``prctl(PR_SET_PDEATHSIG)``), but its Python-backend
 stubs are *its* children, and a stub cleans up on its own when its server is gone only when nothing is in flight:
-with responses streaming, its exit path can block for ever on a message queue its dead server no longer reads
-(seen: a 2.2 GB stub left under PID 1, ignoring SIGTERM, its ``/dev/shm`` region and the temporary repository left
-behind). The stubs stay in the process group of the ``tritonserver`` that forked them, so killing that group ends
+with responses streaming its exit path can block for ever (python_backend's ``pb_stub.cc``: on its parent's death
+the health thread joins the stub's message-queue threads and destroys its Python objects under the GIL, while a
+send to the dead server retries until its queue has room; SIGINT and SIGTERM are ignored there). Seen: a 2.2 GB stub
+left under PID 1, ignoring SIGTERM, its ``/dev/shm`` region and the temporary repository left behind (2 of 3
+SIGKILLs of a launcher with four streams running, tests/serving/test_shutdown.py's load). The stubs stay in the process group of the ``tritonserver`` that forked them, so killing that group ends
 every process of the server, whatever each one is doing.
 
 ``Watchdog()`` starts this file as a small stdlib-only process (``python -I -S``: no site-packages, ~20 ms, a few
