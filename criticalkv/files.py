@@ -16,6 +16,15 @@ from typing import Callable
 from criticalkv.interrupts import raise_pending
 
 
+def cache_root() -> Path:
+    """Root of criticalkv's user cache (converted models, downloaded wheels): ``$CRITICALKV_CACHE``, else
+    ``$XDG_CACHE_HOME/criticalkv``, else ``~/.cache/criticalkv``."""
+    if os.environ.get("CRITICALKV_CACHE"):
+        return Path(os.environ["CRITICALKV_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "criticalkv"
+
+
 def sha256_file(path: Path) -> str:
     """Hex SHA-256 of a file, read in 4 MiB blocks."""
     digest = hashlib.sha256()

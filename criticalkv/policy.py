@@ -188,8 +188,7 @@ class KVPolicy:
             why = "the window and the engine's built budget"
             if self.min_budget > self.window:
                 why = "the window or sink_tokens, whichever is larger, and the engine's built budget"
-            raise ValueError(f"kv_budget: {kv_budget} is outside the range; kv_budget must lie in "
-                             f"[{self.min_budget}, {self.budget}] ({why}), got {kv_budget}")
+            raise ValueError(f"kv_budget must lie in [{self.min_budget}, {self.budget}] ({why}), got {kv_budget}")
         return None if kv_budget == self.budget else kv_budget
 
     def with_budget(self, kv_budget: int | None) -> "KVPolicy":

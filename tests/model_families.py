@@ -86,3 +86,52 @@ def random_checkpoint(fam: Family, seed: int = 0):
 
 def random_prompt(n: int, seed: int) -> list[int]:
     return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+#: How far ONNX Runtime's and the PyTorch path's inputs to the selection lie apart on these checkpoints: the largest
+#: |ORT - torch| of a post-RoPE key or value divided by the largest |entry| of its row, measured on a full engine's
+#: prefill of a 150-token prompt against transformers' cache (one thread each): 7e-7 (llama-mha), 1.3e-6 (issue 22's
+#: Qwen2 shape), 2.4e-6 (qwen3), 2.8e-6 (mistral), 4.1e-6 (ministral), 4.4e-6 (llama3-gqa), 5.2e-6 (llama32-tied),
+#: 8.2e-6 (qwen2, 3 layers: the deepest). The two compute the same model with different matmul kernels; 1e-5 covers
+#: every family.
+MATMUL_NOISE = 1e-5
+
+
+def recorded_layers(model, ids, mask, policy, monkeypatch):
+    """[(q, k, v, o, layer_idx, num_layers, lengths, rotation)] of every select_layer call of one prefill on the PyTorch
+    path (rotation: RoPE's tables, for a method that reads them)."""
+    import criticalkv.hf.compress as compress
+    from criticalkv import select_layer
+
+    calls = []
+
+    def record(policy, q, k, v, o, layer_idx, num_layers, lengths, rotation=None):
+        calls.append((q, k, v, o.detach(), layer_idx, num_layers, lengths, rotation))
+        return select_layer(policy, q, k, v, o, layer_idx, num_layers, lengths, rotation=rotation)
+
+    monkeypatch.setattr(compress, "select_layer", record)
+    compress.prefill_and_compress(model, ids, policy, attention_mask=mask)
+    monkeypatch.undo()
+    return calls
+
+
+def swap_within_noise(policy, layer, row: int, head: int, kept: list[int], noise: float = MATMUL_NOISE,
+                      trials: int = 64) -> bool:
+    """Whether the PyTorch reference itself keeps ``kept`` for (``row``, ``head``) when its inputs ``layer`` (one entry
+    of ``recorded_layers``) move by ``noise`` relative to each row's largest entry, as they do between backends: then
+    a backend that kept ``kept`` differs from the reference only by a near tie at a cut (two tokens whose deciding
+    scores lie within the backends' matmul noise), not by a rule. Seeded: the same answer every run."""
+    from criticalkv import select_layer
+
+    q, k, v, o, layer_idx, num_layers, lengths, rotation = layer
+    g = torch.Generator().manual_seed(29)
+
+    def moved(x):
+        scale = x.abs().amax(dim=-1, keepdim=True) * noise
+        return x + (torch.rand(x.shape, generator=g) * 2 - 1) * scale
+
+    for _ in range(trials):
+        ref = select_layer(policy, moved(q), moved(k), moved(v), o, layer_idx, num_layers, lengths, rotation=rotation)
+        if [i for i in ref.indices[row, head].tolist() if i >= 0] == kept:
+            return True
+    return False

@@ -119,6 +119,66 @@ def test_version(capsys):
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"criticalkv {metadata.version('criticalkv')}"
 
 
+#: what a command that only parses, lists or refuses its arguments must not load (seconds of imports each)
+HEAVY = ("torch", "transformers", "onnxruntime", "onnx", "fastapi", "uvicorn", "tritonclient", "matplotlib")
+
+
+def _loaded_by(argv, env=None):
+    """(exit status, stderr, the HEAVY modules loaded) of `criticalkv ARGV` run in a fresh interpreter."""
+    script = ("import json, sys\nfrom criticalkv.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
+              "except SystemExit as e:\n    code = e.code\n"
+              f"print('LOADED', json.dumps([m for m in {HEAVY!r} if m in sys.modules]), file=sys.stderr)\n"
+              "sys.exit(code)")
+    run = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
+                         env={**os.environ, **(env or {})})
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("LOADED "), run.stderr
+    return run.returncode, run.stderr, json.loads(last[len("LOADED "):])
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["policies"], 0),
+    (["--help"], 0),
+    (["serve", "--help"], 0),
+    (["bench", "serve", "--help"], 0),
+    (["eval", "needle", "--help"], 0),
+    (["generate", "--prompt", "hi", "--budget", "0"], 2),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "many"], 2),
+    (["serve", "--engine-dir", "e", "--http-port", "x"], 2),
+    (["eval", "needle", "--out", "o", "--samples", "0"], 2),
+    (["bench", "serve", "--engine-dir", "e", "--concurrency", "0"], 2),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_help_listings_and_argument_errors_load_no_torch(argv, code):
+    """`criticalkv policies`, --help and argument errors answer at once (each of HEAVY costs seconds to import:
+    `policies` took 7.7 s when every subcommand's module imported them)."""
+    status, err, loaded = _loaded_by(argv)
+    assert status == code and "Traceback" not in err, err
+    assert loaded == [], f"criticalkv {' '.join(argv)} loaded {loaded}"
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_dir(tmp_path_factory):
+    from serving.servers import build_tiny_engine
+
+    return build_tiny_engine(tmp_path_factory.mktemp("engine"))
+
+
+def test_a_bad_budget_fails_before_the_engine_loads(tiny_engine_dir):
+    status, err, loaded = _loaded_by(["generate", "--engine-dir", str(tiny_engine_dir), "--prompt", "w5", "--budget", "0"])
+    assert status == 2 and "serves per-request budgets in [8, 40] only" in err, err
+    assert "onnxruntime" not in loaded, loaded
+
+
+def test_serve_tensorrt_without_tensorrt_engines_fails_before_anything_starts(tiny_engine_dir, tmp_path):
+    """The message `generate --backend tensorrt` gives, status 2, no server started (no temporary repository)."""
+    status, err, _ = _loaded_by(["serve", "--engine-dir", str(tiny_engine_dir), "--backend", "tensorrt"],
+                                env={"TMPDIR": str(tmp_path)})
+    assert status == 2, err
+    assert f"criticalkv serve: error: {tiny_engine_dir}: no TensorRT engines in this engine directory" in err, err
+    assert "Rebuild it with scripts/build_engine.py on a machine with TensorRT 10" in err
+    assert "starting tritonserver" not in err and not list(tmp_path.glob("criticalkv-serve-*")), err
+
+
 #: where the signal lands: (name, when, what the command has read of its prompt by then); the prompt is a FIFO
 #: the command blocks reading, but for "imports", which gets its prompt on the command line and goes on to
 #: import torch

@@ -61,7 +61,7 @@ def test_request_checked_against_an_engine():
         (Request(list(range(101))), "the prompt has 101 tokens, more than the engine's max input length 100"),
         (Request([3, 50]), r"prompt token ids must lie in \[0, 50\)"),
         (Request([3], SamplingParams(max_tokens=33)), r"max_tokens must lie in \[1, 32\] \(the engine's built maximum\)"),
-        (Request([3], kv_budget=41), r"kv_budget: 41 is outside.*kv_budget must lie in \[8, 40\]"),
+        (Request([3], kv_budget=41), r"^kv_budget must lie in \[8, 40\] \(the window and the engine.s built budget\), got 41$"),
         (Request([3], kv_budget=7), r"kv_budget must lie in \[8, 40\]"),
         (Request([3], kv_budget=20.5), "kv_budget: expected an integer"),
         (Request([3], kv_budget=True), "kv_budget: expected an integer"),

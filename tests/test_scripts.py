@@ -53,6 +53,21 @@ def test_build_plugin_help_builds_nothing(tmp_path):
     assert "#" not in help_run.stdout.splitlines()[0]
 
 
+def test_container_serve_explains_itself_and_refuses_to_run_outside_the_container(tmp_path):
+    """scripts/container_serve.sh (docs/gpu.md): --help, no engine directory (status 2), and outside NVIDIA's
+    tritonserver container a one-line error before it installs or builds anything."""
+    script = str(ROOT / "scripts" / "container_serve.sh")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "VENV": str(tmp_path / "venv"),
+           "TRITON_DIR": str(tmp_path / "no-triton")}
+    run = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, env=env, timeout=30)
+    assert run.returncode == 0 and run.stdout.startswith("Serve an engine with TensorRT") and "CKV_BUILD_ARGS" in run.stdout
+    run = subprocess.run(["bash", script], capture_output=True, text=True, env=env, timeout=30)
+    assert run.returncode == 2 and "give the engine directory" in run.stderr
+    run = subprocess.run(["bash", script, str(tmp_path / "engine")], capture_output=True, text=True, env=env, timeout=30)
+    assert run.returncode == 2 and f"no {tmp_path / 'no-triton'}/bin/tritonserver" in run.stderr
+    assert not (tmp_path / "venv").exists()
+
+
 def test_the_package_metadata_installs_without_a_license_warning():
     """project.license is an SPDX string (a TOML table makes setuptools warn three times per install)."""
     import warnings

@@ -25,8 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from criticalkv.bench import machine
 from criticalkv.bench.client import Endpoint, request_body, run_load
 from criticalkv.bench.machine import header_lines
@@ -169,6 +167,8 @@ def cross_check(args, log=print) -> dict:
     results = machine.header(args.command_line)
     log("\n".join(machine.header_lines(results)))
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else Path(args.engine_dir) / "tokenizer"
+    from transformers import AutoTokenizer  # here: `criticalkv --help` and argument errors do not load it
+
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     prompts = make_prompts(tokenizer, args.isl, args.warmup + args.num_requests, seed=args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="criticalkv-aiperf-"))

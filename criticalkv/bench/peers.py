@@ -34,11 +34,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from criticalkv.bench.machine import header_lines
 from criticalkv.bench.prompts import corpus_ids, make_prompts
-from criticalkv.hf.loading import resolve_model
 from criticalkv.runtime import Engine
 from criticalkv.runtime.manifest import read_manifest
 
@@ -170,6 +167,10 @@ def single_request(engine_dir: Path, root: Path, isl: int, new_tokens: int, repe
                    peers=("kvpress", "transformers"), log=print) -> dict:
     """Time criticalkv (ONNX Runtime), kvpress and transformers on one chat-wrapped prompt of ``isl``
     tokens; returns each implementation's numbers, medians and the ratios to criticalkv."""
+    from transformers import AutoTokenizer  # here: `criticalkv --help` and argument errors do not load torch
+
+    from criticalkv.hf.loading import resolve_model
+
     model_dir = resolve_model(model)
     manifest = read_manifest(Path(engine_dir), verify=False)
     budget = manifest["policy"]["budget"]

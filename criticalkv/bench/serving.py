@@ -16,8 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from criticalkv.bench import machine, report
 from criticalkv.bench.client import Endpoint, is_ready, ready_models, request_body, run_load
 from criticalkv.bench.metrics import summarize
@@ -56,6 +54,8 @@ def load_tokenizer(args):
     folder = Path(args.tokenizer) if args.tokenizer else Path(args.engine_dir[0]) / "tokenizer"
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no tokenizer folder (give --tokenizer with --url)")
+    from transformers import AutoTokenizer  # here: `criticalkv --help` and argument errors do not load it
+
     return AutoTokenizer.from_pretrained(folder)
 
 

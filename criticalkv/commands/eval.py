@@ -15,18 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from criticalkv.eval import report
-from criticalkv.eval.io import environment, prepare_out_dir
-from criticalkv.eval.needle import needle_prompts
-from criticalkv.eval.report import refresh
+# torch, transformers and the evaluation's figures load in run() (seconds): --help and argument errors answer at once
 from criticalkv.eval.ruler import TASKS as RULER_TASKS
-from criticalkv.eval.ruler import ruler_prompts
-from criticalkv.eval.runner import evaluate
 from criticalkv.eval.specs import PolicyRun, check_lengths, default_policy_specs, expand_runs, parse_list
-from criticalkv.hf import load_model
-from criticalkv.hf.loading import resolve_model, stop_token_ids
 from criticalkv.methods import same_selection
 from criticalkv.methods import unrefined as base_policy
 from criticalkv.policy import POLICIES, KVPolicy
@@ -100,6 +91,8 @@ def _question_agnostic(p: argparse.ArgumentParser) -> None:
 
 
 def run_report(args) -> int:
+    from criticalkv.eval.report import refresh
+
     files = []
     for path in args.paths:
         if path.is_dir():
@@ -204,6 +197,14 @@ def run(args) -> int:
         runs = _with_bases(runs)
     if args.resume and args.overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
+    import torch
+
+    from criticalkv.eval import report
+    from criticalkv.eval.io import environment, prepare_out_dir
+    from criticalkv.eval.runner import evaluate
+    from criticalkv.hf import load_model
+    from criticalkv.hf.loading import resolve_model, stop_token_ids
+
     out = prepare_out_dir(args.out)
     if args.task != "perturbation":  # its partial JSON lacks the per-head arrays: nothing to continue from
         args.stop_hint = f"the prompts finished so far are in {out / (args.task + '.json')} (continue with --resume)"
@@ -275,6 +276,9 @@ def _with_bases(runs):
 
 
 def _prompts(task, tokenizer, lengths, depths, tasks, samples, seed, chat, source):
+    from criticalkv.eval.needle import needle_prompts
+    from criticalkv.eval.ruler import ruler_prompts
+
     if task == "needle":
         return needle_prompts(tokenizer, lengths, depths, samples, seed, chat)
     if task == "ruler":

@@ -12,6 +12,7 @@ from criticalkv.files import read_text_interruptibly
 from criticalkv.policy import KVPolicy
 from criticalkv.request import SamplingParams
 from criticalkv.runtime import Engine
+from criticalkv.runtime.manifest import read_manifest
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -169,6 +170,9 @@ def run_engine(args) -> int:
             raise ValueError(f"{flag} and --engine-dir exclude each other: {why}")
     args.backend = args.backend or "onnxruntime"
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    # the policy flags against the built policy (its manifest, read in milliseconds): a bad --budget fails before
+    # the engine loads
+    engine_policy(args, KVPolicy.from_dict(read_manifest(args.engine_dir, verify=False)["policy"]))
     inputs = read_inputs(args)
     # profile=True: ONNX Runtime profiles the prefill run, which gives the selection nodes' time
     # (TensorRT reports selection_s as null: the plugin runs inside the engine, timed as part of prefill)

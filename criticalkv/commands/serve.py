@@ -31,12 +31,16 @@ def register(subparsers) -> None:
         description="Render a model repository for --engine-dir (unless --repo names one), start tritonserver, "
         "wait until it is ready, start the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models; "
         "the chat template is the engine tokenizer's) in front of it, print the URLs, and stop everything on "
-        "Ctrl-C / SIGTERM. Both APIs share one engine and scheduler per model instance. A port already in use is "
+        "Ctrl-C / SIGTERM: it stops accepting, ends the requests in flight at once with an error (OpenAI's error "
+        "object, status 503 \"the server is shutting down\"; a stream gets it as its last event before [DONE]), stops "
+        "tritonserver and exits with status 0, within seconds. Both APIs share one engine and scheduler per model "
+        "instance. A port already in use, or a --backend that cannot run here (no TensorRT engines, no GPU), is "
         "named and the command exits with status 2 before anything starts. tritonserver and its model processes "
-        "stop when this command dies in any way (SIGKILL included). The server and its Python-backend stub come "
-        "from the nvidia-pytriton wheel; `--setup` (also run by scripts/install.sh) unpacks them into .triton/ "
-        "with a numpy<2 environment for the model. GPU machines: see the README (official Triton container, "
-        "--backend tensorrt).",
+        "stop when this command dies in any way (SIGKILL included: a watchdog process kills them and removes the "
+        "temporary repository and their shared memory; what a killed run left is removed by the next start). The "
+        "server and its Python-backend stub come from the nvidia-pytriton wheel; `--setup` (also run by "
+        "scripts/install.sh) unpacks them into .triton/ with a numpy<2 environment for the model. NVIDIA GPUs "
+        "(--backend tensorrt, the official Triton container): docs/gpu.md.",
     )
     p.add_argument("--engine-dir", type=Path, help="engine directory built by scripts/build_engine.py")
     p.add_argument("--repo", type=Path, help="serve this model repository as is (default: render one into a temp dir)")
@@ -56,6 +60,12 @@ def register(subparsers) -> None:
                         "'Authorization: Bearer KEY', else 401 (default: $CRITICALKV_API_KEY, or no key). "
                         "Triton's own ports are not covered")
     add_model_arguments(p)
+    p.add_argument("--tritonserver", type=Path, default=os.environ.get(launcher.TRITONSERVER_ENV) or None,
+                   metavar="DIR",
+                   help="run this Triton installation (DIR/bin/tritonserver, DIR/backends) instead of the one --setup "
+                        "unpacks, e.g. /opt/tritonserver in NVIDIA's tritonserver container (docs/gpu.md); the model "
+                        "then runs in that server's Python with this environment's packages on its path "
+                        "(default: $CRITICALKV_TRITONSERVER)")
     p.add_argument("--setup", action="store_true", help="only set up tritonserver and the model environment, then exit")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server (default: 600)")
     p.set_defaults(func=run)
@@ -74,9 +84,12 @@ def engine_dir_of(args) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tritonserver is not None:  # the launcher's helpers read it (and tritonserver's children inherit it)
+        os.environ[launcher.TRITONSERVER_ENV] = str(Path(args.tritonserver).resolve())
     launcher.setup(log=lambda m: print(m, file=sys.stderr))
     if args.setup:
-        print(f"tritonserver ready to run from {launcher.server_dir()} (model environment {launcher.model_env()})")
+        env = f"model environment {launcher.model_env()}" if launcher.model_env() else "the model runs in its Python"
+        print(f"tritonserver ready to run from {launcher.server_dir()} ({env})")
         return 0
     if args.repo is None and args.engine_dir is None:
         raise ValueError("give --engine-dir (or --repo with a rendered model repository)")
@@ -84,8 +97,14 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{args.repo}: no such model repository")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty")
+    say = lambda m: print(f"criticalkv serve: {m}", file=sys.stderr)  # noqa: E731
+    if args.repo is None:
+        check_backend(Path(args.engine_dir), args.backend, args.gpus)
+    else:
+        check_backend(*repo_backend(args))
     parent = Path(tempfile.gettempdir())
-    remove_stale_temporaries(parent, TEMP_PREFIX, lambda m: print(f"criticalkv serve: {m}", file=sys.stderr))
+    launcher.remove_stale_servers(say)  # a killed run's processes and shared memory, when its watchdog died too
+    remove_stale_temporaries(parent, TEMP_PREFIX, say)
     ports = {"--http-port": args.http_port, "--grpc-port": args.grpc_port, "--metrics-port": args.metrics_port}
     if args.openai_port:
         ports["--openai-port"] = args.openai_port
@@ -95,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
     # handlers first: a signal during start-up stops what has started (the finally below)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # the watchdog cleans up after this process if it dies without its finally (SIGKILL, the OOM killer)
+    watchdog = launcher.Watchdog("criticalkv serve")
     tmp = temporary_dir(parent, TEMP_PREFIX)
+    watchdog.remove(tmp)
     server = frontend = None
     try:
         repo = args.repo
@@ -103,11 +125,13 @@ def run(args: argparse.Namespace) -> int:
             repo = tmp / "models"
             make_repository(args.engine_dir, repo, model_name=args.model_name, instances=args.instances,
                             scheduler=scheduler_config(args), backend=args.backend,
-                            gpus=args.gpus, threads=args.threads, execution_env=str(launcher.model_env()),
+                            gpus=args.gpus, threads=args.threads,
+                            execution_env=str(launcher.model_env()) if launcher.model_env() else None,
                             python_paths=launcher.project_paths())
         engine_dir = engine_dir_of(args) if openai_sock is not None else None
         server = launcher.TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port,
-                                       log_file=tmp / "tritonserver.log", host=args.host)
+                                       log_file=tmp / "tritonserver.log", host=args.host, watchdog=watchdog,
+                                       drain_file=tmp / "draining")
         print(f"starting tritonserver (log: {server.log_file}) ...", file=sys.stderr, flush=True)
         # from this (the main) thread: tritonserver gets SIGKILL when the thread that started it ends
         server.launch()
@@ -136,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
                 print("criticalkv serve: the OpenAI-compatible frontend stopped", file=sys.stderr)
                 return 1
     finally:
+        if stop.is_set():
+            say("stopping: ending the requests in flight")
         if frontend is not None:
             frontend.stop()
         elif openai_sock is not None:
@@ -144,9 +170,46 @@ def run(args: argparse.Namespace) -> int:
             code = server.stop()
             print(f"tritonserver stopped (exit code {code})", file=sys.stderr)
         shutil.rmtree(tmp, ignore_errors=True)
+        watchdog.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def repo_backend(args) -> tuple[Path | None, str, list[int] | None]:
+    """(engine directory, backend, GPU ids) of the --repo model, as its model.json and config.pbtxt say (None, ...
+    when model.json cannot be read: the server then says what is wrong)."""
+    arguments = Path(args.repo) / args.model_name / "1" / "model.json"
+    try:
+        config = json.loads(arguments.read_text())
+        return Path(config["engine_dir"]), config.get("backend", "onnxruntime"), None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, "onnxruntime", None
+
+
+def check_backend(engine_dir: Path | None, backend: str, gpus: list[int] | None) -> None:
+    """EngineError (one line, status 2) before anything starts when --backend tensorrt cannot run here: no TensorRT
+    engines in the engine directory (the message `generate --backend tensorrt` gives), no TensorRT or no CUDA GPU,
+    a GPU id that does not exist, or no plugin library."""
+    if backend != "tensorrt" or engine_dir is None:
+        return
+    from criticalkv.errors import EngineError
+    from criticalkv.runtime.manifest import read_manifest
+    from criticalkv.runtime.tensorrt_backend import engine_files
+    from criticalkv.tensorrt import resolve_plugin_library, tensorrt_unavailable_reason
+
+    manifest = read_manifest(engine_dir, verify=False)
+    engine_files(engine_dir, manifest)
+    reason = tensorrt_unavailable_reason()
+    if reason is not None:
+        raise EngineError(f"--backend tensorrt cannot run here: {reason}")
+    import torch
+
+    count = torch.cuda.device_count()
+    missing = [g for g in (gpus or [0]) if not 0 <= g < count]
+    if missing:
+        raise EngineError(f"--gpus: no GPU {', '.join(map(str, missing))} here ({count} visible: 0..{count - 1})")
+    resolve_plugin_library(engine_dir, manifest["tensorrt"].get("plugin_library"))
 
 
 def _max_new_tokens(engine_dir: Path) -> int:
@@ -156,11 +219,17 @@ def _max_new_tokens(engine_dir: Path) -> int:
 
 
 def _load_tokenizer(engine_dir: Path):
-    from transformers import AutoTokenizer
-
+    """The engine's tokenizer as ``Engine.tokenizer`` loads it: the fast (Rust) tokenizer when there is a
+    ``tokenizer.json``, which loads no torch (this process then starts and exits seconds sooner)."""
     folder = Path(engine_dir) / "tokenizer"
     if not folder.is_dir():
         raise FileNotFoundError(f"{engine_dir}: no tokenizer folder (the OpenAI API needs it; or give --openai-port 0)")
+    if (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(folder)
 
 

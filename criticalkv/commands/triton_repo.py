@@ -63,7 +63,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    env = {"auto": str(launcher.model_env()), "none": None}.get(args.execution_env, args.execution_env)
+    auto = launcher.model_env()  # None with an external server ($CRITICALKV_TRITONSERVER): its own Python
+    env = {"auto": str(auto) if auto else None, "none": None}.get(args.execution_env, args.execution_env)
     paths = launcher.project_paths() if args.execution_env != "none" else []
     target = make_repository(args.engine_dir, args.out, model_name=args.model_name, instances=args.instances,
                              scheduler=scheduler_config(args), backend=args.backend,

@@ -24,6 +24,7 @@ FLOAT = TensorProto.FLOAT
 INT64 = TensorProto.INT64
 INT32 = TensorProto.INT32
 BOOL = TensorProto.BOOL
+DOUBLE = TensorProto.DOUBLE
 
 
 class GraphBuilder:
@@ -37,6 +38,7 @@ class GraphBuilder:
     INT64 = INT64
     INT32 = INT32
     BOOL = BOOL
+    DOUBLE = DOUBLE
 
     def __init__(self, prefix: str = "", parent: "GraphBuilder | None" = None):
         self.prefix = prefix

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from criticalkv.files import remove_stale_temporaries, sha256_file, temporary_dir
+from criticalkv.files import cache_root, remove_stale_temporaries, sha256_file, temporary_dir
 
 #: ``model_type`` values whose attention criticalkv knows (they share LlamaAttention's layout: separate q/k/v/o
 #: projections, full RoPE, RMSNorm, a SiLU-gated MLP): Llama 2/3.x and SmolLM/SmolLM2 (``llama``), Mistral
@@ -67,11 +67,8 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def cache_dir() -> Path:
-    """Root of criticalkv's user cache (converted models)."""
-    if os.environ.get("CRITICALKV_CACHE"):
-        return Path(os.environ["CRITICALKV_CACHE"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "criticalkv"
+    """Root of criticalkv's user cache (converted models): ``criticalkv.files.cache_root``."""
+    return cache_root()
 
 
 def bundled_gguf() -> Path:

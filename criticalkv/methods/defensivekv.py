@@ -25,7 +25,12 @@ queries j and older tokens i (m = n - w of them):
    on the ``window`` older tokens just before the window, and it averages over the batch too; here it is the
    mass the reference's comment and the paper name, per sequence, so a sequence's selection does not depend on
    its batch.) As in the reference the crossing token itself is not in stage 1. The cumulative mass is summed exactly
-   in fixed point (``stage1_count``), so every backend counts the same stage-1 tokens.
+   in fixed point (``stage1_count``), so every backend counts the same stage-1 tokens. The limit is computed in one
+   order by every backend (``window_masses``, ``stage1_limit``: the host C++'s, plugins/include/criticalkv/
+   defensive.h): each row's mass over the older tokens summed in double and rounded to fp32, a group's rows summed
+   in double, rounded, divided by the row count and subtracted from 1 in fp32, then the groups' window masses added
+   one after the other in fp32 and divided by H_kv. (Summed in fp32 in each library's own order, the limit came
+   out 1 ulp apart between this module and its ONNX body on identical inputs.)
 5. Allocation: stage-1 tokens rank above every other (the reference gives them the layer's maximum score; here
    score + 2, above any score, which is at most 1), then AdaKV's shared allocation of the layer's H_kv * r slots
    with the per-head floor ``ada_floor`` (the reference's AdaKV press); the window is always kept.
@@ -99,20 +104,47 @@ def stage1_count(mass, limit, r, eligible):
     return torch.minimum((cumulative < fixed_limit(limit)[:, None, None]).sum(-1), r[:, None])
 
 
-def stage1_mask(mass, window_mass, threshold: float, r, eligible):
-    """Stage 1: per head the most-attended older tokens while their cumulative mass stays below
-    ``threshold - window_mass`` (fp32; the mass summed exactly in units of 2^-48), at most r. ``mass`` [B, H_kv, m]
-    (normalised over the valid older tokens), ``window_mass`` [B], ``r`` [B], ``eligible`` [B, H_kv, m]; returns
-    [B, H_kv, m] bool."""
-    limit = torch.tensor(threshold, dtype=torch.float32, device=mass.device) - window_mass.to(torch.float32)
-    return topk_mask(mass, stage1_count(mass, limit, r, eligible), eligible)
+def window_masses(probs):
+    """[B] fp32: one group's window mass, 1 - the mean over its rows of their mass over the older tokens, in the one
+    order of every backend: row sums in double rounded to fp32, their sum in double rounded to fp32, then fp32.
+    ``probs``: [B, G, w, m] fp32 (the group's window rows over the older tokens)."""
+    rows = probs.to(torch.float64).sum(-1).to(torch.float32)  # [B, G, w]
+    total = rows.to(torch.float64).sum(dim=(1, 2)).to(torch.float32)  # [B]
+    count = torch.tensor(float(probs.shape[1] * probs.shape[2]), dtype=torch.float32, device=probs.device)
+    return torch.tensor(1.0, dtype=torch.float32, device=probs.device) - total / count
+
+
+def stage1_limit(threshold: float, window_mass):
+    """[B] fp32: ``threshold`` - the layer's window mass, the mean of its groups' [B, H_kv] window masses added one
+    after the other in fp32 (the order of every backend)."""
+    total = window_mass[:, 0]
+    for g in range(1, window_mass.shape[1]):
+        total = total + window_mass[:, g]
+    heads = torch.tensor(float(window_mass.shape[1]), dtype=torch.float32, device=window_mass.device)
+    return torch.tensor(threshold, dtype=torch.float32, device=window_mass.device) - total / heads
 
 
 def priority(scores, threshold: float, r, eligible):
     """[B, H_kv, m] ranking score of shared allocation: the defensive score, stage-1 tokens first."""
-    window_mass = scores["window_mass"][..., 0].mean(dim=1)  # [B]: mean over the layer's heads
-    first = stage1_mask(scores["stage1_mass"], window_mass, threshold, r, eligible)
+    limit = stage1_limit(threshold, scores["window_mass"][..., 0])  # [B]
+    first = topk_mask(scores["stage1_mass"], stage1_count(scores["stage1_mass"], limit, r, eligible), eligible)
     return scores["defensive"] + first.to(scores["defensive"].dtype) * STAGE1_OFFSET
+
+
+def onnx_window_masses(g, probs: str) -> str:
+    """``window_masses`` of every group at once, in its order: [B, H_kv] fp32 of ``probs`` [B, H_kv, G, w, m]."""
+    rows = g.Cast(g.ReduceSum(g.Cast(probs, to=g.DOUBLE), g.i64(4), keepdims=0), to=g.FLOAT)  # [B, H_kv, G, w]
+    total = g.Cast(g.ReduceSum(g.Cast(rows, to=g.DOUBLE), g.i64(2, 3), keepdims=0), to=g.FLOAT)  # [B, H_kv]
+    count = g.Cast(g.Mul(g.shape_of(probs, 2, 3), g.shape_of(probs, 3, 4)), to=g.FLOAT)  # G * w, exact in fp32
+    return g.Sub(g.const(1.0, np.float32), g.Div(total, count))
+
+
+def onnx_stage1_limit(g, threshold: float, window_mass: str, kv_heads: int) -> str:
+    """``stage1_limit`` in its order: [B] fp32 of the groups' window masses [B, H_kv] (H_kv = ``kv_heads``)."""
+    total = g.squeeze(g.slice_axis(window_mass, 0, 1, axis=1), 1)
+    for k in range(1, kv_heads):
+        total = g.Add(total, g.squeeze(g.slice_axis(window_mass, k, k + 1, axis=1), 1))
+    return g.Sub(g.const(threshold, np.float32), g.Div(total, g.const(float(kv_heads), np.float32)))
 
 
 class DefensiveKV(AdaKV):
@@ -139,7 +171,7 @@ class DefensiveKV(AdaKV):
         norms = norms / norms.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         mean_attention = inputs.raw.mean(dim=1) * valid  # unpooled, mean over heads and window
         stage1_mass = mean_attention / mean_attention.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        window_mass = 1.0 - inputs.probs.sum(-1).mean(dim=(1, 2))  # [B]
+        window_mass = window_masses(inputs.probs)  # [B]
         return {
             "defensive": defended * norms,
             "stage1_mass": stage1_mass,
@@ -181,7 +213,7 @@ class DefensiveKV(AdaKV):
         norms = g.Div(norms, g.Max(g.ReduceSum(norms, g.i64(2), keepdims=1), tiny))
         mean_attention = g.Mul(g.ReduceMean(raw, g.i64(2), keepdims=0), valid)
         stage1 = g.Div(mean_attention, g.Max(g.ReduceSum(mean_attention, g.i64(2), keepdims=1), tiny))
-        window_mass = g.Sub(g.const(1.0, np.float32), g.ReduceMean(g.squeeze(mass, 4), g.i64(2, 3), keepdims=0))  # [B, H_kv]
+        window_mass = onnx_window_masses(g, probs)  # [B, H_kv]
         return {
             "defensive": g.Mul(defended, norms),
             "stage1_mass": stage1,
@@ -191,7 +223,7 @@ class DefensiveKV(AdaKV):
     def onnx_priority(self, body, g, scores, eligible, r):
         """The body's ``priority``: [B, H_kv, m] float."""
         p = body.policy
-        window_mass = g.ReduceMean(g.slice_axis(scores["window_mass"], 0, 1, axis=2), g.i64(1, 2), keepdims=0)  # [B]
+        per_group = g.squeeze(g.slice_axis(scores["window_mass"], 0, 1, axis=2), 2)  # [B, H_kv]
         mass = scores["stage1_mass"]
         masked = g.Where(eligible, mass, g.const(0.0, np.float32))
         m = g.shape_of(mass, 2, 3)
@@ -200,7 +232,7 @@ class DefensiveKV(AdaKV):
         # stage1_count's exact fixed-point sums (a float CumSum accumulates in float32 here, in double in torch's CPU
         # cumsum: near the limit the counts differed)
         cumulative = g.CumSum(g.Cast(g.Floor(g.Mul(ordered, scale)), to=g.INT64), g.scalar(2))
-        limit = g.Sub(g.const(p.stage1_mass, np.float32), window_mass)
+        limit = onnx_stage1_limit(g, p.stage1_mass, per_group, body.kv_heads)
         limit = g.reshape(g.Cast(g.Ceil(g.Mul(limit, scale)), to=g.INT64), [-1, 1, 1])
         count = g.ReduceSum(g.Cast(g.Less(cumulative, limit), to=g.INT64), g.i64(2), keepdims=0)  # [B, H_kv]
         count = g.Min(count, g.unsqueeze(r, 1))

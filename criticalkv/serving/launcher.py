@@ -1,11 +1,12 @@
-"""Set up and run the ``tritonserver`` bundled in the ``nvidia-pytriton`` wheel (CPU machines; GPU boxes use the
-official Triton container, see the README).
+"""Set up and run the ``tritonserver`` bundled in the ``nvidia-pytriton`` wheel (a CUDA 12.6 build that also runs on
+CPU), or an installed Triton named by ``$CRITICALKV_TRITONSERVER`` (the official container's, docs/gpu.md).
 
 ``setup()`` makes, inside the checkout (``.triton/``, git-ignored):
 
 * ``.triton/server/``: ``bin/tritonserver``, ``backends/python/`` with the Python-backend stub for this
   interpreter's version copied in, and the wheel's bundled libraries (``nvidia_pytriton.libs``), taken out
-  of the wheel (``pip download --no-deps nvidia-pytriton==0.7.0`` into ``$CRITICALKV_CACHE/wheels``);
+  of the wheel (``pip download --no-deps nvidia-pytriton==0.7.0`` into ``wheels/`` of criticalkv's user cache:
+  ``$CRITICALKV_CACHE``, else ``$XDG_CACHE_HOME/criticalkv``, else ``~/.cache/criticalkv``);
 * ``.triton/model-env/``: the virtual environment the model runs in (``EXECUTION_ENV_PATH``): the stub
   imports that environment's numpy and needs ``numpy<2`` (with numpy 2 it crashes on the first BYTES
   input), while the project keeps its own numpy. Everything else (criticalkv, ONNX Runtime, transformers)
@@ -15,15 +16,20 @@ official Triton container, see the README).
 it by its PID (SIGTERM, then SIGKILL after a timeout: a server whose stub crashed ignores SIGTERM for ~30 s).
 It never reports a server ready that is not its own: the ports are checked free first (``PortInUse`` names
 the one taken), and ready means this process is alive, has logged that it listens on each of its ports,
-and answers ``/v2/health/ready``. The server dies with the process that started it, however that ends
-(SIGKILL and the OOM killer included): it gets SIGKILL as its parent-death signal (``prctl``), and the
-Python-backend stubs exit on their own once their ``tritonserver`` is gone (checked: within ~3 s).
+and answers ``/v2/health/ready``. The server and its model processes die with the process that started it, however
+that ends (SIGKILL and the OOM killer included): ``tritonserver`` gets SIGKILL as its parent-death signal (``prctl``),
+and a watchdog (``criticalkv.serving.watchdog``) SIGKILLs its process group, which holds the Python-backend stubs it
+forked: a stub whose server died while responses were streaming can block for ever on its way out (seen). The
+shared-memory regions of the server are named after the process that started it (``shm_prefix``), so the watchdog,
+and failing that the next start (``remove_stale_servers``), removes those of a process that no longer runs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import glob
+import itertools
 import os
 import re
 import shutil
@@ -39,6 +45,9 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
+from criticalkv.files import cache_root, process_alive
+from criticalkv.serving.watchdog import SHM_DIR, Watchdog
+
 PYTRITON_VERSION = "0.7.0"
 MODEL_ENV_NUMPY = "numpy==1.26.4"
 #: the checkout's root (``criticalkv/serving/launcher.py`` -> the repository)
@@ -51,15 +60,28 @@ def triton_home() -> Path:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("CRITICALKV_CACHE", Path.home() / ".cache" / "criticalkv"))
+    """criticalkv's user cache (the one the converted models use): the downloaded wheel lives in ``wheels/``."""
+    return cache_root()
+
+
+#: a Triton installation to run instead of the one ``setup()`` unpacks (the official container's /opt/tritonserver):
+#: its ``bin/tritonserver`` and ``backends/``; the model then runs in that server's own Python (no model environment)
+TRITONSERVER_ENV = "CRITICALKV_TRITONSERVER"
+
+
+def external_server() -> Path | None:
+    """The Triton installation named by ``$CRITICALKV_TRITONSERVER`` (``serve --tritonserver``), or None."""
+    value = os.environ.get(TRITONSERVER_ENV)
+    return Path(value) if value else None
 
 
 def server_dir() -> Path:
-    return triton_home() / "server"
+    return external_server() or triton_home() / "server"
 
 
-def model_env() -> Path:
-    return triton_home() / "model-env"
+def model_env() -> Path | None:
+    """The virtual environment the model runs in (``EXECUTION_ENV_PATH``): None with an external server."""
+    return None if external_server() is not None else triton_home() / "model-env"
 
 
 def python_tag() -> str:
@@ -67,6 +89,8 @@ def python_tag() -> str:
 
 
 def is_set_up() -> bool:
+    if external_server() is not None:
+        return (server_dir() / "bin" / "tritonserver").is_file() and (server_dir() / "backends" / "python").is_dir()
     return (server_dir() / "bin" / "tritonserver").is_file() and \
         (server_dir() / "backends" / "python" / "triton_python_backend_stub").is_file() and \
         (model_env() / "bin" / "python").is_file()
@@ -77,7 +101,13 @@ def _pip(python: str, *args: str) -> None:
 
 
 def setup(force: bool = False, log=print) -> Path:
-    """Download the wheel (once, into the cache), unpack the server, create the model environment."""
+    """Download the wheel (once, into the cache), unpack the server, create the model environment. With an external
+    server (``$CRITICALKV_TRITONSERVER``) only check that it has ``bin/tritonserver`` and the Python backend."""
+    if external_server() is not None:
+        if not is_set_up():
+            raise FileNotFoundError(f"{server_dir()}: not a Triton installation (no bin/tritonserver or no "
+                                    "backends/python); --tritonserver names the folder holding both, e.g. /opt/tritonserver")
+        return server_dir()
     home = triton_home()
     if is_set_up() and not force:
         return home
@@ -195,6 +225,94 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
         bind_socket(host, port, flag).close()
 
 
+#: the Python backend's shared-memory regions: /dev/shm/<SHM_PREFIX><pid of the process that started the server>_
+#: <the server's number in that process>_<uuid>
+SHM_PREFIX = "criticalkv_triton_"
+_SERVER_PROGRAMS = ("tritonserver", "triton_python_backend_stub")
+_servers_started = itertools.count()
+
+
+def shm_prefix(owner_pid: int, serial: int) -> str:
+    """The prefix of the shared-memory regions of the ``serial``-th server started by ``owner_pid``."""
+    return f"{SHM_PREFIX}{owner_pid}_{serial}_"
+
+
+def remove_shm(prefix: str) -> list[str]:
+    """Remove /dev/shm/<prefix>*; the names removed."""
+    removed = []
+    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "*")):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def _owner_of(name: str) -> int | None:
+    match = re.match(rf"{SHM_PREFIX}(\d+)_", name)
+    return int(match.group(1)) if match else None
+
+
+def remove_stale_servers(log) -> None:
+    """What a process that started a server left when it was killed before its watchdog could clean up (both
+    killed at once): SIGKILL its ``tritonserver`` and Python-backend stubs (found by the shared-memory prefix on
+    their command line) and remove its shared-memory regions. Only those of processes that no longer run."""
+    me = os.getuid()
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != me:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if not argv or os.path.basename(argv[0]) not in _SERVER_PROGRAMS:
+            continue
+        owners = {_owner_of(m.group(0)) for arg in argv for m in [re.search(rf"{SHM_PREFIX}\d+_", arg)] if m}
+        owner = next(iter(owners), None)
+        if owner is None or process_alive(owner):
+            continue
+        try:
+            os.kill(int(entry), signal.SIGKILL)
+            log(f"killed {os.path.basename(argv[0])} (pid {entry}), left running by process {owner}, which no longer "
+                "runs")
+        except OSError:
+            pass
+    if not os.path.isdir(SHM_DIR):
+        return
+    for name in sorted(os.listdir(SHM_DIR)):
+        owner = _owner_of(name)
+        if owner is None or owner == os.getpid() or process_alive(owner):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            continue
+        log(f"removed {SHM_DIR}/{name}: a shared-memory region left by process {owner}, which no longer runs")
+
+
+def _kill_group(pgid: int, wait_s: float = 10.0) -> bool:
+    """SIGKILL what is left of process group ``pgid`` and wait (up to ``wait_s``) until it is gone; whether any
+    process was left."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(0.05)
+    return True
+
+
+#: the environment variable naming the drain file of the criticalkv model (templates/model.py)
+DRAIN_ENV = "CRITICALKV_DRAIN_FILE"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -221,12 +339,14 @@ class TritonServer:
 
     ``start()`` checks that the ports are free (PortInUse names the one taken), starts the server and
     returns once it is ready (or raises with the server's last log lines); ``stop()`` sends SIGTERM to its
-    PID, waits ``grace_s``, then SIGKILLs it. The server gets SIGKILL when the process that started it dies.
+    PID, waits ``grace_s``, then SIGKILLs it and whatever of its process group is left. The server and its model
+    processes get SIGKILL when the process that started it dies (``watchdog``: the caller's, which then also
+    removes what the caller gave it, or one of the server's own).
     """
 
     def __init__(self, repo: Path, http_port: int | None = None, grpc_port: int | None = None,
                  metrics_port: int | None = None, log_file: Path | None = None, verbose: bool = False,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", watchdog: Watchdog | None = None, drain_file: Path | None = None):
         self.repo = Path(repo).resolve()
         self.host = host
         self.http_port = http_port or free_port(host)
@@ -235,6 +355,11 @@ class TritonServer:
         self.log_file = Path(log_file) if log_file else self.repo / "tritonserver.log"
         self.verbose = verbose
         self.process: subprocess.Popen | None = None
+        self.watchdog = watchdog
+        self._own_watchdog = False
+        self.shm_prefix = shm_prefix(os.getpid(), next(_servers_started))
+        # created by stop(): the criticalkv model then ends its requests at once (templates/model.py says why)
+        self.drain_file = Path(drain_file) if drain_file is not None else None
 
     @property
     def http_url(self) -> str:
@@ -262,6 +387,7 @@ class TritonServer:
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
             "--exit-timeout-secs=10", f"--log-verbose={1 if self.verbose else 0}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
 
     def start(self, timeout_s: float = 300.0) -> "TritonServer":
@@ -275,11 +401,20 @@ class TritonServer:
                                     "(or bash scripts/install.sh)")
         check_ports_free(self.host, self.ports)
         self._log_start = self.log_file.stat().st_size if self.log_file.exists() else 0
+        if self.watchdog is None:
+            self.watchdog, self._own_watchdog = Watchdog("criticalkv"), True
         log = open(self.log_file, "ab")
+        # its own session: its process group (the server and the stubs it forks) is killed as one
+        env = server_environment()
+        if self.drain_file is not None:
+            self.drain_file.unlink(missing_ok=True)
+            env[DRAIN_ENV] = str(self.drain_file)
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                        env=server_environment(), start_new_session=True,
+                                        env=env, start_new_session=True,
                                         preexec_fn=die_with_parent(os.getpid()))
         log.close()
+        self.watchdog.kill_group(self.process.pid)
+        self.watchdog.remove_shm(self.shm_prefix)
         return self
 
     def wait_ready(self, timeout_s: float = 300.0, cancelled=lambda: False) -> "TritonServer":
@@ -288,6 +423,7 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not cancelled():
             if self.process.poll() is not None:
+                self.stop()  # whatever of its group is left, and its watchdog
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready:\n"
                                    f"{self.log_tail()}")
             # its own log says it listens on every port before any health answer counts: another server
@@ -326,16 +462,28 @@ class TritonServer:
             return "(no log)"
 
     def stop(self, grace_s: float = 20.0) -> int | None:
-        """SIGTERM the server's PID, wait up to ``grace_s``, then SIGKILL it; returns its exit code."""
+        """SIGTERM the server's PID, wait up to ``grace_s``, then SIGKILL it; returns its exit code. With a
+        ``drain_file``, the criticalkv model ends the requests in flight first (Triton waits for them otherwise). Any
+        process of its group still there then (a model process that outlived it) gets SIGKILL too."""
         process = self.process
-        if process is None or process.poll() is not None:
-            return None if process is None else process.returncode
-        process.send_signal(signal.SIGTERM)
-        try:
-            return process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            return process.wait(10)
+        if process is None:
+            return None
+        code = process.poll()
+        if code is None:
+            if self.drain_file is not None:
+                self.drain_file.touch()
+            process.send_signal(signal.SIGTERM)
+            try:
+                code = process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                code = process.wait(10)
+        if _kill_group(process.pid):  # the group outlives its leader only through a model process stuck on its way out
+            remove_shm(self.shm_prefix)  # which leaves its shared memory behind
+        if self._own_watchdog and self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog, self._own_watchdog = None, False
+        return code
 
     def __enter__(self) -> "TritonServer":
         return self.start()

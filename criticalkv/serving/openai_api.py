@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Literal, Union
@@ -42,6 +43,8 @@ from criticalkv.request import DEFAULT_MAX_TOKENS
 COMPLETIONS_DEFAULT_MAX_TOKENS = DEFAULT_MAX_TOKENS
 INT32_MAX = 2**31 - 1
 INTERNAL_PREFIX = "internal error: "
+#: what a request still running when the server stops gets (503, as OpenAI's service_unavailable)
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class APIError(Exception):
@@ -177,8 +180,10 @@ def check_common(request: _Common, served_model: str, model_inputs: set[str]) ->
         value = getattr(request, name, None)
         if not any(_same(value, v) for v in neutral):
             raise APIError(400, f"{name}: not supported by this server (got {value!r})", name)
-    if request.kv_budget is not None and not 0 <= request.kv_budget <= INT32_MAX:
-        raise APIError(400, f"kv_budget: {request.kv_budget} is out of range (a token count per KV head)", "kv_budget")
+    # the model checks kv_budget against the engine's range (and names it); here only what the INT32 input cannot carry
+    if request.kv_budget is not None and not -INT32_MAX - 1 <= request.kv_budget <= INT32_MAX:
+        raise APIError(400, f"kv_budget must lie in the engine's range (a token count per KV head, at most its built "
+                            f"budget), got {request.kv_budget}", "kv_budget")
     if request.context is False:
         request.context = None
     if request.context is not None and "context" not in model_inputs:
@@ -206,10 +211,12 @@ class TritonModel:
         self.grpc_url, self.name = grpc_url, name
         self.client = None
         self.inputs: set[str] = set()
+        self.draining: asyncio.Event | None = None  # set when the server stops: requests end with SHUTTING_DOWN
 
     async def connect(self) -> None:
         import tritonclient.grpc.aio as grpcclient
 
+        self.draining = asyncio.Event()
         self.client = grpcclient.InferenceServerClient(self.grpc_url)
         config = await self.client.get_model_config(self.name, as_json=True)
         self.inputs = {i["name"] for i in config["config"]["input"]}
@@ -250,10 +257,12 @@ class TritonModel:
         async def one_request():
             yield {"model_name": self.name, "inputs": self._inputs(values), "request_id": request_id}
 
+        if self.draining is not None and self.draining.is_set():
+            raise APIError(503, SHUTTING_DOWN)
         call = self.client.stream_infer(one_request())
         finished = False
         try:
-            async for result, error in call:
+            async for result, error in _until(call, self.draining):
                 if error is not None:
                     raise model_error(str(error.message() if hasattr(error, "message") else error))
                 out = {}
@@ -284,15 +293,53 @@ class TritonModel:
                 call.cancel()  # Triton cancels the request: the model frees its slot
 
 
+async def _until(responses, draining: asyncio.Event | None):
+    """The items of ``responses`` until ``draining`` is set: then APIError 503 (the server is shutting down)."""
+    if draining is None:
+        async for item in responses:
+            yield item
+        return
+    iterator = responses.__aiter__()
+    stop = asyncio.ensure_future(draining.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(iterator.__anext__())
+            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+                raise APIError(503, SHUTTING_DOWN)
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        stop.cancel()
+
+
 def model_error(message: str) -> APIError:
     """APIError for an error the model (or Triton) sent on the stream: the model's own checks of the
     request are the client's mistakes (400); what it marks as internal is the server's (500)."""
     if message.startswith(INTERNAL_PREFIX):
         return APIError(500, message)
+    if message.startswith(SHUTTING_DOWN):  # the model was told to end its requests (the server stops)
+        return APIError(503, message)
     if "request cancelled" in message:
         return APIError(499, message, type_="cancelled")
     # the OpenAI fields were put into the model's sampling_parameters input: name them as the client did
-    return APIError(400, message.removeprefix("sampling_parameters: "))
+    message = message.removeprefix("sampling_parameters: ")
+    return APIError(400, message, _param_of(message))
+
+
+#: the request fields a model error may name first ("kv_budget must lie in ...", "max_tokens: ...")
+_PARAMS = set(ChatRequest.model_fields) | set(CompletionRequest.model_fields)
+
+
+def _param_of(message: str) -> str | None:
+    """OpenAI's ``param`` of a model error: the request field its message starts with, if any."""
+    match = re.match(r"([a-z_]+)(?::| must| is)", message)
+    return match.group(1) if match and match.group(1) in _PARAMS else None
 
 
 # --------------------------------------------------------------------------------------------------- app
@@ -314,10 +361,12 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
     @asynccontextmanager
     async def lifespan(app):
         await model.connect()
+        app.state.loop = asyncio.get_running_loop()
         yield
         await model.close()
 
     app = FastAPI(title="criticalkv OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.model = model
 
     def error_response(err: APIError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
@@ -561,9 +610,9 @@ class OpenAIFrontend:
         import uvicorn
 
         self.sock = sock
-        app = create_app(grpc_url, model_name, tokenizer, api_key, chat_max_tokens)
+        self.app = app = create_app(grpc_url, model_name, tokenizer, api_key, chat_max_tokens)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+                                                    timeout_graceful_shutdown=2))
         self.thread = None
 
     @property
@@ -588,7 +637,15 @@ class OpenAIFrontend:
         return self.thread is not None and self.thread.is_alive()
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting, end the requests in flight at once with OpenAI's error object (503, "the server is
+        shutting down"; a stream gets it as its last event, then ``[DONE]``), and wait for uvicorn to finish."""
         if self.thread is not None:
+            loop, model = getattr(self.app.state, "loop", None), self.app.state.model
+            if loop is not None and model.draining is not None:
+                try:
+                    loop.call_soon_threadsafe(model.draining.set)
+                except RuntimeError:  # the loop already closed: nothing is in flight
+                    pass
             self.server.should_exit = True
             self.thread.join(timeout_s)
         self.sock.close()

@@ -20,6 +20,19 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert loading.cache_dir() == tmp_path / "x" / "criticalkv"
 
 
+def test_one_cache_root_for_the_converted_models_and_the_server_wheel(monkeypatch, tmp_path):
+    from criticalkv.serving import launcher
+
+    for env in ({"CRITICALKV_CACHE": str(tmp_path / "c")}, {"XDG_CACHE_HOME": str(tmp_path / "x")}, {}):
+        for name in ("CRITICALKV_CACHE", "XDG_CACHE_HOME"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert launcher.cache_dir() == loading.cache_dir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert launcher.cache_dir() == tmp_path / "x" / "criticalkv"
+
+
 def test_unsupported_architecture_is_named():
     from transformers import GPT2Config
 

@@ -270,3 +270,19 @@ def test_new_field_rules_name_the_field(host_lib):
     # PyramidKV's per-layer budgets come from Python only: a pyramid node without them is refused
     del good["layer_budgets"]
     assert host_lib.parse(encode_fields(good)).startswith("layer_budgets:")
+
+
+@pytest.mark.parametrize("scale_95, kept, evicted", [(1.0, 95, 149), (1 - 8e-6, 149, 95)])
+def test_the_defensive_near_tie_of_issue_29_is_resolved_as_the_reference_does(host_lib, scale_95, kept, evicted):
+    """tests/export/test_defensive_stage1.py's near tie (two candidates 2e-6 apart in attention mass for one slot of KV
+    head 1): the host C++ keeps the same entries as select_layer, the heavier of the two (its window mass and stage-1
+    limit are computed in the same order)."""
+    from export.test_defensive_stage1 import near_tie_layer
+
+    policy = KVPolicy("defensivekv", budget=64, window=32)
+    q, k, v, o = near_tie_layer(scale_95)
+    ref = select_layer(policy, q, k, v, o)
+    got = host_lib.select_layer(policy, q, k, v, o, 0, 1)
+    assert_same_selection(got, ref, ("near tie", scale_95))
+    chosen = set(ref.indices[0, 1, : int(ref.lengths[0, 1])].tolist())
+    assert kept in chosen and evicted not in chosen

@@ -10,27 +10,12 @@ alternately by family: the runtime budgets themselves are covered by test_plugin
 import pytest
 import torch
 
-import criticalkv.hf.compress as compress
 from criticalkv import select_layer
-from model_families import FAMILIES, random_checkpoint, random_prompt
+from model_families import FAMILIES, random_checkpoint, random_prompt, recorded_layers
 from policies import POLICY_CASES, make_policy
 from test_plugin_host_select import assert_same_selection
 
 WINDOW = 8
-
-
-def recorded_layers(model, ids, mask, policy, monkeypatch):
-    """[(q, k, v, o, layer_idx, num_layers, lengths)] of every select_layer call of one prefill."""
-    calls = []
-
-    def record(policy, q, k, v, o, layer_idx, num_layers, lengths, rotation=None):
-        calls.append((q, k, v, o.detach(), layer_idx, num_layers, lengths))
-        return select_layer(policy, q, k, v, o, layer_idx, num_layers, lengths, rotation=rotation)
-
-    monkeypatch.setattr(compress, "select_layer", record)
-    compress.prefill_and_compress(model, ids, policy, attention_mask=mask)
-    monkeypatch.undo()
-    return calls
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=[f.id for f in FAMILIES])
@@ -50,7 +35,7 @@ def test_host_selection_equals_the_reference_on_real_layers(host_lib, fam, monke
         policy = make_policy(kwargs, budget=budget, window=WINDOW)
         if not policy.method.base.native:  # the plugin refuses it (test_plugin_fields); nothing to compare
             continue
-        for q, k, v, o, layer_idx, num_layers, lengths in layers:
+        for q, k, v, o, layer_idx, num_layers, lengths, _ in layers:
             ref = select_layer(policy, q, k, v, o, layer_idx, num_layers, lengths)
             got = host_lib.select_layer(policy, q, k, v, o, layer_idx, num_layers, prompt_lengths=lengths)
             assert_same_selection(got, ref, (fam.id, case_id, budget, layer_idx))

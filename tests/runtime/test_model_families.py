@@ -8,9 +8,12 @@
   architecture gets 4-5 of them, rotating) and defensivekv on all; the host C++ test of the same checkpoints
   (tests/plugins/test_plugin_model_families.py) runs every policy on every architecture.
 
-The engines and the PyTorch path compute the model with different float operations (the selection's inputs differ by
-about 1e-6 relatively): a rule that amplifies rounding, as defensivekv's float stage-1 sum did (docs/operator.md),
-shows up here; so would a near tie of two tokens' scores within that noise, which these seeds do not have.
+Parity across backends: the engines and the PyTorch path compute the model with different matmul kernels, so the
+selection's inputs differ (measured: up to 8e-6 of a row's largest key or value, ``model_families.MATMUL_NOISE``).
+Parity is equal kept sets, except swaps at a cut whose two tokens' deciding scores lie within that noise: a head whose
+kept set differs passes only when the PyTorch reference itself keeps the engine's set once its inputs move by that
+noise (``swap_within_noise``); the greedy tokens are then compared only where every kept set is equal. A rule that
+amplifies rounding, as defensivekv's float stage-1 sum did (docs/operator.md), is not within the noise and fails here.
 """
 
 import os
@@ -25,7 +28,7 @@ from criticalkv.hf import generate
 from criticalkv.runtime import Engine
 from criticalkv.runtime.onnxruntime_backend import THREADS_ENV
 from export.tiny_engine import export_tiny_engine
-from model_families import FAMILIES, random_checkpoint, random_prompt
+from model_families import FAMILIES, random_checkpoint, random_prompt, recorded_layers, swap_within_noise
 from policies import POLICY_CASES, make_policy
 
 WINDOW = 8
@@ -91,7 +94,7 @@ def test_full_engine_generates_what_transformers_generates(fam, tmp_path):
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=[f.id for f in FAMILIES])
-def test_policies_keep_the_pytorch_paths_entries(fam, tmp_path):
+def test_policies_keep_the_pytorch_paths_entries(fam, tmp_path, monkeypatch):
     seed = FAMILIES.index(fam)
     model = random_checkpoint(fam, seed=seed)
     prompts = [random_prompt(n, seed=100 * seed + n + 1) for n in LENGTHS]
@@ -109,15 +112,24 @@ def test_policies_keep_the_pytorch_paths_entries(fam, tmp_path):
                 ref = generate(model, ids, built.with_budget(budget), max_new_tokens=NEW_TOKENS, attention_mask=mask)
                 where = f"{fam.id}, {case_id}, budget {budget}"
                 assert len(ref.prefill.selections) == layers
+                swaps, inputs = 0, None
                 for layer, selection in enumerate(ref.prefill.selections):
                     for row in range(len(prompts)):
                         for head in range(kv_heads):
                             want = [i for i in selection.indices[row, head].tolist() if i >= 0]
                             kept = got.kept(layer, row, head)
-                            assert kept == want, (f"{where}: layer {layer}, sequence {row}, KV head {head}: ONNX Runtime "
-                                                  f"only {sorted(set(kept) - set(want))}, PyTorch only "
-                                                  f"{sorted(set(want) - set(kept))}")
-                assert got.tokens == ref.tokens, where
+                            if kept == want:
+                                continue
+                            if inputs is None and not built.method.model_level:  # the layers' inputs, once
+                                inputs = recorded_layers(model, ids, mask, built.with_budget(budget), monkeypatch)
+                            near_tie = inputs is not None and \
+                                swap_within_noise(built.with_budget(budget), inputs[layer], row, head, kept)
+                            assert near_tie, (f"{where}: layer {layer}, sequence {row}, KV head {head}: ONNX Runtime "
+                                              f"only {sorted(set(kept) - set(want))}, PyTorch only "
+                                              f"{sorted(set(want) - set(kept))}, not a swap within the matmul noise")
+                            swaps += 1
+                if not swaps:
+                    assert got.tokens == ref.tokens, where
         finally:
             engine.close()
         shutil.rmtree(folder)

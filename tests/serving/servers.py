@@ -27,7 +27,7 @@ def build_tiny_engine(folder: Path, **limits) -> Path:
     policy = KVPolicy("criticalkv", budget=40, window=8)
     model = tiny_model("llama", seed=4)
     # long generations (the slot tests): RoPE takes any position, the config's limit is only checked
-    model.config.max_position_embeddings = max(1024, 256 + limits.get("max_new_tokens", 32))
+    model.config.max_position_embeddings = max(1024, limits.get("max_input_len", 256) + limits.get("max_new_tokens", 32))
     return export_tiny_engine(model, policy, folder, tokenizer=word_tokenizer(), **limits)
 
 

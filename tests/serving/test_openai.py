@@ -200,6 +200,11 @@ def test_bad_requests_get_400_naming_the_problem_and_the_server_keeps_serving(se
         code, out = served.post(path, body)
         assert code == status and re.search(message, out["error"]["message"]), (body, out)
         assert out["error"]["type"] == "invalid_request_error" and out["error"]["code"] == status
+    for kv_budget in (41, 7, -5, 10000):  # one message with the engine's range, and OpenAI's param names the field
+        code, out = served.post("/chat/completions", {"messages": [{"role": "user", "content": "w5"}],
+                                                      "kv_budget": kv_budget})
+        assert code == 400 and out["error"]["param"] == "kv_budget", out
+        assert re.fullmatch(rf"kv_budget must lie in \[8, 40\] \([^)]*\), got {kv_budget}", out["error"]["message"]), out
     with pytest.raises(openai.BadRequestError, match="kv_budget must lie in"):  # the client's own error class
         served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}],
                                               extra_body={"kv_budget": 7})
@@ -332,21 +337,29 @@ def test_a_server_that_cannot_take_its_ports_is_never_reported_ready(served, tmp
     assert "failed to start HTTP service" in server.log_tail()
 
 
-def test_a_killed_launcher_takes_its_server_with_it(served, capsys, monkeypatch):
-    """SIGKILL of `criticalkv serve`: tritonserver and the model process end within seconds; the temporary
-    repository it could not remove is removed by the next start. Runs last: it ends the module's server."""
+def test_a_launcher_killed_with_its_watchdog_is_cleaned_up_by_the_next_start(served, capsys, monkeypatch):
+    """SIGKILL of `criticalkv serve` and of its watchdog at once (tests/serving/test_shutdown.py kills the launcher
+    alone): tritonserver ends by its parent-death signal; the next start (here one that stops at a taken port) kills
+    whatever of the server is left, and removes the temporary repository and the shared-memory regions the killed
+    launcher's server named after it. Runs last: it ends the module's server."""
     import tempfile
+
+    from criticalkv.serving.launcher import SHM_PREFIX
 
     launcher_process = psutil.Process(served.process.pid)
     children = launcher_process.children(recursive=True)
-    assert {p.name() for p in children} >= {"tritonserver", "triton_python_backend_stub"}, children
+    watchdogs = [p for p in children if "criticalkv/serving/watchdog.py" in " ".join(p.cmdline())]
+    assert {p.name() for p in children} >= {"tritonserver", "triton_python_backend_stub"} and len(watchdogs) == 1
     leftovers = sorted(served.tmp.glob(f"criticalkv-serve-{served.process.pid}-*"))
     assert len(leftovers) == 1 and (leftovers[0] / "models" / MODEL / "config.pbtxt").is_file()
+    regions = [p for p in Path("/dev/shm").glob(f"{SHM_PREFIX}{served.process.pid}_*")]
+    assert regions
+    watchdogs[0].kill()
     served.process.kill()
     served.process.wait(10)
-    gone, alive = psutil.wait_procs(children, timeout=10)
-    assert not alive, f"still running 10 s after the launcher's SIGKILL: {alive}"
-    # the next start (here one that stops at a taken port) removes the killed launcher's repository
+    gone, alive = psutil.wait_procs([p for p in children if p.name() == "tritonserver"], timeout=10)
+    assert not alive, f"tritonserver still running 10 s after the launcher's SIGKILL: {alive}"
+    # the next start removes the killed launcher's repository, its shared memory and any process of its server
     monkeypatch.setattr(tempfile, "tempdir", str(served.tmp))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -356,4 +369,6 @@ def test_a_killed_launcher_takes_its_server_with_it(served, capsys, monkeypatch)
     err = capsys.readouterr().err
     assert f"removed {leftovers[0]}: a temporary left by process {served.process.pid}" in err
     assert not leftovers[0].exists()
-
+    assert not [r for r in regions if r.exists()], err
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"still running after the next start: {alive}"

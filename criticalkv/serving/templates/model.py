@@ -7,6 +7,13 @@ TRITONSERVER_RESPONSE_COMPLETE_FINAL, and cancels the request when ``is_cancelle
 request gets a TritonError naming the problem, on that request alone; a failure that is not the client's
 (an unexpected exception, an engine error) is sent as "internal error: ..." (the OpenAI frontend answers it
 with 500, the rest with 400). Engine arguments: ``model.json``.
+
+Cancellation and shutdown: the response thread also polls, every ``POLL_S``, the requests that produced nothing for
+that long (a long prefill), so a request its client cancelled frees its slot without waiting for its next token.
+Triton unloads a decoupled model only once its requests are released, and calls ``finalize`` only then: a server
+stopping with requests in flight would wait for them to finish. ``criticalkv serve`` therefore names a file in
+``$CRITICALKV_DRAIN_FILE`` and creates it before it stops the server: from then on every request is ended with
+the error "the server is shutting down" (UNAVAILABLE) and new ones are refused with it.
 """
 
 import json
@@ -14,6 +21,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -21,6 +29,10 @@ import triton_python_backend_utils as pb_utils
 
 TTFT_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64]
 TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2]
+#: seconds between the response thread's looks at quiet requests (cancelled by their client?) and at the drain file
+POLL_S = 0.1
+DRAIN_ENV = "CRITICALKV_DRAIN_FILE"
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class TritonPythonModel:
@@ -48,6 +60,10 @@ class TritonPythonModel:
         self.tokenizer = self.engine.tokenizer
         self.scheduler = Scheduler(self.engine, **self.config.get("scheduler", {}))
         self._setup_metrics(args)
+        self._drain_file = os.environ.get(DRAIN_ENV) or None
+        self._draining = False
+        self._open = {}  # id -> state of every request not closed yet (the response thread polls them)
+        self._open_lock = threading.Lock()
         self._responses = queue.Queue()
         self._response_thread = threading.Thread(target=self._response_loop, daemon=True)
         self._response_thread.start()
@@ -85,6 +101,9 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            if self._draining:
+                self._send_error(sender, SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE)
+                continue
             try:
                 self._submit(request, sender)
             except self.RequestError as err:
@@ -106,26 +125,63 @@ class TritonPythonModel:
         ids, context_ids = self.encode_inputs(parsed, self.tokenizer)
         # the Triton request stays referenced until its final response: its sender needs it alive
         state = {"request": parsed, "triton_request": request, "sender": sender, "num_sent": 0, "handle": None,
-                 "text": self.TextStream(self.tokenizer, parsed.stop)}
+                 "text": self.TextStream(self.tokenizer, parsed.stop), "checked": time.monotonic()}
         request = self.Request(ids, parsed.sampling, parsed.kv_budget, context_token_ids=context_ids)
-        state["handle"] = self.scheduler.submit(request, on_output=lambda out: self._responses.put((state, out)))
+        with self._open_lock:
+            state["handle"] = self.scheduler.submit(request, on_output=lambda out: self._responses.put((state, out)))
+            self._open[id(state)] = state
 
-    def _send_error(self, sender, message):
-        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
+    def _send_error(self, sender, message, code=None):
+        error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     # ------------------------------------------------------------------ responses
     def _response_loop(self):
+        next_poll = time.monotonic() + POLL_S
         while True:
-            item = self._responses.get()
+            try:
+                item = self._responses.get(timeout=POLL_S)
+            except queue.Empty:
+                item = ()
+            if time.monotonic() >= next_poll:
+                try:
+                    self._poll()
+                except Exception:
+                    pb_utils.Logger.log_error(traceback.format_exc())
+                next_poll = time.monotonic() + POLL_S
             if item is None:
                 return
+            if not item:
+                continue
             state, out = item
             try:
                 self._respond(state, out)
             except Exception:
                 pb_utils.Logger.log_error(traceback.format_exc())
                 state["handle"].cancel()
+            if state.get("closed"):
+                with self._open_lock:
+                    self._open.pop(id(state), None)
+
+    def _poll(self):
+        """Cancel the requests whose client cancelled them (those quiet for POLL_S: the others are checked at each
+        output), or every request once the drain file exists."""
+        if self._drain_file is not None and not self._draining and os.path.exists(self._drain_file):
+            self._draining = True
+            pb_utils.Logger.log_info(f"criticalkv: {SHUTTING_DOWN}: ending the requests in flight")
+        with self._open_lock:
+            states = list(self._open.values())
+        now = time.monotonic()
+        for state in states:
+            if state.get("closed") or state["handle"].cancel_requested:
+                continue
+            if self._draining:
+                state["handle"].cancel()
+            elif now - state["checked"] >= POLL_S:
+                state["checked"] = now
+                if state["sender"].is_cancelled():
+                    state["handle"].cancel()
 
     def _respond(self, state, out):
         parsed, sender, handle = state["request"], state["sender"], state["handle"]
@@ -160,7 +216,8 @@ class TritonPythonModel:
             return
         if out.finish_reason == "cancelled":
             state["closed"] = True
-            error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+            error = (pb_utils.TritonError(SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE) if self._draining else
+                     pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED))
             sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
@@ -174,8 +231,10 @@ class TritonPythonModel:
         if final:
             state["closed"] = True
             state.pop("triton_request", None)
-        elif sender.is_cancelled():
-            handle.cancel()
+        else:
+            state["checked"] = time.monotonic()
+            if sender.is_cancelled():
+                handle.cancel()
 
     def _send(self, state, out, text, num_tokens, final):
         parsed = state["request"]
