@@ -147,10 +147,6 @@ cudaError_t launchSimtPath(WindowScoreParams const& p, cudaStream_t stream)
 // ------------------------------------------------------------------------------------------------ tensor-core path
 
 constexpr int32_t kCombineThreads = 128;
-//! CTAs a pass aims for: 64-key steps per CTA grow (up to kMaxTilesPerBlock) once the grid would exceed it, so that
-//! the Q tile a CTA loads is reused over more keys (a function of the shape only: results do not depend on the GPU).
-constexpr int64_t kTargetBlocks = 512;
-constexpr int32_t kMaxTilesPerBlock = 8;
 
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads) windowStatsMmaKernel(WindowTileArgs a)
@@ -171,12 +167,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) windowColumnsMmaKernel(WindowTi
     windowColumnsBlock<T, Cfg>(a, windowShared);
 }
 
-int32_t tilesPerBlock(int64_t tiles, int64_t blocksPerTile)
-{
-    int64_t const per = tiles * blocksPerTile / kTargetBlocks;
-    return static_cast<int32_t>(per < 1 ? 1 : (per > kMaxTilesPerBlock ? kMaxTilesPerBlock : per));
-}
-
 template <typename T, typename Cfg>
 cudaError_t launchTensorPathTiles(WindowTileArgs a, cudaStream_t stream)
 {
@@ -190,16 +180,7 @@ cudaError_t launchTensorPathTiles(WindowTileArgs a, cudaStream_t stream)
     {
         return status;
     }
-    int32_t const n = a.shape.n;
-    int32_t const m = n - windowLength(a.config, n);
-    int64_t const perTile = static_cast<int64_t>(a.rowChunks) * a.shape.kvHeads * a.shape.batch;
-    int32_t const statsTiles = (n + Cfg::kKeys - 1) / Cfg::kKeys;
-    a.statsTilesPerBlock = tilesPerBlock(statsTiles, perTile);
-    a.statsBlocks = (statsTiles + a.statsTilesPerBlock - 1) / a.statsTilesPerBlock;
-    int32_t const width = Cfg::kKeys - 2 * a.halo;
-    int32_t const columnTiles = (m + width - 1) / width;
-    a.columnTilesPerBlock = tilesPerBlock(columnTiles, perTile);
-    a.columnBlocks = (columnTiles + a.columnTilesPerBlock - 1) / a.columnTilesPerBlock;
+    planWindowTiles<Cfg>(a, 0);
     uint32_t const kvHeads = static_cast<uint32_t>(a.shape.kvHeads);
     uint32_t const batch = static_cast<uint32_t>(a.shape.batch);
     windowStatsMmaKernel<T, Cfg>
@@ -214,8 +195,6 @@ cudaError_t launchTensorPathTiles(WindowTileArgs a, cudaStream_t stream)
 template <typename T>
 cudaError_t launchTensorPath(WindowScoreParams const& p, cudaStream_t stream)
 {
-    int32_t const w = windowLength(p.config, p.shape.n);
-    int32_t const group = p.shape.heads / p.shape.kvHeads;
     WindowTileArgs a{};
     a.config = p.config;
     a.shape = p.shape;
@@ -230,10 +209,6 @@ cudaError_t launchTensorPath(WindowScoreParams const& p, cudaStream_t stream)
     a.squares = p.squares;
     a.worst = p.worst;
     a.scale = static_cast<float>(sqrt(static_cast<double>(p.shape.headDim)));
-    int32_t const fit = WindowTiles128::kRows / w; // >= 1: w <= kRows on this path
-    a.headsPerChunk = fit < group ? fit : group;
-    a.rowChunks = (group + a.headsPerChunk - 1) / a.headsPerChunk;
-    a.halo = p.worst != nullptr ? p.config.poolKernel / 2 : 0;
     if (p.shape.headDim <= 16 * WindowTiles64::kMaxSteps)
     {
         return launchTensorPathTiles<T, WindowTiles64>(a, stream);

@@ -104,6 +104,41 @@ struct WindowTileArgs
     int32_t halo;                 //!< keys computed on either side of a pass-3 step's outputs: k / 2 with worst, else 0
 };
 
+//! CTAs a pass aims for: the 64-key steps per CTA grow (up to kMaxWindowTilesPerBlock) once the grid would exceed it,
+//! so that the Q tile a CTA loads serves more keys. A function of the shape only: results do not depend on the GPU.
+constexpr int64_t kTargetWindowBlocks = 512;
+constexpr int32_t kMaxWindowTilesPerBlock = 8;
+
+inline int32_t windowTilesPerBlock(int64_t tiles, int64_t blocksPerTile)
+{
+    int64_t const per = tiles * blocksPerTile / kTargetWindowBlocks;
+    return static_cast<int32_t>(per < 1 ? 1 : (per > kMaxWindowTilesPerBlock ? kMaxWindowTilesPerBlock : per));
+}
+
+//! The plan of the three launches for `a` (config, shape and worst set): query heads per row chunk, row chunks, the
+//! pool halo, the key blocks of passes 1 and 3 (grids (blocks * rowChunks, H_kv, B)). tilesPerBlock > 0 forces the
+//! steps per CTA (the emulation's multi-step cases), else windowTilesPerBlock. Requires w <= Cfg::kRows.
+template <typename Cfg>
+inline void planWindowTiles(WindowTileArgs& a, int32_t tilesPerBlock)
+{
+    int32_t const n = a.shape.n;
+    int32_t const w = windowLength(a.config, n);
+    int32_t const m = n - w;
+    int32_t const group = a.shape.heads / a.shape.kvHeads;
+    int32_t const fit = Cfg::kRows / w;
+    a.headsPerChunk = fit < group ? fit : group;
+    a.rowChunks = (group + a.headsPerChunk - 1) / a.headsPerChunk;
+    a.halo = a.worst != nullptr ? a.config.poolKernel / 2 : 0;
+    int64_t const perTile = static_cast<int64_t>(a.rowChunks) * a.shape.kvHeads * a.shape.batch;
+    int32_t const statsTiles = (n + Cfg::kKeys - 1) / Cfg::kKeys;
+    a.statsTilesPerBlock = tilesPerBlock > 0 ? tilesPerBlock : windowTilesPerBlock(statsTiles, perTile);
+    a.statsBlocks = (statsTiles + a.statsTilesPerBlock - 1) / a.statsTilesPerBlock;
+    int32_t const width = Cfg::kKeys - 2 * a.halo;
+    int32_t const columnTiles = m > 0 ? (m + width - 1) / width : 0;
+    a.columnTilesPerBlock = tilesPerBlock > 0 ? tilesPerBlock : windowTilesPerBlock(columnTiles, perTile);
+    a.columnBlocks = (columnTiles + a.columnTilesPerBlock - 1) / a.columnTilesPerBlock;
+}
+
 //! How many of the (2 (k/2) + 1)-wide pool spans of the older tokens in [validStart, m) that would hold older token t
 //! are missing at the ends of that range: sum_{i >= validStart} pool_i = (k mass - sum_t p_t poolDeficit(t)) / k, where
 //! pool_i = sum over the span of i of p / k (defensive.h: poolSpan, averagePool). validStart <= t < m.
