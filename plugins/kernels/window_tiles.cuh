@@ -162,6 +162,19 @@ __device__ __forceinline__ void storeFloatPair(float* at, float x, float y)
 #endif
 }
 
+//! The factor f of a window query's row with rescaledPooled(averagePool(s, k), mass, total) = s f up to a few ulp
+//! (defensive.h: the pooled value s / k rescaled to the row's mass): mass / (k max(total, tiny)), or 1 / k for a row
+//! without pooled mass. One product per (row, token) instead of two divisions.
+CKV_HD float pooledRowFactor(float mass, float total, int32_t kernel)
+{
+    float const k = static_cast<float>(kernel);
+    if (!(total > 0.0F))
+    {
+        return 1.0F / k;
+    }
+    return mass / (k * (total > kTinyFloat ? total : kTinyFloat));
+}
+
 //! Merge an online-softmax partial (max, three sums relative to it) into another.
 CKV_HD void mergeSoftmaxPartial(float& top, float& all, float& older, float& edges, float otherTop, float otherAll,
     float otherOlder, float otherEdges)
@@ -376,10 +389,11 @@ __device__ void windowStatsBlock(WindowTileArgs const& a, unsigned char* shared)
     uint32_t qf[Cfg::kMTiles][Cfg::kMaxSteps][4] = {};
     loadQueryFragments<T, Cfg>(queryTile, stride, steps, qf);
 
-    // this thread's rows: warp * 32 + mi * 16 + half * 8 + lane / 4 (mma_layout.h: cFragment)
+    // this thread's rows: warp * 32 + mi * 16 + half * 8 + lane / 4 (mma_layout.h: cFragment). Sums relative to
+    // runMax: over the visible older keys, over the visible window keys, and defensivekv's pool-edge sum.
     float runMax[Cfg::kMTiles][2];
-    float runAll[Cfg::kMTiles][2] = {};
     float runOlder[Cfg::kMTiles][2] = {};
+    float runWindow[Cfg::kMTiles][2] = {};
     float runEdges[Cfg::kMTiles][2] = {};
 #pragma unroll
     for (int32_t mi = 0; mi < Cfg::kMTiles; ++mi)
@@ -387,6 +401,8 @@ __device__ void windowStatsBlock(WindowTileArgs const& a, unsigned char* shared)
         runMax[mi][0] = -INFINITY;
         runMax[mi][1] = -INFINITY;
     }
+    float const inverseScale = 1.0F / a.scale; // a product instead of the reference's division: <= 1 ulp apart
+    int32_t const edgeReach = edges ? kernel / 2 : 0; // poolDeficit is 0 farther than k/2 from the older range's ends
 
     for (int32_t t = 0; t < count; ++t)
     {
@@ -400,6 +416,8 @@ __device__ void windowStatsBlock(WindowTileArgs const& a, unsigned char* shared)
         float acc[Cfg::kMTiles][Cfg::kNTiles][4];
         windowScoreTile<T, Cfg>(ring + (t % Cfg::kStages) * Cfg::kKeys * stride, stride, steps, qf, acc);
         int32_t const key0 = (first + t) * Cfg::kKeys;
+        // every key of the step older, visible to every row, and clear of the pool's edges: no per-key test
+        bool const interior = key0 >= c.validStart + edgeReach && key0 + Cfg::kKeys <= c.m - edgeReach;
 #pragma unroll
         for (int32_t mi = 0; mi < Cfg::kMTiles; ++mi)
         {
@@ -421,8 +439,8 @@ __device__ void windowStatsBlock(WindowTileArgs const& a, unsigned char* shared)
                     {
                         int32_t const key = key0 + ni * mma::kTileN + 2 * (lane & 3) + e;
                         float& x = acc[mi][ni][2 * half + e];
-                        x = x / a.scale;
-                        if (key >= c.validStart && key <= last && x > top)
+                        x *= inverseScale;
+                        if ((interior || (key >= c.validStart && key <= last)) && x > top)
                         {
                             top = x;
                         }
@@ -435,10 +453,26 @@ __device__ void windowStatsBlock(WindowTileArgs const& a, unsigned char* shared)
                 if (top > runMax[mi][half])
                 {
                     float const rescale = expf(runMax[mi][half] - top);
-                    runAll[mi][half] *= rescale;
                     runOlder[mi][half] *= rescale;
+                    runWindow[mi][half] *= rescale;
                     runEdges[mi][half] *= rescale;
                     runMax[mi][half] = top;
+                }
+                float const rowMax = runMax[mi][half];
+                if (interior)
+                {
+                    float sum = 0.0F;
+#pragma unroll
+                    for (int32_t ni = 0; ni < Cfg::kNTiles; ++ni)
+                    {
+#pragma unroll
+                        for (int32_t e = 0; e < 2; ++e)
+                        {
+                            sum += expf(acc[mi][ni][2 * half + e] - rowMax);
+                        }
+                    }
+                    runOlder[mi][half] += sum;
+                    continue;
                 }
 #pragma unroll
                 for (int32_t ni = 0; ni < Cfg::kNTiles; ++ni)
@@ -451,18 +485,19 @@ __device__ void windowStatsBlock(WindowTileArgs const& a, unsigned char* shared)
                         {
                             continue;
                         }
-                        float const p = expf(acc[mi][ni][2 * half + e] - runMax[mi][half]);
-                        runAll[mi][half] += p;
-                        if (key < c.m)
+                        float const p = expf(acc[mi][ni][2 * half + e] - rowMax);
+                        if (key >= c.m)
                         {
-                            runOlder[mi][half] += p;
-                            if (edges)
+                            runWindow[mi][half] += p;
+                            continue;
+                        }
+                        runOlder[mi][half] += p;
+                        if (edges)
+                        {
+                            int32_t const deficit = poolDeficit(kernel, c.m, c.validStart, key);
+                            if (deficit > 0)
                             {
-                                int32_t const deficit = poolDeficit(kernel, c.m, c.validStart, key);
-                                if (deficit > 0)
-                                {
-                                    runEdges[mi][half] += p * static_cast<float>(deficit);
-                                }
+                                runEdges[mi][half] += p * static_cast<float>(deficit);
                             }
                         }
                     }
@@ -480,7 +515,7 @@ __device__ void windowStatsBlock(WindowTileArgs const& a, unsigned char* shared)
         for (int32_t half = 0; half < 2; ++half)
         {
             float top = runMax[mi][half];
-            float all = runAll[mi][half];
+            float all = runOlder[mi][half] + runWindow[mi][half];
             float older = runOlder[mi][half];
             float edgeSum = runEdges[mi][half];
             for (int32_t mask = 1; mask <= 2; mask <<= 1)
@@ -577,7 +612,8 @@ __device__ void windowColumnsBlock(WindowTileArgs const& a, unsigned char* share
     size_t const queryBytes = static_cast<size_t>(Cfg::kRows) * stride * 2;
     size_t const probBytes = static_cast<size_t>(Cfg::kRows) * Cfg::kProbStride * sizeof(float);
     float* rowInfo = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(queryTile)
-        + (queryBytes > probBytes ? queryBytes : probBytes)); // [kRows][4]: max, sum, mass, total
+        + (queryBytes > probBytes ? queryBytes : probBytes)); // [kRows][4]: max, 1 / sum, pooledRowFactor, unused
+    float const inverseScale = 1.0F / a.scale;
 
     auto keyBegin = [&](int32_t t) { return (first + t) * width - a.halo; };
     auto seen = [&](int32_t t) { return keyBegin(t) + Cfg::kKeys > c.validStart; };
@@ -597,17 +633,16 @@ __device__ void windowColumnsBlock(WindowTileArgs const& a, unsigned char* share
     }
     for (int32_t r = tid; r < Cfg::kRows; r += Cfg::kThreads)
     {
-        float info[Cfg::kRowFloats] = {-INFINITY, 1.0F, 0.0F, 0.0F};
+        float info[Cfg::kRowFloats] = {-INFINITY, 0.0F, 0.0F, 0.0F};
         if (r < c.rows)
         {
             int32_t const local = r / c.w;
             int64_t const row = (static_cast<int64_t>(c.b) * a.shape.heads + c.firstHead + local) * c.w + r - local * c.w;
             info[0] = a.rowStats[2 * row];
-            info[1] = a.rowStats[2 * row + 1];
+            info[1] = 1.0F / a.rowStats[2 * row + 1]; // p = exp(s - max) * (1 / sum): <= 1 ulp from the division
             if (a.worst != nullptr)
             {
-                info[2] = a.rowMass[2 * row];
-                info[3] = a.rowMass[2 * row + 1];
+                info[2] = pooledRowFactor(a.rowMass[2 * row], a.rowMass[2 * row + 1], kernel);
             }
         }
         for (int32_t e = 0; e < Cfg::kRowFloats; ++e)
@@ -641,7 +676,7 @@ __device__ void windowColumnsBlock(WindowTileArgs const& a, unsigned char* share
             {
                 int32_t const row = warp * Cfg::kWarpRows + mi * mma::kTileM + half * 8 + (lane >> 2);
                 float const top = rowInfo[row * Cfg::kRowFloats];
-                float const sum = rowInfo[row * Cfg::kRowFloats + 1];
+                float const inverseSum = rowInfo[row * Cfg::kRowFloats + 1];
                 bool const scored = live && row < c.rows;
 #pragma unroll
                 for (int32_t ni = 0; ni < Cfg::kNTiles; ++ni)
@@ -654,7 +689,7 @@ __device__ void windowColumnsBlock(WindowTileArgs const& a, unsigned char* share
                         int32_t const key = key0 + col + e;
                         if (scored && key >= c.validStart && key < c.m) // the older keys only: zero beyond (pool padding)
                         {
-                            p[e] = expf(acc[mi][ni][2 * half + e] / a.scale - top) / sum;
+                            p[e] = expf(acc[mi][ni][2 * half + e] * inverseScale - top) * inverseSum;
                         }
                     }
                     storeFloatPair(prob + row * Cfg::kProbStride + col, p[0], p[1]);
@@ -704,8 +739,7 @@ __device__ void windowColumnsBlock(WindowTileArgs const& a, unsigned char* share
                         {
                             spanSum += row[k - key0];
                         }
-                        float const* info = rowInfo + (local * c.w + j) * Cfg::kRowFloats;
-                        float const value = rescaledPooled(averagePool(spanSum, kernel), info[2], info[3]);
+                        float const value = spanSum * rowInfo[(local * c.w + j) * Cfg::kRowFloats + 2];
                         best = value > best ? value : best;
                     }
                 }
