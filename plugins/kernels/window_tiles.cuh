@@ -12,6 +12,8 @@
 //   2. windowCombineBlock: the partials of a row into its (max, sum) and defensivekv's (mass, total);
 //   3. windowColumnsBlock: the scores again, p = exp(s - max) / sum into a shared fp32 tile [rows][64 keys], then per
 //      (head, key) Ā = sum_j p / w, sum_j p^2 (laprox) and defensivekv's worst = max_j rescaled pooled p.
+// The logits are s = (q . k) x (1 / sqrt(d_h)) and p takes a product by 1 / sum: within an ulp of the reference's
+// divisions, far inside the flash-attention rule these 16-bit inputs are held to (fp32 inputs run the SIMT kernels).
 // Bytes: storing the fp32 scores instead of recomputing them writes and reads G w 4 = 512 bytes per key and KV head,
 // twice what K itself takes (d_h 2 = 256): a second read of K (256 bytes per key) is the cheapest way to the global
 // statistics. Partials are 16 bytes per row and key block (1 MiB at 32k for Llama-3-8B's layer).
@@ -26,10 +28,12 @@
 // registers for the whole CTA (2 x d_h / 16 x 4 registers), fp32 accumulators (64 registers).
 // * shared memory (d_h = 128): K ring 3 x 64 x 136 x 2 = 51 KiB, Q tile 128 x 136 x 2 = 34 KiB reused by the
 //   probability tile 128 x 72 x 4 = 36 KiB, row statistics 2 KiB: 89 KiB, two CTAs per H100 SM;
-// * per step and warp: 8 k16 steps x (4 ldmatrix.x4 of K, 16 mma): 64 B of shared memory per mma (~40 B/clock per SM
-//   at 0.6 mma/clock, a third of what it delivers);
-// * pass 3's epilogue: 2 x 64 floats per thread to the probability tile (float2 stores, rows 72 floats apart: no bank
-//   conflict), then w reads per (head, key) output (w k more for defensivekv's pooled maximum).
+// * per step and warp: 8 k16 steps x (4 ldmatrix.x4 of K, 16 mma): 128 B of shared memory per mma (~80 B/clock per SM
+//   at 0.6 mma/clock, under the 128 B/clock it delivers);
+// * pass 1's epilogue: one exp per score; a step whose keys are all older, visible and clear of the pool's edges
+//   (every step but the few at the ends of a sequence) tests no key;
+// * pass 3's epilogue: the thread's 64 accumulators to the probability tile (float2 stores, rows 72 floats apart: no
+//   bank conflict), then w reads per (head, key) output (w k more for defensivekv's pooled maximum).
 #pragma once
 
 #include "criticalkv/defensive.h"
