@@ -1,6 +1,6 @@
 // launchCriticalKVSelect: the operator of one layer as a sequence of kernels on one stream.
 //
-//   window attention  ->  value norms  ->  [defensivekv: pooled rows]  ->  group scores  ->  radix selection
+//   window attention [+ defensivekv's pooled rows]  ->  value norms  ->  group scores  ->  radix selection
 //   ->  compaction  ->  gather
 //
 // CriticalKV with value_norm=l1 (prunedStage2On) prunes stage 2: the value-norm step writes L1 upper bounds from the
@@ -143,10 +143,24 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
     if (needsScores(config) && m > 0)
     {
         bool const laproxOn = ownL2Norms(config); // squared attention and the LaProx ranking
+        bool const rowsOn = rowScores(config);     // defensivekv's rows come out of the same passes
         float* raw = at<float>(workspace, layout.raw);
         float* squares = laproxOn ? at<float>(workspace, layout.squares) : nullptr;
-        cudaError_t status = launchWindowScores(config, budget, shape, t.dtype, t.queries, t.keys, t.promptLengths,
-            at<float>(workspace, layout.partials), at<float>(workspace, layout.rowStats), raw, squares, stream);
+        WindowScoreParams window{};
+        window.config = config;
+        window.budget = budget;
+        window.shape = shape;
+        window.dtype = t.dtype;
+        window.queries = t.queries;
+        window.keys = t.keys;
+        window.promptLengths = t.promptLengths;
+        window.partials = at<float>(workspace, layout.partials);
+        window.rowStats = at<float>(workspace, layout.rowStats);
+        window.raw = raw;
+        window.squares = squares;
+        window.rowMass = rowsOn ? at<float>(workspace, layout.rowMass) : nullptr;
+        window.worst = rowsOn ? at<float>(workspace, layout.worst) : nullptr;
+        cudaError_t status = launchWindowScores(window, stream);
         if (status != cudaSuccess)
         {
             return status;
@@ -201,18 +215,10 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
                 return status;
             }
         }
-        if (rowScores(config))
+        if (rowsOn)
         {
-            float* worst = at<float>(workspace, layout.worst);
-            float* rowMass = at<float>(workspace, layout.rowMass);
-            status = launchDefensiveRows(config, budget, shape, t.dtype, t.queries, t.keys, t.promptLengths,
-                at<float>(workspace, layout.rowStats), at<float>(workspace, layout.partials), rowMass, worst, stream);
-            if (status != cudaSuccess)
-            {
-                return status;
-            }
-            s.worst = worst;
-            s.rowMass = reinterpret_cast<float2 const*>(rowMass);
+            s.worst = window.worst;
+            s.rowMass = reinterpret_cast<float2 const*>(window.rowMass);
             s.stage1 = at<float>(workspace, layout.stage1);
             s.ranking = at<float>(workspace, layout.ranking);
             s.totals = at<DefensiveTotals>(workspace, layout.totals);

@@ -1,20 +1,24 @@
 // Window attention scores: softmax of the w window queries of every query head over all n keys (causal inside
-// the window, left padding masked), averaged over the queries (Ā) and, for LaProx, sum_j A_j^2.
+// the window, left padding masked), averaged over the queries (Ā), for LaProx sum_j A_j^2, and for defensivekv the
+// rows' maximum of the rescaled average pools (worst) and masses.
 //
-// Two passes over the keys so that no [w, n] probability matrix is stored: pass 1 writes a (max, sum of
-// exponentials) partial per 64-key tile and window query, a combine step reduces them to the softmax
-// statistics of every query, pass 2 recomputes the logits of the m older keys and accumulates the normalised
-// probabilities per key. Keys and a 16-query chunk sit in shared memory; logits accumulate in fp32.
-//
-// defensivekv also needs every window query's row (defensive.h): launchDefensiveRows recomputes the probabilities of
-// the older keys in two more passes (the rows' pooled sums, then the maximum of the rescaled pooled rows per head).
+// * fp16 / bf16, d_h % 16 == 0, d_h <= 128, w <= 128, pool kernel <= 49, 16-byte aligned Q and K, sm_80+
+//   (windowScoresOnTensorCores): the tensor-core tiles of window_tiles.cuh, three launches: pass 1 (Q K^T on the
+//   tensor cores, online softmax partials per key block), the combine, pass 3 (Q K^T again, probabilities to a shared
+//   tile, Ā / sum A^2 / worst per key). K is read twice; defensivekv's rows come out of the same two passes.
+// * otherwise (fp32 included: its kept sets stay the host driver's): the SIMT kernels of window_simt.cuh, two passes
+//   over K for Ā and two more for defensivekv's rows.
 //
 // Why not TensorRT's own layers (MatMul + Softmax + Reduce): they would materialise the [B, H, w, n]
 // probabilities (w * n * 4 bytes per head: 16 MiB for w = 32, n = 128k) and run the selection outside the
-// plugin anyway; the fused passes read K twice and write 3 floats per key. Not measured (no GPU here).
+// plugin anyway. Not measured on a GPU yet (docs/tensorrt_cost_model.md has the predictions).
 #include "criticalkv/defensive.h"
 #include "criticalkv/kernels.h"
 #include "device_utils.cuh"
+#include "window_simt.cuh"
+#include "window_tiles.cuh"
+
+#include <cstdint>
 
 namespace criticalkv
 {
@@ -23,213 +27,34 @@ namespace kernels
 namespace
 {
 
-constexpr int kQueryChunk = 16;
-constexpr int kWindowThreads = 256;
-constexpr int kStatsThreads = 256;
+// ------------------------------------------------------------------------------------------------ SIMT wrappers
 
-struct WindowArgs
-{
-    SelectConfig config;
-    SelectShape shape;
-    void const* queries;
-    void const* keys;
-    int32_t const* promptLengths;
-    RuntimeBudget budget;
-    float2* partials; // [B, H, w, tiles]
-    float2* rowStats; // [B, H, w]
-    float* raw;       // [B, H, m]
-    float* squares;   // [B, H, m] or nullptr
-    int32_t tiles;
-    float scale; // sqrt(d_h) in fp32, as the reference divides by it
-};
-
-size_t windowSharedBytes(int32_t headDim)
-{
-    return (static_cast<size_t>(kKeyTile + kQueryChunk) * (headDim + 1) + kQueryChunk * kKeyTile) * sizeof(float);
-}
-
-//! Pass 1 (kColumns = false): softmax partials per key tile. Pass 2 (kColumns = true): Ā and sum A^2 per key.
-//! grid (key tiles, H, B), block kWindowThreads, dynamic shared memory windowSharedBytes(d_h).
 template <typename T, bool kColumns>
 __global__ void __launch_bounds__(kWindowThreads) windowAttentionKernel(WindowArgs a)
 {
-    int32_t const tile = static_cast<int32_t>(blockIdx.x);
-    int32_t const h = static_cast<int32_t>(blockIdx.y);
-    int32_t const b = static_cast<int32_t>(blockIdx.z);
-    SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
-    if (!info.compress)
-    {
-        return;
-    }
-    int32_t const n = a.shape.n;
-    int32_t const d = a.shape.headDim;
-    int32_t const w = windowLength(a.config, n);
-    int32_t const m = n - w;
-    int32_t const g = h / (a.shape.heads / a.shape.kvHeads);
-    int32_t const keyBegin = tile * kKeyTile;
-    int32_t const tid = static_cast<int32_t>(threadIdx.x);
-    int64_t const headRow = static_cast<int64_t>(b) * a.shape.heads + h;
-
-    if (keyBegin + kKeyTile <= info.validStart)
-    {
-        // The whole tile is left padding: no probability mass (the reference's masked softmax gives exact 0).
-        if (!kColumns)
-        {
-            for (int32_t j = tid; j < w; j += kWindowThreads)
-            {
-                a.partials[(headRow * w + j) * a.tiles + tile] = make_float2(-INFINITY, 0.0F);
-            }
-        }
-        else if (tid < kKeyTile && keyBegin + tid < m)
-        {
-            a.raw[headRow * m + keyBegin + tid] = 0.0F;
-            if (a.squares != nullptr)
-            {
-                a.squares[headRow * m + keyBegin + tid] = 0.0F;
-            }
-        }
-        return;
-    }
-
-    extern __shared__ float shared[];
-    int32_t const stride = d + 1; // +1: conflict-free column reads across keys
-    float* keyTile = shared;                          // [kKeyTile][d + 1]
-    float* queryTile = keyTile + kKeyTile * stride;   // [kQueryChunk][d + 1]
-    float* logitTile = queryTile + kQueryChunk * stride; // [kQueryChunk][kKeyTile]
-
-    T const* keys = static_cast<T const*>(a.keys) + (static_cast<int64_t>(b) * a.shape.kvHeads + g) * n * d;
-    for (int32_t e = tid; e < kKeyTile * d; e += kWindowThreads)
-    {
-        int32_t const r = e / d;
-        int32_t const c = e - r * d;
-        int32_t const key = keyBegin + r;
-        keyTile[r * stride + c] = key < n ? toFloat(keys[static_cast<int64_t>(key) * d + c]) : 0.0F;
-    }
-
-    T const* queries = static_cast<T const*>(a.queries) + headRow * a.shape.queryLen * d;
-    int32_t const firstQuery = a.shape.queryLen - w; // the operator uses the last w queries
-    int32_t const warp = tid / 32;
-    int32_t const lane = tid % 32;
-    float columnSum = 0.0F;
-    float columnSquares = 0.0F;
-
-    for (int32_t j0 = 0; j0 < w; j0 += kQueryChunk)
-    {
-        __syncthreads(); // keys loaded / previous chunk consumed
-        for (int32_t e = tid; e < kQueryChunk * d; e += kWindowThreads)
-        {
-            int32_t const r = e / d;
-            int32_t const c = e - r * d;
-            int32_t const j = j0 + r;
-            queryTile[r * stride + c]
-                = j < w ? toFloat(queries[static_cast<int64_t>(firstQuery + j) * d + c]) : 0.0F;
-        }
-        __syncthreads();
-        for (int32_t e = tid; e < kQueryChunk * kKeyTile; e += kWindowThreads)
-        {
-            int32_t const r = e / kKeyTile;
-            int32_t const i = e - r * kKeyTile;
-            int32_t const j = j0 + r;
-            int32_t const key = keyBegin + i;
-            bool const visible = j < w && key < n && key >= info.validStart && key <= n - w + j;
-            float dot = 0.0F;
-            float const* q = queryTile + r * stride;
-            float const* k = keyTile + i * stride;
-            for (int32_t c = 0; c < d; ++c)
-            {
-                dot = fmaf(q[c], k[c], dot);
-            }
-            logitTile[r * kKeyTile + i] = visible ? dot / a.scale : -INFINITY;
-        }
-        __syncthreads();
-        if (!kColumns)
-        {
-            static_assert(kKeyTile == 64, "one warp reduces a 64-key row with two values per lane");
-            for (int32_t r = warp; r < kQueryChunk; r += kWindowThreads / 32)
-            {
-                int32_t const j = j0 + r;
-                if (j >= w)
-                {
-                    continue;
-                }
-                float const v0 = logitTile[r * kKeyTile + lane];
-                float const v1 = logitTile[r * kKeyTile + lane + 32];
-                float const rowMax = warpMax(fmaxf(v0, v1));
-                float sum = rowMax == -INFINITY ? 0.0F : expf(v0 - rowMax) + expf(v1 - rowMax);
-                sum = warpSum(sum);
-                if (lane == 0)
-                {
-                    a.partials[(headRow * w + j) * a.tiles + tile] = make_float2(rowMax, sum);
-                }
-            }
-        }
-        else if (tid < kKeyTile)
-        {
-            for (int32_t r = 0; r < kQueryChunk && j0 + r < w; ++r)
-            {
-                float const logit = logitTile[r * kKeyTile + tid];
-                if (logit == -INFINITY)
-                {
-                    continue;
-                }
-                float2 const stats = a.rowStats[headRow * w + j0 + r];
-                float const p = expf(logit - stats.x) / stats.y;
-                columnSum += p;
-                columnSquares += p * p;
-            }
-        }
-    }
-    if (kColumns && tid < kKeyTile && keyBegin + tid < m)
-    {
-        a.raw[headRow * m + keyBegin + tid] = columnSum / static_cast<float>(w);
-        if (a.squares != nullptr)
-        {
-            a.squares[headRow * m + keyBegin + tid] = columnSquares;
-        }
-    }
+    extern __shared__ float simtShared[];
+    windowAttentionBlock<T, kColumns>(a, simtShared);
 }
 
-//! Combine the per-tile partials into the softmax (max, sum) of every window query. grid (H, B).
 __global__ void __launch_bounds__(kStatsThreads) softmaxStatsKernel(WindowArgs a)
 {
-    int32_t const h = static_cast<int32_t>(blockIdx.x);
-    int32_t const b = static_cast<int32_t>(blockIdx.y);
-    if (!sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b).compress)
-    {
-        return;
-    }
-    int32_t const w = windowLength(a.config, a.shape.n);
-    int64_t const headRow = static_cast<int64_t>(b) * a.shape.heads + h;
-    int32_t const warp = static_cast<int32_t>(threadIdx.x) / 32;
-    int32_t const lane = static_cast<int32_t>(threadIdx.x) % 32;
-    for (int32_t j = warp; j < w; j += kStatsThreads / 32)
-    {
-        float2 const* partial = a.partials + (headRow * w + j) * a.tiles;
-        float rowMax = -INFINITY;
-        for (int32_t t = lane; t < a.tiles; t += 32)
-        {
-            rowMax = fmaxf(rowMax, partial[t].x);
-        }
-        rowMax = warpMax(rowMax);
-        float sum = 0.0F;
-        for (int32_t t = lane; t < a.tiles; t += 32)
-        {
-            float2 const p = partial[t];
-            if (p.x != -INFINITY)
-            {
-                sum += p.y * expf(p.x - rowMax);
-            }
-        }
-        sum = warpSum(sum);
-        if (lane == 0)
-        {
-            a.rowStats[headRow * w + j] = make_float2(rowMax, sum);
-        }
-    }
+    softmaxStatsBlock(a);
+}
+
+template <typename T, bool kRescale>
+__global__ void __launch_bounds__(kRowThreads) defensiveRowsKernel(DefensiveRowArgs a)
+{
+    extern __shared__ float simtShared[];
+    defensiveRowsBlock<T, kRescale>(a, simtShared);
+}
+
+__global__ void __launch_bounds__(kStatsThreads) defensiveRowMassKernel(DefensiveRowArgs a)
+{
+    defensiveRowMassBlock(a);
 }
 
 template <typename T>
-cudaError_t launchWindowTyped(WindowArgs const& a, cudaStream_t stream)
+cudaError_t launchWindowSimt(WindowArgs const& a, cudaStream_t stream)
 {
     size_t const shared = windowSharedBytes(a.shape.headDim);
     cudaError_t status = allowDynamicSharedMemory(windowAttentionKernel<T, false>, shared);
@@ -256,226 +81,8 @@ cudaError_t launchWindowTyped(WindowArgs const& a, cudaStream_t stream)
     return cudaGetLastError();
 }
 
-// BEGIN defensive rows (tests/plugins/test_plugin_kernel_emulation.py runs this section on the CPU)
-//! defensivekv's rows (defensive.h): every window query's attention row over the older tokens, average-pooled and
-//! rescaled to the row's mass, maximum over the rows of each query head.
-struct DefensiveRowArgs
-{
-    SelectConfig config;
-    SelectShape shape;
-    void const* queries;
-    void const* keys;
-    int32_t const* promptLengths;
-    RuntimeBudget budget;
-    float2 const* rowStats; // [B, H, w] softmax (max, sum)
-    float2* partials;       // [B, H, w, olderTiles] per token tile (sum A, sum P)
-    float2* rowMass;        // [B, H, w] (mass, total)
-    float* worst;           // [B, H, m]
-    int32_t olderTiles;
-    float scale;
-};
-
-constexpr int kRowThreads = 256;              // kKeyTile tokens x kRowLanes lanes of window queries
-constexpr int kRowLanes = kRowThreads / kKeyTile;
-constexpr int kRowQueriesPerLane = kQueryChunk / kRowLanes;
-
-size_t defensiveRowSharedBytes(int32_t headDim)
-{
-    // keys, queries, probabilities, two reduction tiles, the lanes' maxima
-    return (static_cast<size_t>(kKeyTile + kQueryChunk) * (headDim + 1) + 3 * kQueryChunk * kKeyTile
-               + kRowLanes * kKeyTile)
-        * sizeof(float);
-}
-
-//! Pass kRescale = false: per token tile and window query, the sums of A and of P over the tile's tokens (partials).
-//! Pass kRescale = true: worst[b, h, i] = max over j of rescaledPooled(P[j, i], rowMass[j]). P[j, i] sums the
-//! probabilities of the span of token i in ascending position order, as avg_pool1d does; the span crosses the tile,
-//! so the probabilities of keys [tile - k/2, tile + 64 + k/2) are computed in chunks of 64 keys.
-//! grid (older tiles, H, B), block kRowThreads, dynamic shared memory defensiveRowSharedBytes(d_h).
-template <typename T, bool kRescale>
-__global__ void __launch_bounds__(kRowThreads) defensiveRowsKernel(DefensiveRowArgs a)
-{
-    int32_t const tile = static_cast<int32_t>(blockIdx.x);
-    int32_t const h = static_cast<int32_t>(blockIdx.y);
-    int32_t const b = static_cast<int32_t>(blockIdx.z);
-    SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
-    if (!info.compress)
-    {
-        return;
-    }
-    int32_t const n = a.shape.n;
-    int32_t const d = a.shape.headDim;
-    int32_t const w = windowLength(a.config, n);
-    int32_t const m = n - w;
-    int32_t const g = h / (a.shape.heads / a.shape.kvHeads);
-    int32_t const tileBegin = tile * kKeyTile;
-    int32_t const tid = static_cast<int32_t>(threadIdx.x);
-    int32_t const token = tid % kKeyTile;
-    int32_t const lane = tid / kKeyTile;
-    int32_t const i = tileBegin + token;
-    int64_t const headRow = static_cast<int64_t>(b) * a.shape.heads + h;
-    int32_t const half = a.config.poolKernel / 2;
-    PoolSpan const span = i < m ? poolSpan(a.config.poolKernel, m, i) : PoolSpan{1, 0};
-    int32_t const lo = tileBegin - half > 0 ? tileBegin - half : 0;
-    int32_t const hi = tileBegin + kKeyTile + half < m ? tileBegin + kKeyTile + half : m; // exclusive
-
-    extern __shared__ float shared[];
-    int32_t const stride = d + 1;
-    float* keyTile = shared;                                 // [kKeyTile][d + 1]
-    float* queryTile = keyTile + kKeyTile * stride;          // [kQueryChunk][d + 1]
-    float* probTile = queryTile + kQueryChunk * stride;      // [kQueryChunk][kKeyTile]
-    float* pooledTile = probTile + kQueryChunk * kKeyTile;   // [kQueryChunk][kKeyTile]
-    float* massTile = pooledTile + kQueryChunk * kKeyTile;   // [kQueryChunk][kKeyTile]
-    float* laneBest = massTile + kQueryChunk * kKeyTile;     // [kRowLanes][kKeyTile]
-
-    T const* keys = static_cast<T const*>(a.keys) + (static_cast<int64_t>(b) * a.shape.kvHeads + g) * n * d;
-    T const* queries = static_cast<T const*>(a.queries) + headRow * a.shape.queryLen * d;
-    int32_t const firstQuery = a.shape.queryLen - w;
-    float best = -INFINITY;
-
-    for (int32_t j0 = 0; j0 < w; j0 += kQueryChunk)
-    {
-        __syncthreads(); // the previous chunk's tiles are consumed
-        for (int32_t e = tid; e < kQueryChunk * d; e += kRowThreads)
-        {
-            int32_t const r = e / d;
-            int32_t const c = e - r * d;
-            int32_t const j = j0 + r;
-            queryTile[r * stride + c] = j < w ? toFloat(queries[static_cast<int64_t>(firstQuery + j) * d + c]) : 0.0F;
-        }
-        float sums[kRowQueriesPerLane] = {};
-        float own[kRowQueriesPerLane] = {};
-        for (int32_t c0 = lo; c0 < hi; c0 += kKeyTile)
-        {
-            __syncthreads(); // queries loaded, previous probabilities consumed
-            for (int32_t e = tid; e < kKeyTile * d; e += kRowThreads)
-            {
-                int32_t const r = e / d;
-                int32_t const c = e - r * d;
-                int32_t const key = c0 + r;
-                keyTile[r * stride + c] = key < hi ? toFloat(keys[static_cast<int64_t>(key) * d + c]) : 0.0F;
-            }
-            __syncthreads();
-            for (int32_t e = tid; e < kQueryChunk * kKeyTile; e += kRowThreads)
-            {
-                int32_t const r = e / kKeyTile;
-                int32_t const col = e - r * kKeyTile;
-                int32_t const j = j0 + r;
-                int32_t const key = c0 + col;
-                bool const visible = j < w && key < hi && key >= info.validStart && key <= n - w + j;
-                float dot = 0.0F;
-                float const* q = queryTile + r * stride;
-                float const* k = keyTile + col * stride;
-                for (int32_t c = 0; c < d; ++c)
-                {
-                    dot = fmaf(q[c], k[c], dot);
-                }
-                float p = 0.0F;
-                if (visible)
-                {
-                    float2 const stats = a.rowStats[headRow * w + j];
-                    p = expf(dot / a.scale - stats.x) / stats.y;
-                }
-                probTile[r * kKeyTile + col] = p;
-            }
-            __syncthreads();
-            int32_t const first = span.lo > c0 ? span.lo : c0;
-            int32_t const last = span.hi < c0 + kKeyTile - 1 ? span.hi : c0 + kKeyTile - 1;
-            for (int32_t q = 0; q < kRowQueriesPerLane; ++q)
-            {
-                float const* row = probTile + (lane + kRowLanes * q) * kKeyTile;
-                for (int32_t t = first; t <= last; ++t)
-                {
-                    sums[q] += row[t - c0];
-                }
-                if (i >= c0 && i < c0 + kKeyTile && i < m)
-                {
-                    own[q] = row[i - c0];
-                }
-            }
-        }
-        for (int32_t q = 0; q < kRowQueriesPerLane; ++q)
-        {
-            int32_t const r = lane + kRowLanes * q;
-            int32_t const j = j0 + r;
-            bool const scored = j < w && i < m;
-            float const pooled
-                = scored && i >= info.validStart ? averagePool(sums[q], a.config.poolKernel) : 0.0F;
-            if (kRescale)
-            {
-                if (scored)
-                {
-                    float2 const mass = a.rowMass[headRow * w + j];
-                    float const value = rescaledPooled(pooled, mass.x, mass.y);
-                    best = value > best ? value : best;
-                }
-            }
-            else
-            {
-                pooledTile[r * kKeyTile + token] = pooled;
-                massTile[r * kKeyTile + token] = scored ? own[q] : 0.0F;
-            }
-        }
-        if (!kRescale)
-        {
-            __syncthreads();
-            if (tid < kQueryChunk && j0 + tid < w)
-            {
-                float sumA = 0.0F;
-                float sumP = 0.0F;
-                for (int32_t t = 0; t < kKeyTile; ++t)
-                {
-                    sumA += massTile[tid * kKeyTile + t];
-                    sumP += pooledTile[tid * kKeyTile + t];
-                }
-                a.partials[(headRow * w + j0 + tid) * a.olderTiles + tile] = make_float2(sumA, sumP);
-            }
-        }
-    }
-    if (kRescale)
-    {
-        laneBest[lane * kKeyTile + token] = best;
-        __syncthreads();
-        if (lane == 0 && i < m)
-        {
-            for (int32_t l = 1; l < kRowLanes; ++l)
-            {
-                float const other = laneBest[l * kKeyTile + token];
-                best = other > best ? other : best;
-            }
-            a.worst[headRow * m + i] = best;
-        }
-    }
-}
-
-//! rowMass[b, h, j] = (mass, total) of every window query's row from the tile partials. grid (H, B).
-__global__ void __launch_bounds__(kStatsThreads) defensiveRowMassKernel(DefensiveRowArgs a)
-{
-    int32_t const h = static_cast<int32_t>(blockIdx.x);
-    int32_t const b = static_cast<int32_t>(blockIdx.y);
-    if (!sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b).compress)
-    {
-        return;
-    }
-    int32_t const w = windowLength(a.config, a.shape.n);
-    int64_t const headRow = static_cast<int64_t>(b) * a.shape.heads + h;
-    for (int32_t j = static_cast<int32_t>(threadIdx.x); j < w; j += kStatsThreads)
-    {
-        double mass = 0.0;
-        double total = 0.0;
-        for (int32_t t = 0; t < a.olderTiles; ++t)
-        {
-            float2 const p = a.partials[(headRow * w + j) * a.olderTiles + t];
-            mass += p.x;
-            total += p.y;
-        }
-        a.rowMass[headRow * w + j] = make_float2(static_cast<float>(mass), static_cast<float>(total));
-    }
-}
-// END defensive rows
-
 template <typename T>
-cudaError_t launchDefensiveRowsTyped(DefensiveRowArgs const& a, cudaStream_t stream)
+cudaError_t launchDefensiveRowsSimt(DefensiveRowArgs const& a, cudaStream_t stream)
 {
     size_t const shared = defensiveRowSharedBytes(a.shape.headDim);
     cudaError_t status = allowDynamicSharedMemory(defensiveRowsKernel<T, false>, shared);
@@ -496,64 +103,167 @@ cudaError_t launchDefensiveRowsTyped(DefensiveRowArgs const& a, cudaStream_t str
     return cudaGetLastError();
 }
 
+//! The SIMT path: window attention, then defensivekv's two row passes.
+template <typename T>
+cudaError_t launchSimtPath(WindowScoreParams const& p, cudaStream_t stream)
+{
+    int32_t const w = windowLength(p.config, p.shape.n);
+    int32_t const m = p.shape.n - w;
+    float const scale = static_cast<float>(sqrt(static_cast<double>(p.shape.headDim)));
+    WindowArgs a{};
+    a.config = p.config;
+    a.shape = p.shape;
+    a.queries = p.queries;
+    a.keys = p.keys;
+    a.promptLengths = p.promptLengths;
+    a.budget = p.budget;
+    a.partials = reinterpret_cast<float2*>(p.partials);
+    a.rowStats = reinterpret_cast<float2*>(p.rowStats);
+    a.raw = p.raw;
+    a.squares = p.squares;
+    a.tiles = (p.shape.n + kKeyTile - 1) / kKeyTile;
+    a.scale = scale;
+    cudaError_t status = launchWindowSimt<T>(a, stream);
+    if (status != cudaSuccess || p.worst == nullptr || m <= 0)
+    {
+        return status;
+    }
+    DefensiveRowArgs r{};
+    r.config = p.config;
+    r.shape = p.shape;
+    r.queries = p.queries;
+    r.keys = p.keys;
+    r.promptLengths = p.promptLengths;
+    r.budget = p.budget;
+    r.rowStats = reinterpret_cast<float2 const*>(p.rowStats);
+    r.partials = reinterpret_cast<float2*>(p.partials); // pass 1's partials are consumed: reused
+    r.rowMass = reinterpret_cast<float2*>(p.rowMass);
+    r.worst = p.worst;
+    r.olderTiles = (m + kKeyTile - 1) / kKeyTile;
+    r.scale = scale;
+    return launchDefensiveRowsSimt<T>(r, stream);
+}
+
+// ------------------------------------------------------------------------------------------------ tensor-core path
+
+constexpr int32_t kCombineThreads = 128;
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) windowStatsMmaKernel(WindowTileArgs a)
+{
+    extern __shared__ __align__(128) unsigned char windowShared[];
+    windowStatsBlock<T, Cfg>(a, windowShared);
+}
+
+__global__ void __launch_bounds__(kCombineThreads) windowCombineKernel(WindowTileArgs a)
+{
+    windowCombineBlock(a, kCombineThreads);
+}
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) windowColumnsMmaKernel(WindowTileArgs a)
+{
+    extern __shared__ __align__(128) unsigned char windowShared[];
+    windowColumnsBlock<T, Cfg>(a, windowShared);
+}
+
+template <typename T, typename Cfg>
+cudaError_t launchTensorPathTiles(WindowTileArgs a, cudaStream_t stream)
+{
+    size_t const shared = Cfg::sharedBytes(a.shape.headDim);
+    cudaError_t status = allowDynamicSharedMemory(windowStatsMmaKernel<T, Cfg>, shared);
+    if (status == cudaSuccess)
+    {
+        status = allowDynamicSharedMemory(windowColumnsMmaKernel<T, Cfg>, shared);
+    }
+    if (status != cudaSuccess)
+    {
+        return status;
+    }
+    planWindowTiles<Cfg>(a, 0);
+    uint32_t const kvHeads = static_cast<uint32_t>(a.shape.kvHeads);
+    uint32_t const batch = static_cast<uint32_t>(a.shape.batch);
+    windowStatsMmaKernel<T, Cfg>
+        <<<dim3(static_cast<uint32_t>(a.statsBlocks * a.rowChunks), kvHeads, batch), Cfg::kThreads, shared, stream>>>(a);
+    windowCombineKernel<<<dim3(static_cast<uint32_t>(a.shape.heads), batch), kCombineThreads, 0, stream>>>(a);
+    windowColumnsMmaKernel<T, Cfg>
+        <<<dim3(static_cast<uint32_t>(a.columnBlocks * a.rowChunks), kvHeads, batch), Cfg::kThreads, shared, stream>>>(
+            a);
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launchTensorPath(WindowScoreParams const& p, cudaStream_t stream)
+{
+    WindowTileArgs a{};
+    a.config = p.config;
+    a.shape = p.shape;
+    a.budget = p.budget;
+    a.promptLengths = p.promptLengths;
+    a.queries = p.queries;
+    a.keys = p.keys;
+    a.partials = p.partials;
+    a.rowStats = p.rowStats;
+    a.rowMass = p.worst != nullptr ? p.rowMass : nullptr;
+    a.raw = p.raw;
+    a.squares = p.squares;
+    a.worst = p.worst;
+    a.scale = static_cast<float>(sqrt(static_cast<double>(p.shape.headDim)));
+    if (p.shape.headDim <= 16 * WindowTiles64::kMaxSteps)
+    {
+        return launchTensorPathTiles<T, WindowTiles64>(a, stream);
+    }
+    return launchTensorPathTiles<T, WindowTiles128>(a, stream);
+}
+
 } // namespace
 } // namespace kernels
 
-cudaError_t launchDefensiveRows(SelectConfig const& config, RuntimeBudget budget, SelectShape const& shape, DType dtype,
-    void const* queries, void const* keys, int32_t const* promptLengths, float const* rowStats, float* partials,
-    float* rowMass, float* worst, cudaStream_t stream)
+bool windowScoresOnTensorCores(SelectConfig const& config, SelectShape const& shape, DType dtype, void const* queries,
+    void const* keys, bool rows)
 {
-    int32_t const m = shape.n - windowLength(config, shape.n);
-    if (shape.headDim <= 0 || shape.headDim > kMaxHeadDim || shape.kvHeads <= 0 || shape.heads % shape.kvHeads != 0
-        || shape.queryLen < windowLength(config, shape.n))
+    int32_t const w = windowLength(config, shape.n);
+    if (dtype == DType::kFloat32 || shape.headDim % 16 != 0 || shape.headDim > 16 * kernels::WindowTiles128::kMaxSteps
+        || w > kernels::WindowTiles128::kRows || (rows && config.poolKernel / 2 > kernels::kMaxWindowHalo)
+        || reinterpret_cast<uintptr_t>(queries) % 16 != 0 || reinterpret_cast<uintptr_t>(keys) % 16 != 0)
     {
-        return cudaErrorInvalidValue;
+        return false;
     }
-    if (m <= 0)
-    {
-        return cudaSuccess;
-    }
-    kernels::DefensiveRowArgs a{};
-    a.config = config;
-    a.shape = shape;
-    a.queries = queries;
-    a.keys = keys;
-    a.promptLengths = promptLengths;
-    a.budget = budget;
-    a.rowStats = reinterpret_cast<float2 const*>(rowStats);
-    a.partials = reinterpret_cast<float2*>(partials);
-    a.rowMass = reinterpret_cast<float2*>(rowMass);
-    a.worst = worst;
-    a.olderTiles = (m + kKeyTile - 1) / kKeyTile;
-    a.scale = static_cast<float>(sqrt(static_cast<double>(shape.headDim)));
-    return kernels::dispatchDType(
-        dtype, [&](auto tag) { return kernels::launchDefensiveRowsTyped<decltype(tag)>(a, stream); });
+    int device = 0;
+    int major = 0;
+    int sharedLimit = 0;
+    return cudaGetDevice(&device) == cudaSuccess
+        && cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8
+        && cudaDeviceGetAttribute(&sharedLimit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess
+        && kernels::WindowTiles128::sharedBytes(shape.headDim) <= static_cast<size_t>(sharedLimit);
 }
 
-cudaError_t launchWindowScores(SelectConfig const& config, RuntimeBudget budget, SelectShape const& shape, DType dtype,
-    void const* queries,
-    void const* keys, int32_t const* promptLengths, float* partials, float* rowStats, float* raw, float* squares,
-    cudaStream_t stream)
+cudaError_t launchWindowScores(WindowScoreParams const& p, cudaStream_t stream)
 {
-    if (shape.headDim <= 0 || shape.headDim > kMaxHeadDim || shape.kvHeads <= 0 || shape.heads % shape.kvHeads != 0
-        || shape.queryLen < windowLength(config, shape.n))
+    SelectShape const& s = p.shape;
+    bool const rows = p.worst != nullptr;
+    if (s.batch <= 0 || s.n <= 0 || s.headDim <= 0 || s.headDim > kMaxHeadDim || s.kvHeads <= 0
+        || s.heads % s.kvHeads != 0 || s.queryLen < windowLength(p.config, s.n) || p.partials == nullptr
+        || p.rowStats == nullptr || p.raw == nullptr || (rows && p.rowMass == nullptr))
     {
         return cudaErrorInvalidValue;
     }
-    kernels::WindowArgs a{};
-    a.config = config;
-    a.shape = shape;
-    a.queries = queries;
-    a.keys = keys;
-    a.promptLengths = promptLengths;
-    a.budget = budget;
-    a.partials = reinterpret_cast<float2*>(partials);
-    a.rowStats = reinterpret_cast<float2*>(rowStats);
-    a.raw = raw;
-    a.squares = squares;
-    a.tiles = (shape.n + kKeyTile - 1) / kKeyTile;
-    a.scale = static_cast<float>(sqrt(static_cast<double>(shape.headDim)));
-    return kernels::dispatchDType(dtype, [&](auto tag) { return kernels::launchWindowTyped<decltype(tag)>(a, stream); });
+    if (s.n - windowLength(p.config, s.n) <= 0)
+    {
+        return cudaSuccess; // no older token to score
+    }
+    bool const tensorCores = windowScoresOnTensorCores(p.config, s, p.dtype, p.queries, p.keys, rows);
+    return kernels::dispatchDType(p.dtype, [&](auto tag) -> cudaError_t {
+        using T = decltype(tag);
+        if constexpr (sizeof(T) == 2)
+        {
+            if (tensorCores)
+            {
+                return kernels::launchTensorPath<T>(p, stream);
+            }
+        }
+        return kernels::launchSimtPath<T>(p, stream);
+    });
 }
 
 } // namespace criticalkv

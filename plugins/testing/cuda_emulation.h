@@ -21,6 +21,16 @@ std::barrier<>* gBarrier = nullptr;
 #define __shared__
 #define __syncthreads() gBarrier->arrive_and_wait()
 
+struct float2
+{
+    float x, y;
+};
+
+inline float2 make_float2(float x, float y)
+{
+    return float2{x, y};
+}
+
 template <typename T>
 T atomicAdd(T* address, T value)
 {

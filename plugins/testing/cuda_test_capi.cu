@@ -230,10 +230,12 @@ extern "C"
         return report(status, err, errLen);
     }
 
-    //! Window scores raw / squares [B, H, m] of the compressed sequences of the policy given by fields.
+    //! Window scores raw / squares [B, H, m] of the compressed sequences of the policy given by fields; with rowMass
+    //! and worst (both or neither) also defensivekv's rows: rowMass [B, H, w, 2], worst [B, H, m]. *tensorCores: 1 when
+    //! the tensor-core path ran (windowScoresOnTensorCores), else 0.
     int32_t ckv_cuda_window_scores(CkvField const* fields, int32_t count, int32_t const* shape, int32_t dtype,
-        void const* queries, void const* keys, int32_t const* promptLengths, float* raw, float* squares, char* err,
-        int32_t errLen)
+        void const* queries, void const* keys, int32_t const* promptLengths, float* raw, float* squares, float* rowMass,
+        float* worst, int32_t* tensorCores, char* err, int32_t errLen)
     {
         try
         {
@@ -254,8 +256,24 @@ extern "C"
             }
             if (status == cudaSuccess)
             {
-                status = launchWindowScores(config, RuntimeBudget{}, s, static_cast<DType>(dtype), queries, keys, promptLengths,
-                    static_cast<float*>(partials.ptr), static_cast<float*>(stats.ptr), raw, squares, nullptr);
+                WindowScoreParams p{};
+                p.config = config;
+                p.shape = s;
+                p.dtype = static_cast<DType>(dtype);
+                p.queries = queries;
+                p.keys = keys;
+                p.promptLengths = promptLengths;
+                p.partials = static_cast<float*>(partials.ptr);
+                p.rowStats = static_cast<float*>(stats.ptr);
+                p.raw = raw;
+                p.squares = squares;
+                p.rowMass = rowMass;
+                p.worst = worst;
+                if (tensorCores != nullptr)
+                {
+                    *tensorCores = windowScoresOnTensorCores(config, s, p.dtype, queries, keys, worst != nullptr) ? 1 : 0;
+                }
+                status = launchWindowScores(p, nullptr);
             }
             return report(status, err, errLen);
         }

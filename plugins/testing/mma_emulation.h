@@ -8,7 +8,7 @@
 //   their sum with C exact, then rounded toward zero (a model of the tensor core's truncating fp32 accumulation);
 // * cpAsync16: the copy is deferred to the cpAsyncWait that retires its group (the latest moment the hardware may
 //   complete it), so a read before the wait sees stale shared memory;
-// * shflXor through the slots.
+// * shflXor through the slots (and warpMax / warpSum of device_utils.cuh over it).
 // Included after cuda_emulation.h, before the tile bodies. Not built by CMake (tests/plugins compile it with g++).
 #pragma once
 
@@ -203,6 +203,25 @@ inline float shflXor(float value, int32_t mask)
     float const other = tWarp->value[lane ^ mask];
     tWarp->sync.arrive_and_wait();
     return other;
+}
+
+//! device_utils.cuh's warp reductions (butterfly over the lanes, as on the device).
+inline float warpMax(float value)
+{
+    for (int32_t offset = 16; offset > 0; offset >>= 1)
+    {
+        value = fmaxf(value, shflXor(value, offset));
+    }
+    return value;
+}
+
+inline float warpSum(float value)
+{
+    for (int32_t offset = 16; offset > 0; offset >>= 1)
+    {
+        value += shflXor(value, offset);
+    }
+    return value;
 }
 
 } // namespace criticalkv::kernels

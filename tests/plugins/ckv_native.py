@@ -326,8 +326,8 @@ class CudaLibrary:
              ctypes.c_void_p, ctypes.c_int32, P(ctypes.c_float), ctypes.c_char_p, ctypes.c_int32]
         )
         L.ckv_cuda_window_scores.argtypes = (
-            [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 5
-            + [ctypes.c_char_p, ctypes.c_int32]
+            [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 7
+            + [P(ctypes.c_int32), ctypes.c_char_p, ctypes.c_int32]
         )
         L.ckv_cuda_top_k_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
                                           ctypes.c_int64, ctypes.c_char_p, ctypes.c_int32]
@@ -432,24 +432,35 @@ class CudaLibrary:
             raise RuntimeError(err.value.decode())
         return (out, ms.value) if iterations > 1 else out
 
-    def window_scores(self, policy: KVPolicy, q, k, o, prompt_lengths=None):
-        """(raw [B, H, m], squares [B, H, m]) of the compressed sequences."""
+    def window_scores(self, policy: KVPolicy, q, k, o, prompt_lengths=None, rows: bool = False):
+        """(raw [B, H, m], squares [B, H, m]) of the compressed sequences; rows: also defensivekv's (worst [B, H, m],
+        row_mass [B, H, w, 2] (mass, pooled total)), then a dict with those four and `tensor_cores` (whether
+        launchWindowScores took the tensor-core path). Untouched entries (uncompressed sequences) stay NaN."""
         batch, heads = q.shape[:2]
         n = k.shape[2]
-        m = n - min(policy.window, n)
+        w = min(policy.window, n)
+        m = n - w
         fields = encode_fields(node_fields(policy))
-        raw = torch.zeros(batch, heads, m, dtype=torch.float32, device=k.device)
-        squares = torch.zeros_like(raw)
+        raw = torch.full((batch, heads, m), float("nan"), dtype=torch.float32, device=k.device)
+        squares = torch.full_like(raw, float("nan"))
+        worst = torch.full_like(raw, float("nan")) if rows else None
+        row_mass = torch.full((batch, heads, w, 2), float("nan"), dtype=torch.float32, device=k.device) if rows else None
         lengths = prompt_lengths.to(device=k.device, dtype=torch.int32).contiguous() if prompt_lengths is not None else None
+        tensor_cores = ctypes.c_int32(-1)
         err = ctypes.create_string_buffer(512)
+        q, k = q.contiguous(), k.contiguous()
         status = self.lib.ckv_cuda_window_scores(
-            fields.array, fields.count, self._shape(q, k, o), _DTYPE_CODES[k.dtype], q.contiguous().data_ptr(),
-            k.contiguous().data_ptr(), lengths.data_ptr() if lengths is not None else None, raw.data_ptr(),
-            squares.data_ptr(), err, 512,
+            fields.array, fields.count, self._shape(q, k, o), _DTYPE_CODES[k.dtype], q.data_ptr(), k.data_ptr(),
+            lengths.data_ptr() if lengths is not None else None, raw.data_ptr(), squares.data_ptr(),
+            row_mass.data_ptr() if rows else None, worst.data_ptr() if rows else None, ctypes.byref(tensor_cores),
+            err, 512,
         )
         if status != 0:
             raise RuntimeError(err.value.decode())
-        return raw, squares
+        if not rows:
+            return raw, squares
+        return {"raw": raw, "squares": squares, "worst": worst, "row_mass": row_mass,
+                "tensor_cores": tensor_cores.value == 1}
 
     def pruned_row(self, bound, scores, flags, valid_start: int, k: int, margin: float):
         """(flags after the pruned stage 2, exact scores used) from launchPrunedRow on one row (CUDA tensors)."""

@@ -1,12 +1,15 @@
 """GPU tests of the CUDA kernels and the TensorRT plugin: `pytest -m gpu tests/plugins` on a machine with a GPU.
 
 Skipped cleanly without one (tests/conftest.py). What they check:
-* value norms, window scores and the radix top-k against fp64 / PyTorch references, across shapes and dtypes,
-  with flash-attention's tolerance rule (low precision at most 2x PyTorch's own error in that precision);
+* value norms, window scores (defensivekv's rows included) and the radix top-k against fp64 / PyTorch references,
+  across shapes and dtypes, with flash-attention's tolerance rule (low precision at most 2x PyTorch's own error in that
+  precision);
 * the whole operator against select_layer on the same GPU tensors, for every policy, fp32 / fp16 / bf16, padded
   batches and long prompts (n up to 128k, budgets up to 8k);
 * CriticalKV's pruned stage 2 in the pipeline: the fp64 reference's kept indices by the flash-attention rule (uniform
   window attention), and the value norms over gathered rows equal to the whole-prompt launch's;
+* the policies ranked by window attention (snapkv, laprox, adakv, defensivekv): the fp64 reference's kept indices by
+  the same rule (16-bit inputs: tensor-core window scores);
 * compute-sanitizer memcheck / racecheck / synccheck / initcheck on plugins/testing/sanitizer_driver.cu;
 * kernel time against the floor of reading V and W_O once, printed as a ratio;
 * an engine built from an ONNX graph holding only the CriticalKVSelect node (needs tensorrt and onnx).
@@ -15,6 +18,7 @@ Skipped cleanly without one (tests/conftest.py). What they check:
 import dataclasses
 import importlib.util
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -115,28 +119,123 @@ def test_value_norms_through_the_gram_matrices(cuda_lib, dtype, batch, heads, kv
     assert torch.equal(partial, ours[..., : n // 2])
 
 
+def window_probabilities(q, k, lengths, window, precision):
+    """softmax(Q K^T / sqrt(d)) of the window queries over the m older keys [B, H, w, m], computed entirely in
+    `precision` (fp64: the truth; the input dtype: PyTorch's own result in that precision); 0 on left padding."""
+    heads, head_dim = q.shape[1], q.shape[-1]
+    n = k.shape[2]
+    keys = k.repeat_interleave(heads // k.shape[1], dim=1)
+    pos = torch.arange(n, device=q.device)
+    valid_start = n - lengths
+    blocked = (pos[None, :] > torch.arange(n - window, n, device=q.device)[:, None])[None] | (
+        pos[None, None, :] < valid_start[:, None, None])
+    logits = (q.to(precision) @ keys.to(precision).transpose(-1, -2)) / (head_dim**0.5)
+    return torch.softmax(logits.masked_fill(blocked[:, None], float("-inf")), dim=-1)[..., : n - window]
+
+
+def defensive_rows_reference(probs, valid_start, pool):
+    """defensivekv's rows as criticalkv.methods.defensivekv.avg_pool_rows computes them, in the precision of `probs`
+    [B, H, w, m]: worst [B, H, m] = max over the window queries of the rescaled pooled rows, and the rows' mass and
+    pooled total [B, H, w]. valid_start [B]: the first valid older token."""
+    m = probs.shape[-1]
+    valid = torch.arange(m, device=probs.device)[None, :] >= valid_start[:, None]  # [B, m]
+    mass = probs.sum(-1)
+    pooled = torch.nn.functional.avg_pool1d(probs.reshape(-1, 1, m), pool, stride=1, padding=pool // 2,
+                                            count_include_pad=True).reshape(probs.shape)
+    pooled = pooled * valid[:, None, None, :].to(pooled.dtype)
+    total = pooled.sum(-1)
+    tiny = torch.finfo(torch.float32).tiny
+    rescaled = torch.where(total[..., None] > 0, pooled / total.clamp_min(tiny)[..., None] * mass[..., None], pooled)
+    return rescaled.amax(2), mass, total
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n, window", [(1000, 32), (4097, 64), (95, 8)])
 def test_window_scores(cuda_lib, dtype, n, window):
+    """Ā and sum A^2 by the flash-attention rule against fp64 (at most 2x PyTorch's own error in the input precision);
+    16-bit inputs run on the tensor cores (never bit-equal to the host driver: the rule is the contract)."""
     q, k, v, o = cuda_layer(dtype, batch=2, heads=8, kv_heads=2, n=n, head_dim=64, hidden=128, window=window, seed=3)
     policy = KVPolicy("laprox", budget=window, window=window)
     lengths = torch.tensor([n, n - n // 3], device="cuda")
     raw, squares = cuda_lib.window_scores(policy, q, k, o, lengths)
-    m = n - window
-    valid_start = n - lengths
-    keys = k.repeat_interleave(4, dim=1)
-    pos = torch.arange(n, device="cuda")
-    blocked = (pos[None, :] > torch.arange(n - window, n, device="cuda")[:, None])[None] | (
-        pos[None, None, :] < valid_start[:, None, None])
-
-    def probabilities(precision):  # softmax(Q K^T / sqrt(d)) computed entirely in `precision`
-        logits = (q.to(precision) @ keys.to(precision).transpose(-1, -2)) / (64**0.5)
-        return torch.softmax(logits.masked_fill(blocked[:, None], float("-inf")), dim=-1)[..., :m]
-
-    truth = probabilities(torch.float64)
-    low = probabilities(dtype)  # PyTorch's own result in the input precision
+    truth = window_probabilities(q, k, lengths, window, torch.float64)
+    low = window_probabilities(q, k, lengths, window, dtype)  # PyTorch's own result in the input precision
     assert_within_flash_attention_tolerance(raw, low.mean(2), truth.mean(2), f"raw {dtype}")
     assert_within_flash_attention_tolerance(squares, low.pow(2).sum(2), truth.pow(2).sum(2), f"squares {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "heads, kv_heads, n, head_dim, window, pool",
+    [(8, 2, 1000, 64, 32, 7), (32, 8, 4097, 128, 32, 7), (8, 1, 700, 128, 64, 5), (4, 4, 300, 64, 24, 49),
+     (4, 2, 500, 64, 16, 151)],
+    ids=["gqa-d64", "llama-d128", "g8-w64", "mha-pool49", "pool151-simt"],
+)
+def test_defensive_rows(cuda_lib, dtype, heads, kv_heads, n, head_dim, window, pool):
+    """defensivekv's rows from launchWindowScores (out of the same two passes as Ā on the tensor cores; the SIMT row
+    passes for fp32 and pools wider than 49): worst and the rows' (mass, pooled total), Ā and sum A^2 by the
+    flash-attention rule against fp64; left padding exactly 0; an uncompressed sequence left untouched."""
+    q, k, v, o = cuda_layer(dtype, batch=3, heads=heads, kv_heads=kv_heads, n=n, head_dim=head_dim, hidden=128,
+                            window=window, seed=4)
+    policy = KVPolicy("defensivekv", budget=window + 8, window=window, pool_kernel=pool)
+    lengths = torch.tensor([n, n - n // 3, window + 5], device="cuda")  # whole, left-padded, not compressed
+    got = cuda_lib.window_scores(policy, q, k, o, lengths, rows=True)
+    assert got["tensor_cores"] == (dtype != torch.float32 and pool // 2 <= 24), got["tensor_cores"]
+    for name in ("raw", "squares", "worst", "row_mass"):
+        assert got[name][2].isnan().all(), name  # the third sequence is not compressed: skipped
+    q, k, lengths = q[:2], k[:2], lengths[:2]
+    valid_start = n - lengths
+    truth = window_probabilities(q, k, lengths, window, torch.float64)
+    low = window_probabilities(q, k, lengths, window, dtype)
+    want = defensive_rows_reference(truth, valid_start, pool)
+    own = defensive_rows_reference(low, valid_start, pool)
+    ours = (got["worst"][:2], got["row_mass"][:2, ..., 0], got["row_mass"][:2, ..., 1])
+    for name, mine, theirs, exact in zip(("worst", "mass", "total"), ours, own, want):
+        assert_within_flash_attention_tolerance(mine, theirs, exact, f"{name} {dtype}")
+    assert_within_flash_attention_tolerance(got["raw"][:2], low.mean(2), truth.mean(2), f"raw {dtype}")
+    assert_within_flash_attention_tolerance(got["squares"][:2], low.pow(2).sum(2), truth.pow(2).sum(2),
+                                            f"squares {dtype}")
+    padding = torch.arange(n - window, device="cuda")[None, None, :] < valid_start[:, None, None]
+    assert (got["worst"][:2][padding.expand(-1, heads, -1)] == 0).all(), "left padding has no attention"
+
+
+@pytest.fixture
+def fp64_window_attention(monkeypatch):
+    """Turns select_layer's window attention (criticalkv.selection.scores.window_attention) into the fp64 reference:
+    the same softmax computed in float64 from the same inputs, rounded once to fp32."""
+    from criticalkv.selection import scores
+
+    def window_attention_fp64(queries, keys, valid_start=None):
+        w, n = queries.shape[2], keys.shape[2]
+        logits = (queries.double() @ keys.double().transpose(-1, -2)) / math.sqrt(queries.shape[-1])
+        pos = torch.arange(n, device=keys.device)
+        blocked = pos[None, :] > torch.arange(n - w, n, device=keys.device)[:, None]
+        if valid_start is not None:
+            blocked = (blocked[None] | (pos[None, None, :] < valid_start[:, None, None]))[:, None]
+        return torch.softmax(logits.masked_fill(blocked, torch.finfo(torch.float32).min), dim=-1).float()
+
+    monkeypatch.setattr(scores, "window_attention", window_attention_fp64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["snapkv", "laprox", "adakv", "defensivekv"])
+def test_window_scored_pipeline_keeps_the_reference_indices(cuda_lib, fp64_norms, fp64_window_attention, monkeypatch,
+                                                            dtype, name):
+    """The whole CUDA pipeline of the policies ranked by window attention (tensor-core window scores and defensivekv's
+    rows for 16-bit inputs) against the fp64 reference (window attention and L1 norms in float64) by the
+    flash-attention rule: its kept set misses at most 2x what PyTorch's own fp32-from-`dtype` result misses, plus one
+    entry per head (near-ties only)."""
+    n = 1000
+    q, k, v, o = cuda_layer(dtype, batch=3, heads=8, kv_heads=2, n=n, head_dim=64, hidden=256, window=32, seed=6)
+    lengths = torch.tensor([n, 700, 100], device="cuda")
+    policy = KVPolicy(name, budget=160, window=32)
+    truth = select_layer(policy, q, k, v, o, 1, 4, prompt_lengths=lengths)
+    monkeypatch.undo()  # PyTorch's own result: fp32 from the same inputs
+    own = select_layer(policy, q, k, v, o, 1, 4, prompt_lengths=lengths)
+    got = cuda_lib.select_layer(policy, q, k, v, o, 1, 4, prompt_lengths=lengths)
+    if not policy.method.base.shared_allocation:
+        assert torch.equal(got[1].cpu(), truth.lengths.cpu()), (name, dtype)
+    assert_kept_within_flash_attention_rule(got[0], own.indices, truth.indices, n, (name, dtype))
 
 
 @pytest.mark.parametrize("n", [1000, 32768, 131072])

@@ -33,7 +33,7 @@ struct SelectTensors
 struct WorkspaceLayout
 {
     size_t layerBudget; //!< int32 [1]: r_l resolved on the device from layer_budgets (PyramidKV with kv_budget)
-    size_t partials;   //!< float2 [B, H, w, tiles]: per-key-tile softmax (max, sum) of every window query
+    size_t partials;   //!< float4 [B, H, w, tiles]: per-key-block softmax partials of every window query
     size_t rowStats;   //!< float2 [B, H, w]: softmax (max, sum) of every window query
     size_t raw;        //!< float [B, H, m]: Ā, window-mean attention of the older tokens
     size_t squares;    //!< float [B, H, m]: sum_j A_j^2 (laprox)
@@ -101,7 +101,7 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     // always reserved: a layer without a budget table (pyramidkv's top layer at some budgets, every snapkv layer)
     // then needs the same workspace as its neighbours, so one workspace sized for any layer serves them all
     layout.layerBudget = take(sizeof(int32_t));
-    layout.partials = take(b * h * w * tiles * 2 * sizeof(float));
+    layout.partials = take(b * h * w * tiles * 4 * sizeof(float));
     layout.rowStats = take(b * h * w * 2 * sizeof(float));
     layout.raw = take(b * h * m * sizeof(float));
     layout.squares = take(laproxOn ? b * h * m * sizeof(float) : 0);
@@ -143,21 +143,37 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
 cudaError_t launchResolveLayerBudget(SelectConfig const& config, BudgetTable const& table, int32_t const* kvBudget,
     int32_t* layerBudget, cudaStream_t stream);
 
-//! Window attention of every query head over the m = n - w older tokens: raw [B, H, m] (Ā) and squares
-//! [B, H, m] (sum_j A_j^2, may be nullptr). partials / rowStats are scratch (see WorkspaceLayout). Sequences
-//! that are not compressed (length <= b) are skipped.
-cudaError_t launchWindowScores(SelectConfig const& config, RuntimeBudget budget, SelectShape const& shape, DType dtype,
-    void const* queries,
-    void const* keys, int32_t const* promptLengths, float* partials, float* rowStats, float* raw, float* squares,
-    cudaStream_t stream);
+//! Arguments of launchWindowScores.
+struct WindowScoreParams
+{
+    SelectConfig config;
+    RuntimeBudget budget;
+    SelectShape shape;
+    DType dtype;
+    void const* queries;          //!< [B, H, queryLen, d_h]: the last w = min(window, n) rows are the window
+    void const* keys;             //!< [B, H_kv, n, d_h]
+    int32_t const* promptLengths; //!< [B] or nullptr
+    float* partials;              //!< scratch, WorkspaceLayout::partials (4 floats per window query and 64-key tile)
+    float* rowStats;              //!< scratch, float2 [B, H, w]: softmax (max, sum) of every window query
+    float* raw;                   //!< [B, H, m]: Ā, the window-mean attention of the older tokens
+    float* squares;               //!< [B, H, m]: sum_j A_j^2 (laprox), or nullptr
+    float* rowMass;               //!< float2 [B, H, w]: (mass, pooled total) of every window query's row over the older
+                                  //!< tokens (defensivekv; with worst)
+    float* worst;                 //!< [B, H, m]: max over the window queries of the rescaled average-pooled rows
+                                  //!< (defensivekv, defensive.h), or nullptr
+};
 
-//! defensivekv's rows (defensive.h): worst [B, H, m] = max over the window queries of the average-pooled rows of
-//! window attention over the older tokens, each rescaled to its own mass; rowMass [B, H, w] float2 (mass, pooled
-//! total) of every row. rowStats: launchWindowScores's softmax statistics; partials: its scratch, reused (it must
-//! hold B * H * w * ceil(m / 64) float2). Two passes over K plus a combine; uncompressed sequences are skipped.
-cudaError_t launchDefensiveRows(SelectConfig const& config, RuntimeBudget budget, SelectShape const& shape, DType dtype,
-    void const* queries, void const* keys, int32_t const* promptLengths, float const* rowStats, float* partials,
-    float* rowMass, float* worst, cudaStream_t stream);
+//! Window attention of every query head over the m = n - w older tokens (causal inside the window, left padding
+//! masked; sequences that are not compressed are skipped): raw, squares and defensivekv's rows. On the tensor cores
+//! (kernels/window_tiles.cuh: two mma.sync passes over K with the softmax statistics and defensivekv's row masses
+//! fused, a combine between them) when windowScoresOnTensorCores, else in fp32 SIMT (kernels/window_simt.cuh: two
+//! passes, two more for defensivekv's rows).
+cudaError_t launchWindowScores(WindowScoreParams const& params, cudaStream_t stream);
+
+//! Whether launchWindowScores runs on the tensor cores for these inputs: fp16 / bf16, d_h % 16 == 0, d_h <= 128,
+//! w <= 128, with rows (defensivekv) pool_kernel <= 49, 16-byte aligned queries and keys, compute capability >= 8.0.
+bool windowScoresOnTensorCores(SelectConfig const& config, SelectShape const& shape, DType dtype, void const* queries,
+    void const* keys, bool rows);
 
 //! Scratch of the l2 norms through the Gram matrices (see WorkspaceLayout: gram, gramPieces, gramScale).
 struct GramScratch
