@@ -4,6 +4,7 @@
 #pragma once
 
 #include "criticalkv/methods.h"
+#include "criticalkv/topk.h"
 
 #include <cuda_runtime_api.h>
 
@@ -170,5 +171,16 @@ cudaError_t launchTopKRows(float const* scores, int64_t const* k, uint8_t* flags
 //! (kernels/selection.cu, "pruned pipeline").
 cudaError_t launchPrunedRow(float const* bound, float const* scores, float* exact, uint8_t* flags, int32_t m,
     int32_t validStart, int64_t k, int64_t eligible, float margin, int64_t* done, cudaStream_t stream);
+
+//! Mark the k[r] best candidates of every row with `mark`. Returns cudaErrorInvalidValue for a bad shape or a scratch
+//! smaller than topKScratchBytes(rows, len). Several launches on `stream`; the scratch must not be shared with
+//! work running concurrently.
+cudaError_t launchTopK(TopKRows const& rows, void* scratch, size_t scratchBytes, cudaStream_t stream);
+
+//! defensivekv's stage-1 count (defensive.h: radixMassCount) of many rows: count[r] = how many candidates of row r,
+//! taken best first, keep the cumulative sum of their (non-negative) scores below limit[r]. Candidates, rows and
+//! the scores as launchTopK's (rows.k and rows.mark unused). count: [rows] int64 (device); limit: [rows] float.
+cudaError_t launchMassCount(TopKRows const& rows, float const* limit, int64_t* count, void* scratch,
+    size_t scratchBytes, cudaStream_t stream);
 
 } // namespace criticalkv
