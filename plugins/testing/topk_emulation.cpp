@@ -11,7 +11,7 @@
 #include "cuda_emulation.h"
 
 #include "select_host.h"
-#include "topk_device.cuh"
+#include "topk_emulated_launch.h"
 
 #include <cmath>
 #include <cstdio>
@@ -21,42 +21,6 @@ using namespace criticalkv;
 
 namespace
 {
-
-//! runTopK / runMassCount's launcher on the CPU.
-struct EmulatedLaunch
-{
-    unsigned char* scratch;
-    float const* limit = nullptr;
-    int64_t* count = nullptr;
-
-    void rows(TopKRows const& p)
-    {
-        emulateLaunch({static_cast<unsigned>(p.rows), 1, 1}, kTopKThreads, [&] { kernels::topKRowKernel(p); });
-    }
-
-    void zero(size_t bytes)
-    {
-        std::fill(scratch, scratch + bytes, static_cast<unsigned char>(0));
-    }
-
-    void pass(TopKRows const& p, int32_t ctas, int32_t index)
-    {
-        emulateLaunch({static_cast<unsigned>(ctas), static_cast<unsigned>(p.rows), 1}, kTopKThreads,
-            [&] { kernels::topKPassKernel(p, scratch, ctas, index); });
-    }
-
-    void mark(TopKRows const& p, int32_t ctas)
-    {
-        emulateLaunch({static_cast<unsigned>(ctas), static_cast<unsigned>(p.rows), 1}, kTopKThreads,
-            [&] { kernels::topKMarkKernel(p, scratch, ctas); });
-    }
-
-    void massPass(TopKRows const& p, int32_t ctas, int32_t index)
-    {
-        emulateLaunch({static_cast<unsigned>(ctas), static_cast<unsigned>(p.rows), 1}, kTopKThreads,
-            [&] { kernels::massPassKernel(p, limit, count, scratch, ctas, index); });
-    }
-};
 
 template <typename T>
 bool readAll(std::FILE* f, std::vector<T>& v)
@@ -106,7 +70,7 @@ int main(int argc, char** argv)
     std::vector<unsigned char> scratch(topKScratchBytes(rows, len) + massCountScratchBytes(rows, len) + 1);
     // garbage in the scratch: the launches must not depend on its contents
     std::fill(scratch.begin(), scratch.end(), static_cast<unsigned char>(0xa5));
-    EmulatedLaunch launch{scratch.data()};
+    EmulatedTopKLaunch launch{scratch.data()};
     if (!kernels::runTopK(p, scratch.data(), topKScratchBytes(rows, len), launch))
     {
         std::fprintf(stderr, "runTopK refused the rows\n");

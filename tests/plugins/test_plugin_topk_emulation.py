@@ -1,4 +1,4 @@
-"""The batched top-k primitive (plugins/kernels/topk_device.cuh, criticalkv/topk.h) run on the CPU under the thread
+"""The batched top-k primitive and the selection flows built on it (plugins/kernels/topk_device.cuh, criticalkv/topk.h) run on the CPU under the thread
 emulation (plugins/testing/cuda_emulation.h: one std::thread per CUDA thread, the CTAs of a launch one after another):
 the same kernels and the same sequence of launches as kernels/topk.cu, compiled with g++ from the headers.
 
@@ -7,7 +7,12 @@ the left padding of every period), and what the host driver's radix select keeps
 stage 1) must equal the host driver's. Rows cover NaN, +-inf, +-0, heavy ties at the threshold, k = 0, 1, len - 1,
 len and more, lengths 1 .. 40,000 (one CTA per row up to 4,096 entries, then 2,048 entries per CTA), several rows
 with different k, flags set before, and left padding of several segments (the layer-wide row of the shared
-allocation)."""
+allocation).
+
+The selection flows (plugins/kernels/select_flows.cuh: plan kernels computing every row's k on the device between
+batched top-k launches) run the same way on small layers and must mark the host driver's flags (and shares) for every
+KV head: per head (snapkv, pyramidkv, the two CriticalKV stages), shared allocation (adakv, laprox, ada-criticalkv)
+and defensivekv (stage 1 by mass, then the shared allocation on its ranking)."""
 
 import shutil
 import subprocess
@@ -155,3 +160,31 @@ def test_layer_rows_of_several_heads(emulator, tmp_path):
     scores[:, ::5] = 0.25  # ties across heads
     flags = (torch.rand(2, heads * m, generator=g) < 0.1).to(torch.uint8)
     check(emulator, tmp_path, scores, flags, [1000, 3000], first_valid=[0, 700], period=m)
+
+
+@pytest.fixture(scope="module")
+def flows_emulator(tmp_path_factory):
+    return compile_emulator(tmp_path_factory.mktemp("flows"), "select_flows_emulation.cpp")
+
+
+@pytest.mark.parametrize(
+    "base, two_stage, batch, kv_heads, n, window, budget, kv_budget, kind, seed",
+    [
+        ("snapkv", 0, 3, 2, 300, 16, 80, 0, "random", 0),  # left padding, a sequence kept whole
+        ("snapkv", 1, 3, 2, 300, 16, 80, 0, "ties", 1),  # criticalkv's two stages, ties at both thresholds
+        ("pyramidkv", 1, 2, 2, 260, 8, 72, 40, "random", 2),  # a runtime budget below the built one
+        ("adakv", 0, 3, 3, 400, 16, 100, 60, "random", 3),  # floor, then the layer-wide rest; the heads' shares
+        ("laprox", 0, 2, 4, 300, 16, 64, 0, "ties", 4),
+        ("adakv", 1, 3, 2, 300, 16, 80, 0, "random", 5),  # ada-criticalkv: both stages inside each head's share
+        ("defensivekv", 0, 3, 2, 300, 16, 80, 0, "random", 6),  # stage 1 by mass, then the shared allocation
+        ("defensivekv", 0, 2, 3, 300, 16, 80, 0, "ties", 7),
+        ("adakv", 0, 2, 3, 1500, 16, 400, 0, "random", 8),  # layer rows of 4,452 entries: the multi-CTA launches
+        ("defensivekv", 0, 1, 2, 4200, 32, 600, 0, "random", 9),  # multi-CTA head rows and mass counts
+    ],
+)
+def test_selection_flows_mark_the_host_driver_flags(flows_emulator, base, two_stage, batch, kv_heads, n, window,
+                                                    budget, kv_budget, kind, seed):
+    args = (base, two_stage, batch, kv_heads, n, window, budget, kv_budget, kind, seed)
+    result = subprocess.run([str(flows_emulator), *map(str, args)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("0 of ") and "shares 0" in result.stdout, result.stdout

@@ -4,7 +4,7 @@
 #pragma once
 
 #include "criticalkv/methods.h"
-#include "criticalkv/topk.h"
+#include "criticalkv/selection_plan.h"
 
 #include <cuda_runtime_api.h>
 
@@ -54,6 +54,8 @@ struct WorkspaceLayout
     size_t stage1;     //!< float [B, H_kv, m]: stage-1 mass (defensivekv)
     size_t ranking;    //!< float [B, H_kv, m]: the shared allocation's ranking (defensivekv)
     size_t totals;     //!< DefensiveTotals [B, H_kv] (defensivekv)
+    size_t plan;       //!< selectionPlanBytes: every row's k and first valid position of the selection's top-k calls
+    size_t topK;       //!< selectionScratchBytes: launchTopK / launchMassCount's scratch
     size_t total;
 };
 
@@ -113,6 +115,9 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     layout.stage1 = take(rowsOn ? b * hkv * m * sizeof(float) : 0);
     layout.ranking = take(rowsOn ? b * hkv * m * sizeof(float) : 0);
     layout.totals = take(rowsOn ? b * hkv * 4 * sizeof(float) : 0);
+    layout.plan = take(selectionPlanBytes(s.batch, s.kvHeads));
+    layout.topK = take(selectionScratchBytes(s.batch, s.kvHeads, static_cast<int32_t>(m),
+        sharedAllocation(config) || rowsOn, rowsOn));
     layout.total = offset;
     return layout;
 }
