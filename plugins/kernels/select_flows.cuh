@@ -240,7 +240,8 @@ __host__ bool runDefensiveSelection(DefensiveSelectionArgs const& a, Launcher& l
     }
     int32_t const length = r.shape.kvHeads * m;
     launch.kernel(rankStage1Kernel,
-        Grid3{static_cast<uint32_t>((length + kPlanThreads - 1) / kPlanThreads), static_cast<uint32_t>(r.shape.batch), 1},
+        Grid3{static_cast<uint32_t>((length + kPlanThreads - 1) / kPlanThreads), static_cast<uint32_t>(r.shape.batch),
+            1},
         kPlanThreads, a);
     return runSharedAllocation(r, a.ranking, launch);
 }

@@ -35,7 +35,8 @@ struct TopKRow
 __device__ __forceinline__ TopKRow topKRow(TopKRows const& p, int32_t row)
 {
     int64_t const offset = static_cast<int64_t>(row) * p.stride;
-    return TopKRow{p.scores + offset, p.flags + offset, p.len, p.period, p.firstValid != nullptr ? p.firstValid[row] : 0};
+    int32_t const firstValid = p.firstValid != nullptr ? p.firstValid[row] : 0;
+    return TopKRow{p.scores + offset, p.flags + offset, p.len, p.period, firstValid};
 }
 
 //! radix_select.h's radixCandidate in 32 bits (no division when the row has no left padding).

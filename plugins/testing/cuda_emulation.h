@@ -169,13 +169,8 @@ inline unsigned __float_as_uint(float x)
     return bits;
 }
 
-inline unsigned __lanemask_lt_emulated()
-{
-    return (1u << emulatedLane()) - 1u;
-}
-
-//! Run fn() as a grid of (grid.x, grid.y, grid.z) blocks of `threads` threads (1-D blocks, a multiple of 32): blocks one
-//! after the other, a block's threads as std::threads meeting at one barrier, each warp at its own.
+//! Run fn() as a grid of (grid.x, grid.y, grid.z) blocks of `threads` threads (1-D blocks, a multiple of 32):
+//! blocks one after the other, a block's threads as std::threads meeting at one barrier, each warp at its own.
 template <typename Fn>
 void emulateLaunch(ThreadIndex grid, unsigned threads, Fn fn)
 {

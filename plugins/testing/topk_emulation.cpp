@@ -56,7 +56,8 @@ int main(int argc, char** argv)
     std::vector<uint8_t> flags(total);
     std::vector<int64_t> k(static_cast<size_t>(rows));
     std::vector<int32_t> firstValid(static_cast<size_t>(rows));
-    if (!readAll(in, scores) || !readAll(in, flags) || !readAll(in, k) || !readAll(in, firstValid) || !readAll(in, limit))
+    if (!readAll(in, scores) || !readAll(in, flags) || !readAll(in, k) || !readAll(in, firstValid)
+        || !readAll(in, limit))
     {
         std::fprintf(stderr, "short input\n");
         return 2;

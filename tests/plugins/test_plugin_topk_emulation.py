@@ -1,6 +1,6 @@
-"""The batched top-k primitive and the selection flows built on it (plugins/kernels/topk_device.cuh, criticalkv/topk.h) run on the CPU under the thread
-emulation (plugins/testing/cuda_emulation.h: one std::thread per CUDA thread, the CTAs of a launch one after another):
-the same kernels and the same sequence of launches as kernels/topk.cu, compiled with g++ from the headers.
+"""The batched top-k primitive and the selection flows built on it (plugins/kernels/topk_device.cuh,
+criticalkv/topk.h) run on the CPU under the thread emulation (plugins/testing/cuda_emulation.h: one std::thread per
+CUDA thread, the CTAs of a launch one after another): the same kernels and the same sequence of launches as kernels/topk.cu, compiled with g++ from the headers.
 
 Every row must keep what ``topk_mask`` (criticalkv/methods/topk.py) keeps among its candidates (flags == 0, outside
 the left padding of every period), and what the host driver's radix select keeps; the mass count (defensivekv's

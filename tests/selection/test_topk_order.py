@@ -39,7 +39,7 @@ def expected_mask(scores, k):
     """The rule written out: NaN (any sign) first, then by value with -0 == +0, ties to the lower index."""
     out = torch.zeros(scores.shape, dtype=torch.bool)
     for r, row in enumerate(scores.tolist()):
-        order = sorted(range(len(row)), key=lambda i: (0 if row[i] != row[i] else 1, -row[i] if row[i] == row[i] else 0, i))
+        order = sorted(range(len(row)), key=lambda i: (row[i] == row[i], -row[i] if row[i] == row[i] else 0, i))
         out[r, order[:k]] = True
     return out
 

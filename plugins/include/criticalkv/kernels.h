@@ -164,11 +164,6 @@ cudaError_t launchL1Bounds(SelectConfig const* config, RuntimeBudget budget, int
     SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, float* gram,
     float* rowL1, float* colL1, float* bounds, cudaStream_t stream);
 
-//! Radix top-k of every row of scores [rows, len]: flags[r, e] = 1 for the k[r] highest (ties: lower index),
-//! else 0. The building block of the selection; exposed for the top-k tests (n up to 128k, k up to 8k).
-cudaError_t launchTopKRows(float const* scores, int64_t const* k, uint8_t* flags, int32_t rows, int64_t len,
-    cudaStream_t stream);
-
 //! The pruned stage 2 (pruned_stage2.h: prunedStage2) of one KV head's row by one thread block, on precomputed exact
 //! scores: bound, scores [m]; exact [m] scratch; flags [m] after stage 1 (in: 0 eligible, out: kChosenByCritical on
 //! the k kept); *done (device int64): how many exact scores it used. Requires 0 < k < eligible. For the GPU tests

@@ -1,6 +1,7 @@
-// The batched top-k primitive of the selection (kernels/topk.cu; launchTopK and launchMassCount in kernels.h): many rows in a fixed sequence of launches, a k per
-// row read on the device, eligibility from the caller's flags, the k best of every row marked in place. Framework-free
-// (raw device pointers, the caller's scratch, cudaStream_t last, cudaError_t returned; this header needs no CUDA), no allocation, no host
+// The batched top-k primitive of the selection (kernels/topk.cu; launchTopK and launchMassCount are declared in
+// kernels.h): many rows in a fixed sequence of launches, a k per row read on the device, eligibility from the
+// caller's flags, the k best of every row marked in place. Framework-free (raw device pointers, the caller's
+// scratch, cudaStream_t last, cudaError_t returned; this header needs no CUDA), no allocation, no host
 // synchronisation: CUDA-graph capturable. plugins/README.md ("Top-k") describes the design and its predicted cost.
 //
 // Rule (criticalkv/methods/topk.py: topk_mask; radix.h): the k highest scores among a row's candidates, a NaN of
@@ -82,7 +83,8 @@ inline TopKPlan topKPlan(int32_t rows, int32_t len)
     plan.ctasPerRow = (len + kTopKChunk - 1) / kTopKChunk;
     plan.stateBytes = alignTopKScratch(static_cast<size_t>(rows) * sizeof(TopKRowState));
     plan.scratchBytes
-        = plan.stateBytes + static_cast<size_t>(rows) * static_cast<size_t>(plan.ctasPerRow) * kRadixBins * sizeof(uint32_t);
+        = plan.stateBytes
+        + static_cast<size_t>(rows) * static_cast<size_t>(plan.ctasPerRow) * kRadixBins * sizeof(uint32_t);
     return plan;
 }
 
