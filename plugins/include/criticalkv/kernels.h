@@ -5,6 +5,7 @@
 
 #include "criticalkv/methods.h"
 #include "criticalkv/pruned_stage2.h" // PrunedHeadState
+#include "criticalkv/selection_plan.h"
 
 #include <cuda_runtime_api.h>
 
@@ -59,6 +60,8 @@ struct WorkspaceLayout
     size_t stage1;     //!< float [B, H_kv, m]: stage-1 mass (defensivekv)
     size_t ranking;    //!< float [B, H_kv, m]: the shared allocation's ranking (defensivekv)
     size_t totals;     //!< DefensiveTotals [B, H_kv] (defensivekv)
+    size_t plan;       //!< selectionPlanBytes: every row's k and first valid position of the selection's top-k calls
+    size_t topK;       //!< selectionScratchBytes: launchTopK / launchMassCount's scratch
     size_t total;
 };
 
@@ -129,6 +132,9 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     layout.stage1 = take(rowsOn ? b * hkv * m * sizeof(float) : 0);
     layout.ranking = take(rowsOn ? b * hkv * m * sizeof(float) : 0);
     layout.totals = take(rowsOn ? b * hkv * 4 * sizeof(float) : 0);
+    layout.plan = take(selectionPlanBytes(s.batch, s.kvHeads));
+    layout.topK = take(selectionScratchBytes(s.batch, s.kvHeads, static_cast<int32_t>(m),
+        sharedAllocation(config) || rowsOn, rowsOn));
     layout.total = offset;
     return layout;
 }
@@ -264,17 +270,22 @@ cudaError_t launchL1Bounds(SelectConfig const* config, RuntimeBudget budget, int
     SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, float* gram,
     float* rowL1, float* colL1, float* bounds, cudaStream_t stream);
 
-//! Radix top-k of every row of scores [rows, len]: flags[r, e] = 1 for the k[r] highest (ties: lower index),
-//! else 0. The building block of the selection; exposed for the top-k tests (n up to 128k, k up to 8k).
-cudaError_t launchTopKRows(float const* scores, int64_t const* k, uint8_t* flags, int32_t rows, int64_t len,
-    cudaStream_t stream);
-
 //! The pruned stage 2 (pruned_stage2.h: prunedStage2) of one KV head's row by one thread block, on precomputed exact
 //! scores: bound, scores [m]; exact [m] scratch; flags [m] after stage 1 (in: 0 eligible, out: kChosenByCritical on
 //! the k kept); *done (device int64): how many exact scores it used. Requires 0 < k < eligible. For the GPU tests
-//! (kernels == host driver); the pipeline runs the same executor with exact norms computed in the block
-//! (kernels/selection.cu, "pruned pipeline").
+//! (kernels == host driver); kernels/pruned_row.cuh.
 cudaError_t launchPrunedRow(float const* bound, float const* scores, float* exact, uint8_t* flags, int32_t m,
     int32_t validStart, int64_t k, int64_t eligible, float margin, int64_t* done, cudaStream_t stream);
+
+//! Mark the k[r] best candidates of every row with `mark`. Returns cudaErrorInvalidValue for a bad shape or a scratch
+//! smaller than topKScratchBytes(rows, len). Several launches on `stream`; the scratch must not be shared with
+//! work running concurrently.
+cudaError_t launchTopK(TopKRows const& rows, void* scratch, size_t scratchBytes, cudaStream_t stream);
+
+//! defensivekv's stage-1 count (defensive.h: radixMassCount) of many rows: count[r] = how many candidates of row r,
+//! taken best first, keep the cumulative sum of their (non-negative) scores below limit[r]. Candidates, rows and
+//! the scores as launchTopK's (rows.k and rows.mark unused). count: [rows] int64 (device); limit: [rows] float.
+cudaError_t launchMassCount(TopKRows const& rows, float const* limit, int64_t* count, void* scratch,
+    size_t scratchBytes, cudaStream_t stream);
 
 } // namespace criticalkv

@@ -191,7 +191,7 @@ CKV_HD bool stage2Settled(float following, float kth, float margin)
 }
 
 //! Stage 2 of one KV head with pruned exact scores, written once for the host driver (select_host.cpp) and a thread
-//! block (kernels/selection.cu, "pruned row"; every thread runs it with the same arguments). Requires
+//! block (kernels/pruned_row.cuh: BlockPrunedRow; every thread runs it with the same arguments). Requires
 //! 0 < k < eligible. The executor supplies, over the eligible tokens of the row (stage 1 done):
 //!   void addCandidates(count)  the `count` best non-candidates by bound (ties: lower index) become candidates,
 //!                              with their exact group score C
