@@ -5,8 +5,8 @@
 //
 // CriticalKV with value_norm=l1 (prunedStage2On) prunes stage 2: the value-norm step writes L1 upper bounds from the
 // Gram terms of W_O (launchPrunedBounds), the group-score kernel turns them into U, and launchPrunedStage2 computes
-// exact norms on the tensor cores for the best candidates by U only, in a fixed number of rounds (docs/operator.md
-// step 6a).
+// exact norms on the tensor cores for the best candidates by U only, in a fixed number of rounds, its top-k calls on
+// the same batched top-k (docs/operator.md step 6a).
 //
 // No host synchronisation and no allocation: the workspace (workspaceLayout) holds every intermediate, so the
 // launch is CUDA-graph capturable. The request's budget b (the kv_budget input) stays in device memory: every
@@ -283,6 +283,9 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
             p.candidates = at<int32_t>(workspace, layout.candidates);
             p.candidateCounts = at<int32_t>(workspace, layout.candidateCounts);
             p.states = at<PrunedHeadState>(workspace, layout.prunedStates);
+            p.plan = prunedPlan(at<void>(workspace, layout.prunedPlan), shape.batch, shape.kvHeads);
+            p.topKScratch = at<void>(workspace, layout.topK);
+            p.topKScratchBytes = layout.total - layout.topK;
             p.margin = stopMargin(shape.hidden, shape.heads / shape.kvHeads);
             p.maxCount = maxStage2Count(config, table, shape, m);
             status = launchPrunedStage2(p, stream);

@@ -9,6 +9,7 @@
 #include "criticalkv/kept_positions.h"
 #include "criticalkv/kernels.h"
 #include "device_utils.cuh"
+#include "flow_launch.cuh"
 #include "select_flows.cuh"
 #include "selection.cuh"
 
@@ -227,56 +228,6 @@ __global__ void __launch_bounds__(kGatherWarps * 32) gatherKernel(GatherArgs a)
 
 namespace
 {
-
-//! select_flows.cuh's launcher on a stream.
-struct FlowLaunch
-{
-    void* scratch;
-    size_t scratchBytes;
-    cudaStream_t stream;
-    cudaError_t status = cudaSuccess;
-
-    template <typename... Params, typename... Args>
-    void kernel(void (*fn)(Params...), Grid3 grid, int threads, Args const&... args)
-    {
-        if (status == cudaSuccess)
-        {
-            fn<<<dim3(grid.x, grid.y, grid.z), threads, 0, stream>>>(args...);
-            status = cudaGetLastError();
-        }
-    }
-
-    void zero(void* pointer, size_t bytes)
-    {
-        if (status == cudaSuccess && bytes > 0)
-        {
-            status = cudaMemsetAsync(pointer, 0, bytes, stream);
-        }
-    }
-
-    bool topK(TopKRows const& rows)
-    {
-        if (status == cudaSuccess)
-        {
-            status = launchTopK(rows, scratch, scratchBytes, stream);
-        }
-        return status == cudaSuccess;
-    }
-
-    bool massCount(TopKRows const& rows, float const* limit, int64_t* count)
-    {
-        if (status == cudaSuccess)
-        {
-            status = launchMassCount(rows, limit, count, scratch, scratchBytes, stream);
-        }
-        return status == cudaSuccess;
-    }
-
-    cudaError_t finish(bool accepted) const
-    {
-        return status != cudaSuccess ? status : (accepted ? cudaSuccess : cudaErrorInvalidValue);
-    }
-};
 
 dim3 scoreGridOf(ScoreArgs const& a, int32_t m)
 {

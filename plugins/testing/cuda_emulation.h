@@ -38,6 +38,17 @@ T atomicAdd(T* address, T value)
     return std::atomic_ref<T>(*address).fetch_add(value);
 }
 
+template <typename T>
+T atomicMax(T* address, T value)
+{
+    std::atomic_ref<T> ref(*address);
+    T old = ref.load();
+    while (old < value && !ref.compare_exchange_weak(old, value))
+    {
+    }
+    return old;
+}
+
 //! One warp's exchange slots: every lane writes its value, the warp meets, every lane reads, the warp meets again.
 struct EmulatedWarp
 {

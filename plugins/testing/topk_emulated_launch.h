@@ -1,5 +1,5 @@
 // The launchers of the batched top-k (kernels/topk_device.cuh: runTopK, runMassCount) and of the selection flows
-// (kernels/select_flows.cuh) on the CPU: every launch through emulateLaunch (cuda_emulation.h), a memset a fill.
+// (kernels/select_flows.cuh; pruned_pipeline_emulation.cpp wraps the flows' for kernels/pruned_flow.cuh) on the CPU: every launch through emulateLaunch (cuda_emulation.h), a memset a fill.
 // For the *_emulation.cpp programs (include cuda_emulation.h first).
 #pragma once
 

@@ -74,11 +74,14 @@ def test_pruned_row_block_executor_equals_the_host_driver(tmp_path, seed):
     result = subprocess.run([str(binary), str(seed), "60"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 of 60 trials differ" in result.stdout, result.stdout
+    assert "stop rule by count: 0 of 3000 cases differ" in result.stdout, result.stdout
 
 
 PRUNED_KERNELS = {
     "value_norms.cu": ("boundTermsKernel", "columnL1Kernel", "l1BoundsKernel"),
     "selection.cu": ("groupScoresKernel",),
+    # the candidates' exact C (bitwise the host driver's on the fp32 path) and the stop rule's threshold
+    "pruned.cu": ("prunedScoreKernel", "prunedCountKernel", "prunedDecideKernel"),
 }
 
 

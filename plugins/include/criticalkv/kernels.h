@@ -52,6 +52,7 @@ struct WorkspaceLayout
     size_t candidates; //!< int32 [B, H_kv, m]: a round's new candidates of every head (pruned stage 2)
     size_t candidateCounts; //!< int32 [B, H_kv]: how many (pruned stage 2)
     size_t prunedStates;    //!< PrunedHeadState [B, H_kv] (pruned stage 2)
+    size_t prunedPlan;      //!< prunedPlanBytes: every head's k of the pruned stage 2's top-k calls, its stop count
     size_t laprox;     //!< float [B, H_kv, m]: LaProx importance
     size_t flags;      //!< uint8 [B, H_kv, m]: chosen older tokens
     size_t headCounts; //!< int32 [B, H_kv]: adakv share of every head
@@ -123,6 +124,7 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     layout.candidates = take(pruned ? b * hkv * m * sizeof(int32_t) : 0);
     layout.candidateCounts = take(pruned ? b * hkv * sizeof(int32_t) : 0);
     layout.prunedStates = take(pruned ? b * hkv * sizeof(PrunedHeadState) : 0);
+    layout.prunedPlan = take(pruned ? prunedPlanBytes(s.batch, s.kvHeads) : 0);
     layout.laprox = take(laproxOn ? b * hkv * m * sizeof(float) : 0);
     layout.flags = take(b * hkv * m);
     layout.headCounts = take(b * hkv * sizeof(int32_t));
@@ -252,14 +254,18 @@ struct PrunedStage2Params
     int32_t* candidates;         //!< [B, H_kv, m] scratch
     int32_t* candidateCounts;    //!< [B, H_kv] scratch
     PrunedHeadState* states;     //!< [B, H_kv] scratch
+    PrunedPlan plan;             //!< scratch: the heads' k of the top-k calls
+    void* topKScratch;           //!< launchTopK's scratch for [B H_kv] rows of m (topKScratchBytes)
+    size_t topKScratchBytes;
     float margin;                //!< stopMargin(hidden, group)
     int32_t maxCount;            //!< upper bound of every head's stage-2 count k, known on the host
 };
 
 //! Stage 1 and the pruned stage 2 of every KV head: a first round of min(2k, eligible) candidates by U, their exact
-//! norms on the tensor cores in one launch over every head's list, and doubling rounds (2k, 4k, 8k, then every eligible
-//! token) as further launches over the whole grid, each a no-op for the heads the stop rule already settled: a fixed
-//! number of launches, no host synchronisation (CUDA-graph capturable; k is read on the device).
+//! norms on the tensor cores in one launch over every head's list, and doubling rounds (4k, 8k, 16k, then every
+//! eligible token) as further launches over the whole grid, each a no-op for the heads the stop rule already settled;
+//! every top-k (stage 1 by S, the candidates by U, the k kept by exact C) is one launchTopK over all heads' rows. A
+//! fixed number of launches, no host synchronisation (CUDA-graph capturable; k is read on the device).
 cudaError_t launchPrunedStage2(PrunedStage2Params const& params, cudaStream_t stream);
 
 //! The L1 upper bounds of CriticalKV's pruned stage 2 (pruned_stage2.h: l1UpperBoundOf), bitwise the host driver's:

@@ -1,6 +1,6 @@
-// The per-row plan of the selection's batched top-k calls (kernels/select_flows.cuh), part of the workspace
-// (kernels.h: WorkspaceLayout::plan, ::topK): every row's k and first valid position, computed on the device between
-// the launches, and the top-k scratch.
+// The per-row plan of the selection's batched top-k calls (kernels/select_flows.cuh, kernels/pruned_flow.cuh), part of
+// the workspace (kernels.h: WorkspaceLayout::plan, ::prunedPlan, ::topK): every row's k and first valid position,
+// computed on the device between the launches, and the top-k scratch.
 #pragma once
 
 #include "criticalkv/topk.h"
@@ -47,6 +47,34 @@ inline SelectionPlan selectionPlan(void* at, int32_t batch, int32_t kvHeads, voi
     plan.scratch = scratch;
     plan.scratchBytes = scratchBytes;
     return plan;
+}
+
+//! Per-head arguments of CriticalKV's pruned stage 2 (kernels/pruned_flow.cuh), computed on the device between its
+//! launches (workspace: prunedPlanBytes).
+struct PrunedPlan
+{
+    int64_t* first;      //!< [B, H_kv] stage 1's count: the top-k by S
+    int64_t* next;       //!< [B, H_kv] the candidates a step adds: the top-k by U (0: none)
+    int64_t* keep;       //!< [B, H_kv] stage 2's count k of a head with candidates, else 0: the top-k by exact C
+    int32_t* firstValid; //!< [B, H_kv] the sequence's first valid position
+    uint32_t* following; //!< [B, H_kv] orderedKey of the best bound among the eligible tokens left out
+    uint32_t* clearing;  //!< [B, H_kv] candidates whose exact C is not <= stopThreshold (stage2SettledByCount)
+};
+
+inline size_t prunedPlanBytes(int32_t batch, int32_t kvHeads)
+{
+    size_t const heads = static_cast<size_t>(batch) * static_cast<size_t>(kvHeads);
+    return heads * (3 * sizeof(int64_t) + sizeof(int32_t) + 2 * sizeof(uint32_t));
+}
+
+//! The pruned plan's arrays laid out from `at` (8-byte aligned, prunedPlanBytes long).
+inline PrunedPlan prunedPlan(void* at, int32_t batch, int32_t kvHeads)
+{
+    size_t const heads = static_cast<size_t>(batch) * static_cast<size_t>(kvHeads);
+    auto* wide = static_cast<int64_t*>(at);
+    auto* narrow = reinterpret_cast<int32_t*>(wide + 3 * heads);
+    auto* keys = reinterpret_cast<uint32_t*>(narrow + heads);
+    return PrunedPlan{wide, wide + heads, wide + 2 * heads, narrow, keys, keys + heads};
 }
 
 //! Scratch of the selection's top-k calls for a shape: the largest of the per-head rows, the layer-wide rows (shared
