@@ -19,8 +19,12 @@ def topk_mask(scores: torch.Tensor, k: torch.Tensor | int, eligible: torch.Tenso
     Returns
     -------
     [..., m] bool. Ties are broken toward the lower index (a stable descending sort), so the
-    result is deterministic and identical on every backend.
+    result is deterministic and identical on every backend. NaN of either sign ranks above +inf and -0.0 equals
+    +0.0 (the order of torch's CPU sort and of the kernels' orderedKey): the signs are cleared before sorting,
+    since torch's CUDA radix sort orders by the raw bits (a negative NaN below -inf, -0.0 below +0.0;
+    pytorch/pytorch#190781).
     """
+    scores = canonical_scores(scores)
     if eligible is not None:
         scores = scores.masked_fill(~eligible, float("-inf"))
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
@@ -29,6 +33,12 @@ def topk_mask(scores: torch.Tensor, k: torch.Tensor | int, eligible: torch.Tenso
     k = torch.as_tensor(k, device=scores.device)
     mask = ranks < k.unsqueeze(-1) if k.dim() > 0 else ranks < k
     return mask if eligible is None else mask & eligible
+
+
+def canonical_scores(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` with every NaN made positive and -0.0 made +0.0 (the same order under any comparison sort; a
+    radix sort of the bits then agrees with it)."""
+    return torch.where(torch.isnan(scores), scores.abs(), scores + 0.0)
 
 
 def mask_to_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -601,7 +601,7 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
                 laprox[at] = scores.laprox;
             }
         }
-        // shared allocation (selectSharedKernel), then the per-head flow (selectPerHeadKernel)
+        // shared allocation (select_flows.cuh: runSharedStage), then the per-head flow (runHeadStage)
         if (sharedAllocation(config))
         {
             selectShared(topK, config, sharedRanking(config, &attention[base], &laprox[base]), &flags[base], s.kvHeads,

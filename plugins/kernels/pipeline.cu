@@ -1,12 +1,12 @@
 // launchCriticalKVSelect: the operator of one layer as a sequence of kernels on one stream.
 //
-//   window attention [+ defensivekv's pooled rows]  ->  value norms  ->  group scores  ->  radix selection
-//   ->  compaction  ->  gather
+//   window attention [+ defensivekv's pooled rows]  ->  value norms  ->  group scores  ->  selection (plan kernels
+//   and batched top-k launches, select_flows.cuh)  ->  compaction  ->  gather
 //
 // CriticalKV with value_norm=l1 (prunedStage2On) prunes stage 2: the value-norm step writes L1 upper bounds from the
 // Gram terms of W_O (launchPrunedBounds), the group-score kernel turns them into U, and launchPrunedStage2 computes
-// exact norms on the tensor cores for the best candidates by U only, in a fixed number of rounds (docs/operator.md
-// step 6a).
+// exact norms on the tensor cores for the best candidates by U only, in a fixed number of rounds, its top-k calls on
+// the same batched top-k (docs/operator.md step 6a).
 //
 // No host synchronisation and no allocation: the workspace (workspaceLayout) holds every intermediate, so the
 // launch is CUDA-graph capturable. The request's budget b (the kv_budget input) stays in device memory: every
@@ -80,6 +80,40 @@ size_t elementBytes(DType dtype)
     return dtype == DType::kFloat32 ? 4 : 2;
 }
 
+//! The scores of the older tokens, then the selection stages of the policy (the flags of every KV head), given the
+//! window scores and value norms in `s`; for the pruned stage 2 only the scores and the shared allocation.
+cudaError_t selectOlderTokens(SelectConfig const& config, SelectShape const& shape, kernels::ScoreArgs const& s,
+    void* workspace, WorkspaceLayout const& layout, cudaStream_t stream)
+{
+    kernels::SelectionRows rows{config, shape, s.promptLengths, s.budget, s.flags, s.headCounts,
+        selectionPlan(at<void>(workspace, layout.plan), shape.batch, shape.kvHeads, at<void>(workspace, layout.topK),
+            layout.total - layout.topK)};
+    if (rowScores(config))
+    {
+        cudaError_t const status = kernels::launchDefensiveScores(s, stream);
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+        // the defensive scores lie in attention, the stage-1 masses in stage1 (launchDefensiveScores)
+        kernels::DefensiveSelectionArgs const d{rows, s.attention, s.stage1, s.ranking, s.totals};
+        return kernels::launchDefensiveSelection(d, stream);
+    }
+    cudaError_t status = kernels::launchGroupScores(s, stream);
+    if (status != cudaSuccess)
+    {
+        return status;
+    }
+    kernels::SelectionArgs const a{rows, s.attention, s.critical, s.laprox};
+    if (!s.pruned)
+    {
+        return kernels::launchSelection(a, stream);
+    }
+    // CriticalKV's pruned stage 2: the shared allocation gives each head its share (ada-criticalkv), reselected in
+    // it by launchPrunedStage2 (after this)
+    return sharedAllocation(config) ? kernels::launchSharedAllocation(a, stream) : cudaSuccess;
+}
+
 } // namespace
 
 cudaError_t launchResolveLayerBudget(SelectConfig const& config, BudgetTable const& table, int32_t const* kvBudget,
@@ -137,8 +171,7 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
     s.shape = shape;
     s.promptLengths = t.promptLengths;
     s.budget = budget;
-    s.keptIndices = t.keptIndices;
-    s.keptLengths = t.keptLengths;
+    s.flags = at<uint8_t>(workspace, layout.flags);
 
     if (needsScores(config) && m > 0)
     {
@@ -229,9 +262,8 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
         s.attention = at<float>(workspace, layout.attention);
         s.critical = config.twoStage ? at<float>(workspace, layout.critical) : nullptr;
         s.laprox = laproxOn ? at<float>(workspace, layout.laprox) : nullptr;
-        s.flags = at<uint8_t>(workspace, layout.flags);
         s.headCounts = at<int32_t>(workspace, layout.headCounts);
-        status = kernels::launchScoresAndSelection(s, stream);
+        status = selectOlderTokens(config, shape, s, workspace, layout, stream);
         if (status != cudaSuccess)
         {
             return status;
@@ -257,6 +289,9 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
             p.candidates = at<int32_t>(workspace, layout.candidates);
             p.candidateCounts = at<int32_t>(workspace, layout.candidateCounts);
             p.states = at<PrunedHeadState>(workspace, layout.prunedStates);
+            p.plan = prunedPlan(at<void>(workspace, layout.prunedPlan), shape.batch, shape.kvHeads);
+            p.topKScratch = at<void>(workspace, layout.topK);
+            p.topKScratchBytes = layout.total - layout.topK;
             p.margin = stopMargin(shape.hidden, shape.heads / shape.kvHeads);
             p.maxCount = maxStage2Count(config, table, shape, m);
             status = launchPrunedStage2(p, stream);
@@ -266,7 +301,8 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
             }
         }
     }
-    cudaError_t status = kernels::launchCompact(s, stream);
+    kernels::CompactArgs c{config, shape, t.promptLengths, budget, s.flags, t.keptIndices, t.keptLengths};
+    cudaError_t status = kernels::launchCompact(c, stream);
     if (status != cudaSuccess)
     {
         return status;

@@ -1,8 +1,10 @@
-// CriticalKV's pruned stage 2 (docs/operator.md step 6a): launchPrunedStage2 enqueues the flow of pruned_flow.cuh
-// (prepare, kPrunedRounds rounds of [exact norms of every head's candidates on the tensor cores, their exact C, the
-// stop rule], finish), and launchPrunedRow runs prunedStage2's block executor on precomputed scores for the GPU tests.
+// CriticalKV's pruned stage 2 (docs/operator.md step 6a): launchPrunedStage2 enqueues pruned_flow.cuh's sequence
+// (runPrunedStage2: plan kernels, launchTopK over every head's row for stage 1, the candidates and the k kept, rounds
+// of [exact norms of every head's candidates on the tensor cores, their exact C, the stop rule's count]) on a stream,
+// and launchPrunedRow runs prunedStage2's block executor on precomputed scores for the GPU tests.
 #include "criticalkv/kernels.h"
 #include "device_utils.cuh"
+#include "flow_launch.cuh"
 #include "pruned_flow.cuh"
 
 namespace criticalkv
@@ -11,31 +13,6 @@ namespace kernels
 {
 namespace
 {
-
-constexpr int kScoreThreads = 256;
-
-__global__ void __launch_bounds__(kPrunedThreads) prunedPrepareKernel(PrunedFlowArgs a)
-{
-    __shared__ PrunedSmem smem;
-    prunedPrepareHead(a, smem);
-}
-
-__global__ void __launch_bounds__(kScoreThreads) prunedScoreKernel(PrunedFlowArgs a)
-{
-    prunedScoreAt(a, static_cast<int32_t>(blockIdx.x) * kScoreThreads + static_cast<int32_t>(threadIdx.x));
-}
-
-__global__ void __launch_bounds__(kPrunedThreads) prunedRoundKernel(PrunedFlowArgs a, int32_t lastRound)
-{
-    __shared__ PrunedSmem smem;
-    prunedRoundHead(a, lastRound != 0, smem);
-}
-
-__global__ void __launch_bounds__(kPrunedThreads) prunedFinishKernel(PrunedFlowArgs a)
-{
-    __shared__ PrunedSmem smem;
-    prunedFinishHead(a, smem);
-}
 
 //! prunedStage2 run by one block on precomputed exact scores `scores` (exact: [m] scratch; done: how many got their
 //! exact score). For the GPU tests (launchPrunedRow).
@@ -53,21 +30,20 @@ __global__ void __launch_bounds__(kPrunedThreads) prunedRowKernel(float const* b
     }
 }
 
-//! Upper bound of the candidates listed per head for norm launch `round`: the first 2k, then the new ones of each
-//! doubling (2k, 4k, 8k: as many as were there), the last every remaining eligible token (at most m).
-int32_t listBound(int32_t round, int32_t maxK, int32_t m)
+//! runPrunedStage2's launcher on a stream: the flows' launcher and the norm launch over the candidate lists.
+struct PrunedLaunch : FlowLaunch
 {
-    if (round >= kPrunedRounds)
+    ValueNormParams exactNorms;
+
+    void norms(int32_t listed)
     {
-        return m;
+        if (status == cudaSuccess)
+        {
+            exactNorms.rows.maxCount = listed;
+            status = launchValueNorms(exactNorms, stream);
+        }
     }
-    int64_t bound = static_cast<int64_t>(kCandidateFactor) * maxK;
-    for (int32_t r = 2; r <= round; ++r)
-    {
-        bound *= 2;
-    }
-    return bound < m ? static_cast<int32_t>(bound) : m;
-}
+};
 
 } // namespace
 } // namespace kernels
@@ -75,9 +51,12 @@ int32_t listBound(int32_t round, int32_t maxK, int32_t m)
 cudaError_t launchPrunedStage2(PrunedStage2Params const& p, cudaStream_t stream)
 {
     int32_t const m = p.shape.n - windowLength(p.config, p.shape.n);
+    PrunedPlan const& plan = p.plan;
     if (p.shape.batch <= 0 || p.shape.kvHeads <= 0 || p.shape.heads % p.shape.kvHeads != 0 || p.maxCount < 0
         || p.norms == nullptr || p.attention == nullptr || p.critical == nullptr || p.exact == nullptr
-        || p.flags == nullptr || p.candidates == nullptr || p.candidateCounts == nullptr || p.states == nullptr)
+        || p.flags == nullptr || p.candidates == nullptr || p.candidateCounts == nullptr || p.states == nullptr
+        || plan.first == nullptr || plan.next == nullptr || plan.keep == nullptr || plan.firstValid == nullptr
+        || plan.following == nullptr || plan.clearing == nullptr)
     {
         return cudaErrorInvalidValue;
     }
@@ -86,11 +65,10 @@ cudaError_t launchPrunedStage2(PrunedStage2Params const& p, cudaStream_t stream)
         return cudaSuccess;
     }
     kernels::PrunedFlowArgs const a{p.config, p.shape, p.budget, p.promptLengths, p.raw, p.squares, p.norms,
-        p.attention, p.critical, p.headCounts, p.exact, p.flags, p.candidates, p.candidateCounts, p.states, p.margin};
-    dim3 const heads(static_cast<uint32_t>(p.shape.kvHeads), static_cast<uint32_t>(p.shape.batch));
-    kernels::prunedPrepareKernel<<<heads, kernels::kPrunedThreads, 0, stream>>>(a);
-    int32_t const maxK = p.maxCount < m ? p.maxCount : m;
-    ValueNormParams norms{};
+        p.attention, p.critical, p.headCounts, p.exact, p.flags, p.candidates, p.candidateCounts, p.states, p.margin,
+        plan};
+    kernels::PrunedLaunch launch{{p.topKScratch, p.topKScratchBytes, stream}, {}};
+    ValueNormParams& norms = launch.exactNorms;
     norms.shape = p.shape;
     norms.dtype = p.dtype;
     norms.values = p.values;
@@ -99,29 +77,8 @@ cudaError_t launchPrunedStage2(PrunedStage2Params const& p, cudaStream_t stream)
     norms.kind = ValueNorm::kL1;
     norms.out = p.norms;
     norms.rows = GatheredRows{p.candidates, p.candidateCounts, m, 0};
-    for (int32_t round = 0; round <= kernels::kPrunedRounds; ++round)
-    {
-        int32_t const listed = kernels::listBound(round, maxK, m);
-        norms.rows.maxCount = listed;
-        cudaError_t const status = launchValueNorms(norms, stream);
-        if (status != cudaSuccess)
-        {
-            return status;
-        }
-        dim3 const scoreGrid(static_cast<uint32_t>((listed + kernels::kScoreThreads - 1) / kernels::kScoreThreads),
-            static_cast<uint32_t>(p.shape.kvHeads), static_cast<uint32_t>(p.shape.batch));
-        if (listed > 0)
-        {
-            kernels::prunedScoreKernel<<<scoreGrid, kernels::kScoreThreads, 0, stream>>>(a);
-        }
-        if (round < kernels::kPrunedRounds)
-        {
-            kernels::prunedRoundKernel<<<heads, kernels::kPrunedThreads, 0, stream>>>(
-                a, round == kernels::kPrunedRounds - 1 ? 1 : 0);
-        }
-    }
-    kernels::prunedFinishKernel<<<heads, kernels::kPrunedThreads, 0, stream>>>(a);
-    return cudaGetLastError();
+    bool const accepted = kernels::runPrunedStage2(a, p.maxCount, launch);
+    return launch.finish(accepted);
 }
 
 cudaError_t launchPrunedRow(float const* bound, float const* scores, float* exact, uint8_t* flags, int32_t m,

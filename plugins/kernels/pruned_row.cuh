@@ -1,9 +1,9 @@
-// prunedStage2's block executor (pruned_stage2.h) for one KV head's row, and the radix executor the pruned stage 2's
-// kernels (kernels/pruned.cu) pick candidates with: simple steps (per-element shared atomics, ties at the radix
-// threshold marked by thread 0, block reductions through shared memory). Flags during the flow: 0 eligible
-// non-candidate, kPrunedFresh just picked, kPrunedCandidate exact score known, kPrunedLeftOut parked. Included by
-// kernels/pruned.cu and by the CPU emulations (testing/pruned_row_emulation.cpp, testing/pruned_pipeline_emulation.cpp),
-// which define kPrunedThreads-thread blocks of std::threads.
+// prunedStage2's block executor (pruned_stage2.h) for one KV head's row, with its block-wide radix executor: simple
+// steps (per-element shared atomics, ties at the radix threshold marked by thread 0, block reductions through shared
+// memory). launchPrunedRow (kernels/pruned.cu) runs it for the GPU tests and testing/pruned_row_emulation.cpp on the
+// CPU, both against the host driver's executor; the pipeline's pruned stage 2 (pruned_flow.cuh) runs the same flow
+// over every head at once on the batched top-k instead, and takes its flags (0 eligible non-candidate, kPrunedFresh
+// just picked, kPrunedCandidate exact score known, kPrunedLeftOut parked) from here.
 #pragma once
 
 #include "criticalkv/pruned_stage2.h"

@@ -2,12 +2,14 @@
 #pragma once
 
 #include "criticalkv/defensive.h"
+#include "select_flow_args.h"
 
 #include <cuda_runtime_api.h>
 
 namespace criticalkv::kernels
 {
 
+//! The score stages (group scores, defensivekv's scores).
 struct ScoreArgs
 {
     SelectConfig config;
@@ -27,11 +29,21 @@ struct ScoreArgs
     float* stage1;            // [B, H_kv, m] (defensivekv)
     float* ranking;           // [B, H_kv, m] (defensivekv)
     DefensiveTotals* totals;  // [B, H_kv] (defensivekv)
-    int32_t* keptIndices; // [B, H_kv, cap]
-    int32_t* keptLengths; // [B, H_kv]
     // CriticalKV's pruned stage 2 (prunedStage2On): norms hold the L1 bounds, critical their group score U; the
     // per-head selection is launchPrunedStage2's (kernels/pruned.cu)
     bool pruned;
+};
+
+//! The compaction: every head's kept positions, ascending, from its flags (or the fixed rule).
+struct CompactArgs
+{
+    SelectConfig config;
+    SelectShape shape;
+    int32_t const* promptLengths;
+    RuntimeBudget budget;
+    uint8_t const* flags; // [B, H_kv, m]
+    int32_t* keptIndices; // [B, H_kv, cap]
+    int32_t* keptLengths; // [B, H_kv]
 };
 
 struct GatherArgs
@@ -46,8 +58,18 @@ struct GatherArgs
     int64_t rowBytes; // d_h * sizeof(element)
 };
 
-cudaError_t launchScoresAndSelection(ScoreArgs const& a, cudaStream_t stream);
-cudaError_t launchCompact(ScoreArgs const& a, cudaStream_t stream);
+//! S, C and the LaProx importance of every older token (group_scores.h).
+cudaError_t launchGroupScores(ScoreArgs const& a, cudaStream_t stream);
+//! defensivekv's scores: the defensive score into attention, the stage-1 mass into stage1, the totals.
+cudaError_t launchDefensiveScores(ScoreArgs const& a, cudaStream_t stream);
+//! The selection of every non-pruned, non-defensive policy (select_flows.cuh: runSelection).
+cudaError_t launchSelection(SelectionArgs const& a, cudaStream_t stream);
+//! Only the shared allocation and the heads' shares (the pruned ada-criticalkv's launchPrunedStage2 then reselects
+//! inside them).
+cudaError_t launchSharedAllocation(SelectionArgs const& a, cudaStream_t stream);
+//! defensivekv's selection (select_flows.cuh: runDefensiveSelection).
+cudaError_t launchDefensiveSelection(DefensiveSelectionArgs const& a, cudaStream_t stream);
+cudaError_t launchCompact(CompactArgs const& a, cudaStream_t stream);
 cudaError_t launchGather(GatherArgs const& a, cudaStream_t stream);
 
 } // namespace criticalkv::kernels

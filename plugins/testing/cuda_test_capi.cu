@@ -7,6 +7,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <climits>
 #include <string>
 
 using namespace criticalkv;
@@ -288,7 +289,93 @@ extern "C"
     int32_t ckv_cuda_top_k_rows(float const* scores, int64_t const* k, uint8_t* flags, int32_t rows, int64_t len,
         char* err, int32_t errLen)
     {
-        return report(launchTopKRows(scores, k, flags, rows, len, nullptr), err, errLen);
+        if (len > INT32_MAX)
+        {
+            return report(cudaErrorInvalidValue, err, errLen);
+        }
+        TopKRows const p{scores, flags, k, nullptr, rows, static_cast<int32_t>(len), len, static_cast<int32_t>(len), 1};
+        DeviceBuffer scratch;
+        size_t const bytes = topKScratchBytes(rows, p.len);
+        cudaError_t status = scratch.allocate(bytes);
+        if (status == cudaSuccess && rows > 0 && len > 0)
+        {
+            status = cudaMemset(flags, 0, static_cast<size_t>(rows) * static_cast<size_t>(len));
+        }
+        if (status == cudaSuccess)
+        {
+            status = launchTopK(p, scratch.ptr, bytes, nullptr);
+        }
+        return report(status, err, errLen);
+    }
+
+    //! launchTopK on device arrays: flags [rows, len] uint8 in (0 = eligible) and out (the k best get `mark`);
+    //! firstValid int32 [rows] or null. With iterations > 0, *microseconds gets the mean time of that many launches
+    //! (cuda events around each; the flags restored before each), and the flags hold the last launch's result.
+    int32_t ckv_cuda_top_k(float const* scores, uint8_t* flags, int64_t const* k, int32_t const* firstValid,
+        int32_t rows, int32_t len, int32_t period, int32_t mark, int32_t iterations, float* microseconds, char* err,
+        int32_t errLen)
+    {
+        TopKRows const p{scores, flags, k, firstValid, rows, len, len, period, static_cast<uint8_t>(mark)};
+        size_t const bytes = topKScratchBytes(rows, len);
+        size_t const flagBytes = static_cast<size_t>(rows > 0 ? rows : 0) * static_cast<size_t>(len > 0 ? len : 0);
+        DeviceBuffer scratch;
+        DeviceBuffer original;
+        cudaError_t status = scratch.allocate(bytes);
+        if (status == cudaSuccess)
+        {
+            status = original.allocate(flagBytes);
+        }
+        if (status == cudaSuccess && flagBytes > 0)
+        {
+            status = cudaMemcpy(original.ptr, flags, flagBytes, cudaMemcpyDeviceToDevice);
+        }
+        if (status == cudaSuccess)
+        {
+            status = launchTopK(p, scratch.ptr, bytes, nullptr);
+        }
+        if (status == cudaSuccess && iterations > 0)
+        {
+            cudaEvent_t start{};
+            cudaEvent_t stop{};
+            cudaEventCreate(&start);
+            cudaEventCreate(&stop);
+            float total = 0.0F;
+            for (int32_t i = 0; i < iterations && status == cudaSuccess; ++i)
+            {
+                status = flagBytes > 0 ? cudaMemcpy(flags, original.ptr, flagBytes, cudaMemcpyDeviceToDevice)
+                                       : cudaSuccess;
+                cudaEventRecord(start, nullptr);
+                if (status == cudaSuccess)
+                {
+                    status = launchTopK(p, scratch.ptr, bytes, nullptr);
+                }
+                cudaEventRecord(stop, nullptr);
+                cudaEventSynchronize(stop);
+                float ms = 0.0F;
+                cudaEventElapsedTime(&ms, start, stop);
+                total += ms;
+            }
+            cudaEventDestroy(start);
+            cudaEventDestroy(stop);
+            *microseconds = 1000.0F * total / static_cast<float>(iterations);
+        }
+        return report(status, err, errLen);
+    }
+
+    //! launchMassCount on device arrays: count int64 [rows] of the candidates (flags == 0, outside the left padding)
+    //! whose cumulative sum, best first, stays below limit float [rows].
+    int32_t ckv_cuda_mass_count(float const* scores, uint8_t* flags, int32_t const* firstValid, float const* limit,
+        int64_t* count, int32_t rows, int32_t len, int32_t period, char* err, int32_t errLen)
+    {
+        TopKRows const p{scores, flags, nullptr, firstValid, rows, len, len, period, 1};
+        size_t const bytes = massCountScratchBytes(rows, len);
+        DeviceBuffer scratch;
+        cudaError_t status = scratch.allocate(bytes);
+        if (status == cudaSuccess)
+        {
+            status = launchMassCount(p, limit, count, scratch.ptr, bytes, nullptr);
+        }
+        return report(status, err, errLen);
     }
 
     //! launchPrunedRow on device arrays (kernels.h).

@@ -75,8 +75,9 @@ inline __half fromFloat<__half>(float value)
     return out;
 }
 
-//! One warp's exchange slots.
-struct EmulatedWarp
+//! One warp's exchange slots for the tensor-core instructions (cuda_emulation.h's EmulatedWarp serves the shuffles,
+//! ballots and matches of the other device code).
+struct MmaWarp
 {
     std::barrier<> sync{32};
     void const* rows[32];
@@ -85,7 +86,7 @@ struct EmulatedWarp
     float value[32];
 };
 
-inline thread_local EmulatedWarp* tWarp = nullptr;
+inline thread_local MmaWarp* tMmaWarp = nullptr;
 
 struct PendingCopy
 {
@@ -105,15 +106,15 @@ inline int32_t laneId()
 inline void ldmatrixX4(uint32_t (&r)[4], void const* row)
 {
     int32_t const lane = laneId();
-    tWarp->rows[lane] = row;
-    tWarp->sync.arrive_and_wait();
+    tMmaWarp->rows[lane] = row;
+    tMmaWarp->sync.arrive_and_wait();
     mma::RowCol const e = mma::ldmatrixElement(lane);
     for (int32_t q = 0; q < 4; ++q)
     {
-        uint16_t const* source = static_cast<uint16_t const*>(tWarp->rows[q * 8 + e.row]);
+        uint16_t const* source = static_cast<uint16_t const*>(tMmaWarp->rows[q * 8 + e.row]);
         r[q] = static_cast<uint32_t>(source[e.col]) | (static_cast<uint32_t>(source[e.col + 1]) << 16);
     }
-    tWarp->sync.arrive_and_wait();
+    tMmaWarp->sync.arrive_and_wait();
 }
 
 inline float truncateTowardZero(double x)
@@ -130,9 +131,9 @@ template <typename T>
 void mmaSync(float (&d)[4], uint32_t const (&a)[4], uint32_t const (&b)[2])
 {
     int32_t const lane = laneId();
-    std::memcpy(tWarp->a[lane], a, sizeof(a));
-    std::memcpy(tWarp->b[lane], b, sizeof(b));
-    tWarp->sync.arrive_and_wait();
+    std::memcpy(tMmaWarp->a[lane], a, sizeof(a));
+    std::memcpy(tMmaWarp->b[lane], b, sizeof(b));
+    tMmaWarp->sync.arrive_and_wait();
     auto half = [](uint32_t reg, int32_t which) { return toFloat(T{static_cast<uint16_t>(reg >> (16 * which))}); };
     float matA[16][16];
     float matB[16][8];
@@ -141,14 +142,14 @@ void mmaSync(float (&d)[4], uint32_t const (&a)[4], uint32_t const (&b)[2])
         for (int32_t r = 0; r < 4; ++r)
         {
             mma::RowCol const rc = mma::aFragment(l, r);
-            matA[rc.row][rc.col] = half(tWarp->a[l][r], 0);
-            matA[rc.row][rc.col + 1] = half(tWarp->a[l][r], 1);
+            matA[rc.row][rc.col] = half(tMmaWarp->a[l][r], 0);
+            matA[rc.row][rc.col + 1] = half(tMmaWarp->a[l][r], 1);
         }
         for (int32_t r = 0; r < 2; ++r)
         {
             mma::RowCol const rc = mma::bFragment(l, r);
-            matB[rc.row][rc.col] = half(tWarp->b[l][r], 0);
-            matB[rc.row + 1][rc.col] = half(tWarp->b[l][r], 1);
+            matB[rc.row][rc.col] = half(tMmaWarp->b[l][r], 0);
+            matB[rc.row + 1][rc.col] = half(tMmaWarp->b[l][r], 1);
         }
     }
     for (int32_t e = 0; e < 4; ++e)
@@ -161,7 +162,7 @@ void mmaSync(float (&d)[4], uint32_t const (&a)[4], uint32_t const (&b)[2])
         }
         d[e] = truncateTowardZero(sum);
     }
-    tWarp->sync.arrive_and_wait();
+    tMmaWarp->sync.arrive_and_wait();
 }
 
 inline void cpAsync16(void* shared, void const* global, bool valid)
@@ -198,10 +199,10 @@ void cpAsyncWait()
 inline float shflXor(float value, int32_t mask)
 {
     int32_t const lane = laneId();
-    tWarp->value[lane] = value;
-    tWarp->sync.arrive_and_wait();
-    float const other = tWarp->value[lane ^ mask];
-    tWarp->sync.arrive_and_wait();
+    tMmaWarp->value[lane] = value;
+    tMmaWarp->sync.arrive_and_wait();
+    float const other = tMmaWarp->value[lane ^ mask];
+    tMmaWarp->sync.arrive_and_wait();
     return other;
 }
 
@@ -226,20 +227,24 @@ inline float warpSum(float value)
 
 } // namespace criticalkv::kernels
 
-//! Run one block of `threads` emulated threads (threads % 32 == 0), warps with their exchange slots, fn() in each.
+//! Run one block of `threads` emulated threads (threads % 32 == 0), warps with their exchange slots (the tensor-core
+//! instructions' and cuda_emulation.h's), fn() in each.
 template <typename Fn>
 void runEmulatedBlock(unsigned x, unsigned y, unsigned z, unsigned threads, Fn fn)
 {
     std::barrier<> barrier(threads);
     gBarrier = &barrier;
-    std::vector<criticalkv::kernels::EmulatedWarp> warps(threads / 32);
+    blockDim = ThreadIndex{threads, 1, 1};
+    std::vector<criticalkv::kernels::MmaWarp> warps(threads / 32);
+    std::vector<EmulatedWarp> shuffles(threads / 32);
     std::vector<std::thread> pool;
     for (unsigned t = 0; t < threads; ++t)
     {
         pool.emplace_back([&, t] {
             threadIdx = {t, 0, 0};
             blockIdx = {x, y, z};
-            criticalkv::kernels::tWarp = &warps[t / 32];
+            criticalkv::kernels::tMmaWarp = &warps[t / 32];
+            tWarp = &shuffles[t / 32];
             criticalkv::kernels::tOpenGroup.clear();
             criticalkv::kernels::tCommitted.clear();
             fn();

@@ -1,8 +1,9 @@
 // CPU emulation of the CUDA pipeline's pruned stage 2 (CriticalKV with value_norm=l1, 16-bit inputs: the tensor-core
 // path) on whole layers, from the headers the kernels compile: kernels/l1_bounds.cuh (the bound's weights-only terms),
 // kernels/mma_tiles.cuh (the Gram pieces, the tensor-core bounds and the exact L1 norms over gathered candidate rows),
-// kernels/pruned_flow.cuh (prepare, the rounds, finish) with the warp instructions of testing/mma_emulation.h, one
-// std::thread per CUDA thread. The steps the emulation does not cover run as the host driver runs them: window
+// kernels/pruned_flow.cuh (runPrunedStage2: its plan, list, score, count and relabel kernels, its top-k calls through
+// the batched top-k's kernels, kernels/topk_device.cuh) with the warp instructions of testing/mma_emulation.h and
+// testing/cuda_emulation.h, one std::thread per CUDA thread. The steps the emulation does not cover run as the host driver runs them: window
 // attention (host::windowScores), the group score (groupScoresAt, the kernel's function), the shared allocation
 // (shared_allocation.h over the host radix select) and the compaction rule (kept_positions.h). Checks:
 //   * the kept indices equal the unpruned selection on the same computed values (stage 2 by the exact C of every
@@ -20,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -40,12 +42,42 @@
 #include "l1_bounds.cuh"
 #include "mma_tiles.cuh"
 #include "pruned_flow.cuh"
+#include "topk_emulated_launch.h"
 
 using namespace criticalkv;
 using T = __nv_bfloat16;
 
 namespace
 {
+
+//! runPrunedStage2's launcher: kernels and top-k calls as select_flows.cuh's (testing/topk_emulated_launch.h), the
+//! exact norms of the listed candidates through `norms`.
+struct PrunedEmulatedLaunch
+{
+    EmulatedFlowLaunch flow;
+    std::function<void(int32_t)> exactNorms;
+
+    template <typename... Params, typename... Args>
+    void kernel(void (*fn)(Params...), kernels::Grid3 grid, int threads, Args const&... args)
+    {
+        flow.kernel(fn, grid, threads, args...);
+    }
+
+    void zero(void* pointer, size_t bytes)
+    {
+        flow.zero(pointer, bytes);
+    }
+
+    bool topK(TopKRows const& rows)
+    {
+        return flow.topK(rows);
+    }
+
+    void norms(int32_t listed)
+    {
+        exactNorms(listed);
+    }
+};
 
 struct HostTopKFn
 {
@@ -365,25 +397,32 @@ int main(int argc, char** argv)
         }
     }
 
-    // launchPrunedStage2
+    // launchPrunedStage2: runPrunedStage2's launches, the top-k calls through the batched top-k's kernels
+    std::vector<int64_t> planWords((prunedPlanBytes(B, Hkv) + sizeof(int64_t) - 1) / sizeof(int64_t), -1);
+    PrunedPlan const plan = prunedPlan(planWords.data(), B, Hkv);
     kernels::PrunedFlowArgs const a{c, s, runtime, lengths.data(), raw.data(), squares.data(), norms.data(),
         attention.data(), critical.data(), sharedAllocation(c) ? headCounts.data() : nullptr, exact.data(),
-        flags.data(), candidates.data(), candidateCounts.data(), states.data(), stopMargin(hidden, group)};
-    std::vector<kernels::PrunedSmem> smem(1);
-    runGrid(Hkv, B, 1, kernels::kPrunedThreads, [&] { kernels::prunedPrepareHead(a, smem[0]); });
+        flags.data(), candidates.data(), candidateCounts.data(), states.data(), stopMargin(hidden, group), plan};
     kernels::NormTileArgs listed = tiles;
     listed.skipUncompressed = false;
     listed.out = norms.data();
     listed.rowTokens = candidates.data();
     listed.rowCounts = candidateCounts.data();
     std::vector<unsigned char> shared(kernels::NormTiles::sharedBytes(d), 0x7F);
+    std::vector<unsigned char> topKScratch(std::max<size_t>(topKScratchBytes(B * Hkv, m), 1));
     int64_t rounds = 0;
     std::vector<int64_t> roundsOfHead(size_t(B) * Hkv, 0);
-    for (int32_t round = 0; round <= kernels::kPrunedRounds; ++round)
-    {
+    PrunedEmulatedLaunch launch{EmulatedFlowLaunch{topKScratch.data(), topKScratch.size()}, [&](int32_t bound) {
+        // the norm launch covers `bound` rows per head; the blocks past the longest list return at once, so the
+        // emulation runs only those up to it
         int32_t longest = 0;
         for (int32_t x : candidateCounts)
         {
+            if (x > bound)
+            {
+                std::printf("a list of %d candidates exceeds the norm launch's %d rows\n", x, bound);
+                std::exit(1);
+            }
             longest = std::max(longest, x);
         }
         for (size_t head = 0; head < candidateCounts.size(); ++head)
@@ -394,24 +433,21 @@ int main(int argc, char** argv)
         runGrid((longest + kernels::NormTiles::kRows - 1) / kernels::NormTiles::kRows, Hkv, B,
             kernels::NormTiles::kThreads,
             [&] { kernels::valueNormsMmaBlock<T, kernels::NormTiles, false>(listed, shared.data()); });
-        for (unsigned z = 0; z < static_cast<unsigned>(B); ++z) // prunedScoreKernel: a thread per listed candidate
+    }};
+    int32_t maxCount = 0; // pipeline.cu's maxStage2Count: every head's count at most
+    for (int b = 0; b < B; ++b)
+    {
+        SequenceInfo const info = sequenceInfo(c, runtime, s, lengths.data(), b);
+        for (int g = 0; g < Hkv; ++g)
         {
-            for (unsigned y = 0; y < static_cast<unsigned>(Hkv); ++y)
-            {
-                blockIdx = {0, y, z};
-                for (int32_t position = 0; position < m; ++position)
-                {
-                    kernels::prunedScoreAt(a, position);
-                }
-            }
-        }
-        if (round < kernels::kPrunedRounds)
-        {
-            bool const last = round == kernels::kPrunedRounds - 1;
-            runGrid(Hkv, B, 1, kernels::kPrunedThreads, [&] { kernels::prunedRoundHead(a, last, smem[0]); });
+            maxCount = std::max<int32_t>(maxCount, sharedAllocation(c) ? headCounts[b * Hkv + g] : info.r);
         }
     }
-    runGrid(Hkv, B, 1, kernels::kPrunedThreads, [&] { kernels::prunedFinishHead(a, smem[0]); });
+    if (!kernels::runPrunedStage2(a, std::min(maxCount, m), launch))
+    {
+        std::printf("runPrunedStage2 refused its top-k rows\n");
+        return 1;
+    }
     std::vector<std::vector<int32_t>> const got = keptPositions(c, runtime, s, lengths.data(), flags);
 
     // The unpruned selection on the same computed values: every older token's exact norm from the same kernel.

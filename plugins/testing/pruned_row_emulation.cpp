@@ -4,7 +4,8 @@
 // give the host driver's executor (host/pruned_row_host.h, linked with select_host.cpp) the same flags and the same
 // number of exact scores computed, each computed once, and both must keep the unpruned top-k of C. Random and
 // adversarial rows: tight bounds (U = C), all bounds equal, exact-score ties at the threshold, near-ties within the
-// margin, padding. Not built by CMake: compiled by tests/plugins/test_plugin_kernel_emulation.py.
+// margin, padding. Also the GPU rounds' stop rule by count (stage2SettledByCount) == stage2Settled on this executor's
+// k-th exact score. Not built by CMake: compiled by tests/plugins/test_plugin_kernel_emulation.py.
 //   pruned_row_emulation SEED TRIALS   -> exit 0 when every trial agrees
 #include <atomic>
 #include <barrier>
@@ -192,5 +193,53 @@ int main(int argc, char** argv)
     }
     std::printf("pruned row: %d of %d trials differ; exact scores computed for %lld of %lld eligible tokens\n",
         failures, trials, static_cast<long long>(computed), static_cast<long long>(total));
-    return failures == 0 ? 0 : 1;
+
+    // The GPU rounds' stop rule (stage2SettledByCount: how many candidates clear the threshold) against stage2Settled
+    // on the k-th exact score as this executor's kthExact finds it (the k best in radix order, then the smallest
+    // non-NaN of them), on candidates with NaN, infinite, signed-zero and tied scores.
+    float const special[] = {NAN, -NAN, INFINITY, -INFINITY, 0.0F, -0.0F, 0.5F, 1.0F, 2.0F};
+    int const cases = 50 * trials;
+    int stopFailures = 0;
+    for (int trial = 0; trial < cases; ++trial)
+    {
+        int32_t const count = 1 + static_cast<int32_t>(rng() % 40);
+        std::vector<float> exact(static_cast<size_t>(count));
+        for (float& x : exact)
+        {
+            x = rng() % 3 == 0 ? special[rng() % 9] : static_cast<float>(static_cast<int>(rng() % 17) - 8) / 4.0F;
+        }
+        int64_t const k = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(count));
+        std::vector<uint8_t> best(static_cast<size_t>(count), 0);
+        host::selectTopK(exact.data(), best.data(), count, count, 0, k, 1);
+        float kth = INFINITY;
+        for (int32_t i = 0; i < count; ++i)
+        {
+            kth = best[i] != 0 && exact[i] < kth ? exact[i] : kth;
+        }
+        // the best bound left out: never NaN (a maximum by float comparisons), -inf when every token is a candidate
+        float const following = rng() % 2 == 0 ? special[2 + rng() % 7] : exact[rng() % exact.size()];
+        if (std::isnan(following))
+        {
+            continue;
+        }
+        float const margin = trial % 2 == 0 ? stopMargin(576, 3) : 0.0F;
+        int64_t clearing = 0;
+        for (float x : exact)
+        {
+            clearing += !(x <= stopThreshold(following, margin)) ? 1 : 0;
+        }
+        if (stage2Settled(following, kth, margin) != stage2SettledByCount(following, clearing, k, margin))
+        {
+            if (stopFailures < 5)
+            {
+                std::printf("stop rule: following %g, k %lld, kth %g, clearing %lld: settled %d by kth, %d by count\n",
+                    following, static_cast<long long>(k), kth, static_cast<long long>(clearing),
+                    stage2Settled(following, kth, margin) ? 1 : 0,
+                    stage2SettledByCount(following, clearing, k, margin) ? 1 : 0);
+            }
+            ++stopFailures;
+        }
+    }
+    std::printf("stop rule by count: %d of %d cases differ\n", stopFailures, cases);
+    return failures == 0 && stopFailures == 0 ? 0 : 1;
 }

@@ -329,6 +329,10 @@ class CudaLibrary:
             [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 7
             + [P(ctypes.c_int32), ctypes.c_char_p, ctypes.c_int32]
         )
+        L.ckv_cuda_top_k.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int32] * 5
+                                     + [P(ctypes.c_float), ctypes.c_char_p, ctypes.c_int32])
+        L.ckv_cuda_mass_count.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int32] * 3
+                                          + [ctypes.c_char_p, ctypes.c_int32])
         L.ckv_cuda_top_k_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
                                           ctypes.c_int64, ctypes.c_char_p, ctypes.c_int32]
         L.ckv_cuda_pruned_row.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64,
@@ -475,6 +479,42 @@ class CudaLibrary:
                                         valid_start, k, eligible, margin, done.data_ptr(), err, 512) != 0:
             raise RuntimeError(err.value.decode())
         return flags, int(done.item())
+
+    def top_k(self, scores: torch.Tensor, flags: torch.Tensor, k: torch.Tensor, first_valid: torch.Tensor | None = None,
+              period: int | None = None, mark: int = 1, iterations: int = 0) -> tuple[torch.Tensor, float]:
+        """launchTopK on CUDA tensors: (flags after marking the k[r] best candidates of every row, mean microseconds
+        of `iterations` timed launches or nan). scores float [rows, len]; flags uint8 [rows, len] (0 = eligible);
+        k int64 [rows]; first_valid int32 [rows] or None."""
+        scores = scores.float().contiguous()
+        rows, length = scores.shape
+        flags = flags.to(device=scores.device, dtype=torch.uint8).contiguous().clone()
+        k = k.to(device=scores.device, dtype=torch.int64).contiguous()
+        fv = None if first_valid is None else first_valid.to(device=scores.device, dtype=torch.int32).contiguous()
+        elapsed = ctypes.c_float(float("nan"))
+        err = ctypes.create_string_buffer(512)
+        status = self.lib.ckv_cuda_top_k(scores.data_ptr(), flags.data_ptr(), k.data_ptr(),
+                                         None if fv is None else fv.data_ptr(), rows, length, period or length, mark,
+                                         iterations, ctypes.byref(elapsed), err, 512)
+        if status != 0:
+            raise RuntimeError(err.value.decode())
+        return flags, elapsed.value
+
+    def mass_count(self, scores: torch.Tensor, flags: torch.Tensor, limit: torch.Tensor,
+                   first_valid: torch.Tensor | None = None, period: int | None = None) -> torch.Tensor:
+        """launchMassCount on CUDA tensors: int64 [rows] counts."""
+        scores = scores.float().contiguous()
+        rows, length = scores.shape
+        flags = flags.to(device=scores.device, dtype=torch.uint8).contiguous()
+        limit = limit.to(device=scores.device, dtype=torch.float32).contiguous()
+        fv = None if first_valid is None else first_valid.to(device=scores.device, dtype=torch.int32).contiguous()
+        count = torch.full((rows,), -1, dtype=torch.int64, device=scores.device)
+        err = ctypes.create_string_buffer(512)
+        status = self.lib.ckv_cuda_mass_count(scores.data_ptr(), flags.data_ptr(), None if fv is None else fv.data_ptr(),
+                                              limit.data_ptr(), count.data_ptr(), rows, length, period or length, err,
+                                              512)
+        if status != 0:
+            raise RuntimeError(err.value.decode())
+        return count
 
     def top_k_rows(self, scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """bool [rows, len]: the k[r] best of every row (ties: lower index)."""

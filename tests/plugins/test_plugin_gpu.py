@@ -259,8 +259,8 @@ def test_radix_top_k(cuda_lib, n, levels):
 @pytest.mark.parametrize("kind", PRUNED_ROW_KINDS)
 @pytest.mark.parametrize("m, seed", [(700, 0), (700, 1), (5000, 2), (5000, 3), (40000, 4)])
 def test_pruned_row_kernel_equals_the_host_driver(cuda_lib, kind, m, seed):
-    """launchPrunedRow (the block executor of prunedStage2, kernels/selection.cu "pruned row") gives the host
-    driver's flags and count of exact scores."""
+    """launchPrunedRow (the block executor of prunedStage2, kernels/pruned_row.cuh) gives the host driver's flags
+    and count of exact scores."""
     from criticalkv.selection import pruned
 
     margin = pruned.stop_margin(576, 3)
@@ -394,6 +394,84 @@ def test_radix_top_k_with_nan_infinities_and_k_zero(cuda_lib):
     for k in (0, 1, 5, 777, n - 1, n):
         ks = torch.full((rows,), k, dtype=torch.int64)
         assert torch.equal(cuda_lib.top_k_rows(scores, ks), topk_mask(scores, k)), k
+
+
+def topk_rows_reference(scores, flags, k, first_valid, period, mark):
+    """topk_mask over each row's candidates (flags == 0, position % period >= first_valid), on the CPU."""
+    scores, flags = scores.cpu(), flags.cpu()
+    out = flags.clone()
+    positions = torch.arange(scores.shape[1])
+    for r in range(scores.shape[0]):
+        index = ((flags[r] == 0) & (positions % period >= int(first_valid[r]))).nonzero().flatten()
+        kk = max(0, min(int(k[r]), index.numel()))
+        if index.numel():
+            out[r, index[topk_mask(scores[r, index], kk)]] = mark
+    return out
+
+
+@pytest.mark.parametrize("length", [1000, 4096, 4097, 32736, 131072, 262144])
+@pytest.mark.parametrize("kind", ["continuous", "ties", "specials"])
+def test_batched_top_k_equals_topk_mask(cuda_lib, length, kind):
+    """launchTopK (one CTA per row up to 4,096 entries, then 2,048 per CTA and a launch per pass): a different k per
+    row, flags set before, left padding of several segments, ties, NaN / +-inf / +-0."""
+    g = torch.Generator(device="cuda").manual_seed(length)
+    rows = 6
+    scores = torch.rand(rows, length, device="cuda", generator=g)
+    if kind == "ties":
+        scores = (scores * 3).floor() / 3
+    if kind == "specials":
+        specials = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0], device="cuda")
+        where = torch.rand(rows, length, device="cuda", generator=g) < 0.3
+        scores[where] = specials[torch.randint(0, 6, (int(where.sum()),), device="cuda", generator=g)]
+    flags = (torch.rand(rows, length, device="cuda", generator=g) < 0.1).to(torch.uint8) * 3
+    period = length // 4 if length >= 4 else length
+    first_valid = torch.tensor([0, 1, period // 3, 0, period - 1, 0], dtype=torch.int32)
+    k = torch.tensor([0, 1, length // 16, 2048, length // 2, length], dtype=torch.int64)
+    got, _ = cuda_lib.top_k(scores, flags, k, first_valid, period=period, mark=1)
+    want = topk_rows_reference(scores, flags, k, first_valid, period, 1)
+    for r in range(rows):
+        assert torch.equal(got[r].cpu(), want[r]), (length, kind, r, int(k[r]))
+
+
+@pytest.mark.parametrize("length", [700, 5000, 40000])
+def test_batched_mass_count_equals_the_host_driver(cuda_lib, length):
+    host = HostLibrary()
+    g = torch.Generator(device="cuda").manual_seed(length)
+    rows = 5
+    scores = torch.rand(rows, length, device="cuda", generator=g) ** 4
+    scores[1] = (scores[1] * 4).floor()  # ties
+    scores = scores / scores.sum(-1, keepdim=True)
+    flags = (torch.rand(rows, length, device="cuda", generator=g) < 0.1).to(torch.uint8)
+    first_valid = torch.tensor([0, 0, length // 3, 5, 0], dtype=torch.int32)
+    limit = torch.tensor([0.5, 0.9, 0.3, 1e-4, -0.1])
+    got = cuda_lib.mass_count(scores, flags, limit, first_valid).cpu()
+    for r in range(rows):
+        want = host.mass_count(scores[r].cpu(), float(limit[r]), flags[r].cpu(), int(first_valid[r]))
+        assert int(got[r]) == want, (r, int(got[r]), want)
+
+
+@pytest.mark.parametrize("rows, length", [(8, 32736), (1, 8 * 32736), (64, 32736), (8, 131040)])
+def test_batched_top_k_time_per_row_batch(cuda_lib, rows, length):
+    """Prints microseconds per call (k = 2048, every row at once) beside a device copy of the scores (the floor)
+    and the per-row figure; the selection of a 32k Llama layer calls it on 8 rows of m = 32,736 (per head) and 1 row of
+    8 m (shared allocation). Only the result is asserted."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    scores = torch.rand(rows, length, device="cuda", generator=g)
+    flags = torch.zeros(rows, length, dtype=torch.uint8, device="cuda")
+    k = torch.full((rows,), 2048, dtype=torch.int64)
+    got, microseconds = cuda_lib.top_k(scores, flags, k, iterations=50)
+    assert torch.equal(got.sum(-1, dtype=torch.int64).cpu(), k)
+    copy = torch.empty_like(scores)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        copy.copy_(scores)
+    stop.record()
+    stop.synchronize()
+    copy_us = start.elapsed_time(stop) * 1e3 / 50
+    print(f"\n{torch.cuda.get_device_name()}: top-k of {rows} rows x {length} (k=2048): {microseconds:.1f} us per "
+          f"call, {microseconds / rows:.2f} us per row; device copy of the scores {copy_us:.1f} us")
+    assert microseconds > 0
 
 
 def check_selection(got, ref, policy, n, context, min_overlap=0.99):

@@ -1,7 +1,7 @@
-"""defensivekv's device code run on the CPU under a thread emulation (one std::thread per CUDA thread, __syncthreads()
-a barrier, shared-memory atomics std::atomic_ref): the block executor of the stage-1 count (kernels/selection.cu, "block
-mass row") gives every thread of a 512-thread block the host's count (defensivekv's row kernels are emulated from their
-headers in test_window_scores_emulation.py). No GPU is needed: this checks the kernels' tiling, halo
+"""Device code of the selection run on the CPU under a thread emulation (one std::thread per CUDA thread, __syncthreads()
+a barrier, shared-memory atomics std::atomic_ref). The stage-1 mass count and the batched top-k are tested from their
+headers in test_plugin_topk_emulation.py, defensivekv's row kernels in test_window_scores_emulation.py. No GPU is
+needed: this checks the kernels' tiling, halo
 chunks, reductions, barriers and indexing where nothing CUDA can run. The pruned stage-2 block executor
 (kernels/pruned_row.cuh) runs prunedStage2 (pruned_stage2.h) to the host driver's flags, count of exact scores and the
 unpruned kept set. The fp32 bounds' kernels (kernels/l1_bounds.cuh, bitwise the host driver's) and the group-score
@@ -47,24 +47,20 @@ def build_emulator(folder, source: str | None, section: str | None, include: str
     return binary
 
 
-def test_block_mass_count_equals_the_host_count_in_every_thread(tmp_path):
-    binary = build_emulator(tmp_path, "selection.cu", "block mass row", "block_mass_row_section.inc",
-                            "block_mass_count_emulation.cpp")
-    result = subprocess.run([str(binary), "4", "48"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_pruned_row_block_executor_equals_the_host_driver(tmp_path, seed):
     binary = build_emulator(tmp_path, None, None, None, "pruned_row_emulation.cpp", extra=("host/select_host.cpp",))
     result = subprocess.run([str(binary), str(seed), "60"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 of 60 trials differ" in result.stdout, result.stdout
+    assert "stop rule by count: 0 of 3000 cases differ" in result.stdout, result.stdout
 
 
 PRUNED_KERNELS = {
     "value_norms.cu": ("boundTermsKernel", "columnL1Kernel", "l1BoundsKernel"),
     "selection.cu": ("groupScoresKernel",),
+    # the candidates' exact C (bitwise the host driver's on the fp32 path) and the stop rule's threshold
+    "pruned.cu": ("prunedScoreKernel", "prunedCountKernel", "prunedDecideKernel"),
 }
 
 

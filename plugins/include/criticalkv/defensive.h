@@ -189,6 +189,93 @@ struct MassHistogram
     unsigned long long const* sums;
 };
 
+//! Where a mass count stands (radixMassCount, pass by pass): the digits fixed so far, the fixed-point sum and the
+//! number of the candidates above the prefix, and the count once done.
+struct MassSearch
+{
+    uint32_t prefix;
+    uint32_t prefixMask;
+    int64_t above;      //!< int64 sum of fixedMass of the candidates above the prefix
+    int64_t aboveCount; //!< how many they are
+    int32_t pass;       //!< next pass
+    int32_t done;       //!< 1: count is the answer
+    int64_t count;
+};
+
+CKV_HD MassSearch massBegin()
+{
+    return MassSearch{0u, 0u, 0, 0, 0, 0, 0};
+}
+
+//! The digit of one pass's histogram where the cumulative sum (best first, starting from `above`) reaches `bound`:
+//! the highest digit d with above + sum of sums[d..255] >= bound (-1 when none; such a digit has candidates, since
+//! the sums are non-negative), and the sum and count of the candidates in the digits above it.
+struct MassDigit
+{
+    int32_t digit;
+    int64_t aboveSum;
+    int64_t aboveCount;
+};
+
+CKV_HD MassDigit chooseMassDigit(MassHistogram const& h, int64_t above, int64_t bound)
+{
+    MassDigit choice{-1, 0, 0};
+    for (int d = kRadixBins - 1; d >= 0; --d)
+    {
+        if (h.counts[d] == 0)
+        {
+            continue;
+        }
+        if (above + choice.aboveSum + static_cast<int64_t>(h.sums[d]) < bound)
+        {
+            choice.aboveSum += static_cast<int64_t>(h.sums[d]);
+            choice.aboveCount += h.counts[d];
+            continue;
+        }
+        choice.digit = d;
+        break;
+    }
+    return choice;
+}
+
+//! Apply the histogram of pass s.pass (its digit choice `c` from chooseMassDigit, and the count at that digit).
+CKV_HD void massAdvance(MassSearch& s, MassDigit const& c, int64_t countAtDigit, int64_t bound)
+{
+    s.above += c.aboveSum;
+    s.aboveCount += c.aboveCount;
+    if (c.digit < 0)
+    {
+        s.done = 1; // every candidate of this prefix stays below the limit
+        s.count = s.aboveCount;
+        return;
+    }
+    s.prefix |= static_cast<uint32_t>(c.digit) << (32 - kRadixBits * (s.pass + 1));
+    s.prefixMask = radixPrefixMask(s.pass);
+    s.pass += 1;
+    if (s.pass < kRadixPasses)
+    {
+        return;
+    }
+    // The candidates equal to the crossing one: add them one by one.
+    int64_t const value = fixedMass(keyValue(s.prefix));
+    int64_t cumulative = s.above;
+    s.done = 1;
+    s.count = s.aboveCount + countAtDigit;
+    for (int64_t j = 1; j <= countAtDigit; ++j)
+    {
+        cumulative += value;
+        if (!(cumulative < bound))
+        {
+            s.count = s.aboveCount + j - 1;
+            return;
+        }
+        if (value == 0)
+        {
+            return; // the sum no longer grows: all of them
+        }
+    }
+}
+
 //! How many candidates, taken best first, keep the cumulative sum of their (non-negative) scores below `limit`:
 //! #{k >= 1 : cum_k < fixedLimit(limit)}, cum_k the int64 sum of fixedMass of the k best. The executor supplies
 //!   MassHistogram massHistogram(pass, prefix, prefixMask)   counts and fixedMass sums of the candidates matching prefix
@@ -200,57 +287,20 @@ template <typename Exec>
 CKV_HD int64_t radixMassCount(Exec& exec, float limit)
 {
     int64_t const bound = fixedLimit(limit);
-    uint32_t prefix = 0u;
-    uint32_t prefixMask = 0u;
-    int64_t above = 0;
-    int64_t aboveCount = 0;
-    for (int pass = 0; pass < kRadixPasses; ++pass)
+    MassSearch s = massBegin();
+    while (!s.done)
     {
-        MassHistogram const h = exec.massHistogram(pass, prefix, prefixMask);
-        int digit = -1;
-        for (int d = kRadixBins - 1; d >= 0; --d)
-        {
-            if (h.counts[d] == 0)
-            {
-                continue;
-            }
-            if (above + static_cast<int64_t>(h.sums[d]) < bound)
-            {
-                above += static_cast<int64_t>(h.sums[d]);
-                aboveCount += h.counts[d];
-                continue;
-            }
-            digit = d;
-            break;
-        }
-        if (digit < 0)
-        {
-            return aboveCount; // every candidate of this prefix stays below the limit
-        }
-        prefix |= static_cast<uint32_t>(digit) << (32 - kRadixBits * (pass + 1));
-        prefixMask = radixPrefixMask(pass);
-        if (pass == kRadixPasses - 1)
-        {
-            // The candidates equal to the crossing one: add them one by one.
-            int64_t const equal = h.counts[digit];
-            int64_t const value = fixedMass(keyValue(prefix));
-            int64_t cumulative = above;
-            for (int64_t j = 1; j <= equal; ++j)
-            {
-                cumulative += value;
-                if (!(cumulative < bound))
-                {
-                    return aboveCount + j - 1;
-                }
-                if (value == 0)
-                {
-                    return aboveCount + equal; // the sum no longer grows
-                }
-            }
-            return aboveCount + equal;
-        }
+        MassHistogram const h = exec.massHistogram(s.pass, s.prefix, s.prefixMask);
+        MassDigit const c = chooseMassDigit(h, s.above, bound);
+        massAdvance(s, c, c.digit >= 0 ? static_cast<int64_t>(h.counts[c.digit]) : 0, bound);
     }
-    return aboveCount;
+    return s.count;
+}
+
+//! Stage 1 of one KV head keeps its mass count, at most r (the head's older tokens of the budget).
+CKV_HD int64_t stage1Keep(int64_t massCount, int64_t r)
+{
+    return massCount < r ? massCount : r;
 }
 
 //! Mark one sequence's chosen older tokens (defensivekv). defensive, stage1, ranking, flags: [heads, m] (flags
@@ -266,8 +316,7 @@ CKV_HD void selectDefensive(Exec& exec, SelectConfig const& config, float const*
     for (int32_t g = 0; g < heads; ++g)
     {
         int64_t const offset = static_cast<int64_t>(g) * m;
-        int64_t count = exec.massCount(stage1 + offset, flags + offset, m, m, firstValid, limit);
-        count = count < r ? count : r;
+        int64_t const count = stage1Keep(exec.massCount(stage1 + offset, flags + offset, m, m, firstValid, limit), r);
         exec(stage1 + offset, flags + offset, m, m, firstValid, count, kChosenByAttention);
     }
     exec.rankStage1(defensive, flags, ranking, static_cast<int64_t>(heads) * m);

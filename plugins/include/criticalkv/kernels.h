@@ -5,6 +5,7 @@
 
 #include "criticalkv/methods.h"
 #include "criticalkv/pruned_stage2.h" // PrunedHeadState
+#include "criticalkv/selection_plan.h"
 
 #include <cuda_runtime_api.h>
 
@@ -51,6 +52,7 @@ struct WorkspaceLayout
     size_t candidates; //!< int32 [B, H_kv, m]: a round's new candidates of every head (pruned stage 2)
     size_t candidateCounts; //!< int32 [B, H_kv]: how many (pruned stage 2)
     size_t prunedStates;    //!< PrunedHeadState [B, H_kv] (pruned stage 2)
+    size_t prunedPlan;      //!< prunedPlanBytes: every head's k of the pruned stage 2's top-k calls, its stop count
     size_t laprox;     //!< float [B, H_kv, m]: LaProx importance
     size_t flags;      //!< uint8 [B, H_kv, m]: chosen older tokens
     size_t headCounts; //!< int32 [B, H_kv]: adakv share of every head
@@ -59,6 +61,8 @@ struct WorkspaceLayout
     size_t stage1;     //!< float [B, H_kv, m]: stage-1 mass (defensivekv)
     size_t ranking;    //!< float [B, H_kv, m]: the shared allocation's ranking (defensivekv)
     size_t totals;     //!< DefensiveTotals [B, H_kv] (defensivekv)
+    size_t plan;       //!< selectionPlanBytes: every row's k and first valid position of the selection's top-k calls
+    size_t topK;       //!< selectionScratchBytes: launchTopK / launchMassCount's scratch
     size_t total;
 };
 
@@ -120,6 +124,7 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     layout.candidates = take(pruned ? b * hkv * m * sizeof(int32_t) : 0);
     layout.candidateCounts = take(pruned ? b * hkv * sizeof(int32_t) : 0);
     layout.prunedStates = take(pruned ? b * hkv * sizeof(PrunedHeadState) : 0);
+    layout.prunedPlan = take(pruned ? prunedPlanBytes(s.batch, s.kvHeads) : 0);
     layout.laprox = take(laproxOn ? b * hkv * m * sizeof(float) : 0);
     layout.flags = take(b * hkv * m);
     layout.headCounts = take(b * hkv * sizeof(int32_t));
@@ -129,6 +134,9 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     layout.stage1 = take(rowsOn ? b * hkv * m * sizeof(float) : 0);
     layout.ranking = take(rowsOn ? b * hkv * m * sizeof(float) : 0);
     layout.totals = take(rowsOn ? b * hkv * 4 * sizeof(float) : 0);
+    layout.plan = take(selectionPlanBytes(s.batch, s.kvHeads));
+    layout.topK = take(selectionScratchBytes(s.batch, s.kvHeads, static_cast<int32_t>(m),
+        sharedAllocation(config) || rowsOn, rowsOn));
     layout.total = offset;
     return layout;
 }
@@ -262,14 +270,18 @@ struct PrunedStage2Params
     int32_t* candidates;         //!< [B, H_kv, m] scratch
     int32_t* candidateCounts;    //!< [B, H_kv] scratch
     PrunedHeadState* states;     //!< [B, H_kv] scratch
+    PrunedPlan plan;             //!< scratch: the heads' k of the top-k calls
+    void* topKScratch;           //!< launchTopK's scratch for [B H_kv] rows of m (topKScratchBytes)
+    size_t topKScratchBytes;
     float margin;                //!< stopMargin(hidden, group)
     int32_t maxCount;            //!< upper bound of every head's stage-2 count k, known on the host
 };
 
 //! Stage 1 and the pruned stage 2 of every KV head: a first round of min(2k, eligible) candidates by U, their exact
-//! norms on the tensor cores in one launch over every head's list, and doubling rounds (2k, 4k, 8k, then every eligible
-//! token) as further launches over the whole grid, each a no-op for the heads the stop rule already settled: a fixed
-//! number of launches, no host synchronisation (CUDA-graph capturable; k is read on the device).
+//! norms on the tensor cores in one launch over every head's list, and doubling rounds (4k, 8k, 16k, then every
+//! eligible token) as further launches over the whole grid, each a no-op for the heads the stop rule already settled;
+//! every top-k (stage 1 by S, the candidates by U, the k kept by exact C) is one launchTopK over all heads' rows. A
+//! fixed number of launches, no host synchronisation (CUDA-graph capturable; k is read on the device).
 cudaError_t launchPrunedStage2(PrunedStage2Params const& params, cudaStream_t stream);
 
 //! The L1 upper bounds of CriticalKV's pruned stage 2 (pruned_stage2.h: l1UpperBoundOf), bitwise the host driver's:
@@ -280,17 +292,22 @@ cudaError_t launchL1Bounds(SelectConfig const* config, RuntimeBudget budget, int
     SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, float* gram,
     float* rowL1, float* colL1, float* bounds, cudaStream_t stream);
 
-//! Radix top-k of every row of scores [rows, len]: flags[r, e] = 1 for the k[r] highest (ties: lower index),
-//! else 0. The building block of the selection; exposed for the top-k tests (n up to 128k, k up to 8k).
-cudaError_t launchTopKRows(float const* scores, int64_t const* k, uint8_t* flags, int32_t rows, int64_t len,
-    cudaStream_t stream);
-
 //! The pruned stage 2 (pruned_stage2.h: prunedStage2) of one KV head's row by one thread block, on precomputed exact
 //! scores: bound, scores [m]; exact [m] scratch; flags [m] after stage 1 (in: 0 eligible, out: kChosenByCritical on
 //! the k kept); *done (device int64): how many exact scores it used. Requires 0 < k < eligible. For the GPU tests
-//! (kernels == host driver); the pipeline runs the same executor with exact norms computed in the block
-//! (kernels/selection.cu, "pruned pipeline").
+//! (kernels == host driver); kernels/pruned_row.cuh.
 cudaError_t launchPrunedRow(float const* bound, float const* scores, float* exact, uint8_t* flags, int32_t m,
     int32_t validStart, int64_t k, int64_t eligible, float margin, int64_t* done, cudaStream_t stream);
+
+//! Mark the k[r] best candidates of every row with `mark`. Returns cudaErrorInvalidValue for a bad shape or a scratch
+//! smaller than topKScratchBytes(rows, len). Several launches on `stream`; the scratch must not be shared with
+//! work running concurrently.
+cudaError_t launchTopK(TopKRows const& rows, void* scratch, size_t scratchBytes, cudaStream_t stream);
+
+//! defensivekv's stage-1 count (defensive.h: radixMassCount) of many rows: count[r] = how many candidates of row r,
+//! taken best first, keep the cumulative sum of their (non-negative) scores below limit[r]. Candidates, rows and
+//! the scores as launchTopK's (rows.k and rows.mark unused). count: [rows] int64 (device); limit: [rows] float.
+cudaError_t launchMassCount(TopKRows const& rows, float const* limit, int64_t* count, void* scratch,
+    size_t scratchBytes, cudaStream_t stream);
 
 } // namespace criticalkv

@@ -184,14 +184,30 @@ struct PrunedHeadState
 };
 static_assert(sizeof(PrunedHeadState) == 32, "the workspace layout's tests count 32 bytes per head");
 
+//! What the k-th exact score must exceed for the stop rule: following (1 + margin).
+CKV_HD float stopThreshold(float following, float margin)
+{
+    return following * (1.0F + margin);
+}
+
 //! The stop rule: no token whose bound is at most `following` can reach the k-th exact score `kth` (not even a tie).
 CKV_HD bool stage2Settled(float following, float kth, float margin)
 {
-    return following == -INFINITY || following * (1.0F + margin) < kth;
+    return following == -INFINITY || stopThreshold(following, margin) < kth;
+}
+
+//! stage2Settled with the k-th exact score known through a count only: `clearing` candidates have an exact score that
+//! is not <= stopThreshold (above it, or NaN). The k-th exact score (NaN ranks first in radix order, so with NaNs
+//! among the k best it is the smallest non-NaN of them, +inf when all are NaN) exceeds a finite threshold exactly when
+//! k candidates clear it, and nothing exceeds +inf. The GPU's rounds (kernels/pruned_flow.cuh) count, over the whole
+//! grid, instead of selecting the k best.
+CKV_HD bool stage2SettledByCount(float following, int64_t clearing, int64_t k, float margin)
+{
+    return following == -INFINITY || (stopThreshold(following, margin) < INFINITY && clearing >= k);
 }
 
 //! Stage 2 of one KV head with pruned exact scores, written once for the host driver (select_host.cpp) and a thread
-//! block (kernels/selection.cu, "pruned row"; every thread runs it with the same arguments). Requires
+//! block (kernels/pruned_row.cuh: BlockPrunedRow; every thread runs it with the same arguments). Requires
 //! 0 < k < eligible. The executor supplies, over the eligible tokens of the row (stage 1 done):
 //!   void addCandidates(count)  the `count` best non-candidates by bound (ties: lower index) become candidates,
 //!                              with their exact group score C

@@ -40,6 +40,20 @@ CKV_HD uint32_t orderedKey(float value)
     return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
+//! The float of a key of orderedKey (a NaN for NaN's key; +0 for the zeros'): reductions over the device combine
+//! floats as keys (atomicMax on uint32) and read the result back.
+CKV_HD float orderedValue(uint32_t key)
+{
+    uint32_t const bits = (key & 0x80000000u) ? (key & 0x7fffffffu) : ~key;
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(bits);
+#else
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+#endif
+}
+
 //! The 8-bit digit of key examined by radix pass `pass` (0 = most significant).
 CKV_HD uint32_t radixDigit(uint32_t key, int pass)
 {

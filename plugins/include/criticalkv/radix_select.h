@@ -1,12 +1,14 @@
-// The radix top-k select (radix.h's keys and digits) as one __host__ __device__ flow, run by the kernels' thread
-// blocks and by the host driver. An executor supplies the data-parallel steps:
+// The radix top-k select (radix.h's keys and digits) as one __host__ __device__ state machine, driven pass by pass
+// by the batched top-k kernels (kernels/topk_device.cuh: a thread block per row, or several CTAs per row with one
+// launch per pass), by the pruned stage-2 block executor and by the host driver. Every driver computes the same
+// RadixSearch from the same histograms, so every driver keeps the same set.
+//
+// radixSelectTopK runs the whole search over an executor that supplies the data-parallel steps:
 //   uint32_t const* histogram(pass, prefix, prefixMask)  256-bin histogram of the candidates whose key matches
 //                                                       prefix under prefixMask, by their digit of `pass`
 //   void markAll()                                      mark every candidate
 //   void markBest(threshold, remaining, atThreshold)    mark the candidates with key > threshold and the first
 //                                                       `remaining` (index order) of those with key == threshold
-// The kernels' executor builds the histogram in shared memory with the whole block and every thread then runs
-// this flow on it (same arguments, same decisions); the host's loops over the row.
 #pragma once
 
 #include "criticalkv/radix.h"
@@ -21,43 +23,83 @@ CKV_HD bool radixCandidate(uint8_t const* flags, int64_t e, int64_t period, int6
     return flags[e] == 0 && (e % period) >= firstValid;
 }
 
-//! Mark the k best candidates (ties: lower index): 4 passes of 8 bits find the key T of the k-th best.
+//! Where a radix search stands.
+enum RadixOutcome : int32_t
+{
+    kRadixSearching = 0, //!< pass `pass` is next
+    kRadixNothing = 1,   //!< k <= 0: mark nothing
+    kRadixAll = 2,       //!< k >= the candidates: mark them all
+    kRadixThreshold = 3, //!< mark key > prefix, and the first `remaining` with key == prefix (index order)
+};
+
+//! The state of one row's search. After kRadixThreshold: prefix is the threshold key T; when remaining ==
+//! atThreshold every candidate with key >= T is kept (the search stops early once a digit's bin holds exactly the
+//! remaining ones: T then has zero low bits, and key >= T is exactly "prefix above, or equal under prefixMask").
+struct RadixSearch
+{
+    uint32_t prefix;
+    uint32_t prefixMask;
+    int64_t remaining;   //!< how many of the k are still to be taken among the candidates matching the prefix
+    int64_t atThreshold; //!< candidates matching the prefix
+    int32_t pass;        //!< next pass (kRadixSearching)
+    int32_t outcome;     //!< RadixOutcome
+};
+
+CKV_HD RadixSearch radixBegin(int64_t k)
+{
+    return RadixSearch{0u, 0u, k, 0, 0, k <= 0 ? kRadixNothing : kRadixSearching};
+}
+
+//! Apply the histogram of pass s.pass, summarised as its total and the digit holding the `remaining`-th best
+//! (chooseDigit on the host; a block-wide suffix sum in the kernels).
+CKV_HD void radixAdvance(RadixSearch& s, int64_t total, DigitChoice const& choice)
+{
+    if (s.pass == 0 && s.remaining >= total)
+    {
+        s.outcome = kRadixAll;
+        return;
+    }
+    s.prefix |= choice.digit << (32 - kRadixBits * (s.pass + 1));
+    s.prefixMask = radixPrefixMask(s.pass);
+    s.remaining -= choice.above;
+    s.atThreshold = choice.atDigit;
+    s.pass += 1;
+    if (s.remaining == s.atThreshold || s.pass == kRadixPasses)
+    {
+        s.outcome = kRadixThreshold;
+    }
+}
+
+//! The candidates of one digit histogram: its sum (only pass 0's is needed, for kRadixAll).
+CKV_HD int64_t histogramTotal(uint32_t const* histogram)
+{
+    int64_t total = 0;
+    for (int digit = 0; digit < kRadixBins; ++digit)
+    {
+        total += histogram[digit];
+    }
+    return total;
+}
+
+//! Mark the k best candidates (ties: lower index) through an executor (see the top of this file).
 CKV_FLOW_TEMPLATE
 template <typename Exec>
 CKV_HD void radixSelectTopK(Exec& exec, int64_t k)
 {
-    if (k <= 0)
+    RadixSearch s = radixBegin(k);
+    while (s.outcome == kRadixSearching)
     {
-        return;
+        uint32_t const* histogram = exec.histogram(s.pass, s.prefix, s.prefixMask);
+        radixAdvance(s, s.pass == 0 ? histogramTotal(histogram) : 0, chooseDigit(histogram, s.remaining));
     }
-    uint32_t prefix = 0u;
-    uint32_t prefixMask = 0u;
-    int64_t remaining = k;
-    int64_t atThreshold = 0;
-    for (int pass = 0; pass < kRadixPasses; ++pass)
+    if (s.outcome == kRadixAll)
     {
-        uint32_t const* histogram = exec.histogram(pass, prefix, prefixMask);
-        if (pass == 0)
-        {
-            int64_t total = 0;
-            for (int digit = 0; digit < kRadixBins; ++digit)
-            {
-                total += histogram[digit];
-            }
-            if (k >= total)
-            {
-                exec.markAll();
-                return;
-            }
-        }
-        DigitChoice const choice = chooseDigit(histogram, remaining);
-        prefix |= choice.digit << (32 - kRadixBits * (pass + 1));
-        prefixMask = radixPrefixMask(pass);
-        remaining -= choice.above;
-        atThreshold = choice.atDigit;
+        exec.markAll();
     }
-    // prefix is the key T of the k-th best candidate; `remaining` of the atThreshold candidates equal to T are kept.
-    exec.markBest(prefix, remaining, atThreshold);
+    else if (s.outcome == kRadixThreshold)
+    {
+        exec.markBest(s.prefix, s.remaining, s.atThreshold);
+    }
 }
 
 } // namespace criticalkv

@@ -17,6 +17,19 @@ CKV_HD float const* sharedRanking(SelectConfig const& config, float const* atten
     return ownL2Norms(config) ? laprox : attention;
 }
 
+//! How many older tokens each head keeps by its own ranking (the floor), and how many the layer-wide row then takes.
+struct SharedCounts
+{
+    int64_t floor;
+    int64_t rest;
+};
+
+CKV_HD SharedCounts sharedCounts(SelectConfig const& config, int32_t heads, int64_t r)
+{
+    int64_t const floor = headFloor(config.adaFloorMicros, r);
+    return SharedCounts{floor, heads * (r - floor)};
+}
+
 //! Mark the chosen older tokens of one sequence. ranking, flags: [heads, m] (flags cleared by the caller);
 //! r: older tokens per head of this sequence (SequenceInfo::r).
 CKV_FLOW_TEMPLATE
@@ -24,13 +37,13 @@ template <typename TopK>
 CKV_HD void selectShared(TopK& topK, SelectConfig const& config, float const* ranking, uint8_t* flags, int32_t heads,
     int32_t m, int32_t firstValid, int64_t r)
 {
-    int64_t const floor = headFloor(config.adaFloorMicros, r);
+    SharedCounts const counts = sharedCounts(config, heads, r);
     for (int32_t g = 0; g < heads; ++g)
     {
         int64_t const offset = static_cast<int64_t>(g) * m;
-        topK(ranking + offset, flags + offset, m, m, firstValid, floor, kChosenByAttention);
+        topK(ranking + offset, flags + offset, m, m, firstValid, counts.floor, kChosenByAttention);
     }
-    topK(ranking, flags, static_cast<int64_t>(heads) * m, m, firstValid, heads * (r - floor), kChosenByAttention);
+    topK(ranking, flags, static_cast<int64_t>(heads) * m, m, firstValid, counts.rest, kChosenByAttention);
 }
 
 } // namespace criticalkv

@@ -1,0 +1,91 @@
+// The per-row plan of the selection's batched top-k calls (kernels/select_flows.cuh, kernels/pruned_flow.cuh), part of
+// the workspace (kernels.h: WorkspaceLayout::plan, ::prunedPlan, ::topK): every row's k and first valid position,
+// computed on the device between the launches, and the top-k scratch.
+#pragma once
+
+#include "criticalkv/topk.h"
+
+namespace criticalkv
+{
+
+//! Per-row arguments of the selection's top-k calls, computed on the device (workspace: selectionPlanBytes).
+struct SelectionPlan
+{
+    int64_t* headFirst;       //!< [B, H_kv] stage 1 (or the only stage), the shared allocation's floor, or
+                              //!< defensivekv's stage 1
+    int64_t* headSecond;      //!< [B, H_kv] stage 2
+    int64_t* layerRest;       //!< [B] the shared allocation's layer-wide rest
+    int64_t* massCounts;      //!< [B, H_kv] defensivekv's stage-1 mass counts
+    int32_t* headFirstValid;  //!< [B, H_kv] the sequence's first valid position
+    int32_t* layerFirstValid; //!< [B]
+    float* limits;            //!< [B, H_kv] defensivekv's stage-1 limit of the sequence
+    void* scratch;            //!< launchTopK / launchMassCount's
+    size_t scratchBytes;
+};
+
+inline size_t selectionPlanBytes(int32_t batch, int32_t kvHeads)
+{
+    size_t const heads = static_cast<size_t>(batch) * static_cast<size_t>(kvHeads);
+    size_t const b = static_cast<size_t>(batch);
+    return heads * (3 * sizeof(int64_t) + sizeof(int32_t) + sizeof(float)) + b * (sizeof(int64_t) + sizeof(int32_t));
+}
+
+//! The plan's arrays laid out from `at` (8-byte aligned, selectionPlanBytes long).
+inline SelectionPlan selectionPlan(void* at, int32_t batch, int32_t kvHeads, void* scratch, size_t scratchBytes)
+{
+    size_t const heads = static_cast<size_t>(batch) * static_cast<size_t>(kvHeads);
+    auto* wide = static_cast<int64_t*>(at);
+    SelectionPlan plan{};
+    plan.headFirst = wide;
+    plan.headSecond = wide + heads;
+    plan.massCounts = wide + 2 * heads;
+    plan.layerRest = wide + 3 * heads;
+    auto* narrow = reinterpret_cast<int32_t*>(wide + 3 * heads + batch);
+    plan.headFirstValid = narrow;
+    plan.layerFirstValid = narrow + heads;
+    plan.limits = reinterpret_cast<float*>(narrow + heads + batch);
+    plan.scratch = scratch;
+    plan.scratchBytes = scratchBytes;
+    return plan;
+}
+
+//! Per-head arguments of CriticalKV's pruned stage 2 (kernels/pruned_flow.cuh), computed on the device between its
+//! launches (workspace: prunedPlanBytes).
+struct PrunedPlan
+{
+    int64_t* first;      //!< [B, H_kv] stage 1's count: the top-k by S
+    int64_t* next;       //!< [B, H_kv] the candidates a step adds: the top-k by U (0: none)
+    int64_t* keep;       //!< [B, H_kv] stage 2's count k of a head with candidates, else 0: the top-k by exact C
+    int32_t* firstValid; //!< [B, H_kv] the sequence's first valid position
+    uint32_t* following; //!< [B, H_kv] orderedKey of the best bound among the eligible tokens left out
+    uint32_t* clearing;  //!< [B, H_kv] candidates whose exact C is not <= stopThreshold (stage2SettledByCount)
+};
+
+inline size_t prunedPlanBytes(int32_t batch, int32_t kvHeads)
+{
+    size_t const heads = static_cast<size_t>(batch) * static_cast<size_t>(kvHeads);
+    return heads * (3 * sizeof(int64_t) + sizeof(int32_t) + 2 * sizeof(uint32_t));
+}
+
+//! The pruned plan's arrays laid out from `at` (8-byte aligned, prunedPlanBytes long).
+inline PrunedPlan prunedPlan(void* at, int32_t batch, int32_t kvHeads)
+{
+    size_t const heads = static_cast<size_t>(batch) * static_cast<size_t>(kvHeads);
+    auto* wide = static_cast<int64_t*>(at);
+    auto* narrow = reinterpret_cast<int32_t*>(wide + 3 * heads);
+    auto* keys = reinterpret_cast<uint32_t*>(narrow + heads);
+    return PrunedPlan{wide, wide + heads, wide + 2 * heads, narrow, keys, keys + heads};
+}
+
+//! Scratch of the selection's top-k calls for a shape: the largest of the per-head rows, the layer-wide rows (shared
+//! allocation) and the mass count (defensivekv). Non-decreasing in every dimension.
+inline size_t selectionScratchBytes(int32_t batch, int32_t kvHeads, int32_t m, bool shared, bool defensive)
+{
+    size_t bytes = topKScratchBytes(batch * kvHeads, m);
+    size_t const layer = shared ? topKScratchBytes(batch, kvHeads * m) : 0;
+    size_t const mass = defensive ? massCountScratchBytes(batch * kvHeads, m) : 0;
+    bytes = layer > bytes ? layer : bytes;
+    return mass > bytes ? mass : bytes;
+}
+
+} // namespace criticalkv

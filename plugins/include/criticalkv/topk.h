@@ -1,0 +1,111 @@
+// The batched top-k primitive of the selection (kernels/topk.cu; launchTopK and launchMassCount are declared in
+// kernels.h): many rows in a fixed sequence of launches, a k per row read on the device, eligibility from the
+// caller's flags, the k best of every row marked in place. Framework-free (raw device pointers, the caller's
+// scratch, cudaStream_t last, cudaError_t returned; this header needs no CUDA), no allocation, no host
+// synchronisation: CUDA-graph capturable. plugins/README.md ("Top-k") describes the design and its predicted cost.
+//
+// Rule (criticalkv/methods/topk.py: topk_mask; radix.h): the k highest scores among a row's candidates, a NaN of
+// either sign above +inf, -0.0 equal to +0.0, equal scores to the lower index. A candidate is an entry e < len with
+// flags[e] == 0 and (e % period) >= firstValid (left padding of every period-long segment is never chosen).
+#pragma once
+
+#include "criticalkv/defensive.h"
+#include "criticalkv/radix_select.h"
+
+#include <cstddef>
+
+namespace criticalkv
+{
+
+//! Rows of one top-k launch. Row r is scores[r * stride, r * stride + len) (flags the same).
+struct TopKRows
+{
+    float const* scores;       //!< [rows, stride] (device)
+    uint8_t* flags;            //!< [rows, stride] (device): 0 = eligible; the k best get `mark`, nothing else changes
+    int64_t const* k;          //!< [rows] (device): how many to mark; <= 0 marks none, >= the candidates marks all
+    int32_t const* firstValid; //!< [rows] (device) or nullptr (0 for every row)
+    int32_t rows;
+    int32_t len;
+    int64_t stride;  //!< >= len
+    int32_t period;  //!< segment length of the left-padding rule, 1 .. len (a row of several heads: the head length)
+    uint8_t mark;    //!< non-zero
+};
+
+//! Entries per CTA of a long row (each of its kTopKThreads threads reads 8 per pass), and the longest row that one
+//! CTA handles alone in a single launch.
+constexpr int32_t kTopKChunk = 2048;
+constexpr int32_t kTopKSingleCtaMax = 2 * kTopKChunk;
+constexpr int kTopKThreads = 256; // one thread per digit bin in the digit choice
+
+//! Scratch state of one row of a multi-CTA top-k (zeroed at the start of every call): the global digit histogram of
+//! every pass, how many CTAs have added theirs, and the search after the last pass (written by the CTA that adds
+//! the last histogram).
+struct TopKRowState
+{
+    uint32_t histogram[kRadixPasses][kRadixBins];
+    uint32_t arrived[kRadixPasses];
+    RadixSearch search;
+};
+
+//! The same for the mass count (defensive.h: radixMassCount): counts and int64 fixed-point sums per digit.
+struct MassRowState
+{
+    uint32_t counts[kRadixPasses][kRadixBins];
+    unsigned long long sums[kRadixPasses][kRadixBins];
+    uint32_t arrived[kRadixPasses];
+    MassSearch search;
+};
+
+//! How launchTopK runs `rows` rows of `len` entries: one CTA per row in one launch (ctasPerRow == 1, no scratch), or
+//! ctasPerRow CTAs per row with one launch per radix pass; its scratch: a TopKRowState per row, then the digit
+//! histogram of the last pass of every CTA (the ties at the threshold before each CTA's chunk).
+struct TopKPlan
+{
+    int32_t ctasPerRow;
+    size_t stateBytes;
+    size_t scratchBytes;
+};
+
+constexpr size_t kTopKScratchAlignment = 256;
+
+CKV_HD size_t alignTopKScratch(size_t bytes)
+{
+    return (bytes + kTopKScratchAlignment - 1) / kTopKScratchAlignment * kTopKScratchAlignment;
+}
+
+inline TopKPlan topKPlan(int32_t rows, int32_t len)
+{
+    TopKPlan plan{1, 0, 0};
+    if (rows <= 0 || len <= kTopKSingleCtaMax)
+    {
+        return plan;
+    }
+    plan.ctasPerRow = (len + kTopKChunk - 1) / kTopKChunk;
+    plan.stateBytes = alignTopKScratch(static_cast<size_t>(rows) * sizeof(TopKRowState));
+    plan.scratchBytes
+        = plan.stateBytes
+        + static_cast<size_t>(rows) * static_cast<size_t>(plan.ctasPerRow) * kRadixBins * sizeof(uint32_t);
+    return plan;
+}
+
+//! Scratch launchTopK needs for `rows` rows of `len` entries: none up to kTopKSingleCtaMax entries, then about
+//! rows * (4 KiB + len / 2) bytes. Non-decreasing in both arguments (a workspace sized for the largest shape fits
+//! every smaller one).
+inline size_t topKScratchBytes(int32_t rows, int32_t len)
+{
+    return topKPlan(rows, len).scratchBytes;
+}
+
+//! CTAs per row of the mass count (always the multi-CTA form; at least one).
+inline int32_t massCountCtas(int32_t len)
+{
+    return len <= kTopKChunk ? 1 : (len + kTopKChunk - 1) / kTopKChunk;
+}
+
+//! Scratch launchMassCount needs: a MassRowState per row (about 12 KiB). Non-decreasing in both arguments.
+inline size_t massCountScratchBytes(int32_t rows, int32_t /*len*/)
+{
+    return rows <= 0 ? 0 : alignTopKScratch(static_cast<size_t>(rows) * sizeof(MassRowState));
+}
+
+} // namespace criticalkv
