@@ -28,6 +28,7 @@ class PrefillOutputs:
     lengths : per layer [B, H_kv] int32, kept entries per head
     indices : per layer [B, H_kv, cap_l] int32, kept positions into the padded prompt, -1 padded
     seconds : wall time of the prefill call
+    selection_s : the selection's share of it, when the backend times it (the torch backend: every layer's op)
     """
 
     logits: np.ndarray
@@ -36,6 +37,7 @@ class PrefillOutputs:
     lengths: list[np.ndarray]
     indices: list[np.ndarray]
     seconds: float
+    selection_s: float | None = None
 
 
 @dataclass

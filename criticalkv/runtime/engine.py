@@ -28,7 +28,7 @@ from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.request import NO_BUDGET_INPUT, EngineLimits, Request, SamplingParams
 from criticalkv.runtime.backend import Backend, RowSnapshot
-from criticalkv.runtime.manifest import read_manifest
+from criticalkv.runtime.manifest import default_backend, read_manifest
 from criticalkv.runtime.profiling import selection_profile
 from criticalkv.runtime.registry import create_backend
 from criticalkv.sampling import Sampler, decode_loop
@@ -155,14 +155,17 @@ class Engine:
         self._rows: list[int] = []  # rows[r] = the slot whose entries row r holds; rows 0..B-1 are occupied
 
     @classmethod
-    def load(cls, folder: str | os.PathLike, backend: str = "onnxruntime", verify: bool = True, **options: Any) -> "Engine":
+    def load(cls, folder: str | os.PathLike, backend: str | None = None, verify: bool = True, **options: Any) -> "Engine":
         """Open ``folder`` (checks the manifest, its format version and every file; ``verify`` also
-        checks sha256). ``options`` go to the backend (ONNX Runtime: ``threads``, ``profile``, ``providers``,
+        checks sha256) on ``backend`` (None: ``torch`` for a directory built with ``--backend torch``, else
+        ``onnxruntime``). ``options`` go to the backend (torch: ``model``, ``device``, ``dtype``, ``cuda_graphs``,
+        ``threads``: see ``criticalkv.hf.torch_backend``; ONNX Runtime: ``threads``, ``profile``, ``providers``,
         ``weights``, ``decode`` = ``"auto"`` / ``"fused"`` / ``"portable"`` (the decode graph: decode_ort.onnx or
         decode.onnx; default ``$CRITICALKV_ORT_DECODE`` or auto), ``prepack``, ``spinning``: see
         ``criticalkv.runtime.onnxruntime_backend``)."""
         folder = Path(folder)
         manifest = read_manifest(folder, verify=verify)
+        backend = backend or default_backend(manifest)
         return cls(folder, manifest, create_backend(backend, folder, manifest, **options))
 
     @property
@@ -328,14 +331,21 @@ class Engine:
         for at in range(0, ids.size, self.extend_chunk):  # the graph takes at most extend_chunk tokens per run
             part = slice(at, at + self.extend_chunk)
             out = self.backend.extend_buffer(job.buffer, ids[None, part], positions[None, part])
-            w = self.policy.window
-            job.queries = out.window_queries if job.queries is None else [
-                np.concatenate([old, new], axis=2)[:, :, -w:] for old, new in zip(job.queries, out.window_queries)]
+            job.queries = out.window_queries if job.queries is None else self._join_queries(job.queries, out.window_queries)
             logits = out.logits
         job.done += ids.size
         job.logits = np.array(logits[0], dtype=np.float32)
         job.seconds += time.perf_counter() - start
         return job.remaining == 0
+
+    def _join_queries(self, old: list, new: list) -> list:
+        """Per layer the last ``window`` queries of ``old`` then ``new`` ([1, H, *, d_h]): host arrays here, or the
+        backend's own tensors through its ``join_window_queries`` (the torch backend keeps them on its device)."""
+        w = self.policy.window
+        join = getattr(self.backend, "join_window_queries", None)
+        if join is not None:
+            return join(old, new, w)
+        return [np.concatenate([a, b], axis=2)[:, :, -w:] for a, b in zip(old, new)]
 
     def finish_prefill(self, job: PrefillJob, slot: int) -> PrefillResult:
         """Select over ``job``'s whole prompt (the same kept entries as ``prefill``'s one run) and load them into
@@ -446,7 +456,7 @@ class Engine:
         sampler = Sampler(sampling)
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
         pre = self.backend.prefill(ids, mask, positions, kv_budget=budget)
-        selection_s = None
+        selection_s = pre.selection_s
         end_profiling = getattr(self.backend, "end_profiling", None)
         if end_profiling is not None:
             trace = end_profiling()

@@ -107,6 +107,9 @@ class OnnxRuntimeBackend(BuiltShapes):
         self.ort = ort
         self.folder = Path(folder)
         self.manifest = manifest
+        if "onnx" not in manifest:
+            raise EngineError(f"{folder}: no ONNX graphs in this engine directory (built with --backend torch): run "
+                              "it on the torch backend, or rebuild it without --backend torch")
         self.read_shapes(manifest)
         files = manifest["onnx"]["files"]
         if threads is None:

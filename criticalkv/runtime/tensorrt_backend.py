@@ -87,7 +87,8 @@ def engine_files(folder: Path, manifest: dict[str, Any]) -> dict[str, Path]:
     info = manifest.get("tensorrt") or {}
     if not info.get("built"):
         why = f"the TensorRT build failed: {info['error']}" if info.get("failed") else \
-            info.get("skipped_reason", "the build did not try")
+            info.get("skipped_reason", "it was built with --backend torch, which exports no graph" if "onnx" not in
+                     manifest else "the build did not try")
         raise EngineError(
             f"{folder}: no TensorRT engines in this engine directory ({why}). Rebuild it with "
             "scripts/build_engine.py on a machine with TensorRT 10, a CUDA GPU and the plugin "
