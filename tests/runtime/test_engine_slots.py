@@ -7,7 +7,7 @@ import torch
 from criticalkv import KVPolicy
 from criticalkv.runtime import Engine, EngineError, Request, RequestError, SamplingParams
 from criticalkv.sampling import Sampler
-from export.tiny_engine import export_tiny_engine
+from export.tiny_engine import ENGINE_BACKENDS, export_tiny_engine, load_engine
 from hf.conftest import tiny_model
 
 
@@ -15,11 +15,12 @@ def prompt(n, seed=1):
     return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=ENGINE_BACKENDS)
+def engine(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("engine")
     policy = KVPolicy("ada-criticalkv", budget=40, window=8)  # heads keep different lengths
-    engine = Engine.load(export_tiny_engine(tiny_model("llama", seed=4), policy, folder, max_batch_size=3))
+    model = tiny_model("llama", seed=4)
+    engine = load_engine(export_tiny_engine(model, policy, folder, max_batch_size=3), request.param, model)
     yield engine
     engine.release_all()
     engine.close()
