@@ -16,7 +16,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from criticalkv.errors import EngineError
-from criticalkv.request import NO_BUDGET_INPUT
 
 
 @dataclass
@@ -140,10 +139,10 @@ class Backend(Protocol):
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 kv_budget: int | None = None) -> PrefillOutputs:
-        """Run the prompt ([B, n] int64 each, left-padded) with the budget ``kv_budget`` (tokens per KV head,
-        <= the built budget; the caller checks the range, see ``KVPolicy.with_budget``). None keeps the built
-        budget; another budget needs a prefill graph with a ``kv_budget`` input (every engine built since the
-        input exists has one)."""
+        """Run the prompt ([B, n] int64 each, left-padded) with the budget ``kv_budget`` (tokens per KV head: a
+        ``CheckedRequest``'s ``budget``, which the backend trusts: ``Request.checked`` is the one place that checks
+        its range, and that an engine whose prefill graph has no ``kv_budget`` input gets only the built budget).
+        None keeps the built budget."""
 
     def begin_decode(self, prefill: PrefillOutputs) -> None:
         """Copy the kept K/V and lengths of the last prefill into rows 0..B-1 (B = prefill's batch)."""

@@ -26,7 +26,7 @@ import numpy as np
 from criticalkv.errors import EngineError, RequestError
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
-from criticalkv.request import NO_BUDGET_INPUT, EngineLimits, Request, SamplingParams
+from criticalkv.request import CheckedRequest, EngineLimits, Request, SamplingParams
 from criticalkv.runtime.backend import Backend, RowSnapshot
 from criticalkv.runtime.manifest import default_backend, read_manifest
 from criticalkv.runtime.profiling import selection_profile
@@ -101,7 +101,7 @@ class PrefillJob:
     prefill buffer, its last ``window`` queries are kept, and ``finish_prefill`` runs the selection over the whole
     prompt and loads the kept entries into a slot."""
 
-    request: Request
+    request: CheckedRequest
     buffer: Any
     done: int = 0  # prompt tokens prefilled so far
     queries: list | None = None  # per layer the last window queries seen so far [1, H, <= w, d_h]
@@ -189,9 +189,10 @@ class Engine:
         return self._tokenizer
 
     # ------------------------------------------------------------------ requests and slots
-    def check(self, request: Request) -> Request:
+    def check(self, request: Request) -> CheckedRequest:
         """``request`` checked against this engine (``Request.checked``), defaults filled; ``RequestError``
-        naming the field otherwise. ``prefill`` checks a request that was not checked here."""
+        naming the field otherwise. A ``CheckedRequest`` of this engine comes back as it is: ``prefill`` and
+        ``begin_prefill`` check only a request that was not checked here."""
         if not isinstance(request, Request):
             raise RequestError(f"expected a criticalkv.request.Request, got {type(request).__name__}")
         return request.checked(self.limits)
@@ -246,7 +247,7 @@ class Engine:
         ids = np.asarray(request.prompt_token_ids, dtype=np.int64)[None, :]
         n = ids.shape[1]
         pre = self.backend.prefill(ids, np.ones_like(ids), np.arange(n, dtype=np.int64)[None, :],
-                                   kv_budget=request.kv_budget)
+                                   kv_budget=request.budget)
         row = len(self._rows)
         self.backend.load_row(row, pre, 0)
         self._rows.append(slot)
@@ -354,7 +355,7 @@ class Engine:
             raise EngineError(f"finish_prefill: {job.remaining} prompt tokens are not prefilled yet")
         self._free_slot(slot)
         start = time.perf_counter()
-        selected = self.backend.select(job.buffer, job.queries, kv_budget=job.request.kv_budget)
+        selected = self.backend.select(job.buffer, job.queries, kv_budget=job.request.budget)
         row = len(self._rows)
         self.backend.load_row(row, selected, 0)
         self._rows.append(slot)
@@ -451,7 +452,7 @@ class Engine:
         if questions is not None:
             return self._generate_questions(prompts, questions, sampling, stop_token_ids, on_tokens, kv_budget)
         ids, mask, requests = self._batch(prompts, attention_mask, sampling, kv_budget)
-        budget = requests[0].kv_budget
+        budget = requests[0].budget
         lengths = mask.sum(1)
         sampler = Sampler(sampling)
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)

@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 from criticalkv.runtime.backend import (
-    NO_BUDGET_INPUT,
     BuiltShapes,
     ExtendOutputs,
     PrefillBuffer,
@@ -292,8 +291,6 @@ class TensorRTBackend(BuiltShapes):
             budget = self.built_budget if kv_budget is None else kv_budget
             kind = "tensor(int64)" if self._dtype(eng, "kv_budget") == torch.int64 else "tensor(int32)"
             feeds["kv_budget"] = budget_feed(budget, kind, len(eng.get_tensor_shape("kv_budget")))
-        elif kv_budget is not None and kv_budget != self.built_budget:
-            raise EngineError(NO_BUDGET_INPUT)
         keep_alive = []
         with torch.cuda.stream(self.stream):
             for name, array in feeds.items():

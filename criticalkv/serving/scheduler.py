@@ -39,11 +39,11 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from criticalkv.errors import EngineError, RequestError
-from criticalkv.request import DEFAULT_MAX_TOKENS, Request
+from criticalkv.request import DEFAULT_MAX_TOKENS, CheckedRequest, Request
 from criticalkv.runtime.engine import Engine, PrefillJob, PrefillResult
 from criticalkv.sampling import Sampler
 from criticalkv.serving.context_cache import ContextCache, context_key
@@ -157,7 +157,7 @@ class RequestHandle:
 @dataclass
 class _Sequence:
     handle: RequestHandle
-    request: Request  # checked by the engine (max_tokens filled, kv_budget normalised)
+    request: CheckedRequest  # checked by the engine at submission (max_tokens filled, its int budget)
     sampler: Sampler
     stop: frozenset[int]
     charge: int  # bytes reserved in the KV memory
@@ -409,7 +409,10 @@ class Scheduler:
             seq.context_cache_hit = False
             self._compressing[seq.key] = seq
         ids = seq.prefill_ids
-        prefill_request = Request(ids, seq.request.sampling, seq.request.kv_budget)
+        # the request was checked at submission (a CheckedRequest of this engine, taken as it is); a context is
+        # prefilled alone as the prompt of the same checked request (it passed the checks with its question after it)
+        prefill_request = seq.request if not seq.request.context_token_ids else \
+            replace(seq.request, prompt_token_ids=ids, context_token_ids=())
         if self.chunked and len(ids) > self.prefill_chunk:
             job = self._guard(seq, lambda: self.engine.begin_prefill(prefill_request))
             if job is not None:
