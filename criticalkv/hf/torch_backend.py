@@ -138,9 +138,10 @@ class TorchBackend(BuiltShapes):
                  dtype: str | torch.dtype | None = None, cuda_graphs: bool = True, threads: int | None = None):
         """folder, manifest : the engine directory and its manifest. model : the transformers model to run (None:
         load the manifest's checkpoint; an in-memory model must be the one the engine was built for, its weights are
-        used as they are). device : default CUDA when available, else CPU. dtype : the model's and the KV rows'
-        dtype (default: the manifest's build dtype on CUDA, float32 on the CPU). cuda_graphs : capture decode steps
-        (CUDA only). threads : torch's intra-op threads (process-wide; None leaves them)."""
+        used as they are, where they are). device : default the given model's device, else CUDA when available, else
+        the CPU. dtype : the model's and the KV rows' dtype (default: the given model's; else the manifest's build dtype
+        on CUDA, float32 on the CPU). cuda_graphs : capture decode steps (CUDA only). threads : torch's intra-op
+        threads (process-wide; None leaves them)."""
         self.folder = Path(folder)
         self.manifest = manifest
         self.read_shapes(manifest)
@@ -148,9 +149,12 @@ class TorchBackend(BuiltShapes):
         build = manifest["build"]
         if threads:
             torch.set_num_threads(int(threads))
-        self.device = torch.device(device) if device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")
-        if dtype is None:
+        if device is None:
+            device = model.device if model is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        if dtype is None and model is not None:
+            dtype = model.dtype
+        elif dtype is None:
             dtype = build.get("dtype", "float32") if self.device.type == "cuda" else "float32"
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         if self.dtype not in DTYPES.values():

@@ -64,7 +64,7 @@ def test_a_torch_build_names_its_checkpoint_and_exports_nothing(torch_dir, check
 
 
 def test_it_loads_on_the_torch_backend_and_generates_what_the_exported_engine_does(torch_dir, checkpoint, tmp_path):
-    engine = Engine.load(torch_dir)  # no backend named: the directory's own
+    engine = Engine.load(torch_dir, device="cpu")  # no backend named: the directory's own
     exported = Engine.load(export_tiny_engine(tiny_model("llama", seed=4), POLICY, tmp_path / "onnx",
                                               **{k: v for k, v in LIMITS.to_dict().items() if k != "kv_dtype"}))
     try:
@@ -118,7 +118,7 @@ def test_an_in_memory_engine_needs_its_model(tmp_path):
 
 
 def test_full_rows_and_positions_beyond_the_built_limits_are_refused(torch_dir):
-    engine = Engine.load(torch_dir)
+    engine = Engine.load(torch_dir, device="cpu")
     try:
         result = engine.prefill(0, Request(prompt(150), ))
         assert result.kept_entries < 150 * 3 * 2  # compressed
