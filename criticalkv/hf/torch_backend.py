@@ -282,7 +282,7 @@ class TorchBackend(BuiltShapes):
 
         def after_attention(i, q, k, v):
             if self.model_level:  # every layer's full K/V stays until the last one (the budget spans layers)
-                pending.append((q[:, :, -window:], k, v))
+                pending.append((q[:, :, -window:].clone(), k, v))  # a copy: the layer's full queries go now
                 return
             selected.append(clock(lambda: self._select(i, q[:, :, -window:], k, v, lengths, budget)))
 
