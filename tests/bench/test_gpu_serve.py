@@ -44,7 +44,8 @@ def test_the_dry_run_serves_every_level_under_one_kv_memory(tmp_path):
     targets = results["targets"]
     assert len(targets) == 5 and all(t["met"] is None for t in targets)  # a dry run measures nothing
     assert targets[0]["value"] > 0 and targets[1]["value"] > 0 and targets[2]["value"] > 0
-    assert all("not importable" in k["skipped"] for k in results["kvpress"])
+    for press in results["kvpress"]:  # kvpress runs when importable (not in the project's environment)
+        assert "not importable" in press.get("skipped", "") or press["ttft_s"] > 0
     text = (tmp_path / "serving.md").read_text()
     assert "## Targets" in text and "## Decode step vs its memory floor" in text and "CPU dry run" in text
 
