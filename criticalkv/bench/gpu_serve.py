@@ -290,7 +290,7 @@ def decode_step(engine, snapshot, workload: Workload, batch: int, weights: int, 
             if i >= 3:
                 wall.append(time.perf_counter() - start)
         steps = []
-        graph = backend._graphs.get(batch)
+        graph = backend._graphs.get(backend.padded_batch(batch))
         for _ in range(workload.step_repeats if graph is not None else 0):  # the captured step alone (CUDA events)
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -524,6 +524,9 @@ def _measure_engine(engine, entry: dict, workload: Workload, n: int, rows: int, 
     from criticalkv.serving import Scheduler
     from criticalkv.serving.context_cache import context_key
 
+    start = time.perf_counter()
+    entry["graphs_captured"] = engine.backend.capture_graphs(rows)  # before any request: no capture mid-measurement
+    entry["graph_capture_s"] = time.perf_counter() - start
     entry["cold"] = cold_requests(engine, workload, n, vocab)
     log(f"  cold: TTFT {entry['cold']['ttft_s']:.3f} s (selection {entry['cold']['selection_s'] or 0:.3f} s)")
     entry["served"] = []

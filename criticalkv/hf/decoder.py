@@ -166,7 +166,8 @@ class CompactDecoder:
 
         token_ids, positions : [B] int64 (absolute positions)
         keys, values : per layer [B, H_kv, cap_l, d_h] (the first B rows of the buffers), written in place
-        lengths : [L, B, H_kv] int64 valid entries per head, incremented in place
+        lengths : [L, B, H_kv] int64 valid entries per head, incremented in place (a row whose head is full writes
+            its new entry into the last slot: only free rows a padded batch runs over may be)
         rows, heads : [B, H_kv] int64 index grids; slots : per layer [cap_l] int64 (arange)
         Returns logits [B, vocab] float32.
         """
@@ -176,8 +177,9 @@ class CompactDecoder:
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)  # [B, H, 1, d_h], [B, H_kv, 1, d_h]
             count = lengths[i]
-            keys[i][rows, heads, count] = k[:, :, 0]
-            values[i][rows, heads, count] = v[:, :, 0]
+            slot = count.clamp(max=keys[i].shape[2] - 1)  # a real row has room (checked on the host); a free one may not
+            keys[i][rows, heads, slot] = k[:, :, 0]
+            values[i][rows, heads, slot] = v[:, :, 0]
             valid = slots[i] <= count[..., None]  # [B, H_kv, cap]: the held entries and the new one
             out = F.scaled_dot_product_attention(self.grouped(q), keys[i], values[i], attn_mask=valid[:, :, None, :],
                                                  scale=self.scaling[i])  # [B, H_kv, G, d_h]

@@ -14,7 +14,8 @@ whose manifest names a reachable checkpoint loads too), and the backend runs it 
   max_new_tokens, the manifest's ``decode_capacity``). Each head holds its entries in its first ``lengths`` slots.
 * ``decode`` over the first B rows: one static-shape step (RoPE at the absolute positions given, the new K/V at each
   head's length, attention under a length mask); on CUDA the first step at a batch size runs eagerly and the step is
-  then captured into a CUDA graph for that B and replayed (one launch per token). The graphs read the buffers at fixed
+  then captured into a CUDA graph for that size and replayed (one launch per token); B is padded up to 1, 2, 4 or a
+  multiple of 8 (``padded_batch``), so a few graphs cover every batch. The graphs read the buffers at fixed
   addresses, so they stay valid while sequences join, leave and move between rows. Each row's longest head per layer
   is known on the host: the capacity check needs no device sync.
 * ``extend_row`` / ``new_prefill_buffer`` / ``extend_buffer`` / ``select``: N tokens over a row or over a prompt's
@@ -178,9 +179,9 @@ class TorchBackend(BuiltShapes):
         self.o_proj = [layer.self_attn.o_proj.weight for layer in self.decoder.layers]
         self._allocate()
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        self._graphs: dict[int, Any] = {}  # batch B -> CUDA graph of one decode step over rows 0..B-1
-        self._eager_once: set[int] = set()  # batch sizes whose first (warm-up) step ran eagerly
+        self._graphs: dict[int, Any] = {}  # padded batch P -> CUDA graph of one decode step over rows 0..P-1
         self._pool = None
+        self._capture_stream = None
 
     # ------------------------------------------------------------------ setup
     def _load(self, manifest: dict[str, Any]):
@@ -345,6 +346,16 @@ class TorchBackend(BuiltShapes):
         self._row_max[target] = self._row_max[source]
 
     # ------------------------------------------------------------------ decode
+    def padded_batch(self, batch: int) -> int:
+        """The rows a step over ``batch`` rows runs when captured: the next of 1, 2, 4, 8, then multiples of 8 (at most
+        max_batch), so a server whose batch moves between 1 and 64 captures 11 graphs, not 64. The extra rows are free
+        rows (the engine keeps its sequences in rows 0..B-1): what the step writes there is never read (their next
+        sequence's load overwrites the lengths), and their slot index is clamped into the buffer."""
+        if not self.use_graphs:
+            return batch
+        padded = batch if batch <= 2 else (4 if batch <= 4 else -(-batch // 8) * 8)
+        return min(padded, self.max_batch)
+
     def _step(self, batch: int) -> None:
         logits = self.decoder.decode_step(
             self.token_ids[:batch], self.position_ids[:batch], [k[:batch] for k in self.keys],
@@ -353,15 +364,39 @@ class TorchBackend(BuiltShapes):
         self.logits[:batch].copy_(logits)
 
     def _capture(self, batch: int):
-        """A CUDA graph of one decode step over rows 0..batch-1 (recording runs nothing: the buffers are untouched).
-        Every graph shares one memory pool."""
-        graph = torch.cuda.CUDAGraph()
+        """A CUDA graph of one decode step over rows 0..batch-1 (recording runs nothing: the buffers are untouched),
+        on a side stream; every graph shares one memory pool (they never run at once, and no tensor of the pool
+        outlives a step: its logits are copied into ``self.logits``)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        torch.cuda.synchronize(self.device)
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._step(batch)
+            self._capture_stream = torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        stream = self._capture_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                self._step(batch)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
+
+    @torch.no_grad()
+    def capture_graphs(self, max_rows: int | None = None) -> list[int]:
+        """Warm up and capture the decode graph of every padded batch size up to ``max_rows`` (default max_batch) now,
+        rather than at the first step of each size. Only while no row holds a sequence (right after loading): the
+        warm-up steps write into the free rows (which the next load overwrites). Returns the sizes captured."""
+        if not self.use_graphs:
+            return []
+        sizes = sorted({self.padded_batch(b) for b in range(1, (max_rows or self.max_batch) + 1)})
+        for size in sizes:
+            if size not in self._graphs:
+                self._step(size)
+                self._graphs[size] = self._capture(size)
+        self.length_block.zero_()
+        torch.cuda.synchronize(self.device)
+        return sizes
 
     @torch.no_grad()
     def decode(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -380,13 +415,14 @@ class TorchBackend(BuiltShapes):
         self._row_max[:batch] += 1
         self.token_ids[:batch].copy_(torch.from_numpy(np.asarray(tokens, np.int64)))
         self.position_ids[:batch].copy_(torch.from_numpy(positions))
-        graph = self._graphs.get(batch)
+        padded = self.padded_batch(batch)
+        graph = self._graphs.get(padded)
         if graph is not None:
             graph.replay()
         else:
-            self._step(batch)
+            self._step(padded)
             if self.use_graphs:  # the eager step warmed this batch size up; the next one replays its graph
-                self._graphs[batch] = self._capture(batch)
+                self._graphs[padded] = self._capture(padded)
         out = self.host_logits[:batch]
         out.copy_(self.logits[:batch], non_blocking=True)
         if self.device.type == "cuda":
@@ -469,7 +505,7 @@ class TorchBackend(BuiltShapes):
 
     def close(self) -> None:
         self._graphs.clear()
-        self._pool = None
+        self._pool = self._capture_stream = None
         self.keys = self.values = []
         self.decoder = self.model = None
         if self.device.type == "cuda":

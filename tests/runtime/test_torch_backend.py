@@ -135,6 +135,31 @@ def test_full_rows_and_positions_beyond_the_built_limits_are_refused(torch_dir):
         engine.close()
 
 
+def test_a_padded_batch_decodes_its_rows_as_the_exact_batch(tmp_path):
+    """On a GPU a step over B rows runs a graph captured for the next padded size (3 -> 4): the extra row is a free
+    row, here one whose heads are full (its new entry is clamped into the last slot); the real rows' logits are those
+    of the step over exactly B rows (run eagerly here, the capture replaced by nothing)."""
+    model = tiny_model("llama", seed=4)
+    folder = export_tiny_engine(model, POLICY, tmp_path / "e", max_batch_size=5)
+    logits = {}
+    for padded in (False, True):
+        engine = Engine.load(folder, backend="torch", model=model)
+        backend = engine.backend
+        if padded:
+            backend.use_graphs = True
+            backend._capture = lambda batch: None
+            backend.length_block[:, 3] = torch.tensor(backend.capacities)[:, None]
+        try:
+            for slot in range(3):
+                engine.prefill(slot, Request(prompt(60 + 30 * slot, seed=slot)))
+            assert backend.padded_batch(3) == (4 if padded else 3) and backend.padded_batch(5) == 5
+            logits[padded] = np.stack([engine.decode([0, 1, 2], [5, 6, 7]).copy() for _ in range(3)])
+        finally:
+            engine.release_all()
+            engine.close()
+    np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-5)
+
+
 def test_generate_command_runs_a_torch_engine(torch_dir):
     run = subprocess.run(
         [sys.executable, "-m", "criticalkv.cli", "generate", "--engine-dir", str(torch_dir), "--prompt",
@@ -166,7 +191,7 @@ def test_cuda_graphs_replay_the_eager_step_and_match_the_cpu(torch_dir):
                 engine.prefill(slot, Request(ids))
             steps = [engine.decode([0, 1], [7, 9]).copy() for _ in range(4)]  # 1 eager step, then replays
             logits[graphs] = np.stack(steps)
-            assert (2 in engine.backend._graphs) == graphs
+            assert (engine.backend.padded_batch(2) in engine.backend._graphs) == graphs
         finally:
             engine.release_all()
             engine.close()
