@@ -26,6 +26,7 @@ from criticalkv.runtime import Engine, EngineError, Request
 from criticalkv.runtime.manifest import read_manifest
 from export.tiny_engine import export_tiny_engine, save_tiny_checkpoint
 from hf.conftest import tiny_model
+from policies import POLICY_CASES, make_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = KVPolicy("ada-criticalkv", budget=40, window=8)
@@ -130,6 +131,33 @@ def test_full_rows_and_positions_beyond_the_built_limits_are_refused(torch_dir):
             engine.decode([0], [3])
         with pytest.raises(EngineError, match="more entries do not fit the KV buffer"):
             engine.extend(0, [4, 5])
+    finally:
+        engine.release_all()
+        engine.close()
+
+
+@pytest.mark.parametrize("case", POLICY_CASES, ids=[case[0] for case in POLICY_CASES])
+def test_a_layers_full_kv_is_freed_as_soon_as_it_is_selected(case, tmp_path):
+    """Peak memory of a prefill = one layer's full K/V + the kept entries: when layer i is selected, no earlier layer's
+    full keys or values are alive any more (by reference counting: the selection leaves no reference cycle)."""
+    import weakref
+
+    model = tiny_model("llama", seed=4)
+    folder = export_tiny_engine(model, make_policy(case[1], budget=40, window=8), tmp_path / "e")
+    engine = Engine.load(folder, backend="torch", model=model)
+    backend = engine.backend
+    alive, select = [], backend._select
+
+    def watched(i, queries, keys, values, *rest):
+        assert all(ref() is None for ref in alive), f"layer {i}: an earlier layer's full K/V is still held"
+        out = select(i, queries, keys, values, *rest)
+        alive.extend([weakref.ref(keys), weakref.ref(values)])
+        return out
+
+    backend._select = watched
+    try:
+        engine.prefill(0, Request(prompt(150)))
+        assert len(alive) == 2 * 3
     finally:
         engine.release_all()
         engine.close()
