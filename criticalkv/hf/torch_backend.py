@@ -206,6 +206,13 @@ class TorchBackend(BuiltShapes):
     def _allocate(self) -> None:
         rows = (self.max_batch, self.kv_heads)
         options = dict(dtype=self.dtype, device=self.device)
+        need = 2 * self.max_batch * self.kv_heads * self.head_dim * self.dtype.itemsize * sum(self.capacities)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need > free:
+                raise EngineError(f"the KV rows need {need / 2**30:.1f} GiB ({self.max_batch} rows of "
+                                  f"{need / self.max_batch / 2**30:.2f} GiB), {free / 2**30:.1f} GiB of {self.device} are "
+                                  "free: rebuild with a smaller --max-batch-size, --max-input-len or budget")
         self.keys = [torch.zeros(rows + (cap, self.head_dim), **options) for cap in self.capacities]
         self.values = [torch.zeros(rows + (cap, self.head_dim), **options) for cap in self.capacities]
         self.length_block = torch.zeros((self.num_layers,) + rows, dtype=torch.int64, device=self.device)
