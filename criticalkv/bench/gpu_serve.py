@@ -113,9 +113,12 @@ def make_model(workload: Workload):
     config = LlamaConfig(**workload.shape, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(workload.seed)
     with torch.device(workload.device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        except TypeError:  # a transformers that still calls it torch_dtype
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", torch_dtype=dtype)
     name = "llama-3.1-8b-shaped-random" if workload.shape == LLAMA_31_8B else "tiny-llama-random"
-    return model.eval().requires_grad_(False), name, ""
+    return model.to(dtype).eval().requires_grad_(False), name, ""
 
 
 def engine_content(model, policy, workload: Workload, n: int, rows: int, name: str, path: str) -> dict:
@@ -434,6 +437,18 @@ def concurrency_order(workload: Workload) -> list[int]:
     return [key] + [c for c in levels if c != key]
 
 
+def selection_runs_on(policy, workload: Workload) -> str:
+    """Where the op runs this policy's selection: the CUDA kernels, or the PyTorch reference and why."""
+    import torch
+
+    from criticalkv.selection.op import native_reason
+
+    if not workload.device.startswith("cuda"):
+        return "PyTorch reference (CPU)"
+    reason = native_reason(policy, torch.empty(0, dtype=getattr(torch, workload.dtype)))
+    return "CUDA kernels (plugins/)" if reason is None else f"PyTorch reference on the GPU ({reason})"
+
+
 def run(workload: Workload, results: dict, log=print) -> dict:
     """Every measurement of ``workload`` into ``results`` (filled as it goes: a failure leaves what was measured)."""
     import torch
@@ -449,7 +464,8 @@ def run(workload: Workload, results: dict, log=print) -> dict:
     log(f"making the model ({'--model ' + workload.model if workload.model else 'random weights'}) ...")
     model, name, path = make_model(workload)
     results["model"] = {"name": name, "path": path, "parameters": sum(p.numel() for p in model.parameters()),
-                        "dtype": workload.dtype, "seconds_to_make": time.perf_counter() - start}
+                        "dtype": workload.dtype, "seconds_to_make": time.perf_counter() - start,
+                        "rope_type": getattr(model.model.rotary_emb, "rope_type", None)}
     vocab = model.config.vocab_size
     bandwidth = copy_bandwidth(workload.device, mib=1024 if workload.device.startswith("cuda") else 64)
     weights = weight_bytes_per_step(model)
@@ -458,8 +474,6 @@ def run(workload: Workload, results: dict, log=print) -> dict:
     element = torch.empty(0, dtype=getattr(torch, workload.dtype)).element_size()
     budget_bytes = int(workload.kv_memory_gib * 2**30)
     kv_memory_mib = budget_bytes / 2**20
-    from criticalkv.selection.op import native_reason
-
     with tempfile.TemporaryDirectory(prefix="criticalkv-gpu-serve-") as tmp:
         done_kvpress: set[int] = set()
         for n, policy_name in engine_order(workload):
@@ -477,8 +491,7 @@ def run(workload: Workload, results: dict, log=print) -> dict:
             size = row_bytes(probe, element)
             rows = min(max(workload.concurrency), budget_bytes // size)
             run_entry.update({"row_bytes": size, "rows": rows, "decode_capacity": probe["shapes"]["decode_capacity"][0],
-                              "selection_kernels": native_reason(policy, torch.empty(0, dtype=getattr(torch, workload.dtype)))
-                              or "CUDA kernels (plugins/)" if workload.device.startswith("cuda") else "PyTorch reference (CPU)"})
+                              "selection_kernels": selection_runs_on(policy, workload)})
             if rows < 1:
                 run_entry["skipped"] = f"one row ({size / 2**30:.2f} GiB) does not fit the KV memory"
                 continue
