@@ -28,7 +28,6 @@ run without CUDA, runs a tiny model on the CPU through the same code (the plumbi
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import math
@@ -38,7 +37,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+
+from criticalkv.bench.gpu_kvpress import kvpress_run
+from criticalkv.bench.gpu_report import check_targets, render
 
 #: The GPU workload's model: Llama 3.1 8B's shapes (random weights unless --model).
 LLAMA_31_8B = {
@@ -57,9 +58,6 @@ TINY = {**LLAMA_31_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size
 #: pruned kernel measured 280 ms per layer at 8k on an H100 (FACTS), which a 6-minute call cannot hold at 32k
 #: (``--policies criticalkv`` measures it).
 POLICIES = ("full", "snapkv", "criticalkv:value_norm=l2", "ada-criticalkv:value_norm=l2", "defensivekv")
-#: The issue's targets (H100, bf16, the 8B-shaped model, ratios within one run).
-TARGETS = {"ttft_ratio_max": 1.05, "throughput_ratio_min": 3.0, "step_floor_ratio_max": 1.3,
-           "kvpress_ttft_ratio_max": 0.5, "kvpress_decode_ratio_min": 2.0}
 
 
 @dataclass
@@ -313,114 +311,6 @@ def decode_step(engine, snapshot, workload: Workload, batch: int, weights: int, 
             "floor_ratio": step_s / floor_s}
 
 
-def kvpress_run(model, workload: Workload, n: int, vocab: int) -> dict:
-    """kvpress's CriticalKVPress(SnapKVPress) at the budget through transformers, batch 1: TTFT (prefill with the press
-    and the first token) and decode tokens/s over the compressed DynamicCache (greedy, as its pipeline decodes)."""
-    import torch
-
-    try:
-        CriticalKVPress, SnapKVPress, how = kvpress_presses()
-    except ImportError as err:
-        return {"skipped": f"kvpress is not importable ({err}); see docs/torch_backend.md"}
-    ratio = max(0.0, 1.0 - workload.budget / n)
-    press = CriticalKVPress(press=SnapKVPress(compression_ratio=ratio))
-    ttft, decode = [], []
-    device = model.device
-    # kvpress 0.5.5 (transformers < 5.3) reads two keywords of the attention's forward that newer transformers no longer
-    # pass: ``past_key_values`` (5.24 calls it ``cache``) and ``cache_position`` (the new tokens' slots in the cache,
-    # which kvpress reads to tell the prefill from decoding). Hand them as the transformers it was written for did;
-    # where transformers passes them already, nothing changes (the results say which were added)
-    aliased: set[str] = set()
-
-    def alias(module, args, kwargs):
-        added = {}
-        cache = kwargs.get("past_key_values")
-        if cache is None and kwargs.get("cache") is not None:
-            cache = added["past_key_values"] = kwargs["cache"]
-        if kwargs.get("cache_position") is None and cache is not None:
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            held = cache.get_seq_length(module.layer_idx)
-            added["cache_position"] = torch.arange(held, held + hidden.shape[1], device=hidden.device)
-        if not added:
-            return None
-        aliased.update(added)
-        return args, {**kwargs, **added}
-
-    handles = [layer.self_attn.register_forward_pre_hook(alias, with_kwargs=True) for layer in model.model.layers]
-    try:
-        result = _kvpress_requests(model, press, workload, n, vocab, ttft, decode, device)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {"press": f"CriticalKVPress(SnapKVPress(compression_ratio={ratio:.4f}))", "imported": how,
-            "keywords_added_for_kvpress": sorted(aliased), "ttft_s": ttft[0], "decode_tokens_per_s": decode[0],
-            "kept_tokens_per_head": result}
-
-
-def _kvpress_requests(model, press, workload: Workload, n: int, vocab: int, ttft: list, decode: list, device) -> int:
-    """A short warm-up request and one measured one (8B at 32k: seconds each); returns the entries kept per head."""
-    import torch
-    from transformers import DynamicCache
-
-    from criticalkv.hf.cache import cache_kwargs
-
-    kept = 0
-    for i in range(2):
-        steps = workload.new_tokens - 1 if i else min(3, workload.new_tokens - 1)
-        ids = torch.tensor([random_ids(n, vocab, workload.seed + 2000 + i)], device=device)
-        cache = DynamicCache()
-        synchronize(workload.device)
-        start = time.perf_counter()
-        with torch.no_grad(), press(model):
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        synchronize(workload.device)
-        first = time.perf_counter()
-        with torch.no_grad():
-            for t in range(steps):
-                out = model(input_ids=token, use_cache=True, position_ids=torch.tensor([[n + t]], device=device),
-                            **cache_kwargs(model, cache))
-                token = out.logits[:, -1].argmax(-1, keepdim=True)
-        synchronize(workload.device)
-        if i:
-            ttft.append(first - start)
-            decode.append((workload.new_tokens - 1) / (time.perf_counter() - first))
-        kept = int(cache.get_seq_length(0))
-        del cache, out
-    return kept
-
-
-@functools.lru_cache(maxsize=1)
-def kvpress_presses():
-    """(CriticalKVPress, SnapKVPress, how they were imported). ``import kvpress`` imports every press, and some need
-    what only their own method uses (DuoAttention: ``datasets``), which a machine without a network may lack: then the
-    two presses are imported alone (they need torch and transformers) and kvpress's attention patch applied as its
-    package does."""
-    import importlib
-    import importlib.util
-    import types
-
-    try:
-        from kvpress import CriticalKVPress, SnapKVPress
-
-        return CriticalKVPress, SnapKVPress, "import kvpress"
-    except ImportError as err:
-        spec = importlib.util.find_spec("kvpress")
-        if spec is None or not spec.submodule_search_locations:
-            raise
-        why = str(err)
-    for name in [m for m in sys.modules if m == "kvpress" or m.startswith("kvpress.")]:
-        del sys.modules[name]  # what the failed import left half-made
-    package = types.ModuleType("kvpress")
-    package.__path__ = list(spec.submodule_search_locations)
-    package.__spec__ = spec
-    sys.modules["kvpress"] = package
-    critical = importlib.import_module("kvpress.presses.criticalkv_press").CriticalKVPress
-    snap = importlib.import_module("kvpress.presses.snapkv_press").SnapKVPress
-    importlib.import_module("kvpress.attention_patch").patch_attention_functions()
-    return critical, snap, f"the two presses alone (import kvpress failed: {why})"
-
-
 # ---------------------------------------------------------------------- the run
 def engine_order(workload: Workload) -> list[tuple[int, str]]:
     """(prompt length, policy) in the order the targets need them: the longest prompt first, criticalkv and full
@@ -522,7 +412,8 @@ def _kvpress_entry(model, workload: Workload, n: int, vocab: int, deadline: floa
         return entry
     log(f"kvpress at {n} tokens ...")
     try:
-        entry.update(kvpress_run(model, workload, n, vocab))
+        prompts = [random_ids(n, vocab, workload.seed + 2000 + i) for i in range(2)]  # a warm-up, the measured one
+        entry.update(kvpress_run(model, prompts, workload.budget, workload.new_tokens))
     except Exception as err:  # its transformers pin (< 5.3) may not hold: recorded, not fatal
         entry["error"] = f"{type(err).__name__}: {err}"
     free_device_memory(workload.device)
@@ -569,129 +460,6 @@ def _measure_engine(engine, entry: dict, workload: Workload, n: int, rows: int, 
         entry["step"] = decode_step(engine, snapshot, workload, min(workload.step_batch, rows), weights, bandwidth)
         log(f"  decode step at {entry['step']['batch']} rows: {1e3 * entry['step']['step_s']:.2f} ms, "
             f"{entry['step']['floor_ratio']:.2f}x its memory floor")
-
-
-# ---------------------------------------------------------------------- targets and report
-def _find(results: dict, n: int, policy: str) -> dict | None:
-    return next((r for r in results["runs"] if r["prompt_tokens"] == n and r["name"] == policy), None)
-
-
-def _served(entry: dict | None, c: int) -> dict | None:
-    if not entry:
-        return None
-    return next((s for s in entry.get("served", []) if s.get("concurrency") == c and s.get("completed")), None)
-
-
-def check_targets(results: dict) -> list[dict]:
-    """The issue's targets, from this run (None where a measurement is missing)."""
-    lengths = results["workload"]["prompt_lengths"]
-    n = max(lengths)
-    c = min(results["workload"]["concurrency"], key=lambda x: abs(x - 32))
-    crit, full = _find(results, n, "criticalkv"), _find(results, n, "full")
-    out = []
-
-    measured = "gpu" in results  # a CPU dry run checks the plumbing, not the targets
-
-    def add(name, value, limit, op, note=""):
-        met = None if value is None or not measured else (value <= limit if op == "<=" else value >= limit)
-        note = note if measured else "CPU dry run: not a measurement" + (f"; {note}" if note else "")
-        out.append({"target": name, "value": value, "limit": f"{op} {limit}", "met": met, "note": note})
-
-    ttft = None
-    if crit and full and crit.get("cold") and full.get("cold"):
-        ttft = crit["cold"]["ttft_s"] / full["cold"]["ttft_s"]
-    add(f"TTFT at {n} tokens, criticalkv / full", ttft, TARGETS["ttft_ratio_max"], "<=")
-    a, b = _served(crit, c), _served(full, c)
-    ratio = a["output_throughput"] / b["output_throughput"] if a and b and b.get("output_throughput") else None
-    add(f"output tokens/s at {n} tokens, concurrency {c}, criticalkv / full", ratio, TARGETS["throughput_ratio_min"], ">=",
-        f"rows: criticalkv {crit.get('rows') if crit else None}, full {full.get('rows') if full else None}")
-    step = (crit or {}).get("step")
-    add(f"decode step at {step['batch'] if step else '?'} rows / memory floor (criticalkv, {n} tokens)",
-        step["floor_ratio"] if step else None, TARGETS["step_floor_ratio_max"], "<=")
-    press = next((k for k in results.get("kvpress", []) if k.get("prompt_tokens") == n and "ttft_s" in k), None)
-    add(f"TTFT criticalkv / kvpress at {n} tokens", crit["cold"]["ttft_s"] / press["ttft_s"]
-        if press and crit and crit.get("cold") else None, TARGETS["kvpress_ttft_ratio_max"], "<=")
-    one = _served(crit, 1)
-    decode = 1e3 / one["tpot_ms"]["p50"] if one and one.get("tpot_ms", {}).get("p50") else None
-    add(f"decode tokens/s at batch 1, criticalkv / kvpress at {n} tokens",
-        decode / press["decode_tokens_per_s"] if press and decode else None, TARGETS["kvpress_decode_ratio_min"], ">=")
-    return out
-
-
-def _ms(summary: dict, metric: str, p: str) -> str:
-    value = (summary.get(metric) or {}).get(p)
-    return "-" if value is None else f"{value:.1f}"
-
-
-def render(results: dict) -> str:
-    from criticalkv.bench.machine import header_lines
-
-    lines = ["# criticalkv bench gpu-serve", ""]
-    lines += [line.removeprefix("# ") + "  " for line in header_lines(results)]
-    gpu = results.get("gpu")
-    lines.append(f"GPU: {gpu['name']}, {gpu['memory_gib']:.0f} GiB" if gpu else "GPU: none (a CPU dry run: plumbing, "
-                 "not a measurement)")
-    w, m = results["workload"], results["model"]
-    lines += [f"model: {m['name']} ({m['parameters'] / 1e9:.2f} B parameters, {m['dtype']}); budget {w['budget']} "
-              f"entries per KV head; KV memory {w['kv_memory_gib']:.3g} GiB for every policy; {w['new_tokens']} new "
-              f"tokens, questions of {w['question_tokens']} tokens",
-              f"device copy bandwidth {results['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s; weights read per decode "
-              f"step {results['weights_bytes_per_step'] / 2**30:.2f} GiB; run {results['elapsed_s']:.0f} s", ""]
-    lines += ["## Targets", "", "| target | value | limit | met |", "|---|---|---|---|"]
-    for t in results["targets"]:
-        value = "not measured" if t["value"] is None else f"{t['value']:.3f}"
-        met = "-" if t["met"] is None else ("yes" if t["met"] else "NO")
-        lines.append(f"| {t['target']} | {value} | {t['limit']} | {met} |" + (f" {t['note']}" if t["note"] else ""))
-    lines += ["", "## Cold requests (one at a time): TTFT and the selection", "",
-              "| prompt | policy | rows | TTFT s | vs full | prefill s | selection s | selection runs on |",
-              "|---|---|---|---|---|---|---|---|"]
-    for r in results["runs"]:
-        cold = r.get("cold")
-        full = (_find(results, r["prompt_tokens"], "full") or {}).get("cold")
-        if not cold:
-            lines.append(f"| {r['prompt_tokens']} | {r['policy']} | {r.get('rows', '-')} | - | - | - | - | "
-                         f"{r.get('skipped') or r.get('error') or '-'} |")
-            continue
-        ratio = f"{cold['ttft_s'] / full['ttft_s']:.3f}" if full else "-"
-        sel = "-" if cold["selection_s"] is None else f"{cold['selection_s']:.3f}"
-        lines.append(f"| {r['prompt_tokens']} | {r['policy']} | {r['rows']} | {cold['ttft_s']:.3f} | {ratio} | "
-                     f"{cold['prefill_s']:.3f} | {sel} | {r['selection_kernels']} |")
-    lines += ["", "## Served: one document, concurrent questions (ms; tokens/s)", "",
-              "| prompt | policy | conc | rows | done | TTFT p50/p90/p99 | TPOT p50/p90/p99 | ITL p50/p90/p99 | "
-              "output tok/s | vs full |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results["runs"]:
-        for s in r.get("served", []):
-            if not s.get("completed"):
-                lines.append(f"| {r['prompt_tokens']} | {r['policy']} | {s['concurrency']} | {r['rows']} | 0 | "
-                             f"{s.get('skipped') or ', '.join(s.get('errors') or []) or '-'} | | | | |")
-                continue
-            full = _served(_find(results, r["prompt_tokens"], "full"), s["concurrency"])
-            ratio = f"{s['output_throughput'] / full['output_throughput']:.2f}" if full else "-"
-            trio = lambda metric: "/".join(_ms(s, metric, p) for p in ("p50", "p90", "p99"))  # noqa: E731
-            cut = " (cut)" if s.get("cut_by_time_limit") else ""
-            lines.append(f"| {r['prompt_tokens']} | {r['policy']} | {s['concurrency']} | {r['rows']} | "
-                         f"{s['finished']}/{s['requests']}{cut} | {trio('ttft_ms')} | {trio('tpot_ms')} | {trio('itl_ms')} "
-                         f"| {s['output_throughput']:.1f} | {ratio} |")
-    lines += ["", "## Decode step vs its memory floor", "",
-              "| prompt | policy | rows | step ms | decode call ms | floor ms (kept K/V) | step / floor | "
-              "floor ms (padded rows) |", "|---|---|---|---|---|---|---|---|"]
-    for r in results["runs"]:
-        s = r.get("step")
-        if s:
-            lines.append(f"| {r['prompt_tokens']} | {r['policy']} | {s['batch']} | {1e3 * s['step_s']:.2f} | "
-                         f"{1e3 * s['decode_call_s']:.2f} | {1e3 * s['floor_s']:.2f} | {s['floor_ratio']:.2f} | "
-                         f"{1e3 * s['padded_floor_s']:.2f} |")
-    lines += ["", "## kvpress (transformers + its press, batch 1)", ""]
-    for k in results.get("kvpress", []):
-        if "ttft_s" in k:
-            lines.append(f"- {k['prompt_tokens']} tokens: {k['press']}: TTFT {k['ttft_s']:.3f} s, decode "
-                         f"{k['decode_tokens_per_s']:.1f} tokens/s, {k['kept_tokens_per_head']} entries kept per head")
-        else:
-            lines.append(f"- {k['prompt_tokens']} tokens: {k.get('skipped') or k.get('error')}")
-    if results["skipped"]:
-        lines += ["", "Skipped: " + "; ".join(f"{s['policy']} at {s['prompt_tokens']} ({s['why']})"
-                                              for s in results["skipped"])]
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------- command line
