@@ -222,6 +222,8 @@ class TorchBackend(BuiltShapes):
         self.token_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
         self.position_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
         self.logits = torch.zeros(self.max_batch, self.vocab, dtype=torch.float32, device=self.device)
+        self.greedy = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)  # each row's argmax
+        self.host_greedy = torch.zeros(self.max_batch, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         # the host copy a decode step returns: page-locked on a GPU, so the copy runs at the bus's speed
         self.host_logits = torch.zeros(self.max_batch, self.vocab, dtype=torch.float32,
                                        pin_memory=self.device.type == "cuda")
@@ -369,6 +371,7 @@ class TorchBackend(BuiltShapes):
             [v[:batch] for v in self.values], self.length_block[:, :batch], self.row_grid[:batch],
             self.head_grid[:batch], self.slots)
         self.logits[:batch].copy_(logits)
+        torch.argmax(logits, dim=-1, out=self.greedy[:batch])  # the first maximum, as the host Sampler's argmax
 
     def _capture(self, batch: int):
         """A CUDA graph of one decode step over rows 0..batch-1 (recording runs nothing: the buffers are untouched),
@@ -405,8 +408,15 @@ class TorchBackend(BuiltShapes):
         torch.cuda.synchronize(self.device)
         return sizes
 
-    @torch.no_grad()
     def decode(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        return self._decode(tokens, positions, self.logits, self.host_logits)
+
+    def decode_greedy(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """``decode``, returning each row's argmax [B] int64 (taken on the device) instead of the logits."""
+        return self._decode(tokens, positions, self.greedy, self.host_greedy)
+
+    @torch.no_grad()
+    def _decode(self, tokens: np.ndarray, positions: np.ndarray, result: torch.Tensor, host: torch.Tensor) -> np.ndarray:
         batch = len(tokens)
         if not 1 <= batch <= self.max_batch:
             raise EngineError(f"decode over {batch} rows: the engine was built for at most {self.max_batch} "
@@ -430,8 +440,8 @@ class TorchBackend(BuiltShapes):
             self._step(padded)
             if self.use_graphs:  # the eager step warmed this batch size up; the next one replays its graph
                 self._graphs[padded] = self._capture(padded)
-        out = self.host_logits[:batch]
-        out.copy_(self.logits[:batch], non_blocking=True)
+        out = host[:batch]
+        out.copy_(result[:batch], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return out.numpy()

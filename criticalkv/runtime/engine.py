@@ -263,6 +263,18 @@ class Engine:
         """One decode step: ``tokens[i]`` is fed to ``slots[i]`` at that slot's next position. ``slots`` are all
         the occupied slots (any order). Returns logits [len(slots), vocab] in the order of ``slots``, valid until
         the next call. Each slot's logits depend on that slot's entries only."""
+        return self._decode(slots, tokens, self.backend.decode)
+
+    def decode_greedy(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """``decode``, returning each slot's greedy next token [len(slots)] int64 (the argmax of its logits, ties to
+        the lower id: ``Sampler``'s greedy choice) instead of the logits. A backend that takes the argmax on its
+        device (``decode_greedy``: the torch backend) then copies B ids to the host instead of B x vocab floats."""
+        step = getattr(self.backend, "decode_greedy", None)
+        if step is None:
+            return self.decode(slots, tokens).argmax(axis=-1).astype(np.int64)
+        return self._decode(slots, tokens, step)
+
+    def _decode(self, slots: Sequence[int], tokens: Sequence[int], step) -> np.ndarray:
         slots = [int(s) for s in slots]
         if sorted(slots) != sorted(self._rows) or len(set(slots)) != len(slots):
             raise EngineError(f"decode runs every occupied slot once: occupied {sorted(self._rows)}, got {slots}")
@@ -273,10 +285,10 @@ class Engine:
         in_row_order = bool((rows == np.arange(len(rows))).all())
         by_row = tokens if in_row_order else tokens[np.argsort(rows)]
         positions = np.array([self._slots[s].position for s in self._rows], dtype=np.int64)
-        logits = self.backend.decode(by_row, positions)
+        out = step(by_row, positions)
         for s in slots:
             self._slots[s].position += 1
-        return logits if in_row_order else logits[rows]
+        return out if in_row_order else out[rows]
 
     def save(self, slot: int) -> SlotSnapshot:
         """A copy of ``slot``'s entries and position (the slot is unchanged and stays occupied)."""

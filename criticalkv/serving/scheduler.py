@@ -521,10 +521,16 @@ class Scheduler:
     def _decode_step(self) -> None:
         running = self._running
         tokens = [s.tokens[-1] for s in running]
-        logits = self.engine.decode([s.slot for s in running], tokens)
+        slots = [s.slot for s in running]
+        if all(s.sampler.config.greedy for s in running):  # the same argmax, taken where the backend can (its device)
+            chosen = self.engine.decode_greedy(slots, tokens)
+            sample = lambda row, seq: int(chosen[row])  # noqa: E731
+        else:
+            logits = self.engine.decode(slots, tokens)
+            sample = lambda row, seq: int(seq.sampler(logits[row:row + 1])[0])  # noqa: E731
         finished = []
         for row, seq in enumerate(running):
-            token = int(seq.sampler(logits[row:row + 1])[0])
+            token = sample(row, seq)
             seq.tokens.append(token)
             reason = self._finish_reason(seq, token)
             if reason is None:

@@ -103,3 +103,18 @@ def test_a_saved_slot_restored_elsewhere_continues_exactly(engine):
     assert tokens == expected
     with pytest.raises(EngineError, match="holds no sequence"):
         engine.save(2)
+
+
+def test_decode_greedy_is_the_argmax_of_decode(engine):
+    # the scheduler's step when every request is greedy: the torch backend takes the argmax on its device, the others
+    # on the logits; either way it is the argmax of the step's logits (slots in any order)
+    for slot, n in ((0, 70), (1, 110)):
+        engine.prefill(slot, Request(prompt(n, seed=n)))
+    saved = [engine.save(slot) for slot in (0, 1)]
+    logits = engine.decode([1, 0], [3, 4]).copy()
+    engine.release_all()
+    for slot in (0, 1):
+        engine.restore(slot, saved[slot])
+    tokens = engine.decode_greedy([1, 0], [3, 4])
+    assert tokens.dtype == np.int64 and tokens.tolist() == logits.argmax(axis=-1).tolist()
+    engine.release_all()
