@@ -161,7 +161,7 @@ class CompactDecoder:
     # ------------------------------------------------------------------ decode
     def decode_step(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                     values: list[torch.Tensor], lengths: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
-                    slots: list[torch.Tensor]) -> torch.Tensor:
+                    slots: list[torch.Tensor], spans: list[int] | None = None) -> torch.Tensor:
         """One token per row, static shapes, no host synchronisation (capturable in a CUDA graph).
 
         token_ids, positions : [B] int64 (absolute positions)
@@ -169,6 +169,8 @@ class CompactDecoder:
         lengths : [L, B, H_kv] int64 valid entries per head, incremented in place (a row whose head is full writes
             its new entry into the last slot: only free rows a padded batch runs over may be)
         rows, heads : [B, H_kv] int64 index grids; slots : per layer [cap_l] int64 (arange)
+        spans : per layer the entries per head attention reads (every held entry and the new one of the real rows must
+            lie below it; None: the whole capacity)
         Returns logits [B, vocab] float32.
         """
         b = token_ids.shape[0]
@@ -180,9 +182,10 @@ class CompactDecoder:
             slot = count.clamp(max=keys[i].shape[2] - 1)  # a real row has room (checked on the host); a free one may not
             keys[i][rows, heads, slot] = k[:, :, 0]
             values[i][rows, heads, slot] = v[:, :, 0]
-            valid = slots[i] <= count[..., None]  # [B, H_kv, cap]: the held entries and the new one
-            out = F.scaled_dot_product_attention(self.grouped(q), keys[i], values[i], attn_mask=valid[:, :, None, :],
-                                                 scale=self.scaling[i])  # [B, H_kv, G, d_h]
+            span = keys[i].shape[2] if spans is None else spans[i]
+            valid = slots[i][:span] <= count[..., None]  # [B, H_kv, span]: the held entries and the new one
+            out = F.scaled_dot_product_attention(self.grouped(q), keys[i][:, :, :span], values[i][:, :, :span],
+                                                 attn_mask=valid[:, :, None, :], scale=self.scaling[i])  # [B, H_kv, G, d_h]
             h = self._finish_layer(layer, h, self.ungrouped(out, 1))
         lengths += 1
         return self.logits(h[:, 0])

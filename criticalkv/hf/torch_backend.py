@@ -13,9 +13,10 @@ whose manifest names a reachable checkpoint loads too), and the backend runs it 
   ``[L, max_batch, H_kv]`` int64, allocated once (cap_l = the layer's selection capacity + max_question_len +
   max_new_tokens, the manifest's ``decode_capacity``). Each head holds its entries in its first ``lengths`` slots.
 * ``decode`` over the first B rows: one static-shape step (RoPE at the absolute positions given, the new K/V at each
-  head's length, attention under a length mask); on CUDA the first step at a batch size runs eagerly and the step is
-  then captured into a CUDA graph for that size and replayed (one launch per token); B is padded up to 1, 2, 4 or a
-  multiple of 8 (``padded_batch``), so a few graphs cover every batch. The graphs read the buffers at fixed
+  head's length, attention under a length mask over the first ``span`` entries of each head: the batch's longest head
+  rounded up to a power of two, so a step reads about what its rows hold, not their whole capacity); on CUDA the
+  first step of a shape runs eagerly and the step is then captured into a CUDA graph for it and replayed (one launch
+  per token); B is padded up to 1, 2, 4 or a multiple of 8 (``padded_batch``), so a few graphs cover every batch. The graphs read the buffers at fixed
   addresses, so they stay valid while sequences join, leave and move between rows. Each row's longest head per layer
   is known on the host: the capacity check needs no device sync.
 * ``extend_row`` / ``new_prefill_buffer`` / ``extend_buffer`` / ``select``: N tokens over a row or over a prompt's
@@ -179,7 +180,7 @@ class TorchBackend(BuiltShapes):
         self.o_proj = [layer.self_attn.o_proj.weight for layer in self.decoder.layers]
         self._allocate()
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        self._graphs: dict[int, Any] = {}  # padded batch P -> CUDA graph of one decode step over rows 0..P-1
+        self._graphs: dict[tuple, Any] = {}  # (padded batch P, span) -> CUDA graph of a step over rows 0..P-1
         self._pool = None
         self._capture_stream = None
 
@@ -365,16 +366,23 @@ class TorchBackend(BuiltShapes):
         padded = batch if batch <= 2 else (4 if batch <= 4 else -(-batch // 8) * 8)
         return min(padded, self.max_batch)
 
-    def _step(self, batch: int) -> None:
+    def span(self, longest: int) -> int:
+        """The entries per head a step's attention reads when the batch's longest head holds ``longest`` (the new
+        entry included): the next power of two from 256 (a layer reads at most its capacity), so a step reads about
+        what its rows hold, not every row's whole capacity, with a few graphs as the rows grow."""
+        return max(256, 1 << (max(int(longest), 1) - 1).bit_length())
+
+    def _step(self, batch: int, span: int) -> None:
         logits = self.decoder.decode_step(
             self.token_ids[:batch], self.position_ids[:batch], [k[:batch] for k in self.keys],
             [v[:batch] for v in self.values], self.length_block[:, :batch], self.row_grid[:batch],
-            self.head_grid[:batch], self.slots)
+            self.head_grid[:batch], self.slots, [min(span, cap) for cap in self.capacities])
         self.logits[:batch].copy_(logits)
         torch.argmax(logits, dim=-1, out=self.greedy[:batch])  # the first maximum, as the host Sampler's argmax
 
-    def _capture(self, batch: int):
-        """A CUDA graph of one decode step over rows 0..batch-1 (recording runs nothing: the buffers are untouched),
+    def _capture(self, batch: int, span: int):
+        """A CUDA graph of one decode step over rows 0..batch-1 reading ``span`` entries per head (recording runs
+        nothing: the buffers are untouched),
         on a side stream; every graph shares one memory pool (they never run at once, and no tensor of the pool
         outlives a step: its logits are copied into ``self.logits``)."""
         if self._pool is None:
@@ -386,27 +394,35 @@ class TorchBackend(BuiltShapes):
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                self._step(batch)
+                self._step(batch, span)
             finally:
                 graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 
     @torch.no_grad()
-    def capture_graphs(self, max_rows: int | None = None) -> list[int]:
-        """Warm up and capture the decode graph of every padded batch size up to ``max_rows`` (default max_batch) now,
-        rather than at the first step of each size. Only while no row holds a sequence (right after loading): the
-        warm-up steps write into the free rows (which the next load overwrites). Returns the sizes captured."""
+    def capture_graphs(self, max_rows: int | None = None, lengths: tuple[int, int] | None = None) -> list[tuple]:
+        """Warm up and capture now, rather than at the first step of each, the decode graphs of every padded batch
+        size up to ``max_rows`` (default max_batch) for rows whose longest head will hold ``lengths`` = (fewest, most)
+        entries (default: up to the capacity). Only while no row holds a sequence (right after loading, or once every
+        slot is released): the warm-up steps write into the free rows, which the next load overwrites. Returns the
+        (rows, span) captured."""
         if not self.use_graphs:
             return []
         sizes = sorted({self.padded_batch(b) for b in range(1, (max_rows or self.max_batch) + 1)})
+        low, high = lengths or (1, max(self.capacities))
+        spans = sorted({min(self.span(n), self.span(max(self.capacities))) for n in range(low, high + 1)})
+        done = []
         for size in sizes:
-            if size not in self._graphs:
-                self._step(size)
-                self._graphs[size] = self._capture(size)
+            for span in spans:
+                if (size, span) not in self._graphs:
+                    self._step(size, span)
+                    self._graphs[(size, span)] = self._capture(size, span)
+                done.append((size, span))
         self.length_block.zero_()
+        self._row_max[:] = 0
         torch.cuda.synchronize(self.device)
-        return sizes
+        return done
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return self._decode(tokens, positions, self.logits, self.host_logits)
@@ -433,13 +449,14 @@ class TorchBackend(BuiltShapes):
         self.token_ids[:batch].copy_(torch.from_numpy(np.asarray(tokens, np.int64)))
         self.position_ids[:batch].copy_(torch.from_numpy(positions))
         padded = self.padded_batch(batch)
-        graph = self._graphs.get(padded)
+        span = min(self.span(int(self._row_max[:batch].max())), self.span(max(self.capacities)))
+        graph = self._graphs.get((padded, span))
         if graph is not None:
             graph.replay()
         else:
-            self._step(padded)
-            if self.use_graphs:  # the eager step warmed this batch size up; the next one replays its graph
-                self._graphs[padded] = self._capture(padded)
+            self._step(padded, span)
+            if self.use_graphs:  # the eager step warmed this shape up; the next one replays its graph
+                self._graphs[(padded, span)] = self._capture(padded, span)
         out = host[:batch]
         out.copy_(result[:batch], non_blocking=True)
         if self.device.type == "cuda":

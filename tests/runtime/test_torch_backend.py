@@ -175,7 +175,7 @@ def test_a_padded_batch_decodes_its_rows_as_the_exact_batch(tmp_path):
         backend = engine.backend
         if padded:
             backend.use_graphs = True
-            backend._capture = lambda batch: None
+            backend._capture = lambda batch, span: None
             backend.length_block[:, 3] = torch.tensor(backend.capacities)[:, None]
         try:
             for slot in range(3):
@@ -186,6 +186,28 @@ def test_a_padded_batch_decodes_its_rows_as_the_exact_batch(tmp_path):
             engine.release_all()
             engine.close()
     np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-5)
+
+
+def test_a_step_reads_the_span_its_rows_hold_not_their_capacity(tmp_path):
+    """A short sequence in a long engine (full: capacity 544 per head) is attended over a span of 256 entries, with
+    the logits of the step over the whole capacity (masked)."""
+    model = tiny_model("llama", seed=4)
+    folder = export_tiny_engine(model, KVPolicy("full"), tmp_path / "e")
+    logits = {}
+    for whole in (False, True):
+        engine = Engine.load(folder, backend="torch", model=model)
+        backend = engine.backend
+        if whole:
+            backend.span = lambda longest: max(backend.capacities)
+        try:
+            engine.prefill(0, Request(prompt(40)))
+            assert backend.span(int(backend._row_max[0].max()) + 1) == (max(backend.capacities) if whole else 256)
+            logits[whole] = np.stack([engine.decode([0], [5 + t]).copy() for t in range(3)])
+        finally:
+            engine.release_all()
+            engine.close()
+    assert max(backend.capacities) > 256
+    np.testing.assert_allclose(logits[False], logits[True], rtol=0, atol=1e-5)
 
 
 def test_generate_command_runs_a_torch_engine(torch_dir):
@@ -219,7 +241,7 @@ def test_cuda_graphs_replay_the_eager_step_and_match_the_cpu(torch_dir):
                 engine.prefill(slot, Request(ids))
             steps = [engine.decode([0, 1], [7, 9]).copy() for _ in range(4)]  # 1 eager step, then replays
             logits[graphs] = np.stack(steps)
-            assert (engine.backend.padded_batch(2) in engine.backend._graphs) == graphs
+            assert any(rows == engine.backend.padded_batch(2) for rows, _ in engine.backend._graphs) == graphs
         finally:
             engine.release_all()
             engine.close()
