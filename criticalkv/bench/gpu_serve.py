@@ -15,7 +15,7 @@ scheduler's KV memory is the same bytes. Per prompt length (``--prompt-lengths``
   output tokens/s, as ``criticalkv.bench.metrics`` defines them;
 * step: the decode step alone at B = min(32, rows) rows holding the compressed document (CUDA events around the
   captured step, host sampling excluded), against its memory floor: the weights a step reads plus the B rows' kept
-  K/V, read once at the device copy bandwidth measured in this run (and what the padded rows make the step read).
+  K/V, read once at the device copy bandwidth measured in this run (and what the step reads: each head's span).
 
 kvpress (when ``import kvpress`` works; ``--kvpress-path`` adds a folder to the import path): its
 CriticalKVPress(SnapKVPress) at the same budget through transformers, batch 1: TTFT and decode tokens/s.
@@ -294,8 +294,8 @@ def decode_step(engine, snapshot, workload: Workload, batch: int, weights: int, 
         # the graph of the last step's shape (the replays advance the rows on the device only: a timing loop, the rows
         # are released after it)
         longest = int(backend._row_max[:batch].max())
-        graph = backend._graphs.get((backend.padded_batch(batch), min(backend.span(longest),
-                                                                          backend.span(max(backend.capacities)))))
+        span = min(backend.span(longest), backend.span(max(backend.capacities)))
+        graph = backend._graphs.get((backend.padded_batch(batch), span))
         for _ in range(workload.step_repeats if graph is not None else 0):  # the captured step alone (CUDA events)
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -306,13 +306,14 @@ def decode_step(engine, snapshot, workload: Workload, batch: int, weights: int, 
     finally:
         engine.release_all()
     kept = snapshot.kept_entries * batch * engine.entry_bytes  # the rows' kept K/V (a few new entries aside)
-    padded = batch * engine.entry_bytes * engine.spec["num_kv_heads"] * sum(backend.capacities)
+    # what the step reads of the rows: every head's span (the batch's longest head, rounded up), padding included
+    read = batch * engine.entry_bytes * engine.spec["num_kv_heads"] * sum(min(span, cap) for cap in backend.capacities)
     step_s = float(np.median(steps)) if steps else float(np.median(wall))
     floor_s = (weights + kept) / bandwidth
-    return {"batch": batch, "step_s": step_s, "timed_by": "cuda events (captured step)" if steps else "wall clock",
-            "decode_call_s": float(np.median(wall)), "weights_bytes": weights, "kept_kv_bytes": kept,
-            "padded_kv_bytes": padded, "floor_s": floor_s, "padded_floor_s": (weights + padded) / bandwidth,
-            "floor_ratio": step_s / floor_s}
+    return {"batch": batch, "span": span, "step_s": step_s,
+            "timed_by": "cuda events (captured step)" if steps else "wall clock", "decode_call_s": float(np.median(wall)),
+            "weights_bytes": weights, "kept_kv_bytes": kept, "read_kv_bytes": read, "floor_s": floor_s,
+            "read_floor_s": (weights + read) / bandwidth, "floor_ratio": step_s / floor_s}
 
 
 # ---------------------------------------------------------------------- the run

@@ -38,7 +38,7 @@ def test_the_dry_run_serves_every_level_under_one_kv_memory(tmp_path):
         assert run["context_cache"]["misses"] == 0 and run["context_cache"]["entries"] == 1
         step = run["step"]
         assert step["batch"] == min(4, run["rows"]) and step["floor_s"] > 0 and step["kept_kv_bytes"] > 0
-        assert step["padded_kv_bytes"] >= step["kept_kv_bytes"]
+        assert step["read_kv_bytes"] >= step["kept_kv_bytes"]
     rows = {(r["prompt_tokens"], r["name"]): r["rows"] for r in results["runs"]}
     assert rows[(160, "full")] < rows[(160, "criticalkv")]  # the same KV memory holds more compressed rows
     targets = results["targets"]
