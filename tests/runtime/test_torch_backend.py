@@ -108,6 +108,13 @@ def test_a_changed_or_missing_checkpoint_is_refused(torch_dir, checkpoint, tmp_p
     shutil.rmtree(moved)
     with pytest.raises(EngineError, match="is not there \\(no config.json\\)"):
         Engine.load(copy, verify=False)
+    # a directory that records no checkpoint of its own (an exported one) runs the checkpoint its model was read from
+    manifest["torch"] = {"checkpoint": None}
+    manifest["model"]["path"] = str(checkpoint)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    engine = Engine.load(copy, verify=False, device="cpu")
+    assert engine.backend.name == "torch" and engine.generate([prompt(50)], max_new_tokens=2).tokens[0]
+    engine.close()
 
 
 def test_an_in_memory_engine_needs_its_model(tmp_path):
