@@ -161,7 +161,8 @@ class CompactDecoder:
     # ------------------------------------------------------------------ decode
     def decode_step(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                     values: list[torch.Tensor], lengths: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
-                    slots: list[torch.Tensor], spans: list[int] | None = None) -> torch.Tensor:
+                    slots: list[torch.Tensor], spans: list[int] | None = None,
+                    last_slots: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row, static shapes, no host synchronisation (capturable in a CUDA graph).
 
         token_ids, positions : [B] int64 (absolute positions)
@@ -171,17 +172,22 @@ class CompactDecoder:
         rows, heads : [B, H_kv] int64 index grids; slots : per layer [cap_l] int64 (arange)
         spans : per layer the entries per head attention reads (every held entry and the new one of the real rows must
             lie below it; None: the whole capacity)
+        last_slots : [L, 1, 1] int64, each layer's capacity - 1 (the clamp of the write slot; None: from the buffers)
         Returns logits [B, vocab] float32.
         """
         b = token_ids.shape[0]
         h = self.embed(token_ids)[:, None]  # [B, 1, d]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, d_h]
+        # where each head's new entry goes: its length, clamped into the buffer (a real row has room, checked on the
+        # host; a free row a padded batch runs over may not), for every layer at once
+        if last_slots is None:
+            last_slots = torch.tensor([k.shape[2] - 1 for k in keys], device=lengths.device)[:, None, None]
+        at = torch.minimum(lengths, last_slots)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)  # [B, H, 1, d_h], [B, H_kv, 1, d_h]
             count = lengths[i]
-            slot = count.clamp(max=keys[i].shape[2] - 1)  # a real row has room (checked on the host); a free one may not
-            keys[i][rows, heads, slot] = k[:, :, 0]
-            values[i][rows, heads, slot] = v[:, :, 0]
+            keys[i][rows, heads, at[i]] = k[:, :, 0]
+            values[i][rows, heads, at[i]] = v[:, :, 0]
             span = keys[i].shape[2] if spans is None else spans[i]
             valid = slots[i][:span] <= count[..., None]  # [B, H_kv, span]: the held entries and the new one
             out = F.scaled_dot_product_attention(self.grouped(q), keys[i][:, :, :span], values[i][:, :, :span],

@@ -218,6 +218,7 @@ class TorchBackend(BuiltShapes):
         self.values = [torch.zeros(rows + (cap, self.head_dim), **options) for cap in self.capacities]
         self.length_block = torch.zeros((self.num_layers,) + rows, dtype=torch.int64, device=self.device)
         self.slots = [torch.arange(cap, device=self.device) for cap in self.capacities]
+        self.last_slots = torch.tensor([cap - 1 for cap in self.capacities], device=self.device)[:, None, None]
         grid = torch.meshgrid(torch.arange(self.max_batch), torch.arange(self.kv_heads), indexing="ij")
         self.row_grid, self.head_grid = (t.to(self.device).contiguous() for t in grid)
         self.token_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
@@ -376,7 +377,7 @@ class TorchBackend(BuiltShapes):
         logits = self.decoder.decode_step(
             self.token_ids[:batch], self.position_ids[:batch], [k[:batch] for k in self.keys],
             [v[:batch] for v in self.values], self.length_block[:, :batch], self.row_grid[:batch],
-            self.head_grid[:batch], self.slots, [min(span, cap) for cap in self.capacities])
+            self.head_grid[:batch], self.slots, [min(span, cap) for cap in self.capacities], self.last_slots)
         self.logits[:batch].copy_(logits)
         torch.argmax(logits, dim=-1, out=self.greedy[:batch])  # the first maximum, as the host Sampler's argmax
 
