@@ -24,7 +24,7 @@ class Sampler:
             raise ValueError(f"logits: expected [batch, vocab], got shape {logits.shape}")
         if self.config.temperature == 0:
             # in the logits' own dtype: widening is exact and keeps the order, so the argmax is float64's, without a
-            # float64 copy of every row (a decode step of 64 rows of a 128k vocabulary spent ~20 ms on it)
+            # float64 copy of every row (66 MB per decode step for 64 rows of a 128k vocabulary)
             return logits.argmax(axis=-1).astype(np.int64)
         logits = logits.astype(np.float64)
         z = logits / self.config.temperature
