@@ -26,6 +26,7 @@ import torch
 import criticalkv.tensorrt as trt_engine
 from criticalkv.export.exporter import (
     DECODE_FILE,
+    TOKENIZER_DIR,
     EXTEND_TENSORRT_FILE,
     PREFILL_TENSORRT_FILE,
     SELECT_TENSORRT_FILE,
@@ -59,10 +60,19 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def build_request(model_name: str, model_path: str, policy: KVPolicy, config: BuildConfig) -> dict[str, Any]:
+#: What ``build_engine`` writes: ``onnx`` (the ONNX graphs for ONNX Runtime, and TensorRT engines where TensorRT runs)
+#: or ``torch`` (a manifest naming the checkpoint, for the torch backend: no export)
+BUILD_BACKENDS = ("onnx", "torch")
+
+
+def build_request(model_name: str, model_path: str, policy: KVPolicy, config: BuildConfig,
+                  backend: str = "onnx") -> dict[str, Any]:
     """What identifies a build: an existing engine with the same request is up to date."""
-    return {"model": {"name": model_name, "path": model_path}, "policy": policy.to_dict(), "build": config.to_dict(),
-            "format_version": FORMAT_VERSION, "criticalkv": package_versions().get("criticalkv")}
+    request = {"model": {"name": model_name, "path": model_path}, "policy": policy.to_dict(), "build": config.to_dict(),
+               "format_version": FORMAT_VERSION, "criticalkv": package_versions().get("criticalkv")}
+    if backend != "onnx":  # the ONNX builds' requests stay what they were (their engines are up to date)
+        request["backend"] = backend
+    return request
 
 
 def existing_manifest(output: Path) -> dict[str, Any] | None:
@@ -281,20 +291,25 @@ def build_engine(
     smoke: bool = True,
     tensorrt: bool = True,
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
+    backend: str = "onnx",
 ) -> Path:
     """Build an engine directory for ``model`` (default: the bundled SmolLM2-135M-Instruct) and ``policy``.
 
+    ``backend``: ``onnx`` exports the graphs (ONNX Runtime, TensorRT); ``torch`` writes a manifest that names the
+    checkpoint, for the torch backend (``build_torch_engine``: no export, no TensorRT).
     An existing engine built from the same request is left as it is (``force`` rebuilds); one built
     from a different request is an error unless ``force``. Anything at ``output`` that is not an engine
     directory (or an empty one) is never replaced: see ``check_replaceable``.
     """
     config = config or BuildConfig()
+    if backend not in BUILD_BACKENDS:
+        raise ValueError(f"backend: {backend!r} is not one of {', '.join(BUILD_BACKENDS)}")
     check_compresses(policy, config)
     output = Path(output)
     model_name = model or "smollm2-135m"
     model_path = str(resolve_model(model))
     check_exportable_model(model_path)
-    request = build_request(model_name, model_path, policy, config)
+    request = build_request(model_name, model_path, policy, config, backend)
     output.parent.mkdir(parents=True, exist_ok=True)
     with build_lock(output):
         for kind in ("building", "old"):
@@ -302,6 +317,8 @@ def build_engine(
         if not check_replaceable(output, request, force):
             log(f"{output} is already built for this model, policy and limits (use --force to rebuild)")
             return output
+        if backend == "torch":
+            return _build_torch(output, policy, config, model_name, model_path, request, smoke, log)
         return _build(output, policy, config, model, model_name, model_path, request, smoke, tensorrt, log)
 
 
@@ -313,6 +330,17 @@ def check_exportable_model(model_path: str) -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     check_supported(AutoConfig.from_pretrained(model_path))
+
+
+def _swap_in(tmp: Path, output: Path) -> None:
+    """Rename the finished ``tmp`` into ``output`` (``--force``: the old directory is dropped after the swap)."""
+    if output.exists():
+        old = temporary_dir(output.parent, f".{output.name}.old-")
+        output.rename(old / "engine")
+        tmp.rename(output)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(output)
 
 
 def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | None, model_name: str, model_path: str,
@@ -332,13 +360,7 @@ def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | Non
         content["tensorrt"] = tensorrt_step(tmp, result, log) if tensorrt else _skipped("--skip-tensorrt was given", log)
         content["build_seconds"] = round(time.perf_counter() - start, 1)
         write_manifest(tmp, content)
-        if output.exists():  # --force: swap the new directory in, then drop the old one
-            old = temporary_dir(output.parent, f".{output.name}.old-")
-            output.rename(old / "engine")
-            tmp.rename(output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(output)
+        _swap_in(tmp, output)
         log(f"engine written to {output} ({result.weights_bytes / 2**20:.0f} MiB of weights, "
             f"KV buffers {result.shapes()['kv_buffer_bytes'] / 2**20:.1f} MiB for batch {config.max_batch_size})")
         return output
@@ -346,3 +368,107 @@ def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | Non
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
+
+
+# ---------------------------------------------------------------------- the torch backend
+def torch_engine_content(model, policy: KVPolicy, config: BuildConfig, tokenizer=None, model_name: str = "custom",
+                         model_path: str = "") -> dict[str, Any]:
+    """The manifest content of a torch engine directory for ``model`` (a transformers model: real weights, or the
+    structure alone on the meta device): the limits, shapes and policy the other backends record, and the ``torch``
+    section naming the checkpoint ``model_path`` (with its fingerprint; empty for an in-memory model, which must then
+    be handed to the backend). No ``onnx`` section: no graph is exported."""
+    from criticalkv.export.exporter import check_model_limits
+    from criticalkv.export.llama import layer_capacities, model_spec
+    from criticalkv.hf.torch_backend import DTYPES, torch_manifest_section
+
+    spec = model_spec(model)
+    check_model_limits(model, spec, config)
+    capacities = layer_capacities(policy, spec, config.max_input_len)
+    decode = [c + config.max_question_len + config.max_new_tokens for c in capacities]
+    element = DTYPES[config.dtype].itemsize
+    return {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": {"name": model_name, "path": model_path, "model_type": spec.model_type, "spec": spec.to_dict()},
+        "policy": policy.to_dict(),
+        "policy_schema_version": SCHEMA_VERSION,
+        "build": config.to_dict(),
+        "shapes": {"prefill_capacity": capacities, "decode_capacity": decode,
+                   "kv_buffer_bytes": 2 * config.max_batch_size * spec.num_kv_heads * spec.head_dim * element * sum(decode)},
+        "torch": {**(torch_manifest_section(model_path) if model_path else {"checkpoint": None}),
+                  "dtype_on_cuda": config.dtype, "dtype_on_cpu": "float32"},
+        "generation": {"eos_token_ids": stop_token_ids(tokenizer, model) if tokenizer is not None else [],
+                       "chat_template": bool(getattr(tokenizer, "chat_template", None))},
+        "versions": package_versions(),
+    }
+
+
+def structure_of(model_path: str):
+    """The checkpoint's model without its weights (the meta device): enough for its spec and limits, in a second
+    whatever its size; its generation config is the checkpoint's (the stop ids)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if (Path(model_path) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(model_path)
+    return model
+
+
+def torch_smoke_test(folder: Path, manifest: dict[str, Any], tokenizer, policy: KVPolicy, config: BuildConfig,
+                     log: Callable[[str], None]) -> dict[str, Any]:
+    """Generate a few greedy tokens on the torch backend (its device and dtype) from a prompt long enough to be
+    compressed, and the same with the PyTorch path on the backend's model; record whether they agree."""
+    n = min(config.max_input_len, policy.budget + 64 if policy.name != "full" else 96)
+    ids = list(tokenizer(SMOKE_TEXT * (n // 20 + 2))["input_ids"][:n])
+    vocab = manifest["model"]["spec"]["vocab_size"]
+    ids += [(7919 * i + 11) % vocab for i in range(n - len(ids))]
+    new = min(8, config.max_new_tokens)
+    engine = Engine(folder, manifest, create_backend("torch", folder, manifest))  # the manifest is written last
+    try:
+        got = engine.generate([ids], max_new_tokens=new, stop_token_ids=[])
+        model = engine.backend.model
+        ref = generate(model, torch.tensor([ids], device=engine.backend.device), policy, max_new_tokens=new)
+        device, dtype = str(engine.backend.device), str(engine.backend.dtype).removeprefix("torch.")
+    finally:
+        engine.close()
+    same_indices = all(
+        got.kept(layer, 0, h) == [i for i in sel.indices[0, h].tolist() if i >= 0]
+        for layer, sel in enumerate(ref.prefill.selections)
+        for h in range(sel.indices.shape[1])
+    )
+    result = {"prompt_tokens": len(ids), "new_tokens": len(got.tokens[0]), "token_ids": got.tokens[0],
+              "pytorch_token_ids": ref.tokens[0], "tokens_match_pytorch": got.tokens[0] == ref.tokens[0],
+              "kept_indices_match_pytorch": same_indices, "device": device, "dtype": dtype,
+              "prefill_s": round(got.prefill_s, 4), "decode_s_per_token": round(got.decode_s_per_token, 5)}
+    status = "matches" if result["tokens_match_pytorch"] and same_indices else "DIFFERS FROM"
+    log(f"smoke test: {len(ids)}-token prompt, {result['new_tokens']} tokens on the torch backend ({device}, {dtype}); "
+        f"{status} the PyTorch path (tokens {result['tokens_match_pytorch']}, kept indices {same_indices})")
+    return result
+
+
+def _build_torch(output: Path, policy: KVPolicy, config: BuildConfig, model_name: str, model_path: str,
+                 request: dict[str, Any], smoke: bool, log: Callable[[str], None]) -> Path:
+    from transformers import AutoTokenizer
+
+    tmp = temporary_dir(output.parent, f".{output.name}.building-")
+    try:
+        start = time.perf_counter()
+        model = structure_of(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        content = torch_engine_content(model, policy, config, tokenizer, model_name, model_path)
+        tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
+        content["request"] = request
+        log(f"torch engine for {model.config.model_type} ({model.config.num_hidden_layers} layers), policy {policy.name} "
+            f"(budget {policy.budget}): no export, the manifest names {model_path}")
+        if smoke:
+            content["smoke_test"] = torch_smoke_test(tmp, content, tokenizer, policy, config, log)
+        content["build_seconds"] = round(time.perf_counter() - start, 1)
+        write_manifest(tmp, content)
+        _swap_in(tmp, output)
+        log(f"engine written to {output} (torch backend; KV buffers {content['shapes']['kv_buffer_bytes'] / 2**20:.1f} "
+            f"MiB for batch {config.max_batch_size} in {config.dtype} on CUDA)")
+        return output
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

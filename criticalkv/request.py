@@ -6,11 +6,13 @@ Every rule about a request lives here, once, with one set of messages:
 * ``SamplingParams.__post_init__`` checks what a request says on its own (types, ``temperature >= 0``,
   ``0 < top_p <= 1``, ...); ``SamplingParams.from_dict`` reads the JSON form the frontends receive;
 * ``Request.checked(limits)`` checks what depends on the engine (prompt length, token ids, ``max_tokens`` within
-  the built maximum, ``kv_budget`` within the policy's range: ``KVPolicy.request_budget``) and fills the defaults.
+  the built maximum, ``kv_budget`` within the policy's range: ``KVPolicy.request_budget``) and fills the defaults:
+  it returns a ``CheckedRequest``, whose ``budget`` is the int the selection runs with.
 
 The command line, ``Engine``, the serving scheduler, the Triton model and the OpenAI frontend all build a
-``Request`` and call ``Engine.check`` (= ``Request.checked`` with the engine's limits); nothing downstream
-checks again. A violated rule raises ``RequestError`` naming the field.
+``Request`` and call ``Engine.check`` (= ``Request.checked`` with the engine's limits) once, at the edge; ``Engine``
+takes a ``CheckedRequest`` of its own limits as it is and hands the backends its int ``budget``, which they trust
+(no backend checks a budget again). A violated rule raises ``RequestError`` naming the field.
 """
 
 from __future__ import annotations
@@ -207,4 +209,22 @@ class Request:
             raise RequestError(str(err)) from None
         if budget is not None and not limits.accepts_kv_budget:
             raise RequestError(NO_BUDGET_INPUT)
-        return replace(self, sampling=sampling, kv_budget=budget)
+        return CheckedRequest(self.prompt_token_ids, sampling, budget, self.request_id, context, limits=limits,
+                              budget=limits.policy.budget if budget is None else budget)
+
+
+@dataclass(frozen=True)
+class CheckedRequest(Request):
+    """A ``Request`` that ``Request.checked`` passed against one engine's ``limits``: ``max_tokens`` set, ``kv_budget``
+    None for the built budget (as given, normalised), and ``budget``: the int budget (tokens per KV head) its selection
+    runs with, in [min_budget, the built budget], what the backends receive. ``Engine.check`` returns one of its own
+    limits unchanged (checked once)."""
+
+    budget: int = 0
+    limits: EngineLimits | None = field(default=None, compare=False, repr=False)
+
+    def checked(self, limits: EngineLimits) -> "CheckedRequest":
+        if limits is self.limits:
+            return self
+        return Request(self.prompt_token_ids, self.sampling, self.kv_budget, self.request_id,
+                       self.context_token_ids).checked(limits)

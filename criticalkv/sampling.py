@@ -19,11 +19,14 @@ class Sampler:
         self.rng = np.random.default_rng(self.config.seed)
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
-        logits = np.asarray(logits, dtype=np.float64)
+        logits = np.asarray(logits)
         if logits.ndim != 2:
             raise ValueError(f"logits: expected [batch, vocab], got shape {logits.shape}")
         if self.config.temperature == 0:
+            # in the logits' own dtype: widening is exact and keeps the order, so the argmax is float64's, without a
+            # float64 copy of every row (66 MB per decode step for 64 rows of a 128k vocabulary)
             return logits.argmax(axis=-1).astype(np.int64)
+        logits = logits.astype(np.float64)
         z = logits / self.config.temperature
         z -= z.max(axis=-1, keepdims=True)
         probs = np.exp(z)

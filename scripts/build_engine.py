@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Build an engine directory: export to ONNX (selection inside the graph), validate, smoke-test on
 ONNX Runtime, build TensorRT engines when TensorRT and a GPU are present, write manifest.json.
+With --backend torch: no export, a manifest naming the checkpoint for the torch backend, smoke-tested on it.
 
     python scripts/build_engine.py --kv-policy criticalkv --budget 256 --output engines/smollm2-criticalkv
+    python scripts/build_engine.py --backend torch --model PATH --dtype bfloat16 --output engines/model-torch
 
 Exit status: 0 when the engine directory is written and the TensorRT engines were built or skipped
 (TensorRT, a GPU or the plugin is missing here: it says which); 3 when the engine directory is written
@@ -35,8 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
                    help=f"largest batch (default: {defaults.max_batch_size})")
     p.add_argument("--dtype", choices=EXPORT_DTYPES, default=defaults.dtype,
-                   help="precision of the TensorRT engines: float16 (default), bfloat16, or float32 (TF32 off: matches "
-                        "ONNX Runtime token for token). The ONNX graphs and ONNX Runtime are always fp32")
+                   help="precision of the TensorRT engines, and of the torch backend on a GPU: float16 (default), "
+                        "bfloat16, or float32 (TF32 off: matches ONNX Runtime token for token). The ONNX graphs and "
+                        "ONNX Runtime are always fp32, and so is the torch backend on the CPU")
     p.add_argument("--attention-chunk", type=int, default=defaults.attention_chunk,
                    help=f"query block size of the prompt attention (default: {defaults.attention_chunk})")
     p.add_argument("--extend-chunk", type=int, default=defaults.extend_chunk,
@@ -54,7 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true",
                    help="rebuild, replacing the engine at --output; anything there that is not an engine directory "
                    "(a file, other folders) is never replaced")
-    p.add_argument("--skip-smoke-test", action="store_true", help="do not run the ONNX Runtime smoke generation")
+    p.add_argument("--backend", choices=("onnx", "torch"), default="onnx",
+                   help="onnx (default): export the ONNX graphs (ONNX Runtime, and TensorRT engines where TensorRT runs); "
+                        "torch: no export, a manifest naming the checkpoint for the torch backend (the model's own "
+                        "layers with the selection op; CUDA graphs on a GPU, in --dtype there, float32 on the CPU). The "
+                        "checkpoint must stay where it is: the engine loads it from there")
+    p.add_argument("--skip-smoke-test", action="store_true",
+                   help="do not run the smoke generation (ONNX Runtime, or the torch backend, against the PyTorch path)")
     p.add_argument("--skip-tensorrt", action="store_true", help="do not try to build TensorRT engines")
     KVPolicy.add_arguments(p)
     return p.parse_args(argv)
@@ -70,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             config = BuildConfig(args.max_input_len, args.max_new_tokens, args.max_batch_size, args.dtype,
                                  args.attention_chunk, args.extend_chunk, args.max_question_len, args.kv_dtype)
             folder = build_engine(args.output, policy, config, model=args.model, force=args.force,
-                                  smoke=not args.skip_smoke_test, tensorrt=not args.skip_tensorrt)
+                                  smoke=not args.skip_smoke_test, tensorrt=not args.skip_tensorrt,
+                                  backend=args.backend)
     except (ValueError, OSError) as err:
         print(f"build_engine: error: {err}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ import pytest
 
 from criticalkv import KVPolicy
 from criticalkv.errors import EngineError, RequestError
-from criticalkv.request import DEFAULT_MAX_TOKENS, EngineLimits, Request, SamplingParams
+from criticalkv.request import DEFAULT_MAX_TOKENS, CheckedRequest, EngineLimits, Request, SamplingParams
 
 
 def limits(policy=None, **changes):
@@ -93,3 +93,17 @@ def test_the_budget_range_is_the_policys_one_rule():
     with pytest.raises(ValueError, match=r"kv_budget must lie in \[8, 40\]"):
         policy.with_budget(6)
     assert policy.with_budget(12).budget == 12 and KVPolicy("full").with_budget(12) == KVPolicy("full")
+
+
+def test_a_checked_request_carries_its_int_budget_and_is_checked_once():
+    mine = limits()
+    checked = Request([3, 4], kv_budget=20).checked(mine)
+    assert isinstance(checked, CheckedRequest) and checked.budget == 20 and checked.kv_budget == 20
+    built = Request([3, 4]).checked(mine)
+    assert built.budget == 40 and type(built.budget) is int and built.kv_budget is None  # the built budget, as an int
+    assert checked.checked(mine) is checked  # checked once: its own engine takes it as it is
+    # another engine's limits check it again, with that engine's rules
+    with pytest.raises(RequestError, match="kv_budget"):
+        checked.checked(limits(KVPolicy(budget=16, window=8)))
+    with pytest.raises(RequestError, match=r"max_tokens must lie in \[1, 8\]"):  # its filled default is now its own
+        checked.checked(limits(max_new_tokens=8))

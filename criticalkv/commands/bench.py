@@ -6,8 +6,9 @@ one), ``docqa`` (the compressed context cache), ``memory`` (memory-bound decode)
 GenAI, with the CPU's GEMM and bandwidth floors); the engine alone: ``latency`` (selection share of the prefill, decode
 per token, decode memory), ``selection`` (the selection nodes of several policies), ``norm-flops``, ``profile`` (where
 a prefill and a decode step spend their time); on a GPU: ``gpu`` (every policy's selection per layer against the
-layer's prefill, with the GPU's floors, under ``results/gpu/``; ``scripts/gpu_check.sh`` runs it with the GPU tests);
-and ``targets`` / ``report`` (from the result files, no model run)."""
+layer's prefill, with the GPU's floors, under ``results/gpu/``; ``scripts/gpu_check.sh`` runs it with the GPU tests)
+and ``gpu-serve`` (the torch backend served in process); and ``targets`` / ``report`` (from the result files, no model
+run)."""
 
 from __future__ import annotations
 
@@ -141,6 +142,14 @@ def register(subparsers) -> None:
 
     _register_served_loads(sub)
     _register_engine_benchmarks(sub)
+
+    from criticalkv.bench import gpu_serve
+
+    gpu = sub.add_parser("gpu-serve", help="the torch backend served in process on a GPU (8B-shaped model, 8k/32k "
+                         "prompts, concurrency 1-64, full vs compressed under one KV memory, kvpress): results/gpu/",
+                         description=plain(gpu_serve.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    gpu_serve.add_arguments(gpu)
+    gpu.set_defaults(func=run_gpu_serve)
 
     from criticalkv.bench import targets
 
@@ -295,6 +304,13 @@ def run_serve(args) -> int:
 
     args.command_line = getattr(args, "command_line", None) or command_line()
     return serving.main(args)
+
+
+def run_gpu_serve(args) -> int:
+    from criticalkv.bench import gpu_serve
+
+    args.command_line = getattr(args, "command_line", None) or command_line()
+    return gpu_serve.main(args)
 
 
 def run_interference(args) -> int:

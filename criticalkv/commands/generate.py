@@ -22,8 +22,8 @@ def register(subparsers) -> None:
         "generate",
         help="generate text after compressing the prompt's KV cache",
         description="Prefill the prompt, keep only the KV entries the policy selects, then decode. "
-        "Runs the transformers model (PyTorch) by default, or a built engine directory on ONNX Runtime "
-        "with --engine-dir (its policy and limits come from the engine's manifest).",
+        "Runs the transformers model (PyTorch) by default, or a built engine directory with --engine-dir on ONNX "
+        "Runtime, TensorRT or the torch backend (its policy and limits come from the engine's manifest).",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", type=Path, help="text file with the prompt")
@@ -36,9 +36,10 @@ def register(subparsers) -> None:
     p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--engine-dir", type=Path,
                    help="run an engine built by scripts/build_engine.py (ONNX Runtime or TensorRT) instead of PyTorch")
-    p.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default=None,
-                   help="with --engine-dir only: ONNX Runtime (CPU, default) or the TensorRT engines "
-                        "(GPU, CUDA graphs)")
+    p.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch"), default=None,
+                   help="with --engine-dir only: ONNX Runtime (CPU; the default for an exported engine), the TensorRT "
+                        "engines (GPU, CUDA graphs), or torch (the checkpoint's own layers with the selection op: CUDA "
+                        "graphs on a GPU, else the CPU; the default for an engine built with --backend torch)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as the user turn of the model's chat template")
     p.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=64,
                    help="tokens to generate at most (default: 64)")
@@ -129,8 +130,13 @@ def report(args, policy: KVPolicy, tokenizer, prompt_len: int, tokens: list[int]
         }))
     else:
         print(f"\n[criticalkv] {backend} | prompt {prompt_len} tokens | KV kept {kv_kept / 2**20:.2f} of "
-              f"{kv_full / 2**20:.2f} MiB | prefill {timings['prefill_s']:.2f} s (selection {timings['selection_s']:.3f} s)"
+              f"{kv_full / 2**20:.2f} MiB | prefill {timings['prefill_s']:.2f} s ({_selection(timings['selection_s'])})"
               f" | decode {1000 * timings['decode_s_per_token']:.1f} ms/token", file=sys.stderr)
+
+
+def _selection(seconds: float | None) -> str:
+    """The selection's time, or why there is none (TensorRT runs the plugin inside the engine, timed as prefill)."""
+    return "selection not timed apart" if seconds is None else f"selection {seconds:.3f} s"
 
 
 def engine_policy(args, built: KVPolicy) -> tuple[KVPolicy, int | None]:
@@ -168,7 +174,6 @@ def run_engine(args) -> int:
     ):
         if value is not None:
             raise ValueError(f"{flag} and --engine-dir exclude each other: {why}")
-    args.backend = args.backend or "onnxruntime"
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     # the policy flags against the built policy (its manifest, read in milliseconds): a bad --budget fails before
     # the engine loads
@@ -176,6 +181,9 @@ def run_engine(args) -> int:
     inputs = read_inputs(args)
     # profile=True: ONNX Runtime profiles the prefill run, which gives the selection nodes' time
     # (TensorRT reports selection_s as null: the plugin runs inside the engine, timed as part of prefill)
+    from criticalkv.runtime.manifest import default_backend, read_manifest
+
+    args.backend = args.backend or default_backend(read_manifest(args.engine_dir, verify=False))
     options = {"profile": True} if args.backend == "onnxruntime" else {}
     engine = Engine.load(args.engine_dir, backend=args.backend, **options)
     try:

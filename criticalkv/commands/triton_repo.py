@@ -30,12 +30,17 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-cache-mib", type=float, default=256.0,
                    help="compressed contexts kept for reuse per instance, MiB (default: 256; 0 = none): a request's "
                         "`context` is compressed once and later questions about it skip its prefill")
-    p.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
-                   help="onnxruntime (KIND_CPU, default) or tensorrt (KIND_GPU)")
+    p.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch"), default=None,
+                   help="onnxruntime (KIND_CPU; the default for an exported engine), tensorrt (KIND_GPU), or torch (the "
+                        "checkpoint's own layers and the selection op; the default for an engine built with --backend "
+                        "torch; needs torch and transformers in the model's Python: the bundled CPU server's model "
+                        "environment reaches the project's, a Triton container needs them installed)")
     p.add_argument("--gpus", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="with --backend tensorrt: comma-separated GPU ids (default: 0)")
+                   help="with --backend tensorrt (default: 0) or torch (default: none given, KIND_CPU, and torch picks "
+                        "CUDA when it sees a GPU): comma-separated GPU ids, one instance per GPU")
     p.add_argument("--threads", type=int, default=0,
-                   help="ONNX Runtime threads per instance (default: 0 = ORT's choice)")
+                   help="ONNX Runtime (or, with --backend torch on the CPU, torch) threads per instance "
+                        "(default: 0 = the library's choice)")
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:

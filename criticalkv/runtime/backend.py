@@ -16,7 +16,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from criticalkv.errors import EngineError
-from criticalkv.request import NO_BUDGET_INPUT
 
 
 @dataclass
@@ -28,6 +27,7 @@ class PrefillOutputs:
     lengths : per layer [B, H_kv] int32, kept entries per head
     indices : per layer [B, H_kv, cap_l] int32, kept positions into the padded prompt, -1 padded
     seconds : wall time of the prefill call
+    selection_s : the selection's share of it, when the backend times it (the torch backend: every layer's op)
     """
 
     logits: np.ndarray
@@ -36,6 +36,7 @@ class PrefillOutputs:
     lengths: list[np.ndarray]
     indices: list[np.ndarray]
     seconds: float
+    selection_s: float | None = None
 
 
 @dataclass
@@ -138,10 +139,10 @@ class Backend(Protocol):
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 kv_budget: int | None = None) -> PrefillOutputs:
-        """Run the prompt ([B, n] int64 each, left-padded) with the budget ``kv_budget`` (tokens per KV head,
-        <= the built budget; the caller checks the range, see ``KVPolicy.with_budget``). None keeps the built
-        budget; another budget needs a prefill graph with a ``kv_budget`` input (every engine built since the
-        input exists has one)."""
+        """Run the prompt ([B, n] int64 each, left-padded) with the budget ``kv_budget`` (tokens per KV head: a
+        ``CheckedRequest``'s ``budget``, which the backend trusts: ``Request.checked`` is the one place that checks
+        its range, and that an engine whose prefill graph has no ``kv_budget`` input gets only the built budget).
+        None keeps the built budget."""
 
     def begin_decode(self, prefill: PrefillOutputs) -> None:
         """Copy the kept K/V and lengths of the last prefill into rows 0..B-1 (B = prefill's batch)."""

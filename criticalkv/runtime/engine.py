@@ -26,9 +26,9 @@ import numpy as np
 from criticalkv.errors import EngineError, RequestError
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
-from criticalkv.request import NO_BUDGET_INPUT, EngineLimits, Request, SamplingParams
+from criticalkv.request import CheckedRequest, EngineLimits, Request, SamplingParams
 from criticalkv.runtime.backend import Backend, RowSnapshot
-from criticalkv.runtime.manifest import read_manifest
+from criticalkv.runtime.manifest import default_backend, read_manifest
 from criticalkv.runtime.profiling import selection_profile
 from criticalkv.runtime.registry import create_backend
 from criticalkv.sampling import Sampler, decode_loop
@@ -101,7 +101,7 @@ class PrefillJob:
     prefill buffer, its last ``window`` queries are kept, and ``finish_prefill`` runs the selection over the whole
     prompt and loads the kept entries into a slot."""
 
-    request: Request
+    request: CheckedRequest
     buffer: Any
     done: int = 0  # prompt tokens prefilled so far
     queries: list | None = None  # per layer the last window queries seen so far [1, H, <= w, d_h]
@@ -155,14 +155,17 @@ class Engine:
         self._rows: list[int] = []  # rows[r] = the slot whose entries row r holds; rows 0..B-1 are occupied
 
     @classmethod
-    def load(cls, folder: str | os.PathLike, backend: str = "onnxruntime", verify: bool = True, **options: Any) -> "Engine":
+    def load(cls, folder: str | os.PathLike, backend: str | None = None, verify: bool = True, **options: Any) -> "Engine":
         """Open ``folder`` (checks the manifest, its format version and every file; ``verify`` also
-        checks sha256). ``options`` go to the backend (ONNX Runtime: ``threads``, ``profile``, ``providers``,
+        checks sha256) on ``backend`` (None: ``torch`` for a directory built with ``--backend torch``, else
+        ``onnxruntime``). ``options`` go to the backend (torch: ``model``, ``device``, ``dtype``, ``cuda_graphs``,
+        ``threads``: see ``criticalkv.hf.torch_backend``; ONNX Runtime: ``threads``, ``profile``, ``providers``,
         ``weights``, ``decode`` = ``"auto"`` / ``"fused"`` / ``"portable"`` (the decode graph: decode_ort.onnx or
         decode.onnx; default ``$CRITICALKV_ORT_DECODE`` or auto), ``prepack``, ``spinning``: see
         ``criticalkv.runtime.onnxruntime_backend``)."""
         folder = Path(folder)
         manifest = read_manifest(folder, verify=verify)
+        backend = backend or default_backend(manifest)
         return cls(folder, manifest, create_backend(backend, folder, manifest, **options))
 
     @property
@@ -186,9 +189,10 @@ class Engine:
         return self._tokenizer
 
     # ------------------------------------------------------------------ requests and slots
-    def check(self, request: Request) -> Request:
+    def check(self, request: Request) -> CheckedRequest:
         """``request`` checked against this engine (``Request.checked``), defaults filled; ``RequestError``
-        naming the field otherwise. ``prefill`` checks a request that was not checked here."""
+        naming the field otherwise. A ``CheckedRequest`` of this engine comes back as it is: ``prefill`` and
+        ``begin_prefill`` check only a request that was not checked here."""
         if not isinstance(request, Request):
             raise RequestError(f"expected a criticalkv.request.Request, got {type(request).__name__}")
         return request.checked(self.limits)
@@ -243,7 +247,7 @@ class Engine:
         ids = np.asarray(request.prompt_token_ids, dtype=np.int64)[None, :]
         n = ids.shape[1]
         pre = self.backend.prefill(ids, np.ones_like(ids), np.arange(n, dtype=np.int64)[None, :],
-                                   kv_budget=request.kv_budget)
+                                   kv_budget=request.budget)
         row = len(self._rows)
         self.backend.load_row(row, pre, 0)
         self._rows.append(slot)
@@ -259,6 +263,18 @@ class Engine:
         """One decode step: ``tokens[i]`` is fed to ``slots[i]`` at that slot's next position. ``slots`` are all
         the occupied slots (any order). Returns logits [len(slots), vocab] in the order of ``slots``, valid until
         the next call. Each slot's logits depend on that slot's entries only."""
+        return self._decode(slots, tokens, self.backend.decode)
+
+    def decode_greedy(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """``decode``, returning each slot's greedy next token [len(slots)] int64 (the argmax of its logits, ties to
+        the lower id: ``Sampler``'s greedy choice) instead of the logits. A backend that takes the argmax on its
+        device (``decode_greedy``: the torch backend) then copies B ids to the host instead of B x vocab floats."""
+        step = getattr(self.backend, "decode_greedy", None)
+        if step is None:
+            return self.decode(slots, tokens).argmax(axis=-1).astype(np.int64)
+        return self._decode(slots, tokens, step)
+
+    def _decode(self, slots: Sequence[int], tokens: Sequence[int], step) -> np.ndarray:
         slots = [int(s) for s in slots]
         if sorted(slots) != sorted(self._rows) or len(set(slots)) != len(slots):
             raise EngineError(f"decode runs every occupied slot once: occupied {sorted(self._rows)}, got {slots}")
@@ -269,10 +285,10 @@ class Engine:
         in_row_order = bool((rows == np.arange(len(rows))).all())
         by_row = tokens if in_row_order else tokens[np.argsort(rows)]
         positions = np.array([self._slots[s].position for s in self._rows], dtype=np.int64)
-        logits = self.backend.decode(by_row, positions)
+        out = step(by_row, positions)
         for s in slots:
             self._slots[s].position += 1
-        return logits if in_row_order else logits[rows]
+        return out if in_row_order else out[rows]
 
     def save(self, slot: int) -> SlotSnapshot:
         """A copy of ``slot``'s entries and position (the slot is unchanged and stays occupied)."""
@@ -328,14 +344,21 @@ class Engine:
         for at in range(0, ids.size, self.extend_chunk):  # the graph takes at most extend_chunk tokens per run
             part = slice(at, at + self.extend_chunk)
             out = self.backend.extend_buffer(job.buffer, ids[None, part], positions[None, part])
-            w = self.policy.window
-            job.queries = out.window_queries if job.queries is None else [
-                np.concatenate([old, new], axis=2)[:, :, -w:] for old, new in zip(job.queries, out.window_queries)]
+            job.queries = out.window_queries if job.queries is None else self._join_queries(job.queries, out.window_queries)
             logits = out.logits
         job.done += ids.size
         job.logits = np.array(logits[0], dtype=np.float32)
         job.seconds += time.perf_counter() - start
         return job.remaining == 0
+
+    def _join_queries(self, old: list, new: list) -> list:
+        """Per layer the last ``window`` queries of ``old`` then ``new`` ([1, H, *, d_h]): host arrays here, or the
+        backend's own tensors through its ``join_window_queries`` (the torch backend keeps them on its device)."""
+        w = self.policy.window
+        join = getattr(self.backend, "join_window_queries", None)
+        if join is not None:
+            return join(old, new, w)
+        return [np.concatenate([a, b], axis=2)[:, :, -w:] for a, b in zip(old, new)]
 
     def finish_prefill(self, job: PrefillJob, slot: int) -> PrefillResult:
         """Select over ``job``'s whole prompt (the same kept entries as ``prefill``'s one run) and load them into
@@ -344,7 +367,7 @@ class Engine:
             raise EngineError(f"finish_prefill: {job.remaining} prompt tokens are not prefilled yet")
         self._free_slot(slot)
         start = time.perf_counter()
-        selected = self.backend.select(job.buffer, job.queries, kv_budget=job.request.kv_budget)
+        selected = self.backend.select(job.buffer, job.queries, kv_budget=job.request.budget)
         row = len(self._rows)
         self.backend.load_row(row, selected, 0)
         self._rows.append(slot)
@@ -441,12 +464,12 @@ class Engine:
         if questions is not None:
             return self._generate_questions(prompts, questions, sampling, stop_token_ids, on_tokens, kv_budget)
         ids, mask, requests = self._batch(prompts, attention_mask, sampling, kv_budget)
-        budget = requests[0].kv_budget
+        budget = requests[0].budget
         lengths = mask.sum(1)
         sampler = Sampler(sampling)
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
         pre = self.backend.prefill(ids, mask, positions, kv_budget=budget)
-        selection_s = None
+        selection_s = pre.selection_s
         end_profiling = getattr(self.backend, "end_profiling", None)
         if end_profiling is not None:
             trace = end_profiling()

@@ -19,6 +19,14 @@ FORMAT = "criticalkv-engine"
 #: Bumped whenever graph I/O, file layout or manifest fields change incompatibly. 2: extend.onnx and select.onnx
 #: (+ TensorRT flavours) and ``build.extend_chunk``, which chunked prefill and the context cache need.
 FORMAT_VERSION = 2
+#: The section of a torch engine directory's manifest (the checkpoint it runs), which has no ``onnx`` section.
+TORCH_KEY = "torch"
+
+
+def default_backend(manifest: dict[str, Any]) -> str:
+    """The backend an engine directory runs on when none is named: ``torch`` for a directory built for it (it has no
+    ONNX graphs), else ``onnxruntime``."""
+    return "torch" if "onnx" not in manifest and TORCH_KEY in manifest else "onnxruntime"
 
 
 def file_table(folder: Path) -> dict[str, dict[str, Any]]:
@@ -66,7 +74,9 @@ def read_manifest(folder: str | Path, verify: bool = True) -> dict[str, Any]:
             f"{path}: engine format_version {version!r} (built by criticalkv {built_by}) is not supported; this "
             f"criticalkv reads format_version {FORMAT_VERSION}. Rebuild the engine with scripts/build_engine.py"
         )
-    for key in ("policy", "model", "build", "shapes", "onnx", "files"):
+    # an engine for the torch backend (build_engine --backend torch) names its checkpoint instead of ONNX graphs
+    graphs = "torch" if TORCH_KEY in manifest else "onnx"
+    for key in ("policy", "model", "build", "shapes", graphs, "files"):
         if key not in manifest:
             raise EngineError(f"{path}: corrupt manifest, missing {key!r}; rebuild the engine")
     if manifest.get("policy_schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:

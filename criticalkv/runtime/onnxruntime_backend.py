@@ -49,7 +49,6 @@ import onnxruntime as ort
 from onnx import helper
 
 from criticalkv.runtime.backend import (
-    NO_BUDGET_INPUT,
     BuiltShapes,
     ExtendOutputs,
     PrefillBuffer,
@@ -107,6 +106,9 @@ class OnnxRuntimeBackend(BuiltShapes):
         self.ort = ort
         self.folder = Path(folder)
         self.manifest = manifest
+        if "onnx" not in manifest:
+            raise EngineError(f"{folder}: no ONNX graphs in this engine directory (built with --backend torch): run "
+                              "it on the torch backend, or rebuild it without --backend torch")
         self.read_shapes(manifest)
         files = manifest["onnx"]["files"]
         if threads is None:
@@ -224,8 +226,6 @@ class OnnxRuntimeBackend(BuiltShapes):
         if self._budget_input is not None:
             budget = self.built_budget if kv_budget is None else kv_budget
             feeds["kv_budget"] = budget_feed(budget, self._budget_input.type, len(self._budget_input.shape))
-        elif kv_budget is not None and kv_budget != self.built_budget:
-            raise EngineError(NO_BUDGET_INPUT)
         start = time.perf_counter()
         outputs = self.prefill_session.run(None, feeds)
         seconds = time.perf_counter() - start

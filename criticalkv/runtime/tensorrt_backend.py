@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 from criticalkv.runtime.backend import (
-    NO_BUDGET_INPUT,
     BuiltShapes,
     ExtendOutputs,
     PrefillBuffer,
@@ -87,7 +86,8 @@ def engine_files(folder: Path, manifest: dict[str, Any]) -> dict[str, Path]:
     info = manifest.get("tensorrt") or {}
     if not info.get("built"):
         why = f"the TensorRT build failed: {info['error']}" if info.get("failed") else \
-            info.get("skipped_reason", "the build did not try")
+            info.get("skipped_reason", "it was built with --backend torch, which exports no graph" if "onnx" not in
+                     manifest else "the build did not try")
         raise EngineError(
             f"{folder}: no TensorRT engines in this engine directory ({why}). Rebuild it with "
             "scripts/build_engine.py on a machine with TensorRT 10, a CUDA GPU and the plugin "
@@ -291,8 +291,6 @@ class TensorRTBackend(BuiltShapes):
             budget = self.built_budget if kv_budget is None else kv_budget
             kind = "tensor(int64)" if self._dtype(eng, "kv_budget") == torch.int64 else "tensor(int32)"
             feeds["kv_budget"] = budget_feed(budget, kind, len(eng.get_tensor_shape("kv_budget")))
-        elif kv_budget is not None and kv_budget != self.built_budget:
-            raise EngineError(NO_BUDGET_INPUT)
         keep_alive = []
         with torch.cuda.stream(self.stream):
             for name, array in feeds.items():

@@ -188,7 +188,8 @@ def layer_scores(
     num_kv_heads, n = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
     m = n - w
-    memo = memo if memo is not None else ScoreMemo()
+    shared = memo is not None
+    memo = memo if shared else ScoreMemo()
     whole_key = ("scores", layer_idx, scoring_key(policy))
     if whole_key in memo.entries:
         return memo.entries[whole_key]
@@ -240,6 +241,8 @@ def layer_scores(
     for name in deferred:
         out.pop(name, None)
     result = LayerScores(out, deferred)
-    memo.entries[whole_key] = result
+    if shared:  # kept for the next policy; a private memo holding it would make a cycle (memo -> scores -> their lazy
+        # parts -> memo) that keeps the layer's K/V alive until Python's cycle collector runs, not until the call ends
+        memo.entries[whole_key] = result
     memo.seconds += time.perf_counter() - start
     return result

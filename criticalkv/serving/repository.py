@@ -19,11 +19,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from criticalkv.runtime.manifest import read_manifest
+from criticalkv.runtime.manifest import default_backend, read_manifest
 from criticalkv.serving.scheduler import SchedulerConfig
 
 TEMPLATES = Path(__file__).parent / "templates"
 DEFAULT_MODEL_NAME = "criticalkv"
+#: The backends the Triton model runs an engine on (torch: wherever the model's Python imports torch and transformers;
+#: the bundled CPU server's model environment reaches the project's packages, torch included).
+SERVED_BACKENDS = ("onnxruntime", "tensorrt", "torch")
 
 
 def template_keys(text: str) -> set[str]:
@@ -62,7 +65,7 @@ def make_repository(
     model_name: str = DEFAULT_MODEL_NAME,
     instances: int = 1,
     scheduler: SchedulerConfig | None = None,
-    backend: str = "onnxruntime",
+    backend: str | None = None,
     gpus: list[int] | None = None,
     threads: int = 0,
     execution_env: str | None = None,
@@ -73,8 +76,10 @@ def make_repository(
 
     scheduler : how each instance's scheduler serves (``SchedulerConfig``; max_num_seqs defaults to the engine's max
         batch size and may not exceed it)
-    backend : "onnxruntime" (KIND_CPU) or "tensorrt" (KIND_GPU, one instance per GPU in ``gpus`` times
-        ``instances``)
+    backend : "onnxruntime" (KIND_CPU), "tensorrt" (KIND_GPU, one instance per GPU in ``gpus`` times
+        ``instances``) or "torch" (KIND_GPU on ``gpus`` when given; else KIND_CPU, and the backend picks its device:
+        CUDA when the model's Python sees a GPU, the CPU otherwise); None: the engine directory's default
+        (``default_backend``: torch for a directory built with ``--backend torch``, else onnxruntime)
     execution_env : a virtual environment the model runs in (``EXECUTION_ENV_PATH``; the bundled CPU server
         needs one with numpy<2); python_paths : appended to the model's ``sys.path`` (the project's packages)
     """
@@ -88,15 +93,17 @@ def make_repository(
                          f"rebuild the engine with --max-batch-size {max_num_seqs} to serve more sequences at once")
     if instances < 1:
         raise ValueError(f"instances must be >= 1, got {instances}")
-    if backend not in ("onnxruntime", "tensorrt"):
-        raise ValueError(f"backend {backend!r} is not onnxruntime or tensorrt")
+    backend = backend or default_backend(manifest)
+    if backend not in SERVED_BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(SERVED_BACKENDS)}")
     name = _model_name(model_name)
-    gpu_list = "" if backend == "onnxruntime" else f", gpus: [ {', '.join(str(g) for g in (gpus or [0]))} ]"
+    on_gpu = backend == "tensorrt" or (backend == "torch" and gpus is not None)
+    gpu_list = f", gpus: [ {', '.join(str(g) for g in (gpus or [0]))} ]" if on_gpu else ""
     env_line = "" if not execution_env else \
         f'parameters: {{ key: "EXECUTION_ENV_PATH", value: {{ string_value: "{Path(execution_env).resolve()}" }} }}'
     config = render((TEMPLATES / "config.pbtxt").read_text(), {
         "model_name": name, "instances": instances,
-        "instance_kind": "KIND_CPU" if backend == "onnxruntime" else "KIND_GPU",
+        "instance_kind": "KIND_GPU" if on_gpu else "KIND_CPU",
         "gpus": gpu_list, "execution_env_parameter": env_line,
     })
     arguments = {"engine_dir": str(engine_dir), "backend": backend, "threads": threads,

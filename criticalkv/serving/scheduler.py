@@ -39,11 +39,11 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from criticalkv.errors import EngineError, RequestError
-from criticalkv.request import DEFAULT_MAX_TOKENS, Request
+from criticalkv.request import DEFAULT_MAX_TOKENS, CheckedRequest, Request
 from criticalkv.runtime.engine import Engine, PrefillJob, PrefillResult
 from criticalkv.sampling import Sampler
 from criticalkv.serving.context_cache import ContextCache, context_key
@@ -157,7 +157,7 @@ class RequestHandle:
 @dataclass
 class _Sequence:
     handle: RequestHandle
-    request: Request  # checked by the engine (max_tokens filled, kv_budget normalised)
+    request: CheckedRequest  # checked by the engine at submission (max_tokens filled, its int budget)
     sampler: Sampler
     stop: frozenset[int]
     charge: int  # bytes reserved in the KV memory
@@ -409,7 +409,10 @@ class Scheduler:
             seq.context_cache_hit = False
             self._compressing[seq.key] = seq
         ids = seq.prefill_ids
-        prefill_request = Request(ids, seq.request.sampling, seq.request.kv_budget)
+        # the request was checked at submission (a CheckedRequest of this engine, taken as it is); a context is
+        # prefilled alone as the prompt of the same checked request (it passed the checks with its question after it)
+        prefill_request = seq.request if not seq.request.context_token_ids else \
+            replace(seq.request, prompt_token_ids=ids, context_token_ids=())
         if self.chunked and len(ids) > self.prefill_chunk:
             job = self._guard(seq, lambda: self.engine.begin_prefill(prefill_request))
             if job is not None:
@@ -518,10 +521,16 @@ class Scheduler:
     def _decode_step(self) -> None:
         running = self._running
         tokens = [s.tokens[-1] for s in running]
-        logits = self.engine.decode([s.slot for s in running], tokens)
+        slots = [s.slot for s in running]
+        if all(s.sampler.config.greedy for s in running):  # the same argmax, taken where the backend can (its device)
+            chosen = self.engine.decode_greedy(slots, tokens)
+            sample = lambda row, seq: int(chosen[row])  # noqa: E731
+        else:
+            logits = self.engine.decode(slots, tokens)
+            sample = lambda row, seq: int(seq.sampler(logits[row:row + 1])[0])  # noqa: E731
         finished = []
         for row, seq in enumerate(running):
-            token = int(seq.sampler(logits[row:row + 1])[0])
+            token = sample(row, seq)
             seq.tokens.append(token)
             reason = self._finish_reason(seq, token)
             if reason is None:

@@ -55,3 +55,17 @@ def export_tiny_engine(model, policy, folder: Path, tokenizer=None, **limits) ->
     _, content = export_engine(model, policy, folder, config, tokenizer, model_name="tiny")
     write_manifest(folder, content)
     return folder
+
+
+#: The backends the engine tests that are cheap to repeat run on: ONNX Runtime, and torch (the same engine directory
+#: through the model's own layers and the selection op, given the in-memory model it was exported from).
+ENGINE_BACKENDS = ("onnxruntime", "torch")
+
+
+def load_engine(folder: Path, backend: str, model, **options):
+    """``Engine.load(folder, backend)``; the torch backend gets ``model`` (the directory names no checkpoint)."""
+    from criticalkv.runtime import Engine
+
+    if backend == "torch":
+        options["model"] = model
+    return Engine.load(folder, backend=backend, **options)

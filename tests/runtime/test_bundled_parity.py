@@ -1,7 +1,9 @@
-"""The bundled SmolLM2-135M-Instruct on ONNX Runtime against the PyTorch path, every policy (slow).
+"""The bundled SmolLM2-135M-Instruct on ONNX Runtime and on the torch backend against the PyTorch path, every
+policy (slow).
 
 Greedy output must be identical token for token (32 new tokens after a 1,100-token prompt) and the kept
-indices identical for every layer and KV head. One PyTorch model instance serves every policy; each
+indices identical for every layer and KV head, on both backends (the torch backend runs the same engine directory
+through its own decoder and the selection op, fp32 on the CPU). One PyTorch model instance serves every policy; each
 policy's engine directory is deleted once compared. Both backends run single-threaded here: on the
 2 shared vCPUs of CI, two threads were measured several times slower than one for both torch and ONNX
 Runtime; the thread count does not change what is compared.
@@ -23,6 +25,7 @@ from criticalkv.build import export_engine
 from criticalkv.hf import generate, load_model
 from criticalkv.runtime import Engine, create_backend
 from criticalkv.runtime.onnxruntime_backend import THREADS_ENV
+from policies import POLICY_CASES, make_policy
 
 pytestmark = pytest.mark.slow
 
@@ -69,14 +72,50 @@ def test_onnxruntime_equals_pytorch_on_the_bundled_model(bundled, engines_root, 
         got = engine.generate([ids], max_new_tokens=NEW_TOKENS, stop_token_ids=[])
     finally:
         engine.close()
+    engine = Engine(folder, manifest, create_backend("torch", folder, manifest, model=model))
+    try:
+        on_torch = engine.generate([ids], max_new_tokens=NEW_TOKENS, stop_token_ids=[])
+    finally:
+        engine.close()
     ref = generate(model, torch.tensor([ids]), policy, max_new_tokens=NEW_TOKENS)
     assert got.tokens[0] == ref.tokens[0]
     assert len(got.tokens[0]) == NEW_TOKENS
+    assert on_torch.tokens[0] == got.tokens[0], f"{name}: the torch backend's tokens differ from ONNX Runtime's"
     for layer, selection in enumerate(ref.prefill.selections):
         for head in range(selection.indices.shape[1]):
             expect = [i for i in selection.indices[0, head].tolist() if i >= 0]
             assert got.kept(layer, 0, head) == expect, f"{name}: layer {layer}, KV head {head}"
-    assert got.kv_bytes_kept == ref.kv_bytes_kept
+            assert on_torch.kept(layer, 0, head) == expect, f"{name} on torch: layer {layer}, KV head {head}"
+    assert got.kv_bytes_kept == ref.kv_bytes_kept == on_torch.kv_bytes_kept
+    shutil.rmtree(folder)
+
+
+#: The knob variants of tests/policies.py beyond the policy names above.
+VARIANTS = [case for case in POLICY_CASES if case[0] not in POLICIES]
+
+
+@pytest.mark.parametrize("case", VARIANTS, ids=[case[0] for case in VARIANTS])
+def test_the_torch_backend_equals_onnxruntime_for_the_knob_variants(bundled, engines_root, case):
+    """The knob variants of the policy table (stage-2 scores, value norm, kvpress's reduction, defensivekv's stage-1
+    mass): the torch backend keeps ONNX Runtime's entries and generates its tokens (a shorter run: 600 tokens, 8 new)."""
+    model, ids = bundled
+    case_id, kwargs = case
+    policy = make_policy(kwargs, budget=256, window=32)
+    folder = engines_root / case_id
+    config = BuildConfig(max_input_len=600, max_new_tokens=8)
+    _, manifest = export_engine(model, policy, folder, config, validate=False)
+    outputs = {}
+    for backend, options in (("onnxruntime", {}), ("torch", {"model": model})):
+        engine = Engine(folder, manifest, create_backend(backend, folder, manifest, **options))
+        try:
+            outputs[backend] = engine.generate([ids[:600]], max_new_tokens=8, stop_token_ids=[])
+        finally:
+            engine.close()
+    ort, on_torch = outputs["onnxruntime"], outputs["torch"]
+    assert on_torch.tokens == ort.tokens and len(ort.tokens[0]) == 8
+    for layer in range(len(ort.kept_lengths)):
+        for head in range(ort.kept_lengths[layer].shape[1]):
+            assert on_torch.kept(layer, 0, head) == ort.kept(layer, 0, head), f"{case_id}: layer {layer}, KV head {head}"
     shutil.rmtree(folder)
 
 

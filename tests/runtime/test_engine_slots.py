@@ -7,7 +7,7 @@ import torch
 from criticalkv import KVPolicy
 from criticalkv.runtime import Engine, EngineError, Request, RequestError, SamplingParams
 from criticalkv.sampling import Sampler
-from export.tiny_engine import export_tiny_engine
+from export.tiny_engine import ENGINE_BACKENDS, export_tiny_engine, load_engine
 from hf.conftest import tiny_model
 
 
@@ -15,11 +15,12 @@ def prompt(n, seed=1):
     return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=ENGINE_BACKENDS)
+def engine(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("engine")
     policy = KVPolicy("ada-criticalkv", budget=40, window=8)  # heads keep different lengths
-    engine = Engine.load(export_tiny_engine(tiny_model("llama", seed=4), policy, folder, max_batch_size=3))
+    model = tiny_model("llama", seed=4)
+    engine = load_engine(export_tiny_engine(model, policy, folder, max_batch_size=3), request.param, model)
     yield engine
     engine.release_all()
     engine.close()
@@ -102,3 +103,18 @@ def test_a_saved_slot_restored_elsewhere_continues_exactly(engine):
     assert tokens == expected
     with pytest.raises(EngineError, match="holds no sequence"):
         engine.save(2)
+
+
+def test_decode_greedy_is_the_argmax_of_decode(engine):
+    # the scheduler's step when every request is greedy: the torch backend takes the argmax on its device, the others
+    # on the logits; either way it is the argmax of the step's logits (slots in any order)
+    for slot, n in ((0, 70), (1, 110)):
+        engine.prefill(slot, Request(prompt(n, seed=n)))
+    saved = [engine.save(slot) for slot in (0, 1)]
+    logits = engine.decode([1, 0], [3, 4]).copy()
+    engine.release_all()
+    for slot in (0, 1):
+        engine.restore(slot, saved[slot])
+    tokens = engine.decode_greedy([1, 0], [3, 4])
+    assert tokens.dtype == np.int64 and tokens.tolist() == logits.argmax(axis=-1).tolist()
+    engine.release_all()

@@ -1,10 +1,13 @@
-"""Every supported architecture on ONNX Runtime, from random checkpoints (tests/model_families.py).
+"""Every supported architecture on ONNX Runtime and on the torch backend, from random checkpoints
+(tests/model_families.py).
 
 * ``full`` engines generate exactly the greedy tokens of transformers' own ``generate`` (the oracle is transformers,
   not this project's PyTorch path);
 * the policies of tests/policies.py (and ``layer-defensivekv``) keep exactly the PyTorch path's entries in every layer
   and KV head, on a left-padded batch of two prompts, at the built budget and at a smaller request budget, and the
-  first greedy tokens agree. To stay within CI's time, each policy runs on two architectures (``cases_for``: every
+  first greedy tokens agree (on both backends: the torch backend runs the same engine directory through its own
+  decoder over the model's layers, Qwen3's q/k norms, Qwen2's biases and tied embeddings included). To stay within
+  CI's time, each policy runs on two architectures (``cases_for``: every
   architecture gets 4-5 of them, rotating) and defensivekv on all; the host C++ test of the same checkpoints
   (tests/plugins/test_plugin_model_families.py) runs every policy on every architecture.
 
@@ -27,7 +30,7 @@ from criticalkv.export.tensorrt_rules import check_tensorrt_file
 from criticalkv.hf import generate
 from criticalkv.runtime import Engine
 from criticalkv.runtime.onnxruntime_backend import THREADS_ENV
-from export.tiny_engine import export_tiny_engine
+from export.tiny_engine import ENGINE_BACKENDS, export_tiny_engine, load_engine
 from model_families import FAMILIES, random_checkpoint, random_prompt, recorded_layers, swap_within_noise
 from policies import POLICY_CASES, make_policy
 
@@ -80,14 +83,17 @@ def test_full_engine_generates_what_transformers_generates(fam, tmp_path):
     folder = export_tiny_engine(model, KVPolicy("full"), tmp_path / "full", max_input_len=160, max_new_tokens=12,
                                 max_batch_size=2)
     prompts = [random_prompt(n, seed=100 * seed + n) for n in LENGTHS]
-    engine = Engine.load(folder)
-    try:
-        got = engine.generate(prompts, max_new_tokens=12, stop_token_ids=[])
-    finally:
-        engine.close()
+    outputs = {}
+    for backend in ENGINE_BACKENDS:  # the ONNX graphs, and the torch backend's own decoder over the model's layers
+        engine = load_engine(folder, backend, model)
+        try:
+            outputs[backend] = engine.generate(prompts, max_new_tokens=12, stop_token_ids=[])
+        finally:
+            engine.close()
     for row, p in enumerate(prompts):
         want = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
-        assert got.tokens[row] == want, f"{fam.id}: prompt {row}"
+        for backend, got in outputs.items():
+            assert got.tokens[row] == want, f"{fam.id} on {backend}: prompt {row}"
     # the graphs TensorRT would build pass the ONNX-TensorRT importer's rules (Qwen3's q/k norm included)
     for name in ("prefill_tensorrt.onnx", "decode.onnx", "extend_tensorrt.onnx", "select_tensorrt.onnx"):
         assert check_tensorrt_file(folder / name) == [], (fam.id, name)
@@ -104,34 +110,37 @@ def test_policies_keep_the_pytorch_paths_entries(fam, tmp_path, monkeypatch):
         built = make_policy(kwargs, budget=BUDGET, window=WINDOW)
         folder = export_tiny_engine(model, built, tmp_path / case_id, max_input_len=160, max_new_tokens=NEW_TOKENS,
                                     max_batch_size=2)
-        engine = Engine.load(folder)
+        engines = {backend: load_engine(folder, backend, model) for backend in ENGINE_BACKENDS}
         try:
             for budget in ((BUDGET, 20) if built.method.base.evicts else (BUDGET,)):  # full takes no request budget
                 request = budget if built.method.base.evicts else None
-                got = engine.generate(prompts, max_new_tokens=NEW_TOKENS, stop_token_ids=[], kv_budget=request)
                 ref = generate(model, ids, built.with_budget(budget), max_new_tokens=NEW_TOKENS, attention_mask=mask)
-                where = f"{fam.id}, {case_id}, budget {budget}"
                 assert len(ref.prefill.selections) == layers
-                swaps, inputs = 0, None
-                for layer, selection in enumerate(ref.prefill.selections):
-                    for row in range(len(prompts)):
-                        for head in range(kv_heads):
-                            want = [i for i in selection.indices[row, head].tolist() if i >= 0]
-                            kept = got.kept(layer, row, head)
-                            if kept == want:
-                                continue
-                            if inputs is None and not built.method.model_level:  # the layers' inputs, once
-                                inputs = recorded_layers(model, ids, mask, built.with_budget(budget), monkeypatch)
-                            near_tie = inputs is not None and \
-                                swap_within_noise(built.with_budget(budget), inputs[layer], row, head, kept)
-                            assert near_tie, (f"{where}: layer {layer}, sequence {row}, KV head {head}: ONNX Runtime "
-                                              f"only {sorted(set(kept) - set(want))}, PyTorch only "
-                                              f"{sorted(set(want) - set(kept))}, not a swap within the matmul noise")
-                            swaps += 1
-                if not swaps:
-                    assert got.tokens == ref.tokens, where
+                inputs = None
+                for backend, engine in engines.items():
+                    got = engine.generate(prompts, max_new_tokens=NEW_TOKENS, stop_token_ids=[], kv_budget=request)
+                    where = f"{fam.id}, {case_id}, budget {budget}, {backend}"
+                    swaps = 0
+                    for layer, selection in enumerate(ref.prefill.selections):
+                        for row in range(len(prompts)):
+                            for head in range(kv_heads):
+                                want = [i for i in selection.indices[row, head].tolist() if i >= 0]
+                                kept = got.kept(layer, row, head)
+                                if kept == want:
+                                    continue
+                                if inputs is None and not built.method.model_level:  # the layers' inputs, once
+                                    inputs = recorded_layers(model, ids, mask, built.with_budget(budget), monkeypatch)
+                                near_tie = inputs is not None and \
+                                    swap_within_noise(built.with_budget(budget), inputs[layer], row, head, kept)
+                                assert near_tie, (f"{where}: layer {layer}, sequence {row}, KV head {head}: {backend} "
+                                                  f"only {sorted(set(kept) - set(want))}, PyTorch only "
+                                                  f"{sorted(set(want) - set(kept))}, not a swap within the matmul noise")
+                                swaps += 1
+                    if not swaps:
+                        assert got.tokens == ref.tokens, where
         finally:
-            engine.close()
+            for engine in engines.values():
+                engine.close()
         shutil.rmtree(folder)
 
 

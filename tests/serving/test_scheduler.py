@@ -1,4 +1,5 @@
-"""criticalkv.serving.Scheduler in process (no server): continuous batching on a tiny engine."""
+"""criticalkv.serving.Scheduler in process (no server): continuous batching on a tiny engine, on ONNX Runtime and on
+the torch backend (the scheduler drives both through the Engine API alone)."""
 
 import threading
 
@@ -10,7 +11,7 @@ from criticalkv import KVPolicy
 from criticalkv.runtime import Engine, EngineError
 from criticalkv.request import Request, SamplingParams
 from criticalkv.serving import RequestError, Scheduler
-from export.tiny_engine import export_tiny_engine
+from export.tiny_engine import ENGINE_BACKENDS, export_tiny_engine, load_engine
 from hf.conftest import tiny_model
 
 
@@ -18,11 +19,12 @@ def prompt(n, seed=1):
     return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=ENGINE_BACKENDS)
+def engine(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("engine")
     policy = KVPolicy("criticalkv", budget=40, window=8)
-    engine = Engine.load(export_tiny_engine(tiny_model("llama", seed=4), policy, folder, max_batch_size=4))
+    model = tiny_model("llama", seed=4)
+    engine = load_engine(export_tiny_engine(model, policy, folder, max_batch_size=4), request.param, model)
     yield engine
     engine.close()
 
@@ -210,13 +212,14 @@ def test_backend_decodes_rows_independently(engine):
     np.testing.assert_array_equal(moved[0], alone_logits[0])  # same batch size: bitwise
 
 
-@pytest.fixture(scope="module")
-def chunky(tmp_path_factory):
+@pytest.fixture(scope="module", params=ENGINE_BACKENDS)
+def chunky(request, tmp_path_factory):
     """An engine with extend/select graphs whose attention block (32) the prefill chunks below are multiples of."""
     folder = tmp_path_factory.mktemp("chunky")
     policy = KVPolicy("ada-criticalkv", budget=40, window=8)
-    engine = Engine.load(export_tiny_engine(tiny_model("llama", seed=4), policy, folder, max_batch_size=4,
-                                            extend_chunk=32, max_question_len=24), threads=1)
+    model = tiny_model("llama", seed=4)
+    engine = load_engine(export_tiny_engine(model, policy, folder, max_batch_size=4, extend_chunk=32,
+                                            max_question_len=24), request.param, model, threads=1)
     yield engine
     engine.close()
 

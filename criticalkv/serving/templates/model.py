@@ -51,8 +51,11 @@ class TritonPythonModel:
         self.encode_inputs = encode_inputs
         self.Request = Request
         options = {}
-        if self.config.get("backend", "onnxruntime") == "tensorrt":
+        backend = self.config.get("backend", "onnxruntime")
+        if backend == "tensorrt":
             options["device"] = int(args.get("model_instance_device_id", 0))
+        elif backend == "torch" and args.get("model_instance_kind") == "GPU":
+            options["device"] = f"cuda:{int(args.get('model_instance_device_id', 0))}"
         elif self.config.get("threads"):
             options["threads"] = int(self.config["threads"])
         self.engine = Engine.load(self.config["engine_dir"], backend=self.config.get("backend", "onnxruntime"),

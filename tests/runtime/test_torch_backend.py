@@ -1,0 +1,271 @@
+"""The torch backend's own contract: engine directories built with ``--backend torch`` (a manifest naming the
+checkpoint, no ONNX), what it refuses, and on a GPU its CUDA graphs.
+
+Its tokens and kept entries against ONNX Runtime and the PyTorch path are tested where the other backends' are:
+tests/runtime/test_model_families.py (every architecture), test_engine_extend.py (every policy: chunked prefill, a
+question after a context), test_engine_slots.py and tests/serving/test_scheduler.py (slots, the scheduler), and
+test_bundled_parity.py (the bundled model, every policy, slow).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from criticalkv import KVPolicy
+from criticalkv.build import build_engine
+from criticalkv.export import BuildConfig
+from criticalkv.node import node_capacity
+from criticalkv.runtime import Engine, EngineError, Request
+from criticalkv.runtime.manifest import read_manifest
+from export.tiny_engine import export_tiny_engine, save_tiny_checkpoint
+from hf.conftest import tiny_model
+from policies import POLICY_CASES, make_policy
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICY = KVPolicy("ada-criticalkv", budget=40, window=8)
+LIMITS = BuildConfig(max_input_len=160, max_new_tokens=8, max_batch_size=2, max_question_len=16, dtype="float32")
+
+
+def prompt(n, seed=1):
+    return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("checkpoint") / "tiny", seed=4)
+
+
+@pytest.fixture(scope="module")
+def torch_dir(checkpoint, tmp_path_factory):
+    """An engine directory built with --backend torch (the build's smoke test on the torch backend included)."""
+    torch.set_num_threads(1)
+    return build_engine(tmp_path_factory.mktemp("engines") / "tiny-torch", POLICY, LIMITS, model=str(checkpoint),
+                        backend="torch", log=lambda message: None)
+
+
+def test_a_torch_build_names_its_checkpoint_and_exports_nothing(torch_dir, checkpoint):
+    manifest = read_manifest(torch_dir)
+    assert "onnx" not in manifest and manifest["torch"]["checkpoint"] == str(checkpoint.resolve())
+    assert manifest["torch"]["fingerprint"]["weight_bytes"]  # the weight files' sizes are recorded
+    assert sorted(p.name for p in torch_dir.iterdir()) == ["manifest.json", "tokenizer"]
+    smoke = manifest["smoke_test"]
+    assert smoke["tokens_match_pytorch"] and smoke["kept_indices_match_pytorch"] and smoke["device"] == "cpu"
+    # the shapes are the ONNX build's: the same capacities for the same policy and limits
+    capacities = [node_capacity(POLICY, 160, 2, layer, 3) for layer in range(3)]
+    assert manifest["shapes"]["prefill_capacity"] == capacities
+    assert manifest["shapes"]["decode_capacity"] == [c + 16 + 8 for c in capacities]
+    assert manifest["request"]["backend"] == "torch"
+
+
+def test_it_loads_on_the_torch_backend_and_generates_what_the_exported_engine_does(torch_dir, checkpoint, tmp_path):
+    engine = Engine.load(torch_dir, device="cpu")  # no backend named: the directory's own
+    exported = Engine.load(export_tiny_engine(tiny_model("llama", seed=4), POLICY, tmp_path / "onnx",
+                                              **{k: v for k, v in LIMITS.to_dict().items() if k != "kv_dtype"}))
+    try:
+        assert engine.backend.name == "torch" and engine.limits.max_question_len == 16
+        prompts = [prompt(150, seed=2), prompt(90, seed=3)]
+        got = engine.generate(prompts, max_new_tokens=6, stop_token_ids=[], kv_budget=24)
+        want = exported.generate(prompts, max_new_tokens=6, stop_token_ids=[], kv_budget=24)
+        assert got.tokens == want.tokens
+        for layer in range(3):
+            for row in range(2):
+                for head in range(2):
+                    assert got.kept(layer, row, head) == want.kept(layer, row, head)
+        assert got.kv_bytes_kept == want.kv_bytes_kept and got.selection_s is not None
+    finally:
+        engine.close()
+        exported.close()
+
+
+def test_the_other_backends_refuse_it_by_name(torch_dir):
+    with pytest.raises(EngineError, match="no ONNX graphs in this engine directory \\(built with --backend torch\\)"):
+        Engine.load(torch_dir, backend="onnxruntime")
+    with pytest.raises(EngineError, match="built with --backend torch, which exports no graph"):
+        Engine.load(torch_dir, backend="tensorrt")
+
+
+def test_a_changed_or_missing_checkpoint_is_refused(torch_dir, checkpoint, tmp_path):
+    copy = tmp_path / "engine"
+    shutil.copytree(torch_dir, copy)
+    moved = tmp_path / "moved"
+    shutil.copytree(checkpoint, moved)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["torch"]["checkpoint"] = str(moved)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    Engine.load(copy, verify=False).close()  # the same files elsewhere: fine
+    config = json.loads((moved / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5
+    (moved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineError, match="changed since the engine was built"):
+        Engine.load(copy, verify=False)
+    shutil.rmtree(moved)
+    with pytest.raises(EngineError, match="is not there \\(no config.json\\)"):
+        Engine.load(copy, verify=False)
+    # a directory that records no checkpoint of its own (an exported one) runs the checkpoint its model was read from
+    manifest["torch"] = {"checkpoint": None}
+    manifest["model"]["path"] = str(checkpoint)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    engine = Engine.load(copy, verify=False, device="cpu")
+    assert engine.backend.name == "torch" and engine.generate([prompt(50)], max_new_tokens=2).tokens[0]
+    engine.close()
+
+
+def test_an_in_memory_engine_needs_its_model(tmp_path):
+    folder = export_tiny_engine(tiny_model("llama", seed=4), POLICY, tmp_path / "e")  # the manifest names no path
+    with pytest.raises(EngineError, match="names no checkpoint .* pass the model"):
+        Engine.load(folder, backend="torch")
+    with pytest.raises(EngineError, match="does not match the engine's manifest"):
+        Engine.load(folder, backend="torch", model=tiny_model("llama", seed=4, layers=2))
+
+
+def test_full_rows_and_positions_beyond_the_built_limits_are_refused(torch_dir):
+    engine = Engine.load(torch_dir, device="cpu")
+    try:
+        result = engine.prefill(0, Request(prompt(150), ))
+        assert result.kept_entries < 150 * 3 * 2  # compressed
+        backend = engine.backend
+        with pytest.raises(EngineError, match=r"position 184 is beyond the engine's 184"):
+            backend.decode(np.array([3]), np.array([184]))
+        backend._row_max[0] = backend.capacities  # as if every slot were taken
+        with pytest.raises(EngineError, match=f"the KV buffer \\({backend.capacities[0]} entries per head\\) is full"):
+            engine.decode([0], [3])
+        with pytest.raises(EngineError, match="more entries do not fit the KV buffer"):
+            engine.extend(0, [4, 5])
+    finally:
+        engine.release_all()
+        engine.close()
+
+
+@pytest.mark.parametrize("case", POLICY_CASES, ids=[case[0] for case in POLICY_CASES])
+def test_a_layers_full_kv_is_freed_as_soon_as_it_is_selected(case, tmp_path):
+    """Peak memory of a prefill = one layer's full K/V + the kept entries: when layer i is selected, no earlier layer's
+    full keys or values are alive any more (by reference counting: the selection leaves no reference cycle)."""
+    import weakref
+
+    model = tiny_model("llama", seed=4)
+    folder = export_tiny_engine(model, make_policy(case[1], budget=40, window=8), tmp_path / "e")
+    engine = Engine.load(folder, backend="torch", model=model)
+    backend = engine.backend
+    alive, select = [], backend._select
+
+    def watched(i, queries, keys, values, *rest):
+        assert all(ref() is None for ref in alive), f"layer {i}: an earlier layer's full K/V is still held"
+        out = select(i, queries, keys, values, *rest)
+        alive.extend([weakref.ref(keys), weakref.ref(values)])
+        return out
+
+    backend._select = watched
+    try:
+        engine.prefill(0, Request(prompt(150)))
+        assert len(alive) == 2 * 3
+    finally:
+        engine.release_all()
+        engine.close()
+
+
+def test_a_padded_batch_decodes_its_rows_as_the_exact_batch(tmp_path):
+    """On a GPU a step over B rows runs a graph captured for the next padded size (3 -> 4): the extra row is a free
+    row, here one whose heads are full (its new entry is clamped into the last slot); the real rows' logits are those
+    of the step over exactly B rows (run eagerly here, the capture replaced by nothing)."""
+    model = tiny_model("llama", seed=4)
+    folder = export_tiny_engine(model, POLICY, tmp_path / "e", max_batch_size=5)
+    logits = {}
+    for padded in (False, True):
+        engine = Engine.load(folder, backend="torch", model=model)
+        backend = engine.backend
+        if padded:
+            backend.use_graphs = True
+            backend._capture = lambda batch, span: None
+            backend.length_block[:, 3] = torch.tensor(backend.capacities)[:, None]
+        try:
+            for slot in range(3):
+                engine.prefill(slot, Request(prompt(60 + 30 * slot, seed=slot)))
+            assert backend.padded_batch(3) == (4 if padded else 3) and backend.padded_batch(5) == 5
+            logits[padded] = np.stack([engine.decode([0, 1, 2], [5, 6, 7]).copy() for _ in range(3)])
+        finally:
+            engine.release_all()
+            engine.close()
+    np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-5)
+
+
+def test_a_step_reads_the_span_its_rows_hold_not_their_capacity(tmp_path):
+    """A short sequence in a long engine (full: capacity 544 per head) is attended over a span of 256 entries, with
+    the logits of the step over the whole capacity (masked)."""
+    model = tiny_model("llama", seed=4)
+    folder = export_tiny_engine(model, KVPolicy("full"), tmp_path / "e")
+    logits = {}
+    for whole in (False, True):
+        engine = Engine.load(folder, backend="torch", model=model)
+        backend = engine.backend
+        if whole:
+            backend.span = lambda longest: max(backend.capacities)
+        try:
+            engine.prefill(0, Request(prompt(40)))
+            assert backend.span(int(backend._row_max[0].max()) + 1) == (max(backend.capacities) if whole else 256)
+            logits[whole] = np.stack([engine.decode([0], [5 + t]).copy() for t in range(3)])
+        finally:
+            engine.release_all()
+            engine.close()
+    assert max(backend.capacities) > 256
+    np.testing.assert_allclose(logits[False], logits[True], rtol=0, atol=1e-5)
+
+
+def test_generate_command_runs_a_torch_engine(torch_dir):
+    run = subprocess.run(
+        [sys.executable, "-m", "criticalkv.cli", "generate", "--engine-dir", str(torch_dir), "--prompt",
+         "w40 w41 w42 " * 30, "--json", "--max-new-tokens", "4"],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert out["backend"] == "torch" and out["new_tokens"] == 4 and out["prompt_tokens"] == 90
+    assert out["kv_bytes"]["kept"] < out["kv_bytes"]["full"] and out["timings"]["selection_s"] > 0
+
+
+# ---------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_cuda_graphs_replay_the_eager_step_and_match_the_cpu(torch_dir):
+    """fp32 on the GPU: the captured decode step gives the eager step's logits, and the tokens are the CPU's."""
+    prompts = [prompt(150, seed=5), prompt(120, seed=6)]
+    cpu = Engine.load(torch_dir, device="cpu")
+    try:
+        want = cpu.generate(prompts, max_new_tokens=8, stop_token_ids=[])
+    finally:
+        cpu.close()
+    logits = {}
+    for graphs in (True, False):
+        engine = Engine.load(torch_dir, device="cuda", dtype="float32", cuda_graphs=graphs)
+        try:
+            got = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[])
+            assert got.tokens == want.tokens, f"cuda_graphs={graphs}"
+            for slot, ids in enumerate(prompts):
+                engine.prefill(slot, Request(ids))
+            steps = [engine.decode([0, 1], [7, 9]).copy() for _ in range(4)]  # 1 eager step, then replays
+            logits[graphs] = np.stack(steps)
+            assert any(rows == engine.backend.padded_batch(2) for rows, _ in engine.backend._graphs) == graphs
+        finally:
+            engine.release_all()
+            engine.close()
+    np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_bfloat16_on_the_gpu_keeps_nearly_the_fp32_entries(torch_dir):
+    """bf16 (what serving runs) against fp32 on the same GPU: the kept sets overlap almost entirely."""
+    ids = prompt(150, seed=7)
+    kept = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = Engine.load(torch_dir, device="cuda", dtype=dtype)
+        try:
+            out = engine.generate([ids], max_new_tokens=4, stop_token_ids=[])
+            kept[dtype] = [set(out.kept(layer, 0, head)) for layer in range(3) for head in range(2)]
+        finally:
+            engine.close()
+    overlap = np.mean([len(a & b) / len(a) for a, b in zip(kept["float32"], kept["bfloat16"])])
+    assert overlap > 0.9
