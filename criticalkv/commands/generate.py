@@ -12,7 +12,7 @@ from criticalkv.files import read_text_interruptibly
 from criticalkv.policy import KVPolicy
 from criticalkv.request import SamplingParams
 from criticalkv.runtime import Engine
-from criticalkv.runtime.manifest import read_manifest
+from criticalkv.runtime.manifest import default_backend, read_manifest
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -177,13 +177,12 @@ def run_engine(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     # the policy flags against the built policy (its manifest, read in milliseconds): a bad --budget fails before
     # the engine loads
-    engine_policy(args, KVPolicy.from_dict(read_manifest(args.engine_dir, verify=False)["policy"]))
+    manifest = read_manifest(args.engine_dir, verify=False)
+    engine_policy(args, KVPolicy.from_dict(manifest["policy"]))
     inputs = read_inputs(args)
     # profile=True: ONNX Runtime profiles the prefill run, which gives the selection nodes' time
     # (TensorRT reports selection_s as null: the plugin runs inside the engine, timed as part of prefill)
-    from criticalkv.runtime.manifest import default_backend, read_manifest
-
-    args.backend = args.backend or default_backend(read_manifest(args.engine_dir, verify=False))
+    args.backend = args.backend or default_backend(manifest)
     options = {"profile": True} if args.backend == "onnxruntime" else {}
     engine = Engine.load(args.engine_dir, backend=args.backend, **options)
     try:
