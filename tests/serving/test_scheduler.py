@@ -107,17 +107,22 @@ def test_cancel_frees_the_slot_at_once(engine):
     scheduler = Scheduler(engine, max_num_seqs=1)
     try:
         outputs = []
-        started = threading.Event()
+        started, checked = threading.Event(), threading.Event()
 
         def on_output(out):
             outputs.append(out)
-            started.set()
+            if not started.is_set():  # hold the scheduler at the first token until the queue is looked at: a
+                started.set()         # starved test thread must not find the first request already finished
+                checked.wait(60)
 
         first = submit(scheduler, prompt(80, seed=8), max_tokens=32, stop_token_ids=[], on_output=on_output)
         queued = submit(scheduler, prompt(40, seed=9), max_tokens=4, stop_token_ids=[])
         assert started.wait(60)
-        assert scheduler.num_waiting == 1  # one slot: the second request waits
-        first.cancel()
+        try:
+            assert scheduler.num_waiting == 1  # one slot: the second request waits
+            first.cancel()
+        finally:
+            checked.set()
         done = queued.result(60)
         assert done.token_ids == alone(engine, prompt(40, seed=9), 4)
         assert outputs[-1].finished and outputs[-1].finish_reason == "cancelled" and len(outputs[-1].token_ids) < 32
