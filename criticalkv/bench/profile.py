@@ -40,8 +40,10 @@ import numpy as np
 NORM_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization", "LayerNormalization",
             "SkipLayerNormalization")
 ACTIVATION_OPS = ("QuickGelu", "Sigmoid", "Silu")
-#: The quantized projections of ``--weights int8|int4`` (``criticalkv.export.quantize``) and bytes per weight element.
-QUANTIZED_MATMUL_OPS = {"DynamicQuantizeMatMul": 1.0, "MatMulIntegerToFloat": 1.0, "MatMulNBits": 0.5}
+#: The quantized projections of ``--weights int8|int4`` (``criticalkv.export.quantize``: MatMulNBits).
+QUANTIZED_MATMUL_OPS = ("MatMulNBits", "DynamicQuantizeMatMul", "MatMulIntegerToFloat")
+#: Bytes per weight element of each ``--weights`` setting (codes; the block scales add 1/8 or 1/16 of that)
+WEIGHT_ELEMENT_BYTES = {"fp32": 4.0, "int8": 1.0, "int4": 0.5}
 MATMUL_OPS = ("MatMul", "FusedMatMul", "Gemm", *QUANTIZED_MATMUL_OPS)
 #: Nodes that hold their own subgraph: nested node events are counted in the parent's class.
 CONTAINER_OPS = ("Loop", "If", "Scan")
@@ -131,9 +133,10 @@ def classify(event: dict, spec: dict, selection_marks: tuple[str, ...]) -> str:
     return "other"
 
 
-def breakdown(trace: list[dict], spec: dict, first: int = 0) -> dict:
+def breakdown(trace: list[dict], spec: dict, first: int = 0, quantized_element_bytes: float = 1.0) -> dict:
     """Per op class: seconds, node count, FLOPs and weight/KV bytes of the runs of a profile, averaged over the
     ``model_run`` events from index ``first`` on (-1: the last run only; warm-up runs come first).
+    ``quantized_element_bytes``: bytes per weight of the quantized projections (``WEIGHT_ELEMENT_BYTES``).
     Returns {"run_s", "runs", "classes": {cls: {"seconds", "nodes", "flops", "bytes"}}, "unaccounted_s"}."""
     from criticalkv.runtime.profiling import SELECTION_MARKS
 
@@ -162,7 +165,8 @@ def breakdown(trace: list[dict], spec: dict, first: int = 0) -> dict:
                 entry["flops"] += matmul_flops(e)
                 weight, shapes = weight_shape(e), _shapes(e)
                 if weight is not None:  # the weight read
-                    entry["bytes"] += QUANTIZED_MATMUL_OPS.get(op, 4.0) * weight[0] * weight[1]
+                    element = quantized_element_bytes if op in QUANTIZED_MATMUL_OPS else 4.0
+                    entry["bytes"] += element * weight[0] * weight[1]
                 elif len(shapes) > 1:  # the second activation read (the KV buffer of a decode step)
                     entry["bytes"] += 4 * int(np.prod(shapes[1]))
             if op in CONTAINER_OPS:
@@ -218,7 +222,8 @@ def profile_engine(engine_dir: Path, ids: list[int], steps: int = 16, threads: i
         warm = backend.prefill(x, mask, positions)  # warm-up run: also profiled, not counted
         pre = backend.prefill(x, mask, positions)
         prefill_wall = pre.seconds
-        prefill = breakdown(_trace(backend.prefill_session), spec, first=-1)
+        element = WEIGHT_ELEMENT_BYTES[(manifest["onnx"].get("weights") or {}).get("format", "fp32")]
+        prefill = breakdown(_trace(backend.prefill_session), spec, first=-1, quantized_element_bytes=element)
         del warm
         backend.profile = False
 
@@ -231,7 +236,7 @@ def profile_engine(engine_dir: Path, ids: list[int], steps: int = 16, threads: i
         token = sampler(pre.logits)
         for t in range(steps + 2):
             token = sampler(backend.decode(token, np.array([n + t])))
-        decode = breakdown(_trace(backend.decode_session), spec, first=2)
+        decode = breakdown(_trace(backend.decode_session), spec, first=2, quantized_element_bytes=element)
 
         # decode, unprofiled: the Python side of a step
         backend.use_decode_session(_TimedSession(plain_session))
