@@ -40,7 +40,7 @@ import numpy as np
 NORM_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization", "LayerNormalization",
             "SkipLayerNormalization")
 ACTIVATION_OPS = ("QuickGelu", "Sigmoid", "Silu")
-#: The quantized projections of ``--weights int8|int4`` (``criticalkv.export.quantize``: MatMulNBits).
+#: The quantized projections of ``--weights int8|int4`` (``criticalkv.export.quantize``).
 QUANTIZED_MATMUL_OPS = ("MatMulNBits", "DynamicQuantizeMatMul", "MatMulIntegerToFloat")
 #: Bytes per weight element of each ``--weights`` setting (codes; the block scales add 1/8 or 1/16 of that)
 WEIGHT_ELEMENT_BYTES = {"fp32": 4.0, "int8": 1.0, "int4": 0.5}

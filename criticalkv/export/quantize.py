@@ -5,22 +5,23 @@ with fp32. ONNX Runtime's CPU kernels (MLAS) have int8 GEMMs for AVX2, AVX-512 V
 lower-precision settings are integer weights:
 
 * ``int8``: per-token W8A8. Weights int8, symmetric, one scale per output column; each token's activations divided
-  by their own largest magnitude, then ``com.microsoft.DynamicQuantizeMatMul`` (uint8 activations with one scale for
-  the normalised tensor, i.e. ~8 bits of each token's own range; MLAS's u8s8 GEMM: AVX2 / AVX-512 VNNI / AMX), and the
-  result multiplied back by each token's magnitude (the product is linear in each row, so this is exact up to the
-  rounding). Measured at a prefill's shapes (K 576, N 3,072, 2,048 tokens, one thread): 3.0x faster than the
-  prepacked fp32 MatMul, 1.1 % relative error with an outlier token.
+  by their own largest magnitude m, quantized with the fixed scale 1/127 and zero point 128 (``QuantizeLinear``: codes
+  1..255, symmetric, the token's own range), multiplied by ``com.microsoft.MatMulIntegerToFloat`` (MLAS's u8s8 GEMM:
+  AVX2 / AVX-512 VNNI / AMX) and scaled back by m (the product is linear in each row). Every token's rounding depends on
+  that token alone, so a sequence's output does not depend on the rest of its batch. Measured at a prefill's shapes
+  (K 576, N 3,072, 2,048 tokens, one thread): 3.0x faster than the prepacked fp32 MatMul, 1.1 % relative error with an
+  outlier token.
 * ``int4``: ``com.microsoft.MatMulNBits`` with ``bits = 4``: weights in blocks of 32 along K, symmetric, and
   ``accuracy_level = 4``: the activations quantized to int8 per block of 32 of each row at run time, int8 compute
   (onnxruntime-genai's CPU default). Half the int8 weight bytes, but its prefill GEMM measured only ~1.2x faster than
   fp32 here.
 
-Why not ``DynamicQuantizeMatMul`` alone (what ``onnxruntime.quantization.quantize_dynamic`` writes: ONE activation scale
-for the whole [tokens, K] input): a prompt's attention-sink token (activations ~50x the others) sets that scale for
-every token: 35 % relative error on the other rows of the same synthetic test, and on the bundled model a KL divergence
-of 1.2 nats at the first generated token of a needle prompt. MatMulNBits with ``bits = 8`` (blockwise activations)
-is as accurate as the per-token form but its prefill GEMM was only 1.35x faster than fp32 (3.0x for the per-token
-form).
+Why not ``DynamicQuantizeMatMul`` (what ``onnxruntime.quantization.quantize_dynamic`` writes: ONE activation scale
+for the whole [tokens, K] input, from its min and max): a prompt's attention-sink token (activations ~50x the others)
+sets that scale for every token: 35 % relative error on the other rows of the same synthetic test, and on the bundled
+model a KL divergence of 1.2 nats at the first generated token of a needle prompt; and in a decode batch one sequence's
+activations would set the others' rounding. MatMulNBits with ``bits = 8`` (blockwise activations) is as accurate as
+the per-token form but its prefill GEMM was only 1.35x faster than fp32 (3.0x for the per-token form).
 
 What is quantized: every layer's QKV, output (o_proj), gate/up and down projections and the LM head; nothing else.
 The float32 weights stay in ``weights.bin`` and every other graph reads them: the portable graphs (``prefill.onnx``,
@@ -45,7 +46,10 @@ ACCURACY_LEVEL = 4
 #: bits per weight of each integer setting
 BITS = {"int8": 8, "int4": 4}
 #: com.microsoft operators each setting adds to the fused graphs
-QUANTIZED_OPERATORS = {"fp32": set(), "int8": {"DynamicQuantizeMatMul"}, "int4": {"MatMulNBits"}}
+QUANTIZED_OPERATORS = {"fp32": set(), "int8": {"MatMulIntegerToFloat"}, "int4": {"MatMulNBits"}}
+#: the int8 activations: a token divided by its largest magnitude, then codes round(x * 127) + 128 in 1..255
+ACTIVATION_SCALE = np.float32(1.0 / 127.0)
+ACTIVATION_ZERO_POINT = np.uint8(128)
 #: the smallest normal float32: a token whose activations are all zero divides by this (and stays zero)
 _TINY = float(np.finfo(np.float32).tiny)
 
@@ -138,8 +142,8 @@ def quantize_store(store, spec, weights: str) -> dict:
         store.quantized[name] = q
         added += codes.nbytes + scales.nbytes
     if weights == "int8":
-        info.update({"operator": "DynamicQuantizeMatMul", "weights": "int8 per output column",
-                     "activations": "per token (uint8 of each token's own range)"})
+        info.update({"operator": "MatMulIntegerToFloat", "weights": "int8 per output column",
+                     "activations": "per token: x / max|x| as uint8 (scale 1/127, zero point 128)"})
     else:
         info.update({"operator": "MatMulNBits", "bits": 4, "block_size": BLOCK, "accuracy_level": ACCURACY_LEVEL})
     info.update({"matrices": len(store.quantized), "bytes": added})
@@ -148,11 +152,13 @@ def quantize_store(store, spec, weights: str) -> dict:
 
 def quantized_matmul(g, x: str, q: QuantizedWeight, outputs: list[str] | None = None) -> str:
     """x [.., k] float32 @ the quantized matrix -> [.., n] float32 (``g``: a GraphBuilder). int8: the per-token form
-    (module docstring): m = max |x| over k (at least the smallest normal float), DynamicQuantizeMatMul(x / m) * m.
-    int4: one MatMulNBits node."""
+    (module docstring): m = max |x| over k (at least the smallest normal float), codes = QuantizeLinear(x / m, 1/127,
+    128), MatMulIntegerToFloat(codes, W, 1/127, scales, 128) * m. int4: one MatMulNBits node."""
     if q.format == "int8":
         magnitude = g.Max(g.ReduceMax(g.Abs(x), g.i64(-1), keepdims=1), g.const(_TINY, np.float32))  # [.., 1]
-        product = g.op("DynamicQuantizeMatMul", g.Div(x, magnitude), q.codes, q.scales, domain="com.microsoft")
+        scale, zero = g.const(ACTIVATION_SCALE, hint="activation_scale"), g.const(ACTIVATION_ZERO_POINT, hint="zero")
+        codes = g.QuantizeLinear(g.Div(x, magnitude), scale, zero)
+        product = g.op("MatMulIntegerToFloat", codes, q.codes, scale, q.scales, zero, domain="com.microsoft")
         return g.op("Mul", product, magnitude, outputs=outputs or 1)
     return g.op("MatMulNBits", x, q.codes, q.scales, domain="com.microsoft", outputs=outputs or 1, K=q.k, N=q.n,
                 bits=BITS[q.format], block_size=BLOCK, accuracy_level=ACCURACY_LEVEL)

@@ -88,17 +88,13 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def uint8_tokens(x: torch.Tensor) -> torch.Tensor:
-    """x [..., k] rounded as the int8 setting quantizes it: each token divided by its largest magnitude, the whole
-    tensor to uint8 as DynamicQuantizeLinear does (scale = range including 0 / 255, zero point rounded; in float32, as
-    ONNX Runtime computes them: a zero point of 127.49999 is not 128), times the magnitude again."""
+    """x [..., k] rounded as the int8 setting quantizes it: each token divided by its largest magnitude, rounded to
+    multiples of 1/127 (in float32, as ONNX Runtime's QuantizeLinear divides), times the magnitude again."""
     x32 = x.float()
     magnitude = x32.abs().amax(-1, keepdim=True).clamp_min(np.finfo(np.float32).tiny)
-    normed = x32 / magnitude
-    low, high = np.float32(min(float(normed.min()), 0.0)), np.float32(max(float(normed.max()), 0.0))
-    scale = np.float32((high - low) / np.float32(255))
-    zero = float(np.clip(np.rint(-low / scale), 0, 255))
-    codes = torch.clamp(torch.round(normed / float(scale)) + zero, 0, 255)
-    return ((codes - zero).double() * float(scale)) * magnitude.double()
+    scale = float(np.float32(1.0 / 127.0))
+    codes = torch.round((x32 / magnitude) / torch.tensor(scale, dtype=torch.float32))
+    return codes.double() * scale * magnitude.double()
 
 
 def dequantized_model(model, weights: str):
@@ -146,7 +142,7 @@ def test_an_integer_engine_computes_the_dequantized_model(weights, fam_id, tmp_p
     for name in ("prefill_ort.onnx", "extend_ort.onnx", "decode_ort.onnx"):
         graph = onnx.load(str(folder / name), load_external_data=False).graph
         ops = [n.op_type for n in graph.node]
-        op = "DynamicQuantizeMatMul" if weights == "int8" else "MatMulNBits"
+        op = "MatMulIntegerToFloat" if weights == "int8" else "MatMulNBits"
         assert ops.count(op) == 4 * model.config.num_hidden_layers + 1, name  # 4 projections a layer + the LM head
         assert "MatMul" not in ops or name != "decode_ort.onnx"  # every weight product is an integer one
     for name in ("prefill.onnx", "decode.onnx", "extend.onnx", "select.onnx", "prefill_tensorrt.onnx"):
@@ -168,7 +164,7 @@ def test_an_integer_engine_computes_the_dequantized_model(weights, fam_id, tmp_p
             x = np.array([ids])
             out = engine.backend.prefill(x, np.ones_like(x), np.arange(n)[None], None)
             with torch.no_grad():
-                # the LM head of the last token only, as the engine (its input quantization sees that row alone)
+                # the LM head of the last token only, as the engine computes it
                 want = reference(torch.tensor([ids]), logits_to_keep=1).logits[0, -1].numpy()
                 plain = original(torch.tensor([ids])).logits[0, -1].numpy()
             to_dequantized, to_original = np.abs(out.logits[0] - want).max(), np.abs(out.logits[0] - plain).max()
