@@ -10,8 +10,9 @@ another summation order alone does to these answers; bf16 what the peer's own de
     python -m criticalkv.bench.needle_peers --engine-dir engines/full --lengths 2048 --samples 2 \\
         --out results/weight_precision --name needle_openvino
 
-Tokens are compared up to and including the first stop token (the peers generate a fixed count; criticalkv runs with
-stop tokens off and is cut the same way). Needs ``criticalkv bench setup-peers --peers openvino``; the OpenVINO export is
+Tokens are compared up to the reference's first stop token: the tokens before it must be the same, and for the
+criticalkv engines the stop token too (the peers' runner makes them generate a fixed count, which suppresses their stop
+token: OpenVINO then writes ' 3042.\n\n' where the engines stop after ' 3042.'). Needs ``criticalkv bench setup-peers --peers openvino``; the OpenVINO export is
 the one ``criticalkv bench peers`` writes. Writes ``NAME.json`` and ``NAME.md``.
 """
 
@@ -53,6 +54,14 @@ def until_stop(tokens: list[int], stop: set[int]) -> list[int]:
     return tokens
 
 
+def same_answer(reference: list[int], tokens: list[int], stop: set[int], stops: bool) -> bool:
+    """Whether ``tokens`` give ``reference``'s answer: the same tokens before the reference's first stop token, and the
+    stop token too when the system can stop (``stops``; the peers' runner suppresses it)."""
+    answer = until_stop(reference, stop)
+    cut = len(answer) - 1 if answer and answer[-1] in stop else len(answer)
+    return tokens[:cut] == answer[:cut] and (not stops or tokens[cut:cut + 1] == answer[cut:cut + 1])
+
+
 def run(args: argparse.Namespace) -> dict:
     from criticalkv.bench.cpu_peers import (CriticalKVWorker, PeerWorker, _display, check_ready, ensure_export,
                                            parse_precisions)
@@ -79,22 +88,25 @@ def run(args: argparse.Namespace) -> dict:
             rows.append(row)
             print(p.key, " / ".join(repr(s["text"]) for s in row["systems"]), flush=True)
         labels = [w.label for w in workers]
+        stops = [isinstance(w, CriticalKVWorker) for w in workers]
     finally:
         for w in workers:
             w.close()
     summary = [{"system": label, "accuracy": 100 * sum(r["systems"][i]["score"] for r in rows) / len(rows),
-                "same_tokens_as_first": sum(r["systems"][i]["tokens"] == r["systems"][0]["tokens"] for r in rows),
-                "prompts": len(rows)} for i, label in enumerate(labels)]
+                "same_tokens_as_first": sum(same_answer(r["systems"][0]["tokens"], r["systems"][i]["tokens"], stop, stops[i])
+                                            for r in rows),
+                "prompts": len(rows), "stop_token_compared": stops[i]} for i, label in enumerate(labels)]
     return {"command": "python -m criticalkv.bench.needle_peers " + shlex.join(sys.argv[1:]),
             "loadavg_before": os.getloadavg(), "openvino_export": _display(export), "summary": summary, "prompts": rows}
 
 
 def markdown(result: dict) -> str:
     lines = [f"`{result['command']}`", "", f"load average at the start: {result['loadavg_before'][0]:.2f}", "",
-             "| system | needle accuracy % | same greedy tokens as the first |", "|---|---:|---:|"]
+             "| system | needle accuracy % | the first's answer tokens |", "|---|---:|---:|"]
     for s in result["summary"]:
-        lines.append(f"| {s['system']} | {s['accuracy']:.1f} | {s['same_tokens_as_first']} of {s['prompts']} |")
-    differ = [r for r in result["prompts"] if any(s["tokens"] != r["systems"][0]["tokens"] for s in r["systems"])]
+        note = "" if s.get("stop_token_compared", True) else " (before its stop token)"
+        lines.append(f"| {s['system']} | {s['accuracy']:.1f} | {s['same_tokens_as_first']} of {s['prompts']}{note} |")
+    differ = [r for r in result["prompts"] if len({s["text"].strip() for s in r["systems"]}) > 1]
     if differ:
         lines += ["", "Prompts where the answers differ:", ""]
         lines += [f"- {r['key']} (passcode {r['answer']}): " + " / ".join(repr(s["text"]) for s in r["systems"])
