@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> dict:
                                             for r in rows),
                 "prompts": len(rows), "stop_token_compared": stops[i]} for i, label in enumerate(labels)]
     return {"command": "python -m criticalkv.bench.needle_peers " + shlex.join(sys.argv[1:]),
-            "loadavg_before": os.getloadavg(), "openvino_export": _display(export), "summary": summary, "prompts": rows}
+            "loadavg_before": os.getloadavg(), "openvino_export": _display(export), "stop_tokens": sorted(stop),
+            "summary": summary, "prompts": rows}
 
 
 def markdown(result: dict) -> str:
@@ -106,9 +107,12 @@ def markdown(result: dict) -> str:
     for s in result["summary"]:
         note = "" if s.get("stop_token_compared", True) else " (before its stop token)"
         lines.append(f"| {s['system']} | {s['accuracy']:.1f} | {s['same_tokens_as_first']} of {s['prompts']}{note} |")
-    differ = [r for r in result["prompts"] if len({s["text"].strip() for s in r["systems"]}) > 1]
+    stop = set(result.get("stop_tokens", []))
+    stops = [s.get("stop_token_compared", True) for s in result["summary"]]
+    differ = [r for r in result["prompts"]
+              if not all(same_answer(r["systems"][0]["tokens"], s["tokens"], stop, can) for s, can in zip(r["systems"], stops))]
     if differ:
-        lines += ["", "Prompts where the answers differ:", ""]
+        lines += ["", "Prompts where the answers differ (the peers' text runs on past the suppressed stop token):", ""]
         lines += [f"- {r['key']} (passcode {r['answer']}): " + " / ".join(repr(s["text"]) for s in r["systems"])
                   for r in differ]
     return "\n".join(lines) + "\n"
