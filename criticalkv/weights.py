@@ -17,14 +17,19 @@ ALIGNMENT = 4096
 
 
 class WeightStore:
-    """Named float32 arrays, written once to ``weights.bin`` and referenced as external initializers."""
+    """Named arrays (float32; the integer codes and scales of quantized weights), written once to ``weights.bin`` and
+    referenced as external initializers.
+
+    ``quantized`` maps the name of a float32 weight to its lower-precision form (``criticalkv.export.quantize``), which
+    the ONNX Runtime flavour's fused graphs read instead of it."""
 
     def __init__(self) -> None:
         self.arrays: dict[str, np.ndarray] = {}
         self.offsets: dict[str, int] = {}
+        self.quantized: dict[str, object] = {}
 
-    def add(self, name: str, array) -> str:
-        array = np.ascontiguousarray(np.asarray(array, dtype=np.float32))
+    def add(self, name: str, array, dtype=np.float32) -> str:
+        array = np.ascontiguousarray(np.asarray(array, dtype=dtype))
         if name in self.arrays:
             raise ValueError(f"weight {name!r} added twice")
         self.arrays[name] = array

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from criticalkv.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, sigterm_raises  # noqa: E402
-from criticalkv.export.exporter import EXPORT_DTYPES, BuildConfig  # noqa: E402
+from criticalkv.export.exporter import EXPORT_DTYPES, WEIGHT_FORMATS, BuildConfig  # noqa: E402
 from criticalkv.policy import KVPolicy  # noqa: E402
 
 
@@ -54,6 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "float16 (half the KV memory: twice the sequences and cached contexts in one KV budget; logits "
                         "move by ~1e-2, docs/performance.md). Only the fused decode graph decode_ort.onnx reads them; "
                         "the TensorRT engines keep --dtype")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=defaults.weights,
+                   help="projection weights of the fused ONNX Runtime graphs (prefill_ort, extend_ort, decode_ort): fp32 "
+                        "(default: the parity setting), int8 (DynamicQuantizeMatMul: int8 weights per output column, "
+                        "activations quantized per tensor at run time; MLAS's VNNI/AMX int8 GEMMs) or int4 (MatMulNBits: "
+                        "4-bit weights in blocks of 32, int8 compute, onnxruntime-genai's CPU default). The selection, "
+                        "the KV cache, the embedding and the portable graphs stay float32; quality in "
+                        "docs/performance.md section 5")
     p.add_argument("--force", action="store_true",
                    help="rebuild, replacing the engine at --output; anything there that is not an engine directory "
                    "(a file, other folders) is never replaced")
@@ -77,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_raises():
             policy = KVPolicy.from_args(args)
             config = BuildConfig(args.max_input_len, args.max_new_tokens, args.max_batch_size, args.dtype,
-                                 args.attention_chunk, args.extend_chunk, args.max_question_len, args.kv_dtype)
+                                 args.attention_chunk, args.extend_chunk, args.max_question_len, args.kv_dtype,
+                                 weights=args.weights)
             folder = build_engine(args.output, policy, config, model=args.model, force=args.force,
                                   smoke=not args.skip_smoke_test, tensorrt=not args.skip_tensorrt,
                                   backend=args.backend)

@@ -11,7 +11,10 @@ Build the engines for batches of 8 prompts of 2k tokens, e.g.
 Systems (criticalkv in this process; each peer in its own process and virtual environment, through
 ``criticalkv/bench/cpu_peer_runner.py``, which imports nothing from criticalkv):
 
-* criticalkv: ``Engine.generate`` of every ``--engine-dir`` on ONNX Runtime (stop tokens off);
+* criticalkv: ``Engine.generate`` of every ``--engine-dir`` on ONNX Runtime (stop tokens off), in the forms the engine
+  runs by default (the fused prompt and decode graphs, with the weights it was built with: ``--weights fp32|int8|int4``;
+  a row is named by its weights when they are not fp32), and of every ``--portable-engine-dir`` with its portable graphs
+  (``prefill.onnx``, ``decode.onnx``: fp32, the Loop attention);
 * onnxruntime-genai 0.18: its model builder's fp32 CPU export of the same Hugging Face folder
   (``python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32 -e cpu``), one ``Generator``;
 * OpenVINO GenAI 2026.4: ``optimum-cli export openvino --weight-format fp32 --task text-generation-with-past``
@@ -56,11 +59,19 @@ def ov_label(precision: str | None) -> str:
     return f"{LABELS['openvino']}, {precision or '?'} compute)"
 
 
-def label(policy: str, budget: int | None) -> str:
-    """A criticalkv engine's row: ``criticalkv full``, ``criticalkv b=256``, ``criticalkv adakv b=128``."""
+def label(policy: str, budget: int | None, weights: str = "fp32", portable: bool = False) -> str:
+    """A criticalkv engine's row: ``criticalkv full``, ``criticalkv b=256``, ``criticalkv adakv b=128``, with
+    `` int8`` / `` int4`` for its weights and `` (portable graphs)`` for the portable form."""
     if policy == "full":
-        return "criticalkv full"
-    return f"criticalkv b={budget}" if policy == "criticalkv" else f"criticalkv {policy} b={budget}"
+        name = "criticalkv full"
+    else:
+        name = f"criticalkv b={budget}" if policy == "criticalkv" else f"criticalkv {policy} b={budget}"
+    return name + ("" if weights == "fp32" else f" {weights}") + (" (portable graphs)" if portable else "")
+
+
+def weights_of(label_: str) -> str:
+    """The weight setting a criticalkv row's label names (``label``)."""
+    return next((w for w in ("int8", "int4") if f" {w}" in label_), "fp32")
 
 
 def parse_eviction(text: str) -> dict:
@@ -140,14 +151,22 @@ def ensure_export(root: Path, name: str, model_dir: Path, log=print) -> tuple[Pa
 class CriticalKVWorker:
     """criticalkv's ``Engine`` in this process, with the peers' request interface."""
 
-    def __init__(self, engine_dir: Path):
+    def __init__(self, engine_dir: Path, portable: bool = False):
         from criticalkv.runtime import Engine
 
         start = time.perf_counter()
-        self.engine = Engine.load(engine_dir)
+        forms = {"prefill": "portable", "decode": "portable"} if portable else {}
+        self.engine = Engine.load(engine_dir, **forms)
         self.load_s = time.perf_counter() - start
         policy = self.engine.policy
-        self.label = label(policy.name, policy.budget)
+        weights = self.engine.manifest["onnx"].get("weights") or {"format": "fp32"}
+        self.weights = "fp32" if portable else weights["format"]
+        self.label = label(policy.name, policy.budget, self.weights, portable)
+        #: the bytes of weights one decode step reads (the decode floor of this row): fp32, or the integer forms
+        from criticalkv.bench.floors import LayerShapes
+
+        fp32 = LayerShapes.from_spec(self.engine.manifest["model"]["spec"]).weight_bytes()
+        self.weight_bytes = fp32 if self.weights == "fp32" else weights["bytes"]
 
     def single(self, ids, new_tokens: int) -> dict:
         out = self.engine.generate([list(ids)], max_new_tokens=new_tokens, stop_token_ids=[])
@@ -239,8 +258,9 @@ def common_prefix(a, b) -> int:
 
 def run(engine_dirs: list[Path], peers: list[str], root: Path, isl: int = 2025, new_tokens: int = 64, batch: int = 8,
         repeats: int = 2, eviction: dict | None = None, model=None, seed: int = 0, ov_precisions=OV_PRECISIONS,
-        log=print) -> dict:
-    """Every system on the same ids, interleaved; returns the raw runs, medians and the floors."""
+        log=print, portable_dirs: list[Path] = ()) -> dict:
+    """Every system on the same ids, interleaved; returns the raw runs, medians and the floors. ``portable_dirs``:
+    engines run with their portable graphs (rows beside their default forms)."""
     from transformers import AutoTokenizer
 
     from criticalkv.bench import floors
@@ -260,8 +280,8 @@ def run(engine_dirs: list[Path], peers: list[str], root: Path, isl: int = 2025, 
            "exports": {n: _display(c) for n, (_, c) in exports.items()}, "systems": {}}
     workers = {}
     try:
-        for d in engine_dirs:
-            w = CriticalKVWorker(Path(d))
+        for d, portable in [(d, False) for d in engine_dirs] + [(d, True) for d in portable_dirs]:
+            w = CriticalKVWorker(Path(d), portable)
             workers[w.label] = w
         for name in peers:
             for precision in (ov_precisions if name == "openvino" else ["default"]):
@@ -271,7 +291,8 @@ def run(engine_dirs: list[Path], peers: list[str], root: Path, isl: int = 2025, 
         jobs += [(label, "batch", None) for label in workers]
         jobs += [(label, "batch", eviction) for label, w in workers.items() if getattr(w, "name", None) == "openvino"]
         records = {label: {"load_s": w.load_s, "single": [], "batch": [], "batch_eviction": [],
-                           "versions": getattr(w, "versions", None)} for label, w in workers.items()}
+                           "versions": getattr(w, "versions", None), "weight_bytes": getattr(w, "weight_bytes", None)}
+                   for label, w in workers.items()}
         log("warm-up round ...")
         short = [p[-256:] for p in prompts]
         for label, w in workers.items():
@@ -306,6 +327,8 @@ def run(engine_dirs: list[Path], peers: list[str], root: Path, isl: int = 2025, 
 def summarize(rec: dict, new_tokens: int, reference: list[int]) -> dict:
     """Medians of one system's runs (tokens dropped from the stored runs, their agreement kept)."""
     s = {"load_s": rec["load_s"], "versions": rec["versions"]}
+    if rec.get("weight_bytes"):
+        s["weight_bytes"] = rec["weight_bytes"]
     singles = rec["single"]
     if singles:
         s["prefill_s"] = [r["prefill_s"] for r in singles]
@@ -332,7 +355,8 @@ def _find(systems: dict, prefix: str) -> dict | None:
 def targets(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
     """The issue's targets: (what, measured ratio, bound, met) for each; None where a system is missing."""
     systems = results["systems"]
-    ckv = next((v for k, v in systems.items() if k.startswith("criticalkv") and not k.endswith(" full")), None)
+    ckv = next((v for k, v in systems.items() if k.startswith("criticalkv") and not k.endswith(" full")
+                and weights_of(k) == "fp32" and "portable" not in k), None)
     ov = _find(systems, LABELS["openvino"])  # the first OpenVINO row: its default precision, what a user gets
     og = systems.get(LABELS["onnxruntime-genai"])
     floor_ms = decode_floor_ms(results)
@@ -352,8 +376,8 @@ def targets(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
         add(f"decode: criticalkv b / OpenVINO{suffix} (full cache)",
             ratio(get(ckv, "decode_ms_median"), get(ov, "decode_ms_median")), "<= 0.8", lambda v: v <= 0.8)
         if not suffix:
-            add("decode: criticalkv b / weight-bandwidth floor", ratio(get(ckv, "decode_ms_median"), floor_ms), "<= 1.3",
-                lambda v: v <= 1.3)
+            add("decode: criticalkv b / weight-bandwidth floor", ratio(get(ckv, "decode_ms_median"), floor_ms), "<= 1.25",
+                lambda v: v <= 1.25)
         add(f"batch: criticalkv b / OpenVINO{suffix} with eviction (tokens/s)",
             ratio(get(ckv, "batch_tokens_per_s_median"), get(ov, "batch_eviction_tokens_per_s_median")), ">= 1.0",
             lambda v: v >= 1.0)
@@ -363,6 +387,21 @@ def targets(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
     for key, other in systems.items():
         if key.startswith(LABELS["openvino"]) and other is not ov:
             against(other, " " + key[len(LABELS["openvino"]):].strip(" ,()").replace(" compute", ""))
+    # the lower-precision engines (--weights int8|int4) against OpenVINO's default (bf16 where the CPU has it) and the
+    # floor of their own weight bytes
+    for key, low in systems.items():
+        weights = weights_of(key)
+        if not key.startswith("criticalkv") or key.endswith(" full") or weights == "fp32" or "portable" in key:
+            continue
+        name = f"criticalkv b {weights}"
+        add(f"prefill: {name} / OpenVINO", ratio(get(low, "prefill_s_median"), get(ov, "prefill_s_median")), "<= 1.0",
+            lambda v: v <= 1.0)
+        add(f"batch: {name} / OpenVINO with eviction (tokens/s)",
+            ratio(get(low, "batch_tokens_per_s_median"), get(ov, "batch_eviction_tokens_per_s_median")), ">= 1.0",
+            lambda v: v >= 1.0)
+        add(f"decode: {name} / its weight-bandwidth floor",
+            ratio(get(low, "decode_ms_median"), decode_floor_ms(results, low.get("weight_bytes"))), "<= 1.25",
+            lambda v: v <= 1.25)
     if og and ckv:
         behind = (og["prefill_s_median"] > ckv["prefill_s_median"] and og["decode_ms_median"] > ckv["decode_ms_median"]
                   and og["batch_tokens_per_s_median"] < ckv["batch_tokens_per_s_median"])
@@ -370,10 +409,11 @@ def targets(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
     return out
 
 
-def decode_floor_ms(results: dict) -> float | None:
-    """Weight bytes / the measured GEMV bandwidth (ms): the least a batch-1 decode step can take."""
+def decode_floor_ms(results: dict, weight_bytes: int | None = None) -> float | None:
+    """Weight bytes (default: the fp32 decode weights the floor measured) / the measured GEMV bandwidth (ms): the
+    least a batch-1 decode step can take. For integer weights, their bytes at the fp32 GEMV's bandwidth."""
     gemv = results.get("floors_start", {}).get("gemv")
-    return 1e3 * gemv["bytes"] / (gemv["gbps"] * 1e9) if gemv else None
+    return 1e3 * (weight_bytes or gemv["bytes"]) / (gemv["gbps"] * 1e9) if gemv else None
 
 
 def render(results: dict) -> str:

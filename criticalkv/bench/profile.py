@@ -5,9 +5,11 @@ decode step, and this CPU's floors (``criticalkv.bench.floors``), all measured i
 
 For each engine (batch 1, the same chat-wrapped prompt of ``--isl`` tokens cut from the benchmark prose):
 
-* prefill: one profiled run after a warm-up. Every top-level node of the optimised graph is put in an op class
-  (a node nested in the attention ``Loop`` or in the selection's ``If`` counts in its parent's class):
-  the four projections and the LM head by their weight's shape, ``attention`` (the query-block Loop),
+* prefill: one profiled run after a warm-up of the prefill graph the engine runs (the fused ``prefill_ort.onnx`` when
+  it has one, ``CRITICALKV_ORT_PREFILL=portable`` profiles ``prefill.onnx``). Every top-level node of the optimised
+  graph is put in an op class (a node nested in the attention ``Loop`` or in the selection's ``If`` counts in its
+  parent's class): the four projections and the LM head by their weight's shape (fp32 MatMul / Gemm, or the int8 /
+  int4 operators of ``--weights``), ``attention`` (the query-block Loop, or GroupQueryAttention),
   ``selection`` (the inlined CriticalKVSelect body), ``rms_norm``, ``activation``, ``embedding``, ``other``
   (RoPE, reshapes, residual adds, masks, ...). FLOPs of a MatMul / Gemm come from its input shapes in the
   profile (the attention Loop's from its nested MatMuls: what it computes, block-causal); achieved GFLOP/s =
@@ -38,7 +40,11 @@ import numpy as np
 NORM_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization", "LayerNormalization",
             "SkipLayerNormalization")
 ACTIVATION_OPS = ("QuickGelu", "Sigmoid", "Silu")
-MATMUL_OPS = ("MatMul", "FusedMatMul", "Gemm", "MatMulNBits")
+#: The quantized projections of ``--weights int8|int4`` (``criticalkv.export.quantize``).
+QUANTIZED_MATMUL_OPS = ("MatMulNBits", "DynamicQuantizeMatMul", "MatMulIntegerToFloat")
+#: Bytes per weight element of each ``--weights`` setting (codes; the block scales add 1/8 or 1/16 of that)
+WEIGHT_ELEMENT_BYTES = {"fp32": 4.0, "int8": 1.0, "int4": 0.5}
+MATMUL_OPS = ("MatMul", "FusedMatMul", "Gemm", *QUANTIZED_MATMUL_OPS)
 #: Nodes that hold their own subgraph: nested node events are counted in the parent's class.
 CONTAINER_OPS = ("Loop", "If", "Scan")
 #: Op classes in the order of the tables.
@@ -70,6 +76,16 @@ def matmul_flops(event: dict) -> float:
     return 2.0 * inputs[0][-1] * float(np.prod(outputs[0]))
 
 
+def prompt_attention_flops(event: dict) -> float:
+    """Causal FLOPs of a GroupQueryAttention event over a prompt without past (the fused prefill): QK^T and PV over
+    s(s+1)/2 query-key pairs per head, 2 * 2 * B * (H d_h) * s(s+1)/2; 0 for a node with a past (decode, extend)."""
+    inputs = _shapes(event)
+    if len(inputs) < 3 or len(inputs[0]) != 3 or (len(inputs) > 3 and len(inputs[3]) == 4):
+        return 0.0
+    batch, s, width = inputs[0]
+    return 2.0 * 2 * batch * width * s * (s + 1) / 2
+
+
 def weight_shape(event: dict) -> tuple[int, int] | None:
     """(K, N) of a MatMul / Gemm whose second operand is a weight (an initializer), else None.
 
@@ -77,6 +93,8 @@ def weight_shape(event: dict) -> tuple[int, int] | None:
     weights) or not at all among the listed inputs (MLAS prepacked it): then K = the input's last dimension and
     N = the output's."""
     inputs, outputs = _shapes(event), _shapes(event, "output_type_shape")
+    if event["args"].get("op_name") in QUANTIZED_MATMUL_OPS:  # the second operand is always a weight
+        return (inputs[0][-1], outputs[0][-1]) if inputs and inputs[0] and outputs else None
     if len(inputs) >= 2 and int(event["args"].get("parameter_size", 0) or 0) > 0:
         k, n = inputs[1][-2:]
         return (n, k) if event["args"].get("op_name") == "Gemm" and inputs[0][-1] == n else (k, n)
@@ -115,9 +133,10 @@ def classify(event: dict, spec: dict, selection_marks: tuple[str, ...]) -> str:
     return "other"
 
 
-def breakdown(trace: list[dict], spec: dict, first: int = 0) -> dict:
+def breakdown(trace: list[dict], spec: dict, first: int = 0, quantized_element_bytes: float = 1.0) -> dict:
     """Per op class: seconds, node count, FLOPs and weight/KV bytes of the runs of a profile, averaged over the
     ``model_run`` events from index ``first`` on (-1: the last run only; warm-up runs come first).
+    ``quantized_element_bytes``: bytes per weight of the quantized projections (``WEIGHT_ELEMENT_BYTES``).
     Returns {"run_s", "runs", "classes": {cls: {"seconds", "nodes", "flops", "bytes"}}, "unaccounted_s"}."""
     from criticalkv.runtime.profiling import SELECTION_MARKS
 
@@ -140,11 +159,14 @@ def breakdown(trace: list[dict], spec: dict, first: int = 0) -> dict:
             entry["seconds"] += e["dur"] / 1e6
             entry["nodes"] += 1
             op = e["args"].get("op_name")
+            if op == "GroupQueryAttention":
+                entry["flops"] += prompt_attention_flops(e)
             if op in MATMUL_OPS:
                 entry["flops"] += matmul_flops(e)
                 weight, shapes = weight_shape(e), _shapes(e)
                 if weight is not None:  # the weight read
-                    entry["bytes"] += 4 * weight[0] * weight[1]
+                    element = quantized_element_bytes if op in QUANTIZED_MATMUL_OPS else 4.0
+                    entry["bytes"] += element * weight[0] * weight[1]
                 elif len(shapes) > 1:  # the second activation read (the KV buffer of a decode step)
                     entry["bytes"] += 4 * int(np.prod(shapes[1]))
             if op in CONTAINER_OPS:
@@ -200,7 +222,8 @@ def profile_engine(engine_dir: Path, ids: list[int], steps: int = 16, threads: i
         warm = backend.prefill(x, mask, positions)  # warm-up run: also profiled, not counted
         pre = backend.prefill(x, mask, positions)
         prefill_wall = pre.seconds
-        prefill = breakdown(_trace(backend.prefill_session), spec, first=-1)
+        element = WEIGHT_ELEMENT_BYTES[(manifest["onnx"].get("weights") or {}).get("format", "fp32")]
+        prefill = breakdown(_trace(backend.prefill_session), spec, first=-1, quantized_element_bytes=element)
         del warm
         backend.profile = False
 
@@ -213,7 +236,7 @@ def profile_engine(engine_dir: Path, ids: list[int], steps: int = 16, threads: i
         token = sampler(pre.logits)
         for t in range(steps + 2):
             token = sampler(backend.decode(token, np.array([n + t])))
-        decode = breakdown(_trace(backend.decode_session), spec, first=2)
+        decode = breakdown(_trace(backend.decode_session), spec, first=2, quantized_element_bytes=element)
 
         # decode, unprofiled: the Python side of a step
         backend.use_decode_session(_TimedSession(plain_session))
@@ -242,6 +265,7 @@ def profile_engine(engine_dir: Path, ids: list[int], steps: int = 16, threads: i
         backend.close()
     return {"engine_dir": str(engine_dir), "policy": manifest["policy"]["name"], "budget": manifest["policy"].get("budget"),
             "prompt_tokens": n, "decode_steps": steps, "kept_per_layer_max": kept, "decode_form": backend.decode_form,
+            "prefill_form": backend.prefill_form, "weights": manifest["onnx"].get("weights") or {"format": "fp32"},
             "decode_capacity": manifest["shapes"]["decode_capacity"], "threads": backend.threads or "default",
             "prefill_wall_s": prefill_wall, "prefill": prefill, "decode": decode, "python": python, "spec": spec}
 
@@ -258,14 +282,15 @@ def model_flops(spec: dict, n: int) -> dict:
     return out
 
 
-def decode_bytes(spec: dict, capacity: list[int], kept: list[int]) -> dict:
-    """Bytes a batch-1 decode step reads: the weights, the KV the graph reads (its whole fixed capacity per head)
-    and the KV actually held (``kept`` entries per head and layer)."""
+def decode_bytes(spec: dict, capacity: list[int], kept: list[int], weights: dict | None = None) -> dict:
+    """Bytes a batch-1 decode step reads: the weights (fp32, or the integer codes and scales of ``--weights int8|int4``:
+    the manifest's ``onnx.weights``), the KV the graph reads (its whole fixed capacity per head) and the KV actually
+    held (``kept`` entries per head and layer)."""
     from criticalkv.bench.floors import LayerShapes
 
     per_entry = 2 * spec["num_kv_heads"] * spec["head_dim"] * 4  # K and V, every KV head, fp32
-    return {"weights": LayerShapes.from_spec(spec).weight_bytes(), "kv_read_by_graph": per_entry * sum(capacity),
-            "kv_held": per_entry * sum(kept)}
+    weight_bytes = (weights or {}).get("bytes") or LayerShapes.from_spec(spec).weight_bytes()
+    return {"weights": weight_bytes, "kv_read_by_graph": per_entry * sum(capacity), "kv_held": per_entry * sum(kept)}
 
 
 # ---------------------------------------------------------------------------------------------- the report
@@ -284,6 +309,8 @@ def render(results: dict) -> str:
     ]
     for e in results["engines"]:
         label = e["policy"] + (f" b={e['budget']}" if e["policy"] != "full" else "")
+        if "prefill_form" in e:  # results written before the fused prompt graphs have neither
+            label += f", {e['weights']['format']} weights, {e['prefill_form']} prefill"
         p, d, py = e["prefill"], e["decode"], e["python"]
         useful = model_flops(e["spec"], e["prompt_tokens"])
         floor_s = sum(useful.values()) / (gemm * 1e9)
@@ -301,7 +328,7 @@ def render(results: dict) -> str:
             lines.append(f"| {cls} | {1e3 * c['seconds']:.1f} | {100 * c['seconds'] / p['run_s']:.1f} | {c['nodes']:.0f} | "
                          f"{c['flops'] / 1e9:.1f} | {useful.get(cls, 0) / 1e9:.1f} | "
                          + (f"{rate:.1f} | {100 * rate / gemm:.0f} |" if rate else "| |"))
-        bytes_ = decode_bytes(e["spec"], e["decode_capacity"], e["kept_per_layer_max"])
+        bytes_ = decode_bytes(e["spec"], e["decode_capacity"], e["kept_per_layer_max"], e.get("weights"))
         floor_ms = (bytes_["weights"] + bytes_["kv_held"]) / (gemv * 1e9) * 1e3
         if e.get("decode_form", "portable") == "fused":
             kv_read = (f"{bytes_['kv_held'] / 1e6:.1f} MB of KV (the fused decode_ort.onnx reads each row's held entries, "

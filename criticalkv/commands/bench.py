@@ -83,7 +83,11 @@ def register(subparsers) -> None:
                          "the CPU's GEMM and bandwidth floors", description=plain(cpu_peers.__doc__),
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     cpu.add_argument("--engine-dir", action="append", type=Path, required=True,
-                     help="a criticalkv engine built with --max-batch-size >= --batch (repeat: e.g. full and b=256)")
+                     help="a criticalkv engine built with --max-batch-size >= --batch (repeat: e.g. full and b=256), run "
+                     "in its default forms (fused graphs, its --weights)")
+    cpu.add_argument("--portable-engine-dir", action="append", type=Path, default=[],
+                     help="an engine run with its portable graphs (prefill.onnx, decode.onnx: fp32) as its own row "
+                     "(repeat)")
     cpu.add_argument("--peers", default=",".join(cpu_peers.CPU_PEERS),
                      help=f"CPU peers to run, comma-separated (default: {','.join(cpu_peers.CPU_PEERS)}; empty: none)")
     cpu.add_argument("--model", help="HF folder or .gguf the peers export (default: the bundled SmolLM2-135M-Instruct, "
@@ -211,7 +215,7 @@ def _check_engines(dirs) -> None:
 def run_cpu_peers(args) -> int:
     from criticalkv.bench import cpu_peers, machine, report
 
-    _check_engines(args.engine_dir)
+    _check_engines(args.engine_dir + args.portable_engine_dir)
     if args.isl < 64 or min(args.new_tokens, args.batch, args.repeats) < 1:
         raise ValueError("--isl must be >= 64, --new-tokens, --batch and --repeats >= 1")
     names = cpu_peers.parse_peers(args.peers)
@@ -221,7 +225,8 @@ def run_cpu_peers(args) -> int:
     results = machine.header(command_line())
     print("\n".join(machine.header_lines(results)), flush=True)
     results.update(cpu_peers.run(args.engine_dir, names, args.peers_dir, args.isl, args.new_tokens, args.batch,
-                                 args.repeats, eviction, model=args.model, seed=args.seed, ov_precisions=precisions))
+                                 args.repeats, eviction, model=args.model, seed=args.seed, ov_precisions=precisions,
+                                 portable_dirs=args.portable_engine_dir))
     machine.finish(results)
     stem = Path(args.out) / args.name
     report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")

@@ -10,6 +10,7 @@ import onnx
 from criticalkv.export.graph import IR_VERSION, OPSET
 from criticalkv.export.llama import KV_DTYPES, ModelSpec, collect_weights, graph_builder, layer_capacities, model_spec
 from criticalkv.export.model_select import tensorrt_refusal
+from criticalkv.export.quantize import WEIGHT_FORMATS, check_weight_format, quantize_store
 from criticalkv.node import DOMAIN, OPSET_VERSION
 from criticalkv.policy import KVPolicy
 from criticalkv.weights import WEIGHTS_FILE
@@ -20,6 +21,10 @@ DECODE_FILE = "decode.onnx"
 #: The ONNX-Runtime-only decode graph (com.microsoft GroupQueryAttention, SkipSimplifiedLayerNormalization): written
 #: beside decode.onnx, which stays the portable graph TensorRT parses
 DECODE_ORT_FILE = "decode_ort.onnx"
+#: The ONNX-Runtime-only prompt graphs (GroupQueryAttention over the prompt, no Loop; the fused norms; the engine's weight
+#: format): written beside prefill.onnx and extend.onnx, which stay the portable graphs
+PREFILL_ORT_FILE = "prefill_ort.onnx"
+EXTEND_ORT_FILE = "extend_ort.onnx"
 EXTEND_FILE = "extend.onnx"
 EXTEND_TENSORRT_FILE = "extend_tensorrt.onnx"
 SELECT_FILE = "select.onnx"
@@ -49,6 +54,9 @@ class BuildConfig:
         the KV memory, so twice the sequences and cached contexts in one KV budget; only the fused decode graph
         ``decode_ort.onnx`` reads them, converting to float32 inside; prefill, extend and select stay float32). The
         TensorRT engines keep their own precision (``dtype``)
+    weights : the projection weights of the ONNX Runtime flavour's fused graphs (``prefill_ort``, ``extend_ort``,
+        ``decode_ort``): fp32 (default), int8 or int4 (``criticalkv.export.quantize``). The portable graphs, the
+        TensorRT inputs, the embedding and the selection stay float32
     """
 
     max_input_len: int = 4096
@@ -59,6 +67,7 @@ class BuildConfig:
     extend_chunk: int = 256
     max_question_len: int = 256
     kv_dtype: str = "float32"
+    weights: str = "fp32"
 
     def __post_init__(self) -> None:
         for name in ("max_input_len", "max_new_tokens", "max_batch_size", "attention_chunk", "extend_chunk",
@@ -70,6 +79,7 @@ class BuildConfig:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        check_weight_format(self.weights)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,6 +98,10 @@ class ExportResult:
     weights_bytes: int
     #: the fused decode graph: {"file", "per_head_lengths", "max_positions"}, or {"file": None, "refused": why}
     fused_decode: dict | None = None
+    #: the fused prompt graphs: {"prefill", "extend", "max_positions"} files, or {"prefill": None, "refused": why}
+    fused_prompt: dict | None = None
+    #: the weight setting of the fused graphs (``quantize_store``): {"format", ...}
+    weights: dict | None = None
 
     def shapes(self) -> dict:
         return {
@@ -133,6 +147,12 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
 
     folder.mkdir(parents=True, exist_ok=True)
     store = collect_weights(model, spec)
+    decode_builder = graph_builder(spec, store, policy)
+    refusal = decode_builder.fused_decode_refusal()
+    if config.weights != "fp32" and refusal:
+        raise ValueError(f"weights {config.weights}: the lower-precision weights live in the fused ONNX Runtime graphs, "
+                         f"which this model cannot have ({refusal}); build it with weights fp32")
+    weights = quantize_store(store, spec, config.weights)
     store.write(folder)
     capacities = layer_capacities(policy, spec, config.max_input_len)
     decode_capacities = [c + config.max_question_len + config.max_new_tokens for c in capacities]
@@ -144,15 +164,32 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
         builder = graph_builder(spec, store, policy, capacities, flavour, config.attention_chunk)
         for graph, name in files.items():
             onnx.save(getattr(builder, graph)(), folder / name)
-    decode_builder = graph_builder(spec, store, policy)
     onnx.save(decode_builder.decode(decode_capacities), folder / DECODE_FILE)
     fused = fused_decode_info(decode_builder, policy, config)
     if fused["file"]:
         onnx.save(decode_builder.decode_fused(decode_capacities, fused.get("max_positions", 0), fused["per_head_lengths"],
                                               config.kv_dtype), folder / DECODE_ORT_FILE)
+    prompt = fused_prompt_info(refusal, config)
+    if prompt["prefill"]:
+        builder = graph_builder(spec, store, policy, capacities, "onnxruntime", config.attention_chunk)
+        onnx.save(builder.prefill_fused(prompt["max_positions"]), folder / PREFILL_ORT_FILE)
+        onnx.save(builder.extend_fused(prompt["max_positions"]), folder / EXTEND_ORT_FILE)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder / TOKENIZER_DIR)
-    return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes(), fused)
+    return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes(), fused, prompt,
+                        weights)
+
+
+def fused_prompt_info(refusal: str | None, config: BuildConfig) -> dict:
+    """What the engine's fused prompt graphs are (``prefill_ort.onnx``, ``extend_ort.onnx``), or why it has none (the
+    manifest's ``onnx.fused_prompt``): refused for the models the fused decode refuses (the same GroupQueryAttention
+    kernel); RoPE caches up to max_input_len + max_question_len + max_new_tokens positions (a question after a context
+    and the tokens after it go through the extend graph)."""
+    if refusal:
+        return {"prefill": None, "extend": None, "refused": refusal}
+    return {"prefill": PREFILL_ORT_FILE, "extend": EXTEND_ORT_FILE, "attention": "group_query_attention",
+            "max_positions": config.max_input_len + config.max_question_len + config.max_new_tokens,
+            "weights": config.weights}
 
 
 def fused_decode_info(builder, policy: KVPolicy, config: BuildConfig) -> dict:
@@ -178,7 +215,8 @@ def onnx_info() -> dict:
         "opset": OPSET,
         "ir_version": IR_VERSION,
         "custom_domain": {DOMAIN: OPSET_VERSION},
-        "files": {"prefill": PREFILL_FILE, "prefill_tensorrt": PREFILL_TENSORRT_FILE, "decode": DECODE_FILE,
+        "files": {"prefill": PREFILL_FILE, "prefill_ort": PREFILL_ORT_FILE, "extend_ort": EXTEND_ORT_FILE,
+                  "prefill_tensorrt": PREFILL_TENSORRT_FILE, "decode": DECODE_FILE,
                   "decode_ort": DECODE_ORT_FILE, "extend": EXTEND_FILE, "extend_tensorrt": EXTEND_TENSORRT_FILE, "select": SELECT_FILE,
                   "select_tensorrt": SELECT_TENSORRT_FILE, "weights": WEIGHTS_FILE},
     }

@@ -62,6 +62,7 @@ from onnx import helper
 
 from criticalkv.export import model_select
 from criticalkv.export.graph import FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, live_nodes, value_info
+from criticalkv.export.quantize import quantized_matmul
 from criticalkv.export.select_function import FLOAT32_MIN, selection_function, selection_node, selection_opset
 from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.hf.loading import check_supported
@@ -340,7 +341,7 @@ class DecoderGraphBuilder:
         [B, 1, N*d_h] -> [B, N, 1, d_h] is a plain reshape. ``kv_names``: output names for k and v.
         """
         g, s = self.g, self.spec
-        x = g.MatMul(h, f"layers.{i}.qkv_proj")
+        x = self.project(h, f"layers.{i}.qkv_proj")
         if f"layers.{i}.qkv_bias" in self.store.arrays:
             x = g.Add(x, f"layers.{i}.qkv_bias")
         heads = s.num_heads + 2 * s.num_kv_heads
@@ -366,16 +367,38 @@ class DecoderGraphBuilder:
             flat = g.reshape(attn, [-1, self.spec.num_heads * self.spec.head_dim])
             out = g.Gemm(flat, f"layers.{i}.o_proj", *([bias] if bias else []), transB=1)
             return g.Reshape(out, g.concat(g.shape_of(attn, 0, 2), g.i64(self.spec.hidden_size)))
-        out = g.MatMul(attn, g.Transpose(f"layers.{i}.o_proj", perm=[1, 0]))
+        quantized = self.quantized(f"layers.{i}.o_proj")
+        if quantized:  # a second copy of o_proj, [H*d_h, d] in integer form (the selection reads the float32 one)
+            out = quantized_matmul(g, attn, quantized)
+        else:
+            out = g.MatMul(attn, g.Transpose(f"layers.{i}.o_proj", perm=[1, 0]))
         if bias:
             out = g.Add(out, bias)
         return out
 
     def mlp(self, i: int, x: str) -> str:
         g, s = self.g, self.spec
-        gate, up = g.op("Split", g.MatMul(x, f"layers.{i}.gate_up_proj"), g.i64(s.intermediate_size, s.intermediate_size),
-                        outputs=2, axis=-1)
-        return g.MatMul(g.Mul(g.Mul(gate, g.Sigmoid(gate)), up), f"layers.{i}.down_proj")
+        gate, up = g.op("Split", self.project(x, f"layers.{i}.gate_up_proj"),
+                        g.i64(s.intermediate_size, s.intermediate_size), outputs=2, axis=-1)
+        return self.project(g.Mul(g.Mul(gate, g.Sigmoid(gate)), up), f"layers.{i}.down_proj")
+
+    def quantized(self, weight: str):
+        """The integer form of ``weight`` that this graph multiplies by (``criticalkv.export.quantize``): only in the
+        fused ONNX Runtime graphs of an engine built with ``--weights int8|int4``; None otherwise."""
+        return self.store.quantized.get(weight) if self.fused else None
+
+    def project(self, x: str, weight: str) -> str:
+        """x [.., k] @ ``weight`` [k, n] (a stored [in, out] projection): MatMul, or its quantized form."""
+        quantized = self.quantized(weight)
+        return quantized_matmul(self.g, x, quantized) if quantized else self.g.MatMul(x, weight)
+
+    def head_logits(self, normed: str) -> str:
+        """``logits`` [B, vocab] from the final-normed last hidden state [B, d]: Gemm with the stored [vocab, d] head,
+        or its quantized form."""
+        quantized = self.quantized(self.head_weight())
+        if quantized:
+            return quantized_matmul(self.g, normed, quantized, outputs=["logits"])
+        return self.g.Gemm(normed, self.head_weight(), transB=1, outputs=["logits"])
 
     def head_weight(self) -> str:
         """The LM head's weight [vocab, d]: ``lm_head``, or the tied input embedding."""
@@ -383,7 +406,7 @@ class DecoderGraphBuilder:
 
     def logits(self, last: str) -> str:
         """[B, vocab] from the last hidden state [B, d]."""
-        return self.g.Gemm(self.rms_norm(last, "norm"), self.head_weight(), transB=1, outputs=["logits"])
+        return self.head_logits(self.rms_norm(last, "norm"))
 
     def last_logits(self, x: str) -> str:
         """[B, vocab] of the last position of x [B, s, d]."""
@@ -696,7 +719,7 @@ class DecoderGraphBuilder:
         """Layer i's one-token q, k, v heads before RoPE, packed as GroupQueryAttention reads them: h [B, 1, d] ->
         [B, 1, (H + 2 H_kv) d_h] (one MatMul, the bias, then ``qk_norm`` on the q and k heads when the family has one)."""
         g, s = self.g, self.spec
-        x = g.MatMul(h, f"layers.{i}.qkv_proj")
+        x = self.project(h, f"layers.{i}.qkv_proj")
         if f"layers.{i}.qkv_bias" in self.store.arrays:
             x = g.Add(x, f"layers.{i}.qkv_bias")
         heads = s.num_heads + 2 * s.num_kv_heads
@@ -806,7 +829,7 @@ class DecoderGraphBuilder:
                     x, h = self.add_rms_norm(x, self.output_projection(i, attn), f"layers.{i}.post_attention_layernorm")
                     following = f"layers.{i + 1}.input_layernorm" if i + 1 < s.num_layers else "norm"
                     x, h = self.add_rms_norm(x, self.mlp(i, h), following)
-                g.Gemm(g.reshape(h, [-1, s.hidden_size]), self.head_weight(), transB=1, outputs=["logits"])
+                self.head_logits(g.reshape(h, [-1, s.hidden_size]))
             else:
                 def attention(i, q, k, v):
                     g.Cast(k, to=kv_type, outputs=[f"present.{i}.key"])
@@ -824,6 +847,175 @@ class DecoderGraphBuilder:
                              f"per-head {kv_dtype} KV buffers")
         model.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
         return model
+
+    # ------------------------------------------------------------------ the fused prompt graphs (ONNX Runtime only)
+    def fused_prompt_qkv(self, i: int, h: str, cos_cache: str, sin_cache: str) -> tuple[str, str, str]:
+        """Layer i's post-RoPE q [B, s, H*d_h], k [B, s, H_kv*d_h] and v [B, s, H_kv*d_h] of s tokens h [B, s, d], in the
+        packed layout GroupQueryAttention reads (no transposes): one MatMul (+ bias), ``qk_norm`` of the q and k heads
+        when the family has one, then one com.microsoft ``RotaryEmbedding`` over the q and k heads at ``position_ids``
+        (its cos/sin caches from ``rope_caches``). GroupQueryAttention's own RoPE (``do_rotary``) is not used here: over
+        a prompt without past it rotates the stored keys at positions 0..s-1 whatever ``position_ids`` says."""
+        g, s = self.g, self.spec
+        x = self.project(h, f"layers.{i}.qkv_proj")
+        if f"layers.{i}.qkv_bias" in self.store.arrays:
+            x = g.Add(x, f"layers.{i}.qkv_bias")
+        qk_heads = s.num_heads + s.num_kv_heads
+        qk, v = g.op("Split", x, g.i64(qk_heads * s.head_dim, s.num_kv_heads * s.head_dim), outputs=2, axis=-1)
+        heads = g.Transpose(g.reshape(qk, [0, 0, qk_heads, s.head_dim]), perm=[0, 2, 1, 3])  # [B, H + H_kv, s, d_h]
+        normed = self.qk_norm(i, heads)
+        if normed != heads:  # Qwen3: the per-head norm, back to the packed layout (else _finish drops the Transpose)
+            qk = g.reshape(g.Transpose(normed, perm=[0, 2, 1, 3]), [0, 0, qk_heads * s.head_dim])
+        qk = g.op("RotaryEmbedding", qk, "position_ids", cos_cache, sin_cache, domain=ORT_DOMAIN, interleaved=0,
+                  num_heads=qk_heads)
+        q, k = g.op("Split", qk, g.i64(s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim), outputs=2, axis=-1)
+        return q, k, v
+
+    def window_rows(self, q: str, window: int, output: str | None = None) -> str:
+        """The last min(window, s) queries of q [B, s, H*d_h] as the selection node reads them: [B, H, w, d_h]."""
+        g, s = self.g, self.spec
+        last = g.reshape(g.slice_axis(q, -window, _INT64_MAX, axis=1), [0, 0, s.num_heads, s.head_dim])
+        return g.op("Transpose", last, perm=[0, 2, 1, 3], outputs=[output] if output else 1)
+
+    def prompt_attention(self, i: int, q: str, k: str, v: str, seqlens: str, total: str, in_place: bool = False) -> tuple:
+        """Causal attention of s tokens in one com.microsoft ``GroupQueryAttention`` node (no Loop; ONNX Runtime's CPU
+        kernel holds no s x s scores per head: a 4k-token prompt measured 33 MiB of working memory for 9 heads).
+
+        q [B, s, H*d_h], k, v [B, s, H_kv*d_h] post-RoPE (``fused_prompt_qkv``); ``seqlens`` [B] int32 = each row's
+        index of its last key, ``total`` the int32 scalar max(seqlens) + 1. Without ``in_place`` (a prompt): returns
+        (attention [B, s, H*d_h], K, V [B, H_kv, s, d_h]). ``in_place`` (an extend of one sequence): the keys and values
+        before the new ones are the buffers ``past_key_values.{i}.key`` / ``.value`` [1, H_kv, cap, d_h], whose
+        ``seqlens + 1 - s`` first entries are held; the node writes the new entries after them into its outputs
+        ``present.{i}.key`` / ``.value``, which the runtime binds to the same memory (ONNX Runtime takes several new
+        tokens over a past for batch 1 only); returns (attention, the two output names)."""
+        g, s = self.g, self.spec
+        if in_place:
+            past = (f"past_key_values.{i}.key", f"past_key_values.{i}.value")
+            names = [f"present.{i}.key", f"present.{i}.value"]
+        else:
+            past, names = ("", ""), [g.fresh("prompt_key"), g.fresh("prompt_value")]
+        out, key, value = g.op(
+            "GroupQueryAttention", q, k, v, *past, seqlens, total, domain=ORT_DOMAIN,
+            outputs=[g.fresh("attention"), *names], num_heads=s.num_heads, kv_num_heads=s.num_kv_heads,
+            scale=1.0 / math.sqrt(s.head_dim), do_rotary=0)
+        return out, key, value
+
+    def _fused_prompt_layers(self, max_positions: int, layer_attention, after_layer) -> str:
+        """Every decoder layer of the fused prompt graphs over ``input_ids``; returns the last token's logits' name.
+        ``layer_attention(i, q, k, v)`` -> the attention [B, s, H*d_h]; ``after_layer(i, q)`` adds a layer's outputs."""
+        g, s = self.g, self.spec
+        cos_cache, sin_cache = self.rope_caches(max_positions)
+        x = g.Gather("embed_tokens", "input_ids", axis=0)  # [B, s, d]
+        h = self.rms_norm(x, "layers.0.input_layernorm")
+        for i in range(s.num_layers):
+            q, k, v = self.fused_prompt_qkv(i, h, cos_cache, sin_cache)
+            attn = layer_attention(i, q, k, v)
+            after_layer(i, q)
+            x, h = self.add_rms_norm(x, self.output_projection(i, attn), f"layers.{i}.post_attention_layernorm")
+            delta = self.mlp(i, h)
+            if i + 1 < s.num_layers:
+                x, h = self.add_rms_norm(x, delta, f"layers.{i + 1}.input_layernorm")
+
+        def last(t):
+            return g.reshape(g.slice_axis(t, -1, _INT64_MAX, axis=1), [-1, s.hidden_size])
+
+        _, normed = self.add_rms_norm(last(x), last(delta), "norm")  # only the last token's final norm
+        return self.head_logits(normed)
+
+    def _fused_model(self, name: str, inputs: list, outputs: list, functions: list, doc: str) -> onnx.ModelProto:
+        model = self._finish(name, inputs, outputs, functions, doc)
+        model.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
+        return model
+
+    def prefill_fused(self, max_positions: int) -> onnx.ModelProto:
+        """``prefill_ort.onnx``, the ONNX-Runtime-only prefill of prompts WITHOUT padding (``attention_mask`` all ones;
+        the runtime prefills a left-padded batch of different lengths one group of equal lengths at a time).
+
+        prefill.onnx's inputs and outputs. Per layer: ``fused_prompt_qkv``, one causal ``prompt_attention`` over the
+        whole prompt (no query-block Loop), whose K, V [B, H_kv, n, d_h] and the last ``window`` rows of q are the
+        selection node's inputs, as in prefill.onnx (same node, same function body); ``SkipSimplifiedLayerNormalization``
+        for every residual add and the norm after it; the projections in the engine's weight format (``project``).
+        ``max_positions``: RoPE caches for positions 0 .. max_positions - 1. Raises ValueError with the reason when
+        ``fused_decode_refusal`` gives one (the same GroupQueryAttention kernel)."""
+        model_level = self._selection_kind("prefill")
+        reason = self.fused_decode_refusal()
+        if reason:
+            raise ValueError(f"no fused prefill graph: {reason}")
+        policy, s = self.policy, self.spec
+        pending = []
+        g = self._begin()
+        prompt_lengths = g.Cast(g.ReduceSum("attention_mask", g.i64(1), keepdims=0), to=INT32, hint="prompt_lengths")
+        kv_budget = g.Cast("kv_budget", to=INT32, hint="kv_budget_int32")
+        one = g.const(np.int32(1), hint="one")
+        seqlens = g.Sub(prompt_lengths, one)  # [B]: the index of each row's last key
+        total = g.Cast(g.squeeze(g.shape_of("input_ids", 1, 2), 0), to=INT32)  # n
+        outputs = [value_info("logits", FLOAT, ["batch", s.vocab_size])]
+        kv = {}
+
+        def attention(i, q, k, v):
+            out, kv["key"], kv["value"] = self.prompt_attention(i, q, k, v, seqlens, total)
+            return out
+
+        def select(i, q):
+            outputs.extend(self.select_layer(i, self.window_rows(q, policy.window), kv["key"], kv["value"],
+                                             prompt_lengths, kv_budget, pending, model_level))
+
+        self.fused = True
+        try:
+            self._fused_prompt_layers(max_positions, attention, select)
+        finally:
+            self.fused = False
+        if model_level:
+            self.select_model(pending, prompt_lengths, kv_budget)
+        inputs = [value_info(name, INT64, ["batch", "sequence"]) for name in ("input_ids", "attention_mask", "position_ids")]
+        inputs.append(value_info("kv_budget", INT64, [1]))
+        return self._fused_model("criticalkv_prefill_fused", inputs, outputs, self.selection_functions(model_level),
+                                 f"criticalkv fused prefill (ONNX Runtime only: com.microsoft operators; prompts without "
+                                 f"padding), policy {policy.to_json()}")
+
+    def extend_fused(self, max_positions: int) -> onnx.ModelProto:
+        """``extend_ort.onnx``, the ONNX-Runtime-only extend of ONE sequence whose KV heads hold equal lengths in each
+        layer (a prompt's prefill buffer in a chunked prefill, a slot of a policy that keeps equal lengths); the runtime
+        runs extend.onnx for anything else.
+
+        extend's inputs (batch 1). Outputs: ``logits`` and ``present.{l}.window_queries`` as extend's;
+        ``present.{l}.key`` / ``.value`` [1, H_kv, cap_l, d_h] are the buffers themselves, bound to the past inputs'
+        memory: ``prompt_attention`` (in place) writes the N new entries at slots [length, length + N) of every head. The
+        runtime then adds N to the lengths."""
+        window = self._window("extend")
+        reason = self.fused_decode_refusal()
+        if reason:
+            raise ValueError(f"no fused extend graph: {reason}")
+        s = self.spec
+        g = self._begin()
+        one = g.const(np.int32(1), hint="one")
+        new_tokens = g.Cast(g.shape_of("input_ids", 1, 2), to=INT32)  # [1] N
+        inputs = [value_info(name, INT64, [1, "new_tokens"]) for name in ("input_ids", "position_ids")]
+        outputs = [value_info("logits", FLOAT, [1, s.vocab_size])]
+        for i in range(s.num_layers):
+            inputs += self._past_inputs(i, f"capacity_{i}")
+            outputs += [value_info(f"present.{i}.{kind}", FLOAT, [1, s.num_kv_heads, f"capacity_{i}", s.head_dim])
+                        for kind in ("key", "value")]
+            outputs.append(value_info(f"present.{i}.window_queries", FLOAT, [1, s.num_heads, "window_tokens", s.head_dim]))
+        for value in inputs[2:]:
+            value.type.tensor_type.shape.dim[0].dim_value = 1  # batch 1: the past inputs too
+
+        def attention(i, q, k, v):
+            held = g.reshape(g.slice_axis(f"past_key_values.{i}.lengths", 0, 1, axis=1), [-1])  # [1]: every head's
+            seqlens = g.Sub(g.Add(held, new_tokens), one)
+            total = g.squeeze(g.Add(seqlens, one), 0)
+            return self.prompt_attention(i, q, k, v, seqlens, total, in_place=True)[0]
+
+        def window_queries(i, q):  # post-RoPE, unscaled: the selection node's queries input
+            self.window_rows(q, window, output=f"present.{i}.window_queries")
+
+        self.fused = True
+        try:
+            self._fused_prompt_layers(max_positions, attention, window_queries)
+        finally:
+            self.fused = False
+        return self._fused_model("criticalkv_extend_fused", inputs, outputs, [],
+                                 "criticalkv fused extend (ONNX Runtime only: com.microsoft operators): new tokens of one "
+                                 "sequence written into its KV buffers in place")
 
     def extend(self) -> onnx.ModelProto:
         """The extend model: N new tokens per sequence over per-head KV buffers of any capacity (module docstring).

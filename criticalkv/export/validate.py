@@ -1,8 +1,9 @@
 """Checks of the exported graphs: ``onnx.checker`` (full check, with strict shape inference), the
 selection nodes' attributes against the policy and the per-layer capacities (prefill and select), and, on the
 graphs TensorRT parses (``prefill_tensorrt``, ``decode``, ``extend_tensorrt``, ``select_tensorrt``), the
-ONNX-TensorRT importer's rules (``criticalkv.export.tensorrt_rules``). Only ``decode_ort`` (ONNX Runtime only) may
-hold com.microsoft operators, and only the fused ones it is built from (``ORT_OPERATORS``)."""
+ONNX-TensorRT importer's rules (``criticalkv.export.tensorrt_rules``). Only the ONNX-Runtime-only graphs
+(``decode_ort``, ``prefill_ort``, ``extend_ort``) may hold com.microsoft operators, and only the fused ones each is built
+from (``ORT_OPERATORS``, plus the quantized projection's operator of the engine's weight format)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ from criticalkv.export.exporter import (
     DECODE_FILE,
     DECODE_ORT_FILE,
     EXTEND_FILE,
+    EXTEND_ORT_FILE,
     EXTEND_TENSORRT_FILE,
     PREFILL_FILE,
+    PREFILL_ORT_FILE,
     PREFILL_TENSORRT_FILE,
     SELECT_FILE,
     SELECT_TENSORRT_FILE,
     ExportResult,
 )
 from criticalkv.export.llama import ORT_DOMAIN
+from criticalkv.export.quantize import QUANTIZED_OPERATORS
 from criticalkv.export.model_select import MODEL_OP, SCORE_OP, is_model_level, model_attributes, tensorrt_refusal
 from criticalkv.export.tensorrt_rules import TENSORRT_VERSION, check_tensorrt_model
 from criticalkv.node import DOMAIN, OP_TYPE, policy_from_attributes
@@ -38,13 +42,28 @@ GRAPHS = (
     ("extend_tensorrt", EXTEND_TENSORRT_FILE, False, True),
     ("select", SELECT_FILE, True, False),
     ("select_tensorrt", SELECT_TENSORRT_FILE, True, True),
+    ("prefill_ort", PREFILL_ORT_FILE, True, False),
+    ("extend_ort", EXTEND_ORT_FILE, False, False),
 )
+#: The fused prompt graphs (ONNX Runtime only), written unless the model refuses them.
+FUSED_PROMPT = ("prefill_ort", "extend_ort")
 #: The TensorRT flavours a model-level policy does not have (``decode.onnx`` is also its ONNX Runtime decode graph).
 TENSORRT_FLAVOURS = ("prefill_tensorrt", "extend_tensorrt", "select_tensorrt")
 #: The only com.microsoft operators of the fused decode graph (``decode_ort``), by its attention form; no other graph
 #: holds any.
 ORT_OPERATORS = {"group_query_attention": {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"},
-                 "cast": {"SkipSimplifiedLayerNormalization"}}
+                 "cast": {"SkipSimplifiedLayerNormalization"},
+                 "prompt": {"GroupQueryAttention", "SkipSimplifiedLayerNormalization", "RotaryEmbedding"}}
+
+
+def expected_contrib_operators(result: ExportResult, key: str) -> set[str] | None:
+    """The com.microsoft operators graph ``key`` must hold (None: it may hold none)."""
+    weights = QUANTIZED_OPERATORS[(result.weights or {}).get("format", "fp32")]
+    if key == "decode_ort":
+        return ORT_OPERATORS[result.fused_decode["attention"]] | weights
+    if key in FUSED_PROMPT:
+        return ORT_OPERATORS["prompt"] | weights
+    return None
 
 
 def _attributes(node: onnx.NodeProto) -> dict:
@@ -77,6 +96,12 @@ def validate_export(result: ExportResult) -> dict:
                 raise ValueError(f"{name}: written although the export has no fused decode ({fused_refusal})")
             report[key] = {"file": None, "refused": fused_refusal or "not exported"}
             continue
+        prompt_refusal = (result.fused_prompt or {}).get("refused")
+        if key in FUSED_PROMPT and (prompt_refusal or result.fused_prompt is None):
+            if path.exists():
+                raise ValueError(f"{name}: written although the export has no fused prompt graphs ({prompt_refusal})")
+            report[key] = {"file": None, "refused": prompt_refusal or "not exported"}
+            continue
         try:
             onnx.checker.check_model(str(path), full_check=True)
             model = onnx.load(str(path), load_external_data=False)
@@ -84,7 +109,7 @@ def validate_export(result: ExportResult) -> dict:
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
             raise ValueError(f"{name}: the exported graph does not validate: {err}") from None
         if model_level and selects:
-            report[key] = _validate_model_level(result, model, inferred, name)
+            report[key] = _validate_model_level(result, model, inferred, name, expected_contrib_operators(result, key))
             continue
         selection = [n for n in model.graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
         expected = result.spec.num_layers if selects else 0
@@ -102,12 +127,7 @@ def validate_export(result: ExportResult) -> dict:
             raise ValueError(f"{name}: expected the function bodies {body}, found {functions}"
                              + (" (the TensorRT flavours carry none: the plugin runs the node)" if tensorrt else ""))
         domains = {n.domain for n in model.graph.node} - {"", DOMAIN}
-        if key == "decode_ort":  # ONNX Runtime only: its fused operators, and no others of that domain
-            contrib = {n.op_type for n in model.graph.node if n.domain == ORT_DOMAIN}
-            expected = ORT_OPERATORS[result.fused_decode["attention"]]
-            if contrib != expected:
-                raise ValueError(f"{name}: expected the {ORT_DOMAIN} operators {sorted(expected)}, found {sorted(contrib)}")
-            domains -= {ORT_DOMAIN}
+        domains -= _check_contrib(model, name, expected_contrib_operators(result, key))
         if domains:
             raise ValueError(f"{name}: unexpected operator domains {sorted(domains)}")
         if tensorrt:  # the graphs TensorRT parses: the importer's rules (criticalkv.export.tensorrt_rules)
@@ -127,7 +147,19 @@ def validate_export(result: ExportResult) -> dict:
     return report
 
 
-def _validate_model_level(result: ExportResult, model: onnx.ModelProto, inferred: onnx.ModelProto, name: str) -> dict:
+def _check_contrib(model: onnx.ModelProto, name: str, expected: set[str] | None) -> set[str]:
+    """An ONNX-Runtime-only graph holds exactly its fused operators (``expected``) of the com.microsoft domain, and
+    nothing else of that domain; returns the domain as checked ({} for the other graphs)."""
+    if expected is None:
+        return set()
+    contrib = {n.op_type for n in model.graph.node if n.domain == ORT_DOMAIN}
+    if contrib != expected:
+        raise ValueError(f"{name}: expected the {ORT_DOMAIN} operators {sorted(expected)}, found {sorted(contrib)}")
+    return {ORT_DOMAIN}
+
+
+def _validate_model_level(result: ExportResult, model: onnx.ModelProto, inferred: onnx.ModelProto, name: str,
+                          contrib: set[str] | None = None) -> dict:
     """The prefill graph of a model-level policy: one ``CriticalKVScore`` node per layer (the layer's attributes), one
     ``CriticalKVSelectModel`` node (the policy and every layer's capacity) after them, and exactly their two bodies."""
     ours = [n for n in model.graph.node if n.domain == DOMAIN]
@@ -151,7 +183,7 @@ def _validate_model_level(result: ExportResult, model: onnx.ModelProto, inferred
     functions = sorted(f"{f.domain}::{f.name}" for f in model.functions)
     if functions != sorted([f"{DOMAIN}::{SCORE_OP}", f"{DOMAIN}::{MODEL_OP}"]):
         raise ValueError(f"{name}: expected the {SCORE_OP} and {MODEL_OP} function bodies, found {functions}")
-    domains = {n.domain for n in model.graph.node} - {"", DOMAIN}
+    domains = {n.domain for n in model.graph.node} - {"", DOMAIN} - _check_contrib(model, name, contrib)
     if domains:
         raise ValueError(f"{name}: unexpected operator domains {sorted(domains)}")
     return {

@@ -161,7 +161,9 @@ class Engine:
         ``onnxruntime``). ``options`` go to the backend (torch: ``model``, ``device``, ``dtype``, ``cuda_graphs``,
         ``threads``: see ``criticalkv.hf.torch_backend``; ONNX Runtime: ``threads``, ``profile``, ``providers``,
         ``weights``, ``decode`` = ``"auto"`` / ``"fused"`` / ``"portable"`` (the decode graph: decode_ort.onnx or
-        decode.onnx; default ``$CRITICALKV_ORT_DECODE`` or auto), ``prepack``, ``spinning``: see
+        decode.onnx; default ``$CRITICALKV_ORT_DECODE`` or auto), ``prefill`` (the same for the prompt graphs:
+        prefill_ort.onnx and extend_ort.onnx or prefill.onnx and extend.onnx; ``$CRITICALKV_ORT_PREFILL``),
+        ``prepack``, ``prefill_prepack``, ``spinning``: see
         ``criticalkv.runtime.onnxruntime_backend``)."""
         folder = Path(folder)
         manifest = read_manifest(folder, verify=verify)

@@ -24,12 +24,26 @@ sequences join and leave). No per-step allocation and no copy of the cache in ei
 ``decode="auto"`` (default; ``$CRITICALKV_ORT_DECODE``) picks fused when the engine has it (the manifest's
 ``onnx.fused_decode`` says why an engine has none), portable otherwise.
 
+Prompts (``prefill``, the same three forms; ``$CRITICALKV_ORT_PREFILL``):
+
+* ``prefill="fused"`` (the default when the engine has ``prefill_ort.onnx``): one com.microsoft GroupQueryAttention per
+  layer over the whole prompt instead of the query-block Loop, the fused norms, the engine's weight format
+  (``--weights``). Its graph takes prompts without padding: a left-padded batch of different lengths is prefilled one
+  group of equal lengths at a time and the outputs merged into the left-padded layout (the same arrays the portable
+  graph returns; kept indices are positions into the padded prompt). ``extend_ort.onnx`` (the chunked prefill's chunks,
+  a question after a context) runs the same attention with the new entries written into the buffers in place, for
+  one sequence whose heads hold equal lengths in each layer (ONNX Runtime's kernel takes several new tokens over a past
+  for batch 1 only); other extends run ``extend.onnx``.
+* ``prefill="portable"``: ``prefill.onnx`` and ``extend.onnx`` (fp32 weights, the Loop attention): the floats of the
+  PyTorch path's tests; a chunked prefill in multiples of ``attention_chunk`` equals the one-shot prefill bitwise.
+
 Weights (``weights="shared"``, the default): ``weights.bin`` is memory-mapped once and handed to the prefill,
 extend and select sessions (and a portable decode session) as pre-allocated initializers
 (``SessionOptions.add_initializer``) with MLAS weight prepacking off, so the process holds one copy (measured on
 SmolLM2-135M: 0.56 GiB resident after loading instead of 1.6 GiB). The fused decode session loads and prepacks
-its own (``prepack``, default on for the fused decode only: +0.6 GiB resident on SmolLM2-135M, docs/performance.md).
-``weights="session"`` lets each session load and prepack its own copy.
+its own (``prepack``, default on for the fused decode only: +0.6 GiB resident on SmolLM2-135M, docs/performance.md);
+so do the fused prefill and extend sessions (``prefill_prepack``, default on for the fused prompt graphs: a packed copy
+each, docs/performance.md section 5). ``weights="session"`` lets each session load and prepack its own copy.
 
 Threads: ``threads`` (``$CRITICALKV_ORT_THREADS``; 0 = ONNX Runtime's default) intra-op threads per session, with
 spinning off (``session.intra_op.allow_spinning = 0``) unless ``spinning`` (``$CRITICALKV_ORT_SPINNING=1``): a pool
@@ -66,7 +80,9 @@ THREADS_ENV = "CRITICALKV_ORT_THREADS"
 DECODE_ENV = "CRITICALKV_ORT_DECODE"
 #: Environment variable turning ONNX Runtime's pool-thread spinning back on ("1").
 SPINNING_ENV = "CRITICALKV_ORT_SPINNING"
-#: The decode forms: ``auto`` (fused when the engine has decode_ort.onnx), ``fused``, ``portable``.
+#: Environment variable choosing the prompt graphs (prefill, extend) when the caller does not (``DECODE_FORMS``).
+PREFILL_ENV = "CRITICALKV_ORT_PREFILL"
+#: The decode (and prompt) forms: ``auto`` (fused when the engine has the graph), ``fused``, ``portable``.
 DECODE_FORMS = ("auto", "fused", "portable")
 
 
@@ -94,6 +110,8 @@ class OnnxRuntimeBackend(BuiltShapes):
         decode: str | None = None,
         prepack: bool | None = None,
         spinning: bool | None = None,
+        prefill: str | None = None,
+        prefill_prepack: bool | None = None,
     ):
         """folder, manifest : the engine directory and its manifest. threads : intra-op threads per session (None:
         ``$CRITICALKV_ORT_THREADS``, else ONNX Runtime's default). profile : profile the first prefill. providers :
@@ -102,7 +120,11 @@ class OnnxRuntimeBackend(BuiltShapes):
         without decode_ort.onnx raises EngineError with the reason). prepack : MLAS weight prepacking in the decode
         session, which then loads its own weights (None: on for the fused decode, off for the portable one unless
         ``weights="session"``).
-        spinning : let idle pool threads spin (None: ``$CRITICALKV_ORT_SPINNING`` == "1")."""
+        spinning : let idle pool threads spin (None: ``$CRITICALKV_ORT_SPINNING`` == "1").
+        prefill : ``auto`` / ``fused`` / ``portable``, the prompt graphs (prefill and extend; None:
+        ``$CRITICALKV_ORT_PREFILL``, else ``auto``; ``fused`` on an engine without prefill_ort.onnx raises EngineError
+        with the reason). prefill_prepack : MLAS weight prepacking in the fused prefill and extend sessions, which then
+        load their own weights (None: on for the fused prompt graphs)."""
         self.ort = ort
         self.folder = Path(folder)
         self.manifest = manifest
@@ -110,6 +132,8 @@ class OnnxRuntimeBackend(BuiltShapes):
             raise EngineError(f"{folder}: no ONNX graphs in this engine directory (built with --backend torch): run "
                               "it on the torch backend, or rebuild it without --backend torch")
         self.read_shapes(manifest)
+        self.num_heads = manifest["model"]["spec"]["num_heads"]
+        self.window = manifest["policy"]["window"]  # the extend graph's window queries: the last min(N, window)
         files = manifest["onnx"]["files"]
         if threads is None:
             threads = int(os.environ.get(THREADS_ENV, "0"))
@@ -137,13 +161,21 @@ class OnnxRuntimeBackend(BuiltShapes):
                     arrays.update(_external_weights(self.folder / files[graph]))
             self._weight_values = {name: ort.OrtValue.ortvalue_from_numpy(np.asarray(a)) for name, a in arrays.items()}
         self.profile = profile
-        self.prefill_session = self.session(self.folder / files["prefill"], threads, profile)
+        self.prefill_form, self.prefill_fallback = self._prompt_form(prefill or os.environ.get(PREFILL_ENV) or "auto", files)
+        fused_prompt = self.prefill_form == "fused"
+        self.prefill_prepack = fused_prompt if prefill_prepack is None else bool(prefill_prepack)
+        prompt_prepack = self.prefill_prepack if fused_prompt else None
+        self.prefill_path = self.folder / files["prefill_ort" if fused_prompt else "prefill"]
+        self.prefill_session = self.session(self.prefill_path, threads, profile, prepack=prompt_prepack)
         #: the decode graph this backend runs (decode_ort.onnx when fused, else decode.onnx)
         self.decode_path = self.folder / files["decode_ort" if self.fused else "decode"]
         self.decode_session = self.session(self.decode_path, threads, False, prepack=self.prepack)
         # extend (N tokens over a slot's or a prefill buffer's entries) and select (the chunked prefill's last
         # step): engines built before these graphs existed have neither
         self.extend_session = self.session(self.folder / files["extend"], threads) if "extend" in files else None
+        #: the fused extend (one sequence, equal head lengths, in place); None: every extend runs extend.onnx
+        self.extend_fused_session = (self.session(self.folder / files["extend_ort"], threads, prepack=prompt_prepack)
+                                     if fused_prompt and self.extend_session is not None else None)
         self.select_session = self.session(self.folder / files["select"], threads) if "select" in files else None
         self.has_extend = self.extend_session is not None and self.select_session is not None
         self._allocate()
@@ -169,6 +201,20 @@ class OnnxRuntimeBackend(BuiltShapes):
         reason = fused.get("refused") or "the engine was built before decode_ort.onnx existed; rebuild it"
         if decode == "fused":
             raise EngineError(f"{self.folder}: no fused decode graph (decode_ort.onnx): {reason}; use decode='portable'")
+        return "portable", reason
+
+    def _prompt_form(self, prefill: str, files: dict[str, str]) -> tuple[str, str | None]:
+        """(the prompt graphs to run: fused or portable, why they are not the fused ones: None when they are)."""
+        if prefill not in DECODE_FORMS:
+            raise ValueError(f"prefill: {prefill!r} is not one of {', '.join(DECODE_FORMS)}")
+        if prefill == "portable":
+            return "portable", "prefill='portable' was asked for"
+        if "prefill_ort" in files:
+            return "fused", None
+        info = self.manifest["onnx"].get("fused_prompt") or {}
+        reason = info.get("refused") or "the engine was built before prefill_ort.onnx existed; rebuild it"
+        if prefill == "fused":
+            raise EngineError(f"{self.folder}: no fused prefill graph (prefill_ort.onnx): {reason}; use prefill='portable'")
         return "portable", reason
 
     def session(self, path: Path, threads: int, profile: bool = False, prepack: bool | None = None):
@@ -222,6 +268,45 @@ class OnnxRuntimeBackend(BuiltShapes):
     # ------------------------------------------------------------------ prefill
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 kv_budget: int | None = None) -> PrefillOutputs:
+        if self.prefill_form == "fused" and not np.all(attention_mask):
+            return self._prefill_groups(input_ids, attention_mask, position_ids, kv_budget)
+        return self._prefill(input_ids, attention_mask, position_ids, kv_budget)
+
+    def _prefill_groups(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                        kv_budget: int | None) -> PrefillOutputs:
+        """A left-padded batch through the fused prefill graph, which takes prompts without padding: each group of
+        rows of one length runs without its padding, and the outputs are merged into the layout prefill.onnx returns
+        for the padded batch (``PrefillOutputs``: [B, H_kv, min(n, capacity_l), ...], zero / -1 padded; kept indices
+        are positions into the padded prompt, so a row of length m gets its own indices + n - m)."""
+        start = time.perf_counter()
+        batch, n = input_ids.shape
+        lengths = attention_mask.sum(axis=1).astype(np.int64)
+        if np.any(attention_mask != (np.arange(n)[None, :] >= (n - lengths)[:, None])):
+            raise EngineError("prefill: attention_mask must be left padding (zeros, then ones) on every row")
+        if np.any(lengths < 1):
+            raise EngineError("prefill: every row needs at least one token")
+        caps = [min(n, c) for c in self.manifest["shapes"]["prefill_capacity"]]
+        logits = np.zeros((batch, self.vocab), np.float32)
+        keys = [np.zeros((batch, self.kv_heads, c, self.head_dim), np.float32) for c in caps]
+        values = [np.zeros_like(k) for k in keys]
+        kept = [np.zeros((batch, self.kv_heads), np.int32) for _ in caps]
+        indices = [np.full((batch, self.kv_heads, c), -1, np.int32) for c in caps]
+        for m in np.unique(lengths):
+            rows = np.nonzero(lengths == m)[0]
+            ids = np.ascontiguousarray(input_ids[rows, n - m:])
+            out = self._prefill(ids, np.ones_like(ids), np.ascontiguousarray(position_ids[rows, n - m:]), kv_budget)
+            logits[rows] = out.logits
+            for i in range(self.num_layers):
+                width = out.keys[i].shape[2]
+                keys[i][rows, :, :width] = out.keys[i]
+                values[i][rows, :, :width] = out.values[i]
+                kept[i][rows] = out.lengths[i]
+                indices[i][rows, :, :width] = np.where(out.indices[i] >= 0, out.indices[i] + (n - m), -1)
+        return PrefillOutputs(logits=logits, keys=keys, values=values, lengths=kept, indices=indices,
+                              seconds=time.perf_counter() - start)
+
+    def _prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                 kv_budget: int | None = None) -> PrefillOutputs:
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         if self._budget_input is not None:
             budget = self.built_budget if kv_budget is None else kv_budget
@@ -398,6 +483,8 @@ class OnnxRuntimeBackend(BuiltShapes):
             if int(lengths[i].max()) + n_new > keys[i].shape[2]:
                 raise EngineError(f"layer {i}: {n_new} more entries do not fit the KV buffer "
                                   f"({keys[i].shape[2]} entries per head, {int(lengths[i].max())} used)")
+        if self._fused_extend_fits(keys, values, lengths):
+            return self._extend_fused(keys, values, lengths, token_ids, positions)
         inputs = {"input_ids": token_ids, "position_ids": positions}
         names = ["logits"]
         for i in range(self.num_layers):
@@ -417,6 +504,38 @@ class OnnxRuntimeBackend(BuiltShapes):
             lengths[i] += n_new
         return ExtendOutputs(logits=out["logits"], window_queries=[out[f"present.{i}.window_queries"]
                                                                    for i in range(self.num_layers)])
+
+    def _fused_extend_fits(self, keys: list[np.ndarray], values: list[np.ndarray], lengths: list[np.ndarray]) -> bool:
+        """Whether extend_ort.onnx can run this extend: the engine runs the fused prompt graphs, one sequence, every
+        head of a layer holding the same length, float32 C-contiguous buffers (written in place)."""
+        if self.extend_fused_session is None or lengths[0].shape[0] != 1:
+            return False
+        return all(int(n.min()) == int(n.max()) and k.dtype == np.float32 and v.dtype == np.float32
+                   and k.flags.c_contiguous and v.flags.c_contiguous for k, v, n in zip(keys, values, lengths))
+
+    def _extend_fused(self, keys: list[np.ndarray], values: list[np.ndarray], lengths: list[np.ndarray],
+                      token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
+        """``extend`` through extend_ort.onnx: its GroupQueryAttention writes the new entries into ``keys`` / ``values``
+        at each layer's length itself (the present outputs are bound to the same memory); the lengths then grow by N."""
+        binding = self.extend_fused_session.io_binding()
+        binding.bind_cpu_input("input_ids", token_ids)
+        binding.bind_cpu_input("position_ids", positions)
+        logits = np.zeros((1, self.vocab), np.float32)
+        queries = [np.zeros((1, self.num_heads, min(token_ids.shape[1], self.window), self.head_dim), np.float32)
+                   for _ in range(self.num_layers)]
+        outputs = [("logits", logits)]
+        for i in range(self.num_layers):
+            binding.bind_cpu_input(f"past_key_values.{i}.key", keys[i])
+            binding.bind_cpu_input(f"past_key_values.{i}.value", values[i])
+            binding.bind_cpu_input(f"past_key_values.{i}.lengths", lengths[i])
+            outputs += [(f"present.{i}.key", keys[i]), (f"present.{i}.value", values[i]),
+                        (f"present.{i}.window_queries", queries[i])]
+        for name, array in outputs:  # every output into memory of ours: the present ones are the buffers themselves
+            binding.bind_output(name, "cpu", 0, np.float32, list(array.shape), array.ctypes.data)
+        self.extend_fused_session.run_with_iobinding(binding)
+        for n in lengths:
+            n += token_ids.shape[1]
+        return ExtendOutputs(logits=logits, window_queries=queries)
 
     def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         """``extend`` over decode buffer row ``row`` (token_ids, positions: [1, N]). float16 buffers: the extend graph

@@ -138,7 +138,7 @@ def test_graph_interface_and_validation(tmp_path):
     result = export_model(model, policy, tmp_path, config)
     report = validate_export(result)
     assert set(report) == {"prefill", "prefill_tensorrt", "decode", "decode_ort", "extend", "extend_tensorrt", "select",
-                           "select_tensorrt"}
+                           "select_tensorrt", "prefill_ort", "extend_ort"}
     spec = model_spec(model)
     assert result.prefill_capacities == layer_capacities(policy, spec, 200)
     # decode buffers: the selection capacity + room for a question after a cached context + the new tokens

@@ -217,7 +217,8 @@ def test_a_model_level_policy_has_no_tensorrt_flavours(tmp_path):
     policy = KVPolicy("layer-defensivekv", budget=BUDGET, window=WINDOW)
     result = export_model(tiny_model("llama", seed=2), policy, tmp_path, BuildConfig(max_input_len=MAX_INPUT))
     written = sorted(p.name for p in tmp_path.glob("*.onnx"))
-    assert written == ["decode.onnx", "decode_ort.onnx", "extend.onnx", "prefill.onnx", "select.onnx"]
+    assert written == ["decode.onnx", "decode_ort.onnx", "extend.onnx", "extend_ort.onnx", "prefill.onnx", "prefill_ort.onnx",
+                       "select.onnx"]
     report = validate_export(result)
     for key in ("prefill_tensorrt", "extend_tensorrt", "select_tensorrt"):
         assert "refused" in report[key]

@@ -54,15 +54,16 @@ def test_build_writes_a_complete_manifest(built, checkpoint):
     assert manifest["model"]["spec"]["num_kv_heads"] == 2 and manifest["model"]["path"] == str(checkpoint)
     assert manifest["onnx"]["opset"] == 21 and manifest["onnx"]["custom_domain"] == {"ai.criticalkv": 1}
     graphs = {"prefill", "prefill_tensorrt", "decode", "decode_ort", "extend", "extend_tensorrt", "select",
-              "select_tensorrt"}
+              "select_tensorrt", "prefill_ort", "extend_ort"}
     assert set(manifest["onnx"]["validation"]) == graphs
     assert set(manifest["onnx"]["files"]) == graphs | {"weights"}
     assert manifest["onnx"]["fused_decode"]["file"] == "decode_ort.onnx"
+    assert manifest["onnx"]["fused_prompt"]["prefill"] == "prefill_ort.onnx" and manifest["onnx"]["weights"] == {"format": "fp32"}
     assert {"python", "torch", "transformers", "onnx", "onnxruntime", "numpy"} <= set(manifest["versions"])
     files = {p.relative_to(output).as_posix() for p in output.rglob("*") if p.is_file()} - {"manifest.json"}
     assert set(manifest["files"]) == files
     assert {"weights.bin", "prefill.onnx", "prefill_tensorrt.onnx", "decode.onnx", "decode_ort.onnx", "extend.onnx",
-            "extend_tensorrt.onnx", "select.onnx", "select_tensorrt.onnx"} <= files
+            "extend_tensorrt.onnx", "select.onnx", "select_tensorrt.onnx", "prefill_ort.onnx", "extend_ort.onnx"} <= files
     assert any(f.startswith("tokenizer/") for f in files)
     for rel, info in manifest["files"].items():
         assert info["sha256"] == sha256_file(output / rel)
