@@ -6,8 +6,10 @@
   remain (before the watchdog, the Python-backend stub of a server killed while tokens streamed often blocked for
   ever on its way out: 2 of 3 runs here, as in the issue that reported it).
 
-The load in both: three streams decoding, a long completion decoding, and a 6,000-token prompt in its prefill
-(chunks of 32 tokens, so it stays there for seconds). Each test starts its own server (~10 s).
+The load in both: three streams decoding, a long completion decoding, and a 12,000-token prompt in its prefill
+(chunks of 8 tokens interleaved with the decode steps: 1,500 scheduler steps, so it stays there for seconds even on a
+fast machine; with 6,000 tokens in chunks of 32 a CI machine finished it within the test's first second). Each test
+starts its own server (~10 s).
 """
 
 import http.client
@@ -27,7 +29,8 @@ from serving.servers import MODEL, build_tiny_engine, random_words
 psutil = pytest.importorskip("psutil")
 
 LONG = 20000  # new tokens: far more than a test waits for
-LONG_PROMPT = 6000
+LONG_PROMPT = 12000
+PREFILL_CHUNK = 8
 #: how long Ctrl-C may take here: the goal is 5 s on an idle machine (measured 3.3-5 s on a 2-core VM at load
 #: 1-2; tritonserver alone needs ~1.5 s to unload the model and polls its exit once a second); a shared CI
 #: machine is often many times slower
@@ -55,7 +58,7 @@ class Serve:
         args = [a for flag, port in self.ports.items() for a in (flag, str(port))]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "criticalkv.cli", "serve", "--engine-dir", str(engine_dir), *args, "--threads", "1",
-             "--prefill-chunk", "32"],
+             "--prefill-chunk", str(PREFILL_CHUNK)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "TMPDIR": str(tmp)},
             start_new_session=True)  # as from a shell: its own process group (a Ctrl-C reaches only it)
         self.lines: list[str] = []
@@ -168,7 +171,7 @@ def start_load(server: Serve) -> dict[str, Call]:
         assert calls[name].first_event.wait(120) and calls[name].status == 200, (calls[name].json, calls[name].error)
     calls["prefill"] = Call(server.port, "/completions", {
         "model": MODEL, "prompt": random_words(LONG_PROMPT, seed=51)[0], "max_tokens": 4})
-    time.sleep(1.0)  # its prefill runs (in chunks of 32 tokens, interleaved with the decode steps)
+    time.sleep(0.3)  # its prefill starts (in chunks of PREFILL_CHUNK tokens, interleaved with the decode steps)
     for name, call in calls.items():
         assert call.thread.is_alive(), f"{name} ended before the test stopped the server: {call.status} {call.json}"
     return calls
