@@ -30,6 +30,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-cache-mib", type=float, default=256.0,
                    help="compressed contexts kept for reuse per instance, MiB (default: 256; 0 = none): a request's "
                         "`context` is compressed once and later questions about it skip its prefill")
+    p.add_argument("--context-policy", default=None, metavar="NAME",
+                   help="the policy a request's `context` is compressed with, before any question is known (default: "
+                        "the engine's context policy, built with scripts/build_engine.py --context-policy, which "
+                        "defaults to kvzip-criticalkv; 'engine' = the engine's own --kv-policy). It must be one of the "
+                        "two the engine was built with (results/README.md, question-agnostic quality, says why kvzip)")
     p.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
                    help="onnxruntime (KIND_CPU, default) or tensorrt (KIND_GPU)")
     p.add_argument("--gpus", type=lambda s: [int(x) for x in s.split(",")], default=None,
@@ -41,7 +46,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     """The scheduler options of ``add_model_arguments`` (checked here, before any server starts)."""
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, kv_memory_mib=args.kv_memory_mib,
-                           prefill_chunk=args.prefill_chunk, context_cache_mib=args.context_cache_mib)
+                           prefill_chunk=args.prefill_chunk, context_cache_mib=args.context_cache_mib,
+                           context_policy=args.context_policy)
 
 
 def register(subparsers) -> None:

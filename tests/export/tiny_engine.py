@@ -45,13 +45,14 @@ def words(ids) -> str:
     return " ".join(vocab[i] for i in ids)
 
 
-def export_tiny_engine(model, policy, folder: Path, tokenizer=None, **limits) -> Path:
-    """An engine directory for an in-memory model (export + validation + manifest; no smoke test)."""
+def export_tiny_engine(model, policy, folder: Path, tokenizer=None, context_policy=None, **limits) -> Path:
+    """An engine directory for an in-memory model (export + validation + manifest; no smoke test); ``context_policy``:
+    the policy its contexts are compressed with (none: ``policy``)."""
     from criticalkv.export import BuildConfig
     from criticalkv.build import export_engine
     from criticalkv.runtime.manifest import write_manifest
 
     config = BuildConfig(**{"max_input_len": 256, "max_new_tokens": 32, "max_batch_size": 3, "attention_chunk": 32, **limits})
-    _, content = export_engine(model, policy, folder, config, tokenizer, model_name="tiny")
+    _, content = export_engine(model, policy, folder, config, tokenizer, model_name="tiny", context_policy=context_policy)
     write_manifest(folder, content)
     return folder

@@ -1,0 +1,92 @@
+"""The context policy: contexts of the context cache compressed with another policy than the engine's (kvzip-criticalkv
+re-reads each context through the reconstruct graph), against the PyTorch path token for token and entry for entry."""
+
+import numpy as np
+import pytest
+import torch
+
+from criticalkv import KVPolicy
+from criticalkv.hf import generate, prefill_and_compress
+from criticalkv.request import Request, SamplingParams
+from criticalkv.runtime import Engine, EngineError
+from criticalkv.serving import Scheduler
+from export.tiny_engine import export_tiny_engine
+from hf.conftest import tiny_model
+
+ENGINE_POLICY = KVPolicy("criticalkv", budget=40, window=8)
+CONTEXT_POLICY = KVPolicy("kvzip-criticalkv", budget=40, window=8, kvzip_chunk=64)
+
+
+def prompt(n, seed=1):
+    return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=4)
+
+
+@pytest.fixture(scope="module")
+def engine(model, tmp_path_factory):
+    folder = export_tiny_engine(model, ENGINE_POLICY, tmp_path_factory.mktemp("ctx"), context_policy=CONTEXT_POLICY,
+                                max_batch_size=2, extend_chunk=32, max_question_len=24)
+    engine = Engine.load(folder, threads=1)
+    yield engine
+    engine.close()
+
+
+def context_request(context, question, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(question, params, None, context_token_ids=context)
+
+
+def kept(selection, head):
+    return [i for i in selection.indices[0, head].tolist() if i >= 0]
+
+
+def test_a_context_is_kept_as_the_pytorch_path_keeps_it(engine, model):
+    assert engine.context_policy == CONTEXT_POLICY and engine.policy_for(True) == CONTEXT_POLICY
+    assert engine.policy_for(False) == ENGINE_POLICY and engine.reconstruction is not None
+    context = prompt(150, seed=21)
+    got = engine.prefill(0, Request(context), context=True)
+    engine.release(0)
+    ref = prefill_and_compress(model, torch.tensor([context]), CONTEXT_POLICY)
+    assert got.reconstruction_s > 0
+    for layer, selection in enumerate(ref.selections):
+        assert got.kept_lengths[layer].tolist() == selection.lengths[0].tolist()
+        for head in range(2):
+            ids = got.kept_indices[layer][head]
+            assert ids[ids >= 0].tolist() == kept(selection, head), f"layer {layer} head {head}"
+    # a prompt (no context) is still the engine's own policy, inside the prefill graph
+    plain = engine.prefill(1, Request(context))
+    engine.release(1)
+    own = prefill_and_compress(model, torch.tensor([context]), ENGINE_POLICY)
+    assert [x.tolist() for x in plain.kept_lengths] == [s.lengths[0].tolist() for s in own.selections]
+    assert plain.kept_indices[0][0][plain.kept_indices[0][0] >= 0].tolist() == kept(own.selections[0], 0)
+
+
+def test_the_scheduler_compresses_contexts_with_the_context_policy(engine, model):
+    context, questions = prompt(150, seed=31), [prompt(9, seed=32), prompt(7, seed=33)]
+    expected = [generate(model, torch.tensor([context]), CONTEXT_POLICY, 6, question_ids=torch.tensor([q])).tokens[0]
+                for q in questions]
+    assert [engine.generate([context], 6, stop_token_ids=[], questions=[q]).tokens[0] for q in questions] == expected
+    scheduler = Scheduler(engine, prefill_chunk=32)
+    try:
+        assert scheduler.context_selection and scheduler.context_policy == CONTEXT_POLICY
+        outs = [scheduler.submit(context_request(context, q, 6)).result(120) for q in questions]
+        assert [o.token_ids for o in outs] == expected and [o.context_cache_hit for o in outs] == [False, True]
+    finally:
+        scheduler.close()
+    own = Scheduler(engine, prefill_chunk=0, context_policy="engine")  # the engine's own policy, one prefill run
+    try:
+        assert not own.context_selection
+        out = own.submit(context_request(context, questions[0], 6)).result(120)
+        ref = generate(model, torch.tensor([context]), ENGINE_POLICY, 6, question_ids=torch.tensor([questions[0]]))
+        assert out.token_ids == ref.tokens[0]
+    finally:
+        own.close()
+    with pytest.raises(EngineError, match="rebuild it with --context-policy snapkv"):
+        Scheduler(engine, context_policy="snapkv")
+    named = Scheduler(engine, context_policy="kvzip-criticalkv")
+    assert named.context_selection
+    named.close()
