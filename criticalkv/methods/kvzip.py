@@ -7,8 +7,9 @@ to reproduce its input are the ones any later question may need. kvpress 0.5.5 s
 module computes the same score (``tests/selection/test_kvzip.py`` checks it against kvpress's ``score_kvzip`` on the
 same tensors where kvpress is installed).
 
-The reconstruction (``reconstruction_chunks``): the context of n tokens is re-read in chunks of ``kvzip_chunk``
-tokens [s, e), each after its own prompt: the first chunk after ``first`` ("\\n\\nRepeat the previous context
+The reconstruction (``reconstruction_chunks``): the context of n tokens, after the chat template's opening when it
+starts with it (kvpress's ``prefix_length``: the system turn is not re-read and its entries beyond the sinks score 0),
+is re-read in chunks of ``kvzip_chunk`` tokens [s, e), each after its own prompt: the first chunk after ``first`` ("\\n\\nRepeat the previous context
 exactly."), a later one after ``later`` ("\\n\\nRepeat the part of the previous context exactly, starting with")
 followed by the previous chunk's last ``overlap`` (8) tokens; then ``suffix`` (the chat template's end of the user
 turn and the assistant header, "\\n" without a template) and the chunk's tokens. Every chunk runs through the model
@@ -34,8 +35,7 @@ criticalkv`` adds CriticalKV's two stages inside each head's share: ceil(alpha *
 Where this differs from kvpress's ``KVzipPress`` (score identical on the same tensors):
 * the budget is shared across the heads of each layer (AdaKV's allocation, with its floor) and every layer keeps
   the same average; kvpress ranks all layers and heads together by default (``layerwise=False``, no floor);
-* the window is kept; the whole context is reconstructed (kvpress starts after the chat template's opening, whose
-  entries beyond the sinks then score 0 and go first);
+* the window is kept (kvpress keeps none);
 * the entries are freed (kvpress masks them in attention and keeps the memory).
 
 Without a reconstruction (``select_layer`` given no ``scores``, the one-shot prefill graph: the node's ``scores``
@@ -68,7 +68,9 @@ ROWS = 256
 @dataclass(frozen=True)
 class ReconstructionPrompt:
     """The token ids around each reconstructed chunk: ``first`` before the first chunk, ``later`` (+ the previous
-    chunk's last ``overlap`` tokens) before the others, ``suffix`` between the prompt and the chunk.
+    chunk's last ``overlap`` tokens) before the others, ``suffix`` between the prompt and the chunk; ``opening``: the
+    chat template's opening (system turn, start of the user turn), which a context that starts with it does not
+    re-read (kvpress's ``prefix_length``).
 
     ``ReconstructionPrompt()`` (every part empty) re-reads the context with no instruction: what a model without a
     tokenizer gets (tests' random models)."""
@@ -77,9 +79,10 @@ class ReconstructionPrompt:
     later: tuple[int, ...] = ()
     suffix: tuple[int, ...] = ()
     overlap: int = OVERLAP
+    opening: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("first", "later", "suffix"):
+        for name in ("first", "later", "suffix", "opening"):
             object.__setattr__(self, name, tuple(int(t) for t in getattr(self, name)))
         if self.overlap < 0:
             raise ValueError(f"overlap: must be >= 0, got {self.overlap}")
@@ -93,21 +96,32 @@ class ReconstructionPrompt:
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
         if not getattr(tokenizer, "chat_template", None):
-            suffix = "\n"
+            opening, suffix = "", "\n"
         else:
             dummy = "dummy context"
             separator = "\n" + "#" * len(dummy)
             rendered = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
                                                      add_generation_prompt=True, tokenize=False)
-            suffix = rendered.split(separator)[1]
-        return cls(tuple(encode(FIRST_PROMPT)), tuple(encode(LATER_PROMPT)), tuple(encode(suffix)))
+            before, suffix = rendered.split(separator)
+            opening = before.split(dummy)[0]
+        return cls(tuple(encode(FIRST_PROMPT)), tuple(encode(LATER_PROMPT)), tuple(encode(suffix)),
+                   opening=tuple(encode(opening)) if opening else ())
 
     def to_dict(self) -> dict:
-        return {"first": list(self.first), "later": list(self.later), "suffix": list(self.suffix), "overlap": self.overlap}
+        return {"first": list(self.first), "later": list(self.later), "suffix": list(self.suffix), "overlap": self.overlap,
+                "opening": list(self.opening)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ReconstructionPrompt":
-        return cls(tuple(data["first"]), tuple(data["later"]), tuple(data["suffix"]), int(data.get("overlap", OVERLAP)))
+        return cls(tuple(data["first"]), tuple(data["later"]), tuple(data["suffix"]), int(data.get("overlap", OVERLAP)),
+                   tuple(data.get("opening", ())))
+
+    def skipped(self, context_ids) -> int:
+        """Leading context tokens not re-read: the chat template's opening when the context starts with it (and holds
+        more than it), else none."""
+        k = len(self.opening)
+        ids = [int(t) for t in context_ids[: k + 1]]
+        return k if k and len(ids) > k and tuple(ids[:k]) == self.opening else 0
 
     def max_tokens(self, chunk: int) -> int:
         """Most tokens one chunk's reconstruction input holds (prompt + suffix + chunk)."""
@@ -126,19 +140,22 @@ class ReconstructionChunk:
 
 
 def reconstruction_chunks(context_ids, chunk: int, sink_tokens: int, prompt: ReconstructionPrompt) -> list[ReconstructionChunk]:
-    """kvpress's chunked reconstruction plan of a context (``KVzipPress.prepare``): chunks of ``chunk`` tokens."""
+    """kvpress's chunked reconstruction plan of a context (``KVzipPress.prepare``): chunks of ``chunk`` tokens from the
+    end of the chat template's opening (``ReconstructionPrompt.skipped``; its entries beyond the sinks are never
+    scored: 0, as kvpress's)."""
     ids = [int(t) for t in context_ids]
     if not ids:
         raise ValueError("the context is empty: nothing to reconstruct")
     if chunk < 1:
         raise ValueError(f"kvzip_chunk: must be >= 1, got {chunk}")
+    skip = prompt.skipped(ids)
     out = []
-    for start in range(0, len(ids), chunk):
+    for start in range(skip, len(ids), chunk):
         end = min(start + chunk, len(ids))
-        if start == 0:
+        if start == skip:
             head = list(prompt.first)
         else:
-            head = list(prompt.later) + (ids[max(start - prompt.overlap, 0):start] if prompt.overlap else [])
+            head = list(prompt.later) + (ids[max(start - prompt.overlap, skip):start] if prompt.overlap else [])
         out.append(ReconstructionChunk(start, end, min(sink_tokens, start),
                                        tuple(head + list(prompt.suffix) + ids[start:end])))
     return out
@@ -193,9 +210,8 @@ class KVzip(AdaKV):
     cpp_enum = "kKVzip"
     description = ("question-agnostic: the largest attention an entry receives while the model re-reads the context "
                    "(context reconstruction), adakv sharing, sink_tokens first tokens kept")
-    knobs = ("ada_floor", "sink_tokens", "kvzip_chunk")
-    score_knobs = ("sink_tokens", "kvzip_chunk")
-    pools = False
+    knobs = ("pool_kernel", "ada_floor", "sink_tokens", "kvzip_chunk")
+    score_knobs = ("pool_kernel", "sink_tokens", "kvzip_chunk")
     external_scores = True
     native = False
     cpp_refusal = ("ranks by the attention of a context reconstruction pass through the whole model, a score the "

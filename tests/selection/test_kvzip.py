@@ -39,6 +39,13 @@ def test_the_plan_is_kvpress_prepare():
     assert chunks[2].input_ids == (9, 10, 37, 38, 39, 11, 12, *range(40, 45))
     assert PROMPT.max_tokens(10) == 5 + 2 + 10
     assert ReconstructionPrompt.from_dict(PROMPT.to_dict()) == PROMPT
+    # a context that starts with the chat template's opening is re-read after it (kvpress's prefix_length)
+    opened = ReconstructionPrompt(first=(5,), later=(9,), suffix=(11,), overlap=2, opening=(20, 21, 22))
+    chunks = reconstruction_chunks(ids, 10, 4, opened)
+    assert [(c.start, c.end, c.sinks) for c in chunks] == [(3, 13, 3), (13, 23, 4), (23, 25, 4)]
+    assert chunks[0].input_ids == (5, 11, *range(23, 33)) and chunks[1].input_ids == (9, 31, 32, 11, *range(33, 43))
+    assert [c.start for c in reconstruction_chunks([20, 21, 7, 8], 10, 4, opened)] == [0]  # no opening: all re-read
+    assert opened.skipped([20, 21, 22]) == 0  # nothing after the opening: re-read whole
     with pytest.raises(ValueError, match="empty"):
         reconstruction_chunks([], 10, 4, PROMPT)
 
@@ -53,6 +60,11 @@ def test_the_prompt_is_kvpress_in_a_real_tokenizer():
     assert tokenizer.decode(prompt.first) == "\n\nRepeat the previous context exactly."
     assert tokenizer.decode(prompt.later) == "\n\nRepeat the part of the previous context exactly, starting with"
     assert tokenizer.decode(prompt.suffix) == "<|im_end|>\n<|im_start|>assistant\n"  # SmolLM2's chat template
+    opening = tokenizer.decode(prompt.opening)
+    assert opening.startswith("<|im_start|>system\n") and opening.endswith("<|im_end|>\n<|im_start|>user\n")
+    from criticalkv.chat import chat_input_ids
+
+    assert prompt.skipped(chat_input_ids(tokenizer, [{"role": "user", "content": "A document."}])) == len(prompt.opening)
 
 
 def oracle_scores(model, context, policy, prompt):
@@ -78,20 +90,22 @@ def oracle_scores(model, context, policy, prompt):
     return out
 
 
-@pytest.mark.parametrize("chunk", [64, 20])
-def test_scores_equal_the_loop_oracle(chunk):
+@pytest.mark.parametrize("chunk, opening", [(64, 0), (20, 0), (20, 6)])
+def test_scores_equal_the_loop_oracle(chunk, opening):
     model = tiny_model("llama", attn="eager", seed=2).double()
     context = torch.randint(1, 128, (50,), generator=torch.Generator().manual_seed(3)).tolist()
     policy = KVPolicy("kvzip", budget=24, window=4, kvzip_chunk=chunk)
-    expected = oracle_scores(model, context, policy, PROMPT)
+    prompt = PROMPT if not opening else ReconstructionPrompt(PROMPT.first, PROMPT.later, PROMPT.suffix, PROMPT.overlap,
+                                                             opening=tuple(context[:opening]))
+    expected = oracle_scores(model, context, policy, prompt)
     with torch.no_grad():
         out = model(input_ids=torch.tensor([context]), use_cache=True)
     cache = out.past_key_values
-    ours = reconstruction_scores(model, cache, context, policy, PROMPT)
+    ours = reconstruction_scores(model, cache, context, policy, prompt)
     assert cache.get_seq_length(0) == 50  # cut back to the context after every chunk
     got = np.stack([s[0].double().numpy() for s in ours])
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
-    assert (expected > 0).all()
+    assert (expected[:, :, opening:] > 0).all() and not expected[:, :, :opening].any()  # the opening is not re-read
 
 
 def test_prefill_and_compress_selects_with_the_reconstruction_scores():

@@ -107,3 +107,28 @@ def test_the_bench_reports_what_the_reconstruction_costs(engine):
     results["settings"] = {"isl": 150, "question_tokens": 8, "osl": 2, "repeats": 2, "warmup": 0, "chat": False}
     results["runs"] = [{"engine": {"label": "criticalkv b=40"}, "scoring_cost": cost, "cached_context": summarize_rounds([])}]
     assert "| criticalkv b=40 | kvzip-criticalkv |" in render(results)
+
+
+def test_a_context_that_starts_with_the_chat_opening_is_re_read_after_it(engine, model):
+    # kvpress's prefix_length: the reconstruct graph scores [opening, n) with the first sink_tokens as sinks, the same
+    # entries as the PyTorch path given the same prompt
+    from criticalkv.methods.kvzip import ReconstructionPrompt
+
+    context = prompt(140, seed=51)
+    saved = engine.reconstruction
+    engine.reconstruction = ReconstructionPrompt(first=(3, 4), later=(5,), suffix=(6,), opening=tuple(context[:9]))
+    try:
+        got = engine.prefill(0, Request(context), context=True)
+        engine.release(0)
+    finally:
+        engine.reconstruction = saved
+    ref = prefill_and_compress(model, torch.tensor([context]), CONTEXT_POLICY,
+                               reconstruction=ReconstructionPrompt(first=(3, 4), later=(5,), suffix=(6,),
+                                                                   opening=tuple(context[:9])))
+    bare = prefill_and_compress(model, torch.tensor([context]), CONTEXT_POLICY)
+    assert any(not np.array_equal(got.kept_indices[i][h][got.kept_indices[i][h] >= 0], kept(s, h))
+               for i, s in enumerate(bare.selections) for h in range(2)), "the opening changed nothing"
+    for layer, selection in enumerate(ref.selections):
+        for head in range(2):
+            ids = got.kept_indices[layer][head]
+            assert ids[ids >= 0].tolist() == kept(selection, head), f"layer {layer} head {head}"
