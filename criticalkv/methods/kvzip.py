@@ -26,16 +26,19 @@ where the softmax runs over K_sub = the first min(sink_tokens, s) context keys (
 [s, e) and the reconstruction's own keys up to t (causal): kvpress's subsampled keys, not the whole cache (the
 model's forward itself attends over the whole cache). Post-RoPE queries and keys, fp32.
 
+S is then max-pooled over positions with ``pool_kernel`` (SnapKV's pooling, so a kept entry keeps its neighbours;
+``pool_kernel=1`` ranks by kvpress's unpooled score).
+
 Selection: the first ``sink_tokens`` tokens are always kept (kvpress gives them the top score), the window too (as
 every scored method here; kvpress keeps none), and the rest ranked by S with AdaKV's head-adaptive allocation (the
 layer's H_kv * r slots shared across heads, each head keeping its own top ``ada_floor`` share first). ``kvzip-
 criticalkv`` adds CriticalKV's two stages inside each head's share: ceil(alpha * r) by S, the rest by
 (S + epsilon) * mean_{h in g} ||V_i W_O^h|| (``value_norm``).
 
-Where this differs from kvpress's ``KVzipPress`` (score identical on the same tensors):
+Where this differs from kvpress's ``KVzipPress`` (score identical on the same tensors, before the pooling):
 * the budget is shared across the heads of each layer (AdaKV's allocation, with its floor) and every layer keeps
   the same average; kvpress ranks all layers and heads together by default (``layerwise=False``, no floor);
-* the window is kept (kvpress keeps none);
+* the window is kept (kvpress keeps none); the score is pooled (``pool_kernel``; 1: not pooled, as kvpress);
 * the entries are freed (kvpress masks them in attention and keeps the memory).
 
 Without a reconstruction (``select_layer`` given no ``scores``, the one-shot prefill graph: the node's ``scores``
