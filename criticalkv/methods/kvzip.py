@@ -9,8 +9,9 @@ same tensors where kvpress is installed).
 
 The reconstruction (``reconstruction_chunks``): the context of n tokens, after the chat template's opening when it
 starts with it (kvpress's ``prefix_length``: the system turn is not re-read and its entries beyond the sinks score 0),
-is re-read in chunks of ``kvzip_chunk`` tokens [s, e), each after its own prompt: the first chunk after ``first`` ("\\n\\nRepeat the previous context
-exactly."), a later one after ``later`` ("\\n\\nRepeat the part of the previous context exactly, starting with")
+is re-read in chunks of ``kvzip_chunk`` tokens [s, e), each after its own prompt: the first chunk after ``first``
+("\\n\\nRepeat the previous context exactly."), a later one after ``later`` ("\\n\\nRepeat the part of the previous
+context exactly, starting with")
 followed by the previous chunk's last ``overlap`` (8) tokens; then ``suffix`` (the chat template's end of the user
 turn and the assistant header, "\\n" without a template) and the chunk's tokens. Every chunk runs through the model
 over the context's full cache at positions n, n + 1, ... (its own K/V dropped afterwards). The prompt's token ids
