@@ -77,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", help="HF folder (default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the kvpress process (default: 1)")
     ap.add_argument("--out", type=Path, required=True, help="folder for kvpress_<task>.json and .md")
+    ap.add_argument("--score-only", action="store_true",
+                    help="score the prompts the runner has answered so far in --out (a stopped or still running run) "
+                         "without running kvpress")
     return ap.parse_args(argv)
 
 
@@ -117,14 +120,17 @@ def run(args: argparse.Namespace) -> dict:
                       "max_new_tokens": p.max_new_tokens})
     out = prepare_out_dir(args.out)
     spec_file, answers_file = out / f"kvpress_{args.task}.prompts.json", out / f"kvpress_{args.task}.answers.json"
-    write_json(spec_file, {"runs": runs, "prompts": items, "stop_token_ids": stops})
     started = time.time()
     load = os.getloadavg()
-    subprocess.run([str(python), str(RUNNER), "--model", str(model_dir), "--prompts", str(spec_file), "--out",
-                    str(answers_file), "--threads", str(args.threads)], check=True)
+    if not args.score_only:
+        write_json(spec_file, {"runs": runs, "prompts": items, "stop_token_ids": stops})
+        subprocess.run([str(python), str(RUNNER), "--model", str(model_dir), "--prompts", str(spec_file), "--out",
+                        str(answers_file), "--threads", str(args.threads)], check=True)
     answered = json.loads(answers_file.read_text(encoding="utf-8"))
     records = []
     for p in prompts:
+        if p.key not in answered["answers"]:  # --score-only: not answered yet
+            continue
         texts = answered["answers"][p.key]
         records.append({"key": p.key, "task": p.task, "length": p.length, "answers": list(p.answers),
                         "results": {r["key"]: {"text": texts[r["key"]], "score": score(p.metric, texts[r["key"]], p.answers),
@@ -133,6 +139,7 @@ def run(args: argparse.Namespace) -> dict:
         "command": "python -m criticalkv.eval.kvpress_peer " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "task": args.task, "runs": runs, "records": records, "versions": answered.get("versions"),
         "torch_threads": answered.get("torch_threads"), "environment": environment(),
+        "prompt_count": len(prompts), "complete": len(records) == len(prompts),
         "load_average_at_start": load, "load_average_at_end": os.getloadavg(), "wall_s": time.time() - started,
         "summary": summary(records, runs),
     }
@@ -146,6 +153,8 @@ def summary(records: list[dict], runs: list[dict]) -> dict:
     out = {}
     for r in runs:
         scores = [rec["results"][r["key"]]["score"] for rec in records]
+        if not scores:
+            continue
         by_task: dict[str, list[float]] = {}
         for rec in records:
             by_task.setdefault(f"{rec['task']}@{rec['length']}", []).append(rec["results"][r["key"]]["score"])
@@ -158,7 +167,10 @@ def markdown(result: dict) -> str:
     lines = [f"# kvpress peer, {result['task']} (question-agnostic)", "", "```", result["command"], "```", "",
              f"kvpress {result['versions']}, torch threads {result['torch_threads']}; load average "
              f"{result['load_average_at_start'][0]:.1f} at the start, {result['load_average_at_end'][0]:.1f} at the end; "
-             f"{result['wall_s'] / 60:.1f} min", "", "| run | prompts | mean % | per task/length % |", "|---|---:|---:|---|"]
+             f"{result['wall_s'] / 60:.1f} min" + ("" if result["complete"] else
+                                                   f"; PARTIAL: {len(result['records'])} of {result['prompt_count']} "
+                                                   "prompts answered (--score-only)"),
+             "", "| run | prompts | mean % | per task/length % |", "|---|---:|---:|---|"]
     for key, s in result["summary"].items():
         tasks = ", ".join(f"{k} {v:.0f}" for k, v in s["by_task"].items())
         lines.append(f"| `{key}` | {s['prompts']} | {s['mean']:.1f} | {tasks} |")
