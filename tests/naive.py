@@ -86,9 +86,9 @@ def naive_expected_scores(p, q, k, v, o):
 
 
 def naive_kvzip_scores(p, q, k, v, o):
-    """kvzip without a reconstruction (the window's queries score): the max over the group's heads and the window
-    queries of the window attention, max-pooled over the older positions (``pool_kernel``) = S; C = (P + epsilon) x the
-    group's mean projected-value norm, P = S (``stage2_scores=pooled``) or the unpooled max (``raw``). [H_kv, m] each."""
+    """kvzip without a reconstruction (the window's queries score): S = the max over the group's heads and the window
+    queries of the window attention (not pooled), C = (S + epsilon) x the group's mean projected-value norm.
+    [H_kv, m] each."""
     heads, _, d = q.shape
     kv_heads, n, _ = k.shape
     group = heads // kv_heads
@@ -107,10 +107,8 @@ def naive_kvzip_scores(p, q, k, v, o):
             S[g] = np.maximum(S[g], row[:m])
         proj = v[g, :m] @ o[:, h * d : (h + 1) * d].T
         norms[g] += (np.abs(proj).sum(1) if p.value_norm == "l1" else np.sqrt((proj**2).sum(1))) / group
-    half = p.pool_kernel // 2
-    pooled = np.array([[S[g, max(0, i - half) : i + half + 1].max() for i in range(m)] for g in range(kv_heads)])
-    C = ((pooled if p.stage2_scores == "pooled" else S) + p.epsilon) * norms
-    return pooled, C
+    C = (S + p.epsilon) * norms
+    return S, C
 
 
 def naive_select(p, q, k, v, o, layer_idx=0, num_layers=1):

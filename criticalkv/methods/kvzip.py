@@ -27,8 +27,7 @@ where the softmax runs over K_sub = the first min(sink_tokens, s) context keys (
 [s, e) and the reconstruction's own keys up to t (causal): kvpress's subsampled keys, not the whole cache (the
 model's forward itself attends over the whole cache). Post-RoPE queries and keys, fp32.
 
-S is then max-pooled over positions with ``pool_kernel`` (SnapKV's pooling, so a kept entry keeps its neighbours;
-``pool_kernel=1`` ranks by kvpress's unpooled score).
+S is not pooled over positions (kvpress's; measured: SnapKV's max-pool lost the needle, see ``KVzip.pools``).
 
 Selection: the first ``sink_tokens`` tokens are always kept (kvpress gives them the top score), the window too (as
 every scored method here; kvpress keeps none), and the rest ranked by S with AdaKV's head-adaptive allocation (the
@@ -36,10 +35,10 @@ layer's H_kv * r slots shared across heads, each head keeping its own top ``ada_
 criticalkv`` adds CriticalKV's two stages inside each head's share: ceil(alpha * r) by S, the rest by
 (S + epsilon) * mean_{h in g} ||V_i W_O^h|| (``value_norm``).
 
-Where this differs from kvpress's ``KVzipPress`` (score identical on the same tensors, before the pooling):
+Where this differs from kvpress's ``KVzipPress`` (score identical on the same tensors):
 * the budget is shared across the heads of each layer (AdaKV's allocation, with its floor) and every layer keeps
   the same average; kvpress ranks all layers and heads together by default (``layerwise=False``, no floor);
-* the window is kept (kvpress keeps none); the score is pooled (``pool_kernel``; 1: not pooled, as kvpress);
+* the window is kept (kvpress keeps none);
 * the entries are freed (kvpress masks them in attention and keeps the memory).
 
 Without a reconstruction (``select_layer`` given no ``scores``, the one-shot prefill graph: the node's ``scores``
@@ -214,8 +213,11 @@ class KVzip(AdaKV):
     cpp_enum = "kKVzip"
     description = ("question-agnostic: the largest attention an entry receives while the model re-reads the context "
                    "(context reconstruction), adakv sharing, sink_tokens first tokens kept")
-    knobs = ("pool_kernel", "ada_floor", "sink_tokens", "kvzip_chunk")
-    score_knobs = ("pool_kernel", "sink_tokens", "kvzip_chunk")
+    knobs = ("ada_floor", "sink_tokens", "kvzip_chunk")
+    score_knobs = ("sink_tokens", "kvzip_chunk")
+    #: not pooled, as kvpress's: max-pooling the score (SnapKV's kernel 7) lost the needle at 256 entries on 2,048-token
+    #: contexts where the unpooled score kept it (results/README.md, "Compress once, answer later")
+    pools = False
     external_scores = True
     native = False
     cpp_refusal = ("ranks by the attention of a context reconstruction pass through the whole model, a score the "
