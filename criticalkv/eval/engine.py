@@ -169,7 +169,9 @@ class ScoreBank:
         """``criticalkv.selection.layer_scores`` of ``policy`` for ``layer`` (memoised)."""
         q, k, v, o = self.layer_inputs(policy, layer)
         valid_start = torch.zeros(k.shape[0], dtype=torch.int64, device=k.device)
-        return layer_scores(policy, q, k, v, o, valid_start, self.memo, layer, self.rotation(policy))
+        external = self.external_scores(policy)
+        return layer_scores(policy, q, k, v, o, valid_start, self.memo, layer, self.rotation(policy),
+                            None if external is None else external[layer])
 
 
 def select_from_bank(policy: KVPolicy, bank: ScoreBank, layer: int) -> LayerSelection:
