@@ -33,7 +33,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-policy", default=None, metavar="NAME",
                    help="the policy a request's `context` is compressed with, before any question is known (default: "
                         "the engine's context policy, built with scripts/build_engine.py --context-policy, which "
-                        "defaults to kvzip-criticalkv; 'engine' = the engine's own --kv-policy). It must be one of the "
+                        "defaults to kvzip; 'engine' = the engine's own --kv-policy). It must be one of the "
                         "two the engine was built with (results/README.md, question-agnostic quality, says why kvzip)")
     p.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime",
                    help="onnxruntime (KIND_CPU, default) or tensorrt (KIND_GPU)")

@@ -33,7 +33,7 @@ TOKENIZER_DIR = "tokenizer"
 #: The policy the serving context cache compresses contexts with unless the build says otherwise
 #: (``criticalkv.build.context_policy_for``): the one that held up best question-agnostically at the default budget
 #: (results/README.md, "Compress once, answer later").
-DEFAULT_CONTEXT_POLICY = "kvzip-criticalkv"
+DEFAULT_CONTEXT_POLICY = "kvzip"
 #: Precision of the TensorRT engines (the ONNX graphs and ONNX Runtime are always fp32).
 EXPORT_DTYPES = ("float16", "bfloat16", "float32")
 
