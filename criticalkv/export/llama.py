@@ -465,7 +465,7 @@ class DecoderGraphBuilder:
         cond_out = body.const(True, np.bool_, hint="cond_out")
         scan = [value_info(out, FLOAT, None)]
         if "score_visible" in ctx:  # KVzip's score of the past entries (extend only: ``extend(score=True)``)
-            scan.append(value_info(self.reconstruction_block_scores(body, scores, blocked, key_end, start, ctx), FLOAT, None))
+            scan.append(value_info(self.reconstruction_block_scores(body, probs_block, key_end, start, ctx), FLOAT, None))
         loop_body = body.graph(
             "attention_block",
             [value_info(step, INT64, []), value_info(cond_in, onnx.TensorProto.BOOL, [])],
@@ -478,20 +478,24 @@ class DecoderGraphBuilder:
         merged = g.reshape(g.Transpose(blocks, perm=[1, 0, 2, 3]), [0, -1, s.num_heads * s.head_dim])  # [T, B, c, H*d_h]
         return g.slice_axis(merged, 0, ctx["queries"], axis=1)
 
-    def reconstruction_block_scores(self, body, scores: str, blocked: str, key_end: str, start: str, ctx: dict) -> str:
+    def reconstruction_block_scores(self, body, probs: str, key_end: str, start: str, ctx: dict) -> str:
         """KVzip's score of one query block of an extend over a past of P entries (``criticalkv.methods.kvzip``): the
         softmax of every new query over the keys KVzip subsamples (the past entries ``ctx["score_visible"]`` [P + s]
         marks and the new tokens up to the query), its largest value per past entry over the block's real queries
-        and the G heads of each KV head: [B, H_kv, P]. ``scores`` [B, H_kv, G, c, k] are the block's scaled logits,
-        ``blocked`` the attention's mask (causal, beyond each head's length)."""
+        and the G heads of each KV head: [B, H_kv, P].
+
+        ``probs`` [B, H_kv, G, c, k] is the block's attention (its softmax over every key the query sees). KVzip's keys
+        are a subset of those, and a softmax over a subset is the full one renormalised over it: probs / (the mass of
+        the subsampled keys), with no second softmax over the block."""
         chunk = self.attention_chunk
-        hidden = body.Not(body.slice_axis(ctx["score_visible"], 0, key_end, axis=0))  # [k]: not in KVzip's keys
-        bias = body.Where(body.Or(blocked, hidden), body.const(FLOAT32_MIN, np.float32), body.const(0.0, np.float32))
-        probs = body.Softmax(body.Add(scores, bias), axis=-1)  # [B, H_kv, G, c, k]
+        visible = body.Cast(body.slice_axis(ctx["score_visible"], 0, key_end, axis=0), to=FLOAT)  # [k]
+        mass = body.ReduceSum(body.Mul(probs, visible), body.i64(4), keepdims=1)  # [B, H_kv, G, c, 1] (> 0: own key)
         row = body.Add(body.Range(body.scalar(0), body.scalar(chunk), body.scalar(1)), body.squeeze(start, 0))  # [c]
         real = body.Cast(body.Less(row, ctx["queries"]), to=FLOAT)  # the block's padding rows count for nothing
-        probs = body.Mul(probs, body.unsqueeze(real, 1))
-        return body.ReduceMax(body.slice_axis(probs, 0, ctx["past"], axis=4), body.i64(2, 3), keepdims=0)
+        scale = body.Div(body.unsqueeze(real, 1), mass)  # [B, H_kv, G, c, 1]
+        past = body.slice_axis(probs, 0, ctx["past"], axis=4)  # [B, H_kv, G, c, P]
+        past = body.Mul(body.Mul(past, body.slice_axis(visible, 0, ctx["past"], axis=0)), scale)
+        return body.ReduceMax(past, body.i64(2, 3), keepdims=0)
 
     def causal_attention(self, q: str, k: str, v: str, allowed: str) -> str:
         """Attention of s queries [B, H, s, d_h] over k, v [B, H_kv, K, d_h] in one block, without a Loop (tensorrt
