@@ -45,6 +45,16 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     """The scheduler options of ``add_model_arguments`` (checked here, before any server starts)."""
+    if args.context_policy is not None and getattr(args, "engine_dir", None) is not None:
+        from criticalkv.runtime.manifest import read_manifest
+        from criticalkv.serving.scheduler import check_context_policy
+
+        manifest = read_manifest(args.engine_dir, verify=False)
+        built = (manifest.get("context_policy") or {}).get("name")
+        try:
+            check_context_policy(manifest["policy"]["name"], built, args.context_policy)
+        except Exception as err:  # EngineError: a user error of this flag
+            raise ValueError(f"--context-policy: {err}") from None
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, kv_memory_mib=args.kv_memory_mib,
                            prefill_chunk=args.prefill_chunk, context_cache_mib=args.context_cache_mib,
                            context_policy=args.context_policy)

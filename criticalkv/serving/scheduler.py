@@ -246,16 +246,22 @@ class SchedulerConfig:
 def context_selection(engine: Engine, context_policy: str | None) -> bool:
     """Whether contexts are selected with the engine's context policy (``Engine.policy_for(context=True)``) rather than
     its own, for ``SchedulerConfig.context_policy``; EngineError naming the policies the engine has otherwise."""
-    built = engine.context_policy
-    if context_policy is None:
+    return check_context_policy(engine.policy.name, None if engine.context_policy is None else engine.context_policy.name,
+                                context_policy)
+
+
+def check_context_policy(own: str, built: str | None, requested: str | None) -> bool:
+    """``context_selection`` from the names of an engine's policy (``own``) and context policy (``built``, None if it has
+    none): whether ``requested`` selects contexts with the context policy. EngineError when the engine has neither."""
+    if requested is None:
         return built is not None
-    if context_policy == "engine" or (context_policy == engine.policy.name and (built is None or built.name != context_policy)):
+    if requested == "engine" or (requested == own and built != requested):
         return False
-    if built is not None and context_policy == built.name:
+    if built is not None and requested == built:
         return True
-    have = f"its own {engine.policy.name!r}" + (f" and the context policy {built.name!r}" if built is not None else "")
-    raise EngineError(f"context policy {context_policy!r}: the engine was built with {have}; rebuild it with "
-                      f"--context-policy {context_policy} (or serve --context-policy engine)")
+    have = f"its own {own!r}" + (f" and the context policy {built!r}" if built is not None else "")
+    raise EngineError(f"context policy {requested!r}: the engine was built with {have}; rebuild it with "
+                      f"--context-policy {requested} (or serve --context-policy engine)")
 
 
 class Scheduler:

@@ -132,3 +132,16 @@ def test_a_context_that_starts_with_the_chat_opening_is_re_read_after_it(engine,
         for head in range(2):
             ids = got.kept_indices[layer][head]
             assert ids[ids >= 0].tolist() == kept(selection, head), f"layer {layer} head {head}"
+
+
+def test_the_context_policy_flag_names_one_the_engine_has():
+    from criticalkv.serving.scheduler import check_context_policy
+
+    assert check_context_policy("criticalkv", "kvzip", None) and check_context_policy("criticalkv", "kvzip", "kvzip")
+    assert not check_context_policy("criticalkv", "kvzip", "engine")
+    assert not check_context_policy("criticalkv", "kvzip", "criticalkv")
+    assert not check_context_policy("criticalkv", None, None) and not check_context_policy("kvzip", None, "kvzip")
+    with pytest.raises(EngineError, match="built with its own 'criticalkv' and the context policy 'kvzip'; rebuild"):
+        check_context_policy("criticalkv", "kvzip", "defensivekv")
+    with pytest.raises(EngineError, match="built with its own 'snapkv'; rebuild it with --context-policy kvzip"):
+        check_context_policy("snapkv", None, "kvzip")
