@@ -179,8 +179,9 @@ def prefill_and_compress(
         scores = reconstruction_scores(model, held["cache"], input_ids[0].tolist(), policy, reconstruction)
         reconstruction_s = time.perf_counter() - start
         start = time.perf_counter()
-        for (q, keys, values, o, idx, cache_layer), layer_scores in zip(pending, scores):
-            sel = select_layer(policy, q, keys, values, o, idx, num_layers, lengths, rotation=rotation, scores=layer_scores)
+        # one selection over every layer (the model's budget, layer-kvzip) or layer by layer
+        sels = select_model(policy, [entry[:4] for entry in pending], lengths, rotation=rotation, scores=scores)
+        for (q, keys, values, o, idx, cache_layer), sel in zip(pending, sels):
             compressed[idx] = CompressedLayer.from_selection(keys, values, sel, tail_capacity)
             selections[idx] = sel
             cache_layer.keys = cache_layer.values = keys.new_zeros(0)

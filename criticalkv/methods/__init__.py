@@ -26,7 +26,8 @@ from criticalkv.methods.two_stage import TWO_STAGE, TwoStage
 BASE_METHODS: dict[str, BaseMethod] = {
     m.name: m
     for m in (full.METHOD, streamingllm.METHOD, snapkv.METHOD, pyramidkv.METHOD, adakv.METHOD, laprox.METHOD,
-              defensivekv.METHOD, defensivekv.LAYER_METHOD, expected_attention.METHOD, kvzip.METHOD)
+              defensivekv.METHOD, defensivekv.LAYER_METHOD, expected_attention.METHOD, kvzip.METHOD,
+              kvzip.LAYER_METHOD)
 }
 
 

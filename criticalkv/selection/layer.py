@@ -232,7 +232,7 @@ def select_model(
                          rotation=rotation, scores=None if scores is None else scores[i])
             for i, (q, k, v, o) in enumerate(layers)
         ]
-    return _select_model_level(policy, layers, prompt_lengths, memo)
+    return _select_model_level(policy, layers, prompt_lengths, memo, scores)
 
 
 def model_level_mask(policy: KVPolicy, ranking: torch.Tensor, eligible: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -244,7 +244,7 @@ def model_level_mask(policy: KVPolicy, ranking: torch.Tensor, eligible: torch.Te
 
 
 @torch.no_grad()
-def _select_model_level(policy, layers, prompt_lengths, memo) -> list[LayerSelection]:
+def _select_model_level(policy, layers, prompt_lengths, memo, external=None) -> list[LayerSelection]:
     num_layers = len(layers)
     for i, (q, k, v, o) in enumerate(layers):
         _validate(policy, q, k, v, o, i, num_layers, prompt_lengths, memo)
@@ -267,7 +267,8 @@ def _select_model_level(policy, layers, prompt_lengths, memo) -> list[LayerSelec
     r = torch.clamp(eligible[:, 0].sum(-1), max=policy.selectable_budget)  # [B]
     ranks = []
     for i, (q, k, v, o) in enumerate(layers):
-        scores = layer_scores(policy, q[:, :, -w:], k, v, o, valid_start, memo, i)
+        scores = layer_scores(policy, q[:, :, -w:], k, v, o, valid_start, memo, i,
+                              scores=None if external is None else external[i])
         ranks.append(policy.method.base.priority(policy, scores, eligible, r))
     older = model_level_mask(policy, torch.cat(ranks, dim=1), eligible.repeat(1, num_layers, 1), r)
     window = torch.ones(batch, num_kv_heads, w, dtype=torch.bool, device=device)

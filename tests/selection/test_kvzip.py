@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from criticalkv import KVPolicy, select_layer
+from criticalkv.selection import select_model
 from criticalkv.hf import prefill_and_compress
 from criticalkv.hf.compress import window_queries
 from criticalkv.hf.reconstruct import cache_of, reconstruction_scores
@@ -147,6 +148,31 @@ def test_alpha_one_is_kvzip_on_reconstruction_scores(seed):
     assert kept[:4] == [0, 1, 2, 3] and kept[-8:] == list(range(112, 120))
     with pytest.raises(ValueError, match=r"scores: expected shape \[1, 2, 120\]"):
         select_layer(KVPolicy("kvzip", budget=40, window=8), q, k, v, o, scores=scores[:, :, :100])
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.2])
+def test_layer_kvzip_is_one_ranking_over_every_layer_and_head(floor):
+    # kvpress's allocation: the sinks first, then the top L * H_kv * r scores over every layer and head (each head its
+    # own top floor first), the window kept: a loop over the flattened ranking
+    layers = [random_layer(batch=1, heads=6, kv_heads=2, n=100, seed=s) for s in range(3)]
+    scores = [torch.rand(1, 2, 100, generator=torch.Generator().manual_seed(10 + s)) for s in range(3)]
+    policy = KVPolicy("layer-kvzip", budget=30, window=8, ada_floor=floor)
+    sels = select_model(policy, layers, scores=scores)
+    m, r, sinks = 92, 22, 4
+    floor_count = int(floor * r)
+    chosen = {(l, g): set(range(sinks)) for l in range(3) for g in range(2)}
+    for (l, g), kept in chosen.items():  # each head's own top floor after its sinks (which rank first)
+        order = sorted(range(sinks, m), key=lambda i: (-scores[l][0, g, i].item(), i))
+        kept.update(order[: max(floor_count - sinks, 0)])
+    rest = sorted(((l, g, i) for l in range(3) for g in range(2) for i in range(m) if i not in chosen[(l, g)]),
+                  key=lambda t: (-scores[t[0]][0, t[1], t[2]].item(), t[0], t[1], t[2]))
+    for l, g, i in rest[: 3 * 2 * r - sum(len(v) for v in chosen.values())]:
+        chosen[(l, g)].add(i)
+    for l, sel in enumerate(sels):
+        for g in range(2):
+            assert [i for i in sel.indices[0, g].tolist() if i >= 0] == sorted(chosen[(l, g)] | set(range(m, 100)))
+    assert sum(int(s.lengths.sum()) for s in sels) == 3 * 2 * 30
+    assert len({tuple(s.lengths[0].tolist()) for s in sels}) > 1  # the layers hold different shares
 
 
 KVPRESS_SCRIPT = r"""

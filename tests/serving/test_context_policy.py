@@ -145,3 +145,22 @@ def test_the_context_policy_flag_names_one_the_engine_has():
         check_context_policy("criticalkv", "kvzip", "defensivekv")
     with pytest.raises(EngineError, match="built with its own 'snapkv'; rebuild it with --context-policy kvzip"):
         check_context_policy("snapkv", None, "kvzip")
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(ada_floor=0.0, head_cap_ratio=2.0)])
+def test_layer_kvzip_engine_keeps_what_the_pytorch_path_keeps(model, tmp_path, knobs):
+    # the model-level allocation (CriticalKVScore nodes taking the reconstruction's scores, CriticalKVSelectModel)
+    policy = KVPolicy("layer-kvzip", budget=40, window=8, kvzip_chunk=64, **knobs)
+    engine = Engine.load(export_tiny_engine(model, policy, tmp_path / "e", extend_chunk=32, max_question_len=24),
+                         threads=1)
+    try:
+        ids = torch.tensor([prompt(150, seed=61)])
+        ref = generate(model, ids, policy, max_new_tokens=8)
+        got = engine.generate(ids.numpy(), max_new_tokens=8, stop_token_ids=[])
+    finally:
+        engine.close()
+    assert got.tokens[0] == ref.tokens[0]
+    for layer, selection in enumerate(ref.prefill.selections):
+        for head in range(2):
+            assert got.kept(layer, 0, head) == kept(selection, head), f"layer {layer} head {head}"
+    assert len({tuple(s.lengths[0].tolist()) for s in ref.prefill.selections}) > 1  # shares differ across layers

@@ -41,6 +41,7 @@
     CKV_POLICY("layer-defensivekv", kLayerDefensiveKV, 0) \
     CKV_POLICY("expected-attention", kExpectedAttention, 0) \
     CKV_POLICY("kvzip", kKVzip, 0) \
+    CKV_POLICY("layer-kvzip", kLayerKVzip, 0) \
     CKV_POLICY("criticalkv", kSnapKV, 1) \
     CKV_POLICY("pyramid-criticalkv", kPyramidKV, 1) \
     CKV_POLICY("ada-criticalkv", kAdaKV, 1) \
@@ -61,7 +62,8 @@
     CKV_BASE(kDefensiveKV, "defensivekv", 1, 1, 0, 1) \
     CKV_BASE(kLayerDefensiveKV, "layer-defensivekv", 1, 1, 0, 1) \
     CKV_BASE(kExpectedAttention, "expected-attention", 1, 0, 0, 0) \
-    CKV_BASE(kKVzip, "kvzip", 1, 1, 0, 0)
+    CKV_BASE(kKVzip, "kvzip", 1, 1, 0, 0) \
+    CKV_BASE(kLayerKVzip, "layer-kvzip", 1, 1, 0, 0)
 
 #define CKV_CHOICES_value_norm "l1", "l2"
 #define CKV_CHOICES_gqa_reduce "mean", "kvpress"
@@ -83,6 +85,7 @@ enum class BaseMethod : int32_t
     kLayerDefensiveKV = 7,
     kExpectedAttention = 8,
     kKVzip = 9,
+    kLayerKVzip = 10,
 };
 
 //! KVPolicy.value_norm.
