@@ -33,12 +33,16 @@ from criticalkv.export.exporter import (
     BuildConfig,
     ExportResult,
     export_model,
+    DEFAULT_CONTEXT_POLICY,
     onnx_info,
+    reconstructs,
 )
 from criticalkv.export.validate import validate_export
 from criticalkv.files import remove_stale_temporaries, temporary_dir
 from criticalkv.hf import generate, load_model, resolve_model
 from criticalkv.hf.loading import stop_token_ids
+from criticalkv.hf.reconstruct import reconstruction_prompt
+from criticalkv.methods.kvzip import ReconstructionPrompt
 from criticalkv.policy import SCHEMA_VERSION, KVPolicy
 from criticalkv.runtime import Engine, create_backend
 from criticalkv.runtime.manifest import FORMAT as MANIFEST_FORMAT
@@ -65,13 +69,28 @@ def package_versions() -> dict[str, str]:
 BUILD_BACKENDS = ("onnx", "torch")
 
 
+def context_policy_for(policy: KVPolicy, name: str | None = DEFAULT_CONTEXT_POLICY) -> KVPolicy | None:
+    """The context policy of an engine built with ``policy``: ``name`` at the engine's budget and window (other knobs
+    at their defaults), or None (contexts selected by ``policy`` itself) for ``name`` None or "engine", or when
+    ``policy`` keeps every entry (``full``: the lossless context cache)."""
+    if name in (None, "engine") or not policy.method.base.evicts:
+        return None
+    try:
+        context = KVPolicy(name, budget=policy.budget, window=policy.window)
+    except ValueError as err:
+        raise ValueError(f"--context-policy {name}: {err}") from None
+    return None if context == policy else context
+
+
 def build_request(model_name: str, model_path: str, policy: KVPolicy, config: BuildConfig,
-                  backend: str = "onnx") -> dict[str, Any]:
+                  backend: str = "onnx", context_policy: KVPolicy | None = None) -> dict[str, Any]:
     """What identifies a build: an existing engine with the same request is up to date."""
     request = {"model": {"name": model_name, "path": model_path}, "policy": policy.to_dict(), "build": config.to_dict(),
                "format_version": FORMAT_VERSION, "criticalkv": package_versions().get("criticalkv")}
     if backend != "onnx":  # the ONNX builds' requests stay what they were (their engines are up to date)
         request["backend"] = backend
+    if context_policy is not None:
+        request["context_policy"] = context_policy.to_dict()
     return request
 
 
@@ -222,11 +241,13 @@ def _skipped(reason: str, log: Callable[[str], None]) -> dict[str, Any]:
 
 def export_engine(
     model, policy: KVPolicy, folder: Path, config: BuildConfig, tokenizer=None, model_name: str = "custom",
-    model_path: str = "", validate: bool = True,
+    model_path: str = "", validate: bool = True, context_policy: KVPolicy | None = None,
 ) -> tuple[ExportResult, dict[str, Any]]:
     """Export ``model`` into ``folder`` and validate it; returns the export and the manifest content
-    (``write_manifest(folder, content)`` completes an engine directory)."""
-    result = export_model(model, policy, folder, config, tokenizer)
+    (``write_manifest(folder, content)`` completes an engine directory). ``context_policy``: the policy contexts are
+    compressed with (``export_model``); the manifest records it, and KVzip's repeat prompt in the tokenizer's ids
+    (``reconstruction``) when the engine re-reads contexts."""
+    result = export_model(model, policy, folder, config, tokenizer, context_policy)
     validation = validate_export(result) if validate else None
     content = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -242,6 +263,12 @@ def export_engine(
                        "chat_template": bool(getattr(tokenizer, "chat_template", None))},
         "versions": package_versions(),
     }
+    if result.context_policy is not None:
+        content["context_policy"] = result.context_policy.to_dict()
+    if reconstructs(policy) or reconstructs(result.context_policy):
+        # the PyTorch path's prompt for this model (criticalkv.hf.reconstruct): the same entries kept on both
+        prompt = ReconstructionPrompt.from_tokenizer(tokenizer) if tokenizer is not None else reconstruction_prompt(model)
+        content["reconstruction"] = prompt.to_dict()
     return result, content
 
 
@@ -293,11 +320,16 @@ def build_engine(
     tensorrt: bool = True,
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
     backend: str = "onnx",
+    context_policy: str | None = DEFAULT_CONTEXT_POLICY,
 ) -> Path:
     """Build an engine directory for ``model`` (default: the bundled SmolLM2-135M-Instruct) and ``policy``.
 
     ``backend``: ``onnx`` exports the graphs (ONNX Runtime, TensorRT); ``torch`` writes a manifest that names the
     checkpoint, for the torch backend (``build_torch_engine``: no export, no TensorRT).
+    ``context_policy``: the name of the policy the serving context cache compresses contexts with (at the engine's
+    budget: ``context_policy_for``; None or "engine": ``policy`` itself; a ``full`` engine keeps contexts whole). The
+    torch backend has no separate context policy: its contexts are selected with ``policy``.
+
     An existing engine built from the same request is left as it is (``force`` rebuilds); one built
     from a different request is an error unless ``force``. Anything at ``output`` that is not an engine
     directory (or an empty one) is never replaced: see ``check_replaceable``.
@@ -310,7 +342,8 @@ def build_engine(
     model_name = model or "smollm2-135m"
     model_path = str(resolve_model(model))
     check_exportable_model(model_path)
-    request = build_request(model_name, model_path, policy, config, backend)
+    context = None if backend == "torch" else context_policy_for(policy, context_policy)
+    request = build_request(model_name, model_path, policy, config, backend, context)
     output.parent.mkdir(parents=True, exist_ok=True)
     with build_lock(output):
         for kind in ("building", "old"):
@@ -320,7 +353,7 @@ def build_engine(
             return output
         if backend == "torch":
             return _build_torch(output, policy, config, model_name, model_path, request, smoke, log)
-        return _build(output, policy, config, model, model_name, model_path, request, smoke, tensorrt, log)
+        return _build(output, policy, config, model, model_name, model_path, request, smoke, tensorrt, log, context)
 
 
 def check_exportable_model(model_path: str) -> None:
@@ -345,7 +378,8 @@ def _swap_in(tmp: Path, output: Path) -> None:
 
 
 def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | None, model_name: str, model_path: str,
-           request: dict[str, Any], smoke: bool, tensorrt: bool, log: Callable[[str], None]) -> Path:
+           request: dict[str, Any], smoke: bool, tensorrt: bool, log: Callable[[str], None],
+           context_policy: KVPolicy | None = None) -> Path:
     tmp = temporary_dir(output.parent, f".{output.name}.building-")
     try:
         start = time.perf_counter()
@@ -354,7 +388,11 @@ def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | Non
         log(f"exporting {hf_model.config.model_type} ({hf_model.config.num_hidden_layers} layers) with policy "
             f"{policy.name} (budget {policy.budget}) to ONNX, then validating (onnx.checker full check, strict "
             "shape inference, node attributes) ...")
-        result, content = export_engine(hf_model, policy, tmp, config, tokenizer, model_name, model_path)
+        if context_policy is not None:
+            log(f"contexts (the serving context cache) are compressed with {context_policy.name}: its select graph"
+                + (" and the reconstruct graph (it re-reads each context once)" if reconstructs(context_policy) else ""))
+        result, content = export_engine(hf_model, policy, tmp, config, tokenizer, model_name, model_path,
+                                        context_policy=context_policy)
         content["request"] = request
         log(f"exported and validated in {time.perf_counter() - start:.1f} s" + ("; smoke test on ONNX Runtime ..." if smoke else ""))
         content["smoke_test"] = smoke_test(tmp, content, hf_model, tokenizer, policy, config, log) if smoke else None
@@ -378,10 +416,12 @@ def torch_engine_content(model, policy: KVPolicy, config: BuildConfig, tokenizer
     structure alone on the meta device): the limits, shapes and policy the other backends record, and the ``torch``
     section naming the checkpoint ``model_path`` (with its fingerprint; empty for an in-memory model, which must then
     be handed to the backend). No ``onnx`` section: no graph is exported."""
-    from criticalkv.export.exporter import check_model_limits
+    from criticalkv.export.exporter import check_model_limits, reconstructs
     from criticalkv.export.llama import layer_capacities, model_spec
-    from criticalkv.hf.torch_backend import DTYPES, torch_manifest_section
+    from criticalkv.hf.torch_backend import DTYPES, KVZIP_REFUSAL, torch_manifest_section
 
+    if reconstructs(policy):
+        raise ValueError(f"{policy.name}: {KVZIP_REFUSAL}")
     spec = model_spec(model)
     check_model_limits(model, spec, config)
     capacities = layer_capacities(policy, spec, config.max_input_len)

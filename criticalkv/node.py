@@ -50,9 +50,16 @@ OUTPUTS = ("kept_keys", "kept_values", "kept_lengths", "kept_indices")
 ROTATION_INPUT = "rotation"
 
 
+#: The seventh input of a node whose method ranks by a score computed outside the layer (``BaseMethod.external_scores``:
+#: kvzip): [1 or B, H_kv, n] float32 (the context reconstruction's max attention, ``criticalkv.methods.kvzip``), or
+#: [1 or B, H_kv, 0] (none: the method's own fallback, kvzip's window max attention).
+SCORES_INPUT = "scores"
+
+
 def node_inputs(policy: KVPolicy) -> tuple[str, ...]:
     """The inputs of ``policy``'s ``CriticalKVSelect`` node (its function body's signature)."""
-    return INPUTS + ((ROTATION_INPUT,) if policy.method.base.needs_rotation else ())
+    base = policy.method.base
+    return INPUTS + ((ROTATION_INPUT,) if base.needs_rotation else ()) + ((SCORES_INPUT,) if base.external_scores else ())
 #: Attributes beyond the policy knobs.
 LAYER_ATTRIBUTES = ("layer_idx", "num_layers", "capacity", "layer_budgets")
 #: Names (prefixes) of the body's nodes that accept the pruned stage 2's result: 2 k_max candidates, 4 k_max, every

@@ -99,7 +99,7 @@ class KVPolicy:
                              rules=(Between(0.0, 1.0), Decimals(6)))
     pyramid_beta: float = _knob(20.0, "pyramidkv: ratio between the first and the last layer's selectable budget",
                                 rules=(AtLeast(1.0), Decimals(6)))
-    sink_tokens: int = _knob(4, "streamingllm, expected-attention: number of leading attention-sink tokens kept",
+    sink_tokens: int = _knob(4, "streamingllm, expected-attention, kvzip: number of leading attention-sink tokens kept",
                              rules=(AtLeast(0), Scoped(NotAboveField("budget"), "reads"), AtMost(MAX_TOKENS)))
     stage1_mass: float = _knob(0.9, "defensivekv: stage 1 keeps each head's most-attended older tokens while their "
                                "attention mass stays below stage1_mass minus the window's own mass (capped at the head's share)",
@@ -111,6 +111,9 @@ class KVPolicy:
     future_positions: int = _knob(512, "expected-attention: the next positions the window's queries are carried to "
                                   "through RoPE (their rotation averaged over them), as kvpress's n_future_positions",
                                   rules=(Positive(), AtMost(MAX_TOKENS)))
+    kvzip_chunk: int = _knob(2048, "kvzip: context tokens re-read per reconstruction pass (the context is scored in "
+                             "chunks of this many tokens, each after its own repeat prompt), as kvpress's chunk_size",
+                             rules=(Positive(), AtMost(MAX_TOKENS)))
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:

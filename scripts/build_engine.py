@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from criticalkv.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, sigterm_raises  # noqa: E402
-from criticalkv.export.exporter import EXPORT_DTYPES, WEIGHT_FORMATS, BuildConfig  # noqa: E402
+from criticalkv.export.exporter import DEFAULT_CONTEXT_POLICY, EXPORT_DTYPES, WEIGHT_FORMATS, BuildConfig  # noqa: E402
 from criticalkv.policy import KVPolicy  # noqa: E402
 
 
@@ -72,6 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-smoke-test", action="store_true",
                    help="do not run the smoke generation (ONNX Runtime, or the torch backend, against the PyTorch path)")
     p.add_argument("--skip-tensorrt", action="store_true", help="do not try to build TensorRT engines")
+    p.add_argument("--context-policy", default=DEFAULT_CONTEXT_POLICY, metavar="NAME",
+                   help="the policy the serving context cache compresses a request's `context` with, before its "
+                        f"question is known, at this engine's budget (default: {DEFAULT_CONTEXT_POLICY}, the one that "
+                        "held up best question-agnostically: results/README.md; 'engine' = --kv-policy itself). "
+                        "Its select graph is added, and the reconstruct graph for kvzip policies")
     KVPolicy.add_arguments(p)
     return p.parse_args(argv)
 
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                                  weights=args.weights)
             folder = build_engine(args.output, policy, config, model=args.model, force=args.force,
                                   smoke=not args.skip_smoke_test, tensorrt=not args.skip_tensorrt,
-                                  backend=args.backend)
+                                  backend=args.backend, context_policy=args.context_policy)
     except (ValueError, OSError) as err:
         print(f"build_engine: error: {err}", file=sys.stderr)
         return 2

@@ -85,6 +85,32 @@ def naive_expected_scores(p, q, k, v, o):
     return A * np.sqrt((v[:, :m] ** 2).sum(-1)), C
 
 
+def naive_kvzip_scores(p, q, k, v, o):
+    """kvzip without a reconstruction (the window's queries score): S = the max over the group's heads and the window
+    queries of the window attention (not pooled), C = (S + epsilon) x the group's mean projected-value norm.
+    [H_kv, m] each."""
+    heads, _, d = q.shape
+    kv_heads, n, _ = k.shape
+    group = heads // kv_heads
+    w = min(p.window, n)
+    m = n - w
+    S, C = np.zeros((kv_heads, m)), np.zeros((kv_heads, m))
+    norms = np.zeros((kv_heads, m))
+    for h in range(heads):
+        g = h // group
+        for j in range(w):
+            visible = n - w + j + 1
+            logits = q[h, -w + j] @ k[g, :visible].T / math.sqrt(d)
+            e = np.exp(logits - logits.max())
+            row = np.zeros(n)
+            row[:visible] = e / e.sum()
+            S[g] = np.maximum(S[g], row[:m])
+        proj = v[g, :m] @ o[:, h * d : (h + 1) * d].T
+        norms[g] += (np.abs(proj).sum(1) if p.value_norm == "l1" else np.sqrt((proj**2).sum(1))) / group
+    C = (S + p.epsilon) * norms
+    return S, C
+
+
 def naive_select(p, q, k, v, o, layer_idx=0, num_layers=1):
     """Kept positions of every KV head: a list of sorted lists. q [H, w, d_h], k/v [H_kv, n, d_h], o [d, H*d_h]."""
     q, k, v, o = (np.asarray(x, dtype=np.float64) for x in (q, k, v, o))
@@ -101,8 +127,8 @@ def naive_select(p, q, k, v, o, layer_idx=0, num_layers=1):
     r = min(layer_selectable_budget(p, layer_idx, num_layers), m)
     older = [range(m)] * kv_heads
     sinks = set()
-    if p.base == "expected-attention":
-        S, C = naive_expected_scores(p, q, k, v, o)
+    if p.base in ("expected-attention", "kvzip"):
+        S, C = (naive_expected_scores if p.base == "expected-attention" else naive_kvzip_scores)(p, q, k, v, o)
         sinks = set(range(p.sink_tokens))  # kept first, inside the budget
         r = min(r - p.sink_tokens, m - p.sink_tokens)
         older = [range(p.sink_tokens, m)] * kv_heads
@@ -127,6 +153,7 @@ def naive_select(p, q, k, v, o, layer_idx=0, num_layers=1):
         chosen = [safe[g] | {i for (gg, i) in shared if gg == g} for g in range(kv_heads)]
         if p.two_stage:
             chosen = [two_stage(g, len(chosen[g])) for g in range(kv_heads)]
+        chosen = [c | sinks for c in chosen]
     return [sorted(c | set(range(m, n))) for c in chosen]
 
 

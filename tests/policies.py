@@ -20,11 +20,13 @@ POLICY_CASES = [
     ("defensivekv-mass0.2", dict(name="defensivekv", stage1_mass=0.2)),
     ("expected-attention", dict(name="expected-attention")),
     ("expected-criticalkv", dict(name="expected-criticalkv", future_positions=64)),
+    ("kvzip", dict(name="kvzip")),
+    ("kvzip-criticalkv", dict(name="kvzip-criticalkv", kvzip_chunk=64)),
 ]
 
 #: Two-stage policies and the base method alpha = 1 must reduce them to.
 TWO_STAGE_BASES = [("criticalkv", "snapkv"), ("pyramid-criticalkv", "pyramidkv"), ("ada-criticalkv", "adakv"),
-                   ("expected-criticalkv", "expected-attention")]
+                   ("expected-criticalkv", "expected-attention"), ("kvzip-criticalkv", "kvzip")]
 
 
 def make_policy(kwargs: dict, budget: int, window: int, **extra) -> KVPolicy:

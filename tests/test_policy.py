@@ -20,8 +20,9 @@ def test_registry_maps_names_to_base_and_stage2():
     assert set(POLICIES) == {
         "full", "streamingllm", "snapkv", "pyramidkv", "adakv", "laprox",
         "criticalkv", "pyramid-criticalkv", "ada-criticalkv", "defensivekv", "layer-defensivekv",
-        "expected-attention", "expected-criticalkv",
+        "expected-attention", "expected-criticalkv", "kvzip", "kvzip-criticalkv", "layer-kvzip",
     }
+    assert KVPolicy("kvzip-criticalkv").base == "kvzip" and KVPolicy("kvzip-criticalkv").two_stage
     assert KVPolicy("expected-criticalkv").base == "expected-attention" and KVPolicy("expected-criticalkv").two_stage
     assert KVPolicy("layer-defensivekv").base == "layer-defensivekv" and not KVPolicy("defensivekv").two_stage
     assert KVPolicy("pyramid-criticalkv").base == "pyramidkv" and KVPolicy("pyramid-criticalkv").two_stage

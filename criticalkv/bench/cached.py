@@ -15,6 +15,11 @@ requests, seconds apart: little exposed to load drifting between rounds). The is
 32-token question): cached TTFT <= 0.1x uncached. Rounds where the hit flags are not (false, true) are kept in
 the JSON and left out of the statistics (``flags_ok``).
 
+``--scoring-cost`` also measures, in this process on each ``--engine-dir`` (before its server starts, alone), what
+compressing one of those documents as a context costs on the engine: the prefill of the context (its extend chunks),
+the context reconstruction that scores it when the context policy re-reads contexts (kvzip), and the selection, per
+round; the issue's target for the reconstruction: <= 1.1x the prefill (``SCORING_GOAL``).
+
 Results: ``OUT/NAME.json`` (command, machine, load average, versions, every request), ``NAME.md``, ``NAME.png``.
 """
 
@@ -30,6 +35,43 @@ CASES = ("uncached", "cached")
 #: The issue's target: a cached-context question's TTFT <= this fraction of the same request uncached.
 TARGET_RATIO = 0.1
 TARGET_WORKLOAD = {"isl": 2048, "question_tokens": 32}
+#: The issue's target for a context policy that re-reads the context (kvzip): reconstruction <= this x the prefill.
+SCORING_GOAL = 1.1
+
+
+def scoring_cost(engine_dir: Path, contexts: list[list[int]], threads: int = 0) -> dict:
+    """Per context (token ids): seconds of its prefill (extend chunks), of its reconstruction (kvzip's scoring pass,
+    0 for a context policy that does not re-read) and of its selection, on the engine in this process
+    (``Engine.begin_prefill(context=True)`` ... ``finish_prefill``, as the scheduler compresses a context); medians and
+    the ratio reconstruction / prefill against ``SCORING_GOAL``."""
+    import time
+
+    from criticalkv.request import Request
+    from criticalkv.runtime import Engine
+
+    engine = Engine.load(engine_dir, threads=threads)
+    rows = []
+    try:
+        for ids in contexts:
+            job = engine.begin_prefill(Request(list(ids)), context=True)
+            engine.prefill_step(job, job.remaining)
+            prefill_s = job.seconds
+            start = time.perf_counter()
+            result = engine.finish_prefill(job, engine.free_slots()[0])
+            rest = time.perf_counter() - start
+            engine.release_all()
+            rows.append({"tokens": len(ids), "prefill_s": prefill_s, "reconstruction_s": result.reconstruction_s,
+                         "selection_s": rest - result.reconstruction_s})
+        policy = engine.policy_for(True)
+    finally:
+        engine.close()
+    out = {"context_policy": policy.name, "rounds": rows}
+    for key in ("prefill_s", "reconstruction_s", "selection_s"):
+        out[key] = distribution([r[key] for r in rows])
+    ratios = [r["reconstruction_s"] / r["prefill_s"] for r in rows]
+    out["ratio"] = distribution(ratios)
+    out["target"] = {"goal": SCORING_GOAL, "met": None if not ratios else out["ratio"]["p50"] <= SCORING_GOAL}
+    return out
 
 
 def summarize_rounds(rounds: list[dict], goal: float = TARGET_RATIO) -> dict:
@@ -67,6 +109,19 @@ def render(results: dict) -> str:
         lines.append(f"| {run['engine']['label']} | {c['used']} of {c['rounds']} | {f(c['uncached']['p50'])} "
                      f"| {f(c['cached']['p50'])} | {f(c['cached']['p90'])} | {f(c['ratio_p50'], 3)} | {paired} "
                      f"| <= {t['goal']:g}x: {met} |")
+    scored = [run for run in results["runs"] if run.get("scoring_cost")]
+    if scored:
+        lines += ["", "Compressing one document as a context on the engine, in the bench's process before its server "
+                  "started (medians, seconds):", "",
+                  "| server | context policy | prefill | reconstruction | selection | reconstruction / prefill p50 "
+                  "(min-max) | target |", "|---|---|---|---|---|---|---|"]
+        for run in scored:
+            c = run["scoring_cost"]
+            r = c["ratio"]
+            met = "-" if c["target"]["met"] is None else ("met" if c["target"]["met"] else "NOT met")
+            lines.append(f"| {run['engine']['label']} | {c['context_policy']} | {f(c['prefill_s']['p50'], 3)} "
+                         f"| {f(c['reconstruction_s']['p50'], 3)} | {f(c['selection_s']['p50'], 3)} "
+                         f"| {f(r['p50'], 3)} ({f(r['min'], 3)}-{f(r['max'], 3)}) | <= {c['target']['goal']:g}x: {met} |")
     return "\n".join(lines) + "\n"
 
 
@@ -125,8 +180,21 @@ def main(args) -> int:
     bodies = [request_body(q, args.osl, True, args.kv_budget, context=d.text, chat=args.chat if args.chat else None)
               for d, q in zip(documents, questions)]
 
+    scoring = {}
+    if args.scoring_cost:  # each engine alone in this process, before any server runs
+        from criticalkv.chat import encode_context_question, encode_text
+
+        contexts = [encode_context_question(tokenizer, d.text, q, True)[0] if args.chat else encode_text(tokenizer, d.text)
+                    for d, q in zip(documents, questions)][args.warmup:]
+        for engine_dir in args.engine_dir or []:
+            print(f"scoring cost of {len(contexts)} contexts on {engine_dir} (in this process) ...", flush=True)
+            scoring[str(engine_dir)] = scoring_cost(Path(engine_dir), contexts)
+
     def on_server(endpoint: Endpoint, metrics_url, engine: dict) -> None:
         run = {"engine": engine, "server_args": server_args, "rounds": [], "warmup_rounds": []}
+        for engine_dir, cost in scoring.items():
+            if Path(engine_dir).resolve() == Path(engine.get("engine_dir") or "").resolve():
+                run["scoring_cost"] = cost
         results["runs"].append(run)
         for i, body in enumerate(bodies):
             row = {"round": i - args.warmup, "load_average_before": machine.load_average()}
@@ -170,6 +238,10 @@ def add_arguments(p) -> None:
     load.add_argument("--goal", type=float, default=TARGET_RATIO,
                       help=f"target: cached median TTFT / uncached median TTFT (default: {TARGET_RATIO:g})")
     load.add_argument("--seed", type=int, default=0, help="documents and questions (default: 0)")
+    load.add_argument("--scoring-cost", action="store_true",
+                      help="also time, in this process on each --engine-dir, a context's prefill, its reconstruction "
+                           f"(a context policy that re-reads contexts: kvzip) and its selection (target: reconstruction "
+                           f"<= {SCORING_GOAL:g}x the prefill)")
     out = p.add_argument_group("output")
     out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
     out.add_argument("--name", default="cached_context", help="file stem of the results (default: cached_context)")

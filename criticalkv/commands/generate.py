@@ -194,6 +194,8 @@ def run_engine(args) -> int:
         stream = None if args.json else _streamer(tokenizer, args.stop_ids)
         out = engine.generate([ids], args.max_new_tokens, sampling=sampling, stop_token_ids=args.stop_ids,
                               on_tokens=stream, kv_budget=kv_budget, questions=None if question is None else [question])
+        if question is not None and engine.context_policy is not None:  # the context went to the context policy
+            policy = engine.context_policy.replace(budget=max(policy.budget, engine.context_policy.min_budget))
     finally:
         engine.close()
     report(args, policy, tokenizer, len(ids), out.tokens[0], out.timings(), out.kv_bytes_full, out.kv_bytes_kept,

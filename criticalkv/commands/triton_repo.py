@@ -30,6 +30,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-cache-mib", type=float, default=256.0,
                    help="compressed contexts kept for reuse per instance, MiB (default: 256; 0 = none): a request's "
                         "`context` is compressed once and later questions about it skip its prefill")
+    p.add_argument("--context-policy", default=None, metavar="NAME",
+                   help="the policy a request's `context` is compressed with, before any question is known (default: "
+                        "the engine's context policy, built with scripts/build_engine.py --context-policy, which "
+                        "defaults to kvzip; 'engine' = the engine's own --kv-policy). It must be one of the "
+                        "two the engine was built with (results/README.md, question-agnostic quality, says why kvzip)")
     p.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch"), default=None,
                    help="onnxruntime (KIND_CPU; the default for an exported engine), tensorrt (KIND_GPU), or torch (the "
                         "checkpoint's own layers and the selection op; the default for an engine built with --backend "
@@ -45,8 +50,19 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     """The scheduler options of ``add_model_arguments`` (checked here, before any server starts)."""
+    if args.context_policy is not None and getattr(args, "engine_dir", None) is not None:
+        from criticalkv.runtime.manifest import read_manifest
+        from criticalkv.serving.scheduler import check_context_policy
+
+        manifest = read_manifest(args.engine_dir, verify=False)
+        built = (manifest.get("context_policy") or {}).get("name")
+        try:
+            check_context_policy(manifest["policy"]["name"], built, args.context_policy)
+        except Exception as err:  # EngineError: a user error of this flag
+            raise ValueError(f"--context-policy: {err}") from None
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, kv_memory_mib=args.kv_memory_mib,
-                           prefill_chunk=args.prefill_chunk, context_cache_mib=args.context_cache_mib)
+                           prefill_chunk=args.prefill_chunk, context_cache_mib=args.context_cache_mib,
+                           context_policy=args.context_policy)
 
 
 def register(subparsers) -> None:

@@ -29,7 +29,9 @@ from criticalkv.hf.cache import CompressedKVCache, CompressedLayer, cache_kwargs
 from criticalkv.hf.compress import hooked_prefill, window_queries
 from criticalkv.hf.generate import extend_cache, generate
 from criticalkv.hf.loading import check_supported
+from criticalkv.hf.reconstruct import cache_of, reconstruction_scores
 from criticalkv.methods.expected_attention import rotation_tables
+from criticalkv.methods.kvzip import ReconstructionPrompt
 from criticalkv.policy import KVPolicy
 from criticalkv.sampling import Sampler, decode_loop
 from criticalkv.selection import LayerScores, LayerSelection, ScoreMemo, layer_scores, select_layer, select_model
@@ -53,6 +55,7 @@ class SharedPrefill:
     o_proj: list[torch.Tensor]
     prefill_s: float
     inv_freq: "np.ndarray | None" = None  # RoPE's [d_h / 2] (expected-attention reads it)
+    model: object = field(default=None, repr=False)  # the model that ran it (kvzip re-reads the prompt through it)
 
     @property
     def n(self) -> int:
@@ -99,6 +102,7 @@ def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int]) -> Sh
         o_proj=[layer.self_attn.o_proj.weight for layer in layers],
         prefill_s=time.perf_counter() - start,
         inv_freq=model.model.rotary_emb.inv_freq.detach().float().cpu().numpy(),
+        model=model,
     )
 
 
@@ -109,9 +113,33 @@ class ScoreBank:
     window attention, pooled scores and projected-value norms are computed once and reused.
     """
 
-    def __init__(self, prefill: SharedPrefill):
+    def __init__(self, prefill: SharedPrefill, model=None, reconstruction: ReconstructionPrompt | None = None):
+        """``model`` re-reads the prompt for a policy whose score comes from a context reconstruction (kvzip), with
+        ``reconstruction``'s prompt (default: the model's tokenizer's, ``criticalkv.hf.reconstruct``)."""
         self.prefill = prefill
         self.memo = ScoreMemo()
+        self.model = model if model is not None else prefill.model
+        self.reconstruction = reconstruction
+
+    def external_scores(self, policy: KVPolicy) -> list[torch.Tensor] | None:
+        """Per layer [1, H_kv, n] the scores of a method that ranks by a context reconstruction (kvzip), computed once
+        per prompt and scoring knobs (their time counts in ``seconds``); None for other methods, and for a bank
+        without a model (over given tensors: the method's own fallback, as ``select_layer`` without scores)."""
+        if not policy.method.base.external_scores or self.model is None:
+            return None
+        p = self.prefill
+
+        def compute():
+            cache = cache_of(p.keys, p.values, self.model.config)
+            return reconstruction_scores(self.model, cache, p.input_ids[0].tolist(), policy, self.reconstruction)
+
+        key = ("reconstruction", policy.kvzip_chunk, policy.sink_tokens)
+        if key in self.memo.entries:
+            return self.memo.entries[key]
+        start = time.perf_counter()
+        scores = self.memo.get(key, compute)
+        self.memo.seconds += time.perf_counter() - start
+        return scores
 
     def rotation(self, policy: KVPolicy):
         """RoPE's rotation tables for a policy that reads them (``expected-attention``), else None."""
@@ -141,21 +169,24 @@ class ScoreBank:
         """``criticalkv.selection.layer_scores`` of ``policy`` for ``layer`` (memoised)."""
         q, k, v, o = self.layer_inputs(policy, layer)
         valid_start = torch.zeros(k.shape[0], dtype=torch.int64, device=k.device)
-        return layer_scores(policy, q, k, v, o, valid_start, self.memo, layer, self.rotation(policy))
+        external = self.external_scores(policy)
+        return layer_scores(policy, q, k, v, o, valid_start, self.memo, layer, self.rotation(policy),
+                            None if external is None else external[layer])
 
 
 def select_from_bank(policy: KVPolicy, bank: ScoreBank, layer: int) -> LayerSelection:
     """``select_layer(policy, ...)`` for layer ``layer`` of the bank's (unpadded, batch 1) prompt, memoised scores."""
     q, k, v, o = bank.layer_inputs(policy, layer)
+    external = bank.external_scores(policy)
     return select_layer(policy, q, k, v, o, layer, bank.prefill.num_layers, memo=bank.memo,
-                        rotation=bank.rotation(policy))
+                        rotation=bank.rotation(policy), scores=None if external is None else external[layer])
 
 
 def select_all_layers(policy: KVPolicy, bank: ScoreBank) -> list[LayerSelection]:
     """``select_model`` over the bank's layers (memoised scores): every layer's selection, model-level methods
     (the budget shared across layers) included."""
     layers = [bank.layer_inputs(policy, layer) for layer in range(bank.prefill.num_layers)]
-    return select_model(policy, layers, memo=bank.memo, rotation=bank.rotation(policy))
+    return select_model(policy, layers, memo=bank.memo, rotation=bank.rotation(policy), scores=bank.external_scores(policy))
 
 
 @dataclass
@@ -231,10 +262,11 @@ def kept_fraction(selections: Sequence[LayerSelection], n: int) -> float:
 
 
 def tokens_equal_generate(model, prefill: SharedPrefill, policy: KVPolicy, tokens: list[int], max_new_tokens: int,
-                          stop_token_ids: Sequence[int], question_ids: torch.Tensor | None = None) -> tuple[bool, list[int]]:
+                          stop_token_ids: Sequence[int], question_ids: torch.Tensor | None = None,
+                          reconstruction: ReconstructionPrompt | None = None) -> tuple[bool, list[int]]:
     """Re-run ``criticalkv.hf.generate`` for one policy and compare its tokens with ``tokens``."""
     ref = generate(model, prefill.input_ids, policy, max_new_tokens, stop_token_ids=stop_token_ids,
-                   question_ids=question_ids).tokens[0]
+                   question_ids=question_ids, reconstruction=reconstruction).tokens[0]
     return ref == tokens, ref
 
 

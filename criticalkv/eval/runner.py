@@ -29,6 +29,7 @@ from criticalkv.eval.engine import (
 from criticalkv.eval.prompts import EvalPrompt
 from criticalkv.eval.scoring import score
 from criticalkv.eval.specs import PolicyRun
+from criticalkv.methods.kvzip import ReconstructionPrompt
 from criticalkv.policy import KVPolicy
 
 
@@ -73,6 +74,9 @@ def evaluate(
     verified: dict[int, int] = {}
     todo = sum(1 for p in prompts if p.key not in done)
     terminal = sys.stderr.isatty()
+    # kvzip re-reads each context after kvpress's repeat prompt, in this tokenizer's ids
+    reconstruction = (ReconstructionPrompt.from_tokenizer(tokenizer)
+                      if any(r.policy.method.base.external_scores for r in runs) else None)
     bar = tqdm(total=todo * len(runs), disable=not (progress and terminal), unit="run", dynamic_ncols=True, desc="eval")
     started, finished = time.perf_counter(), 0
     try:
@@ -83,7 +87,7 @@ def evaluate(
             bar.set_description(prompt.key)
             check = verify > verified.get(prompt.length, 0)
             record = _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, perturbation, check, bar,
-                                      question_agnostic)
+                                      question_agnostic, reconstruction)
             verified[prompt.length] = verified.get(prompt.length, 0) + check
             records.append(record)
             finished += 1
@@ -106,7 +110,7 @@ def split_question(prompt: EvalPrompt) -> int:
 
 
 def _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, perturbation, verify, bar,
-                     question_agnostic=False) -> dict:
+                     question_agnostic=False, reconstruction=None) -> dict:
     ids = torch.tensor([prompt.input_ids], device=device)
     question = None
     if question_agnostic:
@@ -114,7 +118,7 @@ def _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, pert
         ids, question = ids[:, :split], ids[:, split:]
     start = time.perf_counter()
     prefill = shared_prefill(model, ids, windows)
-    bank = ScoreBank(prefill)
+    bank = ScoreBank(prefill, model, reconstruction)
     n = prefill.n
     reference = None
     full_decoded = None
@@ -153,7 +157,7 @@ def _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, pert
             result.update(_perturbation(run, bank, reference, selections, recorder, n))
         if verify:
             same, ref = tokens_equal_generate(model, prefill, run.policy, decoded.tokens, prompt.max_new_tokens,
-                                              sorted(stop), question)
+                                              sorted(stop), question, reconstruction)
             if not same:
                 raise VerificationError(
                     f"{prompt.key} {run.key}: the shared prefill decoded {decoded.tokens} but criticalkv.hf.generate "

@@ -29,7 +29,16 @@ EXTEND_FILE = "extend.onnx"
 EXTEND_TENSORRT_FILE = "extend_tensorrt.onnx"
 SELECT_FILE = "select.onnx"
 SELECT_TENSORRT_FILE = "select_tensorrt.onnx"
+#: The select graph of the engine's context policy (``export_model(context_policy=...)``), when it is not the engine's
+SELECT_CONTEXT_FILE = "select_context.onnx"
+#: The extend graph with KVzip's reconstruction scores (``DecoderGraphBuilder.extend(score=True)``), for an engine whose
+#: policy or context policy ranks by a context reconstruction (kvzip)
+RECONSTRUCT_FILE = "reconstruct.onnx"
 TOKENIZER_DIR = "tokenizer"
+#: The policy the serving context cache compresses contexts with unless the build says otherwise
+#: (``criticalkv.build.context_policy_for``): the one that held up best question-agnostically at the default budget
+#: (results/README.md, "Compress once, answer later").
+DEFAULT_CONTEXT_POLICY = "kvzip"
 #: Precision of the TensorRT engines (the ONNX graphs and ONNX Runtime are always fp32).
 EXPORT_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -102,14 +111,25 @@ class ExportResult:
     fused_prompt: dict | None = None
     #: the weight setting of the fused graphs (``quantize_store``): {"format", ...}
     weights: dict | None = None
+    #: the policy contexts are compressed with (the serving context cache) and its per-layer selection capacities
+    context_policy: KVPolicy | None = None
+    context_capacities: list[int] | None = None
 
     def shapes(self) -> dict:
-        return {
+        shapes = {
             "prefill_capacity": self.prefill_capacities,
             "decode_capacity": self.decode_capacities,
             "kv_buffer_bytes": kv_buffer_bytes(self.spec, self.decode_capacities, self.config.max_batch_size,
                                                self.config.kv_dtype),
         }
+        if self.context_capacities is not None:
+            shapes["context_capacity"] = self.context_capacities
+        return shapes
+
+
+def reconstructs(policy: KVPolicy | None) -> bool:
+    """Whether ``policy`` ranks by a context reconstruction (kvzip): its engine needs the reconstruct graph."""
+    return policy is not None and policy.method.base.external_scores and policy.method.base.evicts
 
 
 def kv_buffer_bytes(spec: ModelSpec, decode_capacities: list[int], batch: int, kv_dtype: str = "float32") -> int:
@@ -130,7 +150,8 @@ def check_model_limits(model, spec: ModelSpec, config: BuildConfig) -> None:
                          "sliding-window attention is not exported")
 
 
-def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfig | None = None, tokenizer=None) -> ExportResult:
+def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfig | None = None, tokenizer=None,
+                 context_policy: KVPolicy | None = None) -> ExportResult:
     """Write into ``folder``: ``weights.bin`` (shared by every graph), ``prefill.onnx`` (selection nodes + their
     function body), ``decode.onnx`` (portable: the graph TensorRT parses), ``decode_ort.onnx`` (the fused decode ONNX
     Runtime runs, unless the model refuses it: ``ExportResult.fused_decode`` says why), ``extend.onnx`` and
@@ -139,11 +160,18 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
 
     ``model``: a transformers Llama / Mistral / Qwen2 causal LM (fp32 weights are exported).
     The folder should be a fresh temporary directory (``build_engine`` renames it into place).
+
+    ``context_policy``: the policy the serving context cache compresses contexts with (question-agnostic), when it is
+    not ``policy``: its select graph ``select_context.onnx`` (ONNX Runtime flavour) is written too, and the decode
+    buffers hold the larger of the two policies' selections. A policy that ranks by a context reconstruction (kvzip,
+    engine's or context's) adds ``reconstruct.onnx`` (the extend graph with KVzip's scores).
     """
     config = config or BuildConfig()
     folder = Path(folder)
     spec = model_spec(model)
     check_model_limits(model, spec, config)
+    if context_policy is not None and context_policy == policy:
+        context_policy = None
 
     folder.mkdir(parents=True, exist_ok=True)
     store = collect_weights(model, spec)
@@ -155,7 +183,9 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
     weights = quantize_store(store, spec, config.weights)
     store.write(folder)
     capacities = layer_capacities(policy, spec, config.max_input_len)
-    decode_capacities = [c + config.max_question_len + config.max_new_tokens for c in capacities]
+    context_capacities = None if context_policy is None else layer_capacities(context_policy, spec, config.max_input_len)
+    held = capacities if context_capacities is None else [max(a, b) for a, b in zip(capacities, context_capacities)]
+    decode_capacities = [c + config.max_question_len + config.max_new_tokens for c in held]
     flavours = [("onnxruntime", {"prefill": PREFILL_FILE, "extend": EXTEND_FILE, "select": SELECT_FILE}),
                 ("tensorrt", {"prefill": PREFILL_TENSORRT_FILE, "extend": EXTEND_TENSORRT_FILE, "select": SELECT_TENSORRT_FILE})]
     if tensorrt_refusal(policy, spec.num_layers):  # no TensorRT flavour (it says why)
@@ -164,8 +194,14 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
         builder = graph_builder(spec, store, policy, capacities, flavour, config.attention_chunk)
         for graph, name in files.items():
             onnx.save(getattr(builder, graph)(), folder / name)
+    if context_policy is not None:
+        context_builder = graph_builder(spec, store, context_policy, context_capacities, "onnxruntime", config.attention_chunk)
+        onnx.save(context_builder.select(), folder / SELECT_CONTEXT_FILE)
+    if reconstructs(policy) or reconstructs(context_policy):
+        scorer = graph_builder(spec, store, policy, None, "onnxruntime", config.attention_chunk)
+        onnx.save(scorer.extend(score=True), folder / RECONSTRUCT_FILE)
     onnx.save(decode_builder.decode(decode_capacities), folder / DECODE_FILE)
-    fused = fused_decode_info(decode_builder, policy, config)
+    fused = fused_decode_info(decode_builder, policy, config, context_policy)
     if fused["file"]:
         onnx.save(decode_builder.decode_fused(decode_capacities, fused.get("max_positions", 0), fused["per_head_lengths"],
                                               config.kv_dtype), folder / DECODE_ORT_FILE)
@@ -177,7 +213,7 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
     if tokenizer is not None:
         tokenizer.save_pretrained(folder / TOKENIZER_DIR)
     return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes(), fused, prompt,
-                        weights)
+                        weights, context_policy, context_capacities)
 
 
 def fused_prompt_info(refusal: str | None, config: BuildConfig) -> dict:
@@ -192,7 +228,7 @@ def fused_prompt_info(refusal: str | None, config: BuildConfig) -> dict:
             "weights": config.weights}
 
 
-def fused_decode_info(builder, policy: KVPolicy, config: BuildConfig) -> dict:
+def fused_decode_info(builder, policy: KVPolicy, config: BuildConfig, context_policy: KVPolicy | None = None) -> dict:
     """What the engine's fused decode graph is (``decode_ort.onnx``), or why it has none (the manifest's
     ``onnx.fused_decode``). float32 KV: GroupQueryAttention in place (``attention: group_query_attention``), refused
     for some models (``fused_decode_refusal``); positions reach max_input_len + max_question_len + max_new_tokens at
@@ -204,8 +240,9 @@ def fused_decode_info(builder, policy: KVPolicy, config: BuildConfig) -> dict:
     refusal = builder.fused_decode_refusal()
     if refusal:
         return {"file": None, "refused": refusal, "kv_dtype": "float32"}
+    equal = all(p.method.base.equal_head_lengths for p in (policy, context_policy) if p is not None)
     return {"file": DECODE_ORT_FILE, "attention": "group_query_attention", "kv_dtype": "float32",
-            "per_head_lengths": not policy.method.base.equal_head_lengths,
+            "per_head_lengths": not equal,
             "max_positions": config.max_input_len + config.max_question_len + config.max_new_tokens}
 
 
@@ -218,5 +255,6 @@ def onnx_info() -> dict:
         "files": {"prefill": PREFILL_FILE, "prefill_ort": PREFILL_ORT_FILE, "extend_ort": EXTEND_ORT_FILE,
                   "prefill_tensorrt": PREFILL_TENSORRT_FILE, "decode": DECODE_FILE,
                   "decode_ort": DECODE_ORT_FILE, "extend": EXTEND_FILE, "extend_tensorrt": EXTEND_TENSORRT_FILE, "select": SELECT_FILE,
-                  "select_tensorrt": SELECT_TENSORRT_FILE, "weights": WEIGHTS_FILE},
+                  "select_tensorrt": SELECT_TENSORRT_FILE, "select_context": SELECT_CONTEXT_FILE,
+                  "reconstruct": RECONSTRUCT_FILE, "weights": WEIGHTS_FILE},
     }

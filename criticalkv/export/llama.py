@@ -481,19 +481,44 @@ class DecoderGraphBuilder:
         mask_axis = 3 if past is None else 4
         blocked = body.Or(causal, body.slice_axis(ctx["key_mask"], 0, key_end, axis=mask_axis))
         bias = body.Where(blocked, body.const(FLOAT32_MIN, np.float32), body.const(0.0, np.float32))
-        probs = body.Softmax(body.Add(scores, bias), axis=-1)  # [B, H, c, k] or [B, H_kv, G, c, k]
-        probs = body.Reshape(probs, body.concat(body.i64(0, s.num_kv_heads, -1), key_end))
+        probs_block = body.Softmax(body.Add(scores, bias), axis=-1)  # [B, H, c, k] or [B, H_kv, G, c, k]
+        probs = body.Reshape(probs_block, body.concat(body.i64(0, s.num_kv_heads, -1), key_end))
         out = body.reshape(body.MatMul(probs, vc), [0, 0, s.group, chunk, s.head_dim])
         out = body.reshape(body.Transpose(out, perm=[0, 3, 1, 2, 4]), [0, 0, s.num_heads * s.head_dim])  # [B, c, H*d_h]
         cond_out = body.const(True, np.bool_, hint="cond_out")
+        scan = [value_info(out, FLOAT, None)]
+        if "score_visible" in ctx:  # KVzip's score of the past entries (extend only: ``extend(score=True)``)
+            scan.append(value_info(self.reconstruction_block_scores(body, probs_block, key_end, start, ctx), FLOAT, None))
         loop_body = body.graph(
             "attention_block",
             [value_info(step, INT64, []), value_info(cond_in, onnx.TensorProto.BOOL, [])],
-            [value_info(cond_out, onnx.TensorProto.BOOL, []), value_info(out, FLOAT, None)],
+            [value_info(cond_out, onnx.TensorProto.BOOL, [])] + scan,
         )
-        blocks = g.op("Loop", ctx["num_blocks"], "", body=loop_body, hint="attention_blocks")  # [T, B, c, H*d_h]
-        merged = g.reshape(g.Transpose(blocks, perm=[1, 0, 2, 3]), [0, -1, s.num_heads * s.head_dim])
+        blocks = g.op("Loop", ctx["num_blocks"], "", body=loop_body, outputs=len(scan), hint="attention_blocks")
+        if "score_visible" in ctx:  # [T, B, H_kv, P] per block -> the max over the blocks
+            blocks, block_scores = blocks
+            ctx["score_out"] = g.ReduceMax(block_scores, g.i64(0), keepdims=0)  # [B, H_kv, P]
+        merged = g.reshape(g.Transpose(blocks, perm=[1, 0, 2, 3]), [0, -1, s.num_heads * s.head_dim])  # [T, B, c, H*d_h]
         return g.slice_axis(merged, 0, ctx["queries"], axis=1)
+
+    def reconstruction_block_scores(self, body, probs: str, key_end: str, start: str, ctx: dict) -> str:
+        """KVzip's score of one query block of an extend over a past of P entries (``criticalkv.methods.kvzip``): the
+        softmax of every new query over the keys KVzip subsamples (the past entries ``ctx["score_visible"]`` [P + s]
+        marks and the new tokens up to the query), its largest value per past entry over the block's real queries
+        and the G heads of each KV head: [B, H_kv, P].
+
+        ``probs`` [B, H_kv, G, c, k] is the block's attention (its softmax over every key the query sees). KVzip's keys
+        are a subset of those, and a softmax over a subset is the full one renormalised over it: probs / (the mass of
+        the subsampled keys), with no second softmax over the block."""
+        chunk = self.attention_chunk
+        visible = body.Cast(body.slice_axis(ctx["score_visible"], 0, key_end, axis=0), to=FLOAT)  # [k]
+        mass = body.ReduceSum(body.Mul(probs, visible), body.i64(4), keepdims=1)  # [B, H_kv, G, c, 1] (> 0: own key)
+        row = body.Add(body.Range(body.scalar(0), body.scalar(chunk), body.scalar(1)), body.squeeze(start, 0))  # [c]
+        real = body.Cast(body.Less(row, ctx["queries"]), to=FLOAT)  # the block's padding rows count for nothing
+        scale = body.Div(body.unsqueeze(real, 1), mass)  # [B, H_kv, G, c, 1]
+        past = body.slice_axis(probs, 0, ctx["past"], axis=4)  # [B, H_kv, G, c, P]
+        past = body.Mul(body.Mul(past, body.slice_axis(visible, 0, ctx["past"], axis=0)), scale)
+        return body.ReduceMax(past, body.i64(2, 3), keepdims=0)
 
     def causal_attention(self, q: str, k: str, v: str, allowed: str) -> str:
         """Attention of s queries [B, H, s, d_h] over k, v [B, H_kv, K, d_h] in one block, without a Loop (tensorrt
@@ -550,7 +575,16 @@ class DecoderGraphBuilder:
             values = g.concat(g.slice_axis(past_v, 0, past, axis=2), v, axis=2)
             key_pos = g.Range(g.scalar(0), g.squeeze(g.Add(past, ctx["queries"]), 0), g.scalar(1))
             beyond = g.And(g.GreaterOrEqual(key_pos, g.unsqueeze(lengths, 2)), g.Less(key_pos, past))  # [B, H_kv, P + N]
-            return self.blocked_attention(q, keys, values, {**ctx, "past": past, "key_mask": g.unsqueeze(beyond, 2, 3)})
+            inner = {**ctx, "past": past, "key_mask": g.unsqueeze(beyond, 2, 3)}
+            if "score_range" in ctx:  # KVzip's keys: the sinks, the chunk [start, end), every reconstruction entry
+                sinks, start, end, context = (g.slice_axis(ctx["score_range"], j, j + 1, axis=0) for j in range(4))
+                visible = g.Or(g.Or(g.Less(key_pos, sinks), g.And(g.GreaterOrEqual(key_pos, start), g.Less(key_pos, end))),
+                               g.GreaterOrEqual(key_pos, context))  # [P + N]
+                inner["score_visible"] = visible
+            out = self.blocked_attention(q, keys, values, inner)
+            if "score_range" in ctx:
+                ctx["layer_scores"].append(inner["score_out"])
+            return out
         cap = g.shape_of(past_k, 2, 3)
         keys = g.concat(past_k, k, axis=2)  # [B, H_kv, cap + N, d_h]
         values = g.concat(past_v, v, axis=2)
@@ -570,16 +604,19 @@ class DecoderGraphBuilder:
                             hint="expected_rotation")
 
     def select_layer(self, i: int, window_queries: str, k: str, v: str, prompt_lengths: str, kv_budget: str,
-                     pending: list, model_level: bool) -> list:
+                     pending: list, model_level: bool, scores: str | None = None) -> list:
         """Layer i's selection node on window_queries [B, H, w, d_h], the prompt's k, v [B, H_kv, n, d_h],
         prompt_lengths [B] int32 and kv_budget [1] int32: outputs ``present.{i}.key/value/lengths/indices`` (or, for a
         model-level policy, the layer's ``CriticalKVScore`` node, its inputs kept in ``pending`` for
-        ``select_model``). Returns the value infos of the four outputs."""
+        ``select_model``). ``scores``: the node's external scores [B, H_kv, n or 0] for a method that reads them
+        (kvzip; None: none given, [1, H_kv, 0]). Returns the value infos of the four outputs."""
         policy, s = self.policy, self.spec
         names = [f"present.{i}.key", f"present.{i}.value", f"present.{i}.lengths", f"present.{i}.indices"]
         node_inputs = [window_queries, k, v, f"layers.{i}.o_proj", prompt_lengths, kv_budget]
         if policy.method.base.needs_rotation:  # RoPE's rotation tables of this model (expected-attention)
             node_inputs.append(self.rotation_tables())
+        if policy.method.base.external_scores:  # kvzip: the reconstruction's scores, or none (its window fallback)
+            node_inputs.append(scores or self.g.const(np.zeros((1, s.num_kv_heads, 0), np.float32), hint="no_scores"))
         if model_level:  # this layer's ranking; its full K/V stay graph tensors until the model-level node
             ranking = f"ranking_{i}"
             self.g.nodes.append(model_select.score_node(policy, i, s.num_layers, self.capacities[i], node_inputs, ranking))
@@ -1017,12 +1054,21 @@ class DecoderGraphBuilder:
                                  "criticalkv fused extend (ONNX Runtime only: com.microsoft operators): new tokens of one "
                                  "sequence written into its KV buffers in place")
 
-    def extend(self) -> onnx.ModelProto:
+    def extend(self, score: bool = False) -> onnx.ModelProto:
         """The extend model: N new tokens per sequence over per-head KV buffers of any capacity (module docstring).
 
         Chunked prefill: a prompt extended in chunks that are multiples of ``attention_chunk`` from an empty buffer
-        gives bitwise the prefill's K/V and last logits on ONNX Runtime (``blocked_attention``)."""
+        gives bitwise the prefill's K/V and last logits on ONNX Runtime (``blocked_attention``).
+
+        ``score`` (the reconstruct graph, onnxruntime flavour): KVzip's context reconstruction runs through it (the
+        new tokens are a chunk's repeat prompt and the context again, over the context's full buffer); it takes
+        ``score_range`` [4] int64 = (sinks, start, end, n): the past entries a reconstruction query's score softmax
+        sees are those < sinks, in [start, end) and >= n (the reconstruction's own earlier tokens), and returns per
+        layer ``present.{l}.scores`` [B, H_kv, P] (P = the past's longest head): every past entry's largest score over
+        the new queries and the group's heads (``criticalkv.methods.kvzip.chunk_scores``), the rest as extend's."""
         window = self._window("extend")
+        if score and self.flavour != "onnxruntime":
+            raise ValueError("the reconstruct graph (extend with KVzip's scores) has the onnxruntime flavour only")
         g = self._begin()
         s = self.spec
         new_tokens = g.shape_of("input_ids", 1, 2)  # N
@@ -1032,12 +1078,17 @@ class DecoderGraphBuilder:
             ctx = {"queries": new_tokens}
         inputs = [value_info(name, INT64, ["batch", "new_tokens"]) for name in ("input_ids", "position_ids")]
         outputs = [value_info("logits", FLOAT, ["batch", s.vocab_size])]
+        if score:
+            inputs.append(value_info("score_range", INT64, [4]))
+            ctx.update(score_range="score_range", layer_scores=[])
         for i in range(s.num_layers):
             inputs += self._past_inputs(i, f"capacity_{i}")
             outputs += [value_info(f"present.{i}.{kind}", FLOAT, ["batch", s.num_kv_heads, "new_tokens", s.head_dim])
                         for kind in ("key", "value")]
             outputs.append(value_info(f"present.{i}.window_queries", FLOAT,
                                       ["batch", s.num_heads, "window_tokens", s.head_dim]))
+            if score:
+                outputs.append(value_info(f"present.{i}.scores", FLOAT, ["batch", s.num_kv_heads, "past_tokens"]))
 
         def attention(i, q, k, v):
             past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
@@ -1051,6 +1102,11 @@ class DecoderGraphBuilder:
         x = self.decoder_layers(x, cos, sin, attention, window_queries, present_kv=True,
                                 transposed_gemm=self.flavour == "tensorrt")
         self.last_logits(x)
+        if score:
+            for i, layer_scores in enumerate(ctx["layer_scores"]):
+                g.op("Identity", layer_scores, outputs=[f"present.{i}.scores"])
+            return self._finish("criticalkv_reconstruct", inputs, outputs, [],
+                                "criticalkv reconstruct (onnxruntime flavour): extend + KVzip's reconstruction scores")
         return self._finish("criticalkv_extend", inputs, outputs, [],
                             f"criticalkv extend ({self.flavour} flavour): new tokens over per-head KV buffers")
 
@@ -1075,7 +1131,12 @@ class DecoderGraphBuilder:
                 inputs += self._past_inputs(i, f"capacity_{i}")
                 n = g.reshape(g.ReduceMax(g.Cast(past_len, to=INT64), keepdims=1), [1])
                 keys, values = g.slice_axis(past_k, 0, n, axis=2), g.slice_axis(past_v, 0, n, axis=2)  # [B, H_kv, n, d_h]
-            outputs += self.select_layer(i, queries, keys, values, prompt_lengths, kv_budget, pending, model_level)
+            scores = None
+            if policy.method.base.external_scores:  # kvzip: the context reconstruction's scores (or none)
+                scores = f"scores.{i}"
+                inputs.append(value_info(scores, FLOAT, ["batch", s.num_kv_heads, "scored_tokens"]))
+            outputs += self.select_layer(i, queries, keys, values, prompt_lengths, kv_budget, pending, model_level,
+                                         scores)
         if model_level:
             self.select_model(pending, first_lengths, kv_budget)
         inputs.append(value_info("kv_budget", INT64, [1]))

@@ -47,6 +47,7 @@ from criticalkv.node import (
     MODEL_OP_TYPE,
     OUTPUTS,
     SCORE_OP_TYPE,
+    node_inputs,
     policy_from_attributes,
 )
 from criticalkv.policy import KVPolicy
@@ -110,7 +111,7 @@ def score_function(policy: KVPolicy, num_layers: int, num_heads: int, num_kv_hea
     g = GraphBuilder("ckvs/")
     _ScoreBody(g, policy, num_layers, num_heads, num_kv_heads, head_dim).build()
     return helper.make_function(
-        DOMAIN, SCORE_OP, list(INPUTS), list(SCORE_OUTPUTS), live_nodes(g.nodes, SCORE_OUTPUTS),
+        DOMAIN, SCORE_OP, list(node_inputs(policy)), list(SCORE_OUTPUTS), live_nodes(g.nodes, SCORE_OUTPUTS),
         opset_imports=[helper.make_opsetid("", OPSET)],
         attributes=list(KVPolicy.knob_names()) + list(LAYER_ATTRIBUTES),
         doc_string=f"CriticalKVScore body (per-layer ranking of a model-level selection) for policy {policy.to_json()} "

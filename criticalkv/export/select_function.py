@@ -45,6 +45,7 @@ from criticalkv.node import (
     OPSET_VERSION,
     OUTPUTS,
     ROTATION_INPUT,
+    SCORES_INPUT,
     node_attributes,
     node_capacity,
     node_inputs,
@@ -366,6 +367,8 @@ class _Body:
         ctx = dict(n=n, lens=lens, pos=pos, valid=valid, valid_h=valid_h, batch=batch, valid_start=valid_start,
                    queries=queries, keys=keys, values=values, o_proj_weight=o_proj, budget=None,
                    layer_idx=g.attribute_const("layer_idx", "int"))
+        if p.method.base.external_scores:  # [1 or B, H_kv, n or 0] -> [B, H_kv, n or 0]
+            ctx["scores"] = g.Expand(SCORES_INPUT, g.concat(batch, g.i64(self.kv_heads, 1)))
         if p.method.base.evicts:
             # the request's budget, clamped to [min_budget, budget] (the build fixes only the capacity)
             requested = g.Cast(g.reshape(kv_budget, [-1]), to=INT64)
@@ -472,6 +475,7 @@ def selection_model(
     max_prompt_len: int = 4096,
     with_body: bool = True,
     runtime_budget: bool = False,
+    scores_input: bool = False,
 ) -> onnx.ModelProto:
     """A model holding one ``CriticalKVSelect`` node (tests, polygraphy comparisons, plugin checks).
 
@@ -479,6 +483,8 @@ def selection_model(
     [batch] int32; ``o_proj_weight`` [d, H*d_h] is an initializer. ``capacity`` defaults to
     ``node_capacity(policy, max_prompt_len, ...)``. ``with_body=False`` leaves the function out (TensorRT flavour).
     ``runtime_budget=True`` makes ``kv_budget`` [1] int32 a graph input; otherwise it is a constant = the budget.
+    A method that ranks by external scores (kvzip) gets ``scores`` [batch, H_kv, n or 0] as a graph input with
+    ``scores_input``, otherwise none (a constant [1, H_kv, 0]: its fallback).
     """
     o_proj_weight = np.asarray(o_proj_weight, dtype=np.float32)
     head_dim = o_proj_weight.shape[1] // num_heads
@@ -496,6 +502,11 @@ def selection_model(
     if policy.method.base.needs_rotation:  # RoPE's default tables, as select_layer assumes when given none
         table = rotation_tables(default_inv_freq(head_dim), policy.window, policy.future_positions)
         initializers.append(numpy_helper.from_array(table, ROTATION_INPUT))
+    if policy.method.base.external_scores:
+        if scores_input:
+            inputs.append(value_info(SCORES_INPUT, FLOAT, ["batch", num_kv_heads, "scored"]))
+        else:
+            initializers.append(numpy_helper.from_array(np.zeros((1, num_kv_heads, 0), np.float32), SCORES_INPUT))
     if runtime_budget:
         inputs.append(value_info(INPUTS[5], INT32, [1]))
     else:

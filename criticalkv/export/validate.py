@@ -21,9 +21,12 @@ from criticalkv.export.exporter import (
     PREFILL_FILE,
     PREFILL_ORT_FILE,
     PREFILL_TENSORRT_FILE,
+    RECONSTRUCT_FILE,
+    SELECT_CONTEXT_FILE,
     SELECT_FILE,
     SELECT_TENSORRT_FILE,
     ExportResult,
+    reconstructs,
 )
 from criticalkv.export.llama import ORT_DOMAIN
 from criticalkv.export.quantize import QUANTIZED_OPERATORS
@@ -44,9 +47,13 @@ GRAPHS = (
     ("select_tensorrt", SELECT_TENSORRT_FILE, True, True),
     ("prefill_ort", PREFILL_ORT_FILE, True, False),
     ("extend_ort", EXTEND_ORT_FILE, False, False),
+    ("select_context", SELECT_CONTEXT_FILE, True, False),
+    ("reconstruct", RECONSTRUCT_FILE, False, False),
 )
 #: The fused prompt graphs (ONNX Runtime only), written unless the model refuses them.
 FUSED_PROMPT = ("prefill_ort", "extend_ort")
+#: Graphs an export writes only for some policies (the context policy's select graph, KVzip's reconstruct graph).
+OPTIONAL_GRAPHS = ("select_context", "reconstruct")
 #: The TensorRT flavours a model-level policy does not have (``decode.onnx`` is also its ONNX Runtime decode graph).
 TENSORRT_FLAVOURS = ("prefill_tensorrt", "extend_tensorrt", "select_tensorrt")
 #: The only com.microsoft operators of the fused decode graph (``decode_ort``), by its attention form; no other graph
@@ -90,6 +97,13 @@ def validate_export(result: ExportResult) -> dict:
                 raise ValueError(f"{name}: {result.policy.name} has no TensorRT flavour ({refusal})")
             report[key] = {"file": None, "refused": refusal}
             continue
+        if key in OPTIONAL_GRAPHS:
+            wanted = (result.context_policy is not None if key == "select_context"
+                      else reconstructs(result.policy) or reconstructs(result.context_policy))
+            if path.exists() != wanted:
+                raise ValueError(f"{name}: {'missing' if wanted else 'written although no policy of the export needs it'}")
+            if not wanted:
+                continue
         fused_refusal = (result.fused_decode or {}).get("refused")
         if key == "decode_ort" and (fused_refusal or result.fused_decode is None):
             if path.exists():
@@ -115,10 +129,13 @@ def validate_export(result: ExportResult) -> dict:
         expected = result.spec.num_layers if selects else 0
         if len(selection) != expected:
             raise ValueError(f"{name}: {len(selection)} {OP_TYPE} nodes, expected {expected}")
+        own, capacities = result.policy, result.prefill_capacities
+        if key == "select_context":
+            own, capacities = result.context_policy, result.context_capacities
         for i, node in enumerate(selection):
             policy, layer_idx, num_layers, capacity = policy_from_attributes(_attributes(node))
-            if not same_policy(policy, result.policy) or (layer_idx, num_layers, capacity) != (
-                i, result.spec.num_layers, result.prefill_capacities[i]
+            if not same_policy(policy, own) or (layer_idx, num_layers, capacity) != (
+                i, result.spec.num_layers, capacities[i]
             ):
                 raise ValueError(f"{name}: node {node.name} attributes do not match the export's policy / layer / capacity")
         functions = [f"{f.domain}::{f.name}" for f in model.functions]

@@ -6,6 +6,8 @@ any attention implementation alike), runs ``select_layer`` on that layer's full 
 the selected entries in a ``CompressedLayer`` and frees the full tensors, so at most one layer's
 uncompressed K/V exists at a time. A model-level method (``layer-defensivekv``: the budget shared across layers)
 selects after the last layer, with ``select_model`` over every layer; until then the full K/V of the prompt stays.
+A method that ranks by a score computed outside the layer (``kvzip``) keeps the full cache until the prompt has been
+re-read (``criticalkv.hf.reconstruct``), then selects every layer with its scores.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from criticalkv.hf.cache import CompressedKVCache, CompressedLayer, cache_kwargs, hook_cache
 from criticalkv.hf.loading import check_supported
+from criticalkv.hf.queries import window_queries
+from criticalkv.hf.reconstruct import reconstruction_scores
 from criticalkv.methods.expected_attention import rotation_tables
+from criticalkv.methods.kvzip import ReconstructionPrompt
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.selection import LayerSelection, select_layer, select_model
@@ -39,24 +43,7 @@ class PrefillResult:
     kv_bytes_full: int
     kv_bytes_kept: int
     window_queries: list[torch.Tensor] = field(default_factory=list)
-
-
-def window_queries(module, hidden_states: torch.Tensor, position_embeddings, w: int) -> torch.Tensor:
-    """Post-RoPE queries [B, H, w, d_h] of the last w positions, recomputed from the attention input.
-
-    Llama, Mistral, Qwen2 and Qwen3 share Llama's ``apply_rotary_pos_emb``; Qwen3 first normalises every query head
-    (``q_norm``, an RMSNorm over d_h) as its attention does, before RoPE.
-    """
-    batch = hidden_states.shape[0]
-    head_dim = module.head_dim
-    q = module.q_proj(hidden_states[:, -w:]).view(batch, w, -1, head_dim)
-    q_norm = getattr(module, "q_norm", None)
-    if q_norm is not None:
-        q = q_norm(q)
-    q = q.transpose(1, 2)
-    cos, sin = position_embeddings
-    q, _ = apply_rotary_pos_emb(q, q, cos[:, -w:], sin[:, -w:])
-    return q
+    reconstruction_s: float = 0.0  # kvzip: the context reconstruction that scored the entries (not in prefill_s)
 
 
 def hooked_prefill(model, make_hook, input_ids, attention_mask, position_ids):
@@ -108,11 +95,14 @@ def prefill_and_compress(
     attention_mask: torch.Tensor | None = None,
     tail_capacity: int = 0,
     keep_window_queries: bool = False,
+    reconstruction: ReconstructionPrompt | None = None,
 ) -> PrefillResult:
     """Run the prompt through ``model`` and return its compressed cache and last-token logits.
 
     input_ids [B, n] (left-padded with ``attention_mask`` [B, n] when lengths differ). Decoding then
     continues at absolute position ``prompt_lengths[b] + t`` (see ``criticalkv.hf.generate``).
+    reconstruction : kvzip's repeat prompt (``criticalkv.hf.reconstruct.reconstruction_prompt``: default the model's
+        tokenizer's); a kvzip policy scores one prompt at a time (B = 1)
     """
     check_supported(model.config)
     lengths = validate_prompt(input_ids, attention_mask)
@@ -131,6 +121,10 @@ def prefill_and_compress(
     model_level = policy.method.base.model_level and num_layers > 1
     rotation = model_rotation(model, policy)
     pending: list = []  # model-level methods: every layer's (queries, keys, values, o_proj) until the last layer
+    reconstructs = policy.method.base.external_scores and policy.method.base.evicts
+    if reconstructs and batch != 1:
+        raise ValueError(f"{policy.name} re-reads each context alone: give one prompt (batch 1), got {batch}")
+    held: dict = {}  # reconstructs: the prefill's cache, kept whole until the context has been re-read
 
     def compress_pending():
         """Select over every layer at once (the budget shared across layers), then free the full K/V."""
@@ -153,6 +147,11 @@ def prefill_and_compress(
             full_bytes += 2 * valid * keys.shape[1] * keys.shape[3] * keys.element_size()
             if keep_window_queries:
                 queries_kept.append(q)
+            if reconstructs:  # scored after the forward (the reconstruction reads every layer's full cache)
+                held["cache"] = hook_cache(kwargs)
+                pending.append((q, keys, values, module.o_proj.weight, idx, cache_layer))
+                selection_s += time.perf_counter() - start
+                return
             if model_level:  # the full K/V of every layer stays until the last layer's (as during any prefill)
                 pending.append((q, keys, values, module.o_proj.weight, idx, cache_layer))
                 if idx == num_layers - 1:
@@ -174,6 +173,20 @@ def prefill_and_compress(
     start = time.perf_counter()
     out = hooked_prefill(model, make_hook, input_ids, attention_mask, position_ids)
     prefill_s = time.perf_counter() - start
+    reconstruction_s = 0.0
+    if reconstructs:
+        start = time.perf_counter()
+        scores = reconstruction_scores(model, held["cache"], input_ids[0].tolist(), policy, reconstruction)
+        reconstruction_s = time.perf_counter() - start
+        start = time.perf_counter()
+        # one selection over every layer (the model's budget, layer-kvzip) or layer by layer
+        sels = select_model(policy, [entry[:4] for entry in pending], lengths, rotation=rotation, scores=scores)
+        for (q, keys, values, o, idx, cache_layer), sel in zip(pending, sels):
+            compressed[idx] = CompressedLayer.from_selection(keys, values, sel, tail_capacity)
+            selections[idx] = sel
+            cache_layer.keys = cache_layer.values = keys.new_zeros(0)
+        pending.clear()
+        selection_s += time.perf_counter() - start
     cache = CompressedKVCache(compressed, seen_tokens=n)
     prompt_lengths = torch.full((batch,), n) if lengths is None else lengths.cpu()
     return PrefillResult(
@@ -186,4 +199,5 @@ def prefill_and_compress(
         kv_bytes_full=full_bytes,
         kv_bytes_kept=cache.kv_nbytes(),
         window_queries=queries_kept,
+        reconstruction_s=reconstruction_s,
     )

@@ -10,6 +10,7 @@ import torch
 
 from criticalkv.hf.cache import cache_kwargs, packed_decoding
 from criticalkv.hf.compress import PrefillResult, prefill_and_compress
+from criticalkv.methods.kvzip import ReconstructionPrompt
 from criticalkv.policy import KVPolicy
 from criticalkv.request import SamplingParams
 from criticalkv.sampling import Sampler, decode_loop
@@ -64,6 +65,7 @@ def generate(
     sampling: SamplingParams | None = None,
     on_tokens: Callable[[np.ndarray], None] | None = None,
     question_ids: torch.Tensor | None = None,
+    reconstruction: ReconstructionPrompt | None = None,
 ) -> GenerationOutput:
     """Prefill, compress the cache with ``policy``, then decode up to ``max_new_tokens`` tokens.
 
@@ -75,6 +77,8 @@ def generate(
     selection's window is the context's last tokens, as the serving context cache does), then run the question
     through the compressed cache (``extend_cache``) and answer it: the first token comes from the question's last
     logits and decoding continues at ``len_b + q + t``.
+
+    reconstruction : kvzip's repeat prompt (``prefill_and_compress``; default: from the model's tokenizer)
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
@@ -85,7 +89,8 @@ def generate(
                              f"got shape {tuple(question_ids.shape)}")
         q = question_ids.shape[1]
     sampler = Sampler(sampling)
-    pre = prefill_and_compress(model, input_ids, policy, attention_mask, tail_capacity=q + max_new_tokens)
+    pre = prefill_and_compress(model, input_ids, policy, attention_mask, tail_capacity=q + max_new_tokens,
+                               reconstruction=reconstruction)
     batch = input_ids.shape[0]
     positions = pre.prompt_lengths.to(input_ids.device)
     logits = pre.logits

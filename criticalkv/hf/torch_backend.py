@@ -58,6 +58,13 @@ from criticalkv.selection.op import select_layer_kv
 
 #: The manifest section a torch engine directory carries instead of ``onnx``.
 MANIFEST_KEY = "torch"
+#: Why a torch engine has no kvzip policy and no separate context policy (``build_engine --backend torch`` refuses a
+#: kvzip policy and builds no context policy).
+KVZIP_REFUSAL = ("the torch backend has no context reconstruction (kvzip re-reads the context through the model: the "
+                 "PyTorch path's criticalkv.hf.reconstruct is not wired into it yet) and no separate context policy: "
+                 "build the engine with --backend onnx for kvzip, or another --kv-policy")
+
+
 #: Checkpoint files whose size (and, for config.json, sha256) a torch engine records: a changed checkpoint is refused.
 CHECKPOINT_PATTERNS = ("config.json", "*.safetensors", "*.bin")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -131,6 +138,9 @@ class TorchPrefillBuffer(PrefillBuffer):
 
 class TorchBackend(BuiltShapes):
     """Runs an engine directory with the model's own layers (module docstring)."""
+
+    #: no separate context policy (KVZIP_REFUSAL): an engine built with one selects contexts with its own policy here
+    context_policies = False
 
     name = "torch"
     accepts_kv_budget = True
@@ -494,8 +504,11 @@ class TorchBackend(BuiltShapes):
                             [self.length_block[i, view] for i in range(self.num_layers)], self._row_max[row],
                             token_ids, positions, self.equal_heads)
 
-    def new_prefill_buffer(self, num_tokens: int | None = None) -> TorchPrefillBuffer:
-        """Device buffers for one prompt of ``num_tokens`` tokens (default max_input_len) prefilled in chunks."""
+    def new_prefill_buffer(self, num_tokens: int | None = None, spare: int = 0) -> TorchPrefillBuffer:
+        """Device buffers for one prompt of ``num_tokens`` tokens (default max_input_len) prefilled in chunks. No
+        ``spare`` room: the torch backend has no context reconstruction (``KVZIP_REFUSAL``)."""
+        if spare:
+            raise EngineError(KVZIP_REFUSAL)
         shape = (1, self.kv_heads, prefill_buffer_capacity(num_tokens, self.max_input_len), self.head_dim)
         options = dict(dtype=self.dtype, device=self.device)
         return TorchPrefillBuffer(
@@ -518,9 +531,13 @@ class TorchBackend(BuiltShapes):
         return [torch.cat([a, b], dim=2)[:, :, -window:] for a, b in zip(old, new)]
 
     @torch.no_grad()
-    def select(self, buffer: PrefillBuffer, window_queries: list, kv_budget: int | None = None) -> PrefillOutputs:
+    def select(self, buffer: PrefillBuffer, window_queries: list, kv_budget: int | None = None,
+               scores: list | None = None, context: bool = False) -> PrefillOutputs:
         """The selection over the prompt in ``buffer`` (per layer its last min(window, n) queries [1, H, w, d_h]):
-        the outputs of ``prefill`` for ``load_row`` (no logits: the last chunk's extend gave them)."""
+        the outputs of ``prefill`` for ``load_row`` (no logits: the last chunk's extend gave them). No ``scores`` and
+        no separate ``context`` policy (``KVZIP_REFUSAL``): a torch engine selects contexts with its own policy."""
+        if scores is not None or context:
+            raise EngineError(KVZIP_REFUSAL)
         if not isinstance(buffer, TorchPrefillBuffer):
             raise EngineError("select: not a prefill buffer of the torch backend (new_prefill_buffer)")
         n = buffer.tokens

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from criticalkv.methods import adakv, defensivekv, expected_attention, full, laprox, pyramidkv, snapkv, streamingllm
+from criticalkv.methods import adakv, defensivekv, expected_attention, full, kvzip, laprox, pyramidkv, snapkv, streamingllm
 from criticalkv.methods.base import Allocation, BaseMethod, GroupScoreInputs
 from criticalkv.methods.two_stage import TWO_STAGE, TwoStage
 
@@ -26,7 +26,8 @@ from criticalkv.methods.two_stage import TWO_STAGE, TwoStage
 BASE_METHODS: dict[str, BaseMethod] = {
     m.name: m
     for m in (full.METHOD, streamingllm.METHOD, snapkv.METHOD, pyramidkv.METHOD, adakv.METHOD, laprox.METHOD,
-              defensivekv.METHOD, defensivekv.LAYER_METHOD, expected_attention.METHOD)
+              defensivekv.METHOD, defensivekv.LAYER_METHOD, expected_attention.METHOD, kvzip.METHOD,
+              kvzip.LAYER_METHOD)
 }
 
 
@@ -69,6 +70,9 @@ METHODS: dict[str, Method] = {
         _compose("ada-criticalkv", "adakv", True, "adakv budgets + CriticalKV two-stage selection inside each head's share"),
         _compose("expected-criticalkv", "expected-attention", True,
                  "CriticalKV's two stages on the expected attention (question-agnostic): alpha by it, the rest by it × ‖V W_O‖"),
+        _compose("kvzip-criticalkv", "kvzip", True,
+                 "CriticalKV's two stages on the context-reconstruction score (question-agnostic), inside adakv's "
+                 "shares: alpha by it, the rest by it × ‖V W_O‖"),
     )
 }
 

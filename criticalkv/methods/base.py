@@ -79,6 +79,9 @@ class BaseMethod:
     pools : whether its attention is max-pooled over positions (``pool_kernel``) before it ranks
     needs_rotation : whether it reads RoPE's rotation tables (``expected_attention.rotation_tables``): the drivers then
         take them (``select_layer(rotation=...)``, the selection node's input ``rotation``)
+    external_scores : whether it ranks by a per-entry score computed outside the layer's selection (``kvzip``: the
+        attention of a context reconstruction through the whole model): the drivers then take it
+        (``select_layer(scores=...)``, the selection node's input ``scores``; none given: ``attention_rows``)
     """
 
     name: str = ""
@@ -97,6 +100,7 @@ class BaseMethod:
     score_knobs: tuple[str, ...] = ("pool_kernel",)
     pools: bool = True
     needs_rotation: bool = False
+    external_scores: bool = False
     #: names of the per-token scores ``group_scores`` adds (besides "attention", which every scored method has)
     score_names: tuple[str, ...] = ()
 

@@ -47,6 +47,7 @@ class ExtendOutputs:
 
     logits: Any
     window_queries: list[Any]
+    scores: list[Any] | None = None  # the reconstruct graph's: per layer [B, H_kv, P] KVzip scores of the past entries
 
 
 @dataclass
@@ -177,9 +178,11 @@ class Backend(Protocol):
     def extend_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         """``extend_row`` over a prefill buffer: the prompt's next N tokens."""
 
-    def select(self, buffer: PrefillBuffer, window_queries: list, kv_budget: int | None = None) -> PrefillOutputs:
+    def select(self, buffer: PrefillBuffer, window_queries: list, kv_budget: int | None = None,
+               scores: list | None = None, context: bool = False) -> PrefillOutputs:
         """The selection over the prompt in ``buffer`` (per layer its last min(window, n) queries [1, H, w, d_h]),
-        the outputs of ``prefill`` for ``load_row`` (no logits: the last chunk's extend gave them)."""
+        the outputs of ``prefill`` for ``load_row`` (no logits: the last chunk's extend gave them). ``scores``: per layer
+        [1, H_kv, n], a kvzip policy's reconstruction scores; ``context``: with the engine's context policy."""
 
     def kv_buffer_bytes(self) -> int:
         """Bytes of the K and V buffers (all max_batch rows)."""

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from criticalkv.errors import EngineError, RequestError
+from criticalkv.methods.kvzip import ReconstructionPrompt, reconstruction_chunks
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.request import CheckedRequest, EngineLimits, Request, SamplingParams
@@ -32,6 +33,11 @@ from criticalkv.runtime.manifest import default_backend, read_manifest
 from criticalkv.runtime.profiling import selection_profile
 from criticalkv.runtime.registry import create_backend
 from criticalkv.sampling import Sampler, decode_loop
+
+
+def reconstructs(policy: KVPolicy | None) -> bool:
+    """Whether ``policy`` ranks by a context reconstruction (kvzip): its prompts are re-read before they are selected."""
+    return policy is not None and policy.method.base.external_scores and policy.method.base.evicts
 
 
 @dataclass
@@ -79,6 +85,11 @@ class PrefillResult:
     kv_bytes_kept: int
     kv_bytes_full: int
     seconds: float
+    #: per layer [H_kv] int32 kept lengths and [H_kv, cap_l] int32 kept positions (-1 padded) of the selection
+    kept_lengths: list = field(default_factory=list, repr=False)
+    kept_indices: list = field(default_factory=list, repr=False)
+    #: the context reconstruction that scored the entries (kvzip), seconds (included in ``seconds``)
+    reconstruction_s: float = 0.0
 
 
 @dataclass
@@ -107,6 +118,8 @@ class PrefillJob:
     queries: list | None = None  # per layer the last window queries seen so far [1, H, <= w, d_h]
     logits: np.ndarray | None = None  # [vocab] of the last token prefilled
     seconds: float = 0.0
+    context: bool = False  # a context for the context cache: selected with the engine's context policy
+    policy: KVPolicy | None = None  # the policy that selects it (``Engine.policy_for``)
 
     @property
     def remaining(self) -> int:
@@ -151,6 +164,17 @@ class Engine:
         self.selection_capacities = list(manifest["shapes"]["prefill_capacity"])
         #: most tokens one run of the extend graph takes (``extend``, ``prefill_step`` split longer inputs)
         self.extend_chunk = int(build.get("extend_chunk", 256))
+        #: the policy the serving context cache compresses contexts with, when the engine has one besides its own
+        #: (``select_context.onnx``), its per-layer selection capacities, and KVzip's repeat prompt (token ids) for a
+        #: policy that re-reads contexts (kvzip: ``reconstruct.onnx``)
+        self.context_policy = KVPolicy.from_dict(manifest["context_policy"]) if manifest.get("context_policy") else None
+        if self.context_policy is not None and not getattr(backend, "context_policies", True):
+            # the TensorRT and torch backends have no context-policy selection (their KVZIP_REFUSAL says why):
+            # contexts are selected with the engine's own policy there
+            self.context_policy = None
+        self.context_capacities = list(manifest["shapes"].get("context_capacity", self.selection_capacities))
+        self.reconstruction = (ReconstructionPrompt.from_dict(manifest["reconstruction"])
+                               if manifest.get("reconstruction") else None)
         self._slots: dict[int, _Slot] = {}
         self._rows: list[int] = []  # rows[r] = the slot whose entries row r holds; rows 0..B-1 are occupied
 
@@ -215,10 +239,17 @@ class Engine:
         """The token ids that end ``request``: the model's EOS ids (unless ignore_eos) and its stop_token_ids."""
         return request.sampling.stop_ids(self.eos_token_ids)
 
-    def kv_bytes_bound(self, num_prompt_tokens: int, max_tokens: int) -> int:
+    def policy_for(self, context: bool = False) -> KVPolicy:
+        """The policy that selects a prompt (``context`` False) or a context of the context cache: the engine's
+        context policy when it has one, else its own."""
+        return self.context_policy if context and self.context_policy is not None else self.policy
+
+    def kv_bytes_bound(self, num_prompt_tokens: int, max_tokens: int, context: bool = False) -> int:
         """Most KV bytes a request can hold: its prompt's kept entries at most (min(n, the layer's selection
-        capacity) per head) plus ``max_tokens`` new entries per head and layer. Known before its prefill."""
-        kept = sum(min(num_prompt_tokens, cap) for cap in self.selection_capacities)
+        capacity) per head) plus ``max_tokens`` new entries per head and layer. Known before its prefill.
+        ``context``: the prompt is a context, selected by ``policy_for(context=True)``."""
+        capacities = self.context_capacities if context and self.context_policy is not None else self.selection_capacities
+        kept = sum(min(num_prompt_tokens, cap) for cap in capacities)
         return (kept + self.spec["num_layers"] * max_tokens) * self.spec["num_kv_heads"] * self.entry_bytes
 
     def kv_bytes_full(self, num_tokens: int) -> int:
@@ -241,11 +272,23 @@ class Engine:
             raise EngineError(f"slot {slot!r} holds no sequence (prefill it first)")
         return state
 
-    def prefill(self, slot: int, request: Request) -> PrefillResult:
+    def _through_select(self, context: bool) -> bool:
+        """Whether a prompt (or a context) is selected by the select graph after extend chunks, not inside the prefill
+        graph: for the context policy's select graph, and for a policy that re-reads the prompt (kvzip)."""
+        return (context and self.context_policy is not None) or reconstructs(self.policy_for(context))
+
+    def prefill(self, slot: int, request: Request, context: bool = False) -> PrefillResult:
         """Run ``request``'s prompt alone (batch 1, its selection at its ``kv_budget``) and load the kept K/V
-        into the free ``slot``; the slot then decodes from position n (the prompt length)."""
+        into the free ``slot``; the slot then decodes from position n (the prompt length). ``context``: the prompt is
+        a context of the context cache, selected with ``policy_for(context=True)`` (question-agnostic). A policy that
+        re-reads the prompt (kvzip) prefills it through the extend graph, then reconstructs and selects it
+        (``begin_prefill`` ... ``finish_prefill``, in one call)."""
         self._free_slot(slot)
         request = self.check(request)
+        if self._through_select(context):
+            job = self.begin_prefill(request, context=context)
+            self.prefill_step(job, job.remaining)
+            return self.finish_prefill(job, slot)
         ids = np.asarray(request.prompt_token_ids, dtype=np.int64)[None, :]
         n = ids.shape[1]
         pre = self.backend.prefill(ids, np.ones_like(ids), np.arange(n, dtype=np.int64)[None, :],
@@ -259,7 +302,8 @@ class Engine:
         return PrefillResult(
             logits=np.array(pre.logits[0], dtype=np.float32), num_prompt_tokens=n, kept_entries=kept,
             kv_bytes_kept=kept * self.entry_bytes,
-            kv_bytes_full=n * spec["num_kv_heads"] * spec["num_layers"] * self.entry_bytes, seconds=pre.seconds)
+            kv_bytes_full=n * spec["num_kv_heads"] * spec["num_layers"] * self.entry_bytes, seconds=pre.seconds,
+            kept_lengths=[np.asarray(x[0]) for x in pre.lengths], kept_indices=[np.asarray(x[0]) for x in pre.indices])
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One decode step: ``tokens[i]`` is fed to ``slots[i]`` at that slot's next position. ``slots`` are all
@@ -325,11 +369,22 @@ class Engine:
         return np.array(logits[0], dtype=np.float32)
 
     # ------------------------------------------------------------------ chunked prefill
-    def begin_prefill(self, request: Request) -> PrefillJob:
+    def begin_prefill(self, request: Request, context: bool = False) -> PrefillJob:
         """Start prefilling ``request``'s prompt in chunks (``prefill_step``) into a new prefill buffer of the prompt's
-        length; no slot is taken until ``finish_prefill``. The buffer holds the prompt's full K/V (``PrefillJob.nbytes``)."""
+        length; no slot is taken until ``finish_prefill``. The buffer holds the prompt's full K/V (``PrefillJob.nbytes``),
+        and room for a chunk of the context reconstruction of a policy that re-reads the prompt (kvzip).
+        ``context``: a context of the context cache (``prefill``)."""
         request = self.check(request)
-        return PrefillJob(request=request, buffer=self.backend.new_prefill_buffer(request.num_prompt_tokens))
+        policy = self.policy_for(context)
+        spare = 0
+        if reconstructs(policy):
+            if self.reconstruction is None:
+                raise EngineError(f"{self.folder}: {policy.name} re-reads the context, but the engine has no "
+                                  "reconstruction prompt (built before kvzip existed): rebuild it")
+            spare = self.reconstruction.max_tokens(min(policy.kvzip_chunk, request.num_prompt_tokens))
+        buffer = self.backend.new_prefill_buffer(request.num_prompt_tokens, spare) if spare else \
+            self.backend.new_prefill_buffer(request.num_prompt_tokens)
+        return PrefillJob(request=request, buffer=buffer, context=context, policy=policy)
 
     def prefill_step(self, job: PrefillJob, max_tokens: int) -> bool:
         """Prefill the next ``max_tokens`` prompt tokens of ``job`` (at most; fewer at the end); True when the
@@ -369,7 +424,17 @@ class Engine:
             raise EngineError(f"finish_prefill: {job.remaining} prompt tokens are not prefilled yet")
         self._free_slot(slot)
         start = time.perf_counter()
-        selected = self.backend.select(job.buffer, job.queries, kv_budget=job.request.budget)
+        policy = job.policy or self.policy
+        scores = self._reconstruct(job) if reconstructs(policy) else None
+        reconstruction_s = time.perf_counter() - start
+        # a context policy may keep sinks beside the window: its own smallest budget
+        budget = max(job.request.budget, policy.min_budget)
+        options = {}
+        if scores is not None:
+            options["scores"] = scores
+        if job.context and self.context_policy is not None:
+            options["context"] = True
+        selected = self.backend.select(job.buffer, job.queries, kv_budget=budget, **options)
         row = len(self._rows)
         self.backend.load_row(row, selected, 0)
         self._rows.append(slot)
@@ -381,7 +446,34 @@ class Engine:
         return PrefillResult(
             logits=job.logits, num_prompt_tokens=n, kept_entries=kept, kv_bytes_kept=kept * self.entry_bytes,
             kv_bytes_full=n * spec["num_kv_heads"] * spec["num_layers"] * self.entry_bytes,
-            seconds=job.seconds + time.perf_counter() - start)
+            seconds=job.seconds + time.perf_counter() - start,
+            kept_lengths=[np.asarray(x[0]) for x in selected.lengths],
+            kept_indices=[np.asarray(x[0]) for x in selected.indices], reconstruction_s=reconstruction_s)
+
+    def _reconstruct(self, job: PrefillJob) -> list[np.ndarray]:
+        """KVzip's scores of ``job``'s whole prompt, per layer [1, H_kv, n] float32: every chunk of the context
+        reconstruction (``criticalkv.methods.kvzip.reconstruction_chunks``: the repeat prompt, then the chunk's own
+        tokens) runs through the reconstruct graph over the prompt's full K/V at positions n, n + 1, ... (in runs of
+        at most ``extend_chunk`` tokens; an entry's score is its largest over the runs), then the chunk's entries are
+        dropped from the buffer again."""
+        policy = job.policy or self.policy
+        ids = job.request.prompt_token_ids
+        n = len(ids)
+        kv_heads = self.spec["num_kv_heads"]
+        scores = [np.zeros((1, kv_heads, n), np.float32) for _ in range(self.spec["num_layers"])]
+        for chunk in reconstruction_chunks(ids, policy.kvzip_chunk, policy.sink_tokens, self.reconstruction):
+            score_range = np.array([chunk.sinks, chunk.start, chunk.end, n], np.int64)
+            tokens = np.asarray(chunk.input_ids, dtype=np.int64)
+            for at in range(0, tokens.size, self.extend_chunk):
+                part = tokens[at:at + self.extend_chunk]
+                positions = n + at + np.arange(part.size, dtype=np.int64)
+                out = self.backend.reconstruct_buffer(job.buffer, part[None, :], positions[None, :], score_range)
+                for layer, got in zip(scores, out.scores):
+                    np.maximum(layer[:, :, chunk.start:chunk.end], got[:, :, chunk.start:chunk.end],
+                               out=layer[:, :, chunk.start:chunk.end])
+            for lengths in job.buffer.lengths:  # the chunk's entries go: the buffer holds the context again
+                lengths[...] = n
+        return scores
 
     def release(self, slot: int) -> None:
         """Free ``slot`` at once; the last occupied row moves into its row (the decode batch stays rows 0..B-1)."""
@@ -466,6 +558,8 @@ class Engine:
         if questions is not None:
             return self._generate_questions(prompts, questions, sampling, stop_token_ids, on_tokens, kv_budget)
         ids, mask, requests = self._batch(prompts, attention_mask, sampling, kv_budget)
+        if reconstructs(self.policy):  # each prompt re-read alone (kvzip): prefilled into its own slot
+            return self._generate_slots(requests, sampling, stop_token_ids, on_tokens)
         budget = requests[0].budget
         lengths = mask.sum(1)
         sampler = Sampler(sampling)
@@ -500,7 +594,8 @@ class Engine:
 
     def _generate_questions(self, contexts, questions, sampling, stop_token_ids, on_tokens, kv_budget) -> GenerationResult:
         """``generate`` with a question after each compressed context: every context is prefilled alone into a slot
-        (its selection without the question), the question runs through the extend graph, then the slots decode."""
+        (its selection without the question, with the engine's context policy as the context cache does), the question
+        runs through the extend graph, then the slots decode."""
         contexts, questions = [list(c) for c in contexts], [list(q) for q in questions]
         if len(contexts) != len(questions) or not contexts:
             raise EngineError(f"questions: {len(questions)} questions for {len(contexts)} contexts")
@@ -515,7 +610,7 @@ class Engine:
                 if not question:
                     raise RequestError("a question in the batch is empty")
                 start = time.perf_counter()
-                result = self.prefill(slot, Request(context, sampling, kv_budget))
+                result = self.prefill(slot, Request(context, sampling, kv_budget), context=True)
                 first_logits.append(self.extend(slot, question))
                 prefill_s += time.perf_counter() - start
                 full, kept = full + result.kv_bytes_full, kept + result.kv_bytes_kept
@@ -528,6 +623,34 @@ class Engine:
         return GenerationResult(
             tokens=generated.tokens, prompt_lengths=[len(c) for c in contexts], prefill_s=prefill_s, selection_s=None,
             decode_s_per_token=decode_s / steps if steps else 0.0, kv_bytes_full=full, kv_bytes_kept=kept)
+
+    def _generate_slots(self, requests: list[Request], sampling, stop_token_ids, on_tokens) -> GenerationResult:
+        """``generate`` for a policy that re-reads each prompt (kvzip): every prompt is prefilled alone into a slot
+        (its reconstruction and selection), then the slots decode together."""
+        sampler = Sampler(sampling)
+        slots = list(range(len(requests)))
+        results = []
+        try:
+            for slot, request in zip(slots, requests):
+                results.append(self.prefill(slot, request))
+            first = sampler(np.stack([r.logits for r in results]))
+            generated, steps, decode_s = decode_loop(
+                lambda tokens, t: self.decode(slots, tokens), first, sampling.max_tokens,
+                self.eos_token_ids if stop_token_ids is None else stop_token_ids, sampler, on_tokens)
+        finally:
+            self.release_all()
+        kept_lengths, kept_indices = [], []
+        for layer in range(self.spec["num_layers"]):
+            width = max(r.kept_indices[layer].shape[-1] for r in results)
+            kept_lengths.append(np.stack([r.kept_lengths[layer] for r in results]))
+            kept_indices.append(np.stack([np.pad(r.kept_indices[layer], ((0, 0), (0, width - r.kept_indices[layer].shape[-1])),
+                                                 constant_values=-1) for r in results]))
+        return GenerationResult(
+            tokens=generated.tokens, prompt_lengths=[r.num_prompt_tokens for r in results],
+            prefill_s=sum(r.seconds for r in results), selection_s=None,
+            decode_s_per_token=decode_s / steps if steps else 0.0,
+            kv_bytes_full=sum(r.kv_bytes_full for r in results), kv_bytes_kept=sum(r.kv_bytes_kept for r in results),
+            kept_lengths=kept_lengths, kept_indices=kept_indices)
 
     def close(self) -> None:
         self.backend.close()

@@ -156,7 +156,7 @@ class OnnxRuntimeBackend(BuiltShapes):
         self._weight_values = {}
         if self.shared_weights:  # one memory-mapped copy of the weights for the sessions that share it
             arrays = {}
-            for graph in ("decode", "prefill", "extend", "select"):
+            for graph in ("decode", "prefill", "extend", "select", "select_context", "reconstruct"):
                 if graph in files:
                     arrays.update(_external_weights(self.folder / files[graph]))
             self._weight_values = {name: ort.OrtValue.ortvalue_from_numpy(np.asarray(a)) for name, a in arrays.items()}
@@ -178,6 +178,11 @@ class OnnxRuntimeBackend(BuiltShapes):
                                      if fused_prompt and self.extend_session is not None else None)
         self.select_session = self.session(self.folder / files["select"], threads) if "select" in files else None
         self.has_extend = self.extend_session is not None and self.select_session is not None
+        # the context policy's select graph and KVzip's reconstruct graph (engines whose policies need them)
+        self.select_context_session = (self.session(self.folder / files["select_context"], threads)
+                                       if "select_context" in files else None)
+        self.reconstruct_session = (self.session(self.folder / files["reconstruct"], threads)
+                                    if "reconstruct" in files else None)
         self._allocate()
         budget_inputs = [i for i in self.prefill_session.get_inputs() if i.name == "kv_budget"]
         self._budget_input = budget_inputs[0] if budget_inputs else None
@@ -470,11 +475,18 @@ class OnnxRuntimeBackend(BuiltShapes):
         return dict(zip(outputs, binding.copy_outputs_to_cpu()))
 
     def extend(self, keys: list[np.ndarray], values: list[np.ndarray], lengths: list[np.ndarray],
-               token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
+               token_ids: np.ndarray, positions: np.ndarray, score_range: np.ndarray | None = None) -> ExtendOutputs:
         """N tokens per sequence over the buffers ``keys``/``values`` [B, H_kv, cap_l, d_h] and ``lengths``
         [B, H_kv] (views, updated in place: the new entries land at each head's length, which grows by N).
-        token_ids, positions: [B, N] int64 (absolute positions)."""
-        if self.extend_session is None:
+        token_ids, positions: [B, N] int64 (absolute positions). ``score_range`` [4] int64: run the reconstruct graph
+        instead (KVzip's scores of the past entries in ``ExtendOutputs.scores``)."""
+        session = self.extend_session
+        if score_range is not None:
+            session = self.reconstruct_session
+            if session is None:
+                raise EngineError(f"{self.folder}: this engine has no reconstruct graph (its policies do not re-read "
+                                  "contexts); rebuild it with a kvzip policy or context policy")
+        if session is None:
             raise EngineError(f"{self.folder}: this engine has no extend graph; rebuild it with scripts/build_engine.py")
         token_ids = np.ascontiguousarray(token_ids, dtype=np.int64)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
@@ -487,12 +499,16 @@ class OnnxRuntimeBackend(BuiltShapes):
             return self._extend_fused(keys, values, lengths, token_ids, positions)
         inputs = {"input_ids": token_ids, "position_ids": positions}
         names = ["logits"]
+        if score_range is not None:
+            inputs["score_range"] = np.ascontiguousarray(score_range, dtype=np.int64)
         for i in range(self.num_layers):
             inputs[f"past_key_values.{i}.key"] = keys[i]
             inputs[f"past_key_values.{i}.value"] = values[i]
             inputs[f"past_key_values.{i}.lengths"] = lengths[i]
             names += [f"present.{i}.key", f"present.{i}.value", f"present.{i}.window_queries"]
-        out = self._run_bound(self.extend_session, inputs, names)
+            if score_range is not None:
+                names.append(f"present.{i}.scores")
+        out = self._run_bound(session, inputs, names)
         batch, heads = lengths[0].shape
         for i in range(self.num_layers):
             new_k, new_v = out[f"present.{i}.key"], out[f"present.{i}.value"]
@@ -503,7 +519,9 @@ class OnnxRuntimeBackend(BuiltShapes):
                     values[i][b, g, at:at + n_new] = new_v[b, g]
             lengths[i] += n_new
         return ExtendOutputs(logits=out["logits"], window_queries=[out[f"present.{i}.window_queries"]
-                                                                   for i in range(self.num_layers)])
+                                                                   for i in range(self.num_layers)],
+                             scores=None if score_range is None else [out[f"present.{i}.scores"]
+                                                                      for i in range(self.num_layers)])
 
     def _fused_extend_fits(self, keys: list[np.ndarray], values: list[np.ndarray], lengths: list[np.ndarray]) -> bool:
         """Whether extend_ort.onnx can run this extend: the engine runs the fused prompt graphs, one sequence, every
@@ -555,10 +573,11 @@ class OnnxRuntimeBackend(BuiltShapes):
             self.values[i][view, :, :n] = values[i][:, :, :n]
         return out
 
-    def new_prefill_buffer(self, num_tokens: int | None = None) -> PrefillBuffer:
+    def new_prefill_buffer(self, num_tokens: int | None = None, spare: int = 0) -> PrefillBuffer:
         """Buffers for one prompt of ``num_tokens`` tokens prefilled in chunks: every layer's K/V for that many
-        entries per head (default max_input_len, the longest prompt)."""
-        shape = (1, self.kv_heads, prefill_buffer_capacity(num_tokens, self.max_input_len), self.head_dim)
+        entries per head (default max_input_len, the longest prompt), + ``spare`` (the tokens a context
+        reconstruction appends for a while: ``reconstruct_buffer``)."""
+        shape = (1, self.kv_heads, prefill_buffer_capacity(num_tokens, self.max_input_len) + spare, self.head_dim)
         return PrefillBuffer(keys=[np.zeros(shape, np.float32) for _ in range(self.num_layers)],
                              values=[np.zeros(shape, np.float32) for _ in range(self.num_layers)],
                              lengths=[np.zeros((1, self.kv_heads), np.int32) for _ in range(self.num_layers)])
@@ -566,22 +585,39 @@ class OnnxRuntimeBackend(BuiltShapes):
     def extend_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         return self.extend(buffer.keys, buffer.values, buffer.lengths, token_ids, positions)
 
-    def select(self, buffer: PrefillBuffer, window_queries: list[np.ndarray], kv_budget: int | None = None) -> PrefillOutputs:
+    def reconstruct_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray,
+                           score_range: np.ndarray) -> ExtendOutputs:
+        """``extend_buffer`` through the reconstruct graph: the new tokens (a chunk of KVzip's context reconstruction)
+        join the buffer and ``ExtendOutputs.scores`` holds per layer [1, H_kv, P] every past entry's KVzip score over
+        them (``score_range`` = (sinks, start, end, n), ``criticalkv.export.llama.DecoderGraphBuilder.extend``). The
+        caller cuts the buffer back to the context afterwards (``buffer.lengths``)."""
+        return self.extend(buffer.keys, buffer.values, buffer.lengths, token_ids, positions, score_range)
+
+    def select(self, buffer: PrefillBuffer, window_queries: list[np.ndarray], kv_budget: int | None = None,
+               scores: list[np.ndarray] | None = None, context: bool = False) -> PrefillOutputs:
         """The selection over a prompt prefilled into ``buffer`` (its last ``window`` queries per layer
-        [1, H, w, d_h]): the same outputs as ``prefill``'s, for ``load_row``."""
-        if self.select_session is None:
-            raise EngineError(f"{self.folder}: this engine has no select graph; rebuild it with scripts/build_engine.py")
+        [1, H, w, d_h]): the same outputs as ``prefill``'s, for ``load_row``. ``scores``: per layer [1, H_kv, n], the
+        external scores of a policy that reads them (kvzip's reconstruction; None: none given). ``context``: with the
+        engine's context policy (``select_context.onnx``) instead of its own."""
+        session = self.select_context_session if context else self.select_session
+        if session is None:
+            raise EngineError(f"{self.folder}: this engine has no {'context ' if context else ''}select graph; rebuild "
+                              "it with scripts/build_engine.py")
         budget = self.built_budget if kv_budget is None else kv_budget
         inputs = {"kv_budget": np.array([budget], np.int64)}
         names = []
+        wanted = {i.name for i in session.get_inputs()}
         for i in range(self.num_layers):
             inputs[f"window_queries.{i}"] = np.ascontiguousarray(window_queries[i], dtype=np.float32)
             inputs[f"past_key_values.{i}.key"] = buffer.keys[i]
             inputs[f"past_key_values.{i}.value"] = buffer.values[i]
             inputs[f"past_key_values.{i}.lengths"] = buffer.lengths[i]
+            if f"scores.{i}" in wanted:  # kvzip's: the reconstruction's scores, or none ([1, H_kv, 0]: its fallback)
+                layer = np.zeros((1, self.kv_heads, 0), np.float32) if scores is None else scores[i]
+                inputs[f"scores.{i}"] = np.ascontiguousarray(layer, dtype=np.float32)
             names += [f"present.{i}.{kind}" for kind in ("key", "value", "lengths", "indices")]
         start = time.perf_counter()
-        out = self._run_bound(self.select_session, inputs, names)
+        out = self._run_bound(session, inputs, names)
         layers = range(self.num_layers)
         return PrefillOutputs(
             logits=None,

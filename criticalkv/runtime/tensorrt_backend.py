@@ -170,6 +170,12 @@ def extend_outputs(num_layers: int) -> list[str]:
     return names
 
 
+#: Why the TensorRT backend compresses no context with a separate context policy or kvzip's reconstruction.
+KVZIP_REFUSAL = ("the TensorRT backend has no context-policy select engine and no context reconstruction (the plugin "
+                 "refuses kvzip: it ranks by a whole-model reconstruction pass); serve this engine on ONNX Runtime, or "
+                 "with the engine's own policy for contexts (--context-policy engine)")
+
+
 def select_inputs(window_queries, keys, values, lengths, kv_budget) -> dict[str, Any]:
     """The select engine's inputs by name (``select_tensorrt.onnx``): per layer the window queries [1, H, w, d_h],
     the prompt's keys, values [1, H_kv, n, d_h] and lengths [1, H_kv]; then kv_budget."""
@@ -196,6 +202,9 @@ class DevicePrefillBuffer(PrefillBuffer):
 
 class TensorRTBackend(BuiltShapes):
     """Runs the TensorRT engines of an engine directory on ``device``."""
+
+    #: no separate context policy (KVZIP_REFUSAL): an engine built with one selects contexts with its own policy here
+    context_policies = False
 
     name = "tensorrt"
 
@@ -532,10 +541,13 @@ class TensorRTBackend(BuiltShapes):
         return self.extend([k[view] for k in self.keys], [v[view] for v in self.values],
                            [n[view] for n in self.lengths], token_ids, positions, used=self._row_max[row])
 
-    def new_prefill_buffer(self, num_tokens: int | None = None) -> DevicePrefillBuffer:
+    def new_prefill_buffer(self, num_tokens: int | None = None, spare: int = 0) -> DevicePrefillBuffer:
         """Device buffers for one prompt of ``num_tokens`` tokens (default max_input_len) prefilled in chunks: every
         layer's K/V [1, H_kv, num_tokens, d_h] (zeros: entries beyond a head's length are masked, and a masked
-        weight times a non-finite value would still be NaN) and lengths [1, H_kv] int32."""
+        weight times a non-finite value would still be NaN) and lengths [1, H_kv] int32. No ``spare``: a context
+        reconstruction (kvzip) has no TensorRT graph."""
+        if spare:
+            raise EngineError(KVZIP_REFUSAL)
         if not self.has_extend:
             raise EngineError(f"{self.folder}: this engine has no TensorRT extend engine; rebuild it with "
                               "scripts/build_engine.py")
@@ -557,11 +569,15 @@ class TensorRTBackend(BuiltShapes):
             buffer.tokens = int(used[0])
         return out
 
-    def select(self, buffer: PrefillBuffer, window_queries: list[np.ndarray], kv_budget: int | None = None) -> PrefillOutputs:
+    def select(self, buffer: PrefillBuffer, window_queries: list[np.ndarray], kv_budget: int | None = None,
+               scores: list | None = None, context: bool = False) -> PrefillOutputs:
         """The selection over a prompt prefilled into ``buffer`` (its last ``window`` queries per layer
         [1, H, w, d_h], host arrays): the same outputs as ``prefill``'s; the kept K/V stay on the GPU for
         ``load_row``. The select engine reads the prompt's n entries per head where they lie when the buffer holds
-        exactly n (``new_prefill_buffer(n)``), else a contiguous copy of them."""
+        exactly n (``new_prefill_buffer(n)``), else a contiguous copy of them. No ``scores`` and no ``context``
+        policy: the plugin refuses kvzip, and the context policy's select graph has the ONNX Runtime flavour only."""
+        if scores is not None or context:
+            raise EngineError(KVZIP_REFUSAL)
         if not self.has_extend:
             raise EngineError(f"{self.folder}: this engine has no TensorRT select engine; rebuild it with "
                               "scripts/build_engine.py")

@@ -145,6 +145,7 @@ def select_layer(
     prompt_lengths: torch.Tensor | None = None,
     memo: ScoreMemo | None = None,
     rotation=None,
+    scores: torch.Tensor | None = None,
 ) -> LayerSelection:
     """Choose the KV entries one attention layer keeps after the prompt.
 
@@ -163,6 +164,10 @@ def select_layer(
     rotation : RoPE's rotation tables [2, >= window, d_h] (``criticalkv.methods.expected_attention.rotation_tables``
         of the model's ``inv_freq``), for a method that reads them (``expected-attention``; RoPE's default, base
         10000, when not given); ignored otherwise
+    scores : [B, H_kv, n] the per-entry score of a method that ranks by one computed outside the layer
+        (``BaseMethod.external_scores``: ``kvzip``, the largest attention of a context reconstruction,
+        ``criticalkv.hf.reconstruct``); None: the method's own fallback (kvzip: the window's max attention); ignored
+        by other methods
 
     Returns
     -------
@@ -195,7 +200,7 @@ def select_layer(
         w = min(policy.window, n)
         m = n - w
         scores = layer_scores(policy, queries[:, :, -w:], keys, values, o_proj_weight, valid_start, memo, layer_idx,
-                              rotation)
+                              rotation, scores)
         eligible = valid[:, None, :m].expand(batch, num_kv_heads, m)
         older = choose_older_tokens(policy, scores, eligible, layer_selectable_budget(policy, layer_idx, num_layers))
         window = torch.ones(batch, num_kv_heads, w, dtype=torch.bool, device=device)
@@ -210,8 +215,10 @@ def select_model(
     prompt_lengths: torch.Tensor | None = None,
     memo: ScoreMemo | None = None,
     rotation=None,
+    scores: Sequence[torch.Tensor] | None = None,
 ) -> list[LayerSelection]:
-    """``select_layer`` over every layer of a model: ``layers[l] = (queries, keys, values, o_proj_weight)``.
+    """``select_layer`` over every layer of a model: ``layers[l] = (queries, keys, values, o_proj_weight)``;
+    ``scores[l]``: layer l's external scores (``select_layer``'s ``scores``) or None.
 
     A model-level method (``layer-defensivekv``) ranks the older tokens of every layer and head together: each
     head keeps its stage-1 tokens and its floor, and the model's L * H_kv * r remaining slots go to the highest
@@ -222,10 +229,10 @@ def select_model(
     if not policy.method.base.model_level or len(layers) == 1:
         return [
             select_layer(policy, q, k, v, o, layer_idx=i, num_layers=len(layers), prompt_lengths=prompt_lengths, memo=memo,
-                         rotation=rotation)
+                         rotation=rotation, scores=None if scores is None else scores[i])
             for i, (q, k, v, o) in enumerate(layers)
         ]
-    return _select_model_level(policy, layers, prompt_lengths, memo)
+    return _select_model_level(policy, layers, prompt_lengths, memo, scores)
 
 
 def model_level_mask(policy: KVPolicy, ranking: torch.Tensor, eligible: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -237,7 +244,7 @@ def model_level_mask(policy: KVPolicy, ranking: torch.Tensor, eligible: torch.Te
 
 
 @torch.no_grad()
-def _select_model_level(policy, layers, prompt_lengths, memo) -> list[LayerSelection]:
+def _select_model_level(policy, layers, prompt_lengths, memo, external=None) -> list[LayerSelection]:
     num_layers = len(layers)
     for i, (q, k, v, o) in enumerate(layers):
         _validate(policy, q, k, v, o, i, num_layers, prompt_lengths, memo)
@@ -260,7 +267,8 @@ def _select_model_level(policy, layers, prompt_lengths, memo) -> list[LayerSelec
     r = torch.clamp(eligible[:, 0].sum(-1), max=policy.selectable_budget)  # [B]
     ranks = []
     for i, (q, k, v, o) in enumerate(layers):
-        scores = layer_scores(policy, q[:, :, -w:], k, v, o, valid_start, memo, i)
+        scores = layer_scores(policy, q[:, :, -w:], k, v, o, valid_start, memo, i,
+                              scores=None if external is None else external[i])
         ranks.append(policy.method.base.priority(policy, scores, eligible, r))
     older = model_level_mask(policy, torch.cat(ranks, dim=1), eligible.repeat(1, num_layers, 1), r)
     window = torch.ones(batch, num_kv_heads, w, dtype=torch.bool, device=device)

@@ -174,6 +174,7 @@ def layer_scores(
     memo: ScoreMemo | None = None,
     layer_idx: int = 0,
     rotation=None,
+    scores: torch.Tensor | None = None,
 ) -> LayerScores:
     """Compute the scores ``policy`` needs for the older tokens of one layer.
 
@@ -181,7 +182,9 @@ def layer_scores(
     [B, H_kv, n, d_h]. Memory peaks at O(B * G * w * n) for the window attention of one KV head's
     group and O(B * chunk * d) for the value projection. ``memo`` (with this layer's ``layer_idx``) reuses
     what an earlier call on the same prompt computed; the results are the same tensors either way. ``rotation``:
-    RoPE's rotation tables for a method that reads them (``BaseMethod.needs_rotation``).
+    RoPE's rotation tables for a method that reads them (``BaseMethod.needs_rotation``). ``scores`` [B, H_kv, n]: the
+    per-entry score of a method that ranks by one computed outside the layer (``BaseMethod.external_scores``: kvzip's
+    reconstruction attention), its "attention" (None: the method's ``attention_rows``).
     """
     method = policy.method
     batch, num_heads, w, _ = queries.shape
@@ -190,7 +193,8 @@ def layer_scores(
     m = n - w
     shared = memo is not None
     memo = memo if shared else ScoreMemo()
-    whole_key = ("scores", layer_idx, scoring_key(policy))
+    external = scores if method.base.external_scores else None
+    whole_key = ("scores", layer_idx, scoring_key(policy)) + (("external",) if external is not None else ())
     if whole_key in memo.entries:
         return memo.entries[whole_key]
     start = time.perf_counter()
@@ -204,12 +208,19 @@ def layer_scores(
     own = type(method.base).attention_rows is not BaseMethod.attention_rows
     rotation = policy_rotation(policy, rotation, queries.shape[-1])
     attention_key = (method.base.name,) + tuple(getattr(policy, k) for k in method.base.score_knobs) if own else ()
+    if external is not None:
+        if tuple(external.shape) != (batch, num_kv_heads, n):
+            raise ValueError(f"scores: expected shape [{batch}, {num_kv_heads}, {n}] (B, H_kv, n), got {list(external.shape)}")
+        attention_key += ("external",)
     for g in range(num_kv_heads):
         heads = range(g * group, (g + 1) * group)
 
         def probs_raw(g=g, heads=heads):
             k = keys[:, g : g + 1].expand(batch, group, n, keys.shape[-1])
             q = queries[:, heads.start : heads.stop]
+            if external is not None:  # the score computed outside (the same for the group's heads)
+                raw = external[:, g : g + 1, :m].float().expand(batch, group, m)
+                return raw[:, :, None], raw
             own = method.base.attention_rows(policy, q, k, valid_start, rotation, m)  # a method's own attention
             if own is not None:
                 return own

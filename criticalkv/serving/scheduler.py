@@ -15,6 +15,8 @@ iteration it
 5. releases the slots of finished requests at once.
 
 Context cache: a request with a ``context`` has its context compressed alone (question-agnostic) the first time,
+with the context policy (``SchedulerConfig.context_policy``: by default the engine's, e.g. kvzip, which
+re-reads the context to score it),
 a copy of the kept entries is kept in an LRU store (``ContextCache``) under (context ids, policy, budget), and this
 and every later request with that context restores the copy into a slot and runs its question through the extend
 graph: a hit skips the context's prefill. Requests waiting for a context that is being compressed wait for it
@@ -207,6 +209,9 @@ class SchedulerConfig:
     context_cache_mib : most MiB of compressed contexts kept for reuse (0 = no cache: a context is compressed for
         each request); cached contexts also count in ``kv_memory_mib``
     max_prefills : prompts prefilled in chunks at once (each holds a full-length prefill buffer)
+    context_policy : the policy that compresses contexts (question-agnostic): None (default) the engine's context
+        policy (built with ``--context-policy``) when it has one, else the engine's own; "engine" the engine's own
+        policy; or the name of one of those two (anything else: rebuild the engine with ``--context-policy NAME``)
     """
 
     max_num_seqs: int | None = None
@@ -214,6 +219,7 @@ class SchedulerConfig:
     prefill_chunk: int = 512
     context_cache_mib: float = 256.0
     max_prefills: int = 2
+    context_policy: str | None = None
 
     def __post_init__(self) -> None:
         def integer(name, low):
@@ -229,10 +235,33 @@ class SchedulerConfig:
             raise ValueError(f"kv_memory_mib must be > 0, got {self.kv_memory_mib!r}")
         if not (isinstance(self.context_cache_mib, (int, float)) and self.context_cache_mib >= 0):
             raise ValueError(f"context_cache_mib must be >= 0, got {self.context_cache_mib!r}")
+        if self.context_policy is not None and (not isinstance(self.context_policy, str) or not self.context_policy):
+            raise ValueError(f"context_policy must be a policy name or 'engine', got {self.context_policy!r}")
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in ("max_num_seqs", "kv_memory_mib", "prefill_chunk", "context_cache_mib",
-                                              "max_prefills")}
+                                              "max_prefills", "context_policy")}
+
+
+def context_selection(engine: Engine, context_policy: str | None) -> bool:
+    """Whether contexts are selected with the engine's context policy (``Engine.policy_for(context=True)``) rather than
+    its own, for ``SchedulerConfig.context_policy``; EngineError naming the policies the engine has otherwise."""
+    return check_context_policy(engine.policy.name, None if engine.context_policy is None else engine.context_policy.name,
+                                context_policy)
+
+
+def check_context_policy(own: str, built: str | None, requested: str | None) -> bool:
+    """``context_selection`` from the names of an engine's policy (``own``) and context policy (``built``, None if it has
+    none): whether ``requested`` selects contexts with the context policy. EngineError when the engine has neither."""
+    if requested is None:
+        return built is not None
+    if requested == "engine" or (requested == own and built != requested):
+        return False
+    if built is not None and requested == built:
+        return True
+    have = f"its own {own!r}" + (f" and the context policy {built!r}" if built is not None else "")
+    raise EngineError(f"context policy {requested!r}: the engine was built with {have}; rebuild it with "
+                      f"--context-policy {requested} (or serve --context-policy engine)")
 
 
 class Scheduler:
@@ -243,8 +272,10 @@ class Scheduler:
     """
 
     def __init__(self, engine: Engine, max_num_seqs: int | None = None, kv_memory_mib: float | None = None,
-                 prefill_chunk: int = 512, context_cache_mib: float = 256.0, max_prefills: int = 2):
-        config = SchedulerConfig(max_num_seqs, kv_memory_mib, prefill_chunk, context_cache_mib, max_prefills)
+                 prefill_chunk: int = 512, context_cache_mib: float = 256.0, max_prefills: int = 2,
+                 context_policy: str | None = None):
+        config = SchedulerConfig(max_num_seqs, kv_memory_mib, prefill_chunk, context_cache_mib, max_prefills,
+                                 context_policy)
         self.config = config
         self.engine = engine
         self.max_num_seqs = engine.num_slots if max_num_seqs is None else max_num_seqs
@@ -257,7 +288,10 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.max_prefills = max_prefills
         self.context_cache = ContextCache(int(context_cache_mib * 2**20))
-        self._policy_json = engine.policy.to_json()
+        #: contexts are compressed with the engine's context policy (else with its own, as prompts)
+        self.context_selection = context_selection(engine, context_policy)
+        self.context_policy = engine.policy_for(self.context_selection)
+        self._policy_json = self.context_policy.to_json()
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
@@ -299,7 +333,8 @@ class Scheduler:
         entries + question + growth while it runs."""
         engine, n = self.engine, len(request.context_token_ids or request.prompt_token_ids)
         question = request.num_prompt_tokens if request.context_token_ids else 0
-        running = engine.kv_bytes_bound(n, request.sampling.max_tokens + question)
+        context = bool(request.context_token_ids) and self.context_selection
+        running = engine.kv_bytes_bound(n, request.sampling.max_tokens + question, context=context)
         return max(running, engine.kv_bytes_full(n))
 
     # ------------------------------------------------------------------ state
@@ -413,14 +448,15 @@ class Scheduler:
         # prefilled alone as the prompt of the same checked request (it passed the checks with its question after it)
         prefill_request = seq.request if not seq.request.context_token_ids else \
             replace(seq.request, prompt_token_ids=ids, context_token_ids=())
+        context = seq.key is not None and self.context_selection  # selected with the engine's context policy
         if self.chunked and len(ids) > self.prefill_chunk:
-            job = self._guard(seq, lambda: self.engine.begin_prefill(prefill_request))
+            job = self._guard(seq, lambda: self.engine.begin_prefill(prefill_request, context=context))
             if job is not None:
                 seq.job = job
                 self._prefilling.append(seq)
             return
         slot = self.engine.free_slots()[0]
-        result = self._guard(seq, lambda: self.engine.prefill(slot, prefill_request))
+        result = self._guard(seq, lambda: self.engine.prefill(slot, prefill_request, context=context))
         if result is not None:
             seq.slot = slot
             self._prefilled(seq, result)

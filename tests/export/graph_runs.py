@@ -114,4 +114,8 @@ def chunked_prefill(extend_sess, select_sess, ids: np.ndarray, chunk: int, capac
             queries[layer] = queries[layer][:, :, -window:]
     feeds = {"kv_budget": np.array([budget]), **buffers.feeds()}
     feeds.update({f"window_queries.{layer}": q for layer, q in enumerate(queries)})
+    wanted = {i.name for i in select_sess.get_inputs()}
+    for layer in range(num_layers):  # kvzip: no reconstruction scores, the window's fallback (as the prefill graph's)
+        if f"scores.{layer}" in wanted:
+            feeds[f"scores.{layer}"] = np.zeros((batch, kv_heads, 0), np.float32)
     return run(select_sess, feeds), out["logits"], buffers

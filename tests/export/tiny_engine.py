@@ -45,14 +45,15 @@ def words(ids) -> str:
     return " ".join(vocab[i] for i in ids)
 
 
-def export_tiny_engine(model, policy, folder: Path, tokenizer=None, **limits) -> Path:
-    """An engine directory for an in-memory model (export + validation + manifest; no smoke test)."""
+def export_tiny_engine(model, policy, folder: Path, tokenizer=None, context_policy=None, **limits) -> Path:
+    """An engine directory for an in-memory model (export + validation + manifest; no smoke test); ``context_policy``:
+    the policy its contexts are compressed with (none: ``policy``)."""
     from criticalkv.export import BuildConfig
     from criticalkv.build import export_engine
     from criticalkv.runtime.manifest import write_manifest
 
     config = BuildConfig(**{"max_input_len": 256, "max_new_tokens": 32, "max_batch_size": 3, "attention_chunk": 32, **limits})
-    _, content = export_engine(model, policy, folder, config, tokenizer, model_name="tiny")
+    _, content = export_engine(model, policy, folder, config, tokenizer, model_name="tiny", context_policy=context_policy)
     write_manifest(folder, content)
     return folder
 
@@ -62,10 +63,26 @@ def export_tiny_engine(model, policy, folder: Path, tokenizer=None, **limits) ->
 ENGINE_BACKENDS = ("onnxruntime", "torch")
 
 
+def backends_for(policy) -> tuple[str, ...]:
+    """The ENGINE_BACKENDS that run ``policy``: the torch backend refuses kvzip (it re-reads the context through the
+    model; tests/runtime/test_torch_backend.py::test_kvzip_is_refused_by_name)."""
+    from criticalkv.export.exporter import reconstructs
+
+    return tuple(b for b in ENGINE_BACKENDS if b != "torch" or not reconstructs(policy))
+
+
 def load_engine(folder: Path, backend: str, model, **options):
     """``Engine.load(folder, backend)``; the torch backend gets ``model`` (the directory names no checkpoint)."""
     from criticalkv.runtime import Engine
 
     if backend == "torch":
+        from criticalkv.runtime.manifest import read_manifest
+        from criticalkv.policy import KVPolicy
+
+        policy = KVPolicy.from_dict(read_manifest(folder)["policy"])
+        if backend not in backends_for(policy):
+            import pytest
+
+            pytest.skip(f"{policy.name}: the torch backend refuses kvzip (test_kvzip_is_refused_by_name)")
         options["model"] = model
     return Engine.load(folder, backend=backend, **options)

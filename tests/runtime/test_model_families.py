@@ -30,7 +30,7 @@ from criticalkv.export.tensorrt_rules import check_tensorrt_file
 from criticalkv.hf import generate
 from criticalkv.runtime import Engine
 from criticalkv.runtime.onnxruntime_backend import THREADS_ENV
-from export.tiny_engine import ENGINE_BACKENDS, export_tiny_engine, load_engine
+from export.tiny_engine import ENGINE_BACKENDS, backends_for, export_tiny_engine, load_engine
 from model_families import FAMILIES, random_checkpoint, random_prompt, recorded_layers, swap_within_noise
 from policies import POLICY_CASES, make_policy
 
@@ -110,7 +110,7 @@ def test_policies_keep_the_pytorch_paths_entries(fam, tmp_path, monkeypatch):
         built = make_policy(kwargs, budget=BUDGET, window=WINDOW)
         folder = export_tiny_engine(model, built, tmp_path / case_id, max_input_len=160, max_new_tokens=NEW_TOKENS,
                                     max_batch_size=2)
-        engines = {backend: load_engine(folder, backend, model) for backend in ENGINE_BACKENDS}
+        engines = {backend: load_engine(folder, backend, model) for backend in backends_for(built)}
         try:
             for budget in ((BUDGET, 20) if built.method.base.evicts else (BUDGET,)):  # full takes no request budget
                 request = budget if built.method.base.evicts else None

@@ -21,6 +21,7 @@ import torch
 from criticalkv import KVPolicy
 from criticalkv.build import build_engine
 from criticalkv.export import BuildConfig
+from criticalkv.export.exporter import reconstructs
 from criticalkv.node import node_capacity
 from criticalkv.runtime import Engine, EngineError, Request
 from criticalkv.runtime.manifest import read_manifest
@@ -149,8 +150,11 @@ def test_a_layers_full_kv_is_freed_as_soon_as_it_is_selected(case, tmp_path):
     full keys or values are alive any more (by reference counting: the selection leaves no reference cycle)."""
     import weakref
 
+    policy = make_policy(case[1], budget=40, window=8)
+    if reconstructs(policy):
+        pytest.skip(f"{case[0]}: the torch backend refuses kvzip (test_kvzip_is_refused_by_name)")
     model = tiny_model("llama", seed=4)
-    folder = export_tiny_engine(model, make_policy(case[1], budget=40, window=8), tmp_path / "e")
+    folder = export_tiny_engine(model, policy, tmp_path / "e")
     engine = Engine.load(folder, backend="torch", model=model)
     backend = engine.backend
     alive, select = [], backend._select
@@ -269,3 +273,47 @@ def test_bfloat16_on_the_gpu_keeps_nearly_the_fp32_entries(torch_dir):
             engine.close()
     overlap = np.mean([len(a & b) / len(a) for a, b in zip(kept["float32"], kept["bfloat16"])])
     assert overlap > 0.9
+
+
+def test_kvzip_is_refused_by_name(tmp_path):
+    """kvzip re-reads the context through the model, which the torch backend does not do: a torch build refuses it
+    before anything is written, and an exported kvzip engine loaded on the torch backend refuses its prompts."""
+    from criticalkv.build import torch_engine_content
+    from criticalkv.export.exporter import BuildConfig
+    from criticalkv.hf.torch_backend import KVZIP_REFUSAL
+
+    model = tiny_model("llama", seed=4)
+    policy = make_policy({"name": "kvzip"}, budget=40, window=8)
+    with pytest.raises(ValueError, match="no context reconstruction"):
+        torch_engine_content(model, policy, BuildConfig(max_input_len=256, max_new_tokens=8))
+    folder = export_tiny_engine(model, policy, tmp_path / "e")
+    engine = Engine.load(folder, backend="torch", model=model)
+    try:
+        with pytest.raises(EngineError) as err:
+            engine.prefill(0, Request(prompt(150)))
+        assert str(err.value) == KVZIP_REFUSAL
+    finally:
+        engine.release_all()
+        engine.close()
+
+
+def test_an_engine_with_a_context_policy_selects_contexts_with_its_own_policy_on_torch(tmp_path):
+    """An exported engine built with a context policy (build_engine's default, kvzip) loads on the torch backend, which
+    has no context-policy selection: its contexts are selected with the engine's own policy, as ONNX Runtime does
+    with ``--context-policy engine``."""
+    model = tiny_model("llama", seed=4)
+    policy = KVPolicy("criticalkv", budget=40, window=8)
+    folder = export_tiny_engine(model, policy, tmp_path / "e", context_policy=KVPolicy("kvzip", budget=40, window=8))
+    kept = {}
+    for backend in ("onnxruntime", "torch"):
+        engine = Engine.load(folder, backend=backend, model=model) if backend == "torch" else Engine.load(folder)
+        try:
+            assert (engine.context_policy is None) == (backend == "torch")
+            if backend == "onnxruntime":
+                engine.context_policy = None  # what --context-policy engine selects with
+            result = engine.prefill(0, Request(prompt(150)), context=True)
+            kept[backend] = [k.tolist() for k in result.kept_indices]
+        finally:
+            engine.release_all()
+            engine.close()
+    assert kept["torch"] == kept["onnxruntime"]

@@ -32,6 +32,7 @@ struct PolicyConfig
     double stage1_mass = 0.9;
     double head_cap_ratio = 0.0;
     int32_t future_positions = 512;
+    int32_t kvzip_chunk = 2048;
     int32_t layer_idx = 0;
     int32_t num_layers = 1;
     int32_t capacity = 0;
@@ -41,14 +42,14 @@ struct PolicyConfig
 //! Names of every policy, in registry order.
 inline std::vector<std::string> const& policyNames()
 {
-    static std::vector<std::string> const names = {"full", "streamingllm", "snapkv", "pyramidkv", "adakv", "laprox", "defensivekv", "layer-defensivekv", "expected-attention", "criticalkv", "pyramid-criticalkv", "ada-criticalkv", "expected-criticalkv"};
+    static std::vector<std::string> const names = {"full", "streamingllm", "snapkv", "pyramidkv", "adakv", "laprox", "defensivekv", "layer-defensivekv", "expected-attention", "kvzip", "layer-kvzip", "criticalkv", "pyramid-criticalkv", "ada-criticalkv", "expected-criticalkv", "kvzip-criticalkv"};
     return names;
 }
 
 //! Names of every creator field, in order.
 inline std::vector<std::string> const& pluginFieldNames()
 {
-    static std::vector<std::string> const names = {"name", "budget", "window", "pool_kernel", "alpha", "epsilon", "value_norm", "gqa_reduce", "stage2_scores", "ada_floor", "pyramid_beta", "sink_tokens", "stage1_mass", "head_cap_ratio", "future_positions", "layer_idx", "num_layers", "capacity", "layer_budgets"};
+    static std::vector<std::string> const names = {"name", "budget", "window", "pool_kernel", "alpha", "epsilon", "value_norm", "gqa_reduce", "stage2_scores", "ada_floor", "pyramid_beta", "sink_tokens", "stage1_mass", "head_cap_ratio", "future_positions", "kvzip_chunk", "layer_idx", "num_layers", "capacity", "layer_budgets"};
     return names;
 }
 
@@ -73,6 +74,10 @@ inline BaseMethod baseOf(std::string const& policyName)
         return BaseMethod::kLayerDefensiveKV;
     if (policyName == "expected-attention")
         return BaseMethod::kExpectedAttention;
+    if (policyName == "kvzip")
+        return BaseMethod::kKVzip;
+    if (policyName == "layer-kvzip")
+        return BaseMethod::kLayerKVzip;
     if (policyName == "criticalkv")
         return BaseMethod::kSnapKV;
     if (policyName == "pyramid-criticalkv")
@@ -81,13 +86,15 @@ inline BaseMethod baseOf(std::string const& policyName)
         return BaseMethod::kAdaKV;
     if (policyName == "expected-criticalkv")
         return BaseMethod::kExpectedAttention;
+    if (policyName == "kvzip-criticalkv")
+        return BaseMethod::kKVzip;
     return BaseMethod::kFull;
 }
 
 //! Whether CriticalKV's two-stage refinement is on for a policy name.
 inline bool twoStageOf(std::string const& policyName)
 {
-    return policyName == "criticalkv" || policyName == "pyramid-criticalkv" || policyName == "ada-criticalkv" || policyName == "expected-criticalkv";
+    return policyName == "criticalkv" || policyName == "pyramid-criticalkv" || policyName == "ada-criticalkv" || policyName == "expected-criticalkv" || policyName == "kvzip-criticalkv";
 }
 
 //! The exact integer value * 10^6 of a fraction with at most 6 decimals (validatePolicy checks that).
@@ -99,7 +106,7 @@ inline int64_t decimalMicros(double value)
 //! Smallest per-request budget (input kv_budget) the node accepts: the window, and the sinks when read.
 inline int32_t minRuntimeBudget(PolicyConfig const& p)
 {
-    return (p.name == "streamingllm" || p.name == "expected-attention" || p.name == "expected-criticalkv") && p.sink_tokens > p.window ? p.sink_tokens : p.window;
+    return (p.name == "streamingllm" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv") && p.sink_tokens > p.window ? p.sink_tokens : p.window;
 }
 
 namespace detail
@@ -153,11 +160,17 @@ inline std::string validatePolicy(PolicyConfig const& p)
         return "name: layer-defensivekv shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime";
     if (p.name == "expected-attention")
         return "name: expected-attention reads RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime";
+    if (p.name == "kvzip")
+        return "name: kvzip ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
+    if (p.name == "layer-kvzip")
+        return "name: layer-kvzip ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
     if (p.name == "expected-criticalkv")
         return "name: expected-criticalkv reads RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime";
+    if (p.name == "kvzip-criticalkv")
+        return "name: kvzip-criticalkv ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
     if (!(p.budget > 0))
         return "budget: must be a positive number of tokens, got " + std::to_string(p.budget);
-    if ((p.name == "streamingllm" || p.name == "snapkv" || p.name == "pyramidkv" || p.name == "adakv" || p.name == "laprox" || p.name == "defensivekv" || p.name == "layer-defensivekv" || p.name == "expected-attention" || p.name == "criticalkv" || p.name == "pyramid-criticalkv" || p.name == "ada-criticalkv" || p.name == "expected-criticalkv") && p.budget < p.window)
+    if ((p.name == "streamingllm" || p.name == "snapkv" || p.name == "pyramidkv" || p.name == "adakv" || p.name == "laprox" || p.name == "defensivekv" || p.name == "layer-defensivekv" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "criticalkv" || p.name == "pyramid-criticalkv" || p.name == "ada-criticalkv" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv") && p.budget < p.window)
         return "budget: " + std::to_string(p.budget) + " is smaller than the window (" + std::to_string(p.window) + "); the window is always kept, so the budget must be at least the window";
     if (p.budget > 4194304)
         return "budget: " + std::to_string(p.budget) + " exceeds the supported maximum 4194304";
@@ -199,7 +212,7 @@ inline std::string validatePolicy(PolicyConfig const& p)
         return "pyramid_beta: must have at most 6 decimals, got " + detail::formatNumber(p.pyramid_beta);
     if (!(p.sink_tokens >= 0))
         return "sink_tokens: must be >= 0, got " + std::to_string(p.sink_tokens);
-    if ((p.name == "streamingllm" || p.name == "expected-attention" || p.name == "expected-criticalkv") && p.sink_tokens > p.budget)
+    if ((p.name == "streamingllm" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv") && p.sink_tokens > p.budget)
         return "sink_tokens: " + std::to_string(p.sink_tokens) + " exceeds the budget " + std::to_string(p.budget);
     if (p.sink_tokens > 4194304)
         return "sink_tokens: " + std::to_string(p.sink_tokens) + " exceeds the supported maximum 4194304";
@@ -217,6 +230,10 @@ inline std::string validatePolicy(PolicyConfig const& p)
         return "future_positions: must be a positive number of tokens, got " + std::to_string(p.future_positions);
     if (p.future_positions > 4194304)
         return "future_positions: " + std::to_string(p.future_positions) + " exceeds the supported maximum 4194304";
+    if (!(p.kvzip_chunk > 0))
+        return "kvzip_chunk: must be a positive number of tokens, got " + std::to_string(p.kvzip_chunk);
+    if (p.kvzip_chunk > 4194304)
+        return "kvzip_chunk: " + std::to_string(p.kvzip_chunk) + " exceeds the supported maximum 4194304";
     // Layer fields.
     if (p.num_layers <= 0)
         return "num_layers: must be positive, got " + std::to_string(p.num_layers);
@@ -224,7 +241,7 @@ inline std::string validatePolicy(PolicyConfig const& p)
         return "layer_idx: " + std::to_string(p.layer_idx) + " is outside [0, num_layers=" + std::to_string(p.num_layers) + ")";
     if (p.capacity <= 0)
         return "capacity: must be a positive number of entries per head (node_capacity), got " + std::to_string(p.capacity);
-    size_t const tableSize = (p.name == "streamingllm" || p.name == "snapkv" || p.name == "pyramidkv" || p.name == "adakv" || p.name == "laprox" || p.name == "defensivekv" || p.name == "layer-defensivekv" || p.name == "expected-attention" || p.name == "criticalkv" || p.name == "pyramid-criticalkv" || p.name == "ada-criticalkv" || p.name == "expected-criticalkv") ? static_cast<size_t>(p.budget - p.window + 1) : 0;
+    size_t const tableSize = (p.name == "streamingllm" || p.name == "snapkv" || p.name == "pyramidkv" || p.name == "adakv" || p.name == "laprox" || p.name == "defensivekv" || p.name == "layer-defensivekv" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "criticalkv" || p.name == "pyramid-criticalkv" || p.name == "ada-criticalkv" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv") ? static_cast<size_t>(p.budget - p.window + 1) : 0;
     if (p.layer_budgets.size() != tableSize)
         return "layer_budgets: expected " + std::to_string(tableSize) + " values (budget - window + 1), got " + std::to_string(p.layer_budgets.size());
     for (size_t i = 0; i < p.layer_budgets.size(); ++i)

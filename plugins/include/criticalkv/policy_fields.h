@@ -23,6 +23,7 @@
     CKV_FIELD(FLOAT, stage1_mass, 0.9) \
     CKV_FIELD(FLOAT, head_cap_ratio, 0.0) \
     CKV_FIELD(INT, future_positions, 512) \
+    CKV_FIELD(INT, kvzip_chunk, 2048) \
     CKV_FIELD(INT, layer_idx, 0) \
     CKV_FIELD(INT, num_layers, 1) \
     CKV_FIELD(INT, capacity, 0) \
@@ -39,10 +40,13 @@
     CKV_POLICY("defensivekv", kDefensiveKV, 0) \
     CKV_POLICY("layer-defensivekv", kLayerDefensiveKV, 0) \
     CKV_POLICY("expected-attention", kExpectedAttention, 0) \
+    CKV_POLICY("kvzip", kKVzip, 0) \
+    CKV_POLICY("layer-kvzip", kLayerKVzip, 0) \
     CKV_POLICY("criticalkv", kSnapKV, 1) \
     CKV_POLICY("pyramid-criticalkv", kPyramidKV, 1) \
     CKV_POLICY("ada-criticalkv", kAdaKV, 1) \
-    CKV_POLICY("expected-criticalkv", kExpectedAttention, 1)
+    CKV_POLICY("expected-criticalkv", kExpectedAttention, 1) \
+    CKV_POLICY("kvzip-criticalkv", kKVzip, 1)
 
 //! CKV_BASE(enumerator, name, scored, shared_allocation, own_l2_norms, row_scores) for every base method, enum
 //! order. scored: ranks older tokens by window attention; shared_allocation: the layer's H_kv * r slots are
@@ -57,7 +61,9 @@
     CKV_BASE(kLaProx, "laprox", 1, 1, 1, 0) \
     CKV_BASE(kDefensiveKV, "defensivekv", 1, 1, 0, 1) \
     CKV_BASE(kLayerDefensiveKV, "layer-defensivekv", 1, 1, 0, 1) \
-    CKV_BASE(kExpectedAttention, "expected-attention", 1, 0, 0, 0)
+    CKV_BASE(kExpectedAttention, "expected-attention", 1, 0, 0, 0) \
+    CKV_BASE(kKVzip, "kvzip", 1, 1, 0, 0) \
+    CKV_BASE(kLayerKVzip, "layer-kvzip", 1, 1, 0, 0)
 
 #define CKV_CHOICES_value_norm "l1", "l2"
 #define CKV_CHOICES_gqa_reduce "mean", "kvpress"
@@ -78,6 +84,8 @@ enum class BaseMethod : int32_t
     kDefensiveKV = 6,
     kLayerDefensiveKV = 7,
     kExpectedAttention = 8,
+    kKVzip = 9,
+    kLayerKVzip = 10,
 };
 
 //! KVPolicy.value_norm.

@@ -1,0 +1,298 @@
+"""``kvzip``: question-agnostic scores from context reconstruction (KVzip, Kim et al. 2025, arXiv 2505.23416).
+
+KVzip scores a context's KV entries before any question is known: the model, holding the context's full cache,
+re-reads the context after a "repeat the previous context" prompt (teacher-forced: the context's own tokens are fed
+back), and an entry's score is the largest attention it receives during that reconstruction. Entries the model needs
+to reproduce its input are the ones any later question may need. kvpress 0.5.5 ships it as ``KVzipPress``; this
+module computes the same score (``tests/selection/test_kvzip.py`` checks it against kvpress's ``score_kvzip`` on the
+same tensors where kvpress is installed).
+
+The reconstruction (``reconstruction_chunks``): the context of n tokens, after the chat template's opening when it
+starts with it (kvpress's ``prefix_length``: the system turn is not re-read and its entries beyond the sinks score 0),
+is re-read in chunks of ``kvzip_chunk`` tokens [s, e), each after its own prompt: the first chunk after ``first``
+("\\n\\nRepeat the previous context exactly."), a later one after ``later`` ("\\n\\nRepeat the part of the previous
+context exactly, starting with")
+followed by the previous chunk's last ``overlap`` (8) tokens; then ``suffix`` (the chat template's end of the user
+turn and the assistant header, "\\n" without a template) and the chunk's tokens. Every chunk runs through the model
+over the context's full cache at positions n, n + 1, ... (its own K/V dropped afterwards). The prompt's token ids
+come from the model's tokenizer (``ReconstructionPrompt``); the drivers are ``criticalkv.hf.reconstruct`` (PyTorch)
+and the engine's context path (``criticalkv.runtime``: the extend graph's ``present.{l}.scores`` output).
+
+The score of one layer (``chunk_scores``), per KV head g and context entry i of chunk [s, e), with t running over
+every token of the chunk's reconstruction input (R of them, the prompt's included) and h over g's query heads:
+
+    S[g, i] = max_{h in g, t} softmax_t(q_{h,t} K_sub^T / sqrt(d_h))[i]
+
+where the softmax runs over K_sub = the first min(sink_tokens, s) context keys (attention sinks), the chunk's keys
+[s, e) and the reconstruction's own keys up to t (causal): kvpress's subsampled keys, not the whole cache (the
+model's forward itself attends over the whole cache). Post-RoPE queries and keys, fp32.
+
+S is not pooled over positions (kvpress's; measured: SnapKV's max-pool lost the needle, see ``KVzip.pools``).
+
+Selection: the first ``sink_tokens`` tokens are always kept (kvpress gives them the top score), the window too (as
+every scored method here; kvpress keeps none), and the rest ranked by S with AdaKV's head-adaptive allocation (the
+layer's H_kv * r slots shared across heads, each head keeping its own top ``ada_floor`` share first). ``kvzip-
+criticalkv`` adds CriticalKV's two stages inside each head's share: ceil(alpha * r) by S, the rest by
+(S + epsilon) * mean_{h in g} ||V_i W_O^h|| (``value_norm``).
+
+Where this differs from kvpress's ``KVzipPress`` (score identical on the same tensors):
+* the budget is shared across the heads of each layer (AdaKV's allocation, with its floor) and every layer keeps
+  the same average; kvpress ranks all layers and heads together by default (``layerwise=False``, no floor);
+* the window is kept (kvpress keeps none);
+* the entries are freed (kvpress masks them in attention and keeps the memory).
+
+Without a reconstruction (``select_layer`` given no ``scores``, the one-shot prefill graph: the node's ``scores``
+input then has 0 entries), the scoring queries are the window's: S[g, i] = max over g's heads and the window's
+queries of the window attention. This keeps the method defined on every path; the question-agnostic context
+compression always runs the reconstruction.
+
+C++: not native (the plugin refuses it: ``cpp_refusal``); it runs on the PyTorch path and on ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from criticalkv.methods.adakv import AdaKV
+from criticalkv.methods.lazy import torch
+
+#: kvpress's reconstruction prompts (``KVzipPress.prepare``).
+FIRST_PROMPT = "\n\nRepeat the previous context exactly."
+LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+#: Tokens of the previous chunk repeated after ``LATER_PROMPT`` (kvpress's ``prev_postfix_size``).
+OVERLAP = 8
+#: Reconstruction queries scored at a time (rows of the softmax): memory O(ROWS * keys) per head.
+ROWS = 256
+
+
+@dataclass(frozen=True)
+class ReconstructionPrompt:
+    """The token ids around each reconstructed chunk: ``first`` before the first chunk, ``later`` (+ the previous
+    chunk's last ``overlap`` tokens) before the others, ``suffix`` between the prompt and the chunk; ``opening``: the
+    chat template's opening (system turn, start of the user turn), which a context that starts with it does not
+    re-read (kvpress's ``prefix_length``).
+
+    ``ReconstructionPrompt()`` (every part empty) re-reads the context with no instruction: what a model without a
+    tokenizer gets (tests' random models)."""
+
+    first: tuple[int, ...] = ()
+    later: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    overlap: int = OVERLAP
+    opening: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("first", "later", "suffix", "opening"):
+            object.__setattr__(self, name, tuple(int(t) for t in getattr(self, name)))
+        if self.overlap < 0:
+            raise ValueError(f"overlap: must be >= 0, got {self.overlap}")
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> "ReconstructionPrompt":
+        """kvpress's prompts in ``tokenizer``'s ids; the suffix is its chat template's end of the user turn and
+        assistant header ("\\n" without a template), as ``KVzipPress`` derives it."""
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        if not getattr(tokenizer, "chat_template", None):
+            opening, suffix = "", "\n"
+        else:
+            dummy = "dummy context"
+            separator = "\n" + "#" * len(dummy)
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                                     add_generation_prompt=True, tokenize=False)
+            before, suffix = rendered.split(separator)
+            opening = before.split(dummy)[0]
+        return cls(tuple(encode(FIRST_PROMPT)), tuple(encode(LATER_PROMPT)), tuple(encode(suffix)),
+                   opening=tuple(encode(opening)) if opening else ())
+
+    def to_dict(self) -> dict:
+        return {"first": list(self.first), "later": list(self.later), "suffix": list(self.suffix), "overlap": self.overlap,
+                "opening": list(self.opening)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ReconstructionPrompt":
+        return cls(tuple(data["first"]), tuple(data["later"]), tuple(data["suffix"]), int(data.get("overlap", OVERLAP)),
+                   tuple(data.get("opening", ())))
+
+    def skipped(self, context_ids) -> int:
+        """Leading context tokens not re-read: the chat template's opening when the context starts with it (and holds
+        more than it), else none."""
+        k = len(self.opening)
+        ids = [int(t) for t in context_ids[: k + 1]]
+        return k if k and len(ids) > k and tuple(ids[:k]) == self.opening else 0
+
+    def max_tokens(self, chunk: int) -> int:
+        """Most tokens one chunk's reconstruction input holds (prompt + suffix + chunk)."""
+        return max(len(self.first), len(self.later) + self.overlap) + len(self.suffix) + chunk
+
+
+@dataclass(frozen=True)
+class ReconstructionChunk:
+    """One reconstruction pass: context entries [start, end) are re-read; ``input_ids`` the pass's tokens (prompt,
+    suffix, then context[start:end]); ``sinks`` = min(sink_tokens, start) context entries every query also sees."""
+
+    start: int
+    end: int
+    sinks: int
+    input_ids: tuple[int, ...]
+
+
+def reconstruction_chunks(context_ids, chunk: int, sink_tokens: int, prompt: ReconstructionPrompt) -> list[ReconstructionChunk]:
+    """kvpress's chunked reconstruction plan of a context (``KVzipPress.prepare``): chunks of ``chunk`` tokens from the
+    end of the chat template's opening (``ReconstructionPrompt.skipped``; its entries beyond the sinks are never
+    scored: 0, as kvpress's)."""
+    ids = [int(t) for t in context_ids]
+    if not ids:
+        raise ValueError("the context is empty: nothing to reconstruct")
+    if chunk < 1:
+        raise ValueError(f"kvzip_chunk: must be >= 1, got {chunk}")
+    skip = prompt.skipped(ids)
+    out = []
+    for start in range(skip, len(ids), chunk):
+        end = min(start + chunk, len(ids))
+        if start == skip:
+            head = list(prompt.first)
+        else:
+            head = list(prompt.later) + (ids[max(start - prompt.overlap, skip):start] if prompt.overlap else [])
+        out.append(ReconstructionChunk(start, end, min(sink_tokens, start),
+                                       tuple(head + list(prompt.suffix) + ids[start:end])))
+    return out
+
+
+def chunk_scores(queries, keys, n: int, chunk: ReconstructionChunk):
+    """KVzip's score of one layer for one chunk: [B, H_kv, end - start] fp32.
+
+    queries : [B, H, R, d_h] post-RoPE queries of the chunk's R reconstruction tokens
+    keys : [B, H_kv, n + R, d_h] post-RoPE keys, the context's n then the reconstruction's R
+    The softmax of query t runs over the sinks, the chunk's keys and the reconstruction keys <= t (module docstring);
+    the maximum is over the G query heads of each KV head and the R queries (``ROWS`` rows at a time).
+    """
+    batch, heads, r, d = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    s, e = chunk.start, chunk.end
+    sub = torch.cat([keys[:, :, : chunk.sinks], keys[:, :, s:e], keys[:, :, n : n + r]], dim=2).float()  # [B, H_kv, k, d]
+    q = queries.float().reshape(batch, kv_heads, group * r, d)  # head h = g * G + j: rows (j, t)
+    t_of_row = torch.arange(r, device=keys.device).repeat(group)  # [G * R]
+    own = torch.arange(r, device=keys.device)
+    ctx = chunk.sinks + (e - s)
+    best = torch.zeros(batch, kv_heads, e - s, dtype=torch.float32, device=keys.device)
+    for at in range(0, group * r, ROWS):
+        rows = slice(at, at + ROWS)
+        logits = q[:, :, rows] @ sub.transpose(-1, -2) / math.sqrt(d)  # [B, H_kv, rows, k]
+        blocked = own[None, :] > t_of_row[rows, None]  # the reconstruction's later keys
+        logits[..., ctx:] = logits[..., ctx:].masked_fill(blocked, -torch.inf)
+        probs = torch.softmax(logits, dim=-1)[..., chunk.sinks : ctx]
+        best = torch.maximum(best, probs.amax(dim=2))
+    return best
+
+
+def window_max_attention(queries, keys, valid_start, m: int):
+    """The score without a reconstruction: [B, G, m], every row the max over the G heads and the w window queries of
+    the window attention over the older tokens (causal inside the window, left padding masked). queries [B, G, w, d_h],
+    keys [B, G, n, d_h] (post-RoPE, the group's KV head expanded)."""
+    batch, _, w, d = queries.shape
+    n = keys.shape[2]
+    logits = queries.float() @ keys.float().transpose(-1, -2) / math.sqrt(d)  # [B, G, w, n]
+    pos = torch.arange(n, device=keys.device)
+    blocked = pos[None, :] > torch.arange(n - w, n, device=keys.device)[:, None]  # [w, n]
+    start = torch.zeros(batch, dtype=torch.int64, device=keys.device) if valid_start is None else valid_start
+    blocked = blocked[None] | (pos[None, None, :] < start[:, None, None])  # [B, w, n]
+    logits = logits.masked_fill(blocked[:, None], torch.finfo(torch.float32).min)
+    best = torch.softmax(logits, dim=-1)[..., :m].amax(dim=(1, 2))  # [B, m]
+    return best[:, None].expand(batch, queries.shape[1], m)
+
+
+class KVzip(AdaKV):
+    name = "kvzip"
+    cpp_enum = "kKVzip"
+    description = ("question-agnostic: the largest attention an entry receives while the model re-reads the context "
+                   "(context reconstruction), adakv sharing, sink_tokens first tokens kept")
+    knobs = ("ada_floor", "sink_tokens", "kvzip_chunk")
+    score_knobs = ("sink_tokens", "kvzip_chunk")
+    #: not pooled, as kvpress's: max-pooling the score (SnapKV's kernel 7) lost the needle at 256 entries on 2,048-token
+    #: contexts where the unpooled score kept it (results/README.md, "Compress once, answer later")
+    pools = False
+    external_scores = True
+    native = False
+    cpp_refusal = ("ranks by the attention of a context reconstruction pass through the whole model, a score the "
+                   "per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime")
+
+    def sinks(self, policy) -> int:
+        return policy.sink_tokens
+
+    # ------------------------------------------------------------------ PyTorch
+    def attention_rows(self, policy, queries, keys, valid_start, rotation, m):
+        best = window_max_attention(queries, keys, valid_start, m)  # no reconstruction: the window's queries
+        return best[:, :, None], best
+
+    # ------------------------------------------------------------------ ONNX function body
+    def onnx_attention_rows(self, body, g, q, keys, ctx, w, m):
+        """The node's ``scores`` input [B, H_kv, n] (the reconstruction's), or the window's max attention when it has
+        0 entries: (probs [B, H_kv, G, 1, m], raw [B, H_kv, G, m])."""
+        probs, _ = body.window_attention(g, g.reshape(q, [0, body.heads, -1, body.head_dim]), ctx, w, m)
+        window = g.ReduceMax(probs, g.i64(2, 3), keepdims=0)  # [B, H_kv, m]: max over the heads and the window
+        # scores has n >= m entries or none: the first m of (scores, window) are the scores when given, else the window's
+        best = g.slice_axis(g.concat(ctx["scores"], window, axis=2), 0, m, axis=2)
+        raw = g.Expand(g.unsqueeze(best, 2), g.concat(g.shape_of(best, 0, 2), g.i64(body.group), m))
+        return g.unsqueeze(raw, 3), raw
+
+
+class LayerKVzip(KVzip):
+    """``layer-kvzip``: kvpress's own allocation of the KVzip score (``KVzipPress``'s default, ``layerwise=False``): one
+    ranking over every layer's and head's entries after the last layer, the first ``sink_tokens`` tokens first, each head
+    its own top ``ada_floor`` share (0: none, as kvpress), at most ``head_cap_ratio`` x budget per head (0: no cap); the
+    window kept. Measured: on the same scores it answers needles that ``kvzip``'s per-layer sharing loses at 12.5 % of
+    the cache (results/kvzip_allocation_check.md)."""
+
+    name = "layer-kvzip"
+    cpp_enum = "kLayerKVzip"
+    description = ("kvzip scores, the budget shared across all layers and heads as kvpress's KVzipPress "
+                   "(per-head floor ada_floor, cap head_cap_ratio)")
+    knobs = KVzip.knobs + ("head_cap_ratio",)
+    model_level = True
+
+    def max_older_per_head(self, policy, r, m, num_kv_heads):
+        from criticalkv.methods.defensivekv import older_cap
+
+        return m if policy.head_cap_ratio == 0 else min(m, older_cap(policy))
+
+    # ------------------------------------------------------------------ PyTorch
+    def priority(self, policy, scores, eligible, r):
+        """The KVzip score, the first ``sink_tokens`` valid tokens above every other (scores lie in [0, 1])."""
+        first = eligible.int().argmax(-1, keepdim=True)  # each sequence's first valid older position
+        pos = torch.arange(eligible.shape[-1], device=eligible.device)
+        sink = eligible & (pos < first + policy.sink_tokens)
+        return scores["attention"] + sink.to(torch.float32) * SINK_OFFSET
+
+    def model_allocate(self, policy, ranking, eligible, r):
+        from criticalkv.methods.defensivekv import LAYER_METHOD
+
+        return LAYER_METHOD.model_allocate(policy, ranking, eligible, r)
+
+    # ------------------------------------------------------------------ ONNX function body
+    def onnx_priority(self, body, g, scores, eligible, r):
+        sink = body.sink if body.sink is not None else g.Not(g.Expand(g.const(True, np.bool_), g.Shape(eligible)))
+        return g.Add(scores["attention"], g.Mul(g.Cast(sink, to=g.FLOAT), g.const(SINK_OFFSET, np.float32)))
+
+    def onnx_model_allocate(self, body, g, ranking, eligible, r, budget):
+        from criticalkv.methods.defensivekv import LAYER_METHOD
+
+        return LAYER_METHOD.onnx_model_allocate(body, g, ranking, eligible, r, budget)
+
+
+#: Offset that ranks the sink tokens above every other entry of a model-level ranking (KVzip scores are at most 1).
+SINK_OFFSET = 2.0
+
+METHOD = KVzip()
+LAYER_METHOD = LayerKVzip()
+
+
+def empty_scores(batch: int, kv_heads: int) -> np.ndarray:
+    """A node's ``scores`` input with no entries [B, H_kv, 0] (no reconstruction: the window's score)."""
+    return np.zeros((batch, kv_heads, 0), np.float32)
