@@ -122,16 +122,17 @@ def validate_export(result: ExportResult) -> dict:
             inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
             raise ValueError(f"{name}: the exported graph does not validate: {err}") from None
-        if model_level and selects:
-            report[key] = _validate_model_level(result, model, inferred, name, expected_contrib_operators(result, key))
+        own, capacities = result.policy, result.prefill_capacities
+        if key == "select_context":  # the context policy's graph: its own kind of nodes and capacities
+            own, capacities = result.context_policy, result.context_capacities
+        if selects and (is_model_level(own, result.spec.num_layers) if key == "select_context" else model_level):
+            report[key] = _validate_model_level(result, model, inferred, name, expected_contrib_operators(result, key),
+                                                own, capacities)
             continue
         selection = [n for n in model.graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
         expected = result.spec.num_layers if selects else 0
         if len(selection) != expected:
             raise ValueError(f"{name}: {len(selection)} {OP_TYPE} nodes, expected {expected}")
-        own, capacities = result.policy, result.prefill_capacities
-        if key == "select_context":
-            own, capacities = result.context_policy, result.context_capacities
         for i, node in enumerate(selection):
             policy, layer_idx, num_layers, capacity = policy_from_attributes(_attributes(node))
             if not same_policy(policy, own) or (layer_idx, num_layers, capacity) != (
@@ -176,7 +177,8 @@ def _check_contrib(model: onnx.ModelProto, name: str, expected: set[str] | None)
 
 
 def _validate_model_level(result: ExportResult, model: onnx.ModelProto, inferred: onnx.ModelProto, name: str,
-                          contrib: set[str] | None = None) -> dict:
+                          contrib: set[str] | None = None, own: KVPolicy | None = None,
+                          capacities: list[int] | None = None) -> dict:
     """The prefill graph of a model-level policy: one ``CriticalKVScore`` node per layer (the layer's attributes), one
     ``CriticalKVSelectModel`` node (the policy and every layer's capacity) after them, and exactly their two bodies."""
     ours = [n for n in model.graph.node if n.domain == DOMAIN]
@@ -185,14 +187,14 @@ def _validate_model_level(result: ExportResult, model: onnx.ModelProto, inferred
     if len(scores) != result.spec.num_layers or len(selects) != 1 or len(ours) != len(scores) + 1:
         raise ValueError(f"{name}: expected {result.spec.num_layers} {SCORE_OP} nodes and one {MODEL_OP} node, found "
                          f"{[n.op_type for n in ours]}")
+    own = result.policy if own is None else own
+    capacities = result.prefill_capacities if capacities is None else capacities
     for i, node in enumerate(scores):
         policy, layer_idx, num_layers, capacity = policy_from_attributes(_attributes(node))
-        if not same_policy(policy, result.policy) or (layer_idx, num_layers, capacity) != (
-            i, result.spec.num_layers, result.prefill_capacities[i]
-        ):
+        if not same_policy(policy, own) or (layer_idx, num_layers, capacity) != (i, result.spec.num_layers, capacities[i]):
             raise ValueError(f"{name}: node {node.name} attributes do not match the export's policy / layer / capacity")
-    policy, num_layers, capacities = model_attributes(selects[0])
-    if not same_policy(policy, result.policy) or (num_layers, capacities) != (result.spec.num_layers, result.prefill_capacities):
+    policy, num_layers, node_capacities = model_attributes(selects[0])
+    if not same_policy(policy, own) or (num_layers, node_capacities) != (result.spec.num_layers, capacities):
         raise ValueError(f"{name}: node {selects[0].name} attributes do not match the export's policy / capacities")
     order = [n.name for n in model.graph.node]
     if order.index(selects[0].name) < max(order.index(n.name) for n in scores):

@@ -495,7 +495,7 @@ class OnnxRuntimeBackend(BuiltShapes):
             if int(lengths[i].max()) + n_new > keys[i].shape[2]:
                 raise EngineError(f"layer {i}: {n_new} more entries do not fit the KV buffer "
                                   f"({keys[i].shape[2]} entries per head, {int(lengths[i].max())} used)")
-        if self._fused_extend_fits(keys, values, lengths):
+        if score_range is None and self._fused_extend_fits(keys, values, lengths):  # the reconstruct graph: portable
             return self._extend_fused(keys, values, lengths, token_ids, positions)
         inputs = {"input_ids": token_ids, "position_ids": positions}
         names = ["logits"]

@@ -105,8 +105,10 @@ def test_the_build_gives_tensorrt_the_extend_and_select_graphs(succeeding_tensor
     from criticalkv.runtime.tensorrt_backend import engine_files
 
     config = BuildConfig(max_input_len=128, max_new_tokens=8, attention_chunk=32, extend_chunk=64, max_question_len=16)
+    # contexts selected with the engine's own policy (a context policy's larger capacities would size the slots: the
+    # TensorRT backend has no context-policy selection)
     output = build_engine(tmp_path / "engine", KVPolicy("snapkv", budget=40, window=8), config, model=str(checkpoint),
-                          smoke=False, log=lambda message: None)
+                          smoke=False, log=lambda message: None, context_policy="engine")
     call = succeeding_tensorrt[0]
     assert call["prefill"].name == "prefill_tensorrt.onnx" and call["decode"].name == "decode.onnx"
     assert call["onnx_extend_path"].name == "extend_tensorrt.onnx" and call["onnx_select_path"].name == "select_tensorrt.onnx"

@@ -164,3 +164,25 @@ def test_layer_kvzip_engine_keeps_what_the_pytorch_path_keeps(model, tmp_path, k
         for head in range(2):
             assert got.kept(layer, 0, head) == kept(selection, head), f"layer {layer} head {head}"
     assert len({tuple(s.lengths[0].tolist()) for s in ref.prefill.selections}) > 1  # shares differ across layers
+
+
+@pytest.mark.parametrize("own, context", [
+    (KVPolicy("layer-defensivekv", budget=40, window=8), KVPolicy("kvzip", budget=40, window=8, kvzip_chunk=64)),
+    (KVPolicy("criticalkv", budget=40, window=8), KVPolicy("layer-kvzip", budget=40, window=8, kvzip_chunk=64,
+                                                           head_cap_ratio=2.0)),
+], ids=["model-level-engine", "model-level-context"])
+def test_a_context_policy_of_the_other_level_exports_and_keeps_the_pytorch_paths_entries(model, tmp_path, own, context):
+    # the context's select graph is validated as its own policy's kind (per-layer nodes, or the model-level pair)
+    folder = export_tiny_engine(model, own, tmp_path / "e", context_policy=context, extend_chunk=32, max_question_len=24)
+    engine = Engine.load(folder, threads=1)
+    try:
+        ids = prompt(150, seed=23)
+        got = engine.prefill(0, Request(ids), context=True)
+        engine.release(0)
+    finally:
+        engine.close()
+    ref = prefill_and_compress(model, torch.tensor([ids]), context)
+    for layer, selection in enumerate(ref.selections):
+        for head in range(2):
+            kept_ids = got.kept_indices[layer][head]
+            assert kept_ids[kept_ids >= 0].tolist() == kept(selection, head), f"layer {layer} head {head}"
