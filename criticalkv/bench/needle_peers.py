@@ -19,12 +19,12 @@ the one ``criticalkv bench peers`` writes. Writes ``NAME.json`` and ``NAME.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
 from pathlib import Path
 
+from criticalkv.eval.io import write_json, write_text
 from criticalkv.eval.needle import DEFAULT_DEPTHS, needle_prompts
 from criticalkv.eval.scoring import score
 
@@ -122,11 +122,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     result = run(args)
-    tmp = args.out / f"{args.name}.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.out / f"{args.name}.json")
-    (args.out / f"{args.name}.md").write_text(markdown(result))
-    print(markdown(result))
+    text = markdown(result)
+    write_json(args.out / f"{args.name}.json", result)
+    write_text(args.out / f"{args.name}.md", text)
+    print(text)
     return 0
 
 

@@ -27,7 +27,6 @@ Writes ``NAME.json`` (every prompt's tokens, scores and perturbation, the comman
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from criticalkv.eval.io import write_json, write_text
 from criticalkv.eval.needle import DEFAULT_DEPTHS, needle_prompts
 from criticalkv.eval.scoring import score
 
@@ -174,11 +174,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     result = run(args)
-    tmp = args.out / f"{args.name}.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.out / f"{args.name}.json")
-    (args.out / f"{args.name}.md").write_text(markdown(result))
-    print(markdown(result))
+    text = markdown(result)
+    write_json(args.out / f"{args.name}.json", result)
+    write_text(args.out / f"{args.name}.md", text)
+    print(text)
     return 0
 
 
