@@ -301,13 +301,10 @@ def layer_inputs(torch, layer, rotary, n: int, batch: int, window: int, dtype, d
 
 
 # ---------------------------------------------------------------------------------------------- kvpress
-def load_kvpress():
-    """kvpress's SnapKVPress, CriticalKVPress, AdaKVPress and its version, or raise ImportError with the reason.
-
-    The presses are loaded from kvpress's folder without running its package face (``kvpress/__init__.py``): the face
-    imports every press, some of which need packages a bare GPU machine lacks (datasets, cachetools, fire), and it
-    patches transformers' attention functions to apply AdaKV's key masks, which would then run inside the prefill
-    timed here (and apply one length's masks to the next). The three presses need only torch and transformers."""
+def kvpress_shell() -> None:
+    """Make ``kvpress.presses.*`` importable without running kvpress's package face (``kvpress/__init__.py``): an
+    empty ``kvpress`` module over its folder, unless kvpress is imported already. ImportError when it is not
+    installed."""
     spec = importlib.util.find_spec("kvpress")  # finds the package without executing it
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("kvpress is not installed (carry its wheel: pip download --no-deps kvpress==0.5.5)")
@@ -316,6 +313,16 @@ def load_kvpress():
         package.__path__ = list(spec.submodule_search_locations)
         package.__spec__ = spec
         sys.modules["kvpress"] = package
+
+
+def load_kvpress():
+    """kvpress's SnapKVPress, CriticalKVPress, AdaKVPress and its version, or raise ImportError with the reason.
+
+    The presses are loaded from kvpress's folder without running its package face (``kvpress/__init__.py``): the face
+    imports every press, some of which need packages a bare GPU machine lacks (datasets, cachetools, fire), and it
+    patches transformers' attention functions to apply AdaKV's key masks, which would then run inside the prefill
+    timed here (and apply one length's masks to the next). The three presses need only torch and transformers."""
+    kvpress_shell()
     snapkv = importlib.import_module("kvpress.presses.snapkv_press").SnapKVPress
     critical = importlib.import_module("kvpress.presses.criticalkv_press").CriticalKVPress
     adakv = importlib.import_module("kvpress.presses.adakv_press").AdaKVPress

@@ -109,24 +109,18 @@ def kvpress_presses():
     two presses are imported alone (they need torch and transformers) and kvpress's attention patch applied as its
     package does."""
     import importlib
-    import importlib.util
-    import types
+
+    from criticalkv.bench.gpu import kvpress_shell
 
     try:
         from kvpress import CriticalKVPress, SnapKVPress
 
         return CriticalKVPress, SnapKVPress, "import kvpress"
     except ImportError as err:
-        spec = importlib.util.find_spec("kvpress")
-        if spec is None or not spec.submodule_search_locations:
-            raise
         why = str(err)
     for name in [m for m in sys.modules if m == "kvpress" or m.startswith("kvpress.")]:
         del sys.modules[name]  # what the failed import left half-made
-    package = types.ModuleType("kvpress")
-    package.__path__ = list(spec.submodule_search_locations)
-    package.__spec__ = spec
-    sys.modules["kvpress"] = package
+    kvpress_shell()  # ImportError when kvpress is not installed at all
     critical = importlib.import_module("kvpress.presses.criticalkv_press").CriticalKVPress
     snap = importlib.import_module("kvpress.presses.snapkv_press").SnapKVPress
     importlib.import_module("kvpress.attention_patch").patch_attention_functions()
