@@ -169,19 +169,6 @@ CKV_HD int64_t fixedLimit(float limit)
     return static_cast<int64_t>(ceilf(limit * kMassScale));
 }
 
-//! Inverse of orderedKey (radix.h) for keys of non-NaN floats.
-CKV_HD float keyValue(uint32_t key)
-{
-    uint32_t const bits = (key & 0x80000000u) ? (key & 0x7fffffffu) : ~key;
-#if defined(__CUDA_ARCH__)
-    return __uint_as_float(bits);
-#else
-    float value;
-    std::memcpy(&value, &bits, sizeof(value));
-    return value;
-#endif
-}
-
 //! A 256-bin histogram of candidates by radix digit with the sum of their fixedMass per bin.
 struct MassHistogram
 {
@@ -257,7 +244,7 @@ CKV_HD void massAdvance(MassSearch& s, MassDigit const& c, int64_t countAtDigit,
         return;
     }
     // The candidates equal to the crossing one: add them one by one.
-    int64_t const value = fixedMass(keyValue(s.prefix));
+    int64_t const value = fixedMass(orderedValue(s.prefix));
     int64_t cumulative = s.above;
     s.done = 1;
     s.count = s.aboveCount + countAtDigit;
