@@ -86,3 +86,16 @@ def load_engine(folder: Path, backend: str, model, **options):
             pytest.skip(f"{policy.name}: the torch backend refuses kvzip (test_kvzip_is_refused_by_name)")
         options["model"] = model
     return Engine.load(folder, backend=backend, **options)
+
+
+def padded(prompts):
+    """A left-padded batch of token-id lists: ids, attention mask and position ids, [B, n] int64 each (pad 0)."""
+    import numpy as np
+
+    n = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), n), np.int64)
+    mask = np.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, n - len(p):], mask[row, n - len(p):] = p, 1
+    return ids, mask, np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+

@@ -20,7 +20,7 @@ from criticalkv.errors import EngineError
 from criticalkv.export.llama import collect_weights, model_spec
 from criticalkv.runtime import Engine
 from criticalkv.runtime.onnxruntime_backend import DECODE_ENV, THREADS_ENV
-from export.tiny_engine import export_tiny_engine
+from export.tiny_engine import export_tiny_engine, padded
 from model_families import FAMILIES, family, random_checkpoint, random_prompt
 from naive_decode import decode_step
 from policies import POLICY_CASES, make_policy
@@ -41,15 +41,6 @@ def engines(model, policy, folder, **limits):
     fused, portable = Engine.load(folder), Engine.load(folder, decode="portable")
     assert fused.backend.decode_form == "fused" and portable.backend.decode_form == "portable"
     return fused, portable
-
-
-def padded(prompts):
-    n = max(len(p) for p in prompts)
-    ids = np.zeros((len(prompts), n), np.int64)
-    mask = np.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, n - len(p):], mask[row, n - len(p):] = p, 1
-    return ids, mask, np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
 
 
 @pytest.mark.parametrize("fam_id", ["llama3-gqa", "qwen2", "qwen3", "llama32-tied"])

@@ -23,7 +23,7 @@ from criticalkv.errors import EngineError
 from criticalkv.request import Request, SamplingParams
 from criticalkv.runtime import Engine
 from criticalkv.runtime.onnxruntime_backend import PREFILL_ENV, THREADS_ENV
-from export.tiny_engine import export_tiny_engine
+from export.tiny_engine import export_tiny_engine, padded
 from model_families import FAMILIES, family, random_checkpoint, random_prompt
 
 LENGTHS = (150, 97, 150)  # a left-padded batch: two groups of equal lengths
@@ -43,15 +43,6 @@ def engines(model, policy, folder, **limits):
     fused, portable = Engine.load(folder), Engine.load(folder, prefill="portable")
     assert fused.backend.prefill_form == "fused" and portable.backend.prefill_form == "portable"
     return fused, portable
-
-
-def padded(prompts):
-    n = max(len(p) for p in prompts)
-    ids = np.zeros((len(prompts), n), np.int64)
-    mask = np.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, n - len(p):], mask[row, n - len(p):] = p, 1
-    return ids, mask, np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
 
 
 def float64_oracle(model, prompt):
