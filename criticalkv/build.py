@@ -43,7 +43,7 @@ from criticalkv.hf import generate, load_model, resolve_model
 from criticalkv.hf.loading import stop_token_ids
 from criticalkv.hf.reconstruct import reconstruction_prompt
 from criticalkv.methods.kvzip import ReconstructionPrompt
-from criticalkv.policy import SCHEMA_VERSION, KVPolicy
+from criticalkv.policy import SCHEMA_VERSION, KVPolicy, parse_policy_spec
 from criticalkv.runtime import Engine, create_backend
 from criticalkv.runtime.manifest import FORMAT as MANIFEST_FORMAT
 from criticalkv.runtime.manifest import FORMAT_VERSION, MANIFEST_FILE, EngineError, write_manifest
@@ -70,15 +70,15 @@ BUILD_BACKENDS = ("onnx", "torch")
 
 
 def context_policy_for(policy: KVPolicy, name: str | None = DEFAULT_CONTEXT_POLICY) -> KVPolicy | None:
-    """The context policy of an engine built with ``policy``: ``name`` at the engine's budget and window (other knobs
-    at their defaults), or None (contexts selected by ``policy`` itself) for ``name`` None or "engine", or when
+    """The context policy of an engine built with ``policy``: ``name`` (or ``name:knob=value...``) at the engine's budget
+    and window (other knobs at their defaults), or None (contexts selected by ``policy`` itself) for ``name`` None or "engine", or when
     ``policy`` keeps every entry (``full``: the lossless context cache)."""
     if name in (None, "engine") or not policy.method.base.evicts:
         return None
-    try:
-        context = KVPolicy(name, budget=policy.budget, window=policy.window)
+    try:  # a name, or a spec with knobs (``kvzip:kvzip_reread=chunk:kvzip_chunk=512``)
+        context = parse_policy_spec(name, KVPolicy(budget=policy.budget, window=policy.window), "--context-policy")
     except ValueError as err:
-        raise ValueError(f"--context-policy {name}: {err}") from None
+        raise ValueError(err if str(err).startswith("--context-policy") else f"--context-policy {name}: {err}") from None
     return None if context == policy else context
 
 

@@ -45,6 +45,7 @@ POLICY_DESCRIPTIONS: dict[str, str] = {name: m.description for name, m in _metho
 VALUE_NORMS = ("l1", "l2")
 GQA_REDUCES = ("mean", "kvpress")
 STAGE2_SCORES = ("pooled", "raw")
+KVZIP_REREADS = ("context", "chunk")
 
 SCHEMA_VERSION = 1
 
@@ -114,6 +115,9 @@ class KVPolicy:
     kvzip_chunk: int = _knob(2048, "kvzip: context tokens re-read per reconstruction pass (the context is scored in "
                              "chunks of this many tokens, each after its own repeat prompt), as kvpress's chunk_size",
                              rules=(Positive(), AtMost(MAX_TOKENS)))
+    kvzip_reread: str = _knob("context", "kvzip: the cache each chunk's re-read attends to: the whole context's (KVzip as "
+                              "published; its cost grows with n x n) or the sinks and the chunk's own entries only "
+                              "(chunk: linear in n, the keys its score counts)", choices=KVZIP_REREADS)
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -285,3 +289,32 @@ def policy_table_markdown() -> str:
         meaning = f.metadata["help"] + (f" ({' / '.join(choices)})" if choices and f.name != "name" else "")
         rows.append(f"| `{f.name}` | `{KVPolicy.flag_of(f.name)}` | `{getattr(default, f.name)}` | {meaning} |")
     return "\n".join(rows)
+
+
+def _convert(knob: str, text: str, flag: str):
+    kind = {f.name: f.type for f in dataclasses.fields(KVPolicy)}[knob]
+    kind = kind if isinstance(kind, str) else kind.__name__
+    try:
+        return {"int": int, "float": float, "str": str}[kind](text)
+    except ValueError:
+        raise ValueError(f"{flag}: {knob}={text!r} is not a valid {kind}") from None
+
+
+def parse_policy_spec(spec: str, base: KVPolicy, flag: str = "--policies") -> KVPolicy:
+    """``name[:knob=value...]`` -> KVPolicy on top of ``base`` (its knobs are the defaults)."""
+    name, *overrides = spec.strip().split(":")
+    if name not in POLICIES:
+        raise ValueError(f"{flag}: unknown KV policy {name!r}; choose from {', '.join(POLICIES)}")
+    changes: dict = {"name": name}
+    names = [f.name for f in dataclasses.fields(KVPolicy)]
+    for item in overrides:
+        knob, sep, value = item.partition("=")
+        if not sep or not knob:
+            raise ValueError(f"{flag}: {item!r} in {spec!r} is not knob=value")
+        if knob not in names or knob == "name":
+            knobs = ", ".join(k for k in names if k != "name")
+            raise ValueError(f"{flag}: unknown knob {knob!r} in {spec!r}; choose from {knobs}")
+        if knob == "budget":
+            raise ValueError(f"{flag}: give budgets with {'--budgets' if flag == '--policies' else '--budget'}, not in {spec!r}")
+        changes[knob] = _convert(knob, value, flag)
+    return base.replace(**changes)

@@ -133,7 +133,7 @@ class ScoreBank:
             cache = cache_of(p.keys, p.values, self.model.config)
             return reconstruction_scores(self.model, cache, p.input_ids[0].tolist(), policy, self.reconstruction)
 
-        key = ("reconstruction", policy.kvzip_chunk, policy.sink_tokens)
+        key = ("reconstruction", policy.kvzip_chunk, policy.sink_tokens, policy.kvzip_reread)
         if key in self.memo.entries:
             return self.memo.entries[key]
         start = time.perf_counter()

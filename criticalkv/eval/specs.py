@@ -8,14 +8,10 @@ whatever the budgets.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from criticalkv.methods import BASE_METHODS, METHODS
-from criticalkv.policy import POLICIES, KVPolicy
-
-_TYPES = {f.name: f.type for f in dataclasses.fields(KVPolicy)}
-
+from criticalkv.policy import KVPolicy, parse_policy_spec  # noqa: F401 (the evaluations' spec parser)
 
 @dataclass(frozen=True)
 class PolicyRun:
@@ -28,15 +24,6 @@ class PolicyRun:
     @property
     def key(self) -> str:
         return self.spec if self.budget is None else f"{self.spec}@{self.budget}"
-
-
-def _convert(knob: str, text: str):
-    kind = _TYPES[knob]
-    kind = kind if isinstance(kind, str) else kind.__name__
-    try:
-        return {"int": int, "float": float, "str": str}[kind](text)
-    except ValueError:
-        raise ValueError(f"--policies: {knob}={text!r} is not a valid {kind}") from None
 
 
 def default_policy_specs(pairs_only: bool = False) -> list[str]:
@@ -53,25 +40,6 @@ def default_policy_specs(pairs_only: bool = False) -> list[str]:
         for name in refined:
             specs += [name, f"{name}:stage2_scores=raw"]
     return specs
-
-
-def parse_policy_spec(spec: str, base: KVPolicy) -> KVPolicy:
-    """``name[:knob=value...]`` -> KVPolicy on top of ``base`` (its knobs are the defaults)."""
-    name, *overrides = spec.strip().split(":")
-    if name not in POLICIES:
-        raise ValueError(f"--policies: unknown KV policy {name!r}; choose from {', '.join(POLICIES)}")
-    changes: dict = {"name": name}
-    for item in overrides:
-        knob, sep, value = item.partition("=")
-        if not sep or not knob:
-            raise ValueError(f"--policies: {item!r} in {spec!r} is not knob=value")
-        if knob not in _TYPES or knob == "name":
-            knobs = ", ".join(k for k in _TYPES if k != "name")
-            raise ValueError(f"--policies: unknown knob {knob!r} in {spec!r}; choose from {knobs}")
-        if knob == "budget":
-            raise ValueError(f"--policies: give budgets with --budgets, not in {spec!r}")
-        changes[knob] = _convert(knob, value)
-    return base.replace(**changes)
 
 
 def parse_list(text: str, flag: str, kind=int) -> list:

@@ -34,6 +34,12 @@ SELECT_CONTEXT_FILE = "select_context.onnx"
 #: The extend graph with KVzip's reconstruction scores (``DecoderGraphBuilder.extend(score=True)``), for an engine whose
 #: policy or context policy ranks by a context reconstruction (kvzip)
 RECONSTRUCT_FILE = "reconstruct.onnx"
+#: The fused extend graph with KVzip's reconstruction scores (``DecoderGraphBuilder.extend_fused(score=True)``: ONNX
+#: Runtime only, GroupQueryAttention's probabilities), beside the fused prompt graphs when the reconstruct graph is written
+RECONSTRUCT_ORT_FILE = "reconstruct_ort.onnx"
+#: Positions beyond 2 x max_input_len the fused reconstruct graph's RoPE caches hold: a chunk's repeat prompt (kvpress's,
+#: about 20-40 tokens with the chat template's turn markers); a reconstruction reaching further runs the portable graph
+RECONSTRUCTION_PROMPT_ROOM = 256
 TOKENIZER_DIR = "tokenizer"
 #: The policy the serving context cache compresses contexts with unless the build says otherwise
 #: (``criticalkv.build.context_policy_for``): the one that held up best question-agnostically at the default budget
@@ -210,6 +216,10 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
         builder = graph_builder(spec, store, policy, capacities, "onnxruntime", config.attention_chunk)
         onnx.save(builder.prefill_fused(prompt["max_positions"]), folder / PREFILL_ORT_FILE)
         onnx.save(builder.extend_fused(prompt["max_positions"]), folder / EXTEND_ORT_FILE)
+        if reconstructs(policy) or reconstructs(context_policy):
+            prompt["reconstruct"] = RECONSTRUCT_ORT_FILE
+            prompt["reconstruct_max_positions"] = 2 * config.max_input_len + RECONSTRUCTION_PROMPT_ROOM
+            onnx.save(builder.extend_fused(prompt["reconstruct_max_positions"], score=True), folder / RECONSTRUCT_ORT_FILE)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder / TOKENIZER_DIR)
     return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes(), fused, prompt,
@@ -256,5 +266,5 @@ def onnx_info() -> dict:
                   "prefill_tensorrt": PREFILL_TENSORRT_FILE, "decode": DECODE_FILE,
                   "decode_ort": DECODE_ORT_FILE, "extend": EXTEND_FILE, "extend_tensorrt": EXTEND_TENSORRT_FILE, "select": SELECT_FILE,
                   "select_tensorrt": SELECT_TENSORRT_FILE, "select_context": SELECT_CONTEXT_FILE,
-                  "reconstruct": RECONSTRUCT_FILE, "weights": WEIGHTS_FILE},
+                  "reconstruct": RECONSTRUCT_FILE, "reconstruct_ort": RECONSTRUCT_ORT_FILE, "weights": WEIGHTS_FILE},
     }

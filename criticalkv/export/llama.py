@@ -913,7 +913,8 @@ class DecoderGraphBuilder:
         last = g.reshape(g.slice_axis(q, -window, _INT64_MAX, axis=1), [0, 0, s.num_heads, s.head_dim])
         return g.op("Transpose", last, perm=[0, 2, 1, 3], outputs=[output] if output else 1)
 
-    def prompt_attention(self, i: int, q: str, k: str, v: str, seqlens: str, total: str, in_place: bool = False) -> tuple:
+    def prompt_attention(self, i: int, q: str, k: str, v: str, seqlens: str, total: str, in_place: bool = False,
+                         probs: bool = False) -> tuple:
         """Causal attention of s tokens in one com.microsoft ``GroupQueryAttention`` node (no Loop; ONNX Runtime's CPU
         kernel holds no s x s scores per head: a 4k-token prompt measured 33 MiB of working memory for 9 heads).
 
@@ -923,18 +924,20 @@ class DecoderGraphBuilder:
         before the new ones are the buffers ``past_key_values.{i}.key`` / ``.value`` [1, H_kv, cap, d_h], whose
         ``seqlens + 1 - s`` first entries are held; the node writes the new entries after them into its outputs
         ``present.{i}.key`` / ``.value``, which the runtime binds to the same memory (ONNX Runtime takes several new
-        tokens over a past for batch 1 only); returns (attention, the two output names)."""
+        tokens over a past for batch 1 only); returns (attention, the two output names). ``probs``: the node also
+        returns its attention probabilities [B, H, s, total] (``qk_output=2``: after the softmax over every key the
+        query sees, 0 for the later keys), a fourth output (the fused reconstruct graph's scores read them)."""
         g, s = self.g, self.spec
         if in_place:
             past = (f"past_key_values.{i}.key", f"past_key_values.{i}.value")
             names = [f"present.{i}.key", f"present.{i}.value"]
         else:
             past, names = ("", ""), [g.fresh("prompt_key"), g.fresh("prompt_value")]
-        out, key, value = g.op(
+        extra = {"qk_output": 2} if probs else {}
+        return g.op(
             "GroupQueryAttention", q, k, v, *past, seqlens, total, domain=ORT_DOMAIN,
-            outputs=[g.fresh("attention"), *names], num_heads=s.num_heads, kv_num_heads=s.num_kv_heads,
-            scale=1.0 / math.sqrt(s.head_dim), do_rotary=0)
-        return out, key, value
+            outputs=[g.fresh("attention"), *names] + ([g.fresh("probs")] if probs else []), num_heads=s.num_heads,
+            kv_num_heads=s.num_kv_heads, scale=1.0 / math.sqrt(s.head_dim), do_rotary=0, **extra)
 
     def _fused_prompt_layers(self, max_positions: int, layer_attention, after_layer) -> str:
         """Every decoder layer of the fused prompt graphs over ``input_ids``; returns the last token's logits' name.
@@ -1009,7 +1012,29 @@ class DecoderGraphBuilder:
                                  f"criticalkv fused prefill (ONNX Runtime only: com.microsoft operators; prompts without "
                                  f"padding), policy {policy.to_json()}")
 
-    def extend_fused(self, max_positions: int) -> onnx.ModelProto:
+    def reconstruction_scores_fused(self, probs: str, held: str) -> str:
+        """KVzip's scores of one layer from the fused extend's attention probabilities ``probs`` [1, H, N, T] (every
+        new query's softmax over the T = P + N keys it may see, ``prompt_attention(probs=True)``) over a past of P =
+        ``held`` (int32 [1]) entries: [1, H_kv, P], the chunk's entries [start, end) of ``score_range`` scored as
+        ``reconstruction_block_scores`` scores them (the same math, no query blocks), every other past entry 0 (the
+        runtime reads [start, end) only).
+
+        KVzip's softmax runs over the keys < sinks, in [start, end) and >= n; the node's softmax over all of them, so
+        the score is probs / mass, mass = the probability of those keys, summed over the three ranges (not 1 - the
+        rest: a query that looks mostly outside the chunk has a mass near 0, where that difference loses its digits).
+        The division and the maxima run over the chunk's columns only."""
+        g, s = self.g, self.spec
+        sinks, start, end, context = (g.slice_axis("score_range", j, j + 1, axis=0) for j in range(4))
+        chunk = g.slice_axis(probs, start, end, axis=3)  # [1, H, N, end - start]
+        seen = [g.ReduceSum(x, g.i64(3), keepdims=1)
+                for x in (g.slice_axis(probs, 0, sinks, axis=3), chunk, g.slice_axis(probs, context, _INT64_MAX, axis=3))]
+        chunk = g.Div(chunk, g.Add(g.Add(seen[0], seen[1]), seen[2]))  # [1, H, N, end - start]
+        best = g.ReduceMax(g.reshape(g.ReduceMax(chunk, g.i64(2), keepdims=0), [0, s.num_kv_heads, s.group, -1]),
+                           g.i64(2), keepdims=0)  # [1, H_kv, end - start]
+        after = g.Sub(g.Cast(held, to=INT64), end)
+        return g.Pad(best, g.concat(g.i64(0, 0), start, g.i64(0, 0), after), mode="constant")
+
+    def extend_fused(self, max_positions: int, score: bool = False) -> onnx.ModelProto:
         """``extend_ort.onnx``, the ONNX-Runtime-only extend of ONE sequence whose KV heads hold equal lengths in each
         layer (a prompt's prefill buffer in a chunked prefill, a slot of a policy that keeps equal lengths); the runtime
         runs extend.onnx for anything else.
@@ -1017,7 +1042,11 @@ class DecoderGraphBuilder:
         extend's inputs (batch 1). Outputs: ``logits`` and ``present.{l}.window_queries`` as extend's;
         ``present.{l}.key`` / ``.value`` [1, H_kv, cap_l, d_h] are the buffers themselves, bound to the past inputs'
         memory: ``prompt_attention`` (in place) writes the N new entries at slots [length, length + N) of every head. The
-        runtime then adds N to the lengths."""
+        runtime then adds N to the lengths.
+
+        ``score`` (``reconstruct_ort.onnx``, KVzip's context reconstruction on the fused graph): also takes
+        ``score_range`` and returns ``present.{l}.scores`` [1, H_kv, P] as the reconstruct graph (``extend(score=True)``)
+        does for the chunk's entries (``reconstruction_scores_fused``): GroupQueryAttention returns its probabilities."""
         window = self._window("extend")
         reason = self.fused_decode_refusal()
         if reason:
@@ -1033,14 +1062,21 @@ class DecoderGraphBuilder:
             outputs += [value_info(f"present.{i}.{kind}", FLOAT, [1, s.num_kv_heads, f"capacity_{i}", s.head_dim])
                         for kind in ("key", "value")]
             outputs.append(value_info(f"present.{i}.window_queries", FLOAT, [1, s.num_heads, "window_tokens", s.head_dim]))
+            if score:
+                outputs.append(value_info(f"present.{i}.scores", FLOAT, [1, s.num_kv_heads, "past_tokens"]))
         for value in inputs[2:]:
             value.type.tensor_type.shape.dim[0].dim_value = 1  # batch 1: the past inputs too
+        if score:
+            inputs.insert(2, value_info("score_range", INT64, [4]))
 
         def attention(i, q, k, v):
             held = g.reshape(g.slice_axis(f"past_key_values.{i}.lengths", 0, 1, axis=1), [-1])  # [1]: every head's
             seqlens = g.Sub(g.Add(held, new_tokens), one)
             total = g.squeeze(g.Add(seqlens, one), 0)
-            return self.prompt_attention(i, q, k, v, seqlens, total, in_place=True)[0]
+            out = self.prompt_attention(i, q, k, v, seqlens, total, in_place=True, probs=score)
+            if score:
+                g.op("Identity", self.reconstruction_scores_fused(out[3], held), outputs=[f"present.{i}.scores"])
+            return out[0]
 
         def window_queries(i, q):  # post-RoPE, unscaled: the selection node's queries input
             self.window_rows(q, window, output=f"present.{i}.window_queries")
@@ -1050,6 +1086,10 @@ class DecoderGraphBuilder:
             self._fused_prompt_layers(max_positions, attention, window_queries)
         finally:
             self.fused = False
+        if score:
+            return self._fused_model("criticalkv_reconstruct_fused", inputs, outputs, [],
+                                     "criticalkv fused reconstruct (ONNX Runtime only): the fused extend + KVzip's "
+                                     "reconstruction scores")
         return self._fused_model("criticalkv_extend_fused", inputs, outputs, [],
                                  "criticalkv fused extend (ONNX Runtime only: com.microsoft operators): new tokens of one "
                                  "sequence written into its KV buffers in place")

@@ -22,6 +22,7 @@ from criticalkv.export.exporter import (
     PREFILL_ORT_FILE,
     PREFILL_TENSORRT_FILE,
     RECONSTRUCT_FILE,
+    RECONSTRUCT_ORT_FILE,
     SELECT_CONTEXT_FILE,
     SELECT_FILE,
     SELECT_TENSORRT_FILE,
@@ -49,11 +50,12 @@ GRAPHS = (
     ("extend_ort", EXTEND_ORT_FILE, False, False),
     ("select_context", SELECT_CONTEXT_FILE, True, False),
     ("reconstruct", RECONSTRUCT_FILE, False, False),
+    ("reconstruct_ort", RECONSTRUCT_ORT_FILE, False, False),
 )
 #: The fused prompt graphs (ONNX Runtime only), written unless the model refuses them.
-FUSED_PROMPT = ("prefill_ort", "extend_ort")
+FUSED_PROMPT = ("prefill_ort", "extend_ort", "reconstruct_ort")
 #: Graphs an export writes only for some policies (the context policy's select graph, KVzip's reconstruct graph).
-OPTIONAL_GRAPHS = ("select_context", "reconstruct")
+OPTIONAL_GRAPHS = ("select_context", "reconstruct", "reconstruct_ort")
 #: The TensorRT flavours a model-level policy does not have (``decode.onnx`` is also its ONNX Runtime decode graph).
 TENSORRT_FLAVOURS = ("prefill_tensorrt", "extend_tensorrt", "select_tensorrt")
 #: The only com.microsoft operators of the fused decode graph (``decode_ort``), by its attention form; no other graph
@@ -100,6 +102,8 @@ def validate_export(result: ExportResult) -> dict:
         if key in OPTIONAL_GRAPHS:
             wanted = (result.context_policy is not None if key == "select_context"
                       else reconstructs(result.policy) or reconstructs(result.context_policy))
+            if key == "reconstruct_ort":  # the fused one: only beside the fused prompt graphs
+                wanted = wanted and bool((result.fused_prompt or {}).get("prefill"))
             if path.exists() != wanted:
                 raise ValueError(f"{name}: {'missing' if wanted else 'written although no policy of the export needs it'}")
             if not wanted:

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from criticalkv.hf.cache import cache_kwargs, hook_cache
 from criticalkv.hf.queries import window_queries
-from criticalkv.methods.kvzip import ReconstructionPrompt, chunk_scores, reconstruction_chunks
+from criticalkv.methods.kvzip import ReconstructionChunk, ReconstructionPrompt, chunk_scores, reconstruction_chunks
 from criticalkv.policy import KVPolicy
 
 
@@ -52,6 +52,17 @@ def cache_of(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], confi
     return cache
 
 
+def local_cache(cache, chunk: ReconstructionChunk, config) -> tuple[DynamicCache, int, ReconstructionChunk]:
+    """``kvzip_reread="chunk"``: a cache of the context's first ``chunk.sinks`` entries and the chunk's [start, end),
+    copied from ``cache`` per layer (their keys keep their original positions' RoPE), its length, and the chunk in its
+    coordinates (sinks first, then the chunk's entries)."""
+    s, e, m = chunk.start, chunk.end, chunk.sinks
+    keys = [torch.cat([layer.keys[:, :, :m], layer.keys[:, :, s:e]], dim=2) for layer in cache.layers]
+    values = [torch.cat([layer.values[:, :, :m], layer.values[:, :, s:e]], dim=2) for layer in cache.layers]
+    held = m + e - s
+    return cache_of(keys, values, config), held, ReconstructionChunk(m, held, m, chunk.input_ids)
+
+
 @torch.no_grad()
 def reconstruction_scores(model, cache, context_ids: Sequence[int], policy: KVPolicy,
                           prompt: ReconstructionPrompt | None = None) -> list[torch.Tensor]:
@@ -72,14 +83,17 @@ def reconstruction_scores(model, cache, context_ids: Sequence[int], policy: KVPo
     scores = [torch.zeros(1, config.num_key_value_heads, n, dtype=torch.float32, device=device) for _ in layers]
     for chunk in reconstruction_chunks(ids, policy.kvzip_chunk, policy.sink_tokens, prompt):
         r = len(chunk.input_ids)
+        seen, held, cut = cache, n, chunk
+        if policy.kvzip_reread == "chunk":  # the re-read sees the sinks and the chunk's entries only (original positions)
+            seen, held, cut = local_cache(cache, chunk, config)
 
-        def make_hook(idx, chunk=chunk, r=r):
+        def make_hook(idx, chunk=chunk, cut=cut, held=held, r=r):
             def hook(module, args, kwargs, output):
                 hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
                 layer = hook_cache(kwargs).layers[idx]
                 q = window_queries(module, hidden, kwargs["position_embeddings"], r)  # every reconstruction query
-                scores[idx][:, :, chunk.start : chunk.end] = chunk_scores(q, layer.keys, n, chunk)
-                layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]  # drop the chunk's entries
+                scores[idx][:, :, chunk.start : chunk.end] = chunk_scores(q, layer.keys, held, cut)
+                layer.keys, layer.values = layer.keys[:, :, :held], layer.values[:, :, :held]  # drop the chunk's entries
 
             return hook
 
@@ -87,7 +101,7 @@ def reconstruction_scores(model, cache, context_ids: Sequence[int], policy: KVPo
         try:
             model(input_ids=torch.tensor([chunk.input_ids], device=device),
                   position_ids=torch.arange(n, n + r, device=device)[None], use_cache=True, logits_to_keep=1,
-                  **cache_kwargs(model, cache))
+                  **cache_kwargs(model, seen))
         finally:
             for h in handles:
                 h.remove()

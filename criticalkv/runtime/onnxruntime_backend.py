@@ -183,6 +183,11 @@ class OnnxRuntimeBackend(BuiltShapes):
                                        if "select_context" in files else None)
         self.reconstruct_session = (self.session(self.folder / files["reconstruct"], threads)
                                     if "reconstruct" in files else None)
+        #: KVzip's reconstruction on the fused extend (GroupQueryAttention's probabilities); None: the reconstruct graph
+        self.reconstruct_fused_session = (self.session(self.folder / files["reconstruct_ort"], threads, prepack=prompt_prepack)
+                                          if fused_prompt and "reconstruct_ort" in files else None)
+        #: the fused reconstruct graph's RoPE caches end here (a reconstruction beyond runs the reconstruct graph)
+        self.reconstruct_max_positions = int((manifest["onnx"].get("fused_prompt") or {}).get("reconstruct_max_positions", 0))
         self._allocate()
         budget_inputs = [i for i in self.prefill_session.get_inputs() if i.name == "kv_budget"]
         self._budget_input = budget_inputs[0] if budget_inputs else None
@@ -495,8 +500,9 @@ class OnnxRuntimeBackend(BuiltShapes):
             if int(lengths[i].max()) + n_new > keys[i].shape[2]:
                 raise EngineError(f"layer {i}: {n_new} more entries do not fit the KV buffer "
                                   f"({keys[i].shape[2]} entries per head, {int(lengths[i].max())} used)")
-        if score_range is None and self._fused_extend_fits(keys, values, lengths):  # the reconstruct graph: portable
-            return self._extend_fused(keys, values, lengths, token_ids, positions)
+        if self._fused_extend_fits(keys, values, lengths, score_range is not None) and (
+                score_range is None or int(positions.max()) < self.reconstruct_max_positions):
+            return self._extend_fused(keys, values, lengths, token_ids, positions, score_range)
         inputs = {"input_ids": token_ids, "position_ids": positions}
         names = ["logits"]
         if score_range is not None:
@@ -523,21 +529,30 @@ class OnnxRuntimeBackend(BuiltShapes):
                              scores=None if score_range is None else [out[f"present.{i}.scores"]
                                                                       for i in range(self.num_layers)])
 
-    def _fused_extend_fits(self, keys: list[np.ndarray], values: list[np.ndarray], lengths: list[np.ndarray]) -> bool:
-        """Whether extend_ort.onnx can run this extend: the engine runs the fused prompt graphs, one sequence, every
-        head of a layer holding the same length, float32 C-contiguous buffers (written in place)."""
-        if self.extend_fused_session is None or lengths[0].shape[0] != 1:
+    def _fused_extend_fits(self, keys: list[np.ndarray], values: list[np.ndarray], lengths: list[np.ndarray],
+                           score: bool = False) -> bool:
+        """Whether extend_ort.onnx (``score``: reconstruct_ort.onnx) can run this extend: the engine runs the fused
+        prompt graphs, one sequence, every head of a layer holding the same length, float32 C-contiguous buffers
+        (written in place)."""
+        session = self.reconstruct_fused_session if score else self.extend_fused_session
+        if session is None or lengths[0].shape[0] != 1:
             return False
         return all(int(n.min()) == int(n.max()) and k.dtype == np.float32 and v.dtype == np.float32
                    and k.flags.c_contiguous and v.flags.c_contiguous for k, v, n in zip(keys, values, lengths))
 
     def _extend_fused(self, keys: list[np.ndarray], values: list[np.ndarray], lengths: list[np.ndarray],
-                      token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
+                      token_ids: np.ndarray, positions: np.ndarray, score_range: np.ndarray | None = None) -> ExtendOutputs:
         """``extend`` through extend_ort.onnx: its GroupQueryAttention writes the new entries into ``keys`` / ``values``
-        at each layer's length itself (the present outputs are bound to the same memory); the lengths then grow by N."""
-        binding = self.extend_fused_session.io_binding()
+        at each layer's length itself (the present outputs are bound to the same memory); the lengths then grow by N.
+        ``score_range``: through reconstruct_ort.onnx, with KVzip's scores of the chunk's entries (0 elsewhere)."""
+        session = self.extend_fused_session if score_range is None else self.reconstruct_fused_session
+        binding = session.io_binding()
         binding.bind_cpu_input("input_ids", token_ids)
         binding.bind_cpu_input("position_ids", positions)
+        scores = []
+        if score_range is not None:
+            binding.bind_cpu_input("score_range", np.ascontiguousarray(score_range, dtype=np.int64))
+            scores = [np.zeros((1, self.kv_heads, int(n[0, 0])), np.float32) for n in lengths]
         logits = np.zeros((1, self.vocab), np.float32)
         queries = [np.zeros((1, self.num_heads, min(token_ids.shape[1], self.window), self.head_dim), np.float32)
                    for _ in range(self.num_layers)]
@@ -548,12 +563,14 @@ class OnnxRuntimeBackend(BuiltShapes):
             binding.bind_cpu_input(f"past_key_values.{i}.lengths", lengths[i])
             outputs += [(f"present.{i}.key", keys[i]), (f"present.{i}.value", values[i]),
                         (f"present.{i}.window_queries", queries[i])]
+            if scores:
+                outputs.append((f"present.{i}.scores", scores[i]))
         for name, array in outputs:  # every output into memory of ours: the present ones are the buffers themselves
             binding.bind_output(name, "cpu", 0, np.float32, list(array.shape), array.ctypes.data)
-        self.extend_fused_session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         for n in lengths:
             n += token_ids.shape[1]
-        return ExtendOutputs(logits=logits, window_queries=queries)
+        return ExtendOutputs(logits=logits, window_queries=queries, scores=scores or None)
 
     def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         """``extend`` over decode buffer row ``row`` (token_ids, positions: [1, N]). float16 buffers: the extend graph

@@ -136,6 +136,48 @@ def test_fused_prompt_graphs_generate_the_portable_tokens(name, tmp_path):
         portable.close()
 
 
+@pytest.mark.parametrize("reread", ["context", "chunk"])
+def test_fused_reconstruction_is_within_twice_the_portable_error_of_a_float64_oracle(reread, tmp_path):
+    """KVzip's context reconstruction through reconstruct_ort.onnx (GroupQueryAttention's probabilities, the score's
+    renormalisation over the chunk's keys in the graph) against reconstruct.onnx and transformers in float64: scores
+    at most twice as far from the oracle as the portable graph's, the same kept entries and tokens. Chunks of 40 with
+    their repeat prompts over a 150-token context: several chunks, the sinks, runs over earlier runs' entries."""
+    from criticalkv.hf.reconstruct import reconstruction_scores
+
+    model = random_checkpoint(family("llama3-gqa"), seed=0)
+    reference = copy.deepcopy(model).double()
+    policy = KVPolicy("kvzip", budget=48, window=8, kvzip_chunk=40, kvzip_reread=reread)
+    fused, portable = engines(model, policy, tmp_path / "e")
+    calls = {"fused": 0}
+    run = fused.backend._extend_fused
+
+    def counted(*args):
+        calls["fused"] += args[-1] is not None  # a reconstruction run (score_range given)
+        return run(*args)
+
+    fused.backend._extend_fused = counted
+    try:
+        prompt = random_prompt(150, seed=3)
+        with torch.no_grad():
+            cache = reference(torch.tensor([prompt]), use_cache=True).past_key_values
+        oracle = reconstruction_scores(reference, cache, prompt, policy, fused.reconstruction)
+        errors, kept = {}, {}
+        for form, engine in (("fused", fused), ("portable", portable)):
+            job = engine.begin_prefill(Request(prompt, SamplingParams(max_tokens=4)))
+            engine.prefill_step(job, job.remaining)
+            scores = engine._reconstruct(job)
+            errors[form] = max(float(np.abs(a - b.numpy()).max()) for a, b in zip(scores, oracle))
+            kept[form] = engine.generate([prompt], max_new_tokens=6, stop_token_ids=[])
+        assert calls["fused"] >= 4  # every chunk's runs took the fused graph
+        assert 0 < errors["fused"] <= 2 * errors["portable"], errors
+        assert kept["fused"].tokens == kept["portable"].tokens
+        for layer in range(len(kept["fused"].kept_indices)):
+            assert np.array_equal(kept["fused"].kept_indices[layer], kept["portable"].kept_indices[layer])
+    finally:
+        fused.close()
+        portable.close()
+
+
 def test_graphs_forms_and_options(tmp_path, monkeypatch):
     """prefill_ort.onnx has no Loop and only its fused com.microsoft operators; no graph TensorRT parses has any; the
     form is chosen by option or environment; a bad one is refused; prepacking follows the form."""

@@ -69,16 +69,25 @@ def test_the_prompt_is_kvpress_in_a_real_tokenizer():
 
 
 def oracle_scores(model, context, policy, prompt):
-    """Per layer [H_kv, n] float64 by loops over the model's own eager attention probabilities."""
+    """Per layer [H_kv, n] float64 by loops over the model's own eager attention probabilities. ``kvzip_reread="chunk"``:
+    the reconstruction tokens' rows of a 4-D attention mask see only the sinks, the chunk and themselves (causal)."""
     n = len(context)
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     group = heads // kv_heads
     out = np.zeros((model.config.num_hidden_layers, kv_heads, n))
     for chunk in reconstruction_chunks(context, policy.kvzip_chunk, policy.sink_tokens, prompt):
         ids = torch.tensor([list(context) + list(chunk.input_ids)])
-        with torch.no_grad():
-            attentions = model(input_ids=ids, output_attentions=True).attentions  # per layer [1, H, n + R, n + R]
         r = len(chunk.input_ids)
+        options = {}
+        if policy.kvzip_reread == "chunk":
+            allowed = torch.ones(n + r, n + r).tril().bool()
+            hidden = torch.ones(n + r, dtype=torch.bool)
+            hidden[: chunk.sinks] = hidden[chunk.start : chunk.end] = hidden[n:] = False
+            allowed[n:, hidden] = False
+            mask = torch.zeros(n + r, n + r, dtype=model.dtype).masked_fill(~allowed, torch.finfo(model.dtype).min)
+            options["attention_mask"] = mask[None, None]
+        with torch.no_grad():
+            attentions = model(input_ids=ids, output_attentions=True, **options).attentions  # [1, H, n + R, n + R]
         for layer, probs in enumerate(attentions):
             p = probs[0].double().numpy()
             for h in range(heads):
@@ -91,11 +100,12 @@ def oracle_scores(model, context, policy, prompt):
     return out
 
 
-@pytest.mark.parametrize("chunk, opening", [(64, 0), (20, 0), (20, 6)])
-def test_scores_equal_the_loop_oracle(chunk, opening):
+@pytest.mark.parametrize("chunk, opening, reread", [(64, 0, "context"), (20, 0, "context"), (20, 6, "context"),
+                                                    (20, 6, "chunk"), (64, 0, "chunk")])
+def test_scores_equal_the_loop_oracle(chunk, opening, reread):
     model = tiny_model("llama", attn="eager", seed=2).double()
     context = torch.randint(1, 128, (50,), generator=torch.Generator().manual_seed(3)).tolist()
-    policy = KVPolicy("kvzip", budget=24, window=4, kvzip_chunk=chunk)
+    policy = KVPolicy("kvzip", budget=24, window=4, kvzip_chunk=chunk, kvzip_reread=reread)
     prompt = PROMPT if not opening else ReconstructionPrompt(PROMPT.first, PROMPT.later, PROMPT.suffix, PROMPT.overlap,
                                                              opening=tuple(context[:opening]))
     expected = oracle_scores(model, context, policy, prompt)
@@ -107,6 +117,22 @@ def test_scores_equal_the_loop_oracle(chunk, opening):
     got = np.stack([s[0].double().numpy() for s in ours])
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
     assert (expected[:, :, opening:] > 0).all() and not expected[:, :, :opening].any()  # the opening is not re-read
+
+
+def test_a_chunk_reread_ignores_the_other_chunks():
+    """kvzip_reread="chunk": a chunk's scores do not change when a later chunk's tokens do (its entries' K/V do not
+    either); with the whole context re-read they do."""
+    model = tiny_model("llama", attn="eager", seed=2).double()
+    context = torch.randint(1, 128, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    changed = context[:40] + [(t % 127) + 1 for t in context[40:]]
+    for reread, same in (("chunk", True), ("context", False)):
+        policy = KVPolicy("kvzip", budget=24, window=4, kvzip_chunk=20, kvzip_reread=reread)
+        got = []
+        for ids in (context, changed):
+            with torch.no_grad():
+                cache = model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+            got.append(np.stack([s[0, :, :40].numpy() for s in reconstruction_scores(model, cache, ids, policy, PROMPT)]))
+        assert np.array_equal(got[0], got[1]) == same, reread
 
 
 def test_prefill_and_compress_selects_with_the_reconstruction_scores():

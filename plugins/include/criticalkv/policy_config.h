@@ -33,6 +33,7 @@ struct PolicyConfig
     double head_cap_ratio = 0.0;
     int32_t future_positions = 512;
     int32_t kvzip_chunk = 2048;
+    std::string kvzip_reread = "context";
     int32_t layer_idx = 0;
     int32_t num_layers = 1;
     int32_t capacity = 0;
@@ -49,7 +50,7 @@ inline std::vector<std::string> const& policyNames()
 //! Names of every creator field, in order.
 inline std::vector<std::string> const& pluginFieldNames()
 {
-    static std::vector<std::string> const names = {"name", "budget", "window", "pool_kernel", "alpha", "epsilon", "value_norm", "gqa_reduce", "stage2_scores", "ada_floor", "pyramid_beta", "sink_tokens", "stage1_mass", "head_cap_ratio", "future_positions", "kvzip_chunk", "layer_idx", "num_layers", "capacity", "layer_budgets"};
+    static std::vector<std::string> const names = {"name", "budget", "window", "pool_kernel", "alpha", "epsilon", "value_norm", "gqa_reduce", "stage2_scores", "ada_floor", "pyramid_beta", "sink_tokens", "stage1_mass", "head_cap_ratio", "future_positions", "kvzip_chunk", "kvzip_reread", "layer_idx", "num_layers", "capacity", "layer_budgets"};
     return names;
 }
 
@@ -234,6 +235,8 @@ inline std::string validatePolicy(PolicyConfig const& p)
         return "kvzip_chunk: must be a positive number of tokens, got " + std::to_string(p.kvzip_chunk);
     if (p.kvzip_chunk > 4194304)
         return "kvzip_chunk: " + std::to_string(p.kvzip_chunk) + " exceeds the supported maximum 4194304";
+    if (!detail::oneOf(p.kvzip_reread, {CKV_CHOICES_kvzip_reread}))
+        return "kvzip_reread: '" + p.kvzip_reread + "' is not one of " + detail::joinChoices({CKV_CHOICES_kvzip_reread});
     // Layer fields.
     if (p.num_layers <= 0)
         return "num_layers: must be positive, got " + std::to_string(p.num_layers);

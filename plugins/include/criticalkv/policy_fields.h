@@ -24,6 +24,7 @@
     CKV_FIELD(FLOAT, head_cap_ratio, 0.0) \
     CKV_FIELD(INT, future_positions, 512) \
     CKV_FIELD(INT, kvzip_chunk, 2048) \
+    CKV_FIELD(STRING, kvzip_reread, "context") \
     CKV_FIELD(INT, layer_idx, 0) \
     CKV_FIELD(INT, num_layers, 1) \
     CKV_FIELD(INT, capacity, 0) \
@@ -68,6 +69,7 @@
 #define CKV_CHOICES_value_norm "l1", "l2"
 #define CKV_CHOICES_gqa_reduce "mean", "kvpress"
 #define CKV_CHOICES_stage2_scores "pooled", "raw"
+#define CKV_CHOICES_kvzip_reread "context", "chunk"
 
 namespace criticalkv
 {
@@ -107,6 +109,13 @@ enum class Stage2Scores : int32_t
 {
     kPooled = 0,
     kRaw = 1,
+};
+
+//! KVPolicy.kvzip_reread.
+enum class KvzipReread : int32_t
+{
+    kContext = 0,
+    kChunk = 1,
 };
 
 //! Fractions (alpha, ada_floor, pyramid_beta) are exact decimals with at most 6 decimals: value = micros / kDecimalScale.
