@@ -318,3 +318,11 @@ def parse_policy_spec(spec: str, base: KVPolicy, flag: str = "--policies") -> KV
             raise ValueError(f"{flag}: give budgets with {'--budgets' if flag == '--policies' else '--budget'}, not in {spec!r}")
         changes[knob] = _convert(knob, value, flag)
     return base.replace(**changes)
+
+
+def policy_spec(policy: KVPolicy) -> str:
+    """``name[:knob=value...]`` naming ``policy`` by the knobs of its method that differ from their defaults (budget
+    and window aside): the form ``parse_policy_spec`` reads."""
+    default = KVPolicy()
+    knobs = [k for k in policy.method.knobs if k not in ("budget", "window") and getattr(policy, k) != getattr(default, k)]
+    return ":".join([policy.name] + [f"{k}={getattr(policy, k)}" for k in knobs])

@@ -46,6 +46,7 @@ def scoring_cost(engine_dir: Path, contexts: list[list[int]], threads: int = 0) 
     the ratio reconstruction / prefill against ``SCORING_GOAL``."""
     import time
 
+    from criticalkv.policy import policy_spec
     from criticalkv.request import Request
     from criticalkv.runtime import Engine
 
@@ -65,7 +66,7 @@ def scoring_cost(engine_dir: Path, contexts: list[list[int]], threads: int = 0) 
         policy = engine.policy_for(True)
     finally:
         engine.close()
-    out = {"context_policy": policy.name, "rounds": rows}
+    out = {"context_policy": policy_spec(policy), "rounds": rows}
     for key in ("prefill_s", "reconstruction_s", "selection_s"):
         out[key] = distribution([r[key] for r in rows])
     ratios = [r["reconstruction_s"] / r["prefill_s"] for r in rows]
@@ -90,6 +91,7 @@ def summarize_rounds(rounds: list[dict], goal: float = TARGET_RATIO) -> dict:
 
 def render(results: dict) -> str:
     s = results["settings"]
+    labels = [run["engine"]["label"] for run in results["runs"]]
     f = served.fmt
     lines = served.header_block(results) + [
         f"Each round: a new {s['isl']}-token document as the context and a {s['question_tokens']}-token question, sent "
@@ -106,7 +108,7 @@ def render(results: dict) -> str:
         met = "-" if t["met"] is None else ("met" if t["met"] else "NOT met")
         if not is_target_workload(s):
             met = "- (not the target's workload: ISL 2048 context, 32-token question)"
-        lines.append(f"| {run['engine']['label']} | {c['used']} of {c['rounds']} | {f(c['uncached']['p50'])} "
+        lines.append(f"| {server_name(run, labels)} | {c['used']} of {c['rounds']} | {f(c['uncached']['p50'])} "
                      f"| {f(c['cached']['p50'])} | {f(c['cached']['p90'])} | {f(c['ratio_p50'], 3)} | {paired} "
                      f"| <= {t['goal']:g}x: {met} |")
     scored = [run for run in results["runs"] if run.get("scoring_cost")]
@@ -119,10 +121,17 @@ def render(results: dict) -> str:
             c = run["scoring_cost"]
             r = c["ratio"]
             met = "-" if c["target"]["met"] is None else ("met" if c["target"]["met"] else "NOT met")
-            lines.append(f"| {run['engine']['label']} | {c['context_policy']} | {f(c['prefill_s']['p50'], 3)} "
+            lines.append(f"| {server_name(run, labels)} | {c['context_policy']} | {f(c['prefill_s']['p50'], 3)} "
                          f"| {f(c['reconstruction_s']['p50'], 3)} | {f(c['selection_s']['p50'], 3)} "
                          f"| {f(r['p50'], 3)} ({f(r['min'], 3)}-{f(r['max'], 3)}) | <= {c['target']['goal']:g}x: {met} |")
     return "\n".join(lines) + "\n"
+
+
+def server_name(run: dict, labels: list[str]) -> str:
+    """A run's server in the tables: its engine's label, with the engine directory when another run has the same."""
+    label = run["engine"]["label"]
+    where = run["engine"].get("engine_dir")
+    return f"{label} ({where})" if where and labels.count(label) > 1 else label
 
 
 def is_target_workload(settings: dict) -> bool:
