@@ -103,3 +103,26 @@ def test_policy_table_lists_every_policy_and_knob():
         assert f"`{name}`" in table
     for name in KVPolicy.knob_names():
         assert f"`{name}`" in table
+
+
+def test_policy_specs_round_trip_and_name_the_flag():
+    from criticalkv.build import context_policy_for
+    from criticalkv.policy import parse_policy_spec, policy_spec
+
+    base = KVPolicy(budget=128, window=16)
+    for spec in ("kvzip", "kvzip:kvzip_chunk=512:kvzip_reread=chunk", "kvzip-criticalkv:alpha=0.5", "snapkv"):
+        policy = parse_policy_spec(spec, base)
+        assert policy.budget == 128 and policy.window == 16
+        assert parse_policy_spec(policy_spec(policy), base) == policy
+    assert policy_spec(parse_policy_spec("kvzip:kvzip_reread=chunk:kvzip_chunk=512", base)) == \
+        "kvzip:kvzip_chunk=512:kvzip_reread=chunk"  # the method's knob order
+    engine = KVPolicy("criticalkv", budget=256, window=32)
+    built = context_policy_for(engine, "kvzip-criticalkv:kvzip_reread=chunk:kvzip_chunk=512")
+    assert (built.name, built.budget, built.window, built.kvzip_reread, built.kvzip_chunk) == \
+        ("kvzip-criticalkv", 256, 32, "chunk", 512)
+    for bad, words in (("kvzip:kvzip_reread=whole", "is not one of"), ("kvzip:kvzip_chunk=many", "not a valid int"),
+                       ("kvzip:budget=64", "--budget"), ("nope", "unknown KV policy")):
+        with pytest.raises(ValueError, match="--context-policy") as err:
+            context_policy_for(engine, bad)
+        assert words in str(err.value), (bad, str(err.value))
+    assert context_policy_for(engine, "engine") is None and context_policy_for(KVPolicy("full"), "kvzip") is None
