@@ -96,7 +96,11 @@ def test_the_bench_reports_what_the_reconstruction_costs(engine):
     from criticalkv.bench.cached import SCORING_GOAL, render, scoring_cost
 
     cost = scoring_cost(engine.folder, [prompt(150, seed=41), prompt(120, seed=42)], threads=1)
-    assert cost["context_policy"] == "kvzip-criticalkv" and len(cost["rounds"]) == 2
+    # the context policy with the knobs it does not take at their defaults, which name it back
+    assert cost["context_policy"] == "kvzip-criticalkv:kvzip_chunk=64" and len(cost["rounds"]) == 2
+    from criticalkv.policy import parse_policy_spec
+
+    assert parse_policy_spec(cost["context_policy"], KVPolicy(budget=40, window=8)) == CONTEXT_POLICY
     for row in cost["rounds"]:
         assert row["prefill_s"] > 0 and row["reconstruction_s"] > 0 and row["selection_s"] > 0
     assert cost["ratio"]["p50"] > 0 and cost["target"]["goal"] == SCORING_GOAL
@@ -106,7 +110,7 @@ def test_the_bench_reports_what_the_reconstruction_costs(engine):
     results = machine.header("criticalkv bench cached-context --scoring-cost")
     results["settings"] = {"isl": 150, "question_tokens": 8, "osl": 2, "repeats": 2, "warmup": 0, "chat": False}
     results["runs"] = [{"engine": {"label": "criticalkv b=40"}, "scoring_cost": cost, "cached_context": summarize_rounds([])}]
-    assert "| criticalkv b=40 | kvzip-criticalkv |" in render(results)
+    assert "| criticalkv b=40 | kvzip-criticalkv:kvzip_chunk=64 |" in render(results)
 
 
 def test_a_context_that_starts_with_the_chat_opening_is_re_read_after_it(engine, model):
