@@ -181,11 +181,12 @@ class OnnxRuntimeBackend(BuiltShapes):
         # the context policy's select graph and KVzip's reconstruct graph (engines whose policies need them)
         self.select_context_session = (self.session(self.folder / files["select_context"], threads)
                                        if "select_context" in files else None)
-        self.reconstruct_session = (self.session(self.folder / files["reconstruct"], threads)
-                                    if "reconstruct" in files else None)
-        #: KVzip's reconstruction on the fused extend (GroupQueryAttention's probabilities); None: the reconstruct graph
-        self.reconstruct_fused_session = (self.session(self.folder / files["reconstruct_ort"], threads, prepack=prompt_prepack)
-                                          if fused_prompt and "reconstruct_ort" in files else None)
+        # KVzip's reconstruct graphs (portable; fused: GroupQueryAttention's probabilities), their sessions created at
+        # the first context re-read (``reconstruct_session``, ``reconstruct_fused_session``): 0.9 s of an 8.3 s load of
+        # the bundled model's engine, which most engines never spend (a context policy only re-reads contexts)
+        self._lazy = {"reconstruct": (files.get("reconstruct"), threads, None),
+                      "reconstruct_ort": (files.get("reconstruct_ort") if fused_prompt else None, threads, prompt_prepack)}
+        self._lazy_sessions: dict[str, Any] = {}
         #: the fused reconstruct graph's RoPE caches end here (a reconstruction beyond runs the reconstruct graph)
         self.reconstruct_max_positions = int((manifest["onnx"].get("fused_prompt") or {}).get("reconstruct_max_positions", 0))
         self._allocate()
@@ -226,6 +227,23 @@ class OnnxRuntimeBackend(BuiltShapes):
         if prefill == "fused":
             raise EngineError(f"{self.folder}: no fused prefill graph (prefill_ort.onnx): {reason}; use prefill='portable'")
         return "portable", reason
+
+    def _lazy_session(self, graph: str):
+        """The session of an engine graph created when first used (None: the engine has no such graph)."""
+        if graph not in self._lazy_sessions:
+            name, threads, prepack = self._lazy[graph]
+            self._lazy_sessions[graph] = None if name is None else self.session(self.folder / name, threads, prepack=prepack)
+        return self._lazy_sessions[graph]
+
+    @property
+    def reconstruct_session(self):
+        """reconstruct.onnx's session (the extend graph with KVzip's scores), or None: the engine re-reads no context."""
+        return self._lazy_session("reconstruct")
+
+    @property
+    def reconstruct_fused_session(self):
+        """reconstruct_ort.onnx's session (KVzip's re-read on the fused extend graph), or None: ``reconstruct_session``."""
+        return self._lazy_session("reconstruct_ort")
 
     def session(self, path: Path, threads: int, profile: bool = False, prepack: bool | None = None):
         """An InferenceSession of one graph of the engine (shared weights bound, profiling if asked).
@@ -672,4 +690,5 @@ class OnnxRuntimeBackend(BuiltShapes):
                 os.remove(trace)
         self._binding = None
         self._bindings.clear()
+        self._lazy_sessions.clear()
         self.prefill_session = self.decode_session = None
