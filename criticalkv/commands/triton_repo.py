@@ -33,8 +33,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-policy", default=None, metavar="NAME",
                    help="the policy a request's `context` is compressed with, before any question is known (default: "
                         "the engine's context policy, built with scripts/build_engine.py --context-policy, which "
-                        "defaults to kvzip; 'engine' = the engine's own --kv-policy). It must be one of the "
-                        "two the engine was built with (results/README.md, question-agnostic quality, says why kvzip)")
+                        "defaults to layer-kvzip-criticalkv:head_cap_ratio=3; 'engine' = the engine's own --kv-policy). "
+                        "It must be one of the two the engine was built with (results/README.md, question-agnostic "
+                        "quality, says why that one)")
     p.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch"), default=None,
                    help="onnxruntime (KIND_CPU; the default for an exported engine), tensorrt (KIND_GPU), or torch (the "
                         "checkpoint's own layers and the selection op; the default for an engine built with --backend "

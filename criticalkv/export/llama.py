@@ -617,10 +617,10 @@ class DecoderGraphBuilder:
             node_inputs.append(self.rotation_tables())
         if policy.method.base.external_scores:  # kvzip: the reconstruction's scores, or none (its window fallback)
             node_inputs.append(scores or self.g.const(np.zeros((1, s.num_kv_heads, 0), np.float32), hint="no_scores"))
-        if model_level:  # this layer's ranking; its full K/V stay graph tensors until the model-level node
-            ranking = f"ranking_{i}"
-            self.g.nodes.append(model_select.score_node(policy, i, s.num_layers, self.capacities[i], node_inputs, ranking))
-            pending.append((ranking, k, v))
+        if model_level:  # this layer's ranking (and critical score); its full K/V stay graph tensors until the model node
+            scored = [f"{name}_{i}" for name in model_select.score_outputs(policy)]
+            self.g.nodes.append(model_select.score_node(policy, i, s.num_layers, self.capacities[i], node_inputs, scored))
+            pending.append((scored, k, v))
         else:
             self.g.nodes.append(selection_node(policy, i, s.num_layers, self.capacities[i], node_inputs, names,
                                                name=f"criticalkv_select_{i}"))
@@ -636,8 +636,9 @@ class DecoderGraphBuilder:
         """The model-level selection node after the last layer (one selection over every layer and head)."""
         present = [f"present.{i}.{kind}" for i in range(self.spec.num_layers) for kind in ("key", "value", "lengths", "indices")]
         self.g.nodes.append(model_select.model_node(
-            self.policy, self.capacities, [e[0] for e in pending] + [e[1] for e in pending] + [e[2] for e in pending]
-            + [prompt_lengths, kv_budget], present))
+            self.policy, self.capacities,
+            [e[0][j] for j in range(len(pending[0][0])) for e in pending] + [e[1] for e in pending]
+            + [e[2] for e in pending] + [prompt_lengths, kv_budget], present))
 
     def selection_functions(self, model_level: bool) -> list[onnx.FunctionProto]:
         """The selection nodes' function bodies (none in the tensorrt flavour: the plugin runs the node)."""

@@ -55,8 +55,16 @@ from criticalkv.policy import KVPolicy
 SCORE_OP = SCORE_OP_TYPE
 MODEL_OP = MODEL_OP_TYPE
 SCORE_OUTPUTS = ("ranking",)
+#: The score node's outputs for a policy with CriticalKV's two stages (``layer-kvzip-criticalkv``): the ranking and the
+#: critical score, every older entry's (not pruned: the model-wide allocation fixes the heads' counts after the last layer).
+REFINED_SCORE_OUTPUTS = ("ranking", "critical")
 #: Attributes of the model-level node beyond the policy knobs.
 MODEL_ATTRIBUTES = ("num_layers", "capacities")
+
+
+def score_outputs(policy: KVPolicy) -> tuple[str, ...]:
+    """The ``CriticalKVScore`` node's outputs: the ranking, and the critical score when the policy refines."""
+    return REFINED_SCORE_OUTPUTS if policy.method.refine is not None else SCORE_OUTPUTS
 
 
 def is_model_level(policy: KVPolicy, num_layers: int) -> bool:
@@ -93,17 +101,22 @@ class _ScoreBody(_Body):
         ctx = self.context()
         n_s = g.squeeze(ctx["n"], 0)
         then = g.child()
+        self.exact_critical = True  # every older entry's critical score: the heads' counts come after the last layer
         scores, eligible, r, w = self.window_scores(then, ctx)
-        ranking = self.policy.method.base.onnx_priority(self, then, scores, eligible, r)
+        ranked = [self.policy.method.base.onnx_priority(self, then, scores, eligible, r)]
+        if self.policy.method.refine is not None:
+            ranked.append(scores["critical"])
         otherwise = g.child()
         m = otherwise.Max(otherwise.Sub(ctx["n"], otherwise.Min(otherwise.i64(self.policy.window), ctx["n"])),
                           otherwise.i64(0))
         zeros = otherwise.Expand(otherwise.const(0.0, np.float32),
                                  otherwise.concat(ctx["batch"], otherwise.i64(self.kv_heads), m))
+        outputs = score_outputs(self.policy)
         g.op("If", g.Greater(n_s, ctx["budget"]),
-             then_branch=then.graph("rank", [], [value_info(ranking, FLOAT, None)]),
-             else_branch=otherwise.graph("unranked", [], [value_info(zeros, FLOAT, None)]),
-             outputs=list(SCORE_OUTPUTS))
+             then_branch=then.graph("rank", [], [value_info(x, FLOAT, None) for x in ranked]),
+             else_branch=otherwise.graph("unranked", [], [value_info(otherwise.Identity(zeros), FLOAT, None)
+                                                          for _ in outputs]),
+             outputs=list(outputs))
 
 
 def score_function(policy: KVPolicy, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> onnx.FunctionProto:
@@ -111,7 +124,7 @@ def score_function(policy: KVPolicy, num_layers: int, num_heads: int, num_kv_hea
     g = GraphBuilder("ckvs/")
     _ScoreBody(g, policy, num_layers, num_heads, num_kv_heads, head_dim).build()
     return helper.make_function(
-        DOMAIN, SCORE_OP, list(node_inputs(policy)), list(SCORE_OUTPUTS), live_nodes(g.nodes, SCORE_OUTPUTS),
+        DOMAIN, SCORE_OP, list(node_inputs(policy)), list(score_outputs(policy)), live_nodes(g.nodes, score_outputs(policy)),
         opset_imports=[helper.make_opsetid("", OPSET)],
         attributes=list(KVPolicy.knob_names()) + list(LAYER_ATTRIBUTES),
         doc_string=f"CriticalKVScore body (per-layer ranking of a model-level selection) for policy {policy.to_json()} "
@@ -119,16 +132,20 @@ def score_function(policy: KVPolicy, num_layers: int, num_heads: int, num_kv_hea
     )
 
 
-def score_node(policy: KVPolicy, layer_idx: int, num_layers: int, capacity: int, inputs: list[str], output: str) -> onnx.NodeProto:
-    """One layer's ``CriticalKVScore`` node (the attributes of ``CriticalKVSelect``)."""
-    node = selection_node(policy, layer_idx, num_layers, capacity, inputs, [output], f"criticalkv_score_{layer_idx}")
+def score_node(policy: KVPolicy, layer_idx: int, num_layers: int, capacity: int, inputs: list[str],
+               outputs: list[str]) -> onnx.NodeProto:
+    """One layer's ``CriticalKVScore`` node (the attributes of ``CriticalKVSelect``); ``outputs``: its ranking's name,
+    then its critical score's for a policy that refines (``score_outputs``)."""
+    node = selection_node(policy, layer_idx, num_layers, capacity, inputs, list(outputs), f"criticalkv_score_{layer_idx}")
     node.op_type = SCORE_OP
     return node
 
 
-def model_inputs(num_layers: int) -> list[str]:
-    """The formal inputs of ``CriticalKVSelectModel``: every layer's ranking, then keys, then values, then the rest."""
-    return ([f"ranking.{i}" for i in range(num_layers)] + [f"keys.{i}" for i in range(num_layers)]
+def model_inputs(num_layers: int, refined: bool = False) -> list[str]:
+    """The formal inputs of ``CriticalKVSelectModel``: every layer's ranking, (``refined``: every layer's critical
+    score,) then keys, then values, then the rest."""
+    critical = [f"critical.{i}" for i in range(num_layers)] if refined else []
+    return ([f"ranking.{i}" for i in range(num_layers)] + critical + [f"keys.{i}" for i in range(num_layers)]
             + [f"values.{i}" for i in range(num_layers)] + ["prompt_lengths", "kv_budget"])
 
 
@@ -158,6 +175,8 @@ def _model_body(g: GraphBuilder, policy: KVPolicy, num_layers: int, num_kv_heads
     r = t.Min(t.Max(t.Sub(lens, w), t.scalar(0)), t.Sub(budget, t.scalar(p.window)))  # [B]
     model = _Body(t, policy, num_layers, heads, heads, 1)  # the model's L * H_kv heads as one layer's: top-k, floor table
     older = p.method.base.onnx_model_allocate(model, t, ranking, eligible, r, budget)
+    if p.method.refine is not None:
+        older = _model_refine(t, model, p, num_layers, ranking, older, eligible, valid_all, n, lens)
     window = t.Expand(t.const(True, np.bool_), t.concat(batch, t.i64(heads), w))
     compress = t.reshape(t.Greater(lens, budget), [-1, 1, 1])
     then_keep = _Body.where_bool(t, compress, t.concat(older, window, axis=-1), valid_all)
@@ -174,12 +193,34 @@ def _model_body(g: GraphBuilder, policy: KVPolicy, num_layers: int, num_kv_heads
         emit_kept(g, layer_keep, f"keys.{i}", f"values.{i}", capacity, outputs[4 * i: 4 * i + 4])
 
 
+def _model_refine(t: GraphBuilder, model: _Body, p: KVPolicy, num_layers: int, ranking: str, allocated: str,
+                  eligible: str, valid_all: str, n: str, lens: str) -> str:
+    """CriticalKV's two stages inside the model-wide allocation (``criticalkv.selection.layer.model_level_refine``):
+    each head keeps as many older entries as ``allocated`` gives it, its sinks first, then ceil(alpha * rest) by the
+    ranking (the base's score: the sinks' offset no longer counts once they are out) and the others by the critical
+    score."""
+    critical = t.concat(*[f"critical.{i}" for i in range(num_layers)], axis=1)  # [B, L * H_kv, m]
+    sinks = p.method.base.sinks(p)
+    if sinks:
+        m = t.shape_of(eligible, 2, 3)
+        positions = t.Range(t.scalar(0), t.squeeze(m, 0), t.scalar(1))
+        first = t.Less(t.unsqueeze(positions, 0), t.unsqueeze(t.Add(t.Sub(t.squeeze(n, 0), lens), t.scalar(sinks)), 1))
+        sink = t.And(t.And(eligible, t.unsqueeze(first, 1)), allocated)
+        eligible = t.And(eligible, t.Not(sink))
+    counts = t.ReduceSum(t.Cast(t.And(allocated, eligible), to=INT64), t.i64(-1), keepdims=0)  # [B, L * H_kv]
+    first_count = model.stage1_count(t, counts)
+    stage1 = model.topk_mask(t, ranking, first_count, eligible)
+    stage2 = model.topk_mask(t, critical, t.Sub(counts, first_count), t.And(eligible, t.Not(stage1)))
+    older = t.Or(stage1, stage2)
+    return t.Or(older, sink) if sinks else older
+
+
 def model_function(policy: KVPolicy, num_layers: int, num_kv_heads: int) -> onnx.FunctionProto:
     """The model-local function ``ai.criticalkv::CriticalKVSelectModel`` for ``policy`` and this model."""
     g = GraphBuilder("ckvm/")
     _model_body(g, policy, num_layers, num_kv_heads)
     return helper.make_function(
-        DOMAIN, MODEL_OP, model_inputs(num_layers), model_outputs(num_layers),
+        DOMAIN, MODEL_OP, model_inputs(num_layers, policy.method.refine is not None), model_outputs(num_layers),
         live_nodes(g.nodes, model_outputs(num_layers)),
         opset_imports=[helper.make_opsetid("", OPSET)],
         attributes=list(KVPolicy.knob_names()) + list(MODEL_ATTRIBUTES),
@@ -212,11 +253,14 @@ def model_selection_model(policy: KVPolicy, num_layers: int, num_kv_heads: int, 
     """A model holding one ``CriticalKVSelectModel`` node (tests): inputs ``ranking.{l}`` [batch, H_kv, m] float,
     ``keys.{l}`` / ``values.{l}`` [batch, H_kv, n, d_h] float, ``prompt_lengths`` [batch] int32, ``kv_budget`` [1]
     int32; outputs the node's (``kept_keys.{l}``, ...)."""
-    inputs = model_inputs(num_layers)
+    refined = policy.method.refine is not None
+    inputs = model_inputs(num_layers, refined)
     outputs = model_outputs(num_layers)
     node = model_node(policy, capacities, inputs, outputs)
-    infos = ([value_info(x, FLOAT, ["batch", num_kv_heads, "older"]) for x in inputs[:num_layers]]
-             + [value_info(x, FLOAT, ["batch", num_kv_heads, "sequence", head_dim]) for x in inputs[num_layers:3 * num_layers]]
+    scored = num_layers * (2 if refined else 1)
+    infos = ([value_info(x, FLOAT, ["batch", num_kv_heads, "older"]) for x in inputs[:scored]]
+             + [value_info(x, FLOAT, ["batch", num_kv_heads, "sequence", head_dim])
+                for x in inputs[scored:scored + 2 * num_layers]]
              + [value_info("prompt_lengths", INT32, ["batch"]), value_info("kv_budget", INT32, [1])])
     kinds = {"kept_keys": FLOAT, "kept_values": FLOAT, "kept_lengths": INT32, "kept_indices": INT32}
     out_infos = [value_info(x, kinds[x.split(".")[0]], None) for x in outputs]

@@ -73,6 +73,9 @@ METHODS: dict[str, Method] = {
         _compose("kvzip-criticalkv", "kvzip", True,
                  "CriticalKV's two stages on the context-reconstruction score (question-agnostic), inside adakv's "
                  "shares: alpha by it, the rest by it × ‖V W_O‖"),
+        _compose("layer-kvzip-criticalkv", "layer-kvzip", True,
+                 "CriticalKV's two stages on the context-reconstruction score inside layer-kvzip's model-wide shares "
+                 "(question-agnostic): alpha by it, the rest by it × ‖V W_O‖"),
     )
 }
 

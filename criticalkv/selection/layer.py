@@ -13,6 +13,7 @@ import torch
 from criticalkv.methods.budget import layer_selectable_budget
 from criticalkv.methods.expected_attention import policy_rotation
 from criticalkv.methods.topk import mask_to_indices, topk_mask
+from criticalkv.methods.two_stage import two_stage_mask
 from criticalkv.policy import KVPolicy
 from criticalkv.selection.scores import LayerScores, ScoreMemo, layer_scores
 
@@ -243,6 +244,25 @@ def model_level_mask(policy: KVPolicy, ranking: torch.Tensor, eligible: torch.Te
     return policy.method.base.model_allocate(policy, ranking, eligible, r)
 
 
+def model_level_refine(policy: KVPolicy, per_layer: Sequence[LayerScores], allocated: torch.Tensor,
+                       eligible: torch.Tensor) -> torch.Tensor:
+    """CriticalKV's two stages inside the model-level allocation (``layer-kvzip-criticalkv``): every head keeps as many
+    older entries as the model-wide ranking gave it (``allocated`` [B, L * H_kv, m], layer-major), its sink tokens
+    (``BaseMethod.sinks``) first, then ceil(alpha * rest) by the base's score and the others by the critical score, as
+    ``ada-criticalkv`` does inside AdaKV's shares. ``per_layer``: each layer's ``LayerScores``."""
+    name = policy.method.base.score_name
+    attention = torch.cat([s[name] for s in per_layer], dim=1)
+    critical = torch.cat([s["critical"] for s in per_layer], dim=1)
+    sinks = policy.method.base.sinks(policy)
+    sink = torch.zeros_like(eligible)
+    if sinks:
+        first = eligible.int().argmax(-1, keepdim=True)
+        pos = torch.arange(eligible.shape[-1], device=eligible.device)
+        sink = eligible & (pos < first + sinks) & allocated
+    counts = (allocated & ~sink).sum(-1)
+    return two_stage_mask(attention, critical, counts, policy.alpha, eligible & ~sink) | sink
+
+
 @torch.no_grad()
 def _select_model_level(policy, layers, prompt_lengths, memo, external=None) -> list[LayerSelection]:
     num_layers = len(layers)
@@ -265,12 +285,16 @@ def _select_model_level(policy, layers, prompt_lengths, memo, external=None) -> 
     m = n - w
     eligible = valid[:, None, :m].expand(batch, num_kv_heads, m)
     r = torch.clamp(eligible[:, 0].sum(-1), max=policy.selectable_budget)  # [B]
-    ranks = []
+    ranks, per_layer = [], []
     for i, (q, k, v, o) in enumerate(layers):
         scores = layer_scores(policy, q[:, :, -w:], k, v, o, valid_start, memo, i,
                               scores=None if external is None else external[i])
         ranks.append(policy.method.base.priority(policy, scores, eligible, r))
-    older = model_level_mask(policy, torch.cat(ranks, dim=1), eligible.repeat(1, num_layers, 1), r)
+        per_layer.append(scores)
+    eligible_all = eligible.repeat(1, num_layers, 1)
+    older = model_level_mask(policy, torch.cat(ranks, dim=1), eligible_all, r)
+    if policy.method.refine is not None:
+        older = model_level_refine(policy, per_layer, older, eligible_all)
     window = torch.ones(batch, num_kv_heads, w, dtype=torch.bool, device=device)
     out = []
     for i in range(num_layers):

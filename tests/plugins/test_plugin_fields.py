@@ -54,7 +54,7 @@ def test_methods_without_a_cpp_flow_are_refused(host_lib):
     # a model-level selection needs every layer's scores in one node; expected attention needs RoPE's tables; kvzip a
     # whole-model reconstruction pass
     assert refused == ["layer-defensivekv", "expected-attention", "kvzip", "layer-kvzip", "expected-criticalkv",
-                       "kvzip-criticalkv"]
+                       "kvzip-criticalkv", "layer-kvzip-criticalkv"]
     error = host_lib.parse(encode_fields(node_fields(KVPolicy("layer-defensivekv"))))
     assert error == ("name: layer-defensivekv shares the budget across all layers, and the CriticalKVSelect plugin "
                      "selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime")

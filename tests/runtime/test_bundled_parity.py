@@ -1,7 +1,8 @@
 """The bundled SmolLM2-135M-Instruct on ONNX Runtime and on the torch backend against the PyTorch path, every
 policy (slow).
 
-Greedy output must be identical token for token (32 new tokens after a 1,100-token prompt) and the kept
+Greedy output must be identical token for token (16 new tokens after a 640-token prompt: 2.5x the budget of 256, three
+of the prefill's 256-query attention blocks; 1,100 and 32 until the CI time was trimmed) and the kept
 indices identical for every layer and KV head, on both backends (the torch backend runs the same engine directory
 through its own decoder and the selection op, fp32 on the CPU). One PyTorch model instance serves every policy; each
 policy's engine directory is deleted once compared. Both backends run single-threaded here: on the
@@ -32,8 +33,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 NEEDLE = ROOT / "examples" / "needle_2k.txt"
-PROMPT_TOKENS = 1100
-NEW_TOKENS = 32
+PROMPT_TOKENS = 640
+NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +64,8 @@ def engines_root(tmp_path_factory):
 
 #: kvzip's family re-reads the 2k prompt (~50 s each here): kvzip-criticalkv stands for it on the bundled model; kvzip
 #: is held to the PyTorch path on the tiny models (tests/export/test_export_graphs.py, tests/runtime/test_engine_extend.py),
-#: layer-kvzip in tests/serving/test_context_policy.py and tests/selection/test_kvzip.py
-BUNDLED = [name for name in POLICIES if name not in ("kvzip", "layer-kvzip")]
+#: layer-kvzip and layer-kvzip-criticalkv in tests/serving/test_context_policy.py and tests/selection/test_kvzip.py
+BUNDLED = [name for name in POLICIES if name not in ("kvzip", "layer-kvzip", "layer-kvzip-criticalkv")]
 
 
 @pytest.mark.parametrize("name", BUNDLED)

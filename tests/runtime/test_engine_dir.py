@@ -53,10 +53,12 @@ def test_build_writes_a_complete_manifest(built, checkpoint):
     assert manifest["build"] == CONFIG.to_dict()
     assert manifest["model"]["spec"]["num_kv_heads"] == 2 and manifest["model"]["path"] == str(checkpoint)
     assert manifest["onnx"]["opset"] == 21 and manifest["onnx"]["custom_domain"] == {"ai.criticalkv": 1}
-    # the context cache's policy (build_engine's default, kvzip): its select graph and the reconstruct graphs (portable, fused)
+    # the context cache's policy (build_engine's default, layer-kvzip-criticalkv with a head cap of 3x the budget): its
+    # select graph and the reconstruct graphs (portable, fused)
     graphs = {"prefill", "prefill_tensorrt", "decode", "decode_ort", "extend", "extend_tensorrt", "select",
               "select_tensorrt", "prefill_ort", "extend_ort", "select_context", "reconstruct", "reconstruct_ort"}
-    assert KVPolicy.from_dict(manifest["context_policy"]) == KVPolicy("kvzip", budget=POLICY.budget, window=POLICY.window)
+    assert KVPolicy.from_dict(manifest["context_policy"]) == KVPolicy("layer-kvzip-criticalkv", budget=POLICY.budget,
+                                                                      window=POLICY.window, head_cap_ratio=3.0)
     assert manifest["reconstruction"]["first"]  # kvpress's repeat prompt in the tokenizer's ids
     assert set(manifest["onnx"]["validation"]) == graphs
     assert set(manifest["onnx"]["files"]) == graphs | {"weights"}

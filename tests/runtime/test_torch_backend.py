@@ -298,7 +298,8 @@ def test_kvzip_is_refused_by_name(tmp_path):
 
 
 def test_an_engine_with_a_context_policy_selects_contexts_with_its_own_policy_on_torch(tmp_path):
-    """An exported engine built with a context policy (build_engine's default, kvzip) loads on the torch backend, which
+    """An exported engine built with a context policy (kvzip; build_engine's default is its model-level two-stage
+    variant) loads on the torch backend, which
     has no context-policy selection: its contexts are selected with the engine's own policy, as ONNX Runtime does
     with ``--context-policy engine``."""
     model = tiny_model("llama", seed=4)

@@ -201,6 +201,33 @@ def test_layer_kvzip_is_one_ranking_over_every_layer_and_head(floor):
     assert len({tuple(s.lengths[0].tolist()) for s in sels}) > 1  # the layers hold different shares
 
 
+def test_layer_kvzip_criticalkv_is_the_two_stages_inside_layer_kvzips_shares():
+    # each head keeps as many entries as layer-kvzip's model-wide ranking gives it: its sinks, then ceil(alpha * rest)
+    # by the score and the others by (score + eps) x mean over the group's heads of ||V_i W_O^h||_1 (a loop oracle)
+    layers = [random_layer(batch=1, heads=6, kv_heads=2, n=100, seed=20 + s) for s in range(3)]
+    scores = [torch.rand(1, 2, 100, generator=torch.Generator().manual_seed(30 + s)) for s in range(3)]
+    base = select_model(KVPolicy("layer-kvzip", budget=30, window=8), layers, scores=scores)
+    policy = KVPolicy("layer-kvzip-criticalkv", budget=30, window=8)
+    two = select_model(policy, layers, scores=scores)
+    one = select_model(KVPolicy("layer-kvzip-criticalkv", budget=30, window=8, alpha=1.0), layers, scores=scores)
+    m, sinks = 92, 4
+    for l, ((q, k, v, o), a, b, c) in enumerate(zip(layers, base, two, one)):
+        assert torch.equal(a.indices, c.indices)  # alpha = 1: layer-kvzip
+        assert torch.equal(a.lengths, b.lengths)  # the same shares
+        for g in range(2):
+            count = int(a.lengths[0, g]) - sinks - (100 - m)
+            first = -(-count // 4)  # ceil(0.25 * count)
+            order = sorted(range(sinks, m), key=lambda i: (-scores[l][0, g, i].item(), i))
+            stage1 = order[:first]
+            w = [o[:, h * 16:(h + 1) * 16].double().t() for h in (3 * g, 3 * g + 1, 3 * g + 2)]  # [d_h, d] each
+            norm = [sum(float((v[0, g, i].double() @ wh).abs().sum()) for wh in w) / 3 for i in range(m)]
+            critical = {i: (scores[l][0, g, i].item() + policy.epsilon) * norm[i] for i in range(sinks, m)}
+            rest = sorted((i for i in range(sinks, m) if i not in stage1), key=lambda i: (-critical[i], i))
+            expected = sorted(set(range(sinks)) | set(stage1) | set(rest[: count - first]) | set(range(m, 100)))
+            assert [i for i in b.indices[0, g].tolist() if i >= 0] == expected, f"layer {l} head {g}"
+    assert any(not torch.equal(a.indices, b.indices) for a, b in zip(base, two))
+
+
 KVPRESS_SCRIPT = r"""
 import json, sys
 import numpy as np, torch

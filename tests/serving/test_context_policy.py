@@ -151,10 +151,12 @@ def test_the_context_policy_flag_names_one_the_engine_has():
         check_context_policy("snapkv", None, "kvzip")
 
 
-@pytest.mark.parametrize("knobs", [dict(), dict(ada_floor=0.0, head_cap_ratio=2.0)])
-def test_layer_kvzip_engine_keeps_what_the_pytorch_path_keeps(model, tmp_path, knobs):
-    # the model-level allocation (CriticalKVScore nodes taking the reconstruction's scores, CriticalKVSelectModel)
-    policy = KVPolicy("layer-kvzip", budget=40, window=8, kvzip_chunk=64, **knobs)
+@pytest.mark.parametrize("name, knobs", [("layer-kvzip", dict()), ("layer-kvzip", dict(ada_floor=0.0, head_cap_ratio=2.0)),
+                                         ("layer-kvzip-criticalkv", dict())])
+def test_layer_kvzip_engine_keeps_what_the_pytorch_path_keeps(model, tmp_path, name, knobs):
+    # the model-level allocation (CriticalKVScore nodes taking the reconstruction's scores, CriticalKVSelectModel; with
+    # CriticalKV's two stages inside each head's share: the critical scores as the nodes' second output / inputs)
+    policy = KVPolicy(name, budget=40, window=8, kvzip_chunk=64, **knobs)
     engine = Engine.load(export_tiny_engine(model, policy, tmp_path / "e", extend_chunk=32, max_question_len=24),
                          threads=1)
     try:
@@ -174,7 +176,9 @@ def test_layer_kvzip_engine_keeps_what_the_pytorch_path_keeps(model, tmp_path, k
     (KVPolicy("layer-defensivekv", budget=40, window=8), KVPolicy("kvzip", budget=40, window=8, kvzip_chunk=64)),
     (KVPolicy("criticalkv", budget=40, window=8), KVPolicy("layer-kvzip", budget=40, window=8, kvzip_chunk=64,
                                                            head_cap_ratio=2.0)),
-], ids=["model-level-engine", "model-level-context"])
+    (KVPolicy("criticalkv", budget=40, window=8), KVPolicy("layer-kvzip-criticalkv", budget=40, window=8,
+                                                           kvzip_chunk=64)),
+], ids=["model-level-engine", "model-level-context", "model-level-context-two-stage"])
 def test_a_context_policy_of_the_other_level_exports_and_keeps_the_pytorch_paths_entries(model, tmp_path, own, context):
     # the context's select graph is validated as its own policy's kind (per-layer nodes, or the model-level pair)
     folder = export_tiny_engine(model, own, tmp_path / "e", context_policy=context, extend_chunk=32, max_question_len=24)

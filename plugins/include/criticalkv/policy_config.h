@@ -43,7 +43,7 @@ struct PolicyConfig
 //! Names of every policy, in registry order.
 inline std::vector<std::string> const& policyNames()
 {
-    static std::vector<std::string> const names = {"full", "streamingllm", "snapkv", "pyramidkv", "adakv", "laprox", "defensivekv", "layer-defensivekv", "expected-attention", "kvzip", "layer-kvzip", "criticalkv", "pyramid-criticalkv", "ada-criticalkv", "expected-criticalkv", "kvzip-criticalkv"};
+    static std::vector<std::string> const names = {"full", "streamingllm", "snapkv", "pyramidkv", "adakv", "laprox", "defensivekv", "layer-defensivekv", "expected-attention", "kvzip", "layer-kvzip", "criticalkv", "pyramid-criticalkv", "ada-criticalkv", "expected-criticalkv", "kvzip-criticalkv", "layer-kvzip-criticalkv"};
     return names;
 }
 
@@ -89,13 +89,15 @@ inline BaseMethod baseOf(std::string const& policyName)
         return BaseMethod::kExpectedAttention;
     if (policyName == "kvzip-criticalkv")
         return BaseMethod::kKVzip;
+    if (policyName == "layer-kvzip-criticalkv")
+        return BaseMethod::kLayerKVzip;
     return BaseMethod::kFull;
 }
 
 //! Whether CriticalKV's two-stage refinement is on for a policy name.
 inline bool twoStageOf(std::string const& policyName)
 {
-    return policyName == "criticalkv" || policyName == "pyramid-criticalkv" || policyName == "ada-criticalkv" || policyName == "expected-criticalkv" || policyName == "kvzip-criticalkv";
+    return policyName == "criticalkv" || policyName == "pyramid-criticalkv" || policyName == "ada-criticalkv" || policyName == "expected-criticalkv" || policyName == "kvzip-criticalkv" || policyName == "layer-kvzip-criticalkv";
 }
 
 //! The exact integer value * 10^6 of a fraction with at most 6 decimals (validatePolicy checks that).
@@ -107,7 +109,7 @@ inline int64_t decimalMicros(double value)
 //! Smallest per-request budget (input kv_budget) the node accepts: the window, and the sinks when read.
 inline int32_t minRuntimeBudget(PolicyConfig const& p)
 {
-    return (p.name == "streamingllm" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv") && p.sink_tokens > p.window ? p.sink_tokens : p.window;
+    return (p.name == "streamingllm" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv" || p.name == "layer-kvzip-criticalkv") && p.sink_tokens > p.window ? p.sink_tokens : p.window;
 }
 
 namespace detail
@@ -169,9 +171,11 @@ inline std::string validatePolicy(PolicyConfig const& p)
         return "name: expected-criticalkv reads RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime";
     if (p.name == "kvzip-criticalkv")
         return "name: kvzip-criticalkv ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
+    if (p.name == "layer-kvzip-criticalkv")
+        return "name: layer-kvzip-criticalkv ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
     if (!(p.budget > 0))
         return "budget: must be a positive number of tokens, got " + std::to_string(p.budget);
-    if ((p.name == "streamingllm" || p.name == "snapkv" || p.name == "pyramidkv" || p.name == "adakv" || p.name == "laprox" || p.name == "defensivekv" || p.name == "layer-defensivekv" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "criticalkv" || p.name == "pyramid-criticalkv" || p.name == "ada-criticalkv" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv") && p.budget < p.window)
+    if ((p.name == "streamingllm" || p.name == "snapkv" || p.name == "pyramidkv" || p.name == "adakv" || p.name == "laprox" || p.name == "defensivekv" || p.name == "layer-defensivekv" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "criticalkv" || p.name == "pyramid-criticalkv" || p.name == "ada-criticalkv" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv" || p.name == "layer-kvzip-criticalkv") && p.budget < p.window)
         return "budget: " + std::to_string(p.budget) + " is smaller than the window (" + std::to_string(p.window) + "); the window is always kept, so the budget must be at least the window";
     if (p.budget > 4194304)
         return "budget: " + std::to_string(p.budget) + " exceeds the supported maximum 4194304";
@@ -213,7 +217,7 @@ inline std::string validatePolicy(PolicyConfig const& p)
         return "pyramid_beta: must have at most 6 decimals, got " + detail::formatNumber(p.pyramid_beta);
     if (!(p.sink_tokens >= 0))
         return "sink_tokens: must be >= 0, got " + std::to_string(p.sink_tokens);
-    if ((p.name == "streamingllm" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv") && p.sink_tokens > p.budget)
+    if ((p.name == "streamingllm" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv" || p.name == "layer-kvzip-criticalkv") && p.sink_tokens > p.budget)
         return "sink_tokens: " + std::to_string(p.sink_tokens) + " exceeds the budget " + std::to_string(p.budget);
     if (p.sink_tokens > 4194304)
         return "sink_tokens: " + std::to_string(p.sink_tokens) + " exceeds the supported maximum 4194304";
@@ -244,7 +248,7 @@ inline std::string validatePolicy(PolicyConfig const& p)
         return "layer_idx: " + std::to_string(p.layer_idx) + " is outside [0, num_layers=" + std::to_string(p.num_layers) + ")";
     if (p.capacity <= 0)
         return "capacity: must be a positive number of entries per head (node_capacity), got " + std::to_string(p.capacity);
-    size_t const tableSize = (p.name == "streamingllm" || p.name == "snapkv" || p.name == "pyramidkv" || p.name == "adakv" || p.name == "laprox" || p.name == "defensivekv" || p.name == "layer-defensivekv" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "criticalkv" || p.name == "pyramid-criticalkv" || p.name == "ada-criticalkv" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv") ? static_cast<size_t>(p.budget - p.window + 1) : 0;
+    size_t const tableSize = (p.name == "streamingllm" || p.name == "snapkv" || p.name == "pyramidkv" || p.name == "adakv" || p.name == "laprox" || p.name == "defensivekv" || p.name == "layer-defensivekv" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "criticalkv" || p.name == "pyramid-criticalkv" || p.name == "ada-criticalkv" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv" || p.name == "layer-kvzip-criticalkv") ? static_cast<size_t>(p.budget - p.window + 1) : 0;
     if (p.layer_budgets.size() != tableSize)
         return "layer_budgets: expected " + std::to_string(tableSize) + " values (budget - window + 1), got " + std::to_string(p.layer_budgets.size());
     for (size_t i = 0; i < p.layer_budgets.size(); ++i)

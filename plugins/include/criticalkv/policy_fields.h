@@ -47,7 +47,8 @@
     CKV_POLICY("pyramid-criticalkv", kPyramidKV, 1) \
     CKV_POLICY("ada-criticalkv", kAdaKV, 1) \
     CKV_POLICY("expected-criticalkv", kExpectedAttention, 1) \
-    CKV_POLICY("kvzip-criticalkv", kKVzip, 1)
+    CKV_POLICY("kvzip-criticalkv", kKVzip, 1) \
+    CKV_POLICY("layer-kvzip-criticalkv", kLayerKVzip, 1)
 
 //! CKV_BASE(enumerator, name, scored, shared_allocation, own_l2_norms, row_scores) for every base method, enum
 //! order. scored: ranks older tokens by window attention; shared_allocation: the layer's H_kv * r slots are

@@ -69,10 +69,16 @@ uptime
 # 11a. issue 28: what compressing a context with KVzip costs (--scoring-cost: prefill, re-read, selection in-process),
 #      the re-read on the fused reconstruct graph, whole context vs kvzip_reread=chunk; engines built with
 #      scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-input-len 2304 --output engines/ctx-ckv256
-#      (--context-policy kvzip, the default) and ... --context-policy kvzip:kvzip_reread=chunk:kvzip_chunk=512
+#      (--context-policy kvzip, the default then) and ... --context-policy kvzip:kvzip_reread=chunk:kvzip_chunk=512
 #      --output engines/ctx-ckv256-chunk512
 $B bench cached-context --engine-dir engines/ctx-ckv256 --engine-dir engines/ctx-ckv256-chunk512 --isl 2048 \
   --question-tokens 32 --osl 4 --repeats 5 --warmup 1 --scoring-cost --out $OUT --name cached_context_kvzip_fused
+uptime
+# 11c. the context cache's default context policy now (layer-kvzip-criticalkv:head_cap_ratio=3: KVzip's re-read, one
+#      model-level selection with CriticalKV's two stages) against kvzip, on engines built as in 11a with
+#      --context-policy layer-kvzip-criticalkv:head_cap_ratio=3 --output engines/ctx-lkc3-256
+$B bench cached-context --engine-dir engines/ctx-ckv256 --engine-dir engines/ctx-lkc3-256 --isl 2048 \
+  --question-tokens 32 --osl 4 --repeats 5 --warmup 1 --scoring-cost --out $OUT --name cached_context_layer_kvzip_criticalkv
 uptime
 # 11b. what one chunked-prefill step costs (the unit a short request waits for), and chunks of 128 served
 .venv/bin/python -m criticalkv.bench.chunks --engine-dir engines/ctx-ckv256 --chunks 512,256,128 --out $OUT
