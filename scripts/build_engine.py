@@ -75,7 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-policy", default=DEFAULT_CONTEXT_POLICY, metavar="NAME",
                    help="the policy the serving context cache compresses a request's `context` with, before its "
                         f"question is known, at this engine's budget (default: {DEFAULT_CONTEXT_POLICY}, the one that "
-                        "held up best question-agnostically: results/README.md; 'engine' = --kv-policy itself). "
+                        "held up best question-agnostically with decode rows near kvzip's; layer-kvzip-criticalkv "
+                        "uncapped keeps more, with rows sized for the whole context: results/README.md; 'engine' = "
+                        "--kv-policy itself). "
                         "Its select graph is added, and the reconstruct graph for kvzip policies")
     KVPolicy.add_arguments(p)
     return p.parse_args(argv)
