@@ -96,12 +96,13 @@ def check_tensorrt_flavour(policy: KVPolicy, num_layers: int) -> None:
 class _ScoreBody(_Body):
     """The ``CriticalKVScore`` body: steps 1-4 and the method's ranking of one layer."""
 
+    exact_critical = True  # every older entry's critical score: the heads' counts come after the last layer
+
     def build(self) -> None:
         g = self.g
         ctx = self.context()
         n_s = g.squeeze(ctx["n"], 0)
         then = g.child()
-        self.exact_critical = True  # every older entry's critical score: the heads' counts come after the last layer
         scores, eligible, r, w = self.window_scores(then, ctx)
         ranked = [self.policy.method.base.onnx_priority(self, then, scores, eligible, r)]
         if self.policy.method.refine is not None:
@@ -176,7 +177,7 @@ def _model_body(g: GraphBuilder, policy: KVPolicy, num_layers: int, num_kv_heads
     model = _Body(t, policy, num_layers, heads, heads, 1)  # the model's L * H_kv heads as one layer's: top-k, floor table
     older = p.method.base.onnx_model_allocate(model, t, ranking, eligible, r, budget)
     if p.method.refine is not None:
-        older = _model_refine(t, model, p, num_layers, ranking, older, eligible, valid_all, n, lens)
+        older = _model_refine(t, model, p, num_layers, ranking, older, eligible, n, lens)
     window = t.Expand(t.const(True, np.bool_), t.concat(batch, t.i64(heads), w))
     compress = t.reshape(t.Greater(lens, budget), [-1, 1, 1])
     then_keep = _Body.where_bool(t, compress, t.concat(older, window, axis=-1), valid_all)
@@ -194,7 +195,7 @@ def _model_body(g: GraphBuilder, policy: KVPolicy, num_layers: int, num_kv_heads
 
 
 def _model_refine(t: GraphBuilder, model: _Body, p: KVPolicy, num_layers: int, ranking: str, allocated: str,
-                  eligible: str, valid_all: str, n: str, lens: str) -> str:
+                  eligible: str, n: str, lens: str) -> str:
     """CriticalKV's two stages inside the model-wide allocation (``criticalkv.selection.layer.model_level_refine``):
     each head keeps as many older entries as ``allocated`` gives it, its sinks first, then ceil(alpha * rest) by the
     ranking (the base's score: the sinks' offset no longer counts once they are out) and the others by the critical

@@ -73,6 +73,10 @@ def selection_tables(policy: KVPolicy, num_layers: int, num_kv_heads: int) -> di
 class _Body:
     """Writes the function body into a GraphBuilder (one method per step of docs/operator.md)."""
 
+    #: whether step 4 computes every older entry's critical score (CriticalKV's stage 2) instead of the pruned path's
+    #: bound: a model-level score node, whose heads' counts are known only after the last layer
+    exact_critical = False
+
     def __init__(self, g: GraphBuilder, policy: KVPolicy, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int):
         self.g = g
         self.policy = policy

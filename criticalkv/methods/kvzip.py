@@ -58,6 +58,7 @@ import numpy as np
 
 from criticalkv.methods.adakv import AdaKV
 from criticalkv.methods.lazy import torch
+from criticalkv.methods.topk import first_valid_mask
 
 #: kvpress's reconstruction prompts (``KVzipPress.prepare``).
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
@@ -265,9 +266,7 @@ class LayerKVzip(KVzip):
     # ------------------------------------------------------------------ PyTorch
     def priority(self, policy, scores, eligible, r):
         """The KVzip score, the first ``sink_tokens`` valid tokens above every other (scores lie in [0, 1])."""
-        first = eligible.int().argmax(-1, keepdim=True)  # each sequence's first valid older position
-        pos = torch.arange(eligible.shape[-1], device=eligible.device)
-        sink = eligible & (pos < first + policy.sink_tokens)
+        sink = first_valid_mask(eligible, policy.sink_tokens)
         return scores["attention"] + sink.to(torch.float32) * SINK_OFFSET
 
     def model_allocate(self, policy, ranking, eligible, r):

@@ -54,3 +54,11 @@ def mask_to_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     max_kept = int(lengths.max()) if lengths.numel() else 0
     indices = indices[..., :max_kept]
     return indices.masked_fill(indices == n, -1), lengths
+
+
+def first_valid_mask(eligible, count: int):
+    """[..., m] bool: each row's first ``count`` eligible positions from its first eligible one (a method's sink tokens,
+    ``BaseMethod.sinks``; rows are left-padded sequences, so their valid positions are contiguous)."""
+    first = eligible.int().argmax(-1, keepdim=True)
+    pos = torch.arange(eligible.shape[-1], device=eligible.device)
+    return eligible & (pos < first + count)

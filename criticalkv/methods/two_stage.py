@@ -80,8 +80,8 @@ class TwoStage:
     def onnx_group_scores(self, body, g, probs, raw, pooled, values_m):
         p = body.policy
         attn = pooled if p.stage2_scores == "pooled" else raw
-        if pruned.PRUNED and p.value_norm == "l1" and not getattr(body, "exact_critical", False):
-            # the group bound now; the rest inside the stage-2 choice (a model-level score node wants every entry's)
+        if pruned.PRUNED and p.value_norm == "l1" and not body.exact_critical:
+            # the group bound now; the rest inside the stage-2 choice (``_Body.exact_critical``: every entry's)
             body.stage2_inputs = (attn, body.values)  # rows are gathered at older positions < m
             mean_bound = g.slice_axis(body.group_upper_bounds(g, body.values), 0, body.older, axis=2)
             return {"critical_bound": self.onnx_combine_group_bound(body, g, attn, mean_bound)}

@@ -12,7 +12,7 @@ import torch
 
 from criticalkv.methods.budget import layer_selectable_budget
 from criticalkv.methods.expected_attention import policy_rotation
-from criticalkv.methods.topk import mask_to_indices, topk_mask
+from criticalkv.methods.topk import first_valid_mask, mask_to_indices, topk_mask
 from criticalkv.methods.two_stage import two_stage_mask
 from criticalkv.policy import KVPolicy
 from criticalkv.selection.scores import LayerScores, ScoreMemo, layer_scores
@@ -113,9 +113,7 @@ def choose_older_tokens(policy: KVPolicy, scores: LayerScores, eligible: torch.T
     sinks = method.base.sinks(policy)
     sink = None
     if sinks:
-        first = eligible.int().argmax(-1, keepdim=True)  # [B, H_kv, 1]: each sequence's first valid position
-        pos = torch.arange(eligible.shape[-1], device=eligible.device)
-        sink = eligible & (pos < first + sinks)
+        sink = first_valid_mask(eligible, sinks)
         eligible = eligible & ~sink
         r_layer = max(r_layer - sinks, 0)
     r = torch.clamp(eligible[:, 0].sum(-1), max=r_layer)  # [B], never more than the valid older tokens
@@ -254,11 +252,7 @@ def model_level_refine(policy: KVPolicy, per_layer: Sequence[LayerScores], alloc
     attention = torch.cat([s[name] for s in per_layer], dim=1)
     critical = torch.cat([s["critical"] for s in per_layer], dim=1)
     sinks = policy.method.base.sinks(policy)
-    sink = torch.zeros_like(eligible)
-    if sinks:
-        first = eligible.int().argmax(-1, keepdim=True)
-        pos = torch.arange(eligible.shape[-1], device=eligible.device)
-        sink = eligible & (pos < first + sinks) & allocated
+    sink = first_valid_mask(eligible, sinks) & allocated if sinks else torch.zeros_like(eligible)
     counts = (allocated & ~sink).sum(-1)
     return two_stage_mask(attention, critical, counts, policy.alpha, eligible & ~sink) | sink
 
