@@ -34,8 +34,11 @@ from criticalkv.export.exporter import (
     ExportResult,
     export_model,
     DEFAULT_CONTEXT_POLICY,
+    SURROGATE_FALLBACK,
     onnx_info,
     reconstructs,
+    rereads,
+    surrogate_scored,
 )
 from criticalkv.export.validate import validate_export
 from criticalkv.files import remove_stale_temporaries, temporary_dir
@@ -43,6 +46,7 @@ from criticalkv.hf import generate, load_model, resolve_model
 from criticalkv.hf.loading import stop_token_ids
 from criticalkv.hf.reconstruct import reconstruction_prompt
 from criticalkv.methods.kvzip import ReconstructionPrompt
+from criticalkv.methods.surrogate import find_surrogate
 from criticalkv.policy import SCHEMA_VERSION, KVPolicy, parse_policy_spec
 from criticalkv.runtime import Engine, create_backend
 from criticalkv.runtime.manifest import FORMAT as MANIFEST_FORMAT
@@ -269,6 +273,9 @@ def export_engine(
         # the PyTorch path's prompt for this model (criticalkv.hf.reconstruct): the same entries kept on both
         prompt = ReconstructionPrompt.from_tokenizer(tokenizer) if tokenizer is not None else reconstruction_prompt(model)
         content["reconstruction"] = prompt.to_dict()
+    if surrogate_scored(policy) or surrogate_scored(result.context_policy):  # its weights are in weights.bin
+        surrogate = find_surrogate(model, getattr(model.config, "_name_or_path", None) or None)
+        content["kvzip_surrogate"] = {"model": surrogate.model, "info": surrogate.info}
     return result, content
 
 
@@ -353,7 +360,8 @@ def build_engine(
             return output
         if backend == "torch":
             return _build_torch(output, policy, config, model_name, model_path, request, smoke, log)
-        return _build(output, policy, config, model, model_name, model_path, request, smoke, tensorrt, log, context)
+        return _build(output, policy, config, model, model_name, model_path, request, smoke, tensorrt, log, context,
+                      default_context=context_policy == DEFAULT_CONTEXT_POLICY)
 
 
 def check_exportable_model(model_path: str) -> None:
@@ -379,18 +387,27 @@ def _swap_in(tmp: Path, output: Path) -> None:
 
 def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | None, model_name: str, model_path: str,
            request: dict[str, Any], smoke: bool, tensorrt: bool, log: Callable[[str], None],
-           context_policy: KVPolicy | None = None) -> Path:
+           context_policy: KVPolicy | None = None, default_context: bool = False) -> Path:
     tmp = temporary_dir(output.parent, f".{output.name}.building-")
     try:
         start = time.perf_counter()
         log(f"loading {model_name} ...")
         hf_model, tokenizer = load_model(model)
+        if default_context and surrogate_scored(context_policy):
+            try:
+                find_surrogate(hf_model, model_path)
+            except ValueError:  # the default needs the model's KVzip surrogate: the re-read's policy instead
+                context_policy = context_policy_for(policy, SURROGATE_FALLBACK)
+                log(f"no KVzip surrogate for {model_name}: contexts are compressed with {SURROGATE_FALLBACK} (KVzip's "
+                    f"re-read) instead of the default's surrogate; `criticalkv train-surrogate --model {model_path}` "
+                    "trains one (about 25 s per training context for a 135M model on 2 CPU cores)")
         log(f"exporting {hf_model.config.model_type} ({hf_model.config.num_hidden_layers} layers) with policy "
             f"{policy.name} (budget {policy.budget}) to ONNX, then validating (onnx.checker full check, strict "
             "shape inference, node attributes) ...")
         if context_policy is not None:
             log(f"contexts (the serving context cache) are compressed with {context_policy.name}: its select graph"
-                + (" and the reconstruct graph (it re-reads each context once)" if reconstructs(context_policy) else ""))
+                + (" and the reconstruct graph (it re-reads each context once)" if rereads(context_policy) else "")
+                + (" and its KVzip surrogate (no re-read)" if surrogate_scored(context_policy) else ""))
         result, content = export_engine(hf_model, policy, tmp, config, tokenizer, model_name, model_path,
                                         context_policy=context_policy)
         content["request"] = request

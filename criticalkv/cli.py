@@ -30,6 +30,7 @@ SUBCOMMANDS = [
     "criticalkv.commands.triton_repo",
     "criticalkv.commands.serve",
     "criticalkv.commands.bench",
+    "criticalkv.commands.surrogate",
 ]
 
 

@@ -46,6 +46,8 @@ VALUE_NORMS = ("l1", "l2")
 GQA_REDUCES = ("mean", "kvpress")
 STAGE2_SCORES = ("pooled", "raw")
 KVZIP_REREADS = ("context", "chunk")
+#: Where a kvzip policy's score comes from: the context's re-read, or its surrogate (``criticalkv.methods.surrogate``).
+KVZIP_SCORES = ("reread", "surrogate")
 
 SCHEMA_VERSION = 1
 
@@ -118,6 +120,10 @@ class KVPolicy:
     kvzip_reread: str = _knob("context", "kvzip: the cache each chunk's re-read attends to: the whole context's (KVzip as "
                               "published; its cost grows with n x n) or the sinks and the chunk's own entries only "
                               "(chunk: linear in n, the keys its score counts)", choices=KVZIP_REREADS)
+    kvzip_score: str = _knob("reread", "kvzip: the score's source: the context's re-read (KVzip as published: one more pass "
+                             "over the context) or a linear surrogate of it on the prefill's hidden states (KVzap-style: "
+                             "no re-read; trained once per model by criticalkv train-surrogate, the bundled model's "
+                             "shipped)", choices=KVZIP_SCORES)
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:

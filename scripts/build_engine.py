@@ -74,11 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-tensorrt", action="store_true", help="do not try to build TensorRT engines")
     p.add_argument("--context-policy", default=DEFAULT_CONTEXT_POLICY, metavar="NAME",
                    help="the policy the serving context cache compresses a request's `context` with, before its "
-                        f"question is known, at this engine's budget (default: {DEFAULT_CONTEXT_POLICY}, the one that "
-                        "held up best question-agnostically with decode rows near kvzip's; layer-kvzip-criticalkv "
-                        "uncapped keeps more, with rows sized for the whole context: results/README.md; 'engine' = "
-                        "--kv-policy itself). "
-                        "Its select graph is added, and the reconstruct graph for kvzip policies")
+                        f"question is known, at this engine's budget (default: {DEFAULT_CONTEXT_POLICY}: KVzip's score "
+                        "predicted from the prefill by the model's surrogate, no re-read, CriticalKV's two stages in one "
+                        "model-wide allocation, a head keeping at most 6x the budget; the bundled model's surrogate "
+                        "ships, another model's comes from criticalkv train-surrogate; kvzip_score=reread re-reads the "
+                        "context instead: results/README.md; 'engine' = --kv-policy itself). Its select graph is added, "
+                        "and the reconstruct graphs for a kvzip policy that re-reads")
     KVPolicy.add_arguments(p)
     return p.parse_args(argv)
 

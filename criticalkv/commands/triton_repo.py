@@ -33,7 +33,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-policy", default=None, metavar="NAME",
                    help="the policy a request's `context` is compressed with, before any question is known (default: "
                         "the engine's context policy, built with scripts/build_engine.py --context-policy, which "
-                        "defaults to layer-kvzip-criticalkv:head_cap_ratio=3; 'engine' = the engine's own --kv-policy). "
+                        "defaults to layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6; 'engine' = the engine's own "
+                        "--kv-policy). "
                         "It must be one of the two the engine was built with (results/README.md, question-agnostic "
                         "quality, says why that one)")
     p.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch"), default=None,

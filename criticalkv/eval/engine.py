@@ -29,9 +29,10 @@ from criticalkv.hf.cache import CompressedKVCache, CompressedLayer, cache_kwargs
 from criticalkv.hf.compress import hooked_prefill, window_queries
 from criticalkv.hf.generate import extend_cache, generate
 from criticalkv.hf.loading import check_supported
-from criticalkv.hf.reconstruct import cache_of, reconstruction_scores
+from criticalkv.hf.reconstruct import cache_of, reconstruction_prompt, reconstruction_scores
 from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.methods.kvzip import ReconstructionPrompt
+from criticalkv.methods.surrogate import mask_opening, surrogate_of
 from criticalkv.policy import KVPolicy
 from criticalkv.sampling import Sampler, decode_loop
 from criticalkv.selection import LayerScores, LayerSelection, ScoreMemo, layer_scores, select_layer, select_model
@@ -56,6 +57,8 @@ class SharedPrefill:
     prefill_s: float
     inv_freq: "np.ndarray | None" = None  # RoPE's [d_h / 2] (expected-attention reads it)
     model: object = field(default=None, repr=False)  # the model that ran it (kvzip re-reads the prompt through it)
+    #: per layer [1, n, d] the attention's input (``shared_prefill(keep_hidden=True)``: a kvzip surrogate reads it)
+    hidden: list | None = field(default=None, repr=False)
 
     @property
     def n(self) -> int:
@@ -67,9 +70,10 @@ class SharedPrefill:
 
 
 @torch.no_grad()
-def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int]) -> SharedPrefill:
+def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int], keep_hidden: bool = False) -> SharedPrefill:
     """Run the prompt [1, n] once with a full ``DynamicCache``; keep every layer's K/V and the
-    window queries for each window size in ``windows`` (as ``prefill_and_compress`` computes them)."""
+    window queries for each window size in ``windows`` (as ``prefill_and_compress`` computes them), and with
+    ``keep_hidden`` every layer's attention input (``kvzip_score=surrogate`` scores from it)."""
     check_supported(model.config)
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids: expected one non-empty prompt [1, n], got shape {tuple(input_ids.shape)}")
@@ -79,12 +83,15 @@ def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int]) -> Sh
     keys: list = [None] * len(layers)
     values: list = [None] * len(layers)
     queries: dict[int, list] = {w: [None] * len(layers) for w in sizes}
+    hidden_states: list | None = [None] * len(layers) if keep_hidden else None
 
     def make_hook(idx):
         def hook(module, args, kwargs, output):
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             cache_layer = hook_cache(kwargs).layers[idx]
             keys[idx], values[idx] = cache_layer.keys, cache_layer.values
+            if hidden_states is not None:
+                hidden_states[idx] = hidden.detach()
             for w in sizes:
                 queries[w][idx] = window_queries(module, hidden, kwargs["position_embeddings"], w)
 
@@ -103,6 +110,7 @@ def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int]) -> Sh
         prefill_s=time.perf_counter() - start,
         inv_freq=model.model.rotary_emb.inv_freq.detach().float().cpu().numpy(),
         model=model,
+        hidden=hidden_states,
     )
 
 
@@ -128,6 +136,8 @@ class ScoreBank:
         if not policy.method.base.external_scores or self.model is None:
             return None
         p = self.prefill
+        if policy.kvzip_score == "surrogate":
+            return self._surrogate_scores(policy)
 
         def compute():
             cache = cache_of(p.keys, p.values, self.model.config)
@@ -136,6 +146,26 @@ class ScoreBank:
         key = ("reconstruction", policy.kvzip_chunk, policy.sink_tokens, policy.kvzip_reread)
         if key in self.memo.entries:
             return self.memo.entries[key]
+        start = time.perf_counter()
+        scores = self.memo.get(key, compute)
+        self.memo.seconds += time.perf_counter() - start
+        return scores
+
+    def _surrogate_scores(self, policy: KVPolicy) -> list[torch.Tensor]:
+        """``kvzip_score=surrogate``: S_hat of every layer from the prefill's hidden states (no re-read), the chat
+        template's opening beyond the sinks at 0 (``criticalkv.methods.surrogate``)."""
+        p = self.prefill
+        if p.hidden is None:
+            raise ValueError(f"{policy.name}:kvzip_score=surrogate scores from the prefill's hidden states: run "
+                             "shared_prefill(keep_hidden=True)")
+        key = ("surrogate", min(policy.sink_tokens, p.n))
+
+        def compute():
+            surrogate = surrogate_of(self.model)
+            skip = reconstruction_prompt(self.model, self.reconstruction).skipped(p.input_ids[0].tolist())
+            scores = [surrogate.scores(i, h) for i, h in enumerate(p.hidden)]
+            return mask_opening(scores, min(policy.sink_tokens, skip), skip)
+
         start = time.perf_counter()
         scores = self.memo.get(key, compute)
         self.memo.seconds += time.perf_counter() - start

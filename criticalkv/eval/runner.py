@@ -117,7 +117,8 @@ def _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, pert
         split = split_question(prompt)
         ids, question = ids[:, :split], ids[:, split:]
     start = time.perf_counter()
-    prefill = shared_prefill(model, ids, windows)
+    surrogate = any(r.policy.method.base.external_scores and r.policy.kvzip_score == "surrogate" for r in runs)
+    prefill = shared_prefill(model, ids, windows, keep_hidden=surrogate)
     bank = ScoreBank(prefill, model, reconstruction)
     n = prefill.n
     reference = None

@@ -8,9 +8,18 @@ from pathlib import Path
 import onnx
 
 from criticalkv.export.graph import IR_VERSION, OPSET
-from criticalkv.export.llama import KV_DTYPES, ModelSpec, collect_weights, graph_builder, layer_capacities, model_spec
+from criticalkv.export.llama import (
+    KV_DTYPES,
+    ModelSpec,
+    add_surrogate,
+    collect_weights,
+    graph_builder,
+    layer_capacities,
+    model_spec,
+)
 from criticalkv.export.model_select import tensorrt_refusal
 from criticalkv.export.quantize import WEIGHT_FORMATS, check_weight_format, quantize_store
+from criticalkv.methods.surrogate import find_surrogate
 from criticalkv.node import DOMAIN, OPSET_VERSION
 from criticalkv.policy import KVPolicy
 from criticalkv.weights import WEIGHTS_FILE
@@ -42,12 +51,16 @@ RECONSTRUCT_ORT_FILE = "reconstruct_ort.onnx"
 RECONSTRUCTION_PROMPT_ROOM = 256
 TOKENIZER_DIR = "tokenizer"
 #: The policy the serving context cache compresses contexts with unless the build says otherwise
-#: (``criticalkv.build.context_policy_for``; a name or a knob spec): of those that held up question-agnostically at
-#: the default budget (results/README.md, "The stage 2 inside the model-wide shares"), the one whose decode rows stay
-#: about ``kvzip``'s size: KVzip's score, CriticalKV's two stages inside a model-wide allocation, a head keeping at most
-#: 3x the budget (needle 85 % of 20 prompts at 256 of 2,048 entries, ``kvzip`` 75 %; uncapped 100 %, with rows sized
-#: for the whole context).
-DEFAULT_CONTEXT_POLICY = "layer-kvzip-criticalkv:head_cap_ratio=3"
+#: (``criticalkv.build.context_policy_for``; a name or a knob spec): KVzip's score predicted from the prefill by the
+#: model's surrogate (no re-read: the scoring costs nothing beside the prefill), CriticalKV's two stages inside one
+#: model-wide allocation, a head keeping at most 6x the budget (results/README.md, "KVzip's score without the re-read":
+#: needle 90 % of 20 prompts at 256 of 2,048 entries, 100 % at 512; RULER-style 1.14x ``full`` at 512; capped at 3x
+#: the surrogate's shares lose the needle, 55 %). A model without a surrogate needs ``criticalkv train-surrogate``
+#: or another ``--context-policy``.
+DEFAULT_CONTEXT_POLICY = "layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6"
+#: The default's stand-in for a model without a KVzip surrogate (``criticalkv.build``): KVzip's re-read, capped at 3x
+#: (needle 85 % of 20 at 256 on the bundled model; the re-read costs about 2.2x the context's prefill, once).
+SURROGATE_FALLBACK = "layer-kvzip-criticalkv:head_cap_ratio=3"
 #: Precision of the TensorRT engines (the ONNX graphs and ONNX Runtime are always fp32).
 EXPORT_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -137,8 +150,19 @@ class ExportResult:
 
 
 def reconstructs(policy: KVPolicy | None) -> bool:
-    """Whether ``policy`` ranks by a context reconstruction (kvzip): its engine needs the reconstruct graph."""
+    """Whether ``policy`` ranks by KVzip's score of a context (kvzip, re-read or its surrogate): the manifest keeps the
+    reconstruction prompt (the chat template's opening a score skips)."""
     return policy is not None and policy.method.base.external_scores and policy.method.base.evicts
+
+
+def rereads(policy: KVPolicy | None) -> bool:
+    """Whether ``policy`` re-reads each context for KVzip's score: its engine needs the reconstruct graphs."""
+    return reconstructs(policy) and policy.kvzip_score == "reread"
+
+
+def surrogate_scored(policy: KVPolicy | None) -> bool:
+    """Whether ``policy`` scores with the model's KVzip surrogate: its engine's extend graphs return S_hat."""
+    return reconstructs(policy) and policy.kvzip_score == "surrogate"
 
 
 def kv_buffer_bytes(spec: ModelSpec, decode_capacities: list[int], batch: int, kv_dtype: str = "float32") -> int:
@@ -190,6 +214,8 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
         raise ValueError(f"weights {config.weights}: the lower-precision weights live in the fused ONNX Runtime graphs, "
                          f"which this model cannot have ({refusal}); build it with weights fp32")
     weights = quantize_store(store, spec, config.weights)
+    if surrogate_scored(policy) or surrogate_scored(context_policy):  # S_hat from the extend graphs (no re-read)
+        add_surrogate(store, find_surrogate(model, getattr(model.config, "_name_or_path", None) or None), spec)
     store.write(folder)
     capacities = layer_capacities(policy, spec, config.max_input_len)
     context_capacities = None if context_policy is None else layer_capacities(context_policy, spec, config.max_input_len)
@@ -206,7 +232,7 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
     if context_policy is not None:
         context_builder = graph_builder(spec, store, context_policy, context_capacities, "onnxruntime", config.attention_chunk)
         onnx.save(context_builder.select(), folder / SELECT_CONTEXT_FILE)
-    if reconstructs(policy) or reconstructs(context_policy):
+    if rereads(policy) or rereads(context_policy):
         scorer = graph_builder(spec, store, policy, None, "onnxruntime", config.attention_chunk)
         onnx.save(scorer.extend(score=True), folder / RECONSTRUCT_FILE)
     onnx.save(decode_builder.decode(decode_capacities), folder / DECODE_FILE)
@@ -219,7 +245,7 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
         builder = graph_builder(spec, store, policy, capacities, "onnxruntime", config.attention_chunk)
         onnx.save(builder.prefill_fused(prompt["max_positions"]), folder / PREFILL_ORT_FILE)
         onnx.save(builder.extend_fused(prompt["max_positions"]), folder / EXTEND_ORT_FILE)
-        if reconstructs(policy) or reconstructs(context_policy):
+        if rereads(policy) or rereads(context_policy):
             prompt["reconstruct"] = RECONSTRUCT_ORT_FILE
             prompt["reconstruct_max_positions"] = 2 * config.max_input_len + RECONSTRUCTION_PROMPT_ROOM
             onnx.save(builder.extend_fused(prompt["reconstruct_max_positions"], score=True), folder / RECONSTRUCT_ORT_FILE)

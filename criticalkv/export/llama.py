@@ -186,6 +186,27 @@ MASKED_SCORE = -30000.0
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
+
+def surrogate_weight(i: int) -> str:
+    """Name of layer i's KVzip surrogate weight [d, H_kv] in the engine's weights (``add_surrogate``)."""
+    return f"surrogate.{i}.weight"
+
+
+def surrogate_bias(i: int) -> str:
+    return f"surrogate.{i}.bias"
+
+
+def add_surrogate(store: WeightStore, surrogate, spec: ModelSpec) -> None:
+    """Add a ``KVzipSurrogate``'s per-layer weight [d, H_kv] and bias [H_kv] to ``store``: the extend graphs then
+    return each layer's S_hat of the new entries (``DecoderGraphBuilder.surrogate_scores``)."""
+    if (surrogate.num_layers, surrogate.hidden_size, surrogate.num_kv_heads) != (spec.num_layers, spec.hidden_size,
+                                                                                  spec.num_kv_heads):
+        raise ValueError(f"the KVzip surrogate's (layers, hidden size, KV heads) "
+                         f"{(surrogate.num_layers, surrogate.hidden_size, surrogate.num_kv_heads)} are not the model's")
+    for i in range(spec.num_layers):
+        store.add(surrogate_weight(i), surrogate.weight[i])
+        store.add(surrogate_bias(i), surrogate.bias[i])
+
 #: The domain of ONNX Runtime's contrib operators (``GroupQueryAttention``, ``SkipSimplifiedLayerNormalization``): only
 #: in the ONNX-Runtime-only decode graph (``decode_fused``), never in a graph TensorRT parses.
 ORT_DOMAIN = "com.microsoft"
@@ -414,15 +435,18 @@ class DecoderGraphBuilder:
         return self.logits(g.reshape(g.slice_axis(x, -1, _INT64_MAX, axis=1), [-1, self.spec.hidden_size]))
 
     def decoder_layers(self, x: str, cos: str, sin: str, attention, after_layer=None, decode: bool = False,
-                       present_kv: bool = False, transposed_gemm: bool = False) -> str:
+                       present_kv: bool = False, transposed_gemm: bool = False, layer_input=None) -> str:
         """Every decoder layer over the embeddings x [B, s, d]; returns the last residual stream [B, s, d].
 
         ``attention(i, q, k, v)`` -> [B, s, H*d_h] is the graph's attention; ``after_layer(i, q, k, v)`` adds what a
         graph needs of a layer (selection nodes, outputs). ``present_kv``: k and v are named ``present.{i}.key`` /
-        ``.value`` (graph outputs). The residual add before each norm is ``add_rms_norm`` (fusable with it)."""
+        ``.value`` (graph outputs). The residual add before each norm is ``add_rms_norm`` (fusable with it).
+        ``layer_input(i, h)``: called with each layer's attention input h [B, s, d] (after ``input_layernorm``)."""
         g, layers = self.g, self.spec.num_layers
         h = self.rms_norm(x, "layers.0.input_layernorm")
         for i in range(layers):
+            if layer_input is not None:
+                layer_input(i, h)
             kv_names = (f"present.{i}.key", f"present.{i}.value") if present_kv else ()
             q, k, v = self.qkv(i, h, cos, sin, decode=decode, kv_names=kv_names)
             attn = attention(i, q, k, v)
@@ -940,14 +964,17 @@ class DecoderGraphBuilder:
             outputs=[g.fresh("attention"), *names] + ([g.fresh("probs")] if probs else []), num_heads=s.num_heads,
             kv_num_heads=s.num_kv_heads, scale=1.0 / math.sqrt(s.head_dim), do_rotary=0, **extra)
 
-    def _fused_prompt_layers(self, max_positions: int, layer_attention, after_layer) -> str:
+    def _fused_prompt_layers(self, max_positions: int, layer_attention, after_layer, layer_input=None) -> str:
         """Every decoder layer of the fused prompt graphs over ``input_ids``; returns the last token's logits' name.
-        ``layer_attention(i, q, k, v)`` -> the attention [B, s, H*d_h]; ``after_layer(i, q)`` adds a layer's outputs."""
+        ``layer_attention(i, q, k, v)`` -> the attention [B, s, H*d_h]; ``after_layer(i, q)`` adds a layer's outputs;
+        ``layer_input(i, h)`` reads a layer's attention input (after ``input_layernorm``)."""
         g, s = self.g, self.spec
         cos_cache, sin_cache = self.rope_caches(max_positions)
         x = g.Gather("embed_tokens", "input_ids", axis=0)  # [B, s, d]
         h = self.rms_norm(x, "layers.0.input_layernorm")
         for i in range(s.num_layers):
+            if layer_input is not None:
+                layer_input(i, h)
             q, k, v = self.fused_prompt_qkv(i, h, cos_cache, sin_cache)
             attn = layer_attention(i, q, k, v)
             after_layer(i, q)
@@ -1013,6 +1040,19 @@ class DecoderGraphBuilder:
                                  f"criticalkv fused prefill (ONNX Runtime only: com.microsoft operators; prompts without "
                                  f"padding), policy {policy.to_json()}")
 
+    @property
+    def has_surrogate(self) -> bool:
+        """Whether the engine's weights hold a KVzip surrogate (``kvzip_score=surrogate``): its extend graphs
+        (onnxruntime flavour) then return ``present.{l}.kvzip_score``."""
+        return self.store is not None and surrogate_weight(0) in self.store.arrays
+
+    def surrogate_scores(self, i: int, h: str, output: str) -> None:
+        """``output`` [B, H_kv, N]: S_hat = exp(h W_i + b_i) of the layer's new entries from their attention input h
+        [B, N, d] (``criticalkv.methods.surrogate``)."""
+        g = self.g
+        z = g.op("Add", g.op("MatMul", h, surrogate_weight(i)), surrogate_bias(i))  # [B, N, H_kv]
+        g.op("Transpose", g.op("Exp", z), perm=[0, 2, 1], outputs=[output])
+
     def reconstruction_scores_fused(self, probs: str, held: str) -> str:
         """KVzip's scores of one layer from the fused extend's attention probabilities ``probs`` [1, H, N, T] (every
         new query's softmax over the T = P + N keys it may see, ``prompt_attention(probs=True)``) over a past of P =
@@ -1053,6 +1093,7 @@ class DecoderGraphBuilder:
         if reason:
             raise ValueError(f"no fused extend graph: {reason}")
         s = self.spec
+        surrogate = self.has_surrogate and not score
         g = self._begin()
         one = g.const(np.int32(1), hint="one")
         new_tokens = g.Cast(g.shape_of("input_ids", 1, 2), to=INT32)  # [1] N
@@ -1065,6 +1106,8 @@ class DecoderGraphBuilder:
             outputs.append(value_info(f"present.{i}.window_queries", FLOAT, [1, s.num_heads, "window_tokens", s.head_dim]))
             if score:
                 outputs.append(value_info(f"present.{i}.scores", FLOAT, [1, s.num_kv_heads, "past_tokens"]))
+            elif surrogate:
+                outputs.append(value_info(f"present.{i}.kvzip_score", FLOAT, [1, s.num_kv_heads, "new_tokens"]))
         for value in inputs[2:]:
             value.type.tensor_type.shape.dim[0].dim_value = 1  # batch 1: the past inputs too
         if score:
@@ -1084,7 +1127,9 @@ class DecoderGraphBuilder:
 
         self.fused = True
         try:
-            self._fused_prompt_layers(max_positions, attention, window_queries)
+            self._fused_prompt_layers(max_positions, attention, window_queries,
+                                      (lambda i, h: self.surrogate_scores(i, h, f"present.{i}.kvzip_score")) if surrogate
+                                      else None)
         finally:
             self.fused = False
         if score:
@@ -1110,6 +1155,7 @@ class DecoderGraphBuilder:
         window = self._window("extend")
         if score and self.flavour != "onnxruntime":
             raise ValueError("the reconstruct graph (extend with KVzip's scores) has the onnxruntime flavour only")
+        surrogate = self.has_surrogate and not score and self.flavour == "onnxruntime"
         g = self._begin()
         s = self.spec
         new_tokens = g.shape_of("input_ids", 1, 2)  # N
@@ -1130,6 +1176,8 @@ class DecoderGraphBuilder:
                                       ["batch", s.num_heads, "window_tokens", s.head_dim]))
             if score:
                 outputs.append(value_info(f"present.{i}.scores", FLOAT, ["batch", s.num_kv_heads, "past_tokens"]))
+            elif surrogate:
+                outputs.append(value_info(f"present.{i}.kvzip_score", FLOAT, ["batch", s.num_kv_heads, "new_tokens"]))
 
         def attention(i, q, k, v):
             past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
@@ -1141,7 +1189,9 @@ class DecoderGraphBuilder:
         cos, sin = self.rope_tables("position_ids")
         x = g.Gather("embed_tokens", "input_ids", axis=0)  # [B, N, d]
         x = self.decoder_layers(x, cos, sin, attention, window_queries, present_kv=True,
-                                transposed_gemm=self.flavour == "tensorrt")
+                                transposed_gemm=self.flavour == "tensorrt",
+                                layer_input=(lambda i, h: self.surrogate_scores(i, h, f"present.{i}.kvzip_score"))
+                                if surrogate else None)
         self.last_logits(x)
         if score:
             for i, layer_scores in enumerate(ctx["layer_scores"]):

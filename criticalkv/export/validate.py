@@ -27,7 +27,7 @@ from criticalkv.export.exporter import (
     SELECT_FILE,
     SELECT_TENSORRT_FILE,
     ExportResult,
-    reconstructs,
+    rereads,
 )
 from criticalkv.export.llama import ORT_DOMAIN
 from criticalkv.export.quantize import QUANTIZED_OPERATORS
@@ -101,7 +101,7 @@ def validate_export(result: ExportResult) -> dict:
             continue
         if key in OPTIONAL_GRAPHS:
             wanted = (result.context_policy is not None if key == "select_context"
-                      else reconstructs(result.policy) or reconstructs(result.context_policy))
+                      else rereads(result.policy) or rereads(result.context_policy))
             if key == "reconstruct_ort":  # the fused one: only beside the fused prompt graphs
                 wanted = wanted and bool((result.fused_prompt or {}).get("prefill"))
             if path.exists() != wanted:

@@ -21,9 +21,10 @@ from transformers import DynamicCache
 from criticalkv.hf.cache import CompressedKVCache, CompressedLayer, cache_kwargs, hook_cache
 from criticalkv.hf.loading import check_supported
 from criticalkv.hf.queries import window_queries
-from criticalkv.hf.reconstruct import reconstruction_scores
+from criticalkv.hf.reconstruct import reconstruction_prompt, reconstruction_scores
 from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.methods.kvzip import ReconstructionPrompt
+from criticalkv.methods.surrogate import mask_opening, surrogate_of
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.selection import LayerSelection, select_layer, select_model
@@ -125,6 +126,8 @@ def prefill_and_compress(
     if reconstructs and batch != 1:
         raise ValueError(f"{policy.name} re-reads each context alone: give one prompt (batch 1), got {batch}")
     held: dict = {}  # reconstructs: the prefill's cache, kept whole until the context has been re-read
+    surrogate = surrogate_of(model) if reconstructs and policy.kvzip_score == "surrogate" else None
+    surrogate_scores: list = [None] * num_layers  # kvzip_score=surrogate: each layer's S_hat, from the prefill itself
 
     def compress_pending():
         """Select over every layer at once (the budget shared across layers), then free the full K/V."""
@@ -149,6 +152,8 @@ def prefill_and_compress(
                 queries_kept.append(q)
             if reconstructs:  # scored after the forward (the reconstruction reads every layer's full cache)
                 held["cache"] = hook_cache(kwargs)
+                if surrogate is not None:
+                    surrogate_scores[idx] = surrogate.scores(idx, hidden)
                 pending.append((q, keys, values, module.o_proj.weight, idx, cache_layer))
                 selection_s += time.perf_counter() - start
                 return
@@ -176,7 +181,11 @@ def prefill_and_compress(
     reconstruction_s = 0.0
     if reconstructs:
         start = time.perf_counter()
-        scores = reconstruction_scores(model, held["cache"], input_ids[0].tolist(), policy, reconstruction)
+        if surrogate is not None:  # no re-read: the chat template's opening beyond the sinks scores 0, as KVzip's
+            skip = reconstruction_prompt(model, reconstruction).skipped(input_ids[0].tolist())
+            scores = mask_opening(surrogate_scores, min(policy.sink_tokens, skip), skip)
+        else:
+            scores = reconstruction_scores(model, held["cache"], input_ids[0].tolist(), policy, reconstruction)
         reconstruction_s = time.perf_counter() - start
         start = time.perf_counter()
         # one selection over every layer (the model's budget, layer-kvzip) or layer by layer

@@ -214,8 +214,8 @@ class KVzip(AdaKV):
     cpp_enum = "kKVzip"
     description = ("question-agnostic: the largest attention an entry receives while the model re-reads the context "
                    "(context reconstruction), adakv sharing, sink_tokens first tokens kept")
-    knobs = ("ada_floor", "sink_tokens", "kvzip_chunk", "kvzip_reread")
-    score_knobs = ("sink_tokens", "kvzip_chunk", "kvzip_reread")
+    knobs = ("ada_floor", "sink_tokens", "kvzip_chunk", "kvzip_reread", "kvzip_score")
+    score_knobs = ("sink_tokens", "kvzip_chunk", "kvzip_reread", "kvzip_score")
     #: not pooled, as kvpress's: max-pooling the score (SnapKV's kernel 7) lost the needle at 256 entries on 2,048-token
     #: contexts where the unpooled score kept it (results/README.md, "Compress once, answer later")
     pools = False

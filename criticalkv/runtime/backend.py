@@ -48,6 +48,8 @@ class ExtendOutputs:
     logits: Any
     window_queries: list[Any]
     scores: list[Any] | None = None  # the reconstruct graph's: per layer [B, H_kv, P] KVzip scores of the past entries
+    #: an engine with a KVzip surrogate (``kvzip_score=surrogate``): per layer [B, H_kv, N] S_hat of the new entries
+    kvzip_scores: list[Any] | None = None
 
 
 @dataclass

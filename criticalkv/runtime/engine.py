@@ -25,6 +25,7 @@ import numpy as np
 
 from criticalkv.errors import EngineError, RequestError
 from criticalkv.methods.kvzip import ReconstructionPrompt, reconstruction_chunks
+from criticalkv.methods.surrogate import mask_opening
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.request import CheckedRequest, EngineLimits, Request, SamplingParams
@@ -120,6 +121,8 @@ class PrefillJob:
     seconds: float = 0.0
     context: bool = False  # a context for the context cache: selected with the engine's context policy
     policy: KVPolicy | None = None  # the policy that selects it (``Engine.policy_for``)
+    #: kvzip_score=surrogate: per layer the S_hat of the prompt's entries so far ([1, H_kv, done] float32 pieces)
+    surrogate: list | None = None
 
     @property
     def remaining(self) -> int:
@@ -381,7 +384,10 @@ class Engine:
             if self.reconstruction is None:
                 raise EngineError(f"{self.folder}: {policy.name} re-reads the context, but the engine has no "
                                   "reconstruction prompt (built before kvzip existed): rebuild it")
-            if policy.kvzip_reread == "context":  # ("chunk": each chunk re-reads over a buffer of its own)
+            if policy.kvzip_score == "surrogate" and not getattr(self.backend, "surrogate", False):
+                raise EngineError(f"{self.folder}: {policy.name}:kvzip_score=surrogate scores with the model's KVzip "
+                                  "surrogate, which this engine was not built with: rebuild it with this policy")
+            if policy.kvzip_score == "reread" and policy.kvzip_reread == "context":  # ("chunk": a buffer of its own)
                 spare = self.reconstruction.max_tokens(min(policy.kvzip_chunk, request.num_prompt_tokens))
         buffer = self.backend.new_prefill_buffer(request.num_prompt_tokens, spare) if spare else \
             self.backend.new_prefill_buffer(request.num_prompt_tokens)
@@ -403,6 +409,9 @@ class Engine:
             part = slice(at, at + self.extend_chunk)
             out = self.backend.extend_buffer(job.buffer, ids[None, part], positions[None, part])
             job.queries = out.window_queries if job.queries is None else self._join_queries(job.queries, out.window_queries)
+            if out.kvzip_scores is not None:  # an engine with a KVzip surrogate: S_hat of these entries
+                job.surrogate = [[s] for s in out.kvzip_scores] if job.surrogate is None else \
+                    [have + [s] for have, s in zip(job.surrogate, out.kvzip_scores)]
             logits = out.logits
         job.done += ids.size
         job.logits = np.array(logits[0], dtype=np.float32)
@@ -462,6 +471,10 @@ class Engine:
         policy = job.policy or self.policy
         ids = job.request.prompt_token_ids
         n = len(ids)
+        if policy.kvzip_score == "surrogate":  # no re-read: S_hat came with the prefill's extend chunks
+            skip = self.reconstruction.skipped(ids)
+            scores = [np.concatenate(pieces, axis=2) for pieces in job.surrogate]
+            return mask_opening(scores, min(policy.sink_tokens, skip), skip)
         kv_heads = self.spec["num_kv_heads"]
         scores = [np.zeros((1, kv_heads, n), np.float32) for _ in range(self.spec["num_layers"])]
         local = None  # kvzip_reread="chunk": one buffer for every chunk's re-read

@@ -189,6 +189,8 @@ class OnnxRuntimeBackend(BuiltShapes):
         self._lazy_sessions: dict[str, Any] = {}
         #: the fused reconstruct graph's RoPE caches end here (a reconstruction beyond runs the reconstruct graph)
         self.reconstruct_max_positions = int((manifest["onnx"].get("fused_prompt") or {}).get("reconstruct_max_positions", 0))
+        #: the extend graphs return S_hat of the new entries (an engine built with a KVzip surrogate)
+        self.surrogate = "kvzip_surrogate" in manifest
         self._allocate()
         budget_inputs = [i for i in self.prefill_session.get_inputs() if i.name == "kv_budget"]
         self._budget_input = budget_inputs[0] if budget_inputs else None
@@ -532,6 +534,8 @@ class OnnxRuntimeBackend(BuiltShapes):
             names += [f"present.{i}.key", f"present.{i}.value", f"present.{i}.window_queries"]
             if score_range is not None:
                 names.append(f"present.{i}.scores")
+            elif self.surrogate:
+                names.append(f"present.{i}.kvzip_score")
         out = self._run_bound(session, inputs, names)
         batch, heads = lengths[0].shape
         for i in range(self.num_layers):
@@ -545,7 +549,9 @@ class OnnxRuntimeBackend(BuiltShapes):
         return ExtendOutputs(logits=out["logits"], window_queries=[out[f"present.{i}.window_queries"]
                                                                    for i in range(self.num_layers)],
                              scores=None if score_range is None else [out[f"present.{i}.scores"]
-                                                                      for i in range(self.num_layers)])
+                                                                      for i in range(self.num_layers)],
+                             kvzip_scores=[out[f"present.{i}.kvzip_score"] for i in range(self.num_layers)]
+                             if self.surrogate and score_range is None else None)
 
     def _fused_extend_fits(self, keys: list[np.ndarray], values: list[np.ndarray], lengths: list[np.ndarray],
                            score: bool = False) -> bool:
@@ -567,10 +573,12 @@ class OnnxRuntimeBackend(BuiltShapes):
         binding = session.io_binding()
         binding.bind_cpu_input("input_ids", token_ids)
         binding.bind_cpu_input("position_ids", positions)
-        scores = []
+        scores, surrogate = [], []
         if score_range is not None:
             binding.bind_cpu_input("score_range", np.ascontiguousarray(score_range, dtype=np.int64))
             scores = [np.zeros((1, self.kv_heads, int(n[0, 0])), np.float32) for n in lengths]
+        elif self.surrogate:
+            surrogate = [np.zeros((1, self.kv_heads, token_ids.shape[1]), np.float32) for _ in lengths]
         logits = np.zeros((1, self.vocab), np.float32)
         queries = [np.zeros((1, self.num_heads, min(token_ids.shape[1], self.window), self.head_dim), np.float32)
                    for _ in range(self.num_layers)]
@@ -583,12 +591,14 @@ class OnnxRuntimeBackend(BuiltShapes):
                         (f"present.{i}.window_queries", queries[i])]
             if scores:
                 outputs.append((f"present.{i}.scores", scores[i]))
+            if surrogate:
+                outputs.append((f"present.{i}.kvzip_score", surrogate[i]))
         for name, array in outputs:  # every output into memory of ours: the present ones are the buffers themselves
             binding.bind_output(name, "cpu", 0, np.float32, list(array.shape), array.ctypes.data)
         session.run_with_iobinding(binding)
         for n in lengths:
             n += token_ids.shape[1]
-        return ExtendOutputs(logits=logits, window_queries=queries, scores=scores or None)
+        return ExtendOutputs(logits=logits, window_queries=queries, scores=scores or None, kvzip_scores=surrogate or None)
 
     def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         """``extend`` over decode buffer row ``row`` (token_ids, positions: [1, N]). float16 buffers: the extend graph

@@ -34,6 +34,7 @@ struct PolicyConfig
     int32_t future_positions = 512;
     int32_t kvzip_chunk = 2048;
     std::string kvzip_reread = "context";
+    std::string kvzip_score = "reread";
     int32_t layer_idx = 0;
     int32_t num_layers = 1;
     int32_t capacity = 0;
@@ -50,7 +51,7 @@ inline std::vector<std::string> const& policyNames()
 //! Names of every creator field, in order.
 inline std::vector<std::string> const& pluginFieldNames()
 {
-    static std::vector<std::string> const names = {"name", "budget", "window", "pool_kernel", "alpha", "epsilon", "value_norm", "gqa_reduce", "stage2_scores", "ada_floor", "pyramid_beta", "sink_tokens", "stage1_mass", "head_cap_ratio", "future_positions", "kvzip_chunk", "kvzip_reread", "layer_idx", "num_layers", "capacity", "layer_budgets"};
+    static std::vector<std::string> const names = {"name", "budget", "window", "pool_kernel", "alpha", "epsilon", "value_norm", "gqa_reduce", "stage2_scores", "ada_floor", "pyramid_beta", "sink_tokens", "stage1_mass", "head_cap_ratio", "future_positions", "kvzip_chunk", "kvzip_reread", "kvzip_score", "layer_idx", "num_layers", "capacity", "layer_budgets"};
     return names;
 }
 
@@ -241,6 +242,8 @@ inline std::string validatePolicy(PolicyConfig const& p)
         return "kvzip_chunk: " + std::to_string(p.kvzip_chunk) + " exceeds the supported maximum 4194304";
     if (!detail::oneOf(p.kvzip_reread, {CKV_CHOICES_kvzip_reread}))
         return "kvzip_reread: '" + p.kvzip_reread + "' is not one of " + detail::joinChoices({CKV_CHOICES_kvzip_reread});
+    if (!detail::oneOf(p.kvzip_score, {CKV_CHOICES_kvzip_score}))
+        return "kvzip_score: '" + p.kvzip_score + "' is not one of " + detail::joinChoices({CKV_CHOICES_kvzip_score});
     // Layer fields.
     if (p.num_layers <= 0)
         return "num_layers: must be positive, got " + std::to_string(p.num_layers);

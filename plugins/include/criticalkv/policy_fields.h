@@ -25,6 +25,7 @@
     CKV_FIELD(INT, future_positions, 512) \
     CKV_FIELD(INT, kvzip_chunk, 2048) \
     CKV_FIELD(STRING, kvzip_reread, "context") \
+    CKV_FIELD(STRING, kvzip_score, "reread") \
     CKV_FIELD(INT, layer_idx, 0) \
     CKV_FIELD(INT, num_layers, 1) \
     CKV_FIELD(INT, capacity, 0) \
@@ -71,6 +72,7 @@
 #define CKV_CHOICES_gqa_reduce "mean", "kvpress"
 #define CKV_CHOICES_stage2_scores "pooled", "raw"
 #define CKV_CHOICES_kvzip_reread "context", "chunk"
+#define CKV_CHOICES_kvzip_score "reread", "surrogate"
 
 namespace criticalkv
 {
@@ -117,6 +119,13 @@ enum class KvzipReread : int32_t
 {
     kContext = 0,
     kChunk = 1,
+};
+
+//! KVPolicy.kvzip_score.
+enum class KvzipScore : int32_t
+{
+    kReread = 0,
+    kSurrogate = 1,
 };
 
 //! Fractions (alpha, ada_floor, pyramid_beta) are exact decimals with at most 6 decimals: value = micros / kDecimalScale.

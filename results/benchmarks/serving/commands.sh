@@ -80,6 +80,12 @@ uptime
 $B bench cached-context --engine-dir engines/ctx-ckv256 --engine-dir engines/ctx-lkc3-256 --isl 2048 \
   --question-tokens 32 --osl 4 --repeats 5 --warmup 1 --scoring-cost --out $OUT --name cached_context_layer_kvzip_criticalkv
 uptime
+# 11d. the context cache's default context policy now (layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6:
+#      KVzip's score from the model's surrogate, no re-read) against the re-read's (11c), engine built as in 11a with
+#      --context-policy layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6 --output engines/ctx-lkcs6-256
+$B bench cached-context --engine-dir engines/ctx-lkc3-256 --engine-dir engines/ctx-lkcs6-256 --isl 2048 \
+  --question-tokens 32 --osl 4 --repeats 5 --warmup 1 --scoring-cost --out $OUT --name cached_context_surrogate
+uptime
 # 11b. what one chunked-prefill step costs (the unit a short request waits for), and chunks of 128 served
 .venv/bin/python -m criticalkv.bench.chunks --engine-dir engines/ctx-ckv256 --chunks 512,256,128 --out $OUT
 uptime
