@@ -38,7 +38,6 @@ from criticalkv.export.exporter import (
     onnx_info,
     reconstructs,
     rereads,
-    surrogate_scored,
 )
 from criticalkv.export.validate import validate_export
 from criticalkv.files import remove_stale_temporaries, temporary_dir
@@ -46,7 +45,7 @@ from criticalkv.hf import generate, load_model, resolve_model
 from criticalkv.hf.loading import stop_token_ids
 from criticalkv.hf.reconstruct import reconstruction_prompt
 from criticalkv.methods.kvzip import ReconstructionPrompt
-from criticalkv.methods.surrogate import find_surrogate
+from criticalkv.methods.surrogate import find_surrogate, uses_surrogate
 from criticalkv.policy import SCHEMA_VERSION, KVPolicy, parse_policy_spec
 from criticalkv.runtime import Engine, create_backend
 from criticalkv.runtime.manifest import FORMAT as MANIFEST_FORMAT
@@ -273,9 +272,8 @@ def export_engine(
         # the PyTorch path's prompt for this model (criticalkv.hf.reconstruct): the same entries kept on both
         prompt = ReconstructionPrompt.from_tokenizer(tokenizer) if tokenizer is not None else reconstruction_prompt(model)
         content["reconstruction"] = prompt.to_dict()
-    if surrogate_scored(policy) or surrogate_scored(result.context_policy):  # its weights are in weights.bin
-        surrogate = find_surrogate(model, getattr(model.config, "_name_or_path", None) or None)
-        content["kvzip_surrogate"] = {"model": surrogate.model, "info": surrogate.info}
+    if result.surrogate is not None:  # its weights are in weights.bin
+        content["kvzip_surrogate"] = {"model": result.surrogate.model, "info": result.surrogate.info}
     return result, content
 
 
@@ -393,7 +391,7 @@ def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | Non
         start = time.perf_counter()
         log(f"loading {model_name} ...")
         hf_model, tokenizer = load_model(model)
-        if default_context and surrogate_scored(context_policy):
+        if default_context and uses_surrogate(context_policy):
             try:
                 find_surrogate(hf_model, model_path)
             except ValueError:  # the default needs the model's KVzip surrogate: the re-read's policy instead
@@ -407,7 +405,7 @@ def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | Non
         if context_policy is not None:
             log(f"contexts (the serving context cache) are compressed with {context_policy.name}: its select graph"
                 + (" and the reconstruct graph (it re-reads each context once)" if rereads(context_policy) else "")
-                + (" and its KVzip surrogate (no re-read)" if surrogate_scored(context_policy) else ""))
+                + (" and its KVzip surrogate (no re-read)" if uses_surrogate(context_policy) else ""))
         result, content = export_engine(hf_model, policy, tmp, config, tokenizer, model_name, model_path,
                                         context_policy=context_policy)
         content["request"] = request

@@ -32,7 +32,7 @@ from criticalkv.hf.loading import check_supported
 from criticalkv.hf.reconstruct import cache_of, reconstruction_prompt, reconstruction_scores
 from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.methods.kvzip import ReconstructionPrompt
-from criticalkv.methods.surrogate import mask_opening, surrogate_of
+from criticalkv.methods.surrogate import mask_opening, surrogate_of, uses_surrogate
 from criticalkv.policy import KVPolicy
 from criticalkv.sampling import Sampler, decode_loop
 from criticalkv.selection import LayerScores, LayerSelection, ScoreMemo, layer_scores, select_layer, select_model
@@ -136,36 +136,25 @@ class ScoreBank:
         if not policy.method.base.external_scores or self.model is None:
             return None
         p = self.prefill
-        if policy.kvzip_score == "surrogate":
-            return self._surrogate_scores(policy)
+        if uses_surrogate(policy):  # S_hat of the prefill's hidden states (no re-read)
+            if p.hidden is None:
+                raise ValueError(f"{policy.name}:kvzip_score=surrogate scores from the prefill's hidden states: run "
+                                 "shared_prefill(keep_hidden=True)")
 
-        def compute():
-            cache = cache_of(p.keys, p.values, self.model.config)
-            return reconstruction_scores(self.model, cache, p.input_ids[0].tolist(), policy, self.reconstruction)
+            def compute():
+                scores = [surrogate_of(self.model).scores(i, h) for i, h in enumerate(p.hidden)]
+                return mask_opening(scores, reconstruction_prompt(self.model, self.reconstruction),
+                                    p.input_ids[0].tolist(), policy.sink_tokens)
 
-        key = ("reconstruction", policy.kvzip_chunk, policy.sink_tokens, policy.kvzip_reread)
+            key = ("surrogate", policy.sink_tokens)
+        else:
+            def compute():
+                cache = cache_of(p.keys, p.values, self.model.config)
+                return reconstruction_scores(self.model, cache, p.input_ids[0].tolist(), policy, self.reconstruction)
+
+            key = ("reconstruction", policy.kvzip_chunk, policy.sink_tokens, policy.kvzip_reread)
         if key in self.memo.entries:
             return self.memo.entries[key]
-        start = time.perf_counter()
-        scores = self.memo.get(key, compute)
-        self.memo.seconds += time.perf_counter() - start
-        return scores
-
-    def _surrogate_scores(self, policy: KVPolicy) -> list[torch.Tensor]:
-        """``kvzip_score=surrogate``: S_hat of every layer from the prefill's hidden states (no re-read), the chat
-        template's opening beyond the sinks at 0 (``criticalkv.methods.surrogate``)."""
-        p = self.prefill
-        if p.hidden is None:
-            raise ValueError(f"{policy.name}:kvzip_score=surrogate scores from the prefill's hidden states: run "
-                             "shared_prefill(keep_hidden=True)")
-        key = ("surrogate", min(policy.sink_tokens, p.n))
-
-        def compute():
-            surrogate = surrogate_of(self.model)
-            skip = reconstruction_prompt(self.model, self.reconstruction).skipped(p.input_ids[0].tolist())
-            scores = [surrogate.scores(i, h) for i, h in enumerate(p.hidden)]
-            return mask_opening(scores, min(policy.sink_tokens, skip), skip)
-
         start = time.perf_counter()
         scores = self.memo.get(key, compute)
         self.memo.seconds += time.perf_counter() - start

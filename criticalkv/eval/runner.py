@@ -30,6 +30,7 @@ from criticalkv.eval.prompts import EvalPrompt
 from criticalkv.eval.scoring import score
 from criticalkv.eval.specs import PolicyRun
 from criticalkv.methods.kvzip import ReconstructionPrompt
+from criticalkv.methods.surrogate import uses_surrogate
 from criticalkv.policy import KVPolicy
 
 
@@ -117,8 +118,7 @@ def _evaluate_prompt(model, tokenizer, prompt, runs, stop, windows, device, pert
         split = split_question(prompt)
         ids, question = ids[:, :split], ids[:, split:]
     start = time.perf_counter()
-    surrogate = any(r.policy.method.base.external_scores and r.policy.kvzip_score == "surrogate" for r in runs)
-    prefill = shared_prefill(model, ids, windows, keep_hidden=surrogate)
+    prefill = shared_prefill(model, ids, windows, keep_hidden=any(uses_surrogate(r.policy) for r in runs))
     bank = ScoreBank(prefill, model, reconstruction)
     n = prefill.n
     reference = None

@@ -19,7 +19,7 @@ from criticalkv.export.llama import (
 )
 from criticalkv.export.model_select import tensorrt_refusal
 from criticalkv.export.quantize import WEIGHT_FORMATS, check_weight_format, quantize_store
-from criticalkv.methods.surrogate import find_surrogate
+from criticalkv.methods.surrogate import find_surrogate, uses_surrogate
 from criticalkv.node import DOMAIN, OPSET_VERSION
 from criticalkv.policy import KVPolicy
 from criticalkv.weights import WEIGHTS_FILE
@@ -136,6 +136,8 @@ class ExportResult:
     #: the policy contexts are compressed with (the serving context cache) and its per-layer selection capacities
     context_policy: KVPolicy | None = None
     context_capacities: list[int] | None = None
+    #: the KVzip surrogate whose weights the engine holds (a policy with ``kvzip_score=surrogate``), else None
+    surrogate: object | None = None
 
     def shapes(self) -> dict:
         shapes = {
@@ -158,11 +160,6 @@ def reconstructs(policy: KVPolicy | None) -> bool:
 def rereads(policy: KVPolicy | None) -> bool:
     """Whether ``policy`` re-reads each context for KVzip's score: its engine needs the reconstruct graphs."""
     return reconstructs(policy) and policy.kvzip_score == "reread"
-
-
-def surrogate_scored(policy: KVPolicy | None) -> bool:
-    """Whether ``policy`` scores with the model's KVzip surrogate: its engine's extend graphs return S_hat."""
-    return reconstructs(policy) and policy.kvzip_score == "surrogate"
 
 
 def kv_buffer_bytes(spec: ModelSpec, decode_capacities: list[int], batch: int, kv_dtype: str = "float32") -> int:
@@ -214,8 +211,10 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
         raise ValueError(f"weights {config.weights}: the lower-precision weights live in the fused ONNX Runtime graphs, "
                          f"which this model cannot have ({refusal}); build it with weights fp32")
     weights = quantize_store(store, spec, config.weights)
-    if surrogate_scored(policy) or surrogate_scored(context_policy):  # S_hat from the extend graphs (no re-read)
-        add_surrogate(store, find_surrogate(model, getattr(model.config, "_name_or_path", None) or None), spec)
+    surrogate = None
+    if uses_surrogate(policy) or uses_surrogate(context_policy):  # S_hat from the extend graphs (no re-read)
+        surrogate = find_surrogate(model, getattr(model.config, "_name_or_path", None) or None)
+        add_surrogate(store, surrogate, spec)
     store.write(folder)
     capacities = layer_capacities(policy, spec, config.max_input_len)
     context_capacities = None if context_policy is None else layer_capacities(context_policy, spec, config.max_input_len)
@@ -252,7 +251,7 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
     if tokenizer is not None:
         tokenizer.save_pretrained(folder / TOKENIZER_DIR)
     return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes(), fused, prompt,
-                        weights, context_policy, context_capacities)
+                        weights, context_policy, context_capacities, surrogate)
 
 
 def fused_prompt_info(refusal: str | None, config: BuildConfig) -> dict:

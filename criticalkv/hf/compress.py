@@ -24,7 +24,7 @@ from criticalkv.hf.queries import window_queries
 from criticalkv.hf.reconstruct import reconstruction_prompt, reconstruction_scores
 from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.methods.kvzip import ReconstructionPrompt
-from criticalkv.methods.surrogate import mask_opening, surrogate_of
+from criticalkv.methods.surrogate import mask_opening, surrogate_of, uses_surrogate
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.selection import LayerSelection, select_layer, select_model
@@ -126,7 +126,7 @@ def prefill_and_compress(
     if reconstructs and batch != 1:
         raise ValueError(f"{policy.name} re-reads each context alone: give one prompt (batch 1), got {batch}")
     held: dict = {}  # reconstructs: the prefill's cache, kept whole until the context has been re-read
-    surrogate = surrogate_of(model) if reconstructs and policy.kvzip_score == "surrogate" else None
+    surrogate = surrogate_of(model) if uses_surrogate(policy) else None
     surrogate_scores: list = [None] * num_layers  # kvzip_score=surrogate: each layer's S_hat, from the prefill itself
 
     def compress_pending():
@@ -182,8 +182,8 @@ def prefill_and_compress(
     if reconstructs:
         start = time.perf_counter()
         if surrogate is not None:  # no re-read: the chat template's opening beyond the sinks scores 0, as KVzip's
-            skip = reconstruction_prompt(model, reconstruction).skipped(input_ids[0].tolist())
-            scores = mask_opening(surrogate_scores, min(policy.sink_tokens, skip), skip)
+            scores = mask_opening(surrogate_scores, reconstruction_prompt(model, reconstruction), input_ids[0].tolist(),
+                                  policy.sink_tokens)
         else:
             scores = reconstruction_scores(model, held["cache"], input_ids[0].tolist(), policy, reconstruction)
         reconstruction_s = time.perf_counter() - start

@@ -170,9 +170,18 @@ def surrogate_of(model) -> KVzipSurrogate:
     return _FOUND[model]
 
 
-def mask_opening(scores: list, sinks: int, skip: int) -> list:
-    """``scores`` (per layer [1, H_kv, n], torch or numpy) with the entries [sinks, skip) set to 0 in place: the chat
-    template's opening beyond the sinks, which KVzip never re-reads (``ReconstructionPrompt.skipped``)."""
+def uses_surrogate(policy) -> bool:
+    """Whether ``policy`` ranks by KVzip's score predicted by the model's surrogate (``kvzip_score=surrogate``)."""
+    base = None if policy is None else policy.method.base
+    return base is not None and base.external_scores and base.evicts and policy.kvzip_score == "surrogate"
+
+
+def mask_opening(scores: list, prompt, context_ids, sink_tokens: int) -> list:
+    """``scores`` (per layer [1, H_kv, n], torch or numpy) with the chat template's opening beyond the sinks set to 0
+    in place (entries [min(sink_tokens, skip), skip), skip = ``prompt.skipped(context_ids)``): KVzip never re-reads
+    them, so the surrogate scores them as KVzip does."""
+    skip = prompt.skipped(context_ids)
+    sinks = min(sink_tokens, skip)
     if skip > sinks:
         for layer in scores:
             layer[:, :, sinks:skip] = 0

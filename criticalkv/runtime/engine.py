@@ -25,7 +25,7 @@ import numpy as np
 
 from criticalkv.errors import EngineError, RequestError
 from criticalkv.methods.kvzip import ReconstructionPrompt, reconstruction_chunks
-from criticalkv.methods.surrogate import mask_opening
+from criticalkv.methods.surrogate import mask_opening, uses_surrogate
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.request import CheckedRequest, EngineLimits, Request, SamplingParams
@@ -409,7 +409,7 @@ class Engine:
             part = slice(at, at + self.extend_chunk)
             out = self.backend.extend_buffer(job.buffer, ids[None, part], positions[None, part])
             job.queries = out.window_queries if job.queries is None else self._join_queries(job.queries, out.window_queries)
-            if out.kvzip_scores is not None:  # an engine with a KVzip surrogate: S_hat of these entries
+            if out.kvzip_scores is not None and uses_surrogate(job.policy or self.policy):  # S_hat of these entries
                 job.surrogate = [[s] for s in out.kvzip_scores] if job.surrogate is None else \
                     [have + [s] for have, s in zip(job.surrogate, out.kvzip_scores)]
             logits = out.logits
@@ -472,9 +472,8 @@ class Engine:
         ids = job.request.prompt_token_ids
         n = len(ids)
         if policy.kvzip_score == "surrogate":  # no re-read: S_hat came with the prefill's extend chunks
-            skip = self.reconstruction.skipped(ids)
             scores = [np.concatenate(pieces, axis=2) for pieces in job.surrogate]
-            return mask_opening(scores, min(policy.sink_tokens, skip), skip)
+            return mask_opening(scores, self.reconstruction, ids, policy.sink_tokens)
         kv_heads = self.spec["num_kv_heads"]
         scores = [np.zeros((1, kv_heads, n), np.float32) for _ in range(self.spec["num_layers"])]
         local = None  # kvzip_reread="chunk": one buffer for every chunk's re-read

@@ -22,6 +22,7 @@ from criticalkv.methods.surrogate import (
     fingerprint,
     mask_opening,
 )
+from criticalkv.methods.kvzip import ReconstructionPrompt
 from criticalkv.request import Request
 from criticalkv.runtime import Engine
 from export.tiny_engine import export_tiny_engine
@@ -86,7 +87,7 @@ def test_the_surrogate_score_is_exp_of_the_linear_map(trained):
     assert got.shape == (1, surrogate.num_kv_heads, 37)
     np.testing.assert_allclose(got[0].T.numpy(), want, rtol=1e-5)
     scores = [torch.ones(1, 2, 10)]
-    mask_opening(scores, 2, 6)
+    mask_opening(scores, ReconstructionPrompt(opening=(7, 8, 9, 10, 11, 12)), [7, 8, 9, 10, 11, 12, 1, 2, 3, 4], 2)
     assert scores[0][0, 0].tolist() == [1, 1, 0, 0, 0, 0, 1, 1, 1, 1]
 
 
