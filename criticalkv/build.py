@@ -433,7 +433,7 @@ def torch_engine_content(model, policy: KVPolicy, config: BuildConfig, tokenizer
     be handed to the backend). No ``onnx`` section: no graph is exported."""
     from criticalkv.export.exporter import check_model_limits, reconstructs
     from criticalkv.export.llama import layer_capacities, model_spec
-    from criticalkv.hf.torch_backend import DTYPES, KVZIP_REFUSAL, torch_manifest_section
+    from criticalkv.runtime.torch_backend import DTYPES, KVZIP_REFUSAL, torch_manifest_section
 
     if reconstructs(policy):
         raise ValueError(f"{policy.name}: {KVZIP_REFUSAL}")

@@ -122,27 +122,28 @@ class CompactDecoder:
                        after_attention: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
         """The prompt input_ids [B, n] (left-padded; ``lengths`` [B] of the valid tokens, None when none is padded) at
         position_ids [B, n], layer by layer; ``after_attention(i, q, k, v)`` receives layer i's post-RoPE queries
-        [B, H, n, d_h], keys and values [B, H_kv, n, d_h] right after its attention (they are dropped when it
-        returns). Returns the last prompt token's logits [B, vocab] float32."""
+        [B, H, n, d_h], keys and values [B, H_kv, n, d_h] right after its attention, before o_proj and the MLP (they
+        are dropped when it returns, so the MLP's activations never sit beside a layer's full-length Q/K/V). Returns
+        the last prompt token's logits [B, vocab] float32.
+
+        Attention is causal SDPA with grouped K/V (``enable_gqa``) and no mask tensor, so a GPU runs flash attention;
+        a left-padded batch runs it per sequence over its own valid tokens (varlen, no [B, 1, n, n] mask), and the
+        padding positions' outputs are zeros (never read)."""
         b, n = input_ids.shape
         h = self.embed(input_ids)
         cos, sin = self.cos[position_ids], self.sin[position_ids]  # [B, n, d_h]
-        mask = None
-        if lengths is not None:
-            # causal inside each sequence's valid tokens; a padding query sees itself only (finite, never read)
-            pos = torch.arange(n, device=h.device)
-            valid = pos[None, :] >= (n - lengths.to(h.device))[:, None]  # [B, n]
-            mask = (pos[:, None] >= pos[None, :])[None] & valid[:, None, :]
-            mask = (mask | torch.eye(n, dtype=torch.bool, device=h.device)[None])[:, None]  # [B, 1, n, n]
+        starts = None if lengths is None else (n - lengths.to(torch.int64)).tolist()  # one host read per prompt
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)
-            if mask is None:
+            if starts is None:
                 attended = self._causal(q, k, v, self.scaling[i])
             else:
-                attended = self._masked_heads(q, k, v, mask, self.scaling[i])
-            h = self._finish_layer(layer, h, attended.transpose(1, 2).reshape(b, n, -1))
+                attended = self._causal_rows(q, k, v, starts, self.scaling[i])
+            attended = attended.transpose(1, 2).reshape(b, n, -1)
             after_attention(i, q, k, v)
             del q, k, v
+            h = self._finish_layer(layer, h, attended)
+            del attended
         return self.logits(h[:, -1])
 
     def _causal(self, q, k, v, scale):
@@ -152,11 +153,16 @@ class CompactDecoder:
         return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True,
                                               scale=scale)
 
-    def _masked_heads(self, q, k, v, mask, scale):
-        """Attention of q [B, H, T, d_h] over k, v [B, H_kv, S, d_h] under mask [B, 1, T, S] (shared by every head)."""
-        g = self.shape.group
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask,
-                                              scale=scale)
+    def _causal_rows(self, q, k, v, starts: list[int], scale):
+        """Causal attention of a left-padded batch, one sequence at a time over its valid tokens (row b's start at
+        ``starts[b]``): q [B, H, n, d_h], k, v [B, H_kv, n, d_h] -> [B, H, n, d_h], zeros at the padding."""
+        out = q.new_zeros(q.shape)
+        for row, start in enumerate(starts):
+            if start >= q.shape[2]:
+                continue
+            out[row:row + 1, :, start:] = self._causal(q[row:row + 1, :, start:], k[row:row + 1, :, start:],
+                                                       v[row:row + 1, :, start:], scale)
+        return out
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],

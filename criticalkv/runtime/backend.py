@@ -189,5 +189,9 @@ class Backend(Protocol):
     def kv_buffer_bytes(self) -> int:
         """Bytes of the K and V buffers (all max_batch rows)."""
 
+    # optional: ``decode_greedy(tokens, positions) -> [B] int64`` (``decode``'s argmax taken on the device, so a greedy
+    # loop copies B ids, not B x vocab logits, to the host: ``Engine.generate`` uses it when present) and
+    # ``synchronize()`` (wait for the device's queued work; a timing that ends after asynchronous copies calls it)
+
     def close(self) -> None:
         """Release sessions and buffers."""

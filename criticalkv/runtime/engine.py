@@ -36,6 +36,11 @@ from criticalkv.runtime.registry import create_backend
 from criticalkv.sampling import Sampler, decode_loop
 
 
+def _ids(tokens: np.ndarray) -> np.ndarray:
+    """The decode loop's choice when the step already returns the greedy token ids."""
+    return tokens
+
+
 def reconstructs(policy: KVPolicy | None) -> bool:
     """Whether ``policy`` ranks by a context reconstruction (kvzip): its prompts are re-read before they are selected."""
     return policy is not None and policy.method.base.external_scores and policy.method.base.evicts
@@ -186,7 +191,7 @@ class Engine:
         """Open ``folder`` (checks the manifest, its format version and every file; ``verify`` also
         checks sha256) on ``backend`` (None: ``torch`` for a directory built with ``--backend torch``, else
         ``onnxruntime``). ``options`` go to the backend (torch: ``model``, ``device``, ``dtype``, ``cuda_graphs``,
-        ``threads``: see ``criticalkv.hf.torch_backend``; ONNX Runtime: ``threads``, ``profile``, ``providers``,
+        ``threads``: see ``criticalkv.runtime.torch_backend``; ONNX Runtime: ``threads``, ``profile``, ``providers``,
         ``weights``, ``decode`` = ``"auto"`` / ``"fused"`` / ``"portable"`` (the decode graph: decode_ort.onnx or
         decode.onnx; default ``$CRITICALKV_ORT_DECODE`` or auto), ``prefill`` (the same for the prompt graphs:
         prefill_ort.onnx and extend_ort.onnx or prefill.onnx and extend.onnx; ``$CRITICALKV_ORT_PREFILL``),
@@ -296,8 +301,11 @@ class Engine:
         n = ids.shape[1]
         pre = self.backend.prefill(ids, np.ones_like(ids), np.arange(n, dtype=np.int64)[None, :],
                                    kv_budget=request.budget)
+        loaded = time.perf_counter()
         row = len(self._rows)
         self.backend.load_row(row, pre, 0)
+        self._synchronize()
+        seconds = pre.seconds + (time.perf_counter() - loaded)
         self._rows.append(slot)
         self._slots[slot] = _Slot(row=row, position=n)
         kept = sum(int(x.sum()) for x in pre.lengths)
@@ -305,7 +313,7 @@ class Engine:
         return PrefillResult(
             logits=np.array(pre.logits[0], dtype=np.float32), num_prompt_tokens=n, kept_entries=kept,
             kv_bytes_kept=kept * self.entry_bytes,
-            kv_bytes_full=n * spec["num_kv_heads"] * spec["num_layers"] * self.entry_bytes, seconds=pre.seconds,
+            kv_bytes_full=n * spec["num_kv_heads"] * spec["num_layers"] * self.entry_bytes, seconds=seconds,
             kept_lengths=[np.asarray(x[0]) for x in pre.lengths], kept_indices=[np.asarray(x[0]) for x in pre.indices])
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
@@ -447,6 +455,7 @@ class Engine:
         selected = self.backend.select(job.buffer, job.queries, kv_budget=budget, **options)
         row = len(self._rows)
         self.backend.load_row(row, selected, 0)
+        self._synchronize()
         self._rows.append(slot)
         n = job.request.num_prompt_tokens
         self._slots[slot] = _Slot(row=row, position=n)
@@ -608,6 +617,7 @@ class Engine:
         lengths = mask.sum(1)
         sampler = Sampler(sampling)
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
+        start = time.perf_counter()
         pre = self.backend.prefill(ids, mask, positions, kv_budget=budget)
         selection_s = pre.selection_s
         end_profiling = getattr(self.backend, "end_profiling", None)
@@ -618,16 +628,22 @@ class Engine:
                 os.remove(trace)
         first = sampler(pre.logits)
         self.backend.begin_decode(pre)
+        self._synchronize()
+        prefill_s = time.perf_counter() - start  # the kept entries in the decode rows: the first step can run
+        greedy = getattr(self.backend, "decode_greedy", None)
+        if sampling.temperature == 0 and greedy is not None:  # the argmax on the device: B ids to the host
+            step, choose = (lambda tokens, t: greedy(tokens, lengths + t)), _ids
+        else:
+            step, choose = (lambda tokens, t: self.backend.decode(tokens, lengths + t)), sampler
         generated, steps, decode_s = decode_loop(
-            lambda tokens, t: self.backend.decode(tokens, lengths + t), first, max_new_tokens,
-            self.eos_token_ids if stop_token_ids is None else stop_token_ids, sampler, on_tokens,
-        )
+            step, first, max_new_tokens, self.eos_token_ids if stop_token_ids is None else stop_token_ids, choose,
+            on_tokens)
         full = self.entry_bytes * self.spec["num_kv_heads"] * int(lengths.sum()) * self.spec["num_layers"]
         kept = self.entry_bytes * sum(int(x.sum()) for x in pre.lengths)
         return GenerationResult(
             tokens=generated.tokens,
             prompt_lengths=lengths.tolist(),
-            prefill_s=pre.seconds,
+            prefill_s=prefill_s,
             selection_s=selection_s,
             decode_s_per_token=decode_s / steps if steps else 0.0,
             kv_bytes_full=full,
@@ -659,9 +675,10 @@ class Engine:
                 prefill_s += time.perf_counter() - start
                 full, kept = full + result.kv_bytes_full, kept + result.kv_bytes_kept
             first = sampler(np.stack(first_logits))
+            step, choose = self._slot_step(slots, sampler)
             generated, steps, decode_s = decode_loop(
-                lambda tokens, t: self.decode(slots, tokens), first, sampling.max_tokens,
-                self.eos_token_ids if stop_token_ids is None else stop_token_ids, sampler, on_tokens)
+                step, first, sampling.max_tokens, self.eos_token_ids if stop_token_ids is None else stop_token_ids,
+                choose, on_tokens)
         finally:
             self.release_all()
         return GenerationResult(
@@ -678,9 +695,10 @@ class Engine:
             for slot, request in zip(slots, requests):
                 results.append(self.prefill(slot, request))
             first = sampler(np.stack([r.logits for r in results]))
+            step, choose = self._slot_step(slots, sampler)
             generated, steps, decode_s = decode_loop(
-                lambda tokens, t: self.decode(slots, tokens), first, sampling.max_tokens,
-                self.eos_token_ids if stop_token_ids is None else stop_token_ids, sampler, on_tokens)
+                step, first, sampling.max_tokens, self.eos_token_ids if stop_token_ids is None else stop_token_ids,
+                choose, on_tokens)
         finally:
             self.release_all()
         kept_lengths, kept_indices = [], []
@@ -695,6 +713,19 @@ class Engine:
             decode_s_per_token=decode_s / steps if steps else 0.0,
             kv_bytes_full=sum(r.kv_bytes_full for r in results), kv_bytes_kept=sum(r.kv_bytes_kept for r in results),
             kept_lengths=kept_lengths, kept_indices=kept_indices)
+
+    def _slot_step(self, slots: list[int], sampler: Sampler):
+        """(step, choose) of a decode loop over ``slots``: a greedy loop takes each row's argmax where the backend
+        computes it (``decode_greedy``: no B x vocab logits to the host), any other samples the logits."""
+        if sampler.config.temperature == 0 and hasattr(self.backend, "decode_greedy"):
+            return (lambda tokens, t: self.decode_greedy(slots, tokens)), _ids
+        return (lambda tokens, t: self.decode(slots, tokens)), sampler
+
+    def _synchronize(self) -> None:
+        """Wait for the backend's queued device work (a GPU backend's copies run asynchronously): a timing's end."""
+        synchronize = getattr(self.backend, "synchronize", None)
+        if synchronize is not None:
+            synchronize()
 
     def close(self) -> None:
         self.backend.close()

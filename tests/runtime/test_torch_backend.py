@@ -232,6 +232,183 @@ def test_generate_command_runs_a_torch_engine(torch_dir):
     assert out["kv_bytes"]["kept"] < out["kv_bytes"]["full"] and out["timings"]["selection_s"] > 0
 
 
+# ---------------------------------------------------------------------- what a GPU serving path reads and holds
+def test_a_step_reads_at_most_an_eighth_more_than_its_rows_hold(tmp_path):
+    """The decode step's span (entries per head its attention reads) covers the longest head and exceeds it by at most
+    1/8 beyond 256 (budget 2048: a head of 2,049 entries read 4,096 when spans were powers of two); it never shrinks as
+    rows grow; and the step is handed exactly that span per layer (capped at the layer's capacity)."""
+    from criticalkv.runtime.torch_backend import TorchBackend
+
+    lengths = np.arange(1, 140_000)
+    spans = np.array([TorchBackend.span(n) for n in lengths])
+    assert (spans >= lengths).all() and (np.diff(spans) >= 0).all()
+    assert (spans[lengths <= 256] == 256).all()
+    long = lengths > 256
+    assert (spans[long] <= lengths[long] * 9 / 8).all()
+    assert TorchBackend.span(2049) == 2304 and TorchBackend.span(4097) == 4608
+    assert len({TorchBackend.span(n) for n in range(257, 4097)}) == 8 * 4  # 8 graphs per doubling
+
+    model = tiny_model("llama", seed=4)
+    folder = export_tiny_engine(model, KVPolicy("full"), tmp_path / "e", max_input_len=320, max_batch_size=1)
+    engine = Engine.load(folder, backend="torch", model=model)
+    backend, seen = engine.backend, []
+    step = backend.decoder.decode_step
+
+    def watched(*args):
+        seen.append(list(args[8]))
+        return step(*args)
+
+    backend.decoder.decode_step = watched
+    try:
+        engine.prefill(0, Request(prompt(300)))
+        engine.decode([0], [7])
+        longest = int(backend._row_max[0].max())
+        assert longest == 301 and seen == [[min(TorchBackend.span(longest), cap) for cap in backend.capacities]]
+        assert seen[0][0] == 320 < 512  # a power of two would read 512
+    finally:
+        engine.release_all()
+        engine.close()
+
+
+def test_a_greedy_generation_takes_its_argmax_on_the_device(torch_dir):
+    """``Engine.generate`` with greedy sampling decodes through ``decode_greedy`` (B ids to the host), never through
+    ``decode`` (B x vocab float32 logits), static batch and slots alike, with the same tokens as the logits path;
+    sampling at a temperature still reads the logits."""
+    engine = Engine.load(torch_dir, device="cpu")
+    backend, calls = engine.backend, {"decode": 0, "decode_greedy": 0}
+    for name in calls:
+        original = getattr(backend, name)
+
+        def counted(*args, _name=name, _original=original):
+            calls[_name] += 1
+            return _original(*args)
+
+        setattr(backend, name, counted)
+    prompts = [prompt(150, seed=2), prompt(90, seed=3)]
+    try:
+        greedy = engine.generate(prompts, max_new_tokens=6, stop_token_ids=[])
+        assert calls == {"decode": 0, "decode_greedy": 5}
+        questions = engine.generate([prompt(100)], max_new_tokens=4, stop_token_ids=[], questions=[prompt(5, seed=9)])
+        assert calls == {"decode": 0, "decode_greedy": 8} and len(questions.tokens[0]) == 4
+        del backend.decode_greedy  # the instance's counter; then a backend without it: the logits path
+        saved = type(backend).decode_greedy
+        delattr(type(backend), "decode_greedy")
+        try:
+            logits_path = engine.generate(prompts, max_new_tokens=6, stop_token_ids=[])
+        finally:
+            type(backend).decode_greedy = saved
+        assert calls["decode"] == 5 and logits_path.tokens == greedy.tokens
+        from criticalkv.request import SamplingParams
+
+        engine.generate(prompts, max_new_tokens=3, stop_token_ids=[], sampling=SamplingParams(temperature=0.7, seed=1))
+        assert calls["decode"] == 5 + 2
+    finally:
+        engine.close()
+
+
+def test_a_padded_prefill_runs_causal_attention_without_a_mask(torch_dir, monkeypatch):
+    """A left-padded batch's prefill attends per sequence with ``is_causal`` and grouped K/V: no [B, 1, n, n] mask and
+    no K/V repeated for every query head, so a GPU runs flash attention (the tokens and kept entries of such a batch
+    equal ONNX Runtime's: test_it_loads_on_the_torch_backend_and_generates_what_the_exported_engine_does)."""
+    import torch.nn.functional as F
+
+    engine = Engine.load(torch_dir, device="cpu")
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def watched(q, k, v, attn_mask=None, is_causal=False, **options):
+        calls.append((q.shape, k.shape, attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **options)
+
+    from criticalkv.request import SamplingParams
+
+    ids, mask, _ = engine._batch([prompt(150, seed=2), prompt(90, seed=3)], None, SamplingParams(), None)
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", watched)
+    try:
+        engine.backend.prefill(ids, mask, positions)
+    finally:
+        engine.close()
+    assert len(calls) == 3 * 2  # every layer, each sequence alone
+    assert all(no_mask and causal for _, _, no_mask, causal in calls)
+    assert {(q[0], q[2], k[1]) for q, k, _, _ in calls} == {(1, 150, 2), (1, 90, 2)}  # its own tokens, H_kv heads
+
+
+def test_a_layers_selection_runs_before_its_mlp_and_frees_its_full_qkv(tmp_path):
+    """The selection of layer i runs right after its attention: when layer i's MLP starts, layer i was selected and
+    its full-length queries, keys and values are gone (the MLP's activations never sit beside them)."""
+    import weakref
+
+    model = tiny_model("llama", seed=4)
+    folder = export_tiny_engine(model, POLICY, tmp_path / "e")
+    engine = Engine.load(folder, backend="torch", model=model)
+    backend, held, select = engine.backend, {}, engine.backend._select
+
+    def watched(i, queries, keys, values, *rest):
+        held[i] = [weakref.ref(queries._base if queries._base is not None else queries), weakref.ref(keys),
+                   weakref.ref(values)]
+        return select(i, queries, keys, values, *rest)
+
+    def before_mlp(i):
+        def hook(module, args):
+            assert i in held, f"layer {i}: its MLP runs before its selection"
+            assert all(ref() is None for ref in held[i]), f"layer {i}: its full Q/K/V live through its MLP"
+            checked.append(i)
+        return hook
+
+    checked = []
+    backend._select = watched
+    hooks = [layer.mlp.register_forward_pre_hook(before_mlp(i)) for i, layer in enumerate(backend.decoder.layers)]
+    try:
+        engine.prefill(0, Request(prompt(150)))
+        assert checked == [0, 1, 2]
+    finally:
+        for hook in hooks:
+            hook.remove()
+        engine.release_all()
+        engine.close()
+
+
+def test_prefill_time_includes_loading_the_decode_rows(torch_dir):
+    """A prefill's time ends when its kept entries sit in the decode rows (``begin_decode`` / ``load_row``, then a
+    device sync), not when the selection returns: TTFT is not flattered."""
+    import time as clock
+
+    engine = Engine.load(torch_dir, device="cpu")
+    backend = engine.backend
+    for name in ("begin_decode", "load_row"):
+        original = getattr(backend, name)
+
+        def slow(*args, _original=original):
+            clock.sleep(0.3)
+            return _original(*args)
+
+        setattr(backend, name, slow)
+    try:
+        assert engine.generate([prompt(60)], max_new_tokens=1, stop_token_ids=[]).prefill_s >= 0.3
+        assert engine.prefill(0, Request(prompt(60))).seconds >= 0.3
+    finally:
+        engine.release_all()
+        engine.close()
+
+
+def test_the_checkpoint_loads_straight_onto_its_device(checkpoint, monkeypatch):
+    """transformers places the weights on the backend's device as it reads them (``device_map``): no full copy in host
+    memory first."""
+    import transformers
+
+    from criticalkv.runtime.torch_backend import load_checkpoint
+
+    seen, original = [], transformers.AutoModelForCausalLM.from_pretrained
+
+    def recorded(*args, **options):
+        seen.append(options.get("device_map"))
+        return original(*args, **options)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", recorded)
+    model = load_checkpoint(checkpoint, torch.float32, torch.device("cpu"))
+    assert seen == ["cpu"] and {p.device.type for p in model.parameters()} == {"cpu"}
+
+
 # ---------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_cuda_graphs_replay_the_eager_step_and_match_the_cpu(torch_dir):
@@ -280,7 +457,7 @@ def test_kvzip_is_refused_by_name(tmp_path):
     before anything is written, and an exported kvzip engine loaded on the torch backend refuses its prompts."""
     from criticalkv.build import torch_engine_content
     from criticalkv.export.exporter import BuildConfig
-    from criticalkv.hf.torch_backend import KVZIP_REFUSAL
+    from criticalkv.runtime.torch_backend import KVZIP_REFUSAL
 
     model = tiny_model("llama", seed=4)
     policy = make_policy({"name": "kvzip"}, budget=40, window=8)

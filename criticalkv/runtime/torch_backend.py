@@ -14,7 +14,7 @@ whose manifest names a reachable checkpoint loads too), and the backend runs it 
   max_new_tokens, the manifest's ``decode_capacity``). Each head holds its entries in its first ``lengths`` slots.
 * ``decode`` over the first B rows: one static-shape step (RoPE at the absolute positions given, the new K/V at each
   head's length, attention under a length mask over the first ``span`` entries of each head: the batch's longest head
-  rounded up to a power of two, so a step reads about what its rows hold, not their whole capacity); on CUDA the
+  rounded up by at most 1/8 (``span``), so a step reads about what its rows hold, not their whole capacity); on CUDA the
   first step of a shape runs eagerly and the step is then captured into a CUDA graph for it and replayed (one launch
   per token); B is padded up to 1, 2, 4 or a multiple of 8 (``padded_batch``), so a few graphs cover every batch. The graphs read the buffers at fixed
   addresses, so they stay valid while sequences join, leave and move between rows. Each row's longest head per layer
@@ -96,9 +96,10 @@ def load_checkpoint(folder: Path, dtype: torch.dtype, device: torch.device):
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     check_supported(AutoConfig.from_pretrained(folder))
-    with no_transformers_bars():
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
-    return model.to(device)
+    with no_transformers_bars():  # straight onto the device: no copy of the weights in host memory first
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
+                                                     device_map=str(device))
+    return model.to(device)  # a no-op unless transformers left a module elsewhere
 
 
 class SelectionClock:
@@ -377,11 +378,17 @@ class TorchBackend(BuiltShapes):
         padded = batch if batch <= 2 else (4 if batch <= 4 else -(-batch // 8) * 8)
         return min(padded, self.max_batch)
 
-    def span(self, longest: int) -> int:
+    @staticmethod
+    def span(longest: int) -> int:
         """The entries per head a step's attention reads when the batch's longest head holds ``longest`` (the new
-        entry included): the next power of two from 256 (a layer reads at most its capacity), so a step reads about
-        what its rows hold, not every row's whole capacity, with a few graphs as the rows grow."""
-        return max(256, 1 << (max(int(longest), 1) - 1).bit_length())
+        entry included): 256, then ``longest`` rounded up to a multiple of 1/8 of its power-of-two octave (2,049 ->
+        2,304; a layer reads at most its capacity), so a step reads at most 1/8 more than its rows hold, with 8 CUDA
+        graphs per doubling as the rows grow. (A power of two read 4,096 entries for a head of 2,049: 2x.)"""
+        n = max(int(longest), 1)
+        if n <= 256:
+            return 256
+        granule = 1 << ((n - 1).bit_length() - 4)  # n in (2^k, 2^(k+1)]: steps of 2^(k-3)
+        return -(-n // granule) * granule
 
     def _step(self, batch: int, span: int) -> None:
         logits = self.decoder.decode_step(
@@ -554,6 +561,11 @@ class TorchBackend(BuiltShapes):
             budget = self._budget(kv_budget)
             selected = [clock(lambda: self._select(i, q, k, v, None, budget)) for i, (q, k, v) in enumerate(layers)]
         return self._outputs(None, selected, start, clock)
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on this backend's device (a no-op on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         self._graphs.clear()
