@@ -36,9 +36,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # the signal bookkeeping of the command line (Ctrl-C / SIGTERM noted early, raised where they are safe)
     ("criticalkv.interrupts",),
     # 0. leaves: the knob rules, the error types, prompts as token ids (chat template, context / question), file and
-    #    padding helpers, external ONNX weights
+    #    padding helpers, external ONNX weights, the graphs' names (files, inputs, outputs)
     ("criticalkv.spec", "criticalkv.spec.rules", "criticalkv.errors", "criticalkv.chat", "criticalkv.files",
-     "criticalkv.padding", "criticalkv.weights"),
+     "criticalkv.padding", "criticalkv.weights", "criticalkv.graphs"),
     # 1. the eviction methods: scores, budget sharing, integer rules, top-k, pruned stage 2, ONNX pieces
     ("criticalkv.methods",),
     # 2. KVPolicy (reads the methods registry)

@@ -205,7 +205,9 @@ class CompactDecoder:
     # ------------------------------------------------------------------ extend
     def extend(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                values: list[torch.Tensor], lengths: list[torch.Tensor], used: list[int], window: int,
-               equal_heads: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+               equal_heads: bool, layer_input: Callable[[int, torch.Tensor], None] | None = None,
+               after_attention: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """N new tokens of one sequence over its entries, appended at each head's length.
 
         token_ids, positions : [1, N] int64 (absolute positions)
@@ -214,6 +216,10 @@ class CompactDecoder:
         used : per layer the longest head's length (known on the host; used[l] + N <= cap_l)
         equal_heads : every head holds ``used[l]`` entries (a prefill buffer, a policy that keeps equal lengths):
             one mask for all heads
+        layer_input : ``layer_input(i, h)`` gets layer i's attention input h [1, N, d] (after input_layernorm): a
+            method's streams (``criticalkv.methods.phases.Stream``)
+        after_attention : ``after_attention(i, q, k)`` gets layer i's post-RoPE queries [1, H, N, d_h] and the keys
+            they attended [1, H_kv, used + N, d_h] (the past's, then the new ones): a re-read pass's scores
         Returns the last token's logits [1, vocab] float32 and per layer the post-RoPE queries of the last
         min(N, window) tokens [1, H, w', d_h].
         """
@@ -224,7 +230,10 @@ class CompactDecoder:
         new = torch.arange(n_new, device=h.device)
         queries = []
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)  # [1, H, N, d_h], [1, H_kv, N, d_h]
+            normed = layer.input_layernorm(h)
+            if layer_input is not None:
+                layer_input(i, normed)
+            q, k, v = self._qkv(layer, normed, cos, sin)  # [1, H, N, d_h], [1, H_kv, N, d_h]
             span = used[i] + n_new
             count = lengths[i]  # [1, H_kv]
             at = count[..., None] + new  # [1, H_kv, N]: each head's next slots
@@ -239,6 +248,8 @@ class CompactDecoder:
             mask = mask.repeat(1, 1, s.group, 1)  # the G query heads of each KV head, in blocks of N rows
             out = F.scaled_dot_product_attention(self.grouped(q), keys[i][:, :, :span], values[i][:, :, :span],
                                                  attn_mask=mask, scale=self.scaling[i])
+            if after_attention is not None:
+                after_attention(i, q, keys[i][:, :, :span])
             h = self._finish_layer(layer, h, self.ungrouped(out, n_new))
             count += n_new
             queries.append(q[:, :, -min(n_new, window):])

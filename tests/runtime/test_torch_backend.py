@@ -21,7 +21,6 @@ import torch
 from criticalkv import KVPolicy
 from criticalkv.build import build_engine
 from criticalkv.export import BuildConfig
-from criticalkv.export.exporter import reconstructs
 from criticalkv.node import node_capacity
 from criticalkv.runtime import Engine, EngineError, Request
 from criticalkv.runtime.manifest import read_manifest
@@ -151,8 +150,9 @@ def test_a_layers_full_kv_is_freed_as_soon_as_it_is_selected(case, tmp_path):
     import weakref
 
     policy = make_policy(case[1], budget=40, window=8)
-    if reconstructs(policy):
-        pytest.skip(f"{case[0]}: the torch backend refuses kvzip (test_kvzip_is_refused_by_name)")
+    if policy.method.scored_apart:
+        pytest.skip(f"{case[0]}: scored apart (its method's phases), selected over the whole prompt's buffer, not in "
+                    "the prefill's layer loop")
     model = tiny_model("llama", seed=4)
     folder = export_tiny_engine(model, policy, tmp_path / "e")
     engine = Engine.load(folder, backend="torch", model=model)
@@ -452,33 +452,40 @@ def test_bfloat16_on_the_gpu_keeps_nearly_the_fp32_entries(torch_dir):
     assert overlap > 0.9
 
 
-def test_kvzip_is_refused_by_name(tmp_path):
-    """kvzip re-reads the context through the model, which the torch backend does not do: a torch build refuses it
-    before anything is written, and an exported kvzip engine loaded on the torch backend refuses its prompts."""
+@pytest.mark.parametrize("spec", ["kvzip", "kvzip:kvzip_reread=chunk:kvzip_chunk=48",
+                                  "layer-kvzip-criticalkv:kvzip_chunk=64", "kvzip-criticalkv:head_cap_ratio=2"])
+def test_kvzip_runs_on_torch_with_the_kept_entries_and_tokens_of_onnx_runtime(spec, tmp_path):
+    """The torch backend runs a method's phases: KVzip's context reconstruction as re-read passes through the model's
+    own layers (over the whole context, or a local buffer per chunk), the per-layer and the model-wide allocations:
+    the same kept entries and tokens as ONNX Runtime, static batch and a question after a compressed context; a torch
+    build takes the policy (its manifest keeps the reconstruction prompt)."""
     from criticalkv.build import torch_engine_content
     from criticalkv.export.exporter import BuildConfig
-    from criticalkv.runtime.torch_backend import KVZIP_REFUSAL
+    from criticalkv.policy import parse_policy_spec
 
     model = tiny_model("llama", seed=4)
-    policy = make_policy({"name": "kvzip"}, budget=40, window=8)
-    with pytest.raises(ValueError, match="no context reconstruction"):
-        torch_engine_content(model, policy, BuildConfig(max_input_len=256, max_new_tokens=8))
-    folder = export_tiny_engine(model, policy, tmp_path / "e")
-    engine = Engine.load(folder, backend="torch", model=model)
-    try:
-        with pytest.raises(EngineError) as err:
-            engine.prefill(0, Request(prompt(150)))
-        assert str(err.value) == KVZIP_REFUSAL
-    finally:
-        engine.release_all()
-        engine.close()
+    policy = parse_policy_spec(spec, KVPolicy(budget=40, window=8))
+    content = torch_engine_content(model, policy, BuildConfig(max_input_len=256, max_new_tokens=8))
+    assert "prompt" in content["method_data"]["kvzip"]
+    folder = export_tiny_engine(model, policy, tmp_path / "e", extend_chunk=32, max_question_len=24)
+    got = {}
+    for backend in ("onnxruntime", "torch"):
+        engine = Engine.load(folder, backend=backend, model=model) if backend == "torch" else Engine.load(folder)
+        try:
+            out = engine.generate([prompt(150, seed=2), prompt(110, seed=3)], max_new_tokens=5, stop_token_ids=[])
+            asked = engine.generate([prompt(120, seed=4)], max_new_tokens=5, stop_token_ids=[],
+                                    questions=[prompt(9, seed=5)])
+            got[backend] = (out.tokens, [[out.kept(layer, row, head) for head in range(2)] for layer in range(3)
+                                         for row in range(2)], asked.tokens)
+        finally:
+            engine.close()
+    assert got["torch"] == got["onnxruntime"]
 
 
-def test_an_engine_with_a_context_policy_selects_contexts_with_its_own_policy_on_torch(tmp_path):
-    """An exported engine built with a context policy (kvzip; build_engine's default is its model-level two-stage
-    variant) loads on the torch backend, which
-    has no context-policy selection: its contexts are selected with the engine's own policy, as ONNX Runtime does
-    with ``--context-policy engine``."""
+def test_an_engine_with_a_context_policy_selects_contexts_with_it_on_torch(tmp_path):
+    """An engine built with a context policy (kvzip; build_engine's default is its model-level two-stage variant)
+    compresses contexts with it on the torch backend too: the same kept entries as ONNX Runtime, and not the engine's
+    own policy's."""
     model = tiny_model("llama", seed=4)
     policy = KVPolicy("criticalkv", budget=40, window=8)
     folder = export_tiny_engine(model, policy, tmp_path / "e", context_policy=KVPolicy("kvzip", budget=40, window=8))
@@ -486,12 +493,13 @@ def test_an_engine_with_a_context_policy_selects_contexts_with_its_own_policy_on
     for backend in ("onnxruntime", "torch"):
         engine = Engine.load(folder, backend=backend, model=model) if backend == "torch" else Engine.load(folder)
         try:
-            assert (engine.context_policy is None) == (backend == "torch")
-            if backend == "onnxruntime":
-                engine.context_policy = None  # what --context-policy engine selects with
-            result = engine.prefill(0, Request(prompt(150)), context=True)
-            kept[backend] = [k.tolist() for k in result.kept_indices]
+            assert engine.context_policy == KVPolicy("kvzip", budget=40, window=8)
+            for context in (True, False):
+                result = engine.prefill(0, Request(prompt(150)), context=context)
+                kept[backend, context] = [k.tolist() for k in result.kept_indices]
+                engine.release(0)
         finally:
             engine.release_all()
             engine.close()
-    assert kept["torch"] == kept["onnxruntime"]
+    assert kept["torch", True] == kept["onnxruntime", True]
+    assert kept["torch", False] == kept["onnxruntime", False] != kept["torch", True]
