@@ -35,6 +35,9 @@ from criticalkv.methods.lazy import torch
 
 #: Re-read queries scored at a time (rows of the softmax): memory O(ROWS * keys) per head.
 ROWS = 256
+#: Positions beyond 2 x max_input_len a re-read pass may reach (its own prompt: kvzip's repeat prompt is about 20-40
+#: tokens with the chat template's turn markers): the re-read graphs' RoPE tables hold that many
+REREAD_PROMPT_ROOM = 256
 
 
 @dataclass(frozen=True)
