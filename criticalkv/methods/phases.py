@@ -40,6 +40,17 @@ ROWS = 256
 REREAD_PROMPT_ROOM = 256
 
 
+def layer_linear_maps(weight, bias, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per-layer linear maps checked: weight [L, d, H_kv] and bias [L, H_kv], finite, as contiguous float32."""
+    weight = np.ascontiguousarray(np.asarray(weight, dtype=np.float32))
+    bias = np.ascontiguousarray(np.asarray(bias, dtype=np.float32))
+    if weight.ndim != 3 or bias.shape != (weight.shape[0], weight.shape[2]):
+        raise ValueError(f"{what} needs weight [L, d, H_kv] and bias [L, H_kv], got {weight.shape} and {bias.shape}")
+    if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
+        raise ValueError(f"{what}: the weights must be finite")
+    return weight, bias
+
+
 @dataclass(frozen=True)
 class Stream:
     """A per-entry score each layer computes from its attention input h (``d`` wide) as the prompt runs:
@@ -58,13 +69,9 @@ class Stream:
     description: str = ""
 
     def __post_init__(self):
-        weight = np.ascontiguousarray(np.asarray(self.weight, dtype=np.float32))
-        bias = np.ascontiguousarray(np.asarray(self.bias, dtype=np.float32))
-        if weight.ndim != 3 or bias.shape != (weight.shape[0], weight.shape[2]):
-            raise ValueError(f"stream {self.name}: weight [L, d, H_kv] and bias [L, H_kv] expected, got {weight.shape} "
-                             f"and {bias.shape}")
         if not self.name.isidentifier():
             raise ValueError(f"stream name {self.name!r}: letters, digits and underscores only")
+        weight, bias = layer_linear_maps(self.weight, self.bias, f"stream {self.name}")
         object.__setattr__(self, "weight", weight)
         object.__setattr__(self, "bias", bias)
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from criticalkv.methods.lazy import torch
+from criticalkv.methods.phases import layer_linear_maps
 
 #: The surrogate a model's folder may hold (``criticalkv train-surrogate`` writes it there by default).
 FOLDER_FILE = "criticalkv_surrogate.npz"
@@ -71,13 +72,7 @@ class KVzipSurrogate:
     info: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        weight = np.ascontiguousarray(np.asarray(self.weight, dtype=np.float32))
-        bias = np.ascontiguousarray(np.asarray(self.bias, dtype=np.float32))
-        if weight.ndim != 3 or bias.shape != (weight.shape[0], weight.shape[2]):
-            raise ValueError(f"a KVzip surrogate needs weight [L, d, H_kv] and bias [L, H_kv], got {weight.shape} "
-                             f"and {bias.shape}")
-        if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
-            raise ValueError("a KVzip surrogate's weights must be finite")
+        weight, bias = layer_linear_maps(self.weight, self.bias, "a KVzip surrogate")
         object.__setattr__(self, "weight", weight)
         object.__setattr__(self, "bias", bias)
 
