@@ -216,7 +216,7 @@ def test_generate_checks_its_request_against_the_engine_without_loading_it(tiny_
         (["--engine-dir", engine, "--prompt", "w5", "--max-tokens", "1000000000"],
          "criticalkv generate: error: --max-tokens: max_tokens must lie in [1, 32] (the engine's built maximum), got "
          "1000000000"),
-        (["--engine-dir", engine, "--prompt-file", str(long_prompt)],
+        (["--engine-dir", engine, "--prompt-file", str(long_prompt), "--max-tokens", "4"],
          "criticalkv generate: error: the prompt has 300 tokens, more than the engine's max input length 256"),
         (["--engine-dir", str(tiny_engine_dir / "manifest.json"), "--prompt", "w5"],
          f"criticalkv generate: error: {tiny_engine_dir / 'manifest.json'} is a file, not an engine directory"),

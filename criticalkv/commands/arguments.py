@@ -53,32 +53,22 @@ def port_or_zero(text: str) -> int:
     return value
 
 
-def positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _at_least(convert, low, strict: bool = False):
+    """An argparse type: ``convert(text)``, which must be >= ``low`` (> ``low`` when ``strict``)."""
+
+    def check(text: str):
+        value = convert(text)
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low}, got {text}")
+        return value
+
+    return check
 
 
-def nonnegative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+positive_int = _at_least(_int, 1)
+nonnegative_int = _at_least(_int, 0)
+positive_float = _at_least(_float, 0, strict=True)
+nonnegative_float = _at_least(_float, 0)
 
 
 def gpu_ids(text: str) -> list[int]:
@@ -94,19 +84,24 @@ def gpu_ids(text: str) -> list[int]:
     return ids
 
 
-def check_request(manifest: dict, sampling, prompt_ids: list[int], context_ids: list[int] | None = None,
+def check_request(manifest: dict, sampling, prompt_ids: list[int] | None = None, context_ids: list[int] | None = None,
                   kv_budget: int | None = None) -> None:
     """RequestError (a ValueError: one line) when the request cannot run on the engine whose manifest this is, decided
     without loading it: the engine's own rules and messages (``Request.checked``: ``max_tokens`` within the built
     maximum, the prompt and a context before it within the max input length, the question within the max question
-    length, ``kv_budget`` within the policy's range), with the command line's flag names."""
+    length, ``kv_budget`` within the policy's range), with the command line's flag names. Without ``prompt_ids`` (the
+    prompt not tokenised yet), ``max_tokens`` alone."""
     from criticalkv.errors import RequestError
-    from criticalkv.request import Request
+    from criticalkv.request import Request, check_max_tokens
     from criticalkv.runtime.manifest import engine_limits
 
-    request = Request(prompt_ids, sampling, kv_budget, context_token_ids=context_ids or ())
+    limits = engine_limits(manifest)
     try:
-        request.checked(engine_limits(manifest))
+        if prompt_ids is None:
+            if sampling.max_tokens is not None:
+                check_max_tokens(sampling.max_tokens, limits.max_new_tokens)
+            return
+        Request(prompt_ids, sampling, kv_budget, context_token_ids=context_ids or ()).checked(limits)
     except RequestError as err:
         message = str(err)
         for field, flag in (("max_tokens", "--max-tokens"), ("kv_budget", "--budget")):

@@ -182,6 +182,7 @@ def run_engine(args) -> int:
     # tokenizer (a fraction of a second)
     manifest = read_manifest(args.engine_dir, verify=False)
     _, kv_budget = engine_policy(args, KVPolicy.from_dict(manifest["policy"]))
+    check_request(manifest, sampling)  # --max-tokens before the tokenizer's import
     inputs = read_inputs(args)
     tokenizer = load_tokenizer(args.engine_dir)
     ids, question = encode_inputs(tokenizer, inputs, args.chat)
