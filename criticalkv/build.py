@@ -199,8 +199,8 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
     if not result.policy.method.base.native:
         return _skipped(f"{result.policy.name} {result.policy.method.base.cpp_refusal}", log)
     reason = trt_engine.tensorrt_unavailable_reason()
-    if reason:
-        return _skipped(reason, log)
+    if reason:  # without TensorRT installed (a CPU machine) one line: nothing there to act on
+        return _skipped(reason, log, detail=trt_engine.tensorrt_installed())
     plugin = trt_engine.find_plugin_library(required=False)
     if plugin is None:
         return _skipped("the CriticalKVSelect plugin library is not built (run `bash scripts/build_plugin.sh`)", log)
@@ -229,11 +229,15 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
     return built.manifest_entry(folder)  # paths relative to the engine directory: they move with it
 
 
-def _skipped(reason: str, log: Callable[[str], None]) -> dict[str, Any]:
-    log(f"TensorRT engines: SKIPPED because {reason}. The ONNX Runtime engine is complete; "
-        f"{PREFILL_TENSORRT_FILE}, {EXTEND_TENSORRT_FILE}, {SELECT_TENSORRT_FILE} (when written) and {DECODE_FILE} are the "
-        "inputs of criticalkv.tensorrt.build_tensorrt_engines "
-        "on a GPU machine.")
+def _skipped(reason: str, log: Callable[[str], None], detail: bool = True) -> dict[str, Any]:
+    """``detail``: say which graphs a GPU machine's TensorRT build takes (for a user who has TensorRT; a CPU build
+    without it gets the one line)."""
+    if not detail:
+        log(f"TensorRT engines: SKIPPED because {reason}; the ONNX Runtime engine is complete (GPU: docs/gpu.md)")
+    else:
+        log(f"TensorRT engines: SKIPPED because {reason}. The ONNX Runtime engine is complete; "
+            f"{PREFILL_TENSORRT_FILE}, {EXTEND_TENSORRT_FILE}, {SELECT_TENSORRT_FILE} (when written) and {DECODE_FILE} are "
+            "the inputs of criticalkv.tensorrt.build_tensorrt_engines on a GPU machine.")
     return {"built": False, "skipped_reason": reason}
 
 
@@ -411,7 +415,8 @@ def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | Non
         content["request"] = request
         log(f"exported and validated in {time.perf_counter() - start:.1f} s" + ("; smoke test on ONNX Runtime ..." if smoke else ""))
         content["smoke_test"] = smoke_test(tmp, content, hf_model, tokenizer, policy, config, log) if smoke else None
-        content["tensorrt"] = tensorrt_step(tmp, result, log) if tensorrt else _skipped("--skip-tensorrt was given", log)
+        content["tensorrt"] = (tensorrt_step(tmp, result, log) if tensorrt else
+                                  _skipped("--skip-tensorrt was given", log, detail=False))
         content["build_seconds"] = round(time.perf_counter() - start, 1)
         write_manifest(tmp, content)
         _swap_in(tmp, output)

@@ -16,6 +16,17 @@ _SPLIT = "\u2063criticalkv-split\u2063"
 CONTEXT_SEPARATOR = "\n\n"
 
 
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` stands for: its longest vocabulary entry (added tokens
+    included) as the vocabulary spells it. A byte-level BPE spells each byte as one character, a SentencePiece
+    vocabulary a space as ``▁`` and a fallback byte as ``<0xNN>``, a WordPiece one a continuation with ``##``: a token
+    never decodes to more characters than its entry has. So a text of more than ``max_input_len *
+    max_token_chars(tokenizer)`` characters that are not whitespace is longer than ``max_input_len`` tokens, which
+    is known without tokenising it (``criticalkv.request.TextBound``)."""
+    vocab = tokenizer.get_vocab()
+    return max(1, max(map(len, vocab), default=1))
+
+
 def _ids(encoded: Any) -> list[int]:
     ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
     return [int(t) for t in ids]

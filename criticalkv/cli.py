@@ -7,11 +7,12 @@ if __name__ == "__main__":  # `python -m criticalkv.cli`: signals are noted from
 
     interrupts.note_early()
 
-import argparse
+import gc
 import importlib
 import sys
 from importlib import metadata
 
+from criticalkv.commands.arguments import Parser
 from criticalkv.interrupts import (  # noqa: F401 (re-exported: scripts/ use them)
     EXIT_INTERRUPTED,
     EXIT_TERMINATED,
@@ -41,8 +42,8 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    parser = Parser(  # its errors are one line; the subcommands' parsers are of its class
         prog="criticalkv",
         description="Compressed KV caches for long-context LLM serving (CriticalKV and its base methods).",
     )
@@ -54,6 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` (None: this process's command line); its exit status."""
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:
+            # the process ends with this command: its objects leave Python's final collection (with transformers and
+            # the serving stack loaded, that collection alone took ~1 s of the command's exit); the OS frees them
+            gc.freeze()
+
+
+def _main(argv: list[str] | None) -> int:
     # Ctrl-C (KeyboardInterrupt) and SIGTERM (Terminated) are caught from here on, before the subcommands'
     # modules (torch, ONNX Runtime: seconds) are imported: a signal during start-up ends the command with
     # its one line too (before this point only Python's own start-up runs: the signal then simply kills it)

@@ -121,6 +121,71 @@ class SamplingParams:
             raise RequestError(f"{source}: {err}") from None
 
 
+def check_max_tokens(max_tokens: int, max_new_tokens: int) -> None:
+    """RequestError unless ``max_tokens`` lies in [1, ``max_new_tokens``] (an engine's built maximum)."""
+    if not 1 <= max_tokens <= max_new_tokens:
+        raise RequestError(f"max_tokens must lie in [1, {max_new_tokens}] (the engine's built maximum), got {max_tokens}")
+
+
+#: the most bytes one character of a text takes in a JSON body: a character beyond the BMP written as a surrogate pair
+#: of escapes (``"\\ud83d\\ude00"``), as a client that escapes everything (``json.dumps`` by default) sends it
+JSON_BYTES_PER_CHAR = 12
+#: what a request body holds besides its texts: field names, sampling values, stop strings, the JSON around them
+BODY_OVERHEAD_BYTES = 1 << 20
+#: what a text may hold that a tokenizer may drop without a token: whitespace (not counted against ``TextBound``)
+_WHITESPACE = (" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008"
+               "\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
+
+
+@dataclass(frozen=True)
+class TextBound:
+    """The most characters the texts of one request to an engine can hold, known before any tokenizer runs.
+
+    A token stands for at most ``max_token_chars`` characters (``criticalkv.chat.max_token_chars``: the longest entry
+    of the vocabulary), so texts with more than ``max_chars = max_input_len * max_token_chars`` characters besides
+    whitespace (which some tokenizers drop) are more than ``max_input_len`` tokens: ``check`` refuses them at the edge
+    (the OpenAI frontend before the chat template renders them, the Triton model before it tokenises them), so an
+    oversized request costs no more than reading it. A prompt within the bound is counted exactly afterwards
+    (``Request.checked``). ``max_body_bytes``: the request body that can carry such texts (every character at its
+    longest JSON form, ``JSON_BYTES_PER_CHAR``, plus ``BODY_OVERHEAD_BYTES``), the default body limit of the
+    OpenAI frontend (``criticalkv serve --max-body-bytes``).
+
+    The bound is exact for the vocabularies of the supported families (byte-level BPE, SentencePiece); a tokenizer
+    whose normaliser deletes other characters, or whose unknown token covers any run of text, is held to it as well.
+    """
+
+    max_input_len: int
+    max_token_chars: int
+
+    @classmethod
+    def of(cls, tokenizer, max_input_len: int) -> "TextBound":
+        from criticalkv.chat import max_token_chars
+
+        return cls(int(max_input_len), max_token_chars(tokenizer))
+
+    @property
+    def max_chars(self) -> int:
+        return self.max_input_len * self.max_token_chars
+
+    @property
+    def max_body_bytes(self) -> int:
+        return JSON_BYTES_PER_CHAR * self.max_chars + BODY_OVERHEAD_BYTES
+
+    def check(self, *texts: str | None, what: str = "the prompt") -> None:
+        """RequestError when ``texts`` (None ones skipped) hold more than ``max_chars`` characters besides whitespace
+        (Python's ``str.isspace`` set). Texts within ``max_chars`` in all are not even scanned."""
+        texts = [t for t in texts if t]
+        total = sum(map(len, texts))
+        if total <= self.max_chars:
+            return
+        total -= sum(t.count(space) for t in texts for space in _WHITESPACE)  # str.count: ~10 ms per MB each
+        if total > self.max_chars:
+            raise RequestError(
+                f"{what}: {total} characters (whitespace apart), more than the engine takes: at most {self.max_chars} "
+                f"(its max input length {self.max_input_len} tokens x {self.max_token_chars} characters, its "
+                "vocabulary's longest token)")
+
+
 @dataclass(frozen=True)
 class EngineLimits:
     """What an engine serves, for ``Request.checked``: built limits, vocabulary, policy, stop ids."""
@@ -200,9 +265,8 @@ class Request:
         sampling = self.sampling
         if sampling.max_tokens is None:
             sampling = replace(sampling, max_tokens=min(DEFAULT_MAX_TOKENS, limits.max_new_tokens))
-        elif not 1 <= sampling.max_tokens <= limits.max_new_tokens:
-            raise RequestError(f"max_tokens must lie in [1, {limits.max_new_tokens}] (the engine's built maximum), "
-                               f"got {sampling.max_tokens}")
+        else:
+            check_max_tokens(sampling.max_tokens, limits.max_new_tokens)
         try:
             budget = limits.policy.request_budget(self.kv_budget)
         except ValueError as err:

@@ -20,36 +20,43 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from criticalkv.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, sigterm_raises  # noqa: E402
-from criticalkv.export.exporter import DEFAULT_CONTEXT_POLICY, EXPORT_DTYPES, WEIGHT_FORMATS, BuildConfig  # noqa: E402
+from criticalkv.commands.arguments import Parser, positive_int  # noqa: E402
+from criticalkv.export.config import (  # noqa: E402 (a light module: --help answers at once; the exporter loads in main)
+    DEFAULT_CONTEXT_POLICY,
+    EXPORT_DTYPES,
+    KV_DTYPE_NAMES,
+    WEIGHT_FORMATS,
+    BuildConfig,
+)
+from criticalkv.interrupts import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, sigterm_raises  # noqa: E402
 from criticalkv.policy import KVPolicy  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = BuildConfig()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="build_engine.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--output", required=True, type=Path, help="engine directory to write (created atomically)")
-    p.add_argument("--max-input-len", type=int, default=defaults.max_input_len,
+    p.add_argument("--max-input-len", type=positive_int, default=defaults.max_input_len,
                    help=f"longest prompt in tokens (default: {defaults.max_input_len})")
-    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
+    p.add_argument("--max-new-tokens", type=positive_int, default=defaults.max_new_tokens,
                    help=f"most tokens generated per prompt (default: {defaults.max_new_tokens})")
-    p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
+    p.add_argument("--max-batch-size", type=positive_int, default=defaults.max_batch_size,
                    help=f"largest batch (default: {defaults.max_batch_size})")
     p.add_argument("--dtype", choices=EXPORT_DTYPES, default=defaults.dtype,
                    help="precision of the TensorRT engines, and of the torch backend on a GPU: float16 (default), "
                         "bfloat16, or float32 (TF32 off: matches ONNX Runtime token for token). The ONNX graphs and "
                         "ONNX Runtime are always fp32, and so is the torch backend on the CPU")
-    p.add_argument("--attention-chunk", type=int, default=defaults.attention_chunk,
+    p.add_argument("--attention-chunk", type=positive_int, default=defaults.attention_chunk,
                    help=f"query block size of the prompt attention (default: {defaults.attention_chunk})")
-    p.add_argument("--extend-chunk", type=int, default=defaults.extend_chunk,
+    p.add_argument("--extend-chunk", type=positive_int, default=defaults.extend_chunk,
                    help="most new tokens per sequence in one run of extend.onnx: a chunk of a chunked prefill, or a "
                         "question after a cached context (default: %(default)s). Chunks that are multiples of "
                         "--attention-chunk reproduce the one-shot prefill bitwise on ONNX Runtime")
-    p.add_argument("--max-question-len", type=int, default=defaults.max_question_len,
+    p.add_argument("--max-question-len", type=positive_int, default=defaults.max_question_len,
                    help="most tokens of a question asked after a cached context (the serving context cache); every "
                         "slot's KV buffers keep room for them (default: %(default)s)")
-    p.add_argument("--kv-dtype", choices=("float32", "float16"), default=defaults.kv_dtype,
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default=defaults.kv_dtype,
                    help="element type of the ONNX Runtime decode KV buffers: float32 (default: the parity setting) or "
                         "float16 (half the KV memory: twice the sequences and cached contexts in one KV budget; logits "
                         "move by ~1e-2, docs/performance.md). Only the fused decode graph decode_ort.onnx reads them; "

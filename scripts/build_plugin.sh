@@ -6,7 +6,11 @@
 #
 # Environment: TRT_INCLUDE_DIR (headers to use; see the search order below), TENSORRT_ROOT, CKV_CUDA_ARCHS (default "80;90"),
 # BUILD_DIR (default build/plugins), PYTHON (for `pip download`; default .venv/bin/python, else python3),
-# CKV_WERROR (default ON), CKV_BUILD_JOBS (default nproc).
+# CKV_WERROR (default ON), CKV_BUILD_JOBS (default nproc), CUDA_HOME (where nvcc is looked for after PATH; default
+# /usr/local/cuda), CKV_REQUIRE_CUDA (1: fail without nvcc, as when CKV_CUDA_ARCHS is given).
+# Needs CMake >= 3.24 and a C++ compiler; the CUDA kernels, the torch op and the TensorRT plugin need nvcc (the CUDA
+# toolkit, 12.x or 13.x). Without nvcc only the host library is built, and the script says so; when the kernels are
+# asked for (CKV_CUDA_ARCHS set, or CKV_REQUIRE_CUDA=1) a missing nvcc is an error. Each missing piece is named, exit 2.
 # The TensorRT headers are unpacked under build/ and never committed.
 set -euo pipefail
 case "${1:-}" in
@@ -20,8 +24,37 @@ BUILD_DIR=${BUILD_DIR:-build/plugins}
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
+# CUDA kernels asked for: an explicit CKV_CUDA_ARCHS (docs/gpu.md: "CKV_CUDA_ARCHS=90 bash scripts/build_plugin.sh")
+if [ -n "${CKV_CUDA_ARCHS:-}" ] || [ "${CKV_REQUIRE_CUDA:-0}" = 1 ]; then REQUIRE_CUDA=ON; else REQUIRE_CUDA=OFF; fi
 CKV_CUDA_ARCHS=${CKV_CUDA_ARCHS:-80;90}
 CKV_WERROR=${CKV_WERROR:-ON}
+
+missing() { echo "build_plugin.sh: error: $*" >&2; exit 2; }
+# What the build needs, checked before anything is written. A cmake installed in the Python environment
+# (`.venv/bin/pip install 'cmake>=3.24'`, for a distribution whose own is older) comes first.
+case "$PYTHON" in */*) [ -x "$(dirname "$PYTHON")/cmake" ] && export PATH="$(cd "$(dirname "$PYTHON")" && pwd):$PATH" ;; esac
+command -v cmake >/dev/null 2>&1 || missing "cmake not found: CMake >= 3.24 is needed (pip install 'cmake>=3.24', or" \
+    "your distribution's cmake package)"
+CMAKE_VERSION=$(cmake --version | head -n 1 | awk '{print $3}')
+if [ "$(printf '%s\n3.24\n' "$CMAKE_VERSION" | sort -V | head -n 1)" != 3.24 ]; then
+    missing "cmake $CMAKE_VERSION is too old: CMake >= 3.24 is needed (pip install 'cmake>=3.24')"
+fi
+if [ -n "${CXX:-}" ]; then
+    command -v "$CXX" >/dev/null 2>&1 || missing "CXX=$CXX: no such C++ compiler"
+elif ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1 && ! command -v clang++ >/dev/null 2>&1; then
+    missing "no C++ compiler (c++, g++ or clang++ on PATH, or CXX): install one (Debian/Ubuntu: apt-get install g++)"
+fi
+if ! command -v nvcc >/dev/null 2>&1 && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
+    export PATH=${CUDA_HOME:-/usr/local/cuda}/bin:$PATH
+fi
+if ! command -v nvcc >/dev/null 2>&1; then
+    if [ "$REQUIRE_CUDA" = ON ]; then
+        missing "the CUDA kernels were asked for (CKV_CUDA_ARCHS=$CKV_CUDA_ARCHS${CKV_REQUIRE_CUDA:+, CKV_REQUIRE_CUDA=$CKV_REQUIRE_CUDA})" \
+            "but nvcc is not on PATH nor in ${CUDA_HOME:-/usr/local/cuda}/bin: install the CUDA toolkit (12.x or 13.x," \
+            "docs/gpu.md) or set CUDA_HOME to it; without CKV_CUDA_ARCHS only the host library is built"
+    fi
+    echo "nvcc not found: building the host library only (no CUDA kernels, no torch op, no TensorRT plugin)"
+fi
 KERNEL_LENS=kernel-lens==2.0.1
 
 # One build per build folder at a time: pytest-xdist workers (scripts/gpu_check.sh) each run this script from their
@@ -30,10 +63,6 @@ mkdir -p "$BUILD_DIR"
 if command -v flock >/dev/null 2>&1; then
     exec 9>"$BUILD_DIR/.build.lock"
     flock 9
-fi
-
-if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
-    export PATH=/usr/local/cuda/bin:$PATH
 fi
 
 # TensorRT headers, first found wins (no network needed except for the last step):
@@ -80,10 +109,16 @@ GENERATOR=()
 command -v ninja >/dev/null 2>&1 && GENERATOR=(-G Ninja)
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
     cmake -S plugins -B "$BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
-        -DTRT_INCLUDE_DIR="$TRT_INCLUDE_DIR" -DCKV_CUDA_ARCHS="$CKV_CUDA_ARCHS" -DCKV_WERROR="$CKV_WERROR"
+        -DTRT_INCLUDE_DIR="$TRT_INCLUDE_DIR" -DCKV_CUDA_ARCHS="$CKV_CUDA_ARCHS" -DCKV_WERROR="$CKV_WERROR" \
+        -DCKV_REQUIRE_CUDA="$REQUIRE_CUDA"
 else
     cmake "$BUILD_DIR" -DTRT_INCLUDE_DIR="$TRT_INCLUDE_DIR" -DCKV_CUDA_ARCHS="$CKV_CUDA_ARCHS" \
-        -DCKV_WERROR="$CKV_WERROR" >/dev/null
+        -DCKV_WERROR="$CKV_WERROR" -DCKV_REQUIRE_CUDA="$REQUIRE_CUDA" >/dev/null
 fi
 cmake --build "$BUILD_DIR" --parallel "${CKV_BUILD_JOBS:-$(nproc)}"
-echo "built into $BUILD_DIR"
+if [ -f "$BUILD_DIR/libcriticalkv_ops.so" ] && command -v nvcc >/dev/null 2>&1; then
+    PLUGIN=$([ -f "$BUILD_DIR/libcriticalkv_trt_plugin.so" ] && echo ", the TensorRT plugin" || echo "")
+    echo "built into $BUILD_DIR: the host library, the CUDA kernels (sm $CKV_CUDA_ARCHS), the torch op$PLUGIN"
+else
+    echo "built into $BUILD_DIR: the host library only (no nvcc: no CUDA kernels, no torch op, no TensorRT plugin)"
+fi

@@ -179,6 +179,95 @@ def test_serve_tensorrt_without_tensorrt_engines_fails_before_anything_starts(ti
     assert "starting tritonserver" not in err and not list(tmp_path.glob("criticalkv-serve-*")), err
 
 
+def _one_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if not line.startswith("LOADED ")]
+    assert len(lines) == 1 and "Traceback" not in err and "usage:" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--http-port", "99999"],
+     "criticalkv serve: error: argument --http-port: 99999 is not a port number: 1-65535 (see criticalkv serve --help)"),
+    (["serve", "--openai-port", "-1"], "argument --openai-port: -1 is not a port number: 1-65535 (or 0: not started)"),
+    (["serve", "--backend", "nonsense"], "argument --backend: invalid choice: 'nonsense' (choose from"),
+    (["serve", "--instances", "0"], "argument --instances: must be >= 1, got 0"),
+    (["serve", "--kv-memory-mib", "nan"], "argument --kv-memory-mib/--kv-pool-mib: 'nan' is not a finite number"),
+    (["serve", "--gpus", "0,0"], "argument --gpus: '0,0': GPU ids are integers >= 0, each given once"),
+    (["serve", "--max-body-bytes", "0"], "argument --max-body-bytes: must be >= 1, got 0"),
+    (["generate", "--prompt", "hi", "--max-tokens", "0"], "argument --max-tokens/--max-new-tokens: must be >= 1, got 0"),
+    (["triton-repo", "--threads", "-2"], "argument --threads: must be >= 0, got -2"),
+    (["nonsense"], "criticalkv: error: argument COMMAND: invalid choice: 'nonsense'"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_an_argument_error_is_one_line_naming_it_before_anything_loads(argv, message):
+    """No usage block, no traceback: one line with the argument and its range, and where to read more."""
+    status, err, loaded = _loaded_by(argv)
+    line = _one_line(err)
+    assert status == 2 and message in line and line.endswith("--help)"), line
+    assert loaded == [], loaded
+
+
+def test_generate_checks_its_request_against_the_engine_without_loading_it(tiny_engine_dir, tmp_path):
+    """--max-tokens beyond the engine's maximum, a prompt longer than its max input length (counted by its tokenizer)
+    and an --engine-dir naming a file: one line each, ONNX Runtime never imported (the engine was not loaded)."""
+    long_prompt = tmp_path / "long.txt"
+    long_prompt.write_text(" ".join(["w5"] * 300))
+    engine = str(tiny_engine_dir)
+    cases = [
+        (["--engine-dir", engine, "--prompt", "w5", "--max-tokens", "1000000000"],
+         "criticalkv generate: error: --max-tokens: max_tokens must lie in [1, 32] (the engine's built maximum), got "
+         "1000000000"),
+        (["--engine-dir", engine, "--prompt-file", str(long_prompt), "--max-tokens", "4"],
+         "criticalkv generate: error: the prompt has 300 tokens, more than the engine's max input length 256"),
+        (["--engine-dir", str(tiny_engine_dir / "manifest.json"), "--prompt", "w5"],
+         f"criticalkv generate: error: {tiny_engine_dir / 'manifest.json'} is a file, not an engine directory"),
+    ]
+    for argv, message in cases:
+        status, err, loaded = _loaded_by(["generate", *argv])
+        assert status == 2 and _one_line(err).startswith(message), err
+        assert "onnxruntime" not in loaded, (argv, loaded)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--context-policy", "nonsense"], "--context-policy: context policy 'nonsense': no such policy; this engine serves "
+                                      "its own 'criticalkv'"),
+    (["--max-num-seqs", "99"], "--max-num-seqs: max_num_seqs 99 exceeds the engine's max batch size 3"),
+])
+def test_serve_checks_its_options_against_the_engine_before_anything_starts(tiny_engine_dir, tmp_path, argv, message):
+    """No server started (no temporary repository, ONNX Runtime never imported), one line naming the real problem
+    (a context policy that does not exist is not one to rebuild the engine with)."""
+    status, err, loaded = _loaded_by(["serve", "--engine-dir", str(tiny_engine_dir), *argv], env={"TMPDIR": str(tmp_path)})
+    line = _one_line(err)
+    assert status == 2 and line.startswith(f"criticalkv serve: error: {message}"), line
+    assert "rebuild it with --context-policy nonsense" not in line and "onnxruntime" not in loaded
+    assert not list(tmp_path.glob("criticalkv-serve-*")), err
+
+
+def test_every_help_loads_nothing_heavy():
+    """--help of every command (and of scripts/build_engine.py) answers at once: none imports torch, transformers,
+    ONNX or ONNX Runtime (build_engine.py --help took 10 s when it imported the exporter)."""
+    from criticalkv.cli import build_parser
+
+    def commands(parser, prefix):
+        yield prefix
+        for action in parser._actions:
+            if isinstance(action, __import__("argparse")._SubParsersAction):
+                for name, child in action.choices.items():
+                    yield from commands(child, [*prefix, name])
+
+    every = list(commands(build_parser(), []))
+    assert ["serve"] in every and ["eval", "needle"] in every
+    script = ("import json, runpy, sys\nfrom criticalkv.cli import main\n"
+              f"for argv in {every!r}:\n"
+              "    try:\n        main([*argv, '--help'])\n    except SystemExit as e:\n        assert e.code == 0, argv\n"
+              f"sys.argv = [{str(Path(criticalkv.__file__).parents[1] / 'scripts' / 'build_engine.py')!r}, '--help']\n"
+              "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit as e:\n    assert e.code == 0\n"
+              f"print('LOADED', json.dumps([m for m in {HEAVY!r} if m in sys.modules]), file=sys.stderr)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Build an engine directory" in run.stdout and "usage: criticalkv serve" in run.stdout
+    assert run.stderr.strip().splitlines()[-1] == "LOADED []", run.stderr[-2000:]
+
+
 #: where the signal lands: (name, when, what the command has read of its prompt by then); the prompt is a FIFO
 #: the command blocks reading, but for "imports", which gets its prompt on the command line and goes on to
 #: import torch

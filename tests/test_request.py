@@ -107,3 +107,59 @@ def test_a_checked_request_carries_its_int_budget_and_is_checked_once():
         checked.checked(limits(KVPolicy(budget=16, window=8)))
     with pytest.raises(RequestError, match=r"max_tokens must lie in \[1, 8\]"):  # its filled default is now its own
         checked.checked(limits(max_new_tokens=8))
+
+
+# ------------------------------------------------------------------ TextBound: characters known before tokenising
+def _byte_level_tokenizer(texts):
+    """A small byte-level BPE (the family of SmolLM2, Llama 3, Qwen) trained here on ``texts``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=core)
+
+
+def test_a_text_bound_never_refuses_what_fits_and_refuses_what_cannot():
+    """TextBound.of: the longest vocabulary entry bounds the characters of one token, so a text the bound refuses has
+    more tokens than the max input length; one it passes is counted exactly afterwards."""
+    import random
+
+    from criticalkv.chat import max_token_chars
+    from criticalkv.request import BODY_OVERHEAD_BYTES, JSON_BYTES_PER_CHAR, TextBound
+
+    rng = random.Random(0)
+    words = ["the", "secret", "passcode", "      ", "\n\n", "é", "日本", "🙂", "x" * 40, "=" * 30]
+    texts = ["".join(rng.choice(words) + rng.choice([" ", "", "\t"]) for _ in range(rng.randint(1, 400)))
+             for _ in range(60)]
+    tokenizer = _byte_level_tokenizer(texts[:30])
+    longest = max_token_chars(tokenizer)
+    assert longest == max(len(t) for t in tokenizer.get_vocab())
+    for text in texts:  # every token decodes to at most `longest` characters: the bound is sound on these texts
+        ids = tokenizer(text)["input_ids"]
+        for limit in (len(ids) - 1, len(ids), len(ids) + 1):
+            bound = TextBound.of(tokenizer, max(limit, 1))
+            try:
+                bound.check(text)
+            except RequestError:
+                assert len(ids) > bound.max_input_len, (text, len(ids), bound)
+    bound = TextBound(max_input_len=100, max_token_chars=5)
+    assert bound.max_chars == 500 and bound.max_body_bytes == JSON_BYTES_PER_CHAR * 500 + BODY_OVERHEAD_BYTES
+    bound.check("x" * 500)
+    bound.check("x" * 300, None, "y" * 200)  # the texts of one request count together
+    bound.check("x " * 500 + "\u3000" * 1000)  # 500 characters besides whitespace, which a tokenizer may drop
+    with pytest.raises(RequestError, match=r"^the prompt: 501 characters \(whitespace apart\), more than the engine "
+                                           r"takes: at most 500 \(its max input length 100 tokens x 5 characters"):
+        bound.check("x" * 501)
+    with pytest.raises(RequestError, match="^context: 900 characters"):
+        bound.check("x" * 300, "y " * 300 + "z" * 300, what="context")
+
+
+def test_the_word_tokenizer_of_the_serving_tests_is_bounded_by_its_longest_word():
+    from criticalkv.chat import max_token_chars
+    from export.tiny_engine import vocabulary, word_tokenizer
+
+    assert max_token_chars(word_tokenizer()) == max(map(len, vocabulary())) == len("lighthouse")

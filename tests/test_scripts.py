@@ -1,5 +1,6 @@
 """The scripts and the package metadata: bad input gives one line (no traceback), --help explains every option."""
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -53,6 +54,27 @@ def test_build_plugin_help_builds_nothing(tmp_path):
     assert "#" not in help_run.stdout.splitlines()[0]
 
 
+def test_build_plugin_fails_naming_nvcc_when_the_kernels_are_asked_for_without_it(tmp_path):
+    """CKV_CUDA_ARCHS asks for the CUDA kernels: without nvcc the script fails at once (status 2, nvcc named, nothing
+    written) instead of building the host library and saying "built"; CMake's own configure refuses as well."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "BUILD_DIR": str(tmp_path / "build"),
+           "CUDA_HOME": str(tmp_path / "no-cuda"), "CKV_CUDA_ARCHS": "90"}
+    if shutil.which("nvcc", path=env["PATH"]):
+        pytest.skip("nvcc is installed in /usr/bin here")
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "build_plugin.sh")], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.strip() == (
+        f"build_plugin.sh: error: the CUDA kernels were asked for (CKV_CUDA_ARCHS=90) but nvcc is not on PATH nor in "
+        f"{tmp_path / 'no-cuda'}/bin: install the CUDA toolkit (12.x or 13.x, docs/gpu.md) or set CUDA_HOME to it; "
+        "without CKV_CUDA_ARCHS only the host library is built")
+    assert not (tmp_path / "build").exists()
+    configure = subprocess.run(["cmake", "-S", str(ROOT / "plugins"), "-B", str(tmp_path / "cmake"),
+                                "-DCKV_REQUIRE_CUDA=ON"], capture_output=True, text=True, env=env, timeout=120)
+    assert configure.returncode != 0
+    assert "nvcc not found, and CKV_REQUIRE_CUDA asks for the CUDA kernels" in " ".join(configure.stderr.split())
+
+
 def test_container_serve_explains_itself_and_refuses_to_run_outside_the_container(tmp_path):
     """scripts/container_serve.sh (docs/gpu.md): --help, no engine directory (status 2), and outside NVIDIA's
     tritonserver container a one-line error before it installs or builds anything."""
@@ -94,3 +116,25 @@ def test_norm_flops_prints_both_model_shapes_with_fewer_pruned_flops():
     for row in rows:
         unpruned, pruned = float(row[3]), float(row[6])
         assert 0 < pruned < unpruned / 3  # budget 256 at 4k tokens: far fewer norm FLOPs
+
+
+def test_the_readme_and_docs_gpu_share_one_gpu_install():
+    """The README's "On an NVIDIA GPU" commands install exactly as docs/gpu.md section 1 says (a .venv, the same pinned
+    CUDA torch, install.sh, build_plugin.sh), and both name every prerequisite the build needs."""
+    import re
+
+    def blocks(text):
+        return [b.splitlines() for b in re.findall(r"```bash\n(.*?)```", text, re.S)]
+
+    readme = (ROOT / "README.md").read_text()
+    gpu = (ROOT / "docs" / "gpu.md").read_text()
+    section = readme[readme.index("## On an NVIDIA GPU"):]
+    readme_install = [line for line in blocks(section)[0] if not line.startswith("#")][:4]
+    gpu_install = [line.split("  #")[0].rstrip() for line in blocks(gpu[gpu.index("## 1. Install"):])[0]]
+    assert readme_install == gpu_install[:4], (readme_install, gpu_install)
+    assert readme_install[0] == "python3 -m venv .venv" and re.fullmatch(
+        r"\.venv/bin/pip install torch==[\d.]+ --index-url https://download\.pytorch\.org/whl/cu\d+", readme_install[1])
+    needs = section[:section.index("## What it buys")]
+    assert all(p in needs for p in ("CUDA toolkit", "CMake >= 3.24", "C++ compiler")), needs
+    table = gpu[gpu.index("## 1. Install"):gpu.index("## 2.")]
+    assert all(p in table for p in ("| CUDA toolkit (`nvcc`) |", "| CMake | 3.24 or newer |", "| a C++17 compiler |")), table

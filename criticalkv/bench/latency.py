@@ -33,8 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from criticalkv.bench.report import write_results
-from criticalkv.export import BuildConfig
-from criticalkv.build import export_engine, package_versions
+from criticalkv.export import BuildConfig  # the light config module (criticalkv.export loads names on first use)
 from criticalkv.policy import KVPolicy
 from criticalkv.runtime import Engine, create_backend
 from criticalkv.runtime.profiling import selection_profile
@@ -64,6 +63,8 @@ def long_text() -> str:
 
 def make_engine(model, tokenizer, policy: KVPolicy, config: BuildConfig, workdir: Path, threads: int, profile: bool) -> Engine:
     folder = Path(tempfile.mkdtemp(dir=workdir))
+    from criticalkv.build import export_engine  # torch and the exporter: not for --help
+
     _, manifest = export_engine(model, policy, folder, config, tokenizer, validate=False)
     return Engine(folder, manifest, create_backend("onnxruntime", folder, manifest, threads=threads, profile=profile))
 
@@ -234,6 +235,8 @@ def run(args, argv: list[str] | None) -> int:
     if args.compare_unpruned:
         return compare_unpruned(args, argv)
     command = "criticalkv bench latency " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    from criticalkv.build import package_versions
+
     info = {"command": command, "machine": machine(), "versions": package_versions(), "ort_threads": args.threads,
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     print(f"# {command}\n# {info['machine']['cpu']}, {info['machine']['logical_cpus']} logical CPUs, "
@@ -404,6 +407,8 @@ def compare_unpruned(args, argv: list[str] | None) -> int:
     from criticalkv.methods.pruned import norm_flops
 
     command = "criticalkv bench latency " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    from criticalkv.build import package_versions
+
     info = {"command": command, "machine": machine(), "versions": package_versions(), "ort_threads": args.threads,
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     print(f"# {command}\n# {info['machine']['cpu']}, {info['machine']['logical_cpus']} logical CPUs, "

@@ -12,8 +12,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from criticalkv.methods.pruned import norm_flops
-
 #: (name, layers, query heads, KV heads, head dim, hidden)
 SHAPES = [("SmolLM2-135M", 30, 9, 3, 64, 576), ("Llama-3-8B", 32, 32, 8, 128, 4096)]
 
@@ -25,6 +23,8 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=32, help="observation window (default: 32)")
     p.add_argument("--alpha", type=float, default=0.25, help="stage-1 fraction (default: 0.25)")
     args = p.parse_args(argv)
+    from criticalkv.methods.pruned import norm_flops  # torch: not for --help
+
     print(f"# stage-2 value-norm GFLOPs per prefill, budget {args.budget}, window {args.window}, alpha {args.alpha}")
     print("| model | prompt | unpruned | bound (group + per-head Gram) | exact (candidates) | pruned | ratio |")
     print("|---|---|---|---|---|---|---|")

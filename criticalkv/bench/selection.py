@@ -30,7 +30,6 @@ import numpy as np
 
 from criticalkv.bench.latency import long_text, machine, make_engine
 from criticalkv.bench.report import write_results
-from criticalkv.build import package_versions
 from criticalkv.eval.specs import parse_policy_spec
 from criticalkv.export import BuildConfig
 from criticalkv.policy import KVPolicy
@@ -76,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     from criticalkv.hf import load_model
 
     command = "criticalkv bench selection " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    from criticalkv.build import package_versions  # torch and the exporter: not for --help
+
     info = {"command": command, "machine": machine(), "versions": package_versions(), "commit": git_commit(),
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     print(f"# {command}\n# load {info['machine']['load_average_start']}", flush=True)

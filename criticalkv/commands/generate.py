@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 from criticalkv.chat import encode_context_question, encode_prompt
+from criticalkv.commands.arguments import check_request, positive_int
 from criticalkv.files import read_text_interruptibly
 from criticalkv.methods import same_selection
 from criticalkv.policy import KVPolicy, parse_policy_spec, policy_spec
 from criticalkv.request import SamplingParams
 from criticalkv.runtime import Engine
-from criticalkv.runtime.manifest import default_backend, read_manifest
+from criticalkv.runtime.manifest import default_backend, load_tokenizer, read_manifest
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -42,7 +43,7 @@ def register(subparsers) -> None:
                         "engines (GPU, CUDA graphs), or torch (the checkpoint's own layers with the selection op: CUDA "
                         "graphs on a GPU, else the CPU; the default for an engine built with --backend torch)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as the user turn of the model's chat template")
-    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=64,
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=positive_int, default=64,
                    help="tokens to generate at most (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
@@ -175,12 +176,19 @@ def run_engine(args) -> int:
     ):
         if value is not None:
             raise ValueError(f"{flag} and --engine-dir exclude each other: {why}")
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    # the policy flags against the built policy (its manifest, read in milliseconds): a bad --budget fails before
-    # the engine loads
+    sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              seed=args.seed)
+    # everything is checked before the engine loads (its weights and sessions: seconds and gigabytes): the policy
+    # flags and --max-tokens against the manifest (read in milliseconds), the prompt's length with the engine's
+    # tokenizer (a fraction of a second)
     manifest = read_manifest(args.engine_dir, verify=False)
-    engine_policy(args, KVPolicy.from_dict(manifest["policy"]))
+    _, kv_budget = engine_policy(args, KVPolicy.from_dict(manifest["policy"]))
+    check_request(manifest, sampling)  # --max-tokens before the tokenizer's import
     inputs = read_inputs(args)
+    tokenizer = load_tokenizer(args.engine_dir)
+    ids, question = encode_inputs(tokenizer, inputs, args.chat)
+    check_request(manifest, sampling, question if question is not None else ids,
+                  ids if question is not None else None, kv_budget)
     # profile=True: ONNX Runtime profiles the prefill run, which gives the selection nodes' time
     # (TensorRT reports selection_s as null: the plugin runs inside the engine, timed as part of prefill)
     args.backend = args.backend or default_backend(manifest)
@@ -188,8 +196,6 @@ def run_engine(args) -> int:
     engine = Engine.load(args.engine_dir, backend=args.backend, **options)
     try:
         policy, kv_budget = engine_policy(args, engine.policy)
-        tokenizer = engine.tokenizer
-        ids, question = encode_inputs(tokenizer, inputs, args.chat)
         args.stop_ids = engine.eos_token_ids
         args.model = engine.manifest["model"]["name"]
         stream = None if args.json else _streamer(tokenizer, args.stop_ids)

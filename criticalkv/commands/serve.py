@@ -13,8 +13,11 @@ import tempfile
 import threading
 from pathlib import Path
 
+from criticalkv.commands.arguments import port, port_or_zero, positive_float, positive_int
 from criticalkv.commands.triton_repo import add_model_arguments, scheduler_config
 from criticalkv.files import remove_stale_temporaries, temporary_dir
+from criticalkv.request import TextBound
+from criticalkv.runtime.manifest import load_tokenizer, read_manifest
 from criticalkv.serving import launcher
 from criticalkv.serving.repository import make_repository
 
@@ -49,16 +52,21 @@ def register(subparsers) -> None:
                         "of them to every network the machine is on: Triton's HTTP and gRPC inference and "
                         "model-control endpoints and its metrics (never authenticated) and the OpenAI API "
                         "(authenticated only with --api-key)")
-    p.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port (default: 8000)")
-    p.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port (default: 8001)")
-    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default: 8002)")
-    p.add_argument("--openai-port", type=int, default=9000,
+    p.add_argument("--http-port", type=port, default=8000, help="Triton HTTP port (default: 8000)")
+    p.add_argument("--grpc-port", type=port, default=8001, help="Triton gRPC port (default: 8001)")
+    p.add_argument("--metrics-port", type=port, default=8002, help="Prometheus metrics port (default: 8002)")
+    p.add_argument("--openai-port", type=port_or_zero, default=9000,
                    help="port of the OpenAI-compatible API (default: 9000, as Triton's own OpenAI frontend; "
                         "0 = do not start it)")
     p.add_argument("--api-key", default=os.environ.get("CRITICALKV_API_KEY"),
                    help="as `vllm serve --api-key`: every OpenAI API request (/v1/...) must carry the header "
                         "'Authorization: Bearer KEY', else 401 (default: $CRITICALKV_API_KEY, or no key). "
                         "Triton's own ports are not covered")
+    p.add_argument("--max-body-bytes", type=positive_int, default=None, metavar="BYTES",
+                   help="largest OpenAI API request body; a larger one is refused with 413 from its Content-Length, "
+                        "before it is read (default: what the engine's max input length can need, every character "
+                        "at its longest JSON escape: 12 bytes x the max input length x the longest token's characters "
+                        "+ 1 MiB, e.g. 4.0 MB for a 4,096-token engine of SmolLM2's vocabulary)")
     add_model_arguments(p)
     p.add_argument("--tritonserver", type=Path, default=os.environ.get(launcher.TRITONSERVER_ENV) or None,
                    metavar="DIR",
@@ -67,7 +75,8 @@ def register(subparsers) -> None:
                         "then runs in that server's Python with this environment's packages on its path "
                         "(default: $CRITICALKV_TRITONSERVER)")
     p.add_argument("--setup", action="store_true", help="only set up tritonserver and the model environment, then exit")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server (default: 600)")
+    p.add_argument("--ready-timeout", type=positive_float, default=600.0,
+                   help="seconds to wait for the server (default: 600)")
     p.set_defaults(func=run)
 
 
@@ -86,22 +95,27 @@ def engine_dir_of(args) -> Path:
 def run(args: argparse.Namespace) -> int:
     if args.tritonserver is not None:  # the launcher's helpers read it (and tritonserver's children inherit it)
         os.environ[launcher.TRITONSERVER_ENV] = str(Path(args.tritonserver).resolve())
-    launcher.setup(log=lambda m: print(m, file=sys.stderr))
     if args.setup:
+        launcher.setup(log=lambda m: print(m, file=sys.stderr))
         env = f"model environment {launcher.model_env()}" if launcher.model_env() else "the model runs in its Python"
         print(f"tritonserver ready to run from {launcher.server_dir()} ({env})")
         return 0
+    # every argument is checked before anything is set up or started (each a one-line error, status 2)
     if args.repo is None and args.engine_dir is None:
         raise ValueError("give --engine-dir (or --repo with a rendered model repository)")
     if args.repo is not None and not Path(args.repo).is_dir():
         raise FileNotFoundError(f"{args.repo}: no such model repository")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty")
+    if args.engine_dir is not None:
+        read_manifest(args.engine_dir, verify=False)  # a file, a missing or unfinished engine: named now
+    scheduler = scheduler_config(args)
     say = lambda m: print(f"criticalkv serve: {m}", file=sys.stderr)  # noqa: E731
     if args.repo is None:
         check_backend(Path(args.engine_dir), args.backend, args.gpus)
     else:
         check_backend(*repo_backend(args))
+    launcher.setup(log=lambda m: print(m, file=sys.stderr))
     parent = Path(tempfile.gettempdir())
     launcher.remove_stale_servers(say)  # a killed run's processes and shared memory, when its watchdog died too
     remove_stale_temporaries(parent, TEMP_PREFIX, say)
@@ -124,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         if repo is None:
             repo = tmp / "models"
             make_repository(args.engine_dir, repo, model_name=args.model_name, instances=args.instances,
-                            scheduler=scheduler_config(args), backend=args.backend,
+                            scheduler=scheduler, backend=args.backend,
                             gpus=args.gpus, threads=args.threads,
                             execution_env=str(launcher.model_env()) if launcher.model_env() else None,
                             python_paths=launcher.project_paths())
@@ -142,8 +156,11 @@ def run(args: argparse.Namespace) -> int:
             if openai_sock is not None and not stop.is_set():
                 from criticalkv.serving.openai_api import OpenAIFrontend
 
+                build = read_manifest(engine_dir, verify=False)["build"]
                 frontend = OpenAIFrontend(openai_sock, server.grpc_url, args.model_name, tokenizer, args.api_key,
-                                          chat_max_tokens=_max_new_tokens(engine_dir))
+                                          chat_max_tokens=int(build["max_new_tokens"]),
+                                          text_bound=TextBound.of(tokenizer, int(build["max_input_len"])),
+                                          max_body_bytes=args.max_body_bytes)
                 frontend.start(cancelled=stop.is_set)
         except (RuntimeError, TimeoutError) as err:
             print(f"criticalkv serve: error: {err}", file=sys.stderr)
@@ -194,7 +211,6 @@ def check_backend(engine_dir: Path | None, backend: str, gpus: list[int] | None)
     if backend != "tensorrt" or engine_dir is None:
         return
     from criticalkv.errors import EngineError
-    from criticalkv.runtime.manifest import read_manifest
     from criticalkv.runtime.tensorrt_backend import engine_files
     from criticalkv.tensorrt import resolve_plugin_library, tensorrt_unavailable_reason
 
@@ -212,25 +228,12 @@ def check_backend(engine_dir: Path | None, backend: str, gpus: list[int] | None)
     resolve_plugin_library(engine_dir, manifest["tensorrt"].get("plugin_library"))
 
 
-def _max_new_tokens(engine_dir: Path) -> int:
-    from criticalkv.runtime.manifest import read_manifest
-
-    return int(read_manifest(engine_dir, verify=False)["build"]["max_new_tokens"])
-
-
 def _load_tokenizer(engine_dir: Path):
-    """The engine's tokenizer as ``Engine.tokenizer`` loads it: the fast (Rust) tokenizer when there is a
-    ``tokenizer.json``, which loads no torch (this process then starts and exits seconds sooner)."""
-    folder = Path(engine_dir) / "tokenizer"
-    if not folder.is_dir():
+    """The engine's tokenizer, as ``Engine.tokenizer`` loads it (the fast tokenizer loads no torch: this process then
+    starts and exits seconds sooner)."""
+    if not (Path(engine_dir) / "tokenizer").is_dir():
         raise FileNotFoundError(f"{engine_dir}: no tokenizer folder (the OpenAI API needs it; or give --openai-port 0)")
-    if (folder / "tokenizer.json").is_file():
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(folder)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
+    return load_tokenizer(engine_dir)
 
 
 def ready_message(args, server) -> str:

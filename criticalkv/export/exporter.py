@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
+from criticalkv.export.config import (  # noqa: F401 (re-exported: the build's names live in the light config module)
+    DEFAULT_CONTEXT_POLICY,
+    EXPORT_DTYPES,
+    SURROGATE_FALLBACK,
+    WEIGHT_FORMATS,
+    BuildConfig,
+)
 from criticalkv.export.graph import IR_VERSION, OPSET
 from criticalkv.export.llama import (
-    KV_DTYPES,
     ModelSpec,
     add_stream,
     collect_weights,
@@ -18,7 +24,7 @@ from criticalkv.export.llama import (
     model_spec,
 )
 from criticalkv.export.model_select import tensorrt_refusal
-from criticalkv.export.quantize import WEIGHT_FORMATS, check_weight_format, quantize_store
+from criticalkv.export.quantize import quantize_store
 from criticalkv.graphs import FILES
 from criticalkv.methods.phases import REREAD_PROMPT_ROOM, BuildPhases
 from criticalkv.node import DOMAIN, OPSET_VERSION
@@ -48,72 +54,6 @@ REREAD_FILE = FILES["reread"]
 #: GroupQueryAttention's probabilities), beside the fused prompt graphs when the re-read graph is written
 REREAD_ORT_FILE = FILES["reread_ort"]
 TOKENIZER_DIR = "tokenizer"
-#: The policy the serving context cache compresses contexts with unless the build says otherwise
-#: (``criticalkv.build.context_policy_for``; a name or a knob spec): KVzip's score predicted from the prefill by the
-#: model's surrogate (no re-read: the scoring costs nothing beside the prefill), CriticalKV's two stages inside one
-#: model-wide allocation, a head keeping at most 6x the budget (results/README.md, "KVzip's score without the re-read":
-#: needle 90 % of 20 prompts at 256 of 2,048 entries, 100 % at 512; RULER-style 1.14x ``full`` at 512; capped at 3x
-#: the surrogate's shares lose the needle, 55 %). A model without a surrogate needs ``criticalkv train-surrogate``
-#: or another ``--context-policy``.
-DEFAULT_CONTEXT_POLICY = "layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6"
-#: The default's stand-in for a model without a KVzip surrogate (``criticalkv.build``): KVzip's re-read, capped at 3x
-#: (needle 85 % of 20 at 256 on the bundled model; the re-read costs about 2.2x the context's prefill, once).
-SURROGATE_FALLBACK = "layer-kvzip-criticalkv:head_cap_ratio=3"
-#: Precision of the TensorRT engines (the ONNX graphs and ONNX Runtime are always fp32).
-EXPORT_DTYPES = ("float16", "bfloat16", "float32")
-
-
-@dataclass(frozen=True)
-class BuildConfig:
-    """The static limits an engine is built for.
-
-    max_input_len : longest (padded) prompt; sizes every selection node's capacity
-    max_new_tokens : tokens generated after the prompt at most; decode buffers hold capacity + this
-    max_batch_size : largest batch (the runtime allocates its KV buffers for it once)
-    dtype : precision of the TensorRT engines: float16 (default; tensor-core kernels), bfloat16, or float32
-        (strongly typed, TF32 off: the parity build that matches ONNX Runtime token for token). The ONNX
-        graphs and the ONNX Runtime path are fp32 whatever this says
-    attention_chunk : query block size of the prompt attention (scores held: H * chunk * n per layer)
-    extend_chunk : most new tokens per sequence in one run of the extend graph (a chunk of a chunked prefill, a
-        question after a cached context). A prompt prefilled in extend chunks that are multiples of
-        attention_chunk gets bitwise the one-shot prefill's K/V, logits and kept entries on ONNX Runtime
-    max_question_len : most tokens asked after a compressed (cached) context: every slot's decode buffers hold the
-        layer's selection capacity + max_question_len + max_new_tokens entries per head
-    kv_dtype : element type of the ONNX Runtime decode buffers: float32 (default; the parity setting) or float16 (half
-        the KV memory, so twice the sequences and cached contexts in one KV budget; only the fused decode graph
-        ``decode_ort.onnx`` reads them, converting to float32 inside; prefill, extend and select stay float32). The
-        TensorRT engines keep their own precision (``dtype``)
-    weights : the projection weights of the ONNX Runtime flavour's fused graphs (``prefill_ort``, ``extend_ort``,
-        ``decode_ort``): fp32 (default), int8 or int4 (``criticalkv.export.quantize``). The portable graphs, the
-        TensorRT inputs, the embedding and the selection stay float32
-    """
-
-    max_input_len: int = 4096
-    max_new_tokens: int = 256
-    max_batch_size: int = 1
-    dtype: str = "float16"
-    attention_chunk: int = 256
-    extend_chunk: int = 256
-    max_question_len: int = 256
-    kv_dtype: str = "float32"
-    weights: str = "fp32"
-
-    def __post_init__(self) -> None:
-        for name in ("max_input_len", "max_new_tokens", "max_batch_size", "attention_chunk", "extend_chunk",
-                     "max_question_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if self.dtype not in EXPORT_DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-        check_weight_format(self.weights)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
 @dataclass
 class ExportResult:
     """What ``export_model`` wrote into the folder, and the shapes the runtime needs."""

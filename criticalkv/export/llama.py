@@ -62,6 +62,7 @@ from onnx import helper
 
 from criticalkv import graphs
 from criticalkv.export import model_select
+from criticalkv.export.config import KV_DTYPE_NAMES
 from criticalkv.export.graph import FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, live_nodes, value_info
 from criticalkv.export.quantize import quantized_matmul
 from criticalkv.export.select_function import FLOAT32_MIN, selection_function, selection_node, selection_opset
@@ -210,7 +211,7 @@ def add_stream(store: WeightStore, stream, spec: ModelSpec) -> None:
 ORT_DOMAIN = "com.microsoft"
 #: Element types of the ONNX Runtime KV buffers (``BuildConfig.kv_dtype``): float32 (the default, exact parity
 #: setting) or float16 (half the KV memory; only the fused decode graph reads them).
-KV_DTYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16}
+KV_DTYPES = dict(zip(KV_DTYPE_NAMES, (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)))
 #: ONNX Runtime's CPU GroupQueryAttention kernel takes head sizes that are multiples of this only.
 GQA_HEAD_DIM_MULTIPLE = 16
 

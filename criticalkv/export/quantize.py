@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-#: The weight settings of an engine: float32 (the parity default) or the two integer forms above.
-WEIGHT_FORMATS = ("fp32", "int8", "int4")
+from criticalkv.export.config import WEIGHT_FORMATS, check_weight_format  # noqa: F401 (their home: the light config)
+
 #: MatMulNBits' block along K (onnxruntime-genai's default)
 BLOCK = 32
 #: MatMulNBits accuracy_level 4: int8 activations (blockwise) and int8 compute
@@ -66,11 +66,6 @@ class QuantizedWeight:
     n: int
     codes: str
     scales: str
-
-
-def check_weight_format(weights: str) -> None:
-    if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"weights: {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
 
 
 def quantize_columns(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -27,9 +27,9 @@ from criticalkv.errors import EngineError, RequestError
 from criticalkv.methods.phases import PromptScoring, RereadPass
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
-from criticalkv.request import CheckedRequest, EngineLimits, Request, SamplingParams
+from criticalkv.request import CheckedRequest, Request, SamplingParams
 from criticalkv.runtime.backend import Backend, RowSnapshot
-from criticalkv.runtime.manifest import default_backend, read_manifest
+from criticalkv.runtime.manifest import default_backend, engine_limits, load_tokenizer, read_manifest
 from criticalkv.runtime.profiling import selection_profile
 from criticalkv.runtime.registry import create_backend
 from criticalkv.sampling import Sampler, decode_loop
@@ -163,11 +163,8 @@ class Engine:
         self.spec = manifest["model"]["spec"]
         self.eos_token_ids = list(manifest.get("generation", {}).get("eos_token_ids", []))
         self._tokenizer = None
-        self.limits = EngineLimits(
-            max_input_len=self.max_input_len, max_new_tokens=self.max_new_tokens, vocab_size=self.spec["vocab_size"],
-            policy=self.policy, accepts_kv_budget=bool(getattr(backend, "accepts_kv_budget", False)),
-            eos_token_ids=tuple(self.eos_token_ids),
-            max_question_len=int(build.get("max_question_len", 0)) if getattr(backend, "has_extend", False) else 0)
+        self.limits = engine_limits(manifest, accepts_kv_budget=bool(getattr(backend, "accepts_kv_budget", False)),
+                                    has_extend=bool(getattr(backend, "has_extend", False)))
         #: K + V bytes of one entry of one KV head in the backend's buffers (fp32 on ONNX Runtime)
         capacities = manifest["shapes"]["decode_capacity"]
         self.entry_bytes = backend.kv_buffer_bytes() // (self.max_batch_size * self.spec["num_kv_heads"] * sum(capacities))
@@ -212,19 +209,7 @@ class Engine:
         """The tokenizer saved with the engine: its fast (Rust) tokenizer when the folder has ``tokenizer.json``
         (chat template and special tokens included; this loads no torch), else transformers' ``AutoTokenizer``."""
         if self._tokenizer is None:
-            path = self.folder / "tokenizer"
-            if not path.is_dir():
-                raise EngineError(f"{self.folder}: no tokenizer folder (the engine was built without one)")
-            # imported when asked for: transformers is heavy, and its AutoTokenizer imports torch, which a serving
-            # process never needs when the fast tokenizer is there
-            if (path / "tokenizer.json").is_file():
-                from transformers import PreTrainedTokenizerFast
-
-                self._tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-            else:
-                from transformers import AutoTokenizer
-
-                self._tokenizer = AutoTokenizer.from_pretrained(path)
+            self._tokenizer = load_tokenizer(self.folder)
         return self._tokenizer
 
     # ------------------------------------------------------------------ requests and slots

@@ -14,6 +14,7 @@ from typing import Any
 from criticalkv.errors import EngineError
 from criticalkv.files import sha256_file
 from criticalkv.policy import SCHEMA_VERSION, KVPolicy, policy_spec
+from criticalkv.request import EngineLimits
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "criticalkv-engine"
@@ -61,6 +62,36 @@ def default_backend(manifest: dict[str, Any]) -> str:
     return "torch" if "onnx" not in manifest and TORCH_KEY in manifest else "onnxruntime"
 
 
+def engine_limits(manifest: dict[str, Any], accepts_kv_budget: bool = True, has_extend: bool = True) -> EngineLimits:
+    """What an engine serves (``Request.checked``'s limits) as its manifest says, given what its backend can do
+    (a runtime budget input, an extend graph): ``Engine`` checks requests with them, and the command line checks its
+    arguments with them before the engine loads."""
+    build, policy = manifest["build"], KVPolicy.from_dict(manifest["policy"])
+    return EngineLimits(
+        max_input_len=int(build["max_input_len"]), max_new_tokens=int(build["max_new_tokens"]),
+        vocab_size=int(manifest["model"]["spec"]["vocab_size"]), policy=policy, accepts_kv_budget=accepts_kv_budget,
+        eos_token_ids=tuple(manifest.get("generation", {}).get("eos_token_ids", [])),
+        max_question_len=int(build.get("max_question_len", 0)) if has_extend else 0)
+
+
+def load_tokenizer(folder: str | Path):
+    """The tokenizer saved with an engine (``FOLDER/tokenizer``): its fast (Rust) tokenizer when the folder has
+    ``tokenizer.json`` (chat template and special tokens included; this loads no torch), else transformers'
+    ``AutoTokenizer``. EngineError when the engine has none."""
+    path = Path(folder) / "tokenizer"
+    if not path.is_dir():
+        raise EngineError(f"{folder}: no tokenizer folder (the engine was built without one)")
+    # imported when asked for: transformers is heavy, and its AutoTokenizer imports torch, which a serving
+    # process never needs when the fast tokenizer is there
+    if (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 def file_table(folder: Path) -> dict[str, dict[str, Any]]:
     """{relative path: {"bytes", "sha256"}} of every file under ``folder`` except the manifest."""
     table = {}
@@ -88,6 +119,9 @@ def read_manifest(folder: str | Path, verify: bool = True) -> dict[str, Any]:
     """
     folder = Path(folder)
     hint = "build it with: python scripts/build_engine.py --output " + str(folder)
+    if folder.exists() and not folder.is_dir():
+        raise EngineError(f"{folder} is a file, not an engine directory (a folder holding {MANIFEST_FILE}, built by "
+                          "scripts/build_engine.py --output)")
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such engine directory; {hint}")
     path = folder / MANIFEST_FILE

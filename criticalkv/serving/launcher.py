@@ -408,6 +408,8 @@ class TritonServer:
         env = server_environment()
         if self.drain_file is not None:
             self.drain_file.unlink(missing_ok=True)
+            for stale in self.active_instances():
+                stale.unlink(missing_ok=True)
             env[DRAIN_ENV] = str(self.drain_file)
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                         env=env, start_new_session=True,
@@ -461,10 +463,29 @@ class TritonServer:
         except OSError:
             return "(no log)"
 
-    def stop(self, grace_s: float = 20.0) -> int | None:
+    def active_instances(self) -> list[Path]:
+        """The criticalkv model instances that have not answered every request since the drain began (each keeps
+        ``<drain file>.<pid>.active`` until then: templates/model.py)."""
+        if self.drain_file is None:
+            return []
+        return [Path(p) for p in glob.glob(glob.escape(str(self.drain_file)) + ".*.active")]
+
+    def wait_drained(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until every model instance has ended its requests; whether they all did."""
+        deadline = time.monotonic() + timeout_s
+        while self.active_instances():
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def stop(self, grace_s: float = 20.0, drain_s: float = 5.0) -> int | None:
         """SIGTERM the server's PID, wait up to ``grace_s``, then SIGKILL it; returns its exit code. With a
-        ``drain_file``, the criticalkv model ends the requests in flight first (Triton waits for them otherwise). Any
-        process of its group still there then (a model process that outlived it) gets SIGKILL too."""
+        ``drain_file``, the criticalkv model first ends the requests in flight (Triton waits for them otherwise), and
+        SIGTERM waits (at most ``drain_s``) until every model instance has answered all of them: tritonserver stopped
+        while the model still sent responses sometimes never unloaded it ("Found 1 live models" until its exit timeout,
+        exit status 1). Any process of its group still there then (a model process that outlived it) gets SIGKILL
+        too."""
         process = self.process
         if process is None:
             return None
@@ -472,6 +493,7 @@ class TritonServer:
         if code is None:
             if self.drain_file is not None:
                 self.drain_file.touch()
+                self.wait_drained(drain_s)
             process.send_signal(signal.SIGTERM)
             try:
                 code = process.wait(grace_s)

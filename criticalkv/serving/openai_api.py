@@ -18,16 +18,24 @@ the messages rendered by the engine's chat template, ``criticalkv.chat``), ``str
 become 400 with its message; this layer checks the shapes and types (pydantic, strict) and what only it
 knows (the model name, ``n``, fields the server does not implement). Every error is OpenAI's error object
 ``{"error": {"message", "type", "param", "code"}}``.
+
+No request can stall the others: a body is JSON (else 415) of at most ``max_body_bytes`` (else 413, answered from its
+``Content-Length`` before it is read, or as soon as a body sent without one passes the limit); its texts are held to
+the engine's ``TextBound`` (more characters than its max input length can hold: 400, before the chat template runs);
+parsing, the chat template and the tokenizer run on a small thread pool, never on the event loop, so ``/health`` and
+the other requests' tokens flow while one request is prepared.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Literal, Union
 
 import numpy as np
@@ -36,7 +44,8 @@ from starlette.requests import Request  # module level: FastAPI reads the handle
 
 
 from criticalkv.chat import chat_context_ids, chat_prompt_text
-from criticalkv.request import DEFAULT_MAX_TOKENS
+from criticalkv.errors import RequestError
+from criticalkv.request import DEFAULT_MAX_TOKENS, TextBound
 
 #: max_tokens of /v1/completions when the request gives none (OpenAI's and vLLM's default); a chat completion
 #: without one may use the engine's whole built maximum (``chat_max_tokens``), as vLLM fills the context
@@ -54,7 +63,8 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                              405: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+                              405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                              503: "service_unavailable"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
@@ -343,10 +353,18 @@ def _param_of(message: str) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------- app
+#: threads that parse request bodies and run the chat template and the tokenizer (off the event loop)
+PREPARE_THREADS = 4
+
+
 def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = None,
-               chat_max_tokens: int | None = None):
+               chat_max_tokens: int | None = None, text_bound: TextBound | None = None,
+               max_body_bytes: int | None = None):
     """The ASGI app. ``tokenizer``: the engine's (its chat template renders the chat messages);
-    ``chat_max_tokens``: max_tokens of a chat completion that gives none (None: the model's default)."""
+    ``chat_max_tokens``: max_tokens of a chat completion that gives none (None: the model's default);
+    ``text_bound``: the engine's bound on a request's characters (None: none checked here, the model still counts
+    tokens); ``max_body_bytes``: the largest request body (default: ``text_bound.max_body_bytes``; None without a
+    bound: no limit)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -357,13 +375,19 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
 
     model = TritonModel(grpc_url, model_name)
     created = int(time.time())
+    if max_body_bytes is None and text_bound is not None:
+        max_body_bytes = text_bound.max_body_bytes
+    pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="openai-prepare")
 
     @asynccontextmanager
     async def lifespan(app):
         await model.connect()
         app.state.loop = asyncio.get_running_loop()
-        yield
-        await model.close()
+        try:
+            yield
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+            await model.close()
 
     app = FastAPI(title="criticalkv OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.model = model
@@ -386,8 +410,70 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
     async def _unexpected(request, err: Exception):
         return error_response(APIError(500, f"{INTERNAL_PREFIX}{type(err).__name__}: {err}"))
 
+    # the outermost middleware runs first: the key is checked before the body's type and size
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    async def off_loop(function, *args):
+        """``function(*args)`` on the prepare pool: a slow request (a long template, a long text) holds a thread of
+        its own, never the event loop that serves the other requests' tokens and /health."""
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(function, *args))
+
+    def check_texts(what: str, param: str, *texts: str | None) -> None:
+        if text_bound is not None:
+            try:
+                text_bound.check(*texts, what=what)
+            except RequestError as err:
+                raise APIError(400, str(err), param) from None
+
+    def prepare_chat(raw: bytes):
+        """(body, prompt text, (context ids, question ids) or None, max_tokens) of a chat request: parsed, checked,
+        rendered by the chat template (and tokenised for a context)."""
+        body = parse_body(raw, ChatRequest)
+        check_common(body, model_name, model.inputs)
+        for i, message in enumerate(body.messages):
+            if message.content is None and message.role != "assistant":
+                raise APIError(400, f"messages.{i}.content: required for role {message.role!r}", "messages")
+        if text_bound is not None and len(body.messages) > text_bound.max_input_len:
+            raise APIError(400, f"messages: {len(body.messages)} messages, more than the engine's max input length "
+                                f"({text_bound.max_input_len} tokens)", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        context = body.context if isinstance(body.context, str) else None
+        check_texts("the messages" + (" and the context" if context else ""), "messages",
+                    *(m["content"] for m in messages), context)
+        ids = None
+        try:
+            if body.context is not None:  # the context (a document, or the earlier turns) is compressed and cached
+                ids = chat_context_ids(tokenizer, messages, body.context)
+                prompt = ""
+            else:
+                prompt = chat_prompt_text(tokenizer, messages)
+        except APIError:
+            raise
+        except ValueError as err:
+            if str(err).startswith("context:"):
+                raise APIError(400, str(err), "context") from None
+            raise APIError(400, f"messages: the model's chat template refused them: {err}", "messages") from None
+        except Exception as err:  # the template's own checks (e.g. roles that must alternate)
+            raise APIError(400, f"messages: the model's chat template refused them: {err}", "messages") from None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = chat_max_tokens if max_tokens is None else max_tokens
+        return body, prompt, ids, max_tokens
+
+    def prepare_completion(raw: bytes):
+        """(body, prompt, max_tokens) of a completion request, parsed and checked."""
+        body = parse_body(raw, CompletionRequest)
+        check_common(body, model_name, model.inputs)
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise APIError(400, f"prompt: one prompt per request is supported, got {len(prompts)}", "prompt")
+        if body.context is True:
+            raise APIError(400, "context: true (the earlier messages) needs /v1/chat/completions; give the context's "
+                                "text here", "context")
+        check_texts("the prompt" + (" and the context" if body.context else ""), "prompt", prompts[0], body.context)
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        return body, prompts[0], max_tokens
 
     @app.get("/health")
     async def health():
@@ -408,43 +494,13 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = parse_body(await request.body(), ChatRequest)
-        check_common(body, model_name, model.inputs)
-        for i, message in enumerate(body.messages):
-            if message.content is None and message.role != "assistant":
-                raise APIError(400, f"messages.{i}.content: required for role {message.role!r}", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = None
-        try:
-            if body.context is not None:  # the context (a document, or the earlier turns) is compressed and cached
-                ids = chat_context_ids(tokenizer, messages, body.context)
-                prompt = ""
-            else:
-                prompt = chat_prompt_text(tokenizer, messages)
-        except APIError:
-            raise
-        except ValueError as err:
-            if str(err).startswith("context:"):
-                raise APIError(400, str(err), "context") from None
-            raise APIError(400, f"messages: the model's chat template refused them: {err}", "messages") from None
-        except Exception as err:  # the template's own checks (e.g. roles that must alternate)
-            raise APIError(400, f"messages: the model's chat template refused them: {err}", "messages") from None
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = chat_max_tokens if max_tokens is None else max_tokens
+        body, prompt, ids, max_tokens = await off_loop(prepare_chat, await request.body())
         return await respond(request, body, prompt, max_tokens, chat=True, ids=ids)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_body(await request.body(), CompletionRequest)
-        check_common(body, model_name, model.inputs)
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        if len(prompts) != 1:
-            raise APIError(400, f"prompt: one prompt per request is supported, got {len(prompts)}", "prompt")
-        if body.context is True:
-            raise APIError(400, "context: true (the earlier messages) needs /v1/chat/completions; give the context's "
-                                "text here", "context")
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        return await respond(request, body, prompts[0], max_tokens, chat=False)
+        body, prompt, max_tokens = await off_loop(prepare_completion, await request.body())
+        return await respond(request, body, prompt, max_tokens, chat=False)
 
     async def respond(request: Request, body: _Common, prompt: str, max_tokens: int | None, chat: bool,
                       ids: tuple[list[int], list[int]] | None = None):
@@ -566,6 +622,65 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def _is_json(content_type: bytes) -> bool:
+    kind = content_type.split(b";")[0].strip().lower()
+    return kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json"))
+
+
+class BodyLimitMiddleware:
+    """Every POST body must be JSON and at most ``max_bytes`` (None: any size), decided before the body costs anything:
+    another Content-Type (text/plain, form-encoded) gets 415 and a Content-Length over the limit 413, from the headers
+    alone (the body is never read); a body sent without a length (chunked) gets 413 as soon as the bytes received pass
+    the limit. A body without a Content-Type is taken as JSON (as FastAPI does). Plain ASGI, like APIKeyMiddleware."""
+
+    def __init__(self, app, max_bytes: int | None):
+        self.app, self.max_bytes = app, max_bytes
+
+    def too_large(self, size: int | None) -> APIError:
+        what = f"is {size} bytes" if size is not None else f"passed {self.max_bytes} bytes"
+        return APIError(413, f"the request body {what}, more than this server takes ({self.max_bytes} bytes: the "
+                             "engine's max input length at most, or `criticalkv serve --max-body-bytes`)")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])  # ASGI gives the names in lower case
+        error = None
+        content_type = headers.get(b"content-type")
+        if content_type is not None and not _is_json(content_type):
+            error = APIError(415, "the request body must be JSON (Content-Type: application/json), got Content-Type "
+                                  f"{content_type.decode('latin-1')!r}")
+        elif headers.get(b"content-length") is not None:
+            try:
+                size = int(headers[b"content-length"])
+            except ValueError:
+                size = None
+                error = APIError(400, "Content-Length is not a number")
+            if size is not None and self.max_bytes is not None and size > self.max_bytes:
+                error = self.too_large(size)
+        if error is not None:
+            from fastapi.responses import JSONResponse
+
+            await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+            return
+        if self.max_bytes is None:
+            await self.app(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self.too_large(None)  # the app's APIError handler answers it
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
 def _closing_streaming_response():
     from fastapi.responses import StreamingResponse
 
@@ -606,11 +721,13 @@ class OpenAIFrontend:
     is reported by the launcher before anything starts, and nobody can take it in between)."""
 
     def __init__(self, sock, grpc_url: str, model_name: str, tokenizer, api_key: str | None = None,
-                 chat_max_tokens: int | None = None):
+                 chat_max_tokens: int | None = None, text_bound: TextBound | None = None,
+                 max_body_bytes: int | None = None):
         import uvicorn
 
         self.sock = sock
-        self.app = app = create_app(grpc_url, model_name, tokenizer, api_key, chat_max_tokens)
+        self.app = app = create_app(grpc_url, model_name, tokenizer, api_key, chat_max_tokens, text_bound,
+                                    max_body_bytes)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                                                     timeout_graceful_shutdown=2))
         self.thread = None

@@ -25,7 +25,8 @@ import numpy as np
 
 from criticalkv.chat import chat_input_ids, encode_context_question, encode_text
 from criticalkv.errors import RequestError
-from criticalkv.request import SamplingParams
+from criticalkv.request import SamplingParams, TextBound
+
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens",
                "return_kv_bytes", "apply_chat_template")
 
@@ -140,11 +141,15 @@ def _ids(name: str, array: Any) -> list[int]:
     return [int(t) for t in array.reshape(-1)]
 
 
-def encode_inputs(parsed: TextRequest, tokenizer) -> tuple[list[int], list[int]]:
+def encode_inputs(parsed: TextRequest, tokenizer, bound: TextBound | None = None) -> tuple[list[int], list[int]]:
     """(prompt ids, context ids) of a parsed request: ``input_ids`` / ``context_ids`` as given, else the texts
     tokenised as ``criticalkv generate`` does (``criticalkv.chat``): with ``apply_chat_template`` the prompt is one
     user message (and a ``context`` comes first in that message, the question after it); without it a ``context``
-    is the text before ``text_input`` (tokenised on its own, with the tokenizer's BOS; the prompt without)."""
+    is the text before ``text_input`` (tokenised on its own, with the tokenizer's BOS; the prompt without).
+    ``bound``: the engine's ``TextBound``, checked before any text is rendered or tokenised (RequestError)."""
+    if bound is not None:
+        bound.check(None if parsed.input_ids is not None else parsed.prompt, parsed.context,
+                    what="text_input and context" if parsed.context is not None else "text_input")
     context_ids = parsed.context_ids or []
     if parsed.input_ids is not None:
         ids = parsed.input_ids

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from criticalkv.errors import EngineError, RequestError
+from criticalkv.policy import POLICIES
 from criticalkv.request import DEFAULT_MAX_TOKENS, CheckedRequest, Request
 from criticalkv.runtime.engine import Engine, PrefillJob, PrefillResult
 from criticalkv.sampling import Sampler
@@ -250,6 +251,14 @@ def context_selection(engine: Engine, context_policy: str | None) -> bool:
                                 context_policy)
 
 
+def check_max_num_seqs(max_num_seqs: int | None, max_batch_size: int) -> None:
+    """EngineError when ``max_num_seqs`` exceeds the engine's max batch size (its slots)."""
+    if max_num_seqs is not None and max_num_seqs > max_batch_size:
+        raise EngineError(
+            f"max_num_seqs {max_num_seqs} exceeds the engine's max batch size {max_batch_size}: rebuild the engine with "
+            f"--max-batch-size {max_num_seqs} (or more), or lower max_num_seqs")
+
+
 def check_context_policy(own: str, built: str | None, requested: str | None) -> bool:
     """``context_selection`` from the names of an engine's policy (``own``) and context policy (``built``, None if it has
     none): whether ``requested`` selects contexts with the context policy. EngineError when the engine has neither."""
@@ -260,6 +269,10 @@ def check_context_policy(own: str, built: str | None, requested: str | None) -> 
     if built is not None and requested == built:
         return True
     have = f"its own {own!r}" + (f" and the context policy {built!r}" if built is not None else "")
+    if requested.split(":")[0] not in POLICIES:  # not a policy at all: no rebuild would serve it
+        raise EngineError(f"context policy {requested!r}: no such policy; this engine serves {have} ('engine' = its "
+                          f"own; other policies need a rebuild with scripts/build_engine.py --context-policy: "
+                          f"{', '.join(POLICIES)})")
     raise EngineError(f"context policy {requested!r}: the engine was built with {have}; rebuild it with "
                       f"--context-policy {requested} (or serve --context-policy engine)")
 
@@ -278,11 +291,8 @@ class Scheduler:
                                  context_policy)
         self.config = config
         self.engine = engine
+        check_max_num_seqs(max_num_seqs, engine.num_slots)
         self.max_num_seqs = engine.num_slots if max_num_seqs is None else max_num_seqs
-        if self.max_num_seqs > engine.num_slots:
-            raise EngineError(
-                f"max_num_seqs {self.max_num_seqs} exceeds the engine's max batch size {engine.num_slots}: "
-                f"rebuild the engine with --max-batch-size {self.max_num_seqs} (or more), or lower max_num_seqs")
         self.kv_memory_bytes = None if kv_memory_mib is None else int(kv_memory_mib * 2**20)
         self.chunked = prefill_chunk > 0 and engine.limits.max_question_len > 0  # the engine has extend + select
         self.prefill_chunk = prefill_chunk

@@ -31,6 +31,7 @@ from criticalkv.tensorrt.tensorrt_build import (
     onnx_graph_inputs,
     profile_shapes,
     select_dim_ranges,
+    tensorrt_installed,
     tensorrt_unavailable_reason,
 )
 
@@ -56,5 +57,6 @@ __all__ = [
     "plugin_field_specs",
     "profile_shapes",
     "resolve_plugin_library",
+    "tensorrt_installed",
     "tensorrt_unavailable_reason",
 ]

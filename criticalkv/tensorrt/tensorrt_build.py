@@ -187,8 +187,17 @@ def profile_shapes(
     return shapes
 
 
+def tensorrt_installed() -> bool:
+    """Whether a ``tensorrt`` Python package is installed (it may still fail to import: its libraries, no GPU)."""
+    import importlib.util
+
+    return importlib.util.find_spec("tensorrt") is not None
+
+
 def tensorrt_unavailable_reason() -> str | None:
     """None when TensorRT engines can be built here, else a sentence saying exactly what is missing."""
+    if not tensorrt_installed():
+        return "TensorRT is not installed here (no tensorrt Python package)"
     try:
         import tensorrt as trt  # noqa: F401
     except Exception as error:  # ImportError, or OSError from missing libnvinfer

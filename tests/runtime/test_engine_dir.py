@@ -1,6 +1,7 @@
 """Engine directories: build_engine (atomic, manifest, TensorRT report), loading checks, the CLI."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -340,6 +341,10 @@ def test_build_engine_script_exits_0_and_says_what_it_skipped(checkpoint, tmp_pa
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "TensorRT engines: SKIPPED because" in run.stderr and "engine written to" in run.stderr
+    if importlib.util.find_spec("tensorrt") is None:  # a CPU machine: one short line, no paragraph about TensorRT
+        skipped = [line for line in run.stderr.splitlines() if line.startswith("TensorRT engines:")]
+        assert skipped == ["TensorRT engines: SKIPPED because TensorRT is not installed here (no tensorrt Python "
+                           "package); the ONNX Runtime engine is complete (GPU: docs/gpu.md)"], run.stderr
     bad = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "build_engine.py"), "--model", str(tmp_path / "missing"),
          "--output", str(tmp_path / "other")],

@@ -215,6 +215,78 @@ def test_bad_requests_get_400_naming_the_problem_and_the_server_keeps_serving(se
     assert out.choices[0].text == served.expected(ids, 4)
 
 
+def _raw_exchange(port, head: bytes, body: bytes = b"") -> tuple[int, dict, float]:
+    """(status, JSON body, seconds) of one HTTP exchange written by hand: ``head`` (request line and headers), then
+    ``body`` as it is, then nothing more; the answer is read as soon as it comes."""
+    import http.client
+
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        started = time.monotonic()
+        sock.sendall(head + body)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status, json.loads(response.read()), time.monotonic() - started
+
+
+def test_bodies_too_large_or_not_json_are_refused_before_they_are_read(served):
+    """The body limit (by default what the engine's max input length can need) is checked from the headers: a
+    20 MB Content-Length gets 413 while no byte of the body was sent; a chunked body gets 413 once it passes the
+    limit; a body that is not JSON gets 415. OpenAI's error object each time, and the server keeps serving."""
+    from criticalkv.request import TextBound
+
+    limit = TextBound.of(served.engine.tokenizer, served.engine.max_input_len).max_body_bytes
+    port = served.ports["--openai-port"]
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\n")
+    status, out, _ = _raw_exchange(port, f"{head}Content-Length: 20000000\r\n\r\n".encode())  # no body sent
+    assert status == 413 and out["error"]["code"] == 413 and out["error"]["type"] == "invalid_request_error", out
+    assert out["error"]["message"].startswith(f"the request body is 20000000 bytes, more than this server takes "
+                                              f"({limit} bytes"), out
+    chunk = b"x" * 65536
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(limit // len(chunk) + 1))
+    status, out, _ = _raw_exchange(port, f"{head}Transfer-Encoding: chunked\r\n\r\n".encode(), chunks)
+    assert status == 413 and f"passed {limit} bytes" in out["error"]["message"], out
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        code, out = served.post("/chat/completions", {"messages": [{"role": "user", "content": "w5"}]},
+                                headers={"Authorization": f"Bearer {KEY}", "Content-Type": content_type})
+        assert code == 415 and out["error"]["message"] == (
+            f"the request body must be JSON (Content-Type: application/json), got Content-Type '{content_type}'"), out
+    code, out = served.post("/completions", {"prompt": "w5", "max_tokens": 2},
+                            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json; charset=utf-8"})
+    assert code == 200, out
+
+
+def test_texts_beyond_the_engine_are_refused_before_the_template_and_the_tokenizer(served):
+    """More characters (whitespace apart) than the max input length can hold: 400 naming the characters (the
+    tokenizer would have said tokens), on both APIs; more messages than tokens too."""
+    from criticalkv.request import TextBound
+
+    bound = TextBound.of(served.engine.tokenizer, served.engine.max_input_len)
+    assert bound.max_chars == 256 * len("lighthouse")
+    over = "w5" * (bound.max_chars // 2 + 1)
+    tail = f"characters (whitespace apart), more than the engine takes: at most {bound.max_chars} (its max input length"
+    for path, body, message in (
+            ("/chat/completions", {"messages": [{"role": "user", "content": over}]}, f"the messages: {len(over)} {tail}"),
+            ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "context": over},
+             f"the messages and the context: {len(over) + 2} {tail}"),
+            ("/completions", {"prompt": over}, f"the prompt: {len(over)} {tail}")):
+        code, out = served.post(path, body)
+        assert code == 400 and out["error"]["message"].startswith(message), (path, out)
+    code, out = served.post("/chat/completions", {"messages": [{"role": "user", "content": "w5"}] * 257})
+    assert code == 400 and out["error"]["message"] == (
+        "messages: 257 messages, more than the engine's max input length (256 tokens)"), out
+    # Triton's own endpoint: the model checks the characters before it tokenises
+    url = f"http://127.0.0.1:{served.ports['--http-port']}/v2/models/{MODEL}/generate"
+    request = urllib.request.Request(url, json.dumps({"text_input": over, "max_tokens": 2}).encode())
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=120)
+    assert refused.value.code == 400
+    assert f"text_input: {len(over)} {tail}" in refused.value.read().decode()
+    text, ids = random_words(30, seed=31)  # still serving
+    assert served.client.completions.create(model=MODEL, prompt=text, max_tokens=4).choices[0].text == \
+        served.expected(ids, 4)
+
+
 def test_the_api_key_is_required(served):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):

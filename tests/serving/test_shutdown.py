@@ -189,6 +189,10 @@ def test_ctrl_c_ends_the_requests_in_flight_with_an_error_and_exits_0(server):
     tree = server.tree()
     assert {p.name() for p in tree} >= {"tritonserver", "triton_python_backend_stub"}, tree
     assert server.shm_regions() and server.temporaries()
+    # the model instance says it is serving (the launcher sends SIGTERM only once it has answered every request)
+    stubs = [p.pid for p in tree if p.name() == "triton_python_backend_stub"]
+    assert [f"draining.{pid}.active" for pid in stubs] == [
+        p.name for p in server.temporaries()[0].glob("draining.*.active")], list(server.temporaries()[0].iterdir())
     started = time.monotonic()
     server.process.send_signal(signal.SIGINT)
     code = server.process.wait(120)

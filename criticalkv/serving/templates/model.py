@@ -1,8 +1,10 @@
 """criticalkv Triton model (decoupled Python backend): a thin adapter over criticalkv.serving.Scheduler.
 
-``execute`` parses and validates each request, submits it to the instance's scheduler and returns at once;
-the scheduler thread produces tokens, a response thread sends them through the request's response sender
-(new text per token when streaming; the whole text at the end otherwise), closes with
+``execute`` hands each request to a small thread pool and returns at once: a pool thread parses and validates it
+(its texts held to the engine's ``TextBound`` before the tokenizer runs), tokenises it and submits it to the
+instance's scheduler, so a long request costs its own time, never the other requests' (``execute`` runs on the
+stub's one thread) nor the scheduler's. The scheduler thread produces tokens, a response thread sends them through
+the request's response sender (new text per token when streaming; the whole text at the end otherwise), closes with
 TRITONSERVER_RESPONSE_COMPLETE_FINAL, and cancels the request when ``is_cancelled()`` turns true. A bad
 request gets a TritonError naming the problem, on that request alone; a failure that is not the client's
 (an unexpected exception, an engine error) is sent as "internal error: ..." (the OpenAI frontend answers it
@@ -10,10 +12,14 @@ with 500, the rest with 400). Engine arguments: ``model.json``.
 
 Cancellation and shutdown: the response thread also polls, every ``POLL_S``, the requests that produced nothing for
 that long (a long prefill), so a request its client cancelled frees its slot without waiting for its next token.
-Triton unloads a decoupled model only once its requests are released, and calls ``finalize`` only then: a server
-stopping with requests in flight would wait for them to finish. ``criticalkv serve`` therefore names a file in
-``$CRITICALKV_DRAIN_FILE`` and creates it before it stops the server: from then on every request is ended with
-the error "the server is shutting down" (UNAVAILABLE) and new ones are refused with it.
+A server stopping with requests in flight would wait for them to finish, and one stopped while the model still sends
+responses may not unload it at all: tritonserver 2.51 sometimes waited its whole exit timeout ("Found 1 live models",
+then "Exit timeout expired", exit status 1; ``finalize`` was never called) when SIGTERM came while the model was still
+ending its requests. ``criticalkv serve`` therefore drains first: it names a file in ``$CRITICALKV_DRAIN_FILE`` and
+creates it before it stops the server; from then on every request is ended with the error "the server is shutting
+down" (UNAVAILABLE) and new ones are refused with it; each model instance keeps a file ``<drain file>.<pid>.active``
+from its start until it has answered every request after the drain began, and the launcher sends SIGTERM once no such
+file is left (``TritonServer.stop``). ``finalize`` returns within seconds whatever the scheduler was doing.
 """
 
 import json
@@ -23,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -31,6 +38,10 @@ TTFT_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64]
 TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2]
 #: seconds between the response thread's looks at quiet requests (cancelled by their client?) and at the drain file
 POLL_S = 0.1
+#: threads that parse, check and tokenise requests (off the stub's thread that calls execute)
+PREPARE_THREADS = 2
+#: the longest finalize waits for the scheduler's thread and the response thread (Triton's exit timeout is 10 s)
+FINALIZE_WAIT_S = 3.0
 DRAIN_ENV = "CRITICALKV_DRAIN_FILE"
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -43,6 +54,7 @@ class TritonPythonModel:
         for path in self.config.get("python_paths", []):  # the stub ignores PYTHONPATH
             if path not in sys.path:
                 sys.path.append(path)
+        from criticalkv.request import TextBound
         from criticalkv.runtime import Engine, Request, RequestError
         from criticalkv.serving import Scheduler
         from criticalkv.serving.requests import TextStream, encode_inputs, parse_request
@@ -61,15 +73,22 @@ class TritonPythonModel:
         self.engine = Engine.load(self.config["engine_dir"], backend=self.config.get("backend", "onnxruntime"),
                                   verify=False, **options)
         self.tokenizer = self.engine.tokenizer
+        self.text_bound = TextBound.of(self.tokenizer, self.engine.max_input_len)
         self.scheduler = Scheduler(self.engine, **self.config.get("scheduler", {}))
         self._setup_metrics(args)
         self._drain_file = os.environ.get(DRAIN_ENV) or None
         self._draining = False
+        # removed once this instance has answered every request after the drain began (the launcher waits for it)
+        self._active_file = f"{self._drain_file}.{os.getpid()}.active" if self._drain_file else None
+        if self._active_file is not None:
+            open(self._active_file, "w").close()
+        self._preparing = 0  # requests handed to the prepare pool and not yet submitted or answered
         self._open = {}  # id -> state of every request not closed yet (the response thread polls them)
         self._open_lock = threading.Lock()
         self._responses = queue.Queue()
         self._response_thread = threading.Thread(target=self._response_loop, daemon=True)
         self._response_thread.start()
+        self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="criticalkv-prepare")
 
     def _setup_metrics(self, args):
         labels = {"model": args["model_name"], "version": args["model_version"],
@@ -107,14 +126,31 @@ class TritonPythonModel:
             if self._draining:
                 self._send_error(sender, SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE)
                 continue
+            with self._open_lock:
+                self._preparing += 1
             try:
-                self._submit(request, sender)
-            except self.RequestError as err:
-                self._send_error(sender, str(err))
-            except Exception as err:  # an unexpected failure still answers this request alone
-                self._send_error(sender, f"internal error: {type(err).__name__}: {err}")
-                pb_utils.Logger.log_error(traceback.format_exc())
+                self._prepare_pool.submit(self._prepare, request, sender)
+            except RuntimeError:  # the pool is shut down: finalize has begun
+                with self._open_lock:
+                    self._preparing -= 1
+                self._send_error(sender, SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE)
         return None
+
+    def _prepare(self, request, sender):
+        """On a pool thread: parse, check, tokenise and submit one request; an error answers it alone."""
+        try:
+            if self._draining:
+                self._send_error(sender, SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE)
+                return
+            self._submit(request, sender)
+        except self.RequestError as err:
+            self._send_error(sender, str(err))
+        except Exception as err:  # an unexpected failure still answers this request alone
+            self._send_error(sender, f"internal error: {type(err).__name__}: {err}")
+            pb_utils.Logger.log_error(traceback.format_exc())
+        finally:
+            with self._open_lock:
+                self._preparing -= 1
 
     def _submit(self, request, sender):
         names = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output", "kv_budget",
@@ -125,14 +161,23 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             inputs[name] = None if tensor is None else tensor.as_numpy()
         parsed = self.parse_request(inputs, request.parameters())
-        ids, context_ids = self.encode_inputs(parsed, self.tokenizer)
-        # the Triton request stays referenced until its final response: its sender needs it alive
+        ids, context_ids = self.encode_inputs(parsed, self.tokenizer, self.text_bound)
+        # the Triton request stays referenced until its final response: its sender needs it alive (``_close`` drops it)
         state = {"request": parsed, "triton_request": request, "sender": sender, "num_sent": 0, "handle": None,
                  "text": self.TextStream(self.tokenizer, parsed.stop), "checked": time.monotonic()}
         request = self.Request(ids, parsed.sampling, parsed.kv_budget, context_token_ids=context_ids)
         with self._open_lock:
             state["handle"] = self.scheduler.submit(request, on_output=lambda out: self._responses.put((state, out)))
             self._open[id(state)] = state
+
+    @staticmethod
+    def _close(state):
+        """``state``'s request is answered (its final response sent, or being sent by the caller): drop the Triton
+        request, its response sender and the scheduler's handle, whose callback refers back to ``state`` (a reference
+        cycle that held them, and the request's inputs, until the cyclic garbage collector ran)."""
+        state["closed"] = True
+        for key in ("triton_request", "sender", "handle"):
+            state.pop(key, None)
 
     def _send_error(self, sender, message, code=None):
         error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
@@ -162,7 +207,8 @@ class TritonPythonModel:
                 self._respond(state, out)
             except Exception:
                 pb_utils.Logger.log_error(traceback.format_exc())
-                state["handle"].cancel()
+                if state.get("handle") is not None:
+                    state["handle"].cancel()
             if state.get("closed"):
                 with self._open_lock:
                     self._open.pop(id(state), None)
@@ -175,6 +221,9 @@ class TritonPythonModel:
             pb_utils.Logger.log_info(f"criticalkv: {SHUTTING_DOWN}: ending the requests in flight")
         with self._open_lock:
             states = list(self._open.values())
+            preparing = self._preparing
+        if self._draining and not states and not preparing and self._responses.empty():
+            self._drained()
         now = time.monotonic()
         for state in states:
             if state.get("closed") or state["handle"].cancel_requested:
@@ -186,8 +235,16 @@ class TritonPythonModel:
                 if state["sender"].is_cancelled():
                     state["handle"].cancel()
 
+    def _drained(self):
+        """Every request is answered since the drain began: tell the launcher (it stops the server then)."""
+        if self._active_file is not None:
+            try:
+                os.unlink(self._active_file)
+            except FileNotFoundError:
+                pass
+            self._active_file = None
+
     def _respond(self, state, out):
-        parsed, sender, handle = state["request"], state["sender"], state["handle"]
         gauges = (self.scheduler.num_running, self.scheduler.num_waiting, self.scheduler.kv_bytes_reserved)
         if gauges != self._gauges:  # each update is a message to the server: only on change
             for metric, value, last in zip((self.m_running, self.m_waiting, self.m_reserved), gauges, self._gauges):
@@ -202,6 +259,7 @@ class TritonPythonModel:
             self._cache_stats = stats
         if state.get("closed"):
             return
+        parsed, sender, handle = state["request"], state["sender"], state["handle"]
         new_text, stopped = state["text"].add(out.new_token_ids, final=out.finished)
         final = out.finished or stopped
         if stopped and not out.finished:
@@ -214,11 +272,11 @@ class TritonPythonModel:
             self.m_kept.increment(out.kv_bytes_kept)
             self.m_full.increment(out.kv_bytes_full)
         if out.error is not None:
-            state["closed"] = True
+            self._close(state)
             self._send_error(sender, f"internal error: {out.error}")
             return
         if out.finish_reason == "cancelled":
-            state["closed"] = True
+            self._close(state)
             error = (pb_utils.TritonError(SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE) if self._draining else
                      pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED))
             sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
@@ -232,8 +290,7 @@ class TritonPythonModel:
             text = (parsed.prompt if parsed.prepend_input else "") + state["text"].text
             self._send(state, out, text, len(out.token_ids), True)
         if final:
-            state["closed"] = True
-            state.pop("triton_request", None)
+            self._close(state)
         else:
             state["checked"] = time.monotonic()
             if sender.is_cancelled():
@@ -258,7 +315,23 @@ class TritonPythonModel:
         state["sender"].send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
 
     def finalize(self):
-        self.scheduler.close()
+        """Called by Triton once every request is released; returns within seconds (Triton's exit timeout is 10 s):
+        what the scheduler still runs ends as cancelled, the response thread stops, the engine closes."""
+        started = time.monotonic()
+        pb_utils.Logger.log_info("criticalkv: finalize: stopping the scheduler and closing the engine")
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        self.scheduler.close(timeout=FINALIZE_WAIT_S)
         self._responses.put(None)
-        self._response_thread.join(10)
+        self._response_thread.join(FINALIZE_WAIT_S)
         self.engine.close()
+        self._drained()
+        # Triton ends this stub process right after finalize (one process per model instance, ended on unload): the
+        # engine's ONNX Runtime sessions and weights are left for the OS to reclaim with the process instead of being
+        # freed allocation by allocation as the interpreter exits (py-spy: 1.4 s of the unload in libc's free under
+        # ONNX Runtime's destructors, tritonserver waiting for the process all along)
+        import ctypes
+        import gc
+
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.engine))
+        gc.freeze()
+        pb_utils.Logger.log_info(f"criticalkv: finalize: done in {time.monotonic() - started:.2f} s")
