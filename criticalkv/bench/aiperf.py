@@ -31,8 +31,7 @@ from criticalkv.bench.machine import header_lines
 from criticalkv.bench.metrics import summarize
 from criticalkv.bench.peers import peer_ready
 from criticalkv.bench.prompts import make_prompts
-from criticalkv.bench.server import ServerProcess, engine_label
-from criticalkv.bench.serving import _only_model
+from criticalkv.bench.server import ServerProcess, engine_label, only_model, served_engine
 
 #: Agreement the issue asks for between the two tools (relative difference).
 TOLERANCE = 0.10
@@ -179,8 +178,10 @@ def cross_check(args, log=print) -> dict:
             server = ServerProcess(Path(args.engine_dir), log_path=workdir / "server.log").start()
             url = server.url
         else:
-            engine, url = args.label or "server", args.url.rstrip("/")
-        model = args.model_name or _only_model(url)
+            url = args.url.rstrip("/")
+        model = args.model_name or only_model(url)
+        if not args.engine_dir:
+            engine = served_engine(url, model)["label"]
         endpoint = Endpoint(url, model)
         bodies = [request_body(p.text, args.osl, True, args.kv_budget) for p in prompts]
         log(f"this script: ISL {args.isl} OSL {args.osl} concurrency {args.concurrency}, {args.num_requests} requests ...")

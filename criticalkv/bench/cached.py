@@ -179,7 +179,7 @@ def main(args) -> int:
     results["uptime_before"] = served.uptime()
     results["settings"] = {"isl": args.isl, "question_tokens": args.question_tokens, "osl": args.osl,
                            "repeats": args.repeats, "warmup": args.warmup, "chat": args.chat, "seed": args.seed,
-                           "kv_budget": args.kv_budget, "server_args": server_args, "goal": args.goal}
+                           "kv_budget": args.kv_budget, "server_args": server_args, "goal": TARGET_RATIO}
     results["runs"] = []
     print("\n".join(machine.header_lines(results)), flush=True)
     tokenizer = served.load_tokenizer(args)
@@ -215,7 +215,7 @@ def main(args) -> int:
                                and row["uncached"]["context_cache_hit"] is False and row["cached"]["context_cache_hit"] is True)
             (run["warmup_rounds"] if i < args.warmup else run["rounds"]).append(row)
             if i >= args.warmup:
-                run["cached_context"] = summarize_rounds(run["rounds"], args.goal)
+                run["cached_context"] = summarize_rounds(run["rounds"], TARGET_RATIO)
                 served.write_results(results, stem, render, None)
             ttft = [row[c]["ttft_ms"] for c in CASES]
             print(f"{engine['label']} round {row['round']}: TTFT uncached {served.fmt(ttft[0])} ms, cached "
@@ -225,9 +225,9 @@ def main(args) -> int:
     served.on_each_server(args, server_args, on_server, results)
     results["uptime_after"] = served.uptime()
     machine.finish(results)
-    served.write_results(results, stem, render, None if args.no_plot else plot)
+    served.write_results(results, stem, render, plot)
     print(render(results), flush=True)
-    print(f"results: {stem}.json / .md" + ("" if args.no_plot else " / .png"), flush=True)
+    print(f"results: {stem}.json / .md / .png", flush=True)
     used = all(r["cached_context"]["used"] == r["cached_context"]["rounds"] for r in results["runs"])
     return 0 if used else 1
 
@@ -244,8 +244,6 @@ def add_arguments(p) -> None:
     load.add_argument("--chat", action="store_true", help="send apply_chat_template (context and question in one user "
                       "message of the chat template)")
     load.add_argument("--kv-budget", type=int, help="per-request kv_budget (default: the engine's)")
-    load.add_argument("--goal", type=float, default=TARGET_RATIO,
-                      help=f"target: cached median TTFT / uncached median TTFT (default: {TARGET_RATIO:g})")
     load.add_argument("--seed", type=int, default=0, help="documents and questions (default: 0)")
     load.add_argument("--scoring-cost", action="store_true",
                       help="also time, in this process on each --engine-dir, a context's prefill, its reconstruction "
@@ -254,4 +252,3 @@ def add_arguments(p) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
     out.add_argument("--name", default="cached_context", help="file stem of the results (default: cached_context)")
-    out.add_argument("--no-plot", action="store_true", help="skip the PNG")

@@ -320,8 +320,8 @@ def measure(endpoint: Endpoint, args, results: dict, variant: dict, stem: Path, 
                     bar.update(1)
                     bar.set_postfix_str(f"{case} TTFT {row['short']['ttft_ms'] or float('nan'):.0f} ms")
             if i >= args.warmup:
-                variant["summary"] = summarize_cases(variant["rounds"], args.goal, variant.get("prefill_chunk"),
-                                                     args.prefill_goal)
+                variant["summary"] = summarize_cases(variant["rounds"], TARGET_RATIO, variant.get("prefill_chunk"),
+                                                     PREFILL_TARGET_RATIO)
             write_all(results, stem, figure=False)
     finally:
         if bar is not None:
@@ -352,7 +352,7 @@ def chunk_list(text: str | None) -> list[int | None]:
 
 def main(args) -> int:
     from criticalkv.bench.prompts import corpus_ids, make_prompts
-    from criticalkv.bench.server import ServerProcess, engine_label
+    from criticalkv.bench.server import ServerProcess, engine_label, only_model, served_engine
 
     if bool(args.url) == bool(args.engine_dir):
         raise ValueError("give either --url (a running server) or --engine-dir (started here)")
@@ -375,8 +375,8 @@ def main(args) -> int:
     results["benchmark"] = "interference"
     results["uptime_before"] = uptime()
     results["settings"] = {k: getattr(args, k) for k in ("short_isl", "short_osl", "long_isl", "long_osl", "repeats",
-                                                           "warmup", "decode_after_tokens", "kv_budget", "seed", "goal",
-                                                           "prefill_goal")}
+                                                           "warmup", "decode_after_tokens", "kv_budget", "seed")}
+    results["settings"].update(goal=TARGET_RATIO, prefill_goal=PREFILL_TARGET_RATIO)
     results["settings"]["prefill_delay_s"] = args.prefill_delay
     results["settings"]["prefill_chunks"] = chunks
     results["variants"] = []
@@ -389,21 +389,16 @@ def main(args) -> int:
               request_body(long_text, args.long_osl, True, args.kv_budget))
     notes = []
     if args.url:
-        from criticalkv.bench.serving import _only_model
-
         url = args.url.rstrip("/")
         if not is_ready(url):
             raise ValueError(f"{url}: the server is not ready (GET /v2/health/ready)")
-        model = args.model_name or _only_model(url)
+        model = args.model_name or only_model(url)
         note = f"running server {url}, model {model}"
-        variant = {"prefill_chunk": chunks[0], "engine": {"label": args.label or model, "engine_dir": None},
-                   "server_note": note}
+        variant = {"prefill_chunk": chunks[0], "engine": served_engine(url, model), "server_note": note}
         results["variants"].append(variant)
         notes.append(note)
         measure(Endpoint(url, model), args, results, variant, stem, bodies)
     else:
-        from criticalkv.bench.serving import _only_model
-
         logs = Path(tempfile.mkdtemp(prefix="criticalkv-bench-logs-"))
         for chunk in chunks:
             server_args = extra + ([] if chunk is None else ["--prefill-chunk", str(chunk)])
@@ -411,7 +406,7 @@ def main(args) -> int:
             started = time.perf_counter()
             with ServerProcess(Path(args.engine_dir), server_args, logs / f"server-chunk{chunk}.log") as server:
                 engine["server_ready_s"] = time.perf_counter() - started
-                model = args.model_name or _only_model(server.url)
+                model = args.model_name or only_model(server.url)
                 note = f"criticalkv serve --engine-dir {engine['engine_dir']} {shlex.join(server_args)}".strip()
                 variant = {"prefill_chunk": chunk, "engine": engine, "server_note": note, "server_args": server_args}
                 results["variants"].append(variant)
@@ -420,9 +415,9 @@ def main(args) -> int:
     results["server_note"] = "; ".join(notes)
     results["uptime_after"] = uptime()
     machine.finish(results)
-    write_all(results, stem, figure=not args.no_plot)
+    write_all(results, stem, figure=True)
     print(render(results), flush=True)
-    print(f"results: {stem}.json / .md" + ("" if args.no_plot else " / .png"), flush=True)
+    print(f"results: {stem}.json / .md / .png", flush=True)
     failed = sum(c["failed"] for v in results["variants"] for c in v["summary"]["cases"].values())
     return 1 if failed else 0
 
@@ -434,7 +429,6 @@ def add_arguments(p) -> None:
     target.add_argument("--model-name", help="the Triton model to call (default: the server's only ready model)")
     target.add_argument("--server-args", default="", help="extra arguments for `criticalkv serve`, one quoted string")
     target.add_argument("--tokenizer", help="tokenizer folder for the prompts (default: the engine's tokenizer/)")
-    target.add_argument("--label", help="with --url: name of the server in the results")
     load = p.add_argument_group("workload")
     load.add_argument("--short-isl", type=int, default=128, help="short request's prompt tokens (default: 128)")
     load.add_argument("--short-osl", type=int, default=16, help="short request's new tokens (default: 16)")
@@ -447,11 +441,6 @@ def add_arguments(p) -> None:
     load.add_argument("--prefill-delay", type=float, default=0.5,
                       help="prefill case: seconds between the long request and the short one (default: 0.5)")
     load.add_argument("--kv-budget", type=int, help="per-request kv_budget sent with every request (default: the engine's)")
-    load.add_argument("--goal", type=float, default=TARGET_RATIO,
-                      help=f"target: decode median TTFT / idle median TTFT (default: {TARGET_RATIO:g})")
-    load.add_argument("--prefill-goal", type=float, default=PREFILL_TARGET_RATIO,
-                      help=f"target with chunked prefill: prefill median TTFT / idle median TTFT (default: "
-                           f"{PREFILL_TARGET_RATIO:g})")
     load.add_argument("--prefill-chunk", metavar="N[,N...]",
                       help="the servers' --prefill-chunk, comma-separated to compare several in one run (one server "
                            "each, one after the other), e.g. 0,512,256 (0: not chunked); default: the server's own. "
@@ -460,5 +449,4 @@ def add_arguments(p) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
     out.add_argument("--name", default="interference", help="file stem of the results (default: interference)")
-    out.add_argument("--no-plot", action="store_true", help="skip the PNG")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

@@ -159,7 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only measurement 1 with value_norm l1, the pruned stage 2 (the operator) against the unpruned "
                         "one (every norm computed), repeats interleaved in one run: medians, ratios, load average, and "
                         "the norms' FLOP counts; writes OUTPUT.json and OUTPUT.txt")
-    p.add_argument("--no-plot", action="store_true", help="do not draw OUTPUT.png")
     p.add_argument("--replot", action="store_true", help="only redraw OUTPUT.png from OUTPUT.json (no measurement)")
     return p
 
@@ -338,8 +337,7 @@ def run(args, argv: list[str] | None) -> int:
     table = "\n".join(lines)
     print(table)
     write_results(args.output, results, table)
-    if not args.no_plot:
-        plot(results, args, args.output.with_suffix(".png"))
+    plot(results, args, args.output.with_suffix(".png"))  # the figure beside the tables
     return 0
 
 

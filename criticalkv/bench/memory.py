@@ -178,9 +178,9 @@ def main(args) -> int:
     served.on_each_server(args, server_args, on_server, results)
     results["uptime_after"] = served.uptime()
     machine.finish(results)
-    served.write_results(results, stem, render, None if args.no_plot else plot)
+    served.write_results(results, stem, render, plot)
     print(render(results), flush=True)
-    print(f"results: {stem}.json / .md" + ("" if args.no_plot else " / .png"), flush=True)
+    print(f"results: {stem}.json / .md / .png", flush=True)
     return 1 if any(r["summary"].get("failed", 0) for r in results["runs"]) else 0
 
 
@@ -202,5 +202,4 @@ def add_arguments(p) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
     out.add_argument("--name", default="memory_bound", help="file stem of the results (default: memory_bound)")
-    out.add_argument("--no-plot", action="store_true", help="skip the PNG")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")

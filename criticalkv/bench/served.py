@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Callable
 
 from criticalkv.bench import machine
-from criticalkv.bench.client import Endpoint, is_ready, ready_models
+from criticalkv.bench.client import Endpoint, is_ready
 from criticalkv.bench.metrics import RequestRecord, concurrency_profile, decoding_intervals, summarize
 from criticalkv.bench.report import write_atomic
-from criticalkv.bench.server import MetricsMonitor, ServerProcess, engine_label, kv_bytes_per_token
+from criticalkv.bench.server import (MetricsMonitor, ServerProcess, engine_label, kv_bytes_per_token, only_model,
+                                     served_engine)
 
 #: ``criticalkv serve`` flags a benchmark sets itself (from its own options), refused inside --server-args.
 OWN_FLAGS = ("--kv-memory-mib", "--kv-pool-mib", "--context-cache-mib", "--prefill-chunk")
@@ -108,8 +109,7 @@ def on_each_server(args, server_args: list[str], work: Callable[[Endpoint, str |
         if not is_ready(url):
             raise ValueError(f"{url}: the server is not ready (GET /v2/health/ready)")
         model = args.model_name or only_model(url)
-        engine = {"label": args.label or model, "policy": args.policy or "unknown", "budget": args.budget,
-                  "engine_dir": None}
+        engine = served_engine(url, model)
         results["server_note"] = f"running server {url}, model {model}"
         work(Endpoint(url, model), args.metrics_url, engine)
         return
@@ -129,13 +129,6 @@ def on_each_server(args, server_args: list[str], work: Callable[[Endpoint, str |
     results["server_note"] = "; ".join(notes)
 
 
-def only_model(url: str) -> str:
-    models = ready_models(url)
-    if len(models) != 1:
-        raise ValueError(f"{url} serves {len(models)} ready models ({', '.join(models) or 'none'}): give --model-name")
-    return models[0]
-
-
 def add_server_arguments(p, url_help: str = "a running server instead, e.g. http://127.0.0.1:8000") -> None:
     """--engine-dir (repeatable) / --url and what describes a running server."""
     target = p.add_argument_group("server")
@@ -150,9 +143,6 @@ def add_server_arguments(p, url_help: str = "a running server instead, e.g. http
                         help="more arguments for `criticalkv serve`, one quoted string (not the flags this benchmark "
                              "sets itself)")
     target.add_argument("--tokenizer", help="tokenizer folder for the prompts (default: the first engine's tokenizer/)")
-    target.add_argument("--label", help="with --url: name of the server in the results")
-    target.add_argument("--policy", help="with --url: its KV policy (full or another), for the ratios")
-    target.add_argument("--budget", type=int, help="with --url: its budget, for the tables")
 
 
 def check_server_arguments(args) -> None:

@@ -265,6 +265,35 @@ def kv_bytes_per_token(engine_dir: Path) -> int:
     return entry * spec["num_kv_heads"] * spec["num_layers"]
 
 
+def only_model(url: str) -> str:
+    """The one model a running server reports ready (ValueError naming them when it is not one)."""
+    from criticalkv.bench.client import ready_models
+
+    models = ready_models(url)
+    if len(models) != 1:
+        raise ValueError(f"{url} serves {len(models)} ready models ({', '.join(models) or 'none'}): give --model-name")
+    return models[0]
+
+
+def served_engine(url: str, model: str) -> dict:
+    """What a running server's model serves (``engine_label``'s fields), from its Triton model config's parameters
+    (``criticalkv_policy``, ``criticalkv_budget``: every repository ``criticalkv serve`` renders has them); the model's
+    name and "unknown" for a server that does not say."""
+    from criticalkv.bench.client import get_json
+
+    try:
+        config = get_json(f"{url}/v2/models/{model}/config") or {}
+    except (OSError, ValueError):
+        config = {}
+    parameters = {k: (v or {}).get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+    spec = parameters.get("criticalkv_policy") or ""
+    name = spec.split(":")[0] or "unknown"
+    budget = int(parameters["criticalkv_budget"]) if parameters.get("criticalkv_budget", "").isdigit() else None
+    label = name if name in ("full", "unknown") else f"{spec} b={budget}"
+    return {"label": label if name != "unknown" else model, "policy": name, "budget": budget, "engine_dir": None,
+            "server_policy": spec or None}
+
+
 def engine_label(engine_dir: Path) -> dict:
     """Policy name, budget and build limits of an engine directory (from its manifest)."""
     manifest = json.loads((Path(engine_dir) / "manifest.json").read_text())

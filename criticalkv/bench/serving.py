@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from criticalkv.bench import machine, report
-from criticalkv.bench.client import Endpoint, is_ready, ready_models, request_body, run_load
+from criticalkv.bench.client import Endpoint, is_ready, request_body, run_load
 from criticalkv.bench.metrics import summarize
 from criticalkv.bench.prompts import corpus_ids, make_prompts
 from criticalkv.bench.server import (
@@ -25,8 +25,10 @@ from criticalkv.bench.server import (
     RssMonitor,
     ServerProcess,
     engine_label,
+    only_model,
     pid_listening_on,
     profile_breakdown,
+    served_engine,
 )
 
 
@@ -152,11 +154,10 @@ def main(args) -> int:
         url = args.url.rstrip("/")
         if not is_ready(url):
             raise ValueError(f"{url}: the server is not ready (GET /v2/health/ready)")
-        model = args.model_name or _only_model(url)
+        model = args.model_name or only_model(url)
         endpoint = Endpoint(url, model)
-        pid = args.server_pid or pid_listening_on(endpoint.host_port[1])
-        engine = {"label": args.label or model, "policy": args.policy or "unknown", "budget": args.budget,
-                  "engine_dir": None}
+        pid = pid_listening_on(endpoint.host_port[1])
+        engine = served_engine(url, model)
         results["server_note"] = f"running server {url}, model {model}, pid {pid}"
         run_workloads(endpoint, engine, pid, prompts, args, results, stem)
     else:
@@ -169,24 +170,17 @@ def main(args) -> int:
             started = time.perf_counter()
             with ServerProcess(Path(engine_dir), extra, log) as server:
                 engine["server_ready_s"] = time.perf_counter() - started
-                model = args.model_name or _only_model(server.url)
+                model = args.model_name or only_model(server.url)
                 notes.append(f"{engine['label']}: criticalkv serve --engine-dir {engine['engine_dir']} {' '.join(extra)}".strip())
                 run_workloads(Endpoint(server.url, model), engine, server.pid, prompts, args, results, stem)
         results["server_note"] = "; ".join(notes)
     machine.finish(results)
-    report.write_all(results, stem, figures=not args.no_plot)
+    report.write_all(results, stem, figures=True)
     text = report.render(results)
     print(text[text.find("## output tokens/s ratios"):] if "## output tokens/s ratios" in text else "", flush=True)
-    print(f"results: {stem}.json / .csv / .txt" + ("" if args.no_plot else " / .png"), flush=True)
+    print(f"results: {stem}.json / .csv / .txt / .png", flush=True)
     failed = sum(r["summary"].get("failed", 0) for r in results["runs"])
     return 1 if failed else 0
-
-
-def _only_model(url: str) -> str:
-    models = ready_models(url)
-    if len(models) != 1:
-        raise ValueError(f"{url} serves {len(models)} ready models ({', '.join(models) or 'none'}): give --model-name")
-    return models[0]
 
 
 def add_arguments(p) -> None:
@@ -196,12 +190,7 @@ def add_arguments(p) -> None:
     target.add_argument("--url", help="a running server instead, e.g. http://127.0.0.1:8000")
     target.add_argument("--model-name", help="the Triton model to call (default: the server's only ready model)")
     target.add_argument("--server-args", default="", help="extra arguments for `criticalkv serve`, one quoted string")
-    target.add_argument("--server-pid", type=int, help="with --url: the PID whose process tree's RSS is sampled "
-                        "(default: the process listening on the URL's port)")
     target.add_argument("--tokenizer", help="tokenizer folder for the prompts (default: the first engine's tokenizer/)")
-    target.add_argument("--label", help="with --url: name of the server in the results")
-    target.add_argument("--policy", help="with --url: its KV policy, for the tables")
-    target.add_argument("--budget", type=int, help="with --url: its budget, for the tables")
     load = p.add_argument_group("workload")
     load.add_argument("--isl", default="2048", help="input lengths in tokens, comma-separated (default: 2048)")
     load.add_argument("--osl", default="64", help="output lengths in tokens, comma-separated (default: 64)")
@@ -218,7 +207,6 @@ def add_arguments(p) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
     out.add_argument("--name", default="serving", help="file stem of the results (default: serving)")
-    out.add_argument("--no-plot", action="store_true", help="skip the PNG")
     out.add_argument("--profile", action="store_true",
                      help="sample the server's process tree with py-spy during each measured workload: share of "
                           "time in prefill / decode / other, collapsed stacks next to the results")

@@ -130,7 +130,6 @@ def register(subparsers) -> None:
     ai.add_argument("--url", help="or a running server, e.g. http://127.0.0.1:8000 (with --tokenizer)")
     ai.add_argument("--model-name", help="the Triton model (default: the server's only ready model)")
     ai.add_argument("--tokenizer", help="tokenizer folder (default: the engine's tokenizer/)")
-    ai.add_argument("--label", help="with --url: the server's name in the results")
     ai.add_argument("--isl", type=int, default=2048, help="input tokens (default: 2048)")
     ai.add_argument("--osl", type=int, default=64, help="output tokens (default: 64)")
     ai.add_argument("--concurrency", type=int, default=8, help="requests in flight (default: 8)")

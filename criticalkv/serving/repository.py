@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from criticalkv.policy import KVPolicy, policy_spec
 from criticalkv.runtime.manifest import default_backend, read_manifest
 from criticalkv.serving.scheduler import SchedulerConfig
 
@@ -101,8 +102,10 @@ def make_repository(
     gpu_list = f", gpus: [ {', '.join(str(g) for g in (gpus or [0]))} ]" if on_gpu else ""
     env_line = "" if not execution_env else \
         f'parameters: {{ key: "EXECUTION_ENV_PATH", value: {{ string_value: "{Path(execution_env).resolve()}" }} }}'
+    policy = KVPolicy.from_dict(manifest["policy"])
     config = render((TEMPLATES / "config.pbtxt").read_text(), {
-        "model_name": name, "instances": instances,
+        "model_name": name, "instances": instances, "policy": policy_spec(policy),
+        "budget": policy.budget if policy.method.base.evicts else "",
         "instance_kind": "KIND_GPU" if on_gpu else "KIND_CPU",
         "gpus": gpu_list, "execution_env_parameter": env_line,
     })

@@ -189,6 +189,15 @@ def test_model_config_has_the_vllm_backend_names_and_two_instances(served):
         "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "kv_bytes_kept", "kv_bytes_full",
         "context_cache_hit"]
     assert config["instance_group"][0]["count"] == 2 and config["instance_group"][0]["kind"] == "KIND_CPU"
+    # what it serves, which a benchmark pointed at the server (--url) reads instead of being told
+    from criticalkv.bench.server import served_engine
+    from criticalkv.policy import policy_spec
+
+    policy = served.engine.policy
+    assert config["parameters"]["criticalkv_policy"]["string_value"] == policy_spec(policy)
+    described = served_engine(served.server.http_url, MODEL)
+    assert (described["policy"], described["budget"]) == (policy.name, policy.budget)
+    assert described["label"] == f"{policy_spec(policy)} b={policy.budget}"
 
 
 def test_a_context_input_is_cached_across_requests(served):
