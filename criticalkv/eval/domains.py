@@ -16,7 +16,8 @@ paragraphs, no paragraph either.
   training text = the plays. Prose about a play-wright; the plays are verse dialogue.
 * ``docs``: CPython's reference documentation as shipped in its standard library (``pydoc_data/topics.py``, the text
   of ``help('TOPIC')``; CPython 3.11.7 here), 79 topics: the topics at even positions of the sorted topic names are
-  evaluation documents, the others training ones. Prose paragraphs only (grammar and code blocks dropped).
+  evaluation documents, the others training ones minus the paragraphs they quote from an evaluation topic. Prose
+  paragraphs only (grammar and code blocks dropped).
 * ``legal``: the licence texts in torch 2.13.0's wheel (``torch-2.13.0+cpu.dist-info/licenses/``, torch pinned by
   ``constraints-cpu.txt``), one copy of each distinct text: even positions of the sorted paths evaluate, odd ones
   train, minus every paragraph an evaluation document holds.
@@ -104,8 +105,12 @@ def _docs_prose(text: str) -> list[str]:
 def _docs_documents(split: str) -> list[tuple[str, list[str]]]:
     topics = _docs_topics()
     names = sorted(topics)
-    keep = names[0::2] if split == "eval" else names[1::2]
-    return [(f"pydoc_data/topics.py:{name}", _docs_prose(topics[name])) for name in keep]
+    evaluation = [(f"pydoc_data/topics.py:{name}", _docs_prose(topics[name])) for name in names[0::2]]
+    if split == "eval":
+        return evaluation
+    held = {p for _, blocks in evaluation for p in blocks}  # some topics quote others' paragraphs
+    return [(f"pydoc_data/topics.py:{name}", [p for p in _docs_prose(topics[name]) if p not in held])
+            for name in names[1::2]]
 
 
 # ---------------------------------------------------------------------------------------------------- legal

@@ -38,8 +38,8 @@ queries j and older tokens i (m = n - w of them):
 ``layer-defensivekv`` shares the budget across **all layers and heads** of the model (the reference's
 ``EfficientAdaGlobalScorerPress``: top entries over every layer's flattened scores after the last layer's
 prefill); floors and window stay per head. ``head_cap_ratio`` (0 = off, the reference) caps what one head keeps at
-that multiple of the budget (window included): the greedy walk down the model-wide ranking then skips a full head's
-entries, which is the top of the ranking restricted to each head's first ``cap - window`` entries. The cap bounds the
+that multiple of the budget (window included), with an allocation nested in the budget (``nested_capped_mask``: a
+larger budget keeps a superset of a smaller one's set on the same scores). The cap bounds the
 per-layer decode buffers of an exported engine (an uncapped head may keep its whole prompt). It is a model-level method: ``criticalkv.selection.select_model``
 selects it; ``select_layer`` alone only for a one-layer model.
 
@@ -370,14 +370,6 @@ def older_cap(policy) -> int | None:
     n > budget >= window, so its whole window); None when the cap is off. At least r = budget - window."""
     cap = head_cap(policy.head_cap_ratio, policy.budget)
     return None if cap == 0 else cap - policy.window
-
-
-def older_cap_table(policy) -> np.ndarray:
-    """int64 [budget - window + 1]: ``older_cap`` at every request budget b = window .. budget (index b - window), the
-    ONNX body's lookup table (-1 everywhere when the cap is off; the body reads it only when it is on)."""
-    caps = [head_cap(policy.head_cap_ratio, b) - policy.window if policy.head_cap_ratio else -1
-            for b in range(policy.window, policy.budget + 1)]
-    return np.array(caps, dtype=np.int64)
 
 
 METHOD = DefensiveKV()
