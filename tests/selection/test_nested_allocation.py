@@ -118,8 +118,7 @@ def kept_sets(policy, layers, scores):
 
 @pytest.mark.parametrize("spec", ["layer-kvzip-criticalkv:head_cap_ratio=2", "layer-kvzip-criticalkv",
                                   "layer-kvzip:head_cap_ratio=1.5", "kvzip-criticalkv", "kvzip", "ada-criticalkv"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_a_larger_budget_keeps_what_a_smaller_kept(spec, seed):
+def test_a_larger_budget_keeps_what_a_smaller_kept(spec, seed=0):
     from criticalkv.policy import parse_policy_spec
 
     layers, scores = random_layers(seed)
