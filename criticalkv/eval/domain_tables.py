@@ -2,7 +2,7 @@
 
 Reads, for every domain folder under ROOT (``criticalkv eval needle|ruler --question-agnostic --domain D --out
 ROOT/D/needle`` or ``.../ruler``, ``python -m criticalkv.eval.kvpress_peer needle|ruler --domain D --out ROOT/D/kvpress``,
-and any further ``ROOT/D/<name>/needle.json`` runs on the same prompts), and writes ROOT/tables.md: the needle and
+and any further ``ROOT/D/<name>/needle.json`` runs on the same prompts, labelled ``[<name>]``), and writes ROOT/tables.md: the needle and
 RULER-style scores per policy and budget, kvpress's KVzipPress and KVzip+ on the same prompts, the prompts where a
 policy found the needle at a budget and lost it at a larger one, and the commands. No model runs.
 
@@ -39,10 +39,12 @@ def collect(folder: Path, task: str) -> tuple[dict, list[str], dict]:
     for path in runs:
         data = _load(path)
         commands.append(data["command"])
+        label = "" if path.parent.name == task else f" [{path.parent.name}]"  # another run on the same prompts
         for rec in data["records"]:
             spent: dict = {}
             for key, res in rec["results"].items():
                 spec, budget = _split(key)
+                spec += label
                 cells.setdefault((spec, budget), {})[rec["key"]] = res["score"]
                 spent[score_source(spec)] = spent.get(score_source(spec), 0.0) + res.get("scores_s", 0.0)
             for source, seconds in spent.items():  # a score is computed once per prompt, by whichever run came first
@@ -92,8 +94,11 @@ def table(domain: str, task: str, cells: dict, commands: list[str], cost: dict) 
                        + ("" if len(values) == prompts else f" ({len(values)})"))
         losses, compared = monotone_losses(cells, spec, budgets) if task == "needle" else (0, 0)
         lost = f"{losses} of {compared}" if compared else "-"
-        source = "re-read" if spec.startswith("kvpress") else score_source(spec)
-        ratio = "0" if source is None else (f"{cost[source]:.2f}x" if source in cost else source)
+        source = score_source(spec)
+        if spec.startswith("kvpress"):
+            ratio = "its re-read"  # kvpress's own timing is not split into prefill and scoring
+        else:
+            ratio = "0" if source is None else (f"{cost[source]:.2f}x" if source in cost else source)
         lines.append(f"| `{spec}` | " + " | ".join(row) + f" | {lost} | {ratio} |")
     lines += ["", "Commands:", ""] + [f"    {c}" for c in commands] + [""]
     return lines
