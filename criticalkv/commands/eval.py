@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 # torch, transformers and the evaluation's figures load in run() (seconds): --help and argument errors answer at once
+from criticalkv.eval.domains import DEFAULT_DOMAIN, DOMAINS, get_domain
 from criticalkv.eval.ruler import TASKS as RULER_TASKS
 from criticalkv.eval.specs import PolicyRun, check_lengths, default_policy_specs, expand_runs, parse_list
 from criticalkv.methods import same_selection
@@ -119,6 +120,10 @@ def _common(p: argparse.ArgumentParser, policies: str) -> None:
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON, markdown and PNG results")
     p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--no-chat", action="store_true", help="plain prompts instead of the model's chat template")
+    p.add_argument("--domain", default=DEFAULT_DOMAIN, choices=tuple(DOMAINS),
+                   help="where the haystacks and word lists come from: " + "; ".join(
+                       f"{d.name}: {d.description}" for d in DOMAINS.values()) + f" (default: {DEFAULT_DOMAIN}; "
+                   "docs/evaluation.md, criticalkv/eval/domains.py)")
     p.add_argument("--verify", type=int, default=0, metavar="N",
                    help="re-run criticalkv.hf.generate on the first N prompts of each length and stop if any token "
                         "differs (default: 0)")
@@ -154,6 +159,8 @@ def canonical_command(args) -> str:
         parts += ["--model", args.model]
     if args.no_chat:
         parts.append("--no-chat")
+    if getattr(args, "domain", DEFAULT_DOMAIN) != DEFAULT_DOMAIN:
+        parts += ["--domain", args.domain]
     if getattr(args, "question_agnostic", False):
         parts.append("--question-agnostic")
     if args.verify:
@@ -220,6 +227,8 @@ def run(args) -> int:
     question_agnostic = getattr(args, "question_agnostic", False)
     if question_agnostic:  # only then: results of earlier, question-aware runs keep their configuration
         config["question_agnostic"] = True
+    if args.domain != DEFAULT_DOMAIN:  # likewise: earlier runs, all on the default domain, keep theirs
+        config["domain"] = args.domain
     path = out / f"{args.task}.json"
     done, previous = _earlier_results(path, config, args.resume, args.overwrite)
 
@@ -227,13 +236,15 @@ def run(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    prompts = _prompts(args.task, tokenizer, lengths, depths, tasks, args.samples, args.seed, chat, getattr(args, "prompts", None))
+    prompts = _prompts(args.task, tokenizer, lengths, depths, tasks, args.samples, args.seed, chat, getattr(args, "prompts", None),
+                       args.domain)
     meta = {
         "command": canonical_command(args),
         "config": config,
         "environment": environment(),
         "model": _model_info(model, resolve_model(args.model)),
         "prompt_count": len(prompts),
+        "haystack": get_domain(args.domain).provenance(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
     }
     if previous is not None:
@@ -271,19 +282,19 @@ def _with_bases(runs):
     return out
 
 
-def _prompts(task, tokenizer, lengths, depths, tasks, samples, seed, chat, source):
+def _prompts(task, tokenizer, lengths, depths, tasks, samples, seed, chat, source, domain=None):
     from criticalkv.eval.needle import needle_prompts
     from criticalkv.eval.ruler import ruler_prompts
 
     if task == "needle":
-        return needle_prompts(tokenizer, lengths, depths, samples, seed, chat)
+        return needle_prompts(tokenizer, lengths, depths, samples, seed, chat, domain)
     if task == "ruler":
-        return ruler_prompts(tokenizer, lengths, tasks, samples, seed, chat)
+        return ruler_prompts(tokenizer, lengths, tasks, samples, seed, chat, domain)
     prompts = []
     if source in ("needle", "both"):
-        prompts += needle_prompts(tokenizer, lengths, depths, samples, seed, chat)
+        prompts += needle_prompts(tokenizer, lengths, depths, samples, seed, chat, domain)
     if source in ("ruler", "both"):
-        prompts += ruler_prompts(tokenizer, lengths, tasks, samples, seed, chat)
+        prompts += ruler_prompts(tokenizer, lengths, tasks, samples, seed, chat, domain)
     # only the first decoding step matters here
     return [dataclasses.replace(p, max_new_tokens=1) for p in prompts]
 

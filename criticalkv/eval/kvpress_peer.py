@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from criticalkv.eval.domains import DEFAULT_DOMAIN, DOMAINS, get_domain
 from criticalkv.eval.io import environment, prepare_out_dir, write_json, write_text
 from criticalkv.eval.needle import needle_prompts
 from criticalkv.eval.ruler import TASKS as RULER_TASKS
@@ -73,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt generators (default: 0)")
     ap.add_argument("--depths", default="0,25,50,75,100", help="needle depths in percent (default: 0,25,50,75,100)")
     ap.add_argument("--tasks", default=",".join(RULER_TASKS), help="RULER-style tasks")
+    ap.add_argument("--domain", default=DEFAULT_DOMAIN, choices=tuple(DOMAINS),
+                    help=f"where the haystacks come from, as criticalkv eval --domain (default: {DEFAULT_DOMAIN})")
     ap.add_argument("--peers-dir", type=Path, default=Path(".peers"), help="where the peers' environments are")
     ap.add_argument("--model", help="HF folder (default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the kvpress process (default: 1)")
@@ -97,9 +100,11 @@ def run(args: argparse.Namespace) -> dict:
     model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if args.task == "needle":
-        prompts = needle_prompts(tokenizer, lengths, parse_list(args.depths, "--depths", float), args.samples, args.seed)
+        prompts = needle_prompts(tokenizer, lengths, parse_list(args.depths, "--depths", float), args.samples, args.seed,
+                                 domain=args.domain)
     else:
-        prompts = ruler_prompts(tokenizer, lengths, parse_list(args.tasks, "--tasks", str), args.samples, args.seed)
+        prompts = ruler_prompts(tokenizer, lengths, parse_list(args.tasks, "--tasks", str), args.samples, args.seed,
+                                domain=args.domain)
     runs = [{"key": f"{name}{''.join(f':{k}={v}' for k, v in kwargs.items())}@{b}", "press": name, "kwargs": kwargs,
              "budget": b} for name, kwargs in presses for b in budgets]
     from types import SimpleNamespace
@@ -137,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
                                                "seconds": answered["seconds"][p.key][r["key"]]} for r in runs}})
     result = {
         "command": "python -m criticalkv.eval.kvpress_peer " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "task": args.task, "runs": runs, "records": records, "versions": answered.get("versions"),
+        "task": args.task, "domain": args.domain, "haystack": get_domain(args.domain).provenance(), "runs": runs, "records": records, "versions": answered.get("versions"),
         "torch_threads": answered.get("torch_threads"), "environment": environment(),
         "prompt_count": len(prompts), "complete": len(records) == len(prompts),
         "load_average_at_start": load, "load_average_at_end": os.getloadavg(), "wall_s": time.time() - started,

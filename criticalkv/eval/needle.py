@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from criticalkv.eval.domains import DEFAULT_DOMAIN
 from criticalkv.eval.prompts import (
     EvalPrompt,
     assemble,
@@ -56,24 +57,27 @@ def needle_prompts(
     samples: int = 1,
     seed: int = 0,
     chat: bool = True,
+    domain: str | None = None,
 ) -> list[EvalPrompt]:
-    """Every (length, sample, depth) prompt of the grid, in that order. ``depths`` in percent [0, 100]."""
+    """Every (length, sample, depth) prompt of the grid, in that order. ``depths`` in percent [0, 100]; the haystack
+    from ``domain`` (``criticalkv.eval.domains``; default shakespeare, whose prompts' seeds are the original ones)."""
     for d in depths:
         if not 0 <= d <= 100:
             raise ValueError(f"--depths: {d} is outside [0, 100] (depths are percentages)")
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
     frame_ = frame(tokenizer, INSTRUCTION, QUESTION, ANSWER_PREFIX, chat)
-    units = sentence_units(tokenizer)
+    units = sentence_units(tokenizer, domain)
+    tag = () if not domain or domain == DEFAULT_DOMAIN else (domain,)
     prompts = []
     for length in lengths:
         for sample in range(samples):
-            seed_str = prompt_seed(seed, "needle", length, sample)
+            seed_str = prompt_seed(seed, "needle", *tag, length, sample)
             r = rng(seed_str)
             start = r.randrange(len(units))
             for _ in range(100):  # a number the haystack does not contain
                 number = str(r.randint(1000, 9999))
-                needle = spaced(tokenizer, NEEDLE.format(number=number))
+                needle = spaced(tokenizer, NEEDLE.format(number=number), domain)
                 room = context_budget(frame_, length, len(needle) + MIN_HAYSTACK, "needle")
                 haystack, starts = take_units(units, start, room - len(needle))
                 if not digits_match(tokenizer.decode(haystack), number):
@@ -84,7 +88,7 @@ def needle_prompts(
                 ids = assemble(frame_, context, length)
                 prompts.append(EvalPrompt(
                     task="needle",
-                    key=f"needle/L{length}/s{sample}/d{depth:g}",
+                    key=f"needle/{''.join(t + '/' for t in tag)}L{length}/s{sample}/d{depth:g}",
                     length=length,
                     input_ids=ids,
                     answers=(number,),

@@ -45,7 +45,7 @@ from __future__ import annotations
 import string
 from typing import Callable, Sequence
 
-from criticalkv.eval.haystack import haystack_sentences, vocabulary
+from criticalkv.eval.domains import DEFAULT_DOMAIN, get_domain
 from criticalkv.eval.prompts import (
     EvalPrompt,
     PromptFrame,
@@ -116,8 +116,8 @@ VT_HOPS = 2
 QA_DISTRACTORS = 1
 
 
-def _key(r) -> str:
-    words = vocabulary()
+def _key(r, domain=None) -> str:
+    words = get_domain(domain).vocabulary()
     return f"{r.choice(words)}-{r.choice(words)}"
 
 
@@ -125,10 +125,11 @@ def _number(r, digits: int) -> str:
     return str(r.randint(10 ** (digits - 1), 10**digits - 1))
 
 
-def _scatter(r, tokenizer, frame_: PromptFrame, length: int, task: str, needles: Sequence[str], depths: Sequence[float]):
+def _scatter(r, tokenizer, frame_: PromptFrame, length: int, task: str, needles: Sequence[str], depths: Sequence[float],
+             domain=None):
     """Haystack with ``needles[j]`` at the sentence boundary nearest to ``depths[j]`` percent."""
-    units = sentence_units(tokenizer)
-    needle_ids = [spaced(tokenizer, n) for n in needles]
+    units = sentence_units(tokenizer, domain)
+    needle_ids = [spaced(tokenizer, n, domain) for n in needles]
     used = sum(len(n) for n in needle_ids)
     room = context_budget(frame_, length, used + 16, task)
     haystack, starts = take_units(units, r.randrange(len(units)), room - used)
@@ -142,10 +143,10 @@ def _scatter(r, tokenizer, frame_: PromptFrame, length: int, task: str, needles:
     return context, meta
 
 
-def _niah(tokenizer, length, r, chat, task, num_keys, num_values):
+def _niah(tokenizer, length, r, chat, task, num_keys, num_values, domain=None):
     keys = []
     while len(keys) < num_keys:
-        k = _key(r)
+        k = _key(r, domain)
         if k not in keys:
             keys.append(k)
     query = keys[0]
@@ -155,20 +156,20 @@ def _niah(tokenizer, length, r, chat, task, num_keys, num_values):
     depths = sorted(r.sample(RULER_DEPTHS, len(needles)))
     frame_ = frame(tokenizer, NIAH_INSTRUCTION, NIAH_QUESTION.format(key=query),
                    NIAH_ANSWER_PREFIX.format(key=query), chat)
-    context, meta = _scatter(r, tokenizer, frame_, length, task, needles, depths)
+    context, meta = _scatter(r, tokenizer, frame_, length, task, needles, depths, domain)
     return frame_, context, tuple(values[query]), {**meta, "query": query, "needles": needles}
 
 
-def build_niah_single(tokenizer, length, r, chat):
-    return _niah(tokenizer, length, r, chat, "niah_single", 1, 1)
+def build_niah_single(tokenizer, length, r, chat, domain=None):
+    return _niah(tokenizer, length, r, chat, "niah_single", 1, 1, domain)
 
 
-def build_niah_multikey(tokenizer, length, r, chat):
-    return _niah(tokenizer, length, r, chat, "niah_multikey", 4, 1)
+def build_niah_multikey(tokenizer, length, r, chat, domain=None):
+    return _niah(tokenizer, length, r, chat, "niah_multikey", 4, 1, domain)
 
 
-def build_niah_multivalue(tokenizer, length, r, chat):
-    return _niah(tokenizer, length, r, chat, "niah_multivalue", 1, 4)
+def build_niah_multivalue(tokenizer, length, r, chat, domain=None):
+    return _niah(tokenizer, length, r, chat, "niah_multivalue", 1, 4, domain)
 
 
 def _chain(r, hops: int) -> tuple[list[str], str, list[str]]:
@@ -182,31 +183,32 @@ def _chain(r, hops: int) -> tuple[list[str], str, list[str]]:
     return names, value, chain
 
 
-def _vt_example(r, hops: int) -> str:
+def _vt_example(r, hops: int, domain=None) -> str:
     """RULER's one-shot example for variable tracking: a short text with its own chain, answered."""
     names, value, chain = _chain(r, hops)
-    sentences = haystack_sentences()
+    d = get_domain(domain)
+    sentences = d.sentences()
     start = r.randrange(len(sentences))
     text = [sentences[(start + j) % len(sentences)] for j in range(len(chain))]
     for j, link in enumerate(chain):
-        text.insert(2 * j + 1, link)
-    return (f"{VT_INSTRUCTION}\n\n{' '.join(text)}\n\n{VT_QUESTION.format(value=value)}\n"
+        text.insert(2 * j + 1, d.needle_prefix + link)
+    return (f"{VT_INSTRUCTION}\n\n{d.join(text)}\n\n{VT_QUESTION.format(value=value)}\n"
             f"{VT_ANSWER_PREFIX.format(count=len(names), value=value)} {' '.join(names)}")
 
 
-def build_vt(tokenizer, length, r, chat, hops: int = VT_HOPS):
-    example = _vt_example(r, hops)
+def build_vt(tokenizer, length, r, chat, domain=None, hops: int = VT_HOPS):
+    example = _vt_example(r, hops, domain)
     names, value, chain = _chain(r, hops)
     depths = sorted(r.sample(RULER_DEPTHS, len(chain)))
     frame_ = frame(tokenizer, f"{example}\n\n{VT_INSTRUCTION}", VT_QUESTION.format(value=value),
                    VT_ANSWER_PREFIX.format(count=len(names), value=value), chat)
-    context, meta = _scatter(r, tokenizer, frame_, length, "vt", chain, depths)
+    context, meta = _scatter(r, tokenizer, frame_, length, "vt", chain, depths, domain)
     return frame_, context, tuple(names), {**meta, "chain": chain}
 
 
-def _cwe_example(r, num_common: int = 10) -> tuple[str, list[str]]:
+def _cwe_example(r, num_common: int = 10, domain=None) -> tuple[str, list[str]]:
     """RULER's one-shot example for common words: a short list (10 words 3 times, 10 once), answered."""
-    words = r.sample(vocabulary(), 2 * num_common)
+    words = r.sample(get_domain(domain).vocabulary(), 2 * num_common)
     items = words[:num_common] * 3 + words[num_common:]
     r.shuffle(items)
     listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(items))
@@ -214,12 +216,12 @@ def _cwe_example(r, num_common: int = 10) -> tuple[str, list[str]]:
     return text, words
 
 
-def build_cwe(tokenizer, length, r, chat, num_common: int = 10, freq_uncommon: int = 3):
-    example, example_words = _cwe_example(r, num_common)
+def build_cwe(tokenizer, length, r, chat, domain=None, num_common: int = 10, freq_uncommon: int = 3):
+    example, example_words = _cwe_example(r, num_common, domain)
     frame_ = frame(tokenizer, f"{example}\n\n{CWE_INSTRUCTION}", CWE_QUESTION, CWE_ANSWER_PREFIX, chat)
     room = context_budget(frame_, length, 64, "cwe")
     freq_common = max(6, min(30, round(room / 200)))
-    words = [w for w in vocabulary() if w not in set(example_words)]
+    words = [w for w in get_domain(domain).vocabulary() if w not in set(example_words)]
     item_tokens = lambda i, w: len(encode(tokenizer, f" {i}. {w}")) if i else len(encode(tokenizer, f"1. {w}"))
     chosen = r.sample(words, len(words))
     common, rest = chosen[:num_common], chosen[num_common:]
@@ -242,8 +244,8 @@ def build_cwe(tokenizer, length, r, chat, num_common: int = 10, freq_uncommon: i
                                                "uncommon_words": uncommon_count}
 
 
-def build_qa(tokenizer, length, r, chat):
-    units = sentence_units(tokenizer)
+def build_qa(tokenizer, length, r, chat, domain=None):
+    units = sentence_units(tokenizer, domain)
     role, place = r.choice(QA_ROLES), r.choice(QA_PLACES)
     people = r.sample([f"{f} {s}" for f in QA_FIRST_NAMES for s in QA_SURNAMES], 1 + QA_DISTRACTORS)
     other_places = r.sample([p for p in QA_PLACES if p != place], QA_DISTRACTORS - 1)
@@ -253,7 +255,7 @@ def build_qa(tokenizer, length, r, chat):
     facts.append(QA_FACT.format(name=people[-1], role=other_role, place=place))
     frame_ = frame(tokenizer, QA_INSTRUCTION, QA_QUESTION.format(role=role, place=place),
                    QA_ANSWER_PREFIX.format(role=role, place=place), chat)
-    fact_ids = [spaced(tokenizer, f) for f in facts]
+    fact_ids = [spaced(tokenizer, f, domain) for f in facts]
     room = context_budget(frame_, length, 64 + sum(map(len, fact_ids)), "qa")
     docs: list[tuple[list[int], list[int]]] = []  # (header + passage ids, sentence starts inside it)
     total = 0
@@ -308,23 +310,27 @@ def ruler_prompts(
     samples: int = 1,
     seed: int = 0,
     chat: bool = True,
+    domain: str | None = None,
 ) -> list[EvalPrompt]:
-    """``samples`` instances of every task at every length, ordered by length, then sample, then task."""
+    """``samples`` instances of every task at every length, ordered by length, then sample, then task; the haystack
+    and word lists from ``domain`` (``criticalkv.eval.domains``; default shakespeare, with the original seeds)."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown RULER-style task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
+    get_domain(domain)  # an unknown domain is an error before any prompt is built
+    tag = () if not domain or domain == DEFAULT_DOMAIN else (domain,)
     prompts = []
     for length in lengths:
         for sample in range(samples):
             for task in tasks:
                 builder, metric, max_new = TASKS[task]
-                seed_str = prompt_seed(seed, task, length, sample)
-                frame_, context, answers, meta = builder(tokenizer, length, rng(seed_str), chat)
+                seed_str = prompt_seed(seed, task, *tag, length, sample)
+                frame_, context, answers, meta = builder(tokenizer, length, rng(seed_str), chat, domain)
                 prompts.append(EvalPrompt(
                     task=task,
-                    key=f"{task}/L{length}/s{sample}",
+                    key=f"{task}/{''.join(t + '/' for t in tag)}L{length}/s{sample}",
                     length=length,
                     input_ids=assemble(frame_, context, length),
                     answers=answers,

@@ -1,24 +1,26 @@
-"""Tokenised text units shared by the task builders (cached per tokenizer)."""
+"""Tokenised text units shared by the task builders (cached per tokenizer and domain)."""
 
 from __future__ import annotations
 
-from criticalkv.eval.haystack import haystack_sentences
+from criticalkv.eval.domains import get_domain
 
-_CACHE: dict[int, tuple[object, list[list[int]]]] = {}
+_CACHE: dict[tuple[int, str], tuple[object, list[list[int]]]] = {}
 
 
-def sentence_units(tokenizer) -> list[list[int]]:
-    """Token ids of every haystack sentence, each tokenised with its leading space."""
-    hit = _CACHE.get(id(tokenizer))
+def sentence_units(tokenizer, domain: str | None = None) -> list[list[int]]:
+    """Token ids of every haystack unit of ``domain`` (default: shakespeare), each tokenised with its joiner in
+    front (a leading space for prose, a line break for code)."""
+    d = get_domain(domain)
+    hit = _CACHE.get((id(tokenizer), d.name))
     if hit is not None and hit[0] is tokenizer:
         return hit[1]
-    sentences = haystack_sentences()
-    ids = tokenizer([" " + s for s in sentences], add_special_tokens=False)["input_ids"]
+    ids = tokenizer([d.unit_text(s) for s in d.sentences()], add_special_tokens=False)["input_ids"]
     units = [list(x) for x in ids]
-    _CACHE[id(tokenizer)] = (tokenizer, units)
+    _CACHE[(id(tokenizer), d.name)] = (tokenizer, units)
     return units
 
 
-def spaced(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` as a unit inside running text (with its leading space)."""
-    return list(tokenizer(" " + text, add_special_tokens=False)["input_ids"])
+def spaced(tokenizer, text: str, domain: str | None = None) -> list[int]:
+    """Token ids of ``text`` inserted into ``domain``'s running text (a leading space in prose; a comment line in
+    code)."""
+    return list(tokenizer(get_domain(domain).needle_text(text), add_special_tokens=False)["input_ids"])

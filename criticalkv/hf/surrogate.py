@@ -43,9 +43,11 @@ class Samples:
     context: np.ndarray
 
 
-def training_contexts(tokenizer, texts: Sequence[Path], count: int, length: int, seed: int = 0) -> list[list[int]]:
+def training_contexts(tokenizer, texts: Sequence[Path | str], count: int, length: int, seed: int = 0,
+                      sources: list | None = None) -> list[list[int]]:
     """``count`` contexts of ``length`` tokens: the chat template's opening (as a served context starts), then a run
-    of one text from a random place; texts in turn, those too short for a context skipped."""
+    of one text from a random place; texts in turn, those too short for a context skipped. A text is a file (``Path``)
+    or the text itself (``str``); ``sources``, when given, receives the index in ``texts`` of each context's text."""
     prompt = ReconstructionPrompt.from_tokenizer(tokenizer)
     opening = list(prompt.opening)
     need = length - len(opening)
@@ -53,17 +55,20 @@ def training_contexts(tokenizer, texts: Sequence[Path], count: int, length: int,
         raise ValueError(f"length {length}: the chat template's opening alone takes {len(opening)} tokens")
     rng = random.Random(seed)
     pool = []
-    for path in texts:
-        ids = tokenizer(Path(path).read_text(errors="ignore"), add_special_tokens=False)["input_ids"]
+    for index, text in enumerate(texts):
+        text = Path(text).read_text(errors="ignore") if isinstance(text, Path) else text
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) >= need:
-            pool.append(ids)
+            pool.append((index, ids))
     if not pool:
         raise ValueError(f"no training text holds {need} tokens (texts: {len(texts)})")
     out = []
     for c in range(count):
-        ids = pool[c % len(pool)]
+        index, ids = pool[c % len(pool)]
         at = rng.randrange(0, len(ids) - need + 1)
         out.append(opening + list(ids[at:at + need]))
+        if sources is not None:
+            sources.append(index)
     return out
 
 
@@ -130,11 +135,25 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float((ra * rb).sum() / denominator) if denominator > 0 else 0.0
 
 
-def fit(samples: Samples, ridge: float = 1e-3, held_out: float = 0.15) -> tuple[np.ndarray, np.ndarray, dict]:
+def rank_agreement(samples: Samples, weight: np.ndarray, bias: np.ndarray, rows: np.ndarray | None = None) -> list[float]:
+    """Per layer, the Spearman correlation (mean over KV heads) between the surrogate's prediction and KVzip's score
+    on ``samples`` (the ``rows`` mask of them when given)."""
+    out = []
+    for layer in range(samples.hidden.shape[0]):
+        x = samples.hidden[layer] if rows is None else samples.hidden[layer][rows]
+        truth = samples.log_scores[layer] if rows is None else samples.log_scores[layer][rows]
+        pred = x.astype(np.float64) @ weight[layer].astype(np.float64) + bias[layer]
+        out.append(float(np.mean([spearman(pred[:, g], truth[:, g]) for g in range(truth.shape[1])])))
+    return out
+
+
+def fit(samples: Samples, ridge: float = 1e-3, held_out: float = 0.15,
+        groups: Sequence[str] | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """(weight [L, d, H_kv], bias [L, H_kv], metrics): per layer the ridge solution of
     min ||X_c W - Y_c||^2 + lambda ||W||^2 over the training contexts (X_c, Y_c centred; lambda = ``ridge`` x the mean
     squared norm of the centred rows x the number of rows), the bias from the means; ``metrics``: the held-out
-    contexts' Spearman correlation per layer (mean over KV heads) and overall."""
+    contexts' Spearman correlation per layer (mean over KV heads) and overall, and with ``groups`` (a name per
+    context, e.g. its domain) the held-out mean per group."""
     contexts = np.unique(samples.context)
     n_test = int(round(len(contexts) * held_out)) if len(contexts) > 1 else 0
     test_ids = contexts[len(contexts) - n_test:] if n_test else contexts[:0]
@@ -162,15 +181,49 @@ def fit(samples: Samples, ridge: float = 1e-3, held_out: float = 0.15) -> tuple[
     if per_layer:
         metrics["held_out_spearman"] = [round(r, 4) for r in per_layer]
         metrics["held_out_spearman_mean"] = round(float(np.mean(per_layer)), 4)
+    if groups is not None and test.any():
+        by_group = {}
+        for name in sorted({groups[int(c)] for c in test_ids}):
+            rows = test & np.isin(samples.context, [c for c in test_ids if groups[int(c)] == name])
+            by_group[name] = round(float(np.mean(rank_agreement(samples, weight, bias, rows))), 4)
+        metrics["held_out_spearman_by_group"] = by_group
     return weight, bias, metrics
 
 
-def train(model, tokenizer, texts: Sequence[Path], contexts: int, length: int, tokens_per_context: int,
-          ridge: float = 1e-3, held_out: float = 0.15, seed: int = 0, progress: Callable | None = None) -> KVzipSurrogate:
-    """A KVzip surrogate of ``model`` trained on ``contexts`` contexts of ``texts`` (module docstring)."""
-    ids = training_contexts(tokenizer, texts, contexts, length, seed)
+def train(model, tokenizer, texts: Sequence[Path | str], contexts: int, length: int, tokens_per_context: int,
+          ridge: float = 1e-3, held_out: float = 0.15, seed: int = 0, progress: Callable | None = None,
+          names: Sequence[str] | None = None, evaluation: dict[str, str] | None = None,
+          evaluation_contexts: int = 2, compare: KVzipSurrogate | None = None) -> KVzipSurrogate:
+    """A KVzip surrogate of ``model`` trained on ``contexts`` contexts of ``texts`` (module docstring).
+
+    ``names``: a name per text (default the file names), the held-out contexts' rank correlation reported per name;
+    ``evaluation``: name -> a text the training never saw (a domain's evaluation documents): ``evaluation_contexts``
+    contexts of each are scored by the re-read too and the surrogate's rank correlation on them is reported per name
+    (``info["evaluation_spearman"]``); ``compare``: another surrogate of the model, measured on the same held-out and
+    evaluation samples (``info["compared"]``)."""
+    names = list(names) if names is not None else [Path(t).name if isinstance(t, Path) else f"text {i}"
+                                                    for i, t in enumerate(texts)]
+    sources: list[int] = []
+    ids = training_contexts(tokenizer, texts, contexts, length, seed, sources)
     samples = collect(model, ids, tokens_per_context, seed=seed, progress=progress)
-    weight, bias, metrics = fit(samples, ridge, held_out)
-    info = dict(metrics, corpus=[Path(t).name for t in texts], contexts=contexts, length=length,
+    weight, bias, metrics = fit(samples, ridge, held_out, groups=[names[i] for i in sources])
+    compared: dict = {}
+    if compare is not None and metrics["held_out_contexts"]:  # fit's held-out contexts: the last ones
+        rows = np.isin(samples.context, np.unique(samples.context)[-metrics["held_out_contexts"]:])
+        compared["held_out"] = round(float(np.mean(rank_agreement(samples, compare.weight, compare.bias, rows))), 4)
+    info = dict(metrics, corpus=names, contexts=contexts, length=length,
                 tokens_per_context=tokens_per_context, seed=seed, target="log kvzip score (kvzip_chunk 2048, whole-context re-read)")
+    if evaluation:
+        scores = {}
+        for k, (name, text) in enumerate(sorted(evaluation.items())):
+            unseen = training_contexts(tokenizer, [text], evaluation_contexts, length, seed + 1000 + k)
+            held = collect(model, unseen, tokens_per_context, seed=seed, progress=progress)
+            per_layer = rank_agreement(held, weight, bias)
+            scores[name] = {"mean": round(float(np.mean(per_layer)), 4), "per_layer": [round(r, 4) for r in per_layer],
+                            "contexts": evaluation_contexts}
+            if compare is not None:
+                compared[name] = round(float(np.mean(rank_agreement(held, compare.weight, compare.bias))), 4)
+        info["evaluation_spearman"] = scores
+    if compare is not None:
+        info["compared"] = dict(compared, corpus=compare.info.get("corpus"))
     return KVzipSurrogate(weight, bias, fingerprint(model), info)

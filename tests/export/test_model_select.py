@@ -177,3 +177,40 @@ def test_the_model_level_node_breaks_ties_like_pytorch(ratio, kv_budget):
     # ties decided something: the keep set differs from the one of a ranking with the ties broken the other way
     flipped = model_level_mask(request, ranking.flip(-1).flip(-2), eligible.flip(-1).flip(-2), r).flip(-1).flip(-2)
     assert not torch.equal(flipped, older)
+
+
+def test_the_model_level_node_nests_its_capped_allocation_across_request_budgets():
+    """Issue 39: on ONNX Runtime as in PyTorch (``nested_capped_mask``), every request budget keeps a superset of what
+    a smaller one kept, on rankings where two heads of three outrank the third (where the greedy walk that skips a
+    full head kept fewer of the third head's entries at a larger budget)."""
+    import onnxruntime as ort
+
+    from criticalkv.export.model_select import model_selection_model
+    from criticalkv.selection.layer import model_level_mask
+
+    layers, heads, n, d, window = 3, 1, 40, 4, 4
+    policy = KVPolicy("layer-kvzip", budget=16, window=window, ada_floor=0.0, sink_tokens=0, head_cap_ratio=1.25)
+    model = model_selection_model(policy, layers, heads, d, [head_cap(1.25, 16)] * layers)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    m = n - window
+    steps = torch.arange(m, dtype=torch.float32)
+    ranking = torch.stack([0.9 - 0.001 * steps, 0.8 - 0.001 * steps, 0.1 - 0.001 * steps])[None]  # [1, 3, m]
+    gen = torch.Generator().manual_seed(0)
+    feeds = {f"ranking.{i}": ranking[:, i:i + 1].numpy() for i in range(layers)}
+    for i in range(layers):
+        feeds[f"keys.{i}"] = torch.randn(1, heads, n, d, generator=gen).numpy()
+        feeds[f"values.{i}"] = torch.randn(1, heads, n, d, generator=gen).numpy()
+    feeds["prompt_lengths"] = np.array([n], np.int32)
+    eligible = torch.ones(1, layers, m, dtype=torch.bool)
+    previous = None
+    for kv_budget in range(5, 17):
+        got = dict(zip([o.name for o in session.get_outputs()],
+                       session.run(None, {**feeds, "kv_budget": np.array([kv_budget], np.int32)})))
+        kept = [{int(x) for x in got[f"kept_indices.{i}"][0, 0] if 0 <= x < m} for i in range(layers)]
+        request = policy.with_budget(kv_budget)
+        want = model_level_mask(request, ranking, eligible, torch.tensor([kv_budget - window]))[0]
+        assert kept == [set(torch.nonzero(row).flatten().tolist()) for row in want], f"kv_budget {kv_budget}"
+        assert max(map(len, kept)) <= head_cap(1.25, kv_budget) - window
+        if previous is not None:
+            assert all(a <= b for a, b in zip(previous, kept)), f"kv_budget {kv_budget} drops entries"
+        previous = kept

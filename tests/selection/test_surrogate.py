@@ -13,7 +13,7 @@ import torch
 from criticalkv import KVPolicy
 from criticalkv.hf import generate, prefill_and_compress
 from criticalkv.hf import compress as compress_module
-from criticalkv.hf.surrogate import Samples, collect, fit, spearman
+from criticalkv.hf.surrogate import Samples, collect, fit, rank_agreement, spearman
 from criticalkv.methods.surrogate import (
     FOLDER_FILE,
     PACKAGED_DIR,
@@ -68,6 +68,24 @@ def test_fit_recovers_a_linear_map_and_measures_it_on_held_out_contexts():
     weight, bias, _ = fit(samples, ridge=1e6, held_out=1 / 3)
     assert np.abs(weight).max() < 1e-4
     np.testing.assert_allclose(bias, y[:, :400].mean(1), atol=1e-3)
+
+
+def test_fit_reports_the_held_out_agreement_per_group():
+    """Contexts from two sources: one follows the fitted map, the other an unrelated one; the per-group metric tells
+    them apart (what train-surrogate --domains prints per domain), and ``rank_agreement`` measures any surrogate."""
+    rng = np.random.default_rng(1)
+    layers, n, d, heads = 1, 800, 6, 2
+    x = rng.normal(size=(layers, n, d)).astype(np.float32)
+    w = rng.normal(size=(layers, d, heads))
+    y = np.einsum("lnd,ldh->lnh", x, w)
+    y[:, 700:] = rng.normal(size=(layers, 100, heads))  # context 7 (held out): noise
+    samples = Samples(x, y.astype(np.float32), np.repeat(np.arange(8), 100).astype(np.int32))
+    groups = ["a", "b"] * 4  # contexts 6 (a) and 7 (b) held out
+    weight, bias, metrics = fit(samples, ridge=1e-8, held_out=0.25, groups=groups)
+    assert metrics["held_out_spearman_by_group"]["a"] > 0.99
+    assert abs(metrics["held_out_spearman_by_group"]["b"]) < 0.3
+    assert rank_agreement(samples, weight, bias, samples.context == 6)[0] == pytest.approx(
+        metrics["held_out_spearman_by_group"]["a"], abs=1e-4)
 
 
 def test_spearman_is_the_rank_correlation_with_average_ranks_for_ties():
@@ -203,6 +221,12 @@ def test_the_train_command_checks_its_arguments():
     run = subprocess.run([sys.executable, "-m", "criticalkv.cli", "train-surrogate", "--text", "/nonexistent/x.txt"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "no such file" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "criticalkv.cli", "train-surrogate", "--domains", "docs,poetry"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "unknown domain 'poetry'" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "criticalkv.cli", "train-surrogate", "--domains", "docs", "--text",
+                          __file__], capture_output=True, text=True)
+    assert run.returncode == 2 and "--domains and --text exclude each other" in run.stderr
 
 
 @pytest.mark.slow
