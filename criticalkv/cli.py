@@ -28,7 +28,6 @@ SUBCOMMANDS = [
     "criticalkv.commands.select",
     "criticalkv.commands.generate",
     "criticalkv.commands.eval",
-    "criticalkv.commands.triton_repo",
     "criticalkv.commands.serve",
     "criticalkv.commands.bench",
     "criticalkv.commands.surrogate",

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Render a Triton model repository for an engine directory (same as `criticalkv triton-repo`).
+"""Render a Triton model repository for an engine directory (`criticalkv serve --write-repo`: nothing started).
 
     python scripts/make_triton_repo.py --engine-dir engines/smollm2-criticalkv --out models [--model-name ...
-        --instances N --max-num-seqs N --kv-pool-mib MIB --backend onnxruntime|tensorrt --gpus 0,1]
+        --instances N --max-num-seqs N --kv-memory-mib MIB --backend onnxruntime|tensorrt|torch --gpus 0,1]
 """
 
 import sys
@@ -10,4 +10,5 @@ import sys
 from criticalkv.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["triton-repo", *sys.argv[1:]]))
+    argv = ["--write-repo" if a == "--out" else a.replace("--out=", "--write-repo=", 1) for a in sys.argv[1:]]
+    sys.exit(main(["serve", *argv]))

@@ -195,7 +195,7 @@ def _one_line(err: str) -> str:
     (["serve", "--gpus", "0,0"], "argument --gpus: '0,0': GPU ids are integers >= 0, each given once"),
     (["serve", "--max-body-bytes", "0"], "argument --max-body-bytes: must be >= 1, got 0"),
     (["generate", "--prompt", "hi", "--max-tokens", "0"], "argument --max-tokens/--max-new-tokens: must be >= 1, got 0"),
-    (["triton-repo", "--threads", "-2"], "argument --threads: must be >= 0, got -2"),
+    (["serve", "--write-repo", "models", "--threads", "-2"], "argument --threads: must be >= 0, got -2"),
     (["nonsense"], "criticalkv: error: argument COMMAND: invalid choice: 'nonsense'"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_an_argument_error_is_one_line_naming_it_before_anything_loads(argv, message):

@@ -21,7 +21,7 @@ def test_render_fills_every_key_and_refuses_missing_or_unknown_ones():
     with pytest.raises(KeyError, match="does not have: colour"):
         render(text, {"name": "m", "count": 2, "colour": 1})
     assert template_keys((TEMPLATES / "config.pbtxt").read_text()) == {
-        "model_name", "instances", "instance_kind", "gpus", "execution_env_parameter"}
+        "model_name", "instances", "instance_kind", "gpus", "execution_env_parameter", "policy", "budget"}
 
 
 def test_make_repository_writes_the_three_files(tmp_path):
@@ -51,6 +51,17 @@ def test_make_repository_writes_the_three_files(tmp_path):
             SchedulerConfig(**bad)
     with pytest.raises(ValueError, match="exists"):
         make_repository(engine, tmp_path / "repo", model_name="tiny")
+    # the command line writes it too, starting nothing (serve --write-repo; scripts/make_triton_repo.py)
+    from criticalkv.cli import main
+
+    assert main(["serve", "--engine-dir", str(engine), "--write-repo", str(tmp_path / "cli"), "--model-name", "cli",
+                 "--max-num-seqs", "2", "--execution-env", "none"]) == 0
+    written = tmp_path / "cli" / "cli"
+    assert json.loads((written / "1" / "model.json").read_text())["scheduler"]["max_num_seqs"] == 2
+    assert 'key: "criticalkv_policy"' in (written / "config.pbtxt").read_text()
+    assert "EXECUTION_ENV_PATH" not in (written / "config.pbtxt").read_text()
+    assert main(["serve", "--write-repo", str(tmp_path / "cli2")]) == 2  # no --engine-dir: one line, nothing written
+    assert not (tmp_path / "cli2").exists()
 
 
 def b(text):
