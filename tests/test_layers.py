@@ -50,18 +50,20 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("criticalkv.runtime",),
     # 6. serving: scheduler, Triton model and repository, launcher
     ("criticalkv.serving",),
-    # 7. PyTorch from here up: the reference selection (the oracle)
+    # 7. past one machine: engine replicas on Ray Serve behind the OpenAI API, context affinity, the shared store
+    ("criticalkv.replicas",),
+    # 8. PyTorch from here up: the reference selection (the oracle)
     ("criticalkv.selection",),
-    # 8. the package's face: KVPolicy, select_layer, ... loaded on first use
+    # 9. the package's face: KVPolicy, select_layer, ... loaded on first use
     ("criticalkv",),
-    # 9-11. transformers integration, the ONNX export, the build pipeline
+    # 10-12. transformers integration, the ONNX export, the build pipeline
     ("criticalkv.hf",),
     ("criticalkv.export",),
     ("criticalkv.build",),
-    # 12-13. quality evaluation, then speed and serving benchmarks (which borrow eval's haystack text)
+    # 13-14. quality evaluation, then speed and serving benchmarks (which borrow eval's haystack text)
     ("criticalkv.eval",),
     ("criticalkv.bench",),
-    # 14-15. the command line, and the generator of the derived files
+    # 15-16. the command line, and the generator of the derived files
     ("criticalkv.commands", "criticalkv.spec.generate"),
     ("criticalkv.cli",),
 )
@@ -249,7 +251,7 @@ def test_the_walker_sees_every_kind_of_import():
     assert {"criticalkv.policy", "criticalkv.selection"} <= set(GRAPH["criticalkv"])
 
 
-@pytest.mark.parametrize("module", ["criticalkv.runtime", "criticalkv.serving", "criticalkv"])
+@pytest.mark.parametrize("module", ["criticalkv.runtime", "criticalkv.serving", "criticalkv.replicas", "criticalkv"])
 def test_onnx_runtime_side_imports_without_torch(module):
     """``python -c "import sys; sys.modules['torch'] = None; import criticalkv.runtime"`` works."""
     code = f"import sys; sys.modules['torch'] = None; import {module}"

@@ -13,6 +13,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from criticalkv.commands.serve_replicas import add_replica_arguments, run_replicas, wants_replicas
 from criticalkv.commands.triton_repo import add_model_arguments, scheduler_config
 from criticalkv.files import remove_stale_temporaries, temporary_dir
 from criticalkv.serving import launcher
@@ -68,6 +69,7 @@ def register(subparsers) -> None:
                         "(default: $CRITICALKV_TRITONSERVER)")
     p.add_argument("--setup", action="store_true", help="only set up tritonserver and the model environment, then exit")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server (default: 600)")
+    add_replica_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -84,6 +86,8 @@ def engine_dir_of(args) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    if wants_replicas(args):  # Ray Serve replicas (criticalkv.replicas), no Triton
+        return run_replicas(args)
     if args.tritonserver is not None:  # the launcher's helpers read it (and tritonserver's children inherit it)
         os.environ[launcher.TRITONSERVER_ENV] = str(Path(args.tritonserver).resolve())
     launcher.setup(log=lambda m: print(m, file=sys.stderr))
