@@ -179,8 +179,64 @@ def send_request(endpoint: Endpoint, body: dict, timeout: float = REQUEST_TIMEOU
     return record
 
 
+def send_openai(url: str, body: dict, timeout: float = REQUEST_TIMEOUT_S,
+                on_event: Callable[[RequestRecord], None] | None = None) -> RequestRecord:
+    """POST a streaming ``/v1/completions`` (or ``/v1/chat/completions`` when ``body`` has ``messages``) to the OpenAI
+    API at ``url`` (``http://HOST:PORT``) and read its events: one chunk per event that carries text, the usage of
+    the last one (``stream_options.include_usage``) as the token counts, criticalkv's ``context_cache_hit``, and an
+    error event (OpenAI's error object) or a non-200 answer as the error."""
+    parsed = urllib.parse.urlsplit(url)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port or 80, timeout=timeout)
+    record = RequestRecord(start=time.perf_counter())
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            message = response.read().decode(errors="replace").strip()
+            try:
+                message = json.loads(message)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            record.error = f"HTTP {response.status}: {message}"
+            return record
+        while True:
+            line = response.readline()
+            if not line:
+                break
+            arrived = time.perf_counter()
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                record.error = str(event["error"].get("message", event["error"]))
+                break
+            for choice in event.get("choices") or []:
+                text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                if text:
+                    record.chunks.append((arrived, 1))
+                if choice.get("finish_reason"):
+                    record.finish_reason = choice["finish_reason"]
+            if event.get("context_cache_hit") is not None:
+                record.context_cache_hit = bool(event["context_cache_hit"])
+            if event.get("usage"):
+                record.input_tokens = event["usage"].get("prompt_tokens")
+                record.output_tokens = event["usage"].get("completion_tokens")
+            if on_event is not None:
+                on_event(record)
+        if not record.chunks and record.error is None:
+            record.error = "the stream ended without any output"
+    except (OSError, http.client.HTTPException, ValueError) as err:
+        record.error = f"{type(err).__name__}: {err}"
+    finally:
+        conn.close()
+    return record
+
+
 def _run_closed_loop(endpoint: Endpoint, bodies: Sequence[dict], concurrency: int,
-                     on_done: Callable[[RequestRecord], None]) -> list[RequestRecord]:
+                     on_done: Callable[[RequestRecord], None], send=None) -> list[RequestRecord]:
+    send = send or send_request
     todo: queue.Queue = queue.Queue()
     for i, body in enumerate(bodies):
         todo.put((i, body))
@@ -192,7 +248,7 @@ def _run_closed_loop(endpoint: Endpoint, bodies: Sequence[dict], concurrency: in
                 i, body = todo.get_nowait()
             except queue.Empty:
                 return
-            records[i] = send_request(endpoint, body)
+            records[i] = send(endpoint, body)
             on_done(records[i])
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, concurrency))]
@@ -216,14 +272,15 @@ def poisson_offsets(count: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def _run_open_loop(endpoint: Endpoint, bodies: Sequence[dict], rate: float, max_concurrency: int | None, seed: int,
-                   on_done: Callable[[RequestRecord], None]) -> list[RequestRecord]:
+                   on_done: Callable[[RequestRecord], None], send=None) -> list[RequestRecord]:
+    send = send or send_request
     offsets = poisson_offsets(len(bodies), rate, seed)
     slots = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
     records: list[RequestRecord | None] = [None] * len(bodies)
 
     def one(i: int):
         try:
-            records[i] = send_request(endpoint, bodies[i])
+            records[i] = send(endpoint, bodies[i])
             on_done(records[i])
         finally:
             if slots:
@@ -246,9 +303,12 @@ def _run_open_loop(endpoint: Endpoint, bodies: Sequence[dict], rate: float, max_
 
 
 def run_load(endpoint: Endpoint, bodies: Sequence[dict], concurrency: int | None = None, request_rate: float | None = None,
-             max_concurrency: int | None = None, seed: int = 0, progress: str | None = None) -> list[RequestRecord]:
+             max_concurrency: int | None = None, seed: int = 0, progress: str | None = None,
+             send: Callable[..., RequestRecord] | None = None) -> list[RequestRecord]:
     """Send ``bodies`` closed-loop at ``concurrency`` or open-loop at ``request_rate`` (Poisson);
-    returns one record per request, in the order of ``bodies``. ``progress``: a tqdm bar's label."""
+    returns one record per request, in the order of ``bodies``. ``progress``: a tqdm bar's label; ``send``: how one
+    request is sent (``send(endpoint, body)``; default ``send_request``, Triton's generate_stream; ``send_openai``
+    streams an OpenAI completion)."""
     if (concurrency is None) == (request_rate is None):
         raise ValueError("give exactly one of concurrency and request_rate")
     bar = None
@@ -263,8 +323,8 @@ def run_load(endpoint: Endpoint, bodies: Sequence[dict], concurrency: int | None
 
     try:
         if concurrency is not None:
-            return _run_closed_loop(endpoint, bodies, concurrency, on_done)
-        return _run_open_loop(endpoint, bodies, request_rate, max_concurrency, seed, on_done)
+            return _run_closed_loop(endpoint, bodies, concurrency, on_done, send)
+        return _run_open_loop(endpoint, bodies, request_rate, max_concurrency, seed, on_done, send)
     finally:
         if bar is not None:
             bar.close()
