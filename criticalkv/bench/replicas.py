@@ -48,8 +48,9 @@ from criticalkv.bench.metrics import RequestRecord, distribution, summarize
 #: configuration -> (replicas: None = --replicas, router, shared store)
 CONFIGS = {"single": (1, "pow2", False), "pow2": (None, "pow2", False), "pow2-store": (None, "pow2", True),
            "affinity": (None, "affinity", True), "affinity-nostore": (None, "affinity", False)}
-LABELS = {"single": "1 replica", "pow2": "{n} replicas, power of two", "pow2-store": "{n} replicas, power of two + store",
-          "affinity": "{n} replicas, affinity + store", "affinity-nostore": "{n} replicas, affinity"}
+LABELS = {"single": "1 replica", "pow2": "{n} replicas, power of two",
+          "pow2-store": "{n} replicas, power of two + store", "affinity": "{n} replicas, affinity + store",
+          "affinity-nostore": "{n} replicas, affinity"}
 TARGET_HIT_VS_POW2 = 1.5
 TARGET_CROSS_TTFT = 0.25
 TARGET_KILL_END_S = 30.0
@@ -399,9 +400,10 @@ def main(args) -> int:
 def add_arguments(p) -> None:
     target = p.add_argument_group("replicas")
     target.add_argument("--engine-dir", action="append", metavar="DIR", help="the engine the replicas serve")
-    target.add_argument("--replicas", type=int, default=2, help="replicas of the multi-replica configurations (default 2)")
+    target.add_argument("--replicas", type=int, default=2, help="replicas of the multi-replica configurations (2)")
     target.add_argument("--configs", type=lambda s: s.split(","), default=["single", "pow2", "affinity"],
-                        help=f"comma-separated, run in this order (default: single,pow2,affinity; of {', '.join(CONFIGS)})")
+                        help=f"comma-separated, run in this order (default: single,pow2,affinity; of "
+                             f"{', '.join(CONFIGS)})")
     target.add_argument("--threads", type=int, default=1,
                         help="ONNX Runtime threads per replica (default: 1; the single replica gets this x --replicas)")
     target.add_argument("--store-mib", type=float, default=1024.0, help="the shared store's MiB where it is on (1024)")
@@ -421,7 +423,8 @@ def add_arguments(p) -> None:
     mem.add_argument("--kv-memory-mib", type=float, help="each replica's --kv-memory-mib (default: --kv-contexts "
                                                          "uncompressed documents)")
     mem.add_argument("--kv-contexts", type=float, default=4.0, help="KV memory as this many uncompressed documents (4)")
-    mem.add_argument("--context-cache-mib", type=float, help="each replica's --context-cache-mib (default: the KV memory)")
+    mem.add_argument("--context-cache-mib", type=float,
+                     help="each replica's --context-cache-mib (default: the KV memory)")
     fault = p.add_argument_group("fault")
     fault.add_argument("--no-fault", dest="fault", action="store_false", help="skip the replica kill")
     fault.add_argument("--fault-config", default="affinity", help="the configuration the kill runs on (affinity)")

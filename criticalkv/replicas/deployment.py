@@ -65,8 +65,9 @@ class Replica:
     """One engine and its scheduler (a Ray Serve replica). ``scheduler``: ``SchedulerConfig`` fields; ``store``:
     whether contexts are shared through the application's ``ContextStore``."""
 
-    async def __init__(self, engine_dir: str, backend: str | None = None, threads: int = 0, scheduler: dict | None = None,
-                       app_name: str = "criticalkv", store: bool = True, device: str | None = None):
+    async def __init__(self, engine_dir: str, backend: str | None = None, threads: int = 0,
+                       scheduler: dict | None = None, app_name: str = "criticalkv", store: bool = True,
+                       device: str | None = None):
         from criticalkv.runtime import Engine
         from criticalkv.serving import Scheduler
 
@@ -137,7 +138,8 @@ class Replica:
                         from_store = True
             outputs: asyncio.Queue = asyncio.Queue()
             loop = self.loop
-            handle = self.scheduler.submit(request, on_output=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+            handle = self.scheduler.submit(
+                request, on_output=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
         except RequestError as err:
             yield {"error": str(err)}
             return
@@ -207,11 +209,11 @@ class Replica:
             await asyncio.sleep(REPORT_PERIOD_S)
 
     async def ready(self) -> bool:
-        return self.scheduler._thread.is_alive()
+        return self.scheduler.alive
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose scheduler thread died is replaced."""
-        if not self.scheduler._thread.is_alive():
+        if not self.scheduler.alive:
             raise RuntimeError("the scheduler thread is not running")
 
     def drain(self) -> None:
@@ -233,7 +235,7 @@ class Replica:
 class ReplicaModel:
     """``TritonModel``'s interface over the replicas' Ray Serve handle: what ``create_app`` serves requests with."""
 
-    def __init__(self, replicas, name: str, tokenizer, retries: int = 1):
+    def __init__(self, replicas, name: str, tokenizer, retries: int = 2):
         self.replicas, self.name, self.tokenizer, self.retries = replicas, name, tokenizer, retries
         self.inputs = set(MODEL_INPUTS)
         self.draining: asyncio.Event | None = None
@@ -310,7 +312,7 @@ class Ingress:
     """The OpenAI-compatible API over the replicas (a Ray Serve ingress deployment)."""
 
     def __init__(self, replicas, engine_dir: str, model_name: str = "criticalkv", api_key: str | None = None,
-                 chat_max_tokens: int | None = None, app_name: str = "criticalkv", retries: int = 1):
+                 chat_max_tokens: int | None = None, app_name: str = "criticalkv", retries: int = 2):
         self.replicas, self.engine_dir, self.model_name, self.api_key = replicas, engine_dir, model_name, api_key
         self.chat_max_tokens, self.app_name, self.retries = chat_max_tokens, app_name, retries
         self.api = self.model = None
@@ -347,7 +349,7 @@ def application(engine_dir: str | Path, replicas: int, *, backend: str | None = 
                 scheduler: dict | None = None, model_name: str = "criticalkv", api_key: str | None = None,
                 chat_max_tokens: int | None = None, app_name: str = "criticalkv", router: str = "affinity",
                 imbalance_threshold: int = 4, store: bool = True, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
-                max_ongoing_requests: int = 64, stats_period_s: float = 1.0, retries: int = 1,
+                max_ongoing_requests: int = 64, stats_period_s: float = 1.0, retries: int = 2,
                 device: str | None = None):
     """The bound Serve application: ``replicas`` engine replicas (``router`` "affinity": ``ContextAffinityRouter``;
     "pow2": Ray Serve's default power-of-two-choices router) behind the ``Ingress``."""

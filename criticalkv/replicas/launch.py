@@ -229,7 +229,8 @@ def ready_message(service: ReplicaService) -> str:
 
 
 def serve_replicas(config: ReplicaServeConfig, stop: threading.Event) -> int:
-    """Start, print ``ready:``, wait for ``stop`` (Ctrl-C / SIGTERM), stop. The status ``criticalkv serve`` exits with."""
+    """Start, print ``ready:``, wait for ``stop`` (Ctrl-C / SIGTERM), stop; the status ``criticalkv serve`` exits
+    with."""
     service = ReplicaService(config)
     try:
         try:

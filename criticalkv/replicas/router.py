@@ -96,8 +96,10 @@ class ContextAffinityRouter(RequestRouter):
         lengths = await self.queue_lengths(candidates)
         known = [n for n in lengths.values() if n is not None]
         shortest = min(known) if known else 0
-        near = [r for r in holders
-                if lengths.get(r.replica_id) is not None and lengths[r.replica_id] - shortest <= self.imbalance_threshold]
+        # a holder whose count is unknown (its probe timed out: a loaded machine) keeps the preference: Serve probes it
+        # again before it sends anything there
+        near = [r for r in holders if lengths.get(r.replica_id) is None
+                or lengths[r.replica_id] - shortest <= self.imbalance_threshold]
         if not near:
             self.stats["imbalanced"] += 1
             return [candidates]

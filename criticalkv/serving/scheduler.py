@@ -403,6 +403,11 @@ class Scheduler:
         return len(self._waiting)
 
     @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread runs (it stops only on ``close``)."""
+        return self._thread.is_alive()
+
+    @property
     def kv_bytes_reserved(self) -> int:
         """KV bytes held now: running requests, prompts under prefill and cached contexts."""
         return self._reserved + self.context_cache.stats.bytes_held
