@@ -95,9 +95,17 @@ def served(tmp_path_factory):
     launched = Replicas(engine, tmp_path_factory.mktemp("tmp"))
     yield launched
     launched.engine.close()
-    if launched.process.poll() is None:
+    if launched.process.poll() is None:  # a test failed before the last one stopped it: stop it, by force if need be
+        family = psutil.Process(launched.process.pid).children(recursive=True)
         launched.process.send_signal(signal.SIGINT)
-        launched.process.wait(120)
+        try:
+            launched.process.wait(120)
+        except subprocess.TimeoutExpired:
+            for process in [launched.process, *family]:
+                try:
+                    process.kill()
+                except (ProcessLookupError, psutil.NoSuchProcess):
+                    pass
 
 
 def stream_events(url, body, events, started):
