@@ -263,7 +263,7 @@ def ratios(results: dict) -> dict:
 
     def get(name, what):
         run = runs.get(name)
-        if run is None:
+        if run is None or "docqa" not in run:
             return None
         return run["docqa"]["hit_rate"] if what == "hit" else run["summary"].get("output_throughput")
 
@@ -379,7 +379,17 @@ def main(args) -> int:
     logs = Path(tempfile.mkdtemp(prefix="criticalkv-bench-replicas-"))
     print(f"server logs: {logs}", flush=True)
     for name in args.configs:
-        results["runs"].append(run_config(name, args, work, tokenizer, logs, args.model_name or "criticalkv"))
+        try:
+            results["runs"].append(run_config(name, args, work, tokenizer, logs, args.model_name or "criticalkv"))
+        except (RuntimeError, OSError) as err:  # a deployment that failed (e.g. Ray's memory monitor killed it)
+            label = LABELS[name].format(n=CONFIGS[name][0] or args.replicas)
+            print(f"{label}: FAILED: {type(err).__name__}: {err} (server log: {logs})", flush=True)
+            results["runs"].append({"config": name, "label": label, "router": CONFIGS[name][1],
+                                    "summary": {"completed": 0, "failed": len(work["order"])},
+                                    "first_error": f"{type(err).__name__}: {err}"})
+            results["ratios"] = ratios(results)
+            served.write_results(results, stem, render, None)
+            continue
         results["ratios"] = ratios(results)
         served.write_results(results, stem, render, None)
         d, sm = results["runs"][-1]["docqa"], results["runs"][-1]["summary"]
