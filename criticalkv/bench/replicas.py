@@ -51,6 +51,9 @@ CONFIGS = {"single": (1, "pow2", False), "pow2": (None, "pow2", False), "pow2-st
 LABELS = {"single": "1 replica", "pow2": "{n} replicas, power of two",
           "pow2-store": "{n} replicas, power of two + store", "affinity": "{n} replicas, affinity + store",
           "affinity-nostore": "{n} replicas, affinity"}
+#: the ratios a run reports (when it ran both configurations)
+RATIO_PAIRS = (("affinity", "single"), ("affinity", "pow2"), ("affinity", "pow2-store"), ("pow2-store", "pow2"),
+               ("affinity-nostore", "pow2"))
 TARGET_HIT_VS_POW2 = 1.5
 TARGET_CROSS_TTFT = 0.25
 TARGET_KILL_END_S = 30.0
@@ -267,7 +270,7 @@ def ratios(results: dict) -> dict:
             return None
         return run["docqa"]["hit_rate"] if what == "hit" else run["summary"].get("output_throughput")
 
-    for a, b in (("affinity", "single"), ("affinity", "pow2"), ("affinity", "pow2-store"), ("pow2-store", "pow2")):
+    for a, b in RATIO_PAIRS:
         for what in ("hit", "tokens"):
             x, y = get(a, what), get(b, what)
             out[f"{a}/{b}:{what}"] = served.ratio(x, y)
@@ -331,6 +334,13 @@ def render(results: dict) -> str:
             f"| {f(sm['ttft_ms']['p90'])} | {f(d['ttft_ms_hit']['p50'])} / {f(d['ttft_ms_miss']['p50'])} "
             f"| {f(sm['output_throughput'], 2)} | {per} | {decisions} | {f(sm['duration_s'])} "
             f"| {run['load_average_before'][:1]} -> {run['load_average_after'][:1]} |")
+    labels = {run["config"]: run["label"] for run in results["runs"]}
+    pairs = [(a, b) for a, b in RATIO_PAIRS if a in labels and b in labels]
+    if pairs:
+        lines += ["", "| ratio | hit rate | output tokens/s |", "|---|---|---|"]
+        for a, b in pairs:
+            hit, tokens = (results["ratios"].get(f"{a}/{b}:{what}") for what in ("hit", "tokens"))
+            lines.append(f"| {labels[a]} / {labels[b]} | {f(hit, 2)}x | {f(tokens, 2)}x |")
     fault = next((run.get("fault") for run in results["runs"] if run.get("fault")), None)
     if fault:
         ends = ", ".join(f"{'answer' if o['ok'] else 'error'} at {f(o['ended_s_after_kill'], 2)} s ({o['tokens']} tokens)"

@@ -116,3 +116,5 @@ uptime
 # 14. the same with 3 contexts of memory (270 MiB) per replica, power of two with the store too, no kill
 $B bench replicas --engine-dir engines/ctx-ckv256 --kv-contexts 3 --configs single,pow2,pow2-store,affinity \
   --no-fault --out $OUT --name replicas_kv3 --no-progress
+# (replicas.md / replicas_kv3.md were then redrawn from their JSON by criticalkv.bench.replicas.render after its ratio
+#  table was added: no rerun)
