@@ -320,8 +320,8 @@ def render(results: dict) -> str:
              "held it / too busy | duration (s) | load avg before -> after |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in results["runs"]:
-        sm, d = run["summary"], run["docqa"]
-        if not sm.get("completed"):
+        sm, d = run["summary"], run.get("docqa")
+        if not sm.get("completed") or d is None:
             lines.append(f"| {run['label']} | 0 / {sm.get('failed')} | all failed: {run.get('first_error')} |" + " |" * 9)
             continue
         router = run.get("router_decisions") or {}
