@@ -60,13 +60,16 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("criticalkv.runtime",),
     # 9. serving: scheduler, Triton model and repository, launcher (torch-free like the runtime's ONNX side)
     ("criticalkv.serving",),
-    # 10-11. the ONNX export, the build pipeline
+    # 10. past one machine: engine replicas on Ray Serve behind the OpenAI API, context affinity, the shared store
+    #     (torch-free too; only its modules import Ray)
+    ("criticalkv.replicas",),
+    # 11-12. the ONNX export, the build pipeline
     ("criticalkv.export",),
     ("criticalkv.build",),
-    # 12-13. quality evaluation, then speed and serving benchmarks (which borrow eval's haystack text)
+    # 13-14. quality evaluation, then speed and serving benchmarks (which borrow eval's haystack text)
     ("criticalkv.eval",),
     ("criticalkv.bench",),
-    # 14-15. the command line, and the generator of the derived files
+    # 15-16. the command line, and the generator of the derived files
     ("criticalkv.commands", "criticalkv.spec.generate"),
     ("criticalkv.cli",),
 )
@@ -258,7 +261,7 @@ def test_the_walker_sees_every_kind_of_import():
 TORCH_UNITS = ("criticalkv.selection", "criticalkv", "criticalkv.hf", "criticalkv.export", "criticalkv.build",
                "criticalkv.eval", "criticalkv.bench", "criticalkv.commands", "criticalkv.spec.generate", "criticalkv.cli")
 #: The units of the ONNX Runtime side (what a Triton model serving an ONNX Runtime engine imports).
-ONNX_SIDE = ("criticalkv.runtime", "criticalkv.serving")
+ONNX_SIDE = ("criticalkv.runtime", "criticalkv.serving", "criticalkv.replicas")
 
 
 def test_onnx_runtime_side_never_reaches_torch():
@@ -292,7 +295,7 @@ def test_onnx_runtime_side_never_reaches_torch():
     assert not problems, "the ONNX Runtime side reaches torch:\n" + "\n".join(sorted(problems))
 
 
-@pytest.mark.parametrize("module", ["criticalkv.runtime", "criticalkv.serving", "criticalkv"])
+@pytest.mark.parametrize("module", ["criticalkv.runtime", "criticalkv.serving", "criticalkv.replicas", "criticalkv"])
 def test_onnx_runtime_side_imports_without_torch(module):
     """``python -c "import sys; sys.modules['torch'] = None; import criticalkv.runtime"`` works."""
     code = f"import sys; sys.modules['torch'] = None; import {module}"

@@ -130,6 +130,43 @@ def parse_event(record: RequestRecord, event: dict, arrived: float) -> None:
         record.finish_reason = _as_str(event["finish_reason"])
 
 
+def _events(host: str, port: int, path: str, body: dict, timeout: float, record: RequestRecord, accept: str):
+    """POST ``body`` (JSON) and yield ``(arrival time, event)`` for every ``data: {...}`` line of the answer (``data:
+    [DONE]`` skipped); a non-200 answer, a malformed event or a connection failure sets ``record.error`` and ends."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json", "Accept": accept})
+        response = conn.getresponse()
+        if response.status != 200:
+            message = response.read().decode(errors="replace").strip()
+            try:
+                message = json.loads(message).get("error", message)
+                message = message.get("message", message) if isinstance(message, dict) else message  # OpenAI's object
+            except (ValueError, AttributeError):
+                pass
+            record.error = f"HTTP {response.status}: {message}"
+            return
+        while True:
+            line = response.readline()
+            if not line:
+                break
+            arrived = time.perf_counter()
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            try:
+                event = json.loads(line[5:])
+            except ValueError:
+                record.error = f"malformed event: {line[:200]!r}"
+                return
+            yield arrived, event
+    except (OSError, http.client.HTTPException) as err:
+        record.error = f"{type(err).__name__}: {err}"
+    finally:
+        conn.close()
+
+
 def send_request(endpoint: Endpoint, body: dict, timeout: float = REQUEST_TIMEOUT_S,
                  on_event: Callable[[RequestRecord], None] | None = None) -> RequestRecord:
     """POST ``body`` to ``generate_stream`` and read the event stream to its end.
@@ -137,50 +174,56 @@ def send_request(endpoint: Endpoint, body: dict, timeout: float = REQUEST_TIMEOU
     ``on_event``: called with the record after every event was folded in (from the reading thread),
     e.g. to start another request once this one streamed its first tokens."""
     host, port = endpoint.host_port
-    payload = json.dumps(body).encode()
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    return _stream(host, port, endpoint.stream_path, body, timeout, on_event, parse_event)
+
+
+def _stream(host: str, port: int, path: str, body: dict, timeout: float, on_event, fold) -> RequestRecord:
+    """One streamed request: every event folded into its record by ``fold(record, event, arrival)``."""
     record = RequestRecord(start=time.perf_counter())
-    try:
-        conn.request("POST", endpoint.stream_path, body=payload,
-                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
-        response = conn.getresponse()
-        if response.status != 200:
-            message = response.read().decode(errors="replace").strip()
-            try:
-                message = json.loads(message).get("error", message)
-            except (ValueError, AttributeError):
-                pass
-            record.error = f"HTTP {response.status}: {message}"
-            return record
-        while True:
-            line = response.readline()
-            if not line:
-                break
-            arrived = time.perf_counter()
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            try:
-                event = json.loads(line[5:])
-            except ValueError:
-                record.error = f"malformed event: {line[:200]!r}"
-                break
-            parse_event(record, event, arrived)
-            if on_event is not None:
-                on_event(record)
-            if record.error:
-                break
-        if not record.chunks and record.error is None:
-            record.error = "the stream ended without any output"
-    except (OSError, http.client.HTTPException) as err:
-        record.error = f"{type(err).__name__}: {err}"
-    finally:
-        conn.close()
+    for arrived, event in _events(host, port, path, body, timeout, record, "text/event-stream"):
+        fold(record, event, arrived)
+        if on_event is not None:
+            on_event(record)
+        if record.error:
+            break
+    if not record.chunks and record.error is None:
+        record.error = "the stream ended without any output"
     return record
 
 
+def parse_openai_event(record: RequestRecord, event: dict, arrived: float) -> None:
+    """Fold one event of an OpenAI stream into ``record``: a chunk per event that carries text, the usage (the last
+    event with ``stream_options.include_usage``) as the token counts, criticalkv's ``context_cache_hit``, and an error
+    event (OpenAI's error object) as the error."""
+    if "error" in event:
+        error = event["error"]
+        record.error = str(error.get("message", error) if isinstance(error, dict) else error)
+        return
+    for choice in event.get("choices") or []:
+        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+        if text:
+            record.chunks.append((arrived, 1))
+        if choice.get("finish_reason"):
+            record.finish_reason = choice["finish_reason"]
+    if event.get("context_cache_hit") is not None:
+        record.context_cache_hit = bool(event["context_cache_hit"])
+    if event.get("usage"):
+        record.input_tokens = event["usage"].get("prompt_tokens")
+        record.output_tokens = event["usage"].get("completion_tokens")
+
+
+def send_openai(url: str, body: dict, timeout: float = REQUEST_TIMEOUT_S,
+                on_event: Callable[[RequestRecord], None] | None = None) -> RequestRecord:
+    """``send_request`` for the OpenAI API at ``url`` (``http://HOST:PORT``): a streaming ``/v1/completions`` (or
+    ``/v1/chat/completions`` when ``body`` has ``messages``), its events folded by ``parse_openai_event``."""
+    parsed = urllib.parse.urlsplit(url)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    return _stream(parsed.hostname, parsed.port or 80, path, body, timeout, on_event, parse_openai_event)
+
+
 def _run_closed_loop(endpoint: Endpoint, bodies: Sequence[dict], concurrency: int,
-                     on_done: Callable[[RequestRecord], None]) -> list[RequestRecord]:
+                     on_done: Callable[[RequestRecord], None], send=None) -> list[RequestRecord]:
+    send = send or send_request
     todo: queue.Queue = queue.Queue()
     for i, body in enumerate(bodies):
         todo.put((i, body))
@@ -192,7 +235,7 @@ def _run_closed_loop(endpoint: Endpoint, bodies: Sequence[dict], concurrency: in
                 i, body = todo.get_nowait()
             except queue.Empty:
                 return
-            records[i] = send_request(endpoint, body)
+            records[i] = send(endpoint, body)
             on_done(records[i])
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, concurrency))]
@@ -216,14 +259,15 @@ def poisson_offsets(count: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def _run_open_loop(endpoint: Endpoint, bodies: Sequence[dict], rate: float, max_concurrency: int | None, seed: int,
-                   on_done: Callable[[RequestRecord], None]) -> list[RequestRecord]:
+                   on_done: Callable[[RequestRecord], None], send=None) -> list[RequestRecord]:
+    send = send or send_request
     offsets = poisson_offsets(len(bodies), rate, seed)
     slots = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
     records: list[RequestRecord | None] = [None] * len(bodies)
 
     def one(i: int):
         try:
-            records[i] = send_request(endpoint, bodies[i])
+            records[i] = send(endpoint, bodies[i])
             on_done(records[i])
         finally:
             if slots:
@@ -246,9 +290,12 @@ def _run_open_loop(endpoint: Endpoint, bodies: Sequence[dict], rate: float, max_
 
 
 def run_load(endpoint: Endpoint, bodies: Sequence[dict], concurrency: int | None = None, request_rate: float | None = None,
-             max_concurrency: int | None = None, seed: int = 0, progress: str | None = None) -> list[RequestRecord]:
+             max_concurrency: int | None = None, seed: int = 0, progress: str | None = None,
+             send: Callable[..., RequestRecord] | None = None) -> list[RequestRecord]:
     """Send ``bodies`` closed-loop at ``concurrency`` or open-loop at ``request_rate`` (Poisson);
-    returns one record per request, in the order of ``bodies``. ``progress``: a tqdm bar's label."""
+    returns one record per request, in the order of ``bodies``. ``progress``: a tqdm bar's label; ``send``: how one
+    request is sent (``send(endpoint, body)``; default ``send_request``, Triton's generate_stream; ``send_openai``
+    streams an OpenAI completion)."""
     if (concurrency is None) == (request_rate is None):
         raise ValueError("give exactly one of concurrency and request_rate")
     bar = None
@@ -263,8 +310,8 @@ def run_load(endpoint: Endpoint, bodies: Sequence[dict], concurrency: int | None
 
     try:
         if concurrency is not None:
-            return _run_closed_loop(endpoint, bodies, concurrency, on_done)
-        return _run_open_loop(endpoint, bodies, request_rate, max_concurrency, seed, on_done)
+            return _run_closed_loop(endpoint, bodies, concurrency, on_done, send)
+        return _run_open_loop(endpoint, bodies, request_rate, max_concurrency, seed, on_done, send)
     finally:
         if bar is not None:
             bar.close()

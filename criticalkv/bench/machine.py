@@ -10,7 +10,7 @@ from pathlib import Path
 
 #: Distributions whose versions the results record (those installed).
 VERSIONED = ("criticalkv", "torch", "transformers", "onnx", "onnxruntime", "numpy", "tritonclient",
-             "nvidia-pytriton", "kvpress", "aiperf", "psutil")
+             "nvidia-pytriton", "kvpress", "aiperf", "psutil", "ray")
 
 
 def cpu_model() -> str:

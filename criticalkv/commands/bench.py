@@ -365,14 +365,16 @@ def _run_main(module_name: str):
 
 def _register_served_loads(sub) -> None:
     """``docqa``, ``memory`` and ``cached-context``: workloads of the context cache and the KV memory budget."""
-    from criticalkv.bench import cached, docqa, memory
+    from criticalkv.bench import cached, docqa, memory, replicas
 
     for name, module, help_text in (
             ("docqa", docqa, "documents x questions in random order at concurrency 8, same KV memory for every "
                              "server: context-cache hit rate, TTFT, output tokens/s, KV held; ratios to full"),
             ("memory", memory, "memory-bound decode (ISL 2048, OSL 256, KV memory of 2 full sequences): output "
                                "tokens/s and the sequences each server holds at once; ratios to full"),
-            ("cached-context", cached, "TTFT of a question after a cached context vs the same request uncached")):
+            ("cached-context", cached, "TTFT of a question after a cached context vs the same request uncached"),
+            ("replicas", replicas, "docqa on Ray Serve replicas: 1 replica, N with power-of-two routing, N with "
+                                   "context affinity + the shared store; then a replica SIGKILLed mid-request")):
         p = sub.add_parser(name, help=help_text, description=plain(module.__doc__),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)

@@ -13,89 +13,18 @@ import tempfile
 import threading
 from pathlib import Path
 
-from criticalkv.commands.arguments import (
-    gpu_ids,
-    nonnegative_float,
-    nonnegative_int,
-    port,
-    port_or_zero,
-    positive_float,
-    positive_int,
-)
+from criticalkv.commands.arguments import port, port_or_zero, positive_float, positive_int
+from criticalkv.commands.model_options import add_model_arguments, scheduler_config
+from criticalkv.commands.serve_replicas import add_replica_arguments, run_replicas, wants_replicas
 from criticalkv.files import remove_stale_temporaries, temporary_dir
 from criticalkv.request import TextBound
 from criticalkv.runtime.manifest import load_tokenizer, read_manifest
 from criticalkv.serving import launcher
-from criticalkv.serving.repository import DEFAULT_MODEL_NAME, make_repository
-from criticalkv.serving.scheduler import SchedulerConfig
+from criticalkv.serving.repository import make_repository
 
 #: temporary model repositories: <tmp>/criticalkv-serve-<launcher pid>-<random>/ (a killed launcher's is removed
 #: by the next start)
 TEMP_PREFIX = "criticalkv-serve-"
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The model's arguments (what the repository's model runs with)."""
-    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
-                   help=f"Triton model name (default: {DEFAULT_MODEL_NAME})")
-    p.add_argument("--instances", type=positive_int, default=1,
-                   help="model instances, each its own engine and scheduler (default: 1; "
-                        "with --backend tensorrt: per GPU)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=None,
-                   help="sequences decoding at once per instance (default and maximum: the engine's --max-batch-size)")
-    p.add_argument("--kv-memory-mib", "--kv-pool-mib", dest="kv_memory_mib", type=positive_float, default=None,
-                   help="one KV memory budget per instance, MiB: what running requests keep (+ their growth), prompts "
-                        "under prefill (their full K/V) and cached contexts hold together (default: no limit beyond "
-                        "--max-num-seqs); requests beyond it wait, cached contexts are evicted first")
-    p.add_argument("--prefill-chunk", type=nonnegative_int, default=512,
-                   help="prefill long prompts in chunks of this many tokens, interleaved with the running requests' "
-                        "decode steps (default: 512, a multiple of the engine's attention block: the same kept entries "
-                        "and tokens as one prefill; 0 = one prefill per prompt)")
-    p.add_argument("--context-cache-mib", type=nonnegative_float, default=256.0,
-                   help="compressed contexts kept for reuse per instance, MiB (default: 256; 0 = none): a request's "
-                        "`context` is compressed once and later questions about it skip its prefill")
-    p.add_argument("--context-policy", default=None, metavar="NAME",
-                   help="the policy a request's `context` is compressed with, before any question is known (default: "
-                        "the engine's context policy, built with scripts/build_engine.py --context-policy, which "
-                        "defaults to layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6; 'engine' = the engine's own "
-                        "--kv-policy). "
-                        "It must be one of the two the engine was built with (results/README.md, question-agnostic "
-                        "quality, says why that one)")
-    p.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch"), default=None,
-                   help="onnxruntime (KIND_CPU; the default for an exported engine), tensorrt (KIND_GPU), or torch (the "
-                        "checkpoint's own layers and the selection op; the default for an engine built with --backend "
-                        "torch; needs torch and transformers in the model's Python: the bundled CPU server's model "
-                        "environment reaches the project's, a Triton container needs them installed)")
-    p.add_argument("--gpus", type=gpu_ids, default=None,
-                   help="with --backend tensorrt (default: 0) or torch (default: none given, KIND_CPU, and torch picks "
-                        "CUDA when it sees a GPU): comma-separated GPU ids, one instance per GPU")
-    p.add_argument("--threads", type=nonnegative_int, default=0,
-                   help="ONNX Runtime (or, with --backend torch on the CPU, torch) threads per instance "
-                        "(default: 0 = the library's choice)")
-
-
-def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    """The scheduler options of ``add_model_arguments``, checked here against the engine's manifest (before any server
-    starts: the model would refuse them only once loaded)."""
-    if getattr(args, "engine_dir", None) is not None:
-        from criticalkv.errors import EngineError
-        from criticalkv.runtime.manifest import read_manifest
-        from criticalkv.serving.scheduler import check_context_policy, check_max_num_seqs
-
-        manifest = read_manifest(args.engine_dir, verify=False)
-        try:
-            check_max_num_seqs(args.max_num_seqs, int(manifest["build"]["max_batch_size"]))
-        except EngineError as err:
-            raise ValueError(f"--max-num-seqs: {err}") from None
-        if args.context_policy is not None:
-            built = (manifest.get("context_policy") or {}).get("name")
-            try:
-                check_context_policy(manifest["policy"]["name"], built, args.context_policy)
-            except EngineError as err:  # a user error of this flag
-                raise ValueError(f"--context-policy: {err}") from None
-    return SchedulerConfig(max_num_seqs=args.max_num_seqs, kv_memory_mib=args.kv_memory_mib,
-                           prefill_chunk=args.prefill_chunk, context_cache_mib=args.context_cache_mib,
-                           context_policy=args.context_policy)
 
 
 def register(subparsers) -> None:
@@ -159,6 +88,7 @@ def register(subparsers) -> None:
                         "Python (default: auto)")
     p.add_argument("--ready-timeout", type=positive_float, default=600.0,
                    help="seconds to wait for the server (default: 600)")
+    add_replica_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -175,6 +105,8 @@ def engine_dir_of(args) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    if wants_replicas(args):  # Ray Serve replicas (criticalkv.replicas), no Triton
+        return run_replicas(args)
     if args.tritonserver is not None:  # the launcher's helpers read it (and tritonserver's children inherit it)
         os.environ[launcher.TRITONSERVER_ENV] = str(Path(args.tritonserver).resolve())
     if args.setup:

@@ -56,6 +56,10 @@ class ContextCache:
     def __contains__(self, key: tuple) -> bool:
         return key in self._entries
 
+    def keys(self) -> list[tuple]:
+        """The keys held, least recently used first."""
+        return list(self._entries)
+
     def peek(self, key: tuple):
         """The entry under ``key`` or None, without counting a hit or a miss or touching its recency."""
         return self._entries.get(key)

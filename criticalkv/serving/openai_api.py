@@ -245,15 +245,7 @@ class TritonModel:
         import tritonclient.grpc.aio as grpcclient
 
         tensors = []
-        for name, value in values.items():
-            if isinstance(value, list):  # token ids
-                array, dtype = np.array(value, dtype=np.int32), "INT32"
-            elif isinstance(value, bool):
-                array, dtype = np.array([value], dtype=bool), "BOOL"
-            elif isinstance(value, int):
-                array, dtype = np.array([value], dtype=np.int32), "INT32"
-            else:
-                array, dtype = np.array([str(value).encode("utf-8")], dtype=np.object_), "BYTES"
+        for name, (array, dtype) in model_inputs(values).items():
             tensor = grpcclient.InferInput(name, list(array.shape), dtype)
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
@@ -301,6 +293,23 @@ class TritonModel:
         finally:
             if not finished:
                 call.cancel()  # Triton cancels the request: the model frees its slot
+
+
+def model_inputs(values: dict[str, Any]) -> dict[str, tuple[np.ndarray, str]]:
+    """The model's input arrays and their Triton types for the values ``respond`` builds (token ids: INT32 [-1];
+    flags: BOOL [1]; integers: INT32 [1]; the rest: BYTES [1]), as ``criticalkv.serving.requests.parse_request``
+    reads them."""
+    arrays = {}
+    for name, value in values.items():
+        if isinstance(value, list):  # token ids
+            arrays[name] = np.array(value, dtype=np.int32), "INT32"
+        elif isinstance(value, bool):
+            arrays[name] = np.array([value], dtype=bool), "BOOL"
+        elif isinstance(value, int):
+            arrays[name] = np.array([value], dtype=np.int32), "INT32"
+        else:
+            arrays[name] = np.array([str(value).encode("utf-8")], dtype=np.object_), "BYTES"
+    return arrays
 
 
 async def _until(responses, draining: asyncio.Event | None):
@@ -357,14 +366,16 @@ def _param_of(message: str) -> str | None:
 PREPARE_THREADS = 4
 
 
-def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = None,
+def create_app(grpc_url: str | None, model_name: str, tokenizer, api_key: str | None = None,
                chat_max_tokens: int | None = None, text_bound: TextBound | None = None,
-               max_body_bytes: int | None = None):
+               max_body_bytes: int | None = None, model=None):
     """The ASGI app. ``tokenizer``: the engine's (its chat template renders the chat messages);
     ``chat_max_tokens``: max_tokens of a chat completion that gives none (None: the model's default);
     ``text_bound``: the engine's bound on a request's characters (None: none checked here, the model still counts
     tokens); ``max_body_bytes``: the largest request body (default: ``text_bound.max_body_bytes``; None without a
-    bound: no limit)."""
+    bound: no limit). ``model``: what serves the requests, with ``TritonModel``'s interface (``inputs``,
+    ``draining``, ``connect``, ``close``, ``ready``, ``generate``); default: the Triton model at ``grpc_url``
+    (``criticalkv.replicas`` gives its Ray Serve replicas)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -373,7 +384,7 @@ def create_app(grpc_url: str, model_name: str, tokenizer, api_key: str | None = 
     ClosingStreamingResponse = _closing_streaming_response()
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    model = TritonModel(grpc_url, model_name)
+    model = TritonModel(grpc_url, model_name) if model is None else model
     created = int(time.time())
     if max_body_bytes is None and text_bound is not None:
         max_body_bytes = text_bound.max_body_bytes

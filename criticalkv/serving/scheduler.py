@@ -47,7 +47,7 @@ from typing import Callable
 from criticalkv.errors import EngineError, RequestError
 from criticalkv.policy import POLICIES
 from criticalkv.request import DEFAULT_MAX_TOKENS, CheckedRequest, Request
-from criticalkv.runtime.engine import Engine, PrefillJob, PrefillResult
+from criticalkv.runtime.engine import Engine, PrefillJob, PrefillResult, SlotSnapshot
 from criticalkv.sampling import Sampler
 from criticalkv.serving.context_cache import ContextCache, context_key
 
@@ -309,6 +309,10 @@ class Scheduler:
         self._running: list[_Sequence] = []
         self._compressing: dict[tuple, _Sequence] = {}  # context key -> the request compressing it now
         self._reserved = 0  # bytes held by prefilling and running requests (cached contexts apart)
+        self._offers: list[tuple[tuple, SlotSnapshot]] = []  # compressed contexts made elsewhere (``offer_context``)
+        #: called on the scheduler thread with (key, snapshot) each time a context has been compressed here (a
+        #: shared store publishes it; it must return quickly and must not keep the thread)
+        self.on_context_compressed: Callable[[tuple, SlotSnapshot], None] | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="criticalkv-scheduler", daemon=True)
         self._thread.start()
@@ -338,6 +342,54 @@ class Scheduler:
             self._lock.notify()
         return handle
 
+    def context_key(self, request: Request) -> tuple:
+        """The context cache's key of ``request``'s context (``RequestError`` for a bad request or one without a
+        context): what ``offer_context`` and ``on_context_compressed`` name a compressed context by."""
+        request = self.engine.check(request)
+        if not request.context_token_ids:
+            raise RequestError("the request has no context")
+        return context_key(request.context_token_ids, self._policy_json, request.kv_budget)
+
+    def holds_context(self, key: tuple) -> bool:
+        """Whether the context under ``key`` is cached here or being compressed here now (any thread)."""
+        return key in self.context_cache or key in self._compressing
+
+    def cached_context_keys(self, compressing: bool = False) -> list[tuple]:
+        """The keys of the cached contexts, least recently used first, then (``compressing``) those being compressed
+        now (any thread: a copy)."""
+        for _ in range(100):  # the scheduler thread may change them meanwhile (outside the lock): look again
+            try:
+                return self.context_cache.keys() + (list(self._compressing) if compressing else [])
+            except RuntimeError:
+                continue
+        return []
+
+    def offer_context(self, key: tuple, snapshot: SlotSnapshot) -> None:
+        """A compressed context made elsewhere (another replica's, from a shared store): it joins the context cache
+        before the next admission, as one compressed here would (when it fits the cache and the KV memory; otherwise
+        it is dropped and the context is compressed here). Any thread; a request submitted after this call sees it."""
+        with self._lock:
+            self._offers.append((key, snapshot))
+            self._lock.notify()
+
+    def _take_offers(self) -> None:
+        """Cache the offered contexts (scheduler thread, under the lock)."""
+        offers, self._offers = self._offers, []
+        for key, snapshot in offers:
+            if key not in self.context_cache:
+                self._cache_copy(key, snapshot)
+
+    def _cache_copy(self, key: tuple, snapshot: SlotSnapshot) -> bool:
+        """Put ``snapshot`` in the context cache if it fits the cache and the KV memory (evicting least recently used
+        contexts)."""
+        room = self.context_cache.capacity_bytes
+        if self.kv_memory_bytes is not None:  # the copy must fit the KV memory too (other contexts may go)
+            room = min(room, self.kv_memory_bytes - self._reserved)
+        if snapshot.nbytes > room:
+            return False
+        self.context_cache.shrink(room - snapshot.nbytes)
+        return self.context_cache.put(key, snapshot)
+
     def _bound(self, request: Request) -> int:
         """Most KV bytes ``request`` holds at once: its full prompt (or context) while prefilled, or its kept
         entries + question + growth while it runs."""
@@ -359,6 +411,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread runs (it stops only on ``close``)."""
+        return self._thread.is_alive()
 
     @property
     def kv_bytes_reserved(self) -> int:
@@ -421,6 +478,8 @@ class Scheduler:
     def _admit(self) -> None:
         while True:
             with self._lock:
+                if self._offers:
+                    self._take_offers()
                 if not self._waiting or len(self._running) + len(self._prefilling) >= self.max_num_seqs:
                     return
                 seq = self._waiting[0]
@@ -523,12 +582,13 @@ class Scheduler:
         # the request now holds its kept entries (+ question and growth), no longer its whole prompt: charge that first,
         # so that the room left for the copy is what is really free
         self._recharge(seq, result.kv_bytes_kept + self.engine.growth_bytes(seq.max_tokens + seq.request.num_prompt_tokens))
-        room = self.context_cache.capacity_bytes
-        if self.kv_memory_bytes is not None:  # the copy must fit the KV memory too (other contexts may go)
-            room = min(room, self.kv_memory_bytes - self._reserved)
-        if snapshot.nbytes <= room:
-            self.context_cache.shrink(room - snapshot.nbytes)
-            self.context_cache.put(seq.key, snapshot)
+        with self._lock:
+            self._cache_copy(seq.key, snapshot)
+        if self.on_context_compressed is not None:
+            try:
+                self.on_context_compressed(seq.key, snapshot)
+            except Exception:  # a store that cannot take it: the context stays served from this cache
+                pass
         self._ask(seq, result.kept_entries, result.kv_bytes_full)
 
     def _ask(self, seq: _Sequence, kept_entries: int, kv_bytes_full: int) -> None:

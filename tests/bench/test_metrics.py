@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from criticalkv.bench.client import parse_event, poisson_offsets
+from criticalkv.bench.client import parse_event, parse_openai_event, poisson_offsets
 from criticalkv.bench.metrics import RequestRecord, distribution, peak_in_flight, summarize
 
 
@@ -105,6 +105,25 @@ def test_events_fold_into_a_record():
     err = RequestRecord(start=0.0)
     parse_event(err, {"error": "max_tokens must be > 0"}, 0.1)
     assert not err.ok and "max_tokens" in err.error
+
+
+def test_openai_stream_events_fold_into_a_record():
+    # `criticalkv serve --replicas` (bench replicas): completions chunks, chat deltas, the usage chunk, the error object
+    r = RequestRecord(start=0.0)
+    for t, event in [(0.3, {"choices": [{"index": 0, "text": "Hel", "finish_reason": None}]}),
+                     (0.5, {"choices": [{"index": 0, "text": "", "finish_reason": None}]}),  # no text: no chunk
+                     (0.6, {"choices": [{"index": 0, "text": "lo", "finish_reason": "length"}], "context_cache_hit": True}),
+                     (0.61, {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}})]:
+        parse_openai_event(r, event, t)
+    assert r.chunks == [(0.3, 1), (0.6, 1)] and r.num_output_tokens == 3 and r.input_tokens == 9
+    assert r.context_cache_hit is True and r.finish_reason == "length" and r.ttft == pytest.approx(0.3)
+    chat = RequestRecord(start=0.0)
+    for t, delta in [(0.2, {"role": "assistant", "content": ""}), (0.4, {"content": "Hi"})]:
+        parse_openai_event(chat, {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}, t)
+    assert chat.chunks == [(0.4, 1)]
+    err = RequestRecord(start=0.0)
+    parse_openai_event(err, {"error": {"message": "the replica serving this request stopped", "code": 503}}, 0.1)
+    assert not err.ok and err.error == "the replica serving this request stopped"
 
 
 def test_poisson_offsets_have_the_requested_rate_and_are_reproducible():

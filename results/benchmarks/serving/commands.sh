@@ -100,3 +100,21 @@ uptime
 #     the AIPerf half runs when .peers/aiperf exists (criticalkv bench setup-peers --only aiperf)
 .venv/bin/python -m pytest -q -s tests/bench/test_ground_truth.py
 $B bench targets $OUT
+
+# ---- Issue 41: replicas on Ray Serve (taken 2026-11-27 from 14:26 UTC on the shared 2-core VM, NOT idle: the
+#      1-minute load average ran 10-290 while other jobs shared the machine; each file's table gives it per run) ----
+# Engine: the README's policy with room for a context + question (context policy: the build's default,
+#   layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6):
+#   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-input-len 2304 \
+#     --max-new-tokens 256 --max-batch-size 8 --max-question-len 64 --output engines/ctx-ckv256
+uptime
+# 13. docqa (16 x 8, concurrency 8, OSL 64) on 1 replica (2 threads), 2 replicas with power-of-two routing, 2 with
+#     context affinity + the shared store (1 thread each); every replica docqa's 4 uncompressed contexts of KV memory
+#     (360 MiB) and cache; then a replica SIGKILLed with 4 streams in flight
+$B bench replicas --engine-dir engines/ctx-ckv256 --out $OUT --name replicas --no-progress
+uptime
+# 14. the same with 3 contexts of memory (270 MiB) per replica, power of two with the store too, no kill
+$B bench replicas --engine-dir engines/ctx-ckv256 --kv-contexts 3 --configs single,pow2,pow2-store,affinity \
+  --no-fault --out $OUT --name replicas_kv3 --no-progress
+# (replicas.md / replicas_kv3.md were then redrawn from their JSON by criticalkv.bench.replicas.render after its ratio
+#  table was added: no rerun)

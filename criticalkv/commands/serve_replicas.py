@@ -1,0 +1,87 @@
+"""``criticalkv serve --replicas N`` / ``--ray-address ADDR``: the flags of the Ray Serve deployment
+(``criticalkv.replicas``) beside those of the Triton server, and the run that uses them."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+
+
+def add_replica_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "replicas (Ray Serve; needs `pip install criticalkv[ray]`)",
+        "--replicas N (or --ray-address) serves the engine as N Ray Serve replicas, each its own engine and scheduler, "
+        "behind the same OpenAI-compatible API on --openai-port (no Triton: its ports are not used); a request's "
+        "`context` goes to the replica that holds it compressed, and compressed contexts are shared through Ray's "
+        "object store (docs/serving.md, 'Past one machine')")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="engine replicas (default: 1 with --ray-address; without either flag, Triton serves)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (e.g. 10.0.0.1:6379, or 'auto' on one of its nodes) instead of starting "
+                        "a local Ray for the replicas")
+    g.add_argument("--router", choices=("affinity", "pow2"), default="affinity",
+                   help="affinity (default): a request goes to the replica holding its context compressed unless that "
+                        "replica's queue is longer than the shortest by more than --imbalance-threshold, else to the "
+                        "least loaded; pow2: Ray Serve's default power-of-two-choices router")
+    g.add_argument("--imbalance-threshold", type=int, default=4, metavar="K",
+                   help="requests by which the holder's queue may exceed the shortest before a request goes elsewhere "
+                        "(default: 4)")
+    g.add_argument("--context-store-mib", type=float, default=1024.0, metavar="MIB",
+                   help="compressed contexts kept in Ray's object store for every replica, MiB (default: 1024; "
+                        "0 = none: each replica compresses what it does not hold)")
+    g.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="CPUs Ray reserves per replica (default: 1; set --threads to match)")
+    g.add_argument("--replica-gpus", type=float, default=0.0,
+                   help="GPUs per replica (default: 0; 1 with --backend tensorrt or torch on GPU nodes)")
+    g.add_argument("--max-ongoing-requests", type=int, default=64,
+                   help="requests one replica takes at once, queued ones included (default: 64; beyond it the "
+                        "router holds them)")
+    g.add_argument("--app-name", default="criticalkv", help="the Serve application's name (default: criticalkv)")
+
+
+def wants_replicas(args: argparse.Namespace) -> bool:
+    return getattr(args, "replicas", None) is not None or getattr(args, "ray_address", None) is not None
+
+
+def run_replicas(args: argparse.Namespace) -> int:
+    """``criticalkv serve`` with ``--replicas`` / ``--ray-address``."""
+    from criticalkv.commands.model_options import scheduler_config
+
+    if args.repo is not None:
+        raise ValueError("--repo is a Triton model repository: the replicas serve --engine-dir")
+    if args.engine_dir is None:
+        raise ValueError("give --engine-dir")
+    if args.instances != 1:
+        raise ValueError("--instances is Triton's: with the replicas, give --replicas")
+    if not args.openai_port:
+        raise ValueError("--openai-port 0: the replicas are reached through the OpenAI API only")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty")
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError:
+        raise ValueError("--replicas needs Ray Serve: pip install 'criticalkv[ray]'") from None
+    from criticalkv.replicas.launch import ReplicaServeConfig, serve_replicas
+    from criticalkv.serving import launcher
+
+    fields = dict(  # the replicas' own flags first (ReplicaServeConfig checks them), then the engine's
+        engine_dir=Path(args.engine_dir), replicas=args.replicas if args.replicas is not None else 1,
+        ray_address=args.ray_address, host=args.host, port=args.openai_port, api_key=args.api_key,
+        model_name=args.model_name, backend=args.backend, threads=args.threads, router=args.router,
+        imbalance_threshold=args.imbalance_threshold,
+        store_mib=args.context_store_mib, replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
+        max_ongoing_requests=args.max_ongoing_requests, app_name=args.app_name, ready_timeout=args.ready_timeout,
+        max_body_bytes=args.max_body_bytes)
+    ReplicaServeConfig(**fields)
+    config = ReplicaServeConfig(**fields, scheduler=scheduler_config(args).to_dict())
+    launcher.check_ports_free(args.host, {"--openai-port": args.openai_port})  # PortInUse: one line, status 2
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return serve_replicas(config, stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
