@@ -215,8 +215,8 @@ def run_config(name: str, args, work: dict, tokenizer, log_dir: Path, model: str
     count, router, store = CONFIGS[name]
     replicas = args.replicas if count is None else count
     threads = args.threads * (args.replicas if name == "single" else 1)
-    flags = ["--replicas", str(replicas), "--router", router, "--context-store-mib",
-             str(args.store_mib if store else 0), "--threads", str(threads), "--replica-cpus", str(threads),
+    options = f"router={router},context_store_mib={args.store_mib if store else 0},replica_cpus={threads}"
+    flags = ["--replicas", str(replicas), "--replica-options", options, "--threads", str(threads),
              "--prefill-chunk", str(args.prefill_chunk), *args.memory_flags]
     label = LABELS[name].format(n=replicas)
     print(f"{label}: criticalkv serve {' '.join(flags)} ...", flush=True)

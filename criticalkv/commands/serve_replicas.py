@@ -21,24 +21,36 @@ def add_replica_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="join this Ray cluster (e.g. 10.0.0.1:6379, or 'auto' on one of its nodes) instead of starting "
                         "a local Ray for the replicas")
-    g.add_argument("--router", choices=("affinity", "pow2"), default="affinity",
-                   help="affinity (default): a request goes to the replica holding its context compressed unless that "
-                        "replica's queue is longer than the shortest by more than --imbalance-threshold, else to the "
-                        "least loaded; pow2: Ray Serve's default power-of-two-choices router")
-    g.add_argument("--imbalance-threshold", type=int, default=4, metavar="K",
-                   help="requests by which the holder's queue may exceed the shortest before a request goes elsewhere "
-                        "(default: 4)")
-    g.add_argument("--context-store-mib", type=float, default=1024.0, metavar="MIB",
-                   help="compressed contexts kept in Ray's object store for every replica, MiB (default: 1024; "
-                        "0 = none: each replica compresses what it does not hold)")
-    g.add_argument("--replica-cpus", type=float, default=1.0,
-                   help="CPUs Ray reserves per replica (default: 1; set --threads to match)")
-    g.add_argument("--replica-gpus", type=float, default=0.0,
-                   help="GPUs per replica (default: 0; 1 with --backend tensorrt or torch on GPU nodes)")
-    g.add_argument("--max-ongoing-requests", type=int, default=64,
-                   help="requests one replica takes at once, queued ones included (default: 64; beyond it the "
-                        "router holds them)")
-    g.add_argument("--app-name", default="criticalkv", help="the Serve application's name (default: criticalkv)")
+    g.add_argument("--replica-options", type=replica_options, default={}, metavar="KEY=VALUE[,KEY=VALUE...]",
+                   help="the deployment's advanced settings: router=affinity (default: a request goes to the replica "
+                        "holding its context compressed unless that replica's queue is longer than the shortest by more "
+                        "than imbalance_threshold, else to the least loaded) or pow2 (Ray Serve's power-of-two-choices "
+                        "router); imbalance_threshold=4; context_store_mib=1024 (compressed contexts kept in Ray's "
+                        "object store for every replica; 0 = none); replica_cpus=1 (CPUs Ray reserves per replica: set "
+                        "--threads to match); replica_gpus=0 (1 with --backend tensorrt or torch on GPU nodes); "
+                        "max_ongoing_requests=64 (requests one replica takes at once; beyond it the router holds them); "
+                        "app_name=criticalkv (the Serve application's name: several models on one cluster)")
+
+
+#: --replica-options' keys: type and default (the ReplicaServeConfig field each sets, named alike but store_mib).
+REPLICA_OPTIONS = {"router": (str, "affinity"), "imbalance_threshold": (int, 4), "context_store_mib": (float, 1024.0),
+                   "replica_cpus": (float, 1.0), "replica_gpus": (float, 0.0), "max_ongoing_requests": (int, 64),
+                   "app_name": (str, "criticalkv")}
+
+
+def replica_options(text: str) -> dict:
+    """``key=value,...`` -> {key: value} of REPLICA_OPTIONS (argparse type: a bad one is one argparse line)."""
+    out = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        key, sep, value = item.partition("=")
+        if not sep or key not in REPLICA_OPTIONS:
+            raise argparse.ArgumentTypeError(f"{item!r}: give KEY=VALUE with KEY one of {', '.join(REPLICA_OPTIONS)}")
+        kind = REPLICA_OPTIONS[key][0]
+        try:
+            out[key] = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{key}={value!r} is not a valid {kind.__name__}") from None
+    return out
 
 
 def wants_replicas(args: argparse.Namespace) -> bool:
@@ -67,13 +79,16 @@ def run_replicas(args: argparse.Namespace) -> int:
     from criticalkv.replicas.launch import ReplicaServeConfig, serve_replicas
     from criticalkv.serving import launcher
 
+    options = {key: default for key, (_, default) in REPLICA_OPTIONS.items()}
+    options.update(args.replica_options)
     fields = dict(  # the replicas' own flags first (ReplicaServeConfig checks them), then the engine's
         engine_dir=Path(args.engine_dir), replicas=args.replicas if args.replicas is not None else 1,
         ray_address=args.ray_address, host=args.host, port=args.openai_port, api_key=args.api_key,
-        model_name=args.model_name, backend=args.backend, threads=args.threads, router=args.router,
-        imbalance_threshold=args.imbalance_threshold,
-        store_mib=args.context_store_mib, replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
-        max_ongoing_requests=args.max_ongoing_requests, app_name=args.app_name, ready_timeout=args.ready_timeout,
+        model_name=args.model_name, backend=args.backend, threads=args.threads, router=options["router"],
+        imbalance_threshold=options["imbalance_threshold"],
+        store_mib=options["context_store_mib"], replica_cpus=options["replica_cpus"],
+        replica_gpus=options["replica_gpus"], max_ongoing_requests=options["max_ongoing_requests"],
+        app_name=options["app_name"], ready_timeout=args.ready_timeout,
         max_body_bytes=args.max_body_bytes)
     ReplicaServeConfig(**fields)
     config = ReplicaServeConfig(**fields, scheduler=scheduler_config(args).to_dict())

@@ -52,13 +52,13 @@ class ReplicaServeConfig:
         if not isinstance(self.replicas, int) or self.replicas < 1:
             raise ValueError(f"--replicas must be an integer >= 1, got {self.replicas!r}")
         if self.router not in ("affinity", "pow2"):
-            raise ValueError(f"--router must be affinity or pow2, got {self.router!r}")
+            raise ValueError(f"--replica-options router must be affinity or pow2, got {self.router!r}")
         if self.imbalance_threshold < 0:
-            raise ValueError(f"--imbalance-threshold must be >= 0, got {self.imbalance_threshold}")
+            raise ValueError(f"--replica-options imbalance_threshold must be >= 0, got {self.imbalance_threshold}")
         if self.store_mib < 0:
-            raise ValueError(f"--context-store-mib must be >= 0, got {self.store_mib}")
+            raise ValueError(f"--replica-options context_store_mib must be >= 0, got {self.store_mib}")
         if self.replica_cpus < 0 or self.replica_gpus < 0:
-            raise ValueError("--replica-cpus and --replica-gpus must be >= 0")
+            raise ValueError("--replica-options replica_cpus and replica_gpus must be >= 0")
         if not (Path(self.engine_dir) / "manifest.json").is_file():
             raise FileNotFoundError(f"{self.engine_dir}: not an engine directory (no manifest.json)")
 
@@ -100,7 +100,7 @@ class ReplicaService:
         running = serve.status().applications if self._serve_running() else {}
         if c.app_name in running:
             raise RuntimeError(f"a Serve application named {c.app_name!r} already runs on this cluster: stop it, or "
-                               "give another --app-name")
+                               "give another --replica-options app_name=...")
         self.serve_started = not self._serve_running()
         serve.start(http_options={"host": c.host, "port": c.port},
                     proxy_location="HeadOnly" if self.local else "EveryNode",
@@ -108,7 +108,7 @@ class ReplicaService:
         try:
             ray.get_actor(store_name(c.app_name), namespace=NAMESPACE)
             raise RuntimeError(f"a context store for {c.app_name!r} already exists on this cluster (another "
-                               "`criticalkv serve --replicas` with this --app-name?)")
+                               "`criticalkv serve --replicas` with this app_name?)")
         except ValueError:
             pass
         self.store = ray.remote(ContextStore).options(

@@ -263,3 +263,10 @@ def test_replica_flags_are_checked_before_anything_starts(tmp_path, capsys):
     assert "--repo is a Triton model repository" in capsys.readouterr().err
     assert main(["serve", "--replicas", "0", "--engine-dir", str(tmp_path)]) == 2
     assert "--replicas must be" in capsys.readouterr().err
+    # the deployment's advanced settings: one spec, each key checked
+    with pytest.raises(SystemExit):
+        main(["serve", "--replicas", "2", "--engine-dir", str(tmp_path), "--replica-options", "routr=pow2"])
+    assert "KEY one of router, imbalance_threshold" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "2", "--engine-dir", str(tmp_path), "--replica-options",
+                 "router=random"]) == 2
+    assert "--replica-options router must be affinity or pow2" in capsys.readouterr().err
