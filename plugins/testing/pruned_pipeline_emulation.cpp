@@ -3,7 +3,7 @@
 // kernels/mma_tiles.cuh (the Gram pieces, the tensor-core bounds and the exact L1 norms over gathered candidate rows),
 // kernels/pruned_flow.cuh (runPrunedStage2: its plan, list, score, count and relabel kernels, its top-k calls through
 // the batched top-k's kernels, kernels/topk_device.cuh) with the warp instructions of testing/mma_emulation.h and
-// testing/cuda_emulation.h, one std::thread per CUDA thread. The steps the emulation does not cover run as the host driver runs them: window
+// testing/cuda_emulation.h, one fiber per CUDA thread. The steps the emulation does not cover run as the host driver runs them: window
 // attention (host::windowScores), the group score (groupScoresAt, the kernel's function), the shared allocation
 // (shared_allocation.h over the host radix select) and the compaction rule (kept_positions.h). Checks:
 //   * the kept indices equal the unpruned selection on the same computed values (stage 2 by the exact C of every
@@ -24,7 +24,6 @@
 #include <functional>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cuda_emulation.h"

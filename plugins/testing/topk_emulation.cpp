@@ -1,5 +1,5 @@
 // CPU emulation of the batched top-k (kernels/topk_device.cuh, included as is): runTopK / runMassCount's launches
-// with every CTA's threads as std::threads (cuda_emulation.h), the CTAs of a launch one after another. Beside it, the
+// with every CTA's threads as fibers (cuda_emulation.h), the CTAs of a launch one after another. Beside it, the
 // host driver's sequential radix select and mass count (host/select_host.cpp) on the same rows. Not built by CMake:
 // tests/plugins/test_plugin_kernel_emulation.py compiles it with g++ and compares the marks with topk_mask.
 //   topk_emulation IN OUT
