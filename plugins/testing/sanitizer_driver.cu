@@ -1,6 +1,19 @@
-// A small, self-contained run of launchCriticalKVSelect for compute-sanitizer (memcheck, racecheck, synccheck):
-//   compute-sanitizer --tool memcheck build/plugins/ckv_sanitizer_driver
-// Every policy, fp32 / fp16 / bf16, a left-padded batch, n not a multiple of the tiles. Exit code 0 = clean run.
+// Short runs of launchCriticalKVSelect for compute-sanitizer (memcheck, racecheck, synccheck, initcheck), one named shape
+// at a time or all of them:
+//   compute-sanitizer --tool racecheck build/plugins/ckv_sanitizer_driver [--list] [SHAPE ...]   (no SHAPE: every one)
+// Each shape is picked for the kernels it reaches (a left-padded batch, n not a multiple of the tiles, every launch run
+// with and without a kv_budget below the built budget):
+//   small    d_h 64, hidden 256, n 333: every policy, value_norm l1 and l2, fp32 / fp16 / bf16 (the SIMT and the
+//            tensor-core paths at their smallest tiles, every selection flow);
+//   d128     d_h 128, hidden 4096, n 300, fp16 / bf16: the value norms' 3-deep cp.async ring of W_O tiles (172 KiB of
+//            shared memory per CTA), gramQuad at d_h 128 (MmaTiles<4, 2, 2>: the l2 norms' 3 pieces and the pruned
+//            stage 2's bounds), the pruned stage 2's tensor-core bound terms, WindowTiles<8> (defensivekv's rows
+//            included), the exact norms of gathered candidates split over the group's query heads;
+//   longrow  n 4,700 (4,668 older tokens per head, over the 4,096 one CTA takes): the multi-CTA top-k (per-CTA
+//            histograms added with atomics, __threadfence, the last CTA choosing the digit), the layer-wide rows of
+//            the shared allocation, defensivekv's mass count, the pruned stage 2's rounds on multi-CTA rows, and the
+//            compaction over several tiles of positions.
+// Exit code 0 = every case ran without a CUDA error; the sanitizer's own exit code reports what it found.
 #include "criticalkv/kernels.h"
 #include "policy.h"
 
@@ -9,6 +22,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -29,6 +43,39 @@ namespace
         }                                                                                                              \
     } while (0)
 
+//! One named shape of the driver: the tensors' dimensions and which policies, norms and dtypes run on it.
+struct DriverShape
+{
+    char const* name;
+    SelectShape shape;
+    std::vector<int32_t> lengths; //!< prompt_lengths (the first = n, the others left-padded)
+    int32_t window;
+    int32_t budget;
+    std::vector<std::string> policies; //!< empty: every policy the plugin accepts
+    std::vector<std::string> norms;
+    std::vector<DType> dtypes;
+};
+
+std::vector<DriverShape> driverShapes()
+{
+    std::vector<std::string> const all{};
+    return {
+        {"small", SelectShape{3, 8, 2, 333, 20, 64, 256}, {333, 201, 17}, 16, 72, all, {"l1", "l2"},
+            {DType::kFloat32, DType::kFloat16, DType::kBFloat16}},
+        {"d128", SelectShape{2, 4, 2, 300, 32, 128, 4096}, {300, 181}, 32, 96,
+            {"snapkv", "criticalkv", "ada-criticalkv", "laprox", "defensivekv"}, {"l1", "l2"},
+            {DType::kFloat16, DType::kBFloat16}},
+        {"longrow", SelectShape{2, 4, 2, 4700, 32, 64, 256}, {4700, 4301}, 32, 256,
+            {"snapkv", "pyramidkv", "adakv", "criticalkv", "ada-criticalkv", "laprox", "defensivekv"}, {"l1"},
+            {DType::kBFloat16}},
+    };
+}
+
+char const* dtypeName(DType dtype)
+{
+    return dtype == DType::kFloat32 ? "fp32" : (dtype == DType::kFloat16 ? "fp16" : "bf16");
+}
+
 template <typename T>
 std::vector<T> randomTensor(size_t count, std::mt19937& rng, float scale)
 {
@@ -42,9 +89,9 @@ std::vector<T> randomTensor(size_t count, std::mt19937& rng, float scale)
 }
 
 template <typename T>
-int runCase(PolicyConfig const& policy, DType dtype, std::mt19937& rng)
+int runCase(PolicyConfig const& policy, DriverShape const& shape, DType dtype, std::mt19937& rng)
 {
-    SelectShape const s{3, 8, 2, 333, 20, 64, 256};
+    SelectShape const s = shape.shape;
     SelectConfig const config = makeSelectConfig(policy);
     int32_t const cap = outputCapacity(config, s.n);
     size_t const qCount = size_t(s.batch) * s.heads * s.queryLen * s.headDim;
@@ -55,7 +102,7 @@ int runCase(PolicyConfig const& policy, DType dtype, std::mt19937& rng)
     std::vector<T> hk = randomTensor<T>(kvCount, rng, 1.0F);
     std::vector<T> hv = randomTensor<T>(kvCount, rng, 1.0F);
     std::vector<T> ho = randomTensor<T>(oCount, rng, 0.05F);
-    std::vector<int32_t> const lengths = {s.n, 201, 17};
+    std::vector<int32_t> const& lengths = shape.lengths;
     int32_t const runtimeBudget = policy.budget - 20; // a request below the built budget: kv_budget on the device
     void *q, *k, *v, *o, *kk, *kv, *workspace = nullptr;
     int32_t *len, *kvBudget, *keptLengths, *keptIndices;
@@ -97,20 +144,18 @@ int runCase(PolicyConfig const& policy, DType dtype, std::mt19937& rng)
     return 0;
 }
 
-} // namespace
-
-int main()
+int runShape(DriverShape const& shape, std::mt19937& rng)
 {
-    std::mt19937 rng(7);
     int failures = 0;
-    for (std::string const& name : policyNames())
+    std::vector<std::string> const names = shape.policies.empty() ? policyNames() : shape.policies;
+    for (std::string const& name : names)
     {
-        for (std::string const& norm : {std::string("l1"), std::string("l2")})
+        for (std::string const& norm : shape.norms)
         {
             PolicyConfig policy;
             policy.name = name;
-            policy.budget = 72;
-            policy.window = 16;
+            policy.budget = shape.budget;
+            policy.window = shape.window;
             policy.value_norm = norm;
             policy.layer_idx = 1;
             policy.num_layers = 3;
@@ -125,10 +170,63 @@ int main()
             {
                 continue; // a method the plugin refuses (layer-defensivekv: a model-level selection)
             }
-            failures += runCase<float>(policy, DType::kFloat32, rng);
-            failures += runCase<__half>(policy, DType::kFloat16, rng);
-            failures += runCase<__nv_bfloat16>(policy, DType::kBFloat16, rng);
+            for (DType dtype : shape.dtypes)
+            {
+                std::printf("%s: %s value_norm=%s %s\n", shape.name, name.c_str(), norm.c_str(), dtypeName(dtype));
+                std::fflush(stdout);
+                int const failed = dtype == DType::kFloat32 ? runCase<float>(policy, shape, dtype, rng)
+                    : dtype == DType::kFloat16              ? runCase<__half>(policy, shape, dtype, rng)
+                                                            : runCase<__nv_bfloat16>(policy, shape, dtype, rng);
+                failures += failed;
+            }
         }
+    }
+    return failures;
+}
+
+} // namespace
+
+int main(int argc, char** argv)
+{
+    std::vector<DriverShape> const shapes = driverShapes();
+    std::vector<DriverShape> chosen;
+    for (int i = 1; i < argc; ++i)
+    {
+        std::string const arg = argv[i];
+        if (arg == "--list" || arg == "-h" || arg == "--help")
+        {
+            std::printf("usage: %s [--list] [SHAPE ...] (no SHAPE: all)\nshapes:", argv[0]);
+            for (DriverShape const& s : shapes)
+            {
+                std::printf(" %s", s.name);
+            }
+            std::printf("\n");
+            return 0;
+        }
+        bool found = false;
+        for (DriverShape const& s : shapes)
+        {
+            if (arg == s.name)
+            {
+                chosen.push_back(s);
+                found = true;
+            }
+        }
+        if (!found)
+        {
+            std::fprintf(stderr, "ckv_sanitizer_driver: unknown shape '%s' (see --list)\n", arg.c_str());
+            return 2;
+        }
+    }
+    if (chosen.empty())
+    {
+        chosen = shapes;
+    }
+    std::mt19937 rng(7);
+    int failures = 0;
+    for (DriverShape const& shape : chosen)
+    {
+        failures += runShape(shape, rng);
     }
     std::printf("ckv_sanitizer_driver: %d failing case(s)\n", failures);
     return failures == 0 ? 0 : 1;

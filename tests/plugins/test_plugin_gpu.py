@@ -10,7 +10,8 @@ Skipped cleanly without one (tests/conftest.py). What they check:
   window attention), and the value norms over gathered rows equal to the whole-prompt launch's;
 * the policies ranked by window attention (snapkv, laprox, adakv, defensivekv): the fp64 reference's kept indices by
   the same rule (16-bit inputs: tensor-core window scores);
-* compute-sanitizer memcheck / racecheck / synccheck / initcheck on plugins/testing/sanitizer_driver.cu;
+* compute-sanitizer memcheck / racecheck / synccheck / initcheck on plugins/testing/sanitizer_driver.cu, shape by shape
+  (small; d128: d_h 128, hidden 4096; longrow: rows over 4,096 entries);
 * kernel time against the floor of reading V and W_O once, printed as a ratio;
 * an engine built from an ONNX graph holding only the CriticalKVSelect node (needs tensorrt and onnx).
 """
@@ -630,13 +631,19 @@ def sanitizer_path():
     return found or (str(default) if default.exists() else None)
 
 
+SANITIZER_SHAPES = ("small", "d128", "longrow")  # plugins/testing/sanitizer_driver.cu: ckv_sanitizer_driver --list
+
+
+@pytest.mark.parametrize("shape", SANITIZER_SHAPES)
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck", "initcheck"])
-def test_compute_sanitizer(native_build, needs_nvcc, tool):
+def test_compute_sanitizer(native_build, needs_nvcc, tool, shape):
+    """One sanitizer on one of the driver's shapes: small (every policy, three dtypes), d128 (d_h 128, hidden 4096: the
+    172 KiB cp.async ring, gramQuad at d_h 128, WindowTiles<8>), longrow (4,668 older tokens: the multi-CTA top-k)."""
     sanitizer = sanitizer_path()
     if sanitizer is None:
         pytest.skip("compute-sanitizer not found")
     driver = native_build / "ckv_sanitizer_driver"
-    result = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3", str(driver)],
+    result = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3", str(driver), shape],
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
     assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr
