@@ -96,6 +96,17 @@ struct NormTileArgs
     float const* colL1;       //!< [H] c_h = max_c sum_k |W_O^h[k, c]| (bound mode)
 };
 
+//! The 32-bit word (two 16-bit elements) a thread reads at step w (0 <= w < d_h / 2) of its row of the V tile in
+//! gramQuadBlock's bound epilogue (one thread per row, the rows of a warp consecutive): w with its two lowest bits
+//! flipped by bits 3..4 of the row. With the tile's row stride of d_h / 2 + 4 words (mma::paddedStride), 4 times an odd
+//! number for d_h % 16 == 0, rows r and r + 8 meet in one bank in the plain order; the flip sends the 4 rows of a bank
+//! to 4 neighbouring words, so a warp's 32 reads hit 32 banks (tests: value_norms_mma_emulation banks). d_h / 2 is a
+//! multiple of 8, so the flipped word stays inside the row.
+CKV_HD int32_t boundRowWord(int32_t row, int32_t w)
+{
+    return w ^ ((row >> 3) & 3);
+}
+
 //! The rows of this CTA: [begin, begin + kRows) of the head's list (or of the tokens); count = the list's length.
 struct TileRows
 {
@@ -151,18 +162,31 @@ __device__ __forceinline__ void loadValueTile(NormTileArgs const& a, TileRows co
     }
 }
 
+//! Element offsets (in a tile of row stride `stride`) of the row `lane` gives an ldmatrix.x4: A fragments of rows
+//! [row0, row0 + 16) at depth k0; B fragments of columns [col0, col0 + 16) at depth k0 (tests: the bank analysis).
+CKV_HD int32_t fragmentAOffset(int32_t stride, int32_t row0, int32_t k0, int32_t lane)
+{
+    mma::RowCol const ar = mma::ldmatrixARow(lane);
+    return (row0 + ar.row) * stride + k0 + ar.col;
+}
+
+CKV_HD int32_t fragmentBOffset(int32_t stride, int32_t col0, int32_t k0, int32_t lane)
+{
+    mma::RowCol const br = mma::ldmatrixBRow(lane);
+    return (col0 + br.row) * stride + k0 + br.col;
+}
+
 //! The warp's A fragments of rows [row0, row0 + 16) and B fragments of columns [col0, col0 + 64) at depth k0.
 template <typename Cfg, typename T>
 __device__ __forceinline__ void loadFragmentsB(T const* bTile, int32_t stride, int32_t col0, int32_t k0,
     uint32_t (&bf)[Cfg::kNTiles][2])
 {
     int32_t const lane = static_cast<int32_t>(threadIdx.x) & 31;
-    mma::RowCol const br = mma::ldmatrixBRow(lane);
 #pragma unroll
     for (int32_t nj = 0; nj < Cfg::kNTiles / 2; ++nj)
     {
         uint32_t r[4];
-        ldmatrixX4(r, bTile + (col0 + nj * 16 + br.row) * stride + k0 + br.col);
+        ldmatrixX4(r, bTile + fragmentBOffset(stride, col0 + nj * 16, k0, lane));
         bf[2 * nj][0] = r[0];
         bf[2 * nj][1] = r[1];
         bf[2 * nj + 1][0] = r[2];
@@ -174,8 +198,7 @@ template <typename T>
 __device__ __forceinline__ void loadFragmentA(T const* aTile, int32_t stride, int32_t row0, int32_t k0, uint32_t (&af)[4])
 {
     int32_t const lane = static_cast<int32_t>(threadIdx.x) & 31;
-    mma::RowCol const ar = mma::ldmatrixARow(lane);
-    ldmatrixX4(af, aTile + (row0 + ar.row) * stride + k0 + ar.col);
+    ldmatrixX4(af, aTile + fragmentAOffset(stride, row0, k0, lane));
 }
 
 //! Sum of a row's quad: the 4 lanes sharing groupID hold one row's columns; every lane gets the total.
@@ -466,15 +489,22 @@ __device__ void gramQuadBlock(NormTileArgs const& a, unsigned char* shared)
             float result = 0.0F;
             if constexpr (kBound)
             {
-                T const* v = aTile + row * stride;
+                // |v| . s_h and max |v_k| of this thread's row, two elements per 32-bit word in boundRowWord's order:
+                // the 32 rows a warp reads at once fall in 32 different banks (a row stride of 4 x an odd number of
+                // words put rows 8 apart in one bank: 4-way conflicts in the plain order)
+                uint32_t const* words = reinterpret_cast<uint32_t const*>(aTile + row * stride);
                 float const* s = a.rowL1 + static_cast<int64_t>(h) * d;
                 float weighted = 0.0F;
                 float maxAbs = 0.0F;
-                for (int32_t k = 0; k < d; ++k)
+                for (int32_t w = 0; w < d / 2; ++w)
                 {
-                    float const x = fabsf(toFloat(v[k]));
-                    weighted += x * s[k];
-                    maxAbs = x > maxAbs ? x : maxAbs;
+                    int32_t const word = boundRowWord(row, w);
+                    float const x0 = fabsf(lowHalf<T>(words[word]));
+                    float const x1 = fabsf(highHalf<T>(words[word]));
+                    weighted += x0 * s[2 * word];
+                    weighted += x1 * s[2 * word + 1];
+                    maxAbs = x0 > maxAbs ? x0 : maxAbs;
+                    maxAbs = x1 > maxAbs ? x1 : maxAbs;
                 }
                 constexpr bool kHalf = std::is_same<T, __half>::value;
                 float const tau = kHalf ? inverseScale * 2.98023223876953125e-8F : 0.0F; // 2^-25 / s

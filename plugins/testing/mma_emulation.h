@@ -75,6 +75,19 @@ inline __half fromFloat<__half>(float value)
     return out;
 }
 
+//! mma_primitives.cuh's lowHalf / highHalf: the 16-bit element in either half of a 32-bit word, as float.
+template <typename T>
+float lowHalf(uint32_t pair)
+{
+    return toFloat(T{static_cast<uint16_t>(pair & 0xFFFFu)});
+}
+
+template <typename T>
+float highHalf(uint32_t pair)
+{
+    return toFloat(T{static_cast<uint16_t>(pair >> 16)});
+}
+
 //! One warp's exchange slots for the tensor-core instructions (cuda_emulation.h's EmulatedWarp serves the shuffles,
 //! ballots and matches of the other device code).
 struct MmaWarp

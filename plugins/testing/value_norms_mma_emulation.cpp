@@ -4,6 +4,9 @@
 // tests/plugins/test_mma_emulation.py compiles it with g++ -std=c++20.
 //   value_norms_mma_emulation layouts
 //     the fragment functions against the PTX ISA's per-element formulas (a_i, b_i, c_i index form)
+//   value_norms_mma_emulation banks
+//     the shared-memory bank analysis of the tile bodies' reads (ldmatrix phases, gramQuadBlock's epilogues): every
+//     warp-wide read conflict-free for d_h = 16 .. 128
 //   value_norms_mma_emulation norms DTYPE KIND BATCH HEADS KV_HEADS N HEAD_DIM HIDDEN GATHER SEED
 //     valueNormsMmaBlock: DTYPE bf16 | fp16, KIND l1 | l2, GATHER 0 (every token) | 1 (ragged lists per head)
 //   value_norms_mma_emulation quad DTYPE BATCH HEADS KV_HEADS N HEAD_DIM HIDDEN GATHER SEED
@@ -80,6 +83,151 @@ int layouts()
     }
     std::printf("layouts: %d failures\n", gFailures);
     return gFailures == 0 ? 0 : 1;
+}
+
+//! Shared-memory bank conflicts of one warp-wide access: `words` holds the 32-bit word every lane touches (-1: none).
+//! The degree is the most distinct words that fall in one of the 32 banks (1: conflict-free; lanes reading one word
+//! share it).
+int conflictDegree(std::vector<int64_t> const& words)
+{
+    std::vector<std::vector<int64_t>> banks(32);
+    for (int64_t word : words)
+    {
+        if (word < 0)
+        {
+            continue;
+        }
+        auto& bank = banks[static_cast<size_t>(word % 32)];
+        if (std::find(bank.begin(), bank.end(), word) == bank.end())
+        {
+            bank.push_back(word);
+        }
+    }
+    int degree = 0;
+    for (auto const& bank : banks)
+    {
+        degree = std::max(degree, static_cast<int>(bank.size()));
+    }
+    return degree;
+}
+
+//! The shared-memory reads of the tile bodies, index by index (the header's own offset functions), for every d_h
+//! % 16 == 0 up to 128 and each configuration: the ldmatrix.x4 phases of A (value rows) and B (W_O or Gram tiles),
+//! gramQuadBlock's epilogue reads of v in the accumulators' layout, and its bound epilogue's per-row loop
+//! (boundRowWord). Every one must be conflict-free; the bound loop in the plain word order is reported beside it (it
+//! had 4-way conflicts) so that the analysis is seen to find conflicts.
+template <typename Cfg>
+int bankAnalysis(char const* name)
+{
+    int worstFragments = 0;
+    int worstEpilogue = 0;
+    int worstBound = 0;
+    int plainBound = 0;
+    for (int32_t d = 16; d <= 128; d += 16)
+    {
+        int32_t const stride = mma::paddedStride(d);
+        // ldmatrix.x4: 4 phases (one per 8x8 matrix), the 8 lanes of a phase each read one 16-byte row
+        for (int32_t k0 = 0; k0 < d; k0 += mma::kTileK)
+        {
+            for (int32_t row0 = 0; row0 < Cfg::kRows; row0 += 16)
+            {
+                for (int32_t phase = 0; phase < 4; ++phase)
+                {
+                    std::vector<int64_t> a, b;
+                    for (int32_t lane = phase * 8; lane < phase * 8 + 8; ++lane)
+                    {
+                        for (int32_t word = 0; word < 4; ++word)
+                        {
+                            a.push_back(fragmentAOffset(stride, row0, k0, lane) / 2 + word);
+                            if (row0 < Cfg::kCols)
+                            {
+                                b.push_back(fragmentBOffset(stride, row0, k0, lane) / 2 + word);
+                            }
+                        }
+                    }
+                    worstFragments = std::max({worstFragments, conflictDegree(a), conflictDegree(b)});
+                }
+            }
+        }
+        // gramQuadBlock's epilogue: v[row, col] at every accumulator element (cFragment), col < d
+        for (int32_t warpM = 0; warpM < Cfg::kWarpsM; ++warpM)
+        {
+            for (int32_t warpN = 0; warpN < Cfg::kWarpsN; ++warpN)
+            {
+                for (int32_t mi = 0; mi < Cfg::kMTiles; ++mi)
+                {
+                    for (int32_t ni = 0; ni < Cfg::kNTiles; ++ni)
+                    {
+                        for (int32_t e = 0; e < 4; ++e)
+                        {
+                            std::vector<int64_t> words;
+                            for (int32_t lane = 0; lane < 32; ++lane)
+                            {
+                                mma::RowCol const rc = mma::cFragment(lane, e);
+                                int32_t const row = warpM * Cfg::kWarpRows + mi * 16 + rc.row;
+                                int32_t const col = warpN * Cfg::kWarpCols + ni * 8 + rc.col;
+                                words.push_back(col < d ? (int64_t(row) * stride + col) / 2 : -1);
+                            }
+                            worstEpilogue = std::max(worstEpilogue, conflictDegree(words));
+                        }
+                    }
+                }
+            }
+        }
+        // the bound epilogue: thread t of the block takes rows t, t + kThreads, ...; a warp's 32 rows are consecutive
+        for (int32_t row0 = 0; row0 < Cfg::kRows; row0 += 32)
+        {
+            for (int32_t w = 0; w < d / 2; ++w)
+            {
+                std::vector<int64_t> swizzled, plain;
+                for (int32_t lane = 0; lane < 32; ++lane)
+                {
+                    int32_t const row = row0 + lane;
+                    int32_t const word = boundRowWord(row, w);
+                    if (word < 0 || word >= d / 2)
+                    {
+                        std::printf("FAIL boundRowWord(%d, %d) = %d leaves the row of %d words\n", row, w, word, d / 2);
+                        ++gFailures;
+                    }
+                    swizzled.push_back(int64_t(row) * stride / 2 + word);
+                    plain.push_back(int64_t(row) * stride / 2 + w);
+                }
+                worstBound = std::max(worstBound, conflictDegree(swizzled));
+                plainBound = std::max(plainBound, conflictDegree(plain));
+            }
+            // every row reads each of its words exactly once
+            for (int32_t lane = 0; lane < 32; ++lane)
+            {
+                std::vector<int32_t> seen;
+                for (int32_t w = 0; w < d / 2; ++w)
+                {
+                    seen.push_back(boundRowWord(row0 + lane, w));
+                }
+                std::sort(seen.begin(), seen.end());
+                for (int32_t w = 0; w < d / 2; ++w)
+                {
+                    if (seen[static_cast<size_t>(w)] != w)
+                    {
+                        std::printf("FAIL row %d does not read word %d exactly once\n", row0 + lane, w);
+                        ++gFailures;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    std::printf("%s: ldmatrix phases %d-way, quad epilogue %d-way, bound rows %d-way (plain order: %d-way)\n", name,
+        worstFragments, worstEpilogue, worstBound, plainBound);
+    return (worstFragments == 1 && worstEpilogue == 1 && worstBound == 1 && plainBound > 1) ? 0 : 1;
+}
+
+int banks()
+{
+    int failures = bankAnalysis<GramTiles64>("GramTiles64") + bankAnalysis<GramTiles128>("GramTiles128")
+        + bankAnalysis<NormTiles>("NormTiles") + bankAnalysis<NormTilesSmall>("NormTilesSmall");
+    failures += gFailures;
+    std::printf("banks: %d failures\n", failures);
+    return failures == 0 ? 0 : 1;
 }
 
 struct Layer
@@ -419,6 +567,10 @@ int main(int argc, char** argv)
     {
         return layouts();
     }
+    if (mode == "banks")
+    {
+        return banks();
+    }
     if (mode == "norms" && argc == 12)
     {
         std::string const dtype = argv[2];
@@ -438,7 +590,7 @@ int main(int argc, char** argv)
                                : runQuad<__nv_bfloat16>(a[0], a[1], a[2], a[3], a[4], a[5], a[6] != 0, a[7], values);
     }
     std::fprintf(stderr,
-        "usage: %s layouts | norms DTYPE KIND B H H_KV N D HIDDEN GATHER SEED | quad DTYPE B H H_KV N D HIDDEN GATHER "
+        "usage: %s layouts | banks | norms DTYPE KIND B H H_KV N D HIDDEN GATHER SEED | quad DTYPE B H H_KV N D HIDDEN GATHER "
         "SEED VALUES\n",
         argv[0]);
     return 2;

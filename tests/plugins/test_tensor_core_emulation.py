@@ -51,6 +51,16 @@ def test_fragment_layouts_match_the_ptx_tables(tiles):
     assert "layouts: 0 failures" in run(tiles, "layouts")
 
 
+def test_tile_reads_of_shared_memory_are_free_of_bank_conflicts(tiles):
+    """Index analysis of the tile bodies' shared-memory reads with the header's own offset functions, d_h 16 .. 128:
+    every ldmatrix.x4 phase, gramQuadBlock's epilogue reads and its bound epilogue's per-row loop (boundRowWord) hit 32
+    banks; the bound loop in the plain order (before the swizzle) shows 4-way conflicts, so the analysis finds them."""
+    out = run(tiles, "banks")
+    assert "banks: 0 failures" in out, out
+    for config in ("GramTiles64", "GramTiles128", "NormTiles", "NormTilesSmall"):
+        assert f"{config}: ldmatrix phases 1-way, quad epilogue 1-way, bound rows 1-way (plain order: 4-way)" in out, out
+
+
 @pytest.mark.parametrize(
     "dtype, kind, batch, heads, kv_heads, n, head_dim, hidden, gather, seed",
     [
