@@ -94,7 +94,47 @@ struct NormTileArgs
     float const* gramScale;   //!< [H] 1 / s_h (a power of two)
     float const* rowL1;       //!< [H, d_h] s_h[k] = sum_c |W_O^h[k, c]| (bound mode)
     float const* colL1;       //!< [H] c_h = max_c sum_k |W_O^h[k, c]| (bound mode)
+    int32_t headSplit;        //!< valueNormsMmaBlock: CTAs sharing a KV head's group of query heads (blockIdx.y =
+                              //!< g headSplit + part, part taking group / headSplit of them); 0 or 1: one CTA takes all
 };
+
+//! CTAs per KV head's group (NormTileArgs::headSplit, at least 1).
+CKV_HD int32_t headSplitOf(NormTileArgs const& a)
+{
+    return a.headSplit > 1 ? a.headSplit : 1;
+}
+
+//! The headSplit of a value-norm launch of `ctas` CTAs (row tiles x KV heads x sequences) on a device running `slots`
+//! of them at once: the divisor s of the group whose s x ctas CTAs fill the device's waves best (the busy fraction of
+//! the last wave counted; the smaller s on a tie). A CTA then reloads its value rows for fewer query heads: one more
+//! read of a V tile (d_h x 512 bytes) per extra CTA against 4 MiB of W_O streamed per head at Llama-3-8B sizes. E.g.
+//! the pruned stage 2's first candidates at 32k (12 row tiles x 8 KV heads, group 4) on 132 SMs: 96 CTAs fill 73 % of
+//! one wave, 384 fill 97 % of three.
+CKV_HD int32_t chooseHeadSplit(int64_t ctas, int32_t group, int64_t slots)
+{
+    if (ctas <= 0 || slots <= 0 || group <= 1)
+    {
+        return 1;
+    }
+    int32_t best = 1;
+    double bestFill = 0.0;
+    for (int32_t split = 1; split <= group; ++split)
+    {
+        if (group % split != 0)
+        {
+            continue;
+        }
+        int64_t const total = ctas * split;
+        int64_t const waves = (total + slots - 1) / slots;
+        double const fill = static_cast<double>(total) / static_cast<double>(waves * slots);
+        if (fill > bestFill + 1e-9)
+        {
+            best = split;
+            bestFill = fill;
+        }
+    }
+    return best;
+}
 
 //! The 32-bit word (two 16-bit elements) a thread reads at step w (0 <= w < d_h / 2) of its row of the V tile in
 //! gramQuadBlock's bound epilogue (one thread per row, the rows of a warp consecutive): w with its two lowest bits
@@ -118,7 +158,7 @@ struct TileRows
 __device__ __forceinline__ TileRows tileRowsOf(NormTileArgs const& a, int32_t rowsPerTile)
 {
     int32_t const b = static_cast<int32_t>(blockIdx.z);
-    int32_t const g = static_cast<int32_t>(blockIdx.y);
+    int32_t const g = static_cast<int32_t>(blockIdx.y) / headSplitOf(a);
     TileRows t{};
     t.head = static_cast<int64_t>(b) * a.shape.kvHeads + g;
     t.begin = static_cast<int32_t>(blockIdx.x) * rowsPerTile;
@@ -242,8 +282,11 @@ __device__ void valueNormsMmaBlock(NormTileArgs const& a, unsigned char* shared)
     }
     int32_t const d = a.shape.headDim;
     int32_t const hidden = a.shape.hidden;
+    int32_t const split = headSplitOf(a);
     int32_t const group = a.shape.heads / a.shape.kvHeads;
-    int32_t const g = static_cast<int32_t>(blockIdx.y);
+    int32_t const headsHere = group / split; // this CTA's query heads: firstHead ..
+    int32_t const firstHead = (static_cast<int32_t>(blockIdx.y) / split) * group
+        + (static_cast<int32_t>(blockIdx.y) % split) * headsHere;
     int32_t const b = static_cast<int32_t>(blockIdx.z);
     int32_t const stride = mma::paddedStride(d);
     int32_t const chunks = d / 8;
@@ -258,11 +301,11 @@ __device__ void valueNormsMmaBlock(NormTileArgs const& a, unsigned char* shared)
     float* totals = reinterpret_cast<float*>(ring + Cfg::kStages * Cfg::kCols * stride);
 
     int32_t const columnTiles = (hidden + Cfg::kCols - 1) / Cfg::kCols;
-    int32_t const tiles = group * columnTiles;
-    // W_O tile t: query head g * group + t / columnTiles, hidden columns [c0, c0 + kCols) as rows [c][k] of the ring
+    int32_t const tiles = headsHere * columnTiles;
+    // W_O tile t: query head firstHead + t / columnTiles, hidden columns [c0, c0 + kCols) as rows [c][k] of the ring
     // slot t % kStages (W_O^h[k, c] = oProj[c, h d_h + k]: k contiguous, the "col" B operand as stored).
     auto loadWeights = [&](int32_t tile) {
-        int32_t const h = g * group + tile / columnTiles;
+        int32_t const h = firstHead + tile / columnTiles;
         int32_t const c0 = (tile % columnTiles) * Cfg::kCols;
         T* slot = ring + (tile % Cfg::kStages) * Cfg::kCols * stride;
         T const* weights = static_cast<T const*>(a.oProj) + static_cast<int64_t>(h) * d;
@@ -336,7 +379,7 @@ __device__ void valueNormsMmaBlock(NormTileArgs const& a, unsigned char* shared)
         }
         if ((tile + 1) % columnTiles == 0) // query head complete: its rows' sums out
         {
-            int32_t const h = g * group + tile / columnTiles;
+            int32_t const h = firstHead + tile / columnTiles;
             storeRowSums<Cfg>(rowPart, totals, warpM, warpN);
             __syncthreads();
             for (int32_t row = tid; row < Cfg::kRows; row += Cfg::kThreads)

@@ -324,8 +324,31 @@ int32_t rowsToCover(NormArgs const& a, int32_t maxCount)
     return a.rowTokens != nullptr ? (maxCount < a.rowStride ? maxCount : a.rowStride) : a.numTokens;
 }
 
+//! CTAs of `kernel` (Cfg::kThreads threads, `shared` bytes) the device runs at once: SMs x resident blocks per SM.
 template <typename Cfg, typename Kernel>
-cudaError_t launchTiles(Kernel kernel, NormArgs const& a, int32_t maxCount, cudaStream_t stream)
+cudaError_t residentSlots(Kernel kernel, size_t shared, int64_t& slots)
+{
+    int device = 0;
+    int sms = 0;
+    int perSm = 0;
+    cudaError_t status = cudaGetDevice(&device);
+    if (status == cudaSuccess)
+    {
+        status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    }
+    if (status == cudaSuccess)
+    {
+        status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, kernel, Cfg::kThreads, shared);
+    }
+    slots = static_cast<int64_t>(sms) * (perSm > 0 ? perSm : 1);
+    return status;
+}
+
+//! One launch of a tile kernel over the rows of every KV head (grid: row tiles, H_kv, B). splitHeads: spread a KV
+//! head's query heads over up to `group` CTAs when that fills the device's waves better (chooseHeadSplit;
+//! valueNormsMmaBlock only).
+template <typename Cfg, typename Kernel>
+cudaError_t launchTiles(Kernel kernel, NormArgs a, int32_t maxCount, cudaStream_t stream, bool splitHeads = false)
 {
     int32_t const rows = rowsToCover(a, maxCount);
     if (rows <= 0)
@@ -333,12 +356,24 @@ cudaError_t launchTiles(Kernel kernel, NormArgs const& a, int32_t maxCount, cuda
         return cudaSuccess;
     }
     size_t const shared = Cfg::sharedBytes(a.shape.headDim);
-    cudaError_t const status = allowDynamicSharedMemory(kernel, shared);
+    cudaError_t status = allowDynamicSharedMemory(kernel, shared);
     if (status != cudaSuccess)
     {
         return status;
     }
-    dim3 const grid(static_cast<uint32_t>((rows + Cfg::kRows - 1) / Cfg::kRows), static_cast<uint32_t>(a.shape.kvHeads),
+    int64_t const rowTiles = (rows + Cfg::kRows - 1) / Cfg::kRows;
+    a.headSplit = 1;
+    if (splitHeads)
+    {
+        int64_t slots = 0;
+        status = residentSlots<Cfg>(kernel, shared, slots);
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+        a.headSplit = chooseHeadSplit(rowTiles * a.shape.kvHeads * a.shape.batch, a.shape.heads / a.shape.kvHeads, slots);
+    }
+    dim3 const grid(static_cast<uint32_t>(rowTiles), static_cast<uint32_t>(a.shape.kvHeads * a.headSplit),
         static_cast<uint32_t>(a.shape.batch));
     kernel<<<grid, Cfg::kThreads, shared, stream>>>(a);
     return cudaGetLastError();
@@ -369,9 +404,9 @@ cudaError_t launchNormsMma(NormArgs const& a, int32_t maxCount, cudaStream_t str
     }
     if (NormTiles::sharedBytes(a.shape.headDim) <= limit)
     {
-        return launchTiles<NormTiles>(valueNormsMmaKernel<T, NormTiles, kL2>, a, maxCount, stream);
+        return launchTiles<NormTiles>(valueNormsMmaKernel<T, NormTiles, kL2>, a, maxCount, stream, true);
     }
-    return launchTiles<NormTilesSmall>(valueNormsMmaKernel<T, NormTilesSmall, kL2>, a, maxCount, stream);
+    return launchTiles<NormTilesSmall>(valueNormsMmaKernel<T, NormTilesSmall, kL2>, a, maxCount, stream, true);
 }
 
 template <typename T, bool kL2>

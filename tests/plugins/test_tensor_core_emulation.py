@@ -68,14 +68,19 @@ def test_tile_reads_of_shared_memory_are_free_of_bank_conflicts(tiles):
         ("fp16", "l1", 2, 2, 1, 90, 128, 200, 1, 2),  # gathered ragged lists (one empty), hidden past a column tile
         ("bf16", "l2", 1, 3, 3, 70, 64, 72, 1, 3),  # MHA, direct l2, gathered
         ("fp16", "l2", 1, 2, 1, 40, 16, 48, 0, 4),  # d_h 16: one k step
+        ("bf16", "l1", 1, 8, 2, 300, 128, 1024, 1, 5),  # group 4 over 1, 2 and 4 CTAs, the 3-deep ring at d_h 128
     ],
 )
 def test_value_norm_tiles_equal_the_fp64_norms(tiles, dtype, kind, batch, heads, kv_heads, n, head_dim, hidden, gather,
                                                seed):
+    """Within 2e-5 of fp64; with a KV head's query heads spread over several CTAs (chooseHeadSplit), bit for bit the
+    one-CTA launch's norms."""
     out = run(tiles, "norms", dtype, kind, batch, heads, kv_heads, n, head_dim, hidden, gather, seed)
     assert ", 0 failures" in out, out
     rows = int(re.search(r"norms: (\d+) rows", out).group(1))
     assert rows > 0, out
+    if heads // kv_heads > 1:
+        assert int(re.search(r"(\d+) rows split over CTAs", out).group(1)) > 0, out
 
 
 @pytest.mark.parametrize(
