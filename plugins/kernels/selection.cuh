@@ -2,6 +2,7 @@
 #pragma once
 
 #include "criticalkv/defensive.h"
+#include "compact.cuh" // CompactArgs
 #include "select_flow_args.h"
 
 #include <cuda_runtime_api.h>
@@ -32,18 +33,6 @@ struct ScoreArgs
     // CriticalKV's pruned stage 2 (prunedStage2On): norms hold the L1 bounds, critical their group score U; the
     // per-head selection is launchPrunedStage2's (kernels/pruned.cu)
     bool pruned;
-};
-
-//! The compaction: every head's kept positions, ascending, from its flags (or the fixed rule).
-struct CompactArgs
-{
-    SelectConfig config;
-    SelectShape shape;
-    int32_t const* promptLengths;
-    RuntimeBudget budget;
-    uint8_t const* flags; // [B, H_kv, m]
-    int32_t* keptIndices; // [B, H_kv, cap]
-    int32_t* keptLengths; // [B, H_kv]
 };
 
 struct GatherArgs
