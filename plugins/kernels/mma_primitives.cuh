@@ -108,6 +108,12 @@ __device__ __forceinline__ uint32_t packPair(T x, T y)
     return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
+//! 16 bytes from global memory (16-byte aligned).
+__device__ __forceinline__ uint4 load16(void const* address)
+{
+    return *static_cast<uint4 const*>(address);
+}
+
 //! The 16-bit element in the low (lowHalf) or high (highHalf) half of a 32-bit word of shared memory, as float.
 template <typename T>
 __device__ __forceinline__ float lowHalf(uint32_t pair);

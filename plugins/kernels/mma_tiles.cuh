@@ -202,20 +202,6 @@ __device__ __forceinline__ void loadValueTile(NormTileArgs const& a, TileRows co
     }
 }
 
-//! Element offsets (in a tile of row stride `stride`) of the row `lane` gives an ldmatrix.x4: A fragments of rows
-//! [row0, row0 + 16) at depth k0; B fragments of columns [col0, col0 + 16) at depth k0 (tests: the bank analysis).
-CKV_HD int32_t fragmentAOffset(int32_t stride, int32_t row0, int32_t k0, int32_t lane)
-{
-    mma::RowCol const ar = mma::ldmatrixARow(lane);
-    return (row0 + ar.row) * stride + k0 + ar.col;
-}
-
-CKV_HD int32_t fragmentBOffset(int32_t stride, int32_t col0, int32_t k0, int32_t lane)
-{
-    mma::RowCol const br = mma::ldmatrixBRow(lane);
-    return (col0 + br.row) * stride + k0 + br.col;
-}
-
 //! The warp's A fragments of rows [row0, row0 + 16) and B fragments of columns [col0, col0 + 64) at depth k0.
 template <typename Cfg, typename T>
 __device__ __forceinline__ void loadFragmentsB(T const* bTile, int32_t stride, int32_t col0, int32_t k0,
@@ -226,7 +212,7 @@ __device__ __forceinline__ void loadFragmentsB(T const* bTile, int32_t stride, i
     for (int32_t nj = 0; nj < Cfg::kNTiles / 2; ++nj)
     {
         uint32_t r[4];
-        ldmatrixX4(r, bTile + fragmentBOffset(stride, col0 + nj * 16, k0, lane));
+        ldmatrixX4(r, bTile + mma::fragmentBOffset(stride, col0 + nj * 16, k0, lane));
         bf[2 * nj][0] = r[0];
         bf[2 * nj][1] = r[1];
         bf[2 * nj + 1][0] = r[2];
@@ -238,7 +224,7 @@ template <typename T>
 __device__ __forceinline__ void loadFragmentA(T const* aTile, int32_t stride, int32_t row0, int32_t k0, uint32_t (&af)[4])
 {
     int32_t const lane = static_cast<int32_t>(threadIdx.x) & 31;
-    ldmatrixX4(af, aTile + fragmentAOffset(stride, row0, k0, lane));
+    ldmatrixX4(af, aTile + mma::fragmentAOffset(stride, row0, k0, lane));
 }
 
 //! Sum of a row's quad: the 4 lanes sharing groupID hold one row's columns; every lane gets the total.

@@ -4,9 +4,10 @@
 //   and batched top-k launches, select_flows.cuh)  ->  compaction  ->  gather
 //
 // CriticalKV with value_norm=l1 (prunedStage2On) prunes stage 2: the value-norm step writes L1 upper bounds from the
-// Gram terms of W_O (launchPrunedBounds), the group-score kernel turns them into U, and launchPrunedStage2 computes
-// exact norms on the tensor cores for the best candidates by U only, in a fixed number of rounds, its top-k calls on
-// the same batched top-k (docs/operator.md step 6a).
+// Gram terms of W_O (launchPrunedBounds; the terms depend on the weights only, so a caller may compute them once per
+// layer with launchPrunedTerms and pass them in SelectTensors::prunedTerms), the group-score kernel turns them into U,
+// and launchPrunedStage2 computes exact norms on the tensor cores for the best candidates by U only, in a fixed number
+// of rounds, its top-k calls on the same batched top-k (docs/operator.md step 6a).
 //
 // No host synchronisation and no allocation: the workspace (workspaceLayout) holds every intermediate, so the
 // launch is CUDA-graph capturable. The request's budget b (the kv_budget input) stays in device memory: every
@@ -207,6 +208,20 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
             // CriticalKV's pruned stage 2: L1 upper bounds here (norms), U = their group score (critical) in the
             // group-score kernel, exact norms for the candidates only in launchPrunedStage2.
             norms = at<float>(workspace, layout.norms);
+            // the weights-only terms: the caller's (launchPrunedTerms, same path) or computed into the workspace
+            GramScratch termsGram = gram;
+            float* rowL1 = at<float>(workspace, layout.rowL1);
+            float* colL1 = at<float>(workspace, layout.colL1);
+            bool const reuse = t.prunedTerms != nullptr
+                && prunedTermsOnTensorCores(shape, t.dtype, t.oProj)
+                    == valueNormsOnTensorCores(shape, t.dtype, t.values, t.oProj);
+            if (reuse)
+            {
+                PrunedTerms const given = prunedTermsAt(const_cast<void*>(t.prunedTerms), shape);
+                termsGram = given.gram;
+                rowL1 = given.rowL1;
+                colL1 = given.colL1;
+            }
             PrunedBoundParams bounds{};
             bounds.shape = shape;
             bounds.dtype = t.dtype;
@@ -216,10 +231,11 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
             bounds.config = &config;
             bounds.budget = budget;
             bounds.promptLengths = t.promptLengths;
-            bounds.gram = gram;
-            bounds.rowL1 = at<float>(workspace, layout.rowL1);
-            bounds.colL1 = at<float>(workspace, layout.colL1);
+            bounds.gram = termsGram;
+            bounds.rowL1 = rowL1;
+            bounds.colL1 = colL1;
             bounds.bounds = norms;
+            bounds.termsReady = reuse;
             status = launchPrunedBounds(bounds, stream);
             if (status != cudaSuccess)
             {

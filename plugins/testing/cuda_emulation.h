@@ -292,6 +292,11 @@ struct float2
     float x, y;
 };
 
+struct uint4
+{
+    uint32_t x, y, z, w;
+};
+
 inline float2 make_float2(float x, float y)
 {
     return float2{x, y};

@@ -75,12 +75,13 @@ extern "C"
     }
 
     //! The whole operator (launchCriticalKVSelect). dtype: 0 fp32, 1 fp16, 2 bf16. promptLengths and kvBudget
-    //! (device int32 [1]) may be null.
+    //! (device int32 [1]) may be null. prunedTerms 1: the pruned stage 2's weights-only terms computed first by
+    //! launchPrunedTerms and passed in (SelectTensors::prunedTerms; not timed).
     //! iterations > 1 re-runs it and returns the mean milliseconds per call in *milliseconds.
     int32_t ckv_cuda_select_layer(CkvField const* fields, int32_t count, int32_t const* shape, int32_t dtype,
         void const* queries, void const* keys, void const* values, void const* oProj, int32_t const* promptLengths,
         int32_t const* kvBudget, void* keptKeys, void* keptValues, int32_t* keptLengths, int32_t* keptIndices, int32_t iterations,
-        float* milliseconds, char* err, int32_t errLen)
+        float* milliseconds, int32_t prunedTerms, char* err, int32_t errLen)
     {
         try
         {
@@ -92,10 +93,19 @@ extern "C"
             SelectConfig const config = makeSelectConfig(policy);
             SelectShape const s = toShape(shape);
             SelectTensors t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, kvBudget, keptKeys,
-                keptValues, keptLengths, keptIndices};
+                keptValues, keptLengths, keptIndices, nullptr};
             size_t const bytes = workspaceLayout(config, s).total;
             DeviceBuffer workspace;
+            DeviceBuffer terms;
             cudaError_t status = workspace.allocate(bytes);
+            if (status == cudaSuccess && prunedTerms != 0)
+            {
+                status = terms.allocate(prunedTermsBytes(s));
+                status = status == cudaSuccess
+                    ? launchPrunedTerms(s, static_cast<DType>(dtype), oProj, terms.ptr, prunedTermsBytes(s), nullptr)
+                    : status;
+                t.prunedTerms = terms.ptr;
+            }
             cudaEvent_t start = nullptr;
             cudaEvent_t stop = nullptr;
             if (status == cudaSuccess)
@@ -146,7 +156,7 @@ extern "C"
                 return -1;
             }
             SelectTensors t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, kvBudget, keptKeys,
-                keptValues, keptLengths, keptIndices};
+                keptValues, keptLengths, keptIndices, nullptr};
             return static_cast<int32_t>(launchCriticalKVSelect(makeSelectConfig(policy), budgetTable(policy), toShape(shape), t, workspace,
                 static_cast<size_t>(workspaceBytes), static_cast<cudaStream_t>(stream)));
         }

@@ -58,6 +58,12 @@ template <typename T>
 T fromFloat(float value);
 
 template <>
+inline float fromFloat<float>(float value)
+{
+    return value;
+}
+
+template <>
 inline __nv_bfloat16 fromFloat<__nv_bfloat16>(float value)
 {
     uint32_t bits;
@@ -73,6 +79,14 @@ inline __half fromFloat<__half>(float value)
     __half out;
     std::memcpy(&out.bits, &h, sizeof(h));
     return out;
+}
+
+//! mma_primitives.cuh's load16: 16 bytes (cuda_emulation.h's uint4).
+inline uint4 load16(void const* address)
+{
+    uint4 v;
+    std::memcpy(&v, address, sizeof(v));
+    return v;
 }
 
 //! mma_primitives.cuh's lowHalf / highHalf: the 16-bit element in either half of a 32-bit word, as float.

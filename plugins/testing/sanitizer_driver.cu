@@ -2,7 +2,8 @@
 // at a time or all of them:
 //   compute-sanitizer --tool racecheck build/plugins/ckv_sanitizer_driver [--list] [SHAPE ...]   (no SHAPE: every one)
 // Each shape is picked for the kernels it reaches (a left-padded batch, n not a multiple of the tiles, every launch run
-// with and without a kv_budget below the built budget):
+// with and without a kv_budget below the built budget; CriticalKV's pruned stage 2 once more on weights-only terms
+// computed beforehand by launchPrunedTerms):
 //   small    d_h 64, hidden 256, n 333: every policy, value_norm l1 and l2, fp32 / fp16 / bf16 (the SIMT and the
 //            tensor-core paths at their smallest tiles, every selection flow);
 //   d128     d_h 128, hidden 4096, n 300, fp16 / bf16: the value norms' 3-deep cp.async ring of W_O tiles (172 KiB of
@@ -127,14 +128,33 @@ int runCase(PolicyConfig const& policy, DriverShape const& shape, DType dtype, s
     CHECK_CUDA(cudaMemcpy(o, ho.data(), oCount * sizeof(T), cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(len, lengths.data(), lengths.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(kvBudget, &runtimeBudget, sizeof(int32_t), cudaMemcpyHostToDevice));
-    for (int32_t const* budget : {static_cast<int32_t const*>(nullptr), static_cast<int32_t const*>(kvBudget)})
+    // CriticalKV's pruned stage 2 also runs on weights-only terms computed beforehand (launchPrunedTerms)
+    void* terms = nullptr;
+    if (prunedStage2On(config))
     {
-        SelectTensors const t{dtype, q, k, v, o, len, budget, kk, kv, keptLengths, keptIndices};
-        CHECK_CUDA(launchCriticalKVSelect(config, budgetTable(policy), s, t, workspace, bytes, nullptr));
-        CHECK_CUDA(cudaDeviceSynchronize());
+        size_t const termBytes = prunedTermsBytes(s);
+        CHECK_CUDA(cudaMalloc(&terms, termBytes));
+        CHECK_CUDA(launchPrunedTerms(s, dtype, o, terms, termBytes, nullptr));
+    }
+    for (void const* given : {static_cast<void const*>(nullptr), static_cast<void const*>(terms)})
+    {
+        for (int32_t const* budget : {static_cast<int32_t const*>(nullptr), static_cast<int32_t const*>(kvBudget)})
+        {
+            if (given != nullptr && budget != nullptr)
+            {
+                continue; // one run with the given terms
+            }
+            SelectTensors const t{dtype, q, k, v, o, len, budget, kk, kv, keptLengths, keptIndices, given};
+            CHECK_CUDA(launchCriticalKVSelect(config, budgetTable(policy), s, t, workspace, bytes, nullptr));
+            CHECK_CUDA(cudaDeviceSynchronize());
+        }
+        if (terms == nullptr)
+        {
+            break;
+        }
     }
     for (void* p : {q, k, v, o, kk, kv, static_cast<void*>(len), static_cast<void*>(kvBudget), static_cast<void*>(keptLengths),
-             static_cast<void*>(keptIndices), workspace})
+             static_cast<void*>(keptIndices), workspace, terms})
     {
         if (p != nullptr)
         {

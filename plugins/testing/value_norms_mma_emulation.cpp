@@ -9,6 +9,9 @@
 //     warp-wide read conflict-free for d_h = 16 .. 128
 //   value_norms_mma_emulation norms DTYPE KIND BATCH HEADS KV_HEADS N HEAD_DIM HIDDEN GATHER SEED
 //     valueNormsMmaBlock: DTYPE bf16 | fp16, KIND l1 | l2, GATHER 0 (every token) | 1 (ragged lists per head)
+//   value_norms_mma_emulation terms DTYPE HEADS HEAD_DIM HIDDEN SEED
+//     the pruned stage 2's weights-only terms (bound_terms.cuh): the fp32 path bit for bit the host driver's, the
+//     tensor path's G_h within its error analysis of fp64
 //   value_norms_mma_emulation quad DTYPE BATCH HEADS KV_HEADS N HEAD_DIM HIDDEN GATHER SEED
 //     gramPiecesBlock + gramQuadBlock: the l2 norms through the Gram pieces, and the L1 upper bounds, which must bound
 //     the emulated valueNormsMmaBlock's L1 norms of the same rows (times 1 + gamma_d) for random, cancelling, sparse
@@ -21,12 +24,14 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda_emulation.h"
 
 #include "mma_emulation.h"
 
+#include "bound_terms.cuh"
 #include "mma_tiles.cuh"
 
 using namespace criticalkv;
@@ -139,10 +144,10 @@ int bankAnalysis(char const* name)
                     {
                         for (int32_t word = 0; word < 4; ++word)
                         {
-                            a.push_back(fragmentAOffset(stride, row0, k0, lane) / 2 + word);
+                            a.push_back(mma::fragmentAOffset(stride, row0, k0, lane) / 2 + word);
                             if (row0 < Cfg::kCols)
                             {
-                                b.push_back(fragmentBOffset(stride, row0, k0, lane) / 2 + word);
+                                b.push_back(mma::fragmentBOffset(stride, row0, k0, lane) / 2 + word);
                             }
                         }
                     }
@@ -461,6 +466,138 @@ int runNorms(int B, int H, int Hkv, int n, int d, int hidden, bool l2, bool gath
     return gFailures == 0 ? 0 : 1;
 }
 
+//! The pruned stage 2's weights-only terms (bound_terms.cuh) of random weights [hidden, H d_h] of type T:
+//! boundTermsSimtBlock bit for bit the host driver's functions (gramEntry, rowL1Entry, columnL1; T widened to float);
+//! for 16-bit T with d_h % 16 == 0 and d_h <= 128, boundTermsTensorBlock's G_h within (34 + hidden / 16 + 2) u of
+//! sum_c |W_kc W_lc| of the fp64 Gram matrix (a fresh mma accumulator per k16 step, fp32 sums of the steps: inside the
+//! gamma_{hidden + 3 d_h + 64} the bound grants), s_h and c_h within gamma_hidden of fp64.
+template <typename T>
+int runTerms(int H, int d, int hidden, int seed)
+{
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0F, 1.0F);
+    std::vector<float> wf(static_cast<size_t>(hidden) * H * d);
+    for (size_t i = 0; i < wf.size(); ++i)
+    {
+        wf[i] = normal(rng) * (i % 17 == 0 ? 8.0F : 0.05F); // a few large entries: sums far from uniform
+    }
+    std::vector<T> const w = toType<T>(wf);
+    SelectShape const shape{1, H, H, 1, 0, d, hidden};
+    size_t const entries = static_cast<size_t>(d) * d;
+    auto weightOf = [&](int h) {
+        return [&wf, h, H, d](int32_t c, int32_t k) { return wf[static_cast<size_t>(c) * H * d + h * d + k]; };
+    };
+    unsigned const rowBlocks = static_cast<unsigned>((d + kTermRows - 1) / kTermRows);
+    auto argsFor = [&](std::vector<float>& gram, std::vector<float>& rowL1, std::vector<float>& colL1) {
+        BoundArgs a{};
+        a.shape = shape;
+        a.oProj = w.data();
+        a.gram = gram.data();
+        a.rowL1 = rowL1.data();
+        a.colL1 = colL1.data();
+        return a;
+    };
+    // the fp32 path: bit for bit
+    std::vector<float> gram(H * entries, NAN), rowL1(static_cast<size_t>(H) * d, NAN), colL1(H, NAN);
+    BoundArgs const simt = argsFor(gram, rowL1, colL1);
+    std::vector<float> shared(boundTermsSimtSharedBytes(d) / sizeof(float));
+    for (unsigned h = 0; h < static_cast<unsigned>(H); ++h)
+    {
+        for (unsigned x = 0; x < rowBlocks; ++x)
+        {
+            std::fill(shared.begin(), shared.end(), 1.5e30F); // garbage first
+            runEmulatedBlock(x, h, 0, kTermThreads, [&] { boundTermsSimtBlock<T>(simt, shared.data()); });
+        }
+    }
+    int mismatches = 0;
+    for (int h = 0; h < H; ++h)
+    {
+        auto const weight = weightOf(h);
+        float best = 0.0F;
+        for (int c = 0; c < hidden; ++c)
+        {
+            best = std::max(best, columnL1(weight, c, d));
+        }
+        mismatches += std::memcmp(&best, &colL1[h], sizeof(float)) != 0 ? 1 : 0;
+        for (int k = 0; k < d; ++k)
+        {
+            float const row = rowL1Entry(weight, k, hidden);
+            mismatches += std::memcmp(&row, &rowL1[static_cast<size_t>(h) * d + k], sizeof(float)) != 0 ? 1 : 0;
+            for (int l = 0; l < d; ++l)
+            {
+                float const g = gramEntry(weight, k, l, hidden);
+                mismatches += std::memcmp(&g, &gram[h * entries + static_cast<size_t>(k) * d + l], sizeof(float)) != 0;
+            }
+        }
+    }
+    check(mismatches == 0, "fp32-path terms bit for bit the host driver's (mismatching entries)", mismatches, 0);
+    double worstGram = 0.0; // |G - G64| / (u sum |p|), tensor path
+    if constexpr (!std::is_same<T, float>::value)
+    {
+        if (d % 16 == 0 && d <= 128)
+        {
+            std::vector<float> tg(H * entries, NAN), tr(static_cast<size_t>(H) * d, NAN), tc(H, NAN);
+            BoundArgs const tensor = argsFor(tg, tr, tc);
+            for (unsigned h = 0; h < static_cast<unsigned>(H); ++h)
+            {
+                for (unsigned x = 0; x < rowBlocks; ++x)
+                {
+                    static TermTileSmem smem;
+                    std::memset(&smem, 0x7F, sizeof(smem));
+                    runEmulatedBlock(x, h, 0, kTermThreads, [&] { boundTermsTensorBlock<T>(tensor, smem); });
+                }
+            }
+            double const u = std::ldexp(1.0, -24);
+            double const allowed = 34.0 + hidden / 16.0 + 2.0;
+            for (int h = 0; h < H; ++h)
+            {
+                double columnBest = 0.0;
+                for (int c = 0; c < hidden; ++c)
+                {
+                    double sum = 0.0;
+                    for (int k = 0; k < d; ++k)
+                    {
+                        sum += std::fabs(static_cast<double>(wf[static_cast<size_t>(c) * H * d + h * d + k]));
+                    }
+                    columnBest = std::max(columnBest, sum);
+                }
+                double const gammaD = hidden * u / (1.0 - hidden * u);
+                check(std::fabs(tc[h] - columnBest) <= gammaD * columnBest, "tensor-path c_h", tc[h], columnBest);
+                for (int k = 0; k < d; ++k)
+                {
+                    double row = 0.0;
+                    for (int c = 0; c < hidden; ++c)
+                    {
+                        row += std::fabs(static_cast<double>(wf[static_cast<size_t>(c) * H * d + h * d + k]));
+                    }
+                    float const gotRow = tr[static_cast<size_t>(h) * d + k];
+                    check(std::fabs(gotRow - row) <= gammaD * row, "tensor-path s_h", gotRow, row);
+                    for (int l = 0; l < d; ++l)
+                    {
+                        double exact = 0.0;
+                        double magnitude = 0.0;
+                        for (int c = 0; c < hidden; ++c)
+                        {
+                            double const x = static_cast<double>(wf[static_cast<size_t>(c) * H * d + h * d + k])
+                                * wf[static_cast<size_t>(c) * H * d + h * d + l];
+                            exact += x;
+                            magnitude += std::fabs(x);
+                        }
+                        float const got = tg[h * entries + static_cast<size_t>(k) * d + l];
+                        double const ratio = std::fabs(got - exact) / (u * magnitude + 1e-300);
+                        worstGram = std::max(worstGram, ratio);
+                        check(ratio <= allowed, "tensor-path G_h error / (u sum |p|)", ratio, allowed);
+                    }
+                }
+            }
+        }
+    }
+    std::printf("terms: %d heads, fp32 path %d entries apart from the host driver, tensor-path G error %.2f u sum |p|, "
+                "%d failures\n",
+        H, mismatches, worstGram, gFailures);
+    return gFailures == 0 ? 0 : 1;
+}
+
 template <typename T>
 int runQuad(int B, int H, int Hkv, int n, int d, int hidden, bool gather, int seed, std::string const& values)
 {
@@ -610,6 +747,14 @@ int main(int argc, char** argv)
         return dtype == "fp16" ? runNorms<__half>(a[0], a[1], a[2], a[3], a[4], a[5], l2, a[6] != 0, a[7])
                                : runNorms<__nv_bfloat16>(a[0], a[1], a[2], a[3], a[4], a[5], l2, a[6] != 0, a[7]);
     }
+    if (mode == "terms" && argc == 7)
+    {
+        std::string const dtype = argv[2];
+        int const a[] = {std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]), std::atoi(argv[6])};
+        return dtype == "fp16" ? runTerms<__half>(a[0], a[1], a[2], a[3])
+            : dtype == "fp32"  ? runTerms<float>(a[0], a[1], a[2], a[3])
+                               : runTerms<__nv_bfloat16>(a[0], a[1], a[2], a[3]);
+    }
     if (mode == "quad" && argc == 12)
     {
         std::string const dtype = argv[2];
@@ -620,7 +765,7 @@ int main(int argc, char** argv)
                                : runQuad<__nv_bfloat16>(a[0], a[1], a[2], a[3], a[4], a[5], a[6] != 0, a[7], values);
     }
     std::fprintf(stderr,
-        "usage: %s layouts | banks | norms DTYPE KIND B H H_KV N D HIDDEN GATHER SEED | quad DTYPE B H H_KV N D HIDDEN GATHER "
+        "usage: %s layouts | banks | terms DTYPE H D HIDDEN SEED | norms DTYPE KIND B H H_KV N D HIDDEN GATHER SEED | quad DTYPE B H H_KV N D HIDDEN GATHER "
         "SEED VALUES\n",
         argv[0]);
     return 2;

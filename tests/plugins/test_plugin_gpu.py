@@ -357,6 +357,23 @@ def test_pruned_pipeline_keeps_the_reference_indices(cuda_lib, fp64_norms, monke
         assert torch.equal(kept_mask(got[0], n), kept_mask(truth.indices, n)), (name, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["criticalkv", "ada-criticalkv"])
+@pytest.mark.parametrize("head_dim, hidden", [(64, 256), (128, 4096)])
+def test_pruned_pipeline_on_precomputed_terms_keeps_the_same_entries(cuda_lib, dtype, name, head_dim, hidden):
+    """The pruned stage 2's weights-only terms computed once by launchPrunedTerms and passed in
+    (SelectTensors::prunedTerms) give the call that computes them itself, bit for bit: indices, lengths, gathered
+    rows (fp32: the host driver's terms; fp16 / bf16: G_h on the tensor cores)."""
+    q, k, v, o = cuda_layer(dtype, batch=2, heads=8, kv_heads=2, n=3000, head_dim=head_dim, hidden=hidden, window=32,
+                            seed=13)
+    policy = KVPolicy(name, budget=256, window=32)
+    lengths = torch.tensor([3000, 2100]).cuda()
+    itself = cuda_lib.select_layer(policy, q, k, v, o, prompt_lengths=lengths)
+    given = cuda_lib.select_layer(policy, q, k, v, o, prompt_lengths=lengths, pruned_terms=True)
+    for a, b in zip(itself, given):
+        assert torch.equal(a, b), (name, dtype, head_dim)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_value_norms_over_gathered_rows(cuda_lib, dtype, head_dim):

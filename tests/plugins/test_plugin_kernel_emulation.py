@@ -72,7 +72,7 @@ def test_compaction_kernel_equals_the_host_rule(tmp_path, seed):
 
 
 PRUNED_KERNELS = {
-    "value_norms.cu": ("boundTermsKernel", "columnL1Kernel", "l1BoundsKernel"),
+    "value_norms.cu": ("boundTermsSimtKernel", "l1BoundsKernel"),
     "selection.cu": ("groupScoresKernel",),
     # the candidates' exact C (bitwise the host driver's on the fp32 path) and the stop rule's threshold
     "pruned.cu": ("prunedScoreKernel", "prunedCountKernel", "prunedDecideKernel"),

@@ -117,6 +117,9 @@ def pipeline(tmp_path_factory):
         ("adakv", 3, 4, 2, 200, 16, 48, 8, 100, 96, "random", 7),  # shares; the third sequence kept whole
         ("snapkv", 2, 4, 2, 260, 16, 48, 8, 64, 0, "ties", 0),  # exact-score ties: the lower index wins
         ("snapkv", 2, 4, 2, 300, 16, 48, 8, 40, 0, "mixed", 0),  # the best bounds are the wrong tokens: rounds
+        # Llama-3-8B's d_h and hidden: the 3-deep ring of W_O tiles, gramQuad at d_h 128, G_h on the tensor cores
+        ("snapkv", 1, 4, 2, 300, 128, 4096, 32, 96, 0, "flat", 1),  # the tight bound settles the first round
+        ("snapkv", 1, 4, 2, 300, 128, 4096, 32, 96, 0, "mixed", 0),  # doubling rounds
     ],
 )
 def test_pruned_flow_keeps_the_unpruned_selection(pipeline, base, batch, heads, kv_heads, n, head_dim, hidden, window,
@@ -128,12 +131,38 @@ def test_pruned_flow_keeps_the_unpruned_selection(pipeline, base, batch, heads, 
     assert 0 < computed <= eligible, out
     if kind in ("random", "mixed"):
         assert int(re.search(r"pruned rows: (\d+)", out).group(1)) > 0, out  # some heads stopped early
+    if kind in ("random", "mixed", "flat") and head_dim == 128:
+        assert int(re.search(r"pruned rows: (\d+)", out).group(1)) > 0, out
     if kind == "mixed":
         assert int(re.search(r"rows past the first round: (\d+)", out).group(1)) > 0, out  # doubling rounds ran
         assert int(re.search(r"rounds with candidates: (\d+)", out).group(1)) > 1, out
+    if heads // kv_heads > 1:
+        assert int(re.search(r"group split over CTAs: (\d+)", out).group(1)) > 0, out
 
 
-MMA_KERNELS = ("valueNormsMmaKernel", "gramQuadKernel")
+@pytest.mark.parametrize(
+    "dtype, heads, head_dim, hidden, seed",
+    [
+        ("fp32", 2, 128, 300, 1),  # two row blocks, a ragged last chunk of hidden columns
+        ("fp32", 2, 80, 130, 2),  # d_h not a multiple of 64 (padded rows), hidden not of 64
+        ("bf16", 2, 128, 1024, 3),
+        ("fp16", 3, 64, 200, 4),
+        ("bf16", 2, 48, 64, 5),  # d_h 48: padded rows on the tensor path too
+        ("fp16", 1, 256, 100, 6),  # d_h 256: the fp32 path only
+    ],
+)
+def test_pruned_bound_terms(tiles, dtype, heads, head_dim, hidden, seed):
+    """kernels/bound_terms.cuh: the fp32 path's G_h, s_h, c_h bit for bit the host driver's (gramEntry, rowL1Entry,
+    columnL1: what makes launchL1Bounds bitwise the host driver's); the tensor path's G_h within (34 + hidden / 16 + 2) u
+    of sum_c |W_kc W_lc| of fp64, s_h and c_h within gamma_hidden."""
+    out = run(tiles, "terms", dtype, heads, head_dim, hidden, seed)
+    assert ", 0 failures" in out and "fp32 path 0 entries apart" in out, out
+    if dtype != "fp32" and head_dim % 16 == 0 and head_dim <= 128:
+        assert float(re.search(r"tensor-path G error ([0-9.]+) u", out).group(1)) > 0.0, out  # it ran
+
+
+MMA_KERNELS = ("valueNormsMmaKernel", "gramQuadKernel", "boundTermsTensorKernel")
+CP_ASYNC_KERNELS = ("valueNormsMmaKernel", "gramQuadKernel")  # boundTermsTensorKernel prefetches into registers
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -157,7 +186,8 @@ def test_tensor_core_kernels_compile_to_mma(tmp_path, arch):
         seen.add(kernel)
         assert "mma.sync.aligned.m16n8k16.row.col.f32" in entry, name.group(1)
         assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in entry, name.group(1)
-        assert "cp.async.cg.shared.global" in entry and "cp.async.wait_group" in entry, name.group(1)
+        if kernel in CP_ASYNC_KERNELS:
+            assert "cp.async.cg.shared.global" in entry and "cp.async.wait_group" in entry, name.group(1)
     assert seen == set(MMA_KERNELS), seen
     for dtype in ("bf16", "f16"):
         assert f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32" in ptx.read_text(), dtype

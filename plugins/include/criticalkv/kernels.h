@@ -28,6 +28,9 @@ struct SelectTensors
     void* keptValues;             //!< [B, H_kv, cap, d_h]
     int32_t* keptLengths;         //!< [B, H_kv]
     int32_t* keptIndices;         //!< [B, H_kv, cap]
+    void const* prunedTerms;      //!< or nullptr: the pruned stage 2's weights-only bound terms of this o_proj, filled
+                                  //!< by launchPrunedTerms (same dtype, H, d_h, hidden) and reused instead of
+                                  //!< recomputed (CriticalKV with value_norm=l1 only; ignored otherwise)
 };
 
 //! Byte offsets of the scratch buffers inside the workspace (each 256-byte aligned).
@@ -227,6 +230,35 @@ bool valueNormsOnTensorCores(SelectShape const& shape, DType dtype, void const* 
 //! L2 through the Gram matrices: G_h in fp32, then v^T G_h v on the tensor cores (3 16-bit pieces of G_h) or in SIMT.
 cudaError_t launchValueNorms(ValueNormParams const& params, cudaStream_t stream);
 
+//! Bytes of the buffer launchPrunedTerms fills for one layer: G_h [H, d_h, d_h] fp32, its 16-bit pieces
+//! [H, kGramPiecesMax, d_h, d_h], 1 / s_h [H], s_h [H, d_h], c_h [H], each 256-byte aligned.
+size_t prunedTermsBytes(SelectShape const& shape);
+
+//! The pruned stage 2's bound terms inside a launchPrunedTerms buffer (the workspace's gram, gramPieces, gramScale,
+//! rowL1 and colL1 in the same form).
+struct PrunedTerms
+{
+    GramScratch gram;
+    float* rowL1;
+    float* colL1;
+};
+
+PrunedTerms prunedTermsAt(void* buffer, SelectShape const& shape);
+
+//! Which form launchPrunedTerms computes for o_proj: the tensor-core bound's (fp16 / bf16, d_h % 16 == 0, d_h <= 128,
+//! 16-byte aligned o_proj, compute capability >= 8.0: G_h on the tensor cores and its 2 pieces) or the fp32 path's
+//! (bitwise the host driver's). A select call reuses a buffer only where it takes the same path
+//! (valueNormsOnTensorCores, which also asks for 16-byte aligned values); otherwise it computes the terms itself.
+bool prunedTermsOnTensorCores(SelectShape const& shape, DType dtype, void const* oProj);
+
+//! The weights-only terms of CriticalKV's pruned stage 2 bound for o_proj [hidden, H d_h] into `buffer`
+//! (prunedTermsBytes): they depend on the weights alone, so a caller that keeps a layer's o_proj fixed computes them
+//! once and passes them to every launchCriticalKVSelect of that layer (SelectTensors::prunedTerms). The buffer is valid
+//! for exactly this o_proj content, dtype and shape's H, d_h, hidden: a caller that changes the weights in place must
+//! compute them again.
+cudaError_t launchPrunedTerms(SelectShape const& shape, DType dtype, void const* oProj, void* buffer, size_t bytes,
+    cudaStream_t stream);
+
 //! Arguments of launchPrunedBounds.
 struct PrunedBoundParams
 {
@@ -242,6 +274,8 @@ struct PrunedBoundParams
     float* rowL1;                //!< [H, d_h]
     float* colL1;                //!< [H]
     float* bounds;               //!< [B, H, numTokens]
+    bool termsReady;             //!< gram (with its pieces on the tensor path), rowL1 and colL1 already hold this
+                                 //!< o_proj's terms in the form of this path (launchPrunedTerms): skip computing them
 };
 
 //! The pruned stage 2's L1 upper bounds of every older token: on the tensor cores (pruned_stage2.h:
@@ -285,9 +319,9 @@ struct PrunedStage2Params
 cudaError_t launchPrunedStage2(PrunedStage2Params const& params, cudaStream_t stream);
 
 //! The L1 upper bounds of CriticalKV's pruned stage 2 (pruned_stage2.h: l1UpperBoundOf), bitwise the host driver's:
-//! gram [H, d_h, d_h], rowL1 [H, d_h], colL1 [H] from oProj (the weights-only terms, every launch), then
-//! bounds [B, H, numTokens] of the first numTokens tokens of every sequence; when config is given, uncompressed
-//! sequences are skipped. One thread per entry and per token, fp32 throughout.
+//! gram [H, d_h, d_h], rowL1 [H, d_h], colL1 [H] from oProj (the weights-only terms, kernels/bound_terms.cuh:
+//! boundTermsSimtBlock), then bounds [B, H, numTokens] of the first numTokens tokens of every sequence (one thread per
+//! token and head); when config is given, uncompressed sequences are skipped. fp32 throughout.
 cudaError_t launchL1Bounds(SelectConfig const* config, RuntimeBudget budget, int32_t const* promptLengths,
     SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, float* gram,
     float* rowL1, float* colL1, float* bounds, cudaStream_t stream);
