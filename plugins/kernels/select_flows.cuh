@@ -150,7 +150,7 @@ inline Grid3 planGrid(SelectionRows const& a)
 inline TopKRows headRows(SelectionRows const& a, float const* scores, int64_t const* k, uint8_t mark)
 {
     int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
-    return TopKRows{scores, a.flags, k, a.plan.headFirstValid, a.shape.batch * a.shape.kvHeads, m, m, m, mark};
+    return TopKRows{scores, a.flags, k, a.plan.headFirstValid, a.shape.batch * a.shape.kvHeads, m, m, m, mark, 1};
 }
 
 //! ... over every sequence's layer-wide row ([B] rows of H_kv m, the left padding in every head's m).
@@ -158,7 +158,7 @@ inline TopKRows layerRows(SelectionRows const& a, float const* scores, int64_t c
 {
     int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
     int32_t const length = a.shape.kvHeads * m;
-    return TopKRows{scores, a.flags, k, a.plan.layerFirstValid, a.shape.batch, length, length, m, mark};
+    return TopKRows{scores, a.flags, k, a.plan.layerFirstValid, a.shape.batch, length, length, m, mark, 1};
 }
 
 //! The shared allocation over `ranking` (flags cleared by the caller): each head's floor, then the layer-wide rest.

@@ -303,7 +303,7 @@ extern "C"
         {
             return report(cudaErrorInvalidValue, err, errLen);
         }
-        TopKRows const p{scores, flags, k, nullptr, rows, static_cast<int32_t>(len), len, static_cast<int32_t>(len), 1};
+        TopKRows const p{scores, flags, k, nullptr, rows, static_cast<int32_t>(len), len, static_cast<int32_t>(len), 1, 1};
         DeviceBuffer scratch;
         size_t const bytes = topKScratchBytes(rows, p.len);
         cudaError_t status = scratch.allocate(bytes);
@@ -318,15 +318,16 @@ extern "C"
         return report(status, err, errLen);
     }
 
-    //! launchTopK on device arrays: flags [rows, len] uint8 in (0 = eligible) and out (the k best get `mark`);
+    //! launchTopK on device arrays: flags [rows, len] uint8 in (0 = eligible) and out (the k best get `mark`; with
+    //! levels > 1, k is [levels, rows] and a candidate gets mark + l for the first level l whose k best hold it);
     //! firstValid int32 [rows] or null. With iterations > 0, *microseconds gets the mean time of that many launches
     //! (cuda events around each; the flags restored before each), and the flags hold the last launch's result.
     int32_t ckv_cuda_top_k(float const* scores, uint8_t* flags, int64_t const* k, int32_t const* firstValid,
-        int32_t rows, int32_t len, int32_t period, int32_t mark, int32_t iterations, float* microseconds, char* err,
-        int32_t errLen)
+        int32_t rows, int32_t len, int32_t period, int32_t mark, int32_t levels, int32_t iterations, float* microseconds,
+        char* err, int32_t errLen)
     {
-        TopKRows const p{scores, flags, k, firstValid, rows, len, len, period, static_cast<uint8_t>(mark)};
-        size_t const bytes = topKScratchBytes(rows, len);
+        TopKRows const p{scores, flags, k, firstValid, rows, len, len, period, static_cast<uint8_t>(mark), levels};
+        size_t const bytes = topKScratchBytes(rows, len, levels);
         size_t const flagBytes = static_cast<size_t>(rows > 0 ? rows : 0) * static_cast<size_t>(len > 0 ? len : 0);
         DeviceBuffer scratch;
         DeviceBuffer original;
@@ -377,7 +378,7 @@ extern "C"
     int32_t ckv_cuda_mass_count(float const* scores, uint8_t* flags, int32_t const* firstValid, float const* limit,
         int64_t* count, int32_t rows, int32_t len, int32_t period, char* err, int32_t errLen)
     {
-        TopKRows const p{scores, flags, nullptr, firstValid, rows, len, len, period, 1};
+        TopKRows const p{scores, flags, nullptr, firstValid, rows, len, len, period, 1, 1};
         size_t const bytes = massCountScratchBytes(rows, len);
         DeviceBuffer scratch;
         cudaError_t status = scratch.allocate(bytes);

@@ -74,6 +74,7 @@ struct PrunedEmulatedLaunch
 
     void norms(int32_t listed)
     {
+        flow.counter.kernels += 1; // launchValueNorms: one kernel
         exactNorms(listed);
     }
 };
@@ -401,7 +402,7 @@ int main(int argc, char** argv)
     listed.rowTokens = candidates.data();
     listed.rowCounts = candidateCounts.data();
     std::vector<unsigned char> shared(kernels::NormTiles::sharedBytes(d), 0x7F);
-    std::vector<unsigned char> topKScratch(std::max<size_t>(topKScratchBytes(B * Hkv, m), 1));
+    std::vector<unsigned char> topKScratch(std::max<size_t>(topKScratchBytes(B * Hkv, m, kPrunedCandidateLevels), 1));
     int64_t rounds = 0;
     int64_t splitLaunches = 0;
     std::vector<int64_t> roundsOfHead(size_t(B) * Hkv, 0);
@@ -530,9 +531,12 @@ int main(int argc, char** argv)
     }
     std::printf("%d of %d heads differ; host driver: %d heads, %d entries apart; exact scores: %lld of %lld eligible "
                 "tokens; pruned rows: %lld; rows past the first round: %lld; rounds with candidates: %lld; norm launches "
-                "with the group split over CTAs: %lld\n",
+                "with the group split over CTAs: %lld; launchPrunedStage2's stream operations: %lld, of which %lld in "
+                "%lld top-k calls\n",
         mismatches, B * Hkv, hostHeads, hostEntries, static_cast<long long>(computed),
         static_cast<long long>(eligibleTotal), static_cast<long long>(prunedRows), static_cast<long long>(doubledRows),
-        static_cast<long long>(rounds), static_cast<long long>(splitLaunches));
+        static_cast<long long>(rounds), static_cast<long long>(splitLaunches),
+        static_cast<long long>(launch.flow.counter.operations()), static_cast<long long>(launch.flow.counter.topKOperations),
+        static_cast<long long>(launch.flow.counter.topKCalls));
     return mismatches == 0 ? 0 : 1;
 }

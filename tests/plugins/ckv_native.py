@@ -329,7 +329,7 @@ class CudaLibrary:
             [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 7
             + [P(ctypes.c_int32), ctypes.c_char_p, ctypes.c_int32]
         )
-        L.ckv_cuda_top_k.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int32] * 5
+        L.ckv_cuda_top_k.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int32] * 6
                                      + [P(ctypes.c_float), ctypes.c_char_p, ctypes.c_int32])
         L.ckv_cuda_mass_count.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int32] * 3
                                           + [ctypes.c_char_p, ctypes.c_int32])
@@ -486,17 +486,19 @@ class CudaLibrary:
               period: int | None = None, mark: int = 1, iterations: int = 0) -> tuple[torch.Tensor, float]:
         """launchTopK on CUDA tensors: (flags after marking the k[r] best candidates of every row, mean microseconds
         of `iterations` timed launches or nan). scores float [rows, len]; flags uint8 [rows, len] (0 = eligible);
-        k int64 [rows]; first_valid int32 [rows] or None."""
+        k int64 [rows], or [levels, rows] (levels of nested sets: mark + l on the first level holding a candidate);
+        first_valid int32 [rows] or None."""
         scores = scores.float().contiguous()
         rows, length = scores.shape
         flags = flags.to(device=scores.device, dtype=torch.uint8).contiguous().clone()
+        levels = k.shape[0] if k.dim() == 2 else 1
         k = k.to(device=scores.device, dtype=torch.int64).contiguous()
         fv = None if first_valid is None else first_valid.to(device=scores.device, dtype=torch.int32).contiguous()
         elapsed = ctypes.c_float(float("nan"))
         err = ctypes.create_string_buffer(512)
         status = self.lib.ckv_cuda_top_k(scores.data_ptr(), flags.data_ptr(), k.data_ptr(),
                                          None if fv is None else fv.data_ptr(), rows, length, period or length, mark,
-                                         iterations, ctypes.byref(elapsed), err, 512)
+                                         levels, iterations, ctypes.byref(elapsed), err, 512)
         if status != 0:
             raise RuntimeError(err.value.decode())
         return flags, elapsed.value

@@ -427,6 +427,25 @@ def topk_rows_reference(scores, flags, k, first_valid, period, mark):
     return out
 
 
+@pytest.mark.parametrize("length", [3000, 32736])
+def test_batched_top_k_levels_mark_the_first_level(cuda_lib, length):
+    """One launchTopK with 4 levels of nested k (the pruned stage 2's candidate rounds): every candidate gets mark + the
+    first level whose k best (topk_mask over the candidates) hold it; ties, flags set before, left padding, k 0."""
+    g = torch.Generator(device="cuda").manual_seed(length)
+    rows = 6
+    scores = (torch.rand(rows, length, device="cuda", generator=g) * 64).floor()
+    flags = (torch.rand(rows, length, device="cuda", generator=g) < 0.1).to(torch.uint8)
+    first_valid = torch.tensor([0, 5, length // 3, 0, 0, length - 1], dtype=torch.int32)
+    base = torch.tensor([length // 40, 1, length // 8, 0, 7, 2])
+    k = torch.stack([torch.clamp(base << level, max=length + 3) for level in range(4)])
+    got, _ = cuda_lib.top_k(scores, flags, k, first_valid, mark=249)
+    want = flags.cpu().clone()
+    for level in reversed(range(4)):
+        marked = topk_rows_reference(scores, flags, k[level], first_valid, length, 249 + level)
+        want = torch.where(marked != flags.cpu(), marked, want)
+    assert torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize("length", [1000, 4096, 4097, 32736, 131072, 262144])
 @pytest.mark.parametrize("kind", ["continuous", "ties", "specials"])
 def test_batched_top_k_equals_topk_mask(cuda_lib, length, kind):

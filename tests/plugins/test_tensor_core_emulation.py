@@ -117,6 +117,8 @@ def pipeline(tmp_path_factory):
         ("adakv", 3, 4, 2, 200, 16, 48, 8, 100, 96, "random", 7),  # shares; the third sequence kept whole
         ("snapkv", 2, 4, 2, 260, 16, 48, 8, 64, 0, "ties", 0),  # exact-score ties: the lower index wins
         ("snapkv", 2, 4, 2, 300, 16, 48, 8, 40, 0, "mixed", 0),  # the best bounds are the wrong tokens: rounds
+        ("snapkv", 1, 2, 1, 4800, 16, 48, 32, 512, 0, "mixed", 0),  # rows of 4,768 tokens: multi-CTA top-k calls
+        ("adakv", 2, 4, 2, 4800, 16, 48, 32, 300, 0, "random", 5),  # shares on multi-CTA rows
         # Llama-3-8B's d_h and hidden: the 3-deep ring of W_O tiles, gramQuad at d_h 128, G_h on the tensor cores
         ("snapkv", 1, 4, 2, 300, 128, 4096, 32, 96, 0, "flat", 1),  # the tight bound settles the first round
         ("snapkv", 1, 4, 2, 300, 128, 4096, 32, 96, 0, "mixed", 0),  # doubling rounds
@@ -138,6 +140,13 @@ def test_pruned_flow_keeps_the_unpruned_selection(pipeline, base, batch, heads, 
         assert int(re.search(r"rounds with candidates: (\d+)", out).group(1)) > 1, out
     if heads // kv_heads > 1:
         assert int(re.search(r"group split over CTAs: (\d+)", out).group(1)) > 0, out
+    # three top-k calls (stage 1, every round's candidates as 4 levels of one call, the k kept): one launch each on
+    # rows of at most 4,096 tokens, else a memset, 4 radix passes and the marks (7 calls before the levels: 42 there)
+    operations, topk_operations, calls = map(int, re.search(
+        r"stream operations: (\d+), of which (\d+) in (\d+) top-k calls", out).groups())
+    assert calls == 3 and topk_operations == 3 * (1 if n - window <= 4096 else 6), out
+    assert operations == topk_operations + 27, out  # the memset of the flags, 5 lists, 5 norms + scores, 4 counts,
+    # 4 decisions, the plan and 2 relabellings
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,8 @@ struct WorkspaceLayout
     size_t candidates; //!< int32 [B, H_kv, m]: a round's new candidates of every head (pruned stage 2)
     size_t candidateCounts; //!< int32 [B, H_kv]: how many (pruned stage 2)
     size_t prunedStates;    //!< PrunedHeadState [B, H_kv] (pruned stage 2)
-    size_t prunedPlan;      //!< prunedPlanBytes: every head's k of the pruned stage 2's top-k calls, its stop count
+    size_t prunedPlan;      //!< prunedPlanBytes: every head's k of the pruned stage 2's top-k calls (the candidate
+                            //!< rounds' levels included), its stop count
     size_t laprox;     //!< float [B, H_kv, m]: LaProx importance
     size_t flags;      //!< uint8 [B, H_kv, m]: chosen older tokens
     size_t headCounts; //!< int32 [B, H_kv]: adakv share of every head
@@ -138,8 +139,14 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     layout.ranking = take(rowsOn ? b * hkv * m * sizeof(float) : 0);
     layout.totals = take(rowsOn ? b * hkv * 4 * sizeof(float) : 0);
     layout.plan = take(selectionPlanBytes(s.batch, s.kvHeads));
-    layout.topK = take(selectionScratchBytes(s.batch, s.kvHeads, static_cast<int32_t>(m),
-        sharedAllocation(config) || rowsOn, rowsOn));
+    size_t topK = selectionScratchBytes(s.batch, s.kvHeads, static_cast<int32_t>(m), sharedAllocation(config) || rowsOn,
+        rowsOn);
+    if (pruned) // the candidate rounds' one top-k of kPrunedCandidateLevels levels
+    {
+        size_t const rounds = topKScratchBytes(s.batch * s.kvHeads, static_cast<int32_t>(m), kPrunedCandidateLevels);
+        topK = rounds > topK ? rounds : topK;
+    }
+    layout.topK = take(topK);
     layout.total = offset;
     return layout;
 }
@@ -305,7 +312,8 @@ struct PrunedStage2Params
     int32_t* candidateCounts;    //!< [B, H_kv] scratch
     PrunedHeadState* states;     //!< [B, H_kv] scratch
     PrunedPlan plan;             //!< scratch: the heads' k of the top-k calls
-    void* topKScratch;           //!< launchTopK's scratch for [B H_kv] rows of m (topKScratchBytes)
+    void* topKScratch;           //!< launchTopK's scratch for [B H_kv] rows of m with kPrunedCandidateLevels levels
+                                 //!< (topKScratchBytes)
     size_t topKScratchBytes;
     float margin;                //!< stopMargin(hidden, group)
     int32_t maxCount;            //!< upper bound of every head's stage-2 count k, known on the host
