@@ -51,25 +51,6 @@ __global__ void resolveLayerBudgetKernel(SelectConfig config, int32_t const* kvB
     }
 }
 
-//! A host-side upper bound of any head's stage-2 count k (<= its share of the older tokens): r_l at the largest
-//! runtime budget (the largest table entry for PyramidKV), times H_kv when the heads share the layer's slots.
-int32_t maxStage2Count(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape, int32_t m)
-{
-    int64_t r = config.layerBudget > config.budget - config.window ? config.layerBudget : config.budget - config.window;
-    if (config.budgetTable && table.values != nullptr)
-    {
-        for (int32_t i = 0; i < table.count; ++i)
-        {
-            r = table.values[i] > r ? table.values[i] : r;
-        }
-    }
-    if (sharedAllocation(config))
-    {
-        r *= shape.kvHeads;
-    }
-    return r < m ? static_cast<int32_t>(r) : m;
-}
-
 template <typename T>
 T* at(void* workspace, size_t offset)
 {
@@ -309,7 +290,7 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
             p.topKScratch = at<void>(workspace, layout.topK);
             p.topKScratchBytes = layout.total - layout.topK;
             p.margin = stopMargin(shape.hidden, shape.heads / shape.kvHeads);
-            p.maxCount = maxStage2Count(config, table, shape, m);
+            p.maxCount = prunedMaxK(config, table, shape, m);
             status = launchPrunedStage2(p, stream);
             if (status != cudaSuccess)
             {

@@ -427,21 +427,14 @@ int main(int argc, char** argv)
         // the group's query heads spread over CTAs as value_norms.cu's launch spreads them on an H100 (132 SMs, one
         // CTA each): the same norms bit for bit, so the kept set must not change
         unsigned const tiles = static_cast<unsigned>((longest + kernels::NormTiles::kRows - 1) / kernels::NormTiles::kRows);
-        listed.headSplit = kernels::chooseHeadSplit(int64_t(tiles) * Hkv * B, group, 132);
+        int64_t const gridTiles = (bound + kernels::NormTiles::kRows - 1) / kernels::NormTiles::kRows; // the launch's
+        listed.headSplit = kernels::chooseHeadSplit(gridTiles * Hkv * B, group, 132);
         splitLaunches += listed.headSplit > 1 && tiles > 0 ? 1 : 0;
         runGrid(tiles, static_cast<unsigned>(Hkv * listed.headSplit), B, kernels::NormTiles::kThreads,
             [&] { kernels::valueNormsMmaBlock<T, kernels::NormTiles, false>(listed, shared.data()); });
     }};
-    int32_t maxCount = 0; // pipeline.cu's maxStage2Count: every head's count at most
-    for (int b = 0; b < B; ++b)
-    {
-        SequenceInfo const info = sequenceInfo(c, runtime, s, lengths.data(), b);
-        for (int g = 0; g < Hkv; ++g)
-        {
-            maxCount = std::max<int32_t>(maxCount, sharedAllocation(c) ? headCounts[b * Hkv + g] : info.r);
-        }
-    }
-    if (!kernels::runPrunedStage2(a, std::min(maxCount, m), launch))
+    int32_t const maxCount = prunedMaxK(c, budgets, s, m); // pipeline.cu's: every head's k at most
+    if (!kernels::runPrunedStage2(a, maxCount, launch))
     {
         std::printf("runPrunedStage2 refused its top-k rows\n");
         return 1;

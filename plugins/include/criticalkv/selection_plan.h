@@ -3,6 +3,8 @@
 // computed on the device between the launches, and the top-k scratch.
 #pragma once
 
+#include "criticalkv/budget.h"
+#include "criticalkv/methods.h"
 #include "criticalkv/topk.h"
 
 namespace criticalkv
@@ -66,6 +68,30 @@ struct PrunedPlan
     uint32_t* following; //!< [B, H_kv] orderedKey of the best bound among the eligible tokens left out
     uint32_t* clearing;  //!< [B, H_kv] candidates whose exact C is not <= stopThreshold (stage2SettledByCount)
 };
+
+//! A host-side upper bound of every head's stage-2 count k in CriticalKV's pruned stage 2 (the norm launches' grids
+//! cover 2^(round+1) of it): a head's count is at most r_l at the largest runtime budget (the table's largest entry for
+//! PyramidKV), H_kv times that under shared allocation, and m; k = count - stage1Count(count) grows with the count
+//! (stage 1 takes at most one more token per token), so the largest count bounds it. The first candidates' launch then
+//! covers the 2k rows that can be listed (Llama-3-8B at 32k, budget 2048: 3,024 rows, 12 tiles), not 2 r_l.
+inline int32_t prunedMaxK(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape, int32_t m)
+{
+    int64_t r = config.layerBudget > config.budget - config.window ? config.layerBudget : config.budget - config.window;
+    if (config.budgetTable && table.values != nullptr)
+    {
+        for (int32_t i = 0; i < table.count; ++i)
+        {
+            r = table.values[i] > r ? table.values[i] : r;
+        }
+    }
+    if (sharedAllocation(config))
+    {
+        r *= shape.kvHeads;
+    }
+    int64_t const count = r < m ? r : m;
+    int64_t const k = count - stage1Count(config.alphaMicros, count);
+    return k > 0 ? static_cast<int32_t>(k) : 0;
+}
 
 inline size_t prunedPlanBytes(int32_t batch, int32_t kvHeads)
 {
