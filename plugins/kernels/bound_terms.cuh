@@ -75,16 +75,7 @@ __device__ void boundTermsSimtBlock(BoundArgs const& a, float* shared)
     float* partial = shared + kTermChunk * stride;          // [kTermThreads]
     bool const columnThread = blockIdx.x == 0 && tid >= 64 && tid < 64 + kTermChunk;
 
-    float acc[4][16];
-#pragma unroll
-    for (int32_t i = 0; i < 4; ++i)
-    {
-#pragma unroll
-        for (int32_t j = 0; j < 16; ++j)
-        {
-            acc[i][j] = 0.0F;
-        }
-    }
+    float acc[4][16] = {}; // rows rowBlock + 4 ty + i, columns tx + 16 j
     float rowSum = 0.0F;
     float columnBest = 0.0F; // the host driver's start value
     for (int32_t c0 = 0; c0 < a.shape.hidden; c0 += kTermChunk)
@@ -244,20 +235,7 @@ __device__ void boundTermsTensorBlock(BoundArgs const& a, TermTileSmem& s)
         }
     };
     load(0);
-    float sum[2][4][4];
-#pragma unroll
-    for (int32_t mi = 0; mi < 2; ++mi)
-    {
-#pragma unroll
-        for (int32_t ni = 0; ni < 4; ++ni)
-        {
-#pragma unroll
-            for (int32_t e = 0; e < 4; ++e)
-            {
-                sum[mi][ni][e] = 0.0F;
-            }
-        }
-    }
+    float sum[2][4][4] = {}; // rows warpRow + 16 mi, columns warpCol + 8 ni (cFragment's elements)
     float rowSum = 0.0F;
     float columnBest = 0.0F;
     uint32_t* words = reinterpret_cast<uint32_t*>(s.tile);
