@@ -1,6 +1,6 @@
 // Tensor-core tiles of the value-norm stage (mma.sync m16n8k16, ldmatrix, cp.async; criticalkv/mma_layout.h has the
 // lane layouts). Two block bodies, included by kernels/value_norms.cu (device) and by the CPU emulation
-// (testing/value_norms_mma_emulation.cpp, which supplies the same primitives and one std::thread per CUDA thread):
+// (testing/value_norms_mma_emulation.cpp, which supplies the same primitives and one fiber per CUDA thread):
 //
 // * valueNormsMmaBlock: N[b, h, i] = sum_c |(V W_O^h)[i, c]| (or sqrt of the sum of squares) without storing V W_O.
 //   One CTA holds a tile of kRows value rows of one KV head in shared memory (loaded once, with cp.async) and streams

@@ -4,7 +4,7 @@ The tile bodies (plugins/kernels/mma_tiles.cuh) and the pruned flow (plugins/ker
 its top-k calls through the batched top-k's kernels) are compiled with g++ from the very headers the kernels include,
 with the warp instructions of plugins/testing/mma_emulation.h and cuda_emulation.h: ldmatrix
 and mma.sync place every element by the PTX ISA's fragment tables (criticalkv/mma_layout.h, itself checked against the
-ISA's per-element formulas), cp.async copies land only at the wait that retires them, one std::thread per CUDA thread.
+ISA's per-element formulas), cp.async copies land only at the wait that retires them, one fiber per CUDA thread.
 Checked against plain fp64 loops: the value norms (l1 / l2, bf16 / fp16, d_h 64 and 128, GQA, ragged tails, gathered
 rows), the l2 norms through the Gram pieces, the soundness of the tensor-core L1 bounds, and the whole pruned flow on
 small layers (kept set = the unpruned selection on the same computed values; = the fp32 host driver's up to near-ties).
