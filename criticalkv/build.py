@@ -36,17 +36,12 @@ from criticalkv.export.exporter import (
     DEFAULT_CONTEXT_POLICY,
     SURROGATE_FALLBACK,
     onnx_info,
-    reconstructs,
-    rereads,
 )
 from criticalkv.export.validate import validate_export
 from criticalkv.files import remove_stale_temporaries, temporary_dir
 from criticalkv.hf import generate, load_model, resolve_model
 from criticalkv.hf.loading import stop_token_ids
-from criticalkv.hf.reconstruct import reconstruction_prompt
-from criticalkv.methods.kvzip import ReconstructionPrompt
-from criticalkv.methods.surrogate import find_surrogate, uses_surrogate
-from criticalkv.policy import SCHEMA_VERSION, KVPolicy, parse_policy_spec
+from criticalkv.policy import SCHEMA_VERSION, KVPolicy, parse_policy_spec, policy_spec
 from criticalkv.runtime import Engine, create_backend
 from criticalkv.runtime.manifest import FORMAT as MANIFEST_FORMAT
 from criticalkv.runtime.manifest import FORMAT_VERSION, MANIFEST_FILE, EngineError, write_manifest
@@ -248,8 +243,9 @@ def export_engine(
 ) -> tuple[ExportResult, dict[str, Any]]:
     """Export ``model`` into ``folder`` and validate it; returns the export and the manifest content
     (``write_manifest(folder, content)`` completes an engine directory). ``context_policy``: the policy contexts are
-    compressed with (``export_model``); the manifest records it, and KVzip's repeat prompt in the tokenizer's ids
-    (``reconstruction``) when the engine re-reads contexts."""
+    compressed with (``export_model``); the manifest records it, and what the policies' methods need beyond their
+    layers (``criticalkv.methods.phases``): their data (``method_data``, e.g. kvzip's repeat prompt in the tokenizer's
+    ids) and the streams the extend graphs return (``streams``: name -> where it came from)."""
     result = export_model(model, policy, folder, config, tokenizer, context_policy)
     validation = validate_export(result) if validate else None
     content = {
@@ -268,13 +264,19 @@ def export_engine(
     }
     if result.context_policy is not None:
         content["context_policy"] = result.context_policy.to_dict()
-    if reconstructs(policy) or reconstructs(result.context_policy):
-        # the PyTorch path's prompt for this model (criticalkv.hf.reconstruct): the same entries kept on both
-        prompt = ReconstructionPrompt.from_tokenizer(tokenizer) if tokenizer is not None else reconstruction_prompt(model)
-        content["reconstruction"] = prompt.to_dict()
-    if result.surrogate is not None:  # its weights are in weights.bin
-        content["kvzip_surrogate"] = {"model": result.surrogate.model, "info": result.surrogate.info}
+    content.update(phases_content(result.phases))
     return result, content
+
+
+def phases_content(phases) -> dict[str, Any]:
+    """The manifest's record of an engine's method phases (``criticalkv.methods.phases.BuildPhases``): the methods'
+    data by key and the streams (their weights are in the engine: ``weights.bin``), when there are any."""
+    content: dict[str, Any] = {}
+    if phases.data_key:
+        content["method_data"] = {phases.data_key: phases.data}
+    if phases.streams:
+        content["streams"] = {s.name: s.info for s in phases.streams}
+    return content
 
 
 def _onnx_files(folder: Path) -> dict[str, Any]:
@@ -347,7 +349,7 @@ def build_engine(
     model_name = model or "smollm2-135m"
     model_path = str(resolve_model(model))
     check_exportable_model(model_path)
-    context = None if backend == "torch" else context_policy_for(policy, context_policy)
+    context = context_policy_for(policy, context_policy)
     request = build_request(model_name, model_path, policy, config, backend, context)
     output.parent.mkdir(parents=True, exist_ok=True)
     with build_lock(output):
@@ -357,7 +359,7 @@ def build_engine(
             log(f"{output} is already built for this model, policy and limits (use --force to rebuild)")
             return output
         if backend == "torch":
-            return _build_torch(output, policy, config, model_name, model_path, request, smoke, log)
+            return _build_torch(output, policy, config, model_name, model_path, request, smoke, log, context)
         return _build(output, policy, config, model, model_name, model_path, request, smoke, tensorrt, log, context,
                       default_context=context_policy == DEFAULT_CONTEXT_POLICY)
 
@@ -391,10 +393,10 @@ def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | Non
         start = time.perf_counter()
         log(f"loading {model_name} ...")
         hf_model, tokenizer = load_model(model)
-        if default_context and uses_surrogate(context_policy):
-            try:
-                find_surrogate(hf_model, model_path)
-            except ValueError:  # the default needs the model's KVzip surrogate: the re-read's policy instead
+        if default_context:
+            try:  # the default's streams: the model's KVzip surrogate
+                context_policy.method.base.streams(context_policy, hf_model)
+            except ValueError:  # the model has none: the re-read's policy instead
                 context_policy = context_policy_for(policy, SURROGATE_FALLBACK)
                 log(f"no KVzip surrogate for {model_name}: contexts are compressed with {SURROGATE_FALLBACK} (KVzip's "
                     f"re-read) instead of the default's surrogate; `criticalkv train-surrogate --model {model_path}` "
@@ -403,9 +405,12 @@ def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | Non
             f"{policy.name} (budget {policy.budget}) to ONNX, then validating (onnx.checker full check, strict "
             "shape inference, node attributes) ...")
         if context_policy is not None:
-            log(f"contexts (the serving context cache) are compressed with {context_policy.name}: its select graph"
-                + (" and the reconstruct graph (it re-reads each context once)" if rereads(context_policy) else "")
-                + (" and its KVzip surrogate (no re-read)" if uses_surrogate(context_policy) else ""))
+            base = context_policy.method.base
+            scored = context_policy.method.scored_apart
+            streams = base.streams(context_policy, hf_model) if scored else ()
+            log(f"contexts (the serving context cache) are compressed with {policy_spec(context_policy)}: its select graph"
+                + (" and the re-read graph (it re-reads each context once)" if scored and base.rereads(context_policy) else "")
+                + "".join(f" and {s.description or 'the stream ' + s.name} (no re-read)" for s in streams))
         result, content = export_engine(hf_model, policy, tmp, config, tokenizer, model_name, model_path,
                                         context_policy=context_policy)
         content["request"] = request
@@ -426,30 +431,46 @@ def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | Non
 
 # ---------------------------------------------------------------------- the torch backend
 def torch_engine_content(model, policy: KVPolicy, config: BuildConfig, tokenizer=None, model_name: str = "custom",
-                         model_path: str = "") -> dict[str, Any]:
+                         model_path: str = "", context_policy: KVPolicy | None = None) -> dict[str, Any]:
     """The manifest content of a torch engine directory for ``model`` (a transformers model: real weights, or the
-    structure alone on the meta device): the limits, shapes and policy the other backends record, and the ``torch``
-    section naming the checkpoint ``model_path`` (with its fingerprint; empty for an in-memory model, which must then
-    be handed to the backend). No ``onnx`` section: no graph is exported."""
-    from criticalkv.export.exporter import check_model_limits, reconstructs
+    structure alone on the meta device): the limits, shapes and policy the other backends record, the context policy
+    and what the policies' methods keep (``method_data``; their streams are found for the model when the backend
+    loads it), and the ``torch`` section naming the checkpoint ``model_path`` (with its fingerprint; empty for an
+    in-memory model, which must then be handed to the backend). No ``onnx`` section: no graph is exported."""
+    from criticalkv.export.exporter import check_model_limits
     from criticalkv.export.llama import layer_capacities, model_spec
-    from criticalkv.hf.torch_backend import DTYPES, KVZIP_REFUSAL, torch_manifest_section
+    from criticalkv.methods.phases import BuildPhases
+    from criticalkv.runtime.torch_backend import DTYPES, torch_manifest_section
 
-    if reconstructs(policy):
-        raise ValueError(f"{policy.name}: {KVZIP_REFUSAL}")
+    if context_policy is not None and context_policy == policy:
+        context_policy = None
     spec = model_spec(model)
     check_model_limits(model, spec, config)
     capacities = layer_capacities(policy, spec, config.max_input_len)
-    decode = [c + config.max_question_len + config.max_new_tokens for c in capacities]
+    context_capacities = None if context_policy is None else layer_capacities(context_policy, spec, config.max_input_len)
+    held = capacities if context_capacities is None else [max(a, b) for a, b in zip(capacities, context_capacities)]
+    decode = [c + config.max_question_len + config.max_new_tokens for c in held]
     element = DTYPES[config.dtype].itemsize
+    phases = BuildPhases()
+    for one in (policy, context_policy):
+        if one is not None and one.method.scored_apart:
+            base = one.method.base
+            phases = phases.merged(BuildPhases((), base.rereads(one), base.data_key, base.engine_data(one, model, tokenizer)))
+    extra = phases_content(phases)
+    if context_policy is not None:
+        extra["context_policy"] = context_policy.to_dict()
+    shapes = {"prefill_capacity": capacities, "decode_capacity": decode,
+              "kv_buffer_bytes": 2 * config.max_batch_size * spec.num_kv_heads * spec.head_dim * element * sum(decode)}
+    if context_capacities is not None:
+        shapes["context_capacity"] = context_capacities
     return {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": {"name": model_name, "path": model_path, "model_type": spec.model_type, "spec": spec.to_dict()},
         "policy": policy.to_dict(),
         "policy_schema_version": SCHEMA_VERSION,
         "build": config.to_dict(),
-        "shapes": {"prefill_capacity": capacities, "decode_capacity": decode,
-                   "kv_buffer_bytes": 2 * config.max_batch_size * spec.num_kv_heads * spec.head_dim * element * sum(decode)},
+        "shapes": shapes,
+        **extra,
         "torch": {**(torch_manifest_section(model_path) if model_path else {"checkpoint": None}),
                   "dtype_on_cuda": config.dtype, "dtype_on_cpu": "float32"},
         "generation": {"eos_token_ids": stop_token_ids(tokenizer, model) if tokenizer is not None else [],
@@ -504,7 +525,8 @@ def torch_smoke_test(folder: Path, manifest: dict[str, Any], tokenizer, policy: 
 
 
 def _build_torch(output: Path, policy: KVPolicy, config: BuildConfig, model_name: str, model_path: str,
-                 request: dict[str, Any], smoke: bool, log: Callable[[str], None]) -> Path:
+                 request: dict[str, Any], smoke: bool, log: Callable[[str], None],
+                 context_policy: KVPolicy | None = None) -> Path:
     from transformers import AutoTokenizer
 
     tmp = temporary_dir(output.parent, f".{output.name}.building-")
@@ -512,11 +534,13 @@ def _build_torch(output: Path, policy: KVPolicy, config: BuildConfig, model_name
         start = time.perf_counter()
         model = structure_of(model_path)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        content = torch_engine_content(model, policy, config, tokenizer, model_name, model_path)
+        content = torch_engine_content(model, policy, config, tokenizer, model_name, model_path, context_policy)
         tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
         content["request"] = request
         log(f"torch engine for {model.config.model_type} ({model.config.num_hidden_layers} layers), policy {policy.name} "
-            f"(budget {policy.budget}): no export, the manifest names {model_path}")
+            f"(budget {policy.budget}): no export, the manifest names {model_path}"
+            + (f"; contexts compressed with {policy_spec(context_policy)} (a method stream it reads, such as a KVzip "
+               "surrogate, is found for the checkpoint when the engine loads)" if context_policy is not None else ""))
         if smoke:
             content["smoke_test"] = torch_smoke_test(tmp, content, tokenizer, policy, config, log)
         content["build_seconds"] = round(time.perf_counter() - start, 1)

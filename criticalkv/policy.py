@@ -39,8 +39,7 @@ from criticalkv.spec.rules import (
 #: ``criticalkv.methods``, which composes the method units.
 POLICIES: dict[str, tuple[str, bool]] = _methods.POLICIES
 
-#: One-line description of every policy, used by ``criticalkv policies`` and the README table.
-POLICY_DESCRIPTIONS: dict[str, str] = {name: m.description for name, m in _methods.METHODS.items()}
+
 
 VALUE_NORMS = ("l1", "l2")
 GQA_REDUCES = ("mean", "kvpress")
@@ -136,7 +135,7 @@ class KVPolicy:
             if f.type in ("float", float):
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                     raise ValueError(f"{f.name}: expected a finite number, got {value!r}")
-            choices = f.metadata.get("choices")
+            choices = f.metadata.get("choices") if f.name != "name" else None  # the name: the live registry, above
             if choices and value not in choices:
                 raise ValueError(f"{f.name}: {value!r} is not one of {', '.join(map(str, choices))}")
         for f in dataclasses.fields(self):
@@ -255,40 +254,58 @@ class KVPolicy:
         return cls.from_dict(data)
 
     # ------------------------------------------------------------------ command line
+    #: The knobs with a flag of their own (the rest go in ``--kv-policy``'s spec: ``name:knob=value:...``).
+    FLAGGED = ("name", "budget", "window")
+
     @classmethod
     def flag_of(cls, name: str) -> str:
-        f = {f.name: f for f in dataclasses.fields(cls)}[name]
-        return f.metadata.get("flag") or "--" + name.replace("_", "-")
+        """The command-line form of knob ``name``: its flag (``--kv-policy``, ``--budget``, ``--window``), else its key
+        in ``--kv-policy``'s spec (``:alpha=``)."""
+        if name not in cls.knob_names():
+            raise KeyError(name)
+        if name in cls.FLAGGED:
+            f = {f.name: f for f in dataclasses.fields(cls)}[name]
+            return f.metadata.get("flag") or "--" + name.replace("_", "-")
+        return f":{name}="
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser, defaults: "KVPolicy | None" = None) -> None:
-        """Add one ``--flag`` per knob (dest = the field name) to ``parser``."""
+    def add_arguments(cls, parser: argparse.ArgumentParser, defaults: "KVPolicy | None" = None,
+                      optional: bool = False) -> None:
+        """Add ``--kv-policy NAME[:KNOB=VALUE...]`` (dest ``kv_policy``), ``--budget`` and ``--window`` to ``parser``:
+        every knob of the policy is reachable, the advanced ones through the spec (``criticalkv policies`` lists them).
+        ``optional``: their defaults are None (the command tells a value given from one left out)."""
         defaults = defaults or cls()
         group = parser.add_argument_group("KV cache policy")
-        for f in dataclasses.fields(cls):
-            default = getattr(defaults, f.name)
-            kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__)
-            group.add_argument(
-                cls.flag_of(f.name),
-                dest=f.name,
-                type=kind,
-                default=default,
-                choices=f.metadata.get("choices"),
-                help=f"{f.metadata['help']} (default: {default})",
-            )
+        knobs = ", ".join(k for k in cls.knob_names() if k not in cls.FLAGGED)
+        group.add_argument("--kv-policy", dest="kv_policy", metavar="NAME[:KNOB=VALUE...]",
+                           default=None if optional else policy_spec(defaults),
+                           help=f"the KV eviction policy, one of {', '.join(POLICIES)}, optionally with knob overrides "
+                                f"(e.g. criticalkv:alpha=0.5:value_norm=l2; the knobs: {knobs}; `criticalkv policies` "
+                                f"says what each does) (default: {policy_spec(defaults)})")
+        group.add_argument("--budget", type=int, default=None if optional else defaults.budget,
+                           help=f"{_help('budget')} (default: {defaults.budget})")
+        group.add_argument("--window", type=int, default=None if optional else defaults.window,
+                           help=f"{_help('window')} (default: {defaults.window})")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "KVPolicy":
-        """Build a policy from a namespace filled by ``add_arguments``."""
-        return cls(**{name: getattr(args, name) for name in cls.knob_names()})
+    def from_args(cls, args: argparse.Namespace, defaults: "KVPolicy | None" = None) -> "KVPolicy":
+        """The policy a namespace filled by ``add_arguments`` names (what it leaves out: ``defaults``'s)."""
+        defaults = defaults or cls()
+        base = defaults.replace(budget=defaults.budget if args.budget is None else args.budget,
+                                window=defaults.window if args.window is None else args.window)
+        return parse_policy_spec(args.kv_policy or policy_spec(defaults), base, "--kv-policy")
+
+
+def _help(knob: str) -> str:
+    return {f.name: f for f in dataclasses.fields(KVPolicy)}[knob].metadata["help"]
 
 
 def policy_table_markdown() -> str:
     """Markdown table of the policies and every knob's default (used for the README)."""
     rows = ["| policy | base allocation | stage 2 | what it keeps |", "|---|---|---|---|"]
     for name, (base, two_stage) in POLICIES.items():
-        rows.append(f"| `{name}` | {base} | {'yes' if two_stage else 'no'} | {POLICY_DESCRIPTIONS[name]} |")
-    rows += ["", "| knob | flag | default | meaning |", "|---|---|---|---|"]
+        rows.append(f"| `{name}` | {base} | {'yes' if two_stage else 'no'} | {_methods.METHODS[name].description} |")
+    rows += ["", "| knob | on the command line | default | meaning |", "|---|---|---|---|"]
     default = KVPolicy()
     for f in dataclasses.fields(KVPolicy):
         choices = f.metadata.get("choices")

@@ -72,14 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-smoke-test", action="store_true",
                    help="do not run the smoke generation (ONNX Runtime, or the torch backend, against the PyTorch path)")
     p.add_argument("--skip-tensorrt", action="store_true", help="do not try to build TensorRT engines")
-    p.add_argument("--context-policy", default=DEFAULT_CONTEXT_POLICY, metavar="NAME",
+    p.add_argument("--context-policy", default=DEFAULT_CONTEXT_POLICY, metavar="NAME[:KNOB=VALUE...]",
                    help="the policy the serving context cache compresses a request's `context` with, before its "
                         f"question is known, at this engine's budget (default: {DEFAULT_CONTEXT_POLICY}: KVzip's score "
                         "predicted from the prefill by the model's surrogate, no re-read, CriticalKV's two stages in one "
                         "model-wide allocation, a head keeping at most 6x the budget; the bundled model's surrogate "
                         "ships, another model's comes from criticalkv train-surrogate; kvzip_score=reread re-reads the "
                         "context instead: results/README.md; 'engine' = --kv-policy itself). Its select graph is added, "
-                        "and the reconstruct graphs for a kvzip policy that re-reads")
+                        "and the re-read graph for a policy that re-reads contexts")
     KVPolicy.add_arguments(p)
     return p.parse_args(argv)
 

@@ -19,7 +19,7 @@ from helpers import random_layer
 def test_policies_lists_every_policy(capsys):
     assert main(["policies"]) == 0
     out = capsys.readouterr().out
-    assert "`ada-criticalkv`" in out and "`--pool-kernel`" in out
+    assert "`ada-criticalkv`" in out and "`:pool_kernel=`" in out
 
 
 def test_select_on_saved_tensors_matches_the_reference(tmp_path, capsys):

@@ -8,9 +8,12 @@ that loads modules by a computed name (the CLI's subcommands, the runtime's back
 module of the package. Importing ``a.b.c`` also runs the package faces ``a.b/__init__`` on the way, so those count
 too. There is no exception list: a new module that no floor names fails until it is placed.
 
-The ONNX Runtime side (``runtime``, ``serving``) stands below ``selection``, where PyTorch starts: the floors alone
-keep it from importing torch through the package; ``test_onnx_runtime_side_imports_without_torch`` here and
-``tests/runtime/test_without_torch.py`` (an engine generating where torch cannot be imported) check the rest.
+The runtime stands above ``hf`` and ``selection`` (its torch backend runs the model's own layers and the selection op,
+and every backend is registered in code, by name, in ``runtime/registry.py``), yet its ONNX Runtime side never reaches
+torch: ``test_onnx_runtime_side_never_reaches_torch`` follows every import of ``runtime`` and ``serving`` (those inside
+functions too) except the backends the registry loads by name, and fails on any path to a unit where PyTorch is
+imported; ``test_onnx_runtime_side_imports_without_torch`` here and ``tests/runtime/test_without_torch.py`` (an engine
+generating where torch cannot be imported) check the same at run time.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # the signal bookkeeping of the command line (Ctrl-C / SIGTERM noted early, raised where they are safe)
     ("criticalkv.interrupts",),
     # 0. leaves: the knob rules, the error types, prompts as token ids (chat template, context / question), file and
-    #    padding helpers, external ONNX weights
+    #    padding helpers, external ONNX weights, the graphs' names (files, inputs, outputs)
     ("criticalkv.spec", "criticalkv.spec.rules", "criticalkv.errors", "criticalkv.chat", "criticalkv.files",
-     "criticalkv.padding", "criticalkv.weights"),
+     "criticalkv.padding", "criticalkv.weights", "criticalkv.graphs"),
     # 1. the eviction methods: scores, budget sharing, integer rules, top-k, pruned stage 2, ONNX pieces
     ("criticalkv.methods",),
     # 2. KVPolicy (reads the methods registry)
@@ -46,16 +49,18 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # 4. next-token sampling and the decode loop (NumPy); the TensorRT plugin library and engine building (tensorrt
     #    itself is optional)
     ("criticalkv.sampling", "criticalkv.tensorrt"),
-    # 5. the runtime: Engine over ONNX Runtime or TensorRT (no torch, no exporter)
-    ("criticalkv.runtime",),
-    # 6. serving: scheduler, Triton model and repository, launcher
-    ("criticalkv.serving",),
-    # 7. PyTorch from here up: the reference selection (the oracle)
+    # 5. PyTorch from here up: the reference selection (the oracle)
     ("criticalkv.selection",),
-    # 8. the package's face: KVPolicy, select_layer, ... loaded on first use
+    # 6. the package's face: KVPolicy, select_layer, ... loaded on first use
     ("criticalkv",),
-    # 9-11. transformers integration, the ONNX export, the build pipeline
+    # 7. transformers integration (the torch backend's decoder, compress, loading)
     ("criticalkv.hf",),
+    # 8. the runtime: Engine over ONNX Runtime, TensorRT or torch, every backend registered by name in
+    #    runtime/registry.py. Its ONNX Runtime side never reaches torch: test_onnx_runtime_side_never_reaches_torch
+    ("criticalkv.runtime",),
+    # 9. serving: scheduler, Triton model and repository, launcher (torch-free like the runtime's ONNX side)
+    ("criticalkv.serving",),
+    # 10-11. the ONNX export, the build pipeline
     ("criticalkv.export",),
     ("criticalkv.build",),
     # 12-13. quality evaluation, then speed and serving benchmarks (which borrow eval's haystack text)
@@ -108,8 +113,8 @@ def imports_of(module: str) -> dict[str, int]:
     return imports_in(path.read_text(), module, path.name == "__init__.py")
 
 
-def imports_in(source: str, module: str, is_package: bool = False) -> dict[str, int]:
-    """``imports_of`` for the text ``source`` of ``module``."""
+def imports_in(source: str, module: str, is_package: bool = False, registry: bool = True) -> dict[str, int]:
+    """``imports_of`` for the text ``source`` of ``module`` (``registry``: also the modules a registry spells)."""
     tree = ast.parse(source)
     package = module if is_package else module.rpartition(".")[0]
     found: dict[str, int] = {}
@@ -139,7 +144,7 @@ def imports_in(source: str, module: str, is_package: bool = False) -> dict[str, 
                 add(name.value if name.value.startswith("criticalkv") else None, node.lineno)
             else:
                 dynamic = True
-    if dynamic:  # a registry ("criticalkv.x.y" or "criticalkv.x.y:Name" strings): every module it spells counts
+    if dynamic and registry:  # a registry ("criticalkv.x.y" or "criticalkv.x.y:Name" strings): every module it spells counts
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 text = node.value.split(":")[0]
@@ -247,6 +252,44 @@ def test_the_walker_sees_every_kind_of_import():
     assert "criticalkv.commands.serve" in GRAPH["criticalkv.cli"]
     assert "criticalkv.runtime.onnxruntime_backend" in GRAPH["criticalkv.runtime.registry"]
     assert {"criticalkv.policy", "criticalkv.selection"} <= set(GRAPH["criticalkv"])
+
+
+#: The units where PyTorch is imported (or may be, through them): the ONNX Runtime side must never reach one.
+TORCH_UNITS = ("criticalkv.selection", "criticalkv", "criticalkv.hf", "criticalkv.export", "criticalkv.build",
+               "criticalkv.eval", "criticalkv.bench", "criticalkv.commands", "criticalkv.spec.generate", "criticalkv.cli")
+#: The units of the ONNX Runtime side (what a Triton model serving an ONNX Runtime engine imports).
+ONNX_SIDE = ("criticalkv.runtime", "criticalkv.serving")
+
+
+def test_onnx_runtime_side_never_reaches_torch():
+    """From every module of ``runtime`` and ``serving`` but the backends the registry loads by name (the torch and
+    TensorRT backends import torch), no chain of imports (inside functions too) reaches a unit of TORCH_UNITS or a
+    module that imports torch itself."""
+    from criticalkv.runtime.registry import BACKENDS
+
+    by_name = {target.split(":")[0] for target in BACKENDS.values()}
+    assert "criticalkv.runtime.torch_backend" in by_name, "the torch backend is registered in code"
+    static = {m: imports_in(MODULES[m].read_text(), m, MODULES[m].name == "__init__.py", registry=False)
+              for m in MODULES}
+    torch_modules = {m for m, path in MODULES.items()
+                     if re.search(r"^\s*(import torch\b|from torch\b)", path.read_text(), re.M)}
+    problems = []
+    for start in sorted(m for m in MODULES if unit_of(m) in ONNX_SIDE and m not in by_name):
+        seen, path_to = {start}, {start: [start]}
+        todo = [start]
+        while todo:
+            here = todo.pop()
+            for target in static[here]:
+                for reached in [target, *faces(target)]:
+                    if reached in seen:
+                        continue
+                    seen.add(reached)
+                    path_to[reached] = path_to[here] + [reached]
+                    if unit_of(reached) in TORCH_UNITS or reached in torch_modules or reached in by_name:
+                        problems.append(" -> ".join(path_to[reached]))
+                    else:
+                        todo.append(reached)
+    assert not problems, "the ONNX Runtime side reaches torch:\n" + "\n".join(sorted(problems))
 
 
 @pytest.mark.parametrize("module", ["criticalkv.runtime", "criticalkv.serving", "criticalkv"])

@@ -80,23 +80,37 @@ def test_json_round_trip_and_schema():
 
 
 def test_cli_flags_json_and_fields_are_one_set():
+    """Every knob is reachable on the command line (name, budget and window by their flags, the others as keys of
+    --kv-policy's spec), and the JSON keys and the fields are the same set."""
     parser = argparse.ArgumentParser()
     KVPolicy.add_arguments(parser)
     dests = {a.dest for a in parser._actions if a.dest != "help"}
     fields = {f.name for f in dataclasses.fields(KVPolicy)}
-    assert dests == fields == set(KVPolicy().to_dict()) == set(KVPolicy.knob_names())
+    assert fields == set(KVPolicy().to_dict()) == set(KVPolicy.knob_names())
+    assert dests == {"kv_policy", "budget", "window"}
     flags = {s for a in parser._actions for s in a.option_strings}
-    assert {"--kv-policy", "--budget", "--window", "--pool-kernel", "--alpha", "--value-norm"} <= flags
+    assert flags == {"--kv-policy", "--budget", "--window", "-h", "--help"}
+    spec_keys = {KVPolicy.flag_of(k) for k in fields if k not in KVPolicy.FLAGGED}
+    assert spec_keys == {f":{k}=" for k in fields - set(KVPolicy.FLAGGED)}
+    for knob in fields - {"name", "budget"}:  # every other knob parses from a spec
+        value = getattr(KVPolicy(), knob)
+        assert KVPolicy.from_args(parser.parse_args(["--kv-policy", f"criticalkv:{knob}={value}"])) == KVPolicy()
 
 
 def test_cli_parses_into_a_policy_and_rejects_bad_choices(capsys):
     parser = argparse.ArgumentParser()
     KVPolicy.add_arguments(parser)
-    args = parser.parse_args(["--kv-policy", "pyramidkv", "--budget", "128", "--alpha", "0.5", "--value-norm", "l2"])
+    args = parser.parse_args(["--kv-policy", "pyramidkv:alpha=0.5:value_norm=l2", "--budget", "128"])
     assert KVPolicy.from_args(args) == KVPolicy("pyramidkv", budget=128, alpha=0.5, value_norm="l2")
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--kv-policy", "nope"])
-    assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown KV policy 'nope'"):
+        KVPolicy.from_args(parser.parse_args(["--kv-policy", "nope"]))
+    with pytest.raises(ValueError, match="value_norm: 'l3' is not one of l1, l2"):
+        KVPolicy.from_args(parser.parse_args(["--kv-policy", "criticalkv:value_norm=l3"]))
+    optional = argparse.ArgumentParser()
+    KVPolicy.add_arguments(optional, optional=True)
+    left_out = optional.parse_args([])
+    assert (left_out.kv_policy, left_out.budget, left_out.window) == (None, None, None)
+    assert KVPolicy.from_args(left_out, KVPolicy("snapkv", budget=64)) == KVPolicy("snapkv", budget=64)
 
 
 def test_policy_table_lists_every_policy_and_knob():

@@ -8,7 +8,7 @@ TARGETS = {"ttft_ratio_max": 1.05, "throughput_ratio_min": 3.0, "step_floor_rati
 
 
 def _find(results: dict, n: int, policy: str) -> dict | None:
-    return next((r for r in results["runs"] if r["prompt_tokens"] == n and r["name"] == policy), None)
+    return next((r for r in results.get("runs") or [] if r.get("prompt_tokens") == n and r.get("name") == policy), None)
 
 
 def _served(entry: dict | None, c: int) -> dict | None:
@@ -17,11 +17,18 @@ def _served(entry: dict | None, c: int) -> dict | None:
     return next((s for s in entry.get("served", []) if s.get("concurrency") == c and s.get("completed")), None)
 
 
+def _div(a, b) -> float | None:
+    """a / b, or None when either was not measured (or b is 0)."""
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b:
+        return a / b
+    return None
+
+
 def check_targets(results: dict) -> list[dict]:
     """The issue's targets, from this run (None where a measurement is missing)."""
-    lengths = results["workload"]["prompt_lengths"]
-    n = max(lengths)
-    c = min(results["workload"]["concurrency"], key=lambda x: abs(x - 32))
+    workload = results.get("workload") or {}
+    n = max(workload.get("prompt_lengths") or [0])
+    c = min(workload.get("concurrency") or [32], key=lambda x: abs(x - 32))
     crit, full = _find(results, n, "criticalkv"), _find(results, n, "full")
     out = []
 
@@ -32,30 +39,42 @@ def check_targets(results: dict) -> list[dict]:
         note = note if measured else "CPU dry run: not a measurement" + (f"; {note}" if note else "")
         out.append({"target": name, "value": value, "limit": f"{op} {limit}", "met": met, "note": note})
 
-    ttft = None
-    if crit and full and crit.get("cold") and full.get("cold"):
-        ttft = crit["cold"]["ttft_s"] / full["cold"]["ttft_s"]
-    add(f"TTFT at {n} tokens, criticalkv / full", ttft, TARGETS["ttft_ratio_max"], "<=")
-    a, b = _served(crit, c), _served(full, c)
-    ratio = a["output_throughput"] / b["output_throughput"] if a and b and b.get("output_throughput") else None
-    add(f"output tokens/s at {n} tokens, concurrency {c}, criticalkv / full", ratio, TARGETS["throughput_ratio_min"], ">=",
+    cold = (crit or {}).get("cold") or {}
+    add(f"TTFT at {n} tokens, criticalkv / full", _div(cold.get("ttft_s"), ((full or {}).get("cold") or {}).get("ttft_s")),
+        TARGETS["ttft_ratio_max"], "<=")
+    a, b = _served(crit, c) or {}, _served(full, c) or {}
+    add(f"output tokens/s at {n} tokens, concurrency {c}, criticalkv / full",
+        _div(a.get("output_throughput"), b.get("output_throughput")), TARGETS["throughput_ratio_min"], ">=",
         f"rows: criticalkv {crit.get('rows') if crit else None}, full {full.get('rows') if full else None}")
-    step = (crit or {}).get("step")
-    add(f"decode step at {step['batch'] if step else '?'} rows / memory floor (criticalkv, {n} tokens)",
-        step["floor_ratio"] if step else None, TARGETS["step_floor_ratio_max"], "<=")
-    press = next((k for k in results.get("kvpress", []) if k.get("prompt_tokens") == n and "ttft_s" in k), None)
-    add(f"TTFT criticalkv / kvpress at {n} tokens", crit["cold"]["ttft_s"] / press["ttft_s"]
-        if press and crit and crit.get("cold") else None, TARGETS["kvpress_ttft_ratio_max"], "<=")
-    one = _served(crit, 1)
-    decode = 1e3 / one["tpot_ms"]["p50"] if one and one.get("tpot_ms", {}).get("p50") else None
+    step = (crit or {}).get("step") or {}
+    add(f"decode step at {step.get('batch', '?')} rows / memory floor (criticalkv, {n} tokens)",
+        step.get("floor_ratio"), TARGETS["step_floor_ratio_max"], "<=")
+    press = next((k for k in results.get("kvpress", []) if k.get("prompt_tokens") == n and "ttft_s" in k), None) or {}
+    add(f"TTFT criticalkv / kvpress at {n} tokens", _div(cold.get("ttft_s"), press.get("ttft_s")),
+        TARGETS["kvpress_ttft_ratio_max"], "<=")
+    one = _served(crit, 1) or {}
+    decode = _div(1e3, (one.get("tpot_ms") or {}).get("p50"))
     add(f"decode tokens/s at batch 1, criticalkv / kvpress at {n} tokens",
-        decode / press["decode_tokens_per_s"] if press and decode else None, TARGETS["kvpress_decode_ratio_min"], ">=")
+        _div(decode, press.get("decode_tokens_per_s")), TARGETS["kvpress_decode_ratio_min"], ">=")
     return out
 
 
+def _num(value, spec: str = ".3f", scale: float = 1.0, missing: str = "-") -> str:
+    """``value * scale`` formatted, or ``missing`` when the figure was not measured (None, absent, not a number): a
+    report of a run that stopped half-way still renders, with what it has."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return missing
+    return format(value * scale, spec)
+
+
+def _ratio(a, b, spec: str = ".3f") -> str:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b:
+        return format(a / b, spec)
+    return "-"
+
+
 def _ms(summary: dict, metric: str, p: str) -> str:
-    value = (summary.get(metric) or {}).get(p)
-    return "-" if value is None else f"{value:.1f}"
+    return _num((summary.get(metric) or {}).get(p), ".1f")
 
 
 def render(results: dict) -> str:
@@ -64,66 +83,72 @@ def render(results: dict) -> str:
     lines = ["# criticalkv bench gpu-serve", ""]
     lines += [line.removeprefix("# ") + "  " for line in header_lines(results)]
     gpu = results.get("gpu")
-    lines.append(f"GPU: {gpu['name']}, {gpu['memory_gib']:.0f} GiB" if gpu else "GPU: none (a CPU dry run: plumbing, "
-                 "not a measurement)")
-    w, m = results["workload"], results["model"]
-    lines += [f"model: {m['name']} ({m['parameters'] / 1e9:.2f} B parameters, {m['dtype']}); budget {w['budget']} "
-              f"entries per KV head; KV memory {w['kv_memory_gib']:.3g} GiB for every policy; {w['new_tokens']} new "
-              f"tokens, questions of {w['question_tokens']} tokens",
-              f"device copy bandwidth {results['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s; weights read per decode "
-              f"step {results['weights_bytes_per_step'] / 2**30:.2f} GiB; run {results['elapsed_s']:.0f} s", ""]
+    lines.append(f"GPU: {gpu.get('name', '?')}, {_num(gpu.get('memory_gib'), '.0f')} GiB" if gpu else
+                 "GPU: none (a CPU dry run: plumbing, not a measurement)")
+    w, m = results.get("workload") or {}, results.get("model") or {}
+    lines += [f"model: {m.get('name', '?')} ({_num(m.get('parameters'), '.2f', 1e-9)} B parameters, {m.get('dtype', '?')}); "
+              f"budget {w.get('budget', '?')} entries per KV head; KV memory {_num(w.get('kv_memory_gib'), '.3g')} GiB for "
+              f"every policy; {w.get('new_tokens', '?')} new tokens, questions of {w.get('question_tokens', '?')} tokens",
+              f"device copy bandwidth {_num(results.get('copy_bandwidth_bytes_per_s'), '.0f', 1e-9)} GB/s; weights read "
+              f"per decode step {_num(results.get('weights_bytes_per_step'), '.2f', 2**-30)} GiB; run "
+              f"{_num(results.get('elapsed_s'), '.0f')} s", ""]
     lines += ["## Targets", "", "| target | value | limit | met |", "|---|---|---|---|"]
-    for t in results["targets"]:
-        value = "not measured" if t["value"] is None else f"{t['value']:.3f}"
-        met = "-" if t["met"] is None else ("yes" if t["met"] else "NO")
-        lines.append(f"| {t['target']} | {value} | {t['limit']} | {met} |" + (f" {t['note']}" if t["note"] else ""))
+    for t in results.get("targets") or []:
+        value = _num(t.get("value"), missing="not measured")
+        met = "-" if t.get("met") is None else ("yes" if t["met"] else "NO")
+        lines.append(f"| {t.get('target')} | {value} | {t.get('limit')} | {met} |" + (f" {t['note']}" if t.get("note") else ""))
+    runs = results.get("runs") or []
     lines += ["", "## Cold requests (one at a time): TTFT and the selection", "",
               "| prompt | policy | rows | TTFT s | vs full | prefill s | selection s | selection runs on |",
               "|---|---|---|---|---|---|---|---|"]
-    for r in results["runs"]:
+    for r in runs:
         cold = r.get("cold")
-        full = (_find(results, r["prompt_tokens"], "full") or {}).get("cold")
+        full = (_find(results, r.get("prompt_tokens"), "full") or {}).get("cold")
         if not cold:
-            lines.append(f"| {r['prompt_tokens']} | {r['policy']} | {r.get('rows', '-')} | - | - | - | - | "
+            lines.append(f"| {r.get('prompt_tokens')} | {r.get('policy')} | {r.get('rows', '-')} | - | - | - | - | "
                          f"{r.get('skipped') or r.get('error') or '-'} |")
             continue
-        ratio = f"{cold['ttft_s'] / full['ttft_s']:.3f}" if full else "-"
-        sel = "-" if cold["selection_s"] is None else f"{cold['selection_s']:.3f}"
-        lines.append(f"| {r['prompt_tokens']} | {r['policy']} | {r['rows']} | {cold['ttft_s']:.3f} | {ratio} | "
-                     f"{cold['prefill_s']:.3f} | {sel} | {r['selection_kernels']} |")
+        lines.append(f"| {r.get('prompt_tokens')} | {r.get('policy')} | {r.get('rows', '-')} | {_num(cold.get('ttft_s'))} | "
+                     f"{_ratio(cold.get('ttft_s'), (full or {}).get('ttft_s'))} | {_num(cold.get('prefill_s'))} | "
+                     f"{_num(cold.get('selection_s'))} | {r.get('selection_kernels', '-')} |")
     lines += ["", "## Served: one document, concurrent questions (ms; tokens/s)", "",
               "| prompt | policy | conc | rows | done | TTFT p50/p90/p99 | TPOT p50/p90/p99 | ITL p50/p90/p99 | "
               "output tok/s | vs full |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results["runs"]:
+    for r in runs:
         for s in r.get("served", []):
             if not s.get("completed"):
-                lines.append(f"| {r['prompt_tokens']} | {r['policy']} | {s['concurrency']} | {r['rows']} | 0 | "
-                             f"{s.get('skipped') or ', '.join(s.get('errors') or []) or '-'} | | | | |")
+                lines.append(f"| {r.get('prompt_tokens')} | {r.get('policy')} | {s.get('concurrency')} | "
+                             f"{r.get('rows', '-')} | 0 | {s.get('skipped') or ', '.join(s.get('errors') or []) or '-'} "
+                             "| | | | |")
                 continue
-            full = _served(_find(results, r["prompt_tokens"], "full"), s["concurrency"])
-            ratio = f"{s['output_throughput'] / full['output_throughput']:.2f}" if full else "-"
+            full = _served(_find(results, r.get("prompt_tokens"), "full"), s.get("concurrency"))
             trio = lambda metric: "/".join(_ms(s, metric, p) for p in ("p50", "p90", "p99"))  # noqa: E731
             cut = " (cut)" if s.get("cut_by_time_limit") else ""
-            lines.append(f"| {r['prompt_tokens']} | {r['policy']} | {s['concurrency']} | {r['rows']} | "
-                         f"{s['finished']}/{s['requests']}{cut} | {trio('ttft_ms')} | {trio('tpot_ms')} | {trio('itl_ms')} "
-                         f"| {s['output_throughput']:.1f} | {ratio} |")
+            lines.append(f"| {r.get('prompt_tokens')} | {r.get('policy')} | {s.get('concurrency')} | {r.get('rows', '-')} | "
+                         f"{s.get('finished', '?')}/{s.get('requests', '?')}{cut} | {trio('ttft_ms')} | {trio('tpot_ms')} | "
+                         f"{trio('itl_ms')} | {_num(s.get('output_throughput'), '.1f')} | "
+                         f"{_ratio(s.get('output_throughput'), (full or {}).get('output_throughput'), '.2f')} |")
     lines += ["", "## Decode step vs its memory floor", "",
               "| prompt | policy | rows | step ms | decode call ms | floor ms (kept K/V) | step / floor | "
               "floor ms (K/V the step reads: spans) |", "|---|---|---|---|---|---|---|---|"]
-    for r in results["runs"]:
+    for r in runs:
         s = r.get("step")
         if s:
-            lines.append(f"| {r['prompt_tokens']} | {r['policy']} | {s['batch']} | {1e3 * s['step_s']:.2f} | "
-                         f"{1e3 * s['decode_call_s']:.2f} | {1e3 * s['floor_s']:.2f} | {s['floor_ratio']:.2f} | "
-                         f"{1e3 * s['read_floor_s']:.2f} |")
+            lines.append(f"| {r.get('prompt_tokens')} | {r.get('policy')} | {s.get('batch', '-')} | "
+                         f"{_num(s.get('step_s'), '.2f', 1e3)} | {_num(s.get('decode_call_s'), '.2f', 1e3)} | "
+                         f"{_num(s.get('floor_s'), '.2f', 1e3)} | {_num(s.get('floor_ratio'), '.2f')} | "
+                         f"{_num(s.get('read_floor_s'), '.2f', 1e3)} |")
     lines += ["", "## kvpress (transformers + its press, batch 1)", ""]
     for k in results.get("kvpress", []):
         if "ttft_s" in k:
-            lines.append(f"- {k['prompt_tokens']} tokens: {k['press']}: TTFT {k['ttft_s']:.3f} s, decode "
-                         f"{k['decode_tokens_per_s']:.1f} tokens/s, {k['kept_tokens_per_head']} entries kept per head")
+            lines.append(f"- {k.get('prompt_tokens')} tokens: {k.get('press')}: TTFT {_num(k.get('ttft_s'))} s, decode "
+                         f"{_num(k.get('decode_tokens_per_s'), '.1f')} tokens/s, {k.get('kept_tokens_per_head', '-')} "
+                         "entries kept per head")
         else:
-            lines.append(f"- {k['prompt_tokens']} tokens: {k.get('skipped') or k.get('error')}")
-    if results["skipped"]:
-        lines += ["", "Skipped: " + "; ".join(f"{s['policy']} at {s['prompt_tokens']} ({s['why']})"
+            lines.append(f"- {k.get('prompt_tokens')} tokens: {k.get('skipped') or k.get('error')}")
+    if results.get("skipped"):
+        lines += ["", "Skipped: " + "; ".join(f"{s.get('policy')} at {s.get('prompt_tokens')} ({s.get('why')})"
                                               for s in results["skipped"])]
+    if results.get("errors"):
+        lines += ["", "Errors: " + "; ".join(str(e) for e in results["errors"])]
     return "\n".join(lines) + "\n"

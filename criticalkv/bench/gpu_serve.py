@@ -104,7 +104,7 @@ def make_model(workload: Workload):
 
     dtype = getattr(torch, workload.dtype)
     if workload.model:
-        from criticalkv.hf.torch_backend import load_checkpoint
+        from criticalkv.runtime.torch_backend import load_checkpoint
 
         path = Path(workload.model).resolve()
         return load_checkpoint(path, dtype, torch.device(workload.device)).eval(), path.name, str(path)

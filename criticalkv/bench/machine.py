@@ -70,14 +70,14 @@ def finish(info: dict) -> dict:
 
 
 def header_lines(info: dict) -> list[str]:
-    """The header as ``# ...`` lines for the text table."""
-    m = info["machine"]
-    load = f"load average {m['load_average_start']} (start)"
+    """The header as ``# ...`` lines for the text table (what a run that stopped early did not record shows as ?)."""
+    m = info.get("machine") or {}
+    load = f"load average {m.get('load_average_start', '?')} (start)"
     if "load_average_end" in m:
         load += f" / {m['load_average_end']} (end)"
     return [
-        f"# {info['command']}",
-        f"# machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {load}",
-        "# versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
+        f"# {info.get('command', '?')}",
+        f"# machine: {m.get('cpu', '?')}, {m.get('logical_cpus', '?')} logical CPUs, {load}",
+        "# versions: " + ", ".join(f"{k} {v}" for k, v in (info.get("versions") or {}).items()),
         f"# commit: {info.get('commit')}",
     ]

@@ -129,20 +129,14 @@ def _common(p: argparse.ArgumentParser, policies: str) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; on a shared CPU 1 can be several times faster)")
-    KVPolicy.add_arguments(p)
-    # --policies and --budgets replace --kv-policy and --budget here: hide those two, refuse them if given
-    for action in p._actions:
-        if action.dest in ("name", "budget"):
-            action.help = argparse.SUPPRESS
-            action.default = None
+    p.add_argument("--window", type=int, default=KVPolicy().window,
+                   help=f"observation window of every policy (its knobs: in --policies' specs) (default: {KVPolicy().window})")
 
 
 def base_policy_from_args(args) -> KVPolicy:
-    """The knobs every policy spec starts from (name and budget come from --policies / --budgets)."""
-    if args.name is not None or args.budget is not None:
-        raise ValueError("use --policies and --budgets to choose policies and budgets (not --kv-policy / --budget)")
-    knobs = {k: getattr(args, k) for k in KVPolicy.knob_names() if k not in ("name", "budget")}
-    return KVPolicy(name="full", **knobs)
+    """What every policy spec starts from: the default knobs and --window (names, knobs and budgets come from
+    --policies / --budgets)."""
+    return KVPolicy(name="full", window=args.window)
 
 
 def canonical_command(args) -> str:
@@ -162,10 +156,8 @@ def canonical_command(args) -> str:
         parts += ["--verify", str(args.verify)]
     if args.threads is not None:
         parts += ["--threads", str(args.threads)]
-    default = KVPolicy()
-    for f in dataclasses.fields(KVPolicy):
-        if f.name != "name" and f.name != "budget" and getattr(args, f.name) != getattr(default, f.name):
-            parts += [KVPolicy.flag_of(f.name), str(getattr(args, f.name))]
+    if args.window != KVPolicy().window:
+        parts += ["--window", str(args.window)]
     parts += ["--out", str(args.out)]
     return " ".join(shlex.quote(x) for x in parts)
 

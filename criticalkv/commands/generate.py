@@ -9,7 +9,8 @@ from pathlib import Path
 
 from criticalkv.chat import encode_context_question, encode_prompt
 from criticalkv.files import read_text_interruptibly
-from criticalkv.policy import KVPolicy
+from criticalkv.methods import same_selection
+from criticalkv.policy import KVPolicy, parse_policy_spec, policy_spec
 from criticalkv.request import SamplingParams
 from criticalkv.runtime import Engine
 from criticalkv.runtime.manifest import default_backend, read_manifest
@@ -53,7 +54,7 @@ def register(subparsers) -> None:
                    help="torch device of the PyTorch path, e.g. cpu, cuda, cuda:1 "
                         "(default: cpu; not with --engine-dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
-    KVPolicy.add_arguments(p)
+    KVPolicy.add_arguments(p, optional=True)
     p.set_defaults(func=run)
 
 
@@ -140,28 +141,28 @@ def _selection(seconds: float | None) -> str:
 
 
 def engine_policy(args, built: KVPolicy) -> tuple[KVPolicy, int | None]:
-    """The engine's policy and the request's budget. A policy flag given on the command line must agree with the
-    built policy, except ``--budget``: a budget in the engine's per-request range [min_budget, built budget] is this
-    request's ``kv_budget`` (the selection inside the prefill takes it as an input)."""
-    default = KVPolicy()
+    """The engine's policy and the request's budget. ``--kv-policy`` and ``--window``, when given, must name the built
+    policy; ``--budget`` is this request's ``kv_budget``, in the engine's per-request range [min_budget, built budget]
+    (the selection inside the prefill takes it as an input)."""
+    if args.kv_policy is not None:
+        asked = parse_policy_spec(args.kv_policy, built, "--kv-policy")
+        if not same_selection(asked.replace(budget=built.budget, window=built.window), built):
+            raise ValueError(f"--kv-policy {args.kv_policy} differs from the engine's policy ({policy_spec(built)}); the "
+                             "policy is built into the engine: rebuild it with scripts/build_engine.py to change it")
+    if args.window is not None and args.window != built.window:
+        raise ValueError(f"--window {args.window} differs from the engine's policy (window = {built.window}); the "
+                         "window is built into the engine: rebuild it with scripts/build_engine.py to change it")
     kv_budget = None
-    for name in KVPolicy.knob_names():
-        value = getattr(args, name)
-        if value == getattr(default, name) or value == getattr(built, name):
-            continue
-        if name == "budget" and built.method.base.evicts:
-            try:
-                kv_budget = built.request_budget(value)
-            except ValueError:
-                raise ValueError(
-                    f"--budget {value} differs from the engine's policy (budget = {built.budget}), and this engine "
-                    f"serves per-request budgets in [{built.min_budget}, {built.budget}] only (--budget must lie there); "
-                    "to keep more, rebuild it with scripts/build_engine.py --budget") from None
-            continue
-        raise ValueError(
-            f"{KVPolicy.flag_of(name)} {value} differs from the engine's policy ({name} = {getattr(built, name)!r}); "
-            "the policy is built into the engine: rebuild it with scripts/build_engine.py to change it"
-        )
+    if args.budget is not None and args.budget != built.budget:
+        if not built.method.base.evicts:
+            raise ValueError(f"--budget {args.budget}: the engine's policy {built.name} keeps every entry (no budget)")
+        try:
+            kv_budget = built.request_budget(args.budget)
+        except ValueError:
+            raise ValueError(
+                f"--budget {args.budget} differs from the engine's policy (budget = {built.budget}), and this engine "
+                f"serves per-request budgets in [{built.min_budget}, {built.budget}] only (--budget must lie there); "
+                "to keep more, rebuild it with scripts/build_engine.py --budget") from None
     return (built if kv_budget is None else built.with_budget(kv_budget)), kv_budget
 
 

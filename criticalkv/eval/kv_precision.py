@@ -155,7 +155,7 @@ def markdown(result: dict) -> str:
                      f"{s['prompts']} |")
     if all("kl_median" in s for s in result["summary"]):
         lines += ["", "Perturbation against the first engine at the first generated token (every prompt):", "",
-                  "| engine | KL(first \|\| engine), median / max | largest logit change | kept entries shared with the "
+                  "| engine | KL(first \\|\\| engine), median / max | largest logit change | kept entries shared with the "
                   "first, mean / min | same first token |", "|---|---:|---:|---:|---:|"]
         for s in result["summary"][1:]:
             lines.append(f"| `{s['engine']}` | {s['kl_median']:.2e} / {s['kl_max']:.2e} | {s['max_logit_change']:.3f} | "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import onnx
@@ -11,7 +11,7 @@ from criticalkv.export.graph import IR_VERSION, OPSET
 from criticalkv.export.llama import (
     KV_DTYPES,
     ModelSpec,
-    add_surrogate,
+    add_stream,
     collect_weights,
     graph_builder,
     layer_capacities,
@@ -19,36 +19,37 @@ from criticalkv.export.llama import (
 )
 from criticalkv.export.model_select import tensorrt_refusal
 from criticalkv.export.quantize import WEIGHT_FORMATS, check_weight_format, quantize_store
-from criticalkv.methods.surrogate import find_surrogate, uses_surrogate
+from criticalkv.graphs import FILES
+from criticalkv.methods.phases import BuildPhases
 from criticalkv.node import DOMAIN, OPSET_VERSION
 from criticalkv.policy import KVPolicy
 from criticalkv.weights import WEIGHTS_FILE
 
-PREFILL_FILE = "prefill.onnx"
-PREFILL_TENSORRT_FILE = "prefill_tensorrt.onnx"
-DECODE_FILE = "decode.onnx"
+PREFILL_FILE = FILES["prefill"]
+PREFILL_TENSORRT_FILE = FILES["prefill_tensorrt"]
+DECODE_FILE = FILES["decode"]
 #: The ONNX-Runtime-only decode graph (com.microsoft GroupQueryAttention, SkipSimplifiedLayerNormalization): written
 #: beside decode.onnx, which stays the portable graph TensorRT parses
-DECODE_ORT_FILE = "decode_ort.onnx"
+DECODE_ORT_FILE = FILES["decode_ort"]
 #: The ONNX-Runtime-only prompt graphs (GroupQueryAttention over the prompt, no Loop; the fused norms; the engine's weight
 #: format): written beside prefill.onnx and extend.onnx, which stay the portable graphs
-PREFILL_ORT_FILE = "prefill_ort.onnx"
-EXTEND_ORT_FILE = "extend_ort.onnx"
-EXTEND_FILE = "extend.onnx"
-EXTEND_TENSORRT_FILE = "extend_tensorrt.onnx"
-SELECT_FILE = "select.onnx"
-SELECT_TENSORRT_FILE = "select_tensorrt.onnx"
+PREFILL_ORT_FILE = FILES["prefill_ort"]
+EXTEND_ORT_FILE = FILES["extend_ort"]
+EXTEND_FILE = FILES["extend"]
+EXTEND_TENSORRT_FILE = FILES["extend_tensorrt"]
+SELECT_FILE = FILES["select"]
+SELECT_TENSORRT_FILE = FILES["select_tensorrt"]
 #: The select graph of the engine's context policy (``export_model(context_policy=...)``), when it is not the engine's
-SELECT_CONTEXT_FILE = "select_context.onnx"
-#: The extend graph with KVzip's reconstruction scores (``DecoderGraphBuilder.extend(score=True)``), for an engine whose
-#: policy or context policy ranks by a context reconstruction (kvzip)
-RECONSTRUCT_FILE = "reconstruct.onnx"
-#: The fused extend graph with KVzip's reconstruction scores (``DecoderGraphBuilder.extend_fused(score=True)``: ONNX
-#: Runtime only, GroupQueryAttention's probabilities), beside the fused prompt graphs when the reconstruct graph is written
-RECONSTRUCT_ORT_FILE = "reconstruct_ort.onnx"
-#: Positions beyond 2 x max_input_len the fused reconstruct graph's RoPE caches hold: a chunk's repeat prompt (kvpress's,
-#: about 20-40 tokens with the chat template's turn markers); a reconstruction reaching further runs the portable graph
-RECONSTRUCTION_PROMPT_ROOM = 256
+SELECT_CONTEXT_FILE = FILES["select_context"]
+#: The extend graph that scores the past entries (``DecoderGraphBuilder.extend(score=True)``), for an engine whose policy
+#: or context policy re-reads prompts (``criticalkv.methods.phases.RereadPass``)
+REREAD_FILE = FILES["reread"]
+#: The same on the fused extend graph (``DecoderGraphBuilder.extend_fused(score=True)``: ONNX Runtime only,
+#: GroupQueryAttention's probabilities), beside the fused prompt graphs when the re-read graph is written
+REREAD_ORT_FILE = FILES["reread_ort"]
+#: Positions beyond 2 x max_input_len the fused re-read graph's RoPE caches hold: a pass's own prompt (kvzip's repeat
+#: prompt: about 20-40 tokens with the chat template's turn markers); a pass reaching further runs the portable graph
+REREAD_PROMPT_ROOM = 256
 TOKENIZER_DIR = "tokenizer"
 #: The policy the serving context cache compresses contexts with unless the build says otherwise
 #: (``criticalkv.build.context_policy_for``; a name or a knob spec): KVzip's score predicted from the prefill by the
@@ -136,8 +137,9 @@ class ExportResult:
     #: the policy contexts are compressed with (the serving context cache) and its per-layer selection capacities
     context_policy: KVPolicy | None = None
     context_capacities: list[int] | None = None
-    #: the KVzip surrogate whose weights the engine holds (a policy with ``kvzip_score=surrogate``), else None
-    surrogate: object | None = None
+    #: what the policies' methods need beyond their layers (``criticalkv.methods.phases``): the streams whose weights
+    #: the engine holds, whether it re-reads prompts, the methods' data for the manifest
+    phases: BuildPhases = field(default_factory=BuildPhases)
 
     def shapes(self) -> dict:
         shapes = {
@@ -151,15 +153,19 @@ class ExportResult:
         return shapes
 
 
-def reconstructs(policy: KVPolicy | None) -> bool:
-    """Whether ``policy`` ranks by KVzip's score of a context (kvzip, re-read or its surrogate): the manifest keeps the
-    reconstruction prompt (the chat template's opening a score skips)."""
-    return policy is not None and policy.method.base.external_scores and policy.method.base.evicts
-
-
-def rereads(policy: KVPolicy | None) -> bool:
-    """Whether ``policy`` re-reads each context for KVzip's score: its engine needs the reconstruct graphs."""
-    return reconstructs(policy) and policy.kvzip_score == "reread"
+def build_phases(model, tokenizer, *policies: KVPolicy | None) -> BuildPhases:
+    """What an engine for ``policies`` (its own and its context policy) needs of their methods' phases: each method
+    scored apart (``Method.scored_apart``) declares its streams (their weights found for ``model``), whether it
+    re-reads prompts and its data (``BaseMethod.streams``, ``rereads``, ``engine_data``); ValueError from a method
+    whose model lacks what it needs (a surrogate-scored kvzip policy without the model's surrogate)."""
+    phases = BuildPhases()
+    for policy in policies:
+        if policy is None or not policy.method.scored_apart:
+            continue
+        base = policy.method.base
+        phases = phases.merged(BuildPhases(base.streams(policy, model), base.rereads(policy), base.data_key,
+                                           base.engine_data(policy, model, tokenizer)))
+    return phases
 
 
 def kv_buffer_bytes(spec: ModelSpec, decode_capacities: list[int], batch: int, kv_dtype: str = "float32") -> int:
@@ -193,8 +199,9 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
 
     ``context_policy``: the policy the serving context cache compresses contexts with (question-agnostic), when it is
     not ``policy``: its select graph ``select_context.onnx`` (ONNX Runtime flavour) is written too, and the decode
-    buffers hold the larger of the two policies' selections. A policy that ranks by a context reconstruction (kvzip,
-    engine's or context's) adds ``reconstruct.onnx`` (the extend graph with KVzip's scores).
+    buffers hold the larger of the two policies' selections. A policy whose method scores prompts apart
+    (``criticalkv.methods.phases``, engine's or context's) adds its streams to the extend graphs (their weights to
+    ``weights.bin``) and, when it re-reads prompts, ``reread.onnx`` (the extend graph that scores the past entries).
     """
     config = config or BuildConfig()
     folder = Path(folder)
@@ -211,10 +218,9 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
         raise ValueError(f"weights {config.weights}: the lower-precision weights live in the fused ONNX Runtime graphs, "
                          f"which this model cannot have ({refusal}); build it with weights fp32")
     weights = quantize_store(store, spec, config.weights)
-    surrogate = None
-    if uses_surrogate(policy) or uses_surrogate(context_policy):  # S_hat from the extend graphs (no re-read)
-        surrogate = find_surrogate(model, getattr(model.config, "_name_or_path", None) or None)
-        add_surrogate(store, surrogate, spec)
+    phases = build_phases(model, tokenizer, policy, context_policy)
+    for stream in phases.streams:  # returned by the extend graphs, no extra pass
+        add_stream(store, stream, spec)
     store.write(folder)
     capacities = layer_capacities(policy, spec, config.max_input_len)
     context_capacities = None if context_policy is None else layer_capacities(context_policy, spec, config.max_input_len)
@@ -231,9 +237,9 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
     if context_policy is not None:
         context_builder = graph_builder(spec, store, context_policy, context_capacities, "onnxruntime", config.attention_chunk)
         onnx.save(context_builder.select(), folder / SELECT_CONTEXT_FILE)
-    if rereads(policy) or rereads(context_policy):
+    if phases.rereads:
         scorer = graph_builder(spec, store, policy, None, "onnxruntime", config.attention_chunk)
-        onnx.save(scorer.extend(score=True), folder / RECONSTRUCT_FILE)
+        onnx.save(scorer.extend(score=True), folder / REREAD_FILE)
     onnx.save(decode_builder.decode(decode_capacities), folder / DECODE_FILE)
     fused = fused_decode_info(decode_builder, policy, config, context_policy)
     if fused["file"]:
@@ -244,14 +250,14 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
         builder = graph_builder(spec, store, policy, capacities, "onnxruntime", config.attention_chunk)
         onnx.save(builder.prefill_fused(prompt["max_positions"]), folder / PREFILL_ORT_FILE)
         onnx.save(builder.extend_fused(prompt["max_positions"]), folder / EXTEND_ORT_FILE)
-        if rereads(policy) or rereads(context_policy):
-            prompt["reconstruct"] = RECONSTRUCT_ORT_FILE
-            prompt["reconstruct_max_positions"] = 2 * config.max_input_len + RECONSTRUCTION_PROMPT_ROOM
-            onnx.save(builder.extend_fused(prompt["reconstruct_max_positions"], score=True), folder / RECONSTRUCT_ORT_FILE)
+        if phases.rereads:
+            prompt["reread"] = REREAD_ORT_FILE
+            prompt["reread_max_positions"] = 2 * config.max_input_len + REREAD_PROMPT_ROOM
+            onnx.save(builder.extend_fused(prompt["reread_max_positions"], score=True), folder / REREAD_ORT_FILE)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder / TOKENIZER_DIR)
     return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes(), fused, prompt,
-                        weights, context_policy, context_capacities, surrogate)
+                        weights, context_policy, context_capacities, phases)
 
 
 def fused_prompt_info(refusal: str | None, config: BuildConfig) -> dict:
@@ -290,9 +296,5 @@ def onnx_info() -> dict:
         "opset": OPSET,
         "ir_version": IR_VERSION,
         "custom_domain": {DOMAIN: OPSET_VERSION},
-        "files": {"prefill": PREFILL_FILE, "prefill_ort": PREFILL_ORT_FILE, "extend_ort": EXTEND_ORT_FILE,
-                  "prefill_tensorrt": PREFILL_TENSORRT_FILE, "decode": DECODE_FILE,
-                  "decode_ort": DECODE_ORT_FILE, "extend": EXTEND_FILE, "extend_tensorrt": EXTEND_TENSORRT_FILE, "select": SELECT_FILE,
-                  "select_tensorrt": SELECT_TENSORRT_FILE, "select_context": SELECT_CONTEXT_FILE,
-                  "reconstruct": RECONSTRUCT_FILE, "reconstruct_ort": RECONSTRUCT_ORT_FILE, "weights": WEIGHTS_FILE},
+        "files": {**FILES, "weights": WEIGHTS_FILE},
     }

@@ -60,6 +60,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from criticalkv import graphs
 from criticalkv.export import model_select
 from criticalkv.export.graph import FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, live_nodes, value_info
 from criticalkv.export.quantize import quantized_matmul
@@ -187,25 +188,22 @@ MASKED_SCORE = -30000.0
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
-def surrogate_weight(i: int) -> str:
-    """Name of layer i's KVzip surrogate weight [d, H_kv] in the engine's weights (``add_surrogate``)."""
-    return f"surrogate.{i}.weight"
+def stream_weight(name: str, i: int) -> str:
+    """Name of layer i's weight [d, H_kv] of stream ``name`` in the engine's weights (``add_stream``)."""
+    return f"stream.{name}.{i}.weight"
 
 
-def surrogate_bias(i: int) -> str:
-    return f"surrogate.{i}.bias"
+def stream_bias(name: str, i: int) -> str:
+    return f"stream.{name}.{i}.bias"
 
 
-def add_surrogate(store: WeightStore, surrogate, spec: ModelSpec) -> None:
-    """Add a ``KVzipSurrogate``'s per-layer weight [d, H_kv] and bias [H_kv] to ``store``: the extend graphs then
-    return each layer's S_hat of the new entries (``DecoderGraphBuilder.surrogate_scores``)."""
-    if (surrogate.num_layers, surrogate.hidden_size, surrogate.num_kv_heads) != (spec.num_layers, spec.hidden_size,
-                                                                                  spec.num_kv_heads):
-        raise ValueError(f"the KVzip surrogate's (layers, hidden size, KV heads) "
-                         f"{(surrogate.num_layers, surrogate.hidden_size, surrogate.num_kv_heads)} are not the model's")
+def add_stream(store: WeightStore, stream, spec: ModelSpec) -> None:
+    """Add a ``criticalkv.methods.phases.Stream``'s per-layer weight [d, H_kv] and bias [H_kv] to ``store``: the
+    extend graphs (onnxruntime flavour) then return it for the new entries (``DecoderGraphBuilder.stream_scores``)."""
+    stream.check_shape(spec.num_layers, spec.hidden_size, spec.num_kv_heads)
     for i in range(spec.num_layers):
-        store.add(surrogate_weight(i), surrogate.weight[i])
-        store.add(surrogate_bias(i), surrogate.bias[i])
+        store.add(stream_weight(stream.name, i), stream.weight[i])
+        store.add(stream_bias(stream.name, i), stream.bias[i])
 
 #: The domain of ONNX Runtime's contrib operators (``GroupQueryAttention``, ``SkipSimplifiedLayerNormalization``): only
 #: in the ONNX-Runtime-only decode graph (``decode_fused``), never in a graph TensorRT parses.
@@ -418,8 +416,8 @@ class DecoderGraphBuilder:
         or its quantized form."""
         quantized = self.quantized(self.head_weight())
         if quantized:
-            return quantized_matmul(self.g, normed, quantized, outputs=["logits"])
-        return self.g.Gemm(normed, self.head_weight(), transB=1, outputs=["logits"])
+            return quantized_matmul(self.g, normed, quantized, outputs=[graphs.LOGITS])
+        return self.g.Gemm(normed, self.head_weight(), transB=1, outputs=[graphs.LOGITS])
 
     def head_weight(self) -> str:
         """The LM head's weight [vocab, d]: ``lm_head``, or the tied input embedding."""
@@ -447,7 +445,7 @@ class DecoderGraphBuilder:
         for i in range(layers):
             if layer_input is not None:
                 layer_input(i, h)
-            kv_names = (f"present.{i}.key", f"present.{i}.value") if present_kv else ()
+            kv_names = (graphs.present_key(i), graphs.present_value(i)) if present_kv else ()
             q, k, v = self.qkv(i, h, cos, sin, decode=decode, kv_names=kv_names)
             attn = attention(i, q, k, v)
             projected = self.output_projection(i, attn, transposed_gemm=transposed_gemm)
@@ -511,8 +509,8 @@ class DecoderGraphBuilder:
         out = body.reshape(body.Transpose(out, perm=[0, 3, 1, 2, 4]), [0, 0, s.num_heads * s.head_dim])  # [B, c, H*d_h]
         cond_out = body.const(True, np.bool_, hint="cond_out")
         scan = [value_info(out, FLOAT, None)]
-        if "score_visible" in ctx:  # KVzip's score of the past entries (extend only: ``extend(score=True)``)
-            scan.append(value_info(self.reconstruction_block_scores(body, probs_block, key_end, start, ctx), FLOAT, None))
+        if "score_visible" in ctx:  # a re-read pass's score of the past entries (``extend(score=True)``)
+            scan.append(value_info(self.reread_block_scores(body, probs_block, key_end, start, ctx), FLOAT, None))
         loop_body = body.graph(
             "attention_block",
             [value_info(step, INT64, []), value_info(cond_in, onnx.TensorProto.BOOL, [])],
@@ -525,15 +523,15 @@ class DecoderGraphBuilder:
         merged = g.reshape(g.Transpose(blocks, perm=[1, 0, 2, 3]), [0, -1, s.num_heads * s.head_dim])  # [T, B, c, H*d_h]
         return g.slice_axis(merged, 0, ctx["queries"], axis=1)
 
-    def reconstruction_block_scores(self, body, probs: str, key_end: str, start: str, ctx: dict) -> str:
-        """KVzip's score of one query block of an extend over a past of P entries (``criticalkv.methods.kvzip``): the
-        softmax of every new query over the keys KVzip subsamples (the past entries ``ctx["score_visible"]`` [P + s]
-        marks and the new tokens up to the query), its largest value per past entry over the block's real queries
-        and the G heads of each KV head: [B, H_kv, P].
+    def reread_block_scores(self, body, probs: str, key_end: str, start: str, ctx: dict) -> str:
+        """A re-read pass's score of one query block of an extend over a past of P entries
+        (``criticalkv.methods.phases.RereadPass``): the softmax of every new query over the keys the pass counts (the
+        past entries ``ctx["score_visible"]`` [P + s] marks and the new tokens up to the query), its largest value per
+        past entry over the block's real queries and the G heads of each KV head: [B, H_kv, P].
 
-        ``probs`` [B, H_kv, G, c, k] is the block's attention (its softmax over every key the query sees). KVzip's keys
-        are a subset of those, and a softmax over a subset is the full one renormalised over it: probs / (the mass of
-        the subsampled keys), with no second softmax over the block."""
+        ``probs`` [B, H_kv, G, c, k] is the block's attention (its softmax over every key the query sees). The pass's
+        keys are a subset of those, and a softmax over a subset is the full one renormalised over it: probs / (the mass
+        of the counted keys), with no second softmax over the block."""
         chunk = self.attention_chunk
         visible = body.Cast(body.slice_axis(ctx["score_visible"], 0, key_end, axis=0), to=FLOAT)  # [k]
         mass = body.ReduceSum(body.Mul(probs, visible), body.i64(4), keepdims=1)  # [B, H_kv, G, c, 1] (> 0: own key)
@@ -600,7 +598,7 @@ class DecoderGraphBuilder:
             key_pos = g.Range(g.scalar(0), g.squeeze(g.Add(past, ctx["queries"]), 0), g.scalar(1))
             beyond = g.And(g.GreaterOrEqual(key_pos, g.unsqueeze(lengths, 2)), g.Less(key_pos, past))  # [B, H_kv, P + N]
             inner = {**ctx, "past": past, "key_mask": g.unsqueeze(beyond, 2, 3)}
-            if "score_range" in ctx:  # KVzip's keys: the sinks, the chunk [start, end), every reconstruction entry
+            if "score_range" in ctx:  # the pass's keys: the sinks, [start, end), every entry of the pass itself
                 sinks, start, end, context = (g.slice_axis(ctx["score_range"], j, j + 1, axis=0) for j in range(4))
                 visible = g.Or(g.Or(g.Less(key_pos, sinks), g.And(g.GreaterOrEqual(key_pos, start), g.Less(key_pos, end))),
                                g.GreaterOrEqual(key_pos, context))  # [P + N]
@@ -633,13 +631,13 @@ class DecoderGraphBuilder:
         prompt_lengths [B] int32 and kv_budget [1] int32: outputs ``present.{i}.key/value/lengths/indices`` (or, for a
         model-level policy, the layer's ``CriticalKVScore`` node, its inputs kept in ``pending`` for
         ``select_model``). ``scores``: the node's external scores [B, H_kv, n or 0] for a method that reads them
-        (kvzip; None: none given, [1, H_kv, 0]). Returns the value infos of the four outputs."""
+        (a policy scored apart; None: none given, [1, H_kv, 0]). Returns the value infos of the four outputs."""
         policy, s = self.policy, self.spec
-        names = [f"present.{i}.key", f"present.{i}.value", f"present.{i}.lengths", f"present.{i}.indices"]
+        names = [graphs.present_key(i), graphs.present_value(i), graphs.present_lengths(i), graphs.present_indices(i)]
         node_inputs = [window_queries, k, v, f"layers.{i}.o_proj", prompt_lengths, kv_budget]
         if policy.method.base.needs_rotation:  # RoPE's rotation tables of this model (expected-attention)
             node_inputs.append(self.rotation_tables())
-        if policy.method.base.external_scores:  # kvzip: the reconstruction's scores, or none (its window fallback)
+        if policy.method.base.external_scores:  # the phases' scores, or none (the method's fallback)
             node_inputs.append(scores or self.g.const(np.zeros((1, s.num_kv_heads, 0), np.float32), hint="no_scores"))
         if model_level:  # this layer's ranking (and critical score); its full K/V stay graph tensors until the model node
             scored = [f"{name}_{i}" for name in model_select.score_outputs(policy)]
@@ -658,7 +656,7 @@ class DecoderGraphBuilder:
 
     def select_model(self, pending: list, prompt_lengths: str, kv_budget: str) -> None:
         """The model-level selection node after the last layer (one selection over every layer and head)."""
-        present = [f"present.{i}.{kind}" for i in range(self.spec.num_layers) for kind in ("key", "value", "lengths", "indices")]
+        present = [name(i) for i in range(self.spec.num_layers) for name in graphs.SELECTED]
         self.g.nodes.append(model_select.model_node(
             self.policy, self.capacities,
             [e[0][j] for j in range(len(pending[0][0])) for e in pending] + [e[1] for e in pending]
@@ -683,10 +681,10 @@ class DecoderGraphBuilder:
         policy, spec = self.policy, self.spec
         pending = []  # model-level selection: every layer's (ranking, keys, values) until the last layer
         g = self._begin()
-        n = g.shape_of("input_ids", 1, 2)
-        lengths = g.ReduceSum("attention_mask", g.i64(1), keepdims=0)  # [B]
+        n = g.shape_of(graphs.INPUT_IDS, 1, 2)
+        lengths = g.ReduceSum(graphs.ATTENTION_MASK, g.i64(1), keepdims=0)  # [B]
         prompt_lengths = g.Cast(lengths, to=INT32, hint="prompt_lengths")
-        kv_budget = g.Cast("kv_budget", to=INT32, hint="kv_budget_int32")  # the request's budget (node input 5)
+        kv_budget = g.Cast(graphs.KV_BUDGET, to=INT32, hint="kv_budget_int32")  # the request's budget (node input 5)
         key_pos = g.Range(g.scalar(0), g.squeeze(n, 0), g.scalar(1))
         key_padding = g.Less(g.unsqueeze(key_pos, 0), g.unsqueeze(g.Sub(n, lengths), 1))  # [B, n]: left padding
         if self.flavour == "onnxruntime":
@@ -701,20 +699,20 @@ class DecoderGraphBuilder:
 
             def attention(i, q, k, v):
                 return self.causal_attention(q, k, v, allowed)
-        outputs = [value_info("logits", FLOAT, ["batch", spec.vocab_size])]
+        outputs = [value_info(graphs.LOGITS, FLOAT, ["batch", spec.vocab_size])]
 
         def select(i, q, k, v):
             window_queries = g.slice_axis(q, -policy.window, _INT64_MAX, axis=2)
             outputs.extend(self.select_layer(i, window_queries, k, v, prompt_lengths, kv_budget, pending, model_level))
 
-        cos, sin = self.rope_tables("position_ids")
-        x = g.Gather("embed_tokens", "input_ids", axis=0)
+        cos, sin = self.rope_tables(graphs.POSITION_IDS)
+        x = g.Gather("embed_tokens", graphs.INPUT_IDS, axis=0)
         x = self.decoder_layers(x, cos, sin, attention, select, transposed_gemm=self.flavour == "tensorrt")
         if model_level:
             self.select_model(pending, prompt_lengths, kv_budget)
         self.last_logits(x)
-        inputs = [value_info(name, INT64, ["batch", "sequence"]) for name in ("input_ids", "attention_mask", "position_ids")]
-        inputs.append(value_info("kv_budget", INT64, [1]))
+        inputs = [value_info(name, INT64, ["batch", "sequence"]) for name in (graphs.INPUT_IDS, graphs.ATTENTION_MASK, graphs.POSITION_IDS)]
+        inputs.append(value_info(graphs.KV_BUDGET, INT64, [1]))
         return self._finish("criticalkv_prefill", inputs, outputs, self.selection_functions(model_level),
                             f"criticalkv prefill ({self.flavour} flavour), policy {policy.to_json()}")
 
@@ -728,9 +726,9 @@ class DecoderGraphBuilder:
     def _past_inputs(self, i: int, capacity, kv_type: int = FLOAT) -> list:
         s = self.spec
         return [
-            value_info(f"past_key_values.{i}.key", kv_type, ["batch", s.num_kv_heads, capacity, s.head_dim]),
-            value_info(f"past_key_values.{i}.value", kv_type, ["batch", s.num_kv_heads, capacity, s.head_dim]),
-            value_info(f"past_key_values.{i}.lengths", INT32, ["batch", s.num_kv_heads]),
+            value_info(graphs.past_key(i), kv_type, ["batch", s.num_kv_heads, capacity, s.head_dim]),
+            value_info(graphs.past_value(i), kv_type, ["batch", s.num_kv_heads, capacity, s.head_dim]),
+            value_info(graphs.past_lengths(i), INT32, ["batch", s.num_kv_heads]),
         ]
 
     def decode(self, buffer_capacities: list[int]) -> onnx.ModelProto:
@@ -738,16 +736,16 @@ class DecoderGraphBuilder:
         flavours: TensorRT parses it as it is)."""
         g = self._begin()
         s = self.spec
-        cos, sin = self.rope_tables("position_ids")
-        x = g.Gather("embed_tokens", "input_ids", axis=0)  # [B, 1, d]
-        inputs = [value_info("input_ids", INT64, ["batch", 1]), value_info("position_ids", INT64, ["batch", 1])]
-        outputs = [value_info("logits", FLOAT, ["batch", s.vocab_size])]
+        cos, sin = self.rope_tables(graphs.POSITION_IDS)
+        x = g.Gather("embed_tokens", graphs.INPUT_IDS, axis=0)  # [B, 1, d]
+        inputs = [value_info(graphs.INPUT_IDS, INT64, ["batch", 1]), value_info(graphs.POSITION_IDS, INT64, ["batch", 1])]
+        outputs = [value_info(graphs.LOGITS, FLOAT, ["batch", s.vocab_size])]
         for i in range(s.num_layers):
             inputs += self._past_inputs(i, buffer_capacities[i])
-            outputs += [value_info(f"present.{i}.{kind}", FLOAT, ["batch", s.num_kv_heads, 1, s.head_dim]) for kind in ("key", "value")]
+            outputs += [value_info(name(i), FLOAT, ["batch", s.num_kv_heads, 1, s.head_dim]) for name in (graphs.present_key, graphs.present_value)]
 
         def attention(i, q, k, v):
-            past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
+            past_k, past_v, past_len = (name(i) for name in graphs.PAST)
             return self.decode_attention(q, k, v, past_k, past_v, past_len, buffer_capacities[i])
 
         x = self.decoder_layers(x, cos, sin, attention, decode=True, present_kv=True)
@@ -810,7 +808,7 @@ class DecoderGraphBuilder:
         buffer layout of the portable decode. ``total_sequence_length`` is the constant capacity: the bias keeps one
         shape and the kernel attends each row's own seqlens_k + 1 entries whatever it says."""
         g, s = self.g, self.spec
-        past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
+        past_k, past_v, past_len = (name(i) for name in graphs.PAST)
         longest = g.ReduceMax(past_len, g.i64(1), keepdims=1)  # [B, 1] int32: the write slot of every head
         seqlens = g.reshape(longest, [-1])
         bias = ""
@@ -821,8 +819,8 @@ class DecoderGraphBuilder:
             bias = g.reshape(g.Expand(g.unsqueeze(bias, 2), g.i64(1, 1, s.group, 1)), [0, s.num_heads, 1, capacity])
         out, _, _ = g.op(
             "GroupQueryAttention", qkv, "", "", past_k, past_v, seqlens, g.const(np.int32(capacity), hint="total"),
-            cos_cache, sin_cache, "position_ids", bias, domain=ORT_DOMAIN,
-            outputs=[g.fresh("attention"), f"present.{i}.key", f"present.{i}.value"],
+            cos_cache, sin_cache, graphs.POSITION_IDS, bias, domain=ORT_DOMAIN,
+            outputs=[g.fresh("attention"), graphs.present_key(i), graphs.present_value(i)],
             num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, scale=1.0 / math.sqrt(s.head_dim), do_rotary=1,
             rotary_interleaved=0)
         return out
@@ -872,16 +870,16 @@ class DecoderGraphBuilder:
         g = self._begin()
         s = self.spec
         kv_type = KV_DTYPES[kv_dtype]
-        inputs = [value_info("input_ids", INT64, ["batch", 1]), value_info("position_ids", INT64, ["batch", 1])]
-        outputs = [value_info("logits", FLOAT, ["batch", s.vocab_size])]
+        inputs = [value_info(graphs.INPUT_IDS, INT64, ["batch", 1]), value_info(graphs.POSITION_IDS, INT64, ["batch", 1])]
+        outputs = [value_info(graphs.LOGITS, FLOAT, ["batch", s.vocab_size])]
         for i, cap in enumerate(buffer_capacities):
             inputs += self._past_inputs(i, cap, kv_type)
             present = cap if kv_dtype == "float32" else 1
-            outputs += [value_info(f"present.{i}.{kind}", kv_type, ["batch", s.num_kv_heads, present, s.head_dim])
-                        for kind in ("key", "value")]
+            outputs += [value_info(name(i), kv_type, ["batch", s.num_kv_heads, present, s.head_dim])
+                        for name in (graphs.present_key, graphs.present_value)]
         self.fused = True
         try:
-            x = g.Gather("embed_tokens", "input_ids", axis=0)  # [B, 1, d]
+            x = g.Gather("embed_tokens", graphs.INPUT_IDS, axis=0)  # [B, 1, d]
             if kv_dtype == "float32":
                 cos_cache, sin_cache = self.rope_caches(max_positions)
                 h = self.rms_norm(x, "layers.0.input_layernorm")
@@ -894,12 +892,12 @@ class DecoderGraphBuilder:
                 self.head_logits(g.reshape(h, [-1, s.hidden_size]))
             else:
                 def attention(i, q, k, v):
-                    g.Cast(k, to=kv_type, outputs=[f"present.{i}.key"])
-                    g.Cast(v, to=kv_type, outputs=[f"present.{i}.value"])
-                    past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
+                    g.Cast(k, to=kv_type, outputs=[graphs.present_key(i)])
+                    g.Cast(v, to=kv_type, outputs=[graphs.present_value(i)])
+                    past_k, past_v, past_len = (name(i) for name in graphs.PAST)
                     return self.cast_decode_attention(q, k, v, past_k, past_v, past_len)
 
-                cos, sin = self.rope_tables("position_ids")
+                cos, sin = self.rope_tables(graphs.POSITION_IDS)
                 x = self.decoder_layers(x, cos, sin, attention, decode=True)
                 self.logits(g.reshape(x, [-1, s.hidden_size]))
         finally:
@@ -927,7 +925,7 @@ class DecoderGraphBuilder:
         normed = self.qk_norm(i, heads)
         if normed != heads:  # Qwen3: the per-head norm, back to the packed layout (else _finish drops the Transpose)
             qk = g.reshape(g.Transpose(normed, perm=[0, 2, 1, 3]), [0, 0, qk_heads * s.head_dim])
-        qk = g.op("RotaryEmbedding", qk, "position_ids", cos_cache, sin_cache, domain=ORT_DOMAIN, interleaved=0,
+        qk = g.op("RotaryEmbedding", qk, graphs.POSITION_IDS, cos_cache, sin_cache, domain=ORT_DOMAIN, interleaved=0,
                   num_heads=qk_heads)
         q, k = g.op("Split", qk, g.i64(s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim), outputs=2, axis=-1)
         return q, k, v
@@ -951,11 +949,11 @@ class DecoderGraphBuilder:
         ``present.{i}.key`` / ``.value``, which the runtime binds to the same memory (ONNX Runtime takes several new
         tokens over a past for batch 1 only); returns (attention, the two output names). ``probs``: the node also
         returns its attention probabilities [B, H, s, total] (``qk_output=2``: after the softmax over every key the
-        query sees, 0 for the later keys), a fourth output (the fused reconstruct graph's scores read them)."""
+        query sees, 0 for the later keys), a fourth output (the fused re-read graph's scores read them)."""
         g, s = self.g, self.spec
         if in_place:
-            past = (f"past_key_values.{i}.key", f"past_key_values.{i}.value")
-            names = [f"present.{i}.key", f"present.{i}.value"]
+            past = (graphs.past_key(i), graphs.past_value(i))
+            names = [graphs.present_key(i), graphs.present_value(i)]
         else:
             past, names = ("", ""), [g.fresh("prompt_key"), g.fresh("prompt_value")]
         extra = {"qk_output": 2} if probs else {}
@@ -970,7 +968,7 @@ class DecoderGraphBuilder:
         ``layer_input(i, h)`` reads a layer's attention input (after ``input_layernorm``)."""
         g, s = self.g, self.spec
         cos_cache, sin_cache = self.rope_caches(max_positions)
-        x = g.Gather("embed_tokens", "input_ids", axis=0)  # [B, s, d]
+        x = g.Gather("embed_tokens", graphs.INPUT_IDS, axis=0)  # [B, s, d]
         h = self.rms_norm(x, "layers.0.input_layernorm")
         for i in range(s.num_layers):
             if layer_input is not None:
@@ -1011,12 +1009,12 @@ class DecoderGraphBuilder:
         policy, s = self.policy, self.spec
         pending = []
         g = self._begin()
-        prompt_lengths = g.Cast(g.ReduceSum("attention_mask", g.i64(1), keepdims=0), to=INT32, hint="prompt_lengths")
-        kv_budget = g.Cast("kv_budget", to=INT32, hint="kv_budget_int32")
+        prompt_lengths = g.Cast(g.ReduceSum(graphs.ATTENTION_MASK, g.i64(1), keepdims=0), to=INT32, hint="prompt_lengths")
+        kv_budget = g.Cast(graphs.KV_BUDGET, to=INT32, hint="kv_budget_int32")
         one = g.const(np.int32(1), hint="one")
         seqlens = g.Sub(prompt_lengths, one)  # [B]: the index of each row's last key
-        total = g.Cast(g.squeeze(g.shape_of("input_ids", 1, 2), 0), to=INT32)  # n
-        outputs = [value_info("logits", FLOAT, ["batch", s.vocab_size])]
+        total = g.Cast(g.squeeze(g.shape_of(graphs.INPUT_IDS, 1, 2), 0), to=INT32)  # n
+        outputs = [value_info(graphs.LOGITS, FLOAT, ["batch", s.vocab_size])]
         kv = {}
 
         def attention(i, q, k, v):
@@ -1034,38 +1032,46 @@ class DecoderGraphBuilder:
             self.fused = False
         if model_level:
             self.select_model(pending, prompt_lengths, kv_budget)
-        inputs = [value_info(name, INT64, ["batch", "sequence"]) for name in ("input_ids", "attention_mask", "position_ids")]
-        inputs.append(value_info("kv_budget", INT64, [1]))
+        inputs = [value_info(name, INT64, ["batch", "sequence"]) for name in (graphs.INPUT_IDS, graphs.ATTENTION_MASK, graphs.POSITION_IDS)]
+        inputs.append(value_info(graphs.KV_BUDGET, INT64, [1]))
         return self._fused_model("criticalkv_prefill_fused", inputs, outputs, self.selection_functions(model_level),
                                  f"criticalkv fused prefill (ONNX Runtime only: com.microsoft operators; prompts without "
                                  f"padding), policy {policy.to_json()}")
 
     @property
-    def has_surrogate(self) -> bool:
-        """Whether the engine's weights hold a KVzip surrogate (``kvzip_score=surrogate``): its extend graphs
-        (onnxruntime flavour) then return ``present.{l}.kvzip_score``."""
-        return self.store is not None and surrogate_weight(0) in self.store.arrays
+    def streams(self) -> tuple[str, ...]:
+        """The streams whose weights the engine holds (``add_stream``): its extend graphs (onnxruntime flavour) return
+        each as ``present.{l}.stream.{name}`` (``criticalkv.graphs.present_stream``)."""
+        if self.store is None:
+            return ()
+        return tuple(sorted(name[len("stream."):-len(".0.weight")] for name in self.store.arrays
+                            if name.startswith("stream.") and name.endswith(".0.weight")))
 
-    def surrogate_scores(self, i: int, h: str, output: str) -> None:
-        """``output`` [B, H_kv, N]: S_hat = exp(h W_i + b_i) of the layer's new entries from their attention input h
-        [B, N, d] (``criticalkv.methods.surrogate``)."""
+    def stream_scores(self, i: int, h: str) -> None:
+        """Every stream of layer i: ``present.{i}.stream.{name}`` [B, H_kv, N] = exp(h W + b) of the new entries from
+        their attention input h [B, N, d] (``criticalkv.methods.phases.Stream``)."""
         g = self.g
-        z = g.op("Add", g.op("MatMul", h, surrogate_weight(i)), surrogate_bias(i))  # [B, N, H_kv]
-        g.op("Transpose", g.op("Exp", z), perm=[0, 2, 1], outputs=[output])
+        for name in self.streams:
+            z = g.op("Add", g.op("MatMul", h, stream_weight(name, i)), stream_bias(name, i))  # [B, N, H_kv]
+            g.op("Transpose", g.op("Exp", z), perm=[0, 2, 1], outputs=[graphs.present_stream(i, name)])
 
-    def reconstruction_scores_fused(self, probs: str, held: str) -> str:
-        """KVzip's scores of one layer from the fused extend's attention probabilities ``probs`` [1, H, N, T] (every
-        new query's softmax over the T = P + N keys it may see, ``prompt_attention(probs=True)``) over a past of P =
-        ``held`` (int32 [1]) entries: [1, H_kv, P], the chunk's entries [start, end) of ``score_range`` scored as
-        ``reconstruction_block_scores`` scores them (the same math, no query blocks), every other past entry 0 (the
-        runtime reads [start, end) only).
+    def _stream_outputs(self, i: int, batch) -> list:
+        return [value_info(graphs.present_stream(i, name), FLOAT, [batch, self.spec.num_kv_heads, "new_tokens"])
+                for name in self.streams]
 
-        KVzip's softmax runs over the keys < sinks, in [start, end) and >= n; the node's softmax over all of them, so
-        the score is probs / mass, mass = the probability of those keys, summed over the three ranges (not 1 - the
-        rest: a query that looks mostly outside the chunk has a mass near 0, where that difference loses its digits).
-        The division and the maxima run over the chunk's columns only."""
+    def reread_scores_fused(self, probs: str, held: str) -> str:
+        """A re-read pass's scores of one layer (``criticalkv.methods.phases.RereadPass``) from the fused extend's
+        attention probabilities ``probs`` [1, H, N, T] (every new query's softmax over the T = P + N keys it may see,
+        ``prompt_attention(probs=True)``) over a past of P = ``held`` (int32 [1]) entries: [1, H_kv, P], the entries
+        [start, end) of ``score_range`` scored as ``reread_block_scores`` scores them (the same math, no query blocks),
+        every other past entry 0 (the runtime reads [start, end) only).
+
+        The pass's softmax runs over the keys < sinks, in [start, end) and >= n; the node's softmax over all of them,
+        so the score is probs / mass, mass = the probability of those keys, summed over the three ranges (not 1 - the
+        rest: a query that looks mostly outside the range has a mass near 0, where that difference loses its digits).
+        The division and the maxima run over the range's columns only."""
         g, s = self.g, self.spec
-        sinks, start, end, context = (g.slice_axis("score_range", j, j + 1, axis=0) for j in range(4))
+        sinks, start, end, context = (g.slice_axis(graphs.SCORE_RANGE, j, j + 1, axis=0) for j in range(4))
         chunk = g.slice_axis(probs, start, end, axis=3)  # [1, H, N, end - start]
         seen = [g.ReduceSum(x, g.i64(3), keepdims=1)
                 for x in (g.slice_axis(probs, 0, sinks, axis=3), chunk, g.slice_axis(probs, context, _INT64_MAX, axis=3))]
@@ -1085,57 +1091,55 @@ class DecoderGraphBuilder:
         memory: ``prompt_attention`` (in place) writes the N new entries at slots [length, length + N) of every head. The
         runtime then adds N to the lengths.
 
-        ``score`` (``reconstruct_ort.onnx``, KVzip's context reconstruction on the fused graph): also takes
-        ``score_range`` and returns ``present.{l}.scores`` [1, H_kv, P] as the reconstruct graph (``extend(score=True)``)
-        does for the chunk's entries (``reconstruction_scores_fused``): GroupQueryAttention returns its probabilities."""
+        ``score`` (``reread_ort.onnx``, a method's re-read pass on the fused graph): also takes ``score_range`` and
+        returns ``present.{l}.scores`` [1, H_kv, P] as the re-read graph (``extend(score=True)``) does for the scored
+        entries (``reread_scores_fused``): GroupQueryAttention returns its probabilities."""
         window = self._window("extend")
         reason = self.fused_decode_refusal()
         if reason:
             raise ValueError(f"no fused extend graph: {reason}")
         s = self.spec
-        surrogate = self.has_surrogate and not score
+        streams = bool(self.streams) and not score
         g = self._begin()
         one = g.const(np.int32(1), hint="one")
-        new_tokens = g.Cast(g.shape_of("input_ids", 1, 2), to=INT32)  # [1] N
-        inputs = [value_info(name, INT64, [1, "new_tokens"]) for name in ("input_ids", "position_ids")]
-        outputs = [value_info("logits", FLOAT, [1, s.vocab_size])]
+        new_tokens = g.Cast(g.shape_of(graphs.INPUT_IDS, 1, 2), to=INT32)  # [1] N
+        inputs = [value_info(name, INT64, [1, "new_tokens"]) for name in (graphs.INPUT_IDS, graphs.POSITION_IDS)]
+        outputs = [value_info(graphs.LOGITS, FLOAT, [1, s.vocab_size])]
         for i in range(s.num_layers):
             inputs += self._past_inputs(i, f"capacity_{i}")
-            outputs += [value_info(f"present.{i}.{kind}", FLOAT, [1, s.num_kv_heads, f"capacity_{i}", s.head_dim])
-                        for kind in ("key", "value")]
-            outputs.append(value_info(f"present.{i}.window_queries", FLOAT, [1, s.num_heads, "window_tokens", s.head_dim]))
+            outputs += [value_info(name(i), FLOAT, [1, s.num_kv_heads, f"capacity_{i}", s.head_dim])
+                        for name in (graphs.present_key, graphs.present_value)]
+            outputs.append(value_info(graphs.present_window_queries(i), FLOAT, [1, s.num_heads, "window_tokens", s.head_dim]))
             if score:
-                outputs.append(value_info(f"present.{i}.scores", FLOAT, [1, s.num_kv_heads, "past_tokens"]))
-            elif surrogate:
-                outputs.append(value_info(f"present.{i}.kvzip_score", FLOAT, [1, s.num_kv_heads, "new_tokens"]))
+                outputs.append(value_info(graphs.present_scores(i), FLOAT, [1, s.num_kv_heads, "past_tokens"]))
+            elif streams:
+                outputs += self._stream_outputs(i, 1)
         for value in inputs[2:]:
             value.type.tensor_type.shape.dim[0].dim_value = 1  # batch 1: the past inputs too
         if score:
-            inputs.insert(2, value_info("score_range", INT64, [4]))
+            inputs.insert(2, value_info(graphs.SCORE_RANGE, INT64, [4]))
 
         def attention(i, q, k, v):
-            held = g.reshape(g.slice_axis(f"past_key_values.{i}.lengths", 0, 1, axis=1), [-1])  # [1]: every head's
+            held = g.reshape(g.slice_axis(graphs.past_lengths(i), 0, 1, axis=1), [-1])  # [1]: every head's
             seqlens = g.Sub(g.Add(held, new_tokens), one)
             total = g.squeeze(g.Add(seqlens, one), 0)
             out = self.prompt_attention(i, q, k, v, seqlens, total, in_place=True, probs=score)
             if score:
-                g.op("Identity", self.reconstruction_scores_fused(out[3], held), outputs=[f"present.{i}.scores"])
+                g.op("Identity", self.reread_scores_fused(out[3], held), outputs=[graphs.present_scores(i)])
             return out[0]
 
         def window_queries(i, q):  # post-RoPE, unscaled: the selection node's queries input
-            self.window_rows(q, window, output=f"present.{i}.window_queries")
+            self.window_rows(q, window, output=graphs.present_window_queries(i))
 
         self.fused = True
         try:
-            self._fused_prompt_layers(max_positions, attention, window_queries,
-                                      (lambda i, h: self.surrogate_scores(i, h, f"present.{i}.kvzip_score")) if surrogate
-                                      else None)
+            self._fused_prompt_layers(max_positions, attention, window_queries, self.stream_scores if streams else None)
         finally:
             self.fused = False
         if score:
-            return self._fused_model("criticalkv_reconstruct_fused", inputs, outputs, [],
-                                     "criticalkv fused reconstruct (ONNX Runtime only): the fused extend + KVzip's "
-                                     "reconstruction scores")
+            return self._fused_model("criticalkv_reread_fused", inputs, outputs, [],
+                                     "criticalkv fused re-read (ONNX Runtime only): the fused extend + the scores of a "
+                                     "re-read pass")
         return self._fused_model("criticalkv_extend_fused", inputs, outputs, [],
                                  "criticalkv fused extend (ONNX Runtime only: com.microsoft operators): new tokens of one "
                                  "sequence written into its KV buffers in place")
@@ -1146,58 +1150,57 @@ class DecoderGraphBuilder:
         Chunked prefill: a prompt extended in chunks that are multiples of ``attention_chunk`` from an empty buffer
         gives bitwise the prefill's K/V and last logits on ONNX Runtime (``blocked_attention``).
 
-        ``score`` (the reconstruct graph, onnxruntime flavour): KVzip's context reconstruction runs through it (the
-        new tokens are a chunk's repeat prompt and the context again, over the context's full buffer); it takes
-        ``score_range`` [4] int64 = (sinks, start, end, n): the past entries a reconstruction query's score softmax
-        sees are those < sinks, in [start, end) and >= n (the reconstruction's own earlier tokens), and returns per
-        layer ``present.{l}.scores`` [B, H_kv, P] (P = the past's longest head): every past entry's largest score over
-        the new queries and the group's heads (``criticalkv.methods.kvzip.chunk_scores``), the rest as extend's."""
+        ``score`` (the re-read graph, onnxruntime flavour): a method's re-read passes run through it
+        (``criticalkv.methods.phases.RereadPass``: the new tokens over the prompt's buffer); it takes ``score_range``
+        [4] int64 = (sinks, start, end, n): the past entries a pass query's score softmax sees are those < sinks, in
+        [start, end) and >= n (the pass's own earlier tokens), and returns per layer ``present.{l}.scores``
+        [B, H_kv, P] (P = the past's longest head): every past entry's largest score over the new queries and the
+        group's heads (kvzip's ``chunk_scores`` is the PyTorch form), the rest as extend's."""
         window = self._window("extend")
         if score and self.flavour != "onnxruntime":
-            raise ValueError("the reconstruct graph (extend with KVzip's scores) has the onnxruntime flavour only")
-        surrogate = self.has_surrogate and not score and self.flavour == "onnxruntime"
+            raise ValueError("the re-read graph (extend with the past entries' scores) has the onnxruntime flavour only")
+        streams = bool(self.streams) and not score and self.flavour == "onnxruntime"
         g = self._begin()
         s = self.spec
-        new_tokens = g.shape_of("input_ids", 1, 2)  # N
+        new_tokens = g.shape_of(graphs.INPUT_IDS, 1, 2)  # N
         if self.flavour == "onnxruntime":
             ctx = self._block_context(new_tokens)
         else:
             ctx = {"queries": new_tokens}
-        inputs = [value_info(name, INT64, ["batch", "new_tokens"]) for name in ("input_ids", "position_ids")]
-        outputs = [value_info("logits", FLOAT, ["batch", s.vocab_size])]
+        inputs = [value_info(name, INT64, ["batch", "new_tokens"]) for name in (graphs.INPUT_IDS, graphs.POSITION_IDS)]
+        outputs = [value_info(graphs.LOGITS, FLOAT, ["batch", s.vocab_size])]
         if score:
-            inputs.append(value_info("score_range", INT64, [4]))
-            ctx.update(score_range="score_range", layer_scores=[])
+            inputs.append(value_info(graphs.SCORE_RANGE, INT64, [4]))
+            ctx.update(score_range=graphs.SCORE_RANGE, layer_scores=[])
         for i in range(s.num_layers):
             inputs += self._past_inputs(i, f"capacity_{i}")
-            outputs += [value_info(f"present.{i}.{kind}", FLOAT, ["batch", s.num_kv_heads, "new_tokens", s.head_dim])
-                        for kind in ("key", "value")]
-            outputs.append(value_info(f"present.{i}.window_queries", FLOAT,
+            outputs += [value_info(name(i), FLOAT, ["batch", s.num_kv_heads, "new_tokens", s.head_dim])
+                        for name in (graphs.present_key, graphs.present_value)]
+            outputs.append(value_info(graphs.present_window_queries(i), FLOAT,
                                       ["batch", s.num_heads, "window_tokens", s.head_dim]))
             if score:
-                outputs.append(value_info(f"present.{i}.scores", FLOAT, ["batch", s.num_kv_heads, "past_tokens"]))
-            elif surrogate:
-                outputs.append(value_info(f"present.{i}.kvzip_score", FLOAT, ["batch", s.num_kv_heads, "new_tokens"]))
+                outputs.append(value_info(graphs.present_scores(i), FLOAT, ["batch", s.num_kv_heads, "past_tokens"]))
+            elif streams:
+                outputs += self._stream_outputs(i, "batch")
 
         def attention(i, q, k, v):
-            past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
+            past_k, past_v, past_len = (name(i) for name in graphs.PAST)
             return self.extend_attention(q, k, v, past_k, past_v, past_len, ctx)
 
         def window_queries(i, q, k, v):  # post-RoPE, unscaled: the selection node's queries input
-            g.op("Slice", q, g.i64(-window), g.i64(_INT64_MAX), g.i64(2), outputs=[f"present.{i}.window_queries"])
+            g.op("Slice", q, g.i64(-window), g.i64(_INT64_MAX), g.i64(2), outputs=[graphs.present_window_queries(i)])
 
-        cos, sin = self.rope_tables("position_ids")
-        x = g.Gather("embed_tokens", "input_ids", axis=0)  # [B, N, d]
+        cos, sin = self.rope_tables(graphs.POSITION_IDS)
+        x = g.Gather("embed_tokens", graphs.INPUT_IDS, axis=0)  # [B, N, d]
         x = self.decoder_layers(x, cos, sin, attention, window_queries, present_kv=True,
                                 transposed_gemm=self.flavour == "tensorrt",
-                                layer_input=(lambda i, h: self.surrogate_scores(i, h, f"present.{i}.kvzip_score"))
-                                if surrogate else None)
+                                layer_input=self.stream_scores if streams else None)
         self.last_logits(x)
         if score:
             for i, layer_scores in enumerate(ctx["layer_scores"]):
-                g.op("Identity", layer_scores, outputs=[f"present.{i}.scores"])
-            return self._finish("criticalkv_reconstruct", inputs, outputs, [],
-                                "criticalkv reconstruct (onnxruntime flavour): extend + KVzip's reconstruction scores")
+                g.op("Identity", layer_scores, outputs=[graphs.present_scores(i)])
+            return self._finish("criticalkv_reread", inputs, outputs, [],
+                                "criticalkv re-read (onnxruntime flavour): extend + the scores of a re-read pass")
         return self._finish("criticalkv_extend", inputs, outputs, [],
                             f"criticalkv extend ({self.flavour} flavour): new tokens over per-head KV buffers")
 
@@ -1207,11 +1210,11 @@ class DecoderGraphBuilder:
         model_level = self._selection_kind("select")
         policy, s = self.policy, self.spec
         g = self._begin()
-        kv_budget = g.Cast("kv_budget", to=INT32, hint="kv_budget_int32")
+        kv_budget = g.Cast(graphs.KV_BUDGET, to=INT32, hint="kv_budget_int32")
         inputs, outputs, pending, first_lengths = [], [], [], None
         for i in range(s.num_layers):
-            past_k, past_v, past_len = (f"past_key_values.{i}.{kind}" for kind in ("key", "value", "lengths"))
-            queries = f"window_queries.{i}"
+            past_k, past_v, past_len = (name(i) for name in graphs.PAST)
+            queries = graphs.window_queries(i)
             inputs.append(value_info(queries, FLOAT, ["batch", s.num_heads, "window_tokens", s.head_dim]))
             prompt_lengths = g.reshape(g.slice_axis(past_len, 0, 1, axis=1), [-1])  # [B] int32: every head holds n
             first_lengths = first_lengths or prompt_lengths
@@ -1223,14 +1226,14 @@ class DecoderGraphBuilder:
                 n = g.reshape(g.ReduceMax(g.Cast(past_len, to=INT64), keepdims=1), [1])
                 keys, values = g.slice_axis(past_k, 0, n, axis=2), g.slice_axis(past_v, 0, n, axis=2)  # [B, H_kv, n, d_h]
             scores = None
-            if policy.method.base.external_scores:  # kvzip: the context reconstruction's scores (or none)
-                scores = f"scores.{i}"
+            if policy.method.base.external_scores:  # the phases' scores (or none)
+                scores = graphs.scores(i)
                 inputs.append(value_info(scores, FLOAT, ["batch", s.num_kv_heads, "scored_tokens"]))
             outputs += self.select_layer(i, queries, keys, values, prompt_lengths, kv_budget, pending, model_level,
                                          scores)
         if model_level:
             self.select_model(pending, first_lengths, kv_budget)
-        inputs.append(value_info("kv_budget", INT64, [1]))
+        inputs.append(value_info(graphs.KV_BUDGET, INT64, [1]))
         return self._finish("criticalkv_select", inputs, outputs, self.selection_functions(model_level),
                             f"criticalkv select ({self.flavour} flavour), policy {policy.to_json()}")
 

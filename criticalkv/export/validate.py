@@ -21,18 +21,18 @@ from criticalkv.export.exporter import (
     PREFILL_FILE,
     PREFILL_ORT_FILE,
     PREFILL_TENSORRT_FILE,
-    RECONSTRUCT_FILE,
-    RECONSTRUCT_ORT_FILE,
+    REREAD_FILE,
+    REREAD_ORT_FILE,
     SELECT_CONTEXT_FILE,
     SELECT_FILE,
     SELECT_TENSORRT_FILE,
     ExportResult,
-    rereads,
 )
 from criticalkv.export.llama import ORT_DOMAIN
 from criticalkv.export.quantize import QUANTIZED_OPERATORS
 from criticalkv.export.model_select import MODEL_OP, SCORE_OP, is_model_level, model_attributes, tensorrt_refusal
 from criticalkv.export.tensorrt_rules import TENSORRT_VERSION, check_tensorrt_model
+from criticalkv.graphs import is_contract_name, present_stream
 from criticalkv.node import DOMAIN, OP_TYPE, policy_from_attributes
 from criticalkv.policy import KVPolicy
 
@@ -49,13 +49,16 @@ GRAPHS = (
     ("prefill_ort", PREFILL_ORT_FILE, True, False),
     ("extend_ort", EXTEND_ORT_FILE, False, False),
     ("select_context", SELECT_CONTEXT_FILE, True, False),
-    ("reconstruct", RECONSTRUCT_FILE, False, False),
-    ("reconstruct_ort", RECONSTRUCT_ORT_FILE, False, False),
+    ("reread", REREAD_FILE, False, False),
+    ("reread_ort", REREAD_ORT_FILE, False, False),
 )
 #: The fused prompt graphs (ONNX Runtime only), written unless the model refuses them.
-FUSED_PROMPT = ("prefill_ort", "extend_ort", "reconstruct_ort")
-#: Graphs an export writes only for some policies (the context policy's select graph, KVzip's reconstruct graph).
-OPTIONAL_GRAPHS = ("select_context", "reconstruct", "reconstruct_ort")
+FUSED_PROMPT = ("prefill_ort", "extend_ort", "reread_ort")
+#: Graphs an export writes only for some policies (the context policy's select graph, the re-read graphs of a method
+#: that re-reads prompts).
+OPTIONAL_GRAPHS = ("select_context", "reread", "reread_ort")
+#: The graphs that return the engine's streams for their new entries (``criticalkv.methods.phases.Stream``).
+STREAM_GRAPHS = ("extend", "extend_ort")
 #: The TensorRT flavours a model-level policy does not have (``decode.onnx`` is also its ONNX Runtime decode graph).
 TENSORRT_FLAVOURS = ("prefill_tensorrt", "extend_tensorrt", "select_tensorrt")
 #: The only com.microsoft operators of the fused decode graph (``decode_ort``), by its attention form; no other graph
@@ -100,9 +103,8 @@ def validate_export(result: ExportResult) -> dict:
             report[key] = {"file": None, "refused": refusal}
             continue
         if key in OPTIONAL_GRAPHS:
-            wanted = (result.context_policy is not None if key == "select_context"
-                      else rereads(result.policy) or rereads(result.context_policy))
-            if key == "reconstruct_ort":  # the fused one: only beside the fused prompt graphs
+            wanted = result.context_policy is not None if key == "select_context" else result.phases.rereads
+            if key == "reread_ort":  # the fused one: only beside the fused prompt graphs
                 wanted = wanted and bool((result.fused_prompt or {}).get("prefill"))
             if path.exists() != wanted:
                 raise ValueError(f"{name}: {'missing' if wanted else 'written although no policy of the export needs it'}")
@@ -126,6 +128,7 @@ def validate_export(result: ExportResult) -> dict:
             inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
             raise ValueError(f"{name}: the exported graph does not validate: {err}") from None
+        check_contract(model, name, result, key)
         own, capacities = result.policy, result.prefill_capacities
         if key == "select_context":  # the context policy's graph: its own kind of nodes and capacities
             own, capacities = result.context_policy, result.context_capacities
@@ -167,6 +170,23 @@ def validate_export(result: ExportResult) -> dict:
             **({"tensorrt_rules": f"TensorRT {TENSORRT_VERSION} ONNX importer rules passed"} if tensorrt else {}),
         }
     return report
+
+
+def check_contract(model: onnx.ModelProto, name: str, result: ExportResult, key: str) -> None:
+    """Every input and output of graph ``key`` is a name of ``criticalkv.graphs`` (the one place the exporter and the
+    backends take them from), and the graphs that return streams return exactly the export's
+    (``ExportResult.phases``)."""
+    names = [v.name for v in model.graph.input] + [v.name for v in model.graph.output]
+    stray = [n for n in names if not is_contract_name(n)]
+    if stray:
+        raise ValueError(f"{name}: inputs or outputs named outside criticalkv.graphs: {stray[:5]}")
+    outputs = {v.name for v in model.graph.output}
+    want = {present_stream(i, s.name) for i in range(result.spec.num_layers) for s in result.phases.streams}
+    got = {n for n in outputs if ".stream." in n}
+    if key in STREAM_GRAPHS and got != want:
+        raise ValueError(f"{name}: returns the streams {sorted(got)[:4]}, the export has {sorted(want)[:4]}")
+    if key not in STREAM_GRAPHS and got:
+        raise ValueError(f"{name}: returns streams {sorted(got)[:4]}, which only {', '.join(STREAM_GRAPHS)} return")
 
 
 def _check_contrib(model: onnx.ModelProto, name: str, expected: set[str] | None) -> set[str]:

@@ -122,27 +122,28 @@ class CompactDecoder:
                        after_attention: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
         """The prompt input_ids [B, n] (left-padded; ``lengths`` [B] of the valid tokens, None when none is padded) at
         position_ids [B, n], layer by layer; ``after_attention(i, q, k, v)`` receives layer i's post-RoPE queries
-        [B, H, n, d_h], keys and values [B, H_kv, n, d_h] right after its attention (they are dropped when it
-        returns). Returns the last prompt token's logits [B, vocab] float32."""
+        [B, H, n, d_h], keys and values [B, H_kv, n, d_h] right after its attention, before o_proj and the MLP (they
+        are dropped when it returns, so the MLP's activations never sit beside a layer's full-length Q/K/V). Returns
+        the last prompt token's logits [B, vocab] float32.
+
+        Attention is causal SDPA with grouped K/V (``enable_gqa``) and no mask tensor, so a GPU runs flash attention;
+        a left-padded batch runs it per sequence over its own valid tokens (varlen, no [B, 1, n, n] mask), and the
+        padding positions' outputs are zeros (never read)."""
         b, n = input_ids.shape
         h = self.embed(input_ids)
         cos, sin = self.cos[position_ids], self.sin[position_ids]  # [B, n, d_h]
-        mask = None
-        if lengths is not None:
-            # causal inside each sequence's valid tokens; a padding query sees itself only (finite, never read)
-            pos = torch.arange(n, device=h.device)
-            valid = pos[None, :] >= (n - lengths.to(h.device))[:, None]  # [B, n]
-            mask = (pos[:, None] >= pos[None, :])[None] & valid[:, None, :]
-            mask = (mask | torch.eye(n, dtype=torch.bool, device=h.device)[None])[:, None]  # [B, 1, n, n]
+        starts = None if lengths is None else (n - lengths.to(torch.int64)).tolist()  # one host read per prompt
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)
-            if mask is None:
+            if starts is None:
                 attended = self._causal(q, k, v, self.scaling[i])
             else:
-                attended = self._masked_heads(q, k, v, mask, self.scaling[i])
-            h = self._finish_layer(layer, h, attended.transpose(1, 2).reshape(b, n, -1))
+                attended = self._causal_rows(q, k, v, starts, self.scaling[i])
+            attended = attended.transpose(1, 2).reshape(b, n, -1)
             after_attention(i, q, k, v)
             del q, k, v
+            h = self._finish_layer(layer, h, attended)
+            del attended
         return self.logits(h[:, -1])
 
     def _causal(self, q, k, v, scale):
@@ -152,11 +153,16 @@ class CompactDecoder:
         return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True,
                                               scale=scale)
 
-    def _masked_heads(self, q, k, v, mask, scale):
-        """Attention of q [B, H, T, d_h] over k, v [B, H_kv, S, d_h] under mask [B, 1, T, S] (shared by every head)."""
-        g = self.shape.group
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask,
-                                              scale=scale)
+    def _causal_rows(self, q, k, v, starts: list[int], scale):
+        """Causal attention of a left-padded batch, one sequence at a time over its valid tokens (row b's start at
+        ``starts[b]``): q [B, H, n, d_h], k, v [B, H_kv, n, d_h] -> [B, H, n, d_h], zeros at the padding."""
+        out = q.new_zeros(q.shape)
+        for row, start in enumerate(starts):
+            if start >= q.shape[2]:
+                continue
+            out[row:row + 1, :, start:] = self._causal(q[row:row + 1, :, start:], k[row:row + 1, :, start:],
+                                                       v[row:row + 1, :, start:], scale)
+        return out
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
@@ -199,7 +205,9 @@ class CompactDecoder:
     # ------------------------------------------------------------------ extend
     def extend(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                values: list[torch.Tensor], lengths: list[torch.Tensor], used: list[int], window: int,
-               equal_heads: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+               equal_heads: bool, layer_input: Callable[[int, torch.Tensor], None] | None = None,
+               after_attention: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """N new tokens of one sequence over its entries, appended at each head's length.
 
         token_ids, positions : [1, N] int64 (absolute positions)
@@ -208,6 +216,10 @@ class CompactDecoder:
         used : per layer the longest head's length (known on the host; used[l] + N <= cap_l)
         equal_heads : every head holds ``used[l]`` entries (a prefill buffer, a policy that keeps equal lengths):
             one mask for all heads
+        layer_input : ``layer_input(i, h)`` gets layer i's attention input h [1, N, d] (after input_layernorm): a
+            method's streams (``criticalkv.methods.phases.Stream``)
+        after_attention : ``after_attention(i, q, k)`` gets layer i's post-RoPE queries [1, H, N, d_h] and the keys
+            they attended [1, H_kv, used + N, d_h] (the past's, then the new ones): a re-read pass's scores
         Returns the last token's logits [1, vocab] float32 and per layer the post-RoPE queries of the last
         min(N, window) tokens [1, H, w', d_h].
         """
@@ -218,7 +230,10 @@ class CompactDecoder:
         new = torch.arange(n_new, device=h.device)
         queries = []
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)  # [1, H, N, d_h], [1, H_kv, N, d_h]
+            normed = layer.input_layernorm(h)
+            if layer_input is not None:
+                layer_input(i, normed)
+            q, k, v = self._qkv(layer, normed, cos, sin)  # [1, H, N, d_h], [1, H_kv, N, d_h]
             span = used[i] + n_new
             count = lengths[i]  # [1, H_kv]
             at = count[..., None] + new  # [1, H_kv, N]: each head's next slots
@@ -233,6 +248,8 @@ class CompactDecoder:
             mask = mask.repeat(1, 1, s.group, 1)  # the G query heads of each KV head, in blocks of N rows
             out = F.scaled_dot_product_attention(self.grouped(q), keys[i][:, :, :span], values[i][:, :, :span],
                                                  attn_mask=mask, scale=self.scaling[i])
+            if after_attention is not None:
+                after_attention(i, q, keys[i][:, :, :span])
             h = self._finish_layer(layer, h, self.ungrouped(out, n_new))
             count += n_new
             queries.append(q[:, :, -min(n_new, window):])

@@ -13,8 +13,6 @@ tokenizer saved beside the model's weights, else the bare re-read (``Reconstruct
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -26,22 +24,10 @@ from criticalkv.methods.kvzip import ReconstructionChunk, ReconstructionPrompt, 
 from criticalkv.policy import KVPolicy
 
 
-@functools.lru_cache(maxsize=8)
-def _prompt_of_folder(folder: str) -> ReconstructionPrompt | None:
-    path = Path(folder)
-    if not folder or not path.is_dir() or not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return ReconstructionPrompt.from_tokenizer(AutoTokenizer.from_pretrained(path))
-
-
 def reconstruction_prompt(model, given: ReconstructionPrompt | None = None) -> ReconstructionPrompt:
     """The reconstruction prompt of ``model``: ``given``, else kvpress's prompts in the tokenizer of the model's folder
     (``config._name_or_path``, as kvpress loads it), else ``ReconstructionPrompt()`` (no instruction)."""
-    if given is not None:
-        return given
-    return _prompt_of_folder(str(getattr(model.config, "_name_or_path", "") or "")) or ReconstructionPrompt()
+    return given if given is not None else ReconstructionPrompt.of_model(model)
 
 
 def cache_of(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], config) -> DynamicCache:

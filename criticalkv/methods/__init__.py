@@ -54,6 +54,13 @@ class Method:
     def score_names(self) -> tuple[str, ...]:
         return ("attention",) + self.base.score_names + (self.refine.score_names if self.refine else ())
 
+    @property
+    def scored_apart(self) -> bool:
+        """Whether the policy ranks by per-entry scores its method's phases compute apart from the layers' selection
+        (``criticalkv.methods.phases``: a re-read of the prompt, streams of the layers' inputs): its prompts are then
+        selected after they are whole (the select graph), not inside the one-shot prefill."""
+        return self.base.external_scores and self.base.evicts
+
 
 def _compose(name: str, base: str, two_stage: bool = False, description: str | None = None) -> Method:
     b = BASE_METHODS[base]
@@ -83,6 +90,23 @@ METHODS: dict[str, Method] = {
 POLICIES: dict[str, tuple[str, bool]] = {name: (m.base.name, m.refine is not None) for name, m in METHODS.items()}
 
 
+def register(method: Method) -> Method:
+    """Add a policy (``method.name``) to the registry at run time: ``KVPolicy`` accepts it, the drivers run it (a
+    module of ``criticalkv.methods`` adds its policies to ``METHODS`` above instead, which the generated C++ and docs
+    list). Returns ``method``; ``unregister`` takes it back."""
+    if method.name in METHODS:
+        raise ValueError(f"policy {method.name!r} is already registered")
+    METHODS[method.name] = method
+    POLICIES[method.name] = (method.base.name, method.refine is not None)
+    return method
+
+
+def unregister(name: str) -> None:
+    """Remove a policy ``register`` added."""
+    METHODS.pop(name, None)
+    POLICIES.pop(name, None)
+
+
 def method_of(policy) -> Method:
     """The ``Method`` of a ``KVPolicy`` (or of a policy name)."""
     return METHODS[policy if isinstance(policy, str) else policy.name]
@@ -110,6 +134,8 @@ __all__ = [
     "TWO_STAGE",
     "TwoStage",
     "method_of",
+    "register",
     "same_selection",
     "unrefined",
+    "unregister",
 ]

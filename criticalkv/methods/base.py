@@ -18,9 +18,12 @@ Shapes: B batch, H_kv KV heads, G query heads per KV head, w window, m = n - w o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from criticalkv.methods.lazy import torch
+
+if TYPE_CHECKING:
+    from criticalkv.methods.phases import PromptScoring, Stream
 
 #: A ``criticalkv.policy.KVPolicy`` (the policy stands a floor above the methods: it imports their registry).
 Policy = Any
@@ -81,7 +84,10 @@ class BaseMethod:
         take them (``select_layer(rotation=...)``, the selection node's input ``rotation``)
     external_scores : whether it ranks by a per-entry score computed outside the layer's selection (``kvzip``: the
         attention of a context reconstruction through the whole model): the drivers then take it
-        (``select_layer(scores=...)``, the selection node's input ``scores``; none given: ``attention_rows``)
+        (``select_layer(scores=...)``, the selection node's input ``scores``; none given: ``attention_rows``), and
+        the method's phases compute it (``criticalkv.methods.phases``: ``streams``, ``rereads``, ``engine_data``,
+        ``prompt_scoring``), which the engine, the exporter and the backends run without knowing the method
+    data_key : the key of its data in an engine's manifest (``method_data``; ``engine_data``)
     """
 
     name: str = ""
@@ -103,6 +109,7 @@ class BaseMethod:
     external_scores: bool = False
     #: names of the per-token scores ``group_scores`` adds (besides "attention", which every scored method has)
     score_names: tuple[str, ...] = ()
+    data_key: str = ""
 
     @property
     def equal_head_lengths(self) -> bool:
@@ -154,6 +161,26 @@ class BaseMethod:
         """[B, L * H_kv, m] bool: the older tokens every head of every layer keeps, from the layers' ``priority``
         concatenated layer-major ([B, L * H_kv, m]), ``eligible`` (same shape) and r [B] per head on average."""
         raise NotImplementedError(f"{self.name} is not a model-level method")
+
+    # ------------------------------------------------------------------ phases (``external_scores`` methods)
+    def streams(self, policy: Policy, model: Any) -> tuple["Stream", ...]:
+        """The streams an engine for ``policy`` computes as its prompts run (their weights found for ``model``, a
+        transformers model); ValueError, with what to do, when the model has none."""
+        return ()
+
+    def rereads(self, policy: Policy) -> bool:
+        """Whether an engine for ``policy`` re-reads prompts (its re-read graphs are written)."""
+        return False
+
+    def engine_data(self, policy: Policy, model: Any, tokenizer: Any = None) -> dict:
+        """The method's data an engine for ``policy`` keeps (the manifest's ``method_data[data_key]``: JSON)."""
+        return {}
+
+    def prompt_scoring(self, policy: Policy, data: dict, streams: frozenset[str]) -> "PromptScoring | None":
+        """How an engine scores a prompt for ``policy`` (None: its layers' selection needs nothing more), given the
+        engine's ``data`` (``engine_data``'s) and the names of the streams its prompt graphs return; ValueError, with
+        what to do, when the engine lacks what the policy needs."""
+        return None
 
     # ------------------------------------------------------------------ ONNX function body
     def onnx_attention_rows(self, body: Any, g: Any, q: str, keys: str, ctx: dict[str, str], w: str, m: str):

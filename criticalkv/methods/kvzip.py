@@ -51,13 +51,17 @@ C++: not native (the plugin refuses it: ``cpp_refusal``); it runs on the PyTorch
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from criticalkv.methods.adakv import AdaKV
 from criticalkv.methods.lazy import torch
+from criticalkv.methods.phases import PromptScoring, RereadPass, Stream, reread_scores
+from criticalkv.methods.surrogate import mask_opening, surrogate_of
 from criticalkv.methods.topk import first_valid_mask
 
 #: kvpress's reconstruction prompts (``KVzipPress.prepare``).
@@ -65,8 +69,6 @@ FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 #: Tokens of the previous chunk repeated after ``LATER_PROMPT`` (kvpress's ``prev_postfix_size``).
 OVERLAP = 8
-#: Reconstruction queries scored at a time (rows of the softmax): memory O(ROWS * keys) per head.
-ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,12 @@ class ReconstructionPrompt:
                 "opening": list(self.opening)}
 
     @classmethod
+    def of_model(cls, model) -> "ReconstructionPrompt":
+        """kvpress's prompts in the tokenizer saved beside ``model``'s weights (``config._name_or_path``, as kvpress
+        loads it), else ``ReconstructionPrompt()`` (no instruction: a random model's)."""
+        return _prompt_of_folder(str(getattr(model.config, "_name_or_path", "") or "")) or cls()
+
+    @classmethod
     def from_dict(cls, data: dict) -> "ReconstructionPrompt":
         return cls(tuple(data["first"]), tuple(data["later"]), tuple(data["suffix"]), int(data.get("overlap", OVERLAP)),
                    tuple(data.get("opening", ())))
@@ -130,6 +138,16 @@ class ReconstructionPrompt:
     def max_tokens(self, chunk: int) -> int:
         """Most tokens one chunk's reconstruction input holds (prompt + suffix + chunk)."""
         return max(len(self.first), len(self.later) + self.overlap) + len(self.suffix) + chunk
+
+
+@functools.lru_cache(maxsize=8)
+def _prompt_of_folder(folder: str) -> ReconstructionPrompt | None:
+    path = Path(folder)
+    if not folder or not path.is_dir() or not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer  # only when a model's own folder is read (a build without a tokenizer)
+
+    return ReconstructionPrompt.from_tokenizer(AutoTokenizer.from_pretrained(path))
 
 
 @dataclass(frozen=True)
@@ -166,31 +184,15 @@ def reconstruction_chunks(context_ids, chunk: int, sink_tokens: int, prompt: Rec
 
 
 def chunk_scores(queries, keys, n: int, chunk: ReconstructionChunk):
-    """KVzip's score of one layer for one chunk: [B, H_kv, end - start] fp32.
+    """KVzip's score of one layer for one chunk: [B, H_kv, end - start] fp32, the re-read pass's score
+    (``criticalkv.methods.phases.reread_scores``) of the chunk's entries.
 
     queries : [B, H, R, d_h] post-RoPE queries of the chunk's R reconstruction tokens
     keys : [B, H_kv, n + R, d_h] post-RoPE keys, the context's n then the reconstruction's R
     The softmax of query t runs over the sinks, the chunk's keys and the reconstruction keys <= t (module docstring);
-    the maximum is over the G query heads of each KV head and the R queries (``ROWS`` rows at a time).
+    the maximum is over the G query heads of each KV head and the R queries.
     """
-    batch, heads, r, d = queries.shape
-    kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    s, e = chunk.start, chunk.end
-    sub = torch.cat([keys[:, :, : chunk.sinks], keys[:, :, s:e], keys[:, :, n : n + r]], dim=2).float()  # [B, H_kv, k, d]
-    q = queries.float().reshape(batch, kv_heads, group * r, d)  # head h = g * G + j: rows (j, t)
-    t_of_row = torch.arange(r, device=keys.device).repeat(group)  # [G * R]
-    own = torch.arange(r, device=keys.device)
-    ctx = chunk.sinks + (e - s)
-    best = torch.zeros(batch, kv_heads, e - s, dtype=torch.float32, device=keys.device)
-    for at in range(0, group * r, ROWS):
-        rows = slice(at, at + ROWS)
-        logits = q[:, :, rows] @ sub.transpose(-1, -2) / math.sqrt(d)  # [B, H_kv, rows, k]
-        blocked = own[None, :] > t_of_row[rows, None]  # the reconstruction's later keys
-        logits[..., ctx:] = logits[..., ctx:].masked_fill(blocked, -torch.inf)
-        probs = torch.softmax(logits, dim=-1)[..., chunk.sinks : ctx]
-        best = torch.maximum(best, probs.amax(dim=2))
-    return best
+    return reread_scores(queries, keys, n, chunk.sinks, chunk.start, chunk.end)
 
 
 def window_max_attention(queries, keys, valid_start, m: int):
@@ -207,6 +209,33 @@ def window_max_attention(queries, keys, valid_start, m: int):
     logits = logits.masked_fill(blocked[:, None], torch.finfo(torch.float32).min)
     best = torch.softmax(logits, dim=-1)[..., :m].amax(dim=(1, 2))  # [B, m]
     return best[:, None].expand(batch, queries.shape[1], m)
+
+
+#: The stream of a surrogate-scored kvzip policy (``kvzip_score=surrogate``): S_hat of every entry, from its layer input.
+SURROGATE_STREAM = "kvzip_score"
+
+
+class KVzipScoring(PromptScoring):
+    """KVzip's scoring of a prompt (``criticalkv.methods.phases``): the surrogate's stream, or the context
+    reconstruction as re-read passes (one per chunk, ``reconstruction_chunks``; ``kvzip_reread=chunk``: each over a
+    buffer of the context's sinks and the chunk's own entries); the chat template's opening beyond the sinks scores 0
+    either way (``mask_opening``)."""
+
+    def __init__(self, policy, prompt: ReconstructionPrompt):
+        self.policy = policy
+        self.prompt = prompt
+        self.streams = (SURROGATE_STREAM,) if policy.kvzip_score == "surrogate" else ()
+
+    def passes(self, ids):
+        if self.streams:
+            return []
+        local = self.policy.kvzip_reread == "chunk"
+        return [RereadPass(c.input_ids, c.sinks, c.start, c.end, local)
+                for c in reconstruction_chunks(ids, self.policy.kvzip_chunk, self.policy.sink_tokens, self.prompt)]
+
+    def finish(self, ids, streams, reread):
+        scores = streams[SURROGATE_STREAM] if self.streams else reread
+        return mask_opening(scores, self.prompt, ids, self.policy.sink_tokens)
 
 
 class KVzip(AdaKV):
@@ -226,6 +255,36 @@ class KVzip(AdaKV):
 
     def sinks(self, policy) -> int:
         return policy.sink_tokens
+
+    # ------------------------------------------------------------------ phases
+    data_key = "kvzip"
+
+    def streams(self, policy, model):
+        """``kvzip_score=surrogate``: the model's KVzip surrogate as a stream (``SURROGATE_STREAM``)."""
+        if policy.kvzip_score != "surrogate":
+            return ()
+        found = surrogate_of(model)
+        return (Stream(SURROGATE_STREAM, found.weight, found.bias, {"model": found.model, "info": found.info},
+                       "its KVzip surrogate"),)
+
+    def rereads(self, policy):
+        return policy.kvzip_score == "reread"
+
+    def engine_data(self, policy, model, tokenizer=None):
+        """The reconstruction prompt in the engine's tokenizer's ids (the chat template's opening, which a score skips,
+        included): the PyTorch path's prompt for this model, so both keep the same entries."""
+        prompt = ReconstructionPrompt.from_tokenizer(tokenizer) if tokenizer is not None else \
+            ReconstructionPrompt.of_model(model)
+        return {"prompt": prompt.to_dict()}
+
+    def prompt_scoring(self, policy, data, streams):
+        if "prompt" not in data:
+            raise ValueError(f"{policy.name} scores with KVzip's context reconstruction, but the engine has no "
+                             "reconstruction prompt: rebuild it with this policy")
+        if policy.kvzip_score == "surrogate" and SURROGATE_STREAM not in streams:
+            raise ValueError(f"{policy.name}:kvzip_score=surrogate scores with the model's KVzip surrogate, which this "
+                             "engine was not built with: rebuild it with this policy")
+        return KVzipScoring(policy, ReconstructionPrompt.from_dict(data["prompt"]))
 
     # ------------------------------------------------------------------ PyTorch
     def attention_rows(self, policy, queries, keys, valid_start, rotation, m):

@@ -10,7 +10,7 @@ B and moving the last row into a freed one (``move_row``). Nothing above ``Engin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -47,9 +47,10 @@ class ExtendOutputs:
 
     logits: Any
     window_queries: list[Any]
-    scores: list[Any] | None = None  # the reconstruct graph's: per layer [B, H_kv, P] KVzip scores of the past entries
-    #: an engine with a KVzip surrogate (``kvzip_score=surrogate``): per layer [B, H_kv, N] S_hat of the new entries
-    kvzip_scores: list[Any] | None = None
+    #: a re-read pass's (``Backend.reread_buffer``): per layer [B, H_kv, P] the score of every past entry
+    scores: list[Any] | None = None
+    #: the streams of the new entries (``Backend.streams``): name -> per layer [B, H_kv, N] float32 (host arrays)
+    streams: dict[str, list[Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -178,16 +179,32 @@ class Backend(Protocol):
         """Empty buffers for one prompt of ``num_tokens`` tokens (None: max_input_len) prefilled in chunks."""
 
     def extend_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
-        """``extend_row`` over a prefill buffer: the prompt's next N tokens."""
+        """``extend_row`` over a prefill buffer: the prompt's next N tokens (with the backend's ``streams`` of them)."""
+
+    #: the streams (``criticalkv.methods.phases.Stream``) ``extend_buffer`` returns for the new entries, by name
+    streams: frozenset[str]
+
+    def reread_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray,
+                      score_range: np.ndarray) -> ExtendOutputs:
+        """``extend_buffer`` through the re-read graph (a method's re-read pass, ``criticalkv.methods.phases``): the
+        new tokens join the buffer and ``ExtendOutputs.scores`` holds per layer [1, H_kv, P] every past entry's score
+        over them: its largest attention from the new queries, the softmax renormalised over the keys ``score_range``
+        = (sinks, start, end, n) counts (< sinks, in [start, end), >= n); 0 outside [start, end). The caller cuts the
+        buffer back afterwards (``buffer.lengths``)."""
 
     def select(self, buffer: PrefillBuffer, window_queries: list, kv_budget: int | None = None,
                scores: list | None = None, context: bool = False) -> PrefillOutputs:
         """The selection over the prompt in ``buffer`` (per layer its last min(window, n) queries [1, H, w, d_h]),
         the outputs of ``prefill`` for ``load_row`` (no logits: the last chunk's extend gave them). ``scores``: per layer
-        [1, H_kv, n], a kvzip policy's reconstruction scores; ``context``: with the engine's context policy."""
+        [1, H_kv, n], the scores a policy whose method scores prompts apart ranks by; ``context``: with the engine's
+        context policy."""
 
     def kv_buffer_bytes(self) -> int:
         """Bytes of the K and V buffers (all max_batch rows)."""
+
+    # optional: ``decode_greedy(tokens, positions) -> [B] int64`` (``decode``'s argmax taken on the device, so a greedy
+    # loop copies B ids, not B x vocab logits, to the host: ``Engine.generate`` uses it when present) and
+    # ``synchronize()`` (wait for the device's queued work; a timing that ends after asynchronous copies calls it)
 
     def close(self) -> None:
         """Release sessions and buffers."""

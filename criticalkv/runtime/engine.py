@@ -24,8 +24,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from criticalkv.errors import EngineError, RequestError
-from criticalkv.methods.kvzip import ReconstructionPrompt, reconstruction_chunks
-from criticalkv.methods.surrogate import mask_opening, uses_surrogate
+from criticalkv.methods.phases import PromptScoring, RereadPass
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.request import CheckedRequest, EngineLimits, Request, SamplingParams
@@ -36,9 +35,15 @@ from criticalkv.runtime.registry import create_backend
 from criticalkv.sampling import Sampler, decode_loop
 
 
-def reconstructs(policy: KVPolicy | None) -> bool:
-    """Whether ``policy`` ranks by a context reconstruction (kvzip): its prompts are re-read before they are selected."""
-    return policy is not None and policy.method.base.external_scores and policy.method.base.evicts
+def _ids(tokens: np.ndarray) -> np.ndarray:
+    """The decode loop's choice when the step already returns the greedy token ids."""
+    return tokens
+
+
+def scored_apart(policy: KVPolicy | None) -> bool:
+    """Whether ``policy`` ranks by scores its method's phases compute apart from the layers' selection
+    (``criticalkv.methods.phases``): its prompts are selected once they are whole, after those phases ran."""
+    return policy is not None and policy.method.scored_apart
 
 
 @dataclass
@@ -89,8 +94,9 @@ class PrefillResult:
     #: per layer [H_kv] int32 kept lengths and [H_kv, cap_l] int32 kept positions (-1 padded) of the selection
     kept_lengths: list = field(default_factory=list, repr=False)
     kept_indices: list = field(default_factory=list, repr=False)
-    #: the context reconstruction that scored the entries (kvzip), seconds (included in ``seconds``)
-    reconstruction_s: float = 0.0
+    #: the method's phases that scored the entries after the prompt (a re-read: ``criticalkv.methods.phases``), seconds
+    #: (included in ``seconds``)
+    scoring_s: float = 0.0
 
 
 @dataclass
@@ -121,8 +127,10 @@ class PrefillJob:
     seconds: float = 0.0
     context: bool = False  # a context for the context cache: selected with the engine's context policy
     policy: KVPolicy | None = None  # the policy that selects it (``Engine.policy_for``)
-    #: kvzip_score=surrogate: per layer the S_hat of the prompt's entries so far ([1, H_kv, done] float32 pieces)
-    surrogate: list | None = None
+    #: how the policy scores the prompt beyond its layers' Q/K/V (``criticalkv.methods.phases``), None: it does not
+    scoring: PromptScoring | None = None
+    #: the streams the scoring reads: name -> per layer the pieces [1, H_kv, N] of the prompt's entries so far
+    streams: dict = field(default_factory=dict)
 
     @property
     def remaining(self) -> int:
@@ -168,16 +176,18 @@ class Engine:
         #: most tokens one run of the extend graph takes (``extend``, ``prefill_step`` split longer inputs)
         self.extend_chunk = int(build.get("extend_chunk", 256))
         #: the policy the serving context cache compresses contexts with, when the engine has one besides its own
-        #: (``select_context.onnx``), its per-layer selection capacities, and KVzip's repeat prompt (token ids) for a
-        #: policy that re-reads contexts (kvzip: ``reconstruct.onnx``)
+        #: (``select_context.onnx``), and its per-layer selection capacities
         self.context_policy = KVPolicy.from_dict(manifest["context_policy"]) if manifest.get("context_policy") else None
         if self.context_policy is not None and not getattr(backend, "context_policies", True):
-            # the TensorRT and torch backends have no context-policy selection (their KVZIP_REFUSAL says why):
+            # a backend without a context-policy selection (TensorRT: its PHASES_REFUSAL says why):
             # contexts are selected with the engine's own policy there
             self.context_policy = None
         self.context_capacities = list(manifest["shapes"].get("context_capacity", self.selection_capacities))
-        self.reconstruction = (ReconstructionPrompt.from_dict(manifest["reconstruction"])
-                               if manifest.get("reconstruction") else None)
+        #: the methods' data the engine was built with (``BaseMethod.engine_data``, by ``data_key``) and the streams its
+        #: prompt graphs return (``criticalkv.methods.phases``): what a policy's scoring runs on
+        self.method_data = dict(manifest.get("method_data") or {})
+        self.streams = frozenset(getattr(backend, "streams", ()))
+        self._scorings: dict[KVPolicy, PromptScoring | None] = {}
         self._slots: dict[int, _Slot] = {}
         self._rows: list[int] = []  # rows[r] = the slot whose entries row r holds; rows 0..B-1 are occupied
 
@@ -186,7 +196,7 @@ class Engine:
         """Open ``folder`` (checks the manifest, its format version and every file; ``verify`` also
         checks sha256) on ``backend`` (None: ``torch`` for a directory built with ``--backend torch``, else
         ``onnxruntime``). ``options`` go to the backend (torch: ``model``, ``device``, ``dtype``, ``cuda_graphs``,
-        ``threads``: see ``criticalkv.hf.torch_backend``; ONNX Runtime: ``threads``, ``profile``, ``providers``,
+        ``threads``: see ``criticalkv.runtime.torch_backend``; ONNX Runtime: ``threads``, ``profile``, ``providers``,
         ``weights``, ``decode`` = ``"auto"`` / ``"fused"`` / ``"portable"`` (the decode graph: decode_ort.onnx or
         decode.onnx; default ``$CRITICALKV_ORT_DECODE`` or auto), ``prefill`` (the same for the prompt graphs:
         prefill_ort.onnx and extend_ort.onnx or prefill.onnx and extend.onnx; ``$CRITICALKV_ORT_PREFILL``),
@@ -277,14 +287,15 @@ class Engine:
 
     def _through_select(self, context: bool) -> bool:
         """Whether a prompt (or a context) is selected by the select graph after extend chunks, not inside the prefill
-        graph: for the context policy's select graph, and for a policy that re-reads the prompt (kvzip)."""
-        return (context and self.context_policy is not None) or reconstructs(self.policy_for(context))
+        graph: for the context policy's select graph, and for a policy whose method scores the prompt apart
+        (``scored_apart``)."""
+        return (context and self.context_policy is not None) or scored_apart(self.policy_for(context))
 
     def prefill(self, slot: int, request: Request, context: bool = False) -> PrefillResult:
         """Run ``request``'s prompt alone (batch 1, its selection at its ``kv_budget``) and load the kept K/V
         into the free ``slot``; the slot then decodes from position n (the prompt length). ``context``: the prompt is
-        a context of the context cache, selected with ``policy_for(context=True)`` (question-agnostic). A policy that
-        re-reads the prompt (kvzip) prefills it through the extend graph, then reconstructs and selects it
+        a context of the context cache, selected with ``policy_for(context=True)`` (question-agnostic). A policy whose
+        method scores the prompt apart prefills it through the extend graph, then scores and selects it
         (``begin_prefill`` ... ``finish_prefill``, in one call)."""
         self._free_slot(slot)
         request = self.check(request)
@@ -296,8 +307,11 @@ class Engine:
         n = ids.shape[1]
         pre = self.backend.prefill(ids, np.ones_like(ids), np.arange(n, dtype=np.int64)[None, :],
                                    kv_budget=request.budget)
+        loaded = time.perf_counter()
         row = len(self._rows)
         self.backend.load_row(row, pre, 0)
+        self._synchronize()
+        seconds = pre.seconds + (time.perf_counter() - loaded)
         self._rows.append(slot)
         self._slots[slot] = _Slot(row=row, position=n)
         kept = sum(int(x.sum()) for x in pre.lengths)
@@ -305,7 +319,7 @@ class Engine:
         return PrefillResult(
             logits=np.array(pre.logits[0], dtype=np.float32), num_prompt_tokens=n, kept_entries=kept,
             kv_bytes_kept=kept * self.entry_bytes,
-            kv_bytes_full=n * spec["num_kv_heads"] * spec["num_layers"] * self.entry_bytes, seconds=pre.seconds,
+            kv_bytes_full=n * spec["num_kv_heads"] * spec["num_layers"] * self.entry_bytes, seconds=seconds,
             kept_lengths=[np.asarray(x[0]) for x in pre.lengths], kept_indices=[np.asarray(x[0]) for x in pre.indices])
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
@@ -375,23 +389,35 @@ class Engine:
     def begin_prefill(self, request: Request, context: bool = False) -> PrefillJob:
         """Start prefilling ``request``'s prompt in chunks (``prefill_step``) into a new prefill buffer of the prompt's
         length; no slot is taken until ``finish_prefill``. The buffer holds the prompt's full K/V (``PrefillJob.nbytes``),
-        and room for a chunk of the context reconstruction of a policy that re-reads the prompt (kvzip).
+        and room for the re-read passes of a policy whose method re-reads the prompt over it.
         ``context``: a context of the context cache (``prefill``)."""
         request = self.check(request)
         policy = self.policy_for(context)
-        spare = 0
-        if reconstructs(policy):
-            if self.reconstruction is None:
-                raise EngineError(f"{self.folder}: {policy.name} re-reads the context, but the engine has no "
-                                  "reconstruction prompt (built before kvzip existed): rebuild it")
-            if policy.kvzip_score == "surrogate" and not getattr(self.backend, "surrogate", False):
-                raise EngineError(f"{self.folder}: {policy.name}:kvzip_score=surrogate scores with the model's KVzip "
-                                  "surrogate, which this engine was not built with: rebuild it with this policy")
-            if policy.kvzip_score == "reread" and policy.kvzip_reread == "context":  # ("chunk": a buffer of its own)
-                spare = self.reconstruction.max_tokens(min(policy.kvzip_chunk, request.num_prompt_tokens))
+        scoring = self.scoring(policy)
+        spare = scoring.spare(request.prompt_token_ids) if scoring is not None else 0
         buffer = self.backend.new_prefill_buffer(request.num_prompt_tokens, spare) if spare else \
             self.backend.new_prefill_buffer(request.num_prompt_tokens)
-        return PrefillJob(request=request, buffer=buffer, context=context, policy=policy)
+        return PrefillJob(request=request, buffer=buffer, context=context, policy=policy, scoring=scoring)
+
+    def scoring(self, policy: KVPolicy) -> PromptScoring | None:
+        """How ``policy`` scores a prompt on this engine (its method's ``prompt_scoring``: None when its layers'
+        selection needs nothing more); EngineError when the engine lacks what it needs."""
+        if policy not in self._scorings:
+            scoring = None
+            if scored_apart(policy):
+                base = policy.method.base
+                try:
+                    scoring = base.prompt_scoring(policy, self.method_data.get(base.data_key) or {}, self.streams)
+                except ValueError as err:
+                    raise EngineError(f"{self.folder}: {err}") from None
+                missing = [name for name in (scoring.streams if scoring else ()) if name not in self.streams]
+                if missing:
+                    reason = (getattr(self.backend, "stream_refusals", None) or {}).get(policy.name)
+                    raise EngineError(f"{self.folder}: " + (reason or f"{policy.name} reads the stream {missing[0]!r}, "
+                                      f"which the {self.backend.name} backend does not compute here: rebuild the "
+                                      "engine with this policy"))
+            self._scorings[policy] = scoring
+        return self._scorings[policy]
 
     def prefill_step(self, job: PrefillJob, max_tokens: int) -> bool:
         """Prefill the next ``max_tokens`` prompt tokens of ``job`` (at most; fewer at the end); True when the
@@ -409,9 +435,10 @@ class Engine:
             part = slice(at, at + self.extend_chunk)
             out = self.backend.extend_buffer(job.buffer, ids[None, part], positions[None, part])
             job.queries = out.window_queries if job.queries is None else self._join_queries(job.queries, out.window_queries)
-            if out.kvzip_scores is not None and uses_surrogate(job.policy or self.policy):  # S_hat of these entries
-                job.surrogate = [[s] for s in out.kvzip_scores] if job.surrogate is None else \
-                    [have + [s] for have, s in zip(job.surrogate, out.kvzip_scores)]
+            for name in job.scoring.streams if job.scoring is not None else ():  # these entries' streams
+                pieces = job.streams.setdefault(name, [[] for _ in range(self.spec["num_layers"])])
+                for layer, piece in zip(pieces, out.streams[name]):
+                    layer.append(piece)
             logits = out.logits
         job.done += ids.size
         job.logits = np.array(logits[0], dtype=np.float32)
@@ -435,8 +462,8 @@ class Engine:
         self._free_slot(slot)
         start = time.perf_counter()
         policy = job.policy or self.policy
-        scores = self._reconstruct(job) if reconstructs(policy) else None
-        reconstruction_s = time.perf_counter() - start
+        scores = self._score(job) if job.scoring is not None else None
+        scoring_s = time.perf_counter() - start
         # a context policy may keep sinks beside the window: its own smallest budget
         budget = max(job.request.budget, policy.min_budget)
         options = {}
@@ -447,6 +474,7 @@ class Engine:
         selected = self.backend.select(job.buffer, job.queries, kv_budget=budget, **options)
         row = len(self._rows)
         self.backend.load_row(row, selected, 0)
+        self._synchronize()
         self._rows.append(slot)
         n = job.request.num_prompt_tokens
         self._slots[slot] = _Slot(row=row, position=n)
@@ -458,63 +486,63 @@ class Engine:
             kv_bytes_full=n * spec["num_kv_heads"] * spec["num_layers"] * self.entry_bytes,
             seconds=job.seconds + time.perf_counter() - start,
             kept_lengths=[np.asarray(x[0]) for x in selected.lengths],
-            kept_indices=[np.asarray(x[0]) for x in selected.indices], reconstruction_s=reconstruction_s)
+            kept_indices=[np.asarray(x[0]) for x in selected.indices], scoring_s=scoring_s)
 
-    def _reconstruct(self, job: PrefillJob) -> list[np.ndarray]:
-        """KVzip's scores of ``job``'s whole prompt, per layer [1, H_kv, n] float32: every chunk of the context
-        reconstruction (``criticalkv.methods.kvzip.reconstruction_chunks``: the repeat prompt, then the chunk's own
-        tokens) runs through the reconstruct graph over the prompt's full K/V at positions n, n + 1, ... (in runs of
-        equal size, at most ``extend_chunk`` tokens; an entry's score is its largest over the runs), then the chunk's
-        entries are dropped from the buffer again. ``kvzip_reread="chunk"``: each chunk runs over a buffer of the context's sinks
-        and the chunk's own entries only (``_chunk_buffer``), the keys its score counts; the positions stay n, n + 1,
-        ... The backend runs the fused reconstruct graph when it has one (``reconstruct_ort.onnx``)."""
-        policy = job.policy or self.policy
+    def _score(self, job: PrefillJob) -> list[np.ndarray]:
+        """The scores [1, H_kv, n] per layer that ``job``'s policy ranks the whole prompt by: its method's scoring
+        (``criticalkv.methods.phases.PromptScoring``) from the streams collected over the prefill's chunks and the
+        re-read passes run here (``_reread``)."""
         ids = job.request.prompt_token_ids
-        n = len(ids)
-        if policy.kvzip_score == "surrogate":  # no re-read: S_hat came with the prefill's extend chunks
-            scores = [np.concatenate(pieces, axis=2) for pieces in job.surrogate]
-            return mask_opening(scores, self.reconstruction, ids, policy.sink_tokens)
+        streams = {name: [np.concatenate(pieces, axis=2) for pieces in job.streams[name]] for name in job.scoring.streams}
+        passes = job.scoring.passes(ids)
+        return job.scoring.finish(ids, streams, self._reread(job, passes) if passes else None)
+
+    def _reread(self, job: PrefillJob, passes: list[RereadPass]) -> list[np.ndarray]:
+        """Every prompt entry's largest score over the re-read ``passes`` (0 where none scores it), per layer
+        [1, H_kv, n] float32. Each pass's tokens run through the re-read graph (``Backend.reread_buffer``) over the
+        prompt's full K/V at positions n, n + 1, ... (in runs of equal size, at most ``extend_chunk`` tokens), or, for a
+        local pass, over a buffer of the prompt's first ``sinks`` entries and [start, end) only (``_local_buffer``: the
+        keys its score counts; the positions stay n, n + 1, ...); the pass's own entries are dropped again."""
+        n = job.request.num_prompt_tokens
         kv_heads = self.spec["num_kv_heads"]
         scores = [np.zeros((1, kv_heads, n), np.float32) for _ in range(self.spec["num_layers"])]
-        local = None  # kvzip_reread="chunk": one buffer for every chunk's re-read
-        if policy.kvzip_reread == "chunk":
-            longest = min(policy.kvzip_chunk, n)
-            local = self.backend.new_prefill_buffer(min(policy.sink_tokens + longest, self.max_input_len),
-                                                    self.reconstruction.max_tokens(longest))
-        for chunk in reconstruction_chunks(ids, policy.kvzip_chunk, policy.sink_tokens, self.reconstruction):
-            tokens = np.asarray(chunk.input_ids, dtype=np.int64)
-            buffer, held, offset = job.buffer, n, chunk.start
-            score_range = np.array([chunk.sinks, chunk.start, chunk.end, n], np.int64)
-            if local is not None:
-                buffer, held = self._chunk_buffer(local, job.buffer, chunk), chunk.sinks + chunk.end - chunk.start
-                offset = chunk.sinks
-                score_range = np.array([chunk.sinks, chunk.sinks, held, held], np.int64)
-            cut = slice(offset, offset + chunk.end - chunk.start)  # the chunk's entries in ``buffer``
+        local = None  # one buffer for every local pass
+        held, longest = job.scoring.local_size(job.request.prompt_token_ids)
+        if held:
+            local = self.backend.new_prefill_buffer(min(held, self.max_input_len), longest)
+        for one in passes:
+            tokens = np.asarray(one.tokens, dtype=np.int64)
+            buffer, kept, offset = job.buffer, n, one.start
+            score_range = np.array([one.sinks, one.start, one.end, n], np.int64)
+            if one.local:
+                buffer, kept, offset = self._local_buffer(local, job.buffer, one), one.held, one.sinks
+                score_range = np.array([one.sinks, one.sinks, kept, kept], np.int64)
+            cut = slice(offset, offset + one.end - one.start)  # the scored entries in ``buffer``
             # runs of equal size, at most extend_chunk tokens (measured on the fused graph, 1 thread: per token, runs
             # of 183 to 274 cost the same; 539 over a chunk re-read 4 % more, ~1,000 over the whole context 40 % more)
             size = -(-tokens.size // -(-tokens.size // self.extend_chunk))
             for at in range(0, tokens.size, size):
                 part = tokens[at:at + size]
                 positions = n + at + np.arange(part.size, dtype=np.int64)
-                out = self.backend.reconstruct_buffer(buffer, part[None, :], positions[None, :], score_range)
+                out = self.backend.reread_buffer(buffer, part[None, :], positions[None, :], score_range)
                 for layer, got in zip(scores, out.scores):
-                    np.maximum(layer[:, :, chunk.start:chunk.end], got[:, :, cut], out=layer[:, :, chunk.start:chunk.end])
-            for lengths in buffer.lengths:  # the chunk's entries go: the buffer holds the context again
-                lengths[...] = held
+                    got = np.asarray(got)
+                    np.maximum(layer[:, :, one.start:one.end], got[:, :, cut], out=layer[:, :, one.start:one.end])
+            for lengths in buffer.lengths:  # the pass's entries go: the buffer holds the prompt again
+                lengths[...] = kept
         return scores
 
     @staticmethod
-    def _chunk_buffer(buffer, full, chunk):
-        """``buffer`` (room for the sinks, the longest chunk and its re-read) made to hold the context's first
-        ``chunk.sinks`` entries and the chunk's [start, end) copied from ``full`` (every layer; the keys keep their
-        positions' RoPE). It lives for the reconstruction only, beside the prompt's buffer (``PrefillJob.nbytes`` does
-        not count it: at most sink_tokens + kvzip_chunk + the repeat prompt entries, where the whole-context re-read
-        adds the whole re-read to the prompt's buffer)."""
-        held = chunk.sinks + chunk.end - chunk.start
+    def _local_buffer(buffer, full, one: RereadPass):
+        """``buffer`` (room for the largest local pass) made to hold the prompt's first ``one.sinks`` entries and its
+        [start, end) copied from ``full`` (every layer; the keys keep their positions' RoPE). It lives for the re-read
+        only, beside the prompt's buffer (``PrefillJob.nbytes`` does not count it: at most the sinks, the scored
+        entries and the pass's tokens, where a pass over the whole prompt adds its tokens to the prompt's buffer)."""
+        held = one.held
         for dst, src in ((buffer.keys, full.keys), (buffer.values, full.values)):
             for d, f in zip(dst, src):
-                d[:, :, :chunk.sinks] = f[:, :, :chunk.sinks]
-                d[:, :, chunk.sinks:held] = f[:, :, chunk.start:chunk.end]
+                d[:, :, :one.sinks] = f[:, :, :one.sinks]
+                d[:, :, one.sinks:held] = f[:, :, one.start:one.end]
         for lengths in buffer.lengths:
             lengths[...] = held
         return buffer
@@ -602,12 +630,13 @@ class Engine:
         if questions is not None:
             return self._generate_questions(prompts, questions, sampling, stop_token_ids, on_tokens, kv_budget)
         ids, mask, requests = self._batch(prompts, attention_mask, sampling, kv_budget)
-        if reconstructs(self.policy):  # each prompt re-read alone (kvzip): prefilled into its own slot
+        if scored_apart(self.policy):  # each prompt scored alone by its method's phases: prefilled into its own slot
             return self._generate_slots(requests, sampling, stop_token_ids, on_tokens)
         budget = requests[0].budget
         lengths = mask.sum(1)
         sampler = Sampler(sampling)
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
+        start = time.perf_counter()
         pre = self.backend.prefill(ids, mask, positions, kv_budget=budget)
         selection_s = pre.selection_s
         end_profiling = getattr(self.backend, "end_profiling", None)
@@ -618,16 +647,22 @@ class Engine:
                 os.remove(trace)
         first = sampler(pre.logits)
         self.backend.begin_decode(pre)
+        self._synchronize()
+        prefill_s = time.perf_counter() - start  # the kept entries in the decode rows: the first step can run
+        greedy = getattr(self.backend, "decode_greedy", None)
+        if sampling.temperature == 0 and greedy is not None:  # the argmax on the device: B ids to the host
+            step, choose = (lambda tokens, t: greedy(tokens, lengths + t)), _ids
+        else:
+            step, choose = (lambda tokens, t: self.backend.decode(tokens, lengths + t)), sampler
         generated, steps, decode_s = decode_loop(
-            lambda tokens, t: self.backend.decode(tokens, lengths + t), first, max_new_tokens,
-            self.eos_token_ids if stop_token_ids is None else stop_token_ids, sampler, on_tokens,
-        )
+            step, first, max_new_tokens, self.eos_token_ids if stop_token_ids is None else stop_token_ids, choose,
+            on_tokens)
         full = self.entry_bytes * self.spec["num_kv_heads"] * int(lengths.sum()) * self.spec["num_layers"]
         kept = self.entry_bytes * sum(int(x.sum()) for x in pre.lengths)
         return GenerationResult(
             tokens=generated.tokens,
             prompt_lengths=lengths.tolist(),
-            prefill_s=pre.seconds,
+            prefill_s=prefill_s,
             selection_s=selection_s,
             decode_s_per_token=decode_s / steps if steps else 0.0,
             kv_bytes_full=full,
@@ -659,9 +694,10 @@ class Engine:
                 prefill_s += time.perf_counter() - start
                 full, kept = full + result.kv_bytes_full, kept + result.kv_bytes_kept
             first = sampler(np.stack(first_logits))
+            step, choose = self._slot_step(slots, sampler)
             generated, steps, decode_s = decode_loop(
-                lambda tokens, t: self.decode(slots, tokens), first, sampling.max_tokens,
-                self.eos_token_ids if stop_token_ids is None else stop_token_ids, sampler, on_tokens)
+                step, first, sampling.max_tokens, self.eos_token_ids if stop_token_ids is None else stop_token_ids,
+                choose, on_tokens)
         finally:
             self.release_all()
         return GenerationResult(
@@ -669,8 +705,8 @@ class Engine:
             decode_s_per_token=decode_s / steps if steps else 0.0, kv_bytes_full=full, kv_bytes_kept=kept)
 
     def _generate_slots(self, requests: list[Request], sampling, stop_token_ids, on_tokens) -> GenerationResult:
-        """``generate`` for a policy that re-reads each prompt (kvzip): every prompt is prefilled alone into a slot
-        (its reconstruction and selection), then the slots decode together."""
+        """``generate`` for a policy whose method scores each prompt apart: every prompt is prefilled alone into a
+        slot (its scoring and selection), then the slots decode together."""
         sampler = Sampler(sampling)
         slots = list(range(len(requests)))
         results = []
@@ -678,9 +714,10 @@ class Engine:
             for slot, request in zip(slots, requests):
                 results.append(self.prefill(slot, request))
             first = sampler(np.stack([r.logits for r in results]))
+            step, choose = self._slot_step(slots, sampler)
             generated, steps, decode_s = decode_loop(
-                lambda tokens, t: self.decode(slots, tokens), first, sampling.max_tokens,
-                self.eos_token_ids if stop_token_ids is None else stop_token_ids, sampler, on_tokens)
+                step, first, sampling.max_tokens, self.eos_token_ids if stop_token_ids is None else stop_token_ids,
+                choose, on_tokens)
         finally:
             self.release_all()
         kept_lengths, kept_indices = [], []
@@ -695,6 +732,19 @@ class Engine:
             decode_s_per_token=decode_s / steps if steps else 0.0,
             kv_bytes_full=sum(r.kv_bytes_full for r in results), kv_bytes_kept=sum(r.kv_bytes_kept for r in results),
             kept_lengths=kept_lengths, kept_indices=kept_indices)
+
+    def _slot_step(self, slots: list[int], sampler: Sampler):
+        """(step, choose) of a decode loop over ``slots``: a greedy loop takes each row's argmax where the backend
+        computes it (``decode_greedy``: no B x vocab logits to the host), any other samples the logits."""
+        if sampler.config.temperature == 0 and hasattr(self.backend, "decode_greedy"):
+            return (lambda tokens, t: self.decode_greedy(slots, tokens)), _ids
+        return (lambda tokens, t: self.decode(slots, tokens)), sampler
+
+    def _synchronize(self) -> None:
+        """Wait for the backend's queued device work (a GPU backend's copies run asynchronously): a timing's end."""
+        synchronize = getattr(self.backend, "synchronize", None)
+        if synchronize is not None:
+            synchronize()
 
     def close(self) -> None:
         self.backend.close()

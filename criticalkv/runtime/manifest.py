@@ -7,20 +7,52 @@ complete); read and checked by ``criticalkv.runtime.Engine.load``.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
 from criticalkv.errors import EngineError
 from criticalkv.files import sha256_file
-from criticalkv.policy import SCHEMA_VERSION, KVPolicy
+from criticalkv.policy import SCHEMA_VERSION, KVPolicy, policy_spec
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "criticalkv-engine"
 #: Bumped whenever graph I/O, file layout or manifest fields change incompatibly. 2: extend.onnx and select.onnx
-#: (+ TensorRT flavours) and ``build.extend_chunk``, which chunked prefill and the context cache need.
-FORMAT_VERSION = 2
+#: (+ TensorRT flavours) and ``build.extend_chunk``, which chunked prefill and the context cache need. 3: a method's
+#: phases (``criticalkv.methods.phases``) by generic names: the re-read graphs ``reread.onnx`` / ``reread_ort.onnx``,
+#: the streams ``present.{l}.stream.{name}`` of the extend graphs, the manifest's ``method_data`` and ``streams``
+#: (each was named after the one method that used it); every graph name from ``criticalkv.graphs``.
+FORMAT_VERSION = 3
 #: The section of a torch engine directory's manifest (the checkpoint it runs), which has no ``onnx`` section.
 TORCH_KEY = "torch"
+
+
+def rebuild_command(manifest: dict[str, Any], folder: str | Path) -> str:
+    """The command that builds ``folder``'s engine again with this criticalkv, from what its manifest recorded of its
+    build (``request``: the model, the policy, the limits, the context policy, the backend), the bare command when it
+    recorded nothing usable."""
+    request = manifest.get("request") if isinstance(manifest, dict) else None
+    words = ["python", "scripts/build_engine.py"]
+    try:
+        policy = KVPolicy.from_dict(request["policy"])
+        build = request["build"]
+        path = (request.get("model") or {}).get("path")
+        if path:
+            words += ["--model", str(path)]
+        words += ["--kv-policy", policy_spec(policy), "--budget", str(policy.budget)]
+        if policy.window != KVPolicy().window:
+            words += ["--window", str(policy.window)]
+        for key in ("max_input_len", "max_new_tokens", "max_batch_size", "max_question_len", "dtype", "kv_dtype",
+                    "weights"):
+            if key in build:
+                words += ["--" + key.replace("_", "-"), str(build[key])]
+        if request.get("context_policy"):
+            words += ["--context-policy", policy_spec(KVPolicy.from_dict(request["context_policy"]))]
+        if request.get("backend"):
+            words += ["--backend", "torch" if request["backend"] == "torch" else "onnx"]
+    except (KeyError, TypeError, ValueError):
+        return " ".join(words + ["--output", shlex.quote(str(folder)), "--force"])
+    return shlex.join(words + ["--output", str(folder), "--force"])
 
 
 def default_backend(manifest: dict[str, Any]) -> str:
@@ -72,7 +104,7 @@ def read_manifest(folder: str | Path, verify: bool = True) -> dict[str, Any]:
         built_by = manifest.get("versions", {}).get("criticalkv", "an unknown version")
         raise EngineError(
             f"{path}: engine format_version {version!r} (built by criticalkv {built_by}) is not supported; this "
-            f"criticalkv reads format_version {FORMAT_VERSION}. Rebuild the engine with scripts/build_engine.py"
+            f"criticalkv reads format_version {FORMAT_VERSION}. Rebuild it: {rebuild_command(manifest, folder)}"
         )
     # an engine for the torch backend (build_engine --backend torch) names its checkpoint instead of ONNX graphs
     graphs = "torch" if TORCH_KEY in manifest else "onnx"

@@ -62,6 +62,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from criticalkv import graphs
 from criticalkv.runtime.backend import (
     BuiltShapes,
     ExtendOutputs,
@@ -156,7 +157,7 @@ class OnnxRuntimeBackend(BuiltShapes):
         self._weight_values = {}
         if self.shared_weights:  # one memory-mapped copy of the weights for the sessions that share it
             arrays = {}
-            for graph in ("decode", "prefill", "extend", "select", "select_context", "reconstruct"):
+            for graph in ("decode", "prefill", "extend", "select", "select_context", "reread"):
                 if graph in files:
                     arrays.update(_external_weights(self.folder / files[graph]))
             self._weight_values = {name: ort.OrtValue.ortvalue_from_numpy(np.asarray(a)) for name, a in arrays.items()}
@@ -178,21 +179,22 @@ class OnnxRuntimeBackend(BuiltShapes):
                                      if fused_prompt and self.extend_session is not None else None)
         self.select_session = self.session(self.folder / files["select"], threads) if "select" in files else None
         self.has_extend = self.extend_session is not None and self.select_session is not None
-        # the context policy's select graph and KVzip's reconstruct graph (engines whose policies need them)
+        # the context policy's select graph (an engine with a context policy of its own)
         self.select_context_session = (self.session(self.folder / files["select_context"], threads)
                                        if "select_context" in files else None)
-        # KVzip's reconstruct graphs (portable; fused: GroupQueryAttention's probabilities), their sessions created at
-        # the first context re-read (``reconstruct_session``, ``reconstruct_fused_session``): 0.9 s of an 8.3 s load of
-        # the bundled model's engine, which most engines never spend (a context policy only re-reads contexts)
-        self._lazy = {"reconstruct": (files.get("reconstruct"), threads, None),
-                      "reconstruct_ort": (files.get("reconstruct_ort") if fused_prompt else None, threads, prompt_prepack)}
+        # the re-read graphs of a policy whose method re-reads prompts (portable; fused: GroupQueryAttention's
+        # probabilities), their sessions created at the first re-read (``reread_session``, ``reread_fused_session``):
+        # 0.9 s of an 8.3 s load of the bundled model's engine, which most engines never spend (a context policy only
+        # re-reads contexts)
+        self._lazy = {"reread": (files.get("reread"), threads, None),
+                      "reread_ort": (files.get("reread_ort") if fused_prompt else None, threads, prompt_prepack)}
         self._lazy_sessions: dict[str, Any] = {}
-        #: the fused reconstruct graph's RoPE caches end here (a reconstruction beyond runs the reconstruct graph)
-        self.reconstruct_max_positions = int((manifest["onnx"].get("fused_prompt") or {}).get("reconstruct_max_positions", 0))
-        #: the extend graphs return S_hat of the new entries (an engine built with a KVzip surrogate)
-        self.surrogate = "kvzip_surrogate" in manifest
+        #: the fused re-read graph's RoPE caches end here (a pass beyond runs the portable re-read graph)
+        self.reread_max_positions = int((manifest["onnx"].get("fused_prompt") or {}).get("reread_max_positions", 0))
+        #: the streams the extend graphs return for the new entries (``criticalkv.methods.phases.Stream``)
+        self.streams = frozenset(manifest.get("streams") or {})
         self._allocate()
-        budget_inputs = [i for i in self.prefill_session.get_inputs() if i.name == "kv_budget"]
+        budget_inputs = [i for i in self.prefill_session.get_inputs() if i.name == graphs.KV_BUDGET]
         self._budget_input = budget_inputs[0] if budget_inputs else None
         self.accepts_kv_budget = self._budget_input is not None
         self._bindings: dict[int, Any] = {}  # batch B -> IO binding of the first B rows
@@ -238,14 +240,14 @@ class OnnxRuntimeBackend(BuiltShapes):
         return self._lazy_sessions[graph]
 
     @property
-    def reconstruct_session(self):
-        """reconstruct.onnx's session (the extend graph with KVzip's scores), or None: the engine re-reads no context."""
-        return self._lazy_session("reconstruct")
+    def reread_session(self):
+        """reread.onnx's session (the extend graph that scores the past entries), or None: the engine re-reads nothing."""
+        return self._lazy_session("reread")
 
     @property
-    def reconstruct_fused_session(self):
-        """reconstruct_ort.onnx's session (KVzip's re-read on the fused extend graph), or None: ``reconstruct_session``."""
-        return self._lazy_session("reconstruct_ort")
+    def reread_fused_session(self):
+        """reread_ort.onnx's session (the re-read on the fused extend graph), or None: ``reread_session``."""
+        return self._lazy_session("reread_ort")
 
     def session(self, path: Path, threads: int, profile: bool = False, prepack: bool | None = None):
         """An InferenceSession of one graph of the engine (shared weights bound, profiling if asked).
@@ -337,21 +339,21 @@ class OnnxRuntimeBackend(BuiltShapes):
 
     def _prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                  kv_budget: int | None = None) -> PrefillOutputs:
-        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        feeds = {graphs.INPUT_IDS: input_ids, graphs.ATTENTION_MASK: attention_mask, graphs.POSITION_IDS: position_ids}
         if self._budget_input is not None:
             budget = self.built_budget if kv_budget is None else kv_budget
-            feeds["kv_budget"] = budget_feed(budget, self._budget_input.type, len(self._budget_input.shape))
+            feeds[graphs.KV_BUDGET] = budget_feed(budget, self._budget_input.type, len(self._budget_input.shape))
         start = time.perf_counter()
         outputs = self.prefill_session.run(None, feeds)
         seconds = time.perf_counter() - start
         named = dict(zip((o.name for o in self.prefill_session.get_outputs()), outputs))
         layers = range(self.num_layers)
         return PrefillOutputs(
-            logits=named["logits"],
-            keys=[named[f"present.{i}.key"] for i in layers],
-            values=[named[f"present.{i}.value"] for i in layers],
-            lengths=[named[f"present.{i}.lengths"] for i in layers],
-            indices=[named[f"present.{i}.indices"] for i in layers],
+            logits=named[graphs.LOGITS],
+            keys=[named[graphs.present_key(i)] for i in layers],
+            values=[named[graphs.present_value(i)] for i in layers],
+            lengths=[named[graphs.present_lengths(i)] for i in layers],
+            indices=[named[graphs.present_indices(i)] for i in layers],
             seconds=seconds,
         )
 
@@ -426,19 +428,19 @@ class OnnxRuntimeBackend(BuiltShapes):
                               "(rebuild with a larger --max-batch-size)")
         if batch not in self._bindings:
             self._binding = self.decode_session.io_binding()
-            self._bind("input_ids", self.token_ids[:batch])
-            self._bind("position_ids", self.position_ids[:batch])
+            self._bind(graphs.INPUT_IDS, self.token_ids[:batch])
+            self._bind(graphs.POSITION_IDS, self.position_ids[:batch])
             for i in range(self.num_layers):
-                self._bind(f"past_key_values.{i}.key", self.keys[i][:batch])
-                self._bind(f"past_key_values.{i}.value", self.values[i][:batch])
-                self._bind(f"past_key_values.{i}.lengths", self.lengths[i][:batch])
+                self._bind(graphs.past_key(i), self.keys[i][:batch])
+                self._bind(graphs.past_value(i), self.values[i][:batch])
+                self._bind(graphs.past_lengths(i), self.lengths[i][:batch])
                 if self.in_place:  # present = past, the same memory: GroupQueryAttention writes the new entry in place
-                    self._bind(f"present.{i}.key", self.keys[i][:batch], output=True)
-                    self._bind(f"present.{i}.value", self.values[i][:batch], output=True)
+                    self._bind(graphs.present_key(i), self.keys[i][:batch], output=True)
+                    self._bind(graphs.present_value(i), self.values[i][:batch], output=True)
                 else:
-                    self._bind(f"present.{i}.key", self.new_keys[i][:batch], output=True)
-                    self._bind(f"present.{i}.value", self.new_values[i][:batch], output=True)
-            self._bind("logits", self.logits[:batch], output=True)
+                    self._bind(graphs.present_key(i), self.new_keys[i][:batch], output=True)
+                    self._bind(graphs.present_value(i), self.new_values[i][:batch], output=True)
+            self._bind(graphs.LOGITS, self.logits[:batch], output=True)
             self._bindings[batch] = (self._binding, *np.indices((batch, self.kv_heads)))
         self._binding, self._rows, self._heads = self._bindings[batch]
         self._batch = batch
@@ -503,14 +505,14 @@ class OnnxRuntimeBackend(BuiltShapes):
                token_ids: np.ndarray, positions: np.ndarray, score_range: np.ndarray | None = None) -> ExtendOutputs:
         """N tokens per sequence over the buffers ``keys``/``values`` [B, H_kv, cap_l, d_h] and ``lengths``
         [B, H_kv] (views, updated in place: the new entries land at each head's length, which grows by N).
-        token_ids, positions: [B, N] int64 (absolute positions). ``score_range`` [4] int64: run the reconstruct graph
-        instead (KVzip's scores of the past entries in ``ExtendOutputs.scores``)."""
+        token_ids, positions: [B, N] int64 (absolute positions). ``score_range`` [4] int64: run the re-read graph
+        instead (the past entries' scores in ``ExtendOutputs.scores``; ``Backend.reread_buffer``)."""
         session = self.extend_session
         if score_range is not None:
-            session = self.reconstruct_session
+            session = self.reread_session
             if session is None:
-                raise EngineError(f"{self.folder}: this engine has no reconstruct graph (its policies do not re-read "
-                                  "contexts); rebuild it with a kvzip policy or context policy")
+                raise EngineError(f"{self.folder}: this engine has no re-read graph (none of its policies re-reads "
+                                  "prompts); rebuild it with the policy that needs it")
         if session is None:
             raise EngineError(f"{self.folder}: this engine has no extend graph; rebuild it with scripts/build_engine.py")
         token_ids = np.ascontiguousarray(token_ids, dtype=np.int64)
@@ -521,44 +523,45 @@ class OnnxRuntimeBackend(BuiltShapes):
                 raise EngineError(f"layer {i}: {n_new} more entries do not fit the KV buffer "
                                   f"({keys[i].shape[2]} entries per head, {int(lengths[i].max())} used)")
         if self._fused_extend_fits(keys, values, lengths, score_range is not None) and (
-                score_range is None or int(positions.max()) < self.reconstruct_max_positions):
+                score_range is None or int(positions.max()) < self.reread_max_positions):
             return self._extend_fused(keys, values, lengths, token_ids, positions, score_range)
-        inputs = {"input_ids": token_ids, "position_ids": positions}
-        names = ["logits"]
+        inputs = {graphs.INPUT_IDS: token_ids, graphs.POSITION_IDS: positions}
+        names = [graphs.LOGITS]
         if score_range is not None:
-            inputs["score_range"] = np.ascontiguousarray(score_range, dtype=np.int64)
+            inputs[graphs.SCORE_RANGE] = np.ascontiguousarray(score_range, dtype=np.int64)
         for i in range(self.num_layers):
-            inputs[f"past_key_values.{i}.key"] = keys[i]
-            inputs[f"past_key_values.{i}.value"] = values[i]
-            inputs[f"past_key_values.{i}.lengths"] = lengths[i]
-            names += [f"present.{i}.key", f"present.{i}.value", f"present.{i}.window_queries"]
+            inputs[graphs.past_key(i)] = keys[i]
+            inputs[graphs.past_value(i)] = values[i]
+            inputs[graphs.past_lengths(i)] = lengths[i]
+            names += [graphs.present_key(i), graphs.present_value(i), graphs.present_window_queries(i)]
             if score_range is not None:
-                names.append(f"present.{i}.scores")
-            elif self.surrogate:
-                names.append(f"present.{i}.kvzip_score")
+                names.append(graphs.present_scores(i))
+            else:
+                names += [graphs.present_stream(i, name) for name in sorted(self.streams)]
         out = self._run_bound(session, inputs, names)
         batch, heads = lengths[0].shape
         for i in range(self.num_layers):
-            new_k, new_v = out[f"present.{i}.key"], out[f"present.{i}.value"]
+            new_k, new_v = out[graphs.present_key(i)], out[graphs.present_value(i)]
             for b in range(batch):
                 for g in range(heads):
                     at = int(lengths[i][b, g])
                     keys[i][b, g, at:at + n_new] = new_k[b, g]
                     values[i][b, g, at:at + n_new] = new_v[b, g]
             lengths[i] += n_new
-        return ExtendOutputs(logits=out["logits"], window_queries=[out[f"present.{i}.window_queries"]
+        return ExtendOutputs(logits=out[graphs.LOGITS], window_queries=[out[graphs.present_window_queries(i)]
                                                                    for i in range(self.num_layers)],
-                             scores=None if score_range is None else [out[f"present.{i}.scores"]
+                             scores=None if score_range is None else [out[graphs.present_scores(i)]
                                                                       for i in range(self.num_layers)],
-                             kvzip_scores=[out[f"present.{i}.kvzip_score"] for i in range(self.num_layers)]
-                             if self.surrogate and score_range is None else None)
+                             streams={} if score_range is not None else
+                             {name: [out[graphs.present_stream(i, name)] for i in range(self.num_layers)]
+                              for name in self.streams})
 
     def _fused_extend_fits(self, keys: list[np.ndarray], values: list[np.ndarray], lengths: list[np.ndarray],
                            score: bool = False) -> bool:
-        """Whether extend_ort.onnx (``score``: reconstruct_ort.onnx) can run this extend: the engine runs the fused
+        """Whether extend_ort.onnx (``score``: reread_ort.onnx) can run this extend: the engine runs the fused
         prompt graphs, one sequence, every head of a layer holding the same length, float32 C-contiguous buffers
         (written in place)."""
-        session = self.reconstruct_fused_session if score else self.extend_fused_session
+        session = self.reread_fused_session if score else self.extend_fused_session
         if session is None or lengths[0].shape[0] != 1:
             return False
         return all(int(n.min()) == int(n.max()) and k.dtype == np.float32 and v.dtype == np.float32
@@ -568,37 +571,37 @@ class OnnxRuntimeBackend(BuiltShapes):
                       token_ids: np.ndarray, positions: np.ndarray, score_range: np.ndarray | None = None) -> ExtendOutputs:
         """``extend`` through extend_ort.onnx: its GroupQueryAttention writes the new entries into ``keys`` / ``values``
         at each layer's length itself (the present outputs are bound to the same memory); the lengths then grow by N.
-        ``score_range``: through reconstruct_ort.onnx, with KVzip's scores of the chunk's entries (0 elsewhere)."""
-        session = self.extend_fused_session if score_range is None else self.reconstruct_fused_session
+        ``score_range``: through reread_ort.onnx, with the scores of the entries it counts (0 elsewhere)."""
+        session = self.extend_fused_session if score_range is None else self.reread_fused_session
         binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", token_ids)
-        binding.bind_cpu_input("position_ids", positions)
-        scores, surrogate = [], []
+        binding.bind_cpu_input(graphs.INPUT_IDS, token_ids)
+        binding.bind_cpu_input(graphs.POSITION_IDS, positions)
+        scores, streams = [], {}
         if score_range is not None:
-            binding.bind_cpu_input("score_range", np.ascontiguousarray(score_range, dtype=np.int64))
+            binding.bind_cpu_input(graphs.SCORE_RANGE, np.ascontiguousarray(score_range, dtype=np.int64))
             scores = [np.zeros((1, self.kv_heads, int(n[0, 0])), np.float32) for n in lengths]
-        elif self.surrogate:
-            surrogate = [np.zeros((1, self.kv_heads, token_ids.shape[1]), np.float32) for _ in lengths]
+        else:
+            streams = {name: [np.zeros((1, self.kv_heads, token_ids.shape[1]), np.float32) for _ in lengths]
+                       for name in sorted(self.streams)}
         logits = np.zeros((1, self.vocab), np.float32)
         queries = [np.zeros((1, self.num_heads, min(token_ids.shape[1], self.window), self.head_dim), np.float32)
                    for _ in range(self.num_layers)]
-        outputs = [("logits", logits)]
+        outputs = [(graphs.LOGITS, logits)]
         for i in range(self.num_layers):
-            binding.bind_cpu_input(f"past_key_values.{i}.key", keys[i])
-            binding.bind_cpu_input(f"past_key_values.{i}.value", values[i])
-            binding.bind_cpu_input(f"past_key_values.{i}.lengths", lengths[i])
-            outputs += [(f"present.{i}.key", keys[i]), (f"present.{i}.value", values[i]),
-                        (f"present.{i}.window_queries", queries[i])]
+            binding.bind_cpu_input(graphs.past_key(i), keys[i])
+            binding.bind_cpu_input(graphs.past_value(i), values[i])
+            binding.bind_cpu_input(graphs.past_lengths(i), lengths[i])
+            outputs += [(graphs.present_key(i), keys[i]), (graphs.present_value(i), values[i]),
+                        (graphs.present_window_queries(i), queries[i])]
             if scores:
-                outputs.append((f"present.{i}.scores", scores[i]))
-            if surrogate:
-                outputs.append((f"present.{i}.kvzip_score", surrogate[i]))
+                outputs.append((graphs.present_scores(i), scores[i]))
+            outputs += [(graphs.present_stream(i, name), layers[i]) for name, layers in streams.items()]
         for name, array in outputs:  # every output into memory of ours: the present ones are the buffers themselves
             binding.bind_output(name, "cpu", 0, np.float32, list(array.shape), array.ctypes.data)
         session.run_with_iobinding(binding)
         for n in lengths:
             n += token_ids.shape[1]
-        return ExtendOutputs(logits=logits, window_queries=queries, scores=scores or None, kvzip_scores=surrogate or None)
+        return ExtendOutputs(logits=logits, window_queries=queries, scores=scores or None, streams=streams)
 
     def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         """``extend`` over decode buffer row ``row`` (token_ids, positions: [1, N]). float16 buffers: the extend graph
@@ -620,8 +623,8 @@ class OnnxRuntimeBackend(BuiltShapes):
 
     def new_prefill_buffer(self, num_tokens: int | None = None, spare: int = 0) -> PrefillBuffer:
         """Buffers for one prompt of ``num_tokens`` tokens prefilled in chunks: every layer's K/V for that many
-        entries per head (default max_input_len, the longest prompt), + ``spare`` (the tokens a context
-        reconstruction appends for a while: ``reconstruct_buffer``)."""
+        entries per head (default max_input_len, the longest prompt), + ``spare`` (the tokens a re-read pass appends
+        for a while: ``reread_buffer``)."""
         shape = (1, self.kv_heads, prefill_buffer_capacity(num_tokens, self.max_input_len) + spare, self.head_dim)
         return PrefillBuffer(keys=[np.zeros(shape, np.float32) for _ in range(self.num_layers)],
                              values=[np.zeros(shape, np.float32) for _ in range(self.num_layers)],
@@ -630,46 +633,44 @@ class OnnxRuntimeBackend(BuiltShapes):
     def extend_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         return self.extend(buffer.keys, buffer.values, buffer.lengths, token_ids, positions)
 
-    def reconstruct_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray,
-                           score_range: np.ndarray) -> ExtendOutputs:
-        """``extend_buffer`` through the reconstruct graph: the new tokens (a chunk of KVzip's context reconstruction)
-        join the buffer and ``ExtendOutputs.scores`` holds per layer [1, H_kv, P] every past entry's KVzip score over
-        them (``score_range`` = (sinks, start, end, n), ``criticalkv.export.llama.DecoderGraphBuilder.extend``). The
-        caller cuts the buffer back to the context afterwards (``buffer.lengths``)."""
+    def reread_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray,
+                      score_range: np.ndarray) -> ExtendOutputs:
+        """``extend_buffer`` through the re-read graph (``Backend.reread_buffer``; the graph:
+        ``criticalkv.export.llama.DecoderGraphBuilder.extend(score=True)``)."""
         return self.extend(buffer.keys, buffer.values, buffer.lengths, token_ids, positions, score_range)
 
     def select(self, buffer: PrefillBuffer, window_queries: list[np.ndarray], kv_budget: int | None = None,
                scores: list[np.ndarray] | None = None, context: bool = False) -> PrefillOutputs:
         """The selection over a prompt prefilled into ``buffer`` (its last ``window`` queries per layer
         [1, H, w, d_h]): the same outputs as ``prefill``'s, for ``load_row``. ``scores``: per layer [1, H_kv, n], the
-        external scores of a policy that reads them (kvzip's reconstruction; None: none given). ``context``: with the
-        engine's context policy (``select_context.onnx``) instead of its own."""
+        scores of a policy whose method scores prompts apart (None: none given). ``context``: with the engine's
+        context policy (``select_context.onnx``) instead of its own."""
         session = self.select_context_session if context else self.select_session
         if session is None:
             raise EngineError(f"{self.folder}: this engine has no {'context ' if context else ''}select graph; rebuild "
                               "it with scripts/build_engine.py")
         budget = self.built_budget if kv_budget is None else kv_budget
-        inputs = {"kv_budget": np.array([budget], np.int64)}
+        inputs = {graphs.KV_BUDGET: np.array([budget], np.int64)}
         names = []
         wanted = {i.name for i in session.get_inputs()}
         for i in range(self.num_layers):
-            inputs[f"window_queries.{i}"] = np.ascontiguousarray(window_queries[i], dtype=np.float32)
-            inputs[f"past_key_values.{i}.key"] = buffer.keys[i]
-            inputs[f"past_key_values.{i}.value"] = buffer.values[i]
-            inputs[f"past_key_values.{i}.lengths"] = buffer.lengths[i]
-            if f"scores.{i}" in wanted:  # kvzip's: the reconstruction's scores, or none ([1, H_kv, 0]: its fallback)
+            inputs[graphs.window_queries(i)] = np.ascontiguousarray(window_queries[i], dtype=np.float32)
+            inputs[graphs.past_key(i)] = buffer.keys[i]
+            inputs[graphs.past_value(i)] = buffer.values[i]
+            inputs[graphs.past_lengths(i)] = buffer.lengths[i]
+            if graphs.scores(i) in wanted:  # the phases' scores, or none ([1, H_kv, 0]: the method's own fallback)
                 layer = np.zeros((1, self.kv_heads, 0), np.float32) if scores is None else scores[i]
-                inputs[f"scores.{i}"] = np.ascontiguousarray(layer, dtype=np.float32)
-            names += [f"present.{i}.{kind}" for kind in ("key", "value", "lengths", "indices")]
+                inputs[graphs.scores(i)] = np.ascontiguousarray(layer, dtype=np.float32)
+            names += [name(i) for name in graphs.SELECTED]
         start = time.perf_counter()
         out = self._run_bound(session, inputs, names)
         layers = range(self.num_layers)
         return PrefillOutputs(
             logits=None,
-            keys=[out[f"present.{i}.key"] for i in layers],
-            values=[out[f"present.{i}.value"] for i in layers],
-            lengths=[out[f"present.{i}.lengths"] for i in layers],
-            indices=[out[f"present.{i}.indices"] for i in layers],
+            keys=[out[graphs.present_key(i)] for i in layers],
+            values=[out[graphs.present_value(i)] for i in layers],
+            lengths=[out[graphs.present_lengths(i)] for i in layers],
+            indices=[out[graphs.present_indices(i)] for i in layers],
             seconds=time.perf_counter() - start,
         )
 

@@ -4,10 +4,11 @@ A backend module imports ``criticalkv.runtime.backend`` (the interface it implem
 from it, so that the interface does not name its implementations (``tensorrt_backend`` imports torch and TensorRT,
 which a CPU machine may not have).
 
-A backend that needs units above the runtime's floor (the torch backend runs the model's own transformers layers and
-the ``criticalkv::select_layer`` op, both on PyTorch's floors) registers through the package metadata instead: an entry
-point of the group ``criticalkv.backends`` (pyproject.toml), ``name = "module:class"``. The runtime never names it, so
-the staircase holds, and a third-party backend can plug in the same way.
+Every built-in backend is registered here, in code: a copy of the repository on PYTHONPATH (no install, no package
+metadata: what reaches an offline GPU machine) runs every one of them. The torch and TensorRT backends import torch;
+the registry names them by string, so a process that serves an ONNX Runtime engine never imports it
+(tests/test_layers.py: the ONNX Runtime side never reaches torch). A third-party backend plugs in through the package
+metadata: an entry point of the group ``criticalkv.backends``, ``name = "module:class"`` (a built-in name wins).
 """
 
 from __future__ import annotations
@@ -18,23 +19,29 @@ from typing import Any
 
 from criticalkv.runtime.backend import Backend
 
-#: Backend name -> "module:class", imported only when asked for (a TensorRT backend registers here).
+#: Backend name -> "module:class", imported only when asked for.
 BACKENDS: dict[str, str] = {
     "onnxruntime": "criticalkv.runtime.onnxruntime_backend:OnnxRuntimeBackend",
     "tensorrt": "criticalkv.runtime.tensorrt_backend:TensorRTBackend",
+    "torch": "criticalkv.runtime.torch_backend:TorchBackend",
 }
 
 
-#: The entry-point group of backends registered by package metadata.
+#: The entry-point group of third-party backends registered by package metadata.
 ENTRY_POINT_GROUP = "criticalkv.backends"
 
 
 def backend_names() -> dict[str, str]:
-    """Every backend: name -> "module:class" (the built-in ones, then the entry points of ENTRY_POINT_GROUP)."""
+    """Every backend: name -> "module:class" (the built-in ones, then the entry points of ENTRY_POINT_GROUP; metadata
+    that cannot be read adds none)."""
     from importlib.metadata import entry_points
 
     names = dict(BACKENDS)
-    for point in entry_points(group=ENTRY_POINT_GROUP):
+    try:
+        points = list(entry_points(group=ENTRY_POINT_GROUP))
+    except Exception:  # noqa: BLE001 (a broken third-party distribution must not hide the built-in backends)
+        points = []
+    for point in points:
         names.setdefault(point.name, point.value)
     return names
 

@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from criticalkv import graphs
 from criticalkv.runtime.backend import (
     BuiltShapes,
     ExtendOutputs,
@@ -155,25 +156,26 @@ def prompt_entries(tensors: Sequence[Any], n: int) -> list[Any]:
 def extend_inputs(token_ids, position_ids, keys, values, lengths) -> dict[str, Any]:
     """The extend engine's inputs by name (``extend_tensorrt.onnx``): token_ids, position_ids [B, N]; per layer
     keys, values [B, H_kv, cap_l, d_h] and lengths [B, H_kv]."""
-    named = {"input_ids": token_ids, "position_ids": position_ids}
+    named = {graphs.INPUT_IDS: token_ids, graphs.POSITION_IDS: position_ids}
     for i, (k, v, n) in enumerate(zip(keys, values, lengths)):
-        named.update({f"past_key_values.{i}.key": k, f"past_key_values.{i}.value": v,
-                      f"past_key_values.{i}.lengths": n})
+        named.update({graphs.past_key(i): k, graphs.past_value(i): v,
+                      graphs.past_lengths(i): n})
     return named
 
 
 def extend_outputs(num_layers: int) -> list[str]:
     """The extend engine's outputs: logits, then per layer the new key, value and window queries."""
-    names = ["logits"]
+    names = [graphs.LOGITS]
     for i in range(num_layers):
-        names += [f"present.{i}.key", f"present.{i}.value", f"present.{i}.window_queries"]
+        names += [graphs.present_key(i), graphs.present_value(i), graphs.present_window_queries(i)]
     return names
 
 
-#: Why the TensorRT backend compresses no context with a separate context policy or kvzip's reconstruction.
-KVZIP_REFUSAL = ("the TensorRT backend has no context-policy select engine and no context reconstruction (the plugin "
-                 "refuses kvzip: it ranks by a whole-model reconstruction pass); serve this engine on ONNX Runtime, or "
-                 "with the engine's own policy for contexts (--context-policy engine)")
+#: Why the TensorRT backend runs no method phases (``criticalkv.methods.phases``: re-reads, streams) and no separate
+#: context policy.
+PHASES_REFUSAL = ("the TensorRT backend has no context-policy select engine and runs no method phases (re-read passes, "
+                  "streams: the plugin refuses a policy whose method scores prompts apart); serve this engine on ONNX "
+                  "Runtime or the torch backend, or build it with --context-policy engine")
 
 
 def select_inputs(window_queries, keys, values, lengths, kv_budget) -> dict[str, Any]:
@@ -181,15 +183,15 @@ def select_inputs(window_queries, keys, values, lengths, kv_budget) -> dict[str,
     the prompt's keys, values [1, H_kv, n, d_h] and lengths [1, H_kv]; then kv_budget."""
     named = {}
     for i, (q, k, v, n) in enumerate(zip(window_queries, keys, values, lengths)):
-        named.update({f"window_queries.{i}": q, f"past_key_values.{i}.key": k, f"past_key_values.{i}.value": v,
-                      f"past_key_values.{i}.lengths": n})
-    named["kv_budget"] = kv_budget
+        named.update({graphs.window_queries(i): q, graphs.past_key(i): k, graphs.past_value(i): v,
+                      graphs.past_lengths(i): n})
+    named[graphs.KV_BUDGET] = kv_budget
     return named
 
 
 def select_outputs(num_layers: int) -> list[str]:
     """The select engine's outputs: per layer the kept key, value, lengths and indices (the prefill's)."""
-    return [f"present.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value", "lengths", "indices")]
+    return [name(i) for i in range(num_layers) for name in graphs.SELECTED]
 
 
 @dataclass
@@ -203,8 +205,10 @@ class DevicePrefillBuffer(PrefillBuffer):
 class TensorRTBackend(BuiltShapes):
     """Runs the TensorRT engines of an engine directory on ``device``."""
 
-    #: no separate context policy (KVZIP_REFUSAL): an engine built with one selects contexts with its own policy here
+    #: no separate context policy (PHASES_REFUSAL): an engine built with one selects contexts with its own policy here
     context_policies = False
+    #: no method phases (PHASES_REFUSAL): no streams, no re-read graph
+    streams: frozenset[str] = frozenset()
 
     name = "tensorrt"
 
@@ -249,7 +253,7 @@ class TensorRTBackend(BuiltShapes):
         if self.has_extend:
             self._check_extend_engines()
         names = [self.prefill_engine.get_tensor_name(i) for i in range(self.prefill_engine.num_io_tensors)]
-        self.accepts_kv_budget = "kv_budget" in names
+        self.accepts_kv_budget = graphs.KV_BUDGET in names
         self._device_prefill: dict[str, Any] | None = None
         self._graphs: dict[int, Any] = {}  # batch B -> CUDA graph of one decode step over the first B rows
         self._graph = None
@@ -265,28 +269,28 @@ class TensorRTBackend(BuiltShapes):
         torch, eng = self.torch, self.decode_engine
         rows = (self.max_batch, self.kv_heads)
         zeros = lambda shape, name: torch.zeros(shape, dtype=self._dtype(eng, name), device=self.device)  # noqa: E731
-        self.keys = [zeros(rows + (c, self.head_dim), f"past_key_values.{i}.key") for i, c in enumerate(self.capacities)]
-        self.values = [zeros(rows + (c, self.head_dim), f"past_key_values.{i}.value") for i, c in enumerate(self.capacities)]
-        self.lengths = [zeros(rows, f"past_key_values.{i}.lengths") for i in range(self.num_layers)]
-        self.new_keys = [zeros(rows + (1, self.head_dim), f"present.{i}.key") for i in range(self.num_layers)]
-        self.new_values = [zeros(rows + (1, self.head_dim), f"present.{i}.value") for i in range(self.num_layers)]
-        self.logits = zeros((self.max_batch, self.vocab), "logits")
-        self.token_ids = zeros((self.max_batch, 1), "input_ids")
-        self.position_ids = zeros((self.max_batch, 1), "position_ids")
+        self.keys = [zeros(rows + (c, self.head_dim), graphs.past_key(i)) for i, c in enumerate(self.capacities)]
+        self.values = [zeros(rows + (c, self.head_dim), graphs.past_value(i)) for i, c in enumerate(self.capacities)]
+        self.lengths = [zeros(rows, graphs.past_lengths(i)) for i in range(self.num_layers)]
+        self.new_keys = [zeros(rows + (1, self.head_dim), graphs.present_key(i)) for i in range(self.num_layers)]
+        self.new_values = [zeros(rows + (1, self.head_dim), graphs.present_value(i)) for i in range(self.num_layers)]
+        self.logits = zeros((self.max_batch, self.vocab), graphs.LOGITS)
+        self.token_ids = zeros((self.max_batch, 1), graphs.INPUT_IDS)
+        self.position_ids = zeros((self.max_batch, 1), graphs.POSITION_IDS)
 
     def _check_extend_engines(self) -> None:
         """The extend engine reads the decode buffers and the prefill buffers it allocates, the select engine the
         prefill buffers: the same dtypes everywhere (raw addresses carry no type); and the extend profile's limits."""
         for i in range(self.num_layers):
-            for kind in ("key", "value", "lengths"):
-                name = f"past_key_values.{i}.{kind}"
+            for part in graphs.PAST:
+                name = part(i)
                 types = {graph: self._dtype(engine, name) for graph, engine in
                          (("decode", self.decode_engine), ("extend", self.extend_engine), ("select", self.select_engine))}
                 if len(set(types.values())) != 1:
                     raise EngineError(f"{self.folder}: {name} has the types {types} in the decode, extend and select "
                                       "engines; rebuild the engine")
         # the profile's largest [B, N] (the runtime extends one sequence at a time, at most extend_chunk tokens)
-        self._extend_max = tuple(self.extend_engine.get_tensor_profile_shape("input_ids", 0)[2])
+        self._extend_max = tuple(self.extend_engine.get_tensor_profile_shape(graphs.INPUT_IDS, 0)[2])
 
     def kv_buffer_bytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
@@ -295,11 +299,11 @@ class TensorRTBackend(BuiltShapes):
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 kv_budget: int | None = None) -> PrefillOutputs:
         torch, ctx, eng = self.torch, self.prefill_context, self.prefill_engine
-        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        feeds = {graphs.INPUT_IDS: input_ids, graphs.ATTENTION_MASK: attention_mask, graphs.POSITION_IDS: position_ids}
         if self.accepts_kv_budget:
             budget = self.built_budget if kv_budget is None else kv_budget
-            kind = "tensor(int64)" if self._dtype(eng, "kv_budget") == torch.int64 else "tensor(int32)"
-            feeds["kv_budget"] = budget_feed(budget, kind, len(eng.get_tensor_shape("kv_budget")))
+            kind = "tensor(int64)" if self._dtype(eng, graphs.KV_BUDGET) == torch.int64 else "tensor(int32)"
+            feeds[graphs.KV_BUDGET] = budget_feed(budget, kind, len(eng.get_tensor_shape(graphs.KV_BUDGET)))
         keep_alive = []
         with torch.cuda.stream(self.stream):
             for name, array in feeds.items():
@@ -326,11 +330,11 @@ class TensorRTBackend(BuiltShapes):
         host = lambda name: outputs[name].float().cpu().numpy() if outputs[name].is_floating_point() else outputs[name].cpu().numpy()  # noqa: E731
         empty = np.zeros((0,), np.float32)  # kept K/V stay on the GPU (begin_decode copies them there)
         return PrefillOutputs(
-            logits=host("logits"),
+            logits=host(graphs.LOGITS),
             keys=[empty for _ in layers],
             values=[empty for _ in layers],
-            lengths=[host(f"present.{i}.lengths") for i in layers],
-            indices=[host(f"present.{i}.indices") for i in layers],
+            lengths=[host(graphs.present_lengths(i)) for i in layers],
+            indices=[host(graphs.present_indices(i)) for i in layers],
             seconds=seconds,
         )
 
@@ -350,12 +354,12 @@ class TensorRTBackend(BuiltShapes):
         out = self._device_prefill
         with torch.cuda.stream(self.stream):
             for i in range(self.num_layers):
-                kept = out[f"present.{i}.key"].shape[2]
+                kept = out[graphs.present_key(i)].shape[2]
                 self.keys[i][target].zero_()
                 self.values[i][target].zero_()
-                self.keys[i][target, :, :kept] = out[f"present.{i}.key"][row]
-                self.values[i][target, :, :kept] = out[f"present.{i}.value"][row]
-                self.lengths[i][target] = out[f"present.{i}.lengths"][row]
+                self.keys[i][target, :, :kept] = out[graphs.present_key(i)][row]
+                self.values[i][target, :, :kept] = out[graphs.present_value(i)][row]
+                self.lengths[i][target] = out[graphs.present_lengths(i)][row]
                 self._row_max[target, i] = int(prefill.lengths[i][row].max())
 
     def save_row(self, row: int) -> RowSnapshot:
@@ -406,12 +410,12 @@ class TensorRTBackend(BuiltShapes):
             raise EngineError(f"decode over {batch} rows: the engine was built for at most {self.max_batch} "
                               "(rebuild with a larger --max-batch-size)")
         ctx = self.decode_context
-        bindings = {"input_ids": self.token_ids, "position_ids": self.position_ids, "logits": self.logits}
+        bindings = {graphs.INPUT_IDS: self.token_ids, graphs.POSITION_IDS: self.position_ids, graphs.LOGITS: self.logits}
         for i in range(self.num_layers):
             bindings.update({
-                f"past_key_values.{i}.key": self.keys[i], f"past_key_values.{i}.value": self.values[i],
-                f"past_key_values.{i}.lengths": self.lengths[i],
-                f"present.{i}.key": self.new_keys[i], f"present.{i}.value": self.new_values[i],
+                graphs.past_key(i): self.keys[i], graphs.past_value(i): self.values[i],
+                graphs.past_lengths(i): self.lengths[i],
+                graphs.present_key(i): self.new_keys[i], graphs.present_value(i): self.new_values[i],
             })
         for name, tensor in bindings.items():  # the first `batch` rows of each buffer are contiguous
             view = tensor[:batch]
@@ -523,13 +527,13 @@ class TensorRTBackend(BuiltShapes):
             used = np.array([int(n.max()) for n in lengths], np.int64)
         check_room(used, n_new, [k.shape[2] for k in keys])
         with torch.cuda.stream(self.stream):
-            ids, pos = self._upload(engine, "input_ids", token_ids), self._upload(engine, "position_ids", positions)
+            ids, pos = self._upload(engine, graphs.INPUT_IDS, token_ids), self._upload(engine, graphs.POSITION_IDS, positions)
             out = self._execute("extend", self.extend_context, engine, extend_inputs(ids, pos, keys, values, lengths),
                                 extend_outputs(self.num_layers))
             for i in range(self.num_layers):
-                append_entries(keys[i], values[i], lengths[i], out[f"present.{i}.key"], out[f"present.{i}.value"])
-            logits = out["logits"].float().cpu().numpy()  # synchronises the stream
-            queries = [out[f"present.{i}.window_queries"].float().cpu().numpy() for i in range(self.num_layers)]
+                append_entries(keys[i], values[i], lengths[i], out[graphs.present_key(i)], out[graphs.present_value(i)])
+            logits = out[graphs.LOGITS].float().cpu().numpy()  # synchronises the stream
+            queries = [out[graphs.present_window_queries(i)].float().cpu().numpy() for i in range(self.num_layers)]
         used += n_new
         return ExtendOutputs(logits=logits, window_queries=queries)
 
@@ -544,10 +548,10 @@ class TensorRTBackend(BuiltShapes):
     def new_prefill_buffer(self, num_tokens: int | None = None, spare: int = 0) -> DevicePrefillBuffer:
         """Device buffers for one prompt of ``num_tokens`` tokens (default max_input_len) prefilled in chunks: every
         layer's K/V [1, H_kv, num_tokens, d_h] (zeros: entries beyond a head's length are masked, and a masked
-        weight times a non-finite value would still be NaN) and lengths [1, H_kv] int32. No ``spare``: a context
-        reconstruction (kvzip) has no TensorRT graph."""
+        weight times a non-finite value would still be NaN) and lengths [1, H_kv] int32. No ``spare``: a re-read pass
+        has no TensorRT graph."""
         if spare:
-            raise EngineError(KVZIP_REFUSAL)
+            raise EngineError(PHASES_REFUSAL)
         if not self.has_extend:
             raise EngineError(f"{self.folder}: this engine has no TensorRT extend engine; rebuild it with "
                               "scripts/build_engine.py")
@@ -556,9 +560,9 @@ class TensorRTBackend(BuiltShapes):
         with torch.cuda.stream(self.stream):
             zeros = lambda shape, name: torch.zeros(shape, dtype=self._dtype(engine, name), device=self.device)  # noqa: E731
             return DevicePrefillBuffer(
-                keys=[zeros(shape, f"past_key_values.{i}.key") for i in range(self.num_layers)],
-                values=[zeros(shape, f"past_key_values.{i}.value") for i in range(self.num_layers)],
-                lengths=[zeros((1, self.kv_heads), f"past_key_values.{i}.lengths") for i in range(self.num_layers)])
+                keys=[zeros(shape, graphs.past_key(i)) for i in range(self.num_layers)],
+                values=[zeros(shape, graphs.past_value(i)) for i in range(self.num_layers)],
+                lengths=[zeros((1, self.kv_heads), graphs.past_lengths(i)) for i in range(self.num_layers)])
 
     def extend_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         """``extend`` over a prefill buffer (token_ids, positions: [1, N]); its filled length is known on the host."""
@@ -575,9 +579,10 @@ class TensorRTBackend(BuiltShapes):
         [1, H, w, d_h], host arrays): the same outputs as ``prefill``'s; the kept K/V stay on the GPU for
         ``load_row``. The select engine reads the prompt's n entries per head where they lie when the buffer holds
         exactly n (``new_prefill_buffer(n)``), else a contiguous copy of them. No ``scores`` and no ``context``
-        policy: the plugin refuses kvzip, and the context policy's select graph has the ONNX Runtime flavour only."""
+        policy: the plugin refuses a policy scored apart, and the context policy's select graph has the ONNX Runtime
+        flavour only."""
         if scores is not None or context:
-            raise EngineError(KVZIP_REFUSAL)
+            raise EngineError(PHASES_REFUSAL)
         if not self.has_extend:
             raise EngineError(f"{self.folder}: this engine has no TensorRT select engine; rebuild it with "
                               "scripts/build_engine.py")
@@ -586,12 +591,12 @@ class TensorRTBackend(BuiltShapes):
         if n < 1:
             raise EngineError("select: the prefill buffer holds no tokens (extend it first)")
         budget = self.built_budget if kv_budget is None else kv_budget
-        kind = "tensor(int64)" if self._dtype(engine, "kv_budget") == torch.int64 else "tensor(int32)"
+        kind = "tensor(int64)" if self._dtype(engine, graphs.KV_BUDGET) == torch.int64 else "tensor(int32)"
         with torch.cuda.stream(self.stream):
-            queries = [self._upload(engine, f"window_queries.{i}", np.asarray(q, np.float32))
+            queries = [self._upload(engine, graphs.window_queries(i), np.asarray(q, np.float32))
                        for i, q in enumerate(window_queries)]
-            budget_tensor = self._upload(engine, "kv_budget",
-                                         budget_feed(budget, kind, len(engine.get_tensor_shape("kv_budget"))))
+            budget_tensor = self._upload(engine, graphs.KV_BUDGET,
+                                         budget_feed(budget, kind, len(engine.get_tensor_shape(graphs.KV_BUDGET))))
             inputs = select_inputs(queries, prompt_entries(buffer.keys, n), prompt_entries(buffer.values, n),
                                    buffer.lengths, budget_tensor)
             torch.cuda.synchronize(self.device)
@@ -606,8 +611,8 @@ class TensorRTBackend(BuiltShapes):
             logits=None,
             keys=[empty for _ in layers],
             values=[empty for _ in layers],
-            lengths=[outputs[f"present.{i}.lengths"].cpu().numpy() for i in layers],
-            indices=[outputs[f"present.{i}.indices"].cpu().numpy() for i in layers],
+            lengths=[outputs[graphs.present_lengths(i)].cpu().numpy() for i in layers],
+            indices=[outputs[graphs.present_indices(i)].cpu().numpy() for i in layers],
             seconds=seconds,
         )
 

@@ -56,14 +56,16 @@ def _output_shapes(keys: torch.Tensor, capacity: int) -> tuple[int, int, int, in
 def reference_select(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, o_proj: torch.Tensor,
                      prompt_lengths: Optional[torch.Tensor], kv_budget: Optional[torch.Tensor],
                      rotation: Optional[torch.Tensor], policy: str, layer_idx: int, num_layers: int,
-                     capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     capacity: int, scores: Optional[torch.Tensor] = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's outputs from the PyTorch reference (any device)."""
     batch, kv_heads, cap, head_dim = _output_shapes(keys, capacity)
     chosen = _policy(policy)
     if kv_budget is not None:
         chosen = chosen.with_budget(int(kv_budget.reshape(-1)[0]))
     lengths = prompt_lengths.to(torch.int64) if prompt_lengths is not None else None
-    selection = select_layer(chosen, queries, keys, values, o_proj, layer_idx, num_layers, lengths, rotation=rotation)
+    selection = select_layer(chosen, queries, keys, values, o_proj, layer_idx, num_layers, lengths, rotation=rotation,
+                             scores=scores)
     indices = torch.full((batch, kv_heads, cap), -1, dtype=torch.int64, device=keys.device)
     width = min(cap, selection.indices.shape[-1])
     indices[..., :width] = selection.indices[..., :width]
@@ -76,13 +78,15 @@ def reference_select(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
 def select_layer_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, o_proj: torch.Tensor,
                     prompt_lengths: Optional[torch.Tensor], kv_budget: Optional[torch.Tensor],
                     rotation: Optional[torch.Tensor], policy: str, layer_idx: int, num_layers: int,
-                    capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    capacity: int, scores: Optional[torch.Tensor] = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return reference_select(queries, keys, values, o_proj, prompt_lengths, kv_budget, rotation, policy, layer_idx,
-                            num_layers, capacity)
+                            num_layers, capacity, scores)
 
 
 @select_layer_op.register_fake
-def _(queries, keys, values, o_proj, prompt_lengths, kv_budget, rotation, policy, layer_idx, num_layers, capacity):
+def _(queries, keys, values, o_proj, prompt_lengths, kv_budget, rotation, policy, layer_idx, num_layers, capacity,
+      scores=None):
     batch, kv_heads, cap, head_dim = _output_shapes(keys, capacity)
     return (keys.new_empty(batch, kv_heads, cap, head_dim), values.new_empty(batch, kv_heads, cap, head_dim),
             keys.new_empty(batch, kv_heads, dtype=torch.int32), keys.new_empty(batch, kv_heads, cap, dtype=torch.int32))
@@ -103,11 +107,12 @@ def native_reason(policy: KVPolicy, *tensors: torch.Tensor) -> str | None:
 
 
 @select_layer_op.register_kernel("cuda")
-def _(queries, keys, values, o_proj, prompt_lengths, kv_budget, rotation, policy, layer_idx, num_layers, capacity):
+def _(queries, keys, values, o_proj, prompt_lengths, kv_budget, rotation, policy, layer_idx, num_layers, capacity,
+      scores=None):
     chosen = _policy(policy)
-    if native_reason(chosen, queries, keys, values, o_proj) is not None:
+    if scores is not None or native_reason(chosen, queries, keys, values, o_proj) is not None:
         return reference_select(queries, keys, values, o_proj, prompt_lengths, kv_budget, rotation, policy, layer_idx,
-                                num_layers, capacity)
+                                num_layers, capacity, scores)
     library = load_ops_library()
     batch, kv_heads, cap, head_dim = _output_shapes(keys, capacity)
     device = keys.device
@@ -137,8 +142,9 @@ def _(queries, keys, values, o_proj, prompt_lengths, kv_budget, rotation, policy
 def select_layer_kv(policy: KVPolicy, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     o_proj: torch.Tensor, layer_idx: int = 0, num_layers: int = 1, capacity: int | None = None,
                     prompt_lengths: torch.Tensor | None = None, kv_budget: torch.Tensor | None = None,
-                    rotation: torch.Tensor | None = None):
-    """``torch.ops.criticalkv.select_layer`` with a KVPolicy (capacity None: n, every entry fits)."""
+                    rotation: torch.Tensor | None = None, scores: torch.Tensor | None = None):
+    """``torch.ops.criticalkv.select_layer`` with a KVPolicy (capacity None: n, every entry fits). ``scores``
+    [B, H_kv, n]: the per-entry scores of a policy whose method scores prompts apart (``select_layer``'s)."""
     capacity = keys.shape[2] if capacity is None else capacity
     return torch.ops.criticalkv.select_layer(queries, keys, values, o_proj, prompt_lengths, kv_budget, rotation,
-                                             policy.to_json(), layer_idx, num_layers, capacity)
+                                             policy.to_json(), layer_idx, num_layers, capacity, scores)

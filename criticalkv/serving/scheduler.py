@@ -15,8 +15,8 @@ iteration it
 5. releases the slots of finished requests at once.
 
 Context cache: a request with a ``context`` has its context compressed alone (question-agnostic) the first time,
-with the context policy (``SchedulerConfig.context_policy``: by default the engine's, e.g. layer-kvzip-criticalkv,
-which re-reads the context to score it),
+with the context policy (``SchedulerConfig.context_policy``: by default the engine's, whose method may score the
+context apart, e.g. by re-reading it),
 a copy of the kept entries is kept in an LRU store (``ContextCache``) under (context ids, policy, budget), and this
 and every later request with that context restores the copy into a slot and runs its question through the extend
 graph: a hit skips the context's prefill. Requests waiting for a context that is being compressed wait for it

@@ -105,6 +105,22 @@ def test_driver_arguments():
     assert args.steps == ["pytest"] and args.steps_given
 
 
+def test_the_check_runs_cheap_decisive_tests_first_and_builds_without_werror(tmp_path):
+    """The GPU test files every step would run, in PYTEST_ORDER (the op, the torch backend and the served path before
+    the kernel matrix and the TensorRT tests), every one of them existing; the build and the tests get CKV_WERROR=OFF
+    (a new compiler's warning must not stop the one run a lent machine gives)."""
+    check = gpu_check.Check(gpu_check.parse_args(["--dry-run", "--out", str(tmp_path / "out")]))
+    try:
+        files = check.pytest_files()
+        assert all((ROOT / f).is_file() for f in gpu_check.PYTEST_ORDER)
+        named = [f for f in files if f in gpu_check.PYTEST_ORDER]
+        assert named == [f for f in gpu_check.PYTEST_ORDER if f in files] and files[:len(named)] == named
+        assert files[0] == "tests/selection/test_select_op.py" and "tests/plugins/test_plugin_gpu.py" in files
+        assert check.env("build", 60)["CKV_WERROR"] == "OFF" == check.env("pytest", 60, tests=True)["CKV_WERROR"]
+    finally:
+        check.log.file.close()
+
+
 def test_gpu_check_reports_failures_as_they_happen_and_summarizes(tmp_path):
     """The whole driver on the CPU (prepare + the pytest step) on three planted tests: a pass, a failure, and (with
     pytest-timeout) a test past its per-test limit. The failure is printed before pytest's own end-of-run summary."""

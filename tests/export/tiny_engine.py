@@ -64,11 +64,8 @@ ENGINE_BACKENDS = ("onnxruntime", "torch")
 
 
 def backends_for(policy) -> tuple[str, ...]:
-    """The ENGINE_BACKENDS that run ``policy``: the torch backend refuses kvzip (it re-reads the context through the
-    model; tests/runtime/test_torch_backend.py::test_kvzip_is_refused_by_name)."""
-    from criticalkv.export.exporter import reconstructs
-
-    return tuple(b for b in ENGINE_BACKENDS if b != "torch" or not reconstructs(policy))
+    """The ENGINE_BACKENDS that run ``policy``: every one runs every policy (a method's phases included)."""
+    return ENGINE_BACKENDS
 
 
 def load_engine(folder: Path, backend: str, model, **options):
@@ -76,14 +73,6 @@ def load_engine(folder: Path, backend: str, model, **options):
     from criticalkv.runtime import Engine
 
     if backend == "torch":
-        from criticalkv.runtime.manifest import read_manifest
-        from criticalkv.policy import KVPolicy
-
-        policy = KVPolicy.from_dict(read_manifest(folder)["policy"])
-        if backend not in backends_for(policy):
-            import pytest
-
-            pytest.skip(f"{policy.name}: the torch backend refuses kvzip (test_kvzip_is_refused_by_name)")
         options["model"] = model
     return Engine.load(folder, backend=backend, **options)
 

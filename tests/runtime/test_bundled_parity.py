@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from criticalkv import POLICIES, KVPolicy
-from criticalkv.export.exporter import reconstructs
 from criticalkv.export import BuildConfig
 from criticalkv.build import export_engine
 from criticalkv.hf import generate, load_model
@@ -81,7 +80,7 @@ def test_onnxruntime_equals_pytorch_on_the_bundled_model(bundled, engines_root, 
     finally:
         engine.close()
     on_torch = got  # kvzip re-reads the context: the torch backend refuses it (test_torch_backend.py::test_kvzip_is_refused_by_name)
-    if not reconstructs(policy):
+    if not policy.method.scored_apart:
         engine = Engine(folder, manifest, create_backend("torch", folder, manifest, model=model))
         try:
             on_torch = engine.generate([ids], max_new_tokens=NEW_TOKENS, stop_token_ids=[])

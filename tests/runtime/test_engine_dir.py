@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import shlex
 import time
 from pathlib import Path
 
@@ -58,10 +59,10 @@ def test_build_writes_a_complete_manifest(built, checkpoint):
     # reconstruct graphs (portable, fused); tests/selection/test_surrogate.py builds one with a surrogate
     assert any("no KVzip surrogate" in m and "criticalkv train-surrogate" in m for m in messages)
     graphs = {"prefill", "prefill_tensorrt", "decode", "decode_ort", "extend", "extend_tensorrt", "select",
-              "select_tensorrt", "prefill_ort", "extend_ort", "select_context", "reconstruct", "reconstruct_ort"}
+              "select_tensorrt", "prefill_ort", "extend_ort", "select_context", "reread", "reread_ort"}
     assert KVPolicy.from_dict(manifest["context_policy"]) == KVPolicy("layer-kvzip-criticalkv", budget=POLICY.budget,
                                                                       window=POLICY.window, head_cap_ratio=3.0)
-    assert manifest["reconstruction"]["first"]  # kvpress's repeat prompt in the tokenizer's ids
+    assert manifest["method_data"]["kvzip"]["prompt"]["first"]  # kvpress's repeat prompt in the tokenizer's ids
     assert set(manifest["onnx"]["validation"]) == graphs
     assert set(manifest["onnx"]["files"]) == graphs | {"weights"}
     assert manifest["onnx"]["fused_decode"]["file"] == "decode_ort.onnx"
@@ -239,8 +240,20 @@ def test_missing_or_corrupt_engine_dirs_are_named(built, tmp_path):
     with pytest.raises(EngineError, match="corrupt manifest"):
         Engine.load(engine)
     (engine / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99, "versions": {"criticalkv": "9.0"}}))
-    with pytest.raises(EngineError, match="format_version 99 .*criticalkv 9.0.* Rebuild"):
+    with pytest.raises(EngineError, match="format_version 99 .*criticalkv 9.0.* Rebuild") as err:
         Engine.load(engine)
+    # the command that rebuilds it, from what the manifest recorded of its build; it parses, with the same policy
+    command = str(err.value).split("Rebuild it: ", 1)[1]
+    words = shlex.split(command)
+    assert words[:2] == ["python", "scripts/build_engine.py"] and words[-3:] == ["--output", str(engine), "--force"]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_engine_script", ROOT / "scripts" / "build_engine.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    parsed = script.parse_args(words[2:])
+    assert KVPolicy.from_args(parsed) == KVPolicy.from_dict(manifest["request"]["policy"])
+    assert parsed.max_input_len == manifest["build"]["max_input_len"]
     (engine / "manifest.json").write_text(json.dumps({**manifest, "policy": {**manifest["policy"], "name": "bogus"}}))
     with pytest.raises(EngineError, match="invalid policy"):
         Engine.load(engine)

@@ -138,11 +138,12 @@ def test_fused_prompt_graphs_generate_the_portable_tokens(name, tmp_path):
 
 @pytest.mark.parametrize("reread", ["context", "chunk"])
 def test_fused_reconstruction_is_within_twice_the_portable_error_of_a_float64_oracle(reread, tmp_path):
-    """KVzip's context reconstruction through reconstruct_ort.onnx (GroupQueryAttention's probabilities, the score's
-    renormalisation over the chunk's keys in the graph) against reconstruct.onnx and transformers in float64: scores
+    """KVzip's context reconstruction through reread_ort.onnx (GroupQueryAttention's probabilities, the score's
+    renormalisation over the chunk's keys in the graph) against reread.onnx and transformers in float64: scores
     at most twice as far from the oracle as the portable graph's, the same kept entries and tokens. Chunks of 40 with
     their repeat prompts over a 150-token context: several chunks, the sinks, runs over earlier runs' entries."""
     from criticalkv.hf.reconstruct import reconstruction_scores
+    from criticalkv.methods.kvzip import ReconstructionPrompt
 
     model = random_checkpoint(family("llama3-gqa"), seed=0)
     reference = copy.deepcopy(model).double()
@@ -160,12 +161,13 @@ def test_fused_reconstruction_is_within_twice_the_portable_error_of_a_float64_or
         prompt = random_prompt(150, seed=3)
         with torch.no_grad():
             cache = reference(torch.tensor([prompt]), use_cache=True).past_key_values
-        oracle = reconstruction_scores(reference, cache, prompt, policy, fused.reconstruction)
+        oracle = reconstruction_scores(reference, cache, prompt, policy,
+                                       ReconstructionPrompt.from_dict(fused.method_data["kvzip"]["prompt"]))
         errors, kept = {}, {}
         for form, engine in (("fused", fused), ("portable", portable)):
             job = engine.begin_prefill(Request(prompt, SamplingParams(max_tokens=4)))
             engine.prefill_step(job, job.remaining)
-            scores = engine._reconstruct(job)
+            scores = engine._score(job)
             errors[form] = max(float(np.abs(a - b.numpy()).max()) for a, b in zip(scores, oracle))
             kept[form] = engine.generate([prompt], max_new_tokens=6, stop_token_ids=[])
         assert calls["fused"] >= 4  # every chunk's runs took the fused graph

@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from criticalkv import KVPolicy
-from criticalkv.export.exporter import reconstructs
 from criticalkv.export.tensorrt_rules import check_tensorrt_file
 from criticalkv.hf import generate
 from criticalkv.runtime import Engine
@@ -115,7 +114,7 @@ def test_policies_keep_the_pytorch_paths_entries(fam, tmp_path, monkeypatch):
         try:
             for budget in ((BUDGET, 20) if built.method.base.evicts else (BUDGET,)):  # full takes no request budget
                 request = budget if built.method.base.evicts else None
-                if reconstructs(built):  # kvzip re-reads each context alone: the PyTorch path takes one at a time
+                if built.method.scored_apart:  # kvzip re-reads each context alone: the PyTorch path takes one at a time
                     refs = [generate(model, torch.tensor([p]), built.with_budget(budget), max_new_tokens=NEW_TOKENS)
                             for p in prompts]
                     wanted = [[[[i for i in ref.prefill.selections[layer].indices[0, head].tolist() if i >= 0]
@@ -139,7 +138,7 @@ def test_policies_keep_the_pytorch_paths_entries(fam, tmp_path, monkeypatch):
                                 kept = got.kept(layer, row, head)
                                 if kept == want:
                                     continue
-                                if inputs is None and not built.method.model_level and not reconstructs(built):
+                                if inputs is None and not built.method.model_level and not built.method.scored_apart:
                                     inputs = recorded_layers(model, ids, mask, built.with_budget(budget), monkeypatch)
                                 near_tie = inputs is not None and \
                                     swap_within_noise(built.with_budget(budget), inputs[layer], row, head, kept)

@@ -21,7 +21,6 @@ import torch
 from criticalkv import KVPolicy
 from criticalkv.build import build_engine
 from criticalkv.export import BuildConfig
-from criticalkv.export.exporter import reconstructs
 from criticalkv.node import node_capacity
 from criticalkv.runtime import Engine, EngineError, Request
 from criticalkv.runtime.manifest import read_manifest
@@ -151,8 +150,9 @@ def test_a_layers_full_kv_is_freed_as_soon_as_it_is_selected(case, tmp_path):
     import weakref
 
     policy = make_policy(case[1], budget=40, window=8)
-    if reconstructs(policy):
-        pytest.skip(f"{case[0]}: the torch backend refuses kvzip (test_kvzip_is_refused_by_name)")
+    if policy.method.scored_apart:
+        pytest.skip(f"{case[0]}: scored apart (its method's phases), selected over the whole prompt's buffer, not in "
+                    "the prefill's layer loop")
     model = tiny_model("llama", seed=4)
     folder = export_tiny_engine(model, policy, tmp_path / "e")
     engine = Engine.load(folder, backend="torch", model=model)
@@ -232,6 +232,183 @@ def test_generate_command_runs_a_torch_engine(torch_dir):
     assert out["kv_bytes"]["kept"] < out["kv_bytes"]["full"] and out["timings"]["selection_s"] > 0
 
 
+# ---------------------------------------------------------------------- what a GPU serving path reads and holds
+def test_a_step_reads_at_most_an_eighth_more_than_its_rows_hold(tmp_path):
+    """The decode step's span (entries per head its attention reads) covers the longest head and exceeds it by at most
+    1/8 beyond 256 (budget 2048: a head of 2,049 entries read 4,096 when spans were powers of two); it never shrinks as
+    rows grow; and the step is handed exactly that span per layer (capped at the layer's capacity)."""
+    from criticalkv.runtime.torch_backend import TorchBackend
+
+    lengths = np.arange(1, 140_000)
+    spans = np.array([TorchBackend.span(n) for n in lengths])
+    assert (spans >= lengths).all() and (np.diff(spans) >= 0).all()
+    assert (spans[lengths <= 256] == 256).all()
+    long = lengths > 256
+    assert (spans[long] <= lengths[long] * 9 / 8).all()
+    assert TorchBackend.span(2049) == 2304 and TorchBackend.span(4097) == 4608
+    assert len({TorchBackend.span(n) for n in range(257, 4097)}) == 8 * 4  # 8 graphs per doubling
+
+    model = tiny_model("llama", seed=4)
+    folder = export_tiny_engine(model, KVPolicy("full"), tmp_path / "e", max_input_len=320, max_batch_size=1)
+    engine = Engine.load(folder, backend="torch", model=model)
+    backend, seen = engine.backend, []
+    step = backend.decoder.decode_step
+
+    def watched(*args):
+        seen.append(list(args[8]))
+        return step(*args)
+
+    backend.decoder.decode_step = watched
+    try:
+        engine.prefill(0, Request(prompt(300)))
+        engine.decode([0], [7])
+        longest = int(backend._row_max[0].max())
+        assert longest == 301 and seen == [[min(TorchBackend.span(longest), cap) for cap in backend.capacities]]
+        assert seen[0][0] == 320 < 512  # a power of two would read 512
+    finally:
+        engine.release_all()
+        engine.close()
+
+
+def test_a_greedy_generation_takes_its_argmax_on_the_device(torch_dir):
+    """``Engine.generate`` with greedy sampling decodes through ``decode_greedy`` (B ids to the host), never through
+    ``decode`` (B x vocab float32 logits), static batch and slots alike, with the same tokens as the logits path;
+    sampling at a temperature still reads the logits."""
+    engine = Engine.load(torch_dir, device="cpu")
+    backend, calls = engine.backend, {"decode": 0, "decode_greedy": 0}
+    for name in calls:
+        original = getattr(backend, name)
+
+        def counted(*args, _name=name, _original=original):
+            calls[_name] += 1
+            return _original(*args)
+
+        setattr(backend, name, counted)
+    prompts = [prompt(150, seed=2), prompt(90, seed=3)]
+    try:
+        greedy = engine.generate(prompts, max_new_tokens=6, stop_token_ids=[])
+        assert calls == {"decode": 0, "decode_greedy": 5}
+        questions = engine.generate([prompt(100)], max_new_tokens=4, stop_token_ids=[], questions=[prompt(5, seed=9)])
+        assert calls == {"decode": 0, "decode_greedy": 8} and len(questions.tokens[0]) == 4
+        del backend.decode_greedy  # the instance's counter; then a backend without it: the logits path
+        saved = type(backend).decode_greedy
+        delattr(type(backend), "decode_greedy")
+        try:
+            logits_path = engine.generate(prompts, max_new_tokens=6, stop_token_ids=[])
+        finally:
+            type(backend).decode_greedy = saved
+        assert calls["decode"] == 5 and logits_path.tokens == greedy.tokens
+        from criticalkv.request import SamplingParams
+
+        engine.generate(prompts, max_new_tokens=3, stop_token_ids=[], sampling=SamplingParams(temperature=0.7, seed=1))
+        assert calls["decode"] == 5 + 2
+    finally:
+        engine.close()
+
+
+def test_a_padded_prefill_runs_causal_attention_without_a_mask(torch_dir, monkeypatch):
+    """A left-padded batch's prefill attends per sequence with ``is_causal`` and grouped K/V: no [B, 1, n, n] mask and
+    no K/V repeated for every query head, so a GPU runs flash attention (the tokens and kept entries of such a batch
+    equal ONNX Runtime's: test_it_loads_on_the_torch_backend_and_generates_what_the_exported_engine_does)."""
+    import torch.nn.functional as F
+
+    engine = Engine.load(torch_dir, device="cpu")
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def watched(q, k, v, attn_mask=None, is_causal=False, **options):
+        calls.append((q.shape, k.shape, attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **options)
+
+    from criticalkv.request import SamplingParams
+
+    ids, mask, _ = engine._batch([prompt(150, seed=2), prompt(90, seed=3)], None, SamplingParams(), None)
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", watched)
+    try:
+        engine.backend.prefill(ids, mask, positions)
+    finally:
+        engine.close()
+    assert len(calls) == 3 * 2  # every layer, each sequence alone
+    assert all(no_mask and causal for _, _, no_mask, causal in calls)
+    assert {(q[0], q[2], k[1]) for q, k, _, _ in calls} == {(1, 150, 2), (1, 90, 2)}  # its own tokens, H_kv heads
+
+
+def test_a_layers_selection_runs_before_its_mlp_and_frees_its_full_qkv(tmp_path):
+    """The selection of layer i runs right after its attention: when layer i's MLP starts, layer i was selected and
+    its full-length queries, keys and values are gone (the MLP's activations never sit beside them)."""
+    import weakref
+
+    model = tiny_model("llama", seed=4)
+    folder = export_tiny_engine(model, POLICY, tmp_path / "e")
+    engine = Engine.load(folder, backend="torch", model=model)
+    backend, held, select = engine.backend, {}, engine.backend._select
+
+    def watched(i, queries, keys, values, *rest):
+        held[i] = [weakref.ref(queries._base if queries._base is not None else queries), weakref.ref(keys),
+                   weakref.ref(values)]
+        return select(i, queries, keys, values, *rest)
+
+    def before_mlp(i):
+        def hook(module, args):
+            assert i in held, f"layer {i}: its MLP runs before its selection"
+            assert all(ref() is None for ref in held[i]), f"layer {i}: its full Q/K/V live through its MLP"
+            checked.append(i)
+        return hook
+
+    checked = []
+    backend._select = watched
+    hooks = [layer.mlp.register_forward_pre_hook(before_mlp(i)) for i, layer in enumerate(backend.decoder.layers)]
+    try:
+        engine.prefill(0, Request(prompt(150)))
+        assert checked == [0, 1, 2]
+    finally:
+        for hook in hooks:
+            hook.remove()
+        engine.release_all()
+        engine.close()
+
+
+def test_prefill_time_includes_loading_the_decode_rows(torch_dir):
+    """A prefill's time ends when its kept entries sit in the decode rows (``begin_decode`` / ``load_row``, then a
+    device sync), not when the selection returns: TTFT is not flattered."""
+    import time as clock
+
+    engine = Engine.load(torch_dir, device="cpu")
+    backend = engine.backend
+    for name in ("begin_decode", "load_row"):
+        original = getattr(backend, name)
+
+        def slow(*args, _original=original):
+            clock.sleep(0.3)
+            return _original(*args)
+
+        setattr(backend, name, slow)
+    try:
+        assert engine.generate([prompt(60)], max_new_tokens=1, stop_token_ids=[]).prefill_s >= 0.3
+        assert engine.prefill(0, Request(prompt(60))).seconds >= 0.3
+    finally:
+        engine.release_all()
+        engine.close()
+
+
+def test_the_checkpoint_loads_straight_onto_its_device(checkpoint, monkeypatch):
+    """transformers places the weights on the backend's device as it reads them (``device_map``): no full copy in host
+    memory first."""
+    import transformers
+
+    from criticalkv.runtime.torch_backend import load_checkpoint
+
+    seen, original = [], transformers.AutoModelForCausalLM.from_pretrained
+
+    def recorded(*args, **options):
+        seen.append(options.get("device_map"))
+        return original(*args, **options)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", recorded)
+    model = load_checkpoint(checkpoint, torch.float32, torch.device("cpu"))
+    assert seen == ["cpu"] and {p.device.type for p in model.parameters()} == {"cpu"}
+
+
 # ---------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_cuda_graphs_replay_the_eager_step_and_match_the_cpu(torch_dir):
@@ -275,33 +452,40 @@ def test_bfloat16_on_the_gpu_keeps_nearly_the_fp32_entries(torch_dir):
     assert overlap > 0.9
 
 
-def test_kvzip_is_refused_by_name(tmp_path):
-    """kvzip re-reads the context through the model, which the torch backend does not do: a torch build refuses it
-    before anything is written, and an exported kvzip engine loaded on the torch backend refuses its prompts."""
+@pytest.mark.parametrize("spec", ["kvzip", "kvzip:kvzip_reread=chunk:kvzip_chunk=48",
+                                  "layer-kvzip-criticalkv:kvzip_chunk=64", "kvzip-criticalkv:head_cap_ratio=2"])
+def test_kvzip_runs_on_torch_with_the_kept_entries_and_tokens_of_onnx_runtime(spec, tmp_path):
+    """The torch backend runs a method's phases: KVzip's context reconstruction as re-read passes through the model's
+    own layers (over the whole context, or a local buffer per chunk), the per-layer and the model-wide allocations:
+    the same kept entries and tokens as ONNX Runtime, static batch and a question after a compressed context; a torch
+    build takes the policy (its manifest keeps the reconstruction prompt)."""
     from criticalkv.build import torch_engine_content
     from criticalkv.export.exporter import BuildConfig
-    from criticalkv.hf.torch_backend import KVZIP_REFUSAL
+    from criticalkv.policy import parse_policy_spec
 
     model = tiny_model("llama", seed=4)
-    policy = make_policy({"name": "kvzip"}, budget=40, window=8)
-    with pytest.raises(ValueError, match="no context reconstruction"):
-        torch_engine_content(model, policy, BuildConfig(max_input_len=256, max_new_tokens=8))
-    folder = export_tiny_engine(model, policy, tmp_path / "e")
-    engine = Engine.load(folder, backend="torch", model=model)
-    try:
-        with pytest.raises(EngineError) as err:
-            engine.prefill(0, Request(prompt(150)))
-        assert str(err.value) == KVZIP_REFUSAL
-    finally:
-        engine.release_all()
-        engine.close()
+    policy = parse_policy_spec(spec, KVPolicy(budget=40, window=8))
+    content = torch_engine_content(model, policy, BuildConfig(max_input_len=256, max_new_tokens=8))
+    assert "prompt" in content["method_data"]["kvzip"]
+    folder = export_tiny_engine(model, policy, tmp_path / "e", extend_chunk=32, max_question_len=24)
+    got = {}
+    for backend in ("onnxruntime", "torch"):
+        engine = Engine.load(folder, backend=backend, model=model) if backend == "torch" else Engine.load(folder)
+        try:
+            out = engine.generate([prompt(150, seed=2), prompt(110, seed=3)], max_new_tokens=5, stop_token_ids=[])
+            asked = engine.generate([prompt(120, seed=4)], max_new_tokens=5, stop_token_ids=[],
+                                    questions=[prompt(9, seed=5)])
+            got[backend] = (out.tokens, [[out.kept(layer, row, head) for head in range(2)] for layer in range(3)
+                                         for row in range(2)], asked.tokens)
+        finally:
+            engine.close()
+    assert got["torch"] == got["onnxruntime"]
 
 
-def test_an_engine_with_a_context_policy_selects_contexts_with_its_own_policy_on_torch(tmp_path):
-    """An exported engine built with a context policy (kvzip; build_engine's default is its model-level two-stage
-    variant) loads on the torch backend, which
-    has no context-policy selection: its contexts are selected with the engine's own policy, as ONNX Runtime does
-    with ``--context-policy engine``."""
+def test_an_engine_with_a_context_policy_selects_contexts_with_it_on_torch(tmp_path):
+    """An engine built with a context policy (kvzip; build_engine's default is its model-level two-stage variant)
+    compresses contexts with it on the torch backend too: the same kept entries as ONNX Runtime, and not the engine's
+    own policy's."""
     model = tiny_model("llama", seed=4)
     policy = KVPolicy("criticalkv", budget=40, window=8)
     folder = export_tiny_engine(model, policy, tmp_path / "e", context_policy=KVPolicy("kvzip", budget=40, window=8))
@@ -309,12 +493,13 @@ def test_an_engine_with_a_context_policy_selects_contexts_with_its_own_policy_on
     for backend in ("onnxruntime", "torch"):
         engine = Engine.load(folder, backend=backend, model=model) if backend == "torch" else Engine.load(folder)
         try:
-            assert (engine.context_policy is None) == (backend == "torch")
-            if backend == "onnxruntime":
-                engine.context_policy = None  # what --context-policy engine selects with
-            result = engine.prefill(0, Request(prompt(150)), context=True)
-            kept[backend] = [k.tolist() for k in result.kept_indices]
+            assert engine.context_policy == KVPolicy("kvzip", budget=40, window=8)
+            for context in (True, False):
+                result = engine.prefill(0, Request(prompt(150)), context=context)
+                kept[backend, context] = [k.tolist() for k in result.kept_indices]
+                engine.release(0)
         finally:
             engine.release_all()
             engine.close()
-    assert kept["torch"] == kept["onnxruntime"]
+    assert kept["torch", True] == kept["onnxruntime", True]
+    assert kept["torch", False] == kept["onnxruntime", False] != kept["torch", True]

@@ -155,7 +155,7 @@ def test_prefill_and_compress_selects_with_the_reconstruction_scores():
                                     i, len(model.model.layers))
             differs.append(not torch.equal(fallback.indices, ref.indices))
         assert any(differs), "the reconstruction changed no choice: the test would not see it ignored"
-        assert pre.reconstruction_s > 0
+        assert pre.scoring_s > 0
     with pytest.raises(ValueError, match="batch 1"):
         prefill_and_compress(model, ids.repeat(2, 1), KVPolicy("kvzip", budget=30, window=6), reconstruction=PROMPT)
 

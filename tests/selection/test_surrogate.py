@@ -25,7 +25,7 @@ from criticalkv.methods.surrogate import (
 from criticalkv.methods.kvzip import ReconstructionPrompt
 from criticalkv.request import Request
 from criticalkv.runtime import Engine
-from export.tiny_engine import export_tiny_engine
+from export.tiny_engine import export_tiny_engine, load_engine
 from hf.conftest import tiny_model
 
 
@@ -148,16 +148,20 @@ def test_the_pytorch_path_scores_from_the_prefill_and_never_re_reads(trained, mo
             assert kept(a, head) == kept(b, head), f"layer {layer} head {head}"
 
 
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
 @pytest.mark.parametrize("own, context", [
     (KVPolicy("criticalkv", budget=40, window=8), KVPolicy("layer-kvzip-criticalkv", budget=40, window=8,
                                                            kvzip_score="surrogate", head_cap_ratio=3.0)),
     (KVPolicy("kvzip-criticalkv", budget=40, window=8, kvzip_score="surrogate"), None),
 ], ids=["context-policy", "engine-policy"])
-def test_the_engine_keeps_what_the_pytorch_path_keeps_without_a_reconstruct_graph(trained, tmp_path, own, context):
+def test_the_engine_keeps_what_the_pytorch_path_keeps_without_a_reconstruct_graph(trained, tmp_path, own, context,
+                                                                                  backend):
+    # ONNX Runtime: the extend graphs return the stream; torch: its layer loop computes it (no extra pass either)
     model, _ = trained
     folder = export_tiny_engine(model, own, tmp_path / "e", context_policy=context, extend_chunk=32, max_question_len=24)
-    assert not (folder / "reconstruct.onnx").exists() and not (folder / "reconstruct_ort.onnx").exists()
-    engine = Engine.load(folder, threads=1)
+    assert not (folder / "reread.onnx").exists() and not (folder / "reread_ort.onnx").exists()
+    engine = load_engine(folder, backend, model, threads=1)
+    assert engine.streams == {"kvzip_score"}
     policy = context or own
     try:
         assert engine.policy_for(context is not None) == policy
@@ -264,7 +268,7 @@ def test_the_default_context_policy_scores_with_the_models_surrogate(tmp_path):
     manifest = read_manifest(output, verify=True)
     assert KVPolicy.from_dict(manifest["context_policy"]) == parse_policy_spec(
         DEFAULT_CONTEXT_POLICY, KVPolicy(budget=40, window=8))
-    assert manifest["kvzip_surrogate"]["model"] == fingerprint(model)
-    assert "reconstruct" not in manifest["onnx"]["files"] and "reconstruct_ort" not in manifest["onnx"]["files"]
+    assert manifest["streams"]["kvzip_score"]["model"] == fingerprint(model)
+    assert "reread" not in manifest["onnx"]["files"] and "reread_ort" not in manifest["onnx"]["files"]
     assert not any("no KVzip surrogate" in m for m in messages)
     assert any("KVzip surrogate (no re-read)" in m for m in messages)

@@ -46,12 +46,12 @@ def kept(selection, head):
 
 def test_a_context_is_kept_as_the_pytorch_path_keeps_it(engine, model):
     assert engine.context_policy == CONTEXT_POLICY and engine.policy_for(True) == CONTEXT_POLICY
-    assert engine.policy_for(False) == ENGINE_POLICY and engine.reconstruction is not None
+    assert engine.policy_for(False) == ENGINE_POLICY and engine.method_data["kvzip"]["prompt"] is not None
     context = prompt(150, seed=21)
     got = engine.prefill(0, Request(context), context=True)
     engine.release(0)
     ref = prefill_and_compress(model, torch.tensor([context]), CONTEXT_POLICY)
-    assert got.reconstruction_s > 0
+    assert got.scoring_s > 0
     for layer, selection in enumerate(ref.selections):
         assert got.kept_lengths[layer].tolist() == selection.lengths[0].tolist()
         for head in range(2):
@@ -102,7 +102,7 @@ def test_the_bench_reports_what_the_reconstruction_costs(engine):
 
     assert parse_policy_spec(cost["context_policy"], KVPolicy(budget=40, window=8)) == CONTEXT_POLICY
     for row in cost["rounds"]:
-        assert row["prefill_s"] > 0 and row["reconstruction_s"] > 0 and row["selection_s"] > 0
+        assert row["prefill_s"] > 0 and row["scoring_s"] > 0 and row["selection_s"] > 0
     assert cost["ratio"]["p50"] > 0 and cost["target"]["goal"] == SCORING_GOAL
     from criticalkv.bench import machine
     from criticalkv.bench.cached import summarize_rounds
@@ -114,18 +114,21 @@ def test_the_bench_reports_what_the_reconstruction_costs(engine):
 
 
 def test_a_context_that_starts_with_the_chat_opening_is_re_read_after_it(engine, model):
-    # kvpress's prefix_length: the reconstruct graph scores [opening, n) with the first sink_tokens as sinks, the same
+    # kvpress's prefix_length: the re-read graph scores [opening, n) with the first sink_tokens as sinks, the same
     # entries as the PyTorch path given the same prompt
     from criticalkv.methods.kvzip import ReconstructionPrompt
 
     context = prompt(140, seed=51)
-    saved = engine.reconstruction
-    engine.reconstruction = ReconstructionPrompt(first=(3, 4), later=(5,), suffix=(6,), opening=tuple(context[:9]))
+    saved = engine.method_data
+    engine.method_data = {"kvzip": {"prompt": ReconstructionPrompt(first=(3, 4), later=(5,), suffix=(6,),
+                                                                   opening=tuple(context[:9])).to_dict()}}
+    engine._scorings.clear()
     try:
         got = engine.prefill(0, Request(context), context=True)
         engine.release(0)
     finally:
-        engine.reconstruction = saved
+        engine.method_data = saved
+        engine._scorings.clear()
     ref = prefill_and_compress(model, torch.tensor([context]), CONTEXT_POLICY,
                                reconstruction=ReconstructionPrompt(first=(3, 4), later=(5,), suffix=(6,),
                                                                    opening=tuple(context[:9])))

@@ -14,14 +14,18 @@ whose manifest names a reachable checkpoint loads too), and the backend runs it 
   max_new_tokens, the manifest's ``decode_capacity``). Each head holds its entries in its first ``lengths`` slots.
 * ``decode`` over the first B rows: one static-shape step (RoPE at the absolute positions given, the new K/V at each
   head's length, attention under a length mask over the first ``span`` entries of each head: the batch's longest head
-  rounded up to a power of two, so a step reads about what its rows hold, not their whole capacity); on CUDA the
+  rounded up by at most 1/8 (``span``), so a step reads about what its rows hold, not their whole capacity); on CUDA the
   first step of a shape runs eagerly and the step is then captured into a CUDA graph for it and replayed (one launch
   per token); B is padded up to 1, 2, 4 or a multiple of 8 (``padded_batch``), so a few graphs cover every batch. The graphs read the buffers at fixed
   addresses, so they stay valid while sequences join, leave and move between rows. Each row's longest head per layer
   is known on the host: the capacity check needs no device sync.
 * ``extend_row`` / ``new_prefill_buffer`` / ``extend_buffer`` / ``select``: N tokens over a row or over a prompt's
   full-length buffer, and the selection over such a buffer (the chunked prefill's last step; the same kept set as
-  ``prefill``).
+  ``prefill``), with the engine's policy or its context policy (the context cache's).
+* A method's phases (``criticalkv.methods.phases``), as ONNX Runtime runs them: ``extend_buffer`` returns the engine's
+  streams of the new entries, computed in the layer loop from each layer's attention input (no extra pass), and
+  ``reread_buffer`` runs a re-read pass through the model's own layers over the buffer, scoring its past entries
+  (``reread_scores``); ``select`` takes the scores they gave.
 
 Where it runs: ``device`` (default: CUDA when torch sees a GPU, else the CPU); ``dtype`` (default: the manifest's
 build dtype on CUDA, float32 on the CPU, where half precision is emulated). CI runs it on the CPU in float32 against
@@ -44,6 +48,7 @@ from criticalkv.files import sha256_file
 from criticalkv.hf.compress import model_rotation
 from criticalkv.hf.decoder import CompactDecoder, decoder_shape
 from criticalkv.hf.loading import check_supported, no_transformers_bars
+from criticalkv.methods.phases import reread_scores
 from criticalkv.policy import KVPolicy
 from criticalkv.runtime.backend import (
     BuiltShapes,
@@ -58,13 +63,6 @@ from criticalkv.selection.op import select_layer_kv
 
 #: The manifest section a torch engine directory carries instead of ``onnx``.
 MANIFEST_KEY = "torch"
-#: Why a torch engine has no kvzip policy and no separate context policy (``build_engine --backend torch`` refuses a
-#: kvzip policy and builds no context policy).
-KVZIP_REFUSAL = ("the torch backend has no context reconstruction (kvzip re-reads the context through the model: the "
-                 "PyTorch path's criticalkv.hf.reconstruct is not wired into it yet) and no separate context policy: "
-                 "build the engine with --backend onnx for kvzip, or another --kv-policy")
-
-
 #: Checkpoint files whose size (and, for config.json, sha256) a torch engine records: a changed checkpoint is refused.
 CHECKPOINT_PATTERNS = ("config.json", "*.safetensors", "*.bin")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -96,9 +94,10 @@ def load_checkpoint(folder: Path, dtype: torch.dtype, device: torch.device):
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     check_supported(AutoConfig.from_pretrained(folder))
-    with no_transformers_bars():
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
-    return model.to(device)
+    with no_transformers_bars():  # straight onto the device: no copy of the weights in host memory first
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
+                                                     device_map=str(device))
+    return model.to(device)  # a no-op unless transformers left a module elsewhere
 
 
 class SelectionClock:
@@ -138,9 +137,6 @@ class TorchPrefillBuffer(PrefillBuffer):
 
 class TorchBackend(BuiltShapes):
     """Runs an engine directory with the model's own layers (module docstring)."""
-
-    #: no separate context policy (KVZIP_REFUSAL): an engine built with one selects contexts with its own policy here
-    context_policies = False
 
     name = "torch"
     accepts_kv_budget = True
@@ -182,11 +178,23 @@ class TorchBackend(BuiltShapes):
         with torch.no_grad():
             self.decoder = CompactDecoder(self.model, self.max_positions)
         self.selection_capacities = list(manifest["shapes"]["prefill_capacity"])
-        self.model_level = self.policy.method.base.model_level and self.num_layers > 1
+        #: the policy the context cache's contexts are selected with, when the engine has one besides its own
+        self.context_policy = KVPolicy.from_dict(manifest["context_policy"]) if manifest.get("context_policy") else None
+        self.context_capacities = list(manifest["shapes"].get("context_capacity", self.selection_capacities))
+        self.model_level = self._model_level(self.policy)
         self.equal_heads = bool(self.policy.method.base.equal_head_lengths)
-        self.rotation = model_rotation(self.model, self.policy)
-        if self.rotation is not None:
-            self.rotation = self.rotation.to(self.device)
+        self._rotations: dict = {}
+        self.rotation = self._rotation(self.policy)
+        #: the streams its policies' methods read (``criticalkv.methods.phases.Stream``), computed in the layer loop;
+        #: why one could not be (a model without the weights a stream needs): the engine refuses the policy that needs it
+        self._streams, self.stream_refusals = {}, {}
+        for policy in (self.policy, self.context_policy):
+            if policy is not None and policy.method.scored_apart:
+                try:
+                    self._streams.update({s.name: s for s in policy.method.base.streams(policy, self.model)})
+                except ValueError as err:
+                    self.stream_refusals[policy.name] = str(err)
+        self.streams = frozenset(self._streams)
         self.o_proj = [layer.self_attn.o_proj.weight for layer in self.decoder.layers]
         self._allocate()
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
@@ -195,6 +203,16 @@ class TorchBackend(BuiltShapes):
         self._capture_stream = None
 
     # ------------------------------------------------------------------ setup
+    def _model_level(self, policy: KVPolicy) -> bool:
+        return policy.method.base.model_level and self.num_layers > 1
+
+    def _rotation(self, policy: KVPolicy):
+        """RoPE's rotation tables of a policy that reads them (expected attention), on this backend's device."""
+        if policy not in self._rotations:
+            rotation = model_rotation(self.model, policy)
+            self._rotations[policy] = None if rotation is None else rotation.to(self.device)
+        return self._rotations[policy]
+
     def _load(self, manifest: dict[str, Any]):
         recorded = manifest.get(MANIFEST_KEY) or {}
         path = recorded.get("checkpoint") or manifest["model"].get("path")
@@ -252,20 +270,28 @@ class TorchBackend(BuiltShapes):
             return None
         return torch.tensor([int(kv_budget)], dtype=torch.int32, device=self.device)
 
-    def _select(self, i: int, queries, keys, values, prompt_lengths, budget):
-        """Layer i's kept (keys, values, lengths, indices) from its post-RoPE window queries and full K/V."""
-        return select_layer_kv(self.policy, queries, keys, values, self.o_proj[i], i, self.num_layers,
-                               self.selection_capacities[i], prompt_lengths, budget, self.rotation)
+    def _select(self, i: int, queries, keys, values, prompt_lengths, budget, policy: KVPolicy | None = None,
+                capacities: list[int] | None = None, scores=None):
+        """Layer i's kept (keys, values, lengths, indices) from its post-RoPE window queries and full K/V (``policy``:
+        default the engine's; ``scores`` [1, H_kv, n]: its method's phases' scores)."""
+        policy = policy or self.policy
+        capacity = (capacities or self.selection_capacities)[i]
+        return select_layer_kv(policy, queries, keys, values, self.o_proj[i], i, self.num_layers, capacity,
+                               prompt_lengths, budget, self._rotation(policy), scores)
 
-    def _select_model(self, pending: list, prompt_lengths, kv_budget: int | None) -> list[tuple]:
-        """Every layer at once (a model-level policy): ``pending[l] = (queries, keys, values)``."""
-        policy = self.policy.with_budget(kv_budget)
+    def _select_model(self, pending: list, prompt_lengths, kv_budget: int | None, policy: KVPolicy | None = None,
+                      capacities: list[int] | None = None, scores: list | None = None) -> list[tuple]:
+        """Every layer at once (a model-level policy): ``pending[l] = (queries, keys, values)``; every layer's scores
+        are ranked together after the last one."""
+        policy = policy or self.policy
+        capacities = capacities or self.selection_capacities
         layers = [(q, k, v, self.o_proj[i]) for i, (q, k, v) in enumerate(pending)]
         lengths = None if prompt_lengths is None else prompt_lengths.to(torch.int64)
-        selections = select_model(policy, layers, lengths, rotation=self.rotation)
+        selections = select_model(policy.with_budget(kv_budget), layers, lengths, rotation=self._rotation(policy),
+                                  scores=scores)
         out = []
         for i, ((_, k, v), sel) in enumerate(zip(pending, selections)):
-            cap = min(k.shape[2], self.selection_capacities[i])
+            cap = min(k.shape[2], capacities[i])
             indices = torch.full(sel.indices.shape[:2] + (cap,), -1, dtype=torch.int64, device=k.device)
             width = min(cap, sel.indices.shape[-1])
             indices[..., :width] = sel.indices[..., :width]
@@ -377,11 +403,17 @@ class TorchBackend(BuiltShapes):
         padded = batch if batch <= 2 else (4 if batch <= 4 else -(-batch // 8) * 8)
         return min(padded, self.max_batch)
 
-    def span(self, longest: int) -> int:
+    @staticmethod
+    def span(longest: int) -> int:
         """The entries per head a step's attention reads when the batch's longest head holds ``longest`` (the new
-        entry included): the next power of two from 256 (a layer reads at most its capacity), so a step reads about
-        what its rows hold, not every row's whole capacity, with a few graphs as the rows grow."""
-        return max(256, 1 << (max(int(longest), 1) - 1).bit_length())
+        entry included): 256, then ``longest`` rounded up to a multiple of 1/8 of its power-of-two octave (2,049 ->
+        2,304; a layer reads at most its capacity), so a step reads at most 1/8 more than its rows hold, with 8 CUDA
+        graphs per doubling as the rows grow. (A power of two read 4,096 entries for a head of 2,049: 2x.)"""
+        n = max(int(longest), 1)
+        if n <= 256:
+            return 256
+        granule = 1 << ((n - 1).bit_length() - 4)  # n in (2^k, 2^(k+1)]: steps of 2^(k-3)
+        return -(-n // granule) * granule
 
     def _step(self, batch: int, span: int) -> None:
         logits = self.decoder.decode_step(
@@ -475,7 +507,8 @@ class TorchBackend(BuiltShapes):
         return out.numpy()
 
     # ------------------------------------------------------------------ extend and select
-    def _extend(self, keys, values, lengths, used: np.ndarray, token_ids, positions, equal_heads: bool) -> ExtendOutputs:
+    def _extend(self, keys, values, lengths, used: np.ndarray, token_ids, positions, equal_heads: bool,
+                streams: bool = False, after_attention=None) -> ExtendOutputs:
         token_ids = np.ascontiguousarray(token_ids, dtype=np.int64)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         if token_ids.ndim != 2 or token_ids.shape[0] != 1 or positions.shape != token_ids.shape or token_ids.shape[1] < 1:
@@ -491,10 +524,17 @@ class TorchBackend(BuiltShapes):
                               "(max_input_len + max_question_len + max_new_tokens)")
         ids = torch.from_numpy(token_ids).to(self.device)
         pos = torch.from_numpy(positions).to(self.device)
+        computed: dict[str, list] = {name: [] for name in self._streams} if streams else {}
+
+        def layer_input(i, h):  # the streams of the new entries, from the layer's attention input (no extra pass)
+            for name, stream in self._streams.items():
+                computed[name].append(stream.scores(i, h).cpu().numpy())
+
         logits, queries = self.decoder.extend(ids, pos, keys, values, lengths, [int(u) for u in used],
-                                              self.policy.window, equal_heads)
+                                              self.policy.window, equal_heads, layer_input if computed else None,
+                                              after_attention)
         used += n_new
-        return ExtendOutputs(logits=logits.cpu().numpy(), window_queries=queries)
+        return ExtendOutputs(logits=logits.cpu().numpy(), window_queries=queries, streams=computed)
 
     @torch.no_grad()
     def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
@@ -505,11 +545,9 @@ class TorchBackend(BuiltShapes):
                             token_ids, positions, self.equal_heads)
 
     def new_prefill_buffer(self, num_tokens: int | None = None, spare: int = 0) -> TorchPrefillBuffer:
-        """Device buffers for one prompt of ``num_tokens`` tokens (default max_input_len) prefilled in chunks. No
-        ``spare`` room: the torch backend has no context reconstruction (``KVZIP_REFUSAL``)."""
-        if spare:
-            raise EngineError(KVZIP_REFUSAL)
-        shape = (1, self.kv_heads, prefill_buffer_capacity(num_tokens, self.max_input_len), self.head_dim)
+        """Device buffers for one prompt of ``num_tokens`` tokens (default max_input_len) prefilled in chunks, + ``spare``
+        entries (the tokens a re-read pass appends for a while: ``reread_buffer``)."""
+        shape = (1, self.kv_heads, prefill_buffer_capacity(num_tokens, self.max_input_len) + spare, self.head_dim)
         options = dict(dtype=self.dtype, device=self.device)
         return TorchPrefillBuffer(
             keys=[torch.zeros(shape, **options) for _ in range(self.num_layers)],
@@ -522,8 +560,33 @@ class TorchBackend(BuiltShapes):
         if not isinstance(buffer, TorchPrefillBuffer):
             raise EngineError("extend_buffer: not a prefill buffer of the torch backend (new_prefill_buffer)")
         used = np.full(self.num_layers, buffer.tokens, np.int64)
-        out = self._extend(buffer.keys, buffer.values, buffer.lengths, used, token_ids, positions, True)
+        out = self._extend(buffer.keys, buffer.values, buffer.lengths, used, token_ids, positions, True, streams=True)
         buffer.tokens = int(used[0])
+        return out
+
+    @torch.no_grad()
+    def reread_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray,
+                      score_range: np.ndarray) -> ExtendOutputs:
+        """A re-read pass through the model's own layers (``Backend.reread_buffer``): the tokens run over the buffer's
+        entries (the prompt's ``score_range[3]``, then the pass's earlier runs'), and each layer's queries score the entries
+        [start, end) (``criticalkv.methods.phases.reread_scores``, the re-read graph's math) right after its attention;
+        ``ExtendOutputs.scores`` per layer [1, H_kv, P] float32 (host), 0 outside [start, end). The buffer's count of
+        tokens is left as it was: the caller cuts the pass's entries off again (``buffer.lengths``)."""
+        if not isinstance(buffer, TorchPrefillBuffer):
+            raise EngineError("reread_buffer: not a prefill buffer of the torch backend (new_prefill_buffer)")
+        sinks, start, end, context = (int(x) for x in np.asarray(score_range).reshape(-1))
+        past = int(buffer.lengths[0].max())  # the prompt's entries, then the pass's earlier runs' (every head alike)
+        scores = []
+
+        def score(i, q, keys):
+            layer = torch.zeros(1, self.kv_heads, past, dtype=torch.float32, device=self.device)
+            layer[:, :, start:end] = reread_scores(q, keys, past, sinks, start, end, self.decoder.scaling[i], context)
+            scores.append(layer.cpu().numpy())
+
+        used = np.full(self.num_layers, past, np.int64)
+        out = self._extend(buffer.keys, buffer.values, buffer.lengths, used, token_ids, positions, True,
+                           after_attention=score)
+        out.scores = scores
         return out
 
     def join_window_queries(self, old: list, new: list, window: int) -> list:
@@ -534,26 +597,38 @@ class TorchBackend(BuiltShapes):
     def select(self, buffer: PrefillBuffer, window_queries: list, kv_budget: int | None = None,
                scores: list | None = None, context: bool = False) -> PrefillOutputs:
         """The selection over the prompt in ``buffer`` (per layer its last min(window, n) queries [1, H, w, d_h]):
-        the outputs of ``prefill`` for ``load_row`` (no logits: the last chunk's extend gave them). No ``scores`` and
-        no separate ``context`` policy (``KVZIP_REFUSAL``): a torch engine selects contexts with its own policy."""
-        if scores is not None or context:
-            raise EngineError(KVZIP_REFUSAL)
+        the outputs of ``prefill`` for ``load_row`` (no logits: the last chunk's extend gave them). ``scores``: per layer
+        [1, H_kv, n], the scores of a policy whose method scores prompts apart; ``context``: with the engine's context
+        policy (its capacities) instead of its own."""
+        policy, capacities = self.policy, self.selection_capacities
+        if context:
+            if self.context_policy is None:
+                raise EngineError(f"{self.folder}: the engine has no context policy of its own (select with context=False)")
+            policy, capacities = self.context_policy, self.context_capacities
         if not isinstance(buffer, TorchPrefillBuffer):
             raise EngineError("select: not a prefill buffer of the torch backend (new_prefill_buffer)")
         n = buffer.tokens
         if n < 1:
             raise EngineError("select: the prefill buffer holds no tokens (extend it first)")
         start = time.perf_counter()
-        window = min(self.policy.window, n)
+        window = min(policy.window, n)
         queries = [torch.as_tensor(q, device=self.device).to(self.dtype)[:, :, -window:] for q in window_queries]
         layers = [(q, k[:, :, :n], v[:, :, :n]) for q, k, v in zip(queries, buffer.keys, buffer.values)]
+        given = None if scores is None else [torch.as_tensor(np.asarray(x), device=self.device).float() for x in scores]
         clock = SelectionClock(self.device)
-        if self.model_level:
-            selected = clock(lambda: self._select_model(layers, None, kv_budget))
+        if self._model_level(policy):
+            selected = clock(lambda: self._select_model(layers, None, kv_budget, policy, capacities, given))
         else:
             budget = self._budget(kv_budget)
-            selected = [clock(lambda: self._select(i, q, k, v, None, budget)) for i, (q, k, v) in enumerate(layers)]
+            selected = [clock(lambda: self._select(i, q, k, v, None, budget, policy, capacities,
+                                                   None if given is None else given[i]))
+                        for i, (q, k, v) in enumerate(layers)]
         return self._outputs(None, selected, start, clock)
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on this backend's device (a no-op on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         self._graphs.clear()
