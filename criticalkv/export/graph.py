@@ -133,6 +133,11 @@ class GraphBuilder:
     def graph(self, name: str, inputs: list[onnx.ValueInfoProto], outputs: list[onnx.ValueInfoProto], initializers=()) -> onnx.GraphProto:
         return helper.make_graph(self.nodes, name, inputs, outputs, initializer=list(initializers))
 
+    @staticmethod
+    def value_info(name: str, elem_type: int, shape: list[Any] | None) -> onnx.ValueInfoProto:
+        """``value_info`` for code given only a builder (a method's Loop body, ``criticalkv.methods``)."""
+        return value_info(name, elem_type, shape)
+
 
 def value_info(name: str, elem_type: int, shape: list[Any] | None) -> onnx.ValueInfoProto:
     """``make_tensor_value_info`` (shape None: rank unknown)."""

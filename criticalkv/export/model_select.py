@@ -15,11 +15,10 @@ no layer can decide alone what it keeps. The ONNX Runtime prefill graph expresse
   ``prompt_lengths``, ``kv_budget``. Attributes: the knobs, ``num_layers`` and ``capacities`` (ints, per layer).
   Body, for a prompt longer than the request's budget b (an ``If``; otherwise every layer keeps it whole):
   the rankings concatenated over layers [B, L * H_kv, m]; r = min(valid older tokens, b - window); the method's
-  ``onnx_model_allocate`` (``layer-defensivekv``: the per-head floor f from an export-time table, ``head_floor``; with
-  ``head_cap_ratio`` set, each head's entries beyond its own top ``head_cap(ratio, b) - window`` dropped, so the walk
-  down the model-wide ranking skips a full head; then every head keeps its own top f and the model's remaining
-  L * H_kv * (r - f) slots go to the top of the flattened ranking, ties to the lower flattened index: lower layer,
-  then head, then position), the window of every head kept. The mask is split per layer and step 7 (``emit_kept``)
+  ``onnx_model_allocate`` (``layer-defensivekv``: the per-head floor f from an export-time table, ``head_floor``; every
+  head keeps its own top f and the model's remaining L * H_kv * (r - f) slots go to the top of the flattened ranking,
+  ties to the lower flattened index: lower layer, then head, then position; with ``head_cap_ratio`` set, the nested
+  capped allocation, a ``Loop`` over the levels 1 .. r: ``onnx_nested_capped_mask``), the window of every head kept. The mask is split per layer and step 7 (``emit_kept``)
   writes ``present.{l}.key/value/lengths/indices`` at each layer's static capacity.
 
 Top-k is ``_Body.topk_mask``: ``TopK`` supplies only the k-th largest value, ties resolved by an exclusive

@@ -38,8 +38,8 @@ queries j and older tokens i (m = n - w of them):
 ``layer-defensivekv`` shares the budget across **all layers and heads** of the model (the reference's
 ``EfficientAdaGlobalScorerPress``: top entries over every layer's flattened scores after the last layer's
 prefill); floors and window stay per head. ``head_cap_ratio`` (0 = off, the reference) caps what one head keeps at
-that multiple of the budget (window included): the greedy walk down the model-wide ranking then skips a full head's
-entries, which is the top of the ranking restricted to each head's first ``cap - window`` entries. The cap bounds the
+that multiple of the budget (window included), with an allocation nested in the budget (``nested_capped_mask``: a
+larger budget keeps a superset of a smaller one's set on the same scores). The cap bounds the
 per-layer decode buffers of an exported engine (an uncapped head may keep its whole prompt). It is a model-level method: ``criticalkv.selection.select_model``
 selects it; ``select_layer`` alone only for a one-layer model.
 
@@ -54,9 +54,9 @@ import numpy as np
 
 from criticalkv.methods.adakv import AdaKV, head_floors, onnx_shared_allocation_mask, shared_allocation_mask
 from criticalkv.methods.base import Allocation
-from criticalkv.methods.budget import head_cap
+from criticalkv.methods.budget import head_cap, head_floor
 from criticalkv.methods.lazy import torch
-from criticalkv.methods.topk import topk_mask
+from criticalkv.methods.topk import canonical_scores, topk_mask
 
 #: Offset that ranks stage-1 tokens above every other (defensive scores lie in [0, 1]).
 STAGE1_OFFSET = 2.0
@@ -264,21 +264,105 @@ class LayerDefensiveKV(DefensiveKV):
 
     def model_allocate(self, policy, ranking, eligible, r):
         """Each head its own top floor, the other L * H_kv * (r - floor) slots over the flattened ranking (ties: lower
-        layer, head, position), a head never beyond ``head_cap_ratio``'s cap."""
-        floor = head_floors(policy, r)
-        cap = older_cap(policy)
-        if cap is not None:  # a full head is skipped: only each head's own top ``cap`` may be taken (cap >= r >= floor)
-            eligible = topk_mask(ranking, torch.clamp(eligible.sum(-1), max=cap), eligible)
-        return shared_allocation_mask(ranking, r, floor, eligible)
+        layer, head, position); with ``head_cap_ratio``, the nested capped allocation (``nested_capped_mask``)."""
+        if older_cap(policy) is not None:
+            return nested_capped_mask(policy, ranking, eligible, r)
+        return shared_allocation_mask(ranking, r, head_floors(policy, r), eligible)
 
     def onnx_model_allocate(self, body, g, ranking, eligible, r, budget):
-        p = body.policy
-        floor = body.head_floor(g, r)
-        if p.head_cap_ratio:
-            cap = g.Gather(g.const(older_cap_table(p), hint="older_cap_table"), g.Sub(budget, g.scalar(p.window)))
-            count = g.ReduceSum(g.Cast(eligible, to=g.INT64), g.i64(2), keepdims=0)  # [B, L * H_kv]
-            eligible = body.topk_mask(g, ranking, g.Min(count, cap), eligible)
-        return onnx_shared_allocation_mask(body, g, ranking, r, floor, eligible)
+        if body.policy.head_cap_ratio:
+            return onnx_nested_capped_mask(body, g, ranking, eligible, r)
+        return onnx_shared_allocation_mask(body, g, ranking, r, body.head_floor(g, r), eligible)
+
+
+def level_caps(policy, levels: int) -> list[int]:
+    """``older_cap`` at every average share t = 1 .. ``levels`` (budget t + window): what a head may hold once the
+    nested allocation has reached level t."""
+    return [head_cap(policy.head_cap_ratio, t + policy.window) - policy.window for t in range(1, levels + 1)]
+
+
+def nested_capped_mask(policy, ranking, eligible, r):
+    """The model-level allocation under ``head_cap_ratio``, nested in the budget: [B, N, m] bool.
+
+    The greedy walk down the ranking that skips a head once it holds ``older_cap`` entries is not monotone in the
+    budget: raising the budget raises the cap, the strongest heads take the entries the cap had left to the others,
+    and a larger budget can keep a set that misses entries a smaller one kept (issue 39: needles kept at 256 entries
+    and lost at 512). Here the allocation grows one level at a time instead: at level t = 1 .. r (the budget
+    t + window), every head first keeps its own top ``head_floor(ada_floor, t)``, then the set grows to N * t entries
+    by the highest-ranked entries not kept yet among each head's top ``older_cap`` at budget t + window. So the set at
+    r contains the set at every smaller share (nested by construction), each head holds at most the cap of its
+    budget, and with no head at its cap on the way it is exactly the greedy walk (the ranking's top N * r with the
+    floors: ``shared_allocation_mask``).
+
+    Within a head the kept entries are always its top-ranked ones, so the state of the walk is one count per head:
+    level t takes the best N * t - sum(counts) of a window of the N next entries of every head (each head's sorted
+    ranking, ties to the lower position; across heads to the lower head, the flattened ranking's rule).
+    ``ranking``, ``eligible``: [B, N, m] (N = L * H_kv heads, layer-major); r [B] int64. Cost: r steps on [B, N, N].
+    """
+    batch, heads, m = ranking.shape
+    levels = int(r.max()) if r.numel() else 0
+    if levels <= 0:
+        return torch.zeros_like(eligible)
+    masked = canonical_scores(ranking).masked_fill(~eligible, float("-inf"))
+    ordered = torch.sort(masked, dim=-1, descending=True, stable=True).values  # [B, N, m], each head's ranking
+    available = eligible.sum(-1)  # [B, N]
+    counts = torch.zeros(batch, heads, dtype=torch.int64, device=ranking.device)
+    window = torch.arange(heads, device=ranking.device)  # a level adds at most N entries (floors included)
+    caps = level_caps(policy, levels)
+    for t in range(1, levels + 1):
+        active = (t <= r)[:, None]  # [B, 1]: a sequence stops at its own r
+        limit = torch.minimum(available, torch.tensor(caps[t - 1], device=ranking.device))
+        floor = torch.minimum(available, torch.tensor(head_floor(policy.ada_floor, t), device=ranking.device))
+        counts = torch.where(active, torch.maximum(counts, floor), counts)
+        need = torch.clamp(heads * t - counts.sum(-1), min=0) * active[:, 0]  # [B]
+        at = counts[..., None] + window  # [B, N, N]: every head's next entries
+        room = window < (limit - counts)[..., None]
+        values = ordered.gather(-1, at.clamp(max=m - 1)).masked_fill(~room, float("-inf"))
+        take = topk_mask(values.reshape(batch, -1), need, room.reshape(batch, -1)).reshape(batch, heads, heads)
+        counts = counts + take.sum(-1)
+    return topk_mask(ranking, counts, eligible)
+
+
+def onnx_nested_capped_mask(body, g, ranking: str, eligible: str, r: str) -> str:
+    """``nested_capped_mask`` in the body: a ``Loop`` over the levels t = 1 .. max(r) carrying each head's count [B, N],
+    the caps and floors of every level from export-time tables (``level_caps``, the floor table), the window of each
+    head's next N entries gathered from its sorted ranking; then every head keeps its top count."""
+    p = body.policy
+    heads = body.kv_heads  # the model's L * H_kv heads (model_select's _Body)
+    r_max = max(p.budget - p.window, 0)
+    caps = g.const(np.array([0] + level_caps(p, r_max), dtype=np.int64), hint="level_cap_table")
+    masked = g.Where(eligible, ranking, g.const(-np.inf, np.float32))
+    m = g.shape_of(ranking, 2, 3)
+    ordered = g.op("TopK", masked, m, outputs=2, axis=2, largest=1, sorted=1)[0]  # [B, N, m]: each head's ranking
+    available = g.ReduceSum(g.Cast(eligible, to=g.INT64), g.i64(2), keepdims=0)  # [B, N]
+    window = g.Range(g.scalar(0), g.scalar(heads), g.scalar(1))  # [N]
+    last = g.Sub(m, g.i64(1))
+    levels = g.ReduceMax(r, keepdims=0)
+    counts0 = g.Mul(available, g.scalar(0))
+
+    b = g.child()
+    step, cond_in, counts = b.fresh("level"), b.fresh("cond_in"), b.fresh("counts")
+    t = b.Add(step, b.scalar(1))
+    active = b.unsqueeze(b.LessOrEqual(t, r), 1)  # [B, 1]: a sequence stops at its own r
+    limit = b.Min(available, b.Gather(caps, t))
+    floor = b.Min(available, body.head_floor(b, t))
+    counts1 = b.Where(active, b.Max(counts, floor), counts)
+    need = b.Max(b.Sub(b.Mul(t, b.scalar(heads)), b.ReduceSum(counts1, b.i64(1), keepdims=0)), b.scalar(0))
+    need = b.Mul(need, b.Cast(b.squeeze(active, 1), to=b.INT64))  # [B]
+    at = b.Min(b.Add(b.unsqueeze(counts1, 2), window), last)  # [B, N, N]: every head's next entries
+    room = b.Less(window, b.unsqueeze(b.Sub(limit, counts1), 2))
+    values = b.Where(room, b.GatherElements(ordered, at, axis=2), b.const(-np.inf, np.float32))
+    flat = b.concat(b.shape_of(values, 0, 1), b.i64(-1))
+    take = body.topk_mask(b, b.Reshape(values, flat), need, b.Reshape(room, flat), rank=2)
+    taken = b.ReduceSum(b.Cast(b.Reshape(take, b.Shape(values)), to=b.INT64), b.i64(2), keepdims=0)
+    counts2 = b.Add(counts1, taken)
+    cond_out = b.Identity(b.const(True, np.bool_, hint="cond_out"))
+    loop_body = b.graph("nested_allocation_level",
+                        [g.value_info(step, g.INT64, []), g.value_info(cond_in, g.BOOL, []),
+                         g.value_info(counts, g.INT64, None)],
+                        [g.value_info(cond_out, g.BOOL, []), g.value_info(counts2, g.INT64, None)])
+    final = g.op("Loop", levels, "", counts0, body=loop_body, hint="nested_counts")
+    return body.topk_mask(g, ranking, final, eligible)
 
 
 def older_cap(policy) -> int | None:
@@ -286,14 +370,6 @@ def older_cap(policy) -> int | None:
     n > budget >= window, so its whole window); None when the cap is off. At least r = budget - window."""
     cap = head_cap(policy.head_cap_ratio, policy.budget)
     return None if cap == 0 else cap - policy.window
-
-
-def older_cap_table(policy) -> np.ndarray:
-    """int64 [budget - window + 1]: ``older_cap`` at every request budget b = window .. budget (index b - window), the
-    ONNX body's lookup table (-1 everywhere when the cap is off; the body reads it only when it is on)."""
-    caps = [head_cap(policy.head_cap_ratio, b) - policy.window if policy.head_cap_ratio else -1
-            for b in range(policy.window, policy.budget + 1)]
-    return np.array(caps, dtype=np.int64)
 
 
 METHOD = DefensiveKV()

@@ -222,8 +222,8 @@ def select_model(
     A model-level method (``layer-defensivekv``) ranks the older tokens of every layer and head together: each
     head keeps its stage-1 tokens and its floor, and the model's L * H_kv * r remaining slots go to the highest
     ranks over all layers (the window of every head kept), so the kept total is L * H_kv * budget per sequence.
-    With ``head_cap_ratio`` set, a head keeps at most ``head_cap(head_cap_ratio, budget)`` entries (window included):
-    the walk down the model-wide ranking skips the entries of a full head.
+    With ``head_cap_ratio`` set, a head keeps at most ``head_cap(head_cap_ratio, budget)`` entries (window included),
+    the allocation nested in the budget (``criticalkv.methods.defensivekv.nested_capped_mask``).
     """
     if not policy.method.base.model_level or len(layers) == 1:
         return [
