@@ -115,6 +115,7 @@ class ExpectedAttention(BaseMethod):
     pools = False
     needs_rotation = True
     native = False
+    kernels = False
     cpp_refusal = ("reads RoPE's rotation averaged over the next future_positions positions, an input the "
                    "CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime")
 

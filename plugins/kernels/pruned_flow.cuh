@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kPlanThreads) prunedPlanKernel(PrunedFlowArgs 
         first = stage1Count(a.config.alphaMicros, count);
         int64_t const k = count - first;
         // stage 1 marks min(first, valid) of the valid tokens (every flag is 0 before it): the rest are eligible
-        int64_t const valid = m > info.validStart ? m - info.validStart : 0;
+        int64_t const valid = m > info.candidateStart ? m - info.candidateStart : 0;
         int64_t const eligible = valid - (first <= 0 ? 0 : (first < valid ? first : valid));
         if (k > 0 && k >= eligible)
         {
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kPlanThreads) prunedPlanKernel(PrunedFlowArgs 
     }
     a.plan.next[row] = rounds[0];
     a.plan.keep[row] = state.active ? state.k : 0;
-    a.plan.firstValid[row] = info.validStart;
+    a.plan.firstValid[row] = info.candidateStart;
     a.plan.following[row] = orderedKey(-INFINITY);
     a.plan.clearing[row] = 0u;
 }

@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kPlanThreads) headPlanKernel(SelectionRows a)
     HeadStageCounts const counts = headStageCounts(a.config, count);
     a.plan.headFirst[row] = info.compress ? counts.first : 0;
     a.plan.headSecond[row] = info.compress ? counts.second : 0;
-    a.plan.headFirstValid[row] = info.validStart;
+    a.plan.headFirstValid[row] = info.candidateStart;
 }
 
 //! Shared allocation: every head's floor and every sequence's layer-wide rest. grid (ceil(B H_kv / kPlanThreads)).
@@ -66,11 +66,11 @@ __global__ void __launch_bounds__(kPlanThreads) sharedPlanKernel(SelectionRows a
     SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
     SharedCounts const counts = sharedCounts(a.config, a.shape.kvHeads, info.r);
     a.plan.headFirst[row] = info.compress ? counts.floor : 0;
-    a.plan.headFirstValid[row] = info.validStart;
+    a.plan.headFirstValid[row] = info.candidateStart;
     if (g == 0)
     {
         a.plan.layerRest[b] = info.compress ? counts.rest : 0;
-        a.plan.layerFirstValid[b] = info.validStart;
+        a.plan.layerFirstValid[b] = info.candidateStart;
     }
 }
 
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kPlanThreads) defensivePlanKernel(SelectionRow
     a.plan.limits[row] = info.compress
         ? stage1Limit(a.config, totals + static_cast<int64_t>(b) * a.shape.kvHeads, a.shape.kvHeads)
         : 0.0F;
-    a.plan.headFirstValid[row] = info.validStart;
+    a.plan.headFirstValid[row] = info.candidateStart;
 }
 
 //! defensivekv: stage 1 keeps the mass count, at most r. grid as the plans.
