@@ -38,27 +38,8 @@ constexpr uint8_t kModelCandidate = 1;
 
 static_assert(kModelThreads == kRadixBins, "the sort's digit steps give one thread per digit");
 
-//! What the model-level allocation reads and writes. rows: the model's rows (shape: modelRows, kvHeads = N; config:
-//! the policy with keptSinks 0; flags [B, N, m]; plan: B N rows, its scratch the top-k's).
-struct ModelArgs
-{
-    SelectionRows rows;
-    float const* ranking;       //!< [B, N, m]
-    float const* attention;     //!< [B, N, m] the base's score (CriticalKV's refinement), else nullptr
-    float const* critical;      //!< [B, N, m] the critical score (CriticalKV's refinement), else nullptr
-    int32_t* counts;            //!< [B, N] each head's count (head cap)
-    uint32_t* sortKeys[2];      //!< [B, N, sortStride] ping-pong: each head's candidates' keys, best first (in [1])
-    int32_t* sortPositions[2];  //!< [B, N, sortStride] their positions
-    int32_t sortStride;         //!< >= every head's candidates (modelSortStride)
-};
 
-//! A host bound of every head's candidates under a head cap: min(m, levelCap(budget - window)) at the built budget.
-inline int32_t modelSortStride(SelectConfig const& config, int32_t m)
-{
-    int64_t const r = config.budget - config.window;
-    int64_t const cap = modelCapped(config) ? levelCap(config.headCapMicros, config.window, r) : 0;
-    return static_cast<int32_t>(cap < m ? (cap > 0 ? cap : 0) : m);
-}
+
 
 //! The block reductions' scratch.
 struct ModelReduceSmem
@@ -511,15 +492,7 @@ __host__ bool runModelAllocation(ModelArgs const& a, Launcher& launch)
 //! One layer's external scores (kvzip: [B, H_kv, n]) as every query head's raw attention [B, H, m], unpooled: the
 //! group scores then average the group's copies as the reference does. Uncompressed sequences are skipped.
 //! grid (ceil(m / kPlanThreads), H, B).
-struct ExternalRawArgs
-{
-    SelectConfig config;
-    SelectShape shape;
-    int32_t const* promptLengths;
-    RuntimeBudget budget;
-    float const* scores; //!< [B, H_kv, n]
-    float* raw;          //!< [B, H, m]
-};
+
 
 __global__ void __launch_bounds__(kPlanThreads) externalRawKernel(ExternalRawArgs a)
 {
@@ -538,15 +511,7 @@ __global__ void __launch_bounds__(kPlanThreads) externalRawKernel(ExternalRawArg
 
 //! layer-kvzip's ranking of one layer: the group score with the sinks first (sinkRanking). attention, ranking:
 //! [B, H_kv, m]. grid (ceil(m / kPlanThreads), H_kv, B).
-struct SinkRankingArgs
-{
-    SelectConfig config;
-    SelectShape shape;
-    int32_t const* promptLengths;
-    RuntimeBudget budget;
-    float const* attention;
-    float* ranking;
-};
+
 
 __global__ void __launch_bounds__(kPlanThreads) sinkRankingKernel(SinkRankingArgs a)
 {

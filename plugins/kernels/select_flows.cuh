@@ -221,9 +221,10 @@ __host__ bool runSelection(SelectionArgs const& a, Launcher& launch)
     return runHeadStage(a, launch);
 }
 
-//! defensivekv (selectDefensive): stage 1 by mass per head, the ranking, then the shared allocation on it.
+//! defensivekv's ranking (rankDefensive): stage 1 by mass per head, then the defensive score with the stage-1 tokens
+//! first into a.ranking, the flags cleared (layer-defensivekv's part of the model-wide ranking: this alone).
 template <typename Launcher>
-__host__ bool runDefensiveSelection(DefensiveSelectionArgs const& a, Launcher& launch)
+__host__ bool runDefensiveRanking(DefensiveSelectionArgs const& a, Launcher& launch)
 {
     SelectionRows const& r = a.rows;
     int32_t const m = r.shape.n - windowLength(r.config, r.shape.n);
@@ -243,7 +244,14 @@ __host__ bool runDefensiveSelection(DefensiveSelectionArgs const& a, Launcher& l
         Grid3{static_cast<uint32_t>((length + kPlanThreads - 1) / kPlanThreads), static_cast<uint32_t>(r.shape.batch),
             1},
         kPlanThreads, a);
-    return runSharedAllocation(r, a.ranking, launch);
+    return true;
+}
+
+//! defensivekv (selectDefensive): its ranking (runDefensiveRanking), then the shared allocation on it.
+template <typename Launcher>
+__host__ bool runDefensiveSelection(DefensiveSelectionArgs const& a, Launcher& launch)
+{
+    return runDefensiveRanking(a, launch) && runSharedAllocation(a.rows, a.ranking, launch);
 }
 
 } // namespace criticalkv::kernels

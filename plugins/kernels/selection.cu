@@ -10,6 +10,7 @@
 #include "criticalkv/kernels.h"
 #include "device_utils.cuh"
 #include "flow_launch.cuh"
+#include "model_level.cuh"
 #include "select_flows.cuh"
 #include "selection.cuh"
 
@@ -237,6 +238,54 @@ cudaError_t launchDefensiveSelection(DefensiveSelectionArgs const& a, cudaStream
 {
     FlowLaunch launch{a.rows.plan.scratch, a.rows.plan.scratchBytes, stream};
     bool const accepted = runDefensiveSelection(a, launch);
+    return launch.finish(accepted);
+}
+
+cudaError_t launchDefensiveRanking(DefensiveSelectionArgs const& a, cudaStream_t stream)
+{
+    FlowLaunch launch{a.rows.plan.scratch, a.rows.plan.scratchBytes, stream};
+    bool const accepted = runDefensiveRanking(a, launch);
+    return launch.finish(accepted);
+}
+
+
+cudaError_t launchExternalRaw(ExternalRawArgs const& a, cudaStream_t stream)
+{
+    int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
+    if (m <= 0)
+    {
+        return cudaSuccess;
+    }
+    dim3 const grid(static_cast<uint32_t>((m + kPlanThreads - 1) / kPlanThreads), static_cast<uint32_t>(a.shape.heads),
+        static_cast<uint32_t>(a.shape.batch));
+    externalRawKernel<<<grid, kPlanThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+}
+
+cudaError_t launchSinkRanking(SinkRankingArgs const& a, cudaStream_t stream)
+{
+    int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
+    if (m <= 0)
+    {
+        return cudaSuccess;
+    }
+    dim3 const grid(static_cast<uint32_t>((m + kPlanThreads - 1) / kPlanThreads),
+        static_cast<uint32_t>(a.shape.kvHeads), static_cast<uint32_t>(a.shape.batch));
+    sinkRankingKernel<<<grid, kPlanThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+}
+
+cudaError_t launchMarkKeptSinks(SelectionRows const& a, cudaStream_t stream)
+{
+    dim3 const grid(static_cast<uint32_t>(a.shape.kvHeads), static_cast<uint32_t>(a.shape.batch));
+    markKeptSinksKernel<<<grid, kPlanThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+}
+
+cudaError_t launchModelAllocation(ModelArgs const& a, cudaStream_t stream)
+{
+    FlowLaunch launch{a.rows.plan.scratch, a.rows.plan.scratchBytes, stream};
+    bool const accepted = runModelAllocation(a, launch);
     return launch.finish(accepted);
 }
 

@@ -58,6 +58,17 @@ cudaError_t launchSelection(SelectionArgs const& a, cudaStream_t stream);
 cudaError_t launchSharedAllocation(SelectionArgs const& a, cudaStream_t stream);
 //! defensivekv's selection (select_flows.cuh: runDefensiveSelection).
 cudaError_t launchDefensiveSelection(DefensiveSelectionArgs const& a, cudaStream_t stream);
+//! defensivekv's ranking alone (select_flows.cuh: runDefensiveRanking; layer-defensivekv's per-layer part).
+cudaError_t launchDefensiveRanking(DefensiveSelectionArgs const& a, cudaStream_t stream);
+//! A kvzip layer's external scores as every query head's raw attention (model_level.cuh: externalRawKernel; the
+//! kernels of this and the next three launchers are model_level.cuh's).
+cudaError_t launchExternalRaw(ExternalRawArgs const& a, cudaStream_t stream);
+//! layer-kvzip's ranking: the group score with the sinks first (model_level.cuh: sinkRankingKernel).
+cudaError_t launchSinkRanking(SinkRankingArgs const& a, cudaStream_t stream);
+//! A per-layer kvzip head's kept sinks flagged before its compaction (model_level.cuh: markKeptSinksKernel).
+cudaError_t launchMarkKeptSinks(SelectionRows const& a, cudaStream_t stream);
+//! The model-level allocation and refinement (model_level.cuh: runModelAllocation).
+cudaError_t launchModelAllocation(ModelArgs const& a, cudaStream_t stream);
 cudaError_t launchCompact(CompactArgs const& a, cudaStream_t stream);
 cudaError_t launchGather(GatherArgs const& a, cudaStream_t stream);
 

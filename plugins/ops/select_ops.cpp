@@ -94,7 +94,7 @@ int32_t selectLayer(CkvField const* fields, int32_t count, int32_t const* shape,
             return 1;
         }
         SelectTensors const t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, kvBudget, keptKeys,
-            keptValues, keptLengths, keptIndices, prunedTerms};
+            keptValues, keptLengths, keptIndices, prunedTerms, nullptr};
         cudaError_t const status = launchCriticalKVSelect(config, budgetTable(policy), s, t, workspace,
             static_cast<size_t>(workspaceBytes), static_cast<cudaStream_t>(stream));
         if (status != cudaSuccess)

@@ -93,7 +93,7 @@ extern "C"
             SelectConfig const config = makeSelectConfig(policy);
             SelectShape const s = toShape(shape);
             SelectTensors t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, kvBudget, keptKeys,
-                keptValues, keptLengths, keptIndices, nullptr};
+                keptValues, keptLengths, keptIndices, nullptr, nullptr};
             size_t const bytes = workspaceLayout(config, s).total;
             DeviceBuffer workspace;
             DeviceBuffer terms;
@@ -156,7 +156,7 @@ extern "C"
                 return -1;
             }
             SelectTensors t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, kvBudget, keptKeys,
-                keptValues, keptLengths, keptIndices, nullptr};
+                keptValues, keptLengths, keptIndices, nullptr, nullptr};
             return static_cast<int32_t>(launchCriticalKVSelect(makeSelectConfig(policy), budgetTable(policy), toShape(shape), t, workspace,
                 static_cast<size_t>(workspaceBytes), static_cast<cudaStream_t>(stream)));
         }

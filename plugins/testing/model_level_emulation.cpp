@@ -99,7 +99,7 @@ int main(int argc, char** argv)
     std::vector<int64_t> planStore(selectionPlanBytes(B, N) / sizeof(int64_t) + 1, -7);
     size_t const scratchBytes = selectionScratchBytes(B, N, m, true, false);
     std::vector<unsigned char> scratch(scratchBytes + 1, 0xa5);
-    int32_t const stride = kernels::modelSortStride(config, m);
+    int32_t const stride = modelSortStride(config, m);
     size_t const sorted = static_cast<size_t>(B) * N * (stride > 0 ? stride : 1);
     std::vector<uint32_t> keys0(sorted, 0xdeadbeefu), keys1(sorted, 0xdeadbeefu);
     std::vector<int32_t> positions0(sorted, -5), positions1(sorted, -5), counts(static_cast<size_t>(B) * N, -3);

@@ -144,7 +144,7 @@ int runCase(PolicyConfig const& policy, DriverShape const& shape, DType dtype, s
             {
                 continue; // one run with the given terms
             }
-            SelectTensors const t{dtype, q, k, v, o, len, budget, kk, kv, keptLengths, keptIndices, given};
+            SelectTensors const t{dtype, q, k, v, o, len, budget, kk, kv, keptLengths, keptIndices, given, nullptr};
             CHECK_CUDA(launchCriticalKVSelect(config, budgetTable(policy), s, t, workspace, bytes, nullptr));
             CHECK_CUDA(cudaDeviceSynchronize());
         }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "criticalkv/methods.h"
+#include "criticalkv/model_level.h"
 #include "criticalkv/pruned_stage2.h" // PrunedHeadState
 #include "criticalkv/selection_plan.h"
 
@@ -31,6 +32,8 @@ struct SelectTensors
     void const* prunedTerms;      //!< or nullptr: the pruned stage 2's weights-only bound terms of this o_proj, filled
                                   //!< by launchPrunedTerms (same dtype, H, d_h, hidden) and reused instead of
                                   //!< recomputed (CriticalKV with value_norm=l1 only; ignored otherwise)
+    float const* scores;          //!< [B, H_kv, n] fp32: the external scores of a kvzip policy (externalScores: required),
+                                  //!< else nullptr
 };
 
 //! Byte offsets of the scratch buffers inside the workspace (each 256-byte aligned).
@@ -156,6 +159,80 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
 //! shapes it does not support (see plugins/README.md) or a workspace smaller than workspaceLayout().total.
 cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape,
     SelectTensors const& tensors, void* workspace, size_t workspaceBytes, cudaStream_t stream);
+
+//! One layer's part of a model-level selection (model_level.h): the inputs of launchCriticalKVSelect, and its ranking
+//! of the older tokens, with the base's and the critical scores for CriticalKV's refinement (each [B, H_kv, m] fp32,
+//! m = n - min(window, n); attention / critical may be nullptr when not needed; zeros for sequences kept whole).
+struct LayerRankingTensors
+{
+    DType dtype;
+    void const* queries;
+    void const* keys;
+    void const* values;
+    void const* oProj;
+    int32_t const* promptLengths;
+    int32_t const* kvBudget;
+    float const* scores; //!< [B, H_kv, n] (layer-kvzip pair: required), else nullptr
+    float* ranking;
+    float* attention;
+    float* critical;
+};
+
+//! One layer's ranking for the model-level selection, in launchCriticalKVSelect's workspace (workspaceLayout of the
+//! same config and shape): layer-defensivekv's defensive score with the stage-1 tokens first (its window attention,
+//! exact value norms, stage 1 by mass: the per-layer flow up to its shared allocation), or the kvzip pair's group score
+//! of the external scores with the sinks first (and its critical score with exact norms). Asynchronous, no
+//! allocation; the caller keeps every layer's ranking until the last layer (launchModelSelect).
+cudaError_t launchLayerRanking(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape,
+    LayerRankingTensors const& tensors, void* workspace, size_t workspaceBytes, cudaStream_t stream);
+
+//! One layer's tensors of a model-level selection: its full keys and values, its outputs (capacity: its own).
+struct ModelLayerTensors
+{
+    void const* keys;     //!< [B, H_kv, n, d_h]
+    void const* values;   //!< [B, H_kv, n, d_h]
+    void* keptKeys;       //!< [B, H_kv, cap, d_h], cap = min(n, capacity)
+    void* keptValues;     //!< [B, H_kv, cap, d_h]
+    int32_t* keptLengths; //!< [B, H_kv]
+    int32_t* keptIndices; //!< [B, H_kv, cap]
+    int32_t capacity;
+};
+
+//! The inputs of launchModelSelect: every layer's ranking (and scores) concatenated layer-major, [B, L H_kv, m] fp32.
+struct ModelSelectTensors
+{
+    DType dtype;
+    int32_t const* promptLengths;
+    int32_t const* kvBudget;
+    float const* ranking;
+    float const* attention; //!< CriticalKV's refinement (layer-kvzip-criticalkv), else nullptr
+    float const* critical;  //!< idem
+    ModelLayerTensors const* layers; //!< host array of L
+};
+
+//! Byte offsets of launchModelSelect's scratch (each 256-byte aligned).
+struct ModelWorkspaceLayout
+{
+    size_t flags;        //!< uint8 [B, N, m]
+    size_t plan;         //!< selectionPlanBytes(B, N)
+    size_t counts;       //!< int32 [B, N] (head cap)
+    size_t sortKeys[2];  //!< uint32 [B, N, sortStride] (head cap)
+    size_t sortPositions[2];
+    size_t layerFlags;   //!< uint8 [B, H_kv, m]: one layer's rows for its compaction
+    size_t topK;         //!< the top-k calls' scratch
+    size_t total;
+    int32_t sortStride;
+};
+
+//! Scratch layout of launchModelSelect; non-decreasing in every dimension.
+ModelWorkspaceLayout modelWorkspaceLayout(SelectConfig const& config, ModelShape const& shape);
+
+//! The model-level selection after the last layer (kernels/model_level.cuh, model_level.h): the allocation of the
+//! model's budget over every head of every layer, CriticalKV's refinement, then each layer's compaction and gather
+//! into its outputs. config: the policy's (modelWide, keptSinks 0; capacity ignored: each layer's own). Returns
+//! cudaErrorInvalidValue for a shape it does not support (a head cap over more than 1,024 heads) or a small workspace.
+cudaError_t launchModelSelect(SelectConfig const& config, ModelShape const& shape, ModelSelectTensors const& tensors,
+    void* workspace, size_t workspaceBytes, cudaStream_t stream);
 
 //! Write r_l = table.values[b - window] of the runtime budget b = clamp(*kvBudget) into *layerBudget (device).
 cudaError_t launchResolveLayerBudget(SelectConfig const& config, BudgetTable const& table, int32_t const* kvBudget,

@@ -83,6 +83,14 @@ CKV_HD int64_t modelCandidates(SelectConfig const& config, int64_t available, in
     return cap < available ? cap : available;
 }
 
+//! A host bound of every head's candidates under a head cap: min(m, levelCap(budget - window)) at the built budget.
+inline int32_t modelSortStride(SelectConfig const& config, int32_t m)
+{
+    int64_t const r = config.budget - config.window;
+    int64_t const cap = modelCapped(config) ? levelCap(config.headCapMicros, config.window, r) : 0;
+    return static_cast<int32_t>(cap < m ? (cap > 0 ? cap : 0) : m);
+}
+
 //! One head at one level: it holds at least `low` entries, and the level may add its next `window` ones.
 struct LevelSpan
 {
