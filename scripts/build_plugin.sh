@@ -6,7 +6,8 @@
 #
 # Environment: TRT_INCLUDE_DIR (headers to use; see the search order below), TENSORRT_ROOT, CKV_CUDA_ARCHS (default "80;90"),
 # BUILD_DIR (default build/plugins), PYTHON (for `pip download`; default .venv/bin/python, else python3),
-# CKV_WERROR (default ON), CKV_BUILD_JOBS (default nproc).
+# CKV_WERROR (default ON), CKV_BUILD_JOBS (default nproc), CKV_TORCH (default ON: the torch ops libcriticalkv_torch.so
+# against $PYTHON's torch, its CUDA registration where that torch has CUDA; OFF: not built).
 # The TensorRT headers are unpacked under build/ and never committed.
 set -euo pipefail
 case "${1:-}" in
@@ -76,14 +77,29 @@ PY
 fi
 echo "TensorRT headers: $TRT_INCLUDE_DIR"
 
+# The torch ops are built against the torch of $PYTHON (its CMake config; the CPU wheel ships the headers): the CPU
+# registration always, the CUDA one where that torch has CUDA.
+TORCH_PREFIX=""
+TORCH_CUDA=OFF
+if [ "${CKV_TORCH:-ON}" != "OFF" ]; then
+    if TORCH_INFO=$("$PYTHON" -c "import torch; print(torch.utils.cmake_prefix_path); print('ON' if torch.version.cuda else 'OFF')" 2>/dev/null); then
+        TORCH_PREFIX=$(echo "$TORCH_INFO" | sed -n 1p)
+        TORCH_CUDA=$(echo "$TORCH_INFO" | sed -n 2p)
+        echo "torch ops: against $TORCH_PREFIX (CUDA registration: $TORCH_CUDA)"
+    else
+        echo "torch ops: $PYTHON has no torch; libcriticalkv_torch.so is not built"
+    fi
+fi
+
 GENERATOR=()
 command -v ninja >/dev/null 2>&1 && GENERATOR=(-G Ninja)
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
     cmake -S plugins -B "$BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
-        -DTRT_INCLUDE_DIR="$TRT_INCLUDE_DIR" -DCKV_CUDA_ARCHS="$CKV_CUDA_ARCHS" -DCKV_WERROR="$CKV_WERROR"
+        -DTRT_INCLUDE_DIR="$TRT_INCLUDE_DIR" -DCKV_CUDA_ARCHS="$CKV_CUDA_ARCHS" -DCKV_WERROR="$CKV_WERROR" \
+        -DCKV_TORCH_PREFIX="$TORCH_PREFIX" -DCKV_TORCH_CUDA="$TORCH_CUDA"
 else
     cmake "$BUILD_DIR" -DTRT_INCLUDE_DIR="$TRT_INCLUDE_DIR" -DCKV_CUDA_ARCHS="$CKV_CUDA_ARCHS" \
-        -DCKV_WERROR="$CKV_WERROR" >/dev/null
+        -DCKV_WERROR="$CKV_WERROR" -DCKV_TORCH_PREFIX="$TORCH_PREFIX" -DCKV_TORCH_CUDA="$TORCH_CUDA" >/dev/null
 fi
 cmake --build "$BUILD_DIR" --parallel "${CKV_BUILD_JOBS:-$(nproc)}"
 echo "built into $BUILD_DIR"
