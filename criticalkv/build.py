@@ -359,7 +359,8 @@ def build_engine(
             log(f"{output} is already built for this model, policy and limits (use --force to rebuild)")
             return output
         if backend == "torch":
-            return _build_torch(output, policy, config, model_name, model_path, request, smoke, log, context)
+            return _build_torch(output, policy, config, model_name, model_path, request, smoke, log, context,
+                                default_context=context_policy == DEFAULT_CONTEXT_POLICY)
         return _build(output, policy, config, model, model_name, model_path, request, smoke, tensorrt, log, context,
                       default_context=context_policy == DEFAULT_CONTEXT_POLICY)
 
@@ -394,13 +395,7 @@ def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | Non
         log(f"loading {model_name} ...")
         hf_model, tokenizer = load_model(model)
         if default_context:
-            try:  # the default's streams: the model's KVzip surrogate
-                context_policy.method.base.streams(context_policy, hf_model)
-            except ValueError:  # the model has none: the re-read's policy instead
-                context_policy = context_policy_for(policy, SURROGATE_FALLBACK)
-                log(f"no KVzip surrogate for {model_name}: contexts are compressed with {SURROGATE_FALLBACK} (KVzip's "
-                    f"re-read) instead of the default's surrogate; `criticalkv train-surrogate --model {model_path}` "
-                    "trains one (about 25 s per training context for a 135M model on 2 CPU cores)")
+            context_policy = _default_context_for(hf_model, policy, context_policy, model_name, model_path, log)
         log(f"exporting {hf_model.config.model_type} ({hf_model.config.num_hidden_layers} layers) with policy "
             f"{policy.name} (budget {policy.budget}) to ONNX, then validating (onnx.checker full check, strict "
             "shape inference, node attributes) ...")
@@ -427,6 +422,19 @@ def _build(output: Path, policy: KVPolicy, config: BuildConfig, model: str | Non
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
+
+
+def _default_context_for(model, policy: KVPolicy, context_policy: KVPolicy, model_name: str, model_path: str,
+                         log: Callable[[str], None]) -> KVPolicy:
+    """The default context policy, or its stand-in for a model its streams cannot serve (no KVzip surrogate)."""
+    try:  # the default's streams: the model's KVzip surrogate
+        context_policy.method.base.streams(context_policy, model)
+        return context_policy
+    except ValueError:  # the model has none: the re-read's policy instead
+        log(f"no KVzip surrogate for {model_name}: contexts are compressed with {SURROGATE_FALLBACK} (KVzip's "
+            f"re-read) instead of the default's surrogate; `criticalkv train-surrogate --model {model_path}` "
+            "trains one (about 25 s per training context for a 135M model on 2 CPU cores)")
+        return context_policy_for(policy, SURROGATE_FALLBACK)
 
 
 # ---------------------------------------------------------------------- the torch backend
@@ -526,7 +534,7 @@ def torch_smoke_test(folder: Path, manifest: dict[str, Any], tokenizer, policy: 
 
 def _build_torch(output: Path, policy: KVPolicy, config: BuildConfig, model_name: str, model_path: str,
                  request: dict[str, Any], smoke: bool, log: Callable[[str], None],
-                 context_policy: KVPolicy | None = None) -> Path:
+                 context_policy: KVPolicy | None = None, default_context: bool = False) -> Path:
     from transformers import AutoTokenizer
 
     tmp = temporary_dir(output.parent, f".{output.name}.building-")
@@ -534,6 +542,8 @@ def _build_torch(output: Path, policy: KVPolicy, config: BuildConfig, model_name
         start = time.perf_counter()
         model = structure_of(model_path)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if default_context:
+            context_policy = _default_context_for(model, policy, context_policy, model_name, model_path, log)
         content = torch_engine_content(model, policy, config, tokenizer, model_name, model_path, context_policy)
         tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
         content["request"] = request

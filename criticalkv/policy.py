@@ -106,7 +106,8 @@ class KVPolicy:
     stage1_mass: float = _knob(0.9, "defensivekv: stage 1 keeps each head's most-attended older tokens while their "
                                "attention mass stays below stage1_mass minus the window's own mass (capped at the head's share)",
                                rules=(Between(0.0, 1.0),))
-    head_cap_ratio: float = _knob(0.0, "layer-defensivekv: most entries one KV head keeps, as a multiple of the budget "
+    head_cap_ratio: float = _knob(0.0, "layer-defensivekv, layer-kvzip (the context cache's default context policy): "
+                                  "most entries one KV head keeps, as a multiple of the budget "
                                   "(window included; 0 = no cap, a head may keep its whole prompt); an engine's per-layer "
                                   "KV buffers hold min(max_input_len, head_cap_ratio × budget) entries per head",
                                   rules=(ZeroOrAtLeast(1.0), Decimals(6)))

@@ -353,7 +353,7 @@ def standalone_selection_s(model, ids: list[int], policy: KVPolicy, sides: dict[
 
     from criticalkv.eval.engine import shared_prefill
     from criticalkv.export.select_function import selection_model
-    from criticalkv.selection import pruned
+    from criticalkv.methods import pruned
 
     captured = shared_prefill(model, torch.tensor([ids]), [policy.window])
     layers, n = captured.num_layers, len(ids)
@@ -365,12 +365,9 @@ def standalone_selection_s(model, ids: list[int], policy: KVPolicy, sides: dict[
                  "prompt_lengths": np.array([n], np.int32)}
         runs = {}
         for side, on in sides.items():
-            previous, pruned.PRUNED = pruned.PRUNED, on
-            try:
+            with pruned.pruning(on):
                 onnx_model = selection_model(policy, o, q.shape[1], k.shape[1], layer_idx=layer, num_layers=layers,
                                              max_prompt_len=n)
-            finally:
-                pruned.PRUNED = previous
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads or 0
             session = ort.InferenceSession(onnx_model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -403,8 +400,8 @@ def compare_unpruned(args, argv: list[str] | None) -> int:
     """Selection time / prefill time with the pruned stage 2 and without, value_norm l1, interleaved repeats."""
     from criticalkv.bench.machine import git_commit, load_average
     from criticalkv.hf import load_model
-    from criticalkv.selection import pruned
-    from criticalkv.selection.pruned import norm_flops
+    from criticalkv.methods import pruned
+    from criticalkv.methods.pruned import norm_flops
 
     command = "criticalkv bench latency " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     info = {"command": command, "machine": machine(), "versions": package_versions(), "ort_threads": args.threads,
@@ -421,13 +418,10 @@ def compare_unpruned(args, argv: list[str] | None) -> int:
     sides = {"pruned": True, "unpruned": False}
     try:
         for side, on in sides.items():
-            previous, pruned.PRUNED = pruned.PRUNED, on  # the function body is generated at export
-            try:
+            with pruned.pruning(on):  # the function body is generated at export
                 for profiled, into in ((True, engines), (False, plain)):
                     into[side] = make_engine(model, tokenizer, policy, BuildConfig(args.prompt_len, 3), workdir,
                                              args.threads, profiled)
-            finally:
-                pruned.PRUNED = previous
         from criticalkv.runtime.profiling import stage2_branches
 
         n = len(ids)

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from criticalkv.selection.pruned import norm_flops
+from criticalkv.methods.pruned import norm_flops
 
 #: (name, layers, query heads, KV heads, head dim, hidden)
 SHAPES = [("SmolLM2-135M", 30, 9, 3, 64, 576), ("Llama-3-8B", 32, 32, 8, 128, 4096)]

@@ -131,11 +131,15 @@ def _common(p: argparse.ArgumentParser, policies: str) -> None:
                    help="torch CPU threads (default: torch's choice; on a shared CPU 1 can be several times faster)")
     p.add_argument("--window", type=int, default=KVPolicy().window,
                    help=f"observation window of every policy (its knobs: in --policies' specs) (default: {KVPolicy().window})")
+    # --kv-policy and --budget (generate's) are refused with what to use instead, not as unknown arguments
+    p.add_argument("--kv-policy", "--budget", dest="single_policy", help=argparse.SUPPRESS)
 
 
 def base_policy_from_args(args) -> KVPolicy:
     """What every policy spec starts from: the default knobs and --window (names, knobs and budgets come from
     --policies / --budgets)."""
+    if args.single_policy is not None:
+        raise ValueError("use --policies and --budgets to choose policies and budgets (not --kv-policy / --budget)")
     return KVPolicy(name="full", window=args.window)
 
 

@@ -20,7 +20,7 @@ from criticalkv.export.llama import (
 from criticalkv.export.model_select import tensorrt_refusal
 from criticalkv.export.quantize import WEIGHT_FORMATS, check_weight_format, quantize_store
 from criticalkv.graphs import FILES
-from criticalkv.methods.phases import BuildPhases
+from criticalkv.methods.phases import REREAD_PROMPT_ROOM, BuildPhases
 from criticalkv.node import DOMAIN, OPSET_VERSION
 from criticalkv.policy import KVPolicy
 from criticalkv.weights import WEIGHTS_FILE
@@ -47,9 +47,6 @@ REREAD_FILE = FILES["reread"]
 #: The same on the fused extend graph (``DecoderGraphBuilder.extend_fused(score=True)``: ONNX Runtime only,
 #: GroupQueryAttention's probabilities), beside the fused prompt graphs when the re-read graph is written
 REREAD_ORT_FILE = FILES["reread_ort"]
-#: Positions beyond 2 x max_input_len the fused re-read graph's RoPE caches hold: a pass's own prompt (kvzip's repeat
-#: prompt: about 20-40 tokens with the chat template's turn markers); a pass reaching further runs the portable graph
-REREAD_PROMPT_ROOM = 256
 TOKENIZER_DIR = "tokenizer"
 #: The policy the serving context cache compresses contexts with unless the build says otherwise
 #: (``criticalkv.build.context_policy_for``; a name or a knob spec): KVzip's score predicted from the prefill by the

@@ -1,17 +1,21 @@
 """Eviction methods as units, and the registry that composes them into the policies users name.
 
-One module per base method (``full``, ``streamingllm``, ``snapkv``, ``pyramidkv``, ``adakv``, ``laprox``)
-holds its scores, how it shares the budget and its piece of the ONNX function body; ``two_stage`` is
-CriticalKV's selection applied on top of any scored base. ``POLICIES`` below is the only list of policies:
-``KVPolicy``, the CLI, the generated C++ header, the plugin YAML and the README table all read it.
+One module per base method (``full``, ``streamingllm``, ``snapkv``, ``pyramidkv``, ``adakv``, ``laprox``,
+``defensivekv`` and ``layer-defensivekv``, ``expected-attention``, ``kvzip`` and ``layer-kvzip``) holds its scores, how
+it shares the budget and its piece of the ONNX function body; ``two_stage`` is CriticalKV's selection applied on top of
+any scored base; ``phases`` holds what a method needs beyond one layer's Q/K/V (streams, re-read passes) in a form the
+engine, the exporter and the backends run without knowing the method. ``METHODS`` below is the one list of policies:
+``POLICIES`` (name -> base, refined) is derived from it, and ``KVPolicy``, the CLI, the generated C++ header, the
+plugin YAML and the README table all read it.
 
 What the methods share sits beside them, on the same ground floor (nothing of the package above is imported here):
 ``budget`` (the integer budget rules), ``topk`` (top-k with the tie rule), ``pruned`` (CriticalKV's exactly pruned
 stage 2) and ``lazy`` (torch, imported when a method first runs PyTorch code, so that ``KVPolicy`` and the ONNX
 Runtime side load this registry without torch).
 
-Adding a base method: a module here with a ``BaseMethod`` subclass, one line in ``BASE_METHODS`` and one in
-``POLICIES`` (its knobs, if new, in ``criticalkv/policy.py``), then ``python -m criticalkv.spec.generate``.
+Adding a base method: a module here with a ``BaseMethod`` subclass, its entry in ``BASE_METHODS`` (and a composed
+policy in ``METHODS`` for a two-stage variant; its knobs, if new, in ``criticalkv/policy.py``), then
+``python -m criticalkv.spec.generate``; or, at run time, ``register(Method(...))``.
 """
 
 from __future__ import annotations

@@ -35,6 +35,20 @@ from criticalkv.methods.lazy import torch
 
 #: Re-read queries scored at a time (rows of the softmax): memory O(ROWS * keys) per head.
 ROWS = 256
+#: Positions beyond 2 x max_input_len a re-read pass may reach (its own prompt: kvzip's repeat prompt is about 20-40
+#: tokens with the chat template's turn markers): the re-read graphs' RoPE tables hold that many
+REREAD_PROMPT_ROOM = 256
+
+
+def layer_linear_maps(weight, bias, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per-layer linear maps checked: weight [L, d, H_kv] and bias [L, H_kv], finite, as contiguous float32."""
+    weight = np.ascontiguousarray(np.asarray(weight, dtype=np.float32))
+    bias = np.ascontiguousarray(np.asarray(bias, dtype=np.float32))
+    if weight.ndim != 3 or bias.shape != (weight.shape[0], weight.shape[2]):
+        raise ValueError(f"{what} needs weight [L, d, H_kv] and bias [L, H_kv], got {weight.shape} and {bias.shape}")
+    if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
+        raise ValueError(f"{what}: the weights must be finite")
+    return weight, bias
 
 
 @dataclass(frozen=True)
@@ -55,13 +69,9 @@ class Stream:
     description: str = ""
 
     def __post_init__(self):
-        weight = np.ascontiguousarray(np.asarray(self.weight, dtype=np.float32))
-        bias = np.ascontiguousarray(np.asarray(self.bias, dtype=np.float32))
-        if weight.ndim != 3 or bias.shape != (weight.shape[0], weight.shape[2]):
-            raise ValueError(f"stream {self.name}: weight [L, d, H_kv] and bias [L, H_kv] expected, got {weight.shape} "
-                             f"and {bias.shape}")
         if not self.name.isidentifier():
             raise ValueError(f"stream name {self.name!r}: letters, digits and underscores only")
+        weight, bias = layer_linear_maps(self.weight, self.bias, f"stream {self.name}")
         object.__setattr__(self, "weight", weight)
         object.__setattr__(self, "bias", bias)
 

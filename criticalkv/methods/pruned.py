@@ -16,14 +16,33 @@ the same function): pruned and unpruned selections then agree even on exact and 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
 
 from criticalkv.methods.budget import stage1_count
 from criticalkv.methods.lazy import torch
 from criticalkv.methods.topk import topk_mask
 
-#: The pruned stage 2 is how the operator runs; tests set this to False to compare with the unpruned path.
-PRUNED = True
+#: Whether the pruned stage 2 runs (how the operator runs; ``unpruned()`` turns it off for the code run inside it, to
+#: compare with the unpruned path): a context variable, so a comparison in one thread or task changes nothing elsewhere.
+_PRUNED: contextvars.ContextVar[bool] = contextvars.ContextVar("criticalkv_pruned_stage2", default=True)
+
+
+def enabled() -> bool:
+    """Whether the pruned stage 2 runs here (the PyTorch reference and the ONNX body the exporter writes)."""
+    return _PRUNED.get()
+
+
+@contextlib.contextmanager
+def pruning(on: bool):
+    """Run the code inside with the pruned stage 2 on or off (``with pruning(False): ...``: the unpruned path, the
+    same kept entries by construction; the benchmarks and tests that compare the two use it)."""
+    token = _PRUNED.set(bool(on))
+    try:
+        yield
+    finally:
+        _PRUNED.reset(token)
 #: Rows per GEMM block of the exact L1 norms, and blocks per batched product (every call has this shape).
 NORM_BLOCK = 64
 NORM_CALL_BLOCKS = 4

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from criticalkv.methods.lazy import torch
+from criticalkv.methods.phases import layer_linear_maps
 
 #: The surrogate a model's folder may hold (``criticalkv train-surrogate`` writes it there by default).
 FOLDER_FILE = "criticalkv_surrogate.npz"
@@ -71,13 +72,7 @@ class KVzipSurrogate:
     info: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        weight = np.ascontiguousarray(np.asarray(self.weight, dtype=np.float32))
-        bias = np.ascontiguousarray(np.asarray(self.bias, dtype=np.float32))
-        if weight.ndim != 3 or bias.shape != (weight.shape[0], weight.shape[2]):
-            raise ValueError(f"a KVzip surrogate needs weight [L, d, H_kv] and bias [L, H_kv], got {weight.shape} "
-                             f"and {bias.shape}")
-        if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
-            raise ValueError("a KVzip surrogate's weights must be finite")
+        weight, bias = layer_linear_maps(self.weight, self.bias, "a KVzip surrogate")
         object.__setattr__(self, "weight", weight)
         object.__setattr__(self, "bias", bias)
 
@@ -142,17 +137,34 @@ class KVzipSurrogate:
         return cls(weight, bias, str(meta["model"]), dict(meta.get("info") or {}))
 
 
+def _structure_only(model) -> bool:
+    """Whether ``model`` is a structure without weights (the meta device: a build that does not load them)."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def _shape(model) -> tuple[int, int, int]:
+    config = model.config
+    return config.num_hidden_layers, config.hidden_size, config.num_key_value_heads
+
+
 def find_surrogate(model, folder: str | os.PathLike | None = None) -> KVzipSurrogate:
     """The KVzip surrogate of ``model``: ``folder``'s ``criticalkv_surrogate.npz`` (the model's folder), else the
-    packaged one with ``model``'s fingerprint. ValueError (with the command that trains one) when there is none."""
+    packaged one with ``model``'s fingerprint. ValueError (with the command that trains one) when there is none. A
+    model without weights (the meta device: a torch build reads no weights) gets the first of its shape; its
+    fingerprint is checked when the weights load."""
+    structure = _structure_only(model)
     if folder is not None and (Path(folder) / FOLDER_FILE).is_file():
         found = KVzipSurrogate.load(Path(folder) / FOLDER_FILE)
-        found.check_model(model)
-        return found
-    mine = fingerprint(model)
+        if structure:
+            if (found.num_layers, found.hidden_size, found.num_kv_heads) == _shape(model):
+                return found
+        else:
+            found.check_model(model)
+            return found
+    mine = None if structure else fingerprint(model)
     for path in sorted(PACKAGED_DIR.glob("*.npz")):
         found = KVzipSurrogate.load(path)
-        if found.model == mine:
+        if found.model == mine or (structure and (found.num_layers, found.hidden_size, found.num_kv_heads) == _shape(model)):
             return found
     where = f"{Path(folder) / FOLDER_FILE} nor " if folder is not None else ""
     raise ValueError(f"kvzip_score=surrogate: no KVzip surrogate for this model (neither {where}one shipped in "

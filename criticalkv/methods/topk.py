@@ -1,5 +1,4 @@
-"""Top-k masks with the operator's tie rule: equal scores go to the lower index (PyTorch; ``criticalkv.selection.topk``
-names the same module)."""
+"""Top-k masks with the operator's tie rule: equal scores go to the lower index (PyTorch)."""
 
 from __future__ import annotations
 

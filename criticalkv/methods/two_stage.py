@@ -53,7 +53,7 @@ class TwoStage:
 
     def group_scores(self, policy, inputs: GroupScoreInputs):
         p = inputs.pooled if policy.stage2_scores == "pooled" else inputs.raw
-        if pruned.PRUNED and policy.value_norm == "l1" and inputs.values is not None:
+        if pruned.enabled() and policy.value_norm == "l1" and inputs.values is not None:
             # the group bound for every token now; the per-head bound and the exact score only for the candidates
             w = inputs.w_heads
             values = inputs.values.float()
@@ -67,7 +67,7 @@ class TwoStage:
     def choose(self, policy, scores, counts, eligible):
         """[B, H_kv, m] kept older tokens given each head's ``counts`` [B, H_kv]."""
         deferred = getattr(scores, "deferred", {}).get("critical")
-        if deferred is None or not pruned.PRUNED:
+        if deferred is None or not pruned.enabled():
             return two_stage_mask(scores[policy.method.base.score_name], scores["critical"], counts, policy.alpha, eligible)
         first = stage1_counts(policy.alpha, counts)
         stage1 = topk_mask(scores[policy.method.base.score_name], first, eligible)
@@ -80,7 +80,7 @@ class TwoStage:
     def onnx_group_scores(self, body, g, probs, raw, pooled, values_m):
         p = body.policy
         attn = pooled if p.stage2_scores == "pooled" else raw
-        if pruned.PRUNED and p.value_norm == "l1" and not body.exact_critical:
+        if pruned.enabled() and p.value_norm == "l1" and not body.exact_critical:
             # the group bound now; the rest inside the stage-2 choice (``_Body.exact_critical``: every entry's)
             body.stage2_inputs = (attn, body.values)  # rows are gathered at older positions < m
             mean_bound = g.slice_axis(body.group_upper_bounds(g, body.values), 0, body.older, axis=2)

@@ -50,7 +50,7 @@ from criticalkv.files import sha256_file
 from criticalkv.hf.compress import model_rotation
 from criticalkv.hf.decoder import CompactDecoder, decoder_shape
 from criticalkv.hf.loading import check_supported, no_transformers_bars
-from criticalkv.methods.phases import reread_scores
+from criticalkv.methods.phases import REREAD_PROMPT_ROOM, reread_scores
 from criticalkv.policy import KVPolicy
 from criticalkv.runtime.backend import (
     BuiltShapes,
@@ -183,8 +183,13 @@ class TorchBackend(BuiltShapes):
         self._check_model()
         self.max_question_len = int(build.get("max_question_len", 0))
         self.max_positions = self.max_input_len + self.max_question_len + int(build["max_new_tokens"])
+        context = KVPolicy.from_dict(manifest["context_policy"]) if manifest.get("context_policy") else None
+        rereads = any(p is not None and p.method.scored_apart and p.method.base.rereads(p) for p in (self.policy, context))
+        #: a re-read pass runs after the prompt (positions n, n + 1, ...): the RoPE tables cover twice the longest
+        #: prompt and its own prompt's room then (the fused re-read graph's bound on ONNX Runtime)
+        self.reread_positions = max(self.max_positions, 2 * self.max_input_len + REREAD_PROMPT_ROOM) if rereads else 0
         with torch.no_grad():
-            self.decoder = CompactDecoder(self.model, self.max_positions)
+            self.decoder = CompactDecoder(self.model, max(self.max_positions, self.reread_positions))
         self.selection_capacities = list(manifest["shapes"]["prefill_capacity"])
         #: the policy the context cache's contexts are selected with, when the engine has one besides its own
         self.context_policy = KVPolicy.from_dict(manifest["context_policy"]) if manifest.get("context_policy") else None
@@ -503,7 +508,7 @@ class TorchBackend(BuiltShapes):
 
     # ------------------------------------------------------------------ extend and select
     def _extend(self, keys, values, lengths, used: np.ndarray, token_ids, positions, equal_heads: bool,
-                streams: bool = False, after_attention=None) -> ExtendOutputs:
+                streams: bool = False, after_attention=None, max_positions: int | None = None) -> ExtendOutputs:
         token_ids = np.ascontiguousarray(token_ids, dtype=np.int64)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         if token_ids.ndim != 2 or token_ids.shape[0] != 1 or positions.shape != token_ids.shape or token_ids.shape[1] < 1:
@@ -514,9 +519,11 @@ class TorchBackend(BuiltShapes):
             if int(count) + n_new > k.shape[2]:
                 raise EngineError(f"layer {i}: {n_new} more entries do not fit the KV buffer "
                                   f"({k.shape[2]} entries per head, {int(count)} used)")
-        if int(positions.max()) >= self.max_positions:
-            raise EngineError(f"position {int(positions.max())} is beyond the engine's {self.max_positions} "
-                              "(max_input_len + max_question_len + max_new_tokens)")
+        limit = max_positions or self.max_positions
+        if int(positions.max()) >= limit:
+            raise EngineError(f"position {int(positions.max())} is beyond the engine's {limit} " + (
+                "(max_input_len + max_question_len + max_new_tokens)" if max_positions is None else
+                "(2 x max_input_len + the room of a re-read's own prompt)"))
         ids = torch.from_numpy(token_ids).to(self.device)
         pos = torch.from_numpy(positions).to(self.device)
         computed: dict[str, list] = {name: [] for name in self._streams} if streams else {}
@@ -579,8 +586,10 @@ class TorchBackend(BuiltShapes):
             scores.append(layer.cpu().numpy())
 
         used = np.full(self.num_layers, past, np.int64)
+        if not self.reread_positions:
+            raise EngineError(f"{self.folder}: none of the engine's policies re-reads prompts (reread_buffer)")
         out = self._extend(buffer.keys, buffer.values, buffer.lengths, used, token_ids, positions, True,
-                           after_attention=score)
+                           after_attention=score, max_positions=self.reread_positions)
         out.scores = scores
         return out
 

@@ -1,15 +1,10 @@
 """PyTorch reference of the KV selection operator (the oracle every backend is tested against).
 
 ``select_layer`` / ``select_model`` (``layer``) drive the policy's method (``criticalkv.methods``) over the scores of
-``scores``. The integer budget rules, the top-k and the pruned stage 2 belong to the methods, one floor down:
-``criticalkv.selection.budget``, ``.topk`` and ``.pruned`` are other names of ``criticalkv.methods.budget``, ``.topk``
-and ``.pruned`` (the same module objects, registered like ``os.path``: one ``pruned.PRUNED`` switch, whichever name
-sets it).
+``scores``. The integer budget rules, the top-k and the pruned stage 2 belong to the methods, one floor down
+(``criticalkv.methods.budget``, ``.topk``, ``.pruned``); the helpers below are imported from there.
 """
 
-import sys
-
-from criticalkv.methods import budget, pruned, topk
 from criticalkv.methods.adakv import shared_allocation_mask
 from criticalkv.methods.budget import (
     head_floor,
@@ -29,10 +24,6 @@ from criticalkv.selection.scores import (
     value_projection_norms,
     window_attention,
 )
-
-for _module in (budget, pruned, topk):
-    sys.modules.setdefault(f"{__name__}.{_module.__name__.rpartition('.')[2]}", _module)
-del _module
 
 __all__ = [
     "LayerScores",

@@ -11,7 +11,7 @@ from criticalkv.export.llama import build_prefill, collect_weights, layer_capaci
 from criticalkv.export.model_select import MODEL_OP, SCORE_OP
 from criticalkv.hf import generate
 from criticalkv.runtime import Engine
-from criticalkv.selection.budget import head_cap
+from criticalkv.methods.budget import head_cap
 from export.tiny_engine import export_tiny_engine
 from hf.conftest import tiny_model
 

@@ -1,6 +1,5 @@
 """The pruned stage 2 in the CriticalKVSelect function body (ONNX Runtime) against the PyTorch reference."""
 
-import contextlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,21 +12,14 @@ import torch
 from criticalkv import KVPolicy, select_layer
 from criticalkv.export.select_function import selection_model
 from criticalkv.runtime.profiling import stage2_branches
-from criticalkv.selection import pruned
+from criticalkv.methods import pruned
 from helpers import random_layer
 from policies import POLICY_CASES, make_policy
 
 REFINED = [c for c in POLICY_CASES if KVPolicy(**c[1], budget=40, window=8).method.refine is not None]
 
 
-@contextlib.contextmanager
-def pruning(on: bool):
-    previous = pruned.PRUNED
-    pruned.PRUNED = on
-    try:
-        yield
-    finally:
-        pruned.PRUNED = previous
+pruning = pruned.pruning
 
 
 def run_profiled(policy, q, k, v, o, lengths, layer_idx=0, num_layers=1):

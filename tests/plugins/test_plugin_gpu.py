@@ -262,7 +262,7 @@ def test_radix_top_k(cuda_lib, n, levels):
 def test_pruned_row_kernel_equals_the_host_driver(cuda_lib, kind, m, seed):
     """launchPrunedRow (the block executor of prunedStage2, kernels/pruned_row.cuh) gives the host driver's flags
     and count of exact scores."""
-    from criticalkv.selection import pruned
+    from criticalkv.methods import pruned
 
     margin = pruned.stop_margin(576, 3)
     bound, exact, flags, valid_start, k = pruned_row(kind, m, seed, margin)

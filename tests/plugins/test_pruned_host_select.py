@@ -5,19 +5,16 @@ import pytest
 import torch
 
 from criticalkv import KVPolicy, select_layer
-from criticalkv.selection import pruned, topk_mask
+from criticalkv.methods import pruned
+from criticalkv.selection import topk_mask
 from criticalkv.selection.scores import head_output_projection
 from ckv_native import PRUNED_ROW_KINDS, pruned_row
 from helpers import random_layer
 
 
 def reference(policy, q, k, v, o, lengths, unpruned=False):
-    previous = pruned.PRUNED
-    pruned.PRUNED = not unpruned
-    try:
+    with pruned.pruning(not unpruned):
         return select_layer(policy, q, k, v, o, 1, 3, prompt_lengths=lengths)
-    finally:
-        pruned.PRUNED = previous
 
 
 def adversarial(kind, q, k, v, o):

@@ -16,7 +16,7 @@ from criticalkv.export import BuildConfig
 from criticalkv.hf import generate, load_model
 from criticalkv.runtime import Engine, create_backend
 from criticalkv.runtime.onnxruntime_backend import THREADS_ENV
-from criticalkv.selection.budget import head_cap
+from criticalkv.methods.budget import head_cap
 
 pytestmark = pytest.mark.slow
 

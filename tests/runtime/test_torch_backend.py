@@ -21,6 +21,8 @@ import torch
 from criticalkv import KVPolicy
 from criticalkv.build import build_engine
 from criticalkv.export import BuildConfig
+from criticalkv.export.exporter import SURROGATE_FALLBACK
+from criticalkv.policy import parse_policy_spec
 from criticalkv.node import node_capacity
 from criticalkv.runtime import Engine, EngineError, Request
 from criticalkv.runtime.manifest import read_manifest
@@ -57,10 +59,16 @@ def test_a_torch_build_names_its_checkpoint_and_exports_nothing(torch_dir, check
     assert sorted(p.name for p in torch_dir.iterdir()) == ["manifest.json", "tokenizer"]
     smoke = manifest["smoke_test"]
     assert smoke["tokens_match_pytorch"] and smoke["kept_indices_match_pytorch"] and smoke["device"] == "cpu"
-    # the shapes are the ONNX build's: the same capacities for the same policy and limits
+    # the shapes are the ONNX build's: the same capacities for the same policy and limits, and a context policy as an
+    # ONNX build's (the default's stand-in: this random model has no KVzip surrogate), its rows held in the decode rows
     capacities = [node_capacity(POLICY, 160, 2, layer, 3) for layer in range(3)]
     assert manifest["shapes"]["prefill_capacity"] == capacities
-    assert manifest["shapes"]["decode_capacity"] == [c + 16 + 8 for c in capacities]
+    context = KVPolicy.from_dict(manifest["context_policy"])
+    assert context == parse_policy_spec(SURROGATE_FALLBACK, KVPolicy(budget=POLICY.budget, window=POLICY.window))
+    held = [max(c, node_capacity(context, 160, 2, layer, 3)) for layer, c in enumerate(capacities)]
+    assert manifest["shapes"]["context_capacity"] == [node_capacity(context, 160, 2, layer, 3) for layer in range(3)]
+    assert manifest["shapes"]["decode_capacity"] == [c + 16 + 8 for c in held]
+    assert manifest["method_data"]["kvzip"]["prompt"]  # the re-read's prompt in the tokenizer's ids
     assert manifest["request"]["backend"] == "torch"
 
 

@@ -1,7 +1,7 @@
 """The integer budget rules equal the float definitions they replaced, for every r and a grid of fractions.
 
 The float versions below are the rules as the project defined them before (ceil / floor of round(x, 9));
-the integer versions (``criticalkv.selection.budget``) are what every backend now computes exactly.
+the integer versions (``criticalkv.methods.budget``) are what every backend now computes exactly.
 """
 
 import math
@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import pytest
 
-from criticalkv.selection.budget import head_floor, pyramid_layer_budgets, stage1_count
+from criticalkv.methods.budget import head_floor, pyramid_layer_budgets, stage1_count
 
 
 def float_stage1_count(alpha, r):

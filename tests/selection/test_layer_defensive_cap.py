@@ -7,7 +7,7 @@ import torch
 
 from criticalkv import KVPolicy, select_model
 from criticalkv.selection import head_floor
-from criticalkv.selection.budget import head_cap
+from criticalkv.methods.budget import head_cap
 from naive import naive_defensive_scores
 
 

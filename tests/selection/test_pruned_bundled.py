@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from criticalkv import KVPolicy, select_layer
-from criticalkv.selection import ScoreMemo, pruned
+from criticalkv.methods import pruned
+from criticalkv.selection import ScoreMemo
 
 pytestmark = pytest.mark.slow
 
@@ -65,11 +66,8 @@ def test_every_layer_and_head_identical_on_the_needle_prompt(prefill):
         a = select_layer(policy, q, k, v, o, layer, layers, memo=memo)
         fractions.append((pruned.STATS.fraction(), pruned.STATS.calls[0]["rounds"]))
         memo.entries = {key: value for key, value in memo.entries.items() if key[0] != "scores"}
-        pruned.PRUNED = False
-        try:
+        with pruned.pruning(False):
             b = select_layer(policy, q, k, v, o, layer, layers, memo=memo)
-        finally:
-            pruned.PRUNED = True
         assert torch.equal(a.indices, b.indices) and torch.equal(a.lengths, b.lengths), f"layer {layer} differs"
         indices, branch = run_onnx_body(policy, q, k, v, o, layer, layers)
         assert np.array_equal(indices[..., : a.indices.shape[-1]], a.indices.numpy()), f"ONNX layer {layer} differs"

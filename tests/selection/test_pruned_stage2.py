@@ -1,13 +1,12 @@
 """CriticalKV's pruned stage 2 (criticalkv/selection/pruned.py) keeps exactly what the unpruned stage 2 keeps."""
 
-import contextlib
 
 import pytest
 import torch
 
 from criticalkv import KVPolicy, select_layer
-from criticalkv.selection import pruned
-from criticalkv.selection.pruned import BoundTerms, l1_norms_rows, pruned_topk_row, stop_margin
+from criticalkv.methods import pruned
+from criticalkv.methods.pruned import BoundTerms, l1_norms_rows, pruned_topk_row, stop_margin
 from criticalkv.selection.scores import head_output_projection, value_projection_norms
 from helpers import random_layer
 from policies import POLICY_CASES, make_policy
@@ -15,14 +14,8 @@ from policies import POLICY_CASES, make_policy
 IDS = [c[0] for c in POLICY_CASES]
 
 
-@contextlib.contextmanager
 def unpruned():
-    previous = pruned.PRUNED
-    pruned.PRUNED = False
-    try:
-        yield
-    finally:
-        pruned.PRUNED = previous
+    return pruned.pruning(False)
 
 
 def both(policy, q, k, v, o, layer_idx=0, num_layers=1, lengths=None):
@@ -129,7 +122,7 @@ def test_the_bound_holds_for_computed_norms(kind):
 
 
 def test_stop_rule_rows_match_topk_on_ties_and_near_ties():
-    from criticalkv.selection.topk import topk_mask
+    from criticalkv.methods.topk import topk_mask
 
     g = torch.Generator().manual_seed(2)
     m = 400
