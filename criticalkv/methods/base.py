@@ -82,6 +82,7 @@ class BaseMethod:
     kernels : whether the CUDA kernels and the host version select it through the torch ops (``criticalkv.selection.op``:
         per layer, or over every layer for a ``model_level`` method, with the external scores as an input where it
         reads them); the plugin may still refuse it (``native``)
+    kernels_refusal : why the kernels do not select a method whose ``kernels`` is False
     pools : whether its attention is max-pooled over positions (``pool_kernel``) before it ranks
     needs_rotation : whether it reads RoPE's rotation tables (``expected_attention.rotation_tables``): the drivers then
         take them (``select_layer(rotation=...)``, the selection node's input ``rotation``)
@@ -107,6 +108,7 @@ class BaseMethod:
     native: bool = True
     cpp_refusal: str = ""
     kernels: bool = True
+    kernels_refusal: str = ""
     score_knobs: tuple[str, ...] = ("pool_kernel",)
     pools: bool = True
     needs_rotation: bool = False

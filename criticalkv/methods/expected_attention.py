@@ -118,6 +118,8 @@ class ExpectedAttention(BaseMethod):
     kernels = False
     cpp_refusal = ("reads RoPE's rotation averaged over the next future_positions positions, an input the "
                    "CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime")
+    kernels_refusal = ("reads RoPE's rotation averaged over the next future_positions positions, an input the kernels "
+                       "do not take; select it on the PyTorch path or ONNX Runtime")
 
     def sinks(self, policy) -> int:
         return policy.sink_tokens

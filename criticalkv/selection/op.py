@@ -102,7 +102,7 @@ def native_reason(policy: KVPolicy, *tensors: torch.Tensor, scores: torch.Tensor
     if base.model_level and num_layers > 1:
         return f"{policy.name} selects over all layers at once: select_model_kv (layer_ranking, select_model)"
     if not base.kernels:
-        return f"{policy.name}: {base.cpp_refusal.replace('the CriticalKVSelect plugin', 'the kernels')}"
+        return f"{policy.name}: {base.kernels_refusal}"
     if base.external_scores and scores is None:
         return (f"{policy.name} ranks by scores computed outside the layer (a context reconstruction's or the "
                 "surrogate's); without them its fallback, the window's max attention, is in the PyTorch reference only")

@@ -303,7 +303,7 @@ def render_policy_config_header() -> str:
         "inline std::string kernelsRefusal(PolicyConfig const& p)",
         "{",
         *[line for n, m in METHODS.items() if not m.base.kernels
-          for line in (f'    if (p.name == "{n}")', f'        return "name: {n} {m.base.cpp_refusal}";')],
+          for line in (f'    if (p.name == "{n}")', f'        return "name: {n} {m.base.kernels_refusal}";')],
         "    return \"\";",
         "}",
         "",

@@ -272,9 +272,9 @@ inline std::string pluginRefusal(PolicyConfig const& p)
 inline std::string kernelsRefusal(PolicyConfig const& p)
 {
     if (p.name == "expected-attention")
-        return "name: expected-attention reads RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime";
+        return "name: expected-attention reads RoPE's rotation averaged over the next future_positions positions, an input the kernels do not take; select it on the PyTorch path or ONNX Runtime";
     if (p.name == "expected-criticalkv")
-        return "name: expected-criticalkv reads RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime";
+        return "name: expected-criticalkv reads RoPE's rotation averaged over the next future_positions positions, an input the kernels do not take; select it on the PyTorch path or ONNX Runtime";
     return "";
 }
 
