@@ -61,7 +61,7 @@ SERVE_FILES = 3  # 8 files come back from a lent machine
 #: GPU test files, cheap and decisive first (what a first GPU run must tell before its time runs out: the selection
 #: op on CUDA against the reference, the torch backend on CUDA, the served path), the kernel matrix and the TensorRT
 #: tests (skipped without TensorRT) after; a file not named here runs last
-PYTEST_ORDER = ("tests/selection/test_select_op.py", "tests/selection/test_reference.py",
+PYTEST_ORDER = ("tests/selection/test_select_op.py", "tests/selection/test_kernel_ops.py", "tests/selection/test_reference.py",
                 "tests/runtime/test_torch_backend.py", "tests/bench/test_gpu_serve.py", "tests/plugins/test_plugin_gpu.py",
                 "tests/runtime/test_tensorrt_backend.py", "tests/plugins/test_plugin_engine_build.py")
 

@@ -146,3 +146,18 @@ def test_window_scores_fake_kernel_and_opcheck():
                           test_utils=CHECKS)
     with pytest.raises(ValueError, match="window queries given"):
         torch.ops.criticalkv.window_scores(queries[:, :, :4], keys, None, 8)
+
+
+def test_the_ops_benchmark_times_each_op_against_torch(tmp_path):
+    """criticalkv bench ops: every op and its torch counterpart timed in one run, the outputs checked alike."""
+    import json
+
+    from criticalkv.bench import ops
+
+    out = tmp_path / "ops.json"
+    assert ops.main(["--repeats", "1", "--output", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [row["op"].split()[0] for row in results["rows"]] == ["top_k", "value_norms", "window_scores", "select_model"]
+    assert all(row["ops_s"] > 0 and row["torch_s"] > 0 for row in results["rows"])
+    assert "DIFFERENT" not in " ".join(row["agree"] for row in results["rows"])
+    assert results["machine"]["load_average_end"] and results["device"] == "cpu"
