@@ -1,6 +1,5 @@
-// The C form of a named policy field as ctypes passes it (libcriticalkv_ops.so, the library of the torch op
-// criticalkv::select_layer; the test libraries libcriticalkv_host.so and libcriticalkv_cuda_test.so), and its
-// conversion to the shared parser's FieldView.
+// The C form of a named policy field as ctypes passes it (the test libraries libcriticalkv_host.so and
+// libcriticalkv_cuda_test.so), and its conversion to the shared parser's FieldView.
 #pragma once
 
 #include "policy.h"

@@ -123,16 +123,9 @@ cudaError_t launchModelSelect(SelectConfig const& config, ModelShape const& shap
         {
             return status;
         }
-        kernels::GatherArgs g{};
-        g.config = layerConfig;
-        g.shape = layer;
-        g.keptIndices = out.keptIndices;
-        g.keys = out.keys;
-        g.values = out.values;
-        g.keptKeys = out.keptKeys;
-        g.keptValues = out.keptValues;
-        g.rowBytes = static_cast<int64_t>(layer.headDim) * (t.dtype == DType::kFloat32 ? 4 : 2);
-        status = kernels::launchGather(g, stream);
+        status = kernels::launchGather(kernels::gatherArgs(layerConfig, layer, t.dtype, out.keptIndices, out.keys,
+                                           out.values, out.keptKeys, out.keptValues),
+            stream);
         if (status != cudaSuccess)
         {
             return status;

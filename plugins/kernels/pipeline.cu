@@ -57,11 +57,6 @@ T* at(void* workspace, size_t offset)
     return reinterpret_cast<T*>(static_cast<unsigned char*>(workspace) + offset);
 }
 
-size_t elementBytes(DType dtype)
-{
-    return dtype == DType::kFloat32 ? 4 : 2;
-}
-
 //! The scores of the older tokens, then the selection stages of the policy (the flags of every KV head), given the
 //! window scores and value norms in `s`; for the pruned stage 2 only the scores and the shared allocation.
 cudaError_t selectOlderTokens(SelectConfig const& config, SelectShape const& shape, kernels::ScoreArgs const& s,
@@ -374,16 +369,8 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
     {
         return status;
     }
-    kernels::GatherArgs g{};
-    g.config = config;
-    g.shape = shape;
-    g.keptIndices = t.keptIndices;
-    g.keys = t.keys;
-    g.values = t.values;
-    g.keptKeys = t.keptKeys;
-    g.keptValues = t.keptValues;
-    g.rowBytes = static_cast<int64_t>(shape.headDim) * static_cast<int64_t>(elementBytes(t.dtype));
-    return kernels::launchGather(g, stream);
+    return kernels::launchGather(
+        kernels::gatherArgs(config, shape, t.dtype, t.keptIndices, t.keys, t.values, t.keptKeys, t.keptValues), stream);
 }
 
 cudaError_t launchLayerRanking(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape,

@@ -47,6 +47,14 @@ struct GatherArgs
     int64_t rowBytes; // d_h * sizeof(element)
 };
 
+//! The gather of one layer's kept rows (keys, values [B, H_kv, n, d_h] of `dtype`) by its kept indices.
+inline GatherArgs gatherArgs(SelectConfig const& config, SelectShape const& shape, DType dtype,
+    int32_t const* keptIndices, void const* keys, void const* values, void* keptKeys, void* keptValues)
+{
+    return GatherArgs{config, shape, keptIndices, keys, values, keptKeys, keptValues,
+        static_cast<int64_t>(shape.headDim) * (dtype == DType::kFloat32 ? 4 : 2)};
+}
+
 //! S, C and the LaProx importance of every older token (group_scores.h).
 cudaError_t launchGroupScores(ScoreArgs const& a, cudaStream_t stream);
 //! defensivekv's scores: the defensive score into attention, the stage-1 mass into stage1, the totals.

@@ -13,7 +13,12 @@
 //   longrow  n 4,700 (4,668 older tokens per head, over the 4,096 one CTA takes): the multi-CTA top-k (per-CTA
 //            histograms added with atomics, __threadfence, the last CTA choosing the digit), the layer-wide rows of
 //            the shared allocation, defensivekv's mass count, the pruned stage 2's rounds on multi-CTA rows, and the
-//            compaction over several tiles of positions.
+//            compaction over several tiles of positions;
+//   model    the model-level selection (launchLayerRanking per layer, launchModelSelect after the last; bf16, 3
+//            layers, n 1,200 so that the model-wide row of 6 heads takes several CTAs): layer-defensivekv without
+//            and with a head cap (the candidates' top-k, the per-head radix sort, the level kernel's bisection and
+//            its shared-memory cache, the marks), layer-kvzip-criticalkv with a cap and its scores (the refinement),
+//            each with and without a kv_budget; and kvzip-criticalkv per layer with its scores (the sinks).
 // Exit code 0 = every case ran without a CUDA error; the sanitizer's own exit code reports what it found.
 #include "criticalkv/kernels.h"
 #include "policy.h"
@@ -69,6 +74,8 @@ std::vector<DriverShape> driverShapes()
         {"longrow", SelectShape{2, 4, 2, 4700, 32, 64, 256}, {4700, 4301}, 32, 256,
             {"snapkv", "pyramidkv", "adakv", "criticalkv", "ada-criticalkv", "laprox", "defensivekv"}, {"l1"},
             {DType::kBFloat16}},
+        {"model", SelectShape{2, 4, 2, 1200, 32, 64, 256}, {1200, 877}, 32, 96,
+            {"layer-defensivekv", "layer-kvzip-criticalkv", "kvzip-criticalkv"}, {"l1"}, {DType::kBFloat16}},
     };
 }
 
@@ -93,7 +100,7 @@ template <typename T>
 int runCase(PolicyConfig const& policy, DriverShape const& shape, DType dtype, std::mt19937& rng)
 {
     SelectShape const s = shape.shape;
-    SelectConfig const config = makeSelectConfig(policy);
+    SelectConfig const config = makeSelectConfig(policy, PolicyUse::kKernels);
     int32_t const cap = outputCapacity(config, s.n);
     size_t const qCount = size_t(s.batch) * s.heads * s.queryLen * s.headDim;
     size_t const kvCount = size_t(s.batch) * s.kvHeads * s.n * s.headDim;
@@ -128,6 +135,14 @@ int runCase(PolicyConfig const& policy, DriverShape const& shape, DType dtype, s
     CHECK_CUDA(cudaMemcpy(o, ho.data(), oCount * sizeof(T), cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(len, lengths.data(), lengths.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(kvBudget, &runtimeBudget, sizeof(int32_t), cudaMemcpyHostToDevice));
+    // a kvzip policy's external scores [B, H_kv, n]
+    float* scores = nullptr;
+    if (externalScores(config))
+    {
+        std::vector<float> const hs = randomTensor<float>(size_t(s.batch) * s.kvHeads * s.n, rng, 1.0F);
+        CHECK_CUDA(cudaMalloc(&scores, hs.size() * sizeof(float)));
+        CHECK_CUDA(cudaMemcpy(scores, hs.data(), hs.size() * sizeof(float), cudaMemcpyHostToDevice));
+    }
     // CriticalKV's pruned stage 2 also runs on weights-only terms computed beforehand (launchPrunedTerms)
     void* terms = nullptr;
     if (prunedStage2On(config))
@@ -144,7 +159,7 @@ int runCase(PolicyConfig const& policy, DriverShape const& shape, DType dtype, s
             {
                 continue; // one run with the given terms
             }
-            SelectTensors const t{dtype, q, k, v, o, len, budget, kk, kv, keptLengths, keptIndices, given, nullptr};
+            SelectTensors const t{dtype, q, k, v, o, len, budget, kk, kv, keptLengths, keptIndices, given, scores};
             CHECK_CUDA(launchCriticalKVSelect(config, budgetTable(policy), s, t, workspace, bytes, nullptr));
             CHECK_CUDA(cudaDeviceSynchronize());
         }
@@ -154,12 +169,112 @@ int runCase(PolicyConfig const& policy, DriverShape const& shape, DType dtype, s
         }
     }
     for (void* p : {q, k, v, o, kk, kv, static_cast<void*>(len), static_cast<void*>(kvBudget), static_cast<void*>(keptLengths),
-             static_cast<void*>(keptIndices), workspace, terms})
+             static_cast<void*>(keptIndices), workspace, terms, static_cast<void*>(scores)})
     {
         if (p != nullptr)
         {
             CHECK_CUDA(cudaFree(p));
         }
+    }
+    return 0;
+}
+
+//! The model-level selection of `layers` layers of `shape` (every layer's ranking, then launchModelSelect), with and
+//! without a kv_budget.
+template <typename T>
+int runModel(PolicyConfig const& policy, DriverShape const& shape, DType dtype, std::mt19937& rng)
+{
+    SelectShape const s = shape.shape;
+    int32_t const layers = policy.num_layers;
+    SelectConfig const config = makeSelectConfig(policy, PolicyUse::kKernels);
+    int32_t const m = s.n - windowLength(config, s.n);
+    ModelShape const model{s, layers};
+    size_t const qCount = size_t(s.batch) * s.heads * s.queryLen * s.headDim;
+    size_t const kvCount = size_t(s.batch) * s.kvHeads * s.n * s.headDim;
+    size_t const oCount = size_t(s.hidden) * s.heads * s.headDim;
+    size_t const layerRows = size_t(s.batch) * s.kvHeads * m;
+    int32_t const cap = outputCapacity(config, s.n);
+    std::vector<void*> owned;
+    auto alloc = [&](size_t bytes) -> void* {
+        void* p = nullptr;
+        if (cudaMalloc(&p, bytes) != cudaSuccess)
+        {
+            return nullptr;
+        }
+        owned.push_back(p);
+        return p;
+    };
+    auto upload = [&](std::vector<T> const& host) -> void* {
+        void* p = alloc(host.size() * sizeof(T));
+        return p != nullptr && cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess
+            ? p
+            : nullptr;
+    };
+    auto* len = static_cast<int32_t*>(alloc(shape.lengths.size() * sizeof(int32_t)));
+    auto* kvBudget = static_cast<int32_t*>(alloc(sizeof(int32_t)));
+    int32_t const runtimeBudget = policy.budget - 20;
+    CHECK_CUDA(cudaMemcpy(len, shape.lengths.data(), shape.lengths.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(kvBudget, &runtimeBudget, sizeof(int32_t), cudaMemcpyHostToDevice));
+    size_t const modelRowsBytes = layerRows * layers * sizeof(float);
+    auto* ranking = static_cast<float*>(alloc(modelRowsBytes));
+    auto* attention = static_cast<float*>(alloc(modelRowsBytes));
+    auto* critical = static_cast<float*>(alloc(modelRowsBytes));
+    auto* layerRanking = static_cast<float*>(alloc(layerRows * sizeof(float)));
+    auto* layerAttention = static_cast<float*>(alloc(layerRows * sizeof(float)));
+    auto* layerCritical = static_cast<float*>(alloc(layerRows * sizeof(float)));
+    size_t const layerBytes = workspaceLayout(config, s).total;
+    void* layerWorkspace = alloc(layerBytes > 0 ? layerBytes : 1);
+    ModelWorkspaceLayout const layout = modelWorkspaceLayout(config, model);
+    void* workspace = alloc(layout.total > 0 ? layout.total : 1);
+    std::vector<ModelLayerTensors> outputs;
+    for (int32_t l = 0; l < layers; ++l)
+    {
+        void* q = upload(randomTensor<T>(qCount, rng, 2.0F));
+        void* k = upload(randomTensor<T>(kvCount, rng, 1.0F));
+        void* v = upload(randomTensor<T>(kvCount, rng, 1.0F));
+        void* o = upload(randomTensor<T>(oCount, rng, 0.05F));
+        float* scores = nullptr;
+        if (externalScores(config))
+        {
+            std::vector<float> const hs = randomTensor<float>(size_t(s.batch) * s.kvHeads * s.n, rng, 1.0F);
+            scores = static_cast<float*>(alloc(hs.size() * sizeof(float)));
+            CHECK_CUDA(cudaMemcpy(scores, hs.data(), hs.size() * sizeof(float), cudaMemcpyHostToDevice));
+        }
+        if (q == nullptr || k == nullptr || v == nullptr || o == nullptr || layerWorkspace == nullptr)
+        {
+            std::fprintf(stderr, "model: allocation failed\n");
+            return 1;
+        }
+        LayerRankingTensors const t{dtype, q, k, v, o, len, nullptr, scores, layerRanking, layerAttention,
+            config.twoStage ? layerCritical : nullptr};
+        CHECK_CUDA(launchLayerRanking(config, budgetTable(policy), s, t, layerWorkspace, layerBytes, nullptr));
+        // layer l's rows of the model-wide [B, L H_kv, m] buffers
+        size_t const width = size_t(s.kvHeads) * m * sizeof(float);
+        for (auto [to, from] : {std::pair{ranking, layerRanking}, std::pair{attention, layerAttention},
+                 std::pair{critical, layerCritical}})
+        {
+            if (to != ranking && !config.twoStage)
+            {
+                continue; // read only by the refinement (and not written otherwise)
+            }
+            CHECK_CUDA(cudaMemcpy2D(reinterpret_cast<char*>(to) + l * width, width * layers, from, width, width,
+                size_t(s.batch), cudaMemcpyDeviceToDevice));
+        }
+        size_t const kept = size_t(s.batch) * s.kvHeads * cap;
+        outputs.push_back(ModelLayerTensors{k, v, alloc(kept * s.headDim * sizeof(T)), alloc(kept * s.headDim * sizeof(T)),
+            static_cast<int32_t*>(alloc(size_t(s.batch) * s.kvHeads * sizeof(int32_t))),
+            static_cast<int32_t*>(alloc(kept * sizeof(int32_t))), cap});
+    }
+    for (int32_t const* budget : {static_cast<int32_t const*>(nullptr), static_cast<int32_t const*>(kvBudget)})
+    {
+        ModelSelectTensors const t{dtype, len, budget, ranking, config.twoStage ? attention : nullptr,
+            config.twoStage ? critical : nullptr, outputs.data()};
+        CHECK_CUDA(launchModelSelect(config, model, t, workspace, layout.total, nullptr));
+        CHECK_CUDA(cudaDeviceSynchronize());
+    }
+    for (void* p : owned)
+    {
+        CHECK_CUDA(cudaFree(p));
     }
     return 0;
 }
@@ -186,9 +301,25 @@ int runShape(DriverShape const& shape, std::mt19937& rng)
             {
                 policy.layer_budgets.push_back(pyramid ? (b - policy.window) / 2 : b - policy.window);
             }
-            if (!validatePolicy(policy).empty())
+            if (!validateFor(policy, PolicyUse::kKernels).empty())
             {
-                continue; // a method the plugin refuses (layer-defensivekv: a model-level selection)
+                continue; // a method with no kernel flow (the Expected Attention pair)
+            }
+            if (modelLevel(makeSelectConfig(policy, PolicyUse::kKernels)))
+            {
+                if (std::string(shape.name) != "model")
+                {
+                    continue; // the model-level selection runs on its own shape
+                }
+                for (double const cap : {0.0, 2.0})
+                {
+                    policy.head_cap_ratio = cap;
+                    policy.layer_idx = 0;
+                    std::printf("%s: %s head_cap_ratio=%g model-level\n", shape.name, name.c_str(), cap);
+                    std::fflush(stdout);
+                    failures += runModel<__nv_bfloat16>(policy, shape, DType::kBFloat16, rng);
+                }
+                continue;
             }
             for (DType dtype : shape.dtypes)
             {

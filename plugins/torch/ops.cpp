@@ -222,40 +222,6 @@ ModelOutputs selectModelMeta(Tensor const& ranking, Optional const& attention, O
 
 // ---------------------------------------------------------------------------------------------------- primitives
 
-//! top_k's rows: scores [..., L] fp32, k [...] (or one value) int64, eligible [..., L] bool.
-struct TopKCall
-{
-    int64_t rows;
-    int64_t length;
-};
-
-TopKCall topKCall(Tensor const& scores, Tensor const& k, Optional const& eligible)
-{
-    TORCH_CHECK_TYPE(scores.scalar_type() == at::kFloat, "scores: expected float32, got ",
-        dtypeName(scores.scalar_type()));
-    TORCH_CHECK_VALUE(scores.dim() >= 1 && scores.size(-1) >= 1, "scores: expected [..., L] with L >= 1, got shape ",
-        scores.sizes());
-    TORCH_CHECK_VALUE(scores.size(-1) <= (int64_t{1} << 30), "scores: rows of ", scores.size(-1),
-        " entries exceed the top-k's 2^30");
-    TORCH_CHECK_TYPE(k.scalar_type() == at::kLong || k.scalar_type() == at::kInt, "k: expected int64 or int32, got ",
-        dtypeName(k.scalar_type()));
-    int64_t const length = scores.size(-1);
-    int64_t const rows = scores.numel() / length;
-    TORCH_CHECK_VALUE(k.numel() == 1 || k.sizes() == scores.sizes().slice(0, scores.dim() - 1), "k: expected one value "
-        "or shape ", scores.sizes().slice(0, scores.dim() - 1), " (one per row), got ", k.sizes());
-    TORCH_CHECK_VALUE(k.device() == scores.device(), "k: on ", k.device(), ", but scores are on ", scores.device());
-    if (eligible.has_value())
-    {
-        TORCH_CHECK_TYPE(eligible->scalar_type() == at::kBool, "eligible: expected bool, got ",
-            dtypeName(eligible->scalar_type()));
-        TORCH_CHECK_VALUE(eligible->sizes() == scores.sizes(), "eligible: expected shape ", scores.sizes(), ", got ",
-            eligible->sizes());
-        TORCH_CHECK_VALUE(eligible->device() == scores.device(), "eligible: on ", eligible->device(),
-            ", but scores are on ", scores.device());
-    }
-    return TopKCall{rows, length};
-}
-
 Tensor topKCpu(Tensor const& scores, Tensor const& k, Optional const& eligible)
 {
     TopKCall const call = topKCall(scores, k, eligible);
@@ -281,24 +247,6 @@ Tensor topKMeta(Tensor const& scores, Tensor const& k, Optional const& eligible)
     return at::empty_like(scores, scores.options().dtype(at::kBool));
 }
 
-//! value_norms' shape: values [B, H_kv, n, d_h], o_proj [hidden, H d_h], H = num_heads.
-SelectShape normsShape(Tensor const& values, Tensor const& oProj, int64_t numHeads, std::string const& kind)
-{
-    checkFloat(values, "values", 4, values.scalar_type(), values.device());
-    checkFloat(oProj, "o_proj", 2, values.scalar_type(), values.device());
-    TORCH_CHECK_VALUE(kind == "l1" || kind == "l2", "kind: '", kind, "' is not one of l1, l2");
-    int64_t const kvHeads = values.size(1), headDim = values.size(3);
-    TORCH_CHECK_VALUE(numHeads > 0 && kvHeads > 0 && numHeads % kvHeads == 0, "num_heads: ", numHeads,
-        " query heads are not a multiple of ", kvHeads, " KV heads");
-    TORCH_CHECK_VALUE(oProj.size(1) == numHeads * headDim, "o_proj: shape ", oProj.sizes(),
-        " does not match H * d_h = ", numHeads, " * ", headDim, " (expected [hidden, H * d_h])");
-    TORCH_CHECK_VALUE(headDim <= kMaxHeadDim && values.size(0) <= 65535 && numHeads <= 65535, "values: shape ",
-        values.sizes(), " exceeds the kernels' limits (d_h <= ", kMaxHeadDim, ", B, H <= 65535)");
-    return SelectShape{static_cast<int32_t>(values.size(0)), static_cast<int32_t>(numHeads),
-        static_cast<int32_t>(kvHeads), static_cast<int32_t>(values.size(2)), 1, static_cast<int32_t>(headDim),
-        static_cast<int32_t>(oProj.size(0))};
-}
-
 Tensor valueNormsCpu(Tensor const& values, Tensor const& oProj, int64_t numHeads, std::string const& kind)
 {
     SelectShape const s = normsShape(values, oProj, numHeads, kind);
@@ -321,39 +269,11 @@ Tensor valueNormsMeta(Tensor const& values, Tensor const& oProj, int64_t numHead
     return values.new_empty({s.batch, s.heads, s.n}, values.options().dtype(at::kFloat));
 }
 
-//! window_scores' shape: queries [B, H, q, d_h], keys [B, H_kv, n, d_h], q >= min(window, n).
-SelectShape windowShape(Tensor const& queries, Tensor const& keys, Optional const& promptLengths, int64_t window)
-{
-    checkFloat(queries, "queries", 4, queries.scalar_type(), queries.device());
-    checkFloat(keys, "keys", 4, queries.scalar_type(), queries.device());
-    TORCH_CHECK_VALUE(window >= 1 && window <= kMaxTokens, "window: must be a positive number of tokens, got ", window);
-    int64_t const batch = keys.size(0), kvHeads = keys.size(1), n = keys.size(2), headDim = keys.size(3);
-    TORCH_CHECK_VALUE(n > 0, "keys: the prompt is empty (n = 0)");
-    TORCH_CHECK_VALUE(queries.size(0) == batch && queries.size(3) == headDim && kvHeads > 0
-            && queries.size(1) % kvHeads == 0,
-        "queries: shape ", queries.sizes(), " does not match keys ", keys.sizes(),
-        " (expected [B, H, w, d_h], H a multiple of H_kv)");
-    TORCH_CHECK_VALUE(queries.size(2) >= std::min(window, n), "queries: ", queries.size(2),
-        " window queries given, the window needs min(window, n) = ", std::min(window, n));
-    TORCH_CHECK_VALUE(headDim <= kMaxHeadDim && batch <= 65535 && queries.size(1) <= 65535, "keys: shape ",
-        keys.sizes(), " exceeds the kernels' limits");
-    checkIndex(promptLengths, "prompt_lengths", {batch}, queries.device());
-    return SelectShape{static_cast<int32_t>(batch), static_cast<int32_t>(queries.size(1)),
-        static_cast<int32_t>(kvHeads), static_cast<int32_t>(n), static_cast<int32_t>(queries.size(2)),
-        static_cast<int32_t>(headDim), 1};
-}
-
 Tensor windowScoresCpu(Tensor const& queries, Tensor const& keys, Optional const& promptLengths, int64_t window)
 {
     SelectShape const s = windowShape(queries, keys, promptLengths, window);
     checkLengths(promptLengths, s.n);
-    SelectConfig config{};
-    config.base = BaseMethod::kSnapKV;
-    config.window = static_cast<int32_t>(window);
-    config.budget = config.window;
-    config.minBudget = config.window;
-    config.poolKernel = 1;
-    config.capacity = s.n;
+    SelectConfig const config = windowConfig(window, s.n);
     int64_t const m = olderCount(config, s.n);
     Tensor const q = f32(queries), k = f32(keys);
     Optional const lengths = asInt32(promptLengths);

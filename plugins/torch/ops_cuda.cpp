@@ -146,23 +146,11 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::v
 
 Tensor topKCuda(Tensor const& scores, Tensor const& k, Optional const& eligible)
 {
-    TORCH_CHECK_TYPE(scores.scalar_type() == at::kFloat, "scores: expected float32, got ",
-        dtypeName(scores.scalar_type()));
-    TORCH_CHECK_VALUE(scores.dim() >= 1 && scores.size(-1) >= 1 && scores.size(-1) <= (int64_t{1} << 30),
-        "scores: expected [..., L] with 1 <= L <= 2^30, got shape ", scores.sizes());
-    TORCH_CHECK_VALUE(k.numel() == 1 || k.sizes() == scores.sizes().slice(0, scores.dim() - 1),
-        "k: expected one value or one per row, got shape ", k.sizes());
-    TORCH_CHECK_VALUE(k.device() == scores.device(), "k: on ", k.device(), ", but scores are on ", scores.device());
-    if (eligible.has_value())
-    {
-        TORCH_CHECK_TYPE(eligible->scalar_type() == at::kBool, "eligible: expected bool");
-        TORCH_CHECK_VALUE(eligible->sizes() == scores.sizes() && eligible->device() == scores.device(),
-            "eligible: expected shape ", scores.sizes(), " on ", scores.device());
-    }
+    TopKCall const call = topKCall(scores, k, eligible);
+    TORCH_CHECK_VALUE(call.rows <= (int64_t{1} << 31) - 1, "scores: too many rows");
     c10::cuda::CUDAGuard const guard(scores.device());
-    int64_t const length = scores.size(-1);
-    int64_t const rows = scores.numel() / length;
-    TORCH_CHECK_VALUE(rows <= (int64_t{1} << 31) - 1, "scores: too many rows");
+    int64_t const length = call.length;
+    int64_t const rows = call.rows;
     Tensor const s = scores.contiguous();
     Tensor const counts = k.to(at::kLong).expand(scores.sizes().slice(0, scores.dim() - 1)).contiguous();
     Tensor flags = eligible.has_value() ? eligible->logical_not().to(at::kByte).mul(2).contiguous()
@@ -177,18 +165,9 @@ Tensor topKCuda(Tensor const& scores, Tensor const& k, Optional const& eligible)
 
 Tensor valueNormsCuda(Tensor const& values, Tensor const& oProj, int64_t numHeads, std::string const& kind)
 {
-    checkFloat(values, "values", 4, values.scalar_type(), values.device());
-    checkFloat(oProj, "o_proj", 2, values.scalar_type(), values.device());
-    TORCH_CHECK_VALUE(kind == "l1" || kind == "l2", "kind: '", kind, "' is not one of l1, l2");
-    int64_t const kvHeads = values.size(1), headDim = values.size(3);
-    TORCH_CHECK_VALUE(numHeads > 0 && kvHeads > 0 && numHeads % kvHeads == 0 && oProj.size(1) == numHeads * headDim
-            && headDim <= kMaxHeadDim,
-        "value_norms: values ", values.sizes(), ", o_proj ", oProj.sizes(), " and num_heads ", numHeads,
-        " do not fit (o_proj [hidden, H * d_h], H a multiple of H_kv, d_h <= ", kMaxHeadDim, ")");
+    SelectShape const s = normsShape(values, oProj, numHeads, kind);
+    int64_t const headDim = s.headDim;
     c10::cuda::CUDAGuard const guard(values.device());
-    SelectShape const s{static_cast<int32_t>(values.size(0)), static_cast<int32_t>(numHeads),
-        static_cast<int32_t>(kvHeads), static_cast<int32_t>(values.size(2)), 1, static_cast<int32_t>(headDim),
-        static_cast<int32_t>(oProj.size(0))};
     Tensor const v = values.contiguous(), o = oProj.contiguous();
     Tensor out = at::empty({s.batch, s.heads, s.n}, values.options().dtype(at::kFloat));
     size_t const h = static_cast<size_t>(s.heads), d = static_cast<size_t>(headDim);
@@ -213,25 +192,10 @@ Tensor valueNormsCuda(Tensor const& values, Tensor const& oProj, int64_t numHead
 
 Tensor windowScoresCuda(Tensor const& queries, Tensor const& keys, Optional const& promptLengths, int64_t window)
 {
-    checkFloat(queries, "queries", 4, queries.scalar_type(), queries.device());
-    checkFloat(keys, "keys", 4, queries.scalar_type(), queries.device());
-    int64_t const batch = keys.size(0), kvHeads = keys.size(1), n = keys.size(2), headDim = keys.size(3);
-    TORCH_CHECK_VALUE(window >= 1 && n > 0 && queries.size(0) == batch && queries.size(3) == headDim && kvHeads > 0
-            && queries.size(1) % kvHeads == 0 && queries.size(2) >= std::min(window, n) && headDim <= kMaxHeadDim,
-        "window_scores: queries ", queries.sizes(), " and keys ", keys.sizes(), " do not fit window ", window,
-        " (queries [B, H, >= min(window, n), d_h], keys [B, H_kv, n, d_h])");
-    checkIndex(promptLengths, "prompt_lengths", {batch}, queries.device());
+    SelectShape const s = windowShape(queries, keys, promptLengths, window);
     c10::cuda::CUDAGuard const guard(queries.device());
-    SelectConfig config{};
-    config.base = BaseMethod::kSnapKV;
-    config.window = static_cast<int32_t>(window);
-    config.budget = config.window;
-    config.minBudget = config.window;
-    config.poolKernel = 1;
-    config.capacity = static_cast<int32_t>(n);
-    SelectShape const s{static_cast<int32_t>(batch), static_cast<int32_t>(queries.size(1)),
-        static_cast<int32_t>(kvHeads), static_cast<int32_t>(n), static_cast<int32_t>(queries.size(2)),
-        static_cast<int32_t>(headDim), 1};
+    SelectConfig const config = windowConfig(window, s.n);
+    int64_t const batch = s.batch, n = s.n;
     int64_t const w = std::min<int64_t>(window, n), m = n - w;
     size_t const tiles = (static_cast<size_t>(n) + kKeyTile - 1) / kKeyTile;
     size_t const rows = static_cast<size_t>(batch) * s.heads * static_cast<size_t>(w);

@@ -11,7 +11,7 @@ Skipped cleanly without one (tests/conftest.py). What they check:
 * the policies ranked by window attention (snapkv, laprox, adakv, defensivekv): the fp64 reference's kept indices by
   the same rule (16-bit inputs: tensor-core window scores);
 * compute-sanitizer memcheck / racecheck / synccheck / initcheck on plugins/testing/sanitizer_driver.cu, shape by shape
-  (small; d128: d_h 128, hidden 4096; longrow: rows over 4,096 entries);
+  (small; d128: d_h 128, hidden 4096; longrow: rows over 4,096 entries; model: the model-level selection);
 * kernel time against the floor of reading V and W_O once, printed as a ratio;
 * an engine built from an ONNX graph holding only the CriticalKVSelect node (needs tensorrt and onnx).
 """
@@ -667,14 +667,15 @@ def sanitizer_path():
     return found or (str(default) if default.exists() else None)
 
 
-SANITIZER_SHAPES = ("small", "d128", "longrow")  # plugins/testing/sanitizer_driver.cu: ckv_sanitizer_driver --list
+SANITIZER_SHAPES = ("small", "d128", "longrow", "model")  # plugins/testing/sanitizer_driver.cu: ckv_sanitizer_driver --list
 
 
 @pytest.mark.parametrize("shape", SANITIZER_SHAPES)
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck", "initcheck"])
 def test_compute_sanitizer(native_build, needs_nvcc, tool, shape):
     """One sanitizer on one of the driver's shapes: small (every policy, three dtypes), d128 (d_h 128, hidden 4096: the
-    172 KiB cp.async ring, gramQuad at d_h 128, WindowTiles<8>), longrow (4,668 older tokens: the multi-CTA top-k)."""
+    172 KiB cp.async ring, gramQuad at d_h 128, WindowTiles<8>), longrow (4,668 older tokens: the multi-CTA top-k),
+    model (the model-level selection: the head cap's sort and levels, the refinement, kvzip's scores)."""
     sanitizer = sanitizer_path()
     if sanitizer is None:
         pytest.skip("compute-sanitizer not found")
