@@ -31,6 +31,7 @@ SUBCOMMANDS = [
     "criticalkv.commands.serve",
     "criticalkv.commands.bench",
     "criticalkv.commands.surrogate",
+    "criticalkv.commands.env",
 ]
 
 

@@ -7,10 +7,13 @@
 # Environment: TRT_INCLUDE_DIR (headers to use; see the search order below), TENSORRT_ROOT, CKV_CUDA_ARCHS (default "80;90"),
 # BUILD_DIR (default build/plugins), PYTHON (for `pip download`; default .venv/bin/python, else python3),
 # CKV_WERROR (default ON), CKV_BUILD_JOBS (default nproc), CUDA_HOME (where nvcc is looked for after PATH; default
-# /usr/local/cuda), CKV_REQUIRE_CUDA (1: fail without nvcc, as when CKV_CUDA_ARCHS is given).
-# Needs CMake >= 3.24 and a C++ compiler; the CUDA kernels, the torch op and the TensorRT plugin need nvcc (the CUDA
-# toolkit, 12.x or 13.x). Without nvcc only the host library is built, and the script says so; when the kernels are
-# asked for (CKV_CUDA_ARCHS set, or CKV_REQUIRE_CUDA=1) a missing nvcc is an error. Each missing piece is named, exit 2.
+# /usr/local/cuda), CKV_REQUIRE_CUDA (1: fail without nvcc, as when CKV_CUDA_ARCHS is given), CKV_TORCH (default ON:
+# the torch ops libcriticalkv_torch.so against $PYTHON's torch, its CUDA registration where that torch has CUDA; OFF:
+# not built).
+# Needs CMake >= 3.24 and a C++ compiler; the CUDA kernels and the TensorRT plugin need nvcc (the CUDA toolkit, 12.x
+# or 13.x). Without nvcc only the host library and the torch ops' CPU kernels are built, and the script says so; when
+# the kernels are asked for (CKV_CUDA_ARCHS set, or CKV_REQUIRE_CUDA=1) a missing nvcc is an error. Each missing piece
+# is named, exit 2.
 # The TensorRT headers are unpacked under build/ and never committed.
 set -euo pipefail
 case "${1:-}" in
@@ -105,20 +108,35 @@ PY
 fi
 echo "TensorRT headers: $TRT_INCLUDE_DIR"
 
+# The torch ops are built against the torch of $PYTHON (its CMake config; the CPU wheel ships the headers): the CPU
+# registration always, the CUDA one where that torch has CUDA.
+TORCH_PREFIX=""
+TORCH_CUDA=OFF
+if [ "${CKV_TORCH:-ON}" != "OFF" ]; then
+    if TORCH_INFO=$("$PYTHON" -c "import torch; print(torch.utils.cmake_prefix_path); print('ON' if torch.version.cuda else 'OFF')" 2>/dev/null); then
+        TORCH_PREFIX=$(echo "$TORCH_INFO" | sed -n 1p)
+        TORCH_CUDA=$(echo "$TORCH_INFO" | sed -n 2p)
+        echo "torch ops: against $TORCH_PREFIX (CUDA registration: $TORCH_CUDA)"
+    else
+        echo "torch ops: $PYTHON has no torch; libcriticalkv_torch.so is not built"
+    fi
+fi
+
 GENERATOR=()
 command -v ninja >/dev/null 2>&1 && GENERATOR=(-G Ninja)
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
     cmake -S plugins -B "$BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
         -DTRT_INCLUDE_DIR="$TRT_INCLUDE_DIR" -DCKV_CUDA_ARCHS="$CKV_CUDA_ARCHS" -DCKV_WERROR="$CKV_WERROR" \
-        -DCKV_REQUIRE_CUDA="$REQUIRE_CUDA"
+        -DCKV_REQUIRE_CUDA="$REQUIRE_CUDA" -DCKV_TORCH_PREFIX="$TORCH_PREFIX" -DCKV_TORCH_CUDA="$TORCH_CUDA"
 else
     cmake "$BUILD_DIR" -DTRT_INCLUDE_DIR="$TRT_INCLUDE_DIR" -DCKV_CUDA_ARCHS="$CKV_CUDA_ARCHS" \
-        -DCKV_WERROR="$CKV_WERROR" -DCKV_REQUIRE_CUDA="$REQUIRE_CUDA" >/dev/null
+        -DCKV_WERROR="$CKV_WERROR" -DCKV_REQUIRE_CUDA="$REQUIRE_CUDA" -DCKV_TORCH_PREFIX="$TORCH_PREFIX" \
+        -DCKV_TORCH_CUDA="$TORCH_CUDA" >/dev/null
 fi
 cmake --build "$BUILD_DIR" --parallel "${CKV_BUILD_JOBS:-$(nproc)}"
-if [ -f "$BUILD_DIR/libcriticalkv_ops.so" ] && command -v nvcc >/dev/null 2>&1; then
-    PLUGIN=$([ -f "$BUILD_DIR/libcriticalkv_trt_plugin.so" ] && echo ", the TensorRT plugin" || echo "")
-    echo "built into $BUILD_DIR: the host library, the CUDA kernels (sm $CKV_CUDA_ARCHS), the torch op$PLUGIN"
+TORCH_OPS=$([ -f "$BUILD_DIR/libcriticalkv_torch.so" ] && echo ", the torch ops" || echo "")
+if command -v nvcc >/dev/null 2>&1 && [ -f "$BUILD_DIR/libcriticalkv_trt_plugin.so" ]; then
+    echo "built into $BUILD_DIR: the host library, the CUDA kernels (sm $CKV_CUDA_ARCHS)$TORCH_OPS, the TensorRT plugin"
 else
-    echo "built into $BUILD_DIR: the host library only (no nvcc: no CUDA kernels, no torch op, no TensorRT plugin)"
+    echo "built into $BUILD_DIR: the host library$TORCH_OPS (their CPU kernels; no nvcc: no CUDA kernels, no TensorRT plugin)"
 fi

@@ -421,7 +421,9 @@ def select_call(run: Run, policy, tensors: dict, n: int, prompt_lengths=None):
     layer_idx, num_layers = shape["layer_idx"], shape["num_layers"]
     capacity = node_capacity(policy, n, tensors["k"].shape[1], layer_idx, num_layers)
     q, k, v, o = tensors["q"], tensors["k"], tensors["v"], tensors["o"]
-    return lambda: select_layer_kv(policy, q, k, v, o, layer_idx, num_layers, capacity, prompt_lengths=prompt_lengths)
+    # "auto": a policy without a kernel flow is timed on the PyTorch reference, which path_of names in the results
+    return lambda: select_layer_kv(policy, q, k, v, o, layer_idx, num_layers, capacity, prompt_lengths=prompt_lengths,
+                                   implementation="auto")
 
 
 def path_of(run: Run, policy, tensors: dict) -> str:

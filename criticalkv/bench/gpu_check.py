@@ -47,9 +47,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ("build", "bench", "pytest", "sanitizer", "serve")
 #: seconds per step (the table of docs/gpu_check.md): 320 s in all, inside a call of at most 6 minutes (timeout_s 360)
-DEFAULT_BUDGETS = {"prepare": 15, "build": 45, "bench": 80, "pytest": 110, "sanitizer": 35, "serve": 35}
+DEFAULT_BUDGETS = {"prepare": 15, "build": 60, "bench": 70, "pytest": 110, "sanitizer": 35, "serve": 30}
 DEFAULT_TOTAL = 320
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+#: the sanitizer driver's shapes, most decisive first (plugins/testing/sanitizer_driver.cu: `--list`): the d 128
+#: kernels (the 172 KiB cp.async ring, gramQuad, WindowTiles<8>), a row over 4,096 (the multi-CTA top-k), the
+#: model-level selection, then the small shape
+SANITIZER_SHAPES = ("d128", "longrow", "model", "small")
 #: the project's Python imports a GPU machine may lack (pyproject dependencies and extras)
 PROJECT_IMPORTS = ("torch", "numpy", "tqdm", "transformers", "gguf", "accelerate", "safetensors", "onnx", "onnxruntime",
                    "polygraphy", "tritonclient", "fastapi", "uvicorn", "psutil", "matplotlib", "kvpress",
@@ -61,7 +65,7 @@ SERVE_FILES = 3  # 8 files come back from a lent machine
 #: GPU test files, cheap and decisive first (what a first GPU run must tell before its time runs out: the selection
 #: op on CUDA against the reference, the torch backend on CUDA, the served path), the kernel matrix and the TensorRT
 #: tests (skipped without TensorRT) after; a file not named here runs last
-PYTEST_ORDER = ("tests/selection/test_select_op.py", "tests/selection/test_reference.py",
+PYTEST_ORDER = ("tests/selection/test_select_op.py", "tests/selection/test_kernel_ops.py", "tests/selection/test_reference.py",
                 "tests/runtime/test_torch_backend.py", "tests/bench/test_gpu_serve.py", "tests/plugins/test_plugin_gpu.py",
                 "tests/runtime/test_tensorrt_backend.py", "tests/plugins/test_plugin_engine_build.py")
 
@@ -433,6 +437,9 @@ class Check:
         return self.outcome("pytest", budget, code, timed_out, seconds, note, details)
 
     def sanitizer(self) -> StepResult:
+        """The four tools on each of the driver's shapes in turn (SANITIZER_SHAPES first: the d 128 kernels, the
+        multi-CTA top-k of a long row, the model-level selection, then the rest), the four at once per shape, until the
+        step's time runs out; a shape not reached is listed."""
         budget = self.budget("sanitizer")
         tool = self.sanitizer_path()
         driver = ROOT / "build" / "plugins" / "ckv_sanitizer_driver"
@@ -442,38 +449,51 @@ class Check:
             return StepResult("sanitizer", "skipped", budget, note="compute-sanitizer not found")
         if not driver.is_file():
             return StepResult("sanitizer", "failed", budget, note=f"{driver.relative_to(ROOT)} not built")
-        self.header("sanitizer", budget, f"{' / '.join(SANITIZER_TOOLS)} on {driver.relative_to(ROOT)}, at once")
+        code, listed = probe([str(driver), "--list"], 20)
+        shapes = sanitizer_shapes(listed if code == 0 else "")
+        self.header("sanitizer", budget, f"{' / '.join(SANITIZER_TOOLS)} on {driver.relative_to(ROOT)}, shape by "
+                                         f"shape ({', '.join(s or 'every' for s in shapes)}), the four tools at once")
         begin = time.monotonic()
-        procs = {}
-        for name in SANITIZER_TOOLS:
-            out = open(self.scratch / f"sanitizer_{name}.log", "w")
-            procs[name] = (subprocess.Popen([tool, "--tool", name, "--error-exitcode", "3", str(driver)], stdout=out,
-                                            stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True), out)
         deadline = begin + budget
-        tools = {}
-        for name, (proc, out) in procs.items():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                stop(proc, grace=2)
-                timed_out = True
-            out.close()
-            text = (self.scratch / f"sanitizer_{name}.log").read_text(errors="replace")
-            summary = re.findall(r"ERROR SUMMARY: \d+ errors?", text)
-            clean = bool(summary) and summary[-1].startswith("ERROR SUMMARY: 0 ")
-            ok = not timed_out and proc.returncode == 0 and clean
-            tools[name] = {"status": "passed" if ok else ("timed out" if timed_out else "failed"),
-                           "returncode": proc.returncode, "summary": summary[-1] if summary else None}
-            self.log(f"--- {name}: {tools[name]['status']} (exit {proc.returncode}; {tools[name]['summary']})")
-            tail = text.splitlines()[-40:] if not ok else text.splitlines()[-3:]
-            for line in tail:
-                self.log(f"[{name}] {line}")
+        tools, not_reached = {}, []
+        for shape in shapes:
+            if deadline - time.monotonic() < 3:
+                not_reached.append(shape)
+                continue
+            procs = {}
+            for name in SANITIZER_TOOLS:
+                out = open(self.scratch / f"sanitizer_{name}_{shape or 'all'}.log", "w")
+                cmd = [tool, "--tool", name, "--error-exitcode", "3", str(driver)] + ([shape] if shape else [])
+                procs[name] = (subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                                start_new_session=True), out)
+            for name, (proc, out) in procs.items():
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    timed_out = False
+                except subprocess.TimeoutExpired:
+                    stop(proc, grace=2)
+                    timed_out = True
+                out.close()
+                text = (self.scratch / f"sanitizer_{name}_{shape or 'all'}.log").read_text(errors="replace")
+                summary = re.findall(r"ERROR SUMMARY: \d+ errors?", text)
+                clean = bool(summary) and summary[-1].startswith("ERROR SUMMARY: 0 ")
+                ok = not timed_out and proc.returncode == 0 and clean
+                key = f"{name} {shape}".strip()
+                tools[key] = {"status": "passed" if ok else ("timed out" if timed_out else "failed"),
+                              "returncode": proc.returncode, "summary": summary[-1] if summary else None}
+                self.log(f"--- {key}: {tools[key]['status']} (exit {proc.returncode}; {tools[key]['summary']})")
+                tail = text.splitlines()[-40:] if not ok else text.splitlines()[-3:]
+                for line in tail:
+                    self.log(f"[{key}] {line}")
         seconds = time.monotonic() - begin
         states = {t["status"] for t in tools.values()}
-        status = "passed" if states == {"passed"} else ("timed out" if "timed out" in states else "failed")
-        note = ", ".join(f"{k} {v['status']}" for k, v in tools.items())
-        return StepResult("sanitizer", status, budget, seconds, None, note, {"tools": tools})
+        status = "passed" if states == {"passed"} and not not_reached else (
+            "timed out" if "timed out" in states or not_reached else "failed")
+        bad = [k for k, v in tools.items() if v["status"] != "passed"]
+        note = (f"{len(tools) - len(bad)} of {len(tools)} tool runs clean" + (f"; not clean: {', '.join(bad)}" if bad else "")
+                + (f"; shapes not reached: {', '.join(not_reached)}" if not_reached else ""))
+        return StepResult("sanitizer", status, budget, seconds, None, note,
+                          {"tools": tools, "not_reached": not_reached})
 
     def serve_available(self) -> bool:
         for path in (ROOT / "criticalkv" / "commands").glob("*.py"):
@@ -542,6 +562,14 @@ class Check:
         shutil.rmtree(self.scratch, ignore_errors=True)
         failed = [r for r in self.results if r.status in ("failed", "timed out")]
         return 1 if failed else 0
+
+
+def sanitizer_shapes(listed: str) -> list[str]:
+    """The driver's shapes from its ``--list`` ("shapes: small d128 longrow model"), SANITIZER_SHAPES' order first;
+    [""] (one run of every shape) when it lists none."""
+    shapes = next((line.split()[1:] for line in listed.splitlines() if line.startswith("shapes:")), [])
+    order = {name: i for i, name in enumerate(SANITIZER_SHAPES)}
+    return sorted(shapes, key=lambda s: (order.get(s, len(order)), s)) or [""]
 
 
 def summarize_live(path: Path) -> dict:

@@ -340,7 +340,7 @@ def selection_runs_on(policy, workload: Workload) -> str:
 
     if not workload.device.startswith("cuda"):
         return "PyTorch reference (CPU)"
-    reason = native_reason(policy, torch.empty(0, dtype=getattr(torch, workload.dtype)))
+    reason = native_reason(policy, torch.empty(0, dtype=getattr(torch, workload.dtype), device=workload.device))
     return "CUDA kernels (plugins/)" if reason is None else f"PyTorch reference on the GPU ({reason})"
 
 

@@ -5,7 +5,7 @@ one), ``docqa`` (the compressed context cache), ``memory`` (memory-bound decode)
 ``single`` (vs kvpress and transformers), ``aiperf`` (cross-check), ``peers`` (vs onnxruntime-genai and OpenVINO
 GenAI, with the CPU's GEMM and bandwidth floors); the engine alone: ``latency`` (selection share of the prefill, decode
 per token, decode memory), ``selection`` (the selection nodes of several policies), ``norm-flops``, ``profile`` (where
-a prefill and a decode step spend their time); on a GPU: ``gpu`` (every policy's selection per layer against the
+a prefill and a decode step spend their time), ``ops`` (the selection ops alone against torch); on a GPU: ``gpu`` (every policy's selection per layer against the
 layer's prefill, with the GPU's floors, under ``results/gpu/``; ``scripts/gpu_check.sh`` runs it with the GPU tests)
 and ``gpu-serve`` (the torch backend served in process); and ``targets`` / ``report`` (from the result files, no model
 run)."""
@@ -338,7 +338,7 @@ def run_report(args) -> int:
 
 
 def _register_engine_benchmarks(sub) -> None:
-    """``latency``, ``selection``, ``norm-flops`` and ``gpu``: modules with their own argument parsers (``main(argv)``); the
+    """``latency``, ``selection``, ``norm-flops``, ``ops`` and ``gpu``: modules with their own argument parsers (``main(argv)``); the
     arguments after the name go to them, ``--help`` included."""
     for name, module_name, help_text in (
             ("latency", "criticalkv.bench.latency",
@@ -346,6 +346,8 @@ def _register_engine_benchmarks(sub) -> None:
             ("selection", "criticalkv.bench.selection", "the selection nodes of several policies on one prompt, "
                                                         "interleaved (seconds, per-operator profile)"),
             ("norm-flops", "criticalkv.bench.norm_flops", "FLOPs of CriticalKV's stage-2 value norms, unpruned and pruned"),
+            ("ops", "criticalkv.bench.ops", "the selection ops alone (top_k, value_norms, window_scores, the model-level "
+                                            "selection) vs torch.topk, a torch matmul, a softmax, the reference"),
             ("gpu", "criticalkv.bench.gpu", "on a GPU: every policy's selection per layer vs the layer's prefill "
                                             "(8k/32k/128k, Llama-3.1-8B layer), floors, batch 8, kvpress")):
         p = sub.add_parser(name, help=help_text, add_help=False,

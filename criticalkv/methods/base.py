@@ -77,8 +77,12 @@ class BaseMethod:
     score_knobs : the knobs its scores depend on (scores are memoised per prompt by these, not by budget)
     row_scores : whether its score reads every window query's attention row, not only their mean (defensivekv)
     model_level : whether the budget is shared across all layers (``select_model`` selects after the last layer)
-    native : whether the C++ selection flow (plugin, host version) implements it; otherwise the plugin refuses it
+    native : whether the per-layer CriticalKVSelect plugin (TensorRT) selects it; otherwise the plugin refuses it
     cpp_refusal : why the plugin refuses a method that is not native (the generated validation's message)
+    kernels : whether the CUDA kernels and the host version select it through the torch ops (``criticalkv.selection.op``:
+        per layer, or over every layer for a ``model_level`` method, with the external scores as an input where it
+        reads them); the plugin may still refuse it (``native``)
+    kernels_refusal : why the kernels do not select a method whose ``kernels`` is False
     pools : whether its attention is max-pooled over positions (``pool_kernel``) before it ranks
     needs_rotation : whether it reads RoPE's rotation tables (``expected_attention.rotation_tables``): the drivers then
         take them (``select_layer(rotation=...)``, the selection node's input ``rotation``)
@@ -103,6 +107,8 @@ class BaseMethod:
     model_level: bool = False
     native: bool = True
     cpp_refusal: str = ""
+    kernels: bool = True
+    kernels_refusal: str = ""
     score_knobs: tuple[str, ...] = ("pool_kernel",)
     pools: bool = True
     needs_rotation: bool = False

@@ -115,8 +115,11 @@ class ExpectedAttention(BaseMethod):
     pools = False
     needs_rotation = True
     native = False
+    kernels = False
     cpp_refusal = ("reads RoPE's rotation averaged over the next future_positions positions, an input the "
                    "CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime")
+    kernels_refusal = ("reads RoPE's rotation averaged over the next future_positions positions, an input the kernels "
+                       "do not take; select it on the PyTorch path or ONNX Runtime")
 
     def sinks(self, policy) -> int:
         return policy.sink_tokens

@@ -193,7 +193,7 @@ class Engine:
         """Open ``folder`` (checks the manifest, its format version and every file; ``verify`` also
         checks sha256) on ``backend`` (None: ``torch`` for a directory built with ``--backend torch``, else
         ``onnxruntime``). ``options`` go to the backend (torch: ``model``, ``device``, ``dtype``, ``cuda_graphs``,
-        ``threads``: see ``criticalkv.runtime.torch_backend``; ONNX Runtime: ``threads``, ``profile``, ``providers``,
+        ``threads``, ``selection``: see ``criticalkv.runtime.torch_backend``; ONNX Runtime: ``threads``, ``profile``, ``providers``,
         ``weights``, ``decode`` = ``"auto"`` / ``"fused"`` / ``"portable"`` (the decode graph: decode_ort.onnx or
         decode.onnx; default ``$CRITICALKV_ORT_DECODE`` or auto), ``prefill`` (the same for the prompt graphs:
         prefill_ort.onnx and extend_ort.onnx or prefill.onnx and extend.onnx; ``$CRITICALKV_ORT_PREFILL``),

@@ -4,11 +4,13 @@ No ONNX graph: the manifest names the checkpoint (``scripts/build_engine.py --ba
 whose manifest names a reachable checkpoint loads too), and the backend runs it through ``CompactDecoder``:
 
 * ``prefill``: the prompt layer by layer (SDPA); right after each layer's attention its post-RoPE window queries,
-  keys and values go through ``torch.ops.criticalkv.select_layer`` (the CUDA kernels of plugins/ on the current
-  stream when the op library is built, the PyTorch reference elsewhere), and the layer's full K/V are dropped: at most
-  one layer's full K/V exists at a time, beside the kept entries. No host synchronisation inside the layer loop; the
-  kept lengths and indices come back to the host once, after the last layer. A model-level policy
-  (``layer-defensivekv``) keeps every layer's K/V until the last one and selects with ``select_model``.
+  keys and values go through ``torch.ops.criticalkv.select_layer`` (``criticalkv.selection.op``: the CUDA kernels of
+  plugins/ on the current stream; the PyTorch reference where the backend's ``selection`` allows it, said once per
+  reason), and the layer's full K/V are dropped: at most one layer's full K/V exists at a time, beside the kept
+  entries. No host synchronisation inside the layer loop; the kept lengths and indices come back to the host once,
+  after the last layer. A model-level policy (``layer-defensivekv``, ``layer-kvzip``, ``layer-kvzip-criticalkv``) ranks
+  each layer right after its attention (``torch.ops.criticalkv.layer_ranking``), keeps the rankings and every layer's
+  K/V until the last one, and selects with ``select_model`` (``ModelSelection``).
 * KV rows: per layer l, K and V ``[max_batch, H_kv, cap_l, d_h]`` in the model's dtype and the lengths
   ``[L, max_batch, H_kv]`` int64, allocated once (cap_l = the layer's selection capacity + max_question_len +
   max_new_tokens, the manifest's ``decode_capacity``). Each head holds its entries in its first ``lengths`` slots.
@@ -58,8 +60,7 @@ from criticalkv.runtime.backend import (
     RowSnapshot,
     prefill_buffer_capacity,
 )
-from criticalkv.selection import gather_kv, select_model
-from criticalkv.selection.op import select_layer_kv
+from criticalkv.selection.op import SELECTION_ENV, ModelSelection, resolve_implementation, select_layer_kv
 
 #: The manifest section a torch engine directory carries instead of ``onnx``.
 MANIFEST_KEY = "torch"
@@ -143,13 +144,18 @@ class TorchBackend(BuiltShapes):
     has_extend = True
 
     def __init__(self, folder: Path, manifest: dict[str, Any], model=None, device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None, cuda_graphs: bool = True, threads: int | None = None):
+                 dtype: str | torch.dtype | None = None, cuda_graphs: bool = True, threads: int | None = None,
+                 selection: str | None = None):
         """folder, manifest : the engine directory and its manifest. model : the transformers model to run (None:
         load the manifest's checkpoint; an in-memory model must be the one the engine was built for, its weights are
         used as they are, where they are). device : default the given model's device, else CUDA when available, else
         the CPU. dtype : the model's and the KV rows' dtype (default: the given model's; else the manifest's build dtype
         on CUDA, float32 on the CPU). cuda_graphs : capture decode steps (CUDA only). threads : torch's intra-op
-        threads (process-wide; None leaves them)."""
+        threads (process-wide; None leaves them). selection : which implementation selects
+        (``criticalkv.selection.op``): "native" (the ops, refusing what they cannot run), "auto" (the ops where they
+        run, the PyTorch reference elsewhere, said once per reason) or "reference"; default $CRITICALKV_SELECTION, else
+        "auto" on CUDA and "reference" on the CPU (the ops' CPU registration is the host version, a check of the
+        kernels' logic, not a fast path)."""
         self.folder = Path(folder)
         self.manifest = manifest
         self.read_shapes(manifest)
@@ -164,6 +170,8 @@ class TorchBackend(BuiltShapes):
             dtype = model.dtype
         elif dtype is None:
             dtype = build.get("dtype", "float32") if self.device.type == "cuda" else "float32"
+        self.selection = resolve_implementation(
+            selection or os.environ.get(SELECTION_ENV) or ("auto" if self.device.type == "cuda" else "reference"))
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         if self.dtype not in DTYPES.values():
             raise EngineError(f"dtype {dtype}: the torch backend runs float32, float16 or bfloat16")
@@ -282,28 +290,16 @@ class TorchBackend(BuiltShapes):
         policy = policy or self.policy
         capacity = (capacities or self.selection_capacities)[i]
         return select_layer_kv(policy, queries, keys, values, self.o_proj[i], i, self.num_layers, capacity,
-                               prompt_lengths, budget, self._rotation(policy), scores)
+                               prompt_lengths, budget, self._rotation(policy), scores, self.selection)
 
-    def _select_model(self, pending: list, prompt_lengths, kv_budget: int | None, policy: KVPolicy | None = None,
-                      capacities: list[int] | None = None, scores: list | None = None) -> list[tuple]:
-        """Every layer at once (a model-level policy): ``pending[l] = (queries, keys, values)``; every layer's scores
-        are ranked together after the last one."""
+    def _model_selection(self, prompt_lengths, kv_budget: int | None, policy: KVPolicy | None = None,
+                         capacities: list[int] | None = None) -> ModelSelection:
+        """A model-level policy's selection, fed a layer at a time (``ModelSelection``): on the ops each layer's ranking
+        is computed right after its attention and only it, and the layer's K/V, stay until the last layer."""
         policy = policy or self.policy
-        capacities = capacities or self.selection_capacities
-        layers = [(q, k, v, self.o_proj[i]) for i, (q, k, v) in enumerate(pending)]
         lengths = None if prompt_lengths is None else prompt_lengths.to(torch.int64)
-        selections = select_model(policy.with_budget(kv_budget), layers, lengths, rotation=self._rotation(policy),
-                                  scores=scores)
-        out = []
-        for i, ((_, k, v), sel) in enumerate(zip(pending, selections)):
-            cap = min(k.shape[2], capacities[i])
-            indices = torch.full(sel.indices.shape[:2] + (cap,), -1, dtype=torch.int64, device=k.device)
-            width = min(cap, sel.indices.shape[-1])
-            indices[..., :width] = sel.indices[..., :width]
-            kept = sel.lengths.clamp(max=cap)
-            kk, kv = gather_kv(type(sel)(indices, kept), k, v)
-            out.append((kk, kv, kept.to(torch.int32), indices.to(torch.int32)))
-        return out
+        return ModelSelection(policy, self.num_layers, capacities or self.selection_capacities, lengths, kv_budget,
+                              self.selection, self._rotation(policy))
 
     def _outputs(self, logits, selected: list[tuple], start: float, clock: SelectionClock) -> PrefillOutputs:
         """PrefillOutputs from per-layer (keys, values, lengths, indices): K/V stay on the device, lengths and indices
@@ -331,18 +327,17 @@ class TorchBackend(BuiltShapes):
         budget = self._budget(kv_budget)
         clock = SelectionClock(self.device)
         selected: list = []
-        pending: list = []
+        model = self._model_selection(lengths, kv_budget) if self.model_level else None
 
         def after_attention(i, q, k, v):
-            if self.model_level:  # every layer's full K/V stays until the last one (the budget spans layers)
-                pending.append((q[:, :, -window:].clone(), k, v))  # a copy: the layer's full queries go now
+            if model is not None:  # every layer's K/V (and its ranking) stays until the last one: the budget spans layers
+                clock(lambda: model.add(i, q[:, :, -window:].clone(), k, v, self.o_proj[i]))  # a copy: q goes now
                 return
             selected.append(clock(lambda: self._select(i, q[:, :, -window:], k, v, lengths, budget)))
 
         logits = self.decoder.prefill_layers(ids, positions, lengths, after_attention)
-        if pending:
-            selected = clock(lambda: self._select_model(pending, lengths, kv_budget))
-            pending.clear()
+        if model is not None:
+            selected = clock(model.finish)
         return self._outputs(logits, selected, start, clock)
 
     # ------------------------------------------------------------------ rows
@@ -626,7 +621,10 @@ class TorchBackend(BuiltShapes):
         given = None if scores is None else [torch.as_tensor(np.asarray(x), device=self.device).float() for x in scores]
         clock = SelectionClock(self.device)
         if self._model_level(policy):
-            selected = clock(lambda: self._select_model(layers, None, kv_budget, policy, capacities, given))
+            model = self._model_selection(None, kv_budget, policy, capacities)
+            for i, (q, k, v) in enumerate(layers):
+                clock(lambda: model.add(i, q, k, v, self.o_proj[i], None if given is None else given[i]))
+            selected = clock(model.finish)
         else:
             budget = self._budget(kv_budget)
             selected = [clock(lambda: self._select(i, q, k, v, None, budget, policy, capacities,

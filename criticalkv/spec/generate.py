@@ -65,6 +65,11 @@ def _macro(name: str, comment: list[str], rows: list[str]) -> list[str]:
     return lines + [""]
 
 
+def _keeps_sinks(method) -> bool:
+    """Whether a base method keeps the first ``sink_tokens`` valid tokens before it ranks (``BaseMethod.sinks``)."""
+    return method.sinks(KVPolicy(name=method.name, sink_tokens=1)) == 1
+
+
 def render_policy_fields_header() -> str:
     """policy_fields.h: device-safe X-macros, enums and constants (only <cstdint>)."""
     lines = [
@@ -89,12 +94,15 @@ def render_policy_fields_header() -> str:
     )
     lines += _macro(
         "CKV_FOR_EACH_BASE(CKV_BASE)",
-        ["CKV_BASE(enumerator, name, scored, shared_allocation, own_l2_norms, row_scores) for every base method, enum",
-         "order. scored: ranks older tokens by window attention; shared_allocation: the layer's H_kv * r slots are",
-         "shared across its heads with a per-head floor; own_l2_norms: its own score needs the l2 projected-value",
-         "norms; row_scores: its score reads every window query's attention row (defensive aggregation)."],
+        ["CKV_BASE(enumerator, name, scored, shared_allocation, own_l2_norms, row_scores, pools, external_scores, sinks,",
+         "model_level) for every base method, enum order. scored: ranks older tokens by window attention;",
+         "shared_allocation: the layer's H_kv * r slots are shared across its heads with a per-head floor; own_l2_norms:",
+         "its own score needs the l2 projected-value norms; row_scores: its score reads every window query's attention",
+         "row (defensive aggregation); pools: its attention is max-pooled over positions; external_scores: it ranks by",
+         "a score computed outside the layer (the scores input); sinks: it keeps the first sink_tokens valid tokens",
+         "before ranking; model_level: its budget is shared across every layer of the model."],
         [f"CKV_BASE({m.cpp_enum}, {_literal(m.name)}, {int(m.scored)}, {int(m.shared_allocation)}, {int(m.own_l2_norms)}, "
-         f"{int(m.row_scores)})"
+         f"{int(m.row_scores)}, {int(m.pools)}, {int(m.external_scores)}, {int(_keeps_sinks(m))}, {int(m.model_level)})"
          for m in BASE_METHODS.values()],
     )
     for f in _choice_fields():
@@ -131,10 +139,6 @@ def _validation_lines() -> list[str]:
         if f.name == "name":
             lines += ["    if (!detail::oneOf(p.name, policyNames()))",
                       "        return \"name: unknown KV policy '\" + p.name + \"'; choose one of \" + detail::joinChoices(policyNames());"]
-            for n, m in METHODS.items():  # methods the per-layer plugin cannot select: refused with the reason, not approximated
-                if not m.base.native:
-                    lines += [f'    if (p.name == "{n}")',
-                              f'        return "name: {n} {m.base.cpp_refusal}";']
             continue
         if choices:
             lines += [f"    if (!detail::oneOf(p.{f.name}, {{CKV_CHOICES_{f.name}}}))",
@@ -279,11 +283,35 @@ def render_policy_config_header() -> str:
         "",
         "} // namespace detail",
         "",
-        "//! \"\" when the config is valid, else \"field: reason\" (KVPolicy.__post_init__'s rules and wording, then the",
-        "//! layer fields: num_layers, layer_idx, capacity, layer_budgets).",
-        "inline std::string validatePolicy(PolicyConfig const& p)",
+        "//! \"\" when the config's knobs are valid, else \"field: reason\" (KVPolicy.__post_init__'s rules and wording,",
+        "//! then the layer fields: num_layers, layer_idx, capacity, layer_budgets). Says nothing of who selects it.",
+        "inline std::string validateKnobs(PolicyConfig const& p)",
         "{",
         *_validation_lines(),
+        "}",
+        "",
+        "//! \"\" when the per-layer CriticalKVSelect plugin selects the policy, else why not (BaseMethod.native, cpp_refusal).",
+        "inline std::string pluginRefusal(PolicyConfig const& p)",
+        "{",
+        *[line for n, m in METHODS.items() if not m.base.native
+          for line in (f'    if (p.name == "{n}")', f'        return "name: {n} {m.base.cpp_refusal}";')],
+        "    return \"\";",
+        "}",
+        "",
+        "//! \"\" when the CUDA kernels and the host version select the policy through the torch ops (per layer, or over every",
+        "//! layer for a model-level method; BaseMethod.kernels), else why not.",
+        "inline std::string kernelsRefusal(PolicyConfig const& p)",
+        "{",
+        *[line for n, m in METHODS.items() if not m.base.kernels
+          for line in (f'    if (p.name == "{n}")', f'        return "name: {n} {m.base.kernels_refusal}";')],
+        "    return \"\";",
+        "}",
+        "",
+        "//! The plugin's validation: its refusal first, then the knobs.",
+        "inline std::string validatePolicy(PolicyConfig const& p)",
+        "{",
+        "    std::string const refusal = pluginRefusal(p);",
+        "    return refusal.empty() ? validateKnobs(p) : refusal;",
         "}",
         "",
         "} // namespace criticalkv",

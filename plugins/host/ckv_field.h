@@ -1,6 +1,5 @@
-// The C form of a named policy field as ctypes passes it (libcriticalkv_ops.so, the library of the torch op
-// criticalkv::select_layer; the test libraries libcriticalkv_host.so and libcriticalkv_cuda_test.so), and its
-// conversion to the shared parser's FieldView.
+// The C form of a named policy field as ctypes passes it (the test libraries libcriticalkv_host.so and
+// libcriticalkv_cuda_test.so), and its conversion to the shared parser's FieldView.
 #pragma once
 
 #include "policy.h"
@@ -36,7 +35,8 @@ inline void writeMessage(std::string const& message, char* out, int32_t outLen)
 }
 
 //! Parse ctypes fields with the plugin's parser; false with the error in (err, errLen).
-inline bool parseFields(CkvField const* fields, int32_t count, PolicyConfig& config, char* err, int32_t errLen)
+inline bool parseFields(CkvField const* fields, int32_t count, PolicyConfig& config, char* err, int32_t errLen,
+    PolicyUse use = PolicyUse::kPlugin)
 {
     std::vector<FieldView> views;
     for (int32_t i = 0; i < count && fields != nullptr; ++i)
@@ -47,7 +47,7 @@ inline bool parseFields(CkvField const* fields, int32_t count, PolicyConfig& con
         views.push_back(FieldView{fields[i].name, fields[i].data, type, fields[i].length});
     }
     std::string error;
-    if (!parsePolicyFields(views.data(), count, config, error))
+    if (!parsePolicyFields(views.data(), count, config, error, use))
     {
         writeMessage(error, err, errLen);
         return false;

@@ -242,10 +242,31 @@ inline bool readField(FieldView const& field, double& out, std::string& error)
 
 } // namespace detail
 
+//! Who selects with a parsed policy: the per-layer TensorRT plugin (which refuses what it has no flow for:
+//! pluginRefusal), or the kernels and the host version through the torch ops (kernelsRefusal: per layer, or over every
+//! layer for a model-level method, with the external scores as an input).
+enum class PolicyUse : int32_t
+{
+    kPlugin = 0,
+    kKernels = 1,
+};
+
+//! The validation of `p` for `use`: "" or "field: reason".
+inline std::string validateFor(PolicyConfig const& p, PolicyUse use)
+{
+    if (use == PolicyUse::kPlugin)
+    {
+        return validatePolicy(p);
+    }
+    std::string const refusal = kernelsRefusal(p);
+    return refusal.empty() ? validateKnobs(p) : refusal;
+}
+
 //! Parse named fields into `out` (starting from KVPolicy's defaults). Unknown, duplicated, mistyped or
 //! malformed fields are an error; missing fields keep their defaults (capacity has none: validatePolicy
 //! rejects 0; a missing layer_budgets is b - window except for PyramidKV, which must give it). Returns false and sets `error` ("field: reason") on failure; never reads past `length`.
-inline bool parsePolicyFields(FieldView const* fields, int32_t count, PolicyConfig& out, std::string& error)
+inline bool parsePolicyFields(FieldView const* fields, int32_t count, PolicyConfig& out, std::string& error,
+    PolicyUse use = PolicyUse::kPlugin)
 {
     out = PolicyConfig{};
     if (count < 0 || (count > 0 && fields == nullptr))
@@ -305,14 +326,14 @@ inline bool parsePolicyFields(FieldView const* fields, int32_t count, PolicyConf
             out.layer_budgets.push_back(b - out.window);
         }
     }
-    error = validatePolicy(out);
+    error = validateFor(out, use);
     return error.empty();
 }
 
-//! The numbers the kernels need; throws std::invalid_argument if the config does not validate.
-inline SelectConfig makeSelectConfig(PolicyConfig const& p)
+//! The numbers the kernels need; throws std::invalid_argument if the config does not validate for `use`.
+inline SelectConfig makeSelectConfig(PolicyConfig const& p, PolicyUse use = PolicyUse::kPlugin)
 {
-    std::string const error = validatePolicy(p);
+    std::string const error = validateFor(p, use);
     if (!error.empty())
     {
         throw std::invalid_argument(error);
@@ -348,6 +369,12 @@ inline SelectConfig makeSelectConfig(PolicyConfig const& p)
         }
     }
     c.capacity = p.capacity;
+    // kvzip's score is not pooled (poolsAttention); it keeps its sinks before ranking (per layer: sequenceInfo's
+    // candidateStart; the model-level selection ranks them first instead: model_level.h)
+    c.poolKernel = poolsAttention(c) ? p.pool_kernel : 1;
+    c.headCapMicros = decimalMicros(p.head_cap_ratio);
+    c.modelWide = modelLevel(c) && p.num_layers > 1 ? 1 : 0;
+    c.keptSinks = keepsSinks(c) && !c.modelWide ? p.sink_tokens : 0;
     return c;
 }
 

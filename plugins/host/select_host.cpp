@@ -5,6 +5,7 @@
 #include "criticalkv/group_scores.h"
 #include "criticalkv/head_selection.h"
 #include "criticalkv/kept_positions.h"
+#include "criticalkv/model_level.h"
 #include "criticalkv/pruned_stage2.h"
 #include "criticalkv/radix_select.h"
 #include "criticalkv/shared_allocation.h"
@@ -494,69 +495,84 @@ int32_t resolveLayerBudget(SelectConfig const& config, BudgetTable const& table,
     return table.values[index];
 }
 
-void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectShape const& s, HostInputs const& in,
-    HostOutputs const& out)
+namespace
 {
-    validateShape(config, s);
-    // The request's budget, resolved as on the device (pipeline.cu): r_l looked up first, then read by every stage.
-    int32_t resolved = 0;
-    RuntimeBudget runtime{in.kvBudget, nullptr};
-    if (in.kvBudget != nullptr && config.budgetTable && needsScores(config))
-    {
-        resolved = resolveLayerBudget(config, table, in.kvBudget);
-        runtime.layerBudget = &resolved;
-    }
-    int32_t const n = s.n;
-    int32_t const d = s.headDim;
-    int32_t const group = s.heads / s.kvHeads;
-    int32_t const w = windowLength(config, n);
-    int32_t const m = n - w;
-    int32_t const cap = outputCapacity(config, n);
-    int64_t const rowsPerBatch = static_cast<int64_t>(s.kvHeads) * m;
 
-    std::vector<SequenceInfo> infos(static_cast<size_t>(s.batch));
-    bool anyScored = false;
-    for (int32_t b = 0; b < s.batch; ++b)
-    {
-        infos[b] = sequenceInfo(config, runtime, s, in.promptLengths, b);
-        anyScored = anyScored || (infos[b].compress && needsScores(config));
-    }
-
-    // The kernels' stages, one after the other, on buffers of the kernels' layout (kernels.h: WorkspaceLayout).
-    size_t const perHead = static_cast<size_t>(s.batch) * s.heads * m;
-    size_t const perKvHead = static_cast<size_t>(s.batch) * rowsPerBatch;
-    std::vector<float> raw(perHead, 0.0F), squares(perHead, 0.0F), norms(needsNorms(config) ? perHead : 0, 0.0F);
-    std::vector<float> attention(perKvHead, 0.0F), critical(perKvHead, 0.0F), laprox(perKvHead, 0.0F);
-    // CriticalKV with l1 norms: `norms` holds the upper bounds, `critical` their group score U (pruned_stage2.h)
-    bool const pruned = prunedStage2On(config);
+//! The score stages of one layer on the kernels' buffers (kernels.h: WorkspaceLayout), sequence by sequence: window
+//! scores (or the external scores of a kvzip layer), value norms (or the pruned stage 2's bounds), then the group
+//! scores, or defensivekv's group step. `exactNorms`: every norm exactly even where the selection would prune stage 2
+//! (the model-level refinement reads the critical score of every older token).
+struct LayerScorer
+{
+    SelectConfig const& config;
+    SelectShape const& s;
+    HostInputs const& in;
+    int32_t n, d, group, w, m;
+    int64_t rowsPerBatch;
+    bool pruned, rowsOn;
+    std::vector<float> raw, squares, norms, attention, critical, laprox;
     std::vector<BoundTerms> terms;
-    std::vector<float> exactNorms(pruned ? static_cast<size_t>(s.heads) * m : 0, 0.0F);
-    for (int32_t h = 0; pruned && anyScored && h < s.heads; ++h)
+    std::vector<float> rows, worst, rowMass, stage1, ranking;
+    std::vector<DefensiveTotals> totals;
+
+    LayerScorer(SelectConfig const& c, SelectShape const& shape, HostInputs const& inputs, bool anyScored,
+        bool exactNorms)
+        : config(c)
+        , s(shape)
+        , in(inputs)
+        , n(shape.n)
+        , d(shape.headDim)
+        , group(shape.heads / shape.kvHeads)
+        , w(windowLength(c, shape.n))
+        , m(shape.n - windowLength(c, shape.n))
+        , rowsPerBatch(static_cast<int64_t>(shape.kvHeads) * m)
+        , pruned(prunedStage2On(c) && !exactNorms)
+        , rowsOn(rowScores(c))
     {
-        terms.push_back(boundTerms(s, in.oProj, h));
-    }
-    std::vector<uint8_t> flags(perKvHead, 0);
-    std::vector<int64_t> headCounts(static_cast<size_t>(s.batch) * s.kvHeads, 0);
-    // defensivekv: every window query's row of one head, each head's worst, each row's mass, the two scores
-    bool const rowsOn = rowScores(config);
-    std::vector<float> rows(rowsOn ? static_cast<size_t>(w) * m : 0), worst(rowsOn ? perHead : 0);
-    std::vector<float> rowMass(rowsOn ? static_cast<size_t>(s.batch) * s.heads * w : 0);
-    std::vector<float> stage1(rowsOn ? perKvHead : 0), ranking(rowsOn ? perKvHead : 0);
-    std::vector<DefensiveTotals> totals(static_cast<size_t>(s.kvHeads));
-    HostTopK topK;
-    for (int32_t b = 0; b < s.batch && anyScored; ++b)
-    {
-        SequenceInfo const& info = infos[b];
-        if (!info.compress)
+        if (externalScores(config) && in.scores == nullptr && anyScored)
         {
-            continue;
+            throw std::invalid_argument("scores: " + std::string(config.base == BaseMethod::kKVzip ? "kvzip" : "layer-kvzip")
+                + " ranks by scores computed outside the layer ([B, H_kv, n], a context reconstruction's); without them "
+                  "its fallback (the window's max attention) runs only in the PyTorch reference");
         }
+        size_t const perHead = static_cast<size_t>(s.batch) * s.heads * m;
+        size_t const perKvHead = static_cast<size_t>(s.batch) * rowsPerBatch;
+        raw.assign(perHead, 0.0F);
+        squares.assign(perHead, 0.0F);
+        norms.assign(needsNorms(config) ? perHead : 0, 0.0F);
+        attention.assign(perKvHead, 0.0F);
+        critical.assign(perKvHead, 0.0F);
+        laprox.assign(perKvHead, 0.0F);
+        for (int32_t h = 0; pruned && anyScored && h < s.heads; ++h)
+        {
+            terms.push_back(boundTerms(s, in.oProj, h));
+        }
+        rows.assign(rowsOn ? static_cast<size_t>(w) * m : 0, 0.0F);
+        worst.assign(rowsOn ? perHead : 0, 0.0F);
+        rowMass.assign(rowsOn ? static_cast<size_t>(s.batch) * s.heads * w : 0, 0.0F);
+        stage1.assign(rowsOn ? perKvHead : 0, 0.0F);
+        ranking.assign(rowsOn ? perKvHead : 0, 0.0F);
+        totals.assign(static_cast<size_t>(s.kvHeads), DefensiveTotals{});
+    }
+
+    //! Every score of sequence b (compressed). defensivekv: the defensive score in attention, stage1, totals.
+    void score(int32_t b, SequenceInfo const& info)
+    {
         int64_t const sequence = static_cast<int64_t>(b) * s.heads * m;
-        // window scores and value norms (window_scores.cu, value_norms.cu)
+        // window scores and value norms (window_scores.cu, value_norms.cu); kvzip: its external scores, unpooled
         for (int32_t h = 0; h < s.heads; ++h)
         {
             int64_t const row = sequence + static_cast<int64_t>(h) * m;
-            windowScores(config, s, in, b, h, info.validStart, &raw[row], &squares[row], rowsOn ? rows.data() : nullptr);
+            if (externalScores(config))
+            {
+                float const* given = in.scores + (static_cast<int64_t>(b) * s.kvHeads + h / group) * n;
+                std::copy(given, given + m, &raw[row]);
+            }
+            else
+            {
+                windowScores(config, s, in, b, h, info.validStart, &raw[row], &squares[row],
+                    rowsOn ? rows.data() : nullptr);
+            }
             if (rowsOn)
             {
                 defensiveRows(config, rows.data(), w, m, info.validStart, &worst[row],
@@ -579,14 +595,11 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
         int64_t const base = b * rowsPerBatch;
         if (rowsOn)
         {
-            // defensive group scores (defensiveGroupKernels), then stage 1 and the shared allocation
+            // defensive group scores (defensiveGroupKernels)
             defensiveGroups(s, &worst[sequence], &raw[sequence], &norms[sequence],
                 &rowMass[static_cast<size_t>(b) * s.heads * w], w, m, info.validStart, &attention[base], &stage1[base],
                 totals.data());
-            float const limit = stage1Limit(config, totals.data(), s.kvHeads);
-            selectDefensive(topK, config, &attention[base], &stage1[base], &ranking[base], &flags[base], s.kvHeads, m,
-                info.validStart, info.r, limit);
-            continue;
+            return;
         }
         // group scores (groupScoresKernel)
         for (int32_t g = 0; g < s.kvHeads; ++g)
@@ -595,45 +608,58 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
             {
                 GroupScores const scores = groupScoresAt(config, &raw[sequence], &squares[sequence],
                     norms.empty() ? nullptr : &norms[sequence], g * group, group, m, i);
-                int64_t const at = b * rowsPerBatch + static_cast<int64_t>(g) * m + i;
+                int64_t const at = base + static_cast<int64_t>(g) * m + i;
                 attention[at] = scores.attention;
                 critical[at] = scores.critical;
                 laprox[at] = scores.laprox;
             }
         }
-        // shared allocation (select_flows.cuh: runSharedStage), then the per-head flow (runHeadStage)
-        if (sharedAllocation(config))
+    }
+};
+
+//! The request's budget, resolved as on the device (pipeline.cu): r_l looked up first, then read by every stage.
+struct ResolvedBudget
+{
+    int32_t resolved = 0;
+    RuntimeBudget runtime{nullptr, nullptr};
+
+    ResolvedBudget(SelectConfig const& config, BudgetTable const& table, int32_t const* kvBudget)
+    {
+        runtime.kvBudget = kvBudget;
+        if (kvBudget != nullptr && config.budgetTable && needsScores(config))
         {
-            selectShared(topK, config, sharedRanking(config, &attention[base], &laprox[base]), &flags[base], s.kvHeads,
-                m, info.validStart, info.r);
-            for (int32_t g = 0; g < s.kvHeads; ++g)
-            {
-                uint8_t const* row = &flags[base + static_cast<int64_t>(g) * m];
-                headCounts[static_cast<size_t>(b) * s.kvHeads + g]
-                    = std::count_if(row, row + m, [](uint8_t f) { return f != 0; });
-            }
-            if (!config.twoStage)
-            {
-                continue;
-            }
-        }
-        for (int32_t g = 0; g < s.kvHeads; ++g)
-        {
-            int64_t const row = base + static_cast<int64_t>(g) * m;
-            std::fill(&flags[row], &flags[row] + m, 0);
-            int64_t const count
-                = sharedAllocation(config) ? headCounts[static_cast<size_t>(b) * s.kvHeads + g] : info.r;
-            if (pruned)
-            {
-                selectHeadPruned(config, s, in, b, g, m, info.validStart, count, &attention[row], &critical[row],
-                    &raw[sequence], &squares[sequence], exactNorms.data(), &flags[row]);
-                continue;
-            }
-            selectHead(topK, config, &attention[row], &critical[row], &flags[row], m, info.validStart, count);
+            resolved = resolveLayerBudget(config, table, kvBudget);
+            runtime.layerBudget = &resolved;
         }
     }
 
-    // Compaction: ascending kept positions, then the gather of K and V.
+    ResolvedBudget(ResolvedBudget const&) = delete;
+    ResolvedBudget& operator=(ResolvedBudget const&) = delete;
+};
+
+std::vector<SequenceInfo> sequenceInfos(SelectConfig const& config, RuntimeBudget const& runtime, SelectShape const& s,
+    int32_t const* promptLengths, bool& anyScored)
+{
+    std::vector<SequenceInfo> infos(static_cast<size_t>(s.batch));
+    anyScored = false;
+    for (int32_t b = 0; b < s.batch; ++b)
+    {
+        infos[b] = sequenceInfo(config, runtime, s, promptLengths, b);
+        anyScored = anyScored || (infos[b].compress && needsScores(config));
+    }
+    return infos;
+}
+
+//! Compaction: ascending kept positions of every head (flags [B, H_kv, m] of a scored layer), then the gather of K
+//! and V (kernels/compact.cuh, gatherKernel).
+void compactLayer(SelectConfig const& config, SelectShape const& s, HostInputs const& in,
+    std::vector<SequenceInfo> const& infos, uint8_t const* flags, HostOutputs const& out)
+{
+    int32_t const n = s.n;
+    int32_t const d = s.headDim;
+    int32_t const m = n - windowLength(config, n);
+    int32_t const cap = outputCapacity(config, n);
+    int64_t const rowsPerBatch = static_cast<int64_t>(s.kvHeads) * m;
     for (int32_t b = 0; b < s.batch; ++b)
     {
         SequenceInfo const& info = infos[b];
@@ -678,6 +704,174 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
             }
         }
     }
+}
+
+//! Mark a per-layer kvzip head's kept sinks (SequenceInfo: [validStart, candidateStart)) after its selection flows.
+void markKeptSinks(SequenceInfo const& info, uint8_t* row)
+{
+    for (int32_t i = info.validStart; i < info.candidateStart; ++i)
+    {
+        row[i] = kKeptSink;
+    }
+}
+
+} // namespace
+
+void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectShape const& s, HostInputs const& in,
+    HostOutputs const& out)
+{
+    validateShape(config, s);
+    if (config.modelWide)
+    {
+        throw std::invalid_argument("num_layers: a model-level policy selects one layer alone only in a one-layer "
+                                    "model (selectModel selects the others)");
+    }
+    ResolvedBudget const budget(config, table, in.kvBudget);
+    bool anyScored = false;
+    std::vector<SequenceInfo> const infos = sequenceInfos(config, budget.runtime, s, in.promptLengths, anyScored);
+    int32_t const m = s.n - windowLength(config, s.n);
+    int64_t const rowsPerBatch = static_cast<int64_t>(s.kvHeads) * m;
+    LayerScorer scorer(config, s, in, anyScored, false);
+    std::vector<uint8_t> flags(static_cast<size_t>(s.batch) * rowsPerBatch, 0);
+    std::vector<int64_t> headCounts(static_cast<size_t>(s.batch) * s.kvHeads, 0);
+    std::vector<float> exactNorms(scorer.pruned ? static_cast<size_t>(s.heads) * m : 0, 0.0F);
+    HostTopK topK;
+    for (int32_t b = 0; b < s.batch && anyScored; ++b)
+    {
+        SequenceInfo const& info = infos[b];
+        if (!info.compress)
+        {
+            continue;
+        }
+        scorer.score(b, info);
+        int64_t const sequence = static_cast<int64_t>(b) * s.heads * m;
+        int64_t const base = b * rowsPerBatch;
+        if (scorer.rowsOn)
+        {
+            // stage 1 and the shared allocation on defensivekv's ranking
+            float const limit = stage1Limit(config, scorer.totals.data(), s.kvHeads);
+            selectDefensive(topK, config, &scorer.attention[base], &scorer.stage1[base], &scorer.ranking[base],
+                &flags[base], s.kvHeads, m, info.candidateStart, info.r, limit);
+            continue;
+        }
+        // shared allocation (select_flows.cuh: runSharedStage), then the per-head flow (runHeadStage)
+        if (sharedAllocation(config))
+        {
+            selectShared(topK, config, sharedRanking(config, &scorer.attention[base], &scorer.laprox[base]),
+                &flags[base], s.kvHeads, m, info.candidateStart, info.r);
+            for (int32_t g = 0; g < s.kvHeads; ++g)
+            {
+                uint8_t const* row = &flags[base + static_cast<int64_t>(g) * m];
+                headCounts[static_cast<size_t>(b) * s.kvHeads + g]
+                    = std::count_if(row, row + m, [](uint8_t f) { return f != 0; });
+            }
+        }
+        if (config.twoStage || !sharedAllocation(config))
+        {
+            for (int32_t g = 0; g < s.kvHeads; ++g)
+            {
+                int64_t const row = base + static_cast<int64_t>(g) * m;
+                std::fill(&flags[row], &flags[row] + m, 0);
+                int64_t const count
+                    = sharedAllocation(config) ? headCounts[static_cast<size_t>(b) * s.kvHeads + g] : info.r;
+                if (scorer.pruned)
+                {
+                    selectHeadPruned(config, s, in, b, g, m, info.candidateStart, count, &scorer.attention[row],
+                        &scorer.critical[row], &scorer.raw[sequence], &scorer.squares[sequence], exactNorms.data(),
+                        &flags[row]);
+                    continue;
+                }
+                selectHead(topK, config, &scorer.attention[row], &scorer.critical[row], &flags[row], m,
+                    info.candidateStart, count);
+            }
+        }
+        for (int32_t g = 0; g < s.kvHeads; ++g)
+        {
+            markKeptSinks(info, &flags[base + static_cast<int64_t>(g) * m]);
+        }
+    }
+    compactLayer(config, s, in, infos, flags.data(), out);
+}
+
+void layerRanking(SelectConfig const& config, BudgetTable const& table, SelectShape const& s, HostInputs const& in,
+    float* ranking, float* attention, float* critical)
+{
+    validateShape(config, s);
+    if (!modelLevel(config) || !needsScores(config))
+    {
+        throw std::invalid_argument("layerRanking: the policy is not a model-level method");
+    }
+    ResolvedBudget const budget(config, table, in.kvBudget);
+    bool anyScored = false;
+    std::vector<SequenceInfo> const infos = sequenceInfos(config, budget.runtime, s, in.promptLengths, anyScored);
+    int32_t const m = s.n - windowLength(config, s.n);
+    int64_t const rowsPerBatch = static_cast<int64_t>(s.kvHeads) * m;
+    size_t const total = static_cast<size_t>(s.batch) * rowsPerBatch;
+    std::fill(ranking, ranking + total, 0.0F);
+    for (float* out : {attention, critical})
+    {
+        if (out != nullptr)
+        {
+            std::fill(out, out + total, 0.0F);
+        }
+    }
+    LayerScorer scorer(config, s, in, anyScored, true);
+    std::vector<uint8_t> flags(total, 0);
+    HostTopK topK;
+    for (int32_t b = 0; b < s.batch && anyScored; ++b)
+    {
+        SequenceInfo const& info = infos[b];
+        if (!info.compress)
+        {
+            continue;
+        }
+        scorer.score(b, info);
+        int64_t const base = b * rowsPerBatch;
+        if (scorer.rowsOn)
+        {
+            float const limit = stage1Limit(config, scorer.totals.data(), s.kvHeads);
+            rankDefensive(topK, &scorer.attention[base], &scorer.stage1[base], ranking + base, &flags[base],
+                s.kvHeads, m, info.validStart, info.r, limit);
+        }
+        else
+        {
+            int32_t const sinkEnd = std::min(m, info.validStart + (keepsSinks(config) ? config.sinkTokens : 0));
+            for (int32_t g = 0; g < s.kvHeads; ++g)
+            {
+                for (int32_t i = 0; i < m; ++i)
+                {
+                    int64_t const at = base + static_cast<int64_t>(g) * m + i;
+                    ranking[at] = sinkRanking(scorer.attention[at], i >= info.validStart && i < sinkEnd);
+                }
+            }
+        }
+        if (attention != nullptr)
+        {
+            std::copy(&scorer.attention[base], &scorer.attention[base] + rowsPerBatch, attention + base);
+        }
+        if (critical != nullptr && config.twoStage)
+        {
+            std::copy(&scorer.critical[base], &scorer.critical[base] + rowsPerBatch, critical + base);
+        }
+    }
+}
+
+void compactModelLayer(SelectConfig const& config, SelectShape const& s, int32_t layer, int32_t layers,
+    HostInputs const& in, uint8_t const* modelFlags, HostOutputs const& out)
+{
+    validateShape(config, s);
+    ResolvedBudget const budget(config, BudgetTable{nullptr, 0}, in.kvBudget);
+    bool anyScored = false;
+    std::vector<SequenceInfo> const infos = sequenceInfos(config, budget.runtime, s, in.promptLengths, anyScored);
+    int32_t const m = s.n - windowLength(config, s.n);
+    int64_t const rows = static_cast<int64_t>(s.kvHeads) * m;
+    std::vector<uint8_t> flags(static_cast<size_t>(s.batch) * rows, 0);
+    for (int32_t b = 0; b < s.batch; ++b)
+    {
+        uint8_t const* from = modelFlags + (static_cast<int64_t>(b) * layers + layer) * rows;
+        std::copy(from, from + rows, &flags[static_cast<size_t>(b) * rows]);
+    }
+    compactLayer(config, s, in, infos, flags.data(), out);
 }
 
 } // namespace criticalkv::host

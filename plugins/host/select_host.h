@@ -3,6 +3,7 @@
 // check of the kernels' logic against the PyTorch reference (tests/plugins/test_plugin_host_select.py).
 #pragma once
 
+#include "criticalkv/model_level.h"
 #include "criticalkv/select_params.h"
 
 #include <cstdint>
@@ -20,6 +21,7 @@ struct HostInputs
     float const* oProj;           //!< [hidden, H * d_h]
     int32_t const* promptLengths; //!< [B] or nullptr (every sequence n tokens)
     int32_t const* kvBudget;      //!< [1] the request's budget (clamped like the kernels), or nullptr (the built one)
+    float const* scores = nullptr; //!< [B, H_kv, n] the external scores of a kvzip policy (its score input), else nullptr
 };
 
 //! Outputs, cap = min(n, capacity). keptKeys / keptValues may be nullptr (indices only).
@@ -34,6 +36,23 @@ struct HostOutputs
 //! Run the operator; throws std::invalid_argument on inconsistent shapes. table: the layer_budgets field.
 void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape, HostInputs const& in,
     HostOutputs const& out);
+
+//! One layer's part of a model-level selection (model_level.h): its ranking of the older tokens (layer-defensivekv:
+//! the defensive score with the stage-1 tokens first; the kvzip pair: the score with the sinks first) and, for
+//! CriticalKV's refinement, the base's score (attention) and the critical score (with every exact norm), each
+//! [B, H_kv, m], m = n - min(window, n); attention / critical may be nullptr. Sequences kept whole get zeros.
+void layerRanking(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape, HostInputs const& in,
+    float* ranking, float* attention, float* critical);
+
+//! The model-wide allocation and refinement (model_level.h) of `shape.layers` layers' rankings [B, N, m] (attention,
+//! critical: CriticalKV's refinement, else nullptr): flags [B, N, m] of the kept older tokens (non-zero: kept).
+void allocateModel(SelectConfig const& config, ModelShape const& shape, int32_t const* promptLengths,
+    int32_t const* kvBudget, float const* ranking, float const* attention, float const* critical, uint8_t* flags);
+
+//! Layer `layer`'s outputs from the model-wide flags [B, N, m] (its rows l H_kv .. (l + 1) H_kv - 1): the compaction
+//! and the gather of its keys and values (config.capacity: this layer's).
+void compactModelLayer(SelectConfig const& config, SelectShape const& shape, int32_t layer, int32_t layers,
+    HostInputs const& in, uint8_t const* modelFlags, HostOutputs const& out);
 
 //! r_l of the runtime budget: the device's resolve step (launchResolveLayerBudget) on the host.
 int32_t resolveLayerBudget(SelectConfig const& config, BudgetTable const& table, int32_t const* kvBudget);

@@ -108,6 +108,42 @@ __device__ __forceinline__ uint32_t packPair(T x, T y)
     return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
+//! 16 bytes from global memory (16-byte aligned).
+__device__ __forceinline__ uint4 load16(void const* address)
+{
+    return *static_cast<uint4 const*>(address);
+}
+
+//! The 16-bit element in the low (lowHalf) or high (highHalf) half of a 32-bit word of shared memory, as float.
+template <typename T>
+__device__ __forceinline__ float lowHalf(uint32_t pair);
+template <typename T>
+__device__ __forceinline__ float highHalf(uint32_t pair);
+
+template <>
+__device__ __forceinline__ float lowHalf<__nv_bfloat16>(uint32_t pair)
+{
+    return __uint_as_float(pair << 16);
+}
+
+template <>
+__device__ __forceinline__ float highHalf<__nv_bfloat16>(uint32_t pair)
+{
+    return __uint_as_float(pair & 0xFFFF0000u);
+}
+
+template <>
+__device__ __forceinline__ float lowHalf<__half>(uint32_t pair)
+{
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(pair & 0xFFFFu)));
+}
+
+template <>
+__device__ __forceinline__ float highHalf<__half>(uint32_t pair)
+{
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(pair >> 16)));
+}
+
 //! float -> T rounded to nearest even.
 template <typename T>
 __device__ __forceinline__ T fromFloat(float value);

@@ -1,6 +1,6 @@
 // Tensor-core tiles of the value-norm stage (mma.sync m16n8k16, ldmatrix, cp.async; criticalkv/mma_layout.h has the
 // lane layouts). Two block bodies, included by kernels/value_norms.cu (device) and by the CPU emulation
-// (testing/value_norms_mma_emulation.cpp, which supplies the same primitives and one std::thread per CUDA thread):
+// (testing/value_norms_mma_emulation.cpp, which supplies the same primitives and one fiber per CUDA thread):
 //
 // * valueNormsMmaBlock: N[b, h, i] = sum_c |(V W_O^h)[i, c]| (or sqrt of the sum of squares) without storing V W_O.
 //   One CTA holds a tile of kRows value rows of one KV head in shared memory (loaded once, with cp.async) and streams
@@ -94,7 +94,58 @@ struct NormTileArgs
     float const* gramScale;   //!< [H] 1 / s_h (a power of two)
     float const* rowL1;       //!< [H, d_h] s_h[k] = sum_c |W_O^h[k, c]| (bound mode)
     float const* colL1;       //!< [H] c_h = max_c sum_k |W_O^h[k, c]| (bound mode)
+    int32_t headSplit;        //!< valueNormsMmaBlock: CTAs sharing a KV head's group of query heads (blockIdx.y =
+                              //!< g headSplit + part, part taking group / headSplit of them); 0 or 1: one CTA takes all
 };
+
+//! CTAs per KV head's group (NormTileArgs::headSplit, at least 1).
+CKV_HD int32_t headSplitOf(NormTileArgs const& a)
+{
+    return a.headSplit > 1 ? a.headSplit : 1;
+}
+
+//! The headSplit of a value-norm launch of `ctas` CTAs (row tiles x KV heads x sequences) on a device running `slots`
+//! of them at once: the divisor s of the group whose s x ctas CTAs fill the device's waves best (the busy fraction of
+//! the last wave counted; the smaller s on a tie). A CTA then reloads its value rows for fewer query heads: one more
+//! read of a V tile (d_h x 512 bytes) per extra CTA against 4 MiB of W_O streamed per head at Llama-3-8B sizes. E.g.
+//! the pruned stage 2's first candidates at 32k (12 row tiles x 8 KV heads, group 4) on 132 SMs: 96 CTAs fill 73 % of
+//! one wave, 384 fill 97 % of three.
+CKV_HD int32_t chooseHeadSplit(int64_t ctas, int32_t group, int64_t slots)
+{
+    if (ctas <= 0 || slots <= 0 || group <= 1)
+    {
+        return 1;
+    }
+    int32_t best = 1;
+    double bestFill = 0.0;
+    for (int32_t split = 1; split <= group; ++split)
+    {
+        if (group % split != 0)
+        {
+            continue;
+        }
+        int64_t const total = ctas * split;
+        int64_t const waves = (total + slots - 1) / slots;
+        double const fill = static_cast<double>(total) / static_cast<double>(waves * slots);
+        if (fill > bestFill + 1e-9)
+        {
+            best = split;
+            bestFill = fill;
+        }
+    }
+    return best;
+}
+
+//! The 32-bit word (two 16-bit elements) a thread reads at step w (0 <= w < d_h / 2) of its row of the V tile in
+//! gramQuadBlock's bound epilogue (one thread per row, the rows of a warp consecutive): w with its two lowest bits
+//! flipped by bits 3..4 of the row. With the tile's row stride of d_h / 2 + 4 words (mma::paddedStride), 4 times an odd
+//! number for d_h % 16 == 0, rows r and r + 8 meet in one bank in the plain order; the flip sends the 4 rows of a bank
+//! to 4 neighbouring words, so a warp's 32 reads hit 32 banks (tests: value_norms_mma_emulation banks). d_h / 2 is a
+//! multiple of 8, so the flipped word stays inside the row.
+CKV_HD int32_t boundRowWord(int32_t row, int32_t w)
+{
+    return w ^ ((row >> 3) & 3);
+}
 
 //! The rows of this CTA: [begin, begin + kRows) of the head's list (or of the tokens); count = the list's length.
 struct TileRows
@@ -107,7 +158,7 @@ struct TileRows
 __device__ __forceinline__ TileRows tileRowsOf(NormTileArgs const& a, int32_t rowsPerTile)
 {
     int32_t const b = static_cast<int32_t>(blockIdx.z);
-    int32_t const g = static_cast<int32_t>(blockIdx.y);
+    int32_t const g = static_cast<int32_t>(blockIdx.y) / headSplitOf(a);
     TileRows t{};
     t.head = static_cast<int64_t>(b) * a.shape.kvHeads + g;
     t.begin = static_cast<int32_t>(blockIdx.x) * rowsPerTile;
@@ -157,12 +208,11 @@ __device__ __forceinline__ void loadFragmentsB(T const* bTile, int32_t stride, i
     uint32_t (&bf)[Cfg::kNTiles][2])
 {
     int32_t const lane = static_cast<int32_t>(threadIdx.x) & 31;
-    mma::RowCol const br = mma::ldmatrixBRow(lane);
 #pragma unroll
     for (int32_t nj = 0; nj < Cfg::kNTiles / 2; ++nj)
     {
         uint32_t r[4];
-        ldmatrixX4(r, bTile + (col0 + nj * 16 + br.row) * stride + k0 + br.col);
+        ldmatrixX4(r, bTile + mma::fragmentBOffset(stride, col0 + nj * 16, k0, lane));
         bf[2 * nj][0] = r[0];
         bf[2 * nj][1] = r[1];
         bf[2 * nj + 1][0] = r[2];
@@ -174,8 +224,7 @@ template <typename T>
 __device__ __forceinline__ void loadFragmentA(T const* aTile, int32_t stride, int32_t row0, int32_t k0, uint32_t (&af)[4])
 {
     int32_t const lane = static_cast<int32_t>(threadIdx.x) & 31;
-    mma::RowCol const ar = mma::ldmatrixARow(lane);
-    ldmatrixX4(af, aTile + (row0 + ar.row) * stride + k0 + ar.col);
+    ldmatrixX4(af, aTile + mma::fragmentAOffset(stride, row0, k0, lane));
 }
 
 //! Sum of a row's quad: the 4 lanes sharing groupID hold one row's columns; every lane gets the total.
@@ -219,8 +268,11 @@ __device__ void valueNormsMmaBlock(NormTileArgs const& a, unsigned char* shared)
     }
     int32_t const d = a.shape.headDim;
     int32_t const hidden = a.shape.hidden;
+    int32_t const split = headSplitOf(a);
     int32_t const group = a.shape.heads / a.shape.kvHeads;
-    int32_t const g = static_cast<int32_t>(blockIdx.y);
+    int32_t const headsHere = group / split; // this CTA's query heads: firstHead ..
+    int32_t const firstHead = (static_cast<int32_t>(blockIdx.y) / split) * group
+        + (static_cast<int32_t>(blockIdx.y) % split) * headsHere;
     int32_t const b = static_cast<int32_t>(blockIdx.z);
     int32_t const stride = mma::paddedStride(d);
     int32_t const chunks = d / 8;
@@ -235,11 +287,11 @@ __device__ void valueNormsMmaBlock(NormTileArgs const& a, unsigned char* shared)
     float* totals = reinterpret_cast<float*>(ring + Cfg::kStages * Cfg::kCols * stride);
 
     int32_t const columnTiles = (hidden + Cfg::kCols - 1) / Cfg::kCols;
-    int32_t const tiles = group * columnTiles;
-    // W_O tile t: query head g * group + t / columnTiles, hidden columns [c0, c0 + kCols) as rows [c][k] of the ring
+    int32_t const tiles = headsHere * columnTiles;
+    // W_O tile t: query head firstHead + t / columnTiles, hidden columns [c0, c0 + kCols) as rows [c][k] of the ring
     // slot t % kStages (W_O^h[k, c] = oProj[c, h d_h + k]: k contiguous, the "col" B operand as stored).
     auto loadWeights = [&](int32_t tile) {
-        int32_t const h = g * group + tile / columnTiles;
+        int32_t const h = firstHead + tile / columnTiles;
         int32_t const c0 = (tile % columnTiles) * Cfg::kCols;
         T* slot = ring + (tile % Cfg::kStages) * Cfg::kCols * stride;
         T const* weights = static_cast<T const*>(a.oProj) + static_cast<int64_t>(h) * d;
@@ -313,7 +365,7 @@ __device__ void valueNormsMmaBlock(NormTileArgs const& a, unsigned char* shared)
         }
         if ((tile + 1) % columnTiles == 0) // query head complete: its rows' sums out
         {
-            int32_t const h = g * group + tile / columnTiles;
+            int32_t const h = firstHead + tile / columnTiles;
             storeRowSums<Cfg>(rowPart, totals, warpM, warpN);
             __syncthreads();
             for (int32_t row = tid; row < Cfg::kRows; row += Cfg::kThreads)
@@ -466,15 +518,22 @@ __device__ void gramQuadBlock(NormTileArgs const& a, unsigned char* shared)
             float result = 0.0F;
             if constexpr (kBound)
             {
-                T const* v = aTile + row * stride;
+                // |v| . s_h and max |v_k| of this thread's row, two elements per 32-bit word in boundRowWord's order:
+                // the 32 rows a warp reads at once fall in 32 different banks (a row stride of 4 x an odd number of
+                // words put rows 8 apart in one bank: 4-way conflicts in the plain order)
+                uint32_t const* words = reinterpret_cast<uint32_t const*>(aTile + row * stride);
                 float const* s = a.rowL1 + static_cast<int64_t>(h) * d;
                 float weighted = 0.0F;
                 float maxAbs = 0.0F;
-                for (int32_t k = 0; k < d; ++k)
+                for (int32_t w = 0; w < d / 2; ++w)
                 {
-                    float const x = fabsf(toFloat(v[k]));
-                    weighted += x * s[k];
-                    maxAbs = x > maxAbs ? x : maxAbs;
+                    int32_t const word = boundRowWord(row, w);
+                    float const x0 = fabsf(lowHalf<T>(words[word]));
+                    float const x1 = fabsf(highHalf<T>(words[word]));
+                    weighted += x0 * s[2 * word];
+                    weighted += x1 * s[2 * word + 1];
+                    maxAbs = x0 > maxAbs ? x0 : maxAbs;
+                    maxAbs = x1 > maxAbs ? x1 : maxAbs;
                 }
                 constexpr bool kHalf = std::is_same<T, __half>::value;
                 float const tau = kHalf ? inverseScale * 2.98023223876953125e-8F : 0.0F; // 2^-25 / s

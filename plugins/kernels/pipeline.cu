@@ -4,9 +4,10 @@
 //   and batched top-k launches, select_flows.cuh)  ->  compaction  ->  gather
 //
 // CriticalKV with value_norm=l1 (prunedStage2On) prunes stage 2: the value-norm step writes L1 upper bounds from the
-// Gram terms of W_O (launchPrunedBounds), the group-score kernel turns them into U, and launchPrunedStage2 computes
-// exact norms on the tensor cores for the best candidates by U only, in a fixed number of rounds, its top-k calls on
-// the same batched top-k (docs/operator.md step 6a).
+// Gram terms of W_O (launchPrunedBounds; the terms depend on the weights only, so a caller may compute them once per
+// layer with launchPrunedTerms and pass them in SelectTensors::prunedTerms), the group-score kernel turns them into U,
+// and launchPrunedStage2 computes exact norms on the tensor cores for the best candidates by U only, in a fixed number
+// of rounds, its top-k calls on the same batched top-k (docs/operator.md step 6a).
 //
 // No host synchronisation and no allocation: the workspace (workspaceLayout) holds every intermediate, so the
 // launch is CUDA-graph capturable. The request's budget b (the kv_budget input) stays in device memory: every
@@ -50,34 +51,10 @@ __global__ void resolveLayerBudgetKernel(SelectConfig config, int32_t const* kvB
     }
 }
 
-//! A host-side upper bound of any head's stage-2 count k (<= its share of the older tokens): r_l at the largest
-//! runtime budget (the largest table entry for PyramidKV), times H_kv when the heads share the layer's slots.
-int32_t maxStage2Count(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape, int32_t m)
-{
-    int64_t r = config.layerBudget > config.budget - config.window ? config.layerBudget : config.budget - config.window;
-    if (config.budgetTable && table.values != nullptr)
-    {
-        for (int32_t i = 0; i < table.count; ++i)
-        {
-            r = table.values[i] > r ? table.values[i] : r;
-        }
-    }
-    if (sharedAllocation(config))
-    {
-        r *= shape.kvHeads;
-    }
-    return r < m ? static_cast<int32_t>(r) : m;
-}
-
 template <typename T>
 T* at(void* workspace, size_t offset)
 {
     return reinterpret_cast<T*>(static_cast<unsigned char*>(workspace) + offset);
-}
-
-size_t elementBytes(DType dtype)
-{
-    return dtype == DType::kFloat32 ? 4 : 2;
 }
 
 //! The scores of the older tokens, then the selection stages of the policy (the flags of every KV head), given the
@@ -141,47 +118,65 @@ cudaError_t launchResolveLayerBudget(SelectConfig const& config, BudgetTable con
     return cudaGetLastError();
 }
 
-cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape,
-    SelectTensors const& t, void* workspace, size_t workspaceBytes, cudaStream_t stream)
+namespace
 {
-    if (!shapeSupported(config, shape))
-    {
-        return cudaErrorInvalidValue;
-    }
-    WorkspaceLayout const layout = workspaceLayout(config, shape);
-    if (workspaceBytes < layout.total || (layout.total > 0 && workspace == nullptr))
-    {
-        return cudaErrorInvalidValue;
-    }
+
+//! What the score stages read of one layer's inputs (launchCriticalKVSelect's and launchLayerRanking's).
+struct LayerInputs
+{
+    DType dtype;
+    void const* queries;
+    void const* keys;
+    void const* values;
+    void const* oProj;
+    int32_t const* promptLengths;
+    int32_t const* kvBudget;
+    float const* scores;
+    void const* prunedTerms;
+};
+
+//! The runtime budget of a call: r_l resolved on the device first where the layer reads it from the table.
+cudaError_t resolveBudget(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape,
+    int32_t const* kvBudget, void* workspace, WorkspaceLayout const& layout, RuntimeBudget& budget,
+    cudaStream_t stream)
+{
     int32_t const m = shape.n - windowLength(config, shape.n);
-    RuntimeBudget budget{t.kvBudget, nullptr};
-    if (t.kvBudget != nullptr && config.budgetTable && needsScores(config) && m > 0)
+    budget = RuntimeBudget{kvBudget, nullptr};
+    if (kvBudget != nullptr && config.budgetTable && needsScores(config) && m > 0)
     {
         int32_t* resolved = at<int32_t>(workspace, layout.layerBudget);
-        cudaError_t const status = launchResolveLayerBudget(config, table, t.kvBudget, resolved, stream);
+        cudaError_t const status = launchResolveLayerBudget(config, table, kvBudget, resolved, stream);
         if (status != cudaSuccess)
         {
             return status;
         }
         budget.layerBudget = resolved;
     }
+    return cudaSuccess;
+}
 
-    kernels::ScoreArgs s{};
-    s.config = config;
-    s.shape = shape;
-    s.promptLengths = t.promptLengths;
-    s.budget = budget;
-    s.flags = at<uint8_t>(workspace, layout.flags);
-
-    if (needsScores(config) && m > 0)
+//! The inputs of the group scores of one scored layer (m > 0) into the workspace: the window attention (a kvzip
+//! layer: its external scores as every query head's raw attention), defensivekv's rows, and the value norms, or the
+//! pruned stage 2's L1 bounds unless `exactNorms`. Fills `s` (raw, squares, norms, the defensive buffers, pruned).
+cudaError_t scoreInputs(SelectConfig const& config, SelectShape const& shape, LayerInputs const& t, bool exactNorms,
+    void* workspace, WorkspaceLayout const& layout, kernels::ScoreArgs& s, cudaStream_t stream)
+{
+    int32_t const m = shape.n - windowLength(config, shape.n);
+    bool const laproxOn = ownL2Norms(config); // squared attention and the LaProx ranking
+    bool const rowsOn = rowScores(config);     // defensivekv's rows come out of the same passes
+    float* raw = at<float>(workspace, layout.raw);
+    float* squares = laproxOn ? at<float>(workspace, layout.squares) : nullptr;
+    WindowScoreParams window{};
+    cudaError_t status = cudaSuccess;
+    if (externalScores(config))
     {
-        bool const laproxOn = ownL2Norms(config); // squared attention and the LaProx ranking
-        bool const rowsOn = rowScores(config);     // defensivekv's rows come out of the same passes
-        float* raw = at<float>(workspace, layout.raw);
-        float* squares = laproxOn ? at<float>(workspace, layout.squares) : nullptr;
-        WindowScoreParams window{};
+        kernels::ExternalRawArgs const copy{config, shape, t.promptLengths, s.budget, t.scores, raw};
+        status = kernels::launchExternalRaw(copy, stream);
+    }
+    else
+    {
         window.config = config;
-        window.budget = budget;
+        window.budget = s.budget;
         window.shape = shape;
         window.dtype = t.dtype;
         window.queries = t.queries;
@@ -193,94 +188,152 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
         window.squares = squares;
         window.rowMass = rowsOn ? at<float>(workspace, layout.rowMass) : nullptr;
         window.worst = rowsOn ? at<float>(workspace, layout.worst) : nullptr;
-        cudaError_t status = launchWindowScores(window, stream);
+        status = launchWindowScores(window, stream);
+    }
+    if (status != cudaSuccess)
+    {
+        return status;
+    }
+    float* norms = nullptr;
+    bool const pruned = prunedStage2On(config) && !exactNorms;
+    GramScratch const gram{at<float>(workspace, layout.gram), at<void>(workspace, layout.gramPieces),
+        at<float>(workspace, layout.gramScale)};
+    if (pruned)
+    {
+        // CriticalKV's pruned stage 2: L1 upper bounds here (norms), U = their group score (critical) in the
+        // group-score kernel, exact norms for the candidates only in launchPrunedStage2.
+        norms = at<float>(workspace, layout.norms);
+        // the weights-only terms: the caller's (launchPrunedTerms, same path) or computed into the workspace
+        GramScratch termsGram = gram;
+        float* rowL1 = at<float>(workspace, layout.rowL1);
+        float* colL1 = at<float>(workspace, layout.colL1);
+        bool const reuse = t.prunedTerms != nullptr
+            && prunedTermsOnTensorCores(shape, t.dtype, t.oProj)
+                == valueNormsOnTensorCores(shape, t.dtype, t.values, t.oProj);
+        if (reuse)
+        {
+            PrunedTerms const given = prunedTermsAt(const_cast<void*>(t.prunedTerms), shape);
+            termsGram = given.gram;
+            rowL1 = given.rowL1;
+            colL1 = given.colL1;
+        }
+        PrunedBoundParams bounds{};
+        bounds.shape = shape;
+        bounds.dtype = t.dtype;
+        bounds.values = t.values;
+        bounds.oProj = t.oProj;
+        bounds.numTokens = m;
+        bounds.config = &config;
+        bounds.budget = s.budget;
+        bounds.promptLengths = t.promptLengths;
+        bounds.gram = termsGram;
+        bounds.rowL1 = rowL1;
+        bounds.colL1 = colL1;
+        bounds.bounds = norms;
+        bounds.termsReady = reuse;
+        status = launchPrunedBounds(bounds, stream);
         if (status != cudaSuccess)
         {
             return status;
         }
-        float* norms = nullptr;
-        bool const pruned = prunedStage2On(config);
-        GramScratch const gram{at<float>(workspace, layout.gram), at<void>(workspace, layout.gramPieces),
-            at<float>(workspace, layout.gramScale)};
-        if (pruned)
+    }
+    else if (needsNorms(config))
+    {
+        norms = at<float>(workspace, layout.norms);
+        ValueNormParams p{};
+        p.shape = shape;
+        p.dtype = t.dtype;
+        p.values = t.values;
+        p.oProj = t.oProj;
+        p.numTokens = m;
+        p.kind = normKind(config);
+        p.out = norms;
+        p.config = &config;
+        p.budget = s.budget;
+        p.promptLengths = t.promptLengths;
+        p.gram = normKind(config) == ValueNorm::kL2 ? gram : GramScratch{};
+        status = launchValueNorms(p, stream);
+        if (status != cudaSuccess)
         {
-            // CriticalKV's pruned stage 2: L1 upper bounds here (norms), U = their group score (critical) in the
-            // group-score kernel, exact norms for the candidates only in launchPrunedStage2.
-            norms = at<float>(workspace, layout.norms);
-            PrunedBoundParams bounds{};
-            bounds.shape = shape;
-            bounds.dtype = t.dtype;
-            bounds.values = t.values;
-            bounds.oProj = t.oProj;
-            bounds.numTokens = m;
-            bounds.config = &config;
-            bounds.budget = budget;
-            bounds.promptLengths = t.promptLengths;
-            bounds.gram = gram;
-            bounds.rowL1 = at<float>(workspace, layout.rowL1);
-            bounds.colL1 = at<float>(workspace, layout.colL1);
-            bounds.bounds = norms;
-            status = launchPrunedBounds(bounds, stream);
-            if (status != cudaSuccess)
-            {
-                return status;
-            }
-            s.pruned = true;
+            return status;
         }
-        else if (needsNorms(config))
+    }
+    if (rowsOn)
+    {
+        s.worst = window.worst;
+        s.rowMass = reinterpret_cast<float2 const*>(window.rowMass);
+        s.stage1 = at<float>(workspace, layout.stage1);
+        s.ranking = at<float>(workspace, layout.ranking);
+        s.totals = at<DefensiveTotals>(workspace, layout.totals);
+    }
+    s.raw = raw;
+    s.squares = squares;
+    s.norms = norms;
+    s.pruned = pruned;
+    return cudaSuccess;
+}
+
+bool inputsSupported(SelectConfig const& config, float const* scores)
+{
+    return !config.modelWide && (!externalScores(config) || scores != nullptr);
+}
+
+} // namespace
+
+cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape,
+    SelectTensors const& t, void* workspace, size_t workspaceBytes, cudaStream_t stream)
+{
+    if (!shapeSupported(config, shape) || !inputsSupported(config, t.scores))
+    {
+        return cudaErrorInvalidValue;
+    }
+    WorkspaceLayout const layout = workspaceLayout(config, shape);
+    if (workspaceBytes < layout.total || (layout.total > 0 && workspace == nullptr))
+    {
+        return cudaErrorInvalidValue;
+    }
+    int32_t const m = shape.n - windowLength(config, shape.n);
+    kernels::ScoreArgs s{};
+    s.config = config;
+    s.shape = shape;
+    s.promptLengths = t.promptLengths;
+    s.flags = at<uint8_t>(workspace, layout.flags);
+    cudaError_t status = resolveBudget(config, table, shape, t.kvBudget, workspace, layout, s.budget, stream);
+    if (status != cudaSuccess)
+    {
+        return status;
+    }
+    if (needsScores(config) && m > 0)
+    {
+        LayerInputs const inputs{t.dtype, t.queries, t.keys, t.values, t.oProj, t.promptLengths, t.kvBudget, t.scores,
+            t.prunedTerms};
+        status = scoreInputs(config, shape, inputs, false, workspace, layout, s, stream);
+        if (status != cudaSuccess)
         {
-            norms = at<float>(workspace, layout.norms);
-            ValueNormParams p{};
-            p.shape = shape;
-            p.dtype = t.dtype;
-            p.values = t.values;
-            p.oProj = t.oProj;
-            p.numTokens = m;
-            p.kind = normKind(config);
-            p.out = norms;
-            p.config = &config;
-            p.budget = budget;
-            p.promptLengths = t.promptLengths;
-            p.gram = normKind(config) == ValueNorm::kL2 ? gram : GramScratch{};
-            status = launchValueNorms(p, stream);
-            if (status != cudaSuccess)
-            {
-                return status;
-            }
+            return status;
         }
-        if (rowsOn)
-        {
-            s.worst = window.worst;
-            s.rowMass = reinterpret_cast<float2 const*>(window.rowMass);
-            s.stage1 = at<float>(workspace, layout.stage1);
-            s.ranking = at<float>(workspace, layout.ranking);
-            s.totals = at<DefensiveTotals>(workspace, layout.totals);
-        }
-        s.raw = raw;
-        s.squares = squares;
-        s.norms = norms;
         s.attention = at<float>(workspace, layout.attention);
         s.critical = config.twoStage ? at<float>(workspace, layout.critical) : nullptr;
-        s.laprox = laproxOn ? at<float>(workspace, layout.laprox) : nullptr;
+        s.laprox = ownL2Norms(config) ? at<float>(workspace, layout.laprox) : nullptr;
         s.headCounts = at<int32_t>(workspace, layout.headCounts);
         status = selectOlderTokens(config, shape, s, workspace, layout, stream);
         if (status != cudaSuccess)
         {
             return status;
         }
-        if (pruned)
+        if (s.pruned)
         {
             PrunedStage2Params p{};
             p.config = config;
             p.shape = shape;
             p.dtype = t.dtype;
-            p.budget = budget;
+            p.budget = s.budget;
             p.promptLengths = t.promptLengths;
             p.values = t.values;
             p.oProj = t.oProj;
             p.raw = s.raw;
             p.squares = s.squares;
-            p.norms = norms;
+            p.norms = const_cast<float*>(s.norms);
             p.attention = s.attention;
             p.critical = s.critical;
             p.headCounts = sharedAllocation(config) ? s.headCounts : nullptr;
@@ -293,30 +346,109 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
             p.topKScratch = at<void>(workspace, layout.topK);
             p.topKScratchBytes = layout.total - layout.topK;
             p.margin = stopMargin(shape.hidden, shape.heads / shape.kvHeads);
-            p.maxCount = maxStage2Count(config, table, shape, m);
+            p.maxCount = prunedMaxK(config, table, shape, m);
             status = launchPrunedStage2(p, stream);
             if (status != cudaSuccess)
             {
                 return status;
             }
         }
+        if (config.keptSinks > 0)
+        {
+            kernels::SelectionRows const rows{config, shape, t.promptLengths, s.budget, s.flags, nullptr, {}};
+            status = kernels::launchMarkKeptSinks(rows, stream);
+            if (status != cudaSuccess)
+            {
+                return status;
+            }
+        }
     }
-    kernels::CompactArgs c{config, shape, t.promptLengths, budget, s.flags, t.keptIndices, t.keptLengths};
-    cudaError_t status = kernels::launchCompact(c, stream);
+    kernels::CompactArgs c{config, shape, t.promptLengths, s.budget, s.flags, t.keptIndices, t.keptLengths};
+    status = kernels::launchCompact(c, stream);
     if (status != cudaSuccess)
     {
         return status;
     }
-    kernels::GatherArgs g{};
-    g.config = config;
-    g.shape = shape;
-    g.keptIndices = t.keptIndices;
-    g.keys = t.keys;
-    g.values = t.values;
-    g.keptKeys = t.keptKeys;
-    g.keptValues = t.keptValues;
-    g.rowBytes = static_cast<int64_t>(shape.headDim) * static_cast<int64_t>(elementBytes(t.dtype));
-    return kernels::launchGather(g, stream);
+    return kernels::launchGather(
+        kernels::gatherArgs(config, shape, t.dtype, t.keptIndices, t.keys, t.values, t.keptKeys, t.keptValues), stream);
+}
+
+cudaError_t launchLayerRanking(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape,
+    LayerRankingTensors const& t, void* workspace, size_t workspaceBytes, cudaStream_t stream)
+{
+    if (!shapeSupported(config, shape) || !modelLevel(config) || !needsScores(config) || t.ranking == nullptr
+        || (externalScores(config) && t.scores == nullptr) || (config.twoStage && t.critical == nullptr))
+    {
+        return cudaErrorInvalidValue;
+    }
+    WorkspaceLayout const layout = workspaceLayout(config, shape);
+    if (workspaceBytes < layout.total || (layout.total > 0 && workspace == nullptr))
+    {
+        return cudaErrorInvalidValue;
+    }
+    int32_t const m = shape.n - windowLength(config, shape.n);
+    size_t const rowBytes = static_cast<size_t>(shape.batch) * shape.kvHeads * (m > 0 ? m : 0) * sizeof(float);
+    kernels::ScoreArgs s{};
+    s.config = config;
+    s.shape = shape;
+    s.promptLengths = t.promptLengths;
+    s.flags = at<uint8_t>(workspace, layout.flags);
+    // zeros where a sequence is kept whole (the stages below skip it)
+    for (float* out : {t.ranking, t.attention, t.critical})
+    {
+        if (out != nullptr && rowBytes > 0)
+        {
+            cudaError_t const status = cudaMemsetAsync(out, 0, rowBytes, stream);
+            if (status != cudaSuccess)
+            {
+                return status;
+            }
+        }
+    }
+    cudaError_t status = resolveBudget(config, table, shape, t.kvBudget, workspace, layout, s.budget, stream);
+    if (status != cudaSuccess || m <= 0)
+    {
+        return status;
+    }
+    LayerInputs const inputs{t.dtype, t.queries, t.keys, t.values, t.oProj, t.promptLengths, t.kvBudget, t.scores,
+        nullptr};
+    status = scoreInputs(config, shape, inputs, true, workspace, layout, s, stream);
+    if (status != cudaSuccess)
+    {
+        return status;
+    }
+    kernels::SelectionRows const rows{config, shape, t.promptLengths, s.budget, s.flags, nullptr,
+        selectionPlan(at<void>(workspace, layout.plan), shape.batch, shape.kvHeads, at<void>(workspace, layout.topK),
+            layout.total - layout.topK)};
+    if (rowScores(config))
+    {
+        // layer-defensivekv: the defensive scores (zero where skipped), stage 1, the ranking into the caller's buffer
+        s.attention = at<float>(workspace, layout.attention);
+        status = cudaMemsetAsync(s.attention, 0, rowBytes, stream);
+        status = status == cudaSuccess ? kernels::launchDefensiveScores(s, stream) : status;
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+        kernels::DefensiveSelectionArgs const d{rows, s.attention, s.stage1, t.ranking, s.totals};
+        status = kernels::launchDefensiveRanking(d, stream);
+        if (status == cudaSuccess && t.attention != nullptr)
+        {
+            status = cudaMemcpyAsync(t.attention, s.attention, rowBytes, cudaMemcpyDeviceToDevice, stream);
+        }
+        return status;
+    }
+    // the kvzip pair: the group score of the external scores (and the critical score), then the sinks first
+    s.attention = t.attention != nullptr ? t.attention : at<float>(workspace, layout.attention);
+    s.critical = config.twoStage ? t.critical : nullptr;
+    s.laprox = nullptr;
+    status = kernels::launchGroupScores(s, stream);
+    if (status != cudaSuccess)
+    {
+        return status;
+    }
+    kernels::SinkRankingArgs const rank{config, shape, t.promptLengths, s.budget, s.attention, t.ranking};
+    return kernels::launchSinkRanking(rank, stream);
 }
 
 } // namespace criticalkv

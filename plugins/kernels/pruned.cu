@@ -1,6 +1,7 @@
 // CriticalKV's pruned stage 2 (docs/operator.md step 6a): launchPrunedStage2 enqueues pruned_flow.cuh's sequence
-// (runPrunedStage2: plan kernels, launchTopK over every head's row for stage 1, the candidates and the k kept, rounds
-// of [exact norms of every head's candidates on the tensor cores, their exact C, the stop rule's count]) on a stream,
+// (runPrunedStage2: plan kernels, launchTopK over every head's row for stage 1, for every round's candidates at once
+// (4 levels) and for the k kept, rounds of [exact norms of every head's candidates on the tensor cores, their exact C,
+// the stop rule's count]) on a stream,
 // and launchPrunedRow runs prunedStage2's block executor on precomputed scores for the GPU tests.
 #include "criticalkv/kernels.h"
 #include "device_utils.cuh"
@@ -55,8 +56,8 @@ cudaError_t launchPrunedStage2(PrunedStage2Params const& p, cudaStream_t stream)
     if (p.shape.batch <= 0 || p.shape.kvHeads <= 0 || p.shape.heads % p.shape.kvHeads != 0 || p.maxCount < 0
         || p.norms == nullptr || p.attention == nullptr || p.critical == nullptr || p.exact == nullptr
         || p.flags == nullptr || p.candidates == nullptr || p.candidateCounts == nullptr || p.states == nullptr
-        || plan.first == nullptr || plan.next == nullptr || plan.keep == nullptr || plan.firstValid == nullptr
-        || plan.following == nullptr || plan.clearing == nullptr)
+        || plan.first == nullptr || plan.rounds == nullptr || plan.next == nullptr || plan.keep == nullptr
+        || plan.firstValid == nullptr || plan.following == nullptr || plan.clearing == nullptr)
     {
         return cudaErrorInvalidValue;
     }

@@ -2,24 +2,28 @@
 // (kernels/pruned.cu) and runPrunedStage2, their fixed launch sequence over a launcher, included by it and by the CPU
 // emulation (testing/pruned_pipeline_emulation.cpp). Every step runs over all KV heads of the batch at once:
 //
-//   prepare: a plan kernel computes every head's counts (stage 1's, stage 2's k, the eligible tokens, the first
-//     c = min(2k, eligible) candidates); stage 1 by S and the first candidates by U are two launchTopK calls over the
-//     [B H_kv] rows; a list kernel (a thread per token) lists the candidates for the norm launch and finds the best
-//     bound left out (`following`);
+//   prepare: a plan kernel computes every head's counts (stage 1's, stage 2's k, the eligible tokens) and the
+//     candidates of every round: c_r = min(2^(r+1) k, eligible) for r = 0 .. 3 (the last round, 4, takes every
+//     eligible token left); stage 1 by S is one launchTopK call over the [B H_kv] rows, and one more call with
+//     kPrunedCandidateLevels levels ranks the eligible tokens by U once for every round: a token among the best c_r
+//     but not the best c_(r-1) is labelled kPrunedRound0 + r (the sets of the best c_r are nested, so the round-r
+//     label is exactly what a top-k of c_r - c_(r-1) by U after the earlier rounds would pick); a list kernel (a thread
+//     per token) lists round 0's candidates for the norm launch and finds the best bound left out (`following`);
 //   then rounds, a no-op for every head already settled:
 //     exact norms of every head's listed candidates (the tensor-core kernel over gathered rows, one launch);
 //     their exact C (a thread per listed candidate: groupScoresAt over the norms written over their bounds);
 //     the stop rule: a count over the whole grid of the candidates whose exact C clears following (1 + margin)
 //       (stage2SettledByCount: the k-th exact score clears it iff k candidates do) and a thread per head deciding:
-//       settled, or the next candidates (c doubles; the last round takes every eligible token), which one launchTopK
-//       by U marks and the list kernel lists;
+//       settled, or the next round, whose labelled tokens the list kernel lists;
 //   finish: the k best candidates by exact C (ties: lower index) are kept by one launchTopK over the heads' rows, the
-//     candidates relabelled to its eligible flag (0) before and the other eligible tokens back after.
+//     candidates relabelled to its eligible flag (0) before and the other eligible tokens (labels of rounds never
+//     reached included) back to 0 after.
 // The host enqueues a fixed number of rounds (kPrunedRounds: candidates 2k, 4k, 8k, 16k, then all), so nothing waits
-// for the device and the launch is CUDA-graph capturable; every k is read on the device.
+// for the device and the launch is CUDA-graph capturable; every k is read on the device. Three top-k calls in all (the
+// rounds' candidates used to take one call per round: seven calls).
 //
-// Flags during the flow (pruned_row.cuh): 0 an eligible token not (yet) a candidate, kPrunedFresh picked by the
-// latest top-k by U, kPrunedCandidate its exact score known, kPrunedLeftOut parked during the finish's top-k.
+// Flags during the flow (pruned_row.cuh): 0 an eligible token not (yet) a candidate, kPrunedRound0 + r a candidate of
+// round r not yet listed, kPrunedCandidate its exact score known, kPrunedLeftOut parked during the finish's top-k.
 // The old per-head form of these steps (a 512-thread block per head running the radix select over its row) is
 // BlockPrunedRow (pruned_row.cuh), still the executor launchPrunedRow's tests compare with the host driver.
 #pragma once
@@ -39,6 +43,8 @@ namespace criticalkv::kernels
 
 //! Doubling rounds after the first candidates; the last one takes every eligible token.
 constexpr int32_t kPrunedRounds = 4;
+static_assert(kPrunedCandidateLevels == kPrunedRounds && kPrunedRound0 + kPrunedRounds <= kPrunedFresh,
+    "one top-k level and one flag per round before the last");
 
 //! Threads of the flow's grid-wide kernels; the scans take kPrunedScanPerThread tokens per thread.
 constexpr int kPrunedGridThreads = 256;
@@ -102,41 +108,51 @@ __global__ void __launch_bounds__(kPlanThreads) prunedPlanKernel(PrunedFlowArgs 
     SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
     PrunedHeadState state{0, 0, 0, 0, 1};
     int64_t first = 0;
-    int64_t next = 0;
+    int64_t rounds[kPrunedCandidateLevels] = {};
     if (info.compress)
     {
         int64_t const count = a.headCounts != nullptr ? a.headCounts[row] : info.r;
         first = stage1Count(a.config.alphaMicros, count);
         int64_t const k = count - first;
         // stage 1 marks min(first, valid) of the valid tokens (every flag is 0 before it): the rest are eligible
-        int64_t const valid = m > info.validStart ? m - info.validStart : 0;
+        int64_t const valid = m > info.candidateStart ? m - info.candidateStart : 0;
         int64_t const eligible = valid - (first <= 0 ? 0 : (first < valid ? first : valid));
         if (k > 0 && k >= eligible)
         {
-            next = eligible; // stage 2 keeps every eligible token: the list kernel marks them kChosenByCritical
+            rounds[0] = eligible; // stage 2 keeps every eligible token: the list kernel marks them kChosenByCritical
         }
         else if (k > 0)
         {
-            int64_t const c = kCandidateFactor * k < eligible ? kCandidateFactor * k : eligible;
+            int64_t c = kCandidateFactor * k < eligible ? kCandidateFactor * k : eligible;
             state = PrunedHeadState{k, eligible, c, 1, 0};
-            next = c;
+            for (int32_t r = 0; r < kPrunedCandidateLevels; ++r)
+            {
+                rounds[r] = c; // prunedDecideKernel's doubling: 2k, 4k, 8k, 16k (at most every eligible token)
+                c = 2 * c < eligible ? 2 * c : eligible;
+            }
         }
     }
+    int32_t const heads = a.shape.batch * a.shape.kvHeads;
     a.states[row] = state;
     a.candidateCounts[row] = 0;
     a.plan.first[row] = first;
-    a.plan.next[row] = next;
+    for (int32_t r = 0; r < kPrunedCandidateLevels; ++r)
+    {
+        a.plan.rounds[static_cast<int64_t>(r) * heads + row] = rounds[r];
+    }
+    a.plan.next[row] = rounds[0];
     a.plan.keep[row] = state.active ? state.k : 0;
-    a.plan.firstValid[row] = info.validStart;
+    a.plan.firstValid[row] = info.candidateStart;
     a.plan.following[row] = orderedKey(-INFINITY);
     a.plan.clearing[row] = 0u;
 }
 
-//! After a top-k by U marked a step's candidates kPrunedFresh: they are listed for the norm launch (any order: each
-//! candidate's norm and score is its own), and the best bound among the eligible tokens left out goes to
-//! plan.following (float comparisons: a NaN bound is never the best, as in BlockPrunedRow::nextBound). A head whose
-//! stage 2 keeps every eligible token gets them kChosenByCritical instead. grid (ceil(m / kPrunedChunk), H_kv, B).
-__global__ void __launch_bounds__(kPrunedGridThreads) prunedListKernel(PrunedFlowArgs a)
+//! Round `round`'s candidates (labelled kPrunedRound0 + round by the top-k by U; the last round: every eligible token
+//! left) are listed for the norm launch (any order: each candidate's norm and score is its own), and the best bound
+//! among the eligible tokens left out (not yet candidates, later rounds' labels included) goes to plan.following (float
+//! comparisons: a NaN bound is never the best, as in BlockPrunedRow::nextBound). A head whose stage 2 keeps every
+//! eligible token gets them kChosenByCritical instead. grid (ceil(m / kPrunedChunk), H_kv, B).
+__global__ void __launch_bounds__(kPrunedGridThreads) prunedListKernel(PrunedFlowArgs a, int32_t round)
 {
     CKV_BLOCK_SHARED PrunedScanSmem s;
     int64_t const head = headOfBlock(a);
@@ -162,16 +178,18 @@ __global__ void __launch_bounds__(kPrunedGridThreads) prunedListKernel(PrunedFlo
             continue;
         }
         uint8_t const flag = flags[e];
-        if (flag == kPrunedFresh && active)
+        bool const labelled = flag >= kPrunedRound0 && flag < kPrunedRound0 + kPrunedRounds;
+        bool const here = round < kPrunedRounds ? flag == kPrunedRound0 + round : (flag == 0 || labelled);
+        if (here && active)
         {
             picked |= 1u << j;
             ++mine;
         }
-        else if (flag == kPrunedFresh)
+        else if (here)
         {
             flags[e] = kChosenByCritical;
         }
-        else if (flag == 0)
+        else if (flag == 0 || (labelled && flag > kPrunedRound0 + round))
         {
             float const x = bound[e];
             best = x > best ? x : best;
@@ -285,8 +303,9 @@ __global__ void __launch_bounds__(kPrunedGridThreads) prunedCountKernel(PrunedFl
     }
 }
 
-//! The stop rule of a round, a thread per KV head: settled, or the next candidates' count (plan.next; lastRound: every
-//! eligible token). Resets the count, the best bound left out and the list for the next step.
+//! The stop rule of a round, a thread per KV head: settled, or the next round's count (plan.next; lastRound: every
+//! eligible token), whose candidates the top-k by U labelled already. Resets the count, the best bound left out and the
+//! list for the next step.
 //! grid (ceil(B H_kv / kPlanThreads)).
 __global__ void __launch_bounds__(kPlanThreads) prunedDecideKernel(PrunedFlowArgs a, int32_t lastRound)
 {
@@ -321,8 +340,9 @@ __global__ void __launch_bounds__(kPlanThreads) prunedDecideKernel(PrunedFlowArg
 }
 
 //! Around the finish's top-k by exact C, a thread per token of the heads with candidates (plan.keep > 0): before
-//! (toRank), the candidates become its eligible tokens (0) and the other eligible tokens are parked
-//! (kPrunedLeftOut); after, the parked ones are eligible again. grid (ceil(m / kPrunedGridThreads), H_kv, B).
+//! (toRank), the candidates become its eligible tokens (0) and the other eligible tokens (0, or a label of a round the
+//! head never reached) are parked (kPrunedLeftOut); after, the parked ones are eligible again (0).
+//! grid (ceil(m / kPrunedGridThreads), H_kv, B).
 __global__ void __launch_bounds__(kPrunedGridThreads) prunedRelabelKernel(PrunedFlowArgs a, int32_t toRank)
 {
     int64_t const head = headOfBlock(a);
@@ -335,7 +355,8 @@ __global__ void __launch_bounds__(kPrunedGridThreads) prunedRelabelKernel(Pruned
     uint8_t* flag = a.flags + head * m + e;
     if (toRank != 0)
     {
-        *flag = *flag == 0 ? kPrunedLeftOut : (*flag == kPrunedCandidate ? 0 : *flag);
+        bool const left = *flag == 0 || (*flag >= kPrunedRound0 && *flag < kPrunedRound0 + kPrunedRounds);
+        *flag = left ? kPrunedLeftOut : (*flag == kPrunedCandidate ? 0 : *flag);
     }
     else if (*flag == kPrunedLeftOut)
     {
@@ -359,11 +380,13 @@ inline int32_t prunedListBound(int32_t round, int32_t maxK, int32_t m)
     return bound < m ? static_cast<int32_t>(bound) : m;
 }
 
-//! One top-k over every KV head's row of `scores` ([B H_kv] rows of m, the flow's flags and first valid positions).
-inline TopKRows prunedRows(PrunedFlowArgs const& a, float const* scores, int64_t const* k, uint8_t mark)
+//! One top-k over every KV head's row of `scores` ([B H_kv] rows of m, the flow's flags and first valid positions);
+//! levels > 1: k [levels, B H_kv], the level l set marked mark + l.
+inline TopKRows prunedRows(PrunedFlowArgs const& a, float const* scores, int64_t const* k, uint8_t mark,
+    int32_t levels = 1)
 {
     int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
-    return TopKRows{scores, a.flags, k, a.plan.firstValid, a.shape.batch * a.shape.kvHeads, m, m, m, mark};
+    return TopKRows{scores, a.flags, k, a.plan.firstValid, a.shape.batch * a.shape.kvHeads, m, m, m, mark, levels};
 }
 
 //! launchPrunedStage2's sequence (the top of this file) over a launcher (kernels/pruned.cu on a stream; the emulation
@@ -392,11 +415,11 @@ __host__ bool runPrunedStage2(PrunedFlowArgs const& a, int32_t maxCount, Launche
     launch.zero(a.flags, static_cast<size_t>(heads) * static_cast<size_t>(m));
     launch.kernel(prunedPlanKernel, perHead, kPlanThreads, a);
     if (!launch.topK(prunedRows(a, a.attention, a.plan.first, kChosenByAttention))
-        || !launch.topK(prunedRows(a, a.critical, a.plan.next, kPrunedFresh)))
+        || !launch.topK(prunedRows(a, a.critical, a.plan.rounds, kPrunedRound0, kPrunedCandidateLevels)))
     {
         return false;
     }
-    launch.kernel(prunedListKernel, scan, kPrunedGridThreads, a);
+    launch.kernel(prunedListKernel, scan, kPrunedGridThreads, a, 0);
     int32_t const maxK = maxCount < m ? maxCount : m;
     for (int32_t round = 0; round <= kPrunedRounds; ++round)
     {
@@ -412,11 +435,7 @@ __host__ bool runPrunedStage2(PrunedFlowArgs const& a, int32_t maxCount, Launche
         {
             launch.kernel(prunedCountKernel, scan, kPrunedGridThreads, a);
             launch.kernel(prunedDecideKernel, perHead, kPlanThreads, a, round == kPrunedRounds - 1 ? 1 : 0);
-            if (!launch.topK(prunedRows(a, a.critical, a.plan.next, kPrunedFresh)))
-            {
-                return false;
-            }
-            launch.kernel(prunedListKernel, scan, kPrunedGridThreads, a);
+            launch.kernel(prunedListKernel, scan, kPrunedGridThreads, a, round + 1);
         }
     }
     launch.kernel(prunedRelabelKernel, perToken, kPrunedGridThreads, a, 1);

@@ -2,8 +2,8 @@
 // steps (per-element shared atomics, ties at the radix threshold marked by thread 0, block reductions through shared
 // memory). launchPrunedRow (kernels/pruned.cu) runs it for the GPU tests and testing/pruned_row_emulation.cpp on the
 // CPU, both against the host driver's executor; the pipeline's pruned stage 2 (pruned_flow.cuh) runs the same flow
-// over every head at once on the batched top-k instead, and takes its flags (0 eligible non-candidate, kPrunedFresh
-// just picked, kPrunedCandidate exact score known, kPrunedLeftOut parked) from here.
+// over every head at once on the batched top-k instead, and takes its flags (0 eligible non-candidate, kPrunedRound0 + r
+// a candidate of round r not yet listed, kPrunedCandidate exact score known, kPrunedLeftOut parked) from here.
 #pragma once
 
 #include "criticalkv/pruned_stage2.h"
@@ -18,6 +18,7 @@ constexpr int kPrunedThreads = 512; //!< threads of the pruned stage 2's per-hea
 
 enum PrunedFlag : uint8_t
 {
+    kPrunedRound0 = 249, //!< pruned_flow.cuh: a candidate of round r (not yet listed) is kPrunedRound0 + r, r < 4
     kPrunedFresh = 253,
     kPrunedCandidate = 254,
     kPrunedLeftOut = 255,

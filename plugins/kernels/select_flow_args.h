@@ -47,4 +47,40 @@ struct DefensiveSelectionArgs
     DefensiveTotals const* totals; //!< [B, H_kv]
 };
 
+//! A kvzip layer's external scores copied as every query head's raw attention (model_level.cuh: externalRawKernel).
+struct ExternalRawArgs
+{
+    SelectConfig config;
+    SelectShape shape;
+    int32_t const* promptLengths;
+    RuntimeBudget budget;
+    float const* scores; //!< [B, H_kv, n]
+    float* raw;          //!< [B, H, m]
+};
+
+//! layer-kvzip's ranking of one layer (model_level.cuh: sinkRankingKernel).
+struct SinkRankingArgs
+{
+    SelectConfig config;
+    SelectShape shape;
+    int32_t const* promptLengths;
+    RuntimeBudget budget;
+    float const* attention;
+    float* ranking;
+};
+
+//! What the model-level allocation reads and writes. rows: the model's rows (shape: modelRows, kvHeads = N; config:
+//! the policy with keptSinks 0; flags [B, N, m]; plan: B N rows, its scratch the top-k's).
+struct ModelArgs
+{
+    SelectionRows rows;
+    float const* ranking;       //!< [B, N, m]
+    float const* attention;     //!< [B, N, m] the base's score (CriticalKV's refinement), else nullptr
+    float const* critical;      //!< [B, N, m] the critical score (CriticalKV's refinement), else nullptr
+    int32_t* counts;            //!< [B, N] each head's count (head cap)
+    uint32_t* sortKeys[2];      //!< [B, N, sortStride] ping-pong: each head's candidates' keys, best first (in [1])
+    int32_t* sortPositions[2];  //!< [B, N, sortStride] their positions
+    int32_t sortStride;         //!< >= every head's candidates (modelSortStride)
+};
+
 } // namespace criticalkv::kernels

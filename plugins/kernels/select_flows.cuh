@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kPlanThreads) headPlanKernel(SelectionRows a)
     HeadStageCounts const counts = headStageCounts(a.config, count);
     a.plan.headFirst[row] = info.compress ? counts.first : 0;
     a.plan.headSecond[row] = info.compress ? counts.second : 0;
-    a.plan.headFirstValid[row] = info.validStart;
+    a.plan.headFirstValid[row] = info.candidateStart;
 }
 
 //! Shared allocation: every head's floor and every sequence's layer-wide rest. grid (ceil(B H_kv / kPlanThreads)).
@@ -66,11 +66,11 @@ __global__ void __launch_bounds__(kPlanThreads) sharedPlanKernel(SelectionRows a
     SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
     SharedCounts const counts = sharedCounts(a.config, a.shape.kvHeads, info.r);
     a.plan.headFirst[row] = info.compress ? counts.floor : 0;
-    a.plan.headFirstValid[row] = info.validStart;
+    a.plan.headFirstValid[row] = info.candidateStart;
     if (g == 0)
     {
         a.plan.layerRest[b] = info.compress ? counts.rest : 0;
-        a.plan.layerFirstValid[b] = info.validStart;
+        a.plan.layerFirstValid[b] = info.candidateStart;
     }
 }
 
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kPlanThreads) defensivePlanKernel(SelectionRow
     a.plan.limits[row] = info.compress
         ? stage1Limit(a.config, totals + static_cast<int64_t>(b) * a.shape.kvHeads, a.shape.kvHeads)
         : 0.0F;
-    a.plan.headFirstValid[row] = info.validStart;
+    a.plan.headFirstValid[row] = info.candidateStart;
 }
 
 //! defensivekv: stage 1 keeps the mass count, at most r. grid as the plans.
@@ -150,7 +150,7 @@ inline Grid3 planGrid(SelectionRows const& a)
 inline TopKRows headRows(SelectionRows const& a, float const* scores, int64_t const* k, uint8_t mark)
 {
     int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
-    return TopKRows{scores, a.flags, k, a.plan.headFirstValid, a.shape.batch * a.shape.kvHeads, m, m, m, mark};
+    return TopKRows{scores, a.flags, k, a.plan.headFirstValid, a.shape.batch * a.shape.kvHeads, m, m, m, mark, 1};
 }
 
 //! ... over every sequence's layer-wide row ([B] rows of H_kv m, the left padding in every head's m).
@@ -158,7 +158,7 @@ inline TopKRows layerRows(SelectionRows const& a, float const* scores, int64_t c
 {
     int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
     int32_t const length = a.shape.kvHeads * m;
-    return TopKRows{scores, a.flags, k, a.plan.layerFirstValid, a.shape.batch, length, length, m, mark};
+    return TopKRows{scores, a.flags, k, a.plan.layerFirstValid, a.shape.batch, length, length, m, mark, 1};
 }
 
 //! The shared allocation over `ranking` (flags cleared by the caller): each head's floor, then the layer-wide rest.
@@ -221,9 +221,10 @@ __host__ bool runSelection(SelectionArgs const& a, Launcher& launch)
     return runHeadStage(a, launch);
 }
 
-//! defensivekv (selectDefensive): stage 1 by mass per head, the ranking, then the shared allocation on it.
+//! defensivekv's ranking (rankDefensive): stage 1 by mass per head, then the defensive score with the stage-1 tokens
+//! first into a.ranking, the flags cleared (layer-defensivekv's part of the model-wide ranking: this alone).
 template <typename Launcher>
-__host__ bool runDefensiveSelection(DefensiveSelectionArgs const& a, Launcher& launch)
+__host__ bool runDefensiveRanking(DefensiveSelectionArgs const& a, Launcher& launch)
 {
     SelectionRows const& r = a.rows;
     int32_t const m = r.shape.n - windowLength(r.config, r.shape.n);
@@ -243,7 +244,14 @@ __host__ bool runDefensiveSelection(DefensiveSelectionArgs const& a, Launcher& l
         Grid3{static_cast<uint32_t>((length + kPlanThreads - 1) / kPlanThreads), static_cast<uint32_t>(r.shape.batch),
             1},
         kPlanThreads, a);
-    return runSharedAllocation(r, a.ranking, launch);
+    return true;
+}
+
+//! defensivekv (selectDefensive): its ranking (runDefensiveRanking), then the shared allocation on it.
+template <typename Launcher>
+__host__ bool runDefensiveSelection(DefensiveSelectionArgs const& a, Launcher& launch)
+{
+    return runDefensiveRanking(a, launch) && runSharedAllocation(a.rows, a.ranking, launch);
 }
 
 } // namespace criticalkv::kernels

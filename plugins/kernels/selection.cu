@@ -10,18 +10,17 @@
 #include "criticalkv/kernels.h"
 #include "device_utils.cuh"
 #include "flow_launch.cuh"
+#include "model_level.cuh"
 #include "select_flows.cuh"
 #include "selection.cuh"
 
 #include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
 
 namespace criticalkv
 {
 namespace kernels
 {
 
-constexpr int kSelectThreads = 512;
 constexpr int kScoreThreads = 256;
 constexpr int kGatherWarps = 8;
 
@@ -147,54 +146,12 @@ __global__ void __launch_bounds__(kScoreThreads) defensiveFinishKernel(ScoreArgs
     a.stage1[out] = stage1MassOf(parts, totals);
 }
 
-//! Ascending kept positions of every head (-1 padded) and their count. grid (H_kv, B), block kSelectThreads.
-__global__ void __launch_bounds__(kSelectThreads) compactKernel(CompactArgs a)
+//! Ascending kept positions of every head (-1 padded) and their count (compact.cuh). grid compactGrid(shape), block
+//! kCompactThreads.
+__global__ void __launch_bounds__(kCompactThreads) compactKernel(CompactArgs a)
 {
-    int32_t const g = static_cast<int32_t>(blockIdx.x);
-    int32_t const b = static_cast<int32_t>(blockIdx.y);
-    __shared__ typename cub::BlockScan<int32_t, kSelectThreads>::TempStorage scan;
-    SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
-    int32_t const n = a.shape.n;
-    int32_t const m = n - windowLength(a.config, n);
-    int32_t const cap = outputCapacity(a.config, n);
-    int64_t const head = static_cast<int64_t>(b) * a.shape.kvHeads + g;
-    int32_t* indices = a.keptIndices + head * cap;
-    int32_t const tid = static_cast<int32_t>(threadIdx.x);
-    int32_t count = fixedKeptCount(a.config, info);
-    if (count >= 0)
-    {
-        for (int32_t slot = tid; slot < cap; slot += kSelectThreads)
-        {
-            indices[slot] = slot < count ? fixedKeptPosition(a.config, info, n, slot) : -1;
-        }
-    }
-    else
-    {
-        count = 0;
-        uint8_t const* flags = a.flags + head * m;
-        for (int32_t base = 0; base < n; base += kSelectThreads)
-        {
-            int32_t const p = base + tid;
-            int32_t const keep = p < n && scoredPositionKept(info, m, flags, p) ? 1 : 0;
-            int32_t position = 0;
-            int32_t total = 0;
-            cub::BlockScan<int32_t, kSelectThreads>(scan).ExclusiveSum(keep, position, total);
-            if (keep && count + position < cap)
-            {
-                indices[count + position] = p;
-            }
-            count += total;
-            __syncthreads();
-        }
-        for (int32_t slot = count + tid; slot < cap; slot += kSelectThreads)
-        {
-            indices[slot] = -1;
-        }
-    }
-    if (tid == 0)
-    {
-        a.keptLengths[head] = count < cap ? count : cap;
-    }
+    __shared__ CompactSmem smem;
+    compactBlock(a, smem);
 }
 
 //! kept_keys / kept_values rows from kept_indices (zero where -1). grid (ceil(cap / kGatherWarps), H_kv, B);
@@ -284,10 +241,58 @@ cudaError_t launchDefensiveSelection(DefensiveSelectionArgs const& a, cudaStream
     return launch.finish(accepted);
 }
 
+cudaError_t launchDefensiveRanking(DefensiveSelectionArgs const& a, cudaStream_t stream)
+{
+    FlowLaunch launch{a.rows.plan.scratch, a.rows.plan.scratchBytes, stream};
+    bool const accepted = runDefensiveRanking(a, launch);
+    return launch.finish(accepted);
+}
+
+
+cudaError_t launchExternalRaw(ExternalRawArgs const& a, cudaStream_t stream)
+{
+    int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
+    if (m <= 0)
+    {
+        return cudaSuccess;
+    }
+    dim3 const grid(static_cast<uint32_t>((m + kPlanThreads - 1) / kPlanThreads), static_cast<uint32_t>(a.shape.heads),
+        static_cast<uint32_t>(a.shape.batch));
+    externalRawKernel<<<grid, kPlanThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+}
+
+cudaError_t launchSinkRanking(SinkRankingArgs const& a, cudaStream_t stream)
+{
+    int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
+    if (m <= 0)
+    {
+        return cudaSuccess;
+    }
+    dim3 const grid(static_cast<uint32_t>((m + kPlanThreads - 1) / kPlanThreads),
+        static_cast<uint32_t>(a.shape.kvHeads), static_cast<uint32_t>(a.shape.batch));
+    sinkRankingKernel<<<grid, kPlanThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+}
+
+cudaError_t launchMarkKeptSinks(SelectionRows const& a, cudaStream_t stream)
+{
+    dim3 const grid(static_cast<uint32_t>(a.shape.kvHeads), static_cast<uint32_t>(a.shape.batch));
+    markKeptSinksKernel<<<grid, kPlanThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+}
+
+cudaError_t launchModelAllocation(ModelArgs const& a, cudaStream_t stream)
+{
+    FlowLaunch launch{a.rows.plan.scratch, a.rows.plan.scratchBytes, stream};
+    bool const accepted = runModelAllocation(a, launch);
+    return launch.finish(accepted);
+}
+
 cudaError_t launchCompact(CompactArgs const& a, cudaStream_t stream)
 {
-    dim3 const headGrid(static_cast<uint32_t>(a.shape.kvHeads), static_cast<uint32_t>(a.shape.batch));
-    compactKernel<<<headGrid, kSelectThreads, 0, stream>>>(a);
+    Grid3 const grid = compactGrid(a.shape);
+    compactKernel<<<dim3(grid.x, grid.y, grid.z), kCompactThreads, 0, stream>>>(a);
     return cudaGetLastError();
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "criticalkv/defensive.h"
+#include "compact.cuh" // CompactArgs
 #include "select_flow_args.h"
 
 #include <cuda_runtime_api.h>
@@ -34,18 +35,6 @@ struct ScoreArgs
     bool pruned;
 };
 
-//! The compaction: every head's kept positions, ascending, from its flags (or the fixed rule).
-struct CompactArgs
-{
-    SelectConfig config;
-    SelectShape shape;
-    int32_t const* promptLengths;
-    RuntimeBudget budget;
-    uint8_t const* flags; // [B, H_kv, m]
-    int32_t* keptIndices; // [B, H_kv, cap]
-    int32_t* keptLengths; // [B, H_kv]
-};
-
 struct GatherArgs
 {
     SelectConfig config;
@@ -58,6 +47,14 @@ struct GatherArgs
     int64_t rowBytes; // d_h * sizeof(element)
 };
 
+//! The gather of one layer's kept rows (keys, values [B, H_kv, n, d_h] of `dtype`) by its kept indices.
+inline GatherArgs gatherArgs(SelectConfig const& config, SelectShape const& shape, DType dtype,
+    int32_t const* keptIndices, void const* keys, void const* values, void* keptKeys, void* keptValues)
+{
+    return GatherArgs{config, shape, keptIndices, keys, values, keptKeys, keptValues,
+        static_cast<int64_t>(shape.headDim) * (dtype == DType::kFloat32 ? 4 : 2)};
+}
+
 //! S, C and the LaProx importance of every older token (group_scores.h).
 cudaError_t launchGroupScores(ScoreArgs const& a, cudaStream_t stream);
 //! defensivekv's scores: the defensive score into attention, the stage-1 mass into stage1, the totals.
@@ -69,6 +66,17 @@ cudaError_t launchSelection(SelectionArgs const& a, cudaStream_t stream);
 cudaError_t launchSharedAllocation(SelectionArgs const& a, cudaStream_t stream);
 //! defensivekv's selection (select_flows.cuh: runDefensiveSelection).
 cudaError_t launchDefensiveSelection(DefensiveSelectionArgs const& a, cudaStream_t stream);
+//! defensivekv's ranking alone (select_flows.cuh: runDefensiveRanking; layer-defensivekv's per-layer part).
+cudaError_t launchDefensiveRanking(DefensiveSelectionArgs const& a, cudaStream_t stream);
+//! A kvzip layer's external scores as every query head's raw attention (model_level.cuh: externalRawKernel; the
+//! kernels of this and the next three launchers are model_level.cuh's).
+cudaError_t launchExternalRaw(ExternalRawArgs const& a, cudaStream_t stream);
+//! layer-kvzip's ranking: the group score with the sinks first (model_level.cuh: sinkRankingKernel).
+cudaError_t launchSinkRanking(SinkRankingArgs const& a, cudaStream_t stream);
+//! A per-layer kvzip head's kept sinks flagged before its compaction (model_level.cuh: markKeptSinksKernel).
+cudaError_t launchMarkKeptSinks(SelectionRows const& a, cudaStream_t stream);
+//! The model-level allocation and refinement (model_level.cuh: runModelAllocation).
+cudaError_t launchModelAllocation(ModelArgs const& a, cudaStream_t stream);
 cudaError_t launchCompact(CompactArgs const& a, cudaStream_t stream);
 cudaError_t launchGather(GatherArgs const& a, cudaStream_t stream);
 

@@ -30,7 +30,14 @@ struct StreamLaunch
 
     void rows(TopKRows const& p)
     {
-        kernels::topKRowKernel<<<static_cast<uint32_t>(p.rows), kTopKThreads, 0, stream>>>(p);
+        if (topKLevels(p) == 1)
+        {
+            kernels::topKRowKernel<1><<<static_cast<uint32_t>(p.rows), kTopKThreads, 0, stream>>>(p);
+        }
+        else
+        {
+            kernels::topKRowKernel<kTopKMaxLevels><<<static_cast<uint32_t>(p.rows), kTopKThreads, 0, stream>>>(p);
+        }
     }
 
     void zero(size_t size)
@@ -44,13 +51,27 @@ struct StreamLaunch
     void pass(TopKRows const& p, int32_t ctas, int32_t index)
     {
         dim3 const grid(static_cast<uint32_t>(ctas), static_cast<uint32_t>(p.rows));
-        kernels::topKPassKernel<<<grid, kTopKThreads, 0, stream>>>(p, bytes(), ctas, index);
+        if (topKLevels(p) == 1)
+        {
+            kernels::topKPassKernel<1><<<grid, kTopKThreads, 0, stream>>>(p, bytes(), ctas, index);
+        }
+        else
+        {
+            kernels::topKPassKernel<kTopKMaxLevels><<<grid, kTopKThreads, 0, stream>>>(p, bytes(), ctas, index);
+        }
     }
 
     void mark(TopKRows const& p, int32_t ctas)
     {
         dim3 const grid(static_cast<uint32_t>(ctas), static_cast<uint32_t>(p.rows));
-        kernels::topKMarkKernel<<<grid, kTopKThreads, 0, stream>>>(p, bytes(), ctas);
+        if (topKLevels(p) == 1)
+        {
+            kernels::topKMarkKernel<1><<<grid, kTopKThreads, 0, stream>>>(p, bytes(), ctas);
+        }
+        else
+        {
+            kernels::topKMarkKernel<kTopKMaxLevels><<<grid, kTopKThreads, 0, stream>>>(p, bytes(), ctas);
+        }
     }
 
     float const* limit = nullptr;

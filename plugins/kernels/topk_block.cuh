@@ -47,7 +47,7 @@ __device__ __forceinline__ bool topKCandidate(TopKRow const& r, int32_t e)
 
 struct TopKSmem
 {
-    uint32_t histogram[kRadixBins];
+    uint32_t histogram[kTopKMaxLevels * kRadixBins]; // level l's digit histogram at l * kRadixBins (the mass count: 0)
     unsigned long long sums[kRadixBins]; // the mass count's per-digit fixedMass sums
     unsigned long long warpTotals[kTopKWarps];
     DigitChoice choice;
@@ -104,12 +104,13 @@ __device__ __forceinline__ unsigned long long blockSum(unsigned long long value,
     return total;
 }
 
-//! chooseDigit (radix.h) of the histogram in s.histogram, and its total, for every thread: the digit d holding the
-//! `remaining`-th best is the one whose suffix count reaches `remaining` while the next one's does not.
-__device__ __forceinline__ void blockChooseDigit(int64_t remaining, TopKSmem& s, DigitChoice& choice, int64_t& total)
+//! chooseDigit (radix.h) of level `level`'s histogram in s.histogram, and its total, for every thread: the digit d
+//! holding the `remaining`-th best is the one whose suffix count reaches `remaining` while the next one's does not.
+__device__ __forceinline__ void blockChooseDigit(int64_t remaining, TopKSmem& s, DigitChoice& choice, int64_t& total,
+    int32_t level = 0)
 {
     int32_t const tid = static_cast<int32_t>(threadIdx.x);
-    uint32_t const count = s.histogram[tid];
+    uint32_t const count = s.histogram[level * kRadixBins + tid];
     int64_t const suffix = static_cast<int64_t>(blockSuffixSum(count, s));
     if (tid == 0)
     {
@@ -155,34 +156,53 @@ __device__ __forceinline__ MassDigit blockChooseMassDigit(int64_t above, int64_t
     return choice;
 }
 
-//! Digit histogram of the candidates of [begin, end) matching the search's prefix into s.histogram (zeroed here).
+//! Digit histograms of the candidates of [begin, end) matching each active level's prefix (bit l of `active`: level l
+//! searches this pass) into s.histogram's level slots (zeroed here); one read of the chunk for every level.
 //! Warp-aggregated increments: ties (one digit for many lanes) cost one shared atomic per warp, not 32.
-__device__ __forceinline__ void blockHistogram(
-    TopKRow const& r, int32_t begin, int32_t end, RadixSearch const& search, TopKSmem& s)
+template <int kLevels>
+__device__ __forceinline__ void blockHistogramLevels(
+    TopKRow const& r, int32_t begin, int32_t end, RadixSearch const (&searches)[kLevels], uint32_t active, TopKSmem& s)
 {
     int32_t const tid = static_cast<int32_t>(threadIdx.x);
-    __syncthreads(); // every thread is done reading the previous histogram
-    s.histogram[tid] = 0u;
+    __syncthreads(); // every thread is done reading the previous histograms
+#pragma unroll
+    for (int32_t l = 0; l < kLevels; ++l)
+    {
+        s.histogram[l * kRadixBins + tid] = 0u;
+    }
     __syncthreads();
     for (int32_t base = begin; base < end; base += kTopKThreads) // whole warps iterate together
     {
         int32_t const e = base + tid;
-        int32_t bin = -1;
-        if (e < end && topKCandidate(r, e))
+        bool const candidate = e < end && topKCandidate(r, e);
+        uint32_t const key = candidate ? orderedKey(r.scores[e]) : 0u;
+#pragma unroll
+        for (int32_t l = 0; l < kLevels; ++l)
         {
-            uint32_t const key = orderedKey(r.scores[e]);
-            if ((key & search.prefixMask) == search.prefix)
+            if (((active >> l) & 1u) == 0u)
             {
-                bin = static_cast<int32_t>(radixDigit(key, search.pass));
+                continue; // the same for every thread
             }
-        }
-        unsigned const peers = __match_any_sync(kFullWarp, bin);
-        if (bin >= 0 && __ffs(static_cast<int>(peers)) - 1 == tid % 32)
-        {
-            atomicAdd(&s.histogram[bin], static_cast<uint32_t>(__popc(peers)));
+            RadixSearch const& search = searches[l];
+            int32_t const bin = candidate && (key & search.prefixMask) == search.prefix
+                ? static_cast<int32_t>(radixDigit(key, search.pass))
+                : -1;
+            unsigned const peers = __match_any_sync(kFullWarp, bin);
+            if (bin >= 0 && __ffs(static_cast<int>(peers)) - 1 == tid % 32)
+            {
+                atomicAdd(&s.histogram[l * kRadixBins + bin], static_cast<uint32_t>(__popc(peers)));
+            }
         }
     }
     __syncthreads();
+}
+
+//! Digit histogram of the candidates of [begin, end) matching the search's prefix into s.histogram (zeroed here).
+__device__ __forceinline__ void blockHistogram(
+    TopKRow const& r, int32_t begin, int32_t end, RadixSearch const& search, TopKSmem& s)
+{
+    RadixSearch const searches[1] = {search};
+    blockHistogramLevels<1>(r, begin, end, searches, 1u, s);
 }
 
 //! Counts and fixedMass sums per digit of the candidates of [begin, end) matching the prefix (integer atomics: the
@@ -213,58 +233,79 @@ __device__ __forceinline__ void blockMassHistogram(
     __syncthreads();
 }
 
-//! Mark the kept candidates of [begin, end) once the search is over; tiesBefore: the candidates with key == T in
-//! the row before `begin` (multi-CTA rows). Ties at the threshold are ranked in index order by a block scan per tile.
-__device__ __forceinline__ void blockMark(TopKRow const& r, int32_t begin, int32_t end, RadixSearch const& search,
-    uint8_t mark, int64_t tiesBefore, TopKSmem& s)
+//! Mark the kept candidates of [begin, end) once every level's search is over: a candidate gets mark + l for the first
+//! level l whose set holds it. tiesBefore[l]: the candidates with key == T_l in the row before `begin` (multi-CTA
+//! rows). Ties at a level's threshold are ranked in index order by a block scan per tile (only for the levels that keep
+//! some but not all of them: the others take every key >= T_l).
+template <int kLevels>
+__device__ __forceinline__ void blockMarkLevels(TopKRow const& r, int32_t begin, int32_t end,
+    RadixSearch const (&searches)[kLevels], uint8_t mark, int64_t const (&tiesBefore)[kLevels], TopKSmem& s)
 {
     int32_t const tid = static_cast<int32_t>(threadIdx.x);
-    if (search.outcome == kRadixAll || (search.outcome == kRadixThreshold && search.remaining == search.atThreshold))
-    {
-        bool const all = search.outcome == kRadixAll;
-        for (int32_t e = begin + tid; e < end; e += kTopKThreads)
-        {
-            if (topKCandidate(r, e) && (all || orderedKey(r.scores[e]) >= search.prefix))
-            {
-                r.flags[e] = mark;
-            }
-        }
-        return;
-    }
-    if (search.outcome != kRadixThreshold)
-    {
-        return;
-    }
     int32_t const lane = tid % 32;
     int32_t const warp = tid / 32;
-    uint32_t const threshold = search.prefix;
-    int64_t running = tiesBefore;
-    for (int32_t base = begin; base < end; base += kTopKThreads)
+    bool marks = false;
+    int64_t running[kLevels];
+#pragma unroll
+    for (int32_t l = 0; l < kLevels; ++l)
+    {
+        marks = marks || searches[l].outcome == kRadixAll || searches[l].outcome == kRadixThreshold;
+        running[l] = tiesBefore[l];
+    }
+    if (!marks)
+    {
+        return; // no level keeps anything (the same for every thread)
+    }
+    for (int32_t base = begin; base < end; base += kTopKThreads) // whole warps iterate together
     {
         int32_t const e = base + tid;
         bool const isCandidate = e < end && topKCandidate(r, e);
         uint32_t const key = isCandidate ? orderedKey(r.scores[e]) : 0u;
-        bool const tie = isCandidate && key == threshold;
-        unsigned const ballot = __ballot_sync(kFullWarp, tie ? 1 : 0);
-        __syncthreads(); // warpTotals is free
-        if (lane == 0)
+        int32_t label = -1;
+#pragma unroll
+        for (int32_t l = 0; l < kLevels; ++l)
         {
-            s.warpTotals[warp] = static_cast<unsigned long long>(__popc(ballot));
+            RadixSearch const& q = searches[l];
+            bool const threshold = q.outcome == kRadixThreshold;
+            bool const rankTies = threshold && q.remaining < q.atThreshold; // the same for every thread
+            bool in = isCandidate
+                && (q.outcome == kRadixAll || (threshold && (key > q.prefix || (key == q.prefix && !rankTies))));
+            if (rankTies)
+            {
+                bool const tie = isCandidate && key == q.prefix;
+                unsigned const ballot = __ballot_sync(kFullWarp, tie ? 1 : 0);
+                __syncthreads(); // warpTotals is free
+                if (lane == 0)
+                {
+                    s.warpTotals[warp] = static_cast<unsigned long long>(__popc(ballot));
+                }
+                __syncthreads();
+                int64_t before = __popc(ballot & ((1u << lane) - 1u));
+                int64_t tileTies = 0;
+                for (int32_t w = 0; w < kTopKWarps; ++w)
+                {
+                    before += w < warp ? static_cast<int64_t>(s.warpTotals[w]) : 0;
+                    tileTies += static_cast<int64_t>(s.warpTotals[w]);
+                }
+                in = in || (tie && running[l] + before < q.remaining);
+                running[l] += tileTies;
+            }
+            label = label < 0 && in ? l : label;
         }
-        __syncthreads();
-        int64_t before = __popc(ballot & ((1u << lane) - 1u));
-        int64_t tileTies = 0;
-        for (int32_t w = 0; w < kTopKWarps; ++w)
+        if (label >= 0)
         {
-            before += w < warp ? static_cast<int64_t>(s.warpTotals[w]) : 0;
-            tileTies += static_cast<int64_t>(s.warpTotals[w]);
+            r.flags[e] = static_cast<uint8_t>(mark + label);
         }
-        if (isCandidate && (key > threshold || (tie && running + before < search.remaining)))
-        {
-            r.flags[e] = mark;
-        }
-        running += tileTies;
     }
+}
+
+//! Mark the kept candidates of [begin, end) of one search (blockMarkLevels with one level).
+__device__ __forceinline__ void blockMark(TopKRow const& r, int32_t begin, int32_t end, RadixSearch const& search,
+    uint8_t mark, int64_t tiesBefore, TopKSmem& s)
+{
+    RadixSearch const searches[1] = {search};
+    int64_t const ties[1] = {tiesBefore};
+    blockMarkLevels<1>(r, begin, end, searches, mark, ties, s);
 }
 
 } // namespace criticalkv::kernels

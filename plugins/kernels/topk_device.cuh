@@ -15,33 +15,58 @@
 namespace criticalkv::kernels
 {
 
-//! One CTA per row, the whole search in one launch. grid (rows), block kTopKThreads.
+//! Row r's k at level l (0 past the call's levels: that level selects nothing).
+__device__ __forceinline__ int64_t levelK(TopKRows const& p, int32_t level, int32_t row)
+{
+    return level < topKLevels(p) ? p.k[static_cast<int64_t>(level) * p.rows + row] : 0;
+}
+
+//! One CTA per row, the whole search in one launch (every level's in turn). grid (rows), block kTopKThreads.
+//! kLevels: 1, or kTopKMaxLevels for a call of several levels (the levels past p.levels select nothing).
+template <int kLevels>
 __global__ void __launch_bounds__(kTopKThreads) topKRowKernel(TopKRows p)
 {
     CKV_BLOCK_SHARED TopKSmem s;
     int32_t const row = static_cast<int32_t>(blockIdx.x);
     TopKRow const r = topKRow(p, row);
-    RadixSearch search = radixBegin(p.k[row]);
-    while (search.outcome == kRadixSearching)
+    RadixSearch searches[kLevels];
+    int64_t ties[kLevels];
+#pragma unroll
+    for (int32_t l = 0; l < kLevels; ++l)
     {
-        blockHistogram(r, 0, r.len, search, s);
-        DigitChoice choice{};
-        int64_t total = 0;
-        blockChooseDigit(search.remaining, s, choice, total);
-        radixAdvance(search, total, choice);
+        RadixSearch search = radixBegin(levelK(p, l, row));
+        while (search.outcome == kRadixSearching)
+        {
+            blockHistogram(r, 0, r.len, search, s);
+            DigitChoice choice{};
+            int64_t total = 0;
+            blockChooseDigit(search.remaining, s, choice, total);
+            radixAdvance(search, total, choice);
+        }
+        searches[l] = search;
+        ties[l] = 0;
     }
-    blockMark(r, 0, r.len, search, p.mark, 0, s);
+    blockMarkLevels<kLevels>(r, 0, r.len, searches, p.mark, ties, s);
 }
 
-__device__ __forceinline__ TopKRowState* topKStates(unsigned char* scratch)
+//! Row `row`'s state in the scratch (topKRowStateBytes(levels) per row) and its global histograms
+//! [levels][kRadixPasses][kRadixBins] right after the state's fixed part.
+__device__ __forceinline__ TopKRowState* topKState(unsigned char* scratch, int32_t levels, int32_t row)
 {
-    return reinterpret_cast<TopKRowState*>(scratch);
+    return reinterpret_cast<TopKRowState*>(scratch + static_cast<size_t>(row) * topKRowStateBytes(levels));
 }
 
-//! The per-CTA digit histograms of the last pass, [rows, ctasPerRow, kRadixBins].
-__device__ __forceinline__ uint32_t* topKTails(unsigned char* scratch, int32_t rows)
+__device__ __forceinline__ uint32_t* topKGlobalHistogram(TopKRowState* state, int32_t level, int32_t pass)
 {
-    return reinterpret_cast<uint32_t*>(scratch + alignTopKScratch(static_cast<size_t>(rows) * sizeof(TopKRowState)));
+    return reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(state) + sizeof(TopKRowState))
+        + (static_cast<int64_t>(level) * kRadixPasses + pass) * kRadixBins;
+}
+
+//! The per-CTA digit histograms of the last pass, [levels, rows, ctasPerRow, kRadixBins].
+__device__ __forceinline__ uint32_t* topKTails(unsigned char* scratch, int32_t rows, int32_t levels)
+{
+    return reinterpret_cast<uint32_t*>(
+        scratch + alignTopKScratch(static_cast<size_t>(rows) * topKRowStateBytes(levels)));
 }
 
 //! A read of another CTA's result past the L1 cache.
@@ -51,15 +76,11 @@ __device__ __forceinline__ T loadGlobal(T const* address)
     return __ldcg(address);
 }
 
-//! Add this CTA's histogram to the row's, and tell whether this CTA is the last of the row to do so (then every
-//! CTA's histogram is in, visible to this one). Every thread calls it; its result is the same in all.
-__device__ __forceinline__ bool addHistogram(uint32_t* global, uint32_t* arrived, int32_t ctas, TopKSmem& s)
+//! After this CTA added its histograms: tell whether it is the last of the row to do so (then every CTA's histograms
+//! are in, visible to this one). Every thread calls it; its result is the same in all.
+__device__ __forceinline__ bool arriveLast(uint32_t* arrived, int32_t ctas, TopKSmem& s)
 {
     int32_t const tid = static_cast<int32_t>(threadIdx.x);
-    if (s.histogram[tid] != 0u)
-    {
-        atomicAdd(&global[tid], s.histogram[tid]);
-    }
     __threadfence(); // the additions are visible before the arrival is
     __syncthreads();
     if (tid == 0)
@@ -75,7 +96,22 @@ __device__ __forceinline__ bool addHistogram(uint32_t* global, uint32_t* arrived
     return last;
 }
 
-//! Pass `pass` of the rows longer than one CTA. grid (ctasPerRow, rows), block kTopKThreads.
+//! Add this CTA's histogram (s.histogram, level 0) to the row's, and tell whether this CTA is the last of the row to do
+//! so (arriveLast). Every thread calls it.
+__device__ __forceinline__ bool addHistogram(uint32_t* global, uint32_t* arrived, int32_t ctas, TopKSmem& s)
+{
+    int32_t const tid = static_cast<int32_t>(threadIdx.x);
+    if (s.histogram[tid] != 0u)
+    {
+        atomicAdd(&global[tid], s.histogram[tid]);
+    }
+    return arriveLast(arrived, ctas, s);
+}
+
+//! Pass `pass` of the rows longer than one CTA, for every level still searching at it: each CTA builds the levels'
+//! histograms of its chunk in one read and adds them to the row's; the last CTA to arrive chooses every such level's
+//! digit. grid (ctasPerRow, rows), block kTopKThreads.
+template <int kLevels>
 __global__ void __launch_bounds__(kTopKThreads) topKPassKernel(
     TopKRows p, unsigned char* scratch, int32_t ctas, int32_t pass)
 {
@@ -83,65 +119,110 @@ __global__ void __launch_bounds__(kTopKThreads) topKPassKernel(
     int32_t const tid = static_cast<int32_t>(threadIdx.x);
     int32_t const cta = static_cast<int32_t>(blockIdx.x);
     int32_t const row = static_cast<int32_t>(blockIdx.y);
-    TopKRowState* state = topKStates(scratch) + row;
-    RadixSearch search = pass == 0 ? radixBegin(p.k[row]) : state->search;
-    if (search.outcome != kRadixSearching || search.pass != pass)
+    int32_t const levels = topKLevels(p);
+    TopKRowState* state = topKState(scratch, levels, row);
+    RadixSearch searches[kLevels];
+    uint32_t active = 0u;
+#pragma unroll
+    for (int32_t l = 0; l < kLevels; ++l)
     {
-        return; // k <= 0, or the search ended at an earlier pass
+        searches[l] = pass == 0 ? radixBegin(levelK(p, l, row)) : state->search[l];
+        bool const searching = l < levels && searches[l].outcome == kRadixSearching && searches[l].pass == pass;
+        active |= searching ? 1u << l : 0u;
+    }
+    if (active == 0u)
+    {
+        return; // every level's search ended at an earlier pass (or k <= 0)
     }
     TopKRow const r = topKRow(p, row);
     int32_t const begin = cta * kTopKChunk;
     int32_t const end = begin + kTopKChunk < r.len ? begin + kTopKChunk : r.len;
-    blockHistogram(r, begin, end, search, s);
-    if (pass == kRadixPasses - 1)
+    blockHistogramLevels<kLevels>(r, begin, end, searches, active, s);
+#pragma unroll
+    for (int32_t l = 0; l < kLevels; ++l)
     {
-        topKTails(scratch, p.rows)[(static_cast<int64_t>(row) * ctas + cta) * kRadixBins + tid] = s.histogram[tid];
+        if (((active >> l) & 1u) == 0u)
+        {
+            continue;
+        }
+        uint32_t const count = s.histogram[l * kRadixBins + tid];
+        if (pass == kRadixPasses - 1)
+        {
+            topKTails(scratch, p.rows, levels)[((static_cast<int64_t>(l) * p.rows + row) * ctas + cta) * kRadixBins + tid]
+                = count;
+        }
+        if (count != 0u)
+        {
+            atomicAdd(&topKGlobalHistogram(state, l, pass)[tid], count);
+        }
     }
-    if (!addHistogram(state->histogram[pass], &state->arrived[pass], ctas, s))
+    if (!arriveLast(&state->arrived[pass], ctas, s))
     {
         return;
     }
-    s.histogram[tid] = loadGlobal(&state->histogram[pass][tid]);
-    __syncthreads();
-    DigitChoice choice{};
-    int64_t total = 0;
-    blockChooseDigit(search.remaining, s, choice, total);
-    radixAdvance(search, total, choice);
+#pragma unroll
+    for (int32_t l = 0; l < kLevels; ++l)
+    {
+        if (((active >> l) & 1u) == 0u)
+        {
+            continue;
+        }
+        s.histogram[l * kRadixBins + tid] = loadGlobal(&topKGlobalHistogram(state, l, pass)[tid]);
+        __syncthreads();
+        DigitChoice choice{};
+        int64_t total = 0;
+        blockChooseDigit(searches[l].remaining, s, choice, total, l);
+        radixAdvance(searches[l], total, choice);
+    }
     if (tid == 0)
     {
-        state->search = search;
+#pragma unroll
+        for (int32_t l = 0; l < kLevels; ++l)
+        {
+            if (l < levels)
+            {
+                state->search[l] = searches[l]; // pass 0 writes every level's (k <= 0: nothing)
+            }
+        }
     }
 }
 
 //! The marks of the rows longer than one CTA, after the passes. grid (ctasPerRow, rows), block kTopKThreads.
+template <int kLevels>
 __global__ void __launch_bounds__(kTopKThreads) topKMarkKernel(TopKRows p, unsigned char* scratch, int32_t ctas)
 {
     CKV_BLOCK_SHARED TopKSmem s;
     int32_t const tid = static_cast<int32_t>(threadIdx.x);
     int32_t const cta = static_cast<int32_t>(blockIdx.x);
     int32_t const row = static_cast<int32_t>(blockIdx.y);
-    if (p.k[row] <= 0)
-    {
-        return;
-    }
-    RadixSearch const search = topKStates(scratch)[row].search;
+    int32_t const levels = topKLevels(p);
+    TopKRowState const* state = topKState(scratch, levels, row);
+    RadixSearch searches[kLevels];
+    int64_t tiesBefore[kLevels];
     TopKRow const r = topKRow(p, row);
     int32_t const begin = cta * kTopKChunk;
     int32_t const end = begin + kTopKChunk < r.len ? begin + kTopKChunk : r.len;
-    int64_t tiesBefore = 0;
-    if (search.outcome == kRadixThreshold && search.remaining < search.atThreshold)
+#pragma unroll
+    for (int32_t l = 0; l < kLevels; ++l)
     {
-        // the ties at T in the chunks before this one: T's last digit in each earlier CTA's last-pass histogram
-        uint32_t const* tails = topKTails(scratch, p.rows) + static_cast<int64_t>(row) * ctas * kRadixBins;
-        uint32_t const digit = radixDigit(search.prefix, kRadixPasses - 1);
-        unsigned long long mine = 0;
-        for (int32_t c = tid; c < cta; c += kTopKThreads)
+        searches[l] = levelK(p, l, row) > 0 ? state->search[l] : radixBegin(0);
+        tiesBefore[l] = 0;
+        RadixSearch const& search = searches[l];
+        if (search.outcome == kRadixThreshold && search.remaining < search.atThreshold)
         {
-            mine += tails[static_cast<int64_t>(c) * kRadixBins + digit];
+            // the ties at T in the chunks before this one: T's last digit in each earlier CTA's last-pass histogram
+            uint32_t const* tails
+                = topKTails(scratch, p.rows, levels) + (static_cast<int64_t>(l) * p.rows + row) * ctas * kRadixBins;
+            uint32_t const digit = radixDigit(search.prefix, kRadixPasses - 1);
+            unsigned long long mine = 0;
+            for (int32_t c = tid; c < cta; c += kTopKThreads)
+            {
+                mine += tails[static_cast<int64_t>(c) * kRadixBins + digit];
+            }
+            tiesBefore[l] = static_cast<int64_t>(blockSum(mine, s));
         }
-        tiesBefore = static_cast<int64_t>(blockSum(mine, s));
     }
-    blockMark(r, begin, end, search, p.mark, tiesBefore, s);
+    blockMarkLevels<kLevels>(r, begin, end, searches, p.mark, tiesBefore, s);
 }
 
 __device__ __forceinline__ MassRowState* massStates(unsigned char* scratch)
@@ -196,16 +277,18 @@ __global__ void __launch_bounds__(kTopKThreads) massPassKernel(
 __host__ __device__ inline bool topKRowsValid(TopKRows const& p)
 {
     bool const empty = p.rows == 0 || p.len == 0;
-    return p.rows >= 0 && p.len >= 0 && p.rows <= 65535 && p.stride >= p.len
+    return p.rows >= 0 && p.len >= 0 && p.rows <= 65535 && p.stride >= p.len && p.levels >= 0
+        && p.levels <= kTopKMaxLevels && static_cast<int32_t>(p.mark) + topKLevels(p) - 1 <= 255
         && (empty || (p.scores != nullptr && p.flags != nullptr && p.period >= 1));
 }
 
-//! launchTopK's sequence of launches over a launcher (kernels/topk.cu on a stream; the emulation test on the CPU):
+//! launchTopK's sequence of launches over a launcher (kernels/topk.cu on a stream; the emulation test on the CPU), the
+//! kernels instantiated for 1 level or kTopKMaxLevels (topKLevels(p) > 1: launchLevels picks the instance):
 //!   rows(p)                       topKRowKernel, grid (rows)
 //!   zero(bytes)                   the row states at the start of the scratch
 //!   pass(p, ctas, pass)           topKPassKernel, grid (ctas, rows)
 //!   mark(p, ctas)                 topKMarkKernel, grid (ctas, rows)
-//! Returns false (and launches nothing) for invalid rows or a scratch smaller than topKScratchBytes.
+//! Returns false (and launches nothing) for invalid rows or a scratch smaller than topKScratchBytes(rows, len, levels).
 template <typename Launcher>
 __host__ bool runTopK(TopKRows const& p, void* scratch, size_t scratchBytes, Launcher& launch)
 {
@@ -217,7 +300,7 @@ __host__ bool runTopK(TopKRows const& p, void* scratch, size_t scratchBytes, Lau
     {
         return true;
     }
-    TopKPlan const plan = topKPlan(p.rows, p.len);
+    TopKPlan const plan = topKPlan(p.rows, p.len, topKLevels(p));
     if (plan.ctasPerRow == 1)
     {
         launch.rows(p);

@@ -11,10 +11,13 @@
 //   plain running fp32 sum over d = 4096 lost 10x PyTorch's accuracy on 16-bit weights), then q = v^T G_h v per token:
 //   on the tensor cores from 3 16-bit pieces of G_h (d / d_h = 32x fewer FLOPs than the product for Llama-3-8B, and
 //   near-fp32 accuracy), or in SIMT fp32 on the other path.
-// * The pruned stage 2's bounds: the same quadratic forms from 2 pieces and l1UpperBoundTensorCore on the tensor-core
-//   path, the host driver's bitwise loops (l1_bounds.cuh) on the fp32 path.
+// * The pruned stage 2's bounds: the weights-only terms (bound_terms.cuh: G_h on the tensor cores, or in the host
+//   driver's order on the fp32 path; launchPrunedTerms computes them once for a caller that reuses them), then the same
+//   quadratic forms from 2 pieces and l1UpperBoundTensorCore on the tensor-core path, the host driver's bitwise loops
+//   (l1_bounds.cuh) on the fp32 path.
 #include "criticalkv/kernels.h"
 #include "criticalkv/pruned_stage2.h"
+#include "bound_terms.cuh"
 #include "device_utils.cuh"
 #include "l1_bounds.cuh"
 #include "mma_tiles.cuh"
@@ -324,8 +327,31 @@ int32_t rowsToCover(NormArgs const& a, int32_t maxCount)
     return a.rowTokens != nullptr ? (maxCount < a.rowStride ? maxCount : a.rowStride) : a.numTokens;
 }
 
+//! CTAs of `kernel` (Cfg::kThreads threads, `shared` bytes) the device runs at once: SMs x resident blocks per SM.
 template <typename Cfg, typename Kernel>
-cudaError_t launchTiles(Kernel kernel, NormArgs const& a, int32_t maxCount, cudaStream_t stream)
+cudaError_t residentSlots(Kernel kernel, size_t shared, int64_t& slots)
+{
+    int device = 0;
+    int sms = 0;
+    int perSm = 0;
+    cudaError_t status = cudaGetDevice(&device);
+    if (status == cudaSuccess)
+    {
+        status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    }
+    if (status == cudaSuccess)
+    {
+        status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, kernel, Cfg::kThreads, shared);
+    }
+    slots = static_cast<int64_t>(sms) * (perSm > 0 ? perSm : 1);
+    return status;
+}
+
+//! One launch of a tile kernel over the rows of every KV head (grid: row tiles, H_kv, B). splitHeads: spread a KV
+//! head's query heads over up to `group` CTAs when that fills the device's waves better (chooseHeadSplit;
+//! valueNormsMmaBlock only).
+template <typename Cfg, typename Kernel>
+cudaError_t launchTiles(Kernel kernel, NormArgs a, int32_t maxCount, cudaStream_t stream, bool splitHeads = false)
 {
     int32_t const rows = rowsToCover(a, maxCount);
     if (rows <= 0)
@@ -333,12 +359,24 @@ cudaError_t launchTiles(Kernel kernel, NormArgs const& a, int32_t maxCount, cuda
         return cudaSuccess;
     }
     size_t const shared = Cfg::sharedBytes(a.shape.headDim);
-    cudaError_t const status = allowDynamicSharedMemory(kernel, shared);
+    cudaError_t status = allowDynamicSharedMemory(kernel, shared);
     if (status != cudaSuccess)
     {
         return status;
     }
-    dim3 const grid(static_cast<uint32_t>((rows + Cfg::kRows - 1) / Cfg::kRows), static_cast<uint32_t>(a.shape.kvHeads),
+    int64_t const rowTiles = (rows + Cfg::kRows - 1) / Cfg::kRows;
+    a.headSplit = 1;
+    if (splitHeads)
+    {
+        int64_t slots = 0;
+        status = residentSlots<Cfg>(kernel, shared, slots);
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+        a.headSplit = chooseHeadSplit(rowTiles * a.shape.kvHeads * a.shape.batch, a.shape.heads / a.shape.kvHeads, slots);
+    }
+    dim3 const grid(static_cast<uint32_t>(rowTiles), static_cast<uint32_t>(a.shape.kvHeads * a.headSplit),
         static_cast<uint32_t>(a.shape.batch));
     kernel<<<grid, Cfg::kThreads, shared, stream>>>(a);
     return cudaGetLastError();
@@ -369,9 +407,9 @@ cudaError_t launchNormsMma(NormArgs const& a, int32_t maxCount, cudaStream_t str
     }
     if (NormTiles::sharedBytes(a.shape.headDim) <= limit)
     {
-        return launchTiles<NormTiles>(valueNormsMmaKernel<T, NormTiles, kL2>, a, maxCount, stream);
+        return launchTiles<NormTiles>(valueNormsMmaKernel<T, NormTiles, kL2>, a, maxCount, stream, true);
     }
-    return launchTiles<NormTilesSmall>(valueNormsMmaKernel<T, NormTilesSmall, kL2>, a, maxCount, stream);
+    return launchTiles<NormTilesSmall>(valueNormsMmaKernel<T, NormTilesSmall, kL2>, a, maxCount, stream, true);
 }
 
 template <typename T, bool kL2>
@@ -388,12 +426,23 @@ cudaError_t launchNormsSimt(NormArgs const& a, int32_t maxCount, cudaStream_t st
     return cudaGetLastError();
 }
 
-//! s_h G_h in kPieces 16-bit pieces (scratch.gram holds G_h), then the quadratic forms (kBound: the L1 bounds).
-template <typename T, int kPieces, bool kBound>
-cudaError_t launchGramQuad(NormArgs a, GramScratch const& scratch, cudaStream_t stream)
+//! s_h G_h in kPieces 16-bit pieces (scratch.gram holds G_h).
+template <typename T, int kPieces>
+void launchGramPieces(GramScratch const& scratch, int32_t heads, int32_t headDim, cudaStream_t stream)
 {
-    gramPiecesKernel<T, kPieces><<<static_cast<uint32_t>(a.shape.heads), kGramPieceThreads, 0, stream>>>(
-        scratch.gram, a.shape.headDim, static_cast<T*>(scratch.pieces), scratch.scale);
+    gramPiecesKernel<T, kPieces><<<static_cast<uint32_t>(heads), kGramPieceThreads, 0, stream>>>(
+        scratch.gram, headDim, static_cast<T*>(scratch.pieces), scratch.scale);
+}
+
+//! The quadratic forms (kBound: the L1 bounds) from the pieces of scratch (piecesReady: already there, else made from
+//! scratch.gram first).
+template <typename T, int kPieces, bool kBound>
+cudaError_t launchGramQuad(NormArgs a, GramScratch const& scratch, cudaStream_t stream, bool piecesReady = false)
+{
+    if (!piecesReady)
+    {
+        launchGramPieces<T, kPieces>(scratch, a.shape.heads, a.shape.headDim, stream);
+    }
     a.gramPieces = scratch.pieces;
     a.gramScale = scratch.scale;
     if (a.shape.headDim <= GramTiles64::kCols)
@@ -405,20 +454,20 @@ cudaError_t launchGramQuad(NormArgs a, GramScratch const& scratch, cudaStream_t 
 
 constexpr int kBoundThreads = 256;
 
-//! G_h and s_h. grid (ceil((d_h^2 + d_h) / kBoundThreads), H).
+//! G_h, s_h and c_h in the host driver's order (bound_terms.cuh). grid (ceil(d_h / 64), H), block kTermThreads.
 template <typename T>
-__global__ void __launch_bounds__(kBoundThreads) boundTermsKernel(BoundArgs a)
+__global__ void __launch_bounds__(kTermThreads) boundTermsSimtKernel(BoundArgs a)
 {
-    int64_t const e = static_cast<int64_t>(blockIdx.x) * kBoundThreads + threadIdx.x;
-    boundTermAt<T>(a, static_cast<int32_t>(blockIdx.y), e);
+    extern __shared__ float termsShared[];
+    boundTermsSimtBlock<T>(a, termsShared);
 }
 
-//! c_h. grid (H), block kBoundThreads.
+//! G_h on the tensor cores, s_h and c_h (bound_terms.cuh). grid (ceil(d_h / 64), H), block kTermThreads.
 template <typename T>
-__global__ void __launch_bounds__(kBoundThreads) columnL1Kernel(BoundArgs a)
+__global__ void __launch_bounds__(kTermThreads) boundTermsTensorKernel(BoundArgs a)
 {
-    __shared__ float partial[kBoundThreads];
-    columnL1Block<T>(a, static_cast<int32_t>(blockIdx.x), kBoundThreads, partial);
+    __shared__ TermTileSmem smem;
+    boundTermsTensorBlock<T>(a, smem);
 }
 
 //! The bounds of every older token of the compressed sequences. grid (ceil(m / kBoundThreads), H, B).
@@ -435,21 +484,45 @@ __global__ void __launch_bounds__(kBoundThreads) l1BoundsKernel(BoundArgs a)
     l1BoundAt<T>(a, b, static_cast<int32_t>(blockIdx.y), i);
 }
 
-//! G_h, s_h (one thread per entry) and c_h (one block per head).
-template <typename T>
-void launchBoundTermsTyped(BoundArgs const& a, cudaStream_t stream)
+dim3 termsGrid(SelectShape const& shape)
 {
-    int64_t const d = a.shape.headDim;
-    uint32_t const heads = static_cast<uint32_t>(a.shape.heads);
-    boundTermsKernel<T><<<dim3(static_cast<uint32_t>((d * d + d + kBoundThreads - 1) / kBoundThreads), heads),
-        kBoundThreads, 0, stream>>>(a);
-    columnL1Kernel<T><<<heads, kBoundThreads, 0, stream>>>(a);
+    return dim3(static_cast<uint32_t>((shape.headDim + kTermRows - 1) / kTermRows), static_cast<uint32_t>(shape.heads));
+}
+
+//! G_h, s_h, c_h bitwise the host driver's.
+template <typename T>
+cudaError_t launchBoundTermsSimt(BoundArgs const& a, cudaStream_t stream)
+{
+    size_t const shared = boundTermsSimtSharedBytes(a.shape.headDim);
+    cudaError_t const status = allowDynamicSharedMemory(boundTermsSimtKernel<T>, shared);
+    if (status != cudaSuccess)
+    {
+        return status;
+    }
+    boundTermsSimtKernel<T><<<termsGrid(a.shape), kTermThreads, shared, stream>>>(a);
+    return cudaGetLastError();
+}
+
+//! G_h on the tensor cores, s_h, c_h, then the 2 pieces of s_h G_h the tensor-core bound reads.
+template <typename T>
+cudaError_t launchBoundTermsTensor(BoundArgs const& a, GramScratch const& scratch, cudaStream_t stream)
+{
+    boundTermsTensorKernel<T><<<termsGrid(a.shape), kTermThreads, 0, stream>>>(a);
+    launchGramPieces<T, kGramPiecesBound>(scratch, a.shape.heads, a.shape.headDim, stream);
+    return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t launchL1BoundsTyped(BoundArgs const& a, cudaStream_t stream)
+cudaError_t launchL1BoundsTyped(BoundArgs const& a, bool termsReady, cudaStream_t stream)
 {
-    launchBoundTermsTyped<T>(a, stream);
+    if (!termsReady)
+    {
+        cudaError_t const status = launchBoundTermsSimt<T>(a, stream);
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+    }
     uint32_t const heads = static_cast<uint32_t>(a.shape.heads);
     dim3 const grid(static_cast<uint32_t>((a.numTokens + kBoundThreads - 1) / kBoundThreads), heads,
         static_cast<uint32_t>(a.shape.batch));
@@ -491,10 +564,10 @@ kernels::NormArgs normArgs(SelectShape const& shape, void const* values, void co
 
 } // namespace
 
-bool valueNormsOnTensorCores(SelectShape const& shape, DType dtype, void const* values, void const* oProj)
+bool prunedTermsOnTensorCores(SelectShape const& shape, DType dtype, void const* oProj)
 {
     if (dtype == DType::kFloat32 || shape.headDim % 16 != 0 || shape.headDim > kernels::GramTiles128::kCols
-        || reinterpret_cast<uintptr_t>(values) % 16 != 0 || reinterpret_cast<uintptr_t>(oProj) % 16 != 0)
+        || reinterpret_cast<uintptr_t>(oProj) % 16 != 0)
     {
         return false;
     }
@@ -502,6 +575,85 @@ bool valueNormsOnTensorCores(SelectShape const& shape, DType dtype, void const* 
     int major = 0;
     return cudaGetDevice(&device) == cudaSuccess
         && cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8;
+}
+
+bool valueNormsOnTensorCores(SelectShape const& shape, DType dtype, void const* values, void const* oProj)
+{
+    return reinterpret_cast<uintptr_t>(values) % 16 == 0 && prunedTermsOnTensorCores(shape, dtype, oProj);
+}
+
+namespace
+{
+
+//! The pieces of prunedTermsBytes's buffer, in order.
+struct PrunedTermsLayout
+{
+    size_t gram, pieces, scale, rowL1, colL1, total;
+};
+
+PrunedTermsLayout prunedTermsLayout(SelectShape const& shape)
+{
+    size_t const h = static_cast<size_t>(shape.heads > 0 ? shape.heads : 0);
+    size_t const d = static_cast<size_t>(shape.headDim > 0 ? shape.headDim : 0);
+    PrunedTermsLayout l{};
+    size_t offset = 0;
+    auto take = [&offset](size_t bytes) {
+        size_t const at = offset;
+        offset += alignWorkspace(bytes);
+        return at;
+    };
+    l.gram = take(h * d * d * sizeof(float));
+    l.pieces = take(h * kGramPiecesMax * d * d * 2);
+    l.scale = take(h * sizeof(float));
+    l.rowL1 = take(h * d * sizeof(float));
+    l.colL1 = take(h * sizeof(float));
+    l.total = offset;
+    return l;
+}
+
+} // namespace
+
+size_t prunedTermsBytes(SelectShape const& shape)
+{
+    return prunedTermsLayout(shape).total;
+}
+
+PrunedTerms prunedTermsAt(void* buffer, SelectShape const& shape)
+{
+    PrunedTermsLayout const l = prunedTermsLayout(shape);
+    auto* base = static_cast<unsigned char*>(buffer);
+    return PrunedTerms{GramScratch{reinterpret_cast<float*>(base + l.gram), base + l.pieces,
+                           reinterpret_cast<float*>(base + l.scale)},
+        reinterpret_cast<float*>(base + l.rowL1), reinterpret_cast<float*>(base + l.colL1)};
+}
+
+cudaError_t launchPrunedTerms(SelectShape const& shape, DType dtype, void const* oProj, void* buffer, size_t bytes,
+    cudaStream_t stream)
+{
+    if (shape.heads <= 0 || shape.headDim <= 0 || shape.headDim > kMaxHeadDim || shape.hidden <= 0
+        || oProj == nullptr || buffer == nullptr || bytes < prunedTermsBytes(shape))
+    {
+        return cudaErrorInvalidValue;
+    }
+    PrunedTerms const t = prunedTermsAt(buffer, shape);
+    kernels::BoundArgs a{};
+    a.shape = shape;
+    a.oProj = oProj;
+    a.gram = t.gram.gram;
+    a.rowL1 = t.rowL1;
+    a.colL1 = t.colL1;
+    bool const tensorCores = prunedTermsOnTensorCores(shape, dtype, oProj);
+    return kernels::dispatchDType(dtype, [&](auto tag) -> cudaError_t {
+        using T = decltype(tag);
+        if constexpr (sizeof(T) == 2)
+        {
+            if (tensorCores)
+            {
+                return kernels::launchBoundTermsTensor<T>(a, t.gram, stream);
+            }
+        }
+        return kernels::launchBoundTermsSimt<T>(a, stream);
+    });
 }
 
 cudaError_t launchValueNorms(ValueNormParams const& p, cudaStream_t stream)
@@ -553,13 +705,8 @@ cudaError_t launchValueNorms(ValueNormParams const& p, cudaStream_t stream)
 
 cudaError_t launchPrunedBounds(PrunedBoundParams const& p, cudaStream_t stream)
 {
-    if (!valueNormsOnTensorCores(p.shape, p.dtype, p.values, p.oProj))
-    {
-        return launchL1Bounds(p.config, p.budget, p.promptLengths, p.shape, p.dtype, p.values, p.oProj, p.numTokens,
-            p.gram.gram, p.rowL1, p.colL1, p.bounds, stream);
-    }
-    if (!validShape(p.shape, p.numTokens) || p.gram.gram == nullptr || p.gram.pieces == nullptr
-        || p.gram.scale == nullptr || p.rowL1 == nullptr || p.colL1 == nullptr || p.bounds == nullptr)
+    if (!validShape(p.shape, p.numTokens) || p.gram.gram == nullptr || p.rowL1 == nullptr || p.colL1 == nullptr
+        || p.bounds == nullptr)
     {
         return cudaErrorInvalidValue;
     }
@@ -567,9 +714,20 @@ cudaError_t launchPrunedBounds(PrunedBoundParams const& p, cudaStream_t stream)
     {
         return cudaSuccess;
     }
-    // G_h, s_h and c_h as the fp32 path computes them (the weights-only terms), then the tensor-core bounds
-    kernels::BoundArgs terms{p.config != nullptr ? *p.config : SelectConfig{}, p.config != nullptr, p.budget,
+    kernels::BoundArgs const terms{p.config != nullptr ? *p.config : SelectConfig{}, p.config != nullptr, p.budget,
         p.promptLengths, p.shape, p.values, p.oProj, p.numTokens, p.gram.gram, p.rowL1, p.colL1, p.bounds};
+    if (!valueNormsOnTensorCores(p.shape, p.dtype, p.values, p.oProj))
+    {
+        // the fp32 path: the host driver's terms and bounds, bit for bit
+        return kernels::dispatchDType(p.dtype, [&](auto tag) {
+            return kernels::launchL1BoundsTyped<decltype(tag)>(terms, p.termsReady, stream);
+        });
+    }
+    if (p.gram.pieces == nullptr || p.gram.scale == nullptr)
+    {
+        return cudaErrorInvalidValue;
+    }
+    // G_h on the tensor cores, s_h and c_h (the weights-only terms) and G_h's pieces, unless given; then the bounds
     kernels::NormArgs a = normArgs(p.shape, p.values, p.oProj, p.numTokens, p.bounds, p.config, p.budget,
         p.promptLengths);
     a.rowL1 = p.rowL1;
@@ -578,8 +736,15 @@ cudaError_t launchPrunedBounds(PrunedBoundParams const& p, cudaStream_t stream)
         using T = decltype(tag);
         if constexpr (sizeof(T) == 2)
         {
-            kernels::launchBoundTermsTyped<T>(terms, stream);
-            return kernels::launchGramQuad<T, kernels::kGramPiecesBound, true>(a, p.gram, stream);
+            if (!p.termsReady)
+            {
+                cudaError_t const status = kernels::launchBoundTermsTensor<T>(terms, p.gram, stream);
+                if (status != cudaSuccess)
+                {
+                    return status;
+                }
+            }
+            return kernels::launchGramQuad<T, kernels::kGramPiecesBound, true>(a, p.gram, stream, true);
         }
         return cudaErrorInvalidValue; // fp32 never takes the tensor-core path
     });
@@ -601,7 +766,9 @@ cudaError_t launchL1Bounds(SelectConfig const* config, RuntimeBudget budget, int
     }
     kernels::BoundArgs a{config != nullptr ? *config : SelectConfig{}, config != nullptr, budget, promptLengths, shape,
         values, oProj, numTokens, gram, rowL1, colL1, bounds};
-    return kernels::dispatchDType(dtype, [&](auto tag) { return kernels::launchL1BoundsTyped<decltype(tag)>(a, stream); });
+    return kernels::dispatchDType(dtype, [&](auto tag) {
+        return kernels::launchL1BoundsTyped<decltype(tag)>(a, false, stream);
+    });
 }
 
 } // namespace criticalkv

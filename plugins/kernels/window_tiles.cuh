@@ -1,7 +1,7 @@
 // Tensor-core tiles of the window scores and of defensivekv's rows (mma.sync m16n8k16, ldmatrix, cp.async; lane layouts
 // in criticalkv/mma_layout.h, fragment loads shared with mma_tiles.cuh). Included by kernels/window_scores.cu (device)
 // and by the CPU emulation (testing/window_scores_emulation.cpp, which supplies the warp instructions and one
-// std::thread per CUDA thread).
+// fiber per CUDA thread).
 //
 // The w window queries of the G query heads of one KV head against its n keys is a GEMM, Q_g [G w, d_h] x K_g^T
 // [d_h, n]: one K tile feeds G w query rows (128 for Llama-3's G = 4, w = 32). Ā needs every row's global softmax

@@ -453,6 +453,10 @@ int32_t CriticalKVSelectPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         t.keptValues = outputs[kKeptValues];
         t.keptLengths = static_cast<int32_t*>(outputs[kKeptLengths]);
         t.keptIndices = static_cast<int32_t*>(outputs[kKeptIndices]);
+        // t.prunedTerms stays null: the pruned stage 2's weights-only terms are recomputed at every enqueue (on the
+        // tensor cores, one pass over o_proj), since a plugin cannot tell that its o_proj input keeps its content from
+        // one enqueue to the next (a refitted engine, or o_proj not a constant of the graph) and a key by address alone
+        // would then keep stale terms. The torch op's callers can reuse them (launchPrunedTerms, ckv_ops_pruned_terms).
         size_t const bytes = workspaceLayout(mConfig, s).total;
         cudaError_t const status = launchCriticalKVSelect(mConfig, budgetTable(mPolicy), s, t, workspace, bytes, stream);
         check(status == cudaSuccess,

@@ -75,12 +75,13 @@ extern "C"
     }
 
     //! The whole operator (launchCriticalKVSelect). dtype: 0 fp32, 1 fp16, 2 bf16. promptLengths and kvBudget
-    //! (device int32 [1]) may be null.
+    //! (device int32 [1]) may be null. prunedTerms 1: the pruned stage 2's weights-only terms computed first by
+    //! launchPrunedTerms and passed in (SelectTensors::prunedTerms; not timed).
     //! iterations > 1 re-runs it and returns the mean milliseconds per call in *milliseconds.
     int32_t ckv_cuda_select_layer(CkvField const* fields, int32_t count, int32_t const* shape, int32_t dtype,
         void const* queries, void const* keys, void const* values, void const* oProj, int32_t const* promptLengths,
         int32_t const* kvBudget, void* keptKeys, void* keptValues, int32_t* keptLengths, int32_t* keptIndices, int32_t iterations,
-        float* milliseconds, char* err, int32_t errLen)
+        float* milliseconds, int32_t prunedTerms, char* err, int32_t errLen)
     {
         try
         {
@@ -92,10 +93,19 @@ extern "C"
             SelectConfig const config = makeSelectConfig(policy);
             SelectShape const s = toShape(shape);
             SelectTensors t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, kvBudget, keptKeys,
-                keptValues, keptLengths, keptIndices};
+                keptValues, keptLengths, keptIndices, nullptr, nullptr};
             size_t const bytes = workspaceLayout(config, s).total;
             DeviceBuffer workspace;
+            DeviceBuffer terms;
             cudaError_t status = workspace.allocate(bytes);
+            if (status == cudaSuccess && prunedTerms != 0)
+            {
+                status = terms.allocate(prunedTermsBytes(s));
+                status = status == cudaSuccess
+                    ? launchPrunedTerms(s, static_cast<DType>(dtype), oProj, terms.ptr, prunedTermsBytes(s), nullptr)
+                    : status;
+                t.prunedTerms = terms.ptr;
+            }
             cudaEvent_t start = nullptr;
             cudaEvent_t stop = nullptr;
             if (status == cudaSuccess)
@@ -146,7 +156,7 @@ extern "C"
                 return -1;
             }
             SelectTensors t{static_cast<DType>(dtype), queries, keys, values, oProj, promptLengths, kvBudget, keptKeys,
-                keptValues, keptLengths, keptIndices};
+                keptValues, keptLengths, keptIndices, nullptr, nullptr};
             return static_cast<int32_t>(launchCriticalKVSelect(makeSelectConfig(policy), budgetTable(policy), toShape(shape), t, workspace,
                 static_cast<size_t>(workspaceBytes), static_cast<cudaStream_t>(stream)));
         }
@@ -293,7 +303,7 @@ extern "C"
         {
             return report(cudaErrorInvalidValue, err, errLen);
         }
-        TopKRows const p{scores, flags, k, nullptr, rows, static_cast<int32_t>(len), len, static_cast<int32_t>(len), 1};
+        TopKRows const p{scores, flags, k, nullptr, rows, static_cast<int32_t>(len), len, static_cast<int32_t>(len), 1, 1};
         DeviceBuffer scratch;
         size_t const bytes = topKScratchBytes(rows, p.len);
         cudaError_t status = scratch.allocate(bytes);
@@ -308,15 +318,16 @@ extern "C"
         return report(status, err, errLen);
     }
 
-    //! launchTopK on device arrays: flags [rows, len] uint8 in (0 = eligible) and out (the k best get `mark`);
+    //! launchTopK on device arrays: flags [rows, len] uint8 in (0 = eligible) and out (the k best get `mark`; with
+    //! levels > 1, k is [levels, rows] and a candidate gets mark + l for the first level l whose k best hold it);
     //! firstValid int32 [rows] or null. With iterations > 0, *microseconds gets the mean time of that many launches
     //! (cuda events around each; the flags restored before each), and the flags hold the last launch's result.
     int32_t ckv_cuda_top_k(float const* scores, uint8_t* flags, int64_t const* k, int32_t const* firstValid,
-        int32_t rows, int32_t len, int32_t period, int32_t mark, int32_t iterations, float* microseconds, char* err,
-        int32_t errLen)
+        int32_t rows, int32_t len, int32_t period, int32_t mark, int32_t levels, int32_t iterations, float* microseconds,
+        char* err, int32_t errLen)
     {
-        TopKRows const p{scores, flags, k, firstValid, rows, len, len, period, static_cast<uint8_t>(mark)};
-        size_t const bytes = topKScratchBytes(rows, len);
+        TopKRows const p{scores, flags, k, firstValid, rows, len, len, period, static_cast<uint8_t>(mark), levels};
+        size_t const bytes = topKScratchBytes(rows, len, levels);
         size_t const flagBytes = static_cast<size_t>(rows > 0 ? rows : 0) * static_cast<size_t>(len > 0 ? len : 0);
         DeviceBuffer scratch;
         DeviceBuffer original;
@@ -367,7 +378,7 @@ extern "C"
     int32_t ckv_cuda_mass_count(float const* scores, uint8_t* flags, int32_t const* firstValid, float const* limit,
         int64_t* count, int32_t rows, int32_t len, int32_t period, char* err, int32_t errLen)
     {
-        TopKRows const p{scores, flags, nullptr, firstValid, rows, len, len, period, 1};
+        TopKRows const p{scores, flags, nullptr, firstValid, rows, len, len, period, 1, 1};
         size_t const bytes = massCountScratchBytes(rows, len);
         DeviceBuffer scratch;
         cudaError_t status = scratch.allocate(bytes);

@@ -1,7 +1,8 @@
 // CPU versions of the warp-level instructions of kernels/mma_primitives.cuh, for running the tensor-core tile bodies
-// (kernels/mma_tiles.cuh) under the thread emulation of cuda_emulation.h (one std::thread per CUDA thread). Every
-// warp-collective instruction posts its lane's operands to the warp's exchange slots, meets the other 31 lanes at a
-// barrier, computes its result from the slots and meets them again before the slots can be reused:
+// (kernels/mma_tiles.cuh) under the thread emulation of cuda_emulation.h (one fiber per CUDA thread). Every
+// warp-collective instruction posts its lane's operands to the warp's exchange slots and meets the other 31 lanes at a
+// barrier; the last lane to arrive computes every lane's result into the warp's result slots, which each lane then
+// reads (a lane's next operands go to the operand slots, and the results change only once all 32 lanes met again):
 // * ldmatrixX4: register q of a lane = row (lane >> 2), columns 2 (lane % 4), +1 of the 8x8 matrix whose row addresses
 //   lanes 8q..8q+7 gave (criticalkv/mma_layout.h: ldmatrixElement);
 // * mmaSync: A, B rebuilt from the 32 lanes' fragments by aFragment / bFragment, D by cFragment; the products exact,
@@ -14,7 +15,6 @@
 
 #include "criticalkv/mma_layout.h"
 
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -58,6 +58,12 @@ template <typename T>
 T fromFloat(float value);
 
 template <>
+inline float fromFloat<float>(float value)
+{
+    return value;
+}
+
+template <>
 inline __nv_bfloat16 fromFloat<__nv_bfloat16>(float value)
 {
     uint32_t bits;
@@ -75,18 +81,43 @@ inline __half fromFloat<__half>(float value)
     return out;
 }
 
+//! mma_primitives.cuh's load16: 16 bytes (cuda_emulation.h's uint4).
+inline uint4 load16(void const* address)
+{
+    uint4 v;
+    std::memcpy(&v, address, sizeof(v));
+    return v;
+}
+
+//! mma_primitives.cuh's lowHalf / highHalf: the 16-bit element in either half of a 32-bit word, as float.
+template <typename T>
+float lowHalf(uint32_t pair)
+{
+    return toFloat(T{static_cast<uint16_t>(pair & 0xFFFFu)});
+}
+
+template <typename T>
+float highHalf(uint32_t pair)
+{
+    return toFloat(T{static_cast<uint16_t>(pair >> 16)});
+}
+
 //! One warp's exchange slots for the tensor-core instructions (cuda_emulation.h's EmulatedWarp serves the shuffles,
 //! ballots and matches of the other device code).
 struct MmaWarp
 {
-    std::barrier<> sync{32};
+    EmulatedBarrier sync{32};
     void const* rows[32];
     uint32_t a[32][4];
     uint32_t b[32][2];
+    float c[32][4];
     float value[32];
+    uint32_t loaded[32][4]; //!< results: ldmatrix registers
+    float d[32][4];         //!< mma accumulators
+    float shuffled[32];     //!< shflXor's sources
 };
 
-inline thread_local MmaWarp* tMmaWarp = nullptr;
+inline MmaWarp* tMmaWarp = nullptr; // the running fiber's (runEmulatedBlock sets them before every resume)
 
 struct PendingCopy
 {
@@ -95,8 +126,13 @@ struct PendingCopy
     bool valid;
 };
 
-inline thread_local std::vector<PendingCopy> tOpenGroup;
-inline thread_local std::deque<std::vector<PendingCopy>> tCommitted;
+//! A thread's cp.async copies: the open group and the committed ones still in flight.
+struct CopyQueue
+{
+    std::vector<PendingCopy> open;
+    std::deque<std::vector<PendingCopy>> committed;
+};
+inline CopyQueue* tCopies = nullptr;
 
 inline int32_t laneId()
 {
@@ -106,15 +142,20 @@ inline int32_t laneId()
 inline void ldmatrixX4(uint32_t (&r)[4], void const* row)
 {
     int32_t const lane = laneId();
-    tMmaWarp->rows[lane] = row;
-    tMmaWarp->sync.arrive_and_wait();
-    mma::RowCol const e = mma::ldmatrixElement(lane);
-    for (int32_t q = 0; q < 4; ++q)
-    {
-        uint16_t const* source = static_cast<uint16_t const*>(tMmaWarp->rows[q * 8 + e.row]);
-        r[q] = static_cast<uint32_t>(source[e.col]) | (static_cast<uint32_t>(source[e.col + 1]) << 16);
-    }
-    tMmaWarp->sync.arrive_and_wait();
+    MmaWarp* const warp = tMmaWarp;
+    warp->rows[lane] = row;
+    warp->sync.arrive_and_wait([warp] {
+        for (int32_t l = 0; l < 32; ++l)
+        {
+            mma::RowCol const e = mma::ldmatrixElement(l);
+            for (int32_t q = 0; q < 4; ++q)
+            {
+                uint16_t const* source = static_cast<uint16_t const*>(warp->rows[q * 8 + e.row]);
+                warp->loaded[l][q] = static_cast<uint32_t>(source[e.col]) | (static_cast<uint32_t>(source[e.col + 1]) << 16);
+            }
+        }
+    });
+    std::memcpy(r, warp->loaded[lane], sizeof(r));
 }
 
 inline float truncateTowardZero(double x)
@@ -131,57 +172,63 @@ template <typename T>
 void mmaSync(float (&d)[4], uint32_t const (&a)[4], uint32_t const (&b)[2])
 {
     int32_t const lane = laneId();
-    std::memcpy(tMmaWarp->a[lane], a, sizeof(a));
-    std::memcpy(tMmaWarp->b[lane], b, sizeof(b));
-    tMmaWarp->sync.arrive_and_wait();
-    auto half = [](uint32_t reg, int32_t which) { return toFloat(T{static_cast<uint16_t>(reg >> (16 * which))}); };
-    float matA[16][16];
-    float matB[16][8];
-    for (int32_t l = 0; l < 32; ++l)
-    {
-        for (int32_t r = 0; r < 4; ++r)
+    MmaWarp* const warp = tMmaWarp;
+    std::memcpy(warp->a[lane], a, sizeof(a));
+    std::memcpy(warp->b[lane], b, sizeof(b));
+    std::memcpy(warp->c[lane], d, sizeof(d));
+    warp->sync.arrive_and_wait([warp] {
+        auto half = [](uint32_t reg, int32_t which) { return toFloat(T{static_cast<uint16_t>(reg >> (16 * which))}); };
+        float matA[16][16];
+        float matB[16][8];
+        for (int32_t l = 0; l < 32; ++l)
         {
-            mma::RowCol const rc = mma::aFragment(l, r);
-            matA[rc.row][rc.col] = half(tMmaWarp->a[l][r], 0);
-            matA[rc.row][rc.col + 1] = half(tMmaWarp->a[l][r], 1);
+            for (int32_t r = 0; r < 4; ++r)
+            {
+                mma::RowCol const rc = mma::aFragment(l, r);
+                matA[rc.row][rc.col] = half(warp->a[l][r], 0);
+                matA[rc.row][rc.col + 1] = half(warp->a[l][r], 1);
+            }
+            for (int32_t r = 0; r < 2; ++r)
+            {
+                mma::RowCol const rc = mma::bFragment(l, r);
+                matB[rc.row][rc.col] = half(warp->b[l][r], 0);
+                matB[rc.row + 1][rc.col] = half(warp->b[l][r], 1);
+            }
         }
-        for (int32_t r = 0; r < 2; ++r)
+        for (int32_t l = 0; l < 32; ++l)
         {
-            mma::RowCol const rc = mma::bFragment(l, r);
-            matB[rc.row][rc.col] = half(tMmaWarp->b[l][r], 0);
-            matB[rc.row + 1][rc.col] = half(tMmaWarp->b[l][r], 1);
+            for (int32_t e = 0; e < 4; ++e)
+            {
+                mma::RowCol const rc = mma::cFragment(l, e);
+                double sum = warp->c[l][e];
+                for (int32_t k = 0; k < 16; ++k)
+                {
+                    sum += static_cast<double>(matA[rc.row][k]) * static_cast<double>(matB[k][rc.col]);
+                }
+                warp->d[l][e] = truncateTowardZero(sum);
+            }
         }
-    }
-    for (int32_t e = 0; e < 4; ++e)
-    {
-        mma::RowCol const rc = mma::cFragment(lane, e);
-        double sum = d[e];
-        for (int32_t k = 0; k < 16; ++k)
-        {
-            sum += static_cast<double>(matA[rc.row][k]) * static_cast<double>(matB[k][rc.col]);
-        }
-        d[e] = truncateTowardZero(sum);
-    }
-    tMmaWarp->sync.arrive_and_wait();
+    });
+    std::memcpy(d, warp->d[lane], sizeof(d));
 }
 
 inline void cpAsync16(void* shared, void const* global, bool valid)
 {
-    tOpenGroup.push_back(PendingCopy{shared, global, valid});
+    tCopies->open.push_back(PendingCopy{shared, global, valid});
 }
 
 inline void cpAsyncCommit()
 {
-    tCommitted.push_back(std::move(tOpenGroup));
-    tOpenGroup.clear();
+    tCopies->committed.push_back(std::move(tCopies->open));
+    tCopies->open.clear();
 }
 
 template <int kPending>
 void cpAsyncWait()
 {
-    while (static_cast<int>(tCommitted.size()) > kPending)
+    while (static_cast<int>(tCopies->committed.size()) > kPending)
     {
-        for (PendingCopy const& copy : tCommitted.front())
+        for (PendingCopy const& copy : tCopies->committed.front())
         {
             if (copy.valid)
             {
@@ -192,18 +239,17 @@ void cpAsyncWait()
                 std::memset(copy.shared, 0, 16);
             }
         }
-        tCommitted.pop_front();
+        tCopies->committed.pop_front();
     }
 }
 
 inline float shflXor(float value, int32_t mask)
 {
     int32_t const lane = laneId();
-    tMmaWarp->value[lane] = value;
-    tMmaWarp->sync.arrive_and_wait();
-    float const other = tMmaWarp->value[lane ^ mask];
-    tMmaWarp->sync.arrive_and_wait();
-    return other;
+    MmaWarp* const warp = tMmaWarp;
+    warp->value[lane] = value;
+    warp->sync.arrive_and_wait([warp] { std::memcpy(warp->shuffled, warp->value, sizeof(warp->value)); });
+    return warp->shuffled[lane ^ mask];
 }
 
 //! device_utils.cuh's warp reductions (butterfly over the lanes, as on the device).
@@ -232,31 +278,20 @@ inline float warpSum(float value)
 template <typename Fn>
 void runEmulatedBlock(unsigned x, unsigned y, unsigned z, unsigned threads, Fn fn)
 {
-    std::barrier<> barrier(threads);
-    gBarrier = &barrier;
-    blockDim = ThreadIndex{threads, 1, 1};
     std::vector<criticalkv::kernels::MmaWarp> warps(threads / 32);
-    std::vector<EmulatedWarp> shuffles(threads / 32);
-    std::vector<std::thread> pool;
-    for (unsigned t = 0; t < threads; ++t)
-    {
-        pool.emplace_back([&, t] {
-            threadIdx = {t, 0, 0};
-            blockIdx = {x, y, z};
-            criticalkv::kernels::tMmaWarp = &warps[t / 32];
-            tWarp = &shuffles[t / 32];
-            criticalkv::kernels::tOpenGroup.clear();
-            criticalkv::kernels::tCommitted.clear();
+    std::vector<criticalkv::kernels::CopyQueue> copies(threads);
+    runBlockFibers(x, y, z, threads,
+        [&] {
             fn();
-            if (!criticalkv::kernels::tCommitted.empty() || !criticalkv::kernels::tOpenGroup.empty())
+            auto const& mine = *criticalkv::kernels::tCopies;
+            if (!mine.committed.empty() || !mine.open.empty())
             {
-                std::fprintf(stderr, "thread %u of block (%u, %u, %u) left copies in flight\n", t, x, y, z);
+                std::fprintf(stderr, "thread %u of block (%u, %u, %u) left copies in flight\n", threadIdx.x, x, y, z);
                 std::abort();
             }
+        },
+        [&](unsigned t) {
+            criticalkv::kernels::tMmaWarp = &warps[t / 32];
+            criticalkv::kernels::tCopies = &copies[t];
         });
-    }
-    for (auto& thread : pool)
-    {
-        thread.join();
-    }
 }

@@ -1,9 +1,9 @@
 // CPU emulation of the CUDA pipeline's pruned stage 2 (CriticalKV with value_norm=l1, 16-bit inputs: the tensor-core
-// path) on whole layers, from the headers the kernels compile: kernels/l1_bounds.cuh (the bound's weights-only terms),
+// path) on whole layers, from the headers the kernels compile: kernels/bound_terms.cuh (the bound's weights-only terms),
 // kernels/mma_tiles.cuh (the Gram pieces, the tensor-core bounds and the exact L1 norms over gathered candidate rows),
 // kernels/pruned_flow.cuh (runPrunedStage2: its plan, list, score, count and relabel kernels, its top-k calls through
 // the batched top-k's kernels, kernels/topk_device.cuh) with the warp instructions of testing/mma_emulation.h and
-// testing/cuda_emulation.h, one std::thread per CUDA thread. The steps the emulation does not cover run as the host driver runs them: window
+// testing/cuda_emulation.h, one fiber per CUDA thread. The steps the emulation does not cover run as the host driver runs them: window
 // attention (host::windowScores), the group score (groupScoresAt, the kernel's function), the shared allocation
 // (shared_allocation.h over the host radix select) and the compaction rule (kept_positions.h). Checks:
 //   * the kept indices equal the unpruned selection on the same computed values (stage 2 by the exact C of every
@@ -24,7 +24,6 @@
 #include <functional>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cuda_emulation.h"
@@ -39,7 +38,7 @@
 #include "criticalkv/radix_select.h"
 #include "criticalkv/shared_allocation.h"
 
-#include "l1_bounds.cuh"
+#include "bound_terms.cuh"
 #include "mma_tiles.cuh"
 #include "pruned_flow.cuh"
 #include "topk_emulated_launch.h"
@@ -75,6 +74,7 @@ struct PrunedEmulatedLaunch
 
     void norms(int32_t listed)
     {
+        flow.counter.kernels += 1; // launchValueNorms: one kernel
         exactNorms(listed);
     }
 };
@@ -306,21 +306,14 @@ int main(int argc, char** argv)
     std::vector<int32_t> headCounts(size_t(B) * Hkv, 0), candidates(perKvHead, 0), candidateCounts(size_t(B) * Hkv, 0);
     std::vector<PrunedHeadState> states(size_t(B) * Hkv);
 
-    // launchPrunedBounds: G_h, s_h (a thread per entry), c_h (a block per head), the pieces, the tensor-core bounds
+    // launchPrunedBounds: G_h on the tensor cores with s_h and c_h (bound_terms.cuh), the pieces, the tensor-core bounds
     kernels::BoundArgs terms{c, true, runtime, lengths.data(), s, v16.data(), o16.data(), m, gram.data(), rowL1.data(),
         colL1.data(), norms.data()};
-    for (int h = 0; h < H; ++h)
-    {
-        for (int64_t e = 0; e < int64_t(d) * d + d; ++e)
-        {
-            kernels::boundTermAt<T>(terms, h, e);
-        }
-    }
-    constexpr unsigned kColumnThreads = 256; // columnL1Kernel's block
-    std::vector<float> partial(kColumnThreads);
-    runGrid(H, 1, 1, kColumnThreads, [&] {
-        kernels::columnL1Block<T>(terms, static_cast<int32_t>(blockIdx.x), kColumnThreads, partial.data());
+    runGrid((d + kernels::kTermRows - 1) / kernels::kTermRows, H, 1, kernels::kTermThreads, [&] {
+        static kernels::TermTileSmem smem;
+        kernels::boundTermsTensorBlock<T>(terms, smem);
     });
+    std::vector<float> partial(kernels::kGramPieceThreads);
     runGrid(H, 1, 1, kernels::kGramPieceThreads, [&] {
         kernels::gramPiecesBlock<T, kernels::kGramPiecesBound, kernels::kGramPieceThreads>(gram.data(), d,
             pieces.data(), scale.data(), partial.data());
@@ -409,8 +402,9 @@ int main(int argc, char** argv)
     listed.rowTokens = candidates.data();
     listed.rowCounts = candidateCounts.data();
     std::vector<unsigned char> shared(kernels::NormTiles::sharedBytes(d), 0x7F);
-    std::vector<unsigned char> topKScratch(std::max<size_t>(topKScratchBytes(B * Hkv, m), 1));
+    std::vector<unsigned char> topKScratch(std::max<size_t>(topKScratchBytes(B * Hkv, m, kPrunedCandidateLevels), 1));
     int64_t rounds = 0;
+    int64_t splitLaunches = 0;
     std::vector<int64_t> roundsOfHead(size_t(B) * Hkv, 0);
     PrunedEmulatedLaunch launch{EmulatedFlowLaunch{topKScratch.data(), topKScratch.size()}, [&](int32_t bound) {
         // the norm launch covers `bound` rows per head; the blocks past the longest list return at once, so the
@@ -430,20 +424,17 @@ int main(int argc, char** argv)
             roundsOfHead[head] += candidateCounts[head] > 0 ? 1 : 0;
         }
         rounds += longest > 0 ? 1 : 0;
-        runGrid((longest + kernels::NormTiles::kRows - 1) / kernels::NormTiles::kRows, Hkv, B,
-            kernels::NormTiles::kThreads,
+        // the group's query heads spread over CTAs as value_norms.cu's launch spreads them on an H100 (132 SMs, one
+        // CTA each): the same norms bit for bit, so the kept set must not change
+        unsigned const tiles = static_cast<unsigned>((longest + kernels::NormTiles::kRows - 1) / kernels::NormTiles::kRows);
+        int64_t const gridTiles = (bound + kernels::NormTiles::kRows - 1) / kernels::NormTiles::kRows; // the launch's
+        listed.headSplit = kernels::chooseHeadSplit(gridTiles * Hkv * B, group, 132);
+        splitLaunches += listed.headSplit > 1 && tiles > 0 ? 1 : 0;
+        runGrid(tiles, static_cast<unsigned>(Hkv * listed.headSplit), B, kernels::NormTiles::kThreads,
             [&] { kernels::valueNormsMmaBlock<T, kernels::NormTiles, false>(listed, shared.data()); });
     }};
-    int32_t maxCount = 0; // pipeline.cu's maxStage2Count: every head's count at most
-    for (int b = 0; b < B; ++b)
-    {
-        SequenceInfo const info = sequenceInfo(c, runtime, s, lengths.data(), b);
-        for (int g = 0; g < Hkv; ++g)
-        {
-            maxCount = std::max<int32_t>(maxCount, sharedAllocation(c) ? headCounts[b * Hkv + g] : info.r);
-        }
-    }
-    if (!kernels::runPrunedStage2(a, std::min(maxCount, m), launch))
+    int32_t const maxCount = prunedMaxK(c, budgets, s, m); // pipeline.cu's: every head's k at most
+    if (!kernels::runPrunedStage2(a, maxCount, launch))
     {
         std::printf("runPrunedStage2 refused its top-k rows\n");
         return 1;
@@ -532,9 +523,13 @@ int main(int argc, char** argv)
         ++mismatches;
     }
     std::printf("%d of %d heads differ; host driver: %d heads, %d entries apart; exact scores: %lld of %lld eligible "
-                "tokens; pruned rows: %lld; rows past the first round: %lld; rounds with candidates: %lld\n",
+                "tokens; pruned rows: %lld; rows past the first round: %lld; rounds with candidates: %lld; norm launches "
+                "with the group split over CTAs: %lld; launchPrunedStage2's stream operations: %lld, of which %lld in "
+                "%lld top-k calls\n",
         mismatches, B * Hkv, hostHeads, hostEntries, static_cast<long long>(computed),
         static_cast<long long>(eligibleTotal), static_cast<long long>(prunedRows), static_cast<long long>(doubledRows),
-        static_cast<long long>(rounds));
+        static_cast<long long>(rounds), static_cast<long long>(splitLaunches),
+        static_cast<long long>(launch.flow.counter.operations()), static_cast<long long>(launch.flow.counter.topKOperations),
+        static_cast<long long>(launch.flow.counter.topKCalls));
     return mismatches == 0 ? 0 : 1;
 }

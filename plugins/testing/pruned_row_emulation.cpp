@@ -1,5 +1,5 @@
 // CPU emulation of the kernels' pruned stage-2 block executor (kernels/pruned_row.cuh) running prunedStage2 (pruned_stage2.h) with
-// every thread of a 512-thread block: one std::thread per CUDA thread, __syncthreads() a std::barrier, shared-memory
+// every thread of a 512-thread block: one fiber per CUDA thread (cuda_emulation.h), __syncthreads() a barrier, shared-memory
 // atomics std::atomic_ref. Per trial (one KV head's row after stage 1: bounds U, exact scores C <= U) the block must
 // give the host driver's executor (host/pruned_row_host.h, linked with select_host.cpp) the same flags and the same
 // number of exact scores computed, each computed once, and both must keep the unpruned top-k of C. Random and
@@ -8,12 +8,10 @@
 // k-th exact score. Not built by CMake: compiled by tests/plugins/test_plugin_kernel_emulation.py.
 //   pruned_row_emulation SEED TRIALS   -> exit 0 when every trial agrees
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "cuda_emulation.h"
@@ -140,26 +138,15 @@ int main(int argc, char** argv)
         std::vector<int> calls(static_cast<size_t>(r.m), 0);
         kernels::PrunedSmem smem{};
         std::vector<int64_t> got(kernels::kPrunedThreads, -1);
-        std::barrier<> barrier(kernels::kPrunedThreads);
-        gBarrier = &barrier;
-        std::vector<std::thread> pool;
-        for (int t = 0; t < kernels::kPrunedThreads; ++t)
-        {
-            pool.emplace_back([&, t] {
-                threadIdx = {static_cast<unsigned>(t), 0, 0};
-                auto score = [&](int32_t i) {
-                    ++calls[i]; // one thread owns token i
-                    return r.exact[i];
-                };
-                kernels::BlockPrunedRow<decltype(score)> row{score, r.bound.data(), scratch.data(), blockFlags.data(),
-                    r.m, r.validStart, smem};
-                got[t] = prunedStage2(row, r.k, eligible, r.margin);
-            });
-        }
-        for (auto& thread : pool)
-        {
-            thread.join();
-        }
+        runBlockFibers(0, 0, 0, kernels::kPrunedThreads, [&] {
+            auto score = [&](int32_t i) {
+                ++calls[i]; // one thread owns token i
+                return r.exact[i];
+            };
+            kernels::BlockPrunedRow<decltype(score)> row{score, r.bound.data(), scratch.data(), blockFlags.data(), r.m,
+                r.validStart, smem};
+            got[threadIdx.x] = prunedStage2(row, r.k, eligible, r.margin);
+        });
         int64_t called = 0;
         bool twice = false;
         for (int c : calls)

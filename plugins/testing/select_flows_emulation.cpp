@@ -1,6 +1,6 @@
 // CPU emulation of the GPU selection flows (kernels/select_flows.cuh: plan kernels and batched top-k launches over
 // every row of the batch, kernels/topk_device.cuh underneath), included as is and run with every CTA's threads as
-// std::threads (cuda_emulation.h), against the host driver's flows (head_selection.h, shared_allocation.h,
+// fibers (cuda_emulation.h), against the host driver's flows (head_selection.h, shared_allocation.h,
 // defensive.h run sequence by sequence with host::selectTopK / host::massCount, as host/select_host.cpp does) on the
 // same group scores of a small layer. Not built by CMake: tests/plugins/test_plugin_topk_emulation.py compiles it.
 //   select_flows_emulation BASE TWO_STAGE BATCH KV_HEADS N WINDOW BUDGET KV_BUDGET KIND SEED

@@ -1,11 +1,17 @@
 // CPU emulation of the tensor-core tile bodies (kernels/mma_tiles.cuh) against plain fp64 loops: the same headers the
 // kernels compile from, with the warp instructions of testing/mma_emulation.h (lane layouts from
-// criticalkv/mma_layout.h, one std::thread per CUDA thread, cp.async deferred to its wait). Not built by CMake:
+// criticalkv/mma_layout.h, one fiber per CUDA thread, cp.async deferred to its wait). Not built by CMake:
 // tests/plugins/test_mma_emulation.py compiles it with g++ -std=c++20.
 //   value_norms_mma_emulation layouts
 //     the fragment functions against the PTX ISA's per-element formulas (a_i, b_i, c_i index form)
+//   value_norms_mma_emulation banks
+//     the shared-memory bank analysis of the tile bodies' reads (ldmatrix phases, gramQuadBlock's epilogues): every
+//     warp-wide read conflict-free for d_h = 16 .. 128
 //   value_norms_mma_emulation norms DTYPE KIND BATCH HEADS KV_HEADS N HEAD_DIM HIDDEN GATHER SEED
 //     valueNormsMmaBlock: DTYPE bf16 | fp16, KIND l1 | l2, GATHER 0 (every token) | 1 (ragged lists per head)
+//   value_norms_mma_emulation terms DTYPE HEADS HEAD_DIM HIDDEN SEED
+//     the pruned stage 2's weights-only terms (bound_terms.cuh): the fp32 path bit for bit the host driver's, the
+//     tensor path's G_h within its error analysis of fp64
 //   value_norms_mma_emulation quad DTYPE BATCH HEADS KV_HEADS N HEAD_DIM HIDDEN GATHER SEED
 //     gramPiecesBlock + gramQuadBlock: the l2 norms through the Gram pieces, and the L1 upper bounds, which must bound
 //     the emulated valueNormsMmaBlock's L1 norms of the same rows (times 1 + gamma_d) for random, cancelling, sparse
@@ -15,15 +21,17 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
-#include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "cuda_emulation.h"
 
 #include "mma_emulation.h"
 
+#include "bound_terms.cuh"
 #include "mma_tiles.cuh"
 
 using namespace criticalkv;
@@ -81,6 +89,151 @@ int layouts()
     }
     std::printf("layouts: %d failures\n", gFailures);
     return gFailures == 0 ? 0 : 1;
+}
+
+//! Shared-memory bank conflicts of one warp-wide access: `words` holds the 32-bit word every lane touches (-1: none).
+//! The degree is the most distinct words that fall in one of the 32 banks (1: conflict-free; lanes reading one word
+//! share it).
+int conflictDegree(std::vector<int64_t> const& words)
+{
+    std::vector<std::vector<int64_t>> banks(32);
+    for (int64_t word : words)
+    {
+        if (word < 0)
+        {
+            continue;
+        }
+        auto& bank = banks[static_cast<size_t>(word % 32)];
+        if (std::find(bank.begin(), bank.end(), word) == bank.end())
+        {
+            bank.push_back(word);
+        }
+    }
+    int degree = 0;
+    for (auto const& bank : banks)
+    {
+        degree = std::max(degree, static_cast<int>(bank.size()));
+    }
+    return degree;
+}
+
+//! The shared-memory reads of the tile bodies, index by index (the header's own offset functions), for every d_h
+//! % 16 == 0 up to 128 and each configuration: the ldmatrix.x4 phases of A (value rows) and B (W_O or Gram tiles),
+//! gramQuadBlock's epilogue reads of v in the accumulators' layout, and its bound epilogue's per-row loop
+//! (boundRowWord). Every one must be conflict-free; the bound loop in the plain word order is reported beside it (it
+//! had 4-way conflicts) so that the analysis is seen to find conflicts.
+template <typename Cfg>
+int bankAnalysis(char const* name)
+{
+    int worstFragments = 0;
+    int worstEpilogue = 0;
+    int worstBound = 0;
+    int plainBound = 0;
+    for (int32_t d = 16; d <= 128; d += 16)
+    {
+        int32_t const stride = mma::paddedStride(d);
+        // ldmatrix.x4: 4 phases (one per 8x8 matrix), the 8 lanes of a phase each read one 16-byte row
+        for (int32_t k0 = 0; k0 < d; k0 += mma::kTileK)
+        {
+            for (int32_t row0 = 0; row0 < Cfg::kRows; row0 += 16)
+            {
+                for (int32_t phase = 0; phase < 4; ++phase)
+                {
+                    std::vector<int64_t> a, b;
+                    for (int32_t lane = phase * 8; lane < phase * 8 + 8; ++lane)
+                    {
+                        for (int32_t word = 0; word < 4; ++word)
+                        {
+                            a.push_back(mma::fragmentAOffset(stride, row0, k0, lane) / 2 + word);
+                            if (row0 < Cfg::kCols)
+                            {
+                                b.push_back(mma::fragmentBOffset(stride, row0, k0, lane) / 2 + word);
+                            }
+                        }
+                    }
+                    worstFragments = std::max({worstFragments, conflictDegree(a), conflictDegree(b)});
+                }
+            }
+        }
+        // gramQuadBlock's epilogue: v[row, col] at every accumulator element (cFragment), col < d
+        for (int32_t warpM = 0; warpM < Cfg::kWarpsM; ++warpM)
+        {
+            for (int32_t warpN = 0; warpN < Cfg::kWarpsN; ++warpN)
+            {
+                for (int32_t mi = 0; mi < Cfg::kMTiles; ++mi)
+                {
+                    for (int32_t ni = 0; ni < Cfg::kNTiles; ++ni)
+                    {
+                        for (int32_t e = 0; e < 4; ++e)
+                        {
+                            std::vector<int64_t> words;
+                            for (int32_t lane = 0; lane < 32; ++lane)
+                            {
+                                mma::RowCol const rc = mma::cFragment(lane, e);
+                                int32_t const row = warpM * Cfg::kWarpRows + mi * 16 + rc.row;
+                                int32_t const col = warpN * Cfg::kWarpCols + ni * 8 + rc.col;
+                                words.push_back(col < d ? (int64_t(row) * stride + col) / 2 : -1);
+                            }
+                            worstEpilogue = std::max(worstEpilogue, conflictDegree(words));
+                        }
+                    }
+                }
+            }
+        }
+        // the bound epilogue: thread t of the block takes rows t, t + kThreads, ...; a warp's 32 rows are consecutive
+        for (int32_t row0 = 0; row0 < Cfg::kRows; row0 += 32)
+        {
+            for (int32_t w = 0; w < d / 2; ++w)
+            {
+                std::vector<int64_t> swizzled, plain;
+                for (int32_t lane = 0; lane < 32; ++lane)
+                {
+                    int32_t const row = row0 + lane;
+                    int32_t const word = boundRowWord(row, w);
+                    if (word < 0 || word >= d / 2)
+                    {
+                        std::printf("FAIL boundRowWord(%d, %d) = %d leaves the row of %d words\n", row, w, word, d / 2);
+                        ++gFailures;
+                    }
+                    swizzled.push_back(int64_t(row) * stride / 2 + word);
+                    plain.push_back(int64_t(row) * stride / 2 + w);
+                }
+                worstBound = std::max(worstBound, conflictDegree(swizzled));
+                plainBound = std::max(plainBound, conflictDegree(plain));
+            }
+            // every row reads each of its words exactly once
+            for (int32_t lane = 0; lane < 32; ++lane)
+            {
+                std::vector<int32_t> seen;
+                for (int32_t w = 0; w < d / 2; ++w)
+                {
+                    seen.push_back(boundRowWord(row0 + lane, w));
+                }
+                std::sort(seen.begin(), seen.end());
+                for (int32_t w = 0; w < d / 2; ++w)
+                {
+                    if (seen[static_cast<size_t>(w)] != w)
+                    {
+                        std::printf("FAIL row %d does not read word %d exactly once\n", row0 + lane, w);
+                        ++gFailures;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    std::printf("%s: ldmatrix phases %d-way, quad epilogue %d-way, bound rows %d-way (plain order: %d-way)\n", name,
+        worstFragments, worstEpilogue, worstBound, plainBound);
+    return (worstFragments == 1 && worstEpilogue == 1 && worstBound == 1 && plainBound > 1) ? 0 : 1;
+}
+
+int banks()
+{
+    int failures = bankAnalysis<GramTiles64>("GramTiles64") + bankAnalysis<GramTiles128>("GramTiles128")
+        + bankAnalysis<NormTiles>("NormTiles") + bankAnalysis<NormTilesSmall>("NormTilesSmall");
+    failures += gFailures;
+    std::printf("banks: %d failures\n", failures);
+    return failures == 0 ? 0 : 1;
 }
 
 struct Layer
@@ -202,7 +355,7 @@ void runGrid(NormTileArgs const& a, int32_t headDim, Body body)
     unsigned const tiles = static_cast<unsigned>((a.shape.n + Cfg::kRows - 1) / Cfg::kRows);
     for (unsigned z = 0; z < static_cast<unsigned>(a.shape.batch); ++z)
     {
-        for (unsigned y = 0; y < static_cast<unsigned>(a.shape.kvHeads); ++y)
+        for (unsigned y = 0; y < static_cast<unsigned>(a.shape.kvHeads * headSplitOf(a)); ++y)
         {
             for (unsigned x = 0; x < tiles; ++x)
             {
@@ -212,12 +365,14 @@ void runGrid(NormTileArgs const& a, int32_t headDim, Body body)
     }
 }
 
-//! Emulated valueNormsMmaBlock over the layer: out [B, H, n] (NaN where no row was listed).
+//! Emulated valueNormsMmaBlock over the layer: out [B, H, n] (NaN where no row was listed); headSplit CTAs per KV head.
 template <typename T>
-std::vector<float> emulatedNorms(Layer const& l, std::vector<T> const& v, std::vector<T> const& o, bool l2, bool gather)
+std::vector<float> emulatedNorms(Layer const& l, std::vector<T> const& v, std::vector<T> const& o, bool l2, bool gather,
+    int32_t headSplit = 1)
 {
     std::vector<float> out(static_cast<size_t>(l.shape.batch) * l.shape.heads * l.shape.n, NAN);
-    NormTileArgs const a = argsOf(l, v.data(), o.data(), out.data(), gather);
+    NormTileArgs a = argsOf(l, v.data(), o.data(), out.data(), gather);
+    a.headSplit = headSplit;
     auto body = [l2](NormTileArgs const& args, unsigned char* shared) {
         if (l2)
         {
@@ -280,7 +435,166 @@ int runNorms(int B, int H, int Hkv, int n, int d, int hidden, bool l2, bool gath
             }
         }
     }
-    std::printf("norms: %d rows, largest relative error %.3g, %d failures\n", computed, worst, gFailures);
+    // the query heads of a group spread over several CTAs (chooseHeadSplit's choice where the grid is short of the
+    // device's waves): every norm bit for bit the one-CTA launch's
+    int32_t const group = H / Hkv;
+    int splitRows = 0;
+    for (int32_t split = 2; split <= group; ++split)
+    {
+        if (group % split != 0)
+        {
+            continue;
+        }
+        std::vector<float> const spread = emulatedNorms<T>(l, v, o, l2, gather, split);
+        for (size_t e = 0; e < out.size(); ++e)
+        {
+            bool const same = std::memcmp(&spread[e], &out[e], sizeof(float)) == 0;
+            check(same, "norm with the group split over CTAs", spread[e], out[e]);
+            splitRows += std::isnan(out[e]) ? 0 : 1;
+        }
+    }
+    // chooseHeadSplit: the pruned stage 2's first candidates at 32k on an H100 (12 row tiles x 8 KV heads, group 4,
+    // 132 SMs): 4; a full layer's 1,024 CTAs: 1; more waves only where the last one fills better
+    check(chooseHeadSplit(96, 4, 132) == 4, "chooseHeadSplit(96, 4, 132)", chooseHeadSplit(96, 4, 132), 4);
+    check(chooseHeadSplit(1024, 4, 132) == 1, "chooseHeadSplit(1024, 4, 132)", chooseHeadSplit(1024, 4, 132), 1);
+    check(chooseHeadSplit(132, 4, 132) == 1, "chooseHeadSplit(132, 4, 132)", chooseHeadSplit(132, 4, 132), 1);
+    check(chooseHeadSplit(66, 4, 132) == 2, "chooseHeadSplit(66, 4, 132)", chooseHeadSplit(66, 4, 132), 2);
+    check(chooseHeadSplit(96, 1, 132) == 1, "chooseHeadSplit(96, 1, 132)", chooseHeadSplit(96, 1, 132), 1);
+    check(chooseHeadSplit(20, 3, 108) == 3, "chooseHeadSplit(20, 3, 108)", chooseHeadSplit(20, 3, 108), 3);
+    std::printf("norms: %d rows, largest relative error %.3g, %d rows split over CTAs, %d failures\n", computed, worst,
+        splitRows, gFailures);
+    return gFailures == 0 ? 0 : 1;
+}
+
+//! The pruned stage 2's weights-only terms (bound_terms.cuh) of random weights [hidden, H d_h] of type T:
+//! boundTermsSimtBlock bit for bit the host driver's functions (gramEntry, rowL1Entry, columnL1; T widened to float);
+//! for 16-bit T with d_h % 16 == 0 and d_h <= 128, boundTermsTensorBlock's G_h within (34 + hidden / 16 + 2) u of
+//! sum_c |W_kc W_lc| of the fp64 Gram matrix (a fresh mma accumulator per k16 step, fp32 sums of the steps: inside the
+//! gamma_{hidden + 3 d_h + 64} the bound grants), s_h and c_h within gamma_hidden of fp64.
+template <typename T>
+int runTerms(int H, int d, int hidden, int seed)
+{
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0F, 1.0F);
+    std::vector<float> wf(static_cast<size_t>(hidden) * H * d);
+    for (size_t i = 0; i < wf.size(); ++i)
+    {
+        wf[i] = normal(rng) * (i % 17 == 0 ? 8.0F : 0.05F); // a few large entries: sums far from uniform
+    }
+    std::vector<T> const w = toType<T>(wf);
+    SelectShape const shape{1, H, H, 1, 0, d, hidden};
+    size_t const entries = static_cast<size_t>(d) * d;
+    auto weightOf = [&](int h) {
+        return [&wf, h, H, d](int32_t c, int32_t k) { return wf[static_cast<size_t>(c) * H * d + h * d + k]; };
+    };
+    unsigned const rowBlocks = static_cast<unsigned>((d + kTermRows - 1) / kTermRows);
+    auto argsFor = [&](std::vector<float>& gram, std::vector<float>& rowL1, std::vector<float>& colL1) {
+        BoundArgs a{};
+        a.shape = shape;
+        a.oProj = w.data();
+        a.gram = gram.data();
+        a.rowL1 = rowL1.data();
+        a.colL1 = colL1.data();
+        return a;
+    };
+    // the fp32 path: bit for bit
+    std::vector<float> gram(H * entries, NAN), rowL1(static_cast<size_t>(H) * d, NAN), colL1(H, NAN);
+    BoundArgs const simt = argsFor(gram, rowL1, colL1);
+    std::vector<float> shared(boundTermsSimtSharedBytes(d) / sizeof(float));
+    for (unsigned h = 0; h < static_cast<unsigned>(H); ++h)
+    {
+        for (unsigned x = 0; x < rowBlocks; ++x)
+        {
+            std::fill(shared.begin(), shared.end(), 1.5e30F); // garbage first
+            runEmulatedBlock(x, h, 0, kTermThreads, [&] { boundTermsSimtBlock<T>(simt, shared.data()); });
+        }
+    }
+    int mismatches = 0;
+    for (int h = 0; h < H; ++h)
+    {
+        auto const weight = weightOf(h);
+        float best = 0.0F;
+        for (int c = 0; c < hidden; ++c)
+        {
+            best = std::max(best, columnL1(weight, c, d));
+        }
+        mismatches += std::memcmp(&best, &colL1[h], sizeof(float)) != 0 ? 1 : 0;
+        for (int k = 0; k < d; ++k)
+        {
+            float const row = rowL1Entry(weight, k, hidden);
+            mismatches += std::memcmp(&row, &rowL1[static_cast<size_t>(h) * d + k], sizeof(float)) != 0 ? 1 : 0;
+            for (int l = 0; l < d; ++l)
+            {
+                float const g = gramEntry(weight, k, l, hidden);
+                mismatches += std::memcmp(&g, &gram[h * entries + static_cast<size_t>(k) * d + l], sizeof(float)) != 0;
+            }
+        }
+    }
+    check(mismatches == 0, "fp32-path terms bit for bit the host driver's (mismatching entries)", mismatches, 0);
+    double worstGram = 0.0; // |G - G64| / (u sum |p|), tensor path
+    if constexpr (!std::is_same<T, float>::value)
+    {
+        if (d % 16 == 0 && d <= 128)
+        {
+            std::vector<float> tg(H * entries, NAN), tr(static_cast<size_t>(H) * d, NAN), tc(H, NAN);
+            BoundArgs const tensor = argsFor(tg, tr, tc);
+            for (unsigned h = 0; h < static_cast<unsigned>(H); ++h)
+            {
+                for (unsigned x = 0; x < rowBlocks; ++x)
+                {
+                    static TermTileSmem smem;
+                    std::memset(&smem, 0x7F, sizeof(smem));
+                    runEmulatedBlock(x, h, 0, kTermThreads, [&] { boundTermsTensorBlock<T>(tensor, smem); });
+                }
+            }
+            double const u = std::ldexp(1.0, -24);
+            double const allowed = 34.0 + hidden / 16.0 + 2.0;
+            for (int h = 0; h < H; ++h)
+            {
+                double columnBest = 0.0;
+                for (int c = 0; c < hidden; ++c)
+                {
+                    double sum = 0.0;
+                    for (int k = 0; k < d; ++k)
+                    {
+                        sum += std::fabs(static_cast<double>(wf[static_cast<size_t>(c) * H * d + h * d + k]));
+                    }
+                    columnBest = std::max(columnBest, sum);
+                }
+                double const gammaD = hidden * u / (1.0 - hidden * u);
+                check(std::fabs(tc[h] - columnBest) <= gammaD * columnBest, "tensor-path c_h", tc[h], columnBest);
+                for (int k = 0; k < d; ++k)
+                {
+                    double row = 0.0;
+                    for (int c = 0; c < hidden; ++c)
+                    {
+                        row += std::fabs(static_cast<double>(wf[static_cast<size_t>(c) * H * d + h * d + k]));
+                    }
+                    float const gotRow = tr[static_cast<size_t>(h) * d + k];
+                    check(std::fabs(gotRow - row) <= gammaD * row, "tensor-path s_h", gotRow, row);
+                    for (int l = 0; l < d; ++l)
+                    {
+                        double exact = 0.0;
+                        double magnitude = 0.0;
+                        for (int c = 0; c < hidden; ++c)
+                        {
+                            double const x = static_cast<double>(wf[static_cast<size_t>(c) * H * d + h * d + k])
+                                * wf[static_cast<size_t>(c) * H * d + h * d + l];
+                            exact += x;
+                            magnitude += std::fabs(x);
+                        }
+                        float const got = tg[h * entries + static_cast<size_t>(k) * d + l];
+                        double const ratio = std::fabs(got - exact) / (u * magnitude + 1e-300);
+                        worstGram = std::max(worstGram, ratio);
+                        check(ratio <= allowed, "tensor-path G_h error / (u sum |p|)", ratio, allowed);
+                    }
+                }
+            }
+        }
+    }
+    std::printf("terms: %d heads, fp32 path %d entries apart from the host driver, tensor-path G error %.2f u sum |p|, "
+                "%d failures\n",
+        H, mismatches, worstGram, gFailures);
     return gFailures == 0 ? 0 : 1;
 }
 
@@ -420,6 +734,10 @@ int main(int argc, char** argv)
     {
         return layouts();
     }
+    if (mode == "banks")
+    {
+        return banks();
+    }
     if (mode == "norms" && argc == 12)
     {
         std::string const dtype = argv[2];
@@ -428,6 +746,14 @@ int main(int argc, char** argv)
             std::atoi(argv[8]), std::atoi(argv[9]), std::atoi(argv[10]), std::atoi(argv[11])};
         return dtype == "fp16" ? runNorms<__half>(a[0], a[1], a[2], a[3], a[4], a[5], l2, a[6] != 0, a[7])
                                : runNorms<__nv_bfloat16>(a[0], a[1], a[2], a[3], a[4], a[5], l2, a[6] != 0, a[7]);
+    }
+    if (mode == "terms" && argc == 7)
+    {
+        std::string const dtype = argv[2];
+        int const a[] = {std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]), std::atoi(argv[6])};
+        return dtype == "fp16" ? runTerms<__half>(a[0], a[1], a[2], a[3])
+            : dtype == "fp32"  ? runTerms<float>(a[0], a[1], a[2], a[3])
+                               : runTerms<__nv_bfloat16>(a[0], a[1], a[2], a[3]);
     }
     if (mode == "quad" && argc == 12)
     {
@@ -439,7 +765,7 @@ int main(int argc, char** argv)
                                : runQuad<__nv_bfloat16>(a[0], a[1], a[2], a[3], a[4], a[5], a[6] != 0, a[7], values);
     }
     std::fprintf(stderr,
-        "usage: %s layouts | norms DTYPE KIND B H H_KV N D HIDDEN GATHER SEED | quad DTYPE B H H_KV N D HIDDEN GATHER "
+        "usage: %s layouts | banks | terms DTYPE H D HIDDEN SEED | norms DTYPE KIND B H H_KV N D HIDDEN GATHER SEED | quad DTYPE B H H_KV N D HIDDEN GATHER "
         "SEED VALUES\n",
         argv[0]);
     return 2;

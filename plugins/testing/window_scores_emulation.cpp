@@ -1,7 +1,7 @@
 // CPU emulation of the window-score kernels (kernels/window_tiles.cuh: the tensor-core passes; kernels/window_simt.cuh:
 // the SIMT passes and defensivekv's SIMT row passes): the very headers the kernels compile from, with the warp
 // instructions of testing/mma_emulation.h (fragment layouts from criticalkv/mma_layout.h, cp.async landing at the wait
-// that retires it, one std::thread per CUDA thread, shared memory filled with garbage before every block). Not built by
+// that retires it, one fiber per CUDA thread, shared memory filled with garbage before every block). Not built by
 // CMake: tests/plugins/test_window_scores_emulation.py compiles it with g++ -std=c++20 and the host driver.
 //   window_scores_emulation window DTYPE B H H_KV N D W POOL ROWS TILES_PER_BLOCK SEED
 //     DTYPE bf16 | fp16: the tensor-core path (pass 1, combine, pass 3; TILES_PER_BLOCK 64-key steps per CTA, 0: the
@@ -18,7 +18,6 @@
 #include <cstdlib>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cuda_emulation.h"

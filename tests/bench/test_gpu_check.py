@@ -121,6 +121,12 @@ def test_the_check_runs_cheap_decisive_tests_first_and_builds_without_werror(tmp
         check.log.file.close()
 
 
+def test_the_sanitizer_runs_the_decisive_shapes_first():
+    listed = "usage: ckv_sanitizer_driver [--list] [SHAPE ...] (no SHAPE: all)\nshapes: small d128 longrow model extra\n"
+    assert gpu_check.sanitizer_shapes(listed) == ["d128", "longrow", "model", "small", "extra"]
+    assert gpu_check.sanitizer_shapes("") == [""]  # an older driver: one run of every shape
+
+
 def test_gpu_check_reports_failures_as_they_happen_and_summarizes(tmp_path):
     """The whole driver on the CPU (prepare + the pytest step) on three planted tests: a pass, a failure, and (with
     pytest-timeout) a test past its per-test limit. The failure is printed before pytest's own end-of-run summary."""

@@ -310,7 +310,7 @@ class CudaLibrary:
         L.ckv_cuda_workspace_bytes.restype = ctypes.c_int64
         L.ckv_cuda_select_layer.argtypes = (
             [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 10
-            + [ctypes.c_int32, P(ctypes.c_float), ctypes.c_char_p, ctypes.c_int32]
+            + [ctypes.c_int32, P(ctypes.c_float), ctypes.c_int32, ctypes.c_char_p, ctypes.c_int32]
         )
         L.ckv_cuda_select_layer_async.argtypes = (
             [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 11
@@ -329,7 +329,7 @@ class CudaLibrary:
             [P(CkvField), ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32] + [ctypes.c_void_p] * 7
             + [P(ctypes.c_int32), ctypes.c_char_p, ctypes.c_int32]
         )
-        L.ckv_cuda_top_k.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int32] * 5
+        L.ckv_cuda_top_k.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int32] * 6
                                      + [P(ctypes.c_float), ctypes.c_char_p, ctypes.c_int32])
         L.ckv_cuda_mass_count.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int32] * 3
                                           + [ctypes.c_char_p, ctypes.c_int32])
@@ -348,9 +348,10 @@ class CudaLibrary:
         return (ctypes.c_int32 * 7)(batch, heads, k.shape[1], k.shape[2], query_len, head_dim, o.shape[0])
 
     def select_layer(self, policy: KVPolicy, q, k, v, o, layer_idx=0, num_layers=1, capacity=None,
-                     prompt_lengths=None, iterations: int = 1, kv_budget: int | None = None):
+                     prompt_lengths=None, iterations: int = 1, kv_budget: int | None = None, pruned_terms: bool = False):
         """(indices, lengths, kept keys, kept values[, ms per call]) from launchCriticalKVSelect on the GPU;
-        kv_budget goes to the device as the node's int32 [1] input."""
+        kv_budget goes to the device as the node's int32 [1] input; pruned_terms: the pruned stage 2's weights-only
+        terms computed beforehand (launchPrunedTerms, outside the timing) and passed in."""
         n = k.shape[2]
         capacity = capacity or n
         cap = min(n, capacity)
@@ -369,7 +370,8 @@ class CudaLibrary:
             fields.array, fields.count, self._shape(q, k, o), _DTYPE_CODES[k.dtype],
             q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lengths.data_ptr() if lengths is not None else None,
             budget.data_ptr() if budget is not None else None,
-            kk.data_ptr(), vv.data_ptr(), kept.data_ptr(), indices.data_ptr(), iterations, ctypes.byref(ms), err, 512,
+            kk.data_ptr(), vv.data_ptr(), kept.data_ptr(), indices.data_ptr(), iterations, ctypes.byref(ms),
+            1 if pruned_terms else 0, err, 512,
         )
         if status != 0:
             raise RuntimeError(err.value.decode())
@@ -484,17 +486,19 @@ class CudaLibrary:
               period: int | None = None, mark: int = 1, iterations: int = 0) -> tuple[torch.Tensor, float]:
         """launchTopK on CUDA tensors: (flags after marking the k[r] best candidates of every row, mean microseconds
         of `iterations` timed launches or nan). scores float [rows, len]; flags uint8 [rows, len] (0 = eligible);
-        k int64 [rows]; first_valid int32 [rows] or None."""
+        k int64 [rows], or [levels, rows] (levels of nested sets: mark + l on the first level holding a candidate);
+        first_valid int32 [rows] or None."""
         scores = scores.float().contiguous()
         rows, length = scores.shape
         flags = flags.to(device=scores.device, dtype=torch.uint8).contiguous().clone()
+        levels = k.shape[0] if k.dim() == 2 else 1
         k = k.to(device=scores.device, dtype=torch.int64).contiguous()
         fv = None if first_valid is None else first_valid.to(device=scores.device, dtype=torch.int32).contiguous()
         elapsed = ctypes.c_float(float("nan"))
         err = ctypes.create_string_buffer(512)
         status = self.lib.ckv_cuda_top_k(scores.data_ptr(), flags.data_ptr(), k.data_ptr(),
                                          None if fv is None else fv.data_ptr(), rows, length, period or length, mark,
-                                         iterations, ctypes.byref(elapsed), err, 512)
+                                         levels, iterations, ctypes.byref(elapsed), err, 512)
         if status != 0:
             raise RuntimeError(err.value.decode())
         return flags, elapsed.value

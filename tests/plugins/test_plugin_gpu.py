@@ -10,7 +10,8 @@ Skipped cleanly without one (tests/conftest.py). What they check:
   window attention), and the value norms over gathered rows equal to the whole-prompt launch's;
 * the policies ranked by window attention (snapkv, laprox, adakv, defensivekv): the fp64 reference's kept indices by
   the same rule (16-bit inputs: tensor-core window scores);
-* compute-sanitizer memcheck / racecheck / synccheck / initcheck on plugins/testing/sanitizer_driver.cu;
+* compute-sanitizer memcheck / racecheck / synccheck / initcheck on plugins/testing/sanitizer_driver.cu, shape by shape
+  (small; d128: d_h 128, hidden 4096; longrow: rows over 4,096 entries; model: the model-level selection);
 * kernel time against the floor of reading V and W_O once, printed as a ratio;
 * an engine built from an ONNX graph holding only the CriticalKVSelect node (needs tensorrt and onnx).
 """
@@ -356,6 +357,23 @@ def test_pruned_pipeline_keeps_the_reference_indices(cuda_lib, fp64_norms, monke
         assert torch.equal(kept_mask(got[0], n), kept_mask(truth.indices, n)), (name, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["criticalkv", "ada-criticalkv"])
+@pytest.mark.parametrize("head_dim, hidden", [(64, 256), (128, 4096)])
+def test_pruned_pipeline_on_precomputed_terms_keeps_the_same_entries(cuda_lib, dtype, name, head_dim, hidden):
+    """The pruned stage 2's weights-only terms computed once by launchPrunedTerms and passed in
+    (SelectTensors::prunedTerms) give the call that computes them itself, bit for bit: indices, lengths, gathered
+    rows (fp32: the host driver's terms; fp16 / bf16: G_h on the tensor cores)."""
+    q, k, v, o = cuda_layer(dtype, batch=2, heads=8, kv_heads=2, n=3000, head_dim=head_dim, hidden=hidden, window=32,
+                            seed=13)
+    policy = KVPolicy(name, budget=256, window=32)
+    lengths = torch.tensor([3000, 2100]).cuda()
+    itself = cuda_lib.select_layer(policy, q, k, v, o, prompt_lengths=lengths)
+    given = cuda_lib.select_layer(policy, q, k, v, o, prompt_lengths=lengths, pruned_terms=True)
+    for a, b in zip(itself, given):
+        assert torch.equal(a, b), (name, dtype, head_dim)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_value_norms_over_gathered_rows(cuda_lib, dtype, head_dim):
@@ -407,6 +425,25 @@ def topk_rows_reference(scores, flags, k, first_valid, period, mark):
         if index.numel():
             out[r, index[topk_mask(scores[r, index], kk)]] = mark
     return out
+
+
+@pytest.mark.parametrize("length", [3000, 32736])
+def test_batched_top_k_levels_mark_the_first_level(cuda_lib, length):
+    """One launchTopK with 4 levels of nested k (the pruned stage 2's candidate rounds): every candidate gets mark + the
+    first level whose k best (topk_mask over the candidates) hold it; ties, flags set before, left padding, k 0."""
+    g = torch.Generator(device="cuda").manual_seed(length)
+    rows = 6
+    scores = (torch.rand(rows, length, device="cuda", generator=g) * 64).floor()
+    flags = (torch.rand(rows, length, device="cuda", generator=g) < 0.1).to(torch.uint8)
+    first_valid = torch.tensor([0, 5, length // 3, 0, 0, length - 1], dtype=torch.int32)
+    base = torch.tensor([length // 40, 1, length // 8, 0, 7, 2])
+    k = torch.stack([torch.clamp(base << level, max=length + 3) for level in range(4)])
+    got, _ = cuda_lib.top_k(scores, flags, k, first_valid, mark=249)
+    want = flags.cpu().clone()
+    for level in reversed(range(4)):
+        marked = topk_rows_reference(scores, flags, k[level], first_valid, length, 249 + level)
+        want = torch.where(marked != flags.cpu(), marked, want)
+    assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.parametrize("length", [1000, 4096, 4097, 32736, 131072, 262144])
@@ -630,13 +667,20 @@ def sanitizer_path():
     return found or (str(default) if default.exists() else None)
 
 
+SANITIZER_SHAPES = ("small", "d128", "longrow", "model")  # plugins/testing/sanitizer_driver.cu: ckv_sanitizer_driver --list
+
+
+@pytest.mark.parametrize("shape", SANITIZER_SHAPES)
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck", "initcheck"])
-def test_compute_sanitizer(native_build, needs_nvcc, tool):
+def test_compute_sanitizer(native_build, needs_nvcc, tool, shape):
+    """One sanitizer on one of the driver's shapes: small (every policy, three dtypes), d128 (d_h 128, hidden 4096: the
+    172 KiB cp.async ring, gramQuad at d_h 128, WindowTiles<8>), longrow (4,668 older tokens: the multi-CTA top-k),
+    model (the model-level selection: the head cap's sort and levels, the refinement, kvzip's scores)."""
     sanitizer = sanitizer_path()
     if sanitizer is None:
         pytest.skip("compute-sanitizer not found")
     driver = native_build / "ckv_sanitizer_driver"
-    result = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3", str(driver)],
+    result = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3", str(driver), shape],
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
     assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr

@@ -139,15 +139,16 @@ def test_workspace_of_the_pruned_stage_2(harness):
     """CriticalKV with value_norm=l1 prunes stage 2 (kernels.h WorkspaceLayout): besides what l2 norms take (the Gram
     matrices G_h [H, d_h, d_h] and their 16-bit pieces included), s_h [H, d_h], c_h [H], the candidates' exact C
     [B, H_kv, m], a round's candidate lists [B, H_kv, m] int32, their counts [B, H_kv] int32, the heads' states
-    [B, H_kv] (32 bytes each) and the heads' plan of its top-k calls and stop rule [B, H_kv] (3 int64 counts, the
-    first valid position, the best bound left out and the stop count: 36 bytes each), each 256-byte aligned."""
+    [B, H_kv] (32 bytes each) and the heads' plan of its top-k calls and stop rule [B, H_kv] (3 int64 counts, the 4
+    candidate rounds' int64 counts, the first valid position, the best bound left out and the stop count: 68 bytes
+    each), each 256-byte aligned; rows over 4,096 tokens add the candidate rounds' 4-level top-k scratch."""
     def align(size):
         return (size + 255) // 256 * 256
 
     batch, heads, kv_heads, n, head_dim, window = 2, 8, 2, 700, 64, 32
     m = n - window
     pruned_extra = (align(heads * head_dim * 4) + align(heads * 4) + 2 * align(batch * kv_heads * m * 4)
-                    + align(batch * kv_heads * 4) + align(batch * kv_heads * 32) + align(batch * kv_heads * 36))
+                    + align(batch * kv_heads * 4) + align(batch * kv_heads * 32) + align(batch * kv_heads * 68))
     for name in ("criticalkv", "ada-criticalkv"):
         l1, _ = plugin_for(harness, KVPolicy(name, budget=96, window=window))
         l2, _ = plugin_for(harness, KVPolicy(name, budget=96, window=window, value_norm="l2"))

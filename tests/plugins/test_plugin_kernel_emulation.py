@@ -1,12 +1,12 @@
-"""Device code of the selection run on the CPU under a thread emulation (one std::thread per CUDA thread, __syncthreads()
+"""Device code of the selection run on the CPU under a thread emulation (one fiber per CUDA thread, __syncthreads()
 a barrier, shared-memory atomics std::atomic_ref). The stage-1 mass count and the batched top-k are tested from their
 headers in test_plugin_topk_emulation.py, defensivekv's row kernels in test_window_scores_emulation.py. No GPU is
-needed: this checks the kernels' tiling, halo
-chunks, reductions, barriers and indexing where nothing CUDA can run. The pruned stage-2 block executor
-(kernels/pruned_row.cuh) runs prunedStage2 (pruned_stage2.h) to the host driver's flags, count of exact scores and the
-unpruned kept set. The fp32 bounds' kernels (kernels/l1_bounds.cuh, bitwise the host driver's) and the group-score
-kernel hold no fused multiply-add in their PTX. The tensor-core kernels and the GPU pruned flow are emulated in
-test_tensor_core_emulation.py."""
+needed: this checks the kernels' tiling, halo chunks, reductions, barriers and indexing where nothing CUDA can run.
+The pruned stage-2 block executor (kernels/pruned_row.cuh) runs prunedStage2 (pruned_stage2.h) to the host driver's
+flags, count of exact scores and the unpruned kept set. The compaction kernel (kernels/compact.cuh) writes the host
+driver's kept indices. The fp32 bounds' kernels (kernels/l1_bounds.cuh, bitwise the host driver's) and the
+group-score kernel hold no fused multiply-add in their PTX. The tensor-core kernels and the GPU pruned flow are
+emulated in test_tensor_core_emulation.py."""
 
 import re
 import shutil
@@ -56,8 +56,23 @@ def test_pruned_row_block_executor_equals_the_host_driver(tmp_path, seed):
     assert "stop rule by count: 0 of 3000 cases differ" in result.stdout, result.stdout
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_compaction_kernel_equals_the_host_rule(tmp_path, seed):
+    """kernels/compact.cuh (a CTA per 4,096 positions of a head: the kept positions before its tile counted from the
+    flags, its own ranked by a block scan) writes the host driver's kept indices and lengths: scored, streamingllm and
+    full heads, left padding with flags set inside it, runtime budgets, up to four tiles, truncation at the capacity,
+    flag rows at every byte alignment."""
+    binary = build_emulator(tmp_path, None, None, None, "compact_emulation.cpp")
+    result = subprocess.run([str(binary), str(seed), "300"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "compaction: 0 of 300 trials differ" in result.stdout, result.stdout
+    tiles = int(re.search(r"up to (\d+) tiles", result.stdout).group(1))
+    truncated = int(re.search(r"(\d+) heads truncated", result.stdout).group(1))
+    assert tiles >= 3 and truncated > 0, result.stdout
+
+
 PRUNED_KERNELS = {
-    "value_norms.cu": ("boundTermsKernel", "columnL1Kernel", "l1BoundsKernel"),
+    "value_norms.cu": ("boundTermsSimtKernel", "l1BoundsKernel"),
     "selection.cu": ("groupScoresKernel",),
     # the candidates' exact C (bitwise the host driver's on the fp32 path) and the stop rule's threshold
     "pruned.cu": ("prunedScoreKernel", "prunedCountKernel", "prunedDecideKernel"),

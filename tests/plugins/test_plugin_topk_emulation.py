@@ -1,5 +1,5 @@
 """The batched top-k primitive and the selection flows built on it (plugins/kernels/topk_device.cuh,
-criticalkv/topk.h) run on the CPU under the thread emulation (plugins/testing/cuda_emulation.h: one std::thread per
+criticalkv/topk.h) run on the CPU under the thread emulation (plugins/testing/cuda_emulation.h: one fiber per
 CUDA thread, the CTAs of a launch one after another): the same kernels and the same sequence of launches as kernels/topk.cu, compiled with g++ from the headers.
 
 Every row must keep what ``topk_mask`` (criticalkv/methods/topk.py) keeps among its candidates (flags == 0, outside
@@ -35,7 +35,7 @@ def compile_emulator(folder, harness: str):
         pytest.skip("g++ not found")
     binary = folder / harness.removesuffix(".cpp")
     result = subprocess.run([compiler, "-std=c++20", "-O1", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror",
-                             f"-I{PLUGINS / 'include'}", f"-I{PLUGINS / 'host'}", f"-I{PLUGINS / 'kernels'}",
+                             "-Wno-unknown-pragmas", f"-I{PLUGINS / 'include'}", f"-I{PLUGINS / 'host'}", f"-I{PLUGINS / 'kernels'}",
                              f"-I{PLUGINS / 'testing'}", str(PLUGINS / "testing" / harness),
                              str(PLUGINS / "host" / "select_host.cpp"), "-o", str(binary), "-lpthread"],
                             capture_output=True, text=True)
@@ -55,8 +55,10 @@ def run_rows(emulator, tmp_path, scores, flags, k, first_valid=None, period=None
     first_valid = np.zeros(rows, np.int32) if first_valid is None else np.asarray(first_valid, np.int32)
     limit = np.full(rows, 0.5, np.float32) if limit is None else np.asarray(limit, np.float32)
     source, target = tmp_path / "in.bin", tmp_path / "out.bin"
+    k = np.asarray(k, np.int64)
+    levels = k.shape[0] if k.ndim == 2 else 1
     with open(source, "wb") as f:
-        f.write(np.array([rows, length, period, mark], np.int32).tobytes())
+        f.write(np.array([rows, length, period, mark, levels], np.int32).tobytes())
         f.write(scores.numpy().astype(np.float32).tobytes())
         f.write(flags.numpy().astype(np.uint8).tobytes())
         f.write(np.asarray(k, np.int64).tobytes())
@@ -86,12 +88,25 @@ def expected_flags(scores, flags, k, first_valid, period, mark):
     return out
 
 
+def expected_levels(scores, flags, levels_k, first_valid, period, mark):
+    """Nested levels: an entry gets mark + l for the first level l whose topk_mask keeps it."""
+    out = flags.clone()
+    for level in reversed(range(len(levels_k))):
+        marked = expected_flags(scores, flags, levels_k[level], first_valid, period, mark + level)
+        out = torch.where(marked != flags, marked, out)
+    return out
+
+
 def check(emulator, tmp_path, scores, flags, k, first_valid=None, period=None, mark=1):
     rows, length = scores.shape
     first_valid = [0] * rows if first_valid is None else first_valid
     device, host, counts, host_counts, ctas = run_rows(emulator, tmp_path, scores, flags, k, first_valid, period,
                                                        mark)
-    want = expected_flags(scores, flags, k, first_valid, period or length, mark)
+    if np.asarray(k).ndim == 2:
+        want = expected_levels(scores, flags, [list(x) for x in np.asarray(k)], first_valid, period or length, mark)
+        k = np.asarray(k)[-1]
+    else:
+        want = expected_flags(scores, flags, k, first_valid, period or length, mark)
     assert ctas == (1 if length <= SINGLE_CTA_MAX else -(-length // CHUNK))
     for r in range(rows):
         assert torch.equal(host[r], want[r]), ("host driver", r, int(k[r]))
@@ -160,6 +175,26 @@ def test_layer_rows_of_several_heads(emulator, tmp_path):
     scores[:, ::5] = 0.25  # ties across heads
     flags = (torch.rand(2, heads * m, generator=g) < 0.1).to(torch.uint8)
     check(emulator, tmp_path, scores, flags, [1000, 3000], first_valid=[0, 700], period=m)
+
+
+@pytest.mark.parametrize("length", [3000, 9000])
+def test_levels_mark_each_entry_with_its_first_level(emulator, tmp_path, length):
+    """One call with 4 levels of non-decreasing k (the pruned stage 2's candidate rounds: 2k, 4k, 8k, 16k): every
+    candidate gets mark + the first level whose k best hold it, i.e. what 4 calls with the differences as k would mark;
+    ties at every level's threshold across chunks, flags set before, left padding, a level with k 0, k past the
+    candidates. One CTA per row (3,000) and several (9,000)."""
+    g = torch.Generator().manual_seed(length + 4)
+    rows = 5
+    scores = (torch.rand(rows, length, generator=g) * 40).floor() / 40  # heavy ties
+    scores[1] = torch.randn(length, generator=g)
+    scores[2, ::3] = float("nan")
+    flags = (torch.rand(rows, length, generator=g) < 0.15).to(torch.uint8)
+    first_valid = [0, 7, length // 3, 0, length - 2]
+    base = [length // 40, 1, length // 5, 0, 3]
+    k = np.array([[min(b << level, length + 9) for b in base] for level in range(4)], np.int64)
+    k[1, 0] = k[0, 0]  # a level adding nothing
+    device = check(emulator, tmp_path, scores, flags, k, first_valid=first_valid, mark=249)
+    assert {249, 250, 251, 252} <= set(device.unique().tolist()), device.unique()
 
 
 @pytest.fixture(scope="module")

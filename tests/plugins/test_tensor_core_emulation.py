@@ -4,7 +4,7 @@ The tile bodies (plugins/kernels/mma_tiles.cuh) and the pruned flow (plugins/ker
 its top-k calls through the batched top-k's kernels) are compiled with g++ from the very headers the kernels include,
 with the warp instructions of plugins/testing/mma_emulation.h and cuda_emulation.h: ldmatrix
 and mma.sync place every element by the PTX ISA's fragment tables (criticalkv/mma_layout.h, itself checked against the
-ISA's per-element formulas), cp.async copies land only at the wait that retires them, one std::thread per CUDA thread.
+ISA's per-element formulas), cp.async copies land only at the wait that retires them, one fiber per CUDA thread.
 Checked against plain fp64 loops: the value norms (l1 / l2, bf16 / fp16, d_h 64 and 128, GQA, ragged tails, gathered
 rows), the l2 norms through the Gram pieces, the soundness of the tensor-core L1 bounds, and the whole pruned flow on
 small layers (kept set = the unpruned selection on the same computed values; = the fp32 host driver's up to near-ties).
@@ -51,6 +51,16 @@ def test_fragment_layouts_match_the_ptx_tables(tiles):
     assert "layouts: 0 failures" in run(tiles, "layouts")
 
 
+def test_tile_reads_of_shared_memory_are_free_of_bank_conflicts(tiles):
+    """Index analysis of the tile bodies' shared-memory reads with the header's own offset functions, d_h 16 .. 128:
+    every ldmatrix.x4 phase, gramQuadBlock's epilogue reads and its bound epilogue's per-row loop (boundRowWord) hit 32
+    banks; the bound loop in the plain order (before the swizzle) shows 4-way conflicts, so the analysis finds them."""
+    out = run(tiles, "banks")
+    assert "banks: 0 failures" in out, out
+    for config in ("GramTiles64", "GramTiles128", "NormTiles", "NormTilesSmall"):
+        assert f"{config}: ldmatrix phases 1-way, quad epilogue 1-way, bound rows 1-way (plain order: 4-way)" in out, out
+
+
 @pytest.mark.parametrize(
     "dtype, kind, batch, heads, kv_heads, n, head_dim, hidden, gather, seed",
     [
@@ -58,14 +68,19 @@ def test_fragment_layouts_match_the_ptx_tables(tiles):
         ("fp16", "l1", 2, 2, 1, 90, 128, 200, 1, 2),  # gathered ragged lists (one empty), hidden past a column tile
         ("bf16", "l2", 1, 3, 3, 70, 64, 72, 1, 3),  # MHA, direct l2, gathered
         ("fp16", "l2", 1, 2, 1, 40, 16, 48, 0, 4),  # d_h 16: one k step
+        ("bf16", "l1", 1, 8, 2, 300, 128, 1024, 1, 5),  # group 4 over 1, 2 and 4 CTAs, the 3-deep ring at d_h 128
     ],
 )
 def test_value_norm_tiles_equal_the_fp64_norms(tiles, dtype, kind, batch, heads, kv_heads, n, head_dim, hidden, gather,
                                                seed):
+    """Within 2e-5 of fp64; with a KV head's query heads spread over several CTAs (chooseHeadSplit), bit for bit the
+    one-CTA launch's norms."""
     out = run(tiles, "norms", dtype, kind, batch, heads, kv_heads, n, head_dim, hidden, gather, seed)
     assert ", 0 failures" in out, out
     rows = int(re.search(r"norms: (\d+) rows", out).group(1))
     assert rows > 0, out
+    if heads // kv_heads > 1:
+        assert int(re.search(r"(\d+) rows split over CTAs", out).group(1)) > 0, out
 
 
 @pytest.mark.parametrize(
@@ -102,6 +117,11 @@ def pipeline(tmp_path_factory):
         ("adakv", 3, 4, 2, 200, 16, 48, 8, 100, 96, "random", 7),  # shares; the third sequence kept whole
         ("snapkv", 2, 4, 2, 260, 16, 48, 8, 64, 0, "ties", 0),  # exact-score ties: the lower index wins
         ("snapkv", 2, 4, 2, 300, 16, 48, 8, 40, 0, "mixed", 0),  # the best bounds are the wrong tokens: rounds
+        ("snapkv", 1, 2, 1, 4800, 16, 48, 32, 512, 0, "mixed", 0),  # rows of 4,768 tokens: multi-CTA top-k calls
+        ("adakv", 2, 4, 2, 4800, 16, 48, 32, 300, 0, "random", 5),  # shares on multi-CTA rows
+        # Llama-3-8B's d_h and hidden: the 3-deep ring of W_O tiles, gramQuad at d_h 128, G_h on the tensor cores
+        ("snapkv", 1, 4, 2, 300, 128, 4096, 32, 96, 0, "flat", 1),  # the tight bound settles the first round
+        ("snapkv", 1, 4, 2, 300, 128, 4096, 32, 96, 0, "mixed", 0),  # doubling rounds
     ],
 )
 def test_pruned_flow_keeps_the_unpruned_selection(pipeline, base, batch, heads, kv_heads, n, head_dim, hidden, window,
@@ -113,12 +133,45 @@ def test_pruned_flow_keeps_the_unpruned_selection(pipeline, base, batch, heads, 
     assert 0 < computed <= eligible, out
     if kind in ("random", "mixed"):
         assert int(re.search(r"pruned rows: (\d+)", out).group(1)) > 0, out  # some heads stopped early
+    if kind in ("random", "mixed", "flat") and head_dim == 128:
+        assert int(re.search(r"pruned rows: (\d+)", out).group(1)) > 0, out
     if kind == "mixed":
         assert int(re.search(r"rows past the first round: (\d+)", out).group(1)) > 0, out  # doubling rounds ran
         assert int(re.search(r"rounds with candidates: (\d+)", out).group(1)) > 1, out
+    if heads // kv_heads > 1:
+        assert int(re.search(r"group split over CTAs: (\d+)", out).group(1)) > 0, out
+    # three top-k calls (stage 1, every round's candidates as 4 levels of one call, the k kept): one launch each on
+    # rows of at most 4,096 tokens, else a memset, 4 radix passes and the marks (7 calls before the levels: 42 there)
+    operations, topk_operations, calls = map(int, re.search(
+        r"stream operations: (\d+), of which (\d+) in (\d+) top-k calls", out).groups())
+    assert calls == 3 and topk_operations == 3 * (1 if n - window <= 4096 else 6), out
+    assert operations == topk_operations + 27, out  # the memset of the flags, 5 lists, 5 norms + scores, 4 counts,
+    # 4 decisions, the plan and 2 relabellings
 
 
-MMA_KERNELS = ("valueNormsMmaKernel", "gramQuadKernel")
+@pytest.mark.parametrize(
+    "dtype, heads, head_dim, hidden, seed",
+    [
+        ("fp32", 2, 128, 300, 1),  # two row blocks, a ragged last chunk of hidden columns
+        ("fp32", 2, 80, 130, 2),  # d_h not a multiple of 64 (padded rows), hidden not of 64
+        ("bf16", 2, 128, 1024, 3),
+        ("fp16", 3, 64, 200, 4),
+        ("bf16", 2, 48, 64, 5),  # d_h 48: padded rows on the tensor path too
+        ("fp16", 1, 256, 100, 6),  # d_h 256: the fp32 path only
+    ],
+)
+def test_pruned_bound_terms(tiles, dtype, heads, head_dim, hidden, seed):
+    """kernels/bound_terms.cuh: the fp32 path's G_h, s_h, c_h bit for bit the host driver's (gramEntry, rowL1Entry,
+    columnL1: what makes launchL1Bounds bitwise the host driver's); the tensor path's G_h within (34 + hidden / 16 + 2) u
+    of sum_c |W_kc W_lc| of fp64, s_h and c_h within gamma_hidden."""
+    out = run(tiles, "terms", dtype, heads, head_dim, hidden, seed)
+    assert ", 0 failures" in out and "fp32 path 0 entries apart" in out, out
+    if dtype != "fp32" and head_dim % 16 == 0 and head_dim <= 128:
+        assert float(re.search(r"tensor-path G error ([0-9.]+) u", out).group(1)) > 0.0, out  # it ran
+
+
+MMA_KERNELS = ("valueNormsMmaKernel", "gramQuadKernel", "boundTermsTensorKernel")
+CP_ASYNC_KERNELS = ("valueNormsMmaKernel", "gramQuadKernel")  # boundTermsTensorKernel prefetches into registers
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -142,7 +195,8 @@ def test_tensor_core_kernels_compile_to_mma(tmp_path, arch):
         seen.add(kernel)
         assert "mma.sync.aligned.m16n8k16.row.col.f32" in entry, name.group(1)
         assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in entry, name.group(1)
-        assert "cp.async.cg.shared.global" in entry and "cp.async.wait_group" in entry, name.group(1)
+        if kernel in CP_ASYNC_KERNELS:
+            assert "cp.async.cg.shared.global" in entry and "cp.async.wait_group" in entry, name.group(1)
     assert seen == set(MMA_KERNELS), seen
     for dtype in ("bf16", "f16"):
         assert f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32" in ptx.read_text(), dtype

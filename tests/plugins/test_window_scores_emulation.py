@@ -3,7 +3,7 @@
 plugins/testing/window_scores_emulation.cpp compiles the very headers the kernels are built from
 (plugins/kernels/window_tiles.cuh: the tensor-core passes; window_simt.cuh: the SIMT passes and defensivekv's SIMT row
 passes) with g++, the warp instructions of plugins/testing/mma_emulation.h (ldmatrix / mma.sync by the PTX ISA's
-fragment tables, cp.async landing only at the wait that retires it, one std::thread per CUDA thread) and shared memory
+fragment tables, cp.async landing only at the wait that retires it, one fiber per CUDA thread) and shared memory
 filled with garbage before every block. Checked against fp64 loops of the operator's definitions and against the host
 driver (select_host.cpp) on the same inputs: Ā, sum A^2, and defensivekv's worst and row (mass, total), over GQA and
 MHA, d_h 16 to 128, ragged key tails, n below one tile, w below 32 and up to 128, query heads split over row chunks,

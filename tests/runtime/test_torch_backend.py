@@ -182,6 +182,37 @@ def test_a_layers_full_kv_is_freed_as_soon_as_it_is_selected(case, tmp_path):
         engine.close()
 
 
+@pytest.mark.parametrize("name", ["layer-defensivekv", "ada-criticalkv"])
+def test_the_selection_ops_select_what_the_reference_selects_in_the_backend(name, tmp_path):
+    """selection="native": the ops (on the CPU their host version; a model-level policy ranked layer by layer in the
+    prefill's loop, then select_model) keep the entries the reference keeps, on a padded batch and at a request's
+    budget."""
+    from criticalkv.selection.op import load_torch_ops
+
+    if load_torch_ops() is not None:
+        pytest.skip(load_torch_ops())
+    policy = KVPolicy(name, budget=40, window=8, head_cap_ratio=2.0 if name.startswith("layer") else 0.0)
+    model = tiny_model("llama", seed=4)
+    folder = export_tiny_engine(model, policy, tmp_path / "e", max_batch_size=2)
+    kept = {}
+    for selection in ("native", "reference"):
+        engine = Engine.load(folder, backend="torch", model=model, selection=selection)
+        try:
+            ids = [prompt(150, seed=2), prompt(120, seed=3)]
+            width = max(map(len, ids))
+            batch = np.array([[0] * (width - len(x)) + x for x in ids], np.int64)
+            mask = (np.arange(width)[None, :] >= width - np.array([150, 120])[:, None]).astype(np.int64)
+            positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
+            out = engine.backend.prefill(batch, mask, positions, kv_budget=30)
+            kept[selection] = ([x.copy() for x in out.indices], [x.copy() for x in out.lengths])
+        finally:
+            engine.close()
+    for a, b in zip(kept["native"][0], kept["reference"][0]):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(kept["native"][1], kept["reference"][1]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_padded_batch_decodes_its_rows_as_the_exact_batch(tmp_path):
     """On a GPU a step over B rows runs a graph captured for the next padded size (3 -> 4): the extra row is a free
     row, here one whose heads are full (its new entry is clamped into the last slot); the real rows' logits are those

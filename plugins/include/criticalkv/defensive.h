@@ -290,15 +290,17 @@ CKV_HD int64_t stage1Keep(int64_t massCount, int64_t r)
     return massCount < r ? massCount : r;
 }
 
-//! Mark one sequence's chosen older tokens (defensivekv). defensive, stage1, ranking, flags: [heads, m] (flags
-//! cleared by the caller; ranking is scratch); r: older tokens per head (SequenceInfo::r); limit: stage1Limit.
-//! The executor is the flows' top-k primitive (select_flow.h) and also supplies
+//! defensivekv's ranking of one sequence's older tokens: stage 1 by mass per head, then the defensive score with the
+//! stage-1 tokens first (defensivekv.py: priority; layer-defensivekv's model-wide ranking is this, layer by layer).
+//! defensive, stage1, ranking, flags: [heads, m] (flags cleared by the caller, cleared again on return); r: older tokens
+//! per head (SequenceInfo::r); limit: stage1Limit. The executor is the flows' top-k primitive (select_flow.h) and also
+//! supplies
 //!   int64_t massCount(scores, flags, len, period, firstValid, limit)   radixMassCount over the candidates
 //!   void rankStage1(defensive, flags, ranking, len)   ranking = stage1Ranking(defensive, flags != 0), flags cleared
 CKV_FLOW_TEMPLATE
 template <typename Exec>
-CKV_HD void selectDefensive(Exec& exec, SelectConfig const& config, float const* defensive, float const* stage1,
-    float* ranking, uint8_t* flags, int32_t heads, int32_t m, int32_t firstValid, int64_t r, float limit)
+CKV_HD void rankDefensive(Exec& exec, float const* defensive, float const* stage1, float* ranking, uint8_t* flags,
+    int32_t heads, int32_t m, int32_t firstValid, int64_t r, float limit)
 {
     for (int32_t g = 0; g < heads; ++g)
     {
@@ -307,6 +309,16 @@ CKV_HD void selectDefensive(Exec& exec, SelectConfig const& config, float const*
         exec(stage1 + offset, flags + offset, m, m, firstValid, count, kChosenByAttention);
     }
     exec.rankStage1(defensive, flags, ranking, static_cast<int64_t>(heads) * m);
+}
+
+//! Mark one sequence's chosen older tokens (defensivekv): its ranking (rankDefensive), then the shared allocation on
+//! it. ranking is scratch; the rest as rankDefensive's.
+CKV_FLOW_TEMPLATE
+template <typename Exec>
+CKV_HD void selectDefensive(Exec& exec, SelectConfig const& config, float const* defensive, float const* stage1,
+    float* ranking, uint8_t* flags, int32_t heads, int32_t m, int32_t firstValid, int64_t r, float limit)
+{
+    rankDefensive(exec, defensive, stage1, ranking, flags, heads, m, firstValid, r, limit);
     selectShared(exec, config, ranking, flags, heads, m, firstValid, r);
 }
 

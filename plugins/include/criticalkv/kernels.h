@@ -4,6 +4,7 @@
 #pragma once
 
 #include "criticalkv/methods.h"
+#include "criticalkv/model_level.h"
 #include "criticalkv/pruned_stage2.h" // PrunedHeadState
 #include "criticalkv/selection_plan.h"
 
@@ -28,6 +29,11 @@ struct SelectTensors
     void* keptValues;             //!< [B, H_kv, cap, d_h]
     int32_t* keptLengths;         //!< [B, H_kv]
     int32_t* keptIndices;         //!< [B, H_kv, cap]
+    void const* prunedTerms;      //!< or nullptr: the pruned stage 2's weights-only bound terms of this o_proj, filled
+                                  //!< by launchPrunedTerms (same dtype, H, d_h, hidden) and reused instead of
+                                  //!< recomputed (CriticalKV with value_norm=l1 only; ignored otherwise)
+    float const* scores;          //!< [B, H_kv, n] fp32: the external scores of a kvzip policy (externalScores: required),
+                                  //!< else nullptr
 };
 
 //! Byte offsets of the scratch buffers inside the workspace (each 256-byte aligned).
@@ -52,7 +58,8 @@ struct WorkspaceLayout
     size_t candidates; //!< int32 [B, H_kv, m]: a round's new candidates of every head (pruned stage 2)
     size_t candidateCounts; //!< int32 [B, H_kv]: how many (pruned stage 2)
     size_t prunedStates;    //!< PrunedHeadState [B, H_kv] (pruned stage 2)
-    size_t prunedPlan;      //!< prunedPlanBytes: every head's k of the pruned stage 2's top-k calls, its stop count
+    size_t prunedPlan;      //!< prunedPlanBytes: every head's k of the pruned stage 2's top-k calls (the candidate
+                            //!< rounds' levels included), its stop count
     size_t laprox;     //!< float [B, H_kv, m]: LaProx importance
     size_t flags;      //!< uint8 [B, H_kv, m]: chosen older tokens
     size_t headCounts; //!< int32 [B, H_kv]: adakv share of every head
@@ -135,8 +142,14 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     layout.ranking = take(rowsOn ? b * hkv * m * sizeof(float) : 0);
     layout.totals = take(rowsOn ? b * hkv * 4 * sizeof(float) : 0);
     layout.plan = take(selectionPlanBytes(s.batch, s.kvHeads));
-    layout.topK = take(selectionScratchBytes(s.batch, s.kvHeads, static_cast<int32_t>(m),
-        sharedAllocation(config) || rowsOn, rowsOn));
+    size_t topK = selectionScratchBytes(s.batch, s.kvHeads, static_cast<int32_t>(m), sharedAllocation(config) || rowsOn,
+        rowsOn);
+    if (pruned) // the candidate rounds' one top-k of kPrunedCandidateLevels levels
+    {
+        size_t const rounds = topKScratchBytes(s.batch * s.kvHeads, static_cast<int32_t>(m), kPrunedCandidateLevels);
+        topK = rounds > topK ? rounds : topK;
+    }
+    layout.topK = take(topK);
     layout.total = offset;
     return layout;
 }
@@ -146,6 +159,80 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
 //! shapes it does not support (see plugins/README.md) or a workspace smaller than workspaceLayout().total.
 cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape,
     SelectTensors const& tensors, void* workspace, size_t workspaceBytes, cudaStream_t stream);
+
+//! One layer's part of a model-level selection (model_level.h): the inputs of launchCriticalKVSelect, and its ranking
+//! of the older tokens, with the base's and the critical scores for CriticalKV's refinement (each [B, H_kv, m] fp32,
+//! m = n - min(window, n); attention / critical may be nullptr when not needed; zeros for sequences kept whole).
+struct LayerRankingTensors
+{
+    DType dtype;
+    void const* queries;
+    void const* keys;
+    void const* values;
+    void const* oProj;
+    int32_t const* promptLengths;
+    int32_t const* kvBudget;
+    float const* scores; //!< [B, H_kv, n] (layer-kvzip pair: required), else nullptr
+    float* ranking;
+    float* attention;
+    float* critical;
+};
+
+//! One layer's ranking for the model-level selection, in launchCriticalKVSelect's workspace (workspaceLayout of the
+//! same config and shape): layer-defensivekv's defensive score with the stage-1 tokens first (its window attention,
+//! exact value norms, stage 1 by mass: the per-layer flow up to its shared allocation), or the kvzip pair's group score
+//! of the external scores with the sinks first (and its critical score with exact norms). Asynchronous, no
+//! allocation; the caller keeps every layer's ranking until the last layer (launchModelSelect).
+cudaError_t launchLayerRanking(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape,
+    LayerRankingTensors const& tensors, void* workspace, size_t workspaceBytes, cudaStream_t stream);
+
+//! One layer's tensors of a model-level selection: its full keys and values, its outputs (capacity: its own).
+struct ModelLayerTensors
+{
+    void const* keys;     //!< [B, H_kv, n, d_h]
+    void const* values;   //!< [B, H_kv, n, d_h]
+    void* keptKeys;       //!< [B, H_kv, cap, d_h], cap = min(n, capacity)
+    void* keptValues;     //!< [B, H_kv, cap, d_h]
+    int32_t* keptLengths; //!< [B, H_kv]
+    int32_t* keptIndices; //!< [B, H_kv, cap]
+    int32_t capacity;
+};
+
+//! The inputs of launchModelSelect: every layer's ranking (and scores) concatenated layer-major, [B, L H_kv, m] fp32.
+struct ModelSelectTensors
+{
+    DType dtype;
+    int32_t const* promptLengths;
+    int32_t const* kvBudget;
+    float const* ranking;
+    float const* attention; //!< CriticalKV's refinement (layer-kvzip-criticalkv), else nullptr
+    float const* critical;  //!< idem
+    ModelLayerTensors const* layers; //!< host array of L
+};
+
+//! Byte offsets of launchModelSelect's scratch (each 256-byte aligned).
+struct ModelWorkspaceLayout
+{
+    size_t flags;        //!< uint8 [B, N, m]
+    size_t plan;         //!< selectionPlanBytes(B, N)
+    size_t counts;       //!< int32 [B, N] (head cap)
+    size_t sortKeys[2];  //!< uint32 [B, N, sortStride] (head cap)
+    size_t sortPositions[2];
+    size_t layerFlags;   //!< uint8 [B, H_kv, m]: one layer's rows for its compaction
+    size_t topK;         //!< the top-k calls' scratch
+    size_t total;
+    int32_t sortStride;
+};
+
+//! Scratch layout of launchModelSelect; non-decreasing in every dimension.
+ModelWorkspaceLayout modelWorkspaceLayout(SelectConfig const& config, ModelShape const& shape);
+
+//! The model-level selection after the last layer (kernels/model_level.cuh, model_level.h): the allocation of the
+//! model's budget over every head of every layer, CriticalKV's refinement, then each layer's compaction and gather
+//! into its outputs. config: the policy's (modelWide, keptSinks 0; capacity ignored: each layer's own). Returns
+//! cudaErrorInvalidValue for a shape it does not support (a head cap over more than 1,024 heads) or a small workspace.
+cudaError_t launchModelSelect(SelectConfig const& config, ModelShape const& shape, ModelSelectTensors const& tensors,
+    void* workspace, size_t workspaceBytes, cudaStream_t stream);
 
 //! Write r_l = table.values[b - window] of the runtime budget b = clamp(*kvBudget) into *layerBudget (device).
 cudaError_t launchResolveLayerBudget(SelectConfig const& config, BudgetTable const& table, int32_t const* kvBudget,
@@ -227,6 +314,35 @@ bool valueNormsOnTensorCores(SelectShape const& shape, DType dtype, void const* 
 //! L2 through the Gram matrices: G_h in fp32, then v^T G_h v on the tensor cores (3 16-bit pieces of G_h) or in SIMT.
 cudaError_t launchValueNorms(ValueNormParams const& params, cudaStream_t stream);
 
+//! Bytes of the buffer launchPrunedTerms fills for one layer: G_h [H, d_h, d_h] fp32, its 16-bit pieces
+//! [H, kGramPiecesMax, d_h, d_h], 1 / s_h [H], s_h [H, d_h], c_h [H], each 256-byte aligned.
+size_t prunedTermsBytes(SelectShape const& shape);
+
+//! The pruned stage 2's bound terms inside a launchPrunedTerms buffer (the workspace's gram, gramPieces, gramScale,
+//! rowL1 and colL1 in the same form).
+struct PrunedTerms
+{
+    GramScratch gram;
+    float* rowL1;
+    float* colL1;
+};
+
+PrunedTerms prunedTermsAt(void* buffer, SelectShape const& shape);
+
+//! Which form launchPrunedTerms computes for o_proj: the tensor-core bound's (fp16 / bf16, d_h % 16 == 0, d_h <= 128,
+//! 16-byte aligned o_proj, compute capability >= 8.0: G_h on the tensor cores and its 2 pieces) or the fp32 path's
+//! (bitwise the host driver's). A select call reuses a buffer only where it takes the same path
+//! (valueNormsOnTensorCores, which also asks for 16-byte aligned values); otherwise it computes the terms itself.
+bool prunedTermsOnTensorCores(SelectShape const& shape, DType dtype, void const* oProj);
+
+//! The weights-only terms of CriticalKV's pruned stage 2 bound for o_proj [hidden, H d_h] into `buffer`
+//! (prunedTermsBytes): they depend on the weights alone, so a caller that keeps a layer's o_proj fixed computes them
+//! once and passes them to every launchCriticalKVSelect of that layer (SelectTensors::prunedTerms). The buffer is valid
+//! for exactly this o_proj content, dtype and shape's H, d_h, hidden: a caller that changes the weights in place must
+//! compute them again.
+cudaError_t launchPrunedTerms(SelectShape const& shape, DType dtype, void const* oProj, void* buffer, size_t bytes,
+    cudaStream_t stream);
+
 //! Arguments of launchPrunedBounds.
 struct PrunedBoundParams
 {
@@ -242,6 +358,8 @@ struct PrunedBoundParams
     float* rowL1;                //!< [H, d_h]
     float* colL1;                //!< [H]
     float* bounds;               //!< [B, H, numTokens]
+    bool termsReady;             //!< gram (with its pieces on the tensor path), rowL1 and colL1 already hold this
+                                 //!< o_proj's terms in the form of this path (launchPrunedTerms): skip computing them
 };
 
 //! The pruned stage 2's L1 upper bounds of every older token: on the tensor cores (pruned_stage2.h:
@@ -271,7 +389,8 @@ struct PrunedStage2Params
     int32_t* candidateCounts;    //!< [B, H_kv] scratch
     PrunedHeadState* states;     //!< [B, H_kv] scratch
     PrunedPlan plan;             //!< scratch: the heads' k of the top-k calls
-    void* topKScratch;           //!< launchTopK's scratch for [B H_kv] rows of m (topKScratchBytes)
+    void* topKScratch;           //!< launchTopK's scratch for [B H_kv] rows of m with kPrunedCandidateLevels levels
+                                 //!< (topKScratchBytes)
     size_t topKScratchBytes;
     float margin;                //!< stopMargin(hidden, group)
     int32_t maxCount;            //!< upper bound of every head's stage-2 count k, known on the host
@@ -285,9 +404,9 @@ struct PrunedStage2Params
 cudaError_t launchPrunedStage2(PrunedStage2Params const& params, cudaStream_t stream);
 
 //! The L1 upper bounds of CriticalKV's pruned stage 2 (pruned_stage2.h: l1UpperBoundOf), bitwise the host driver's:
-//! gram [H, d_h, d_h], rowL1 [H, d_h], colL1 [H] from oProj (the weights-only terms, every launch), then
-//! bounds [B, H, numTokens] of the first numTokens tokens of every sequence; when config is given, uncompressed
-//! sequences are skipped. One thread per entry and per token, fp32 throughout.
+//! gram [H, d_h, d_h], rowL1 [H, d_h], colL1 [H] from oProj (the weights-only terms, kernels/bound_terms.cuh:
+//! boundTermsSimtBlock), then bounds [B, H, numTokens] of the first numTokens tokens of every sequence (one thread per
+//! token and head); when config is given, uncompressed sequences are skipped. fp32 throughout.
 cudaError_t launchL1Bounds(SelectConfig const* config, RuntimeBudget budget, int32_t const* promptLengths,
     SelectShape const& shape, DType dtype, void const* values, void const* oProj, int32_t numTokens, float* gram,
     float* rowL1, float* colL1, float* bounds, cudaStream_t stream);

@@ -16,14 +16,22 @@ namespace criticalkv
         CKV_FOR_EACH_BASE(trait)                                                                                       \
     }                                                                                                                  \
     return false;
-#define CKV_BASE_SCORED(enumerator, name, scored, shared, ownL2, rows)                                                 \
-    case BaseMethod::enumerator: return (scored) != 0;
-#define CKV_BASE_SHARED(enumerator, name, scored, shared, ownL2, rows)                                                 \
-    case BaseMethod::enumerator: return (shared) != 0;
-#define CKV_BASE_OWN_L2(enumerator, name, scored, shared, ownL2, rows)                                                 \
-    case BaseMethod::enumerator: return (ownL2) != 0;
-#define CKV_BASE_ROWS(enumerator, name, scored, shared, ownL2, rows)                                                   \
-    case BaseMethod::enumerator: return (rows) != 0;
+#define CKV_BASE_SCORED(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                      \
+    case BaseMethod::e: return (scored) != 0;
+#define CKV_BASE_SHARED(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                      \
+    case BaseMethod::e: return (shared) != 0;
+#define CKV_BASE_OWN_L2(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                      \
+    case BaseMethod::e: return (ownL2) != 0;
+#define CKV_BASE_ROWS(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                        \
+    case BaseMethod::e: return (rows) != 0;
+#define CKV_BASE_POOLS(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                       \
+    case BaseMethod::e: return (pools) != 0;
+#define CKV_BASE_EXTERNAL(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                    \
+    case BaseMethod::e: return (external) != 0;
+#define CKV_BASE_SINKS(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                       \
+    case BaseMethod::e: return (sinks) != 0;
+#define CKV_BASE_MODEL_LEVEL(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                 \
+    case BaseMethod::e: return (modelLevel) != 0;
 
 //! The method ranks older tokens by window-attention scores (every base but full and streamingllm).
 CKV_HD bool needsScores(SelectConfig const& config)
@@ -49,6 +57,34 @@ CKV_HD bool rowScores(SelectConfig const& config)
     CKV_BASE_TRAIT(CKV_BASE_ROWS)
 }
 
+//! Its attention is max-pooled over positions (pool_kernel) before it ranks; kvzip's score is not.
+CKV_HD bool poolsAttention(SelectConfig const& config)
+{
+    CKV_BASE_TRAIT(CKV_BASE_POOLS)
+}
+
+//! It ranks by a per-entry score computed outside the layer (kvzip: the scores input [B, H_kv, n]), not the window's.
+CKV_HD bool externalScores(SelectConfig const& config)
+{
+    CKV_BASE_TRAIT(CKV_BASE_EXTERNAL)
+}
+
+//! It keeps the first sink_tokens valid tokens before ranking (kvzip; per layer: SequenceInfo::candidateStart).
+CKV_HD bool keepsSinks(SelectConfig const& config)
+{
+    CKV_BASE_TRAIT(CKV_BASE_SINKS)
+}
+
+//! Its budget is shared across every layer of the model (selected after the last layer: model_level.h).
+CKV_HD bool modelLevel(SelectConfig const& config)
+{
+    CKV_BASE_TRAIT(CKV_BASE_MODEL_LEVEL)
+}
+
+#undef CKV_BASE_MODEL_LEVEL
+#undef CKV_BASE_SINKS
+#undef CKV_BASE_EXTERNAL
+#undef CKV_BASE_POOLS
 #undef CKV_BASE_ROWS
 #undef CKV_BASE_OWN_L2
 #undef CKV_BASE_SHARED

@@ -66,6 +66,21 @@ CKV_HD RowCol ldmatrixBRow(int32_t lane)
     return RowCol{(lane & 7) + 8 * (lane >> 4), 8 * ((lane >> 3) & 1)};
 }
 
+//! Element offsets (in a tile of row stride `stride`, 16-bit elements) of the row `lane` gives an ldmatrix.x4: A
+//! fragments of rows [row0, row0 + 16) at depth k0 (tile [row][k]); B fragments of columns [col0, col0 + 16) at depth
+//! k0 (tile [n][k]). The tile bodies load through them and the bank analysis checks them.
+CKV_HD int32_t fragmentAOffset(int32_t stride, int32_t row0, int32_t k0, int32_t lane)
+{
+    RowCol const ar = ldmatrixARow(lane);
+    return (row0 + ar.row) * stride + k0 + ar.col;
+}
+
+CKV_HD int32_t fragmentBOffset(int32_t stride, int32_t col0, int32_t k0, int32_t lane)
+{
+    RowCol const br = ldmatrixBRow(lane);
+    return (col0 + br.row) * stride + k0 + br.col;
+}
+
 //! Shared-memory row stride (16-bit elements) of a tile whose rows hold `depth` elements (depth % 8 == 0): 8 elements
 //! (16 bytes) of padding make the stride an odd number of 16-byte chunks, so the 8 rows one ldmatrix phase reads fall
 //! in 8 different 16-byte bank groups (no bank conflict) for every depth % 16 == 0, and every row stays 16-byte

@@ -154,26 +154,12 @@ inline std::string formatNumber(int32_t value)
 
 } // namespace detail
 
-//! "" when the config is valid, else "field: reason" (KVPolicy.__post_init__'s rules and wording, then the
-//! layer fields: num_layers, layer_idx, capacity, layer_budgets).
-inline std::string validatePolicy(PolicyConfig const& p)
+//! "" when the config's knobs are valid, else "field: reason" (KVPolicy.__post_init__'s rules and wording,
+//! then the layer fields: num_layers, layer_idx, capacity, layer_budgets). Says nothing of who selects it.
+inline std::string validateKnobs(PolicyConfig const& p)
 {
     if (!detail::oneOf(p.name, policyNames()))
         return "name: unknown KV policy '" + p.name + "'; choose one of " + detail::joinChoices(policyNames());
-    if (p.name == "layer-defensivekv")
-        return "name: layer-defensivekv shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime";
-    if (p.name == "expected-attention")
-        return "name: expected-attention reads RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime";
-    if (p.name == "kvzip")
-        return "name: kvzip ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
-    if (p.name == "layer-kvzip")
-        return "name: layer-kvzip ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
-    if (p.name == "expected-criticalkv")
-        return "name: expected-criticalkv reads RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime";
-    if (p.name == "kvzip-criticalkv")
-        return "name: kvzip-criticalkv ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
-    if (p.name == "layer-kvzip-criticalkv")
-        return "name: layer-kvzip-criticalkv ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
     if (!(p.budget > 0))
         return "budget: must be a positive number of tokens, got " + std::to_string(p.budget);
     if ((p.name == "streamingllm" || p.name == "snapkv" || p.name == "pyramidkv" || p.name == "adakv" || p.name == "laprox" || p.name == "defensivekv" || p.name == "layer-defensivekv" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "criticalkv" || p.name == "pyramid-criticalkv" || p.name == "ada-criticalkv" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv" || p.name == "layer-kvzip-criticalkv") && p.budget < p.window)
@@ -259,6 +245,44 @@ inline std::string validatePolicy(PolicyConfig const& p)
             return "layer_budgets: entry " + std::to_string(i) + " (budget window + " + std::to_string(i) + ") is "
                 + std::to_string(p.layer_budgets[i]) + ", outside [0, 2 * " + std::to_string(i) + "]";
     return "";
+}
+
+//! "" when the per-layer CriticalKVSelect plugin selects the policy, else why not (BaseMethod.native, cpp_refusal).
+inline std::string pluginRefusal(PolicyConfig const& p)
+{
+    if (p.name == "layer-defensivekv")
+        return "name: layer-defensivekv shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime";
+    if (p.name == "expected-attention")
+        return "name: expected-attention reads RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime";
+    if (p.name == "kvzip")
+        return "name: kvzip ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
+    if (p.name == "layer-kvzip")
+        return "name: layer-kvzip ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
+    if (p.name == "expected-criticalkv")
+        return "name: expected-criticalkv reads RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime";
+    if (p.name == "kvzip-criticalkv")
+        return "name: kvzip-criticalkv ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
+    if (p.name == "layer-kvzip-criticalkv")
+        return "name: layer-kvzip-criticalkv ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
+    return "";
+}
+
+//! "" when the CUDA kernels and the host version select the policy through the torch ops (per layer, or over every
+//! layer for a model-level method; BaseMethod.kernels), else why not.
+inline std::string kernelsRefusal(PolicyConfig const& p)
+{
+    if (p.name == "expected-attention")
+        return "name: expected-attention reads RoPE's rotation averaged over the next future_positions positions, an input the kernels do not take; select it on the PyTorch path or ONNX Runtime";
+    if (p.name == "expected-criticalkv")
+        return "name: expected-criticalkv reads RoPE's rotation averaged over the next future_positions positions, an input the kernels do not take; select it on the PyTorch path or ONNX Runtime";
+    return "";
+}
+
+//! The plugin's validation: its refusal first, then the knobs.
+inline std::string validatePolicy(PolicyConfig const& p)
+{
+    std::string const refusal = pluginRefusal(p);
+    return refusal.empty() ? validateKnobs(p) : refusal;
 }
 
 } // namespace criticalkv

@@ -51,22 +51,25 @@
     CKV_POLICY("kvzip-criticalkv", kKVzip, 1) \
     CKV_POLICY("layer-kvzip-criticalkv", kLayerKVzip, 1)
 
-//! CKV_BASE(enumerator, name, scored, shared_allocation, own_l2_norms, row_scores) for every base method, enum
-//! order. scored: ranks older tokens by window attention; shared_allocation: the layer's H_kv * r slots are
-//! shared across its heads with a per-head floor; own_l2_norms: its own score needs the l2 projected-value
-//! norms; row_scores: its score reads every window query's attention row (defensive aggregation).
+//! CKV_BASE(enumerator, name, scored, shared_allocation, own_l2_norms, row_scores, pools, external_scores, sinks,
+//! model_level) for every base method, enum order. scored: ranks older tokens by window attention;
+//! shared_allocation: the layer's H_kv * r slots are shared across its heads with a per-head floor; own_l2_norms:
+//! its own score needs the l2 projected-value norms; row_scores: its score reads every window query's attention
+//! row (defensive aggregation); pools: its attention is max-pooled over positions; external_scores: it ranks by
+//! a score computed outside the layer (the scores input); sinks: it keeps the first sink_tokens valid tokens
+//! before ranking; model_level: its budget is shared across every layer of the model.
 #define CKV_FOR_EACH_BASE(CKV_BASE) \
-    CKV_BASE(kFull, "full", 0, 0, 0, 0) \
-    CKV_BASE(kStreamingLLM, "streamingllm", 0, 0, 0, 0) \
-    CKV_BASE(kSnapKV, "snapkv", 1, 0, 0, 0) \
-    CKV_BASE(kPyramidKV, "pyramidkv", 1, 0, 0, 0) \
-    CKV_BASE(kAdaKV, "adakv", 1, 1, 0, 0) \
-    CKV_BASE(kLaProx, "laprox", 1, 1, 1, 0) \
-    CKV_BASE(kDefensiveKV, "defensivekv", 1, 1, 0, 1) \
-    CKV_BASE(kLayerDefensiveKV, "layer-defensivekv", 1, 1, 0, 1) \
-    CKV_BASE(kExpectedAttention, "expected-attention", 1, 0, 0, 0) \
-    CKV_BASE(kKVzip, "kvzip", 1, 1, 0, 0) \
-    CKV_BASE(kLayerKVzip, "layer-kvzip", 1, 1, 0, 0)
+    CKV_BASE(kFull, "full", 0, 0, 0, 0, 1, 0, 0, 0) \
+    CKV_BASE(kStreamingLLM, "streamingllm", 0, 0, 0, 0, 1, 0, 0, 0) \
+    CKV_BASE(kSnapKV, "snapkv", 1, 0, 0, 0, 1, 0, 0, 0) \
+    CKV_BASE(kPyramidKV, "pyramidkv", 1, 0, 0, 0, 1, 0, 0, 0) \
+    CKV_BASE(kAdaKV, "adakv", 1, 1, 0, 0, 1, 0, 0, 0) \
+    CKV_BASE(kLaProx, "laprox", 1, 1, 1, 0, 1, 0, 0, 0) \
+    CKV_BASE(kDefensiveKV, "defensivekv", 1, 1, 0, 1, 1, 0, 0, 0) \
+    CKV_BASE(kLayerDefensiveKV, "layer-defensivekv", 1, 1, 0, 1, 1, 0, 0, 1) \
+    CKV_BASE(kExpectedAttention, "expected-attention", 1, 0, 0, 0, 0, 0, 1, 0) \
+    CKV_BASE(kKVzip, "kvzip", 1, 1, 0, 0, 0, 1, 1, 0) \
+    CKV_BASE(kLayerKVzip, "layer-kvzip", 1, 1, 0, 0, 0, 1, 1, 1)
 
 #define CKV_CHOICES_value_norm "l1", "l2"
 #define CKV_CHOICES_gqa_reduce "mean", "kvpress"

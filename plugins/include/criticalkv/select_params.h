@@ -29,6 +29,11 @@ struct SelectConfig
     int32_t layerBudget;      //!< r_l at the built budget: layer_budgets[budget - window]
     int32_t budgetTable;      //!< 1: r_l at a runtime budget b is layer_budgets[b - window] (PyramidKV); 0: b - window
     int32_t capacity;         //!< static per-head output size; outputs hold min(n, capacity) entries
+    int32_t modelWide;        //!< 1: a model-level method over several layers (selected after the last layer by
+                              //!< model_level.h; the per-layer operator refuses it)
+    int64_t headCapMicros;    //!< model-level selection: head_cap_ratio in millionths (0: no cap; model_level.h)
+    int32_t keptSinks;        //!< the first keptSinks valid tokens are kept before the others are ranked (kvzip's
+                              //!< sink_tokens, per layer: SequenceInfo::candidateStart); 0 for every other method
 };
 
 //! Dimensions of one invocation. queries [B, H, queryLen, d_h]; keys, values [B, H_kv, n, d_h]; o_proj [hidden, H*d_h].
@@ -111,7 +116,9 @@ struct SequenceInfo
     int32_t budget;     //!< the effective budget b of this call
     bool compress;      //!< length > b under a policy that evicts
     int32_t olderValid; //!< valid tokens among the m = n - w older positions
-    int32_t r;          //!< older tokens per head: min(olderValid, r_l)
+    int32_t candidateStart; //!< first older position the selection ranks: validStart, or after the kept sinks
+                            //!< (SelectConfig::keptSinks, at most the valid older tokens)
+    int32_t r;          //!< older tokens per head the selection ranks: min(olderValid, r_l), less the kept sinks
 };
 
 CKV_HD SequenceInfo sequenceInfo(SelectConfig const& config, BudgetChoice const& choice, SelectShape const& shape,
@@ -130,6 +137,11 @@ CKV_HD SequenceInfo sequenceInfo(SelectConfig const& config, BudgetChoice const&
     info.olderValid = older > 0 ? older : 0;
     int32_t const rLayer = choice.layerBudget > 0 ? choice.layerBudget : 0;
     info.r = info.olderValid < rLayer ? info.olderValid : rLayer;
+    // kept sinks (criticalkv/selection/layer.py: choose_older_tokens): out of the ranked range and out of r
+    int32_t const sinks = config.keptSinks < info.olderValid ? (config.keptSinks > 0 ? config.keptSinks : 0)
+                                                             : info.olderValid;
+    info.candidateStart = info.validStart + sinks;
+    info.r = info.r > sinks ? info.r - sinks : 0;
     return info;
 }
 
