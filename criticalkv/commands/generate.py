@@ -14,9 +14,12 @@ from criticalkv.methods import same_selection
 from criticalkv.policy import KVPolicy, parse_policy_spec, policy_spec
 from criticalkv.request import SamplingParams
 from criticalkv.runtime import Engine
-from criticalkv.runtime.manifest import default_backend, load_tokenizer, read_manifest
+from criticalkv.runtime.manifest import default_backend, engine_limits, load_tokenizer, read_manifest
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+#: --max-tokens when not given (an engine's built maximum when that is smaller)
+MAX_TOKENS = 64
 
 
 def register(subparsers) -> None:
@@ -43,8 +46,9 @@ def register(subparsers) -> None:
                         "engines (GPU, CUDA graphs), or torch (the checkpoint's own layers with the selection op: CUDA "
                         "graphs on a GPU, else the CPU; the default for an engine built with --backend torch)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as the user turn of the model's chat template")
-    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=positive_int, default=64,
-                   help="tokens to generate at most (default: 64)")
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=positive_int, default=None,
+                   help=f"tokens to generate at most (default: {MAX_TOKENS}, or an engine's built maximum when that "
+                        "is smaller)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
@@ -176,12 +180,17 @@ def run_engine(args) -> int:
     ):
         if value is not None:
             raise ValueError(f"{flag} and --engine-dir exclude each other: {why}")
+    manifest = read_manifest(args.engine_dir, verify=False)
+    if args.backend == "tensorrt":  # an engine directory without TensorRT engines says so before anything is read
+        from criticalkv.runtime.tensorrt_backend import engine_files
+        engine_files(args.engine_dir, manifest)
+    if args.max_new_tokens is None:  # the default, within what the engine was built for
+        args.max_new_tokens = min(MAX_TOKENS, engine_limits(manifest).max_new_tokens)
     sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed)
     # everything is checked before the engine loads (its weights and sessions: seconds and gigabytes): the policy
     # flags and --max-tokens against the manifest (read in milliseconds), the prompt's length with the engine's
     # tokenizer (a fraction of a second)
-    manifest = read_manifest(args.engine_dir, verify=False)
     _, kv_budget = engine_policy(args, KVPolicy.from_dict(manifest["policy"]))
     check_request(manifest, sampling)  # --max-tokens before the tokenizer's import
     inputs = read_inputs(args)
@@ -248,6 +257,8 @@ def run(args) -> int:
         raise ValueError(f"--backend {args.backend}: only with --engine-dir (without it generate runs the PyTorch "
                          "model; build an engine with scripts/build_engine.py)")
     policy = KVPolicy.from_args(args)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = MAX_TOKENS
     sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed)
     inputs = read_inputs(args)  # before torch's seconds of imports: a prompt from a pipe is read at once
