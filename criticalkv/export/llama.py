@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import onnx
+import onnx.inliner
 from onnx import helper
 
 from criticalkv import graphs
@@ -174,10 +175,13 @@ def layer_capacities(policy: KVPolicy, spec: ModelSpec, max_input_len: int) -> l
     return [node_capacity(policy, max_input_len, spec.num_kv_heads, i, spec.num_layers) for i in range(spec.num_layers)]
 
 
-#: The two flavours of the graphs: ``onnxruntime`` (selection nodes with their function bodies, prompt attention in
-#: query blocks inside a ``Loop``) and ``tensorrt`` (selection nodes without bodies, for the plugin; attention without
-#: a Loop, in the form TensorRT fuses). ``decode.onnx`` is one graph for both.
-FLAVOURS = ("onnxruntime", "tensorrt")
+#: The flavours of the graphs: ``onnxruntime`` (selection nodes with their function bodies, prompt attention in
+#: query blocks inside a ``Loop``), ``tensorrt`` (selection nodes without bodies, for the plugin; attention without
+#: a Loop, in the form TensorRT fuses) and ``openvino`` (the selection nodes' bodies inlined into the graph, since
+#: OpenVINO's ONNX frontend converts no model-local function; attention without a Loop, the MatMul-Where-Softmax-MatMul
+#: chain OpenVINO's CPU plugin fuses into one attention subgraph; no com.microsoft operator:
+#: ``criticalkv.export.openvino_rules``). ``decode.onnx`` is one graph for all of them.
+FLAVOURS = ("onnxruntime", "tensorrt", "openvino")
 
 #: Score of a masked attention entry in the graphs TensorRT builds (the TensorRT prefill flavour, decode):
 #: finite in fp16 and bf16 (a FLOAT32_MIN constant becomes -inf in a weakly typed fp16 engine, and a row masked
@@ -258,7 +262,7 @@ class DecoderGraphBuilder:
         attention_chunk: int = 256,
     ):
         if flavour not in FLAVOURS:
-            raise ValueError(f"flavour: {flavour!r} is not onnxruntime or tensorrt")
+            raise ValueError(f"flavour: {flavour!r} is not one of {', '.join(FLAVOURS)}")
         if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 1:
             raise ValueError(f"attention_chunk: must be a positive integer, got {attention_chunk!r}")
         self.spec, self.store, self.policy, self.capacities = spec, store, policy, capacities
@@ -281,7 +285,14 @@ class DecoderGraphBuilder:
         used = _used_initializers(g.nodes)
         graph = g.graph(name, inputs, outputs, [store.initializer(w) for w in store.arrays if w in used])
         self.g = None
-        return _model(graph, functions, doc)
+        model = _model(graph, functions, doc)
+        if self.flavour == "openvino":
+            # OpenVINO's ONNX frontend converts no model-local function: every node's body goes into the graph, which
+            # then imports the standard operators only
+            model = onnx.inliner.inline_local_functions(model) if functions else model
+            del model.opset_import[:]
+            model.opset_import.append(helper.make_opsetid("", OPSET))
+        return model
 
     def _selection_kind(self, graph: str) -> bool:
         """Whether the policy selects at model level (raises when the builder has no policy, or for the TensorRT
@@ -588,7 +599,8 @@ class DecoderGraphBuilder:
         onnxruntime flavour: ``blocked_attention`` over past[:, :, :P] ⊕ new, P = the largest length (entries of a head
         beyond its own length masked with the float32 minimum, as the prefill's left padding). tensorrt flavour:
         ``causal_attention`` over the whole capacity ⊕ new (a shape from the input's dims, not from its values, like
-        decode), entries beyond each head's length masked."""
+        decode), entries beyond each head's length masked. openvino flavour: ``causal_attention`` over past[:, :, :P] ⊕
+        new (P = the largest length), masked likewise."""
         g, s = self.g, self.spec
         lengths = g.Cast(past_len, to=INT64)  # [B, H_kv]
         if self.flavour == "onnxruntime":
@@ -607,6 +619,9 @@ class DecoderGraphBuilder:
             if "score_range" in ctx:
                 ctx["layer_scores"].append(inner["score_out"])
             return out
+        if self.flavour == "openvino":  # the held entries only (OpenVINO takes a shape from the lengths' values)
+            past = g.reshape(g.ReduceMax(lengths, keepdims=1), [1])  # P
+            past_k, past_v = g.slice_axis(past_k, 0, past, axis=2), g.slice_axis(past_v, 0, past, axis=2)
         cap = g.shape_of(past_k, 2, 3)
         keys = g.concat(past_k, k, axis=2)  # [B, H_kv, cap + N, d_h]
         values = g.concat(past_v, v, axis=2)
@@ -638,7 +653,7 @@ class DecoderGraphBuilder:
         if policy.method.base.needs_rotation:  # RoPE's rotation tables of this model (expected-attention)
             node_inputs.append(self.rotation_tables())
         if policy.method.base.external_scores:  # the phases' scores, or none (the method's fallback)
-            node_inputs.append(scores or self.g.const(np.zeros((1, s.num_kv_heads, 0), np.float32), hint="no_scores"))
+            node_inputs.append(scores or self.no_scores())
         if model_level:  # this layer's ranking (and critical score); its full K/V stay graph tensors until the model node
             scored = [f"{name}_{i}" for name in model_select.score_outputs(policy)]
             self.g.nodes.append(model_select.score_node(policy, i, s.num_layers, self.capacities[i], node_inputs, scored))
@@ -654,6 +669,15 @@ class DecoderGraphBuilder:
             value_info(names[3], INT32, ["batch", s.num_kv_heads, kept]),
         ]
 
+    def no_scores(self) -> str:
+        """[1, H_kv, 0] float32: the selection's scores input when none are given. OpenVINO's ONNX frontend loses the
+        shape of a constant without elements (``openvino_rules``, "empty-constant"): its flavour slices 0 entries off a
+        [1, H_kv, 1] constant instead."""
+        g, heads = self.g, self.spec.num_kv_heads
+        if self.flavour == "openvino":
+            return g.slice_axis(g.const(np.zeros((1, heads, 1), np.float32), hint="one_score"), 0, 0, axis=2)
+        return g.const(np.zeros((1, heads, 0), np.float32), hint="no_scores")
+
     def select_model(self, pending: list, prompt_lengths: str, kv_budget: str) -> None:
         """The model-level selection node after the last layer (one selection over every layer and head)."""
         present = [name(i) for i in range(self.spec.num_layers) for name in graphs.SELECTED]
@@ -663,8 +687,9 @@ class DecoderGraphBuilder:
             + [e[2] for e in pending] + [prompt_lengths, kv_budget], present))
 
     def selection_functions(self, model_level: bool) -> list[onnx.FunctionProto]:
-        """The selection nodes' function bodies (none in the tensorrt flavour: the plugin runs the node)."""
-        if self.flavour != "onnxruntime":
+        """The selection nodes' function bodies (none in the tensorrt flavour: the plugin runs the node; the openvino
+        flavour inlines them, ``_finish``)."""
+        if self.flavour == "tensorrt":
             return []
 
         policy, s = self.policy, self.spec
@@ -707,7 +732,7 @@ class DecoderGraphBuilder:
 
         cos, sin = self.rope_tables(graphs.POSITION_IDS)
         x = g.Gather("embed_tokens", graphs.INPUT_IDS, axis=0)
-        x = self.decoder_layers(x, cos, sin, attention, select, transposed_gemm=self.flavour == "tensorrt")
+        x = self.decoder_layers(x, cos, sin, attention, select, transposed_gemm=self.flavour != "onnxruntime")
         if model_level:
             self.select_model(pending, prompt_lengths, kv_budget)
         self.last_logits(x)
@@ -1159,7 +1184,7 @@ class DecoderGraphBuilder:
         window = self._window("extend")
         if score and self.flavour != "onnxruntime":
             raise ValueError("the re-read graph (extend with the past entries' scores) has the onnxruntime flavour only")
-        streams = bool(self.streams) and not score and self.flavour == "onnxruntime"
+        streams = bool(self.streams) and not score and self.flavour != "tensorrt"
         g = self._begin()
         s = self.spec
         new_tokens = g.shape_of(graphs.INPUT_IDS, 1, 2)  # N
@@ -1193,7 +1218,7 @@ class DecoderGraphBuilder:
         cos, sin = self.rope_tables(graphs.POSITION_IDS)
         x = g.Gather("embed_tokens", graphs.INPUT_IDS, axis=0)  # [B, N, d]
         x = self.decoder_layers(x, cos, sin, attention, window_queries, present_kv=True,
-                                transposed_gemm=self.flavour == "tensorrt",
+                                transposed_gemm=self.flavour != "onnxruntime",
                                 layer_input=self.stream_scores if streams else None)
         self.last_logits(x)
         if score:
