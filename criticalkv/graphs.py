@@ -35,6 +35,7 @@ FILES: dict[str, str] = {
     "prefill_openvino": "prefill_openvino.onnx",
     "extend_openvino": "extend_openvino.onnx",
     "select_openvino": "select_openvino.onnx",
+    "decode_openvino": "decode_openvino.onnx",
     "select_context_openvino": "select_context_openvino.onnx",
 }
 

@@ -51,7 +51,7 @@ REREAD_ORT_FILE = FILES["reread_ort"]
 #: The openvino flavour (the selection bodies inlined, attention without a Loop, standard operators only:
 #: ``criticalkv.export.openvino_rules``), by graph
 OPENVINO_FILES = {"prefill": FILES["prefill_openvino"], "extend": FILES["extend_openvino"],
-                  "select": FILES["select_openvino"]}
+                  "select": FILES["select_openvino"], "decode": FILES["decode_openvino"]}
 SELECT_CONTEXT_OPENVINO_FILE = FILES["select_context_openvino"]
 TOKENIZER_DIR = "tokenizer"
 #: The policy the serving context cache compresses contexts with unless the build says otherwise
@@ -259,21 +259,24 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
             prompt["reread"] = REREAD_ORT_FILE
             prompt["reread_max_positions"] = 2 * config.max_input_len + REREAD_PROMPT_ROOM
             onnx.save(builder.extend_fused(prompt["reread_max_positions"], score=True), folder / REREAD_ORT_FILE)
-    openvino = export_openvino(spec, store, policy, capacities, config, folder, context_policy, context_capacities)
+    openvino = export_openvino(spec, store, policy, capacities, decode_capacities, config, folder, context_policy,
+                               context_capacities)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder / TOKENIZER_DIR)
     return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes(), fused, prompt,
                         weights, context_policy, context_capacities, phases, openvino)
 
 
-def export_openvino(spec: ModelSpec, store, policy: KVPolicy, capacities: list[int], config: BuildConfig, folder: Path,
-                    context_policy: KVPolicy | None = None, context_capacities: list[int] | None = None) -> dict:
+def export_openvino(spec: ModelSpec, store, policy: KVPolicy, capacities: list[int], decode_capacities: list[int],
+                    config: BuildConfig, folder: Path, context_policy: KVPolicy | None = None,
+                    context_capacities: list[int] | None = None) -> dict:
     """Write the openvino flavour (``OPENVINO_FILES``; ``select_context_openvino.onnx`` for a context policy of its
     own) and return what it is (the manifest's ``onnx.openvino``), or why the policy has none: a method whose selection
     breaks a rule of OpenVINO's CPU plugin (``openvino_rules.POLICY_RULES``: defensivekv's 48-bit integer sums), for the
     engine's policy or its context policy. Any other broken rule raises ValueError (a bug of the flavour)."""
     builder = graph_builder(spec, store, policy, capacities, "openvino", config.attention_chunk)
-    graphs_ = {name: getattr(builder, graph)() for graph, name in OPENVINO_FILES.items()}
+    graphs_ = {name: builder.decode(decode_capacities) if graph == "decode" else getattr(builder, graph)()
+               for graph, name in OPENVINO_FILES.items()}
     if context_policy is not None:
         graphs_[SELECT_CONTEXT_OPENVINO_FILE] = graph_builder(spec, store, context_policy, context_capacities,
                                                              "openvino", config.attention_chunk).select()

@@ -757,8 +757,10 @@ class DecoderGraphBuilder:
         ]
 
     def decode(self, buffer_capacities: list[int]) -> onnx.ModelProto:
-        """The decode model (one token per sequence) over fixed-capacity per-head KV buffers (one graph for both
-        flavours: TensorRT parses it as it is)."""
+        """The decode model (one token per sequence) over fixed-capacity per-head KV buffers (one graph for the
+        onnxruntime and tensorrt flavours: TensorRT parses it as it is). The openvino flavour (``decode_openvino.onnx``)
+        attends only the first max(lengths) entries of the buffers (``cast_decode_attention`` without the casts: a
+        shape from the lengths' values, which OpenVINO takes) and multiplies by the stored o_proj (``Gemm``)."""
         g = self._begin()
         s = self.spec
         cos, sin = self.rope_tables(graphs.POSITION_IDS)
@@ -769,14 +771,19 @@ class DecoderGraphBuilder:
             inputs += self._past_inputs(i, buffer_capacities[i])
             outputs += [value_info(name(i), FLOAT, ["batch", s.num_kv_heads, 1, s.head_dim]) for name in (graphs.present_key, graphs.present_value)]
 
+        openvino = self.flavour == "openvino"
+
         def attention(i, q, k, v):
             past_k, past_v, past_len = (name(i) for name in graphs.PAST)
+            if openvino:
+                return self.cast_decode_attention(q, k, v, past_k, past_v, past_len, cast=False)
             return self.decode_attention(q, k, v, past_k, past_v, past_len, buffer_capacities[i])
 
-        x = self.decoder_layers(x, cos, sin, attention, decode=True, present_kv=True)
+        x = self.decoder_layers(x, cos, sin, attention, decode=True, present_kv=True, transposed_gemm=openvino)
         self.logits(g.reshape(x, [-1, s.hidden_size]))
         return self._finish("criticalkv_decode", inputs, outputs, [],
-                            "criticalkv decode: one token over fixed-capacity per-head KV buffers")
+                            f"criticalkv decode ({self.flavour} flavour): one token over fixed-capacity per-head KV "
+                            "buffers")
 
     # ------------------------------------------------------------------ the fused decode (ONNX Runtime only)
     def fused_decode_refusal(self) -> str | None:
@@ -850,16 +857,20 @@ class DecoderGraphBuilder:
             rotary_interleaved=0)
         return out
 
-    def cast_decode_attention(self, q: str, k: str, v: str, past_k: str, past_v: str, past_len: str) -> str:
+    def cast_decode_attention(self, q: str, k: str, v: str, past_k: str, past_v: str, past_len: str,
+                              cast: bool = True) -> str:
         """``decode_attention`` over float16 buffers past_k, past_v [B, H_kv, cap, d_h] (the fp16-KV fused decode):
         only the first M = max(past_len) entries are sliced and cast to float32 (a shape from the lengths' values,
         which ONNX Runtime takes and TensorRT would not), then the portable masked attention over them in float32.
-        q [B, H, 1, d_h], k, v [B, H_kv, 1, d_h] float32; returns [B, 1, H*d_h]."""
+        q [B, H, 1, d_h], k, v [B, H_kv, 1, d_h] float32; returns [B, 1, H*d_h]. ``cast=False``: float32 buffers (the
+        openvino decode), sliced only."""
         g, s = self.g, self.spec
         lengths = g.Cast(past_len, to=INT64)  # [B, H_kv]
         longest = g.reshape(g.ReduceMax(lengths, keepdims=1), [1])  # M
-        keys = g.Cast(g.slice_axis(past_k, 0, longest, axis=2), to=FLOAT)  # [B, H_kv, M, d_h]
-        values = g.Cast(g.slice_axis(past_v, 0, longest, axis=2), to=FLOAT)
+        keys = g.slice_axis(past_k, 0, longest, axis=2)  # [B, H_kv, M, d_h]
+        values = g.slice_axis(past_v, 0, longest, axis=2)
+        if cast:
+            keys, values = g.Cast(keys, to=FLOAT), g.Cast(values, to=FLOAT)
         qg = g.reshape(g.Mul(q, self.scale), [0, s.num_kv_heads, s.group, s.head_dim])  # [B, H_kv, G, d_h], scaled
         past_scores = g.MatMul(qg, g.Transpose(keys, perm=[0, 1, 3, 2]))  # [B, H_kv, G, M]
         slots = g.Range(g.scalar(0), g.squeeze(longest, 0), g.scalar(1))

@@ -20,12 +20,10 @@ and each was seen to fail, with the message quoted, on a graph that breaks it (d
   input type").
 * ``topk``: ``TopK``'s k has one element in a shape known before running (``op/topk.cpp`` ``get_k``: ``shape_size(
   k_node.get_shape()) == 1``; a k whose shape is not static fails with "to_shape was called on a dynamic shape").
-* ``expand-zero``: no ``Expand`` of a tensor with a 0-length axis against a 1 in the target shape: ONNX broadcasts
-  0 against 1 to 0, OpenVINO's ``Broadcast`` (``op/expand.cpp``: BIDIRECTIONAL) gives 1 (measured: [1, 2, 0] expanded
-  to [B, 2, 1]).
 * ``empty-constant``: no constant without elements: the frontend gives it another shape (a [1, 2, 0] float
-  constant came out of ``read_model`` with shape [] and made the ``Expand`` of it rank 2: "Axis 2 out of the tensor
-  rank range [-2, 1]" at the ``Concat`` after it). A graph makes such a tensor by slicing 0 entries off a constant.
+  constant came out of ``read_model`` with shape [], so an ``Expand`` of it to [B, 2, 1] gave rank 2: "Axis 2 out of
+  the tensor rank range [-2, 1]" at the ``Concat`` after it). A graph makes such a tensor by slicing 0 entries off a
+  constant (which OpenVINO then broadcasts as ONNX does).
 * ``int64``: the CPU plugin computes int64 tensors as int32 (``src/plugins/intel_cpu/src/transformations/
   transformation_pipeline.cpp``, ``get_convert_precisions``: i64 -> i32): no integer constant beyond int32 other
   than the int64 bounds (saturated: "to the end" of a ``Slice`` keeps its meaning), and no float scaled past 2^31 and cast to an integer (defensivekv's exact
@@ -134,7 +132,7 @@ class _Checker:
             if node.op_type == "Constant":
                 self.constants.update({o: numpy_helper.to_array(a.t) for o in node.output[:1] for a in node.attribute
                                        if a.name == "value" and a.type == AttributeProto.TENSOR})
-            check = {"TopK": self.check_topk, "Expand": self.check_expand, "Cast": self.check_cast}.get(node.op_type)
+            check = {"TopK": self.check_topk, "Cast": self.check_cast}.get(node.op_type)
             if node.op_type in REDUCE_OPS:
                 self.check_reduce(node, name)
             elif check is not None:
@@ -189,32 +187,6 @@ class _Checker:
         if dims is None or any(d is None for d in dims) or int(np.prod(dims, dtype=np.int64)) != 1:
             self.add("topk", name, f"k ({node.input[1]!r}) must hold one value in a shape known before running, has "
                      f"{dims} (op/topk.cpp get_k)")
-
-    def check_expand(self, node: onnx.NodeProto, name: str) -> None:
-        dims = self.dims(node.input[0])
-        if not dims or 0 not in dims:
-            return
-        target = self.target_entries(node.input[1], len(dims))
-        for axis, (d, t) in enumerate(zip(dims[::-1], target[::-1])):
-            if d == 0 and t == 1:
-                self.add("expand-zero", name, f"axis {len(dims) - 1 - axis} of {node.input[0]!r} has length 0 and the "
-                         "target shape 1 there: OpenVINO's Broadcast gives 1 where ONNX gives 0")
-
-    def target_entries(self, shape: str, rank: int) -> list[int | None]:
-        """The constant entries of an Expand target shape (a constant, or a Concat of pieces; None where unknown)."""
-        if shape in self.constants:
-            return [int(v) for v in self.constants[shape].ravel()]
-        node = self.producers.get(shape)
-        if node is None or node.op_type != "Concat":
-            return [None] * rank
-        entries: list[int | None] = []
-        for piece in node.input:
-            if piece in self.constants:
-                entries += [int(v) for v in self.constants[piece].ravel()]
-            else:
-                dims = self.dims(piece)
-                entries += [None] * (dims[0] if dims and dims[0] is not None else 1)
-        return entries
 
     def check_cast(self, node: onnx.NodeProto, name: str) -> None:
         """A float scaled past 2^31 (Mul by a constant, through Floor / Ceil / Round) and cast to an integer."""

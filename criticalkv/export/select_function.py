@@ -372,9 +372,7 @@ class _Body:
                    queries=queries, keys=keys, values=values, o_proj_weight=o_proj, budget=None,
                    layer_idx=g.attribute_const("layer_idx", "int"))
         if p.method.base.external_scores:  # [1 or B, H_kv, n or 0] -> [B, H_kv, n or 0]
-            # the target keeps the scores' own last axis (not 1): OpenVINO broadcasts a 0 against a 1 to 1
-            # (criticalkv.export.openvino_rules, "expand-zero")
-            ctx["scores"] = g.Expand(SCORES_INPUT, g.concat(batch, g.i64(self.kv_heads), g.shape_of(SCORES_INPUT, 2, 3)))
+            ctx["scores"] = g.Expand(SCORES_INPUT, g.concat(batch, g.i64(self.kv_heads, 1)))
         if p.method.base.evicts:
             # the request's budget, clamped to [min_budget, budget] (the build fixes only the capacity)
             requested = g.Cast(g.reshape(kv_budget, [-1]), to=INT64)

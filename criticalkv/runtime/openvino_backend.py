@@ -2,7 +2,8 @@
 
 Graphs (``criticalkv.graphs``): ``prefill_openvino.onnx`` (the prompt, the selection inside: the nodes' bodies inlined,
 since OpenVINO's ONNX frontend converts no model-local function; causal attention as one MatMul-Where-Softmax-MatMul
-chain, which the CPU plugin fuses into one attention subgraph), ``decode.onnx`` (the portable decode), and at first use
+chain, which the CPU plugin fuses into one attention subgraph), ``decode_openvino.onnx`` (one token per row over each
+row's first max(lengths) entries), and at first use
 ``extend_openvino.onnx`` (chunked prefill, a question after a context; with the engine's streams),
 ``select_openvino.onnx`` / ``select_context_openvino.onnx`` (the chunked prefill's selection) and ``reread.onnx`` (a
 method's re-read passes: the portable graph, whose Loop OpenVINO converts). ``criticalkv.export.openvino_rules`` says
@@ -66,11 +67,11 @@ class OpenVINOBackend(HostKVBuffers):
         self.read_shapes(manifest)
         if manifest["build"].get("kv_dtype", "float32") != "float32":
             raise EngineError(f"{folder}: its KV buffers are {manifest['build']['kv_dtype']} (--kv-dtype): the OpenVINO "
-                              "backend decodes float32 buffers (decode.onnx); rebuild with --kv-dtype float32")
+                              "backend decodes float32 buffers; rebuild with --kv-dtype float32")
         self.num_heads = manifest["model"]["spec"]["num_heads"]
         self.window = manifest["policy"]["window"]
         self.files = {**manifest["onnx"]["files"], **{f"{k}_openvino": v for k, v in info.items()
-                                                       if k in ("prefill", "extend", "select", "select_context") and v}}
+                                                       if k in ("prefill", "extend", "select", "select_context", "decode") and v}}
         precision = precision or os.environ.get(PRECISION_ENV) or "default"
         if precision not in PRECISIONS:
             raise ValueError(f"precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -91,7 +92,7 @@ class OpenVINOBackend(HostKVBuffers):
         self._requests: dict[str, Any] = {}
         start = time.perf_counter()
         self.compiled("prefill_openvino")
-        self.compiled("decode")
+        self.compiled("decode_openvino")
         #: seconds to read (or import from the cache) and compile the prefill and decode graphs
         self.load_s = time.perf_counter() - start
         #: the precision the CPU plugin computes in (``bf16`` / ``f32``)
@@ -167,7 +168,7 @@ class OpenVINOBackend(HostKVBuffers):
             feeds[graphs.past_key(i)] = self.keys[i][:batch]
             feeds[graphs.past_value(i)] = self.values[i][:batch]
             feeds[graphs.past_lengths(i)] = self.lengths[i][:batch]
-        out = self.run("decode", feeds, copy=False)
+        out = self.run("decode_openvino", feeds, copy=False)
         self.logits[:batch] = out[graphs.LOGITS]
         for i in range(self.num_layers):
             self.new_keys[i][:batch] = out[graphs.present_key(i)]
