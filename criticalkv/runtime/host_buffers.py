@@ -38,6 +38,11 @@ class HostKVBuffers(BuiltShapes):
     def kv_buffer_bytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
+    def to_kv(self, x: np.ndarray) -> np.ndarray:
+        """A prefill's float32 entries as the decode buffers hold them (``kv_dtype``; the identity here, NumPy's
+        assignment converts to float16: a backend that stores another form converts them)."""
+        return x
+
     def _check_equal_lengths(self, lengths: list[np.ndarray], what: str) -> None:
         """A backend whose decode graph needs something of a row's heads checks it here (``lengths``: per layer
         [H_kv] of a row loaded from ``what``); none by default."""
@@ -52,8 +57,8 @@ class HostKVBuffers(BuiltShapes):
         self._check_equal_lengths([prefill.lengths[i][row] for i in range(self.num_layers)], "the prefill's")
         for i in range(self.num_layers):
             kept = prefill.keys[i].shape[2]
-            self.keys[i][target, :, :kept] = prefill.keys[i][row]
-            self.values[i][target, :, :kept] = prefill.values[i][row]
+            self.keys[i][target, :, :kept] = self.to_kv(prefill.keys[i][row])
+            self.values[i][target, :, :kept] = self.to_kv(prefill.values[i][row])
             self.lengths[i][target] = prefill.lengths[i][row]
 
     def save_row(self, row: int) -> RowSnapshot:

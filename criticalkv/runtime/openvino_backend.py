@@ -17,9 +17,13 @@ default). Compiled models are cached (``cache_dir``, ``$CRITICALKV_OV_CACHE``; d
 openvino``, "" = off) in a folder per engine weights (their sha256 from the manifest: OpenVINO keys its cache by the
 graph file, and two engines may share byte-identical graphs over other weights), so a second load skips the compilation.
 
-KV rows: ``criticalkv.runtime.host_buffers`` (float32, the layout of ONNX Runtime's portable graphs): the decode and
-extend graphs return the new entries, written at each head's length here. Inputs are handed to OpenVINO without a copy
-(``share_inputs``).
+KV rows: ``criticalkv.runtime.host_buffers`` (the layout of ONNX Runtime's portable graphs): the decode and extend
+graphs return the new entries, written at each head's length here. Where the plugin computes in bf16 the rows hold
+bfloat16 (the values it would round them to anyway, half the memory): the decode graph takes them as bf16 inputs
+(``PrePostProcessor``), so no step converts a whole buffer (measured on the bundled model, budget 256: 9 ms of a 33 ms
+step converted the float32 buffers to bf16 before slicing their held entries); an extend over a row runs on a float32
+copy of it (the rows' values exactly), whose new entries are rounded back. f32: float32 rows. Inputs are handed to
+OpenVINO without a copy (``share_inputs``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import openvino as ov
+from openvino.preprocess import PrePostProcessor
 
 from criticalkv import graphs
 from criticalkv.runtime.backend import ExtendOutputs, PrefillBuffer, PrefillOutputs, budget_feed
@@ -42,6 +47,17 @@ THREADS_ENV = "CRITICALKV_OV_THREADS"
 CACHE_ENV = "CRITICALKV_OV_CACHE"
 #: ``default``: the CPU plugin's inference precision (bf16 where the CPU has it); ``f32``: full precision (parity).
 PRECISIONS = ("default", "f32")
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounded to nearest even (as the CPU plugin converts)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16(x: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) -> float32 (exact)."""
+    return (np.asarray(x, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def default_cache_dir() -> Path:
@@ -92,11 +108,13 @@ class OpenVINOBackend(HostKVBuffers):
         self._requests: dict[str, Any] = {}
         start = time.perf_counter()
         self.compiled("prefill_openvino")
+        #: the precision the CPU plugin computes in (``bf16`` / ``f32``)
+        self.precision = self._compiled["prefill_openvino"].get_property("INFERENCE_PRECISION_HINT").to_string()
+        #: bfloat16 rows (uint16 bits) where the plugin computes in bf16, else float32
+        self.kv_dtype = np.dtype(np.uint16 if self.precision == "bf16" else np.float32)
         self.compiled("decode_openvino")
         #: seconds to read (or import from the cache) and compile the prefill and decode graphs
         self.load_s = time.perf_counter() - start
-        #: the precision the CPU plugin computes in (``bf16`` / ``f32``)
-        self.precision = self._compiled["prefill_openvino"].get_property("INFERENCE_PRECISION_HINT").to_string()
         self.has_extend = "extend_openvino" in self.files and "select_openvino" in self.files
         self.accepts_kv_budget = True
         #: the streams extend_openvino.onnx returns for the new entries (``criticalkv.methods.phases.Stream``)
@@ -115,7 +133,14 @@ class OpenVINOBackend(HostKVBuffers):
                 raise EngineError(f"{self.folder}: this engine has no {graph} graph for OpenVINO; rebuild it with "
                                   "scripts/build_engine.py")
             try:
-                self._compiled[graph] = self.core.compile_model(str(self.folder / name), self.device, self.config)
+                model = str(self.folder / name)
+                if graph == "decode_openvino" and self.kv_dtype == np.uint16:  # bf16 rows: bf16 inputs
+                    model = PrePostProcessor(self.core.read_model(model))
+                    for i in range(self.num_layers):
+                        for past in (graphs.past_key(i), graphs.past_value(i)):
+                            model.input(past).tensor().set_element_type(ov.Type.bf16)
+                    model = model.build()
+                self._compiled[graph] = self.core.compile_model(model, self.device, self.config)
             except RuntimeError as err:
                 lines = [line for line in str(err).splitlines() if line.strip()]
                 raise EngineError(f"{self.folder / name}: OpenVINO cannot compile it: {' '.join(lines[-6:])}") from None
@@ -165,14 +190,14 @@ class OpenVINOBackend(HostKVBuffers):
         self.position_ids[:batch, 0] = positions
         feeds = {graphs.INPUT_IDS: self.token_ids[:batch], graphs.POSITION_IDS: self.position_ids[:batch]}
         for i in range(self.num_layers):
-            feeds[graphs.past_key(i)] = self.keys[i][:batch]
-            feeds[graphs.past_value(i)] = self.values[i][:batch]
+            feeds[graphs.past_key(i)] = self.kv_input(self.keys[i][:batch])
+            feeds[graphs.past_value(i)] = self.kv_input(self.values[i][:batch])
             feeds[graphs.past_lengths(i)] = self.lengths[i][:batch]
         out = self.run("decode_openvino", feeds, copy=False)
         self.logits[:batch] = out[graphs.LOGITS]
         for i in range(self.num_layers):
-            self.new_keys[i][:batch] = out[graphs.present_key(i)]
-            self.new_values[i][:batch] = out[graphs.present_value(i)]
+            self.new_keys[i][:batch] = self.to_kv(out[graphs.present_key(i)])
+            self.new_values[i][:batch] = self.to_kv(out[graphs.present_value(i)])
         if batch not in self._indices:
             self._indices[batch] = tuple(np.indices((batch, self.kv_heads)))
         self.store_decoded(batch, *self._indices[batch])
@@ -208,10 +233,28 @@ class OpenVINOBackend(HostKVBuffers):
             {name: [out[graphs.present_stream(i, name)] for i in layers] for name in self.streams})
 
     def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
+        """``extend`` over decode row ``row``; bf16 rows: over a float32 copy of the row (its values exactly), whose
+        entries, the new ones rounded to bf16, are written back."""
         self.check_row(row)
         view = slice(row, row + 1)
-        return self.extend([k[view] for k in self.keys], [v[view] for v in self.values], [n[view] for n in self.lengths],
-                           token_ids, positions)
+        lengths = [n[view] for n in self.lengths]
+        if self.kv_dtype == np.float32:
+            return self.extend([k[view] for k in self.keys], [v[view] for v in self.values], lengths, token_ids, positions)
+        keys = [from_bf16(k[view]) for k in self.keys]
+        values = [from_bf16(v[view]) for v in self.values]
+        out = self.extend(keys, values, lengths, token_ids, positions)
+        for i in range(self.num_layers):
+            n = int(lengths[i].max())
+            self.keys[i][view, :, :n] = to_bf16(keys[i][:, :, :n])
+            self.values[i][view, :, :n] = to_bf16(values[i][:, :, :n])
+        return out
+
+    def to_kv(self, x: np.ndarray) -> np.ndarray:
+        return to_bf16(x) if self.kv_dtype == np.uint16 else x
+
+    def kv_input(self, rows: np.ndarray):
+        """Rows of a K or V buffer as the decode graph's input: bf16 bits as a bf16 tensor over the same memory."""
+        return ov.Tensor(rows, rows.shape, ov.Type.bf16) if rows.dtype == np.uint16 else rows
 
     def extend_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         return self.extend(buffer.keys, buffer.values, buffer.lengths, token_ids, positions)

@@ -186,3 +186,32 @@ def test_the_default_precision_is_within_the_flash_attention_rule(model, tmp_pat
             torch_low = {i for i in ref_low.prefill.selections[layer].indices[0, head].tolist() if i >= 0}
             ours = {int(i) for i in pre.indices[layer][0, head] if i >= 0}
             assert len(want - ours) <= 2 * len(want - torch_low) + 1, (low, layer, head)
+
+
+def test_bf16_rows_serve_like_the_engine_alone(model, tmp_path):
+    """At the CPU's default precision (bf16 rows where the plugin computes in bf16): a cached context, a question
+    through the extend graph over a bf16 row and decoding give what the engine gives each request alone; the rows
+    take half the bytes of float32 ones."""
+    policy = KVPolicy("criticalkv", budget=40, window=8)
+    folder = export_tiny_engine(model, policy, tmp_path / "engine", max_batch_size=3, extend_chunk=32,
+                                max_question_len=24)
+    engine = load(folder, precision="default")
+    try:
+        bf16 = engine.backend.precision == "bf16"
+        assert engine.backend.kv_dtype == (np.uint16 if bf16 else np.float32)
+        f32 = load(folder)
+        assert engine.backend.kv_buffer_bytes() * (2 if bf16 else 1) == f32.backend.kv_buffer_bytes()
+        f32.close()
+        context = random_prompt(150, seed=70)
+        questions = [random_prompt(6 + i, seed=71 + i) for i in range(3)]
+        expected = [engine.generate([context], 5, stop_token_ids=[], questions=[q]).tokens[0] for q in questions]
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        try:
+            params = SamplingParams(max_tokens=5, ignore_eos=True)
+            outs = [scheduler.submit(Request(q, params, context_token_ids=context)).result(120) for q in questions]
+            assert [o.token_ids for o in outs] == expected
+            assert [o.context_cache_hit for o in outs] == [False, True, True]
+        finally:
+            scheduler.close()
+    finally:
+        engine.close()
