@@ -261,7 +261,7 @@ def export_engine(
         "build": config.to_dict(),
         "shapes": result.shapes(),
         "onnx": {**_onnx_files(folder), "validation": validation, "fused_decode": result.fused_decode,
-                 "fused_prompt": result.fused_prompt, "weights": result.weights},
+                 "fused_prompt": result.fused_prompt, "weights": result.weights, "openvino": result.openvino},
         "generation": {"eos_token_ids": stop_token_ids(tokenizer, model) if tokenizer is not None else [],
                        "chat_template": bool(getattr(tokenizer, "chat_template", None))},
         "versions": package_versions(),

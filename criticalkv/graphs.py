@@ -9,8 +9,8 @@ a method's phases (``criticalkv.methods.phases``) the re-read's scores and the s
 Graphs (``FILES``): ``prefill`` (the prompt, selection inside), ``extend`` (N tokens over a row or a prompt's buffer),
 ``select`` (the selection over a prompt prefilled in chunks), ``select_context`` (the same with the context policy),
 ``decode`` (one token per row), ``reread`` (``extend`` that also scores the past entries: a method's re-read pass), each
-in the portable form (what TensorRT parses), some also in ONNX Runtime's fused form (``_ort``) or TensorRT's
-(``_tensorrt``).
+in the portable form (what TensorRT parses), some also in ONNX Runtime's fused form (``_ort``), TensorRT's
+(``_tensorrt``) or OpenVINO's (``_openvino``: the selection bodies inlined, attention without a Loop).
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ FILES: dict[str, str] = {
     "select_context": "select_context.onnx",
     "reread": "reread.onnx",
     "reread_ort": "reread_ort.onnx",
+    "prefill_openvino": "prefill_openvino.onnx",
+    "extend_openvino": "extend_openvino.onnx",
+    "select_openvino": "select_openvino.onnx",
+    "decode_openvino": "decode_openvino.onnx",
+    "select_context_openvino": "select_context_openvino.onnx",
 }
 
 # ---------------------------------------------------------------------- inputs and outputs that every layer shares

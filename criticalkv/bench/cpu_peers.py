@@ -8,13 +8,15 @@ Build the engines for batches of 8 prompts of 2k tokens, e.g.
 ``python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-input-len 2048 --max-batch-size 8
 --output engines/ckv256`` (and ``--kv-policy full`` for ``engines/full``).
 
-Systems (criticalkv in this process; each peer in its own process and virtual environment, through
-``criticalkv/bench/cpu_peer_runner.py``, which imports nothing from criticalkv):
+Systems (each in its own process: criticalkv's engines through ``criticalkv.bench.engine_worker``, each peer in its
+virtual environment through ``criticalkv/bench/cpu_peer_runner.py``, which imports nothing from criticalkv):
 
-* criticalkv: ``Engine.generate`` of every ``--engine-dir`` on ONNX Runtime (stop tokens off), in the forms the engine
-  runs by default (the fused prompt and decode graphs, with the weights it was built with: ``--weights fp32|int8|int4``;
-  a row is named by its weights when they are not fp32), and of every ``--portable-engine-dir`` with its portable graphs
-  (``prefill.onnx``, ``decode.onnx``: fp32, the Loop attention);
+* criticalkv: ``Engine.generate`` of every ``--engine-dir`` on every ``--backends`` (stop tokens off; one engine per
+  process, ``criticalkv.bench.engine_worker``): ONNX Runtime in the forms the engine runs by default (the fused prompt
+  and decode graphs, with the weights it was built with: ``--weights fp32|int8|int4``; a row is named by its weights
+  when they are not fp32), OpenVINO with the engine's openvino graphs at the CPU plugin's default precision (``on
+  OpenVINO (bf16)`` where the CPU has BF16); and of every ``--portable-engine-dir`` with its portable graphs
+  (``prefill.onnx``, ``decode.onnx``: fp32, the Loop attention) on ONNX Runtime;
 * onnxruntime-genai 0.18: its model builder's fp32 CPU export of the same Hugging Face folder
   (``python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32 -e cpu``), one ``Generator``;
 * OpenVINO GenAI 2026.4: ``optimum-cli export openvino --weight-format fp32 --task text-generation-with-past``
@@ -39,9 +41,11 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+from criticalkv.bench.engine_worker import label
 from criticalkv.bench.peers import peer_python, peer_ready
 
 RUNNER = Path(__file__).with_name("cpu_peer_runner.py")
@@ -59,14 +63,8 @@ def ov_label(precision: str | None) -> str:
     return f"{LABELS['openvino']}, {precision or '?'} compute)"
 
 
-def label(policy: str, budget: int | None, weights: str = "fp32", portable: bool = False) -> str:
-    """A criticalkv engine's row: ``criticalkv full``, ``criticalkv b=256``, ``criticalkv adakv b=128``, with
-    `` int8`` / `` int4`` for its weights and `` (portable graphs)`` for the portable form."""
-    if policy == "full":
-        name = "criticalkv full"
-    else:
-        name = f"criticalkv b={budget}" if policy == "criticalkv" else f"criticalkv {policy} b={budget}"
-    return name + ("" if weights == "fp32" else f" {weights}") + (" (portable graphs)" if portable else "")
+#: What a criticalkv row's label says when the engine ran on the OpenVINO backend (``engine_worker.label``).
+ON_OPENVINO = " on OpenVINO"
 
 
 def weights_of(label_: str) -> str:
@@ -90,6 +88,18 @@ def parse_peers(text: str) -> list[str]:
     unknown = [n for n in names if n not in CPU_PEERS]
     if unknown:
         raise ValueError(f"--peers: unknown {', '.join(unknown)} (choose from {', '.join(CPU_PEERS)})")
+    return names
+
+
+#: The criticalkv backends ``bench peers`` runs engines on (``--backends``).
+ENGINE_BACKENDS = ("onnxruntime", "openvino")
+
+
+def parse_backends(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    bad = [n for n in names if n not in ENGINE_BACKENDS]
+    if bad or not names:
+        raise ValueError(f"--backends: expected a comma-separated subset of {','.join(ENGINE_BACKENDS)}, got {text!r}")
     return names
 
 
@@ -148,66 +158,28 @@ def ensure_export(root: Path, name: str, model_dir: Path, log=print) -> tuple[Pa
 
 
 # ---------------------------------------------------------------------------------------------- workers
-class CriticalKVWorker:
-    """criticalkv's ``Engine`` in this process, with the peers' request interface."""
+class WorkerProcess:
+    """A worker process speaking JSON lines over stdin/stdout (``cpu_peer_runner.py`` in a peer's environment,
+    ``criticalkv.bench.engine_worker`` for a criticalkv engine): one system per process."""
 
-    def __init__(self, engine_dir: Path, portable: bool = False):
-        from criticalkv.runtime import Engine
-
-        start = time.perf_counter()
-        forms = {"prefill": "portable", "decode": "portable"} if portable else {}
-        self.engine = Engine.load(engine_dir, **forms)
-        self.load_s = time.perf_counter() - start
-        policy = self.engine.policy
-        weights = self.engine.manifest["onnx"].get("weights") or {"format": "fp32"}
-        self.weights = "fp32" if portable else weights["format"]
-        self.label = label(policy.name, policy.budget, self.weights, portable)
-        #: the bytes of weights one decode step reads (the decode floor of this row): fp32, or the integer forms
-        from criticalkv.bench.floors import LayerShapes
-
-        fp32 = LayerShapes.from_spec(self.engine.manifest["model"]["spec"]).weight_bytes()
-        self.weight_bytes = fp32 if self.weights == "fp32" else weights["bytes"]
-
-    def single(self, ids, new_tokens: int) -> dict:
-        out = self.engine.generate([list(ids)], max_new_tokens=new_tokens, stop_token_ids=[])
-        return {"prefill_s": out.prefill_s, "decode_s_per_token": out.decode_s_per_token, "tokens": list(out.tokens[0])}
-
-    def batch(self, prompts, new_tokens: int, eviction=None) -> dict:
-        start = time.perf_counter()
-        out = self.engine.generate([list(p) for p in prompts], max_new_tokens=new_tokens, stop_token_ids=[])
-        seconds = time.perf_counter() - start
-        return {"seconds": seconds, "output_tokens": sum(len(t) for t in out.tokens), "tokens": [list(t) for t in out.tokens]}
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-class PeerWorker:
-    """A ``cpu_peer_runner.py`` process in the peer's virtual environment (JSON lines over stdin/stdout)."""
-
-    def __init__(self, root: Path, name: str, model: Path, cache_gb: int = 1, precision: str = "default"):
-        self.name, self.label = name, LABELS[name]
-        self.log = Path(root) / "logs" / f"{name}.log"  # the peer's own messages, quoted when it fails
+    def __init__(self, name: str, command: list[str], log: Path):
+        self.name = name
+        self.log = log  # the worker's own messages, quoted when it fails
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as err:
-            self.proc = subprocess.Popen([str(peer_python(root, name)), str(RUNNER), "--impl", name, "--model", str(model),
-                                          "--cache-gb", str(cache_gb), "--precision", precision],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=err, text=True)
+            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
         self.load_s = self._read()["load_s"]
-        info = self.request({"op": "info"})
-        self.versions, self.precision = info["versions"], info.get("precision")
-        if name == "openvino":
-            self.label = ov_label(self.precision)
+        self.info = self.request({"op": "info"})
+        self.versions = self.info.get("versions")
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
             tail = self.log.read_text(errors="replace")[-3000:] if self.log.is_file() else ""
-            raise RuntimeError(f"peer {self.name} exited (status {self.proc.wait()}); {self.log}:\n{tail}")
+            raise RuntimeError(f"{self.name} exited (status {self.proc.wait()}); {self.log}:\n{tail}")
         answer = json.loads(line)
         if "error" in answer:
-            raise RuntimeError(f"peer {self.name}: {answer['error']}")
+            raise RuntimeError(f"{self.name}: {answer['error']}")
         return answer
 
     def request(self, message: dict) -> dict:
@@ -229,6 +201,29 @@ class PeerWorker:
             self.proc.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
+
+
+class CriticalKVWorker(WorkerProcess):
+    """A criticalkv engine on one backend in its own process (``criticalkv.bench.engine_worker``)."""
+
+    def __init__(self, root: Path, engine_dir: Path, backend: str = "onnxruntime", portable: bool = False):
+        command = [sys.executable, "-m", "criticalkv.bench.engine_worker", "--engine-dir", str(engine_dir),
+                   "--backend", backend] + (["--portable"] if portable else [])
+        stem = f"criticalkv-{Path(engine_dir).name}-{backend}{'-portable' if portable else ''}"
+        super().__init__(stem, command, Path(root) / "logs" / f"{stem}.log")
+        self.label, self.weight_bytes, self.weights = self.info["label"], self.info["weight_bytes"], self.info["weights"]
+
+
+class PeerWorker(WorkerProcess):
+    """A ``cpu_peer_runner.py`` process in the peer's virtual environment."""
+
+    def __init__(self, root: Path, name: str, model: Path, cache_gb: int = 1, precision: str = "default"):
+        super().__init__(name, [str(peer_python(root, name)), str(RUNNER), "--impl", name, "--model", str(model),
+                                "--cache-gb", str(cache_gb), "--precision", precision],
+                         Path(root) / "logs" / f"{name}.log")
+        self.label, self.precision = LABELS[name], self.info.get("precision")
+        if name == "openvino":
+            self.label = ov_label(self.precision)
 
 
 def _display(command: list[str]) -> str:
@@ -258,9 +253,10 @@ def common_prefix(a, b) -> int:
 
 def run(engine_dirs: list[Path], peers: list[str], root: Path, isl: int = 2025, new_tokens: int = 64, batch: int = 8,
         repeats: int = 2, eviction: dict | None = None, model=None, seed: int = 0, ov_precisions=OV_PRECISIONS,
-        log=print, portable_dirs: list[Path] = ()) -> dict:
-    """Every system on the same ids, interleaved; returns the raw runs, medians and the floors. ``portable_dirs``:
-    engines run with their portable graphs (rows beside their default forms)."""
+        log=print, portable_dirs: list[Path] = (), backends=("onnxruntime",)) -> dict:
+    """Every system on the same ids, interleaved, each in its own process; returns the raw runs, medians and the
+    floors. ``backends``: the criticalkv backends every engine of ``engine_dirs`` runs on (a row each);
+    ``portable_dirs``: engines run with their portable graphs on ONNX Runtime (rows beside their default forms)."""
     from transformers import AutoTokenizer
 
     from criticalkv.bench import floors
@@ -280,8 +276,9 @@ def run(engine_dirs: list[Path], peers: list[str], root: Path, isl: int = 2025, 
            "exports": {n: _display(c) for n, (_, c) in exports.items()}, "systems": {}}
     workers = {}
     try:
-        for d, portable in [(d, False) for d in engine_dirs] + [(d, True) for d in portable_dirs]:
-            w = CriticalKVWorker(Path(d), portable)
+        for d, backend, portable in ([(d, b, False) for d in engine_dirs for b in backends]
+                                     + [(d, "onnxruntime", True) for d in portable_dirs]):
+            w = CriticalKVWorker(root, Path(d), backend, portable)
             workers[w.label] = w
         for name in peers:
             for precision in (ov_precisions if name == "openvino" else ["default"]):
@@ -355,8 +352,13 @@ def _find(systems: dict, prefix: str) -> dict | None:
 def targets(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
     """The issue's targets: (what, measured ratio, bound, met) for each; None where a system is missing."""
     systems = results["systems"]
-    ckv = next((v for k, v in systems.items() if k.startswith("criticalkv") and not k.endswith(" full")
-                and weights_of(k) == "fp32" and "portable" not in k), None)
+
+    def budgeted(backend_part: bool):
+        """The first budgeted fp32 criticalkv row, on OpenVINO or not (its default forms)."""
+        return next((v for k, v in systems.items() if k.startswith("criticalkv") and " full" not in k
+                     and weights_of(k) == "fp32" and "portable" not in k and (ON_OPENVINO in k) == backend_part), None)
+
+    ckv, ckv_ov = budgeted(False), budgeted(True)
     ov = _find(systems, LABELS["openvino"])  # the first OpenVINO row: its default precision, what a user gets
     og = systems.get(LABELS["onnxruntime-genai"])
     floor_ms = decode_floor_ms(results)
@@ -370,15 +372,15 @@ def targets(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
 
     get = (lambda s, k: s.get(k) if s else None)
 
-    def against(ov, suffix=""):
-        add(f"prefill: criticalkv b / OpenVINO{suffix}", ratio(get(ckv, "prefill_s_median"), get(ov, "prefill_s_median")),
+    def against(ov, suffix="", ckv=ckv, name="criticalkv b"):
+        add(f"prefill: {name} / OpenVINO{suffix}", ratio(get(ckv, "prefill_s_median"), get(ov, "prefill_s_median")),
             "<= 1.0", lambda v: v <= 1.0)
-        add(f"decode: criticalkv b / OpenVINO{suffix} (full cache)",
+        add(f"decode: {name} / OpenVINO{suffix} (full cache)",
             ratio(get(ckv, "decode_ms_median"), get(ov, "decode_ms_median")), "<= 0.8", lambda v: v <= 0.8)
-        if not suffix:
+        if not suffix and name == "criticalkv b":
             add("decode: criticalkv b / weight-bandwidth floor", ratio(get(ckv, "decode_ms_median"), floor_ms), "<= 1.25",
                 lambda v: v <= 1.25)
-        add(f"batch: criticalkv b / OpenVINO{suffix} with eviction (tokens/s)",
+        add(f"batch: {name} / OpenVINO{suffix} with eviction (tokens/s)",
             ratio(get(ckv, "batch_tokens_per_s_median"), get(ov, "batch_eviction_tokens_per_s_median")), ">= 1.0",
             lambda v: v >= 1.0)
 
@@ -387,6 +389,8 @@ def targets(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
     for key, other in systems.items():
         if key.startswith(LABELS["openvino"]) and other is not ov:
             against(other, " " + key[len(LABELS["openvino"]):].strip(" ,()").replace(" compute", ""))
+    if ckv_ov is not None:  # criticalkv's own OpenVINO backend against OpenVINO GenAI at its default precision
+        against(ov, ckv=ckv_ov, name="criticalkv b" + ON_OPENVINO)
     # the lower-precision engines (--weights int8|int4) against OpenVINO's default (bf16 where the CPU has it) and the
     # floor of their own weight bytes
     for key, low in systems.items():

@@ -85,6 +85,9 @@ def register(subparsers) -> None:
     cpu.add_argument("--engine-dir", action="append", type=Path, required=True,
                      help="a criticalkv engine built with --max-batch-size >= --batch (repeat: e.g. full and b=256), run "
                      "in its default forms (fused graphs, its --weights)")
+    cpu.add_argument("--backends", default="onnxruntime",
+                     help="criticalkv backends every --engine-dir runs on, comma-separated: onnxruntime and/or openvino "
+                     "(its openvino graphs at the CPU's default precision; default: %(default)s)")
     cpu.add_argument("--portable-engine-dir", action="append", type=Path, default=[],
                      help="an engine run with its portable graphs (prefill.onnx, decode.onnx: fp32) as its own row "
                      "(repeat)")
@@ -220,12 +223,13 @@ def run_cpu_peers(args) -> int:
     names = cpu_peers.parse_peers(args.peers)
     eviction = cpu_peers.parse_eviction(args.ov_eviction)
     precisions = cpu_peers.parse_precisions(args.ov_precision)
+    backends = cpu_peers.parse_backends(args.backends)
     cpu_peers.check_ready(args.peers_dir, names)
     results = machine.header(command_line())
     print("\n".join(machine.header_lines(results)), flush=True)
     results.update(cpu_peers.run(args.engine_dir, names, args.peers_dir, args.isl, args.new_tokens, args.batch,
                                  args.repeats, eviction, model=args.model, seed=args.seed, ov_precisions=precisions,
-                                 portable_dirs=args.portable_engine_dir))
+                                 portable_dirs=args.portable_engine_dir, backends=backends))
     machine.finish(results)
     stem = Path(args.out) / args.name
     report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")

@@ -41,10 +41,12 @@ def register(subparsers) -> None:
     p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--engine-dir", type=Path,
                    help="run an engine built by scripts/build_engine.py (ONNX Runtime or TensorRT) instead of PyTorch")
-    p.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch"), default=None,
+    p.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch", "openvino"), default=None,
                    help="with --engine-dir only: ONNX Runtime (CPU; the default for an exported engine), the TensorRT "
-                        "engines (GPU, CUDA graphs), or torch (the checkpoint's own layers with the selection op: CUDA "
-                        "graphs on a GPU, else the CPU; the default for an engine built with --backend torch)")
+                        "engines (GPU, CUDA graphs), torch (the checkpoint's own layers with the selection op: CUDA "
+                        "graphs on a GPU, else the CPU; the default for an engine built with --backend torch), or "
+                        "openvino (CPU, the engine's openvino graphs at the CPU's default precision: bf16 where it has "
+                        "it; pip install 'criticalkv[openvino]')")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as the user turn of the model's chat template")
     p.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=positive_int, default=None,
                    help=f"tokens to generate at most (default: {MAX_TOKENS}, or an engine's built maximum when that "

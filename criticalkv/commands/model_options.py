@@ -37,8 +37,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "--kv-policy). "
                         "It must be one of the two the engine was built with (results/README.md, question-agnostic "
                         "quality, says why that one)")
-    p.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch"), default=None,
-                   help="onnxruntime (KIND_CPU; the default for an exported engine), tensorrt (KIND_GPU), or torch (the "
+    p.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch", "openvino"), default=None,
+                   help="onnxruntime (KIND_CPU; the default for an exported engine), openvino (KIND_CPU: the engine's "
+                        "openvino graphs), tensorrt (KIND_GPU), or torch (the "
                         "checkpoint's own layers and the selection op; the default for an engine built with --backend "
                         "torch; needs torch and transformers in the model's Python: the bundled CPU server's model "
                         "environment reaches the project's, a Triton container needs them installed)")

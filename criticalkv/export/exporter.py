@@ -24,6 +24,7 @@ from criticalkv.export.llama import (
     model_spec,
 )
 from criticalkv.export.model_select import tensorrt_refusal
+from criticalkv.export.openvino_rules import check_openvino_model, describe, openvino_refusal
 from criticalkv.export.quantize import quantize_store
 from criticalkv.graphs import FILES
 from criticalkv.methods.phases import REREAD_PROMPT_ROOM, BuildPhases
@@ -53,6 +54,11 @@ REREAD_FILE = FILES["reread"]
 #: The same on the fused extend graph (``DecoderGraphBuilder.extend_fused(score=True)``: ONNX Runtime only,
 #: GroupQueryAttention's probabilities), beside the fused prompt graphs when the re-read graph is written
 REREAD_ORT_FILE = FILES["reread_ort"]
+#: The openvino flavour (the selection bodies inlined, attention without a Loop, standard operators only:
+#: ``criticalkv.export.openvino_rules``), by graph
+OPENVINO_FILES = {"prefill": FILES["prefill_openvino"], "extend": FILES["extend_openvino"],
+                  "select": FILES["select_openvino"], "decode": FILES["decode_openvino"]}
+SELECT_CONTEXT_OPENVINO_FILE = FILES["select_context_openvino"]
 TOKENIZER_DIR = "tokenizer"
 @dataclass
 class ExportResult:
@@ -77,6 +83,8 @@ class ExportResult:
     #: what the policies' methods need beyond their layers (``criticalkv.methods.phases``): the streams whose weights
     #: the engine holds, whether it re-reads prompts, the methods' data for the manifest
     phases: BuildPhases = field(default_factory=BuildPhases)
+    #: the openvino flavour: {"prefill", "extend", "select", "select_context"} files, or {"prefill": None, "refused": why}
+    openvino: dict | None = None
 
     def shapes(self) -> dict:
         shapes = {
@@ -191,10 +199,38 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
             prompt["reread"] = REREAD_ORT_FILE
             prompt["reread_max_positions"] = 2 * config.max_input_len + REREAD_PROMPT_ROOM
             onnx.save(builder.extend_fused(prompt["reread_max_positions"], score=True), folder / REREAD_ORT_FILE)
+    openvino = export_openvino(spec, store, policy, capacities, decode_capacities, config, folder, context_policy,
+                               context_capacities)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder / TOKENIZER_DIR)
     return ExportResult(folder, spec, policy, config, capacities, decode_capacities, store.nbytes(), fused, prompt,
-                        weights, context_policy, context_capacities, phases)
+                        weights, context_policy, context_capacities, phases, openvino)
+
+
+def export_openvino(spec: ModelSpec, store, policy: KVPolicy, capacities: list[int], decode_capacities: list[int],
+                    config: BuildConfig, folder: Path, context_policy: KVPolicy | None = None,
+                    context_capacities: list[int] | None = None) -> dict:
+    """Write the openvino flavour (``OPENVINO_FILES``; ``select_context_openvino.onnx`` for a context policy of its
+    own) and return what it is (the manifest's ``onnx.openvino``), or why the policy has none: a method whose selection
+    breaks a rule of OpenVINO's CPU plugin (``openvino_rules.POLICY_RULES``: defensivekv's 48-bit integer sums), for the
+    engine's policy or its context policy. Any other broken rule raises ValueError (a bug of the flavour)."""
+    builder = graph_builder(spec, store, policy, capacities, "openvino", config.attention_chunk)
+    graphs_ = {name: builder.decode(decode_capacities) if graph == "decode" else getattr(builder, graph)()
+               for graph, name in OPENVINO_FILES.items()}
+    if context_policy is not None:
+        graphs_[SELECT_CONTEXT_OPENVINO_FILE] = graph_builder(spec, store, context_policy, context_capacities,
+                                                             "openvino", config.attention_chunk).select()
+    for name, model in graphs_.items():
+        violations = check_openvino_model(model)
+        refusal = openvino_refusal(violations)
+        if refusal:
+            return {"prefill": None, "refused": f"{name}: {refusal}"}
+        if violations:
+            raise ValueError(f"{name}: OpenVINO's ONNX frontend would reject it: {describe(violations)}")
+    for name, model in graphs_.items():
+        onnx.save(model, folder / name)
+    return {**{graph: name for graph, name in OPENVINO_FILES.items()},
+            "select_context": SELECT_CONTEXT_OPENVINO_FILE if context_policy is not None else None}
 
 
 def fused_prompt_info(refusal: str | None, config: BuildConfig) -> dict:

@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import onnx
+import onnx.inliner
 from onnx import helper
 
 from criticalkv import graphs
@@ -175,10 +176,13 @@ def layer_capacities(policy: KVPolicy, spec: ModelSpec, max_input_len: int) -> l
     return [node_capacity(policy, max_input_len, spec.num_kv_heads, i, spec.num_layers) for i in range(spec.num_layers)]
 
 
-#: The two flavours of the graphs: ``onnxruntime`` (selection nodes with their function bodies, prompt attention in
-#: query blocks inside a ``Loop``) and ``tensorrt`` (selection nodes without bodies, for the plugin; attention without
-#: a Loop, in the form TensorRT fuses). ``decode.onnx`` is one graph for both.
-FLAVOURS = ("onnxruntime", "tensorrt")
+#: The flavours of the graphs: ``onnxruntime`` (selection nodes with their function bodies, prompt attention in
+#: query blocks inside a ``Loop``), ``tensorrt`` (selection nodes without bodies, for the plugin; attention without
+#: a Loop, in the form TensorRT fuses) and ``openvino`` (the selection nodes' bodies inlined into the graph, since
+#: OpenVINO's ONNX frontend converts no model-local function; attention without a Loop, the MatMul-Where-Softmax-MatMul
+#: chain OpenVINO's CPU plugin fuses into one attention subgraph; no com.microsoft operator:
+#: ``criticalkv.export.openvino_rules``). ``decode.onnx`` is one graph for all of them.
+FLAVOURS = ("onnxruntime", "tensorrt", "openvino")
 
 #: Score of a masked attention entry in the graphs TensorRT builds (the TensorRT prefill flavour, decode):
 #: finite in fp16 and bf16 (a FLOAT32_MIN constant becomes -inf in a weakly typed fp16 engine, and a row masked
@@ -259,7 +263,7 @@ class DecoderGraphBuilder:
         attention_chunk: int = 256,
     ):
         if flavour not in FLAVOURS:
-            raise ValueError(f"flavour: {flavour!r} is not onnxruntime or tensorrt")
+            raise ValueError(f"flavour: {flavour!r} is not one of {', '.join(FLAVOURS)}")
         if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 1:
             raise ValueError(f"attention_chunk: must be a positive integer, got {attention_chunk!r}")
         self.spec, self.store, self.policy, self.capacities = spec, store, policy, capacities
@@ -282,7 +286,14 @@ class DecoderGraphBuilder:
         used = _used_initializers(g.nodes)
         graph = g.graph(name, inputs, outputs, [store.initializer(w) for w in store.arrays if w in used])
         self.g = None
-        return _model(graph, functions, doc)
+        model = _model(graph, functions, doc)
+        if self.flavour == "openvino":
+            # OpenVINO's ONNX frontend converts no model-local function: every node's body goes into the graph, which
+            # then imports the standard operators only
+            model = onnx.inliner.inline_local_functions(model) if functions else model
+            del model.opset_import[:]
+            model.opset_import.append(helper.make_opsetid("", OPSET))
+        return model
 
     def _selection_kind(self, graph: str) -> bool:
         """Whether the policy selects at model level (raises when the builder has no policy, or for the TensorRT
@@ -589,7 +600,8 @@ class DecoderGraphBuilder:
         onnxruntime flavour: ``blocked_attention`` over past[:, :, :P] ⊕ new, P = the largest length (entries of a head
         beyond its own length masked with the float32 minimum, as the prefill's left padding). tensorrt flavour:
         ``causal_attention`` over the whole capacity ⊕ new (a shape from the input's dims, not from its values, like
-        decode), entries beyond each head's length masked."""
+        decode), entries beyond each head's length masked. openvino flavour: ``causal_attention`` over past[:, :, :P] ⊕
+        new (P = the largest length), masked likewise."""
         g, s = self.g, self.spec
         lengths = g.Cast(past_len, to=INT64)  # [B, H_kv]
         if self.flavour == "onnxruntime":
@@ -608,6 +620,9 @@ class DecoderGraphBuilder:
             if "score_range" in ctx:
                 ctx["layer_scores"].append(inner["score_out"])
             return out
+        if self.flavour == "openvino":  # the held entries only (OpenVINO takes a shape from the lengths' values)
+            past = g.reshape(g.ReduceMax(lengths, keepdims=1), [1])  # P
+            past_k, past_v = g.slice_axis(past_k, 0, past, axis=2), g.slice_axis(past_v, 0, past, axis=2)
         cap = g.shape_of(past_k, 2, 3)
         keys = g.concat(past_k, k, axis=2)  # [B, H_kv, cap + N, d_h]
         values = g.concat(past_v, v, axis=2)
@@ -639,7 +654,7 @@ class DecoderGraphBuilder:
         if policy.method.base.needs_rotation:  # RoPE's rotation tables of this model (expected-attention)
             node_inputs.append(self.rotation_tables())
         if policy.method.base.external_scores:  # the phases' scores, or none (the method's fallback)
-            node_inputs.append(scores or self.g.const(np.zeros((1, s.num_kv_heads, 0), np.float32), hint="no_scores"))
+            node_inputs.append(scores or self.no_scores())
         if model_level:  # this layer's ranking (and critical score); its full K/V stay graph tensors until the model node
             scored = [f"{name}_{i}" for name in model_select.score_outputs(policy)]
             self.g.nodes.append(model_select.score_node(policy, i, s.num_layers, self.capacities[i], node_inputs, scored))
@@ -655,6 +670,15 @@ class DecoderGraphBuilder:
             value_info(names[3], INT32, ["batch", s.num_kv_heads, kept]),
         ]
 
+    def no_scores(self) -> str:
+        """[1, H_kv, 0] float32: the selection's scores input when none are given. OpenVINO's ONNX frontend loses the
+        shape of a constant without elements (``openvino_rules``, "empty-constant"): its flavour slices 0 entries off a
+        [1, H_kv, 1] constant instead."""
+        g, heads = self.g, self.spec.num_kv_heads
+        if self.flavour == "openvino":
+            return g.slice_axis(g.const(np.zeros((1, heads, 1), np.float32), hint="one_score"), 0, 0, axis=2)
+        return g.const(np.zeros((1, heads, 0), np.float32), hint="no_scores")
+
     def select_model(self, pending: list, prompt_lengths: str, kv_budget: str) -> None:
         """The model-level selection node after the last layer (one selection over every layer and head)."""
         present = [name(i) for i in range(self.spec.num_layers) for name in graphs.SELECTED]
@@ -664,8 +688,9 @@ class DecoderGraphBuilder:
             + [e[2] for e in pending] + [prompt_lengths, kv_budget], present))
 
     def selection_functions(self, model_level: bool) -> list[onnx.FunctionProto]:
-        """The selection nodes' function bodies (none in the tensorrt flavour: the plugin runs the node)."""
-        if self.flavour != "onnxruntime":
+        """The selection nodes' function bodies (none in the tensorrt flavour: the plugin runs the node; the openvino
+        flavour inlines them, ``_finish``)."""
+        if self.flavour == "tensorrt":
             return []
 
         policy, s = self.policy, self.spec
@@ -708,7 +733,7 @@ class DecoderGraphBuilder:
 
         cos, sin = self.rope_tables(graphs.POSITION_IDS)
         x = g.Gather("embed_tokens", graphs.INPUT_IDS, axis=0)
-        x = self.decoder_layers(x, cos, sin, attention, select, transposed_gemm=self.flavour == "tensorrt")
+        x = self.decoder_layers(x, cos, sin, attention, select, transposed_gemm=self.flavour != "onnxruntime")
         if model_level:
             self.select_model(pending, prompt_lengths, kv_budget)
         self.last_logits(x)
@@ -733,8 +758,10 @@ class DecoderGraphBuilder:
         ]
 
     def decode(self, buffer_capacities: list[int]) -> onnx.ModelProto:
-        """The decode model (one token per sequence) over fixed-capacity per-head KV buffers (one graph for both
-        flavours: TensorRT parses it as it is)."""
+        """The decode model (one token per sequence) over fixed-capacity per-head KV buffers (one graph for the
+        onnxruntime and tensorrt flavours: TensorRT parses it as it is). The openvino flavour (``decode_openvino.onnx``)
+        attends only the first max(lengths) entries of the buffers (``cast_decode_attention`` without the casts: a
+        shape from the lengths' values, which OpenVINO takes) and multiplies by the stored o_proj (``Gemm``)."""
         g = self._begin()
         s = self.spec
         cos, sin = self.rope_tables(graphs.POSITION_IDS)
@@ -745,14 +772,19 @@ class DecoderGraphBuilder:
             inputs += self._past_inputs(i, buffer_capacities[i])
             outputs += [value_info(name(i), FLOAT, ["batch", s.num_kv_heads, 1, s.head_dim]) for name in (graphs.present_key, graphs.present_value)]
 
+        openvino = self.flavour == "openvino"
+
         def attention(i, q, k, v):
             past_k, past_v, past_len = (name(i) for name in graphs.PAST)
+            if openvino:
+                return self.cast_decode_attention(q, k, v, past_k, past_v, past_len, cast=False)
             return self.decode_attention(q, k, v, past_k, past_v, past_len, buffer_capacities[i])
 
-        x = self.decoder_layers(x, cos, sin, attention, decode=True, present_kv=True)
+        x = self.decoder_layers(x, cos, sin, attention, decode=True, present_kv=True, transposed_gemm=openvino)
         self.logits(g.reshape(x, [-1, s.hidden_size]))
         return self._finish("criticalkv_decode", inputs, outputs, [],
-                            "criticalkv decode: one token over fixed-capacity per-head KV buffers")
+                            f"criticalkv decode ({self.flavour} flavour): one token over fixed-capacity per-head KV "
+                            "buffers")
 
     # ------------------------------------------------------------------ the fused decode (ONNX Runtime only)
     def fused_decode_refusal(self) -> str | None:
@@ -826,16 +858,20 @@ class DecoderGraphBuilder:
             rotary_interleaved=0)
         return out
 
-    def cast_decode_attention(self, q: str, k: str, v: str, past_k: str, past_v: str, past_len: str) -> str:
+    def cast_decode_attention(self, q: str, k: str, v: str, past_k: str, past_v: str, past_len: str,
+                              cast: bool = True) -> str:
         """``decode_attention`` over float16 buffers past_k, past_v [B, H_kv, cap, d_h] (the fp16-KV fused decode):
         only the first M = max(past_len) entries are sliced and cast to float32 (a shape from the lengths' values,
         which ONNX Runtime takes and TensorRT would not), then the portable masked attention over them in float32.
-        q [B, H, 1, d_h], k, v [B, H_kv, 1, d_h] float32; returns [B, 1, H*d_h]."""
+        q [B, H, 1, d_h], k, v [B, H_kv, 1, d_h] float32; returns [B, 1, H*d_h]. ``cast=False``: float32 buffers (the
+        openvino decode), sliced only."""
         g, s = self.g, self.spec
         lengths = g.Cast(past_len, to=INT64)  # [B, H_kv]
         longest = g.reshape(g.ReduceMax(lengths, keepdims=1), [1])  # M
-        keys = g.Cast(g.slice_axis(past_k, 0, longest, axis=2), to=FLOAT)  # [B, H_kv, M, d_h]
-        values = g.Cast(g.slice_axis(past_v, 0, longest, axis=2), to=FLOAT)
+        keys = g.slice_axis(past_k, 0, longest, axis=2)  # [B, H_kv, M, d_h]
+        values = g.slice_axis(past_v, 0, longest, axis=2)
+        if cast:
+            keys, values = g.Cast(keys, to=FLOAT), g.Cast(values, to=FLOAT)
         qg = g.reshape(g.Mul(q, self.scale), [0, s.num_kv_heads, s.group, s.head_dim])  # [B, H_kv, G, d_h], scaled
         past_scores = g.MatMul(qg, g.Transpose(keys, perm=[0, 1, 3, 2]))  # [B, H_kv, G, M]
         slots = g.Range(g.scalar(0), g.squeeze(longest, 0), g.scalar(1))
@@ -1160,7 +1196,7 @@ class DecoderGraphBuilder:
         window = self._window("extend")
         if score and self.flavour != "onnxruntime":
             raise ValueError("the re-read graph (extend with the past entries' scores) has the onnxruntime flavour only")
-        streams = bool(self.streams) and not score and self.flavour == "onnxruntime"
+        streams = bool(self.streams) and not score and self.flavour != "tensorrt"
         g = self._begin()
         s = self.spec
         new_tokens = g.shape_of(graphs.INPUT_IDS, 1, 2)  # N
@@ -1194,7 +1230,7 @@ class DecoderGraphBuilder:
         cos, sin = self.rope_tables(graphs.POSITION_IDS)
         x = g.Gather("embed_tokens", graphs.INPUT_IDS, axis=0)  # [B, N, d]
         x = self.decoder_layers(x, cos, sin, attention, window_queries, present_kv=True,
-                                transposed_gemm=self.flavour == "tensorrt",
+                                transposed_gemm=self.flavour != "onnxruntime",
                                 layer_input=self.stream_scores if streams else None)
         self.last_logits(x)
         if score:

@@ -21,9 +21,11 @@ from criticalkv.export.exporter import (
     PREFILL_FILE,
     PREFILL_ORT_FILE,
     PREFILL_TENSORRT_FILE,
+    OPENVINO_FILES,
     REREAD_FILE,
     REREAD_ORT_FILE,
     SELECT_CONTEXT_FILE,
+    SELECT_CONTEXT_OPENVINO_FILE,
     SELECT_FILE,
     SELECT_TENSORRT_FILE,
     ExportResult,
@@ -31,6 +33,7 @@ from criticalkv.export.exporter import (
 from criticalkv.export.llama import ORT_DOMAIN
 from criticalkv.export.quantize import QUANTIZED_OPERATORS
 from criticalkv.export.model_select import MODEL_OP, SCORE_OP, is_model_level, model_attributes, tensorrt_refusal
+from criticalkv.export.openvino_rules import OPENVINO_VERSION, check_openvino_model, describe
 from criticalkv.export.tensorrt_rules import TENSORRT_VERSION, check_tensorrt_model
 from criticalkv.graphs import is_contract_name, present_stream
 from criticalkv.node import DOMAIN, OP_TYPE, policy_from_attributes
@@ -52,13 +55,17 @@ GRAPHS = (
     ("reread", REREAD_FILE, False, False),
     ("reread_ort", REREAD_ORT_FILE, False, False),
 )
+#: The openvino flavour (``criticalkv.export.openvino_rules``): report key -> file. The selection bodies are inlined,
+#: so these graphs hold standard operators only and are checked by OpenVINO's rules instead of the nodes' attributes.
+OPENVINO_GRAPHS = {**{f"{graph}_openvino": name for graph, name in OPENVINO_FILES.items()},
+                   "select_context_openvino": SELECT_CONTEXT_OPENVINO_FILE}
 #: The fused prompt graphs (ONNX Runtime only), written unless the model refuses them.
 FUSED_PROMPT = ("prefill_ort", "extend_ort", "reread_ort")
 #: Graphs an export writes only for some policies (the context policy's select graph, the re-read graphs of a method
 #: that re-reads prompts).
 OPTIONAL_GRAPHS = ("select_context", "reread", "reread_ort")
 #: The graphs that return the engine's streams for their new entries (``criticalkv.methods.phases.Stream``).
-STREAM_GRAPHS = ("extend", "extend_ort")
+STREAM_GRAPHS = ("extend", "extend_ort", "extend_openvino")
 #: The TensorRT flavours a model-level policy does not have (``decode.onnx`` is also its ONNX Runtime decode graph).
 TENSORRT_FLAVOURS = ("prefill_tensorrt", "extend_tensorrt", "select_tensorrt")
 #: The only com.microsoft operators of the fused decode graph (``decode_ort``), by its attention form; no other graph
@@ -169,6 +176,39 @@ def validate_export(result: ExportResult) -> dict:
             "functions": functions,
             **({"tensorrt_rules": f"TensorRT {TENSORRT_VERSION} ONNX importer rules passed"} if tensorrt else {}),
         }
+    report.update(validate_openvino(result))
+    return report
+
+
+def validate_openvino(result: ExportResult) -> dict:
+    """The openvino flavour's graphs: written exactly as ``result.openvino`` says (or refused with its reason), each
+    passing ``onnx.checker`` (full check, strict shape inference), the names of ``criticalkv.graphs``, no function and no
+    operator beyond the standard ones, and OpenVINO's rules (``criticalkv.export.openvino_rules``)."""
+    info = result.openvino or {}
+    report = {}
+    for key, name in OPENVINO_GRAPHS.items():
+        path = Path(result.folder) / name
+        wanted = bool(info.get(key[:-len("_openvino")]))
+        if path.exists() != wanted:
+            raise ValueError(f"{name}: {'missing' if wanted else 'written although the export has no such graph'}"
+                             + (f" ({info['refused']})" if info.get("refused") else ""))
+        if not wanted:
+            report[key] = {"file": None, **({"refused": info["refused"]} if info.get("refused") else {})}
+            continue
+        try:
+            onnx.checker.check_model(str(path), full_check=True)
+            model = onnx.load(str(path), load_external_data=False)
+            inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
+            raise ValueError(f"{name}: the exported graph does not validate: {err}") from None
+        check_contract(model, name, result, key)
+        violations = check_openvino_model(model)
+        if violations:
+            raise ValueError(f"{name}: OpenVINO {OPENVINO_VERSION}'s ONNX frontend would reject it: {describe(violations)}")
+        report[key] = {"file": name, "checker": "onnx.checker full_check passed",
+                       "shape_inference": f"strict, {len(inferred.graph.value_info)} inferred value infos",
+                       "nodes": len(model.graph.node),
+                       "openvino_rules": f"OpenVINO {OPENVINO_VERSION} ONNX frontend and CPU plugin rules passed"}
     return report
 
 

@@ -63,15 +63,8 @@ import onnxruntime as ort
 from onnx import helper
 
 from criticalkv import graphs
-from criticalkv.runtime.backend import (
-    BuiltShapes,
-    ExtendOutputs,
-    PrefillBuffer,
-    PrefillOutputs,
-    RowSnapshot,
-    budget_feed,
-    prefill_buffer_capacity,
-)
+from criticalkv.runtime.backend import ExtendOutputs, PrefillBuffer, PrefillOutputs, budget_feed
+from criticalkv.runtime.host_buffers import HostKVBuffers
 from criticalkv.runtime.manifest import EngineError
 from criticalkv.weights import load_external_weights
 
@@ -95,7 +88,7 @@ def _external_weights(onnx_path: Path) -> dict[str, np.ndarray]:
     return load_external_weights(model, onnx_path.parent)
 
 
-class OnnxRuntimeBackend(BuiltShapes):
+class OnnxRuntimeBackend(HostKVBuffers):
     """Runs ``prefill.onnx`` and ``decode.onnx`` of an engine directory on ONNX Runtime (CPU by default)."""
 
     name = "onnxruntime"
@@ -280,23 +273,6 @@ class OnnxRuntimeBackend(BuiltShapes):
         except Exception as err:
             raise EngineError(f"{path}: ONNX Runtime cannot load it ({type(err).__name__}: {err})") from None
 
-    def _allocate(self) -> None:
-        shape = (self.max_batch, self.kv_heads)
-        self.keys = [np.zeros(shape + (cap, self.head_dim), self.kv_dtype) for cap in self.capacities]
-        self.values = [np.zeros(shape + (cap, self.head_dim), self.kv_dtype) for cap in self.capacities]
-        # one block [L, max_batch, H_kv]: a decode step checks and bumps every layer's lengths in one operation
-        self._length_block = np.zeros((self.num_layers,) + shape, np.int32)
-        self.lengths = list(self._length_block)  # per layer [max_batch, H_kv] (views of the block)
-        self._capacity_array = np.array(self.capacities, np.int64)
-        self.new_keys = [np.zeros(shape + (1, self.head_dim), self.kv_dtype) for _ in self.capacities]
-        self.new_values = [np.zeros(shape + (1, self.head_dim), self.kv_dtype) for _ in self.capacities]
-        self.logits = np.zeros((self.max_batch, self.vocab), np.float32)
-        self.token_ids = np.zeros((self.max_batch, 1), np.int64)
-        self.position_ids = np.zeros((self.max_batch, 1), np.int64)
-
-    def kv_buffer_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
-
     # ------------------------------------------------------------------ prefill
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 kv_budget: int | None = None) -> PrefillOutputs:
@@ -363,19 +339,6 @@ class OnnxRuntimeBackend(BuiltShapes):
         bind = self._binding.bind_output if output else self._binding.bind_input
         bind(name, "cpu", 0, element, list(array.shape), array.ctypes.data)
 
-    def begin_decode(self, prefill: PrefillOutputs) -> None:
-        for row in range(prefill.logits.shape[0]):
-            self.load_row(row, prefill, row)
-
-    def load_row(self, target: int, prefill: PrefillOutputs, row: int = 0) -> None:
-        self.check_row(target)
-        self._check_equal_lengths([prefill.lengths[i][row] for i in range(self.num_layers)], "the prefill's")
-        for i in range(self.num_layers):
-            kept = prefill.keys[i].shape[2]
-            self.keys[i][target, :, :kept] = prefill.keys[i][row]
-            self.values[i][target, :, :kept] = prefill.values[i][row]
-            self.lengths[i][target] = prefill.lengths[i][row]
-
     def _check_equal_lengths(self, lengths: list[np.ndarray], what: str) -> None:
         """A fused decode graph without the per-head mask (built for a policy whose heads keep equal lengths) would
         attend a shorter head's unwritten slots: refuse a row whose heads differ (``lengths``: per layer [H_kv])."""
@@ -387,37 +350,6 @@ class OnnxRuntimeBackend(BuiltShapes):
                 raise EngineError(f"layer {i}: {what} KV heads hold different lengths ({heads.tolist()}), which this "
                                   "engine's fused decode graph (built for a policy whose heads keep equal lengths) "
                                   "cannot mask; load the engine with decode='portable'")
-
-    def save_row(self, row: int) -> RowSnapshot:
-        self.check_row(row)
-        keys, values, lengths = [], [], []
-        for i in range(self.num_layers):
-            n = int(self.lengths[i][row].max())  # entries beyond every head's length are never read
-            keys.append(self.keys[i][row, :, :n].copy())
-            values.append(self.values[i][row, :, :n].copy())
-            lengths.append(self.lengths[i][row].copy())
-        return RowSnapshot(keys, values, lengths)
-
-    def restore_row(self, row: int, snapshot: RowSnapshot) -> None:
-        self.check_row(row)
-        self._check_equal_lengths(snapshot.lengths, "the snapshot's")
-        for i in range(self.num_layers):
-            n = snapshot.keys[i].shape[1]
-            if n > self.capacities[i]:
-                raise EngineError(f"layer {i}: a snapshot of {n} entries per head does not fit the KV buffer "
-                                  f"({self.capacities[i]} entries per head)")
-            self.keys[i][row, :, :n] = snapshot.keys[i]
-            self.values[i][row, :, :n] = snapshot.values[i]
-            self.lengths[i][row] = snapshot.lengths[i]
-
-    def move_row(self, source: int, target: int) -> None:
-        self.check_row(source)
-        self.check_row(target)
-        for i in range(self.num_layers):
-            kept = int(self.lengths[i][source].max())  # entries beyond every head's length are never read
-            self.keys[i][target, :, :kept] = self.keys[i][source, :, :kept]
-            self.values[i][target, :, :kept] = self.values[i][source, :, :kept]
-            self.lengths[i][target] = self.lengths[i][source]
 
     def _use_rows(self, batch: int) -> None:
         """Bind the first ``batch`` rows of every buffer (contiguous views), once per batch size."""
@@ -453,14 +385,7 @@ class OnnxRuntimeBackend(BuiltShapes):
         if self.in_place:
             return self._decode_fused(batch)
         self.decode_session.run_with_iobinding(self._binding)
-        rows, heads = self._rows, self._heads
-        for i in range(self.num_layers):
-            slots = self.lengths[i][:batch]
-            if int(slots.max()) >= self.capacities[i]:
-                raise EngineError(f"layer {i}: the KV buffer ({self.capacities[i]} entries per head) is full")
-            self.keys[i][rows, heads, slots] = self.new_keys[i][:batch, :, 0]
-            self.values[i][rows, heads, slots] = self.new_values[i][:batch, :, 0]
-            slots += 1
+        self.store_decoded(batch, self._rows, self._heads)
         return self.logits[:batch]
 
     def _decode_fused(self, batch: int) -> np.ndarray:
@@ -517,11 +442,7 @@ class OnnxRuntimeBackend(BuiltShapes):
             raise EngineError(f"{self.folder}: this engine has no extend graph; rebuild it with scripts/build_engine.py")
         token_ids = np.ascontiguousarray(token_ids, dtype=np.int64)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
-        n_new = token_ids.shape[1]
-        for i in range(self.num_layers):
-            if int(lengths[i].max()) + n_new > keys[i].shape[2]:
-                raise EngineError(f"layer {i}: {n_new} more entries do not fit the KV buffer "
-                                  f"({keys[i].shape[2]} entries per head, {int(lengths[i].max())} used)")
+        self.check_room(keys, lengths, token_ids.shape[1])
         if self._fused_extend_fits(keys, values, lengths, score_range is not None) and (
                 score_range is None or int(positions.max()) < self.reread_max_positions):
             return self._extend_fused(keys, values, lengths, token_ids, positions, score_range)
@@ -539,15 +460,9 @@ class OnnxRuntimeBackend(BuiltShapes):
             else:
                 names += [graphs.present_stream(i, name) for name in sorted(self.streams)]
         out = self._run_bound(session, inputs, names)
-        batch, heads = lengths[0].shape
-        for i in range(self.num_layers):
-            new_k, new_v = out[graphs.present_key(i)], out[graphs.present_value(i)]
-            for b in range(batch):
-                for g in range(heads):
-                    at = int(lengths[i][b, g])
-                    keys[i][b, g, at:at + n_new] = new_k[b, g]
-                    values[i][b, g, at:at + n_new] = new_v[b, g]
-            lengths[i] += n_new
+        layers = range(self.num_layers)
+        self.store_extended(keys, values, lengths, [out[graphs.present_key(i)] for i in layers],
+                            [out[graphs.present_value(i)] for i in layers])
         return ExtendOutputs(logits=out[graphs.LOGITS], window_queries=[out[graphs.present_window_queries(i)]
                                                                    for i in range(self.num_layers)],
                              scores=None if score_range is None else [out[graphs.present_scores(i)]
@@ -620,15 +535,6 @@ class OnnxRuntimeBackend(BuiltShapes):
             self.keys[i][view, :, :n] = keys[i][:, :, :n]
             self.values[i][view, :, :n] = values[i][:, :, :n]
         return out
-
-    def new_prefill_buffer(self, num_tokens: int | None = None, spare: int = 0) -> PrefillBuffer:
-        """Buffers for one prompt of ``num_tokens`` tokens prefilled in chunks: every layer's K/V for that many
-        entries per head (default max_input_len, the longest prompt), + ``spare`` (the tokens a re-read pass appends
-        for a while: ``reread_buffer``)."""
-        shape = (1, self.kv_heads, prefill_buffer_capacity(num_tokens, self.max_input_len) + spare, self.head_dim)
-        return PrefillBuffer(keys=[np.zeros(shape, np.float32) for _ in range(self.num_layers)],
-                             values=[np.zeros(shape, np.float32) for _ in range(self.num_layers)],
-                             lengths=[np.zeros((1, self.kv_heads), np.int32) for _ in range(self.num_layers)])
 
     def extend_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         return self.extend(buffer.keys, buffer.values, buffer.lengths, token_ids, positions)

@@ -24,6 +24,7 @@ BACKENDS: dict[str, str] = {
     "onnxruntime": "criticalkv.runtime.onnxruntime_backend:OnnxRuntimeBackend",
     "tensorrt": "criticalkv.runtime.tensorrt_backend:TensorRTBackend",
     "torch": "criticalkv.runtime.torch_backend:TorchBackend",
+    "openvino": "criticalkv.runtime.openvino_backend:OpenVINOBackend",
 }
 
 

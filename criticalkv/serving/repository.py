@@ -27,7 +27,7 @@ TEMPLATES = Path(__file__).parent / "templates"
 DEFAULT_MODEL_NAME = "criticalkv"
 #: The backends the Triton model runs an engine on (torch: wherever the model's Python imports torch and transformers;
 #: the bundled CPU server's model environment reaches the project's packages, torch included).
-SERVED_BACKENDS = ("onnxruntime", "tensorrt", "torch")
+SERVED_BACKENDS = ("onnxruntime", "tensorrt", "torch", "openvino")
 
 
 def template_keys(text: str) -> set[str]:
@@ -77,7 +77,7 @@ def make_repository(
 
     scheduler : how each instance's scheduler serves (``SchedulerConfig``; max_num_seqs defaults to the engine's max
         batch size and may not exceed it)
-    backend : "onnxruntime" (KIND_CPU), "tensorrt" (KIND_GPU, one instance per GPU in ``gpus`` times
+    backend : "onnxruntime" or "openvino" (KIND_CPU), "tensorrt" (KIND_GPU, one instance per GPU in ``gpus`` times
         ``instances``) or "torch" (KIND_GPU on ``gpus`` when given; else KIND_CPU, and the backend picks its device:
         CUDA when the model's Python sees a GPU, the CPU otherwise); None: the engine directory's default
         (``default_backend``: torch for a directory built with ``--backend torch``, else onnxruntime)

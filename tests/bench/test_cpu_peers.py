@@ -198,3 +198,47 @@ def test_cpu_peer_environments_pin_the_cpu_torch_in_the_peer_step():
     assert peers.UNINSTALL_AFTER["openvino"] == ["torchvision"]
     with pytest.raises(ValueError, match="unknown peer 'vllm'"):
         peers.peer_requirements("vllm")
+
+
+def test_targets_judge_criticalkvs_openvino_backend_against_openvino_genai():
+    results = _results()
+    results["systems"]["criticalkv b=256 on OpenVINO (bf16)"] = _system(2.5, 15.0, 20.0)
+    results["systems"]["criticalkv full on OpenVINO (bf16)"] = _system(2.4, 30.0, 18.0)
+    rows = {what: (value, ok) for what, value, _, ok in cpu_peers.targets(results)}
+    assert rows["prefill: criticalkv b / OpenVINO"] == (pytest.approx(3.6 / 3.8), True)  # the ONNX Runtime row as before
+    assert rows["prefill: criticalkv b on OpenVINO / OpenVINO"] == (pytest.approx(2.6 / 3.8), True)
+    assert rows["decode: criticalkv b on OpenVINO / OpenVINO (full cache)"] == (pytest.approx(16.0 / 26.0), True)
+    assert rows["batch: criticalkv b on OpenVINO / OpenVINO with eviction (tokens/s)"] == (pytest.approx(20.0 / 15.2), True)
+    with pytest.raises(ValueError, match="--backends"):
+        cpu_peers.parse_backends("onnxruntime,tensorrt")
+    assert cpu_peers.parse_backends("onnxruntime,openvino") == ["onnxruntime", "openvino"]
+
+
+def test_an_engine_runs_in_its_own_worker_process(tmp_path):
+    """``criticalkv.bench.engine_worker`` over a tiny engine on both CPU backends: the row's label, and the tokens of
+    the engine run in this process (ONNX Runtime)."""
+    pytest.importorskip("openvino")
+    from criticalkv import KVPolicy
+    from criticalkv.runtime import Engine
+    from export.tiny_engine import export_tiny_engine
+    from hf.conftest import tiny_model
+
+    folder = export_tiny_engine(tiny_model("llama", seed=4), KVPolicy("criticalkv", budget=40, window=8),
+                                tmp_path / "tiny")
+    ids = list(range(5, 125))
+    engine = Engine.load(folder)
+    want = engine.generate([ids], max_new_tokens=4, stop_token_ids=[]).tokens[0]
+    engine.close()
+    for backend in ("onnxruntime", "openvino"):
+        worker = cpu_peers.CriticalKVWorker(tmp_path, folder, backend)
+        try:
+            assert worker.label.startswith("criticalkv b=40") and (cpu_peers.ON_OPENVINO in worker.label) == (backend == "openvino")
+            out = worker.single(ids, 4)
+            assert len(out["tokens"]) == 4 and out["prefill_s"] > 0
+            if backend == "onnxruntime":
+                assert out["tokens"] == want
+            batch = worker.batch([ids, ids[::-1]], 3)
+            assert batch["output_tokens"] == 6
+        finally:
+            worker.close()
+        assert worker.proc.returncode == 0

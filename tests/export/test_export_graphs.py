@@ -138,7 +138,11 @@ def test_graph_interface_and_validation(tmp_path):
     result = export_model(model, policy, tmp_path, config)
     report = validate_export(result)
     assert set(report) == {"prefill", "prefill_tensorrt", "decode", "decode_ort", "extend", "extend_tensorrt", "select",
-                           "select_tensorrt", "prefill_ort", "extend_ort"}
+                           "select_tensorrt", "prefill_ort", "extend_ort", "prefill_openvino", "extend_openvino",
+                           "select_openvino", "decode_openvino", "select_context_openvino"}
+    assert report["select_context_openvino"] == {"file": None}  # no context policy of its own
+    assert all(report[k]["openvino_rules"] for k in ("prefill_openvino", "extend_openvino", "select_openvino",
+                                                      "decode_openvino"))
     spec = model_spec(model)
     assert result.prefill_capacities == layer_capacities(policy, spec, 200)
     # decode buffers: the selection capacity + room for a question after a cached context + the new tokens

@@ -21,7 +21,7 @@ def test_the_built_in_backends_need_no_package_metadata(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: [])
     names = registry.backend_names()
-    assert set(names) == {"onnxruntime", "tensorrt", "torch"}
+    assert set(names) == {"onnxruntime", "tensorrt", "torch", "openvino"}
     module, cls = names["torch"].split(":")
     assert getattr(__import__(module, fromlist=[cls]), cls).name == "torch"
 
@@ -34,7 +34,7 @@ def test_a_third_party_backend_registers_by_entry_point_and_cannot_shadow_a_buil
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: points if group == registry.ENTRY_POINT_GROUP else [])
     names = registry.backend_names()
     assert names["mine"] == "my_backend:MyBackend" and names["torch"] == registry.BACKENDS["torch"]
-    with pytest.raises(ValueError, match="backend 'nope' is not one of onnxruntime, tensorrt, torch, mine"):
+    with pytest.raises(ValueError, match="backend 'nope' is not one of onnxruntime, tensorrt, torch, openvino, mine"):
         registry.create_backend("nope", Path("."), {})
 
 
