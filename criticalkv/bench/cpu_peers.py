@@ -172,19 +172,29 @@ class WorkerProcess:
         self.info = self.request({"op": "info"})
         self.versions = self.info.get("versions")
 
+    def _exited(self) -> RuntimeError:
+        """The error for a worker that is gone: its exit status (a SIGKILL is most often the kernel's OOM killer: the
+        workers of one run share the machine's memory) and the end of its log."""
+        status = self.proc.wait()
+        why = " (SIGKILL: most often the kernel's out-of-memory killer; run fewer systems at once)" if status == -9 else ""
+        tail = self.log.read_text(errors="replace")[-3000:] if self.log.is_file() else ""
+        return RuntimeError(f"{self.name} exited (status {status}{why}); {self.log}:\n{tail}")
+
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            tail = self.log.read_text(errors="replace")[-3000:] if self.log.is_file() else ""
-            raise RuntimeError(f"{self.name} exited (status {self.proc.wait()}); {self.log}:\n{tail}")
+            raise self._exited()
         answer = json.loads(line)
         if "error" in answer:
             raise RuntimeError(f"{self.name}: {answer['error']}")
         return answer
 
     def request(self, message: dict) -> dict:
-        self.proc.stdin.write(json.dumps(message) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # the worker died since its last answer
+            raise self._exited() from None
         return self._read()
 
     def single(self, ids, new_tokens: int) -> dict:

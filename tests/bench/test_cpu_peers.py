@@ -242,3 +242,21 @@ def test_an_engine_runs_in_its_own_worker_process(tmp_path):
         finally:
             worker.close()
         assert worker.proc.returncode == 0
+
+
+def test_a_worker_killed_between_requests_is_named_with_its_status(tmp_path):
+    """A worker the kernel kills (its OOM killer sends SIGKILL) fails the run with the worker's name and the reason,
+    not a bare broken pipe."""
+    script = tmp_path / "worker.py"
+    script.write_text("import json, os, signal, sys\n"
+                      "print(json.dumps({'ready': True, 'load_s': 0.0}), flush=True)\n"
+                      "for line in sys.stdin:\n"
+                      "    if json.loads(line)['op'] == 'info':\n"
+                      "        print(json.dumps({'versions': {}}), flush=True)\n"
+                      "    else:\n"
+                      "        sys.stderr.write('dying\\n'); sys.stderr.flush(); os.kill(os.getpid(), signal.SIGKILL)\n")
+    worker = cpu_peers.WorkerProcess("toy", [sys.executable, str(script)], tmp_path / "logs" / "toy.log")
+    with pytest.raises(RuntimeError, match=r"toy exited \(status -9 \(SIGKILL: most often the kernel's out-of-memory"):
+        worker.single([1, 2], 4)
+    with pytest.raises(RuntimeError, match=r"toy exited \(status -9.*\n.*dying"):  # the pipe is broken now
+        worker.single([1, 2], 4)
