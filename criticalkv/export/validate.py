@@ -97,6 +97,20 @@ def same_policy(a: KVPolicy, b: KVPolicy) -> bool:
     )
 
 
+def checked_graph(path: Path, name: str, result: ExportResult, key: str):
+    """(the graph, its strictly inferred form) of an exported file that passes ``onnx.checker``'s full check, strict
+    shape inference and the input/output names of ``criticalkv.graphs`` (``check_contract``); ValueError naming the
+    file otherwise."""
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+        model = onnx.load(str(path), load_external_data=False)
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
+        raise ValueError(f"{name}: the exported graph does not validate: {err}") from None
+    check_contract(model, name, result, key)
+    return model, inferred
+
+
 def validate_export(result: ExportResult) -> dict:
     """Validate every graph of an export (``GRAPHS``); returns a report for the manifest. Raises ValueError."""
     report = {}
@@ -129,13 +143,7 @@ def validate_export(result: ExportResult) -> dict:
                 raise ValueError(f"{name}: written although the export has no fused prompt graphs ({prompt_refusal})")
             report[key] = {"file": None, "refused": prompt_refusal or "not exported"}
             continue
-        try:
-            onnx.checker.check_model(str(path), full_check=True)
-            model = onnx.load(str(path), load_external_data=False)
-            inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
-        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
-            raise ValueError(f"{name}: the exported graph does not validate: {err}") from None
-        check_contract(model, name, result, key)
+        model, inferred = checked_graph(path, name, result, key)
         own, capacities = result.policy, result.prefill_capacities
         if key == "select_context":  # the context policy's graph: its own kind of nodes and capacities
             own, capacities = result.context_policy, result.context_capacities
@@ -195,13 +203,7 @@ def validate_openvino(result: ExportResult) -> dict:
         if not wanted:
             report[key] = {"file": None, **({"refused": info["refused"]} if info.get("refused") else {})}
             continue
-        try:
-            onnx.checker.check_model(str(path), full_check=True)
-            model = onnx.load(str(path), load_external_data=False)
-            inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
-        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
-            raise ValueError(f"{name}: the exported graph does not validate: {err}") from None
-        check_contract(model, name, result, key)
+        model, inferred = checked_graph(path, name, result, key)
         violations = check_openvino_model(model)
         if violations:
             raise ValueError(f"{name}: OpenVINO {OPENVINO_VERSION}'s ONNX frontend would reject it: {describe(violations)}")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from criticalkv import graphs
+
 from criticalkv.runtime.backend import BuiltShapes, PrefillBuffer, PrefillOutputs, RowSnapshot, prefill_buffer_capacity
 from criticalkv.runtime.manifest import EngineError
 
@@ -134,3 +136,18 @@ class HostKVBuffers(BuiltShapes):
                     keys[i][b, g, at:at + n_new] = new_keys[i][b, g]
                     values[i][b, g, at:at + n_new] = new_values[i][b, g]
             lengths[i] += n_new
+
+    def select_feeds(self, buffer: PrefillBuffer, window_queries: list[np.ndarray], wanted: set[str],
+                     scores: list[np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """The per-layer inputs of a select graph over a prompt prefilled into ``buffer`` (every layer's window
+        queries, K, V and lengths, and the phases' scores where the graph takes them: ``wanted``, its input names)."""
+        feeds = {}
+        for i in range(self.num_layers):
+            feeds[graphs.window_queries(i)] = np.ascontiguousarray(window_queries[i], dtype=np.float32)
+            feeds[graphs.past_key(i)] = buffer.keys[i]
+            feeds[graphs.past_value(i)] = buffer.values[i]
+            feeds[graphs.past_lengths(i)] = buffer.lengths[i]
+            if graphs.scores(i) in wanted:  # the phases' scores, or none ([1, H_kv, 0]: the method's own fallback)
+                layer = np.zeros((1, self.kv_heads, 0), np.float32) if scores is None else scores[i]
+                feeds[graphs.scores(i)] = np.ascontiguousarray(layer, dtype=np.float32)
+        return feeds

@@ -556,18 +556,10 @@ class OnnxRuntimeBackend(HostKVBuffers):
             raise EngineError(f"{self.folder}: this engine has no {'context ' if context else ''}select graph; rebuild "
                               "it with scripts/build_engine.py")
         budget = self.built_budget if kv_budget is None else kv_budget
-        inputs = {graphs.KV_BUDGET: np.array([budget], np.int64)}
-        names = []
         wanted = {i.name for i in session.get_inputs()}
-        for i in range(self.num_layers):
-            inputs[graphs.window_queries(i)] = np.ascontiguousarray(window_queries[i], dtype=np.float32)
-            inputs[graphs.past_key(i)] = buffer.keys[i]
-            inputs[graphs.past_value(i)] = buffer.values[i]
-            inputs[graphs.past_lengths(i)] = buffer.lengths[i]
-            if graphs.scores(i) in wanted:  # the phases' scores, or none ([1, H_kv, 0]: the method's own fallback)
-                layer = np.zeros((1, self.kv_heads, 0), np.float32) if scores is None else scores[i]
-                inputs[graphs.scores(i)] = np.ascontiguousarray(layer, dtype=np.float32)
-            names += [name(i) for name in graphs.SELECTED]
+        inputs = {graphs.KV_BUDGET: np.array([budget], np.int64),
+                  **self.select_feeds(buffer, window_queries, wanted, scores)}
+        names = [name(i) for i in range(self.num_layers) for name in graphs.SELECTED]
         start = time.perf_counter()
         out = self._run_bound(session, inputs, names)
         layers = range(self.num_layers)

@@ -269,15 +269,8 @@ class OpenVINOBackend(HostKVBuffers):
         graph = "select_context_openvino" if context else "select_openvino"
         compiled = self.compiled(graph)
         wanted = {name for port in compiled.inputs for name in port.names}
-        feeds = {graphs.KV_BUDGET: self.kv_budget(kv_budget)}
-        for i in range(self.num_layers):
-            feeds[graphs.window_queries(i)] = np.ascontiguousarray(window_queries[i], dtype=np.float32)
-            feeds[graphs.past_key(i)] = buffer.keys[i]
-            feeds[graphs.past_value(i)] = buffer.values[i]
-            feeds[graphs.past_lengths(i)] = buffer.lengths[i]
-            if graphs.scores(i) in wanted:  # the phases' scores, or none ([1, H_kv, 0]: the method's own fallback)
-                layer = np.zeros((1, self.kv_heads, 0), np.float32) if scores is None else scores[i]
-                feeds[graphs.scores(i)] = np.ascontiguousarray(layer, dtype=np.float32)
+        feeds = {graphs.KV_BUDGET: self.kv_budget(kv_budget),
+                 **self.select_feeds(buffer, window_queries, wanted, scores)}
         start = time.perf_counter()
         out = self.run(graph, feeds)
         return self._selected(out, logits=None, seconds=time.perf_counter() - start)
