@@ -542,9 +542,14 @@ class TorchBackend(BuiltShapes):
     def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         self.check_row(row)
         view = slice(row, row + 1)
+        # one mask for all heads only when the row's heads do hold equal counts: a context compressed by a context
+        # policy of unequal heads (layer-kvzip-criticalkv) sits in the rows of an equal-heads engine policy, and the
+        # slots between a short head's length and the longest's hold another sequence's entries
+        held = self.length_block[:, row]
+        equal = self.equal_heads and bool((held == held[:, :1]).all())
         return self._extend([k[view] for k in self.keys], [v[view] for v in self.values],
                             [self.length_block[i, view] for i in range(self.num_layers)], self._row_max[row],
-                            token_ids, positions, self.equal_heads)
+                            token_ids, positions, equal)
 
     def new_prefill_buffer(self, num_tokens: int | None = None, spare: int = 0) -> TorchPrefillBuffer:
         """Device buffers for one prompt of ``num_tokens`` tokens (default max_input_len) prefilled in chunks, + ``spare``

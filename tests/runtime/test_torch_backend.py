@@ -542,3 +542,45 @@ def test_an_engine_with_a_context_policy_selects_contexts_with_it_on_torch(tmp_p
             engine.close()
     assert kept["torch", True] == kept["onnxruntime", True]
     assert kept["torch", False] == kept["onnxruntime", False] != kept["torch", True]
+
+
+def test_a_question_after_a_restored_context_of_unequal_heads_gives_onnx_runtimes_tokens(tmp_path):
+    """An equal-heads engine policy (criticalkv) with a context policy of unequal heads (layer-kvzip-criticalkv): a
+    question after the compressed context, once right after its compression and once after the context was saved, the
+    slot used by another sequence's decode and the context restored (the serving context cache's hit), gives ONNX
+    Runtime's tokens both times. The extend may use one mask for all heads only when the row's heads hold equal counts:
+    the slots past a short head's length hold the earlier sequence's entries."""
+    model = tiny_model("llama", seed=4)
+    context_policy = KVPolicy("layer-kvzip-criticalkv", budget=40, window=8, head_cap_ratio=3.0)
+    folder = export_tiny_engine(model, KVPolicy("criticalkv", budget=40, window=8), tmp_path / "e",
+                                context_policy=context_policy)
+    context, question = prompt(150, seed=5), prompt(9, seed=6)
+    tokens = {}
+    for backend in ("onnxruntime", "torch"):
+        engine = Engine.load(folder, backend=backend, model=model) if backend == "torch" else Engine.load(folder)
+        try:
+            result = engine.prefill(0, Request(context), context=True)
+            assert any(len(set(np.ravel(layer).tolist())) > 1 for layer in result.kept_lengths)  # unequal heads
+            snapshot = engine.save(0)
+            runs = []
+            for restored in (False, True):
+                if restored:  # another sequence in the slot (its entries fill the row), then the cached context
+                    engine.release(0)
+                    out = engine.prefill(0, Request(prompt(200, seed=7)))
+                    logits, token = out.logits, None
+                    for _ in range(12):
+                        token = int(np.argmax(logits))
+                        logits = engine.decode([0], np.array([token]))[0]
+                    engine.release(0)
+                    engine.restore(0, snapshot)
+                logits, run = engine.extend(0, question), []
+                for _ in range(6):
+                    run.append(int(np.argmax(logits)))
+                    logits = engine.decode([0], np.array([run[-1]]))[0]
+                runs.append(run)
+            tokens[backend] = runs
+        finally:
+            engine.release_all()
+            engine.close()
+    assert tokens["onnxruntime"][0] == tokens["onnxruntime"][1]
+    assert tokens["torch"] == tokens["onnxruntime"]

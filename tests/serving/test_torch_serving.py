@@ -33,9 +33,16 @@ def served(tmp_path_factory):
     server = launcher.TritonServer(repo, log_file=repo / "tritonserver.log")
     server.start(timeout_s=240)
     engine = Engine.load(engine_dir, threads=1)
-    yield Served(server, engine)
+    # the same checkpoint, policy and limits built for ONNX Runtime: what a context request must equal
+    onnx_dir = build_engine(tmp_path_factory.mktemp("engines") / "tiny-onnx", KVPolicy("criticalkv", budget=40, window=8),
+                            BuildConfig(max_input_len=256, max_new_tokens=32, max_batch_size=2, dtype="float32"),
+                            model=str(checkpoint), smoke=False, log=lambda message: None)
+    served = Served(server, engine)
+    served.onnx_engine = Engine.load(onnx_dir, backend="onnxruntime", threads=1)
+    yield served
     server.stop()
     engine.close()
+    served.onnx_engine.close()
 
 
 def test_the_served_torch_engine_gives_the_text_of_engine_generate(served):
@@ -53,3 +60,23 @@ def test_the_served_torch_engine_gives_the_text_of_engine_generate(served):
     assert status == 200 and out["text_output"]
     status, out = served.post("generate", {"text_input": text, "max_tokens": 4, "kv_budget": 41})
     assert status == 400 and "kv_budget" in out["error"]
+
+
+def test_a_context_served_on_torch_answers_as_the_onnx_runtime_engine(served):
+    """A question after a context (compressed question-agnostically by the engine's context policy, then cached): the
+    torch backend behind the server answers with ONNX Runtime's tokens for the same checkpoint, twice (the second from
+    the context cache)."""
+    _, context = random_words(150, seed=5)
+    _, question = random_words(9, seed=6)
+    onnx = served.onnx_engine
+    assert onnx.context_policy is not None and onnx.context_policy == served.engine.context_policy
+    tokens = onnx.generate([context], 8, stop_token_ids=[], questions=[question]).tokens[0]
+    expected = onnx.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert expected
+    hits = []
+    for _ in range(2):
+        status, out = served.post("generate", {"input_ids": question, "context_ids": context, "max_tokens": 8,
+                                               "ignore_eos": True, "exclude_input_in_output": True})
+        assert status == 200 and out["text_output"] == expected
+        hits.append(out["context_cache_hit"])
+    assert hits == [False, True]
