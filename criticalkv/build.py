@@ -451,7 +451,7 @@ def torch_engine_content(model, policy: KVPolicy, config: BuildConfig, tokenizer
     loads it), and the ``torch`` section naming the checkpoint ``model_path`` (with its fingerprint; empty for an
     in-memory model, which must then be handed to the backend). No ``onnx`` section: no graph is exported."""
     from criticalkv.export.exporter import check_model_limits
-    from criticalkv.export.llama import layer_capacities, model_spec
+    from criticalkv.export.decoder import layer_capacities, model_spec
     from criticalkv.methods.phases import BuildPhases
     from criticalkv.runtime.torch_backend import DTYPES, torch_manifest_section
 

@@ -15,7 +15,7 @@ from criticalkv.export.config import (  # noqa: F401 (re-exported: the build's n
     BuildConfig,
 )
 from criticalkv.export.graph import IR_VERSION, OPSET
-from criticalkv.export.llama import (
+from criticalkv.export.decoder import (
     ModelSpec,
     add_stream,
     collect_weights,

@@ -30,7 +30,7 @@ from criticalkv.export.exporter import (
     SELECT_TENSORRT_FILE,
     ExportResult,
 )
-from criticalkv.export.llama import ORT_DOMAIN
+from criticalkv.export.decoder import ORT_DOMAIN
 from criticalkv.export.quantize import QUANTIZED_OPERATORS
 from criticalkv.export.model_select import MODEL_OP, SCORE_OP, is_model_level, model_attributes, tensorrt_refusal
 from criticalkv.export.openvino_rules import OPENVINO_VERSION, check_openvino_model, describe

@@ -542,7 +542,7 @@ class OnnxRuntimeBackend(HostKVBuffers):
     def reread_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray,
                       score_range: np.ndarray) -> ExtendOutputs:
         """``extend_buffer`` through the re-read graph (``Backend.reread_buffer``; the graph:
-        ``criticalkv.export.llama.DecoderGraphBuilder.extend(score=True)``)."""
+        ``criticalkv.export.decoder.DecoderGraphBuilder.extend(score=True)``)."""
         return self.extend(buffer.keys, buffer.values, buffer.lengths, token_ids, positions, score_range)
 
     def select(self, buffer: PrefillBuffer, window_queries: list[np.ndarray], kv_budget: int | None = None,

@@ -10,7 +10,7 @@ import torch
 
 from criticalkv import KVPolicy
 from criticalkv.export import BuildConfig, export_model
-from criticalkv.export.llama import layer_capacities, model_spec
+from criticalkv.export.decoder import layer_capacities, model_spec
 from criticalkv.export.validate import validate_export
 from criticalkv.hf import generate, prefill_and_compress
 from criticalkv.runtime import Engine

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from criticalkv import KVPolicy
-from criticalkv.export.llama import build_prefill, collect_weights, layer_capacities, model_spec
+from criticalkv.export.decoder import build_prefill, collect_weights, layer_capacities, model_spec
 from criticalkv.export.model_select import MODEL_OP, SCORE_OP
 from criticalkv.hf import generate
 from criticalkv.runtime import Engine

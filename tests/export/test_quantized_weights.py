@@ -17,7 +17,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from criticalkv import KVPolicy
-from criticalkv.export.llama import collect_weights, model_spec
+from criticalkv.export.decoder import collect_weights, model_spec
 from criticalkv.export.quantize import (BITS, QuantizedWeight, dequantize, quantize_blockwise, quantize_columns,
                                        quantize_store)
 from criticalkv.runtime import Engine

@@ -222,7 +222,7 @@ def test_dynamic_inputs_need_named_dimensions(exported):
 
 @pytest.mark.slow
 def test_the_bundled_model_graphs_pass():
-    from criticalkv.export.llama import (build_decode, build_extend, build_prefill, build_select, collect_weights,
+    from criticalkv.export.decoder import (build_decode, build_extend, build_prefill, build_select, collect_weights,
                                          layer_capacities, model_spec)
     from criticalkv.hf import load_model
 

@@ -115,7 +115,7 @@ def test_refused_models_fail_before_any_work(tmp_path):
     from criticalkv import KVPolicy
     from criticalkv.build import build_engine
     from criticalkv.export import BuildConfig
-    from criticalkv.export.llama import model_spec
+    from criticalkv.export.decoder import model_spec
     from criticalkv.hf import prefill_and_compress
 
     config = AutoConfig.for_model("phi3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,

@@ -17,7 +17,7 @@ import torch
 
 from criticalkv import KVPolicy
 from criticalkv.errors import EngineError
-from criticalkv.export.llama import collect_weights, model_spec
+from criticalkv.export.decoder import collect_weights, model_spec
 from criticalkv.runtime import Engine
 from criticalkv.runtime.onnxruntime_backend import DECODE_ENV, THREADS_ENV
 from export.tiny_engine import export_tiny_engine, padded

@@ -1,5 +1,6 @@
-"""Every ONNX graph of a Llama-family engine (Llama, Mistral, Qwen2, SmolLM), written directly with ``onnx.helper``
-from the Hugging Face weights (standard operators only) by one builder, ``DecoderGraphBuilder``.
+"""Every ONNX graph of a decoder-only engine (Llama, Mistral, Qwen2, Qwen3, SmolLM), written directly with
+``onnx.helper`` from the Hugging Face weights (standard operators only) by one builder, ``DecoderGraphBuilder``; what
+a family does differently is a small subclass of it (``FAMILY_BUILDERS``: Qwen3's q/k norm) or the ``ModelSpec``.
 
 Graph I/O follows onnxruntime-genai's decoder naming (B = batch, n = padded prompt length, N = new tokens of an
 extend, cap_l = layer l's buffer capacity, H query heads, H_kv KV heads, d_h head dim, w = min(window, tokens)):
