@@ -1,6 +1,6 @@
 """What this machine can run (``criticalkv env``), the way ``python -m torch.utils.collect_env`` and vLLM's
 ``collect_env`` report theirs: versions (Python, torch and its CUDA, transformers, ONNX Runtime and its providers,
-TensorRT), the GPUs torch sees, nvcc, the selection ops (``libcriticalkv_torch.so``: whether it loads, its CPU and CUDA
+OpenVINO and its CPU plugin's default precision, TensorRT), the GPUs torch sees, nvcc, the selection ops (``libcriticalkv_torch.so``: whether it loads, its CPU and CUDA
 registrations), the TensorRT plugin library, and for every policy where its selection runs: the ops (the CUDA kernels
 or their host version), the TensorRT plugin, or the PyTorch reference only, with the reason.
 
@@ -100,6 +100,25 @@ def _onnxruntime() -> dict[str, Any]:
     return {"version": onnxruntime.__version__, "providers": onnxruntime.get_available_providers()}
 
 
+def _openvino() -> dict[str, Any]:
+    """OpenVINO's version and what its CPU plugin computes in by default (``--backend openvino``: bf16 where the CPU
+    has it, else f32)."""
+    try:
+        import openvino as ov
+    except Exception as err:  # noqa: BLE001
+        return {"error": f"not installed ({type(err).__name__}); pip install -e '.[openvino]' for --backend openvino"}
+    try:
+        core = ov.Core()
+        hint = core.get_property("CPU", "INFERENCE_PRECISION_HINT")
+        precision = hint.to_string() if hasattr(hint, "to_string") else str(hint)
+        capabilities = [str(c) for c in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")]
+    except Exception as err:  # noqa: BLE001
+        return {"version": _version("openvino") or ov.__version__,
+                "error": f"the CPU plugin: {type(err).__name__}: {err}"}
+    return {"version": _version("openvino") or ov.__version__, "cpu_precision": precision,
+            "cpu_capabilities": capabilities}
+
+
 def _policies(ops: dict[str, Any], torch_info: dict[str, Any]) -> list[dict[str, Any]]:
     """Where each policy's selection runs on the CPU and on CUDA: "kernels", "host", "reference: why"."""
     from criticalkv.methods import METHODS
@@ -145,6 +164,7 @@ def collect() -> dict[str, Any]:
         "ops": ops,
         "tensorrt": _tensorrt(),
         "onnxruntime": _onnxruntime(),
+        "openvino": _openvino(),
         "policies": _policies(ops, torch_info),
     }
 
@@ -168,6 +188,9 @@ def render(report: dict[str, Any]) -> str:
     lines.append(("nvcc", f"{nvcc.get('release')} ({nvcc.get('path')})" if nvcc.get("found") else "not found"))
     lines.append(("transformers", report["packages"].get("transformers") or "not installed"))
     lines.append(("ONNX Runtime", f"{ort['version']} ({', '.join(ort['providers'])})" if "version" in ort else ort["error"]))
+    ov = report.get("openvino") or {}
+    lines.append(("OpenVINO", f"{ov['version']} (its CPU plugin computes in {ov['cpu_precision']} by default)"
+                  if "cpu_precision" in ov else ov.get("error", "-")))
     lines.append(("selection ops", (f"{ops.get('library')}: loads; CPU registration {ops.get('cpu')}, CUDA "
                                     f"registration {ops.get('cuda')}") if ops.get("loads") else f"no: {ops.get('reason')}"))
     if "implementation" in ops:

@@ -36,6 +36,10 @@ def test_env_reports_this_machine_and_where_each_policy_selects():
     assert rows["criticalkv"]["tensorrt_plugin"] and not rows["layer-defensivekv"]["tensorrt_plugin"]
     if not torch.cuda.is_available():
         assert all(row["cuda"] == "no GPU" for row in rows.values())
+    from importlib.metadata import version
+
+    assert report["openvino"]["version"] == version("openvino")
+    assert report["openvino"]["cpu_precision"] in ("bf16", "f16", "f32")
     text = render(report)
-    for line in ("torch CUDA", "selection ops", "TensorRT plugin", "| layer-defensivekv |"):
+    for line in ("torch CUDA", "selection ops", "TensorRT plugin", "| layer-defensivekv |", "OpenVINO "):
         assert line in text, line
