@@ -1,8 +1,9 @@
 """What this machine can run (``criticalkv env``), the way ``python -m torch.utils.collect_env`` and vLLM's
 ``collect_env`` report theirs: versions (Python, torch and its CUDA, transformers, ONNX Runtime and its providers,
-OpenVINO and its CPU plugin's default precision, TensorRT), the GPUs torch sees, nvcc, the selection ops (``libcriticalkv_torch.so``: whether it loads, its CPU and CUDA
-registrations), the TensorRT plugin library, and for every policy where its selection runs: the ops (the CUDA kernels
-or their host version), the TensorRT plugin, or the PyTorch reference only, with the reason.
+OpenVINO and its CPU plugin's default precision, TensorRT), the GPUs torch sees, nvcc, the selection ops
+(``libcriticalkv_torch.so``: whether it loads, its CPU and CUDA registrations), the TensorRT plugin library, and for
+every policy where its selection runs: the ops (the CUDA kernels or their host version), the TensorRT plugin, or the
+PyTorch reference only, with the reason.
 
 Every probe catches its own failure and reports it (a missing package, a library that does not load): the report is
 the place a user looks when something does not run, so it never stops at the first problem.
