@@ -57,7 +57,7 @@ class Served:
         return status, json.loads(text)
 
 
-def start_server(tmp_path_factory, instances=1, max_num_seqs=None, **limits):
+def start_server(tmp_path_factory, instances=1, max_num_seqs=None, backend=None, **limits):
     from criticalkv.serving import launcher
     from criticalkv.serving.repository import make_repository
     from criticalkv.serving.scheduler import SchedulerConfig
@@ -68,10 +68,11 @@ def start_server(tmp_path_factory, instances=1, max_num_seqs=None, **limits):
     repo = tmp_path_factory.mktemp("repo")
     make_repository(engine_dir, repo, model_name=MODEL, instances=instances,
                     scheduler=SchedulerConfig(max_num_seqs=max_num_seqs), threads=1,
-                    execution_env=str(launcher.model_env()), python_paths=launcher.project_paths(), force=True)
+                    execution_env=str(launcher.model_env()), python_paths=launcher.project_paths(), force=True,
+                    backend=backend)
     server = launcher.TritonServer(repo, log_file=repo / "tritonserver.log")
     server.start(timeout_s=240)
-    return server, Engine.load(engine_dir, threads=1)
+    return server, Engine.load(engine_dir, threads=1, **({} if backend is None else {"backend": backend}))
 
 
 def stop_server(server, engine):

@@ -1,0 +1,58 @@
+"""The Triton model on the OpenVINO backend, served for real (the bundled tritonserver, CPU): `serve --backend openvino`
+renders the repository for it, and the model gives the text of the same engine loaded here on OpenVINO (the CPU
+plugin's default precision on both sides), for a prompt, its stream, and a question after a cached context."""
+
+import json
+import os
+
+import pytest
+
+from serving.servers import Served, random_words, start_server, stop_server
+
+pytest.importorskip("openvino")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    previous = os.environ.get("CRITICALKV_OV_CACHE")
+    os.environ["CRITICALKV_OV_CACHE"] = ""  # no compiled-model cache outside the test's folders (the server inherits it)
+    try:
+        server, engine = start_server(tmp_path_factory, backend="openvino")
+        yield Served(server, engine)
+        stop_server(server, engine)
+    finally:
+        if previous is None:
+            os.environ.pop("CRITICALKV_OV_CACHE", None)
+        else:
+            os.environ["CRITICALKV_OV_CACHE"] = previous
+
+
+def test_the_served_openvino_engine_gives_the_text_of_engine_generate(served):
+    assert served.engine.backend.name == "openvino"
+    model = json.loads((served.server.repo / "criticalkv" / "1" / "model.json").read_text())
+    assert model["backend"] == "openvino"  # what the served model loads
+    text, ids = random_words(120, seed=3)
+    expected = served.expected_text(ids, 12)
+    assert expected
+    status, out = served.post("generate", {"text_input": text, "max_tokens": 12, "ignore_eos": True,
+                                           "exclude_input_in_output": True, "return_kv_bytes": True})
+    assert status == 200 and out["text_output"] == expected
+    assert 0 < out["kv_bytes_kept"] < out["kv_bytes_full"]
+    status, events = served.post("generate_stream", {"text_input": text, "max_tokens": 12, "ignore_eos": True,
+                                                      "stream": True, "exclude_input_in_output": True})
+    assert status == 200 and "".join(e["text_output"] for e in events) == expected
+
+
+def test_a_context_on_openvino_is_compressed_once_and_answers_from_the_cache(served):
+    _, context = random_words(150, seed=5)
+    _, question = random_words(9, seed=6)
+    engine = served.engine
+    tokens = engine.generate([context], 8, stop_token_ids=[], questions=[question]).tokens[0]
+    expected = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    hits = []
+    for _ in range(2):
+        status, out = served.post("generate", {"input_ids": question, "context_ids": context, "max_tokens": 8,
+                                               "ignore_eos": True, "exclude_input_in_output": True})
+        assert status == 200 and out["text_output"] == expected
+        hits.append(out["context_cache_hit"])
+    assert hits == [False, True]
