@@ -544,12 +544,13 @@ def test_an_engine_with_a_context_policy_selects_contexts_with_it_on_torch(tmp_p
     assert kept["torch", False] == kept["onnxruntime", False] != kept["torch", True]
 
 
-def test_a_question_after_a_restored_context_of_unequal_heads_gives_onnx_runtimes_tokens(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_question_after_a_restored_context_of_unequal_heads_gives_onnx_runtimes_tokens(device, tmp_path):
     """An equal-heads engine policy (criticalkv) with a context policy of unequal heads (layer-kvzip-criticalkv): a
     question after the compressed context, once right after its compression and once after the context was saved, the
     slot used by another sequence's decode and the context restored (the serving context cache's hit), gives ONNX
     Runtime's tokens both times. The extend may use one mask for all heads only when the row's heads hold equal counts:
-    the slots past a short head's length hold the earlier sequence's entries."""
+    the slots past a short head's length hold the earlier sequence's entries. On CUDA: fp32, decode steps captured."""
     model = tiny_model("llama", seed=4)
     context_policy = KVPolicy("layer-kvzip-criticalkv", budget=40, window=8, head_cap_ratio=3.0)
     folder = export_tiny_engine(model, KVPolicy("criticalkv", budget=40, window=8), tmp_path / "e",
@@ -557,7 +558,8 @@ def test_a_question_after_a_restored_context_of_unequal_heads_gives_onnx_runtime
     context, question = prompt(150, seed=5), prompt(9, seed=6)
     tokens = {}
     for backend in ("onnxruntime", "torch"):
-        engine = Engine.load(folder, backend=backend, model=model) if backend == "torch" else Engine.load(folder)
+        engine = Engine.load(folder, backend=backend, model=model, device=device, dtype="float32") \
+            if backend == "torch" else Engine.load(folder)
         try:
             result = engine.prefill(0, Request(context), context=True)
             assert any(len(set(np.ravel(layer).tolist())) > 1 for layer in result.kept_lengths)  # unequal heads
