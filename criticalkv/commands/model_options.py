@@ -47,7 +47,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --backend tensorrt (default: 0) or torch (default: none given, KIND_CPU, and torch picks "
                         "CUDA when it sees a GPU): comma-separated GPU ids, one instance per GPU")
     p.add_argument("--threads", type=nonnegative_int, default=0,
-                   help="ONNX Runtime (or, with --backend torch on the CPU, torch) threads per instance "
+                   help="ONNX Runtime or OpenVINO (or, with --backend torch on the CPU, torch) threads per instance "
                         "(default: 0 = the library's choice)")
 
 
