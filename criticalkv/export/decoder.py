@@ -184,6 +184,9 @@ def layer_capacities(policy: KVPolicy, spec: ModelSpec, max_input_len: int) -> l
 #: chain OpenVINO's CPU plugin fuses into one attention subgraph; no com.microsoft operator:
 #: ``criticalkv.export.openvino_rules``). ``decode.onnx`` is one graph for all of them.
 FLAVOURS = ("onnxruntime", "tensorrt", "openvino")
+#: Query pieces of the openvino flavour's prompt attention (``causal_attention_pieces``): (P + 1) / 2P of the work
+#: of one n x n block
+OPENVINO_ATTENTION_PIECES = 8
 
 #: Score of a masked attention entry in the graphs TensorRT builds (the TensorRT prefill flavour, decode):
 #: finite in fp16 and bf16 (a FLOAT32_MIN constant becomes -inf in a weakly typed fp16 engine, and a row masked
@@ -573,6 +576,23 @@ class DecoderGraphBuilder:
         out = g.Transpose(g.MatMul(probs, self.repeat_kv(v)), perm=[0, 2, 1, 3])  # [B, s, H, d_h]
         return g.reshape(out, [0, 0, s.num_heads * s.head_dim])
 
+    def causal_attention_pieces(self, q: str, k: str, v: str, allowed: str, n: str, pieces: int) -> str:
+        """``causal_attention`` over a prompt of n tokens in ``pieces`` query pieces (openvino flavour): piece j holds the
+        queries [n j / P, n (j + 1) / P) and attends the keys [0, n (j + 1) / P) only, the ones its causal mask can
+        let through, so the scores of keys after a piece's last query are never computed ((P + 1) / 2P of the single
+        block's work: 56 % for 8 pieces; measured on the bundled model, 2k tokens, bf16: the attention subgraphs 544 ->
+        294 ms, the prefill 1.23 -> 1.04 s). Each piece keeps the single block's pattern, which OpenVINO's CPU plugin
+        fuses into one attention subgraph; the keys a piece leaves out would have had probability 0."""
+        g = self.g
+        bounds = [g.i64(0)] + [g.Div(g.Mul(n, g.i64(j)), g.i64(pieces)) for j in range(1, pieces)] + [n]
+        outs = []
+        for j in range(pieces):
+            start, end = bounds[j], bounds[j + 1]
+            piece = g.Slice(allowed, g.concat(start, g.i64(0)), g.concat(end, end), g.i64(2, 3))  # [B, 1, s_j, K_j]
+            outs.append(self.causal_attention(g.slice_axis(q, start, end, axis=2), g.slice_axis(k, 0, end, axis=2),
+                                              g.slice_axis(v, 0, end, axis=2), piece))
+        return g.concat(*outs, axis=1)
+
     def repeat_kv(self, x: str) -> str:
         """[B, H_kv, K, ...] -> [B, H, K, ...] with d_h = the last axis: query head h reads KV head h // G."""
         g, s = self.g, self.spec
@@ -725,6 +745,8 @@ class DecoderGraphBuilder:
             allowed = g.And(causal, g.reshape(g.Not(key_padding), [0, 1, 1, -1]))  # [B, 1, n, n]
 
             def attention(i, q, k, v):
+                if self.flavour == "openvino":
+                    return self.causal_attention_pieces(q, k, v, allowed, n, OPENVINO_ATTENTION_PIECES)
                 return self.causal_attention(q, k, v, allowed)
         outputs = [value_info(graphs.LOGITS, FLOAT, ["batch", spec.vocab_size])]
 

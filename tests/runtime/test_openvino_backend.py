@@ -103,6 +103,24 @@ def test_every_policy_keeps_the_pytorch_paths_entries_at_f32(case_id, kwargs, mo
         engine.close()
 
 
+def test_prompts_shorter_than_the_attention_pieces_generate_onnx_runtimes_tokens(model, tmp_path):
+    """The openvino prefill splits a prompt's queries into OPENVINO_ATTENTION_PIECES causal pieces: prompts of 1 and
+    3 tokens (empty pieces) and left-padded batches give ONNX Runtime's tokens at f32."""
+    from criticalkv.export.decoder import OPENVINO_ATTENTION_PIECES
+
+    assert OPENVINO_ATTENTION_PIECES > 3
+    folder = export_tiny_engine(model, KVPolicy("criticalkv", budget=40, window=8), tmp_path / "e", max_batch_size=2)
+    ort, ov = Engine.load(folder), load(folder)
+    try:
+        for prompts in ([random_prompt(1, 1)], [random_prompt(3, 2)], [random_prompt(2, 3), random_prompt(58, 4)],
+                        [random_prompt(9, 5), random_prompt(1, 6)]):
+            want = ort.generate(prompts, 4, stop_token_ids=[]).tokens
+            assert ov.generate(prompts, 4, stop_token_ids=[]).tokens == want, [len(p) for p in prompts]
+    finally:
+        ort.close()
+        ov.close()
+
+
 @pytest.fixture(scope="module", params=["ada-criticalkv", "kvzip"])
 def chunky(request, model, tmp_path_factory):
     """An engine with its extend and select graphs (kvzip: its re-read passes through reread.onnx)."""
