@@ -180,8 +180,8 @@ def layer_capacities(policy: KVPolicy, spec: ModelSpec, max_input_len: int) -> l
 #: The flavours of the graphs: ``onnxruntime`` (selection nodes with their function bodies, prompt attention in
 #: query blocks inside a ``Loop``), ``tensorrt`` (selection nodes without bodies, for the plugin; attention without
 #: a Loop, in the form TensorRT fuses) and ``openvino`` (the selection nodes' bodies inlined into the graph, since
-#: OpenVINO's ONNX frontend converts no model-local function; attention without a Loop, the MatMul-Where-Softmax-MatMul
-#: chain OpenVINO's CPU plugin fuses into one attention subgraph; no com.microsoft operator:
+#: OpenVINO's ONNX frontend converts no model-local function; attention without a Loop, in causal query pieces of the
+#: MatMul-Where-Softmax-MatMul chain OpenVINO's CPU plugin fuses into one attention subgraph; no com.microsoft operator:
 #: ``criticalkv.export.openvino_rules``). ``decode.onnx`` is one graph for all of them.
 FLAVOURS = ("onnxruntime", "tensorrt", "openvino")
 #: Query pieces of the openvino flavour's prompt attention (``causal_attention_pieces``): (P + 1) / 2P of the work

@@ -1,8 +1,9 @@
 """The OpenVINO backend: the engine's openvino-flavour graphs compiled by OpenVINO's CPU plugin, KV rows in host memory.
 
 Graphs (``criticalkv.graphs``): ``prefill_openvino.onnx`` (the prompt, the selection inside: the nodes' bodies inlined,
-since OpenVINO's ONNX frontend converts no model-local function; causal attention as one MatMul-Where-Softmax-MatMul
-chain, which the CPU plugin fuses into one attention subgraph), ``decode_openvino.onnx`` (one token per row over each
+since OpenVINO's ONNX frontend converts no model-local function; causal attention in 8 query pieces, each a
+MatMul-Where-Softmax-MatMul chain over the keys its queries see, which the CPU plugin fuses into one attention
+subgraph), ``decode_openvino.onnx`` (one token per row over each
 row's first max(lengths) entries), and at first use
 ``extend_openvino.onnx`` (chunked prefill, a question after a context; with the engine's streams),
 ``select_openvino.onnx`` / ``select_context_openvino.onnx`` (the chunked prefill's selection) and ``reread.onnx`` (a
