@@ -15,6 +15,7 @@ from criticalkv.policy import KVPolicy, parse_policy_spec, policy_spec
 from criticalkv.request import SamplingParams
 from criticalkv.runtime import Engine
 from criticalkv.runtime.manifest import default_backend, engine_limits, load_tokenizer, read_manifest
+from criticalkv.runtime.registry import BACKENDS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -41,7 +42,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--engine-dir", type=Path,
                    help="run an engine built by scripts/build_engine.py (ONNX Runtime or TensorRT) instead of PyTorch")
-    p.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch", "openvino"), default=None,
+    p.add_argument("--backend", choices=tuple(BACKENDS), default=None,
                    help="with --engine-dir only: ONNX Runtime (CPU; the default for an exported engine), the TensorRT "
                         "engines (GPU, CUDA graphs), torch (the checkpoint's own layers with the selection op: CUDA "
                         "graphs on a GPU, else the CPU; the default for an engine built with --backend torch), or "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from criticalkv.commands.arguments import gpu_ids, nonnegative_float, nonnegative_int, positive_float, positive_int
-from criticalkv.serving.repository import DEFAULT_MODEL_NAME
+from criticalkv.serving.repository import DEFAULT_MODEL_NAME, SERVED_BACKENDS
 from criticalkv.serving.scheduler import SchedulerConfig
 
 
@@ -37,7 +37,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "--kv-policy). "
                         "It must be one of the two the engine was built with (results/README.md, question-agnostic "
                         "quality, says why that one)")
-    p.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch", "openvino"), default=None,
+    p.add_argument("--backend", choices=SERVED_BACKENDS, default=None,
                    help="onnxruntime (KIND_CPU; the default for an exported engine), openvino (KIND_CPU: the engine's "
                         "openvino graphs), tensorrt (KIND_GPU), or torch (the "
                         "checkpoint's own layers and the selection op; the default for an engine built with --backend "

@@ -32,12 +32,13 @@ and each was seen to fail, with the message quoted, on a graph that breaks it (d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, numpy_helper
+
+from criticalkv.export.tensorrt_rules import Violation, describe  # one form of a broken rule for both importers
 
 #: The OpenVINO release whose ONNX frontend and CPU plugin these rules follow.
 OPENVINO_VERSION = "2026.4"
@@ -55,18 +56,6 @@ INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 INT64_BOUNDS = frozenset({int(np.iinfo(np.int64).max), int(np.iinfo(np.int64).min)})
 #: The rules whose violation is a property of the policy's method (its openvino flavour is refused, not a bug).
 POLICY_RULES = frozenset({"int64"})
-
-
-@dataclass(frozen=True)
-class Violation:
-    """One broken rule: its name, where (node name), and what is wrong."""
-
-    rule: str
-    where: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"[{self.rule}] {self.where}: {self.message}"
 
 
 class _Checker:
@@ -224,8 +213,3 @@ def openvino_refusal(violations: list[Violation]) -> str | None:
         return (f"OpenVINO's CPU plugin computes int64 as int32 and the policy's selection needs wider integers "
                 f"({violations[0]})")
     return None
-
-
-def describe(violations: list[Violation], most: int = 8) -> str:
-    listed = "; ".join(str(v) for v in violations[:most])
-    return listed + (f" (and {len(violations) - most} more)" if len(violations) > most else "")

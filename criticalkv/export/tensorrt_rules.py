@@ -126,7 +126,8 @@ INT32_MAX = int(np.iinfo(np.int32).max)
 
 @dataclass(frozen=True)
 class Violation:
-    """One broken importer rule: the rule's name, where (node name / graph), and what is wrong."""
+    """One broken importer rule: the rule's name, where (node name / graph), and what is wrong (TensorRT's rules here,
+    OpenVINO's in ``openvino_rules``)."""
 
     rule: str
     where: str
@@ -134,6 +135,12 @@ class Violation:
 
     def __str__(self) -> str:
         return f"[{self.rule}] {self.where}: {self.message}"
+
+
+def describe(violations: list[Violation], most: int = 8) -> str:
+    """The first ``most`` violations on one line, and how many more (an importer rule set's error message)."""
+    listed = "; ".join(str(v) for v in violations[:most])
+    return listed + (f" (and {len(violations) - most} more)" if len(violations) > most else "")
 
 
 def _subgraphs(node: onnx.NodeProto) -> dict[str, onnx.GraphProto]:
@@ -386,8 +393,6 @@ def assert_tensorrt_parsable(path: str | Path) -> None:
     """Raise ValueError listing every violation when ``path`` breaks a TensorRT importer rule."""
     violations = check_tensorrt_file(path)
     if violations:
-        listed = "; ".join(str(v) for v in violations[:8])
-        more = f" (and {len(violations) - 8} more)" if len(violations) > 8 else ""
         raise ValueError(
-            f"{Path(path).name}: TensorRT {TENSORRT_VERSION}'s ONNX importer would reject it: {listed}{more}"
+            f"{Path(path).name}: TensorRT {TENSORRT_VERSION}'s ONNX importer would reject it: {describe(violations)}"
         )

@@ -21,13 +21,14 @@ from typing import Any
 
 from criticalkv.policy import KVPolicy, policy_spec
 from criticalkv.runtime.manifest import default_backend, read_manifest
+from criticalkv.runtime.registry import BACKENDS
 from criticalkv.serving.scheduler import SchedulerConfig
 
 TEMPLATES = Path(__file__).parent / "templates"
 DEFAULT_MODEL_NAME = "criticalkv"
 #: The backends the Triton model runs an engine on (torch: wherever the model's Python imports torch and transformers;
 #: the bundled CPU server's model environment reaches the project's packages, torch included).
-SERVED_BACKENDS = ("onnxruntime", "tensorrt", "torch", "openvino")
+SERVED_BACKENDS = tuple(BACKENDS)
 
 
 def template_keys(text: str) -> set[str]:

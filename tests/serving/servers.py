@@ -42,6 +42,18 @@ class Served:
         tokens = self.engine.generate([ids], max_new_tokens=max_tokens).tokens[0]
         return self.engine.tokenizer.decode(tokens, skip_special_tokens=True)
 
+    def generate_and_stream(self, text, max_tokens):
+        """((status, answer) of /generate with the KV bytes, (status, events) of /generate_stream) for one prompt."""
+        common = {"text_input": text, "max_tokens": max_tokens, "ignore_eos": True, "exclude_input_in_output": True}
+        return (self.post("generate", {**common, "return_kv_bytes": True}),
+                self.post("generate_stream", {**common, "stream": True}))
+
+    def ask_after_context_twice(self, context_ids, question_ids, max_tokens):
+        """[(status, answer)] of the same question after the same context, sent twice (a miss, then the context
+        cache's hit)."""
+        return [self.post("generate", {"input_ids": question_ids, "context_ids": context_ids, "max_tokens": max_tokens,
+                                       "ignore_eos": True, "exclude_input_in_output": True}) for _ in range(2)]
+
     def post(self, endpoint, body, timeout=120):
         """(status, parsed JSON or SSE events) of POST /v2/models/criticalkv/<endpoint>."""
         request = urllib.request.Request(f"{self.url}/{endpoint}", json.dumps(body).encode(),

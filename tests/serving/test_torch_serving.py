@@ -49,13 +49,10 @@ def test_the_served_torch_engine_gives_the_text_of_engine_generate(served):
     text, ids = random_words(120, seed=3)
     expected = served.expected_text(ids, 12)
     assert expected
-    status, out = served.post("generate", {"text_input": text, "max_tokens": 12, "ignore_eos": True,
-                                           "exclude_input_in_output": True, "return_kv_bytes": True})
+    (status, out), (stream_status, events) = served.generate_and_stream(text, 12)
     assert status == 200 and out["text_output"] == expected
     assert 0 < out["kv_bytes_kept"] < out["kv_bytes_full"]
-    status, events = served.post("generate_stream", {"text_input": text, "max_tokens": 12, "ignore_eos": True,
-                                                      "stream": True, "exclude_input_in_output": True})
-    assert status == 200 and "".join(e["text_output"] for e in events) == expected
+    assert stream_status == 200 and "".join(e["text_output"] for e in events) == expected
     status, out = served.post("generate", {"text_input": text, "max_tokens": 4, "kv_budget": 16})
     assert status == 200 and out["text_output"]
     status, out = served.post("generate", {"text_input": text, "max_tokens": 4, "kv_budget": 41})
@@ -73,10 +70,6 @@ def test_a_context_served_on_torch_answers_as_the_onnx_runtime_engine(served):
     tokens = onnx.generate([context], 8, stop_token_ids=[], questions=[question]).tokens[0]
     expected = onnx.tokenizer.decode(tokens, skip_special_tokens=True)
     assert expected
-    hits = []
-    for _ in range(2):
-        status, out = served.post("generate", {"input_ids": question, "context_ids": context, "max_tokens": 8,
-                                               "ignore_eos": True, "exclude_input_in_output": True})
-        assert status == 200 and out["text_output"] == expected
-        hits.append(out["context_cache_hit"])
-    assert hits == [False, True]
+    answers = served.ask_after_context_twice(context, question, 8)
+    assert all(status == 200 and out["text_output"] == expected for status, out in answers)
+    assert [out["context_cache_hit"] for _, out in answers] == [False, True]
