@@ -138,3 +138,25 @@ def test_the_readme_and_docs_gpu_share_one_gpu_install():
     assert all(p in needs for p in ("CUDA toolkit", "CMake >= 3.24", "C++ compiler")), needs
     table = gpu[gpu.index("## 1. Install"):gpu.index("## 2.")]
     assert all(p in table for p in ("| CUDA toolkit (`nvcc`) |", "| CMake | 3.24 or newer |", "| a C++17 compiler |")), table
+
+
+def test_the_option_counter_counts_every_leafs_options(capsys):
+    """scripts/count_cli_options.py (issue 37's measure): generate's options are its parser's, --help left out, and the
+    total is the sum over the leaves it lists."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("count_cli_options", ROOT / "scripts" / "count_cli_options.py")
+    counter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counter)
+    from criticalkv.cli import build_parser
+
+    found = dict((" ".join(path), parser) for path, parser in counter.leaves(build_parser(), []))
+    generate = found["generate"]
+    own = [a for a in generate._actions if a.option_strings and not isinstance(a, argparse._HelpAction)
+           and a.help != argparse.SUPPRESS]
+    assert counter.options(generate) == len(own) and any("--max-tokens" in a.option_strings for a in own)
+    assert "bench serve" in found and "serve" in found
+    assert counter.main([]) == 0
+    total = sum(counter.options(p) for p in found.values())
+    assert capsys.readouterr().out.strip() == f"{len(found)} leaves, {total} options" and total > len(found)
