@@ -21,6 +21,13 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def add_out_argument(p, default: str) -> None:
+    """``--out STEM``: where a benchmark's files go, ``STEM.json``, ``STEM.md`` and the like (one option instead of a
+    folder and a file stem). ``args.out`` is the stem as a ``Path``."""
+    p.add_argument("--out", type=Path, default=Path(default), metavar="STEM",
+                   help=f"results as STEM.json, STEM.md, ... (folders created) (default: {default})")
+
+
 def write_results(stem: Path, results: dict, table: str) -> None:
     """``STEM.json`` (the results) and ``STEM.txt`` (the printed table), each written whole or not at all."""
     stem = Path(stem)
