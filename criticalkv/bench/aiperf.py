@@ -25,13 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from criticalkv.bench import machine
+from criticalkv.bench import machine, served
 from criticalkv.bench.client import Endpoint, request_body, run_load
 from criticalkv.bench.machine import header_lines
 from criticalkv.bench.metrics import summarize
 from criticalkv.bench.peers import peer_ready
 from criticalkv.bench.prompts import make_prompts
-from criticalkv.bench.server import ServerProcess, engine_label, only_model, served_engine
 
 #: Agreement the issue asks for between the two tools (relative difference).
 TOLERANCE = 0.10
@@ -165,38 +164,32 @@ def cross_check(args, log=print) -> dict:
     """``criticalkv bench aiperf``: both tools on one server and workload; returns the results dict."""
     results = machine.header(args.command_line)
     log("\n".join(machine.header_lines(results)))
-    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else Path(args.engine_dir) / "tokenizer"
+    tokenizer_dir = served.tokenizer_folder(args)
     from transformers import AutoTokenizer  # here: `criticalkv --help` and argument errors do not load it
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     prompts = make_prompts(tokenizer, args.isl, args.warmup + args.num_requests, seed=args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="criticalkv-aiperf-"))
-    server = None
-    try:
-        if args.engine_dir:
-            engine = engine_label(Path(args.engine_dir))["label"]
-            server = ServerProcess(Path(args.engine_dir), log_path=workdir / "server.log").start()
-            url = server.url
-        else:
-            url = args.url.rstrip("/")
-        model = args.model_name or only_model(url)
-        if not args.engine_dir:
-            engine = served_engine(url, model)["label"]
-        endpoint = Endpoint(url, model)
-        bodies = [request_body(p.text, args.osl, True, args.kv_budget) for p in prompts]
+    bodies = [request_body(p.text, args.osl, True, args.kv_budget) for p in prompts]
+    got: dict = {}
+
+    def on_server(endpoint: Endpoint, metrics_url, engine: dict) -> None:
         log(f"this script: ISL {args.isl} OSL {args.osl} concurrency {args.concurrency}, {args.num_requests} requests ...")
         if args.warmup:
             run_load(endpoint, bodies[: args.warmup], concurrency=args.concurrency)
         before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         records = run_load(endpoint, bodies[args.warmup:], concurrency=args.concurrency, progress="this script")
         after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - start
-        ours = summarize(records)
-        our_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         log("AIPerf ...")
-        theirs, command, osl_stats = run_aiperf(Path(args.peers_dir), url, model, tokenizer_dir, prompts, args.osl,
-                                                args.concurrency, args.num_requests, args.warmup, workdir / "aiperf",
-                                                args.kv_budget)
-        out_dir = Path(args.out) / f"{args.name}_aiperf_artifacts"
+        theirs, command, osl_stats = run_aiperf(Path(args.peers_dir), endpoint.url, endpoint.model, tokenizer_dir,
+                                                prompts, args.osl, args.concurrency, args.num_requests, args.warmup,
+                                                workdir / "aiperf", args.kv_budget)
+        got.update(engine=engine["label"], records=records, wall=wall, theirs=theirs, command=command,
+                   osl_stats=osl_stats, our_cpu=(after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
+
+    try:
+        served.on_each_server(args, served.split_server_args(args.server_args, own=()), on_server, {}, log=log)
+        out_dir = args.out.with_name(f"{args.out.name}_aiperf_artifacts")
         if out_dir.exists():
             shutil.rmtree(out_dir)
         shutil.copytree(workdir / "aiperf" / "artifacts", out_dir,
@@ -204,9 +197,10 @@ def cross_check(args, log=print) -> dict:
         shutil.copy(workdir / "aiperf" / "payload_template.json", out_dir / "payload_template.json")
         scrub_paths(out_dir, {str(workdir / "aiperf"): "WORKDIR", str(Path.cwd()): "."})
     finally:
-        if server is not None:
-            server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+    engine, records, wall, theirs, command, osl_stats, our_cpu = (
+        got[k] for k in ("engine", "records", "wall", "theirs", "command", "osl_stats", "our_cpu"))
+    ours = summarize(records)
     results["cross_check"] = {
         "engine": engine, "isl": args.isl, "osl": args.osl, "concurrency": args.concurrency,
         "num_requests": args.num_requests, "warmup": args.warmup, "kv_budget": args.kv_budget,

@@ -28,6 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from criticalkv.bench import machine, served
+from criticalkv.bench.report import add_out_argument
 from criticalkv.bench.client import Endpoint, request_body, send_request
 from criticalkv.bench.metrics import distribution
 
@@ -173,7 +174,7 @@ def main(args) -> int:
     if min(args.isl, args.question_tokens, args.osl, args.repeats) < 1 or args.warmup < 0:
         raise ValueError("--isl, --question-tokens, --osl and --repeats must be >= 1, --warmup >= 0")
     server_args = served.split_server_args(args.server_args, own=())
-    stem = Path(args.out) / args.name
+    stem = args.out
     results = machine.header(args.command_line)
     results["benchmark"] = "cached-context"
     results["uptime_before"] = served.uptime()
@@ -250,5 +251,4 @@ def add_arguments(p) -> None:
                            f"(a context policy that re-reads contexts: kvzip) and its selection (target: reconstruction "
                            f"<= {SCORING_GOAL:g}x the prefill)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
-    out.add_argument("--name", default="cached_context", help="file stem of the results (default: cached_context)")
+    add_out_argument(out, "results/benchmarks/serving/cached_context")

@@ -301,7 +301,7 @@ def run_load(endpoint: Endpoint, bodies: Sequence[dict], concurrency: int | None
     bar = None
     lock = threading.Lock()
     if progress is not None:
-        bar = tqdm(total=len(bodies), desc=progress, unit="req", leave=False)
+        bar = tqdm(total=len(bodies), desc=progress, unit="req", leave=False, disable=None)  # on a terminal only
 
     def on_done(_record):
         if bar is not None:

@@ -31,6 +31,7 @@ import random
 from pathlib import Path
 
 from criticalkv.bench import machine, served
+from criticalkv.bench.report import add_out_argument
 from criticalkv.bench.client import Endpoint, request_body, run_load, send_request
 from criticalkv.bench.metrics import distribution
 
@@ -198,8 +199,9 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title("each request")
     ax.legend(fontsize=7)
     s = results["settings"]
+    memory = "the server's" if s["kv_memory_mib"] is None else f"{s['kv_memory_mib']:.0f} MiB"
     fig.suptitle(f"docqa: {s['docs']} docs x {s['questions']} questions, ISL {s['isl']}, OSL {s['osl']}, "
-                 f"conc {s['concurrency']}, KV memory {s['kv_memory_mib']:.0f} MiB", fontsize=10)
+                 f"conc {s['concurrency']}, KV memory {memory}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -214,7 +216,7 @@ def main(args) -> int:
     extra = served.split_server_args(args.server_args)
     if args.kv_memory_mib is not None:
         memory, note = args.kv_memory_mib, "given"
-    elif args.engine_dir:
+    elif args.engine_dir and not args.url:
         full = served.full_engine(args.engine_dir)
         memory = served.kv_mib(full, args.isl, args.kv_contexts)
         note = (f"{args.kv_contexts:g} uncompressed {args.isl}-token contexts of {Path(full).name}: "
@@ -224,7 +226,7 @@ def main(args) -> int:
     cache = memory if args.context_cache_mib is None else args.context_cache_mib
     server_args = extra + ([] if memory is None else ["--kv-memory-mib", served.mib_flag(memory)]) + \
         ([] if cache is None else ["--context-cache-mib", served.mib_flag(cache)])
-    stem = Path(args.out) / args.name
+    stem = args.out
     results = machine.header(args.command_line)
     results["benchmark"] = "docqa"
     results["uptime_before"] = served.uptime()
@@ -232,7 +234,7 @@ def main(args) -> int:
                            "question_tokens": args.question_tokens, "osl": args.osl, "concurrency": args.concurrency,
                            "warmup": args.warmup, "chat": args.chat, "seed": args.seed, "kv_budget": args.kv_budget,
                            "kv_memory_mib": memory, "kv_memory_note": note, "context_cache_mib": cache,
-                           "kv_contexts": args.kv_contexts if args.kv_memory_mib is None and args.engine_dir else None,
+                           "kv_contexts": args.kv_contexts if args.kv_memory_mib is None and not args.url else None,
                            "server_args": server_args, "hit_rate_ceiling": (args.questions - 1) / args.questions}
     results["runs"] = []
     print("\n".join(machine.header_lines(results)), flush=True)
@@ -251,7 +253,7 @@ def main(args) -> int:
                 raise RuntimeError(f"{engine['label']}: warm-up request failed: {record.error}")
         run = served.measure_run(endpoint, metrics_url, engine, server_args, lambda: run_load(
             endpoint, measured, concurrency=args.concurrency,
-            progress=f"docqa {engine['label']}" if args.progress else None), extra=labels)
+            progress=f"docqa {engine['label']}"), extra=labels)
         run["docqa"] = summarize_run(run)
         results["runs"].append(run)
         results["versus_full"] = served.versus_full(results["runs"], RATIOS)
@@ -296,6 +298,4 @@ def add_arguments(p) -> None:
     mem.add_argument("--context-cache-mib", type=float,
                      help="each server's --context-cache-mib (default: the KV memory: the cache may use all of it)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
-    out.add_argument("--name", default="docqa", help="file stem of the results (default: docqa)")
-    out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    add_out_argument(out, "results/benchmarks/serving/docqa")

@@ -507,7 +507,7 @@ class Check:
             return StepResult("serve", "skipped", budget,
                               note="this checkout has no `criticalkv bench gpu-serve` (issue 27)")
         folder = self.scratch / "serve"
-        cmd = [self.python, "-m", "criticalkv.cli", "bench", "gpu-serve", "--out", str(folder)]
+        cmd = [self.python, "-m", "criticalkv.cli", "bench", "gpu-serve", "--out", str(folder / "serving")]
         if self.dry:
             code, text = probe(cmd[:5] + ["--help"], 60, env=self.env("serve", 60))
             if code != 0 or "--dry-run" not in text:

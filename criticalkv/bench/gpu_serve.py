@@ -483,8 +483,9 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Workload()
-    p.add_argument("--out", type=Path, default=Path("results/gpu"), help="results folder (default: results/gpu)")
-    p.add_argument("--name", default="serving", help="file stem: OUT/NAME.json and OUT/NAME.md (default: serving)")
+    from criticalkv.bench.report import add_out_argument
+
+    add_out_argument(p, "results/gpu/serving")
     p.add_argument("--dry-run", action="store_true",
                    help="a tiny model on the CPU through the same steps (the plumbing; also what runs without CUDA)")
     p.add_argument("--model", help="a Hugging Face checkpoint folder instead of the random 8B-shaped model")
@@ -536,7 +537,7 @@ def main(args: argparse.Namespace) -> int:
         if "runs" in results:
             results.setdefault("elapsed_s", None)
             results.setdefault("targets", check_targets(results))
-            stem = Path(args.out) / args.name
+            stem = args.out
             report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1, default=_json) + "\n")
             text = render(results)
             report.write_atomic(stem.with_suffix(".md"), text)

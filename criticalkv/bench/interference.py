@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-from criticalkv.bench import machine
-from criticalkv.bench.client import Endpoint, is_ready, request_body, send_request
+from criticalkv.bench import machine, served
+from criticalkv.bench.client import Endpoint, request_body, send_request
 from criticalkv.bench.metrics import RequestRecord, distribution
+from criticalkv.bench.report import add_out_argument
 
 #: The cases of a round, in the order they are measured.
 CASES = ("idle", "decode", "prefill")
@@ -303,12 +303,10 @@ def write_all(results: dict, stem: Path, figure: bool) -> None:
 def measure(endpoint: Endpoint, args, results: dict, variant: dict, stem: Path, bodies: tuple[dict, dict]) -> None:
     """Every round on one server; fills ``variant`` (a member of ``results['variants']``) and rewrites the files."""
     short_body, long_body = bodies
-    bar = None
-    total = (args.warmup + args.repeats) * len(CASES)
-    if args.progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        bar = tqdm(total=total, desc=f"interference, {chunk_label(variant)}", unit="case")
+    total = (args.warmup + args.repeats) * len(CASES)
+    bar = tqdm(total=total, desc=f"interference, {chunk_label(variant)}", unit="case", disable=None)  # on a terminal only
     variant["rounds"], variant["warmup_rounds"] = [], []
     try:
         for i in range(args.warmup + args.repeats):
@@ -328,15 +326,6 @@ def measure(endpoint: Endpoint, args, results: dict, variant: dict, stem: Path, 
             bar.close()
 
 
-def _tokenizer(args):
-    from transformers import AutoTokenizer
-
-    folder = Path(args.tokenizer) if args.tokenizer else Path(args.engine_dir) / "tokenizer"
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no tokenizer folder (give --tokenizer with --url)")
-    return AutoTokenizer.from_pretrained(folder)
-
-
 def chunk_list(text: str | None) -> list[int | None]:
     """``--prefill-chunk`` as a list of chunk sizes (>= 0); None when not given (the server's default is used)."""
     if text is None or not str(text).strip():
@@ -352,25 +341,20 @@ def chunk_list(text: str | None) -> list[int | None]:
 
 def main(args) -> int:
     from criticalkv.bench.prompts import corpus_ids, make_prompts
-    from criticalkv.bench.server import ServerProcess, engine_label, only_model, served_engine
-
-    if bool(args.url) == bool(args.engine_dir):
-        raise ValueError("give either --url (a running server) or --engine-dir (started here)")
+    served.check_server_arguments(args)
     if min(args.short_isl, args.short_osl, args.long_isl, args.long_osl, args.repeats, args.decode_after_tokens) < 1:
         raise ValueError("--short-isl/--short-osl/--long-isl/--long-osl, --repeats and --decode-after-tokens must be >= 1")
     if args.warmup < 0 or args.prefill_delay < 0:
         raise ValueError("--warmup and --prefill-delay must be >= 0")
     if args.decode_after_tokens >= args.long_osl:
         raise ValueError("--decode-after-tokens must be below --long-osl (the long request must still be decoding)")
-    if args.engine_dir and not (Path(args.engine_dir) / "manifest.json").is_file():
-        raise FileNotFoundError(f"{args.engine_dir}: not an engine directory (no manifest.json)")
     chunks = chunk_list(args.prefill_chunk)
     if args.url and len(chunks) > 1:
         raise ValueError("--url: give one --prefill-chunk (the running server's), or start servers with --engine-dir")
     extra = shlex.split(args.server_args) if args.server_args else []
     if any(a.split("=", 1)[0] == "--prefill-chunk" for a in extra):
         raise ValueError("--server-args: give the chunk size with this command's --prefill-chunk (it may list several)")
-    stem = Path(args.out) / args.name
+    stem = args.out
     results = machine.header(args.command_line)
     results["benchmark"] = "interference"
     results["uptime_before"] = uptime()
@@ -381,37 +365,25 @@ def main(args) -> int:
     results["settings"]["prefill_chunks"] = chunks
     results["variants"] = []
     print("\n".join(machine.header_lines(results)), flush=True)
-    tokenizer = _tokenizer(args)
+    tokenizer = served.load_tokenizer(args)
     ids = corpus_ids(tokenizer)
     short_text = make_prompts(tokenizer, args.short_isl, 1, seed=args.seed, ids=ids)[0].text
     long_text = make_prompts(tokenizer, args.long_isl, 1, seed=args.seed, ids=ids)[0].text
     bodies = (request_body(short_text, args.short_osl, True, args.kv_budget),
               request_body(long_text, args.long_osl, True, args.kv_budget))
     notes = []
-    if args.url:
-        url = args.url.rstrip("/")
-        if not is_ready(url):
-            raise ValueError(f"{url}: the server is not ready (GET /v2/health/ready)")
-        model = args.model_name or only_model(url)
-        note = f"running server {url}, model {model}"
-        variant = {"prefill_chunk": chunks[0], "engine": served_engine(url, model), "server_note": note}
-        results["variants"].append(variant)
-        notes.append(note)
-        measure(Endpoint(url, model), args, results, variant, stem, bodies)
-    else:
-        logs = Path(tempfile.mkdtemp(prefix="criticalkv-bench-logs-"))
-        for chunk in chunks:
-            server_args = extra + ([] if chunk is None else ["--prefill-chunk", str(chunk)])
-            engine = engine_label(Path(args.engine_dir))
-            started = time.perf_counter()
-            with ServerProcess(Path(args.engine_dir), server_args, logs / f"server-chunk{chunk}.log") as server:
-                engine["server_ready_s"] = time.perf_counter() - started
-                model = args.model_name or only_model(server.url)
-                note = f"criticalkv serve --engine-dir {engine['engine_dir']} {shlex.join(server_args)}".strip()
-                variant = {"prefill_chunk": chunk, "engine": engine, "server_note": note, "server_args": server_args}
-                results["variants"].append(variant)
-                notes.append(note)
-                measure(Endpoint(server.url, model), args, results, variant, stem, bodies)
+    for chunk in chunks:
+        server_args = extra + ([] if chunk is None or args.url else ["--prefill-chunk", str(chunk)])
+
+        def on_server(endpoint: Endpoint, metrics_url, engine: dict, chunk=chunk, server_args=server_args) -> None:
+            note = (f"criticalkv serve --engine-dir {engine['engine_dir']} {shlex.join(server_args)}".strip()
+                    if engine.get("engine_dir") else f"running server {endpoint.url}, model {endpoint.model}")
+            variant = {"prefill_chunk": chunk, "engine": engine, "server_note": note, "server_args": server_args}
+            results["variants"].append(variant)
+            notes.append(note)
+            measure(endpoint, args, results, variant, stem, bodies)
+
+        served.on_each_server(args, server_args, on_server, {}, log=lambda _: None)
     results["server_note"] = "; ".join(notes)
     results["uptime_after"] = uptime()
     machine.finish(results)
@@ -423,12 +395,7 @@ def main(args) -> int:
 
 
 def add_arguments(p) -> None:
-    target = p.add_argument_group("server")
-    target.add_argument("--engine-dir", metavar="DIR", help="start `criticalkv serve` on this engine directory")
-    target.add_argument("--url", help="a running server instead, e.g. http://127.0.0.1:8000")
-    target.add_argument("--model-name", help="the Triton model to call (default: the server's only ready model)")
-    target.add_argument("--server-args", default="", help="extra arguments for `criticalkv serve`, one quoted string")
-    target.add_argument("--tokenizer", help="tokenizer folder for the prompts (default: the engine's tokenizer/)")
+    served.add_server_arguments(p, several=False)
     load = p.add_argument_group("workload")
     load.add_argument("--short-isl", type=int, default=128, help="short request's prompt tokens (default: 128)")
     load.add_argument("--short-osl", type=int, default=16, help="short request's new tokens (default: 16)")
@@ -447,6 +414,4 @@ def add_arguments(p) -> None:
                            "With --url: the running server's setting, recorded only")
     load.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
-    out.add_argument("--name", default="interference", help="file stem of the results (default: interference)")
-    out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add_out_argument(out, "results/benchmarks/serving/interference")

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from criticalkv.bench import machine, served
+from criticalkv.bench.report import add_out_argument
 from criticalkv.bench.client import Endpoint, request_body, run_load
 
 #: The issue's target (ISL 2048, OSL 256, KV memory of 2 full sequences): criticalkv output tokens/s >= 1.4x full.
@@ -121,8 +122,9 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title("sequences held at once")
     ax.legend(fontsize=8)
     s = results["settings"]
-    fig.suptitle(f"memory-bound decode: ISL {s['isl']}, OSL {s['osl']}, conc {s['concurrency']}, KV memory "
-                 f"{s['kv_memory_mib']:.0f} MiB", fontsize=10)
+    memory = "the server's" if s["kv_memory_mib"] is None else f"{s['kv_memory_mib']:.0f} MiB"
+    fig.suptitle(f"memory-bound decode: ISL {s['isl']}, OSL {s['osl']}, conc {s['concurrency']}, KV memory {memory}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -137,7 +139,7 @@ def main(args) -> int:
     extra = served.split_server_args(args.server_args, own=("--kv-memory-mib", "--kv-pool-mib"))
     if args.kv_memory_mib is not None:
         memory, note = args.kv_memory_mib, "given"
-    elif args.engine_dir:
+    elif args.engine_dir and not args.url:
         full = served.full_engine(args.engine_dir)
         memory = served.kv_mib(full, args.isl + args.osl, args.kv_sequences)
         note = (f"{args.kv_sequences:g} full sequences of {args.isl} + {args.osl} tokens of {Path(full).name}: "
@@ -145,7 +147,7 @@ def main(args) -> int:
     else:
         memory, note = None, "the running server's"
     server_args = extra + ([] if memory is None else ["--kv-memory-mib", served.mib_flag(memory)])
-    stem = Path(args.out) / args.name
+    stem = args.out
     results = machine.header(args.command_line)
     results["benchmark"] = "memory"
     results["uptime_before"] = served.uptime()
@@ -166,7 +168,7 @@ def main(args) -> int:
             run_load(endpoint, warm, concurrency=min(args.concurrency, len(warm)))
         run = served.measure_run(endpoint, metrics_url, engine, server_args, lambda: run_load(
             endpoint, measured, concurrency=args.concurrency,
-            progress=f"memory {engine['label']}" if args.progress else None))
+            progress=f"memory {engine['label']}"))
         results["runs"].append(run)
         results["versus_full"] = served.versus_full(results["runs"], RATIOS)
         served.write_results(results, stem, render, None)
@@ -200,6 +202,4 @@ def add_arguments(p) -> None:
     mem.add_argument("--kv-sequences", type=float, default=2.0,
                      help="KV memory as this many full sequences of ISL + OSL tokens of the full engine (default: 2)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
-    out.add_argument("--name", default="memory_bound", help="file stem of the results (default: memory_bound)")
-    out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    add_out_argument(out, "results/benchmarks/serving/memory_bound")

@@ -41,6 +41,7 @@ import urllib.request
 from pathlib import Path
 
 from criticalkv.bench import machine, served
+from criticalkv.bench.report import add_out_argument
 from criticalkv.bench.client import run_load, send_openai
 from criticalkv.bench.docqa import workload
 from criticalkv.bench.metrics import RequestRecord, distribution, summarize
@@ -59,6 +60,8 @@ TARGET_CROSS_TTFT = 0.25
 TARGET_KILL_END_S = 30.0
 TARGET_SERVING_AGAIN_S = 60.0
 FAULT_STREAMS = 4
+#: The model name the replicas serve (`criticalkv serve`'s default --model-name).
+MODEL = "criticalkv"
 
 
 class ReplicaServer:
@@ -221,7 +224,7 @@ def run_config(name: str, args, work: dict, tokenizer, log_dir: Path, model: str
     label = LABELS[name].format(n=replicas)
     print(f"{label}: criticalkv serve {' '.join(flags)} ...", flush=True)
     started = time.perf_counter()
-    with ReplicaServer(Path(args.engine_dir[0]), flags, log_dir / f"serve-{name}.log") as server:
+    with ReplicaServer(Path(args.engine_dir), flags, log_dir / f"serve-{name}.log") as server:
         ready_s = time.perf_counter() - started
         # the warm-up document as a plain prompt (no context: each request goes to the least loaded replica)
         warm = [openai_body(work["documents"][-1] + " " + q, None, args.osl, model)
@@ -235,7 +238,7 @@ def run_config(name: str, args, work: dict, tokenizer, log_dir: Path, model: str
         load_before = machine.load_average()
         bodies = [openai_body(work["questions"][d][q], work["documents"][d], args.osl, model) for d, q in work["order"]]
         records = run_load(server.url, bodies, concurrency=args.concurrency, send=send_openai,
-                           progress=label if args.progress else None)
+                           progress=label)
         load_after = machine.load_average()
         after = server.settled(lambda s: sum(r["requests"] for r in s["replicas"]) >= len(warm) + len(bodies))
         deltas = replica_deltas(before, after)
@@ -254,7 +257,7 @@ def run_config(name: str, args, work: dict, tokenizer, log_dir: Path, model: str
                         "compressions": sum(d["compressions"] for d in deltas),
                         "ttft_ms_hit": distribution([r.ttft for r in ok if r.context_cache_hit], 1e3),
                         "ttft_ms_miss": distribution([r.ttft for r in ok if not r.context_cache_hit], 1e3)}
-        if args.fault and name == args.fault_config:
+        if name == args.fault:
             print(f"{label}: fault phase (a replica SIGKILLed with {FAULT_STREAMS} streams in flight) ...", flush=True)
             run["fault"] = fault_phase(server, tokenizer, args, model)
     return run
@@ -359,21 +362,21 @@ def render(results: dict) -> str:
 
 
 def main(args) -> int:
-    if not args.engine_dir or len(args.engine_dir) != 1:
-        raise ValueError("give one --engine-dir (its replicas are started here)")
-    served.check_engines(args.engine_dir)
+    if not args.engine_dir:
+        raise ValueError("give --engine-dir (its replicas are started here)")
+    served.check_engines([args.engine_dir])
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"--configs: unknown {', '.join(unknown)} (choose from {', '.join(CONFIGS)})")
     if args.replicas < 2 and any(CONFIGS[c][0] is None for c in args.configs):
         raise ValueError("--replicas must be >= 2 for the multi-replica configurations")
-    if args.fault and args.fault_config not in args.configs:
-        raise ValueError(f"--fault runs on the {args.fault_config} configuration: add it to --configs")
+    if args.fault != "none" and args.fault not in args.configs:
+        raise ValueError(f"--fault {args.fault}: that configuration is not in --configs (add it, or --fault none)")
     memory = args.kv_memory_mib if args.kv_memory_mib is not None else served.kv_mib(
-        Path(args.engine_dir[0]), args.isl, args.kv_contexts)
+        Path(args.engine_dir), args.isl, args.kv_contexts)
     cache = memory if args.context_cache_mib is None else args.context_cache_mib
     args.memory_flags = ["--kv-memory-mib", served.mib_flag(memory), "--context-cache-mib", served.mib_flag(cache)]
-    stem = Path(args.out) / args.name
+    stem = args.out
     results = machine.header(args.command_line)
     results["benchmark"] = "replicas"
     results["uptime_before"] = served.uptime()
@@ -390,7 +393,7 @@ def main(args) -> int:
     print(f"server logs: {logs}", flush=True)
     for name in args.configs:
         try:
-            results["runs"].append(run_config(name, args, work, tokenizer, logs, args.model_name or "criticalkv"))
+            results["runs"].append(run_config(name, args, work, tokenizer, logs, MODEL))
         except (RuntimeError, OSError) as err:  # a deployment that failed (e.g. Ray's memory monitor killed it)
             label = LABELS[name].format(n=CONFIGS[name][0] or args.replicas)
             print(f"{label}: FAILED: {type(err).__name__}: {err} (server log: {logs})", flush=True)
@@ -419,7 +422,8 @@ def main(args) -> int:
 
 def add_arguments(p) -> None:
     target = p.add_argument_group("replicas")
-    target.add_argument("--engine-dir", action="append", metavar="DIR", help="the engine the replicas serve")
+    target.add_argument("--engine-dir", metavar="DIR", help="the engine the replicas serve (its tokenizer makes the "
+                        "prompts)")
     target.add_argument("--replicas", type=int, default=2, help="replicas of the multi-replica configurations (2)")
     target.add_argument("--configs", type=lambda s: s.split(","), default=["single", "pow2", "affinity"],
                         help=f"comma-separated, run in this order (default: single,pow2,affinity; of "
@@ -428,8 +432,6 @@ def add_arguments(p) -> None:
                         help="ONNX Runtime threads per replica (default: 1; the single replica gets this x --replicas)")
     target.add_argument("--store-mib", type=float, default=1024.0, help="the shared store's MiB where it is on (1024)")
     target.add_argument("--prefill-chunk", type=int, default=512, help="every replica's --prefill-chunk (512)")
-    target.add_argument("--tokenizer", help="tokenizer folder (default: the engine's)")
-    target.add_argument("--model-name", default=None, help="the served model name (default: criticalkv)")
     load = p.add_argument_group("workload (bench docqa's)")
     load.add_argument("--isl", type=int, default=2048, help="tokens per document (default: 2048)")
     load.add_argument("--docs", type=int, default=16, help="documents, D (default: 16)")
@@ -446,10 +448,8 @@ def add_arguments(p) -> None:
     mem.add_argument("--context-cache-mib", type=float,
                      help="each replica's --context-cache-mib (default: the KV memory)")
     fault = p.add_argument_group("fault")
-    fault.add_argument("--no-fault", dest="fault", action="store_false", help="skip the replica kill")
-    fault.add_argument("--fault-config", default="affinity", help="the configuration the kill runs on (affinity)")
+    fault.add_argument("--fault", default="affinity", metavar="CONFIG",
+                       help="the configuration whose replica is killed mid-stream, or none (default: affinity)")
     fault.add_argument("--fault-osl", type=int, default=256, help="new tokens of the streams in flight (256)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="results/benchmarks/serving", help="results folder")
-    out.add_argument("--name", default="replicas", help="file stem of the results (default: replicas)")
-    out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    add_out_argument(out, "results/benchmarks/serving/replicas")

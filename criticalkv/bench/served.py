@@ -1,30 +1,413 @@
-"""What the served-load benchmarks (``docqa``, ``memory``, ``cached-context``) share: servers started one after the
-other with the same flags, the KV memory they are given, a workload's record per server, ratios to ``full``.
+"""The server under test of the serving benchmarks (``bench serve``, ``interference``, ``docqa``, ``memory``,
+``cached-context``, ``aiperf``, ``replicas``): what names it on the command line, starting and stopping it, sampling
+it, and what the benchmarks that start several servers share.
 
-A server run is a dict: ``engine`` (``engine_label``), ``server_args`` (the ``criticalkv serve`` flags it got),
-``summary`` (``metrics.summarize`` of the measured requests), ``server_metrics`` (the scheduler's gauges sampled
-during the run: requests running / waiting, KV bytes held; ``MetricsMonitor``), ``decoding`` (how many requests
-were between their first and last token at once: ``metrics.concurrency_profile``), load averages, and every
-request's stamps.
+* The target: ``--engine-dir`` (started here; repeat for servers one after the other with the same flags) or
+  ``--url`` (a running server; ``URL/v2/models/NAME`` where it serves several models), ``--server-args``
+  (``add_server_arguments``, ``check_server_arguments``, ``on_each_server``). A running server's metrics are read
+  where ``criticalkv serve`` puts them (Triton's layout: the metrics port is the HTTP port + 2), its tokenizer from
+  ``--engine-dir`` when given with ``--url``, else from the folder its model config names.
+* ``ServerProcess`` runs ``python -m criticalkv.cli serve --engine-dir DIR --http-port P ...`` in its own process
+  group, waits for ``GET /v2/health/ready``, and stops it by its PID (SIGTERM, then SIGKILL after a grace period),
+  never by name. ``RssMonitor`` samples the resident memory of a process and all its descendants (the launcher,
+  ``tritonserver`` and the Python-backend stubs) with psutil and keeps the peak; ``MetricsMonitor`` the scheduler's
+  gauges.
+* A server run of ``docqa``, ``memory`` and ``cached-context`` is a dict: ``engine`` (``engine_label``),
+  ``server_args`` (the ``criticalkv serve`` flags it got), ``summary`` (``metrics.summarize`` of the measured
+  requests), ``server_metrics`` (the gauges sampled during the run: requests running / waiting, KV bytes held),
+  ``decoding`` (how many requests were between their first and last token at once: ``metrics.concurrency_profile``),
+  load averages, and every request's stamps.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import shlex
+import shutil
+import signal
+import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from criticalkv.bench import machine
-from criticalkv.bench.client import Endpoint, is_ready
+from criticalkv.bench.client import Endpoint, is_ready, ready_models
 from criticalkv.bench.metrics import RequestRecord, concurrency_profile, decoding_intervals, summarize
 from criticalkv.bench.report import write_atomic
-from criticalkv.bench.server import (MetricsMonitor, ServerProcess, engine_label, kv_bytes_per_token, only_model,
-                                     served_engine)
+
+#: Seconds to wait for a started server to report ready (engine load included).
+READY_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_triple(tries: int = 50) -> int:
+    """A port P with P, P + 1 and P + 2 free: Triton's layout (HTTP, gRPC, metrics), so that a started server's
+    metrics are where ``metrics_url_of`` looks for a running one's."""
+    for _ in range(tries):
+        base = free_port()
+        if base + 2 > 65535:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base + 1))
+                b.bind(("127.0.0.1", base + 2))
+            return base
+        except OSError:
+            continue
+    raise OSError("no three consecutive free ports on 127.0.0.1")
+
+
+class ServerProcess:
+    """A ``criticalkv serve`` child process on 127.0.0.1 (context manager)."""
+
+    def __init__(self, engine_dir: Path, extra_args: list[str] | None = None, log_path: Path | None = None,
+                 openai: bool = False):
+        self.engine_dir = Path(engine_dir)
+        if not (self.engine_dir / "manifest.json").is_file():
+            raise FileNotFoundError(f"{self.engine_dir}: not an engine directory (no manifest.json)")
+        self.extra_args = list(extra_args or [])
+        self.log_path = log_path
+        self.http_port = free_port_triple()
+        self.metrics_port = self.http_port + 2
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        # the OpenAI API only when asked (its process holds a tokenizer: measured RSS stays comparable), and
+        # never on the default 9000: servers side by side must not collide
+        self.openai_port = free_port() if openai else 0
+        self.openai_url = f"http://127.0.0.1:{self.openai_port}/v1" if openai else None
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    def start(self, timeout: float = READY_TIMEOUT_S) -> "ServerProcess":
+        cmd = [sys.executable, "-m", "criticalkv.cli", "serve", "--engine-dir", str(self.engine_dir),
+               "--http-port", str(self.http_port), "--grpc-port", str(self.http_port + 1),
+               "--metrics-port", str(self.metrics_port), "--openai-port", str(self.openai_port), *self.extra_args]
+        self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"criticalkv serve exited with {self.proc.returncode} before it was ready"
+                                   + (f" (log: {self.log_path})" if self.log_path else ""))
+            if is_ready(self.url) and ready_models(self.url):
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"criticalkv serve was not ready after {timeout:.0f} s")
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def stop(self, grace: float = 60.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def pid_listening_on(port: int) -> int | None:
+    """PID of the process listening on TCP ``port`` (for a server given by ``--url``), or None."""
+    import psutil  # optional (the bench extra): needed only to sample a server's memory
+
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                return conn.pid
+    except (psutil.AccessDenied, PermissionError):
+        return None
+    return None
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants right now (0 when it is gone)."""
+    import psutil  # optional (the bench extra): needed only to sample a server's memory
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
+class RssMonitor:
+    """Samples ``tree_rss_bytes(pid)`` every ``interval`` s in a thread; ``peak_bytes`` after ``stop``."""
+
+    def __init__(self, pid: int | None, interval: float = 0.1):
+        self.pid = pid
+        self.interval = interval
+        self.peak_bytes = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, tree_rss_bytes(self.pid))
+            self.samples += 1
+            self._stop.wait(self.interval)
+
+    def start(self) -> "RssMonitor":
+        if self.pid is not None:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> int | None:
+        if self._thread is None:
+            return None
+        self._stop.set()
+        self._thread.join()
+        return self.peak_bytes
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+#: The scheduler's gauges (criticalkv/serving/templates/model.py) a ``MetricsMonitor`` follows; the context cache's
+#: gauge has one series per ``stat`` label, named ``criticalkv_context_cache:STAT`` here.
+GAUGES = ("criticalkv_requests_running", "criticalkv_requests_waiting", "criticalkv_kv_bytes_reserved",
+          *(f"criticalkv_context_cache:{k}" for k in ("hits", "misses", "evictions", "bytes_held", "entries")))
+
+
+def parse_gauges(text: str, names=GAUGES) -> dict[str, float]:
+    """The value of each gauge in Prometheus text ``text``, summed over its label sets (model instances); a
+    ``stat`` label is part of the name (``NAME:STAT``); a gauge the text lacks is left out."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        stat = re.search(r'[{,]stat="([^"]*)"', line.split("}", 1)[0]) if "{" in line else None
+        if stat:
+            name = f"{name}:{stat.group(1)}"
+        if name in names:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return out
+
+
+class MetricsMonitor:
+    """Samples the server's scheduler gauges (requests running and waiting, KV bytes held) every ``interval`` s from
+    its Prometheus endpoint while a workload runs; ``summary()`` gives each gauge's peak and time-weighted mean.
+
+    The model sets the gauges when it sends a response, so they are exact at the sampled instants; a sequence that
+    starts and ends between two samples is missed (the interval is far below a request's life)."""
+
+    def __init__(self, metrics_url: str | None, interval: float = 0.1):
+        self.metrics_url = metrics_url
+        self.interval = interval
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2.0) as response:
+                values = parse_gauges(response.read().decode(errors="replace"))
+        except OSError:
+            self.errors += 1
+            return
+        if values:
+            self.samples.append((time.perf_counter(), values))
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def start(self) -> "MetricsMonitor":
+        if self.metrics_url:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        return self.summary()
+
+    def summary(self) -> dict:
+        """{gauge: {"peak", "mean", "first", "last"}} (mean weighted by the time to the next sample; first and last
+        samples: a count since the server started, e.g. the context cache's evictions, grew by last - first during
+        the run), "samples", "errors"."""
+        out: dict = {"samples": len(self.samples), "errors": self.errors}
+        for name in GAUGES:
+            points = [(t, v[name]) for t, v in self.samples if name in v]
+            if not points:
+                continue
+            peak = max(v for _, v in points)
+            span = points[-1][0] - points[0][0]
+            mean = (sum(v * (t1 - t0) for (t0, v), (t1, _) in zip(points, points[1:])) / span) if span > 0 \
+                else points[0][1]
+            out[name] = {"peak": peak, "mean": mean, "first": points[0][1], "last": points[-1][1]}
+        return out
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def kv_bytes_per_token(engine_dir: Path) -> int:
+    """KV bytes one token of a sequence takes without eviction: every KV head of every layer (keys and values),
+    from the manifest (``Engine.kv_bytes_full(1)``, without loading the engine)."""
+    import json
+
+    manifest = json.loads((Path(engine_dir) / "manifest.json").read_text())
+    spec, shapes = manifest["model"]["spec"], manifest["shapes"]
+    batch = manifest["build"]["max_batch_size"]
+    entry = shapes["kv_buffer_bytes"] // (batch * spec["num_kv_heads"] * sum(shapes["decode_capacity"]))
+    return entry * spec["num_kv_heads"] * spec["num_layers"]
+
+
+def only_model(url: str) -> str:
+    """The one model a running server reports ready (ValueError naming them when it is not one)."""
+    from criticalkv.bench.client import ready_models
+
+    models = ready_models(url)
+    if len(models) != 1:
+        raise ValueError(f"{url} serves {len(models)} ready models ({', '.join(models) or 'none'}): name one in --url, "
+                         f"{url}/v2/models/NAME")
+    return models[0]
+
+
+def served_parameters(url: str, model: str) -> dict[str, str]:
+    """A running server's model config parameters (``criticalkv_policy``, ``criticalkv_budget``,
+    ``criticalkv_tokenizer``: every repository ``criticalkv serve`` renders has them); {} when it does not say."""
+    from criticalkv.bench.client import get_json
+
+    try:
+        config = get_json(f"{url}/v2/models/{model}/config") or {}
+    except (OSError, ValueError):
+        config = {}
+    return {k: (v or {}).get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+
+
+def served_engine(url: str, model: str) -> dict:
+    """What a running server's model serves (``engine_label``'s fields), from its model config's parameters; the
+    model's name and "unknown" for a server that does not say."""
+    parameters = served_parameters(url, model)
+    spec = parameters.get("criticalkv_policy") or ""
+    name = spec.split(":")[0] or "unknown"
+    budget = int(parameters["criticalkv_budget"]) if parameters.get("criticalkv_budget", "").isdigit() else None
+    label = name if name in ("full", "unknown") else f"{spec} b={budget}"
+    return {"label": label if name != "unknown" else model, "policy": name, "budget": budget, "engine_dir": None,
+            "server_policy": spec or None}
+
+
+def engine_label(engine_dir: Path) -> dict:
+    """Policy name, budget and build limits of an engine directory (from its manifest)."""
+    manifest = json.loads((Path(engine_dir) / "manifest.json").read_text())
+    policy = manifest.get("policy", {})
+    build = manifest.get("build", {})
+    name = policy.get("name", "?")
+    label = name if name == "full" else f"{name} b={policy.get('budget')}"
+    return {"label": label, "policy": name, "budget": None if name == "full" else policy.get("budget"),
+            "engine_dir": os.path.relpath(engine_dir), "max_batch_size": build.get("max_batch_size"),
+            "max_input_len": build.get("max_input_len"), "max_new_tokens": build.get("max_new_tokens")}
+
+
+class PySpyProfile:
+    """``py-spy record`` over a process tree (``--subprocesses``: the launcher, tritonserver's Python
+    stubs) while a workload runs; ``stop`` returns the collapsed stacks (``--format raw``)."""
+
+    def __init__(self, pid: int, out: Path, rate: int = 50):
+        exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if not Path(exe).exists():
+            raise FileNotFoundError("--profile needs py-spy (pip install py-spy)")
+        self.out = Path(out)
+        self.cmd = [exe, "record", "--pid", str(pid), "--subprocesses", "--format", "raw", "--rate", str(rate),
+                    "--nonblocking", "--output", str(self.out)]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "PySpyProfile":
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)  # py-spy attaches
+        return self
+
+    def stop(self) -> Path | None:
+        if self.proc is None:
+            return None
+        self.proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        if not self.out.is_file():
+            return None
+        # "process PID:\"/path/to/exe args\"" frames name the executables with this machine's paths: keep the name
+        text = re.sub(r'process \d+:"([^"]*)"', lambda m: "process " + Path(m.group(1).split(" ")[0]).name,
+                      self.out.read_text())
+        self.out.write_text(text)
+        return self.out
+
+
+def profile_breakdown(collapsed: Path) -> dict:
+    """Share of py-spy samples (active threads) in prefill, decode and the rest, from ``--format raw``.
+
+    A stack counts as ``prefill`` when one of its frames is a function whose name contains ``prefill``
+    (the backend's prefill session run, selection inside), ``decode`` for the decode step, else ``other``
+    (HTTP, scheduling, detokenisation, Python overhead)."""
+    totals = {"prefill": 0, "decode": 0, "other": 0}
+    for line in Path(collapsed).read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        # frames are "Class.method (file.py:line)"; keep the method name
+        names = [frame.split(" (", 1)[0].rsplit(".", 1)[-1] for frame in stack.split(";")]
+        phase = "other"
+        if any("prefill" in n for n in names):
+            phase = "prefill"
+        elif any(n in ("decode", "_decode_step") for n in names):
+            phase = "decode"
+        totals[phase] += int(count)
+    total = sum(totals.values())
+    return {"samples": total, **{f"{k}_fraction": (v / total if total else None) for k, v in totals.items()}}
+
+
 
 #: ``criticalkv serve`` flags a benchmark sets itself (from its own options), refused inside --server-args.
 OWN_FLAGS = ("--kv-memory-mib", "--kv-pool-mib", "--context-cache-mib", "--prefill-chunk")
@@ -100,66 +483,126 @@ def measure_run(endpoint: Endpoint, metrics_url: str | None, engine: dict, serve
             "requests": [request_json(r, t0, **(extra[i] if extra else {})) for i, r in enumerate(records)]}
 
 
+def running_server(text: str) -> tuple[str, str | None]:
+    """``--url`` as (server URL, model or None): ``http://HOST:PORT`` or ``http://HOST:PORT/v2/models/NAME``."""
+    url = text.rstrip("/")
+    model = None
+    if "/v2/models/" in url:
+        url, model = url.split("/v2/models/", 1)
+        model = model.split("/")[0] or None
+    Endpoint(url, model or "").host_port  # noqa: B018 (refuses what is not http://HOST:PORT)
+    return url, model
+
+
+def metrics_url_of(url: str) -> str | None:
+    """A running server's Prometheus endpoint where ``criticalkv serve`` (Triton's layout) puts it: the HTTP port + 2;
+    None when nothing answers there (the run then records no gauges)."""
+    import urllib.request
+
+    host, port = Endpoint(url, "").host_port
+    candidate = f"http://{host}:{port + 2}/metrics"
+    try:
+        with urllib.request.urlopen(candidate, timeout=2.0) as response:
+            return candidate if "criticalkv_" in response.read(1 << 20).decode(errors="replace") else None
+    except OSError:
+        return None
+
+
 def on_each_server(args, server_args: list[str], work: Callable[[Endpoint, str | None, dict], None], results: dict,
                    log=print) -> None:
     """``work(endpoint, metrics_url, engine)`` on a running server (``--url``) or on each ``--engine-dir`` in turn,
-    each started here with ``server_args`` (and stopped before the next starts)."""
+    each started here with ``server_args`` (and stopped before the next starts). ``engine["server_pid"]``: the
+    server's process (its memory and profile), when it runs on this machine."""
     if args.url:
-        url = args.url.rstrip("/")
+        url, model = running_server(args.url)
         if not is_ready(url):
             raise ValueError(f"{url}: the server is not ready (GET /v2/health/ready)")
-        model = args.model_name or only_model(url)
+        model = model or only_model(url)
         engine = served_engine(url, model)
-        results["server_note"] = f"running server {url}, model {model}"
-        work(Endpoint(url, model), args.metrics_url, engine)
+        endpoint = Endpoint(url, model)
+        engine["server_pid"] = pid_listening_on(endpoint.host_port[1]) if endpoint.host_port[0] in LOCAL else None
+        metrics = metrics_url_of(url)
+        results["server_note"] = f"running server {url}, model {model}" + ("" if metrics else ", no gauges")
+        work(endpoint, metrics, engine)
         return
     notes = []
     logs = Path(tempfile.mkdtemp(prefix="criticalkv-bench-logs-"))
-    for engine_dir in args.engine_dir:
+    for engine_dir in engine_dirs(args):
         engine = engine_label(Path(engine_dir))
         log_path = logs / f"server-{engine['label'].replace(' ', '').replace('=', '')}.log"
         started = time.perf_counter()
         log(f"starting criticalkv serve --engine-dir {engine['engine_dir']} {shlex.join(server_args)} ...")
         with ServerProcess(Path(engine_dir), server_args, log_path) as server:
             engine["server_ready_s"] = time.perf_counter() - started
-            model = args.model_name or only_model(server.url)
+            engine["server_pid"] = server.pid
             notes.append(f"{engine['label']}: criticalkv serve --engine-dir {engine['engine_dir']} "
                          f"{shlex.join(server_args)}".strip())
-            work(Endpoint(server.url, model), server.metrics_url, engine)
+            work(Endpoint(server.url, only_model(server.url)), server.metrics_url, engine)
     results["server_note"] = "; ".join(notes)
 
 
-def add_server_arguments(p, url_help: str = "a running server instead, e.g. http://127.0.0.1:8000") -> None:
-    """--engine-dir (repeatable) / --url and what describes a running server."""
-    target = p.add_argument_group("server")
-    target.add_argument("--engine-dir", action="append", metavar="DIR",
-                        help="start `criticalkv serve` on this engine directory; repeat for a side-by-side run (the "
-                             "servers run one after the other with the same flags)")
-    target.add_argument("--url", help=url_help)
-    target.add_argument("--metrics-url", help="with --url: its Prometheus endpoint (e.g. http://127.0.0.1:8002/metrics) "
-                        "to sample the scheduler's gauges")
-    target.add_argument("--model-name", help="the Triton model to call (default: the server's only ready model)")
+#: Hosts whose server process this machine can see (its memory, its profile).
+LOCAL = ("127.0.0.1", "localhost", "::1")
+
+
+def engine_dirs(args) -> list:
+    """``--engine-dir`` as a list (one value or repeated)."""
+    value = args.engine_dir
+    return [] if not value else list(value) if isinstance(value, list) else [value]
+
+
+def add_server_arguments(p, several: bool = True) -> None:
+    """The server under test: ``--engine-dir`` (started here; ``several``: repeatable) or ``--url`` (a running
+    server), and ``--server-args``."""
+    target = p.add_argument_group("server under test")
+    target.add_argument("--engine-dir", action="append" if several else "store", metavar="DIR",
+                        help="start `criticalkv serve` on this engine directory" + (
+                            "; repeat for a side-by-side run (the servers run one after the other with the same "
+                            "flags)" if several else "") + ". With --url: the engine that server serves, read here "
+                        "for its tokenizer (the prompts)")
+    target.add_argument("--url", help="a running server instead: http://HOST:PORT (its one model) or "
+                        "http://HOST:PORT/v2/models/NAME. Its scheduler's gauges are read at the port + 2 (where "
+                        "`criticalkv serve` puts its metrics); its tokenizer is --engine-dir's, else the folder its "
+                        "model config names (a server on this machine)")
     target.add_argument("--server-args", default="",
                         help="more arguments for `criticalkv serve`, one quoted string (not the flags this benchmark "
                              "sets itself)")
-    target.add_argument("--tokenizer", help="tokenizer folder for the prompts (default: the first engine's tokenizer/)")
 
 
 def check_server_arguments(args) -> None:
-    if bool(args.url) == bool(args.engine_dir):
-        raise ValueError("give either --url (a running server) or --engine-dir (one or more, started here)")
-    if args.url and not args.tokenizer:
-        raise ValueError("--url needs --tokenizer (the folder of the server's tokenizer)")
-    check_engines(args.engine_dir or [])
+    if not args.url and not args.engine_dir:
+        raise ValueError("give --engine-dir (one or more, started here) or --url (a running server)")
+    if args.url:
+        running_server(args.url)
+        if len(engine_dirs(args)) > 1:
+            raise ValueError("--url: give at most one --engine-dir (the engine the running server serves)")
+        if args.server_args:
+            raise ValueError("--server-args: only for servers started here (--engine-dir without --url)")
+    check_engines(engine_dirs(args))
+
+
+def tokenizer_folder(args) -> Path:
+    """The folder of the tokenizer the prompts are made with: --engine-dir's, else a running server's (its model
+    config's ``criticalkv_tokenizer``, when that folder is on this machine)."""
+    dirs = engine_dirs(args)
+    if dirs:
+        folder = Path(dirs[0]) / "tokenizer"
+    else:
+        url, model = running_server(args.url)
+        folder = Path(served_parameters(url, model or only_model(url)).get("criticalkv_tokenizer") or "")
+        if not folder.parts:
+            raise FileNotFoundError(f"{url} does not name its tokenizer: give --engine-dir (a copy of the engine it "
+                                    "serves) with --url")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no tokenizer folder here (give --engine-dir: a copy of the engine the "
+                                "server serves)")
+    return folder
 
 
 def load_tokenizer(args):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # here: `criticalkv --help` and argument errors do not load it
 
-    folder = Path(args.tokenizer) if args.tokenizer else Path(args.engine_dir[0]) / "tokenizer"
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no tokenizer folder (give --tokenizer)")
-    return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(tokenizer_folder(args))
 
 
 def ratio(a, b) -> float | None:

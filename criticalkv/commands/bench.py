@@ -18,6 +18,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from criticalkv.bench.report import add_out_argument
+
 
 def command_line() -> str:
     """The command as typed (``criticalkv bench ...``)."""
@@ -39,11 +41,11 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    from criticalkv.bench import serving
+    from criticalkv.bench import load_test
 
     serve = sub.add_parser("serve", help="load-test a criticalkv Triton server: TTFT/TPOT/ITL percentiles, throughput, KV, RSS",
-                           description=plain(serving.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    serving.add_arguments(serve)
+                           description=plain(load_test.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    load_test.add_arguments(serve)
     serve.set_defaults(func=run_serve)
 
     from criticalkv.bench import interference
@@ -129,10 +131,9 @@ def register(subparsers) -> None:
 
     ai = sub.add_parser("aiperf", help="cross-check this load generator against AIPerf 0.13 on one workload",
                         description=plain(aiperf.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    ai.add_argument("--engine-dir", help="start `criticalkv serve` on this engine directory")
-    ai.add_argument("--url", help="or a running server, e.g. http://127.0.0.1:8000 (with --tokenizer)")
-    ai.add_argument("--model-name", help="the Triton model (default: the server's only ready model)")
-    ai.add_argument("--tokenizer", help="tokenizer folder (default: the engine's tokenizer/)")
+    from criticalkv.bench import served
+
+    served.add_server_arguments(ai, several=False)
     ai.add_argument("--isl", type=int, default=2048, help="input tokens (default: 2048)")
     ai.add_argument("--osl", type=int, default=64, help="output tokens (default: 64)")
     ai.add_argument("--concurrency", type=int, default=8, help="requests in flight (default: 8)")
@@ -142,8 +143,7 @@ def register(subparsers) -> None:
     ai.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
     ai.add_argument("--setup-peers", action="store_true", help="create the AIPerf environment first if missing")
     _peers_dir(ai)
-    ai.add_argument("--out", default="results/benchmarks/serving", help="results folder")
-    ai.add_argument("--name", default="aiperf_crosscheck", help="file stem (default: aiperf_crosscheck)")
+    add_out_argument(ai, "results/benchmarks/serving/aiperf_crosscheck")
     ai.set_defaults(func=run_aiperf)
 
     _register_served_loads(sub)
@@ -273,19 +273,16 @@ def run_profile(args) -> int:
 def run_aiperf(args) -> int:
     from criticalkv.bench import aiperf, peers, report
 
-    if bool(args.url) == bool(args.engine_dir):
-        raise ValueError("give either --url (with --tokenizer) or --engine-dir")
-    if args.engine_dir and not (Path(args.engine_dir) / "manifest.json").is_file():
-        raise FileNotFoundError(f"{args.engine_dir}: not an engine directory (no manifest.json)")
-    if args.url and not args.tokenizer:
-        raise ValueError("--url needs --tokenizer (the folder of the server's tokenizer)")
+    from criticalkv.bench import served
+
+    served.check_server_arguments(args)
     if min(args.isl, args.osl, args.concurrency, args.num_requests) < 1 or args.warmup < 0:
         raise ValueError("--isl, --osl, --concurrency and --num-requests must be >= 1, --warmup >= 0")
     if args.setup_peers:
         peers.setup_peers(args.peers_dir, ["aiperf"])
     args.command_line = command_line()
     results = aiperf.cross_check(args)
-    stem = Path(args.out) / args.name
+    stem = args.out
     report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
     text = aiperf.render(results)
     report.write_atomic(stem.with_suffix(".txt"), text)
@@ -308,10 +305,10 @@ def run_targets(args) -> int:
 
 
 def run_serve(args) -> int:
-    from criticalkv.bench import serving
+    from criticalkv.bench import load_test
 
     args.command_line = getattr(args, "command_line", None) or command_line()
-    return serving.main(args)
+    return load_test.main(args)
 
 
 def run_gpu_serve(args) -> int:

@@ -131,7 +131,6 @@ def _common(p: argparse.ArgumentParser, policies: str) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace results already in --out (without it, finished or partial results there are refused "
                         "unless --resume continues them)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; on a shared CPU 1 can be several times faster)")
     p.add_argument("--window", type=int, default=KVPolicy().window,
@@ -256,7 +255,6 @@ def run(args) -> int:
         stop_token_ids=stop_token_ids(tokenizer, model),
         perturbation=args.task == "perturbation",
         verify=args.verify,
-        progress=not args.no_progress,
         done=done,
         on_record=writer.partial,
         question_agnostic=question_agnostic,

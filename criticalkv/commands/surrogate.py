@@ -51,7 +51,6 @@ def register(subparsers) -> None:
                                                                "measure it (default: 0.15)")
     p.add_argument("--seed", type=int, default=0, help="seed of the contexts and samples (default: 0)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
@@ -106,7 +105,7 @@ def run(args) -> int:
             extra = args.evaluation_contexts * len(domains)
     else:
         texts = args.text or default_texts()
-    bar = tqdm(total=args.contexts + extra, desc="contexts prefilled and re-read", unit="ctx", disable=args.no_progress)
+    bar = tqdm(total=args.contexts + extra, desc="contexts prefilled and re-read", unit="ctx", disable=None)  # a bar on a terminal only
     with bar:
         surrogate = train(model, tokenizer, texts, args.contexts, args.length, args.tokens_per_context, args.ridge,
                           args.held_out, args.seed, progress=lambda _: bar.update(1), names=names,

@@ -20,7 +20,7 @@ def parse(argv):
 
 def test_the_dry_run_serves_every_level_under_one_kv_memory(tmp_path):
     torch.set_num_threads(1)
-    args = parse(["--dry-run", "--out", str(tmp_path), "--policies", "full,criticalkv:value_norm=l2"])
+    args = parse(["--dry-run", "--out", str(tmp_path / "serving"), "--policies", "full,criticalkv:value_norm=l2"])
     assert args.func(args) == 0
     results = json.loads((tmp_path / "serving.json").read_text())
     workload = results["workload"]
@@ -51,7 +51,7 @@ def test_the_dry_run_serves_every_level_under_one_kv_memory(tmp_path):
 
 
 def test_a_bad_policy_fails_before_any_model_is_made(tmp_path):
-    args = parse(["--dry-run", "--out", str(tmp_path), "--policies", "full,nosuch"])
+    args = parse(["--dry-run", "--out", str(tmp_path / "serving"), "--policies", "full,nosuch"])
     with pytest.raises(ValueError, match="unknown KV policy 'nosuch'"):
         args.func(args)
     assert not (tmp_path / "serving.json").exists()
@@ -60,7 +60,7 @@ def test_a_bad_policy_fails_before_any_model_is_made(tmp_path):
 @pytest.mark.gpu
 def test_a_short_gpu_run_measures_every_step(tmp_path):
     """The 8B-shaped model on the GPU at short prompts: every step runs (CUDA graphs, events, the floor)."""
-    args = parse(["--out", str(tmp_path), "--prompt-lengths", "2048", "--concurrency", "1,4", "--new-tokens", "16",
+    args = parse(["--out", str(tmp_path / "serving"), "--prompt-lengths", "2048", "--concurrency", "1,4", "--new-tokens", "16",
                   "--budget", "256", "--kv-memory-gib", "8", "--time-limit-s", "240"])
     assert args.func(args) == 0
     results = json.loads((tmp_path / "serving.json").read_text())

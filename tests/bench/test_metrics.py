@@ -139,7 +139,7 @@ def test_poisson_offsets_have_the_requested_rate_and_are_reproducible():
 
 
 def test_profile_breakdown_classifies_collapsed_stacks(tmp_path):
-    from criticalkv.bench.server import profile_breakdown
+    from criticalkv.bench.served import profile_breakdown
 
     stub = 'process 9:"triton_python_backend_stub"'
     path = tmp_path / "stacks.txt"

@@ -22,8 +22,8 @@ def tiny_engine(tmp_path_factory):
 def test_bench_serve_on_a_started_server(tiny_engine, tmp_path):
     out = tmp_path / "results"
     code = main(["bench", "serve", "--engine-dir", str(tiny_engine), "--isl", "60", "--osl", "6",
-                 "--concurrency", "1,2", "--request-rate", "50", "--max-concurrency", "2", "--num-requests", "3", "--warmup", "1", "--out", str(out),
-                 "--server-args", "--threads 1", "--no-progress"])
+                 "--concurrency", "1,2", "--request-rate", "50", "--max-concurrency", "2", "--num-requests", "3", "--warmup", "1", "--out", str(out / "serving"),
+                 "--server-args", "--threads 1"])
     assert code == 0
     results = json.loads((out / "serving.json").read_text())
     assert results["machine"]["load_average_end"] and results["commit"]
@@ -52,8 +52,8 @@ def test_bench_interference_on_a_started_server(tiny_engine, tmp_path):
     out = tmp_path / "results"
     code = main(["bench", "interference", "--engine-dir", str(tiny_engine), "--short-isl", "48", "--short-osl", "4",
                  "--long-isl", "200", "--long-osl", "1000", "--decode-after-tokens", "2", "--prefill-delay", "0",
-                 "--repeats", "2", "--warmup", "0", "--prefill-chunk", "0,64", "--out", str(out),
-                 "--server-args", "--threads 1", "--no-progress"])
+                 "--repeats", "2", "--warmup", "0", "--prefill-chunk", "0,64", "--out", str(out / "interference"),
+                 "--server-args", "--threads 1"])
     assert code == 0
     results = json.loads((out / "interference.json").read_text())
     assert results["machine"]["load_average_end"] and "load average" in results["uptime_after"]
@@ -81,3 +81,20 @@ def test_bench_interference_on_a_started_server(tiny_engine, tmp_path):
     md = (out / "interference.md").read_text()
     assert md.count("| decode | 2 of 2 |") == 2 and "prefill chunks of 64" in md and "chunk sizes compared" in md
     assert (out / "interference.png").stat().st_size > 10_000
+
+
+def test_a_running_server_is_named_by_its_url_alone(tiny_engine, tmp_path):
+    # --url without --engine-dir: the model from the URL, the tokenizer from the folder the server's model config
+    # names, the scheduler's gauges at the HTTP port + 2 (where `criticalkv serve` puts its metrics)
+    from criticalkv.bench.served import ServerProcess
+
+    out = tmp_path / "memory"
+    with ServerProcess(tiny_engine, ["--threads", "1"]) as server:
+        code = main(["bench", "memory", "--url", f"{server.url}/v2/models/criticalkv", "--isl", "48", "--osl", "4",
+                     "--concurrency", "1", "--num-requests", "2", "--warmup", "0", "--out", str(out)])
+        assert code == 0
+        (run,) = json.loads(out.with_suffix(".json").read_text())["runs"]
+        assert run["summary"]["completed"] == 2 and run["summary"]["failed"] == 0
+        assert run["engine"]["policy"] == "criticalkv" and run["engine"]["server_pid"] is not None
+        assert run["server_metrics"]["samples"] > 0 and run["server_metrics"]["errors"] == 0
+        assert main(["bench", "memory", "--url", f"{server.url}/v2/models/nosuch", "--out", str(out)]) != 0

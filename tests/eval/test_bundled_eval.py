@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 def test_needle_on_the_bundled_model_matches_generate(tmp_path):
     out = tmp_path / "needle"
     assert main(["eval", "needle", "--lengths", "1024", "--depths", "50", "--samples", "1", "--policies",
-                 "full,snapkv,criticalkv", "--budgets", "128", "--verify", "1", "--threads", "1", "--no-progress",
+                 "full,snapkv,criticalkv", "--budgets", "128", "--verify", "1", "--threads", "1",
                  "--out", str(out)]) == 0
     doc = json.loads((out / "needle.json").read_text())
     (rec,) = doc["records"]

@@ -21,7 +21,7 @@ def test_render_fills_every_key_and_refuses_missing_or_unknown_ones():
     with pytest.raises(KeyError, match="does not have: colour"):
         render(text, {"name": "m", "count": 2, "colour": 1})
     assert template_keys((TEMPLATES / "config.pbtxt").read_text()) == {
-        "model_name", "instances", "instance_kind", "gpus", "execution_env_parameter", "policy", "budget"}
+        "model_name", "instances", "instance_kind", "gpus", "execution_env_parameter", "policy", "budget", "tokenizer"}
 
 
 def test_make_repository_writes_the_three_files(tmp_path):

@@ -190,7 +190,7 @@ def test_model_config_has_the_vllm_backend_names_and_two_instances(served):
         "context_cache_hit"]
     assert config["instance_group"][0]["count"] == 2 and config["instance_group"][0]["kind"] == "KIND_CPU"
     # what it serves, which a benchmark pointed at the server (--url) reads instead of being told
-    from criticalkv.bench.server import served_engine
+    from criticalkv.bench.served import served_engine
     from criticalkv.policy import policy_spec
 
     policy = served.engine.policy

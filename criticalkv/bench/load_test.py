@@ -5,31 +5,21 @@ running server (``--url``), and every input length (ISL) x output length (OSL) x
 ``--concurrency`` or ``--request-rate``): ``--warmup`` requests, then ``--num-requests`` measured
 requests with prompts of exactly ISL tokens (``criticalkv.bench.prompts``; the same prompts for every
 engine) asking for exactly OSL tokens (``max_tokens`` = OSL, ``ignore_eos``). Results:
-``OUT/NAME.json`` (header, every run's summary and per-request timings, written after each run),
+``STEM.json`` (``--out STEM``) (header, every run's summary and per-request timings, written after each run),
 ``.csv`` (one row per run), ``.txt`` (tables, ratios) and ``.png``.
 """
 
 from __future__ import annotations
 
 import shlex
-import tempfile
-import time
 from pathlib import Path
 
-from criticalkv.bench import machine, report
-from criticalkv.bench.client import Endpoint, is_ready, request_body, run_load
+from criticalkv.bench import machine, report, served
+from criticalkv.bench.client import Endpoint, request_body, run_load
 from criticalkv.bench.metrics import summarize
 from criticalkv.bench.prompts import corpus_ids, make_prompts
-from criticalkv.bench.server import (
-    PySpyProfile,
-    RssMonitor,
-    ServerProcess,
-    engine_label,
-    only_model,
-    pid_listening_on,
-    profile_breakdown,
-    served_engine,
-)
+from criticalkv.bench.report import add_out_argument
+from criticalkv.bench.served import PySpyProfile, RssMonitor, profile_breakdown
 
 
 def int_list(text: str, what: str) -> list[int]:
@@ -50,15 +40,6 @@ def float_list(text: str, what: str) -> list[float]:
     if not values or min(values) <= 0:
         raise ValueError(f"{what}: expected positive numbers, got {text!r}")
     return values
-
-
-def load_tokenizer(args):
-    folder = Path(args.tokenizer) if args.tokenizer else Path(args.engine_dir[0]) / "tokenizer"
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no tokenizer folder (give --tokenizer with --url)")
-    from transformers import AutoTokenizer  # here: `criticalkv --help` and argument errors do not load it
-
-    return AutoTokenizer.from_pretrained(folder)
 
 
 def request_record_json(r, t0: float) -> dict:
@@ -86,17 +67,17 @@ def run_workloads(endpoint: Endpoint, engine: dict, pid: int | None, prompts: di
                 label = f"{engine['label']} ISL {isl} OSL {osl} {report.load_label(load)}"
                 if warm:
                     run_load(endpoint, warm, concurrency=value if kind == "concurrency" else min(len(warm), args.max_concurrency or len(warm)),
-                             progress=f"warm-up {label}" if args.progress else None)
+                             progress=f"warm-up {label}")
                 profiler = None
                 if args.profile and pid is not None:
                     slug = "".join(c if c.isalnum() else "-" for c in label).strip("-")
-                    profiler = PySpyProfile(pid, stem.parent / f"{args.name}-profile-{slug}.txt").start()
+                    profiler = PySpyProfile(pid, stem.parent / f"{stem.name}-profile-{slug}.txt").start()
                 try:
                     with RssMonitor(pid) as monitor:
                         load_start = machine.load_average()
                         records = run_load(endpoint, bodies, concurrency=load.get("concurrency"),
                                            request_rate=load.get("request_rate"), max_concurrency=load.get("max_concurrency"),
-                                           seed=args.seed, progress=label if args.progress else None)
+                                           seed=args.seed, progress=label)
                 finally:
                     collapsed = profiler.stop() if profiler else None
                 peak = monitor.peak_bytes if pid is not None else None
@@ -125,18 +106,14 @@ def main(args) -> int:
     args.rate_list = float_list(args.request_rate, "--request-rate") if args.request_rate else []
     if not args.concurrency_list and not args.rate_list:
         raise ValueError("give --concurrency and/or --request-rate")
-    if bool(args.url) == bool(args.engine_dir):
-        raise ValueError("give either --url (a running server) or --engine-dir (one or more, started here)")
+    served.check_server_arguments(args)
     args.num_requests_list = int_list(str(args.num_requests), "--num-requests")
     n_loads = len(args.concurrency_list) + len(args.rate_list)
     if len(args.num_requests_list) not in (1, n_loads):
         raise ValueError(f"--num-requests: give one count or one per load ({n_loads}: concurrencies, then rates)")
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0")
-    for d in args.engine_dir or []:
-        if not (Path(d) / "manifest.json").is_file():
-            raise FileNotFoundError(f"{d}: not an engine directory (no manifest.json)")
-    stem = Path(args.out) / args.name
+    stem = args.out
     results = machine.header(args.command_line)
     results["settings"] = {"isl": args.isl_list, "osl": args.osl_list, "concurrency": args.concurrency_list,
                            "request_rate": args.rate_list, "max_concurrency": args.max_concurrency,
@@ -145,35 +122,15 @@ def main(args) -> int:
     results["runs"] = []
     print("\n".join(machine.header_lines(results)), flush=True)
 
-    tokenizer = load_tokenizer(args)
+    tokenizer = served.load_tokenizer(args)
     ids = corpus_ids(tokenizer)
     count = args.warmup + max(args.num_requests_list)
     prompts = {isl: make_prompts(tokenizer, isl, count, seed=args.seed, ids=ids) for isl in args.isl_list}
 
-    if args.url:
-        url = args.url.rstrip("/")
-        if not is_ready(url):
-            raise ValueError(f"{url}: the server is not ready (GET /v2/health/ready)")
-        model = args.model_name or only_model(url)
-        endpoint = Endpoint(url, model)
-        pid = pid_listening_on(endpoint.host_port[1])
-        engine = served_engine(url, model)
-        results["server_note"] = f"running server {url}, model {model}, pid {pid}"
-        run_workloads(endpoint, engine, pid, prompts, args, results, stem)
-    else:
-        notes = []
-        logs = Path(tempfile.mkdtemp(prefix="criticalkv-bench-logs-"))
-        for engine_dir in args.engine_dir:
-            engine = engine_label(Path(engine_dir))
-            log = logs / f"server-{engine['label'].replace(' ', '').replace('=', '')}.log"
-            extra = shlex.split(args.server_args) if args.server_args else []
-            started = time.perf_counter()
-            with ServerProcess(Path(engine_dir), extra, log) as server:
-                engine["server_ready_s"] = time.perf_counter() - started
-                model = args.model_name or only_model(server.url)
-                notes.append(f"{engine['label']}: criticalkv serve --engine-dir {engine['engine_dir']} {' '.join(extra)}".strip())
-                run_workloads(Endpoint(server.url, model), engine, server.pid, prompts, args, results, stem)
-        results["server_note"] = "; ".join(notes)
+    def on_server(endpoint: Endpoint, metrics_url, engine: dict) -> None:
+        run_workloads(endpoint, engine, engine.get("server_pid"), prompts, args, results, stem)
+
+    served.on_each_server(args, shlex.split(args.server_args) if args.server_args else [], on_server, results)
     machine.finish(results)
     report.write_all(results, stem, figures=True)
     text = report.render(results)
@@ -184,13 +141,7 @@ def main(args) -> int:
 
 
 def add_arguments(p) -> None:
-    target = p.add_argument_group("server")
-    target.add_argument("--engine-dir", action="append", metavar="DIR",
-                        help="start `criticalkv serve` on this engine directory (repeat for a side-by-side run)")
-    target.add_argument("--url", help="a running server instead, e.g. http://127.0.0.1:8000")
-    target.add_argument("--model-name", help="the Triton model to call (default: the server's only ready model)")
-    target.add_argument("--server-args", default="", help="extra arguments for `criticalkv serve`, one quoted string")
-    target.add_argument("--tokenizer", help="tokenizer folder for the prompts (default: the first engine's tokenizer/)")
+    served.add_server_arguments(p)
     load = p.add_argument_group("workload")
     load.add_argument("--isl", default="2048", help="input lengths in tokens, comma-separated (default: 2048)")
     load.add_argument("--osl", default="64", help="output lengths in tokens, comma-separated (default: 64)")
@@ -205,9 +156,7 @@ def add_arguments(p) -> None:
     load.add_argument("--keep-eos", action="store_true", help="let requests stop at EOS (default: ignore_eos, exact OSL)")
     load.add_argument("--seed", type=int, default=0, help="prompt offsets and Poisson arrivals (default: 0)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="results/benchmarks/serving", help="results folder (default: results/benchmarks/serving)")
-    out.add_argument("--name", default="serving", help="file stem of the results (default: serving)")
+    add_out_argument(out, "results/benchmarks/serving/serving")
     out.add_argument("--profile", action="store_true",
                      help="sample the server's process tree with py-spy during each measured workload: share of "
                           "time in prefill / decode / other, collapsed stacks next to the results")
-    out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
