@@ -9,7 +9,9 @@ if __name__ == "__main__":  # `python -m criticalkv.cli`: signals are noted from
 
 import gc
 import importlib
+import os
 import sys
+import warnings
 from importlib import metadata
 
 from criticalkv.commands.arguments import Parser
@@ -65,11 +67,19 @@ def main(argv: list[str] | None = None) -> int:
             gc.freeze()
 
 
+def _one_line_warning(message, category, filename, lineno, line=None, _default=warnings.formatwarning) -> str:
+    """The project's own warnings (``criticalkv/...``) as one line for a command-line user; others as Python writes them."""
+    if issubclass(category, UserWarning) and f"{os.sep}criticalkv{os.sep}" in filename:
+        return f"criticalkv: warning: {message}\n"
+    return _default(message, category, filename, lineno, line)
+
+
 def _main(argv: list[str] | None) -> int:
     # Ctrl-C (KeyboardInterrupt) and SIGTERM (Terminated) are caught from here on, before the subcommands'
     # modules (torch, ONNX Runtime: seconds) are imported: a signal during start-up ends the command with
     # its one line too (before this point only Python's own start-up runs: the signal then simply kills it)
     args = None
+    warnings.formatwarning = _one_line_warning
     name = _command_name(sys.argv[1:] if argv is None else argv)
     try:
         with signals_raise():

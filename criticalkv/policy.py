@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -303,9 +304,11 @@ def _help(knob: str) -> str:
 
 def policy_table_markdown() -> str:
     """Markdown table of the policies and every knob's default (used for the README)."""
-    rows = ["| policy | base allocation | stage 2 | what it keeps |", "|---|---|---|---|"]
+    rows = ["| policy | base allocation | stage 2 | what it keeps | knobs it reads (`NAME:KNOB=VALUE`) |",
+            "|---|---|---|---|---|"]
     for name, (base, two_stage) in POLICIES.items():
-        rows.append(f"| `{name}` | {base} | {'yes' if two_stage else 'no'} | {_methods.METHODS[name].description} |")
+        rows.append(f"| `{name}` | {base} | {'yes' if two_stage else 'no'} | {_methods.METHODS[name].description} | "
+                    f"{', '.join(spec_knobs(name)) or '-'} |")
     rows += ["", "| knob | on the command line | default | meaning |", "|---|---|---|---|"]
     default = KVPolicy()
     for f in dataclasses.fields(KVPolicy):
@@ -340,8 +343,19 @@ def parse_policy_spec(spec: str, base: KVPolicy, flag: str = "--policies") -> KV
             raise ValueError(f"{flag}: unknown knob {knob!r} in {spec!r}; choose from {knobs}")
         if knob == "budget":
             raise ValueError(f"{flag}: give budgets with {'--budgets' if flag == '--policies' else '--budget'}, not in {spec!r}")
+        read = spec_knobs(name)
+        if knob not in read:  # kept (a policy carries every knob) but said: the spec likely meant another policy
+            warnings.warn(f"{flag}: {name} does not read {knob} (in {spec!r}), so it changes nothing; its knobs: "
+                          f"{', '.join(read) or 'none'}", UserWarning, stacklevel=2)
         changes[knob] = _convert(knob, value, flag)
     return base.replace(**changes)
+
+
+def spec_knobs(name: str) -> list[str]:
+    """The knobs a ``name:knob=value`` spec may set: those the policy's method reads (``Method.knobs``, declared with
+    the method), and the window of a policy that evicts."""
+    method = _methods.method_of(name)
+    return sorted(set(method.knobs) - {"budget"} | ({"window"} if method.base.evicts else set()))
 
 
 def policy_spec(policy: KVPolicy) -> str:

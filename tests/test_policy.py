@@ -1,6 +1,7 @@
 import argparse
 import dataclasses
 import json
+import warnings
 
 import pytest
 
@@ -142,3 +143,14 @@ def test_policy_specs_round_trip_and_name_the_flag():
             context_policy_for(engine, bad)
         assert words in str(err.value), (bad, str(err.value))
     assert context_policy_for(engine, "engine") is None and context_policy_for(KVPolicy("full"), "kvzip") is None
+
+
+def test_a_spec_knob_the_method_does_not_read_is_said():
+    from criticalkv.policy import parse_policy_spec, spec_knobs
+
+    assert spec_knobs("snapkv") == ["pool_kernel", "window"] and spec_knobs("full") == []
+    with pytest.warns(UserWarning, match=r"snapkv does not read kvzip_chunk .*its knobs: pool_kernel, window"):
+        assert parse_policy_spec("snapkv:kvzip_chunk=100", KVPolicy()).kvzip_chunk == 100
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_policy_spec("layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6:window=16", KVPolicy())
