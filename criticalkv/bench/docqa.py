@@ -5,7 +5,7 @@
 and a quoted phrase of the document, seeded). The D x Q requests, each the document as ``context`` and the question
 as ``text_input``, are sent in a random (seeded) order, closed loop at ``--concurrency`` (default 8), ``--osl`` new
 tokens each (greedy, ``ignore_eos``), to one server after the other (``--engine-dir``, repeat: e.g. ``full`` and
-criticalkv b=256), all started with the same flags: ``--kv-memory-mib`` M (default: ``--kv-contexts`` 4 uncompressed
+criticalkv b=256), all started with the same flags: ``--kv-memory-mib`` M (``--kv-memory``, default 4 uncompressed
 documents, from the ``full`` engine's KV bytes per token; printed) and ``--context-cache-mib`` M (the cache may use
 all the KV memory running requests leave: the memory is the binding limit for both servers).
 
@@ -211,15 +211,16 @@ def main(args) -> int:
     served.check_server_arguments(args)
     if min(args.isl, args.docs, args.questions, args.question_tokens, args.osl, args.concurrency) < 1:
         raise ValueError("--isl, --docs, --questions, --question-tokens, --osl and --concurrency must be >= 1")
-    if args.warmup < 0 or args.kv_contexts <= 0:
-        raise ValueError("--warmup must be >= 0 and --kv-contexts > 0")
+    if args.warmup < 0:
+        raise ValueError("--warmup must be >= 0")
+    given_mib, contexts = args.kv_memory
     extra = served.split_server_args(args.server_args)
-    if args.kv_memory_mib is not None:
-        memory, note = args.kv_memory_mib, "given"
+    if given_mib is not None:
+        memory, note = given_mib, "given"
     elif args.engine_dir and not args.url:
         full = served.full_engine(args.engine_dir)
-        memory = served.kv_mib(full, args.isl, args.kv_contexts)
-        note = (f"{args.kv_contexts:g} uncompressed {args.isl}-token contexts of {Path(full).name}: "
+        memory = served.kv_mib(full, args.isl, contexts)
+        note = (f"{contexts:g} uncompressed {args.isl}-token contexts of {Path(full).name}: "
                 f"{served.kv_mib(full, args.isl, 1):.2f} MiB each")
     else:
         memory, note = None, "the running server's"
@@ -234,7 +235,7 @@ def main(args) -> int:
                            "question_tokens": args.question_tokens, "osl": args.osl, "concurrency": args.concurrency,
                            "warmup": args.warmup, "chat": args.chat, "seed": args.seed, "kv_budget": args.kv_budget,
                            "kv_memory_mib": memory, "kv_memory_note": note, "context_cache_mib": cache,
-                           "kv_contexts": args.kv_contexts if args.kv_memory_mib is None and not args.url else None,
+                           "kv_contexts": contexts if given_mib is None and not args.url else None,
                            "server_args": server_args, "hit_rate_ceiling": (args.questions - 1) / args.questions}
     results["runs"] = []
     print("\n".join(machine.header_lines(results)), flush=True)
@@ -291,10 +292,7 @@ def add_arguments(p) -> None:
     load.add_argument("--kv-budget", type=int, help="per-request kv_budget (default: the engine's)")
     load.add_argument("--seed", type=int, default=0, help="documents, questions and their order (default: 0)")
     mem = p.add_argument_group("memory (the same for every server)")
-    mem.add_argument("--kv-memory-mib", type=float,
-                     help="each server's --kv-memory-mib (default: --kv-contexts uncompressed documents)")
-    mem.add_argument("--kv-contexts", type=float, default=4.0,
-                     help="KV memory as this many uncompressed --isl-token documents of the full engine (default: 4)")
+    served.add_kv_memory_argument(mem, "4", "uncompressed --isl-token documents")
     mem.add_argument("--context-cache-mib", type=float,
                      help="each server's --context-cache-mib (default: the KV memory: the cache may use all of it)")
     out = p.add_argument_group("output")

@@ -2,7 +2,7 @@
 
 ``--num-requests`` prompts of ``--isl`` tokens (``bench serve``'s prompts), ``--osl`` new tokens each (greedy,
 ``ignore_eos``), closed loop at ``--concurrency``, sent to one server after the other (``--engine-dir``, repeat: e.g.
-``full`` and criticalkv b=256), every server started with the same ``--kv-memory-mib`` M (default: ``--kv-sequences``
+``full`` and criticalkv b=256), every server started with the same ``--kv-memory-mib`` M (``--kv-memory``, default
 2 full sequences of ISL + OSL tokens of the ``full`` engine; printed). ``full`` then decodes about 2 sequences at a
 time; an evicting policy holds b + OSL entries per head instead of ISL + OSL, so more sequences fit the same memory
 (while a prompt is prefilled it still holds its full K/V: admission counts it).
@@ -134,15 +134,16 @@ def main(args) -> int:
     from criticalkv.bench.prompts import make_prompts
 
     served.check_server_arguments(args)
-    if min(args.isl, args.osl, args.concurrency, args.num_requests) < 1 or args.warmup < 0 or args.kv_sequences <= 0:
-        raise ValueError("--isl, --osl, --concurrency and --num-requests must be >= 1, --warmup >= 0, --kv-sequences > 0")
+    if min(args.isl, args.osl, args.concurrency, args.num_requests) < 1 or args.warmup < 0:
+        raise ValueError("--isl, --osl, --concurrency and --num-requests must be >= 1, --warmup >= 0")
+    given_mib, sequences = args.kv_memory
     extra = served.split_server_args(args.server_args, own=("--kv-memory-mib", "--kv-pool-mib"))
-    if args.kv_memory_mib is not None:
-        memory, note = args.kv_memory_mib, "given"
+    if given_mib is not None:
+        memory, note = given_mib, "given"
     elif args.engine_dir and not args.url:
         full = served.full_engine(args.engine_dir)
-        memory = served.kv_mib(full, args.isl + args.osl, args.kv_sequences)
-        note = (f"{args.kv_sequences:g} full sequences of {args.isl} + {args.osl} tokens of {Path(full).name}: "
+        memory = served.kv_mib(full, args.isl + args.osl, sequences)
+        note = (f"{sequences:g} full sequences of {args.isl} + {args.osl} tokens of {Path(full).name}: "
                 f"{served.kv_mib(full, args.isl + args.osl, 1):.2f} MiB each")
     else:
         memory, note = None, "the running server's"
@@ -154,7 +155,7 @@ def main(args) -> int:
     results["settings"] = {"isl": args.isl, "osl": args.osl, "concurrency": args.concurrency,
                            "num_requests": args.num_requests, "warmup": args.warmup, "seed": args.seed,
                            "kv_budget": args.kv_budget, "kv_memory_mib": memory, "kv_memory_note": note,
-                           "kv_sequences": args.kv_sequences if args.kv_memory_mib is None else None,
+                           "kv_sequences": sequences if given_mib is None and not args.url else None,
                            "server_args": server_args}
     results["runs"] = []
     print("\n".join(machine.header_lines(results)), flush=True)
@@ -197,9 +198,6 @@ def add_arguments(p) -> None:
     load.add_argument("--kv-budget", type=int, help="per-request kv_budget (default: the engine's)")
     load.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
     mem = p.add_argument_group("memory (the same for every server)")
-    mem.add_argument("--kv-memory-mib", type=float, help="each server's --kv-memory-mib (default: --kv-sequences full "
-                     "sequences)")
-    mem.add_argument("--kv-sequences", type=float, default=2.0,
-                     help="KV memory as this many full sequences of ISL + OSL tokens of the full engine (default: 2)")
+    served.add_kv_memory_argument(mem, "2", "full sequences of ISL + OSL tokens")
     out = p.add_argument_group("output")
     add_out_argument(out, "results/benchmarks/serving/memory_bound")

@@ -372,8 +372,8 @@ def main(args) -> int:
         raise ValueError("--replicas must be >= 2 for the multi-replica configurations")
     if args.fault != "none" and args.fault not in args.configs:
         raise ValueError(f"--fault {args.fault}: that configuration is not in --configs (add it, or --fault none)")
-    memory = args.kv_memory_mib if args.kv_memory_mib is not None else served.kv_mib(
-        Path(args.engine_dir), args.isl, args.kv_contexts)
+    given_mib, contexts = args.kv_memory
+    memory = given_mib if given_mib is not None else served.kv_mib(Path(args.engine_dir), args.isl, contexts)
     cache = memory if args.context_cache_mib is None else args.context_cache_mib
     args.memory_flags = ["--kv-memory-mib", served.mib_flag(memory), "--context-cache-mib", served.mib_flag(cache)]
     stem = args.out
@@ -442,9 +442,7 @@ def add_arguments(p) -> None:
     load.add_argument("--warmup", type=int, default=2, help="warm-up requests per replica, not measured (default: 2)")
     load.add_argument("--seed", type=int, default=0, help="documents, questions and their order (default: 0)")
     mem = p.add_argument_group("memory (every replica)")
-    mem.add_argument("--kv-memory-mib", type=float, help="each replica's --kv-memory-mib (default: --kv-contexts "
-                                                         "uncompressed documents)")
-    mem.add_argument("--kv-contexts", type=float, default=4.0, help="KV memory as this many uncompressed documents (4)")
+    served.add_kv_memory_argument(mem, "4", "uncompressed --isl-token documents")
     mem.add_argument("--context-cache-mib", type=float,
                      help="each replica's --context-cache-mib (default: the KV memory)")
     fault = p.add_argument_group("fault")

@@ -421,6 +421,29 @@ def uptime() -> str | None:
         return None
 
 
+def kv_memory(text: str) -> tuple[float | None, float | None]:
+    """``--kv-memory``: ``N`` (N uncompressed sequences of the benchmark's, sized from the ``full`` engine's KV bytes
+    per token) or ``M MiB`` / ``MMiB`` (that many MiB); (MiB or None, N or None)."""
+    import argparse
+
+    value = text.strip()
+    mib = value.lower().endswith("mib")
+    try:
+        number = float(value[:-3] if mib else value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count (e.g. 4) nor MiB (e.g. 300MiB)") from None
+    if not number > 0 or not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+    return (number, None) if mib else (None, number)
+
+
+def add_kv_memory_argument(group, default: str, of: str) -> None:
+    """``--kv-memory`` of every server (each started with ``--kv-memory-mib``): a count of ``of`` or MiB."""
+    group.add_argument("--kv-memory", type=kv_memory, default=kv_memory(default), metavar="N|MMiB",
+                       help=f"each server's KV memory (its --kv-memory-mib): N {of} of the full engine, or M MiB given "
+                            f"as e.g. 300MiB (default: {default})")
+
+
 def check_engines(engine_dirs) -> None:
     for d in engine_dirs:
         if not (Path(d) / "manifest.json").is_file():

@@ -50,3 +50,15 @@ def test_the_tokenizer_is_the_engine_dirs_even_with_a_url(tmp_path):
     (tmp_path / "tokenizer").rmdir()
     with pytest.raises(FileNotFoundError, match="no tokenizer folder here"):
         served.tokenizer_folder(args)
+
+
+def test_kv_memory_is_a_count_or_mib():
+    assert served.kv_memory("4") == (None, 4.0)
+    assert served.kv_memory("2.5") == (None, 2.5)
+    assert served.kv_memory("300MiB") == (300.0, None) and served.kv_memory("12.5 mib") == (12.5, None)
+    for bad in ("0", "-1MiB", "lots", "nanMiB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            served.kv_memory(bad)
+    p = argparse.ArgumentParser()
+    served.add_kv_memory_argument(p, "4", "documents")
+    assert p.parse_args([]).kv_memory == (None, 4.0) and p.parse_args(["--kv-memory", "64MiB"]).kv_memory == (64.0, None)
