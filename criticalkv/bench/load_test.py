@@ -11,7 +11,6 @@ engine) asking for exactly OSL tokens (``max_tokens`` = OSL, ``ignore_eos``). Re
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
 from criticalkv.bench import machine, report, served
@@ -130,7 +129,7 @@ def main(args) -> int:
     def on_server(endpoint: Endpoint, metrics_url, engine: dict) -> None:
         run_workloads(endpoint, engine, engine.get("server_pid"), prompts, args, results, stem)
 
-    served.on_each_server(args, shlex.split(args.server_args) if args.server_args else [], on_server, results)
+    served.on_each_server(args, served.split_server_args(args.server_args, own=()), on_server, results)
     machine.finish(results)
     report.write_all(results, stem, figures=True)
     text = report.render(results)
