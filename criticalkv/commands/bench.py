@@ -77,7 +77,7 @@ def register(subparsers) -> None:
     single.add_argument("--name", default="single_request", help="file stem (default: single_request)")
     single.set_defaults(func=run_single)
 
-    from criticalkv.bench import cpu_peers
+    from criticalkv.bench.peers import cpu as cpu_peers
 
     cpu = sub.add_parser("peers", help="criticalkv engines vs onnxruntime-genai and OpenVINO GenAI on the same ids, with "
                          "the CPU's GEMM and bandwidth floors", description=plain(cpu_peers.__doc__),
@@ -215,7 +215,8 @@ def _check_engines(dirs) -> None:
 
 
 def run_cpu_peers(args) -> int:
-    from criticalkv.bench import cpu_peers, machine, report
+    from criticalkv.bench import machine, report
+    from criticalkv.bench.peers import cpu as cpu_peers
 
     _check_engines(args.engine_dir + args.portable_engine_dir)
     if args.isl < 64 or min(args.new_tokens, args.batch, args.repeats) < 1:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from criticalkv.bench import cpu_peers
+from criticalkv.bench.peers import cpu as cpu_peers
 from criticalkv.cli import main
 
 
@@ -215,7 +215,7 @@ def test_targets_judge_criticalkvs_openvino_backend_against_openvino_genai():
 
 
 def test_an_engine_runs_in_its_own_worker_process(tmp_path):
-    """``criticalkv.bench.engine_worker`` over a tiny engine on both CPU backends: the row's label, and the tokens of
+    """``criticalkv.bench.peers.engine_worker`` over a tiny engine on both CPU backends: the row's label, and the tokens of
     the engine run in this process (ONNX Runtime)."""
     pytest.importorskip("openvino")
     from criticalkv import KVPolicy

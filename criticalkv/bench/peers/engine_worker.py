@@ -2,9 +2,9 @@
 peer runs in its own: five engines in one process once ran a 24 GB machine out of memory, and a process's arenas and
 compiled graphs leave with it).
 
-    python -m criticalkv.bench.engine_worker --engine-dir DIR [--backend onnxruntime|openvino] [--portable]
+    python -m criticalkv.bench.peers.engine_worker --engine-dir DIR [--backend onnxruntime|openvino] [--portable]
 
-The protocol of ``cpu_peer_runner.py``: a ``{"ready", "load_s"}`` line once the engine is loaded, then one JSON request
+The protocol of ``cpu_runner.py``: a ``{"ready", "load_s"}`` line once the engine is loaded, then one JSON request
 per stdin line and one JSON answer per stdout line: ``info`` (the row's label, versions, precision, the bytes of weights
 a decode step reads), ``single`` (one request: prefill seconds, decode seconds per token, the tokens), ``batch`` (the
 prompts together: seconds, output tokens), ``quit``. Errors are answered per request (``{"error"}``).

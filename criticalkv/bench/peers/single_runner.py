@@ -3,7 +3,7 @@
 
 Standalone on purpose (it imports torch, transformers and kvpress, never criticalkv):
 
-    PEER_PYTHON criticalkv/bench/peer_runner.py --impl kvpress --model DIR --text-file F --budget 256 --new-tokens 16
+    PEER_PYTHON criticalkv/bench/peers/single_runner.py --impl kvpress --model DIR --text-file F --budget 256 --new-tokens 16
 
 ``kvpress``: ``CriticalKVPress(SnapKVPress(compression_ratio=1 - budget / context tokens))`` through the
 ``kv-press-text-generation`` pipeline (question empty, so the whole chat-wrapped text is the context);

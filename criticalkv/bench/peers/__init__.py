@@ -11,13 +11,13 @@
   needs (transformers, onnx, onnx-ir, onnxscript, sentencepiece, protobuf), ~1 GB;
 * ``openvino/``: ``torch==2.13.0``, then (torch pinned again, with ``torchvision==0.28.0``) OpenVINO GenAI
   2026.4.1 (``openvino``, ``openvino-tokenizers``, ``openvino-genai``) and ``optimum-intel==2.2.0`` /
-  ``optimum==2.3.0`` for ``optimum-cli export openvino`` (torchvision uninstalled afterwards), ~1.6 GB. These two are the CPU runtimes of ``criticalkv bench peers`` (``criticalkv/bench/cpu_peers.py``).
+  ``optimum==2.3.0`` for ``optimum-cli export openvino`` (torchvision uninstalled afterwards), ~1.6 GB. These two are the CPU runtimes of ``criticalkv bench peers`` (``criticalkv/bench/peers/cpu.py``).
 
 ``single_request`` then times one request end to end (tokenisation + prefill + selection + decode,
 model load excluded, ``--repeats`` after one warm-up, medians): criticalkv's ``Engine.generate`` on
 ONNX Runtime in this process, kvpress ``CriticalKVPress(SnapKVPress)`` through its
 ``kv-press-text-generation`` pipeline and transformers ``generate`` in their environments
-(``criticalkv/bench/peer_runner.py``, which imports nothing from criticalkv). Every implementation gets
+(``criticalkv/bench/peers/single_runner.py``, which imports nothing from criticalkv). Every implementation gets
 the same text wrapped in the model's chat template, greedy decoding and stop tokens disabled, so each
 produces exactly ``--new-tokens`` tokens.
 """
@@ -39,7 +39,7 @@ from criticalkv.bench.prompts import corpus_ids, make_prompts
 from criticalkv.runtime import Engine
 from criticalkv.runtime.manifest import read_manifest
 
-PEER_RUNNER = Path(__file__).with_name("peer_runner.py")
+PEER_RUNNER = Path(__file__).with_name("single_runner.py")
 TORCH = "torch==2.13.0"
 KVPRESS = "kvpress==0.5.5"
 AIPERF = "aiperf==0.13.0"

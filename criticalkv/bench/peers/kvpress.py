@@ -3,10 +3,10 @@
 The prompts come from the same generators, seed and chat template as ``criticalkv eval``; each is cut at the end of
 its context as ``--question-agnostic`` cuts it (the context compressed alone, then the question through the
 compressed cache). kvpress runs in its own virtual environment (``criticalkv bench setup-peers --peers kvpress``:
-kvpress 0.5.5 pins transformers < 5.3) through ``criticalkv/eval/kvpress_runner.py``; its answers are scored here
+kvpress 0.5.5 pins transformers < 5.3) through ``criticalkv/bench/peers/kvpress_runner.py``; its answers are scored here
 with criticalkv's metrics. For example, KVzip and KVzip+ at two budgets:
 
-    python -m criticalkv.eval.kvpress_peer needle --presses KVzipPress,KVzipPress:kvzip_plus_normalization=true \\
+    python -m criticalkv.bench.peers.kvpress needle --presses KVzipPress,KVzipPress:kvzip_plus_normalization=true \\
         --budgets 256,512 --lengths 2048 --samples 2 --depths 0,25,50,75,100 --out results/kvpress_needle
 
 A press spec is a kvpress class name, optionally with ``:knob=value`` keyword arguments (true/false, numbers);
@@ -63,7 +63,7 @@ def parse_press(spec: str) -> tuple[str, dict]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m criticalkv.eval.kvpress_peer", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m criticalkv.bench.peers.kvpress", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("task", choices=("needle", "ruler"))
     ap.add_argument("--presses", default="KVzipPress,KVzipPress:kvzip_plus_normalization=true",
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
                         "results": {r["key"]: {"text": texts[r["key"]], "score": score(p.metric, texts[r["key"]], p.answers),
                                                "seconds": answered["seconds"][p.key][r["key"]]} for r in runs}})
     result = {
-        "command": "python -m criticalkv.eval.kvpress_peer " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "command": "python -m criticalkv.bench.peers.kvpress " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "task": args.task, "domain": args.domain, "haystack": get_domain(args.domain).provenance(), "runs": runs, "records": records, "versions": answered.get("versions"),
         "torch_threads": answered.get("torch_threads"), "environment": environment(),
         "prompt_count": len(prompts), "complete": len(records) == len(prompts),

@@ -3,7 +3,7 @@
 
 Standalone on purpose (it imports torch, transformers and kvpress, never criticalkv):
 
-    KVPRESS_PYTHON criticalkv/eval/kvpress_runner.py --model DIR --prompts IN.json --out OUT.json
+    KVPRESS_PYTHON criticalkv/bench/peers/kvpress_runner.py --model DIR --prompts IN.json --out OUT.json
 
 ``IN.json``: {"runs": [{"key", "press", "kwargs", "budget"}], "prompts": [{"key", "context_ids", "question_ids",
 "max_new_tokens"}], "stop_token_ids": [...]}. For every prompt and run, the context's token ids go through kvpress's

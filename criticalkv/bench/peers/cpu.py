@@ -8,11 +8,11 @@ Build the engines for batches of 8 prompts of 2k tokens, e.g.
 ``python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-input-len 2048 --max-batch-size 8
 --output engines/ckv256`` (and ``--kv-policy full`` for ``engines/full``).
 
-Systems (each in its own process: criticalkv's engines through ``criticalkv.bench.engine_worker``, each peer in its
-virtual environment through ``criticalkv/bench/cpu_peer_runner.py``, which imports nothing from criticalkv):
+Systems (each in its own process: criticalkv's engines through ``criticalkv.bench.peers.engine_worker``, each peer in its
+virtual environment through ``criticalkv/bench/peers/cpu_runner.py``, which imports nothing from criticalkv):
 
 * criticalkv: ``Engine.generate`` of every ``--engine-dir`` on every ``--backends`` (stop tokens off; one engine per
-  process, ``criticalkv.bench.engine_worker``): ONNX Runtime in the forms the engine runs by default (the fused prompt
+  process, ``criticalkv.bench.peers.engine_worker``): ONNX Runtime in the forms the engine runs by default (the fused prompt
   and decode graphs, with the weights it was built with: ``--weights fp32|int8|int4``; a row is named by its weights
   when they are not fp32), OpenVINO with the engine's openvino graphs at the CPU plugin's default precision (``on
   OpenVINO (bf16)`` where the CPU has BF16); and of every ``--portable-engine-dir`` with its portable graphs
@@ -45,10 +45,10 @@ import sys
 import time
 from pathlib import Path
 
-from criticalkv.bench.engine_worker import label
+from criticalkv.bench.peers.engine_worker import label
 from criticalkv.bench.peers import peer_python, peer_ready
 
-RUNNER = Path(__file__).with_name("cpu_peer_runner.py")
+RUNNER = Path(__file__).with_name("cpu_runner.py")
 CPU_PEERS = ("onnxruntime-genai", "openvino")
 #: OpenVINO's CacheEvictionConfig (start_size, recent_size, max_cache_size) by default: ~the b=256 budget.
 DEFAULT_EVICTION = (32, 96, 256)
@@ -159,8 +159,8 @@ def ensure_export(root: Path, name: str, model_dir: Path, log=print) -> tuple[Pa
 
 # ---------------------------------------------------------------------------------------------- workers
 class WorkerProcess:
-    """A worker process speaking JSON lines over stdin/stdout (``cpu_peer_runner.py`` in a peer's environment,
-    ``criticalkv.bench.engine_worker`` for a criticalkv engine): one system per process."""
+    """A worker process speaking JSON lines over stdin/stdout (``cpu_runner.py`` in a peer's environment,
+    ``criticalkv.bench.peers.engine_worker`` for a criticalkv engine): one system per process."""
 
     def __init__(self, name: str, command: list[str], log: Path):
         self.name = name
@@ -214,10 +214,10 @@ class WorkerProcess:
 
 
 class CriticalKVWorker(WorkerProcess):
-    """A criticalkv engine on one backend in its own process (``criticalkv.bench.engine_worker``)."""
+    """A criticalkv engine on one backend in its own process (``criticalkv.bench.peers.engine_worker``)."""
 
     def __init__(self, root: Path, engine_dir: Path, backend: str = "onnxruntime", portable: bool = False):
-        command = [sys.executable, "-m", "criticalkv.bench.engine_worker", "--engine-dir", str(engine_dir),
+        command = [sys.executable, "-m", "criticalkv.bench.peers.engine_worker", "--engine-dir", str(engine_dir),
                    "--backend", backend] + (["--portable"] if portable else [])
         stem = f"criticalkv-{Path(engine_dir).name}-{backend}{'-portable' if portable else ''}"
         super().__init__(stem, command, Path(root) / "logs" / f"{stem}.log")
@@ -225,7 +225,7 @@ class CriticalKVWorker(WorkerProcess):
 
 
 class PeerWorker(WorkerProcess):
-    """A ``cpu_peer_runner.py`` process in the peer's virtual environment."""
+    """A ``cpu_runner.py`` process in the peer's virtual environment."""
 
     def __init__(self, root: Path, name: str, model: Path, cache_gb: int = 1, precision: str = "default"):
         super().__init__(name, [str(peer_python(root, name)), str(RUNNER), "--impl", name, "--model", str(model),

@@ -3,7 +3,7 @@
 
 Standalone on purpose (it imports onnxruntime_genai or openvino_genai, never criticalkv):
 
-    PEER_PYTHON criticalkv/bench/cpu_peer_runner.py --impl openvino --model DIR
+    PEER_PYTHON criticalkv/bench/peers/cpu_runner.py --impl openvino --model DIR
 
 ``--impl onnxruntime-genai``: ``DIR`` holds the model builder's export (``genai_config.json``, ``model.onnx``);
 ``--impl openvino``: ``DIR`` holds ``optimum-cli export openvino``'s IR (``openvino_model.xml``).

@@ -7,7 +7,7 @@ compute on CPUs with BF16, what a CPU user gets) and at f32 compute, each compar
 (build it with ``--kv-policy full``: the peers keep the whole cache in a single request). f32 against fp32 shows what
 another summation order alone does to these answers; bf16 what the peer's own default does.
 
-    python -m criticalkv.bench.needle_peers --engine-dir engines/full --lengths 2048 --samples 2 \\
+    python -m criticalkv.bench.peers.needle --engine-dir engines/full --lengths 2048 --samples 2 \\
         --out results/weight_precision --name needle_openvino
 
 Tokens are compared up to the reference's first stop token: the tokens before it must be the same, and for the
@@ -30,7 +30,7 @@ from criticalkv.eval.scoring import score
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m criticalkv.bench.needle_peers", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m criticalkv.bench.peers.needle", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine-dir", action="append", required=True, type=Path,
                     help="a criticalkv engine (repeat; the first is the reference: build it with --kv-policy full)")
@@ -63,7 +63,7 @@ def same_answer(reference: list[int], tokens: list[int], stop: set[int], stops: 
 
 
 def run(args: argparse.Namespace) -> dict:
-    from criticalkv.bench.cpu_peers import (CriticalKVWorker, PeerWorker, _display, check_ready, ensure_export,
+    from criticalkv.bench.peers.cpu import (CriticalKVWorker, PeerWorker, _display, check_ready, ensure_export,
                                            parse_precisions)
     from criticalkv.hf.loading import resolve_model
 
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
                 "same_tokens_as_first": sum(same_answer(r["systems"][0]["tokens"], r["systems"][i]["tokens"], stop, stops[i])
                                             for r in rows),
                 "prompts": len(rows), "stop_token_compared": stops[i]} for i, label in enumerate(labels)]
-    return {"command": "python -m criticalkv.bench.needle_peers " + shlex.join(sys.argv[1:]),
+    return {"command": "python -m criticalkv.bench.peers.needle " + shlex.join(sys.argv[1:]),
             "loadavg_before": os.getloadavg(), "openvino_export": _display(export), "stop_tokens": sorted(stop),
             "summary": summary, "prompts": rows}
 
