@@ -1,6 +1,19 @@
-"""Peer implementations in their own virtual environments, and the single-request comparison.
+"""The peers: what criticalkv's benchmarks are compared with, each in its own virtual environment.
 
-``setup_peers`` creates, under a folder the user chooses (default ``.peers/``, git-ignored):
+One module per kind of peer, beside the runner that runs inside that peer's environment (standalone: a runner imports
+nothing from criticalkv, and the driver starts it by path with the environment's Python):
+
+* ``kvpress`` (``kvpress_runner.py``): kvpress 0.5.5 and plain transformers (the full cache). ``criticalkv bench
+  single`` times one request against criticalkv on ONNX Runtime; ``python -m criticalkv.bench.peers.kvpress
+  needle|ruler`` scores kvpress's presses on the evaluation's prompts; ``criticalkv bench gpu-serve`` runs kvpress
+  in process on the GPU;
+* ``cpu`` (``cpu_runner.py``; criticalkv's engines through ``engine_worker``): the CPU runtimes onnxruntime-genai and
+  OpenVINO GenAI. ``criticalkv bench peers`` (speed, with the CPU's floors) and ``python -m
+  criticalkv.bench.peers.cpu needle`` (the needle grid's answers at OpenVINO's compute precisions);
+* AIPerf, the load generator ``criticalkv bench aiperf`` cross-checks with (``criticalkv.bench.aiperf``).
+
+This module: the environments. They live under ``$CRITICALKV_PEERS_DIR`` (default ``.peers``, git-ignored), a setting
+of the machine like ``HF_HOME``. ``criticalkv bench setup-peers`` creates (or completes) them:
 
 * ``kvpress/``: ``torch==2.13.0`` first (the CPU build), then ``kvpress==0.5.5`` (it pins
   ``transformers<5.3``, so it cannot share criticalkv's environment);
@@ -11,35 +24,27 @@
   needs (transformers, onnx, onnx-ir, onnxscript, sentencepiece, protobuf), ~1 GB;
 * ``openvino/``: ``torch==2.13.0``, then (torch pinned again, with ``torchvision==0.28.0``) OpenVINO GenAI
   2026.4.1 (``openvino``, ``openvino-tokenizers``, ``openvino-genai``) and ``optimum-intel==2.2.0`` /
-  ``optimum==2.3.0`` for ``optimum-cli export openvino`` (torchvision uninstalled afterwards), ~1.6 GB. These two are the CPU runtimes of ``criticalkv bench peers`` (``criticalkv/bench/peers/cpu.py``).
+  ``optimum==2.3.0`` for ``optimum-cli export openvino`` (torchvision uninstalled afterwards), ~1.6 GB.
 
-``single_request`` then times one request end to end (tokenisation + prefill + selection + decode,
-model load excluded, ``--repeats`` after one warm-up, medians): criticalkv's ``Engine.generate`` on
-ONNX Runtime in this process, kvpress ``CriticalKVPress(SnapKVPress)`` through its
-``kv-press-text-generation`` pipeline and transformers ``generate`` in their environments
-(``criticalkv/bench/peers/single_runner.py``, which imports nothing from criticalkv). Every implementation gets
-the same text wrapped in the model's chat template, greedy decoding and stop tokens disabled, so each
-produces exactly ``--new-tokens`` tokens.
+``bench single``, ``bench aiperf`` and the kvpress evaluation create a missing environment on first use (one line
+says so); the CPU runtimes (~3 GB) are never installed implicitly: ``bench peers`` stops and names the
+``setup-peers`` command.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from importlib import metadata
 from pathlib import Path
 
-from criticalkv.bench.machine import header_lines
-from criticalkv.bench.prompts import corpus_ids, make_prompts
-from criticalkv.runtime import Engine
-from criticalkv.runtime.manifest import read_manifest
+#: The environment variable naming the peers' folder (default ``.peers``).
+PEERS_DIR_ENV = "CRITICALKV_PEERS_DIR"
+#: The help epilog of every command that uses a peer environment.
+PEERS_DIR_HELP = (f"environment: {PEERS_DIR_ENV}, the folder of the peers' virtual environments (default: .peers, "
+                  "git-ignored), a setting of the machine like HF_HOME")
 
-PEER_RUNNER = Path(__file__).with_name("single_runner.py")
 TORCH = "torch==2.13.0"
 KVPRESS = "kvpress==0.5.5"
 AIPERF = "aiperf==0.13.0"
@@ -100,118 +105,29 @@ def setup_peers(root: Path, names=PEER_NAMES, log=print) -> None:
         log(f"peer {name}: ready")
 
 
-def chat_ids(tokenizer, text: str) -> list[int]:
-    """``text`` as the user turn of the model's chat template, generation prompt added (token ids)."""
-    templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(templated, add_special_tokens=False)["input_ids"])
+def peers_dir() -> Path:
+    """The peers' folder: ``$CRITICALKV_PEERS_DIR``, else ``.peers``."""
+    return Path(os.environ.get(PEERS_DIR_ENV) or ".peers")
 
 
-def text_for_chat_length(tokenizer, total: int, seed: int = 0) -> str:
-    """A haystack text whose chat-wrapped form is exactly ``total`` tokens."""
-    ids = corpus_ids(tokenizer)
-    overhead = len(chat_ids(tokenizer, "x")) - len(tokenizer("x", add_special_tokens=False)["input_ids"])
-    body = total - overhead
-    for attempt in range(8):  # the template's boundary may merge differently: try neighbouring windows
-        for prompt in make_prompts(tokenizer, body, 4, seed=seed + attempt, ids=ids):
-            if len(chat_ids(tokenizer, prompt.text)) == total:
-                return prompt.text
-    raise ValueError(f"no text gives exactly {total} chat-wrapped tokens")
+def setup_command(root: Path, names) -> str:
+    """The command that creates the environments ``names`` under ``root``."""
+    prefix = "" if Path(root) == Path(".peers") else f"{PEERS_DIR_ENV}={root} "
+    return f"{prefix}criticalkv bench setup-peers --peers {','.join(names)}"
 
 
-def time_criticalkv(engine_dir: Path, text: str, new_tokens: int, repeats: int) -> dict:
-    """criticalkv on ONNX Runtime in this process: tokenisation + ``Engine.generate`` (stop tokens off)."""
-    start = time.perf_counter()
-    engine = Engine.load(engine_dir)
-    tokenizer = engine.tokenizer
-    load_s = time.perf_counter() - start
-
-    def once():
-        ids = chat_ids(tokenizer, text)
-        out = engine.generate([ids], max_new_tokens=new_tokens, stop_token_ids=[])
-        return len(ids), len(out.tokens[0]), out
-
-    once()
-    seconds, prefill, decode, out = [], [], [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        n, m, out = once()
-        seconds.append(time.perf_counter() - t0)
-        prefill.append(out.prefill_s)
-        decode.append(out.decode_s_per_token)
-    kept = float(sum(int(x.sum()) for x in out.kept_lengths)) / (len(out.kept_lengths) * out.kept_lengths[0].size)
-    engine.close()
-    return {"impl": "criticalkv", "seconds": seconds, "prompt_tokens": n, "new_tokens": m,
-            "kept_tokens_per_head": kept, "load_s": load_s, "prefill_s": prefill, "decode_s_per_token": decode,
-            "ort_threads": os.environ.get("CRITICALKV_ORT_THREADS", "default"),
-            "policy": engine.policy.to_dict()}
+def check_ready(root: Path, names) -> None:
+    """Raise with the command that creates the missing peer environments."""
+    missing = [n for n in names if not peer_ready(root, n)]
+    if missing:
+        raise FileNotFoundError(f"peer environment(s) {', '.join(missing)} missing under {root}: create them with "
+                                f"`{setup_command(root, missing)}` (or pass --peers without them)")
 
 
-def time_peer(root: Path, name: str, model_dir: Path, text: str, budget: int, new_tokens: int, repeats: int) -> dict:
-    if not peer_ready(root, name):
-        raise FileNotFoundError(f"{root / name}: peer environment missing: run with --setup-peers first")
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
-        f.write(text)
-        path = f.name
-    try:
-        run = subprocess.run([str(peer_python(root, name)), str(PEER_RUNNER), "--impl", name, "--model", str(model_dir),
-                              "--text-file", path, "--budget", str(budget), "--new-tokens", str(new_tokens),
-                              "--repeats", str(repeats)], capture_output=True, text=True)
-    finally:
-        os.remove(path)
-    if run.returncode != 0:
-        raise RuntimeError(f"peer {name} failed:\n{run.stderr[-3000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def single_request(engine_dir: Path, root: Path, isl: int, new_tokens: int, repeats: int, model=None, seed: int = 0,
-                   peers=("kvpress", "transformers"), log=print) -> dict:
-    """Time criticalkv (ONNX Runtime), kvpress and transformers on one chat-wrapped prompt of ``isl``
-    tokens; returns each implementation's numbers, medians and the ratios to criticalkv."""
-    from transformers import AutoTokenizer  # here: `criticalkv --help` and argument errors do not load torch
-
-    from criticalkv.hf.loading import resolve_model
-
-    model_dir = resolve_model(model)
-    manifest = read_manifest(Path(engine_dir), verify=False)
-    budget = manifest["policy"]["budget"]
-
-    tokenizer = AutoTokenizer.from_pretrained(Path(engine_dir) / "tokenizer")
-    text = text_for_chat_length(tokenizer, isl, seed)
-    out = {"isl": isl, "new_tokens": new_tokens, "repeats": repeats, "budget": budget,
-           "model": model_dir.name, "engine_dir": os.path.relpath(engine_dir), "impls": {}}
-    log(f"criticalkv (ONNX Runtime, {engine_dir}) ...")
-    out["impls"]["criticalkv"] = time_criticalkv(Path(engine_dir), text, new_tokens, repeats)
-    for name in peers:
-        log(f"{name} ({root / name}) ...")
-        out["impls"][name] = time_peer(root, name, model_dir, text, budget, new_tokens, repeats)
-    for r in out["impls"].values():
-        r["median_s"] = statistics.median(r["seconds"])
-    base = out["impls"]["criticalkv"]["median_s"]
-    out["ratios"] = {f"criticalkv / {name}": base / out["impls"][name]["median_s"] for name in peers}
-    return out
-
-
-def render_single(results: dict) -> str:
-    s = results["single"]
-    lines = header_lines(results) + [
-        "",
-        f"## single request: {s['isl']}-token chat prompt, {s['new_tokens']} new tokens, budget {s['budget']}, "
-        f"medians of {s['repeats']} (after one warm-up), model load excluded",
-        "| implementation | prompt tokens | new tokens | kept tokens / head | median s | runs s | prefill s (median) | "
-        "decode ms / token (median) | load s (not timed) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    names = {"criticalkv": "criticalkv, ONNX Runtime Engine.generate",
-             "kvpress": "kvpress 0.5.5 CriticalKVPress(SnapKVPress) pipeline",
-             "transformers": "transformers generate, full cache"}
-    for key, r in s["impls"].items():
-        lines.append(f"| {names.get(key, key)} | {r['prompt_tokens']} | {r['new_tokens']} | {r['kept_tokens_per_head']:.0f} | "
-                     f"{r['median_s']:.3f} | {', '.join(f'{x:.3f}' for x in r['seconds'])} | "
-                     f"{statistics.median(r['prefill_s']):.3f} | {1000 * statistics.median(r['decode_s_per_token']):.1f} | "
-                     f"{r['load_s']:.1f} |")
-    lines.append("")
-    lines.append("prefill: criticalkv = the ONNX Runtime prefill run (selection inside); kvpress and transformers = the "
-                 "first call of the decoder stack (kvpress: with the press's compression hooks); decode = the other calls")
-    for k, v in s["ratios"].items():
-        lines.append(f"{k}: {v:.3f}x")
-    return "\n".join(lines) + "\n"
+def ensure_ready(root: Path, names, log=print) -> None:
+    """Create the missing environments among ``names`` (first use: what ``setup-peers`` does), one line saying so."""
+    missing = [n for n in names if not peer_ready(root, n)]
+    if missing:
+        log(f"first use: creating the peer environment(s) {', '.join(missing)} under {root} "
+            f"(`{setup_command(root, missing)}`), once ...")
+        setup_peers(root, missing, log=log)
