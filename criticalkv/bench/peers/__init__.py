@@ -42,8 +42,8 @@ from pathlib import Path
 #: The environment variable naming the peers' folder (default ``.peers``).
 PEERS_DIR_ENV = "CRITICALKV_PEERS_DIR"
 #: The help epilog of every command that uses a peer environment.
-PEERS_DIR_HELP = (f"environment: {PEERS_DIR_ENV}, the folder of the peers' virtual environments (default: .peers, "
-                  "git-ignored), a setting of the machine like HF_HOME")
+PEERS_DIR_HELP = (f"environment:\n  {PEERS_DIR_ENV}  the folder of the peers' virtual environments (default: .peers, "
+                  "git-ignored),\n                        a setting of the machine like HF_HOME")
 
 TORCH = "torch==2.13.0"
 KVPRESS = "kvpress==0.5.5"

@@ -214,10 +214,6 @@ def run(args: argparse.Namespace) -> dict:
     from criticalkv.eval.runner import split_question
     from criticalkv.hf.loading import resolve_model, stop_token_ids
 
-    root = peers_dir()
-    if not args.score_only:
-        ensure_ready(root, ["kvpress"])
-    python = peer_python(root, "kvpress")
     presses = [parse_press(s) for s in parse_list(args.presses, "--presses", str)]
     budgets = parse_list(args.budgets, "--budgets")
     lengths = parse_list(args.lengths, "--lengths")
@@ -252,6 +248,9 @@ def run(args: argparse.Namespace) -> dict:
     started = time.time()
     load = os.getloadavg()
     if not args.score_only:
+        root = peers_dir()
+        ensure_ready(root, ["kvpress"])
+        python = peer_python(root, "kvpress")
         write_json(spec_file, {"runs": runs, "prompts": items, "stop_token_ids": stops})
         subprocess.run([str(python), str(RUNNER), "answer", "--model", str(model_dir), "--prompts", str(spec_file), "--out",
                         str(answers_file), "--threads", str(args.threads)], check=True)
