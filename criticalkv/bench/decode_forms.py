@@ -50,7 +50,7 @@ def resident_mib() -> tuple[float, float]:
 
 
 def prompt_ids(engine_dir: Path, tokens: int) -> list[int]:
-    from criticalkv.bench.peers import chat_ids, text_for_chat_length
+    from criticalkv.bench.prompts import chat_ids, text_for_chat_length
     from criticalkv.runtime import Engine
 
     engine = Engine.load(engine_dir, verify=False, decode="portable", prepack=False, threads=1)

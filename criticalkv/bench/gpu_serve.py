@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from criticalkv.bench.gpu_kvpress import kvpress_run
+from criticalkv.bench.peers.kvpress import kvpress_run
 from criticalkv.bench.gpu_report import check_targets, render
 
 #: The GPU workload's model: Llama 3.1 8B's shapes (random weights unless --model).

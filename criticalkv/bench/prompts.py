@@ -131,3 +131,21 @@ def make_questions(tokenizer, document: BenchPrompt, count: int, num_tokens: int
             raise ValueError(f"no question of exactly {num_tokens} tokens found for document {document.index} "
                              f"(the stem alone may be longer: use more tokens)")
     return out
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """``text`` as the user turn of the model's chat template, generation prompt added (token ids)."""
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(templated, add_special_tokens=False)["input_ids"])
+
+
+def text_for_chat_length(tokenizer, total: int, seed: int = 0) -> str:
+    """A haystack text whose chat-wrapped form is exactly ``total`` tokens."""
+    ids = corpus_ids(tokenizer)
+    overhead = len(chat_ids(tokenizer, "x")) - len(tokenizer("x", add_special_tokens=False)["input_ids"])
+    body = total - overhead
+    for attempt in range(8):  # the template's boundary may merge differently: try neighbouring windows
+        for prompt in make_prompts(tokenizer, body, 4, seed=seed + attempt, ids=ids):
+            if len(chat_ids(tokenizer, prompt.text)) == total:
+                return prompt.text
+    raise ValueError(f"no text gives exactly {total} chat-wrapped tokens")

@@ -56,34 +56,33 @@ def register(subparsers) -> None:
     inter.set_defaults(func=run_interference)
 
     from criticalkv.bench import peers
+    from criticalkv.bench.peers import cpu as cpu_peers
+    from criticalkv.bench.peers import kvpress
 
     setup = sub.add_parser("setup-peers", help="create the peers' virtual environments (kvpress, transformers, aiperf, "
-                           "onnxruntime-genai, openvino)",
-                           description=plain(peers.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    _peers_dir(setup)
+                           "onnxruntime-genai, openvino)", description=plain(peers.__doc__), epilog=peers.PEERS_DIR_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     setup.add_argument("--peers", "--only", dest="only", default=",".join(peers.PEER_NAMES),
                        help=f"comma-separated subset of {','.join(peers.PEER_NAMES)} (default: all)")
     setup.set_defaults(func=run_setup_peers)
 
     single = sub.add_parser("single", help="one request end to end: criticalkv (ONNX Runtime) vs kvpress vs transformers",
-                            description=plain(peers.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+                            description=plain(kvpress.__doc__), epilog=peers.PEERS_DIR_HELP,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     single.add_argument("--engine-dir", required=True, type=Path, help="criticalkv engine (its budget is kvpress's)")
     single.add_argument("--model", help="HF folder or .gguf for the peers (default: the bundled SmolLM2-135M-Instruct)")
     single.add_argument("--isl", type=int, default=2048, help="prompt tokens, chat template included (default: 2048)")
     single.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request (default: 16)")
     single.add_argument("--repeats", type=int, default=5, help="timed requests per implementation (default: 5)")
-    single.add_argument("--peers", default="kvpress,transformers", help="peers to compare (default: kvpress,transformers)")
-    single.add_argument("--setup-peers", action="store_true", help="create missing peer environments first")
-    _peers_dir(single)
-    single.add_argument("--out", default="results/benchmarks/serving", help="results folder")
-    single.add_argument("--name", default="single_request", help="file stem (default: single_request)")
+    single.add_argument("--peers", default="kvpress,transformers",
+                        help="peers to compare (default: kvpress,transformers; a missing environment is created on "
+                             "first use)")
+    add_out_argument(single, "results/benchmarks/serving/single_request")
     single.set_defaults(func=run_single)
-
-    from criticalkv.bench import cpu_peers
 
     cpu = sub.add_parser("peers", help="criticalkv engines vs onnxruntime-genai and OpenVINO GenAI on the same ids, with "
                          "the CPU's GEMM and bandwidth floors", description=plain(cpu_peers.__doc__),
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+                         epilog=peers.PEERS_DIR_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     cpu.add_argument("--engine-dir", action="append", type=Path, required=True,
                      help="a criticalkv engine built with --max-batch-size >= --batch (repeat: e.g. full and b=256), run "
                      "in its default forms (fused graphs, its --weights)")
@@ -94,22 +93,20 @@ def register(subparsers) -> None:
                      help="an engine run with its portable graphs (prefill.onnx, decode.onnx: fp32) as its own row "
                      "(repeat)")
     cpu.add_argument("--peers", default=",".join(cpu_peers.CPU_PEERS),
-                     help=f"CPU peers to run, comma-separated (default: {','.join(cpu_peers.CPU_PEERS)}; empty: none)")
+                     help="CPU peers to run, comma-separated, each NAME or NAME:knob=value[:knob=value]: "
+                     "onnxruntime-genai; openvino with precision=default+f32 (the compute precisions to run, each a row: "
+                     "default, its CPU plugin's, bf16 on CPUs with BF16, and/or f32) and eviction=32/96/256 (the "
+                     "CacheEvictionConfig START/RECENT/MAX tokens of its batch run with eviction); e.g. "
+                     "onnxruntime-genai,openvino:precision=f32:eviction=32/96/512 "
+                     f"(default: {','.join(cpu_peers.CPU_PEERS)} with those knobs; empty: none)")
     cpu.add_argument("--model", help="HF folder or .gguf the peers export (default: the bundled SmolLM2-135M-Instruct, "
                      "the engines' checkpoint)")
     cpu.add_argument("--isl", type=int, default=2025, help="prompt tokens, chat template included (default: 2025)")
     cpu.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per request (default: 64)")
     cpu.add_argument("--batch", type=int, default=8, help="prompts generated together (default: 8)")
     cpu.add_argument("--repeats", type=int, default=2, help="interleaved rounds after the warm-up (default: 2)")
-    cpu.add_argument("--ov-eviction", default=",".join(map(str, cpu_peers.DEFAULT_EVICTION)),
-                     help="OpenVINO CacheEvictionConfig START,RECENT,MAX tokens (default: %(default)s)")
-    cpu.add_argument("--ov-precision", default=",".join(cpu_peers.OV_PRECISIONS),
-                     help="OpenVINO compute precisions to run, comma-separated: default (its CPU plugin's, bf16 on CPUs "
-                     "with BF16) and/or f32 (default: %(default)s)")
     cpu.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
-    _peers_dir(cpu)
-    cpu.add_argument("--out", default="results/benchmarks/peers", help="results folder (default: results/benchmarks/peers)")
-    cpu.add_argument("--name", default="cpu_peers", help="file stem (default: cpu_peers)")
+    add_out_argument(cpu, "results/benchmarks/peers/cpu_peers")
     cpu.set_defaults(func=run_cpu_peers)
 
     from criticalkv.bench import profile
@@ -123,14 +120,14 @@ def register(subparsers) -> None:
     prof.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads of the engines and the floors "
                       "(default: $CRITICALKV_ORT_THREADS, else ONNX Runtime's default, one per core)")
     prof.add_argument("--seed", type=int, default=0, help="prompt offset (default: 0)")
-    prof.add_argument("--out", default="results/benchmarks/profile", help="results folder (default: results/benchmarks/profile)")
-    prof.add_argument("--name", default="profile", help="file stem (default: profile)")
+    add_out_argument(prof, "results/benchmarks/profile/profile")
     prof.set_defaults(func=run_profile)
 
     from criticalkv.bench import aiperf
 
     ai = sub.add_parser("aiperf", help="cross-check this load generator against AIPerf 0.13 on one workload",
-                        description=plain(aiperf.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+                        description=plain(aiperf.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog=peers.PEERS_DIR_HELP)
     from criticalkv.bench import served
 
     served.add_server_arguments(ai, several=False)
@@ -141,8 +138,6 @@ def register(subparsers) -> None:
     ai.add_argument("--warmup", type=int, default=2, help="warm-up requests per tool (default: 2)")
     ai.add_argument("--kv-budget", type=int, help="per-request kv_budget")
     ai.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
-    ai.add_argument("--setup-peers", action="store_true", help="create the AIPerf environment first if missing")
-    _peers_dir(ai)
     add_out_argument(ai, "results/benchmarks/serving/aiperf_crosscheck")
     ai.set_defaults(func=run_aiperf)
 
@@ -173,38 +168,40 @@ def register(subparsers) -> None:
     rep.set_defaults(func=run_report)
 
 
-def _peers_dir(p) -> None:
-    p.add_argument("--peers-dir", type=Path, default=Path(".peers"),
-                   help="folder of the peers' virtual environments (default: .peers, git-ignored)")
-
-
 def run_setup_peers(args) -> int:
     from criticalkv.bench import peers
 
-    peers.setup_peers(args.peers_dir, [n for n in args.only.split(",") if n])
+    peers.setup_peers(peers.peers_dir(), [n for n in args.only.split(",") if n])
     return 0
 
 
+def _write(stem: Path, results: dict, text: str) -> None:
+    """``STEM.json`` and ``STEM.txt`` (the printed table) of a peers or profile run."""
+    from criticalkv.bench import report
+
+    report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
+    report.write_atomic(stem.with_suffix(".txt"), text)
+    print(text)
+
+
 def run_single(args) -> int:
-    from criticalkv.bench import machine, peers, report
+    from criticalkv.bench import machine, peers
+    from criticalkv.bench.peers import kvpress
 
     if not (args.engine_dir / "manifest.json").is_file():
         raise FileNotFoundError(f"{args.engine_dir}: not an engine directory (no manifest.json)")
     if args.isl < 64 or args.new_tokens < 1 or args.repeats < 1:
         raise ValueError("--isl must be >= 64, --new-tokens and --repeats >= 1")
     names = [n for n in args.peers.split(",") if n]
-    if args.setup_peers:
-        peers.setup_peers(args.peers_dir, names)
+    unknown = [n for n in names if n not in ("kvpress", "transformers")]
+    if unknown:
+        raise ValueError(f"--peers: unknown {', '.join(unknown)} (choose from kvpress, transformers)")
     results = machine.header(command_line())
     print("\n".join(machine.header_lines(results)), flush=True)
-    results["single"] = peers.single_request(args.engine_dir, args.peers_dir, args.isl, args.new_tokens, args.repeats,
-                                             model=args.model, peers=names)
+    results["single"] = kvpress.single_request(args.engine_dir, peers.peers_dir(), args.isl, args.new_tokens,
+                                               args.repeats, model=args.model, peers=names)
     machine.finish(results)
-    stem = Path(args.out) / args.name
-    report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
-    text = peers.render_single(results)
-    report.write_atomic(stem.with_suffix(".txt"), text)
-    print(text)
+    _write(args.out, results, kvpress.render_single(results))
     return 0
 
 
@@ -215,35 +212,33 @@ def _check_engines(dirs) -> None:
 
 
 def run_cpu_peers(args) -> int:
-    from criticalkv.bench import cpu_peers, machine, report
+    from criticalkv.bench import machine, peers
+    from criticalkv.bench.peers import cpu as cpu_peers
 
     _check_engines(args.engine_dir + args.portable_engine_dir)
     if args.isl < 64 or min(args.new_tokens, args.batch, args.repeats) < 1:
         raise ValueError("--isl must be >= 64, --new-tokens, --batch and --repeats >= 1")
-    names = cpu_peers.parse_peers(args.peers)
-    eviction = cpu_peers.parse_eviction(args.ov_eviction)
-    precisions = cpu_peers.parse_precisions(args.ov_precision)
+    specs = cpu_peers.parse_peer_specs(args.peers)
+    openvino = specs.get("openvino") or cpu_peers.parse_peer_specs("openvino")["openvino"]
     backends = cpu_peers.parse_backends(args.backends)
-    cpu_peers.check_ready(args.peers_dir, names)
+    root = peers.peers_dir()
+    cpu_peers.check_ready(root, list(specs))
     results = machine.header(command_line())
     print("\n".join(machine.header_lines(results)), flush=True)
-    results.update(cpu_peers.run(args.engine_dir, names, args.peers_dir, args.isl, args.new_tokens, args.batch,
-                                 args.repeats, eviction, model=args.model, seed=args.seed, ov_precisions=precisions,
-                                 portable_dirs=args.portable_engine_dir, backends=backends))
+    results.update(cpu_peers.run(args.engine_dir, list(specs), root, args.isl, args.new_tokens, args.batch,
+                                 args.repeats, openvino["eviction"], model=args.model, seed=args.seed,
+                                 ov_precisions=openvino["precision"], portable_dirs=args.portable_engine_dir,
+                                 backends=backends))
     machine.finish(results)
-    stem = Path(args.out) / args.name
-    report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
-    text = cpu_peers.render(results)
-    report.write_atomic(stem.with_suffix(".txt"), text)
-    print(text)
+    _write(args.out, results, cpu_peers.render(results))
     return 0
 
 
 def run_profile(args) -> int:
     from transformers import AutoTokenizer
 
-    from criticalkv.bench import floors, machine, profile, report
-    from criticalkv.bench.peers import chat_ids, text_for_chat_length
+    from criticalkv.bench import floors, machine, profile
+    from criticalkv.bench.prompts import chat_ids, text_for_chat_length
     from criticalkv.runtime.manifest import read_manifest
 
     _check_engines(args.engine_dir)
@@ -262,24 +257,18 @@ def run_profile(args) -> int:
     results["floors"] = floors.measure(spec, len(ids), threads)
     results["engines"] = [profile.profile_engine(Path(d), ids, args.steps, threads) for d in args.engine_dir]
     machine.finish(results)
-    stem = Path(args.out) / args.name
-    report.write_atomic(stem.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
-    text = profile.render(results)
-    report.write_atomic(stem.with_suffix(".txt"), text)
-    print(text)
+    _write(args.out, results, profile.render(results))
     return 0
 
 
 def run_aiperf(args) -> int:
-    from criticalkv.bench import aiperf, peers, report
-
-    from criticalkv.bench import served
+    from criticalkv.bench import aiperf, peers, report, served
 
     served.check_server_arguments(args)
     if min(args.isl, args.osl, args.concurrency, args.num_requests) < 1 or args.warmup < 0:
         raise ValueError("--isl, --osl, --concurrency and --num-requests must be >= 1, --warmup >= 0")
-    if args.setup_peers:
-        peers.setup_peers(args.peers_dir, ["aiperf"])
+    args.peers_dir = peers.peers_dir()
+    peers.ensure_ready(args.peers_dir, ["aiperf"])
     args.command_line = command_line()
     results = aiperf.cross_check(args)
     stem = args.out

@@ -1,7 +1,7 @@
 """Per-domain, per-budget tables of the question-agnostic evaluations, kvpress's presses beside every row.
 
 Reads, for every domain folder under ROOT (``criticalkv eval needle|ruler --question-agnostic --domain D --out
-ROOT/D/needle`` or ``.../ruler``, ``python -m criticalkv.eval.kvpress_peer needle|ruler --domain D --out ROOT/D/kvpress``,
+ROOT/D/needle`` or ``.../ruler``, ``python -m criticalkv.bench.peers.kvpress needle|ruler --domain D --out ROOT/D/kvpress``,
 and any further ``ROOT/D/<name>/needle.json`` runs on the same prompts, labelled ``[<name>]``), and writes ROOT/tables.md: the needle and
 RULER-style scores per policy and budget, kvpress's KVzipPress and KVzip+ on the same prompts, the prompts where a
 policy found the needle at a budget and lost it at a larger one, and the commands. No model runs.

@@ -2,7 +2,7 @@
 
 An evaluation tuned on one text tells little about another, so the needle and RULER-style prompts can draw their
 haystack from several domains (``criticalkv eval needle|ruler --domain NAME``, ``python -m
-criticalkv.eval.kvpress_peer --domain NAME``). Every domain's text comes from a package the project installs, pinned by
+criticalkv.bench.peers.kvpress --domain NAME``). Every domain's text comes from a package the project installs, pinned by
 the project (``Domain.source``), so a fresh machine builds the same prompts; ``Domain.provenance`` hashes the text
 actually read (written into each results file) so that a different installed version shows.
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from criticalkv.bench import cpu_peers
+from criticalkv.bench.peers import cpu as cpu_peers
 from criticalkv.cli import main
 
 
@@ -92,10 +92,10 @@ def test_summarize_takes_medians_and_counts_the_agreeing_tokens():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("32,96", "expected START,RECENT,MAX"),
-    ("a,b,c", "expected START,RECENT,MAX"),
-    ("32,96,128", "MAX > START + RECENT"),
-    ("0,96,256", "START, RECENT >= 1"),
+    ("32/96", "expected START/RECENT/MAX"),
+    ("a/b/c", "expected START/RECENT/MAX"),
+    ("32/96/128", "MAX > START + RECENT"),
+    ("0/96/256", "START, RECENT >= 1"),
 ])
 def test_bad_eviction_sizes_are_refused(text, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -103,14 +103,14 @@ def test_bad_eviction_sizes_are_refused(text, message):
 
 
 def test_precisions_parse():
-    assert cpu_peers.parse_precisions("default,f32") == ["default", "f32"]
-    for bad in ("", "bf16", "f32,fp16"):
-        with pytest.raises(ValueError, match="--ov-precision"):
+    assert cpu_peers.parse_precisions("default+f32") == ["default", "f32"]
+    for bad in ("", "bf16", "f32+fp16"):
+        with pytest.raises(ValueError, match="openvino:precision="):
             cpu_peers.parse_precisions(bad)
 
 
 def test_eviction_sizes_parse():
-    assert cpu_peers.parse_eviction("32,96,256") == {"start_size": 32, "recent_size": 96, "max_cache_size": 256}
+    assert cpu_peers.parse_eviction("32/96/256") == {"start_size": 32, "recent_size": 96, "max_cache_size": 256}
     assert cpu_peers.parse_peers("openvino") == ["openvino"] and cpu_peers.parse_peers("") == []
 
 
@@ -147,13 +147,14 @@ def test_display_hides_the_home_directory():
     (["bench", "peers", "--engine-dir", "{tmp}/none"], "{tmp}/none: not an engine directory"),
     (["bench", "peers", "--engine-dir", "{tmp}/e", "--peers", "vllm"], "--peers: unknown vllm"),
     (["bench", "peers", "--engine-dir", "{tmp}/e", "--repeats", "0"], "--repeats >= 1"),
-    (["bench", "peers", "--engine-dir", "{tmp}/e", "--ov-eviction", "1,2"], "--ov-eviction"),
-    (["bench", "peers", "--engine-dir", "{tmp}/e", "--ov-precision", "int8"], "--ov-precision"),
-    (["bench", "peers", "--engine-dir", "{tmp}/e", "--peers-dir", "{tmp}/p"], "setup-peers --peers onnxruntime-genai,openvino"),
+    (["bench", "peers", "--engine-dir", "{tmp}/e", "--peers", "openvino:eviction=1/2"], "openvino:eviction="),
+    (["bench", "peers", "--engine-dir", "{tmp}/e", "--peers", "openvino:precision=int8"], "openvino:precision="),
+    (["bench", "peers", "--engine-dir", "{tmp}/e"], "setup-peers --peers onnxruntime-genai,openvino"),
     (["bench", "profile", "--engine-dir", "{tmp}/none"], "{tmp}/none: not an engine directory"),
     (["bench", "profile", "--engine-dir", "{tmp}/e", "--steps", "0"], "--steps >= 1"),
 ])
-def test_bad_arguments_give_one_line(tmp_path, capsys, argv, message):
+def test_bad_arguments_give_one_line(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.setenv("CRITICALKV_PEERS_DIR", str(tmp_path / "p"))
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "manifest.json").write_text(json.dumps({}))
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
@@ -215,7 +216,7 @@ def test_targets_judge_criticalkvs_openvino_backend_against_openvino_genai():
 
 
 def test_an_engine_runs_in_its_own_worker_process(tmp_path):
-    """``criticalkv.bench.engine_worker`` over a tiny engine on both CPU backends: the row's label, and the tokens of
+    """``criticalkv.bench.peers.engine_worker`` over a tiny engine on both CPU backends: the row's label, and the tokens of
     the engine run in this process (ONNX Runtime)."""
     pytest.importorskip("openvino")
     from criticalkv import KVPolicy

@@ -1,6 +1,6 @@
-"""``python -m criticalkv.bench.needle_peers``: how answers are compared (the peers themselves are not run in CI)."""
+"""``python -m criticalkv.bench.peers.cpu needle``: how answers are compared (the peers themselves are not run in CI)."""
 
-from criticalkv.bench.needle_peers import same_answer, until_stop
+from criticalkv.bench.peers.cpu import same_answer, until_stop
 
 STOP = {2}
 

@@ -23,7 +23,7 @@ $B bench serve --engine-dir engines/snapkv256 --engine-dir engines/adackv256 --i
   --num-requests 1 --warmup 0 --out $OUT --name kv_isl2048 --no-progress
 uptime
 # 4. one request, ISL 2048, OSL 16: criticalkv (ONNX Runtime) vs kvpress vs transformers
-$B bench single --engine-dir engines/ckv256 --isl 2048 --new-tokens 16 --repeats 3 --out $OUT
+$B bench single --engine-dir engines/ckv256 --isl 2048 --new-tokens 16 --repeats 3 --out $OUT/single_request
 uptime
 # 5. AIPerf cross-check on one configuration
 $B bench aiperf --engine-dir engines/ckv256 --isl 512 --osl 64 --concurrency 4 --num-requests 8 --warmup 1 --out $OUT \

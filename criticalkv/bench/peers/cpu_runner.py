@@ -3,7 +3,7 @@
 
 Standalone on purpose (it imports onnxruntime_genai or openvino_genai, never criticalkv):
 
-    PEER_PYTHON criticalkv/bench/cpu_peer_runner.py --impl openvino --model DIR
+    PEER_PYTHON criticalkv/bench/peers/cpu_runner.py --impl openvino --model DIR
 
 ``--impl onnxruntime-genai``: ``DIR`` holds the model builder's export (``genai_config.json``, ``model.onnx``);
 ``--impl openvino``: ``DIR`` holds ``optimum-cli export openvino``'s IR (``openvino_model.xml``).
@@ -155,6 +155,30 @@ def versions(impl: str) -> dict:
     return out
 
 
+def serve_requests(worker, info, load_s: float) -> None:
+    """The workers' protocol over stdin/stdout, shared with criticalkv's own ``engine_worker``: a ``{"ready", "load_s"}``
+    line, then one JSON answer line per JSON request line (``info()`` answers ``info``; ``worker.single`` and
+    ``worker.batch`` the others) until ``quit`` or the end of stdin. Errors are answered per request (``{"error"}``)."""
+    print(json.dumps({"ready": True, "load_s": load_s}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.get("op")
+        try:
+            if op == "quit":
+                break
+            if op == "info":
+                answer = info()
+            elif op == "single":
+                answer = worker.single(request["ids"], request["new_tokens"])
+            elif op == "batch":
+                answer = worker.batch(request["prompts"], request["new_tokens"], request.get("eviction"))
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except Exception as err:  # reported to the caller, which raises it with the worker's name
+            answer = {"error": f"{type(err).__name__}: {err}"}
+        print(json.dumps(answer), flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--impl", choices=("onnxruntime-genai", "openvino"), required=True)
@@ -166,24 +190,8 @@ def main() -> int:
     start = time.perf_counter()
     runner = (OrtGenAI(args.model) if args.impl == "onnxruntime-genai"
               else OpenVINOGenAI(args.model, args.cache_gb, args.precision))
-    print(json.dumps({"ready": True, "load_s": time.perf_counter() - start}), flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        op = request.get("op")
-        try:
-            if op == "quit":
-                break
-            if op == "info":
-                answer = {"versions": versions(args.impl), "precision": getattr(runner, "precision", "f32")}
-            elif op == "single":
-                answer = runner.single(request["ids"], request["new_tokens"])
-            elif op == "batch":
-                answer = runner.batch(request["prompts"], request["new_tokens"], request.get("eviction"))
-            else:
-                raise ValueError(f"unknown op {op!r}")
-        except Exception as err:  # reported to the caller, which raises it with the peer's name
-            answer = {"error": f"{type(err).__name__}: {err}"}
-        print(json.dumps(answer), flush=True)
+    serve_requests(runner, lambda: {"versions": versions(args.impl), "precision": getattr(runner, "precision", "f32")},
+                   time.perf_counter() - start)
     return 0
 
 

@@ -3,17 +3,18 @@ interleaved in one run, with this CPU's GEMM rate and read bandwidth measured in
 
     criticalkv bench setup-peers --peers onnxruntime-genai,openvino     # once: .peers/ (git-ignored), ~3 GB
     criticalkv bench peers --engine-dir engines/full --engine-dir engines/ckv256
+    python -m criticalkv.bench.peers.cpu needle --engine-dir engines/full --out results/weight_precision/needle_openvino
 
 Build the engines for batches of 8 prompts of 2k tokens, e.g.
 ``python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-input-len 2048 --max-batch-size 8
 --output engines/ckv256`` (and ``--kv-policy full`` for ``engines/full``).
 
-Systems (each in its own process: criticalkv's engines through ``criticalkv.bench.engine_worker``, each peer in its
-virtual environment through ``criticalkv/bench/cpu_peer_runner.py``, which imports nothing from criticalkv):
+Systems (each in its own process: criticalkv's engines through ``criticalkv.bench.peers.engine_worker``, each peer
+in its virtual environment through ``criticalkv/bench/peers/cpu_runner.py``, which imports nothing from criticalkv):
 
 * criticalkv: ``Engine.generate`` of every ``--engine-dir`` on every ``--backends`` (stop tokens off; one engine per
-  process, ``criticalkv.bench.engine_worker``): ONNX Runtime in the forms the engine runs by default (the fused prompt
-  and decode graphs, with the weights it was built with: ``--weights fp32|int8|int4``; a row is named by its weights
+  process, ``criticalkv.bench.peers.engine_worker``): ONNX Runtime in the forms the engine runs by default (the fused
+  prompt and decode graphs, with the weights it was built with: ``--weights fp32|int8|int4``; a row is named by its weights
   when they are not fp32), OpenVINO with the engine's openvino graphs at the CPU plugin's default precision (``on
   OpenVINO (bf16)`` where the CPU has BF16); and of every ``--portable-engine-dir`` with its portable graphs
   (``prefill.onnx``, ``decode.onnx``: fp32, the Loop attention) on ONNX Runtime;
@@ -22,13 +23,13 @@ virtual environment through ``criticalkv/bench/cpu_peer_runner.py``, which impor
 * OpenVINO GenAI 2026.4: ``optimum-cli export openvino --weight-format fp32 --task text-generation-with-past``
   (fp32 weights; its KV cache is f16 by default), prefix caching off, once with its CPU plugin's default compute
   precision (bf16 on CPUs with BF16, even for fp32 weights) and once with ``INFERENCE_PRECISION_HINT=f32``
-  (``--ov-precision``); ``LLMPipeline`` for one request, ``ContinuousBatchingPipeline``
-  for the batch, without and with ``CacheEvictionConfig`` (``--ov-eviction START,RECENT,MAX``, default 32,96,256:
-  block-wise eviction to about the criticalkv budget, during decoding only).
+  (``--peers openvino:precision=default+f32``); ``LLMPipeline`` for one request, ``ContinuousBatchingPipeline``
+  for the batch, without and with ``CacheEvictionConfig`` (``--peers openvino:eviction=START/RECENT/MAX``, default
+  32/96/256: block-wise eviction to about the criticalkv budget, during decoding only).
 
-The exports are written once under ``PEERS_DIR/models/`` (their commands are recorded). Workload: one chat-wrapped
-prompt of exactly ``--isl`` tokens (prefill seconds, decode ms per token, ``--new-tokens`` greedy tokens), then
-``--batch`` different prompts of the same length together (output tokens per second over the whole call, prefill
+The exports are written once under ``$CRITICALKV_PEERS_DIR/models/`` (their commands are recorded). Workload: one
+chat-wrapped prompt of exactly ``--isl`` tokens (prefill seconds, decode ms per token, ``--new-tokens`` greedy tokens),
+then ``--batch`` different prompts of the same length together (output tokens per second over the whole call, prefill
 included). After one warm-up round, ``--repeats`` rounds run every system once each, in a rotated order; the table
 gives medians. Nothing is installed by this command: without a peer's environment it stops and says which
 ``setup-peers`` command creates it. Timings are only comparable on an idle machine: the load average is recorded.
@@ -45,10 +46,9 @@ import sys
 import time
 from pathlib import Path
 
-from criticalkv.bench.engine_worker import label
-from criticalkv.bench.peers import peer_python, peer_ready
+from criticalkv.bench.peers import check_ready, peer_python
 
-RUNNER = Path(__file__).with_name("cpu_peer_runner.py")
+RUNNER = Path(__file__).with_name("cpu_runner.py")
 CPU_PEERS = ("onnxruntime-genai", "openvino")
 #: OpenVINO's CacheEvictionConfig (start_size, recent_size, max_cache_size) by default: ~the b=256 budget.
 DEFAULT_EVICTION = (32, 96, 256)
@@ -73,22 +73,62 @@ def weights_of(label_: str) -> str:
 
 
 def parse_eviction(text: str) -> dict:
-    """``"START,RECENT,MAX"`` -> OpenVINO's CacheEvictionConfig sizes (tokens; MAX > START + RECENT)."""
+    """``"START/RECENT/MAX"`` -> OpenVINO's CacheEvictionConfig sizes (tokens; MAX > START + RECENT)."""
     try:
-        start, recent, most = (int(x) for x in text.split(","))
+        start, recent, most = (int(x) for x in text.split("/"))
     except ValueError:
-        raise ValueError(f"--ov-eviction: expected START,RECENT,MAX (three integers), got {text!r}") from None
+        raise ValueError(f"--peers: openvino:eviction= expected START/RECENT/MAX (three integers), got {text!r}") from None
     if min(start, recent) < 1 or most <= start + recent:
-        raise ValueError(f"--ov-eviction: need START, RECENT >= 1 and MAX > START + RECENT, got {text!r}")
+        raise ValueError(f"--peers: openvino:eviction= need START, RECENT >= 1 and MAX > START + RECENT, got {text!r}")
     return {"start_size": start, "recent_size": recent, "max_cache_size": most}
 
 
-def parse_peers(text: str) -> list[str]:
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in CPU_PEERS]
-    if unknown:
-        raise ValueError(f"--peers: unknown {', '.join(unknown)} (choose from {', '.join(CPU_PEERS)})")
+def parse_precisions(text: str) -> list[str]:
+    """``"default+f32"`` -> the OpenVINO compute precisions to run, each a row."""
+    names = [n for n in text.split("+") if n]
+    bad = [n for n in names if n not in OV_PRECISIONS]
+    if bad or not names or len(set(names)) != len(names):
+        raise ValueError(f"--peers: openvino:precision= expected a +-separated subset of {'+'.join(OV_PRECISIONS)}, "
+                         f"got {text!r}")
     return names
+
+
+#: Every CPU peer's knobs in ``--peers NAME:knob=value``, with their parser and their default.
+KNOBS = {"onnxruntime-genai": {},
+         "openvino": {"precision": (parse_precisions, "+".join(OV_PRECISIONS)),
+                      "eviction": (parse_eviction, "/".join(map(str, DEFAULT_EVICTION)))}}
+
+
+def parse_peer_specs(text: str) -> dict[str, dict]:
+    """``--peers``: comma-separated peers, each ``NAME`` or ``NAME:knob=value[:knob=value]`` as ``--kv-policy`` takes a
+    policy: ``onnxruntime-genai,openvino:precision=f32:eviction=32/96/512``. Returns {name: {knob: parsed value}},
+    every knob of the peer present (the defaults where not given): openvino's ``precision`` (the compute precisions
+    to run, ``+``-separated: ``default``, its CPU plugin's, bf16 on CPUs with BF16, and ``f32``; default
+    ``default+f32``) and ``eviction`` (the ``CacheEvictionConfig`` of its batch run with eviction,
+    ``START/RECENT/MAX`` tokens; default ``32/96/256``)."""
+    out: dict[str, dict] = {}
+    for spec in (s.strip() for s in text.split(",")):
+        if not spec:
+            continue
+        name, *knobs = spec.split(":")
+        if name not in KNOBS:
+            raise ValueError(f"--peers: unknown {name} (choose from {', '.join(CPU_PEERS)})")
+        if name in out:
+            raise ValueError(f"--peers: {name} given twice")
+        given = {}
+        for knob in knobs:
+            key, eq, value = knob.partition("=")
+            if not eq or key not in KNOBS[name]:
+                known = ", ".join(f"{k}=" for k in KNOBS[name]) or "none"
+                raise ValueError(f"--peers: {knob!r} is not a knob of {name} (its knobs: {known})")
+            given[key] = value
+        out[name] = {key: parse(given.get(key, default)) for key, (parse, default) in KNOBS[name].items()}
+    return out
+
+
+def parse_peers(text: str) -> list[str]:
+    """The peers' names in ``--peers`` (``parse_peer_specs``)."""
+    return list(parse_peer_specs(text))
 
 
 #: The criticalkv backends ``bench peers`` runs engines on (``--backends``).
@@ -101,23 +141,6 @@ def parse_backends(text: str) -> list[str]:
     if bad or not names:
         raise ValueError(f"--backends: expected a comma-separated subset of {','.join(ENGINE_BACKENDS)}, got {text!r}")
     return names
-
-
-def parse_precisions(text: str) -> list[str]:
-    names = [n for n in text.split(",") if n]
-    bad = [n for n in names if n not in OV_PRECISIONS]
-    if bad or not names:
-        raise ValueError(f"--ov-precision: expected a comma-separated subset of {','.join(OV_PRECISIONS)}, got {text!r}")
-    return names
-
-
-def check_ready(root: Path, names: list[str]) -> None:
-    """Raise with the command that creates the missing peer environments."""
-    missing = [n for n in names if not peer_ready(root, n)]
-    if missing:
-        raise FileNotFoundError(
-            f"peer environment(s) {', '.join(missing)} missing under {root}: create them with "
-            f"`criticalkv bench setup-peers --peers {','.join(missing)} --peers-dir {root}` (or pass --peers without them)")
 
 
 # ---------------------------------------------------------------------------------------------- exports
@@ -159,8 +182,8 @@ def ensure_export(root: Path, name: str, model_dir: Path, log=print) -> tuple[Pa
 
 # ---------------------------------------------------------------------------------------------- workers
 class WorkerProcess:
-    """A worker process speaking JSON lines over stdin/stdout (``cpu_peer_runner.py`` in a peer's environment,
-    ``criticalkv.bench.engine_worker`` for a criticalkv engine): one system per process."""
+    """A worker process speaking JSON lines over stdin/stdout (``cpu_runner.py`` in a peer's environment,
+    ``criticalkv.bench.peers.engine_worker`` for a criticalkv engine): one system per process."""
 
     def __init__(self, name: str, command: list[str], log: Path):
         self.name = name
@@ -214,10 +237,10 @@ class WorkerProcess:
 
 
 class CriticalKVWorker(WorkerProcess):
-    """A criticalkv engine on one backend in its own process (``criticalkv.bench.engine_worker``)."""
+    """A criticalkv engine on one backend in its own process (``criticalkv.bench.peers.engine_worker``)."""
 
     def __init__(self, root: Path, engine_dir: Path, backend: str = "onnxruntime", portable: bool = False):
-        command = [sys.executable, "-m", "criticalkv.bench.engine_worker", "--engine-dir", str(engine_dir),
+        command = [sys.executable, "-m", "criticalkv.bench.peers.engine_worker", "--engine-dir", str(engine_dir),
                    "--backend", backend] + (["--portable"] if portable else [])
         stem = f"criticalkv-{Path(engine_dir).name}-{backend}{'-portable' if portable else ''}"
         super().__init__(stem, command, Path(root) / "logs" / f"{stem}.log")
@@ -225,7 +248,7 @@ class CriticalKVWorker(WorkerProcess):
 
 
 class PeerWorker(WorkerProcess):
-    """A ``cpu_peer_runner.py`` process in the peer's virtual environment."""
+    """A ``cpu_runner.py`` process in the peer's virtual environment."""
 
     def __init__(self, root: Path, name: str, model: Path, cache_gb: int = 1, precision: str = "default"):
         super().__init__(name, [str(peer_python(root, name)), str(RUNNER), "--impl", name, "--model", str(model),
@@ -245,7 +268,7 @@ def _display(command: list[str]) -> str:
 # ---------------------------------------------------------------------------------------------- the run
 def workload(tokenizer, isl: int, batch: int, seed: int = 0) -> tuple[list[int], list[list[int]]]:
     """One chat-wrapped prompt of exactly ``isl`` tokens and ``batch`` other ones of the same length."""
-    from criticalkv.bench.peers import chat_ids, text_for_chat_length
+    from criticalkv.bench.prompts import chat_ids, text_for_chat_length
 
     single = chat_ids(tokenizer, text_for_chat_length(tokenizer, isl, seed))
     prompts = [chat_ids(tokenizer, text_for_chat_length(tokenizer, isl, seed + 100 + 10 * i)) for i in range(batch)]
@@ -466,3 +489,147 @@ def render(results: dict) -> str:
     for name, command in results.get("exports", {}).items():
         lines.append(f"{name} export: {command}")
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- the needle
+NEEDLE_DOC = """The needle grid's answers of the CPU peers at their compute precisions, against a criticalkv fp32 engine.
+
+``python -m criticalkv.eval.kv_precision`` counts how often an engine with lower-precision weights (``--weights
+int8|int4``) gives the fp32 engine's greedy tokens. This is the yardstick for that count: the same prompts (the
+committed needle grid's: same generator, seed and chat template) through OpenVINO GenAI at its CPU default (bf16
+compute on CPUs with BF16, what a CPU user gets) and at f32 compute, each compared with the first ``--engine-dir``
+(build it with ``--kv-policy full``: the peers keep the whole cache in a single request). f32 against fp32 shows what
+another summation order alone does to these answers; bf16 what the peer's own default does.
+
+    python -m criticalkv.bench.peers.cpu needle --engine-dir engines/full --lengths 2048 --samples 2 \\
+        --out results/weight_precision/needle_openvino
+
+Tokens are compared up to the reference's first stop token: the tokens before it must be the same, and for the
+criticalkv engines the stop token too (the peers' runner makes them generate a fixed count, which suppresses their stop
+token: OpenVINO then writes ' 3042.\n\n' where the engines stop after ' 3042.'). Needs ``criticalkv bench setup-peers
+--peers openvino``; the OpenVINO export is the one ``criticalkv bench peers`` writes. Writes ``STEM.json`` and
+``STEM.md`` (``--out STEM``).
+"""
+
+
+def parse_args(argv=None):
+    """``python -m criticalkv.bench.peers.cpu needle``'s arguments."""
+    import argparse
+
+    from criticalkv.bench.peers import PEERS_DIR_HELP
+    from criticalkv.bench.report import add_out_argument
+    from criticalkv.eval.needle import DEFAULT_DEPTHS
+
+    ap = argparse.ArgumentParser(prog="python -m criticalkv.bench.peers.cpu", description=NEEDLE_DOC,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=PEERS_DIR_HELP)
+    ap.add_argument("task", choices=("needle",), help="needle: the needle grid's answers (the only task)")
+    ap.add_argument("--engine-dir", action="append", required=True, type=Path,
+                    help="a criticalkv engine (repeat; the first is the reference: build it with --kv-policy full)")
+    ap.add_argument("--precision", default="+".join(OV_PRECISIONS),
+                    help="OpenVINO compute precisions, +-separated, as in --peers openvino:precision= "
+                         "(default: %(default)s)")
+    ap.add_argument("--lengths", default="2048", help="comma-separated prompt lengths (default: 2048)")
+    ap.add_argument("--samples", type=int, default=2, help="needle instances per length (default: 2)")
+    ap.add_argument("--depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS), help="needle depths in percent")
+    ap.add_argument("--seed", type=int, default=0, help="the prompt generator's seed (0: the committed grid's)")
+    ap.add_argument("--model", help="HF folder or .gguf OpenVINO exports (default: the bundled SmolLM2-135M-Instruct)")
+    add_out_argument(ap, "results/weight_precision/needle_openvino")
+    return ap.parse_args(argv)
+
+
+def until_stop(tokens: list[int], stop: set[int]) -> list[int]:
+    """``tokens`` up to and including the first stop token."""
+    for i, t in enumerate(tokens):
+        if t in stop:
+            return tokens[:i + 1]
+    return tokens
+
+
+def same_answer(reference: list[int], tokens: list[int], stop: set[int], stops: bool) -> bool:
+    """Whether ``tokens`` give ``reference``'s answer: the same tokens before the reference's first stop token, and the
+    stop token too when the system can stop (``stops``; the peers' runner suppresses it)."""
+    answer = until_stop(reference, stop)
+    cut = len(answer) - 1 if answer and answer[-1] in stop else len(answer)
+    return tokens[:cut] == answer[:cut] and (not stops or tokens[cut:cut + 1] == answer[cut:cut + 1])
+
+
+def needle_run(args) -> dict:
+    """The needle grid through every engine and OpenVINO GenAI at each precision (``NEEDLE_DOC``)."""
+    import shlex
+
+    from transformers import AutoTokenizer
+
+    from criticalkv.bench.peers import peers_dir
+    from criticalkv.eval.needle import needle_prompts
+    from criticalkv.eval.scoring import score
+    from criticalkv.hf.loading import resolve_model
+    from criticalkv.runtime.manifest import read_manifest
+
+    precisions = parse_precisions(args.precision)
+    root = peers_dir()
+    check_ready(root, ["openvino"])
+    # the reference engine's tokenizer and stop tokens (its manifest's), each engine then in its own worker process
+    first = Path(args.engine_dir[0])
+    stop = set(read_manifest(first, verify=False).get("generation", {}).get("eos_token_ids", []))
+    tokenizer = AutoTokenizer.from_pretrained(first / "tokenizer")
+    prompts = needle_prompts(tokenizer, [int(x) for x in args.lengths.split(",")],
+                             [float(x) for x in args.depths.split(",")], samples=args.samples, seed=args.seed)
+    folder, export = ensure_export(root, "openvino", resolve_model(args.model))
+    workers = []
+    try:
+        workers += [CriticalKVWorker(root, d) for d in args.engine_dir]
+        workers += [PeerWorker(root, "openvino", folder, precision=p) for p in precisions]
+        rows = []
+        for p in prompts:
+            row = {"key": p.key, "answer": p.answers[0], "systems": []}
+            for w in workers:
+                tokens = until_stop([int(t) for t in w.single(list(p.input_ids), p.max_new_tokens)["tokens"]], stop)
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                row["systems"].append({"tokens": tokens, "text": text, "score": score(p.metric, text, p.answers)})
+            rows.append(row)
+            print(p.key, " / ".join(repr(s["text"]) for s in row["systems"]), flush=True)
+        labels = [w.label for w in workers]
+        stops = [isinstance(w, CriticalKVWorker) for w in workers]
+    finally:
+        for w in workers:
+            w.close()
+    summary = [{"system": label, "accuracy": 100 * sum(r["systems"][i]["score"] for r in rows) / len(rows),
+                "same_tokens_as_first": sum(same_answer(r["systems"][0]["tokens"], r["systems"][i]["tokens"], stop, stops[i])
+                                            for r in rows),
+                "prompts": len(rows), "stop_token_compared": stops[i]} for i, label in enumerate(labels)]
+    return {"command": "python -m criticalkv.bench.peers.cpu " + shlex.join(sys.argv[1:]),
+            "loadavg_before": os.getloadavg(), "openvino_export": _display(export), "stop_tokens": sorted(stop),
+            "summary": summary, "prompts": rows}
+
+
+def needle_markdown(result: dict) -> str:
+    lines = [f"`{result['command']}`", "", f"load average at the start: {result['loadavg_before'][0]:.2f}", "",
+             "| system | needle accuracy % | the first's answer tokens |", "|---|---:|---:|"]
+    for s in result["summary"]:
+        note = "" if s.get("stop_token_compared", True) else " (before its stop token)"
+        lines.append(f"| {s['system']} | {s['accuracy']:.1f} | {s['same_tokens_as_first']} of {s['prompts']}{note} |")
+    stop = set(result.get("stop_tokens", []))
+    stops = [s.get("stop_token_compared", True) for s in result["summary"]]
+    differ = [r for r in result["prompts"]
+              if not all(same_answer(r["systems"][0]["tokens"], s["tokens"], stop, can) for s, can in zip(r["systems"], stops))]
+    if differ:
+        lines += ["", "Prompts where the answers differ (the peers' text runs on past the suppressed stop token):", ""]
+        lines += [f"- {r['key']} (passcode {r['answer']}): " + " / ".join(repr(s["text"]) for s in r["systems"])
+                  for r in differ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    from criticalkv.eval.io import write_json, write_text
+
+    args = parse_args(argv)
+    result = needle_run(args)
+    text = needle_markdown(result)
+    write_json(args.out.with_suffix(".json"), result)
+    write_text(args.out.with_suffix(".md"), text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,23 +2,23 @@
 peer runs in its own: five engines in one process once ran a 24 GB machine out of memory, and a process's arenas and
 compiled graphs leave with it).
 
-    python -m criticalkv.bench.engine_worker --engine-dir DIR [--backend onnxruntime|openvino] [--portable]
+    python -m criticalkv.bench.peers.engine_worker --engine-dir DIR [--backend onnxruntime|openvino] [--portable]
 
-The protocol of ``cpu_peer_runner.py``: a ``{"ready", "load_s"}`` line once the engine is loaded, then one JSON request
-per stdin line and one JSON answer per stdout line: ``info`` (the row's label, versions, precision, the bytes of weights
-a decode step reads), ``single`` (one request: prefill seconds, decode seconds per token, the tokens), ``batch`` (the
-prompts together: seconds, output tokens), ``quit``. Errors are answered per request (``{"error"}``).
+The protocol of ``cpu_runner.py`` (its ``serve_requests``): a ``{"ready", "load_s"}`` line once the engine is loaded,
+then one JSON request per stdin line and one JSON answer per stdout line: ``info`` (the row's label, versions,
+precision, the bytes of weights a decode step reads), ``single`` (one request: prefill seconds, decode seconds per
+token, the tokens), ``batch`` (the prompts together: seconds, output tokens), ``quit``. Errors are answered per request (``{"error"}``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from importlib import metadata
 from pathlib import Path
 
+from criticalkv.bench.peers.cpu_runner import serve_requests
 from criticalkv.runtime import Engine
 
 
@@ -88,24 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--portable", action="store_true", help="ONNX Runtime's portable graphs (prefill.onnx, decode.onnx)")
     args = p.parse_args(argv)
     worker = EngineWorker(args.engine_dir, args.backend, args.portable)
-    print(json.dumps({"ready": True, "load_s": worker.load_s}), flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        op = request.get("op")
-        try:
-            if op == "quit":
-                break
-            if op == "info":
-                answer = worker.info()
-            elif op == "single":
-                answer = worker.single(request["ids"], request["new_tokens"])
-            elif op == "batch":
-                answer = worker.batch(request["prompts"], request["new_tokens"], request.get("eviction"))
-            else:
-                raise ValueError(f"unknown op {op!r}")
-        except Exception as err:  # reported to the caller, which raises it with the row's name
-            answer = {"error": f"{type(err).__name__}: {err}"}
-        print(json.dumps(answer), flush=True)
+    serve_requests(worker, worker.info, worker.load_s)
     worker.close()
     return 0
 
