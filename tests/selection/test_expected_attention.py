@@ -10,6 +10,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from criticalkv.methods.expected_attention import default_inv_freq, expected_att
 from helpers import random_layer
 
 ROOT = Path(__file__).resolve().parents[2]
-KVPRESS_PYTHON = ROOT / ".peers" / "kvpress" / "bin" / "python"
+KVPRESS_PYTHON = Path(os.environ.get("CRITICALKV_PEERS_DIR") or ROOT / ".peers") / "kvpress" / "bin" / "python"
 
 
 def rope(x, positions, inv_freq):

@@ -10,6 +10,7 @@
 """
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from hf.conftest import tiny_model
 from helpers import random_layer
 
 ROOT = Path(__file__).resolve().parents[2]
-KVPRESS_PYTHON = ROOT / ".peers" / "kvpress" / "bin" / "python"
+KVPRESS_PYTHON = Path(os.environ.get("CRITICALKV_PEERS_DIR") or ROOT / ".peers") / "kvpress" / "bin" / "python"
 PROMPT = ReconstructionPrompt(first=(5, 6, 7), later=(9, 10), suffix=(11, 12), overlap=3)
 
 
