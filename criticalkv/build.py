@@ -37,6 +37,7 @@ from criticalkv.export.exporter import (
     SURROGATE_FALLBACK,
     onnx_info,
 )
+from criticalkv.export.model_select import tensorrt_refusal
 from criticalkv.export.validate import validate_export
 from criticalkv.files import remove_stale_temporaries, temporary_dir
 from criticalkv.hf import generate, load_model, resolve_model
@@ -198,6 +199,8 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
                         "flavour (docs/operator.md, model-level selection)", log)
     if not result.policy.method.base.native:
         return _skipped(f"{result.policy.name} {result.policy.method.base.cpp_refusal}", log)
+    if result.policy.method.base.external_scores and not (folder / PREFILL_TENSORRT_FILE).exists():
+        return _skipped(tensorrt_refusal(result.policy, 1), log)
     reason = trt_engine.tensorrt_unavailable_reason()
     if reason:  # without TensorRT installed (a CPU machine) one line: nothing there to act on
         return _skipped(reason, log, detail=trt_engine.tensorrt_installed())

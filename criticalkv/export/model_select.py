@@ -78,6 +78,10 @@ def tensorrt_refusal(policy: KVPolicy, num_layers: int) -> str | None:
         return "model-level selection: no TensorRT flavour (criticalkv.export.model_select.check_tensorrt_flavour)"
     if not policy.method.base.native:
         return f"the CriticalKVSelect plugin refuses {policy.name}: it {policy.method.base.cpp_refusal}"
+    if policy.method.base.external_scores:
+        return (f"{policy.name} ranks by per-entry scores (its KVzip surrogate's or a context reconstruction's) that the "
+                "TensorRT graphs do not compute: the CriticalKVSelect plugin takes them as its scores input, which "
+                "only ONNX Runtime's graphs fill")
     return None
 
 

@@ -25,18 +25,26 @@ enum InputIndex : int32_t
     kOProj = 3,
     kPromptLengths = 4,
     kKvBudget = 5,
+    kScores = 6,
 };
 
 constexpr int32_t kMinInputs = 4;
-constexpr int32_t kMaxInputs = 6;
+constexpr int32_t kMaxInputs = 7;
 
-bool validInputCount(int32_t nbInputs)
+//! A policy that ranks by external scores (the kvzip pair) takes all seven inputs, the scores last; any other 4 to 6.
+bool validInputCount(int32_t nbInputs, bool externalScores)
 {
-    return nbInputs >= kMinInputs && nbInputs <= kMaxInputs;
+    return externalScores ? nbInputs == kMaxInputs : nbInputs >= kMinInputs && nbInputs <= kScores;
 }
 
-std::string inputCountError(int32_t nbInputs)
+std::string inputCountError(int32_t nbInputs, bool externalScores)
 {
+    if (externalScores)
+    {
+        return "expected 7 inputs (queries, keys, values, o_proj_weight, prompt_lengths, kv_budget, scores): the "
+               "policy ranks by scores computed outside the layer, got "
+            + std::to_string(nbInputs);
+    }
     return "expected 4 to 6 inputs (queries, keys, values, o_proj_weight[, prompt_lengths[, kv_budget]]), got "
         + std::to_string(nbInputs);
 }
@@ -92,6 +100,24 @@ bool knownAndDifferent(int64_t a, int64_t b)
     return a >= 0 && b >= 0 && a != b;
 }
 
+//! scores [B, H_kv, n] against keys [B, H_kv, n, d_h]; dynamic: -1 (unknown) matches anything (configurePlugin).
+void checkScoresDims(Dims const& scores, Dims const& keys, bool dynamic)
+{
+    std::string const expected = "scores: expected shape [B, H_kv, n] = [" + std::to_string(keys.d[0]) + ", "
+        + std::to_string(keys.d[1]) + ", " + std::to_string(keys.d[2]) + "] (the keys' first three dimensions)";
+    check(scores.nbDims == 3, expected + ", got " + std::to_string(scores.nbDims) + " dimensions");
+    // [.., 0]: the graph computed no scores (the PyTorch reference's window-attention fallback), which has no kernel
+    check(scores.d[2] != 0 || keys.d[2] == 0,
+        "scores: 0 entries given (no scores computed): the plugin ranks by the graph's per-entry scores "
+        "[B, H_kv, n]; the window-attention fallback runs on the PyTorch path or ONNX Runtime only");
+    for (int32_t i = 0; i < 3; ++i)
+    {
+        check(dynamic ? !knownAndDifferent(scores.d[i], keys.d[i]) : scores.d[i] == keys.d[i],
+            expected + ", got [" + std::to_string(scores.d[0]) + ", " + std::to_string(scores.d[1]) + ", "
+                + std::to_string(scores.d[2]) + "]");
+    }
+}
+
 void addSerializedField(std::vector<PluginField>& fields, char const* name, std::string const& value)
 {
     fields.emplace_back(name, value.c_str(), PluginFieldType::kCHAR, static_cast<int32_t>(value.size() + 1));
@@ -124,7 +150,11 @@ CriticalKVSelectPlugin::CriticalKVSelectPlugin(std::string layerName, std::strin
     , mPolicy(policy)
     , mConfig(makeSelectConfig(policy)) // validates
     , mMetadata(describePolicy(policy))
+    , mExternalScores(externalScores(mConfig))
 {
+    check(!mConfig.modelWide,
+        "name: " + policy.name + " shares the budget across all layers: its graph holds a CriticalKVScore node per "
+            "layer and one CriticalKVSelectModel node, not CriticalKVSelect");
 }
 
 CriticalKVSelectPlugin::CriticalKVSelectPlugin(CriticalKVSelectPlugin const& other)
@@ -137,6 +167,7 @@ CriticalKVSelectPlugin::CriticalKVSelectPlugin(CriticalKVSelectPlugin const& oth
     , mPolicy(other.mPolicy)
     , mConfig(other.mConfig)
     , mMetadata(other.mMetadata)
+    , mExternalScores(other.mExternalScores)
     , mNbInputs(other.mNbInputs)
 {
     // mDataToSerialize points into its owner: rebuilt by getFieldsToSerialize, never copied.
@@ -191,7 +222,7 @@ char const* CriticalKVSelectPlugin::getPluginNamespace() const noexcept
 
 SelectShape CriticalKVSelectPlugin::shapeFromDims(Dims const* dims, int32_t nbInputs) const
 {
-    check(validInputCount(nbInputs), inputCountError(nbInputs));
+    check(validInputCount(nbInputs, mExternalScores), inputCountError(nbInputs, mExternalScores));
     Dims const& q = dims[kQueries];
     Dims const& k = dims[kKeys];
     Dims const& v = dims[kValues];
@@ -217,6 +248,10 @@ SelectShape CriticalKVSelectPlugin::shapeFromDims(Dims const* dims, int32_t nbIn
     {
         check(dims[kKvBudget].nbDims == 1 && dims[kKvBudget].d[0] == 1, "kv_budget: expected shape [1]");
     }
+    if (nbInputs > kScores)
+    {
+        checkScoresDims(dims[kScores], k, false);
+    }
     SelectShape s{};
     s.batch = toInt32(k.d[0], "batch");
     s.heads = toInt32(q.d[1], "heads");
@@ -236,7 +271,7 @@ int32_t CriticalKVSelectPlugin::configurePlugin(
     try
     {
         check(in != nullptr && out != nullptr, "configurePlugin: null descriptors");
-        check(validInputCount(nbInputs), inputCountError(nbInputs));
+        check(validInputCount(nbInputs, mExternalScores), inputCountError(nbInputs, mExternalScores));
         check(nbOutputs == kNbOutputs, "expected 4 outputs, got " + std::to_string(nbOutputs));
         // Structure only: dims may hold -1 (dynamic) here; enqueue checks the concrete shapes.
         Dims const& q = in[kQueries].desc.dims;
@@ -250,6 +285,10 @@ int32_t CriticalKVSelectPlugin::configurePlugin(
         }
         check(!knownAndDifferent(q.d[0], k.d[0]), "queries: batch differs from keys");
         check(!knownAndDifferent(q.d[3], k.d[3]), "queries: head dim differs from keys");
+        if (nbInputs > kScores)
+        {
+            checkScoresDims(in[kScores].desc.dims, k, true);
+        }
         mNbInputs = nbInputs;
         return 0;
     }
@@ -267,8 +306,9 @@ int32_t CriticalKVSelectPlugin::getOutputDataTypes(
     {
         check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
         check(nbOutputs == kNbOutputs, "expected 4 outputs");
-        check(validInputCount(nbInputs), inputCountError(nbInputs));
+        check(validInputCount(nbInputs, mExternalScores), inputCountError(nbInputs, mExternalScores));
         check(isFloatType(inputTypes[kQueries]), "queries: expected fp32, fp16 or bf16");
+        check(nbInputs <= kScores || inputTypes[kScores] == DataType::kFLOAT, "scores: expected fp32");
         outputTypes[kKeptKeys] = inputTypes[kQueries];
         outputTypes[kKeptValues] = inputTypes[kQueries];
         outputTypes[kKeptLengths] = DataType::kINT32;
@@ -289,7 +329,7 @@ int32_t CriticalKVSelectPlugin::getOutputShapes(DimsExprs const* inputs, int32_t
     try
     {
         check(inputs != nullptr && outputs != nullptr, "getOutputShapes: null arrays");
-        check(validInputCount(nbInputs), inputCountError(nbInputs));
+        check(validInputCount(nbInputs, mExternalScores), inputCountError(nbInputs, mExternalScores));
         check(nbOutputs == kNbOutputs, "expected 4 outputs");
         DimsExprs const& keys = inputs[kKeys];
         check(keys.nbDims == 4, "keys: expected [B, H_kv, n, d_h]");
@@ -327,7 +367,8 @@ bool CriticalKVSelectPlugin::supportsFormatCombination(
     try
     {
         check(inOut != nullptr, "supportsFormatCombination: null descriptors");
-        check(validInputCount(nbInputs) && nbOutputs == kNbOutputs, inputCountError(nbInputs) + " and 4 outputs");
+        check(validInputCount(nbInputs, mExternalScores) && nbOutputs == kNbOutputs,
+            inputCountError(nbInputs, mExternalScores) + " and 4 outputs");
         check(pos >= 0 && pos < nbInputs + nbOutputs, "supportsFormatCombination: position out of range");
         PluginTensorDesc const& desc = inOut[pos].desc;
         if (desc.format != TensorFormat::kLINEAR)
@@ -337,6 +378,10 @@ bool CriticalKVSelectPlugin::supportsFormatCombination(
         if (pos == kQueries)
         {
             return isFloatType(desc.type);
+        }
+        if (pos == kScores && pos < nbInputs)
+        {
+            return desc.type == DataType::kFLOAT; // fp32 whatever the layer's type: the kernels read float
         }
         bool const isIntTensor = (pos >= kPromptLengths && pos < nbInputs) || pos == nbInputs + kKeptLengths
             || pos == nbInputs + kKeptIndices;
@@ -364,7 +409,7 @@ size_t CriticalKVSelectPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* i
     try
     {
         check(inputs != nullptr, "getWorkspaceSize: null descriptors");
-        check(validInputCount(nbInputs), inputCountError(nbInputs));
+        check(validInputCount(nbInputs, mExternalScores), inputCountError(nbInputs, mExternalScores));
         Dims maxDims[kMaxInputs];
         for (int32_t i = 0; i < nbInputs; ++i)
         {
@@ -396,7 +441,7 @@ int32_t CriticalKVSelectPlugin::onShapeChange(
     {
         check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
         check(nbOutputs == kNbOutputs, "expected 4 outputs");
-        check(validInputCount(nbInputs), inputCountError(nbInputs));
+        check(validInputCount(nbInputs, mExternalScores), inputCountError(nbInputs, mExternalScores));
         Dims dims[kMaxInputs];
         for (int32_t i = 0; i < nbInputs; ++i)
         {
@@ -426,6 +471,7 @@ int32_t CriticalKVSelectPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
     // o_proj_weight  [hidden, H * d_h]   same type
     // prompt_lengths [B]                 int32 (optional input 4)
     // kv_budget      [1]                 int32 (optional input 5): the request's budget, read on the device
+    // scores         [B, H_kv, n]        fp32 (input 6, the kvzip pair only): the graph's per-entry scores
     // kept_keys, kept_values [B, H_kv, cap, d_h], kept_lengths [B, H_kv] int32, kept_indices [B, H_kv, cap] int32
     try
     {
@@ -433,7 +479,7 @@ int32_t CriticalKVSelectPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
             "enqueue: null arguments");
         // TensorRT does not pass the input count to enqueue: onShapeChange (always called with the concrete
         // shapes before the first enqueue, as NVIDIA's ROIAlign plugin relies on) recorded it.
-        check(validInputCount(mNbInputs), "enqueue: onShapeChange was not called");
+        check(validInputCount(mNbInputs, mExternalScores), "enqueue: onShapeChange was not called");
         int32_t const count = mNbInputs;
         Dims dims[kMaxInputs];
         for (int32_t i = 0; i < count; ++i)
@@ -449,6 +495,7 @@ int32_t CriticalKVSelectPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         t.oProj = inputs[kOProj];
         t.promptLengths = count > kPromptLengths ? static_cast<int32_t const*>(inputs[kPromptLengths]) : nullptr;
         t.kvBudget = count > kKvBudget ? static_cast<int32_t const*>(inputs[kKvBudget]) : nullptr;
+        t.scores = count > kScores ? static_cast<float const*>(inputs[kScores]) : nullptr;
         t.keptKeys = outputs[kKeptKeys];
         t.keptValues = outputs[kKeptValues];
         t.keptLengths = static_cast<int32_t*>(outputs[kKeptLengths]);

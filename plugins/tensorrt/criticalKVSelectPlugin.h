@@ -5,10 +5,12 @@
 //   4 prompt_lengths [B] int32 (optional: without it every sequence has n tokens)
 //   5 kv_budget [1] int32 (optional, needs input 4: the request's budget, clamped to [window, budget]; read on the
 //     device, so enqueue never waits for it)
+//   6 scores [B, H_kv, n] fp32 (the kvzip pair, which then takes all seven inputs; no other policy takes it): the
+//     per-entry scores the graph computed (the KVzip surrogate's, or a context reconstruction's)
 // Outputs, cap = min(n, capacity):
 //   0 kept_keys [B, H_kv, cap, d_h]  1 kept_values [B, H_kv, cap, d_h]  2 kept_lengths [B, H_kv] int32
 //   3 kept_indices [B, H_kv, cap] int32
-// Float tensors are all fp32, all fp16 or all bf16, linear layout.
+// Float tensors are all fp32, all fp16 or all bf16 (scores: always fp32), linear layout.
 #pragma once
 
 #include "policy.h"
@@ -85,7 +87,8 @@ private:
     PolicyConfig mPolicy;
     SelectConfig mConfig;
     std::string mMetadata;
-    int32_t mNbInputs{-1}; //!< 4 to 6 (prompt_lengths, kv_budget given), from configurePlugin / onShapeChange
+    bool mExternalScores{false}; //!< the policy ranks by the scores input (the kvzip pair): 7 inputs, else 4 to 6
+    int32_t mNbInputs{-1}; //!< 4 to 7 (prompt_lengths, kv_budget, scores given), from configurePlugin / onShapeChange
     std::vector<nvinfer1::PluginField> mDataToSerialize;
     nvinfer1::PluginFieldCollection mFCToSerialize{};
 };

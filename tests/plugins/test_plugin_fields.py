@@ -51,10 +51,9 @@ def test_methods_without_a_cpp_flow_are_refused(host_lib):
     from criticalkv.methods import METHODS
 
     refused = [name for name, m in METHODS.items() if not m.base.native]
-    # a model-level selection needs every layer's scores in one node; expected attention needs RoPE's tables; kvzip a
-    # whole-model reconstruction pass
-    assert refused == ["layer-defensivekv", "expected-attention", "kvzip", "layer-kvzip", "expected-criticalkv",
-                       "kvzip-criticalkv", "layer-kvzip-criticalkv"]
+    # a model-level selection needs every layer's scores in one node; expected attention needs RoPE's tables
+    assert refused == ["layer-defensivekv", "expected-attention", "layer-kvzip", "expected-criticalkv",
+                       "layer-kvzip-criticalkv"]
     error = host_lib.parse(encode_fields(node_fields(KVPolicy("layer-defensivekv"))))
     assert error == ("name: layer-defensivekv shares the budget across all layers, and the CriticalKVSelect plugin "
                      "selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime")
@@ -62,10 +61,11 @@ def test_methods_without_a_cpp_flow_are_refused(host_lib):
         error = host_lib.parse(encode_fields(node_fields(KVPolicy(name))))
         assert error == (f"name: {name} reads RoPE's rotation averaged over the next future_positions positions, an "
                          "input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime")
-    for name in ("kvzip", "kvzip-criticalkv"):
+    for name in ("layer-kvzip", "layer-kvzip-criticalkv"):
         error = host_lib.parse(encode_fields(node_fields(KVPolicy(name))))
-        assert error == (f"name: {name} ranks by the attention of a context reconstruction pass through the whole model, "
-                         "a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path "
-                         "or ONNX Runtime")
-    for name in ("ada-criticalkv", "defensivekv"):
+        assert error == (f"name: {name} shares the budget across all layers, and the CriticalKVSelect plugin selects "
+                         "one layer per node (plugins/README.md, Known limits); select it on the PyTorch path or ONNX "
+                         "Runtime")
+    # the kvzip pair ranks by the graph's scores, the plugin's seventh input (test_plugin_scores_input.py)
+    for name in ("ada-criticalkv", "defensivekv", "kvzip", "kvzip-criticalkv"):
         assert host_lib.parse(encode_fields(node_fields(KVPolicy(name)))) == ""
