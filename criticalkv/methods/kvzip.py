@@ -62,6 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from criticalkv.methods.adakv import AdaKV
+from criticalkv.methods.base import MODEL_LEVEL_REFUSAL
 from criticalkv.methods.lazy import torch
 from criticalkv.methods.phases import PromptScoring, RereadPass, Stream, reread_scores
 from criticalkv.methods.surrogate import mask_opening, surrogate_of
@@ -318,10 +319,10 @@ class LayerKVzip(KVzip):
                    "(per-head floor ada_floor, cap head_cap_ratio)")
     knobs = KVzip.knobs + ("head_cap_ratio",)
     model_level = True
-    #: the CriticalKVSelect plugin is one node per layer (as ``layer-defensivekv``'s refusal)
+    #: the CriticalKVSelect plugin is one node per layer: a budget shared by every layer needs every layer's ranking
+    #: in one node, the CriticalKVScore / CriticalKVSelectModel plugins' (plugins/README.md)
     native = False
-    cpp_refusal = ("shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node "
-                   "(plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime")
+    cpp_refusal = MODEL_LEVEL_REFUSAL
 
     def max_older_per_head(self, policy, r, m, num_kv_heads):
         from criticalkv.methods.defensivekv import older_cap

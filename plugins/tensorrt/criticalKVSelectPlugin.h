@@ -13,8 +13,7 @@
 // Float tensors are all fp32, all fp16 or all bf16 (scores: always fp32), linear layout.
 #pragma once
 
-#include "policy.h"
-#include "criticalkv/select_params.h"
+#include "layerInputs.h"
 
 #include <NvInferRuntime.h>
 
@@ -26,7 +25,6 @@ namespace criticalkv::trt
 
 constexpr char const* kPluginName = "CriticalKVSelect";
 constexpr char const* kPluginVersion = "1";
-constexpr char const* kPluginDomain = "ai.criticalkv";
 
 class CriticalKVSelectPlugin : public nvinfer1::IPluginV3,
                                public nvinfer1::IPluginV3OneCore,
@@ -79,9 +77,6 @@ public:
     }
 
 private:
-    //! The kernels' shape from the input dimensions (throws on an inconsistent or unsupported combination).
-    SelectShape shapeFromDims(nvinfer1::Dims const* dims, int32_t nbInputs) const;
-
     std::string mLayerName;
     std::string mNamespace;
     PolicyConfig mPolicy;

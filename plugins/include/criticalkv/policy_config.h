@@ -254,15 +254,15 @@ inline std::string validateKnobs(PolicyConfig const& p)
 inline std::string pluginRefusal(PolicyConfig const& p)
 {
     if (p.name == "layer-defensivekv")
-        return "name: layer-defensivekv shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime";
+        return "name: layer-defensivekv shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node: its graph selects with a CriticalKVScore node per layer and one CriticalKVSelectModel node (plugins/README.md)";
     if (p.name == "expected-attention")
         return "name: expected-attention reads RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime";
     if (p.name == "layer-kvzip")
-        return "name: layer-kvzip shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime";
+        return "name: layer-kvzip shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node: its graph selects with a CriticalKVScore node per layer and one CriticalKVSelectModel node (plugins/README.md)";
     if (p.name == "expected-criticalkv")
         return "name: expected-criticalkv reads RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime";
     if (p.name == "layer-kvzip-criticalkv")
-        return "name: layer-kvzip-criticalkv shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime";
+        return "name: layer-kvzip-criticalkv shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node: its graph selects with a CriticalKVScore node per layer and one CriticalKVSelectModel node (plugins/README.md)";
     return "";
 }
 
