@@ -28,51 +28,11 @@ enum OutputIndex : int32_t
 // ------------------------------------------------------------------------------------------------ plugin
 
 CriticalKVSelectPlugin::CriticalKVSelectPlugin(std::string layerName, std::string pluginNamespace, PolicyConfig const& policy)
-    : mLayerName(std::move(layerName))
-    , mNamespace(std::move(pluginNamespace))
-    , mPolicy(policy)
-    , mConfig(makeSelectConfig(policy)) // validates
-    , mMetadata(describePolicy(policy))
-    , mExternalScores(externalScores(mConfig))
+    : PluginBase(std::move(layerName), std::move(pluginNamespace), policy, PolicyUse::kPlugin)
 {
     check(!mConfig.modelWide,
         "name: " + policy.name + " shares the budget across all layers: its graph holds a CriticalKVScore node per "
             "layer and one CriticalKVSelectModel node, not CriticalKVSelect");
-}
-
-CriticalKVSelectPlugin::CriticalKVSelectPlugin(CriticalKVSelectPlugin const& other)
-    : IPluginV3(other)
-    , IPluginV3OneCore(other)
-    , IPluginV3OneBuild(other)
-    , IPluginV3OneRuntime(other)
-    , mLayerName(other.mLayerName)
-    , mNamespace(other.mNamespace)
-    , mPolicy(other.mPolicy)
-    , mConfig(other.mConfig)
-    , mMetadata(other.mMetadata)
-    , mExternalScores(other.mExternalScores)
-    , mNbInputs(other.mNbInputs)
-{
-    // mDataToSerialize points into its owner: rebuilt by getFieldsToSerialize, never copied.
-}
-
-IPluginCapability* CriticalKVSelectPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept
-{
-    try
-    {
-        switch (type)
-        {
-        case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
-        case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
-        case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
-        }
-        check(false, "unknown plugin capability type");
-    }
-    catch (std::exception const& e)
-    {
-        caughtError(e);
-    }
-    return nullptr;
 }
 
 IPluginV3* CriticalKVSelectPlugin::clone() noexcept
@@ -91,16 +51,6 @@ IPluginV3* CriticalKVSelectPlugin::clone() noexcept
 char const* CriticalKVSelectPlugin::getPluginName() const noexcept
 {
     return kPluginName;
-}
-
-char const* CriticalKVSelectPlugin::getPluginVersion() const noexcept
-{
-    return kPluginVersion;
-}
-
-char const* CriticalKVSelectPlugin::getPluginNamespace() const noexcept
-{
-    return mNamespace.c_str();
 }
 
 int32_t CriticalKVSelectPlugin::configurePlugin(
@@ -224,30 +174,13 @@ size_t CriticalKVSelectPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* i
 {
     try
     {
-        check(inputs != nullptr, "getWorkspaceSize: null descriptors");
-        check(validLayerInputCount(nbInputs, mExternalScores), layerInputCountError(nbInputs, mExternalScores));
-        Dims maxDims[kMaxLayerInputs];
-        for (int32_t i = 0; i < nbInputs; ++i)
-        {
-            maxDims[i] = inputs[i].max;
-        }
-        return workspaceLayout(mConfig, layerShapeFromDims(maxDims, nbInputs, mExternalScores)).total;
+        return layerWorkspaceBytes(mConfig, inputs, nbInputs, mExternalScores);
     }
     catch (std::exception const& e)
     {
         caughtError(e);
     }
     return 0;
-}
-
-char const* CriticalKVSelectPlugin::getTimingCacheID() noexcept
-{
-    return mMetadata.c_str();
-}
-
-char const* CriticalKVSelectPlugin::getMetadataString() noexcept
-{
-    return mMetadata.c_str();
 }
 
 int32_t CriticalKVSelectPlugin::onShapeChange(
@@ -257,16 +190,8 @@ int32_t CriticalKVSelectPlugin::onShapeChange(
     {
         check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
         check(nbOutputs == kNbOutputs, "expected 4 outputs");
-        check(validLayerInputCount(nbInputs, mExternalScores), layerInputCountError(nbInputs, mExternalScores));
-        Dims dims[kMaxLayerInputs];
-        for (int32_t i = 0; i < nbInputs; ++i)
-        {
-            dims[i] = in[i].dims;
-        }
-        SelectShape const s = layerShapeFromDims(dims, nbInputs, mExternalScores);
-        check(s.queryLen >= windowLength(mConfig, s.n),
-            "queries: " + std::to_string(s.queryLen) + " window queries given, the policy needs min(window, n) = "
-                + std::to_string(windowLength(mConfig, s.n)));
+        SelectShape const s = layerShapeOf(in, nbInputs, mExternalScores);
+        checkWindowQueries(mConfig, s);
         check(out[kKeptIndices].dims.nbDims == 3 && out[kKeptIndices].dims.d[2] == outputCapacity(mConfig, s.n),
             "kept_indices: unexpected shape");
         mNbInputs = nbInputs;
@@ -296,22 +221,9 @@ int32_t CriticalKVSelectPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         // TensorRT does not pass the input count to enqueue: onShapeChange (always called with the concrete
         // shapes before the first enqueue, as NVIDIA's ROIAlign plugin relies on) recorded it.
         check(validLayerInputCount(mNbInputs, mExternalScores), "enqueue: onShapeChange was not called");
-        int32_t const count = mNbInputs;
-        Dims dims[kMaxLayerInputs];
-        for (int32_t i = 0; i < count; ++i)
-        {
-            dims[i] = inputDesc[i].dims;
-        }
-        SelectShape const s = layerShapeFromDims(dims, count, mExternalScores);
+        SelectShape const s = layerShapeOf(inputDesc, mNbInputs, mExternalScores);
         SelectTensors t{};
-        t.dtype = toDType(inputDesc[kQueries].type, "queries");
-        t.queries = inputs[kQueries];
-        t.keys = inputs[kKeys];
-        t.values = inputs[kValues];
-        t.oProj = inputs[kOProj];
-        t.promptLengths = count > kPromptLengths ? static_cast<int32_t const*>(inputs[kPromptLengths]) : nullptr;
-        t.kvBudget = count > kKvBudget ? static_cast<int32_t const*>(inputs[kKvBudget]) : nullptr;
-        t.scores = count > kScores ? static_cast<float const*>(inputs[kScores]) : nullptr;
+        fillLayerInputs(t, inputDesc, inputs, mNbInputs);
         t.keptKeys = outputs[kKeptKeys];
         t.keptValues = outputs[kKeptValues];
         t.keptLengths = static_cast<int32_t*>(outputs[kKeptLengths]);
@@ -333,22 +245,11 @@ int32_t CriticalKVSelectPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
     return -1;
 }
 
-IPluginV3* CriticalKVSelectPlugin::attachToContext(IPluginResourceContext* /*context*/) noexcept
-{
-    return clone();
-}
-
 PluginFieldCollection const* CriticalKVSelectPlugin::getFieldsToSerialize() noexcept
 {
     try
     {
-        mDataToSerialize.clear();
-#define CKV_SERIALIZE_FIELD(kind, fieldName, defaultValue) addSerializedField(mDataToSerialize, #fieldName, mPolicy.fieldName);
-        CKV_FOR_EACH_PLUGIN_FIELD(CKV_SERIALIZE_FIELD)
-#undef CKV_SERIALIZE_FIELD
-        mFCToSerialize.nbFields = static_cast<int32_t>(mDataToSerialize.size());
-        mFCToSerialize.fields = mDataToSerialize.data();
-        return &mFCToSerialize;
+        return serializePolicy(nullptr);
     }
     catch (std::exception const& e)
     {

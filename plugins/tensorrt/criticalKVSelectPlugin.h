@@ -13,7 +13,7 @@
 // Float tensors are all fp32, all fp16 or all bf16 (scores: always fp32), linear layout.
 #pragma once
 
-#include "layerInputs.h"
+#include "pluginBase.h"
 
 #include <NvInferRuntime.h>
 
@@ -24,28 +24,18 @@ namespace criticalkv::trt
 {
 
 constexpr char const* kPluginName = "CriticalKVSelect";
-constexpr char const* kPluginVersion = "1";
 
-class CriticalKVSelectPlugin : public nvinfer1::IPluginV3,
-                               public nvinfer1::IPluginV3OneCore,
-                               public nvinfer1::IPluginV3OneBuild,
-                               public nvinfer1::IPluginV3OneRuntime
+class CriticalKVSelectPlugin : public PluginBase
 {
 public:
     //! Throws std::invalid_argument when the policy does not validate.
     CriticalKVSelectPlugin(std::string layerName, std::string pluginNamespace, PolicyConfig const& policy);
-    CriticalKVSelectPlugin(CriticalKVSelectPlugin const& other);
-    CriticalKVSelectPlugin& operator=(CriticalKVSelectPlugin const&) = delete;
-    ~CriticalKVSelectPlugin() override = default;
 
     // IPluginV3
-    nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
     nvinfer1::IPluginV3* clone() noexcept override;
 
     // IPluginV3OneCore
     char const* getPluginName() const noexcept override;
-    char const* getPluginVersion() const noexcept override;
-    char const* getPluginNamespace() const noexcept override;
 
     // IPluginV3OneBuild
     int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
@@ -60,32 +50,13 @@ public:
     int32_t getNbOutputs() const noexcept override;
     size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
-    char const* getTimingCacheID() noexcept override;
-    char const* getMetadataString() noexcept override;
 
     // IPluginV3OneRuntime
     int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
         int32_t nbOutputs) noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
-    nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
     nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
-
-    PolicyConfig const& policy() const noexcept
-    {
-        return mPolicy;
-    }
-
-private:
-    std::string mLayerName;
-    std::string mNamespace;
-    PolicyConfig mPolicy;
-    SelectConfig mConfig;
-    std::string mMetadata;
-    bool mExternalScores{false}; //!< the policy ranks by the scores input (the kvzip pair): 7 inputs, else 4 to 6
-    int32_t mNbInputs{-1}; //!< 4 to 7 (prompt_lengths, kv_budget, scores given), from configurePlugin / onShapeChange
-    std::vector<nvinfer1::PluginField> mDataToSerialize;
-    nvinfer1::PluginFieldCollection mFCToSerialize{};
 };
 
 class CriticalKVSelectCreator : public nvinfer1::IPluginCreatorV3One

@@ -140,6 +140,37 @@ SelectShape layerShapeFromDims(Dims const* dims, int32_t nbInputs, bool external
     return s;
 }
 
+SelectShape layerShapeOf(PluginTensorDesc const* in, int32_t nbInputs, bool externalScores)
+{
+    check(validLayerInputCount(nbInputs, externalScores), layerInputCountError(nbInputs, externalScores));
+    Dims dims[kMaxLayerInputs];
+    for (int32_t i = 0; i < nbInputs; ++i)
+    {
+        dims[i] = in[i].dims;
+    }
+    return layerShapeFromDims(dims, nbInputs, externalScores);
+}
+
+void checkWindowQueries(SelectConfig const& config, SelectShape const& shape)
+{
+    check(shape.queryLen >= windowLength(config, shape.n),
+        "queries: " + std::to_string(shape.queryLen) + " window queries given, the policy needs min(window, n) = "
+            + std::to_string(windowLength(config, shape.n)));
+}
+
+size_t layerWorkspaceBytes(
+    SelectConfig const& config, DynamicPluginTensorDesc const* inputs, int32_t nbInputs, bool externalScores)
+{
+    check(inputs != nullptr, "getWorkspaceSize: null descriptors");
+    check(validLayerInputCount(nbInputs, externalScores), layerInputCountError(nbInputs, externalScores));
+    Dims maxDims[kMaxLayerInputs];
+    for (int32_t i = 0; i < nbInputs; ++i)
+    {
+        maxDims[i] = inputs[i].max;
+    }
+    return workspaceLayout(config, layerShapeFromDims(maxDims, nbInputs, externalScores)).total;
+}
+
 void checkLayerStructure(DynamicPluginTensorDesc const* in, int32_t nbInputs, bool externalScores)
 {
     check(validLayerInputCount(nbInputs, externalScores), layerInputCountError(nbInputs, externalScores));

@@ -44,6 +44,31 @@ bool knownAndDifferent(int64_t a, int64_t b);
 //! The kernels' shape from a layer node's concrete input dims (throws on an inconsistent or unsupported combination).
 SelectShape layerShapeFromDims(nvinfer1::Dims const* dims, int32_t nbInputs, bool externalScores);
 
+//! The kernels' shape from a layer node's concrete input descriptors (onShapeChange, enqueue).
+SelectShape layerShapeOf(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, bool externalScores);
+
+//! The queries hold at least min(window, n) window queries (throws otherwise).
+void checkWindowQueries(SelectConfig const& config, SelectShape const& shape);
+
+//! getWorkspaceSize of a layer node: launchCriticalKVSelect's workspace (launchLayerRanking's too) for the profile's
+//! max shapes.
+size_t layerWorkspaceBytes(SelectConfig const& config, nvinfer1::DynamicPluginTensorDesc const* inputs,
+    int32_t nbInputs, bool externalScores);
+
+//! A layer node's input pointers into a launch's tensors (SelectTensors, LayerRankingTensors); `count` inputs given.
+template <typename Tensors>
+void fillLayerInputs(Tensors& t, nvinfer1::PluginTensorDesc const* desc, void const* const* inputs, int32_t count)
+{
+    t.dtype = toDType(desc[kQueries].type, "queries");
+    t.queries = inputs[kQueries];
+    t.keys = inputs[kKeys];
+    t.values = inputs[kValues];
+    t.oProj = inputs[kOProj];
+    t.promptLengths = count > kPromptLengths ? static_cast<int32_t const*>(inputs[kPromptLengths]) : nullptr;
+    t.kvBudget = count > kKvBudget ? static_cast<int32_t const*>(inputs[kKvBudget]) : nullptr;
+    t.scores = count > kScores ? static_cast<float const*>(inputs[kScores]) : nullptr;
+}
+
 //! configurePlugin's structure checks of a layer node's inputs (dims may hold -1 there).
 void checkLayerStructure(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs, bool externalScores);
 

@@ -91,79 +91,13 @@ ModelBuffers modelBuffers(SelectConfig const& config, ModelShape const& shape, b
 // ------------------------------------------------------------------------------------------------ shared plumbing
 
 ModelLevelPluginBase::ModelLevelPluginBase(std::string layerName, std::string pluginNamespace, PolicyConfig const& policy)
-    : mLayerName(std::move(layerName))
-    , mNamespace(std::move(pluginNamespace))
-    , mPolicy(policy)
-    , mConfig(makeSelectConfig(policy, PolicyUse::kKernels)) // validates
-    , mMetadata(describePolicy(policy))
-    , mExternalScores(externalScores(mConfig))
+    : PluginBase(std::move(layerName), std::move(pluginNamespace), policy, PolicyUse::kKernels)
     , mRefined(mConfig.twoStage != 0)
 {
     check(mConfig.modelWide != 0,
         "name: " + policy.name + " (num_layers " + std::to_string(policy.num_layers)
             + ") does not select at model level: its graph holds CriticalKVSelect nodes (a model-level method over "
               "more than one layer has CriticalKVScore / CriticalKVSelectModel)");
-}
-
-ModelLevelPluginBase::ModelLevelPluginBase(ModelLevelPluginBase const& other)
-    : IPluginV3(other)
-    , IPluginV3OneCore(other)
-    , IPluginV3OneBuild(other)
-    , IPluginV3OneRuntime(other)
-    , mLayerName(other.mLayerName)
-    , mNamespace(other.mNamespace)
-    , mPolicy(other.mPolicy)
-    , mConfig(other.mConfig)
-    , mMetadata(other.mMetadata)
-    , mExternalScores(other.mExternalScores)
-    , mRefined(other.mRefined)
-    , mNbInputs(other.mNbInputs)
-{
-    // mDataToSerialize points into its owner: rebuilt by getFieldsToSerialize, never copied.
-}
-
-IPluginCapability* ModelLevelPluginBase::getCapabilityInterface(PluginCapabilityType type) noexcept
-{
-    try
-    {
-        switch (type)
-        {
-        case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
-        case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
-        case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
-        }
-        check(false, "unknown plugin capability type");
-    }
-    catch (std::exception const& e)
-    {
-        caughtError(e);
-    }
-    return nullptr;
-}
-
-char const* ModelLevelPluginBase::getPluginVersion() const noexcept
-{
-    return kModelPluginVersion;
-}
-
-char const* ModelLevelPluginBase::getPluginNamespace() const noexcept
-{
-    return mNamespace.c_str();
-}
-
-char const* ModelLevelPluginBase::getTimingCacheID() noexcept
-{
-    return mMetadata.c_str();
-}
-
-char const* ModelLevelPluginBase::getMetadataString() noexcept
-{
-    return mMetadata.c_str();
-}
-
-IPluginV3* ModelLevelPluginBase::attachToContext(IPluginResourceContext* /*context*/) noexcept
-{
-    return clone();
 }
 
 // ------------------------------------------------------------------------------------------------ CriticalKVScore
@@ -293,14 +227,7 @@ size_t CriticalKVScorePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* in
 {
     try
     {
-        check(inputs != nullptr, "getWorkspaceSize: null descriptors");
-        check(validLayerInputCount(nbInputs, mExternalScores), layerInputCountError(nbInputs, mExternalScores));
-        Dims maxDims[kMaxLayerInputs];
-        for (int32_t i = 0; i < nbInputs; ++i)
-        {
-            maxDims[i] = inputs[i].max;
-        }
-        return workspaceLayout(mConfig, layerShapeFromDims(maxDims, nbInputs, mExternalScores)).total;
+        return layerWorkspaceBytes(mConfig, inputs, nbInputs, mExternalScores);
     }
     catch (std::exception const& e)
     {
@@ -316,16 +243,8 @@ int32_t CriticalKVScorePlugin::onShapeChange(
     {
         check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
         check(nbOutputs == getNbOutputs(), "expected " + std::to_string(getNbOutputs()) + " outputs");
-        check(validLayerInputCount(nbInputs, mExternalScores), layerInputCountError(nbInputs, mExternalScores));
-        Dims dims[kMaxLayerInputs];
-        for (int32_t i = 0; i < nbInputs; ++i)
-        {
-            dims[i] = in[i].dims;
-        }
-        SelectShape const s = layerShapeFromDims(dims, nbInputs, mExternalScores);
-        check(s.queryLen >= windowLength(mConfig, s.n),
-            "queries: " + std::to_string(s.queryLen) + " window queries given, the policy needs min(window, n) = "
-                + std::to_string(windowLength(mConfig, s.n)));
+        SelectShape const s = layerShapeOf(in, nbInputs, mExternalScores);
+        checkWindowQueries(mConfig, s);
         Dims want{};
         want.nbDims = 3;
         want.d[0] = s.batch;
@@ -360,22 +279,9 @@ int32_t CriticalKVScorePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugin
     {
         check(inputDesc != nullptr && inputs != nullptr && outputs != nullptr, "enqueue: null arguments");
         check(validLayerInputCount(mNbInputs, mExternalScores), "enqueue: onShapeChange was not called");
-        int32_t const count = mNbInputs;
-        Dims dims[kMaxLayerInputs];
-        for (int32_t i = 0; i < count; ++i)
-        {
-            dims[i] = inputDesc[i].dims;
-        }
-        SelectShape const s = layerShapeFromDims(dims, count, mExternalScores);
+        SelectShape const s = layerShapeOf(inputDesc, mNbInputs, mExternalScores);
         LayerRankingTensors t{};
-        t.dtype = toDType(inputDesc[kQueries].type, "queries");
-        t.queries = inputs[kQueries];
-        t.keys = inputs[kKeys];
-        t.values = inputs[kValues];
-        t.oProj = inputs[kOProj];
-        t.promptLengths = count > kPromptLengths ? static_cast<int32_t const*>(inputs[kPromptLengths]) : nullptr;
-        t.kvBudget = count > kKvBudget ? static_cast<int32_t const*>(inputs[kKvBudget]) : nullptr;
-        t.scores = count > kScores ? static_cast<float const*>(inputs[kScores]) : nullptr;
+        fillLayerInputs(t, inputDesc, inputs, mNbInputs);
         t.ranking = static_cast<float*>(outputs[0]);
         t.attention = nullptr; // the model node refines by the ranking (equal to the base score beyond the sinks)
         t.critical = mRefined ? static_cast<float*>(outputs[1]) : nullptr;
@@ -396,13 +302,7 @@ PluginFieldCollection const* CriticalKVScorePlugin::getFieldsToSerialize() noexc
 {
     try
     {
-        mDataToSerialize.clear();
-#define CKV_SERIALIZE_FIELD(kind, fieldName, defaultValue) addSerializedField(mDataToSerialize, #fieldName, mPolicy.fieldName);
-        CKV_FOR_EACH_PLUGIN_FIELD(CKV_SERIALIZE_FIELD)
-#undef CKV_SERIALIZE_FIELD
-        mFCToSerialize.nbFields = static_cast<int32_t>(mDataToSerialize.size());
-        mFCToSerialize.fields = mDataToSerialize.data();
-        return &mFCToSerialize;
+        return serializePolicy(nullptr);
     }
     catch (std::exception const& e)
     {
@@ -781,14 +681,7 @@ PluginFieldCollection const* CriticalKVSelectModelPlugin::getFieldsToSerialize()
 {
     try
     {
-        mDataToSerialize.clear();
-#define CKV_SERIALIZE_FIELD(kind, fieldName, defaultValue)                                                             \
-    if (!layerOnlyField(#fieldName))                                                                                   \
-    {                                                                                                                  \
-        addSerializedField(mDataToSerialize, #fieldName, mPolicy.fieldName);                                           \
-    }
-        CKV_FOR_EACH_PLUGIN_FIELD(CKV_SERIALIZE_FIELD)
-#undef CKV_SERIALIZE_FIELD
+        serializePolicy(layerOnlyField);
         addSerializedField(mDataToSerialize, kCapacities, mCapacities);
         mFCToSerialize.nbFields = static_cast<int32_t>(mDataToSerialize.size());
         mFCToSerialize.fields = mDataToSerialize.data();
@@ -830,7 +723,7 @@ char const* ModelLevelCreator::getPluginName() const noexcept
 
 char const* ModelLevelCreator::getPluginVersion() const noexcept
 {
-    return kModelPluginVersion;
+    return kPluginVersion;
 }
 
 char const* ModelLevelCreator::getPluginNamespace() const noexcept

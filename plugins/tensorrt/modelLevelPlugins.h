@@ -19,7 +19,7 @@
 // and scores fp32; linear layout.
 #pragma once
 
-#include "layerInputs.h"
+#include "pluginBase.h"
 #include "criticalkv/model_level.h"
 
 #include <NvInferRuntime.h>
@@ -32,38 +32,16 @@ namespace criticalkv::trt
 
 constexpr char const* kScorePluginName = "CriticalKVScore";
 constexpr char const* kModelPluginName = "CriticalKVSelectModel";
-constexpr char const* kModelPluginVersion = "1";
 
-//! The IPluginV3 capability plumbing shared by the two plugins.
-class ModelLevelPluginBase : public nvinfer1::IPluginV3,
-                             public nvinfer1::IPluginV3OneCore,
-                             public nvinfer1::IPluginV3OneBuild,
-                             public nvinfer1::IPluginV3OneRuntime
+//! What the two plugins share beyond PluginBase: the kernels' validation, a model-wide config, the refinement.
+class ModelLevelPluginBase : public PluginBase
 {
 public:
+    //! Throws std::invalid_argument unless the policy is a model-level one over several layers.
     ModelLevelPluginBase(std::string layerName, std::string pluginNamespace, PolicyConfig const& policy);
-    ModelLevelPluginBase(ModelLevelPluginBase const& other);
-    ModelLevelPluginBase& operator=(ModelLevelPluginBase const&) = delete;
-    ~ModelLevelPluginBase() override = default;
-
-    nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
-    char const* getPluginVersion() const noexcept override;
-    char const* getPluginNamespace() const noexcept override;
-    char const* getTimingCacheID() noexcept override;
-    char const* getMetadataString() noexcept override;
-    nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
 
 protected:
-    std::string mLayerName;
-    std::string mNamespace;
-    PolicyConfig mPolicy;
-    SelectConfig mConfig; //!< modelWide: the policy's over num_layers > 1 layers
-    std::string mMetadata;
-    bool mExternalScores{false};
     bool mRefined{false}; //!< CriticalKV's two stages (layer-kvzip-criticalkv): a critical score per layer
-    int32_t mNbInputs{-1};
-    std::vector<nvinfer1::PluginField> mDataToSerialize;
-    nvinfer1::PluginFieldCollection mFCToSerialize{};
 };
 
 class CriticalKVScorePlugin : public ModelLevelPluginBase
