@@ -265,3 +265,28 @@ def test_model_plugin_checks_its_concrete_shapes(harness):
     dynamic = [(-1, 2, -1)] * 6 + [(-1, 3, -1, 64)] + [(-1, 2, -1, 64)] * 5 + [(-1,), (1,)]
     assert harness.configure(handle, dynamic + outputs, count, on_shape_change=False) == -1
     assert "does not match keys.0's" in harness.logs()[-1][1]
+
+
+@pytest.mark.parametrize("policy", MODEL_POLICIES, ids=lambda p: p.name)
+def test_the_exports_nodes_create_the_plugins(harness, policy):
+    """The attributes of model_select's CriticalKVScore and CriticalKVSelectModel nodes, as the ONNX parser hands them
+    to the creators (floats as float32, strings as chars, INTS as int32 arrays), create the plugins and come back."""
+    from onnx import helper
+
+    from criticalkv.export.model_select import model_inputs, model_node, model_outputs, score_node
+
+    def fields_of(node):
+        values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        return {k: v.decode() if isinstance(v, bytes) else v for k, v in values.items()}
+
+    capacities = [192, 160, 192]
+    score = score_node(policy, 2, 3, 160, [f"in{i}" for i in range(7)], ["ranking"])
+    handle = harness.create(encode_fields(fields_of(score), "float32"), creator=SCORE)
+    assert handle >= 0, harness.logs()
+    described = {f["name"]: f["value"] for f in harness.describe(handle)["fields"]}
+    assert described == node_fields(policy, 2, 3, 160)
+    refined = policy.method.refine is not None
+    model = model_node(policy, capacities, model_inputs(3, refined), model_outputs(3))
+    handle = harness.create(encode_fields(fields_of(model), "float32"), creator=MODEL + 1)
+    assert handle >= 0, harness.logs()
+    assert {f["name"]: f["value"] for f in harness.describe(handle)["fields"]} == model_fields(policy, capacities)
