@@ -37,6 +37,7 @@ from criticalkv.export.exporter import (
     SURROGATE_FALLBACK,
     onnx_info,
 )
+from criticalkv.export.model_select import tensorrt_refusal
 from criticalkv.export.validate import validate_export
 from criticalkv.files import remove_stale_temporaries, temporary_dir
 from criticalkv.hf import generate, load_model, resolve_model
@@ -193,11 +194,9 @@ def tensorrt_step(folder: Path, result: ExportResult, log: Callable[[str], None]
     its ``error``, ``tensorrt/`` is removed, and the ONNX Runtime engine directory is still written.
     ``scripts/build_engine.py`` then exits 3 (the rule is in its ``--help``).
     """
-    if result.policy.method.base.model_level and not (folder / PREFILL_TENSORRT_FILE).exists():
-        return _skipped(f"{result.policy.name} selects after the last layer over every layer's entries: no TensorRT "
-                        "flavour (docs/operator.md, model-level selection)", log)
-    if not result.policy.method.base.native:
-        return _skipped(f"{result.policy.name} {result.policy.method.base.cpp_refusal}", log)
+    if not (folder / PREFILL_TENSORRT_FILE).exists():  # the export refused the TensorRT flavour: it says why
+        return _skipped(tensorrt_refusal(result.policy, result.spec.num_layers) or "the export wrote no TensorRT "
+                        "flavour", log)
     reason = trt_engine.tensorrt_unavailable_reason()
     if reason:  # without TensorRT installed (a CPU machine) one line: nothing there to act on
         return _skipped(reason, log, detail=trt_engine.tensorrt_installed())

@@ -69,6 +69,7 @@ from criticalkv.export.graph import FLOAT, INT32, INT64, IR_VERSION, OPSET, Grap
 from criticalkv.export.quantize import quantized_matmul
 from criticalkv.export.select_function import FLOAT32_MIN, selection_function, selection_node, selection_opset
 from criticalkv.methods.expected_attention import rotation_tables
+from criticalkv.methods.kvzip import SURROGATE_STREAM
 from criticalkv.hf.loading import check_supported
 from criticalkv.node import node_capacity
 from criticalkv.policy import KVPolicy
@@ -306,7 +307,7 @@ class DecoderGraphBuilder:
             raise ValueError(f"the {graph} graph needs a policy and the per-layer capacities")
 
         model_level = model_select.is_model_level(self.policy, self.spec.num_layers)
-        if model_level and self.flavour == "tensorrt":
+        if self.flavour == "tensorrt":
             model_select.check_tensorrt_flavour(self.policy, self.spec.num_layers)
         return model_level
 
@@ -749,14 +750,23 @@ class DecoderGraphBuilder:
                     return self.causal_attention_pieces(q, k, v, allowed, n, OPENVINO_ATTENTION_PIECES)
                 return self.causal_attention(q, k, v, allowed)
         outputs = [value_info(graphs.LOGITS, FLOAT, ["batch", spec.vocab_size])]
+        # the tensorrt flavour's plugin ranks a kvzip policy by scores the graph computes (the surrogate's: the only
+        # ones tensorrt_refusal lets through); the other flavours' nodes fall back to the window attention
+        scored = self.flavour == "tensorrt" and policy.method.base.external_scores
+        layer_scores = {}
+
+        def score(i, h):
+            layer_scores[i] = self.surrogate_scores(i, h)
 
         def select(i, q, k, v):
             window_queries = g.slice_axis(q, -policy.window, _INT64_MAX, axis=2)
-            outputs.extend(self.select_layer(i, window_queries, k, v, prompt_lengths, kv_budget, pending, model_level))
+            outputs.extend(self.select_layer(i, window_queries, k, v, prompt_lengths, kv_budget, pending, model_level,
+                                             layer_scores.get(i)))
 
         cos, sin = self.rope_tables(graphs.POSITION_IDS)
         x = g.Gather("embed_tokens", graphs.INPUT_IDS, axis=0)
-        x = self.decoder_layers(x, cos, sin, attention, select, transposed_gemm=self.flavour != "onnxruntime")
+        x = self.decoder_layers(x, cos, sin, attention, select, transposed_gemm=self.flavour != "onnxruntime",
+                                layer_input=score if scored else None)
         if model_level:
             self.select_model(pending, prompt_lengths, kv_budget)
         self.last_logits(x)
@@ -1110,10 +1120,25 @@ class DecoderGraphBuilder:
     def stream_scores(self, i: int, h: str) -> None:
         """Every stream of layer i: ``present.{i}.stream.{name}`` [B, H_kv, N] = exp(h W + b) of the new entries from
         their attention input h [B, N, d] (``criticalkv.methods.phases.Stream``)."""
-        g = self.g
         for name in self.streams:
-            z = g.op("Add", g.op("MatMul", h, stream_weight(name, i)), stream_bias(name, i))  # [B, N, H_kv]
-            g.op("Transpose", g.op("Exp", z), perm=[0, 2, 1], outputs=[graphs.present_stream(i, name)])
+            self.stream_of(name, i, h, graphs.present_stream(i, name))
+
+    def stream_of(self, name: str, i: int, h: str, output: str | None = None) -> str:
+        """Stream ``name`` of layer i: [B, H_kv, N] = exp(h W + b) from the attention input h [B, N, d]."""
+        g = self.g
+        z = g.op("Add", g.op("MatMul", h, stream_weight(name, i)), stream_bias(name, i))  # [B, N, H_kv]
+        named = {"outputs": [output]} if output else {"hint": f"stream_{i}"}
+        return g.op("Transpose", g.op("Exp", z), perm=[0, 2, 1], **named)
+
+    def surrogate_scores(self, i: int, h: str) -> str:
+        """Layer i's KVzip surrogate scores [B, H_kv, n] of every entry from its attention input h [B, n, d]
+        (``stream_of`` ``SURROGATE_STREAM``), as the selection's ``scores`` input (the prefill's tensorrt flavour).
+        Unlike the engine's scoring phase (``KVzipScoring.finish``) the graph does not zero the chat template's
+        opening: it does not know the prompt's tokenizer."""
+        if SURROGATE_STREAM not in self.streams:
+            raise ValueError(f"{self.policy.name}:kvzip_score=surrogate: the export holds no KVzip surrogate weights "
+                             "(the build adds them from the model's surrogate)")
+        return self.stream_of(SURROGATE_STREAM, i, h)
 
     def _stream_outputs(self, i: int, batch) -> list:
         return [value_info(graphs.present_stream(i, name), FLOAT, [batch, self.spec.num_kv_heads, "new_tokens"])

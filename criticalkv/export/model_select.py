@@ -25,10 +25,10 @@ Top-k is ``_Body.topk_mask``: ``TopK`` supplies only the k-th largest value, tie
 ``CumSum`` over the equal scores, so the tie rule is exact whatever a runtime's ``TopK`` does with ties; this is
 ``criticalkv.selection.select_model`` exactly.
 
-The TensorRT flavour is refused for model-level methods (``check_tensorrt_flavour``): the plugin has no defensive
-selection flow, its node is per layer, and the model-wide top-k has no TensorRT form in standard operators (TensorRT's
-``TopK`` takes k <= 3840, while the model keeps L * H_kv * (b - window) entries, 20,160 for SmolLM2-135M at
-budget 256).
+The TensorRT flavour holds the same two nodes without function bodies: the library's CriticalKVScore and
+CriticalKVSelectModel plugins run them (plugins/README.md; the model-wide top-k has no TensorRT form in standard
+operators: TensorRT's ``TopK`` takes k <= 3840, while the model keeps L * H_kv * (b - window) entries, 20,160 for
+SmolLM2-135M at budget 256). ``check_tensorrt_flavour`` refuses what still has none (``tensorrt_refusal``).
 """
 
 from __future__ import annotations
@@ -72,24 +72,26 @@ def is_model_level(policy: KVPolicy, num_layers: int) -> bool:
 
 
 def tensorrt_refusal(policy: KVPolicy, num_layers: int) -> str | None:
-    """Why ``policy`` has no TensorRT flavour (None when it has one): a model-level selection (below), or a method
-    the CriticalKVSelect plugin refuses (its ``cpp_refusal``)."""
-    if is_model_level(policy, num_layers):
-        return "model-level selection: no TensorRT flavour (criticalkv.export.model_select.check_tensorrt_flavour)"
-    if not policy.method.base.native:
-        return f"the CriticalKVSelect plugin refuses {policy.name}: it {policy.method.base.cpp_refusal}"
+    """Why ``policy`` has no TensorRT flavour (None when it has one): a per-layer method the CriticalKVSelect plugin
+    refuses (its ``cpp_refusal``), or scores the TensorRT graphs do not compute (a context reconstruction's). A
+    model-level policy's flavour holds the CriticalKVScore / CriticalKVSelectModel plugin nodes; a kvzip policy's
+    ``kvzip_score=surrogate`` scores are computed in its prefill graph (``DecoderGraphBuilder.surrogate_scores``) and
+    come in as an input of its select graph."""
+    base = policy.method.base
+    if not base.native and not is_model_level(policy, num_layers):
+        return f"the CriticalKVSelect plugin refuses {policy.name}: it {base.cpp_refusal}"
+    if base.external_scores and policy.kvzip_score != "surrogate":
+        return (f"{policy.name} (kvzip_score={policy.kvzip_score}) ranks by the attention of a context reconstruction "
+                "pass through the whole model, which the TensorRT graphs do not run; kvzip_score=surrogate computes its "
+                "scores in the graph")
     return None
 
 
 def check_tensorrt_flavour(policy: KVPolicy, num_layers: int) -> None:
-    """Refuse the TensorRT flavour of a model-level policy, with the reason (module docstring)."""
-    if is_model_level(policy, num_layers):
-        raise ValueError(
-            f"{policy.name}: no TensorRT flavour. Its selection is model-level (the top entries over every layer and "
-            "head after the last layer): the CriticalKVSelect plugin is per layer and has no defensive selection flow, "
-            "and in standard operators the model-wide top-k exceeds TensorRT's TopK limit (k <= 3840). The engine "
-            "runs on ONNX Runtime (prefill.onnx with the CriticalKVSelectModel node)"
-        )
+    """Refuse the TensorRT flavour of a policy that has none, with the reason (``tensorrt_refusal``)."""
+    refusal = tensorrt_refusal(policy, num_layers)
+    if refusal:
+        raise ValueError(f"{policy.name}: no TensorRT flavour: {refusal}")
 
 
 class _ScoreBody(_Body):

@@ -22,9 +22,11 @@ named at each rule) and from this project's own engine build (``criticalkv.tenso
   (TensorRT loops need loop-invariant shapes: ``ILoop`` recurrences and concatenated outputs are sized once).
 * ``fp16-range``: no float constant beyond the fp16 range (a weakly typed fp16 engine turns it to +-inf,
   e.g. an additive FLOAT32_MIN mask, and a fully masked softmax row to NaN).
-* ``plugin``: every ``ai.criticalkv`` node is ``CriticalKVSelect`` with no function body in the model, and its
-  attributes are exactly the plugin creator's fields with the importer's type mapping (importerUtils.cpp,
-  ``loadFields``: INT -> kINT32, FLOAT -> kFLOAT32, STRING -> kCHAR), INT values within int32 and a capacity.
+* ``plugin``: every ``ai.criticalkv`` node is one of the library's plugins (``CriticalKVSelect``, or the model-level
+  selection's ``CriticalKVScore`` and ``CriticalKVSelectModel``) with no function body in the model, and its
+  attributes are exactly that plugin creator's fields with the importer's type mapping (importerUtils.cpp,
+  ``loadFields``: INT -> kINT32, FLOAT -> kFLOAT32, STRING -> kCHAR), INT values within int32 and a capacity (the
+  model node: a capacity per layer).
 * ``profile``: every dynamic graph-input dimension is named (the engine build derives the optimization
   profile from the names, ``tensorrt_build.profile_shapes``).
 * ``data-dependent-shape``: no shape is computed from the values of a graph input (a shape input of Slice,
@@ -44,7 +46,7 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, numpy_helper
 
-from criticalkv.node import plugin_field_specs
+from criticalkv.node import MODEL_OP_TYPE, SCORE_OP_TYPE, PluginFieldSpec, plugin_field_specs
 
 #: The TensorRT release whose ONNX importer these rules follow.
 TENSORRT_VERSION = "10.14"
@@ -53,6 +55,16 @@ TENSORRT_VERSION = "10.14"
 MIN_OPSET, MAX_OPSET = 9, 23
 PLUGIN_DOMAIN = "ai.criticalkv"
 PLUGIN_OP = "CriticalKVSelect"
+#: Every plugin op of the library: the per-layer selection, the model-level selection's score and select nodes.
+PLUGIN_OPS = (PLUGIN_OP, SCORE_OP_TYPE, MODEL_OP_TYPE)
+#: Layer attributes the model node does not take (it has ``capacities``, one per layer, instead).
+_LAYER_ONLY = ("layer_idx", "capacity", "layer_budgets")
+
+
+def model_plugin_field_specs() -> list[PluginFieldSpec]:
+    """The CriticalKVSelectModel creator's fields: the knobs, num_layers, then capacities (INTS)."""
+    return ([s for s in plugin_field_specs() if s.name not in _LAYER_ONLY]
+            + [PluginFieldSpec("capacities", "INTS", "kINT32", ())])
 
 #: Default-domain operators with a builtin importer in TensorRT 10.14 (onnxOpImporters.cpp).
 SUPPORTED_OPS = frozenset("""
@@ -161,6 +173,8 @@ class _Checker:
     def __init__(self, model: onnx.ModelProto, plugin_fields):
         self.model = model
         self.fields = {f.name: f for f in plugin_fields}
+        self.plugin_fields = {PLUGIN_OP: self.fields, SCORE_OP_TYPE: self.fields,
+                              MODEL_OP_TYPE: {f.name: f for f in model_plugin_field_specs()}}
         self.violations: list[Violation] = []
 
     def add(self, rule: str, where: str, message: str) -> None:
@@ -177,8 +191,8 @@ class _Checker:
         for domain in sorted(set(opsets) - {"", "ai.onnx", PLUGIN_DOMAIN}):
             self.add("opset", "model", f"operator domain {domain!r} is imported: TensorRT has no importer for it")
         for f in m.functions:
-            if f.domain == PLUGIN_DOMAIN and f.name == PLUGIN_OP:
-                self.add("plugin", "model", f"the model carries a {PLUGIN_OP} function body: TensorRT >= 10.15 inlines "
+            if f.domain == PLUGIN_DOMAIN and f.name in PLUGIN_OPS:
+                self.add("plugin", "model", f"the model carries a {f.name} function body: TensorRT >= 10.15 inlines "
                          "it instead of using the plugin (build from the function-free TensorRT flavour)")
         for value in list(m.graph.input) + list(m.graph.output):
             self.check_value_type(value, "graph")
@@ -339,15 +353,16 @@ class _Checker:
 
     # ------------------------------------------------------------------ plugin node
     def check_plugin(self, node: onnx.NodeProto, name: str) -> None:
-        if node.op_type != PLUGIN_OP:
+        fields = self.plugin_fields.get(node.op_type)
+        if fields is None:
             self.add("plugin", name, f"{PLUGIN_DOMAIN}::{node.op_type} is not a registered plugin")
             return
         seen = set()
         for attr in node.attribute:
             seen.add(attr.name)
-            field = self.fields.get(attr.name)
+            field = fields.get(attr.name)
             if field is None:
-                self.add("plugin", name, f"attribute {attr.name!r} is not a field of the {PLUGIN_OP} creator")
+                self.add("plugin", name, f"attribute {attr.name!r} is not a field of the {node.op_type} creator")
                 continue
             got = ATTRIBUTE_FIELD_TYPES.get(attr.type)
             if got is None:
@@ -364,9 +379,14 @@ class _Checker:
                 self.add("plugin", name, f"attribute {attr.name!r} = {attr.i} does not fit the kINT32 field")
             elif attr.type == AttributeProto.INTS and any(not -INT32_MAX - 1 <= v <= INT32_MAX for v in attr.ints):
                 self.add("plugin", name, f"attribute {attr.name!r} has values that do not fit the kINT32 field")
-        missing = [f for f in self.fields if f not in seen]
+        missing = [f for f in fields if f not in seen]
         if missing:
             self.add("plugin", name, f"attributes missing (the creator would use its defaults): {', '.join(missing)}")
+        if node.op_type == MODEL_OP_TYPE:
+            capacities = next((list(a.ints) for a in node.attribute if a.name == "capacities"), [])
+            if not capacities or min(capacities) < 1:
+                self.add("plugin", name, "capacities must be positive INTS, one per layer (the plugin rejects others)")
+            return
         capacity = next((a.i for a in node.attribute if a.name == "capacity"), 0)
         if capacity < 1:
             self.add("plugin", name, "capacity must be a positive INT (0 means unset and the plugin rejects it)")

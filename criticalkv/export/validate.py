@@ -149,7 +149,7 @@ def validate_export(result: ExportResult) -> dict:
             own, capacities = result.context_policy, result.context_capacities
         if selects and (is_model_level(own, result.spec.num_layers) if key == "select_context" else model_level):
             report[key] = _validate_model_level(result, model, inferred, name, expected_contrib_operators(result, key),
-                                                own, capacities)
+                                                own, capacities, tensorrt)
             continue
         selection = [n for n in model.graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
         expected = result.spec.num_layers if selects else 0
@@ -244,9 +244,10 @@ def _check_contrib(model: onnx.ModelProto, name: str, expected: set[str] | None)
 
 def _validate_model_level(result: ExportResult, model: onnx.ModelProto, inferred: onnx.ModelProto, name: str,
                           contrib: set[str] | None = None, own: KVPolicy | None = None,
-                          capacities: list[int] | None = None) -> dict:
+                          capacities: list[int] | None = None, tensorrt: bool = False) -> dict:
     """The prefill graph of a model-level policy: one ``CriticalKVScore`` node per layer (the layer's attributes), one
-    ``CriticalKVSelectModel`` node (the policy and every layer's capacity) after them, and exactly their two bodies."""
+    ``CriticalKVSelectModel`` node (the policy and every layer's capacity) after them, and exactly their two bodies
+    (``tensorrt``: none, the plugins run the nodes, and the TensorRT importer's rules hold)."""
     ours = [n for n in model.graph.node if n.domain == DOMAIN]
     scores = [n for n in ours if n.op_type == SCORE_OP]
     selects = [n for n in ours if n.op_type == MODEL_OP]
@@ -266,11 +267,18 @@ def _validate_model_level(result: ExportResult, model: onnx.ModelProto, inferred
     if order.index(selects[0].name) < max(order.index(n.name) for n in scores):
         raise ValueError(f"{name}: {MODEL_OP} must come after every layer's {SCORE_OP}")
     functions = sorted(f"{f.domain}::{f.name}" for f in model.functions)
-    if functions != sorted([f"{DOMAIN}::{SCORE_OP}", f"{DOMAIN}::{MODEL_OP}"]):
-        raise ValueError(f"{name}: expected the {SCORE_OP} and {MODEL_OP} function bodies, found {functions}")
+    bodies = [] if tensorrt else sorted([f"{DOMAIN}::{SCORE_OP}", f"{DOMAIN}::{MODEL_OP}"])
+    if functions != bodies:
+        raise ValueError(f"{name}: expected the function bodies {bodies}, found {functions}"
+                         + (" (the TensorRT flavours carry none: the plugins run the nodes)" if tensorrt else ""))
     domains = {n.domain for n in model.graph.node} - {"", DOMAIN} - _check_contrib(model, name, contrib)
     if domains:
         raise ValueError(f"{name}: unexpected operator domains {sorted(domains)}")
+    if tensorrt:
+        violations = check_tensorrt_model(model)
+        if violations:
+            listed = "; ".join(str(v) for v in violations[:8])
+            raise ValueError(f"{name}: TensorRT {TENSORRT_VERSION}'s ONNX importer would reject it: {listed}")
     return {
         "file": name,
         "checker": "onnx.checker full_check passed",
@@ -279,4 +287,5 @@ def _validate_model_level(result: ExportResult, model: onnx.ModelProto, inferred
         "selection_nodes": 1,
         "score_nodes": len(scores),
         "functions": functions,
+        **({"tensorrt_rules": f"TensorRT {TENSORRT_VERSION} ONNX importer rules passed"} if tensorrt else {}),
     }

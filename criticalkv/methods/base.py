@@ -60,6 +60,12 @@ class GroupScoreInputs:
     w_heads: "torch.Tensor" = None
 
 
+#: Why the per-layer CriticalKVSelect plugin refuses a model-level method (its ``cpp_refusal``).
+MODEL_LEVEL_REFUSAL = ("shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node: "
+                       "its graph selects with a CriticalKVScore node per layer and one CriticalKVSelectModel node "
+                       "(plugins/README.md)")
+
+
 class BaseMethod:
     """A budget-allocation base method. Subclasses set the class attributes and override what differs.
 

@@ -53,7 +53,7 @@ from __future__ import annotations
 import numpy as np
 
 from criticalkv.methods.adakv import AdaKV, head_floors, onnx_shared_allocation_mask, shared_allocation_mask
-from criticalkv.methods.base import Allocation
+from criticalkv.methods.base import MODEL_LEVEL_REFUSAL, Allocation
 from criticalkv.methods.budget import head_cap, head_floor
 from criticalkv.methods.lazy import torch
 from criticalkv.methods.topk import canonical_scores, topk_mask
@@ -251,11 +251,10 @@ class LayerDefensiveKV(DefensiveKV):
     description = "defensivekv scores, the budget shared across all layers and heads (per-head floor ada_floor)"
     model_level = True
     knobs = DefensiveKV.knobs + ("head_cap_ratio",)
-    #: the CriticalKVSelect plugin is one node per layer: a budget shared by every layer needs every layer's scores
-    #: in one node (plugins/README.md, Known limits)
+    #: the CriticalKVSelect plugin is one node per layer: a budget shared by every layer needs every layer's ranking
+    #: in one node, the CriticalKVScore / CriticalKVSelectModel plugins' (plugins/README.md)
     native = False
-    cpp_refusal = ("shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node "
-                   "(plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime")
+    cpp_refusal = MODEL_LEVEL_REFUSAL
 
     def max_older_per_head(self, policy, r, m, num_kv_heads):
         # any head of any layer may take up to L * H_kv * r entries: bounded by its m older tokens, and by the

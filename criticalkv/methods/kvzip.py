@@ -46,7 +46,10 @@ input then has 0 entries), the scoring queries are the window's: S[g, i] = max o
 queries of the window attention. This keeps the method defined on every path; the question-agnostic context
 compression always runs the reconstruction.
 
-C++: not native (the plugin refuses it: ``cpp_refusal``); it runs on the PyTorch path and on ONNX Runtime.
+C++: native given its scores: the kernels and the torch ops take them (``select_layer(scores=...)``), the TensorRT plugin
+as its seventh input (``criticalkv.node.SCORES_INPUT``, [B, H_kv, n] fp32, computed by the graph). Without scores (the
+window-attention fallback) it runs on the PyTorch path and on ONNX Runtime only. ``layer-kvzip`` and
+``layer-kvzip-criticalkv`` (model-level) are refused by the per-layer plugin (``cpp_refusal``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from criticalkv.methods.adakv import AdaKV
+from criticalkv.methods.base import MODEL_LEVEL_REFUSAL
 from criticalkv.methods.lazy import torch
 from criticalkv.methods.phases import PromptScoring, RereadPass, Stream, reread_scores
 from criticalkv.methods.surrogate import mask_opening, surrogate_of
@@ -249,9 +253,8 @@ class KVzip(AdaKV):
     #: contexts where the unpooled score kept it (results/README.md, "Compress once, answer later")
     pools = False
     external_scores = True
-    native = False
-    cpp_refusal = ("ranks by the attention of a context reconstruction pass through the whole model, a score the "
-                   "per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime")
+    #: the plugin takes the graph's per-entry scores as its seventh input (``criticalkv.node.SCORES_INPUT``)
+    native = True
 
     def sinks(self, policy) -> int:
         return policy.sink_tokens
@@ -316,6 +319,10 @@ class LayerKVzip(KVzip):
                    "(per-head floor ada_floor, cap head_cap_ratio)")
     knobs = KVzip.knobs + ("head_cap_ratio",)
     model_level = True
+    #: the CriticalKVSelect plugin is one node per layer: a budget shared by every layer needs every layer's ranking
+    #: in one node, the CriticalKVScore / CriticalKVSelectModel plugins' (plugins/README.md)
+    native = False
+    cpp_refusal = MODEL_LEVEL_REFUSAL
 
     def max_older_per_head(self, policy, r, m, num_kv_heads):
         from criticalkv.methods.defensivekv import older_cap

@@ -174,8 +174,8 @@ def extend_outputs(num_layers: int) -> list[str]:
 #: Why the TensorRT backend runs no method phases (``criticalkv.methods.phases``: re-reads, streams) and no separate
 #: context policy.
 PHASES_REFUSAL = ("the TensorRT backend has no context-policy select engine and runs no method phases (re-read passes, "
-                  "streams: the plugin refuses a policy whose method scores prompts apart); serve this engine on ONNX "
-                  "Runtime or the torch backend, or build it with --context-policy engine")
+                  "streams: its extend engine returns none, so it cannot fill the select engine's scores inputs); serve "
+                  "this engine on ONNX Runtime or the torch backend, or build it with --context-policy engine")
 
 
 def select_inputs(window_queries, keys, values, lengths, kv_budget) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from criticalkv.methods import BASE_METHODS, METHODS, POLICIES
+from criticalkv.methods.base import BaseMethod
 from criticalkv.node import DOMAIN, KINDS, LAYER_ATTRIBUTES, LAYER_FIELDS, OP_TYPE, knob_type_name, plugin_field_specs
 from criticalkv.policy import KVPolicy, policy_table_markdown
 from criticalkv.spec.rules import DECIMAL_SCALE, MAX_TOKENS, Scoped
@@ -180,6 +181,9 @@ def render_policy_config_header() -> str:
         type_name, value = LAYER_FIELDS[name]
         fields.append(f"    {KINDS[type_name][2]} {name}" + (f" = {_literal(value)};" if type_name != "ints" else ";"))
     sink_policies = " || ".join(f'p.name == "{n}"' for n, m in METHODS.items() if "sink_tokens" in m.knobs)
+    # a scored method that keeps its first tokens keeps them beside the window (KVPolicy.min_budget)
+    beside = " || ".join(f'p.name == "{n}"' for n, m in METHODS.items()
+                         if type(m.base).sinks is not BaseMethod.sinks) or "false"
     lines = [
         f"// GENERATED from criticalkv.policy.KVPolicy and criticalkv.methods by {COMMAND}; do not edit.",
         "// Host only: the creator's fields as a struct, registry lookups and the validation (KVPolicy's rules and",
@@ -236,9 +240,12 @@ def render_policy_config_header() -> str:
         "    return static_cast<int64_t>(std::llround(value * static_cast<double>(kDecimalScale)));",
         "}",
         "",
-        "//! Smallest per-request budget (input kv_budget) the node accepts: the window, and the sinks when read.",
+        "//! Smallest per-request budget (input kv_budget) the node accepts (KVPolicy.min_budget): the window, and the sinks",
+        "//! when read (beside the window for a scored method that keeps them, kvzip's).",
         "inline int32_t minRuntimeBudget(PolicyConfig const& p)",
         "{",
+        f"    if ({beside})",
+        "        return p.window + p.sink_tokens;",
         f"    return ({sink_policies}) && p.sink_tokens > p.window ? p.sink_tokens : p.window;",
         "}",
         "",
@@ -345,6 +352,8 @@ def render_plugin_yaml() -> str:
         "      - o_proj_weight    # [hidden, H * d_h]",
         "      - prompt_lengths   # [B] int32, optional (left-padded batch)",
         "      - kv_budget        # [1] int32, optional: the request's budget, clamped to [minRuntimeBudget, budget]",
+        "      - scores           # [B, H_kv, n] fp32, the kvzip pair only (then every input is given): the graph's "
+        "per-entry scores",
         "    outputs:",
         "      - kept_keys        # [B, H_kv, min(n, capacity), d_h], zero padded",
         "      - kept_values      # [B, H_kv, min(n, capacity), d_h], zero padded",
@@ -352,7 +361,7 @@ def render_plugin_yaml() -> str:
         "      - kept_indices     # [B, H_kv, min(n, capacity)] int32, ascending, -1 padded",
         "    input_dims:",
         "      queries: 4", "      keys: 4", "      values: 4", "      o_proj_weight: 2", "      prompt_lengths: 1",
-        "      kv_budget: 1",
+        "      kv_budget: 1", "      scores: 3",
         "    output_dims:",
         "      kept_keys: \"keys_0, keys_1, min(keys_2, capacity), keys_3\"",
         "      kept_values: \"keys_0, keys_1, min(keys_2, capacity), keys_3\"",

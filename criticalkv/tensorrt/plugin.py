@@ -17,6 +17,8 @@ PLUGIN_LIBRARY_NAME = "libcriticalkv_trt_plugin.so"
 #: Environment variable naming the plugin library explicitly (takes precedence over the build folder).
 PLUGIN_LIBRARY_ENV = "CRITICALKV_PLUGIN_LIBRARY"
 PLUGIN_NAME = "CriticalKVSelect"
+#: Every plugin of the library: the per-layer selection, and the model-level selection's score and select nodes.
+PLUGIN_NAMES = (PLUGIN_NAME, "CriticalKVScore", "CriticalKVSelectModel")
 PLUGIN_VERSION = "1"
 #: The creator is registered twice: namespace "" (the ONNX parser's default) and the node's domain.
 PLUGIN_NAMESPACES = ("", "ai.criticalkv")

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from criticalkv.tensorrt.plugin import PLUGIN_LIBRARY_NAME, PLUGIN_NAME, load_plugin_library
+from criticalkv.tensorrt.plugin import PLUGIN_LIBRARY_NAME, PLUGIN_NAME, PLUGIN_NAMES, load_plugin_library
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -340,7 +340,8 @@ def _network_inputs(network: Any) -> list[tuple[str, list[int | str | None]]]:
 
 
 def count_plugin_layers(network: Any, trt: Any) -> int:
-    """Number of IPluginV3 layers of the network that are CriticalKVSelect (any V3 plugin if it cannot tell)."""
+    """Number of IPluginV3 layers of the network that are criticalkv's (CriticalKVSelect, or the model-level selection's
+    CriticalKVScore / CriticalKVSelectModel; any V3 plugin if it cannot tell)."""
     count = 0
     for i in range(network.num_layers):
         layer = network.get_layer(i)
@@ -353,7 +354,7 @@ def count_plugin_layers(network: Any, trt: Any) -> int:
             name = getattr(core, "plugin_name", None)
         except Exception:  # bindings without these accessors: count every V3 plugin layer
             name = None
-        if name in (None, PLUGIN_NAME):
+        if name is None or name in PLUGIN_NAMES:
             count += 1
     return count
 

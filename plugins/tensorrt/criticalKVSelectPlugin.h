@@ -5,14 +5,15 @@
 //   4 prompt_lengths [B] int32 (optional: without it every sequence has n tokens)
 //   5 kv_budget [1] int32 (optional, needs input 4: the request's budget, clamped to [window, budget]; read on the
 //     device, so enqueue never waits for it)
+//   6 scores [B, H_kv, n] fp32 (the kvzip pair, which then takes all seven inputs; no other policy takes it): the
+//     per-entry scores the graph computed (the KVzip surrogate's, or a context reconstruction's)
 // Outputs, cap = min(n, capacity):
 //   0 kept_keys [B, H_kv, cap, d_h]  1 kept_values [B, H_kv, cap, d_h]  2 kept_lengths [B, H_kv] int32
 //   3 kept_indices [B, H_kv, cap] int32
-// Float tensors are all fp32, all fp16 or all bf16, linear layout.
+// Float tensors are all fp32, all fp16 or all bf16 (scores: always fp32), linear layout.
 #pragma once
 
-#include "policy.h"
-#include "criticalkv/select_params.h"
+#include "pluginBase.h"
 
 #include <NvInferRuntime.h>
 
@@ -23,29 +24,18 @@ namespace criticalkv::trt
 {
 
 constexpr char const* kPluginName = "CriticalKVSelect";
-constexpr char const* kPluginVersion = "1";
-constexpr char const* kPluginDomain = "ai.criticalkv";
 
-class CriticalKVSelectPlugin : public nvinfer1::IPluginV3,
-                               public nvinfer1::IPluginV3OneCore,
-                               public nvinfer1::IPluginV3OneBuild,
-                               public nvinfer1::IPluginV3OneRuntime
+class CriticalKVSelectPlugin : public PluginBase
 {
 public:
     //! Throws std::invalid_argument when the policy does not validate.
     CriticalKVSelectPlugin(std::string layerName, std::string pluginNamespace, PolicyConfig const& policy);
-    CriticalKVSelectPlugin(CriticalKVSelectPlugin const& other);
-    CriticalKVSelectPlugin& operator=(CriticalKVSelectPlugin const&) = delete;
-    ~CriticalKVSelectPlugin() override = default;
 
     // IPluginV3
-    nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
     nvinfer1::IPluginV3* clone() noexcept override;
 
     // IPluginV3OneCore
     char const* getPluginName() const noexcept override;
-    char const* getPluginVersion() const noexcept override;
-    char const* getPluginNamespace() const noexcept override;
 
     // IPluginV3OneBuild
     int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
@@ -60,34 +50,13 @@ public:
     int32_t getNbOutputs() const noexcept override;
     size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
-    char const* getTimingCacheID() noexcept override;
-    char const* getMetadataString() noexcept override;
 
     // IPluginV3OneRuntime
     int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
         int32_t nbOutputs) noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
-    nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
     nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
-
-    PolicyConfig const& policy() const noexcept
-    {
-        return mPolicy;
-    }
-
-private:
-    //! The kernels' shape from the input dimensions (throws on an inconsistent or unsupported combination).
-    SelectShape shapeFromDims(nvinfer1::Dims const* dims, int32_t nbInputs) const;
-
-    std::string mLayerName;
-    std::string mNamespace;
-    PolicyConfig mPolicy;
-    SelectConfig mConfig;
-    std::string mMetadata;
-    int32_t mNbInputs{-1}; //!< 4 to 6 (prompt_lengths, kv_budget given), from configurePlugin / onShapeChange
-    std::vector<nvinfer1::PluginField> mDataToSerialize;
-    nvinfer1::PluginFieldCollection mFCToSerialize{};
 };
 
 class CriticalKVSelectCreator : public nvinfer1::IPluginCreatorV3One

@@ -1,6 +1,7 @@
 // Entry points of libcriticalkv_trt_plugin.so, as NVIDIA/TensorRT plugin/vc: getCreators and setLoggerFinder are
 // what `trtexec --dynamicPlugins=...` and IPluginRegistry::loadLibrary look up.
 #include "criticalKVSelectPlugin.h"
+#include "modelLevelPlugins.h"
 #include "pluginUtils.h"
 
 #include <iostream>
@@ -64,14 +65,21 @@ void logMessage(nvinfer1::ILogger::Severity severity, std::string const& message
 
 } // namespace criticalkv::trt
 
-//! Two creators of the same plugin: namespace "" (what the ONNX parser's plugin fallback looks up by default)
-//! and "ai.criticalkv" (the node's ONNX domain, which newer parsers may use as the namespace).
+//! Two creators of each plugin: namespace "" (what the ONNX parser's plugin fallback looks up by default) and
+//! "ai.criticalkv" (the node's ONNX domain, which newer parsers may use as the namespace). CriticalKVSelect first, then
+//! the model-level selection's CriticalKVScore and CriticalKVSelectModel.
 extern "C" TENSORRTAPI nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators)
 {
+    using criticalkv::trt::kPluginDomain;
     static criticalkv::trt::CriticalKVSelectCreator sDefaultNamespace{""};
-    static criticalkv::trt::CriticalKVSelectCreator sDomainNamespace{criticalkv::trt::kPluginDomain};
-    static nvinfer1::IPluginCreatorInterface* const kCreators[] = {&sDefaultNamespace, &sDomainNamespace};
-    nbCreators = 2;
+    static criticalkv::trt::CriticalKVSelectCreator sDomainNamespace{kPluginDomain};
+    static criticalkv::trt::ModelLevelCreator sScoreDefault{false, ""};
+    static criticalkv::trt::ModelLevelCreator sScoreDomain{false, kPluginDomain};
+    static criticalkv::trt::ModelLevelCreator sModelDefault{true, ""};
+    static criticalkv::trt::ModelLevelCreator sModelDomain{true, kPluginDomain};
+    static nvinfer1::IPluginCreatorInterface* const kCreators[]
+        = {&sDefaultNamespace, &sDomainNamespace, &sScoreDefault, &sScoreDomain, &sModelDefault, &sModelDomain};
+    nbCreators = static_cast<int32_t>(sizeof(kCreators) / sizeof(kCreators[0]));
     return kCreators;
 }
 

@@ -25,7 +25,7 @@ inline void logError(std::string const& message) noexcept
 //! Report an exception caught at an API boundary.
 inline void caughtError(std::exception const& e) noexcept
 {
-    logError(std::string("CriticalKVSelect: ") + e.what());
+    logError(std::string("criticalkv plugin: ") + e.what());
 }
 
 //! Throw std::invalid_argument(message) unless condition holds (caught at the API boundary).

@@ -1,4 +1,4 @@
-// Host harness for the CriticalKVSelect plugin library (libcriticalkv_plugin_harness.so, ctypes tests).
+// Host harness for the CriticalKV plugin library (libcriticalkv_plugin_harness.so, ctypes tests).
 //
 // It dlopens libcriticalkv_trt_plugin.so the way TensorRT's IPluginRegistry::loadLibrary does (getCreators,
 // setLoggerFinder) and drives the creator and plugin through the public IPluginV3 interfaces: field names,
@@ -473,8 +473,9 @@ extern "C"
         return keep(plugin->clone());
     }
 
-    //! getOutputDataTypes: status, output types into outTypes[4].
-    int32_t ckv_harness_output_types(int32_t handle, int32_t const* inputTypes, int32_t nbInputs, int32_t* outTypes)
+    //! getOutputDataTypes: status, output types into outTypes[nbOutputs].
+    int32_t ckv_harness_output_types(
+        int32_t handle, int32_t const* inputTypes, int32_t nbInputs, int32_t* outTypes, int32_t nbOutputs)
     {
         auto* build = capability<IPluginV3OneBuild>(handle, PluginCapabilityType::kBUILD);
         if (build == nullptr)
@@ -486,17 +487,19 @@ extern "C"
         {
             in[i] = static_cast<DataType>(inputTypes[i]);
         }
-        DataType outputs[4] = {};
-        int32_t const status = build->getOutputDataTypes(outputs, 4, in.data(), nbInputs);
-        for (int32_t i = 0; i < 4; ++i)
+        std::vector<DataType> outputs(static_cast<size_t>(nbOutputs));
+        int32_t const status = build->getOutputDataTypes(outputs.data(), nbOutputs, in.data(), nbInputs);
+        for (int32_t i = 0; i < nbOutputs; ++i)
         {
             outTypes[i] = static_cast<int32_t>(outputs[i]);
         }
         return status;
     }
 
-    //! getOutputShapes with inputs given as packed dims (nbDims, d0..d7; -1 = symbolic). JSON [[dims...], ...].
-    int32_t ckv_harness_output_shapes(int32_t handle, int64_t const* packedInputs, int32_t nbInputs, char* out, int32_t outLen)
+    //! getOutputShapes with inputs given as packed dims (nbDims, d0..d7; -1 = symbolic: the layer inputs' axis names,
+    //! "in<i>.<axis>" beyond input 4). JSON [[dims...], ...].
+    int32_t ckv_harness_output_shapes(
+        int32_t handle, int64_t const* packedInputs, int32_t nbInputs, int32_t nbOutputs, char* out, int32_t outLen)
     {
         auto* build = capability<IPluginV3OneBuild>(handle, PluginCapabilityType::kBUILD);
         if (build == nullptr)
@@ -514,15 +517,17 @@ extern "C"
             for (int32_t a = 0; a < dims.nbDims; ++a)
             {
                 bool const known = dims.d[a] >= 0;
-                std::string const symbol = i < 5 && a < 4 ? axisNames[i][a] : "?";
+                std::string const symbol
+                    = i < 5 && a < 4 ? axisNames[i][a] : "in" + std::to_string(i) + "." + std::to_string(a);
                 inputs[i].d[a] = builder.make(known, known ? dims.d[a] : 0, symbol);
             }
         }
-        DimsExprs outputs[4] = {};
-        int32_t const status = build->getOutputShapes(inputs.data(), nbInputs, nullptr, 0, outputs, 4, builder);
+        std::vector<DimsExprs> outputs(static_cast<size_t>(nbOutputs));
+        int32_t const status
+            = build->getOutputShapes(inputs.data(), nbInputs, nullptr, 0, outputs.data(), nbOutputs, builder);
         std::ostringstream json;
         json << "{\"status\":" << status << ",\"shapes\":[";
-        for (int32_t o = 0; o < 4 && status == 0; ++o)
+        for (int32_t o = 0; o < nbOutputs && status == 0; ++o)
         {
             json << (o ? "," : "") << "[";
             for (int32_t a = 0; a < outputs[o].nbDims; ++a)
@@ -557,7 +562,7 @@ extern "C"
     }
 
     //! getWorkspaceSize with the given packed max dims of the inputs (min / opt set equal).
-    int64_t ckv_harness_workspace(int32_t handle, int64_t const* packedMaxInputs, int32_t nbInputs)
+    int64_t ckv_harness_workspace(int32_t handle, int64_t const* packedMaxInputs, int32_t nbInputs, int32_t nbOutputs)
     {
         auto* build = capability<IPluginV3OneBuild>(handle, PluginCapabilityType::kBUILD);
         if (build == nullptr)
@@ -573,8 +578,8 @@ extern "C"
             in[i].opt = dims;
             in[i].max = dims;
         }
-        DynamicPluginTensorDesc out[4] = {};
-        return static_cast<int64_t>(build->getWorkspaceSize(in.data(), nbInputs, out, 4));
+        std::vector<DynamicPluginTensorDesc> out(static_cast<size_t>(nbOutputs));
+        return static_cast<int64_t>(build->getWorkspaceSize(in.data(), nbInputs, out.data(), nbOutputs));
     }
 
     //! configurePlugin (which = 0, dims as desc.dims with -1 allowed) or onShapeChange (which = 1, concrete dims).

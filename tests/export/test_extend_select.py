@@ -213,15 +213,17 @@ def test_graph_io_and_tensorrt_flavours(tmp_path):
                                              run(session(tmp_path, "select_with_body.onnx"), trimmed).values()))
 
 
-def test_a_model_level_policy_has_no_tensorrt_flavours(tmp_path):
+def test_a_model_level_policy_has_tensorrt_flavours_of_plugin_nodes(tmp_path):
     policy = KVPolicy("layer-defensivekv", budget=BUDGET, window=WINDOW)
     result = export_model(tiny_model("llama", seed=2), policy, tmp_path, BuildConfig(max_input_len=MAX_INPUT))
     written = sorted(p.name for p in tmp_path.glob("*.onnx"))
-    assert written == ["decode.onnx", "decode_ort.onnx", "extend.onnx", "extend_ort.onnx", "prefill.onnx", "prefill_ort.onnx",
-                       "select.onnx"]
+    assert written == ["decode.onnx", "decode_ort.onnx", "extend.onnx", "extend_ort.onnx", "extend_tensorrt.onnx",
+                       "prefill.onnx", "prefill_ort.onnx", "prefill_tensorrt.onnx", "select.onnx", "select_tensorrt.onnx"]
     report = validate_export(result)
-    for key in ("prefill_tensorrt", "extend_tensorrt", "select_tensorrt"):
-        assert "refused" in report[key]
+    for key in ("prefill_tensorrt", "select_tensorrt"):  # the CriticalKVScore / CriticalKVSelectModel plugins' nodes
+        assert "refused" not in report[key] and report[key]["functions"] == [] and "tensorrt_rules" in report[key]
+        assert report[key]["score_nodes"] == LAYERS and report[key]["selection_nodes"] == 1
+    assert "refused" not in report["extend_tensorrt"] and report["extend_tensorrt"]["selection_nodes"] == 0
     assert report["select"]["score_nodes"] == LAYERS and report["select"]["selection_nodes"] == 1
 
 

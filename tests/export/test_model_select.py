@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from criticalkv import KVPolicy
-from criticalkv.export.decoder import build_prefill, collect_weights, layer_capacities, model_spec
-from criticalkv.export.model_select import MODEL_OP, SCORE_OP
+from criticalkv.export.model_select import MODEL_OP, SCORE_OP, tensorrt_refusal
 from criticalkv.hf import generate
 from criticalkv.runtime import Engine
 from criticalkv.methods.budget import head_cap
@@ -87,24 +86,32 @@ def test_left_padded_batch_and_a_request_budget_equal_pytorch(engines):
         assert_same_as_pytorch(model, engine, policy, [prompt(130, seed=9)], kv_budget=24)
 
 
-def test_the_graph_has_one_model_level_node_after_the_last_layer_and_no_tensorrt_flavour(engines):
+def test_the_graph_has_one_model_level_node_after_the_last_layer_and_a_tensorrt_flavour_of_plugin_nodes(engines):
+    from criticalkv.export.tensorrt_rules import check_tensorrt_model
+
     model, built = engines
     policy, folder, engine = built[CAPPED]
     graph = onnx.load(str(folder / "prefill.onnx"), load_external_data=False)
     ours = [n.op_type for n in graph.graph.node if n.domain == "ai.criticalkv"]
     assert ours == [SCORE_OP] * 3 + [MODEL_OP]
     assert sorted(f.name for f in graph.functions) == sorted([SCORE_OP, MODEL_OP])
-    assert not (folder / "prefill_tensorrt.onnx").exists()
+    # the TensorRT flavours: the same nodes without bodies (the CriticalKVScore / CriticalKVSelectModel plugins)
+    for name in ("prefill_tensorrt.onnx", "select_tensorrt.onnx"):
+        flavour = onnx.load(str(folder / name), load_external_data=False)
+        nodes = [n for n in flavour.graph.node if n.domain == "ai.criticalkv"]
+        assert [n.op_type for n in nodes] == [SCORE_OP] * 3 + [MODEL_OP], name
+        assert list(flavour.functions) == [] and check_tensorrt_model(flavour) == [], name
+        assert [a.ints for a in nodes[-1].attribute if a.name == "capacities"] == [[head_cap(CAPPED, BUDGET)] * 3]
     manifest = engine.manifest
-    assert "refused" in manifest["onnx"]["validation"]["prefill_tensorrt"]
-    assert "prefill_tensorrt" not in manifest["onnx"]["files"]
+    report = manifest["onnx"]["validation"]["prefill_tensorrt"]
+    assert "refused" not in report and report["score_nodes"] == 3 and report["functions"] == []
+    assert "tensorrt_rules" in report
+    assert manifest["onnx"]["files"]["prefill_tensorrt"]
     # the per-layer static capacity is the cap; the decode buffers add max_new_tokens
     cap = head_cap(CAPPED, BUDGET)
     assert manifest["shapes"]["prefill_capacity"] == [cap] * 3
     assert built[0.0][2].manifest["shapes"]["prefill_capacity"] == [256] * 3  # uncapped: max_input_len
-    spec = model_spec(model)
-    with pytest.raises(ValueError, match="no TensorRT flavour.*TopK limit"):
-        build_prefill(spec, collect_weights(model, spec), policy, layer_capacities(policy, spec, 256), flavour="tensorrt")
+    assert tensorrt_refusal(policy, 3) is None
 
 
 def test_head_cap_ratio_is_a_policy_knob_with_its_rule():

@@ -190,11 +190,16 @@ def test_tensorrt_step_skips_a_method_the_plugin_has_no_flow_for(tmp_path):
     from criticalkv.build import tensorrt_step
 
     messages = []
-    out = tensorrt_step(tmp_path, SimpleNamespace(policy=KVPolicy("layer-defensivekv")), messages.append)
-    # a model-level method is refused first (its export writes no TensorRT flavour), before the plugin's refusal
-    assert out == {"built": False, "skipped_reason": "layer-defensivekv selects after the last layer over every layer's "
-                   "entries: no TensorRT flavour (docs/operator.md, model-level selection)"}
-    assert "SKIPPED because layer-defensivekv selects after the last layer" in messages[0]
+    result = SimpleNamespace(policy=KVPolicy("expected-attention"), spec=SimpleNamespace(num_layers=3))
+    out = tensorrt_step(tmp_path, result, messages.append)
+    # the export wrote no TensorRT flavour: the step is skipped with the plugin's refusal
+    assert out == {"built": False, "skipped_reason": "the CriticalKVSelect plugin refuses expected-attention: it reads "
+                   "RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect "
+                   "plugin does not take; select it on the PyTorch path or ONNX Runtime"}
+    assert "SKIPPED because the CriticalKVSelect plugin refuses expected-attention" in messages[0]
+    # kvzip's re-read scores: no TensorRT flavour either
+    result = SimpleNamespace(policy=KVPolicy("layer-kvzip"), spec=SimpleNamespace(num_layers=3))
+    assert "context reconstruction" in tensorrt_step(tmp_path, result, messages.append)["skipped_reason"]
 
 
 def test_live_nodes_drops_unread_nodes_also_inside_branches():

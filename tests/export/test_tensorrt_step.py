@@ -126,13 +126,13 @@ def test_the_build_gives_tensorrt_the_extend_and_select_graphs(succeeding_tensor
         graph: graph.encode() for graph in ("prefill", "decode", "extend", "select")}
 
 
-def test_a_model_level_policy_builds_no_tensorrt_engines(succeeding_tensorrt, checkpoint, tmp_path):
-    # layer-defensivekv has no TensorRT flavour of any graph: the step is skipped with the existing reason
+def test_a_model_level_policy_builds_tensorrt_engines_from_its_plugin_nodes(succeeding_tensorrt, checkpoint, tmp_path):
+    # layer-defensivekv's TensorRT flavour holds the CriticalKVScore / CriticalKVSelectModel plugin nodes
     messages = []
     config = BuildConfig(max_input_len=128, max_new_tokens=8, attention_chunk=32)
     output = build_engine(tmp_path / "engine", KVPolicy("layer-defensivekv", budget=40, window=8), config,
                           model=str(checkpoint), smoke=False, log=messages.append)
-    assert succeeding_tensorrt == []
+    assert [call["prefill"].name for call in succeeding_tensorrt] == ["prefill_tensorrt.onnx"]
     info = read_manifest(output, verify=False)["tensorrt"]
-    assert info["built"] is False and "selects after the last layer" in info["skipped_reason"]
-    assert not (output / "tensorrt").exists() and not (output / "extend_tensorrt.onnx").exists()
+    assert info["built"] is True and "skipped_reason" not in info
+    assert (output / "extend_tensorrt.onnx").exists() and (output / "select_tensorrt.onnx").exists()

@@ -220,12 +220,13 @@ class PluginHarness:
         L.ckv_harness_describe.argtypes = [ctypes.c_int32, ctypes.c_char_p, ctypes.c_int32]
         L.ckv_harness_round_trip.argtypes = [ctypes.c_int32, ctypes.c_int32]
         L.ckv_harness_clone.argtypes = [ctypes.c_int32, ctypes.c_int32]
-        L.ckv_harness_output_types.argtypes = [ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32, P(ctypes.c_int32)]
-        L.ckv_harness_output_shapes.argtypes = [ctypes.c_int32, P(ctypes.c_int64), ctypes.c_int32, ctypes.c_char_p,
-                                                ctypes.c_int32]
+        L.ckv_harness_output_types.argtypes = [ctypes.c_int32, P(ctypes.c_int32), ctypes.c_int32, P(ctypes.c_int32),
+                                               ctypes.c_int32]
+        L.ckv_harness_output_shapes.argtypes = [ctypes.c_int32, P(ctypes.c_int64), ctypes.c_int32, ctypes.c_int32,
+                                                ctypes.c_char_p, ctypes.c_int32]
         L.ckv_harness_supports.argtypes = [ctypes.c_int32, ctypes.c_int32, P(ctypes.c_int32), P(ctypes.c_int32),
                                            ctypes.c_int32, ctypes.c_int32]
-        L.ckv_harness_workspace.argtypes = [ctypes.c_int32, P(ctypes.c_int64), ctypes.c_int32]
+        L.ckv_harness_workspace.argtypes = [ctypes.c_int32, P(ctypes.c_int64), ctypes.c_int32, ctypes.c_int32]
         L.ckv_harness_workspace.restype = ctypes.c_int64
         L.ckv_harness_configure.argtypes = [ctypes.c_int32, ctypes.c_int32, P(ctypes.c_int64), ctypes.c_int32,
                                             ctypes.c_int32]
@@ -268,15 +269,16 @@ class PluginHarness:
     def clone(self, handle: int, attach: bool = False) -> int:
         return self.lib.ckv_harness_clone(handle, int(attach))
 
-    def output_types(self, handle: int, input_types: list[int]) -> tuple[int, list[int]]:
+    def output_types(self, handle: int, input_types: list[int], nb_outputs: int = 4) -> tuple[int, list[int]]:
         inputs = (ctypes.c_int32 * len(input_types))(*input_types)
-        out = (ctypes.c_int32 * 4)()
-        status = self.lib.ckv_harness_output_types(handle, inputs, len(input_types), out)
+        out = (ctypes.c_int32 * nb_outputs)()
+        status = self.lib.ckv_harness_output_types(handle, inputs, len(input_types), out, nb_outputs)
         return status, list(out)
 
-    def output_shapes(self, handle: int, shapes: list[tuple[int, ...]]) -> dict:
-        out = ctypes.create_string_buffer(1 << 14)
-        self.lib.ckv_harness_output_shapes(handle, pack_dims(shapes), len(shapes), out, 1 << 14)
+    def output_shapes(self, handle: int, shapes: list[tuple[int, ...]], nb_outputs: int = 4) -> dict:
+        """Symbolic axes (-1): the layer inputs' names (B, H, Wq, D; B, Hkv, n, D; ...), "in<i>.<axis>" beyond input 4."""
+        out = ctypes.create_string_buffer(1 << 16)
+        self.lib.ckv_harness_output_shapes(handle, pack_dims(shapes), len(shapes), nb_outputs, out, 1 << 16)
         return json.loads(out.value.decode())
 
     def supports(self, handle: int, pos: int, types: list[int], formats: list[int], nb_inputs: int) -> bool:
@@ -284,8 +286,8 @@ class PluginHarness:
         f = (ctypes.c_int32 * len(formats))(*formats)
         return self.lib.ckv_harness_supports(handle, pos, t, f, nb_inputs, len(types) - nb_inputs) == 1
 
-    def workspace(self, handle: int, max_shapes: list[tuple[int, ...]]) -> int:
-        return self.lib.ckv_harness_workspace(handle, pack_dims(max_shapes), len(max_shapes))
+    def workspace(self, handle: int, max_shapes: list[tuple[int, ...]], nb_outputs: int = 4) -> int:
+        return self.lib.ckv_harness_workspace(handle, pack_dims(max_shapes), len(max_shapes), nb_outputs)
 
     def configure(self, handle: int, shapes: list[tuple[int, ...]], nb_inputs: int, on_shape_change: bool) -> int:
         return self.lib.ckv_harness_configure(handle, int(on_shape_change), pack_dims(shapes), nb_inputs,

@@ -60,9 +60,16 @@ def cuda_lib(native_build, needs_nvcc) -> CudaLibrary:
     return lib
 
 
+#: The modules whose shared-table tests select a layer from its own inputs (the host driver, the kernels).
+SELECTING_MODULES = ("test_plugin_host_select", "test_plugin_gpu")
+
+
 def pytest_collection_modifyitems(config, items):
     """Policies the plugin has no selection flow for (``BaseMethod.native`` False: a model-level method) are refused by the
-    plugin's validation (tested in test_plugin_fields.py): their shared-table cases are skipped here."""
+    plugin's validation (tested in test_plugin_fields.py), and the shared table's tests drive a layer with its own inputs
+    alone, which a policy ranking by external scores (the kvzip pair) cannot run without its ``scores`` input (tested
+    with it in test_plugin_scores_input.py and tests/selection/test_select_op.py): their shared-table cases are skipped
+    here."""
     from criticalkv.methods import METHODS
 
     here = Path(__file__).resolve().parent
@@ -72,6 +79,9 @@ def pytest_collection_modifyitems(config, items):
         case = item.callspec.params.get("case") if hasattr(item, "callspec") else None
         if not (isinstance(case, tuple) and len(case) == 2 and isinstance(case[1], dict) and "name" in case[1]):
             continue  # not a line of the shared policy table
-        if not METHODS[case[1]["name"]].base.native:
-            method = METHODS[case[1]["name"]].base
+        method = METHODS[case[1]["name"]].base
+        if not method.native:
             item.add_marker(pytest.mark.skip(reason=f"{case[1]['name']}: refused by the plugin ({method.cpp_refusal})"))
+        elif method.external_scores and Path(item.path).stem in SELECTING_MODULES:
+            item.add_marker(pytest.mark.skip(reason=f"{case[1]['name']}: ranks by its scores input, which this shared-table "
+                                                    "test does not give"))

@@ -165,3 +165,35 @@ def test_the_capped_flow_is_a_fixed_sequence_of_launches(emulator, tmp_path):
     kernels, memsets, topk_calls = launches.tolist()
     assert topk_calls == 3 and memsets == 1
     assert kernels == 4 + 1 + 3 + 2  # plan, sort, levels, marks; refine plan; 3 single-CTA top-k; 2 harness kernels
+
+
+@pytest.mark.parametrize("cap, floor, kind, kv_budget", [(0.0, 0.0, "random", None), (1.0, 0.2, "ties", None),
+                                                         (2.0, 0.0, "random", 14), (1.0, 0.0, "skewed", None)],
+                         ids=["uncapped", "cap1-ties", "cap2-budget", "cap1-skewed"])
+def test_the_refinement_by_the_ranking_keeps_the_reference_entries(emulator, tmp_path, cap, floor, kind, kv_budget):
+    """The TensorRT CriticalKVSelectModel plugin refines layer-kvzip-criticalkv by the ranking its CriticalKVScore nodes
+    output (the graph's score node has no separate attention output): the ranking is the base score plus the sink
+    offset on the sinks, and every sink is allocated (head_cap_ratio is 0 or >= 1), so stage 1 ranks the rest by the
+    same values. The kernels given the ranking as their attention keep the reference's entries (which refines by the
+    attention itself)."""
+    policy = KVPolicy("layer-kvzip-criticalkv", budget=24, window=4, head_cap_ratio=cap, ada_floor=floor, sink_tokens=3)
+    layers, kv_heads, n, batch, group = 3, 2, 80, 3, 2
+    g = torch.Generator().manual_seed(int(cap * 10) + int(floor * 100) + len(kind))
+    m, heads = n - policy.window, layers * kv_heads
+    lengths = [n, n - 17, policy.budget - 2]
+    attention = scores_of("random" if kind == "skewed" else kind, (batch, heads, m), g)
+    if kind == "skewed":
+        attention = attention * torch.where(torch.arange(heads) % 3 == 0, 10.0, 1.0)[None, :, None]
+    critical = scores_of(kind, (batch, heads, m), g)
+    chosen = policy if kv_budget is None else policy.with_budget(kv_budget)
+    valid_start = n - torch.as_tensor(lengths)
+    eligible = (torch.arange(m)[None, :] >= valid_start[:, None])[:, None, :].expand(batch, heads, m)
+    ranking = chosen.method.base.priority(chosen, {"attention": attention}, eligible, None)
+    device, host, *_ = run(emulator, tmp_path, policy, layers, kv_heads, group, n, lengths, ranking, ranking, critical,
+                           torch.rand(batch, kv_heads, n, generator=g), kv_budget)
+    want, compressed = reference(chosen, layers, kv_heads, n, lengths, ranking, attention, critical)
+    assert compressed.any()
+    for b in range(batch):
+        if compressed[b]:
+            assert torch.equal(device[b] != 0, want[b]), (b, ((device[b] != 0) ^ want[b]).nonzero()[:8])
+            assert torch.equal(host[b] != 0, want[b]), b

@@ -74,10 +74,12 @@ def test_layer_budget_and_capacity_match_python(host_lib, case):
 
 @pytest.mark.parametrize("case", POLICY_CASES, ids=[c[0] for c in POLICY_CASES])
 def test_runtime_budget_resolves_like_a_policy_built_with_that_budget(host_lib, case):
-    """kv_budget = b on a node built with budget B acts as the policy with budget b (clamped to [window, B])."""
+    """kv_budget = b on a node built with budget B acts as the policy with budget b (clamped to [min_budget, B]: the
+    window, with the sinks beside it for the kvzip pair and streamingllm's sinks)."""
     for budget, window in ((64, 16), (256, 32), (1000, 64)):
         policy = make_policy(case[1], budget=budget, window=window)
         floor_budget = max(window, policy.sink_tokens) if policy.base == "streamingllm" else window
+        floor_budget = max(floor_budget, window + policy.method.base.sinks(policy))  # the kvzip pair keeps its sinks
         for layer, layers in ((0, 1), (0, 30), (17, 30), (29, 30)):
             values = node_fields(policy, layer, layers, 4096)
             for requested in (-5, 0, window - 1, window, window + 1, (window + budget) // 2, budget - 1, budget,

@@ -28,11 +28,20 @@ def test_field_specs_are_the_knobs_and_the_layer_attributes():
 
 
 def test_every_creator_advertises_exactly_the_generated_fields(harness):
+    """CriticalKVSelect and CriticalKVScore: the node attributes; CriticalKVSelectModel: the model node's (the knobs,
+    num_layers, capacities: criticalkv.export.model_select.model_node)."""
+    from criticalkv.export.model_select import MODEL_ATTRIBUTES
+
     creators = harness.creators()
-    assert len(creators) == 2
+    assert [c["name"] for c in creators] == ["CriticalKVSelect"] * 2 + ["CriticalKVScore"] * 2 + ["CriticalKVSelectModel"] * 2
     want = [(s.name, TRT_TYPE_CODES[s.trt_type]) for s in plugin_field_specs()]
-    for creator in creators:
+    for creator in creators[:4]:
         assert [(f["name"], f["type"]) for f in creator["fields"]] == want
+    model = [(s.name, TRT_TYPE_CODES[s.trt_type]) for s in plugin_field_specs() if s.name in KVPolicy.knob_names()]
+    model += [("num_layers", TRT_TYPE_CODES["kINT32"]), ("capacities", TRT_TYPE_CODES["kINT32"])]
+    assert [name for name, _ in model] == list(KVPolicy.knob_names()) + list(MODEL_ATTRIBUTES)
+    for creator in creators[4:]:
+        assert [(f["name"], f["type"]) for f in creator["fields"]] == model
 
 
 def test_missing_knobs_take_the_kvpolicy_defaults(harness):
@@ -51,21 +60,18 @@ def test_methods_without_a_cpp_flow_are_refused(host_lib):
     from criticalkv.methods import METHODS
 
     refused = [name for name, m in METHODS.items() if not m.base.native]
-    # a model-level selection needs every layer's scores in one node; expected attention needs RoPE's tables; kvzip a
-    # whole-model reconstruction pass
-    assert refused == ["layer-defensivekv", "expected-attention", "kvzip", "layer-kvzip", "expected-criticalkv",
-                       "kvzip-criticalkv", "layer-kvzip-criticalkv"]
-    error = host_lib.parse(encode_fields(node_fields(KVPolicy("layer-defensivekv"))))
-    assert error == ("name: layer-defensivekv shares the budget across all layers, and the CriticalKVSelect plugin "
-                     "selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime")
+    # a model-level selection needs every layer's scores in one node; expected attention needs RoPE's tables
+    assert refused == ["layer-defensivekv", "expected-attention", "layer-kvzip", "expected-criticalkv",
+                       "layer-kvzip-criticalkv"]
     for name in ("expected-attention", "expected-criticalkv"):
         error = host_lib.parse(encode_fields(node_fields(KVPolicy(name))))
         assert error == (f"name: {name} reads RoPE's rotation averaged over the next future_positions positions, an "
                          "input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime")
-    for name in ("kvzip", "kvzip-criticalkv"):
+    for name in ("layer-defensivekv", "layer-kvzip", "layer-kvzip-criticalkv"):
         error = host_lib.parse(encode_fields(node_fields(KVPolicy(name))))
-        assert error == (f"name: {name} ranks by the attention of a context reconstruction pass through the whole model, "
-                         "a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path "
-                         "or ONNX Runtime")
-    for name in ("ada-criticalkv", "defensivekv"):
+        assert error == (f"name: {name} shares the budget across all layers, and the CriticalKVSelect plugin selects "
+                         "one layer per node: its graph selects with a CriticalKVScore node per layer and one "
+                         "CriticalKVSelectModel node (plugins/README.md)")
+    # the kvzip pair ranks by the graph's scores, the plugin's seventh input (test_plugin_scores_input.py)
+    for name in ("ada-criticalkv", "defensivekv", "kvzip", "kvzip-criticalkv"):
         assert host_lib.parse(encode_fields(node_fields(KVPolicy(name)))) == ""

@@ -846,3 +846,164 @@ def test_engine_with_the_plugin_matches_the_reference(native_build, needs_nvcc, 
     check_selection(got, ref, policy, n, "engine at kv_budget 96")
     want_k, _ = gather_kv(ref, k, v)
     assert want_k.shape[2] <= got[2].shape[2]
+
+
+def build_and_run_engine(blob, profile_shapes, feeds, out_dtypes, expected_plugins):
+    """Parse an ONNX model with the plugin library's nodes, build an fp32 engine over ``profile_shapes`` ({input:
+    (min, opt, max)}), run it once on the CUDA tensors ``feeds``; {output: tensor} of ``out_dtypes``."""
+    import tensorrt as trt
+
+    from criticalkv.tensorrt import load_plugin_library
+    from criticalkv.tensorrt.tensorrt_build import count_plugin_layers
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    load_plugin_library(BUILD_DIR / "libcriticalkv_trt_plugin.so", trt.get_plugin_registry())
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    if hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE"):
+        parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
+    assert parser.parse(blob), [str(parser.get_error(i)) for i in range(parser.num_errors)]
+    assert count_plugin_layers(network, trt) == expected_plugins
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    for name, (low, opt, high) in profile_shapes.items():
+        profile.set_shape(name, low, opt, high)
+    config.add_optimization_profile(profile)
+    engine_blob = builder.build_serialized_network(network, config)
+    assert engine_blob is not None
+    engine = trt.Runtime(logger).deserialize_cuda_engine(engine_blob)
+    context = engine.create_execution_context()
+    for name, tensor in feeds.items():
+        context.set_input_shape(name, tuple(tensor.shape))
+        context.set_tensor_address(name, tensor.data_ptr())
+    outputs = {}
+    for name, dtype in out_dtypes.items():
+        outputs[name] = torch.empty(tuple(context.get_tensor_shape(name)), dtype=dtype, device="cuda")
+        context.set_tensor_address(name, outputs[name].data_ptr())
+    stream = torch.cuda.current_stream()
+    assert context.execute_async_v3(stream.cuda_stream)
+    stream.synchronize()
+    return outputs
+
+
+def layer_value_infos(suffix, heads, kv_heads, head_dim, window):
+    from onnx import TensorProto, helper
+
+    f = TensorProto.FLOAT
+    return [helper.make_tensor_value_info(f"queries{suffix}", f, ["batch", heads, window, head_dim]),
+            helper.make_tensor_value_info(f"keys{suffix}", f, ["batch", kv_heads, "n", head_dim]),
+            helper.make_tensor_value_info(f"values{suffix}", f, ["batch", kv_heads, "n", head_dim]),
+            helper.make_tensor_value_info(f"scores{suffix}", f, ["batch", kv_heads, "n"])]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None, reason="tensorrt is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("onnx") is None, reason="onnx is not installed")
+def test_engine_with_the_scores_input_matches_the_reference(native_build, needs_nvcc):
+    """kvzip-criticalkv through the CriticalKVSelect plugin with its seventh input, the scores the graph passes in."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from criticalkv.node import DOMAIN, INPUTS, OP_TYPE, OUTPUTS, SCORES_INPUT
+
+    heads, kv_heads, head_dim, hidden, window, n = 8, 2, 64, 256, 32, 900
+    q, k, v, o = cuda_layer(batch=2, heads=heads, kv_heads=kv_heads, n=n, head_dim=head_dim, hidden=hidden,
+                            window=window, seed=6)
+    scores = torch.rand(2, kv_heads, n, generator=torch.Generator().manual_seed(6)).cuda()
+    policy = KVPolicy("kvzip-criticalkv", budget=128, window=window, sink_tokens=4)
+    capacity = node_capacity(policy, 2048, kv_heads, 0, 1)
+    node = helper.make_node(OP_TYPE, list(INPUTS) + [SCORES_INPUT], list(OUTPUTS), domain=DOMAIN, name="select0")
+    node.attribute.extend(helper.make_attribute(key, value) for key, value in node_attributes(policy, 0, 1, capacity).items())
+    f, i32 = TensorProto.FLOAT, TensorProto.INT32
+    inputs = layer_value_infos("", heads, kv_heads, head_dim, window)
+    inputs = inputs[:3] + [helper.make_tensor_value_info("prompt_lengths", i32, ["batch"]),
+                           helper.make_tensor_value_info("kv_budget", i32, [1]), inputs[3]]
+    outputs = [helper.make_tensor_value_info("kept_keys", f, ["batch", kv_heads, "cap", head_dim]),
+               helper.make_tensor_value_info("kept_values", f, ["batch", kv_heads, "cap", head_dim]),
+               helper.make_tensor_value_info("kept_lengths", i32, ["batch", kv_heads]),
+               helper.make_tensor_value_info("kept_indices", i32, ["batch", kv_heads, "cap"])]
+    graph = helper.make_graph([node], "criticalkv_select_scores", inputs, outputs,
+                              [numpy_helper.from_array(o.cpu().numpy(), "o_proj_weight")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    lengths = torch.tensor([n, 600], dtype=torch.int32, device="cuda")
+    feeds = {"queries": q, "keys": k, "values": v, "prompt_lengths": lengths,
+             "kv_budget": torch.tensor([128], dtype=torch.int32, device="cuda"), "scores": scores}
+    shapes = {"queries": ((1, heads, window, head_dim), (2, heads, window, head_dim), (4, heads, window, head_dim)),
+              "scores": ((1, kv_heads, 1), (2, kv_heads, 1024), (4, kv_heads, 2048)),
+              "prompt_lengths": ((1,), (2,), (4,)), "kv_budget": ((1,), (1,), (1,))}
+    for name in ("keys", "values"):
+        shapes[name] = ((1, kv_heads, 1, head_dim), (2, kv_heads, 1024, head_dim), (4, kv_heads, 2048, head_dim))
+    out = build_and_run_engine(model.SerializeToString(), shapes, feeds,
+                               {"kept_keys": torch.float32, "kept_values": torch.float32, "kept_lengths": torch.int32,
+                                "kept_indices": torch.int32}, 1)
+    ref = select_layer(policy, q, k, v, o, prompt_lengths=lengths.long(), scores=scores)
+    got = (out["kept_indices"].long(), out["kept_lengths"].long(), out["kept_keys"], out["kept_values"])
+    check_selection(got, ref, policy, n, "engine with scores")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None, reason="tensorrt is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("onnx") is None, reason="onnx is not installed")
+@pytest.mark.parametrize("name", ["layer-defensivekv", "layer-kvzip-criticalkv"])
+def test_engine_of_the_model_level_nodes_matches_select_model(native_build, needs_nvcc, name):
+    """CriticalKVScore per layer, CriticalKVSelectModel after the last one: the model's kept entries equal
+    select_model's (the total per sequence exactly, the kept sets up to near-ties)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from criticalkv.export.model_select import model_inputs, model_node, model_outputs, score_node, score_outputs
+    from criticalkv.node import DOMAIN
+    from criticalkv.selection.layer import select_model
+
+    layers, heads, kv_heads, head_dim, hidden, window, n = 3, 8, 2, 64, 256, 16, 700
+    policy = KVPolicy(name, budget=96, window=window, head_cap_ratio=2.0)
+    scored = policy.method.base.external_scores
+    tensors = [cuda_layer(batch=2, heads=heads, kv_heads=kv_heads, n=n, head_dim=head_dim, hidden=hidden,
+                          window=window, seed=10 + i) for i in range(layers)]
+    scores = [torch.rand(2, kv_heads, n, generator=torch.Generator().manual_seed(20 + i)).cuda() for i in range(layers)]
+    capacities = [node_capacity(policy, 2048, kv_heads, i, layers) for i in range(layers)]
+    nodes, infos, weights, feeds = [], [], [], {}
+    lengths = torch.tensor([n, 500], dtype=torch.int32, device="cuda")
+    for i, (q, k, v, o) in enumerate(tensors):
+        names = [f"queries.{i}", f"keys.{i}", f"values.{i}", f"o_proj.{i}", "prompt_lengths", "kv_budget"]
+        names += [f"scores.{i}"] if scored else []
+        outs = [f"{out}.{i}" for out in score_outputs(policy)]
+        nodes.append(score_node(policy, i, layers, capacities[i], names, outs))
+        infos += [info for info in layer_value_infos(f".{i}", heads, kv_heads, head_dim, window)
+                  if scored or not info.name.startswith("scores")]
+        weights.append(numpy_helper.from_array(o.cpu().numpy(), f"o_proj.{i}"))
+        feeds.update({f"queries.{i}": q, f"keys.{i}": k, f"values.{i}": v, **({f"scores.{i}": scores[i]} if scored else {})})
+    refined = len(score_outputs(policy)) == 2
+    nodes.append(model_node(policy, capacities, model_inputs(layers, refined), model_outputs(layers)))
+    # the score nodes' outputs (ranking.l, critical.l) are the model node's inputs by name
+    i32, f = TensorProto.INT32, TensorProto.FLOAT
+    infos += [helper.make_tensor_value_info("prompt_lengths", i32, ["batch"]), helper.make_tensor_value_info("kv_budget", i32, [1])]
+    outputs = []
+    for i in range(layers):
+        cap = ["batch", kv_heads, f"cap_{i}"]
+        outputs += [helper.make_tensor_value_info(f"kept_keys.{i}", f, cap + [head_dim]),
+                    helper.make_tensor_value_info(f"kept_values.{i}", f, cap + [head_dim]),
+                    helper.make_tensor_value_info(f"kept_lengths.{i}", i32, cap[:2]),
+                    helper.make_tensor_value_info(f"kept_indices.{i}", i32, cap)]
+    assert [o.name for o in outputs] == model_outputs(layers)
+    graph = helper.make_graph(nodes, "criticalkv_model_level", infos, outputs, weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    feeds.update({"prompt_lengths": lengths, "kv_budget": torch.tensor([96], dtype=torch.int32, device="cuda")})
+    shapes = {"prompt_lengths": ((1,), (2,), (4,)), "kv_budget": ((1,), (1,), (1,))}
+    for i in range(layers):
+        shapes[f"queries.{i}"] = ((1, heads, window, head_dim), (2, heads, window, head_dim), (4, heads, window, head_dim))
+        for kind in ("keys", "values"):
+            shapes[f"{kind}.{i}"] = ((1, kv_heads, 1, head_dim), (2, kv_heads, 1024, head_dim), (4, kv_heads, 2048, head_dim))
+        if scored:
+            shapes[f"scores.{i}"] = ((1, kv_heads, 1), (2, kv_heads, 1024), (4, kv_heads, 2048))
+    dtypes = {x: torch.float32 if x.startswith(("kept_keys", "kept_values")) else torch.int32 for x in model_outputs(layers)}
+    out = build_and_run_engine(model.SerializeToString(), shapes, feeds, dtypes, layers + 1)
+    refs = select_model(policy, tensors, lengths.long(), scores=scores if scored else None)
+    kept, agree, total = torch.zeros(2, device="cuda"), 0, 0
+    for i, ref in enumerate(refs):
+        indices, got_lengths = out[f"kept_indices.{i}"].long(), out[f"kept_lengths.{i}"].long()
+        mask = torch.zeros(2, kv_heads, n + 1, dtype=torch.bool, device="cuda")
+        mask.scatter_(-1, indices.masked_fill(indices < 0, n), True)
+        agree += (mask[..., :n] & ref.mask(n)).sum().item()
+        total += ref.lengths.sum().item()
+        kept += got_lengths.sum(-1) - ref.lengths.sum(-1).to(kept.device)
+        assert indices.shape[-1] == min(n, capacities[i])
+    assert torch.equal(kept, torch.zeros_like(kept)), "the model keeps L H_kv b entries per compressed sequence"
+    assert agree / total >= 0.99, agree / total

@@ -35,7 +35,7 @@ def test_library_loads_through_ctypes_and_exports_the_entry_points(native_build,
     count = ctypes.c_int32(-1)
     library.getCreators.restype = ctypes.c_void_p
     library.getCreators.argtypes = [ctypes.POINTER(ctypes.c_int32)]  # int32_t& is a pointer in the ABI
-    assert library.getCreators(ctypes.byref(count)) and count.value == 2
+    assert library.getCreators(ctypes.byref(count)) and count.value == 6
     exported = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True).stdout
     symbols = {line.split()[-1] for line in exported.splitlines() if " T " in line}
     assert symbols == {"getCreators", "setLoggerFinder"}, "only the two entry points are exported"
@@ -46,6 +46,10 @@ def test_creators_identify_the_plugin(harness):
     assert [(c["name"], c["version"], c["namespace"]) for c in creators] == [
         ("CriticalKVSelect", "1", ""),
         ("CriticalKVSelect", "1", "ai.criticalkv"),
+        ("CriticalKVScore", "1", ""),
+        ("CriticalKVScore", "1", "ai.criticalkv"),
+        ("CriticalKVSelectModel", "1", ""),
+        ("CriticalKVSelectModel", "1", "ai.criticalkv"),
     ]
     assert all(c["kind"] == "PLUGIN CREATOR_V3ONE" for c in creators)
 

@@ -33,7 +33,7 @@ def test_host_selection_equals_the_reference_on_real_layers(host_lib, fam, monke
     budget = (40, 17)[seed % 2]
     for case_id, kwargs in POLICY_CASES:
         policy = make_policy(kwargs, budget=budget, window=WINDOW)
-        if not policy.method.base.native:  # the plugin refuses it (test_plugin_fields); nothing to compare
+        if not policy.method.base.native or policy.method.base.external_scores:  # refused, or needs its scores input
             continue
         for q, k, v, o, layer_idx, num_layers, lengths, _ in layers:
             ref = select_layer(policy, q, k, v, o, layer_idx, num_layers, lengths)

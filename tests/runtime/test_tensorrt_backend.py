@@ -284,9 +284,10 @@ def build_tiny(tmp_path, name="criticalkv", dtype="float32", batch=2):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["criticalkv", "pyramidkv", "ada-criticalkv", "laprox", "full"])
+@pytest.mark.parametrize("name", ["criticalkv", "pyramidkv", "ada-criticalkv", "laprox", "full", "layer-defensivekv"])
 def test_tensorrt_engine_generates_the_onnxruntime_tokens(tmp_path, name):
     # the fp32 parity build (strongly typed, TF32 cleared): token- and index-identical to ONNX Runtime
+    # (layer-defensivekv: the CriticalKVScore / CriticalKVSelectModel plugins against the model node's function body)
     folder, _ = build_tiny(tmp_path, name, "float32")
     reference = Engine.load(folder, backend="onnxruntime").generate(PROMPTS, 24, stop_token_ids=[])
     for graphs in (True, False):

@@ -296,3 +296,62 @@ def test_the_default_context_policy_scores_with_the_models_surrogate(tmp_path):
     assert "reread" not in manifest["onnx"]["files"] and "reread_ort" not in manifest["onnx"]["files"]
     assert not any("no KVzip surrogate" in m for m in messages)
     assert any("KVzip surrogate (no re-read)" in m for m in messages)
+
+
+@pytest.mark.parametrize("name", ["layer-kvzip-criticalkv", "kvzip"])
+def test_the_tensorrt_flavour_computes_the_surrogate_scores_in_the_graph(trained, tmp_path, name):
+    """kvzip_score=surrogate has TensorRT graphs: the prefill computes S_hat = exp(h W + b) of every entry from each
+    layer's attention input and passes it to the plugin nodes' scores input (CriticalKVScore per layer and one
+    CriticalKVSelectModel for a model-level policy, CriticalKVSelect otherwise); the select graph takes it as its
+    scores.{l} inputs. The graph's scores of layer 1 (the plugin nodes cut off) equal the surrogate's on the
+    PyTorch model's hidden states. kvzip_score=reread keeps no TensorRT flavour (a reconstruction pass)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx.utils import Extractor
+
+    from criticalkv.export.model_select import tensorrt_refusal
+    from criticalkv.export.tensorrt_rules import check_tensorrt_model
+
+    model, surrogate = trained
+    policy = KVPolicy(name, budget=40, window=8, kvzip_score="surrogate")
+    folder = export_tiny_engine(model, policy, tmp_path / "e", extend_chunk=32)
+    layers = model.config.num_hidden_layers
+    model_level = name.startswith("layer-")
+    expected = ["CriticalKVScore"] * layers + ["CriticalKVSelectModel"] if model_level else ["CriticalKVSelect"] * layers
+    graphs = {}
+    for graph in ("prefill_tensorrt", "select_tensorrt"):
+        g = onnx.load(str(folder / f"{graph}.onnx"), load_external_data=False)
+        nodes = [n for n in g.graph.node if n.domain == "ai.criticalkv"]
+        assert [n.op_type for n in nodes] == expected, graph
+        assert all(len(n.input) == 7 for n in nodes[:layers]), "queries .. kv_budget, scores"
+        assert list(g.functions) == [] and check_tensorrt_model(g) == [], graph
+        graphs[graph] = (g, nodes)
+    select_inputs = [i.name for i in graphs["select_tensorrt"][0].graph.input]
+    assert [n.input[6] for n in graphs["select_tensorrt"][1][:layers]] == [f"scores.{i}" for i in range(layers)]
+    assert all(f"scores.{i}" in select_inputs for i in range(layers))
+    # the prefill's scores of layer 1, computed by ONNX Runtime from the graph cut before the plugin nodes
+    prefill = onnx.load(str(folder / "prefill_tensorrt.onnx"))
+    scores_name = graphs["prefill_tensorrt"][1][1].input[6]
+    prefill.graph.value_info.append(onnx.helper.make_tensor_value_info(scores_name, onnx.TensorProto.FLOAT, None))
+    sub = Extractor(prefill).extract_model(["input_ids", "attention_mask", "position_ids"], [scores_name])
+    ids = prompt(90, seed=4)
+    run = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, 90), np.int64),
+             "position_ids": np.arange(90, dtype=np.int64)[None]}
+    feeds = {i.name: feeds[i.name] for i in run.get_inputs()}
+    (got,) = run.run(None, feeds)
+    hidden = {}
+
+    def keep(module, args, kwargs, output):
+        hidden.setdefault(1, kwargs["hidden_states"][0].double())  # returns None: the output unchanged
+
+    handle = model.model.layers[1].self_attn.register_forward_hook(keep, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        handle.remove()
+    want = np.exp(hidden[1].numpy() @ surrogate.weight[1].astype(np.float64) + surrogate.bias[1]).T[None]
+    assert got.shape == (1, model.config.num_key_value_heads, 90)
+    np.testing.assert_allclose(got, want, rtol=2e-4)
+    assert "context reconstruction" in tensorrt_refusal(KVPolicy(name, kvzip_score="reread"), layers)

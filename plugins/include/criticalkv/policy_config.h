@@ -107,9 +107,12 @@ inline int64_t decimalMicros(double value)
     return static_cast<int64_t>(std::llround(value * static_cast<double>(kDecimalScale)));
 }
 
-//! Smallest per-request budget (input kv_budget) the node accepts: the window, and the sinks when read.
+//! Smallest per-request budget (input kv_budget) the node accepts (KVPolicy.min_budget): the window, and the sinks
+//! when read (beside the window for a scored method that keeps them, kvzip's).
 inline int32_t minRuntimeBudget(PolicyConfig const& p)
 {
+    if (p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv" || p.name == "layer-kvzip-criticalkv")
+        return p.window + p.sink_tokens;
     return (p.name == "streamingllm" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv" || p.name == "layer-kvzip-criticalkv") && p.sink_tokens > p.window ? p.sink_tokens : p.window;
 }
 
@@ -251,19 +254,15 @@ inline std::string validateKnobs(PolicyConfig const& p)
 inline std::string pluginRefusal(PolicyConfig const& p)
 {
     if (p.name == "layer-defensivekv")
-        return "name: layer-defensivekv shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node (plugins/README.md, Known limits); select it on the PyTorch path or ONNX Runtime";
+        return "name: layer-defensivekv shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node: its graph selects with a CriticalKVScore node per layer and one CriticalKVSelectModel node (plugins/README.md)";
     if (p.name == "expected-attention")
         return "name: expected-attention reads RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime";
-    if (p.name == "kvzip")
-        return "name: kvzip ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
     if (p.name == "layer-kvzip")
-        return "name: layer-kvzip ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
+        return "name: layer-kvzip shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node: its graph selects with a CriticalKVScore node per layer and one CriticalKVSelectModel node (plugins/README.md)";
     if (p.name == "expected-criticalkv")
         return "name: expected-criticalkv reads RoPE's rotation averaged over the next future_positions positions, an input the CriticalKVSelect plugin does not take; select it on the PyTorch path or ONNX Runtime";
-    if (p.name == "kvzip-criticalkv")
-        return "name: kvzip-criticalkv ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
     if (p.name == "layer-kvzip-criticalkv")
-        return "name: layer-kvzip-criticalkv ranks by the attention of a context reconstruction pass through the whole model, a score the per-layer CriticalKVSelect plugin cannot compute; select it on the PyTorch path or ONNX Runtime";
+        return "name: layer-kvzip-criticalkv shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node: its graph selects with a CriticalKVScore node per layer and one CriticalKVSelectModel node (plugins/README.md)";
     return "";
 }
 
