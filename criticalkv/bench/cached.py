@@ -20,7 +20,8 @@ compressing one of those documents as a context costs on the engine: the prefill
 the context reconstruction that scores it when the context policy re-reads contexts (kvzip), and the selection, per
 round; the issue's target for the reconstruction: <= 1.1x the prefill (``SCORING_GOAL``).
 
-Results: ``OUT/NAME.json`` (command, machine, load average, versions, every request), ``NAME.md``, ``NAME.png``.
+Results (``--out STEM``): ``STEM.json`` (command, machine, load average, versions, every request), ``STEM.md``,
+``STEM.png``.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ cached (``criticalkv_context_cache``: entries, and the evictions during the run)
 then each server's ratios to ``full``. The issue's targets (D = 16, Q = 8, ISL 2048): criticalkv
 output tokens/s >= 3x ``full`` and TTFT p50 <= 0.25x ``full``, same memory.
 
-Results: ``OUT/NAME.json`` (command, machine, load average, versions, settings, every request), ``NAME.md``
-(tables) and ``NAME.png``.
+Results (``--out STEM``): ``STEM.json`` (command, machine, load average, versions, settings, every request),
+``STEM.md`` (tables) and ``STEM.png``.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ kvpress (when ``import kvpress`` works; ``--kvpress-path`` adds a folder to the 
 CriticalKVPress(SnapKVPress) at the same budget through transformers, batch 1: TTFT and decode tokens/s.
 
 No step starts after ``--time-limit-s`` (requests in flight are cancelled then; the results say what was cut or
-skipped), and the results are written whatever happens: ``OUT/NAME.json`` and ``OUT/NAME.md``. ``--dry-run``, and any
-run without CUDA, runs a tiny model on the CPU through the same code (the plumbing, not a measurement).
+skipped), and the results are written whatever happens: ``STEM.json`` and ``STEM.md`` (``--out STEM``). ``--dry-run``,
+and any run without CUDA, runs a tiny model on the CPU through the same code (the plumbing, not a measurement).
 """
 
 from __future__ import annotations

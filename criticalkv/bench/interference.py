@@ -25,8 +25,8 @@ Chunk sizes compared in one run: ``--prefill-chunk 0,512,256`` starts one server
 each with ``--prefill-chunk`` added to ``--server-args``) and measures every round on each; each server's
 setting is recorded with its rounds (with ``--url``, ``--prefill-chunk`` only records the running server's).
 
-Results: ``OUT/NAME.json`` (header with machine, versions, commit, ``uptime`` before and after; per chunk size
-(``variants``) every round's timings), ``NAME.md`` (tables) and ``NAME.png`` (TTFT per round and case).
+Results (``--out STEM``): ``STEM.json`` (header with machine, versions, commit, ``uptime`` before and after; per chunk
+size (``variants``) every round's timings), ``STEM.md`` (tables) and ``STEM.png`` (TTFT per round and case).
 """
 
 from __future__ import annotations
@@ -306,7 +306,8 @@ def measure(endpoint: Endpoint, args, results: dict, variant: dict, stem: Path, 
     from tqdm import tqdm
 
     total = (args.warmup + args.repeats) * len(CASES)
-    bar = tqdm(total=total, desc=f"interference, {chunk_label(variant)}", unit="case", disable=None)  # on a terminal only
+    # a bar on a terminal only (disable=None)
+    bar = tqdm(total=total, desc=f"interference, {chunk_label(variant)}", unit="case", disable=None)
     variant["rounds"], variant["warmup_rounds"] = [], []
     try:
         for i in range(args.warmup + args.repeats):

@@ -12,7 +12,8 @@ Per server: output tokens/s, TTFT and TPOT, and the sequences it held at once, m
 scheduler's ``criticalkv_requests_running`` gauge (sampled every 0.1 s: peak and mean), with the KV MiB it held; then
 the ratios to ``full``. The issue's target (ISL 2048, OSL 256): criticalkv >= 1.4x ``full``'s output tokens/s.
 
-Results: ``OUT/NAME.json`` (command, machine, load average, versions, settings, every request), ``NAME.md``, ``NAME.png``.
+Results (``--out STEM``): ``STEM.json`` (command, machine, load average, versions, settings, every request),
+``STEM.md``, ``STEM.png``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Ray Serve's replacement replica must report within 60 s.
 
 The issue's targets (2 replicas, D 16 x Q 8, concurrency 8): affinity's hit rate >= single's and >= 1.5x pow2's;
 affinity's output tokens/s >= pow2's; the store's first token <= 0.25x a cold prefill's; the kill as above.
-Results: ``OUT/NAME.json`` and ``NAME.md``.
+Results (``--out STEM``): ``STEM.json`` and ``STEM.md``.
 """
 
 from __future__ import annotations
