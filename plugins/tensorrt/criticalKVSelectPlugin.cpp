@@ -245,19 +245,6 @@ int32_t CriticalKVSelectPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
     return -1;
 }
 
-PluginFieldCollection const* CriticalKVSelectPlugin::getFieldsToSerialize() noexcept
-{
-    try
-    {
-        return serializePolicy(nullptr);
-    }
-    catch (std::exception const& e)
-    {
-        caughtError(e);
-    }
-    return nullptr;
-}
-
 // ------------------------------------------------------------------------------------------------ creator
 
 CriticalKVSelectCreator::CriticalKVSelectCreator(char const* pluginNamespace)

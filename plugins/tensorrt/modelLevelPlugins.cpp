@@ -298,19 +298,6 @@ int32_t CriticalKVScorePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugin
     return -1;
 }
 
-PluginFieldCollection const* CriticalKVScorePlugin::getFieldsToSerialize() noexcept
-{
-    try
-    {
-        return serializePolicy(nullptr);
-    }
-    catch (std::exception const& e)
-    {
-        caughtError(e);
-    }
-    return nullptr;
-}
-
 // ------------------------------------------------------------------------------------------------ CriticalKVSelectModel
 
 CriticalKVSelectModelPlugin::CriticalKVSelectModelPlugin(std::string layerName, std::string pluginNamespace,

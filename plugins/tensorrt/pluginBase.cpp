@@ -79,6 +79,19 @@ IPluginV3* PluginBase::attachToContext(IPluginResourceContext* /*context*/) noex
     return clone();
 }
 
+PluginFieldCollection const* PluginBase::getFieldsToSerialize() noexcept
+{
+    try
+    {
+        return serializePolicy(nullptr);
+    }
+    catch (std::exception const& e)
+    {
+        caughtError(e);
+    }
+    return nullptr;
+}
+
 PluginFieldCollection const* PluginBase::serializePolicy(bool (*skip)(char const*))
 {
     mDataToSerialize.clear();

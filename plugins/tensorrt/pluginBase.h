@@ -32,6 +32,8 @@ public:
     char const* getTimingCacheID() noexcept override;
     char const* getMetadataString() noexcept override;
     nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
+    //! Every policy field (a plugin serializing more overrides it, calling serializePolicy).
+    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
 
     PolicyConfig const& policy() const noexcept
     {
