@@ -275,9 +275,8 @@ def main(args) -> int:
     return 1 if failed else 0
 
 
-def add_arguments(p) -> None:
-    served.add_server_arguments(p)
-    load = p.add_argument_group("workload")
+def add_workload_arguments(load, per: str = "server") -> None:
+    """The doc-QA workload's options (``bench docqa`` and ``bench replicas``, which runs the same workload)."""
     load.add_argument("--isl", type=int, default=2048, help="tokens per document (default: 2048)")
     load.add_argument("--docs", type=int, default=16, help="documents, D (default: 16)")
     load.add_argument("--questions", type=int, default=8, help="questions per document, Q (default: 8)")
@@ -286,14 +285,24 @@ def add_arguments(p) -> None:
     load.add_argument("--osl", type=int, default=64, help="new tokens per request (default: 64)")
     load.add_argument("--concurrency", type=int, default=8, help="requests in flight, closed loop (default: 8)")
     load.add_argument("--warmup", type=int, default=2,
-                      help="warm-up requests per server on a document of their own, not measured (default: 2)")
+                      help=f"warm-up requests per {per} on a document of their own, not measured (default: 2)")
+    load.add_argument("--seed", type=int, default=0, help="documents, questions and their order (default: 0)")
+
+
+def add_memory_arguments(mem, per: str = "server") -> None:
+    """Every server's KV memory and context cache, sized in uncompressed documents (``bench docqa``, ``replicas``)."""
+    served.add_kv_memory_argument(mem, "4", "uncompressed --isl-token documents")
+    mem.add_argument("--context-cache-mib", type=float,
+                     help=f"each {per}'s --context-cache-mib (default: the KV memory: the cache may use all of it)")
+
+
+def add_arguments(p) -> None:
+    served.add_server_arguments(p)
+    load = p.add_argument_group("workload")
+    add_workload_arguments(load)
     load.add_argument("--chat", action="store_true",
                       help="send apply_chat_template: context and question form one user message of the chat template")
     load.add_argument("--kv-budget", type=int, help="per-request kv_budget (default: the engine's)")
-    load.add_argument("--seed", type=int, default=0, help="documents, questions and their order (default: 0)")
-    mem = p.add_argument_group("memory (the same for every server)")
-    served.add_kv_memory_argument(mem, "4", "uncompressed --isl-token documents")
-    mem.add_argument("--context-cache-mib", type=float,
-                     help="each server's --context-cache-mib (default: the KV memory: the cache may use all of it)")
+    add_memory_arguments(p.add_argument_group("memory (the same for every server)"))
     out = p.add_argument_group("output")
     add_out_argument(out, "results/benchmarks/serving/docqa")

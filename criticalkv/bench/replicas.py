@@ -43,7 +43,7 @@ from pathlib import Path
 from criticalkv.bench import machine, served
 from criticalkv.bench.report import add_out_argument
 from criticalkv.bench.client import run_load, send_openai
-from criticalkv.bench.docqa import workload
+from criticalkv.bench.docqa import add_memory_arguments, add_workload_arguments, workload
 from criticalkv.bench.metrics import RequestRecord, distribution, summarize
 
 #: configuration -> (replicas: None = --replicas, router, shared store)
@@ -432,19 +432,8 @@ def add_arguments(p) -> None:
                         help="ONNX Runtime threads per replica (default: 1; the single replica gets this x --replicas)")
     target.add_argument("--store-mib", type=float, default=1024.0, help="the shared store's MiB where it is on (1024)")
     target.add_argument("--prefill-chunk", type=int, default=512, help="every replica's --prefill-chunk (512)")
-    load = p.add_argument_group("workload (bench docqa's)")
-    load.add_argument("--isl", type=int, default=2048, help="tokens per document (default: 2048)")
-    load.add_argument("--docs", type=int, default=16, help="documents, D (default: 16)")
-    load.add_argument("--questions", type=int, default=8, help="questions per document, Q (default: 8)")
-    load.add_argument("--question-tokens", type=int, default=32, help="tokens per question (default: 32)")
-    load.add_argument("--osl", type=int, default=64, help="new tokens per request (default: 64)")
-    load.add_argument("--concurrency", type=int, default=8, help="requests in flight, closed loop (default: 8)")
-    load.add_argument("--warmup", type=int, default=2, help="warm-up requests per replica, not measured (default: 2)")
-    load.add_argument("--seed", type=int, default=0, help="documents, questions and their order (default: 0)")
-    mem = p.add_argument_group("memory (every replica)")
-    served.add_kv_memory_argument(mem, "4", "uncompressed --isl-token documents")
-    mem.add_argument("--context-cache-mib", type=float,
-                     help="each replica's --context-cache-mib (default: the KV memory)")
+    add_workload_arguments(p.add_argument_group("workload (bench docqa's)"), per="replica")
+    add_memory_arguments(p.add_argument_group("memory (every replica)"), per="replica")
     fault = p.add_argument_group("fault")
     fault.add_argument("--fault", default="affinity", metavar="CONFIG",
                        help="the configuration whose replica is killed mid-stream, or none (default: affinity)")
