@@ -171,7 +171,6 @@ def cross_check(args, log=print) -> dict:
     prompts = make_prompts(tokenizer, args.isl, args.warmup + args.num_requests, seed=args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="criticalkv-aiperf-"))
     bodies = [request_body(p.text, args.osl, True, args.kv_budget) for p in prompts]
-    got: dict = {}
 
     def on_server(endpoint: Endpoint, metrics_url, engine: dict) -> None:
         log(f"this script: ISL {args.isl} OSL {args.osl} concurrency {args.concurrency}, {args.num_requests} requests ...")
@@ -184,8 +183,20 @@ def cross_check(args, log=print) -> dict:
         theirs, command, osl_stats = run_aiperf(Path(args.peers_dir), endpoint.url, endpoint.model, tokenizer_dir,
                                                 prompts, args.osl, args.concurrency, args.num_requests, args.warmup,
                                                 workdir / "aiperf", args.kv_budget)
-        got.update(engine=engine["label"], records=records, wall=wall, theirs=theirs, command=command,
-                   osl_stats=osl_stats, our_cpu=(after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
+        ours = summarize(records)
+        our_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        results["cross_check"] = {
+            "engine": engine["label"], "isl": args.isl, "osl": args.osl, "concurrency": args.concurrency,
+            "num_requests": args.num_requests, "warmup": args.warmup, "kv_budget": args.kv_budget,
+            "aiperf_command": command.replace(str(workdir / "aiperf"), "WORKDIR"),
+            "ours": ours, "aiperf": theirs, "comparison": compare(ours, theirs),
+            "server_output_tokens": sorted({r.num_output_tokens for r in records if r.ok}),
+            "aiperf_output_sequence_length": osl_stats,
+            "failed_requests": ours.get("failed"),
+            # client CPU seconds / wall seconds while each tool ran: what it took from the server's cores
+            "client_cpu": {"this script (warm-up excluded)": {"cpu_s": our_cpu, "wall_s": wall, "cores": our_cpu / wall},
+                           "aiperf (all its processes, start-up and warm-up included)": theirs.pop("_client_cpu")},
+        }
 
     try:
         served.on_each_server(args, served.split_server_args(args.server_args, own=()), on_server, {}, log=log)
@@ -198,20 +209,5 @@ def cross_check(args, log=print) -> dict:
         scrub_paths(out_dir, {str(workdir / "aiperf"): "WORKDIR", str(Path.cwd()): "."})
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    engine, records, wall, theirs, command, osl_stats, our_cpu = (
-        got[k] for k in ("engine", "records", "wall", "theirs", "command", "osl_stats", "our_cpu"))
-    ours = summarize(records)
-    results["cross_check"] = {
-        "engine": engine, "isl": args.isl, "osl": args.osl, "concurrency": args.concurrency,
-        "num_requests": args.num_requests, "warmup": args.warmup, "kv_budget": args.kv_budget,
-        "aiperf_command": command.replace(str(workdir / "aiperf"), "WORKDIR"),
-        "ours": ours, "aiperf": theirs, "comparison": compare(ours, theirs),
-        "server_output_tokens": sorted({r.num_output_tokens for r in records if r.ok}),
-        "aiperf_output_sequence_length": osl_stats,
-        "failed_requests": ours.get("failed"),
-        # client CPU seconds / wall seconds while each tool ran: what it took from the server's cores
-        "client_cpu": {"this script (warm-up excluded)": {"cpu_s": our_cpu, "wall_s": wall, "cores": our_cpu / wall},
-                       "aiperf (all its processes, start-up and warm-up included)": theirs.pop("_client_cpu")},
-    }
     machine.finish(results)
     return results

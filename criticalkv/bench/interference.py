@@ -315,16 +315,14 @@ def measure(endpoint: Endpoint, args, results: dict, variant: dict, stem: Path, 
                 row = run_case(endpoint, case, short_body, long_body, args.decode_after_tokens, args.prefill_delay)
                 row["round"] = i - args.warmup
                 (variant["warmup_rounds"] if i < args.warmup else variant["rounds"]).append(row)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix_str(f"{case} TTFT {row['short']['ttft_ms'] or float('nan'):.0f} ms")
+                bar.update(1)
+                bar.set_postfix_str(f"{case} TTFT {row['short']['ttft_ms'] or float('nan'):.0f} ms")
             if i >= args.warmup:
                 variant["summary"] = summarize_cases(variant["rounds"], TARGET_RATIO, variant.get("prefill_chunk"),
                                                      PREFILL_TARGET_RATIO)
             write_all(results, stem, figure=False)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
 
 
 def chunk_list(text: str | None) -> list[int | None]:
