@@ -23,6 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from criticalkv.bench.machine import header_lines
 from criticalkv.eval.io import write_json, write_text
 
 
@@ -108,7 +109,7 @@ def run(args) -> dict:
 
 def render(results: dict) -> str:
     backends = results["backends"]
-    lines = [*machine_lines(results), "",
+    lines = [*header_lines(results), "",
              f"Engine: {results['engine']['label']} ({results['engine']['engine_dir']}), domain {results['domain']}; "
              "each prompt's context compressed by the server's context policy, then the question.", "",
              "| backend | needles found | same answer as " + backends[0] + " |", "|---|---|---|"]
@@ -120,12 +121,6 @@ def render(results: dict) -> str:
         cells = [f"{r['by_backend'][b]['text']!r} ({r['by_backend'][b]['score']:.0f})".replace("|", "\\|") for b in backends]
         lines.append(f"| {r['key']} | {', '.join(r['answers'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def machine_lines(results: dict) -> list[str]:
-    from criticalkv.bench.machine import header_lines
-
-    return header_lines(results)
 
 
 def main(argv=None) -> int:
