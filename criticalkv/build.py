@@ -353,6 +353,9 @@ def build_engine(
     model_path = str(resolve_model(model))
     check_exportable_model(model_path)
     context = context_policy_for(policy, context_policy)
+    # the default context policy may need a stand-in (a model without a KVzip surrogate); a policy that keeps every
+    # entry (``full``) has no context policy to stand in for
+    default_context = context is not None and context_policy == DEFAULT_CONTEXT_POLICY
     request = build_request(model_name, model_path, policy, config, backend, context)
     output.parent.mkdir(parents=True, exist_ok=True)
     with build_lock(output):
@@ -363,9 +366,9 @@ def build_engine(
             return output
         if backend == "torch":
             return _build_torch(output, policy, config, model_name, model_path, request, smoke, log, context,
-                                default_context=context_policy == DEFAULT_CONTEXT_POLICY)
+                                default_context=default_context)
         return _build(output, policy, config, model, model_name, model_path, request, smoke, tensorrt, log, context,
-                      default_context=context_policy == DEFAULT_CONTEXT_POLICY)
+                      default_context=default_context)
 
 
 def check_exportable_model(model_path: str) -> None:
