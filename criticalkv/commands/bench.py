@@ -60,7 +60,7 @@ def register(subparsers) -> None:
     from criticalkv.bench.peers import kvpress
 
     setup = sub.add_parser("setup-peers", help="create the peers' virtual environments (kvpress, transformers, aiperf, "
-                           "onnxruntime-genai, openvino)", description=plain(peers.__doc__), epilog=peers.PEERS_DIR_HELP,
+                           "onnxruntime-genai, openvino, vllm)", description=plain(peers.__doc__), epilog=peers.PEERS_DIR_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     setup.add_argument("--peers", "--only", dest="only", default=",".join(peers.PEER_NAMES),
                        help=f"comma-separated subset of {','.join(peers.PEER_NAMES)} (default: all)")
@@ -357,7 +357,7 @@ def _run_main(module_name: str):
 
 def _register_served_loads(sub) -> None:
     """``docqa``, ``memory`` and ``cached-context``: workloads of the context cache and the KV memory budget."""
-    from criticalkv.bench import cached, docqa, memory, replicas
+    from criticalkv.bench import cached, docqa, memory, replicas, versus_vllm
 
     for name, module, help_text in (
             ("docqa", docqa, "documents x questions in random order at concurrency 8, same KV memory for every "
@@ -366,7 +366,9 @@ def _register_served_loads(sub) -> None:
                                "tokens/s and the sequences each server holds at once; ratios to full"),
             ("cached-context", cached, "TTFT of a question after a cached context vs the same request uncached"),
             ("replicas", replicas, "docqa on Ray Serve replicas: 1 replica, N with power-of-two routing, N with "
-                                   "context affinity + the shared store; then a replica SIGKILLed mid-request")):
+                                   "context affinity + the shared store; then a replica SIGKILLed mid-request"),
+            ("vllm", versus_vllm, "criticalkv's servers vs vllm serve on plain traffic, interleaved, medians of 3: "
+                                  "2k request TTFT / decode step, the same prefix twice, 8 concurrent, AIPerf")):
         p = sub.add_parser(name, help=help_text, description=plain(module.__doc__),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
