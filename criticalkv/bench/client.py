@@ -214,16 +214,18 @@ def prompt_ids(body: dict, tokenizer) -> list[int]:
 def openai_completion(body: dict, tokenizer, model: str) -> dict:
     """A ``generate_stream`` body as an OpenAI ``/v1/completions`` body for another server (vLLM): the prompt as the
     same token ids (``prompt_ids``), the same sampling (``max_tokens``, ``temperature``, ``ignore_eos``, ...),
-    streamed with the usage. A ``kv_budget`` has no counterpart there and is left out."""
+    streamed with the usage and each chunk's token ids (``return_token_ids``: a token that completes no character is
+    counted when it arrives). A ``kv_budget`` has no counterpart there and is left out."""
     if tokenizer is None:
         raise ValueError("an OpenAI endpoint needs the tokenizer that makes the prompt's ids")
     sampling = json.loads(body.get("sampling_parameters") or "{}")
     return {"model": model, "prompt": prompt_ids(body, tokenizer), "stream": True,
-            "stream_options": {"include_usage": True}, **sampling}
+            "stream_options": {"include_usage": True}, "return_token_ids": True, **sampling}
 
 
 def parse_openai_event(record: RequestRecord, event: dict, arrived: float) -> None:
-    """Fold one event of an OpenAI stream into ``record``: a chunk per event that carries text, the usage (the last
+    """Fold one event of an OpenAI stream into ``record``: a chunk per event that carries text (of its ``token_ids``
+    tokens where the server lists them, as vLLM's ``return_token_ids`` does, else one), the usage (the last
     event with ``stream_options.include_usage``) as the token counts, criticalkv's ``context_cache_hit``, and an error
     event (OpenAI's error object) as the error."""
     if "error" in event:
@@ -232,8 +234,11 @@ def parse_openai_event(record: RequestRecord, event: dict, arrived: float) -> No
         return
     for choice in event.get("choices") or []:
         text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+        ids = choice.get("token_ids")  # vLLM's return_token_ids: the chunk's tokens, text or not
+        count = len(ids) if isinstance(ids, list) else (1 if text else 0)
+        if count:
+            record.chunks.append((arrived, count))
         if text:
-            record.chunks.append((arrived, 1))
             record.text.append(text)
         if choice.get("finish_reason"):
             record.finish_reason = choice["finish_reason"]

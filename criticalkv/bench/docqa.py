@@ -222,7 +222,8 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [r for r in results["runs"] if r["summary"].get("completed")]
-    labels = [r["engine"]["label"] for r in runs]
+    several = len({r["engine"].get("repeat") for r in runs}) > 1
+    labels = [r["engine"]["label"] + (f" #{r['engine']['repeat'] + 1}" if several else "") for r in runs]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
     ax.bar(labels, [r["summary"]["output_throughput"] for r in runs], color="tab:blue")
@@ -246,12 +247,12 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title("time to first token")
     ax.legend(fontsize=7)
     ax = axes[2]
-    for r, marker in zip(runs, "os^vD"):
-        for hit, color in ((True, "tab:green"), (False, "tab:red")):
+    for r, marker in zip(runs, "os^vDPX*h<>" * 4):
+        for hit, color in ((True, "tab:green"), (False, "tab:red"), (None, "tab:gray")):
             pts = [(q["start_s"], q["ttft_ms"]) for q in r["requests"] if q["ok"] and q["context_cache_hit"] is hit]
             if pts:
                 ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=color, marker=marker, s=14, alpha=0.7,
-                           label=f"{r['engine']['label']}, {'hit' if hit else 'miss'}")
+                           label=f"{r['engine']['label']}, {'hit' if hit else 'miss' if hit is False else 'no context cache'}")
     ax.set_yscale("log")
     ax.set_xlabel("request start (s after the first)")
     ax.set_ylabel("TTFT (ms, log)")

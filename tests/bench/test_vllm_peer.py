@@ -103,6 +103,7 @@ def test_vllm_is_sent_the_ids_criticalkvs_server_runs(tokenizer):
         sent = openai_completion(body, tokenizer, "vllm")
         assert sent["prompt"] == context + ids and sent["max_tokens"] == 16 and sent["temperature"] == 0.0
         assert sent["ignore_eos"] is True and sent["stream"] and sent["stream_options"] == {"include_usage": True}
+        assert sent["return_token_ids"] is True  # chunks counted in tokens, text or not
     with pytest.raises(ValueError, match="tokenizer"):
         openai_completion(body, None, "vllm")
 

