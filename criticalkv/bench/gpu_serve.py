@@ -21,7 +21,7 @@ kvpress (when ``import kvpress`` works; ``--kvpress-path`` adds a folder to the 
 CriticalKVPress(SnapKVPress) at the same budget through transformers, batch 1: TTFT and decode tokens/s.
 
 vLLM (``--vllm``: the CUDA build of vLLM's environment, ``criticalkv.bench.peers.vllm``, created on first use where the
-package index is reachable; or ``--vllm-python PY``, a Python that imports vllm): after criticalkv's engines, the same
+package index is reachable; or ``--vllm PYTHON``, a Python that imports vllm): after criticalkv's engines, the same
 model (``--model``, or the random one written as a checkpoint folder first, then freed from this process) served by
 ``vllm serve`` with the same KV memory (``--kv-cache-memory-bytes``), its prefix caching on, on the same token ids
 (``--skip-tokenizer-init``: the prompts are ids): the same cold requests, and at each concurrency the same document and

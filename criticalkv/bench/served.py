@@ -676,7 +676,7 @@ def run_vllm(args, server_args: list[str], work, logs: Path, repeat: int, log=pr
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(getattr(args, "vllm_model", None)))
         work(Endpoint(server.url, LABEL, api="openai", tokenizer=tokenizer), server.metrics_url, engine)
-    return f"{LABEL}: {server.command} (KV {mib:.3f} MiB: {source})"
+    return f"{LABEL}: {re.sub(r'--port [0-9]+', '--port PORT', server.command)} (KV {mib:.3f} MiB: {source})"
 
 
 def vllm_version(python: Path) -> str | None:

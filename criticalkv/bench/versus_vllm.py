@@ -3,7 +3,7 @@
 Every server (``--engine-dir``, repeat for several; ``--server-args`` e.g. ``--backend openvino``; and ``vllm serve``
 on the same model, ``criticalkv.bench.peers.vllm``) is started ``--rounds`` times (default 3), interleaved (vLLM,
 criticalkv, criticalkv, vLLM, ...), and each fresh server runs the parts of ``--parts`` in this order, each on prompts
-of its own (no part finds another's prefix cached), after one warm-up request:
+of its own (no part finds another's prefix cached), after one warm-up request of ``--isl`` tokens:
 
 * ``single``: one chat request of ``--isl`` tokens (default 2048) alone, ``--osl`` new tokens (default 64): its
   first token (TTFT) and decode step (TPOT, the mean gap between tokens after the first);
@@ -70,14 +70,15 @@ def _get(run: dict, part: str, key: str):
 
 
 def workload(tokenizer, isl: int, batch: int, seed: int) -> dict:
-    """Per round the prompts of every part: texts whose chat-wrapped form is ``isl`` tokens (the warm-up: 256)."""
+    """Per round the prompts of every part: texts whose chat-wrapped form is ``isl`` tokens (the warm-up's too: a
+    runtime that compiles per shape, as OpenVINO does, compiles before anything is measured)."""
     from criticalkv.bench.prompts import text_for_chat_length
 
     def text(total, s):
         return text_for_chat_length(tokenizer, total, seed=s)
 
     # the document of ``prefix``: its chat alone is ``isl`` tokens; each question adds its own
-    return {"warmup": text(256, seed + 100), "single": text(isl, seed + 102), "document": text(isl, seed + 101),
+    return {"warmup": text(isl, seed + 100), "single": text(isl, seed + 102), "document": text(isl, seed + 101),
             "batch": [text(isl, seed + 110 + i) for i in range(batch)]}
 
 

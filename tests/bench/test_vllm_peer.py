@@ -175,3 +175,22 @@ def test_a_real_vllm_server_answers_the_needle_and_reuses_a_prefix(tmp_path):
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
+
+
+def test_gpu_serve_sends_vllm_criticalkvs_ids_and_reports_it():
+    from criticalkv.bench.gpu_report import render
+    from criticalkv.bench.gpu_serve import random_ids, vllm_body
+
+    ids = random_ids(16, 512, 7)
+    body = vllm_body(ids, 4)
+    assert body["prompt"] == ids and body["max_tokens"] == 4 and body["ignore_eos"] and body["temperature"] == 0.0
+    assert body["return_token_ids"] and body["stream"]
+    served_ = {"concurrency": 2, "requests": 2, "finished": 2, "completed": 2, "output_throughput": 50.0,
+               "ttft_ms": {"p50": 10.0, "p90": 11.0, "p99": 12.0}, "tpot_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}}
+    results = {"machine": {}, "runs": [{"prompt_tokens": 96, "name": "criticalkv", "policy": "criticalkv",
+                                        "served": [{**served_, "output_throughput": 25.0}]}],
+               "vllm": {"command": "vllm serve X", "ready_s": 30.0, "kv": {"tokens": 512},
+                        "runs": [{"prompt_tokens": 96, "cold": {"ttft_s": 0.1}, "served": [served_]}]}}
+    text = render(results)
+    assert "## vLLM" in text and "vllm serve X" in text
+    assert "| 96 | 0.100 | 2 | 2/2 | 10.0/11.0/12.0 | 1.0/1.0/1.0 | 50.0 | 0.50 |" in text
