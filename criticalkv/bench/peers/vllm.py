@@ -127,8 +127,11 @@ def serve_command(python: Path, folder: Path, port: int, kv_mib: float, extra: l
 
 
 def display(argv: list[str], env: dict) -> str:
-    """The command as a shell line (environment first), with the runner shown as ``vllm``."""
-    shown = ["vllm" if a == str(RUNNER) else a for a in argv[1:]]
+    """The command as a shell line (environment first), with the runner shown as ``vllm`` and the home directory as
+    ``~`` (no machine's absolute paths in result files)."""
+    home = str(Path.home())
+    shown = ["vllm" if a == str(RUNNER) else ("~" + a[len(home):]) if a.startswith(home + os.sep) else a
+             for a in argv[1:]]
     return " ".join([*(f"{k}={v}" for k, v in sorted(env.items())), shlex.join(shown)])
 
 

@@ -4,7 +4,7 @@
 # wrap each in the machine's exclusive-CPU runner) and stays under ~20 minutes on 2 cores; a sweep too long for one
 # call is split into rounds (--rounds / --first-round / --append: the medians cover every call's runs).
 #   bash results/benchmarks/vllm/commands.sh            # everything
-#   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, aiperf, docqa, memory
+#   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, docqa, needles, aiperf, memory
 # vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
 # first use. The engine is the README's (engines/ is git-ignored):
 #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8 \
@@ -23,17 +23,21 @@ if want plain; then
   $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --out $OUT/plain
 fi
 if want aiperf; then
-  # AIPerf 0.13, the same command against every server's OpenAI chat endpoint (ISL 2048, OSL 64, concurrency 8)
-  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --parts aiperf --rounds 2 --out $OUT/aiperf
-  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --parts aiperf --rounds 1 --first-round 3 \
-    --append --out $OUT/aiperf
+  # AIPerf 0.13, the same command against every server's OpenAI chat endpoint (ISL 2048, OSL 64, concurrency 8,
+  # 16 requests after 2 warm-up); one round (--rounds 3 for medians)
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --parts aiperf --rounds 1 --out $OUT/aiperf
 fi
 if want docqa; then
   # 16 documents x 8 questions at concurrency 8, the same KV memory for both (4 uncompressed documents of the
-  # engine: criticalkv's --kv-memory-mib, vLLM's --kv-cache-memory-bytes); one round per call
+  # engine: criticalkv's --kv-memory-mib, vLLM's --kv-cache-memory-bytes); 3 rounds over two calls
   $RUN $B bench docqa --engine-dir $E --vllm --out $OUT/docqa
-  $RUN $B bench docqa --engine-dir $E --vllm --first-round 2 --append --out $OUT/docqa
-  $RUN $B bench docqa --engine-dir $E --vllm --first-round 3 --append --out $OUT/docqa
+  $RUN $B bench docqa --engine-dir $E --vllm --rounds 2 --first-round 2 --append --out $OUT/docqa
+fi
+if want needles; then
+  # answers' accuracy: the needle grid (9 prompts per domain), the context compressed question-agnostically by
+  # criticalkv's server (its context cache) against vLLM's uncompressed prompt of the same ids
+  $RUN bash -c "for d in shakespeare docs legal code; do .venv/bin/python -m criticalkv.bench.served_needles \
+    --engine-dir $E --backends onnxruntime,vllm --domain \$d --out $OUT/needles_\$d || exit 1; done"
 fi
 if want memory; then
   # long prompts at concurrency 8 in a KV memory of 2 full sequences (ISL 2048, OSL 256)
