@@ -157,7 +157,7 @@ def test_a_real_vllm_server_answers_the_needle_and_reuses_a_prefix(tmp_path):
                                   kv_mib=1024.0, extra_args=["--enforce-eager"], log_path=tmp_path / "vllm.log")
     tokenizer = AutoTokenizer.from_pretrained(server.folder)
     needle = (ROOT / "examples" / "needle_2k.txt").read_text()
-    body = request_body(needle, 8, False, chat=True)
+    body = request_body(needle, 16, False, chat=True)
     with server:
         endpoint = Endpoint(server.url, vllm_peer.LABEL, api="openai", tokenizer=tokenizer)
         first = send_request(endpoint, body)
@@ -172,9 +172,19 @@ def test_a_real_vllm_server_answers_the_needle_and_reuses_a_prefix(tmp_path):
         hits = [v for _, s in monitor.samples for k, v in s.items() if k == "vllm:prefix_cache_hits_total"]
         assert hits and hits[-1] >= 1000  # the document's blocks were found cached
         pid = server.pid
-    time.sleep(0.5)
-    with pytest.raises(ProcessLookupError):
-        os.killpg(pid, 0)
+    assert vllm_peer.living_in_group(pid) == []  # its engine core and workers went with it
+
+
+def test_living_in_group_sees_a_running_group_and_not_a_stopped_one():
+    import subprocess
+
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert vllm_peer.living_in_group(proc.pid) == [proc.pid]
+    finally:
+        proc.kill()
+    proc.wait()
+    assert vllm_peer.living_in_group(proc.pid) == []
 
 
 def test_gpu_serve_sends_vllm_criticalkvs_ids_and_reports_it():

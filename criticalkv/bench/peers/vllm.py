@@ -108,6 +108,23 @@ def available(peers_dir: Path) -> bool:
     return peer_ready(peers_dir, "vllm")
 
 
+def living_in_group(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` that still run (a zombie no longer does: it waits to be reaped by
+    whichever process adopted it, which in a container may never happen)."""
+    living = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ... after "pid (comm) "
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            living.append(int(entry.name))
+    return living
+
+
 def serve_command(python: Path, folder: Path, port: int, kv_mib: float, extra: list[str] | None = None,
                   gpu: bool | None = None) -> tuple[list[str], dict, dict]:
     """(argv, environment additions, KV record) of ``vllm serve`` on 127.0.0.1:``port``."""
@@ -202,6 +219,9 @@ class VllmServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        deadline = time.monotonic() + 10.0
+        while living_in_group(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
             self._log = None
