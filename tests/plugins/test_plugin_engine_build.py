@@ -193,7 +193,7 @@ def test_unavailable_reason_names_tensorrt(tmp_path):
         build_tensorrt_engines(tmp_path / "p.onnx", tmp_path / "d.onnx", tmp_path / "out", None, 1, 128, 64, "int8")
 
 
-def test_plugin_library_discovery(native_build, needs_nvcc, monkeypatch, tmp_path):
+def test_plugin_library_discovery(trt_plugin, monkeypatch, tmp_path):
     found = find_plugin_library()
     assert found.name == "libcriticalkv_trt_plugin.so" and check_plugin_library(found) == found
     monkeypatch.setenv(PLUGIN_LIBRARY_ENV, str(found))
@@ -242,7 +242,7 @@ class RegistryLikeTensorRT:
         return object() if (name, version, namespace) in self.creators else None
 
 
-def test_the_plugin_library_is_loaded_once_per_process(native_build, needs_nvcc):
+def test_the_plugin_library_is_loaded_once_per_process(trt_plugin):
     # build then run in one process, two backends, parametrised tests: every caller asks for the library
     found = find_plugin_library()
     registry = RegistryLikeTensorRT()
@@ -320,7 +320,7 @@ def test_build_plugin_finds_headers_offline(native_build, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_engines_build_in_every_dtype_and_twice_in_one_process(native_build, needs_nvcc, tmp_path, dtype):
+def test_engines_build_in_every_dtype_and_twice_in_one_process(native_build, trt_plugin, tmp_path, dtype):
     # every CriticalKVSelect node becomes a plugin layer, engines.json names its files relative to its folder
     # (the plugin is copied beside the engines), and a second build in the same process loads the plugin again
     pytest.importorskip("tensorrt")

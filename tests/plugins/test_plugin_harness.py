@@ -29,8 +29,9 @@ def plugin_for(harness, policy=None, creator=0, float_kind="float32", **layer):
     return handle, values
 
 
-def test_library_loads_through_ctypes_and_exports_the_entry_points(native_build, needs_nvcc):
-    path = check_plugin_library(BUILD_DIR / PLUGIN_LIBRARY_NAME)
+def test_library_loads_through_ctypes_and_exports_the_entry_points(trt_plugin):
+    path = check_plugin_library(trt_plugin)
+    assert path == BUILD_DIR / PLUGIN_LIBRARY_NAME
     library = ctypes.CDLL(str(path))
     count = ctypes.c_int32(-1)
     library.getCreators.restype = ctypes.c_void_p
@@ -335,7 +336,7 @@ def test_broken_collections_give_an_error(harness):
     assert "serialized plugin has 1 fields" in harness.logs()[-1][1]
 
 
-def test_random_field_bytes_never_crash():
+def test_random_field_bytes_never_crash(trt_plugin):
     """Fuzz the creator with random types, lengths and bytes in a subprocess, so a crash fails this test only."""
     script = textwrap.dedent(
         f"""
