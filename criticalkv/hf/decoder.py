@@ -67,14 +67,21 @@ def head_major(linear: torch.nn.Linear, x: torch.Tensor, heads: int, head_dim: i
     .transpose(1, 2)`` is a strided view, which a kernel reading [B, heads, T, head_dim] rows must copy first)."""
     b, t, d = x.shape
     weight = linear.weight.view(heads, head_dim, d).transpose(1, 2)  # [heads, d, head_dim], no copy
-    out = torch.empty(b, heads, t, head_dim, dtype=x.dtype, device=x.device)
     bias = None if linear.bias is None else linear.bias.view(heads, 1, head_dim)
-    for row in range(b):
+
+    def project(row, out=None):
         rows = x[row].expand(heads, t, d)  # every head reads the same rows (stride 0: no copy)
         if bias is None:
-            torch.bmm(rows, weight, out=out[row])
-        else:
-            torch.baddbmm(bias, rows, weight, out=out[row])
+            return torch.bmm(rows, weight, out=out)
+        return torch.baddbmm(bias, rows, weight, out=out)
+
+    if b == 1:
+        return project(0).unsqueeze(0)
+    if torch.is_grad_enabled():  # out= takes no part in autograd: the rows stacked (a copy) where gradients flow
+        return torch.stack([project(row) for row in range(b)])
+    out = torch.empty(b, heads, t, head_dim, dtype=x.dtype, device=x.device)
+    for row in range(b):
+        project(row, out[row])
     return out
 
 

@@ -59,7 +59,7 @@ def test_the_synthetic_layer_has_the_shape_and_the_sharpness_asked_for():
         assert float(logits.std(dim=1).mean()) == pytest.approx(float(want), rel=1e-4)
 
 
-def settle(q, k, v, o):
+def settle(q, k, v, o, budget=BUDGET):
     """(share of the exact L1 norms the pruned stage 2 computed, each head's candidate rounds) of criticalkv."""
     rounds = []
     original = pruned.pruned_topk_row
@@ -72,7 +72,7 @@ def settle(q, k, v, o):
     pruned.STATS.reset()
     pruned.pruned_topk_row = counted
     try:
-        select_layer(KVPolicy("criticalkv", budget=BUDGET, window=WINDOW), q, k, v, o, 16, 32)
+        select_layer(KVPolicy("criticalkv", budget=budget, window=WINDOW), q, k, v, o, 16, 32)
     finally:
         pruned.pruned_topk_row = original
     return pruned.STATS.fraction(), rounds
@@ -84,8 +84,8 @@ def test_the_synthetic_8b_layer_settles_like_a_trained_model_and_the_random_laye
     (2k candidates of each head's eligible tokens, the least the rule computes) and the others within a few, as on the
     bundled model's real states (there, at 4,096 tokens and budget 256, every head of layers 2, 8, 15, 22 and 29 settles
     in the first round, one head of layer 13 in the third: the head the synthetic layer's second head is drawn from);
-    on the random layer (random weights and hidden states, nearly uniform attention) the rounds run on until nearly
-    every norm is exact."""
+    on the random layer (random weights and hidden states, nearly uniform attention; at half the tokens and half the
+    budget, the same kept fraction, to keep the test short) the rounds run on until nearly every norm is exact."""
     torch.set_num_threads(2)
     stats, _ = trained_layer.load()
     shape = gpu.LLAMA31_8B
@@ -96,6 +96,6 @@ def test_the_synthetic_8b_layer_settles_like_a_trained_model_and_the_random_laye
         fraction, rounds = settle(x["q"], x["k"], x["v"], x["o"])
         assert sum(r == 1 for r in rounds) >= 6 and max(rounds) <= 4, rounds
         assert fraction < 0.25, fraction
-        x = gpu.layer_inputs(torch, layer, rotary, N, 1, WINDOW, torch.float32, torch.device("cpu"), seed=N)
-        fraction, rounds = settle(x["q"], x["k"], x["v"], x["o"])
+        x = gpu.layer_inputs(torch, layer, rotary, N // 2, 1, WINDOW, torch.float32, torch.device("cpu"), seed=N)
+        fraction, rounds = settle(x["q"], x["k"], x["v"], x["o"], BUDGET // 2)
     assert max(rounds) >= 4 and fraction > 0.9, (fraction, rounds)

@@ -105,6 +105,7 @@ def test_an_extend_on_lower_right_causal_attention_is_the_dense_masks(held, n_ne
         want = dense_extend(decoder, ids, positions, ref_keys, ref_values, ref_lengths, [max(held)] * s.num_layers,
                             equal)
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
-    for got, ref in zip(keys + values + lengths, ref_keys + ref_values + ref_lengths):
-        assert torch.equal(got, ref)
+    for got, ref in zip(keys + values, ref_keys + ref_values):  # a later layer's input rounds differently by ~1e-7
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(got, ref) for got, ref in zip(lengths, ref_lengths))
     assert all(q.shape == (1, s.num_heads, min(n_new, 4), s.head_dim) for q in queries)
