@@ -17,7 +17,7 @@ next one runs; the whole run stops starting steps when --total-budget is spent):
              optionally pytest-xdist workers; the tests it did not reach are listed in the summary
   sanitizer  compute-sanitizer memcheck, racecheck, synccheck and initcheck on build/plugins/ckv_sanitizer_driver,
              the four tools at once (test_compute_sanitizer is deselected from the pytest step)
-  serve      criticalkv bench gpu-serve (issue 27), when this checkout has it; skipped with a message otherwise (its
+  serve      criticalkv bench gpu-serve, when this checkout has it; skipped with a message otherwise (its
              short GPU test is deselected from the pytest step then: this step runs the same command)
 
 Output (at most 8 files, what a lent machine sends back): summary.md (rewritten after every step), gpu_check.json,
