@@ -25,7 +25,7 @@ RoPE), batch 1, window 32, budget 2048, at 8k / 32k / 128k prompt tokens. In one
 Times are CUDA-event medians over repeats after one warm-up call (fewer repeats for a call slower than
 ``--measure-seconds``); a measurement whose estimated cost exceeds what ``--time-budget`` leaves is skipped and
 listed. NAME.json and NAME.md are rewritten after every measurement, so a run cut short keeps what it measured.
-The targets are issue 26's (the Llama-3.1-8B layer, budget 2048, window 32): the ms goal at 32k, the share of
+The targets are the kernels' goals (the Llama-3.1-8B layer, budget 2048, window 32): the ms goal at 32k, the share of
 the prefill at 128k, batch 8 <= 1.2x the sum of its rows.
 
 The verdicts take the trained-structure rows; the worst-case rows have none. ``--dry-run`` (automatic without CUDA)
@@ -127,7 +127,7 @@ def judge(policy, n: int, ms: float | None, share: float | None, targets_apply: 
 
 # ---------------------------------------------------------------------------------------------- work and floors
 def stage_work(shape: LayerShape, n: int, window: int, element_bytes: int) -> dict[str, dict]:
-    """FLOPs and fewest bytes of each stage the kernels are judged by (issue 26's floors)."""
+    """FLOPs and fewest bytes of each stage the kernels are judged by (the floors)."""
     h, hkv, dh, d, w = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, min(window, n)
     kv_bytes = hkv * n * dh * element_bytes
     return {
@@ -830,7 +830,7 @@ def render(results: dict) -> str:
               "rounds (1: the first 2k candidates settled every head), by the PyTorch reference on the same tensors.",
               "",
               "| policy | n | data | path | selection ms | kernels ms | exact norms % | rounds | prefill ms | share % "
-              "| target (issue 26) | met |",
+              "| target | met |",
               "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in sorted(results["selection"], key=lambda r: (r["n"], r.get("data", "trained") != "trained",
                                                          results["policy_order"].index(r["policy"]))):

@@ -522,7 +522,7 @@ class Check:
         budget = self.budget("serve")
         if not self.serve_available():
             return StepResult("serve", "skipped", budget,
-                              note="this checkout has no `criticalkv bench gpu-serve` (issue 27)")
+                              note="this checkout has no `criticalkv bench gpu-serve`")
         folder = self.scratch / "serve"
         cmd = [self.python, "-m", "criticalkv.cli", "bench", "gpu-serve", "--out", str(folder / "serving")]
         if self.dry:

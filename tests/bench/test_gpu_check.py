@@ -107,7 +107,7 @@ def test_issue_targets_and_the_floor_of_each_stage():
     assert gpu.judge(snap, 131072, 9.0, 0.9, True) == ("<= 1.0 %", True)
     assert gpu.judge(snap, 8192, 9.0, 50.0, True) == ("-", None)
     assert gpu.judge(snap, 32768, 0.2, 0.5, False) == ("<= 0.25 ms (0.6 %)", None)  # another shape: no verdict
-    # issue 26's numbers for the Llama-3.1-8B layer at 32k: window scores 8.6 GFLOP, l1 norms 1.1 TFLOP, ~170 MB
+    # the goals' figures for the Llama-3.1-8B layer at 32k: window scores 8.6 GFLOP, l1 norms 1.1 TFLOP, ~170 MB
     work = gpu.stage_work(gpu.LLAMA31_8B, 32768, 32, 2)
     assert work["window scores"]["flop"] == pytest.approx(8.6e9, rel=0.01)
     assert work["l1 value norms"]["flop"] == pytest.approx(1.1e12, rel=0.03)
@@ -150,9 +150,9 @@ def test_driver_arguments():
 
 
 def test_the_check_runs_cheap_decisive_tests_first_and_builds_without_werror(tmp_path):
-    """The GPU test files every step would run, in PYTEST_ORDER (the op, the torch backend and the served path before
-    the kernel matrix and the TensorRT tests), every one of them existing; the build and the tests get CKV_WERROR=OFF
-    (a new compiler's warning must not stop the one run a lent machine gives)."""
+    """The GPU test files every step would run, in PYTEST_ORDER (the op, then the kernel matrix, the torch backend, the
+    TensorRT tests, the served path last), every one of them existing; the build and the tests get CKV_WERROR=OFF
+    (a new compiler's warning must not stop the one run a GPU machine gives)."""
     check = gpu_check.Check(gpu_check.parse_args(["--dry-run", "--out", str(tmp_path / "out")]))
     try:
         files = check.pytest_files()
