@@ -2,6 +2,7 @@
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,43 @@ def test_build_plugin_fails_naming_nvcc_when_the_kernels_are_asked_for_without_i
                                 "-DCKV_REQUIRE_CUDA=ON"], capture_output=True, text=True, env=env, timeout=120)
     assert configure.returncode != 0
     assert "nvcc not found, and CKV_REQUIRE_CUDA asks for the CUDA kernels" in " ".join(configure.stderr.split())
+
+
+def test_build_plugin_builds_the_rest_without_trt_headers_and_past_a_failing_torch_cmake(tmp_path):
+    """No TensorRT headers (an empty header folder, no network) and a torch whose CMake config fails (find_package(Torch)
+    -> cuda.cmake, stood in for by a config that stops with an error): the script says why each is skipped, configures
+    again without the torch ops and builds the rest (here without nvcc: the host library), exit 0, no stale outputs."""
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "build_plugin.sh", checkout / "scripts")
+    shutil.copytree(ROOT / "plugins", checkout / "plugins")
+    torch_cmake = tmp_path / "torch-cmake"
+    (torch_cmake / "Torch").mkdir(parents=True)
+    (torch_cmake / "Torch" / "TorchConfig.cmake").write_text(
+        'message(FATAL_ERROR "cuda.cmake: the CUDA toolkit differs from the one torch was built with")\n')
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/bash\nif [ \"$1\" = -c ] && [[ \"$2\" == *cmake_prefix_path* ]]; then\n"
+                      f"  echo {torch_cmake}; echo ON; exit 0\nfi\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "libcriticalkv_torch.so").write_bytes(b"stale")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "BUILD_DIR": str(build), "PYTHON": str(python),
+           "CUDA_HOME": str(tmp_path / "no-cuda"), "TRT_HEADERS_DIR": str(tmp_path / "no-headers"),
+           "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "", "CKV_BUILD_JOBS": "2"}
+    if shutil.which("nvcc", path=env["PATH"]):
+        pytest.skip("nvcc is installed in /usr/bin here (this test builds the host library only)")
+    run = subprocess.run(["bash", "scripts/build_plugin.sh"], cwd=checkout, capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    lines = run.stdout.splitlines()
+    assert any(line.startswith("TensorRT plugin: skipped (no TensorRT headers") for line in lines), run.stdout
+    assert any(line.startswith("torch ops: skipped (torch's CMake config failed") for line in lines), run.stdout
+    assert "the CUDA toolkit differs" in (build / "configure-torch.log").read_text()
+    assert f"built into {build}: the host library" in lines
+    assert any(line.startswith("not built: the torch ops (torch's CMake config failed") for line in lines)
+    assert (build / "libcriticalkv_host.so").is_file()
+    assert not (build / "libcriticalkv_torch.so").exists() and not (build / "libcriticalkv_trt_plugin.so").exists()
 
 
 def test_container_serve_explains_itself_and_refuses_to_run_outside_the_container(tmp_path):

@@ -8,8 +8,14 @@ RoPE), batch 1, window 32, budget 2048, at 8k / 32k / 128k prompt tokens. In one
   rotary embedding computed once outside the timed region (a model computes it once for all layers);
 * each policy's selection through ``torch.ops.criticalkv.select_layer`` (``criticalkv.selection.op``: on CUDA the
   plugin's kernels on torch's stream, the PyTorch reference where the library is not built: the ``path`` column
-  says which) on that layer's own post-RoPE queries (the last window), keys and values and its o_proj weight;
+  says which) on keys and values with a trained model's structure: a real checkpoint's layer on a real text
+  (``--model``), else a layer drawn from the bundled model's own statistics at the layer's shape
+  (``criticalkv.bench.trained_layer``: its outlier channels, effective rank, attention sharpness and o_proj);
   capacity from ``criticalkv.node.node_capacity``; layer ``num_layers // 2`` of 32 (PyramidKV's average budget);
+  beside each time the share of exact L1 norms CriticalKV's pruned stage 2 computes on those tensors and its candidate
+  rounds (the PyTorch reference on the same tensors: the kernels' rounds follow the same rule);
+* the worst case: the policies that prune, also on the random layer's own queries, keys and values (random weights
+  and hidden states: nearly uniform attention, so the pruning can hardly prune), at ``--worst-case-lengths``;
 * per (policy, n) one call under torch.profiler: each kernel's time, and per stage (window scores, l1 value norms,
   l2 norms through the Gram matrices) its achieved TFLOP/s and GB/s against the floors of this run;
 * batch 8 of mixed lengths (4k..32k, left-padded) against the sum of its rows at batch 1;
@@ -19,15 +25,15 @@ RoPE), batch 1, window 32, budget 2048, at 8k / 32k / 128k prompt tokens. In one
 Times are CUDA-event medians over repeats after one warm-up call (fewer repeats for a call slower than
 ``--measure-seconds``); a measurement whose estimated cost exceeds what ``--time-budget`` leaves is skipped and
 listed. NAME.json and NAME.md are rewritten after every measurement, so a run cut short keeps what it measured.
-The targets are issue 26's (the Llama-3.1-8B layer, budget 2048, window 32): the ms goal at 32k, the share of
+The targets are the kernels' goals (the Llama-3.1-8B layer, budget 2048, window 32): the ms goal at 32k, the share of
 the prefill at 128k, batch 8 <= 1.2x the sum of its rows.
 
-Random weights and hidden states: attention is nearly uniform, so a pruning kernel (CriticalKV's stage 2) may
-prune differently on a trained model. ``--dry-run`` (automatic without CUDA) runs tiny shapes on the CPU through
-the same code, to test the plumbing; its numbers mean nothing.
+The verdicts take the trained-structure rows; the worst-case rows have none. ``--dry-run`` (automatic without CUDA)
+runs tiny shapes on the CPU through the same code, to test the plumbing; its numbers mean nothing.
 
     criticalkv bench gpu                          # on a GPU: results/gpu/selection_gpu.{json,md}
     criticalkv bench gpu --dry-run --out /tmp/x   # anywhere
+    criticalkv bench gpu --model /path/to/Llama-3.1-8B-Instruct   # a real checkpoint's layer on a real text
 """
 
 from __future__ import annotations
@@ -121,7 +127,7 @@ def judge(policy, n: int, ms: float | None, share: float | None, targets_apply: 
 
 # ---------------------------------------------------------------------------------------------- work and floors
 def stage_work(shape: LayerShape, n: int, window: int, element_bytes: int) -> dict[str, dict]:
-    """FLOPs and fewest bytes of each stage the kernels are judged by (issue 26's floors)."""
+    """FLOPs and fewest bytes of each stage the kernels are judged by (the floors)."""
     h, hkv, dh, d, w = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, min(window, n)
     kv_bytes = hkv * n * dh * element_bytes
     return {
@@ -277,12 +283,19 @@ def make_layer(torch, shape: LayerShape, dtype, device, layer_idx: int):
 def layer_inputs(torch, layer, rotary, n: int, batch: int, window: int, dtype, device, seed: int):
     """Random hidden states [batch, n, d], their position embeddings, and the selection's inputs computed by the
     layer itself: post-RoPE queries of the last window [B, H, w, d_h], keys and values [B, H_kv, n, d_h]."""
-    from transformers.models.llama.modeling_llama import rotate_half
-
     generator = torch.Generator(device=device).manual_seed(seed)
     hidden = torch.randn(batch, n, layer.hidden_size, device=device, dtype=dtype, generator=generator)
     positions = torch.arange(n, device=device)[None].expand(batch, n)
     cos, sin = rotary(hidden, positions)
+    return inputs_from_hidden(torch, layer, hidden, positions, cos, sin, window)
+
+
+def inputs_from_hidden(torch, layer, hidden, positions, cos, sin, window: int) -> dict:
+    """The selection's inputs the layer computes from its input hidden states [B, n, d] (position embeddings cos,
+    sin [B, n, d_h]): post-RoPE window queries [B, H, w, d_h], keys and values [B, H_kv, n, d_h], o_proj."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    batch, n = hidden.shape[:2]
     attn = layer.self_attn
     heads, kv_heads, head_dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
     w = min(window, n)
@@ -291,13 +304,141 @@ def layer_inputs(torch, layer, rotary, n: int, batch: int, window: int, dtype, d
         return x * c.unsqueeze(1) + rotate_half(x) * s.unsqueeze(1)
 
     normed = layer.input_layernorm(hidden)
-    q = attn.q_proj(normed[:, -w:]).view(batch, w, heads, head_dim).transpose(1, 2)
-    q = rope(q, cos[:, -w:], sin[:, -w:]).contiguous()
-    k = attn.k_proj(normed).view(batch, n, kv_heads, head_dim).transpose(1, 2)
-    k = rope(k, cos, sin).contiguous()
+    q = attn.q_proj(normed[:, -w:]).view(batch, w, heads, head_dim)
+    k = attn.k_proj(normed).view(batch, n, kv_heads, head_dim)
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over d_h of every head before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q = rope(q.transpose(1, 2), cos[:, -w:], sin[:, -w:]).contiguous()
+    k = rope(k.transpose(1, 2), cos, sin).contiguous()
     v = attn.v_proj(normed).view(batch, n, kv_heads, head_dim).transpose(1, 2).contiguous()
     return {"hidden": hidden, "normed": normed, "positions": positions, "cos": cos, "sin": sin,
             "q": q, "k": k, "v": v, "o": attn.o_proj.weight}
+
+
+class TrainedData:
+    """Where the trained-structure rows' queries, keys and values come from: a checkpoint's layer on a real text
+    (``--model``: the model runs up to that layer), else ``criticalkv.bench.trained_layer``'s synthetic layer of the
+    bench's shape drawn from a model's statistics (default: the bundled model's)."""
+
+    def __init__(self, torch, args, shape: LayerShape, rotary, dtype, device, layer_idx: int, model=None,
+                 tokenizer=None):
+        from criticalkv.bench import trained_layer
+
+        self.torch, self.args, self.shape, self.rotary = torch, args, shape, rotary
+        self.dtype, self.device, self.layer_idx = dtype, device, layer_idx
+        self.model, self.tokenizer = model, tokenizer
+        self.ids = None
+        if model is None:
+            self.stats, meta = trained_layer.load(args.layer_stats)
+            self.description = {"kind": "synthetic", "stats": str(args.layer_stats or trained_layer.DEFAULT_STATS.name),
+                                "measured_on": {k: meta.get(k) for k in ("model", "layers", "tokens", "text")}}
+            self.label = f"trained: drawn from {meta.get('model')}'s statistics"
+        else:
+            self.text, self.text_source = prompt_text(args.prompt_file)
+            self.description = {"kind": "checkpoint", "model": args.model, "layer": layer_idx,
+                                "text": self.text_source}
+            self.label = f"trained: {Path(args.model).name} layer {layer_idx}"
+
+    def inputs(self, n: int, seed: int) -> dict:
+        """{"q", "k", "v", "o"} (and a checkpoint's own "hidden", "positions", "cos", "sin") at n tokens."""
+        torch = self.torch
+        if self.model is None:
+            from criticalkv.bench.trained_layer import synthetic_inputs
+
+            return synthetic_inputs(torch, self.stats, self.shape, self.rotary, n, self.args.window, self.dtype,
+                                    self.device, seed)
+        ids = self.token_ids(n)
+        captured = {}
+
+        class Reached(Exception):
+            pass
+
+        def stop(module, args, kwargs):
+            captured["hidden"] = kwargs.get("hidden_states", args[0] if args else None)
+            captured["cos"], captured["sin"] = kwargs["position_embeddings"]
+            raise Reached
+
+        layer = self.model.model.layers[self.layer_idx]
+        handle = layer.register_forward_pre_hook(stop, with_kwargs=True)
+        try:
+            self.model.model(torch.tensor([ids], device=self.device), use_cache=False)
+        except Reached:
+            pass
+        finally:
+            handle.remove()
+        hidden = captured["hidden"]
+        positions = torch.arange(n, device=self.device)[None]
+        return inputs_from_hidden(torch, layer, hidden, positions, captured["cos"], captured["sin"], self.args.window)
+
+    def token_ids(self, n: int) -> list[int]:
+        """The text's first n tokens (the text repeated when it is shorter: said in the results)."""
+        if self.ids is None or len(self.ids) < n:
+            ids = self.tokenizer(self.text)["input_ids"]
+            repeats = -(-n // max(len(ids), 1))
+            if repeats > 1:
+                self.description["text_repeated"] = repeats
+            self.ids = (ids * repeats)[:max(n, len(ids))]
+        return self.ids[:n]
+
+
+def prompt_text(path: str | None) -> tuple[str, str]:
+    """(the text a checkpoint's layer reads, where it came from): --prompt-file, else the evaluations' haystack text
+    (the 1911 Britannica article) when its data package is installed, else the repository's example texts."""
+    if path:
+        return Path(path).read_text(errors="replace"), path
+    try:
+        from criticalkv.eval.haystack import haystack_sentences
+
+        return " ".join(haystack_sentences()), "criticalkv.eval.haystack (the 1911 Britannica article)"
+    except Exception:  # noqa: BLE001 (the data package absent: a bare GPU machine)
+        root = Path(__file__).resolve().parents[2] / "examples"
+        files = sorted(root.glob("*.txt"))
+        if not files:
+            raise FileNotFoundError("no text for the checkpoint's layer: give --prompt-file") from None
+        return "\n\n".join(f.read_text() for f in files), "examples/*.txt of the repository"
+
+
+def load_checkpoint_layer(torch, path: str, dtype, device):
+    """(model, its tokenizer, its LayerShape) of a checkpoint folder, on ``device`` in ``dtype``."""
+    from transformers import AutoTokenizer
+
+    from criticalkv.runtime.torch_backend import load_checkpoint
+
+    model = load_checkpoint(Path(path), dtype, torch.device(device))
+    config = model.config
+    heads = config.num_attention_heads
+    shape = LayerShape(hidden=config.hidden_size, heads=heads,
+                       kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                       head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                       intermediate=config.intermediate_size, num_layers=config.num_hidden_layers)
+    return model, AutoTokenizer.from_pretrained(path), shape
+
+
+def prunes(policy) -> bool:
+    """Whether the policy's stage 2 is CriticalKV's pruned one (l1 value norms, a second stage)."""
+    return policy.method.refine is not None and policy.value_norm == "l1"
+
+
+def pruning_of(run: "Run", policy, tensors: dict, n: int) -> dict | None:
+    """The exact L1 norms the pruned stage 2 computes on these tensors, as a share of the older tokens' (what the
+    unpruned stage 2 computes), and its most candidate rounds over the heads: the PyTorch reference on the same tensors
+    (the kernels' rounds follow the same rule: 2k candidates, doubled until the best bound left out is below the k-th
+    exact score). None for a policy without a pruned stage 2."""
+    if not prunes(policy):
+        return None
+    from criticalkv.methods import pruned
+    from criticalkv.node import node_capacity
+    from criticalkv.selection.op import reference_select
+
+    shape = run.results["shape_used"]
+    capacity = node_capacity(policy, n, tensors["k"].shape[1], shape["layer_idx"], shape["num_layers"])
+    pruned.STATS.reset()
+    reference_select(tensors["q"], tensors["k"], tensors["v"], tensors["o"], None, None, None, policy,
+                     shape["layer_idx"], shape["num_layers"], capacity)
+    if not pruned.STATS.calls:
+        return None
+    return {"exact_norms_percent": 100.0 * pruned.STATS.fraction(),
+            "rounds": max(c["rounds"] for c in pruned.STATS.calls)}
 
 
 # ---------------------------------------------------------------------------------------------- kvpress
@@ -435,20 +576,28 @@ def path_of(run: Run, policy, tensors: dict) -> str:
     return "kernels" if reason is None else f"reference: {reason}"
 
 
-def measure_length(run: Run, layer, rotary, policies: list, n: int, kvpress) -> None:
+def measure_length(run: Run, layer, rotary, policies: list, n: int, kvpress, data: TrainedData) -> None:
+    """At n tokens: the layer's prefill, every policy's selection on the trained-structure tensors (``data``), the
+    worst-case rows (the policies that prune, on the random layer's tensors) where n is one of
+    --worst-case-lengths, and kvpress's presses (on the random layer's tensors: they read its hidden states)."""
     torch, args = run.torch, run.args
-    shape = run.shape
     dtype = getattr(torch, args.dtype)
     print(f"n = {n}", flush=True)
     with torch.inference_mode():
-        t = layer_inputs(torch, layer, rotary, n, 1, args.window, dtype, run.device, seed=n)
+        trained = data.inputs(n, seed=n)
+        worst = n in args.worst_case_lengths and any(prunes(policy) for _, policy in policies)
+        # the random layer's tensors: the prefill's input unless a checkpoint gave real ones, the worst-case rows,
+        # kvpress's presses
+        t = (layer_inputs(torch, layer, rotary, n, 1, args.window, dtype, run.device, seed=n)
+             if "hidden" not in trained or worst or kvpress is not None else None)
+        timed = trained if "hidden" in trained else t
         prefill = None
         reason = run.refusal(run.estimate("prefill", n))
         if reason is None:
             try:
                 begin = time.monotonic()
-                fn = lambda: layer(t["hidden"], attention_mask=None, position_ids=t["positions"],  # noqa: E731
-                                   position_embeddings=(t["cos"], t["sin"]))
+                fn = lambda: layer(timed["hidden"], attention_mask=None, position_ids=timed["positions"],  # noqa: E731
+                                   position_embeddings=(timed["cos"], timed["sin"]))
                 prefill = run.clock.measure(fn, args.repeats, args.measure_seconds)
                 run.per_policy_cost["prefill"] = (n, time.monotonic() - begin)
                 run.results["prefill"][str(n)] = prefill
@@ -458,47 +607,69 @@ def measure_length(run: Run, layer, rotary, policies: list, n: int, kvpress) -> 
                 run.error(f"prefill n={n}", err)
         else:
             run.skip(f"prefill n={n}", reason)
-        del t["hidden"]
-        work = stage_work(shape, n, args.window, torch.finfo(dtype).bits // 8)
+        for tensors in (trained, t):
+            if tensors is not None:
+                tensors.pop("hidden", None)
         for label, policy in policies:
-            what = f"{label} n={n}"
-            reason = run.refusal(run.estimate(label, n))
-            if reason is not None:
-                run.skip(what, reason)
-                continue
-            row = {"policy": label, "n": n, "batch": 1, "path": path_of(run, policy, t)}
-            try:
-                begin = time.monotonic()
-                fn = select_call(run, policy, t, n)
-                row.update(run.clock.measure(fn, args.repeats, args.measure_seconds))
-                if args.profile:
-                    row["kernels"] = kernel_times(torch, fn, run.cuda, run.clock)
-                    row["kernels_ms"] = sum(k["ms"] for k in row["kernels"]) if run.cuda else None
-                    row["stages"] = stages(row["kernels"], work, run.results["floors"]) if run.cuda else {}
-                run.per_policy_cost[label] = (n, time.monotonic() - begin)
-            except Exception as err:  # noqa: BLE001
-                run.error(what, err)
-                continue
-            # the verdict takes the GPU's time (the profiled kernels) when there is one: in a prefill the op's
-            # Python and launch overhead overlaps the previous layer's work; the event time is reported beside it
-            row["judged_by"] = "kernels" if row.get("kernels_ms") else "events"
-            judged = row["kernels_ms"] if row.get("kernels_ms") else row["ms"]
-            row["judged_ms"] = judged
-            whole = work["layer inputs once"]
-            row["vs_memory_floor"] = against_floors(judged, 0.0, whole["bytes"], run.results["floors"])
-            if prefill is not None:
-                row["prefill_ms"] = prefill["ms"]
-                row["share_percent"] = 100.0 * judged / prefill["ms"]
-            row["target"], row["met"] = judge(policy, n, judged, row.get("share_percent"), run.results["targets_apply"])
-            run.results["selection"].append(row)
-            print(f"  {label:28s} {row['ms']:9.3f} ms (kernels {_f(row.get('kernels_ms'))})  {row['path']}"
-                  + (f"  {row['share_percent']:.2f} % of the prefill" if "share_percent" in row else ""), flush=True)
-            run.save()
+            measure_row(run, label, policy, trained, n, prefill, "trained")
+        if worst:
+            for label, policy in policies:
+                if prunes(policy):
+                    measure_row(run, label, policy, t, n, prefill, "random")
         if kvpress is not None:
             measure_kvpress(run, layer, t, n, kvpress)
-        t.clear()  # this length's tensors go before the next length's are made
+        trained.clear()  # this length's tensors go before the next length's are made
+        if t is not None:
+            t.clear()
     if run.cuda:
         torch.cuda.empty_cache()
+
+
+def measure_row(run: Run, label: str, policy, tensors: dict, n: int, prefill: dict | None, data: str) -> None:
+    """One policy's selection at n on ``tensors`` (``data``: "trained" or "random", the worst case): its time, its
+    kernels, its pruning, its share of the prefill and, on the trained tensors, the verdict."""
+    torch, args = run.torch, run.args
+    work = stage_work(run.shape, n, args.window, torch.finfo(getattr(torch, args.dtype)).bits // 8)
+    key = label if data == "trained" else f"{label} (random)"
+    what = f"{key} n={n}"
+    reason = run.refusal(run.estimate(key, n))
+    if reason is not None:
+        run.skip(what, reason)
+        return
+    row = {"policy": label, "n": n, "batch": 1, "data": data, "path": path_of(run, policy, tensors)}
+    try:
+        begin = time.monotonic()
+        fn = select_call(run, policy, tensors, n)
+        row.update(run.clock.measure(fn, args.repeats, args.measure_seconds))
+        if args.profile:
+            row["kernels"] = kernel_times(torch, fn, run.cuda, run.clock)
+            row["kernels_ms"] = sum(k["ms"] for k in row["kernels"]) if run.cuda else None
+            row["stages"] = stages(row["kernels"], work, run.results["floors"]) if run.cuda else {}
+        row["pruning"] = pruning_of(run, policy, tensors, n)
+        run.per_policy_cost[key] = (n, time.monotonic() - begin)
+    except Exception as err:  # noqa: BLE001
+        run.error(what, err)
+        return
+    # the verdict takes the GPU's time (the profiled kernels) when there is one: in a prefill the op's Python and
+    # launch overhead overlaps the previous layer's work; the event time is reported beside it
+    row["judged_by"] = "kernels" if row.get("kernels_ms") else "events"
+    judged = row["kernels_ms"] if row.get("kernels_ms") else row["ms"]
+    row["judged_ms"] = judged
+    whole = work["layer inputs once"]
+    row["vs_memory_floor"] = against_floors(judged, 0.0, whole["bytes"], run.results["floors"])
+    if prefill is not None:
+        row["prefill_ms"] = prefill["ms"]
+        row["share_percent"] = 100.0 * judged / prefill["ms"]
+    row["target"], row["met"] = judge(policy, n, judged, row.get("share_percent"), run.results["targets_apply"])
+    if data != "trained":  # the worst case is reported, not judged
+        row["target"], row["met"] = "worst case: no verdict", None
+    run.results["selection"].append(row)
+    pruning = row["pruning"]
+    print(f"  {key:36s} {row['ms']:9.3f} ms (kernels {_f(row.get('kernels_ms'))})  {row['path']}"
+          + (f"  {row['share_percent']:.2f} % of the prefill" if "share_percent" in row else "")
+          + (f"  exact norms {pruning['exact_norms_percent']:.1f} %, {pruning['rounds']} rounds" if pruning else ""),
+          flush=True)
+    run.save()
 
 
 def device_ms(run: Run, fn) -> float | None:
@@ -554,16 +725,17 @@ def measure_kvpress(run: Run, layer, t: dict, n: int, kv) -> None:
         run.save()
 
 
-def measure_batch(run: Run, layer, rotary, policies: list, lengths: list[int]) -> None:
-    """Batch of len(lengths) left-padded rows (row i's prompt = the last lengths[i] tokens) vs each row alone."""
+def measure_batch(run: Run, policies: list, lengths: list[int], data: TrainedData) -> None:
+    """Batch of len(lengths) left-padded rows (row i's prompt = the last lengths[i] tokens of the trained-structure
+    tensors) vs each row alone."""
     torch, args = run.torch, run.args
-    dtype = getattr(torch, args.dtype)
     n = max(lengths)
     batch = len(lengths)
     print(f"batch {batch} of lengths {lengths}", flush=True)
     with torch.inference_mode():
-        one = layer_inputs(torch, layer, rotary, n, 1, args.window, dtype, run.device, seed=7)
-        del one["hidden"], one["normed"]
+        one = data.inputs(n, seed=7)
+        for name in ("hidden", "normed"):
+            one.pop(name, None)
         padded = {"q": one["q"].expand(batch, -1, -1, -1).contiguous(),
                   "k": one["k"].expand(batch, -1, -1, -1).contiguous(),
                   "v": one["v"].expand(batch, -1, -1, -1).contiguous(), "o": one["o"]}
@@ -633,6 +805,17 @@ def render(results: dict) -> str:
              f"- commit: {results.get('commit')}; status: {results.get('status')}",
              f"- layer: {results['shape_used']}; {s['dtype']}, window {s['window']}, budget {s['budget']}, batch 1; "
              f"medians of up to {s['repeats']} timed calls after a warm-up (CUDA events)"]
+    data = results.get("data") or {}
+    if data.get("kind") == "synthetic":
+        source = data.get("measured_on") or {}
+        lines.append(f"- selection inputs (`trained` rows): a layer of this shape drawn from {source.get('model')}'s "
+                     f"statistics (layers {source.get('layers')}, {source.get('tokens')} tokens; {data.get('stats')}: "
+                     "outlier channels, effective rank, attention sharpness, o_proj); `random` rows: the random "
+                     "layer's own tensors (the pruning's worst case, no verdict)")
+    elif data.get("kind") == "checkpoint":
+        lines.append(f"- selection inputs (`trained` rows): {data.get('model')} layer {data.get('layer')} on "
+                     f"{data.get('text')}" + (f" (repeated {data['text_repeated']}x)" if data.get("text_repeated")
+                                              else "") + "; `random` rows: a random layer's (the worst case)")
     if results.get("dry_run"):
         lines.append("- **dry run** (tiny shapes on the CPU): the numbers test the plumbing and mean nothing")
     fl = results.get("floors") or {}
@@ -642,29 +825,39 @@ def render(results: dict) -> str:
                   f"| device copy (read + write) | {fl['copy_gbps']:.0f} GB/s |"]
     lines += ["", "## Selection vs prefill", "",
               "Selection ms: CUDA events around the op (its Python and launch overhead included); kernels ms: the "
-              "GPU's time of one profiled call, which the share and the verdict take when there is one.", "",
-              "| policy | n | path | selection ms | kernels ms | prefill ms | share % | target (issue 26) | met |",
-              "|---|---:|---|---:|---:|---:|---:|---|---|"]
-    for r in sorted(results["selection"], key=lambda r: (r["n"], results["policy_order"].index(r["policy"]))):
-        lines.append(f"| {r['policy']} | {r['n']} | {r['path']} | {_f(r['ms'])} | {_f(r.get('kernels_ms'))} | "
-                     f"{_f(r.get('prefill_ms'))} | {_f(r.get('share_percent'), 2)} | {r['target']} | "
-                     f"{_met(r['met'])} |")
+              "GPU's time of one profiled call, which the share and the verdict take when there is one. Exact norms: "
+              "the L1 norms CriticalKV's pruned stage 2 computes, as a share of the older tokens', and its candidate "
+              "rounds (1: the first 2k candidates settled every head), by the PyTorch reference on the same tensors.",
+              "",
+              "| policy | n | data | path | selection ms | kernels ms | exact norms % | rounds | prefill ms | share % "
+              "| target | met |",
+              "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in sorted(results["selection"], key=lambda r: (r["n"], r.get("data", "trained") != "trained",
+                                                         results["policy_order"].index(r["policy"]))):
+        pruning = r.get("pruning") or {}
+        lines.append(f"| {r['policy']} | {r['n']} | {r.get('data', 'trained')} | {r['path']} | {_f(r['ms'])} | "
+                     f"{_f(r.get('kernels_ms'))} | {_f(pruning.get('exact_norms_percent'), 1)} | "
+                     f"{pruning.get('rounds', '-')} | {_f(r.get('prefill_ms'))} | {_f(r.get('share_percent'), 2)} | "
+                     f"{r['target']} | {_met(r['met'])} |")
     stage_rows = [(r, name, st) for r in results["selection"] for name, st in (r.get("stages") or {}).items()]
     if stage_rows:
         lines += ["", "## Stages against the floors (torch.profiler kernel times of one call)", "",
-                  "| policy | n | stage | ms | GFLOP | MB | TFLOP/s | GB/s | floor ms | floor / time | kernels |",
-                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for r, name, st in sorted(stage_rows, key=lambda x: (x[0]["n"], x[0]["policy"], x[1])):
-            lines.append(f"| {r['policy']} | {r['n']} | {name} | {_f(st['ms'])} | {st['flop'] / 1e9:.1f} | "
+                  "| policy | n | data | stage | ms | GFLOP | MB | TFLOP/s | GB/s | floor ms | floor / time "
+                  "| kernels |",
+                  "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r, name, st in sorted(stage_rows, key=lambda x: (x[0]["n"], x[0]["policy"], x[0].get("data", ""), x[1])):
+            lines.append(f"| {r['policy']} | {r['n']} | {r.get('data', 'trained')} | {name} | {_f(st['ms'])} | "
+                         f"{st['flop'] / 1e9:.1f} | "
                          f"{st['bytes'] / 1e6:.1f} | {_f(st.get('tflops'), 1)} | {_f(st.get('gbps'), 0)} | "
                          f"{_f(st.get('floor_ms'))} | {_f(st.get('of_floor'), 3)} | {', '.join(st['kernels'])} |")
     kernel_rows = [r for r in results["selection"] if r.get("kernels")]
     if kernel_rows:
-        lines += ["", "## Where the time goes (one profiled call)", "", "| policy | n | kernels (ms, calls) |",
-                  "|---|---:|---|"]
-        for r in sorted(kernel_rows, key=lambda r: (r["n"], results["policy_order"].index(r["policy"]))):
+        lines += ["", "## Where the time goes (one profiled call)", "", "| policy | n | data | kernels (ms, calls) |",
+                  "|---|---:|---|---|"]
+        for r in sorted(kernel_rows, key=lambda r: (r["n"], r.get("data", "trained") != "trained",
+                                                    results["policy_order"].index(r["policy"]))):
             top = "; ".join(f"{k['name'][:60]} {k['ms']:.3f} x{k['calls']}" for k in r["kernels"][:6])
-            lines.append(f"| {r['policy']} | {r['n']} | {top} |")
+            lines.append(f"| {r['policy']} | {r['n']} | {r.get('data', 'trained')} | {top} |")
     if results["batch"]:
         lines += ["", "## Batch of mixed lengths vs its rows at batch 1", "",
                   "| policy | lengths | path | batch ms | sum of rows ms | batch kernels ms | rows kernels ms | ratio "
@@ -678,6 +871,8 @@ def render(results: dict) -> str:
     lines += ["", "## kvpress presses on the same tensors", ""]
     if kv.get("rows"):
         lines += [f"kvpress {kv.get('version')} ({kv.get('note')}); `press.compress` (scores, top-k, gather or mask)",
+                  "on the random layer's hidden states and K/V (the presses project their own window queries from "
+                  "hidden states, which the synthetic layer has none of: compare with the `random` rows);",
                   "CUDA events around the call (its host synchronisations included).", "",
                   "| press | n | kept per head | ms | share % |", "|---|---:|---:|---:|---:|"]
         for r in sorted(kv["rows"], key=lambda r: (r["n"], r["press"])):
@@ -715,6 +910,16 @@ def parse_args(argv):
     p.add_argument("--time-budget", type=float, default=None,
                    help=f"seconds for the whole run: measurements that would not fit are skipped and listed "
                         f"(default: ${TIME_BUDGET_ENV}, else none)")
+    p.add_argument("--model", help="a Hugging Face checkpoint folder: its middle layer's own queries, keys and values "
+                                   "on a real text (the model runs up to that layer), its shape instead of "
+                                   "Llama-3.1-8B's (default: a layer drawn from --layer-stats at Llama-3.1-8B's shape)")
+    p.add_argument("--prompt-file", help="the text --model's layer reads, repeated up to each length when shorter "
+                                         "(default: the evaluations' haystack text, else the repository's examples)")
+    p.add_argument("--layer-stats", help="a statistics file of criticalkv.bench.trained_layer the synthetic layer is "
+                                         "drawn from (default: the bundled SmolLM2-135M's, shipped with the package)")
+    p.add_argument("--worst-case-lengths", help="lengths at which the policies that prune are also timed on the random "
+                                                "layer (nearly uniform attention: the pruning's worst case; default: "
+                                                "the first of --lengths; 'none' skips them)")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the per-kernel profile")
     p.add_argument("--no-kvpress", dest="kvpress", action="store_false", help="skip kvpress's presses")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (automatic without CUDA)")
@@ -736,6 +941,10 @@ def parse_args(argv):
             args.batch_lengths = []
         elif args.batch_lengths:
             args.batch_lengths = parse_list(args.batch_lengths, "--batch-lengths")
+        if args.worst_case_lengths and args.worst_case_lengths.strip().lower() == "none":
+            args.worst_case_lengths = []
+        elif args.worst_case_lengths:
+            args.worst_case_lengths = parse_list(args.worst_case_lengths, "--worst-case-lengths")
     except ValueError as err:
         p.error(str(err))
     return p, args
@@ -755,6 +964,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu") if dry else torch.device(args.device)
     shape = DRY_SHAPE if dry else LLAMA31_8B
     args.lengths = args.lengths or list(DRY_LENGTHS if dry else DEFAULT_LENGTHS)
+    if args.worst_case_lengths is None:
+        args.worst_case_lengths = args.lengths[:1]
     if args.batch_lengths is None:
         args.batch_lengths = list(DRY_BATCH_LENGTHS if dry else DEFAULT_BATCH_LENGTHS)
     args.budget = args.budget or (64 if dry else 2048)
@@ -770,6 +981,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     if not policies:
         parser.error("--policies: give at least one policy")
+    if args.model and not Path(args.model, "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there (a Hugging Face checkpoint folder)")
+    if args.layer_stats and not Path(args.layer_stats).is_file():
+        parser.error(f"--layer-stats {args.layer_stats}: no such file")
+    checkpoint = tokenizer = None
+    if args.model:
+        checkpoint, tokenizer, shape = load_checkpoint_layer(torch, args.model, getattr(torch, args.dtype), device)
     command = "criticalkv bench gpu " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     results = header(command)
     layer_idx = shape.num_layers // 2
@@ -807,21 +1025,29 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"kvpress: skipped ({results['kvpress']['skipped']})", flush=True)
         else:
             results["kvpress"]["skipped"] = "--no-kvpress"
-        layer, rotary = make_layer(torch, shape, getattr(torch, args.dtype), device, layer_idx)
+        if checkpoint is None:
+            layer, rotary = make_layer(torch, shape, getattr(torch, args.dtype), device, layer_idx)
+        else:
+            layer, rotary = checkpoint.model.layers[layer_idx], checkpoint.model.rotary_emb
+        data = TrainedData(torch, args, shape, rotary, getattr(torch, args.dtype), device, layer_idx, checkpoint,
+                           tokenizer)
+        results["data"] = data.description
+        print(f"selection inputs: {data.label}; worst case (random layer) at {args.worst_case_lengths or 'no length'}",
+              flush=True)
         for n in args.lengths:
             reason = run.refusal(0.0)
             if reason is not None:
                 run.skip(f"n={n}", reason)
                 continue
             try:
-                measure_length(run, layer, rotary, policies, n, kvpress)
+                measure_length(run, layer, rotary, policies, n, kvpress, data)
             except Exception as err:  # noqa: BLE001 (the layer's inputs could not be made: the next length may)
                 run.error(f"n={n}", err)
         if args.batch_lengths:
             reason = run.refusal(0.0)
             try:
                 if reason is None:
-                    measure_batch(run, layer, rotary, policies, args.batch_lengths)
+                    measure_batch(run, policies, args.batch_lengths, data)
                 else:
                     run.skip("batch", reason)
             except Exception as err:  # noqa: BLE001

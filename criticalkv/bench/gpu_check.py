@@ -6,16 +6,19 @@ next one runs; the whole run stops starting steps when --total-budget is spent):
   prepare    what the machine is (GPU, driver, CUDA, torch, nvcc, compute-sanitizer), which of the project's
              Python imports it lacks, carried wheels installed with pip install --no-deps --target (no network)
   build      scripts/build_plugin.sh for this GPU's architecture only (CKV_CUDA_ARCHS from nvidia-smi or torch),
-             TensorRT headers from build/trt-headers (carried: the machine has no network), without -Werror (CI
+             TensorRT headers from build/trt-headers (carried: the machine has no network; without them only the
+             TensorRT plugin is skipped, the kernels, torch ops and sanitizer driver are built), without -Werror (CI
              keeps it: a new compiler's warning must not stop the one run a lent machine gives)
   bench      criticalkv bench gpu: every policy's selection per layer vs the layer's prefill (8k/32k/128k),
              floors, batch 8, kvpress presses; before the tests, on an idle GPU
-  pytest     pytest -m gpu on the test files that hold GPU tests, cheap and decisive files first (PYTEST_ORDER), a
-             per-test timeout (pytest-timeout), each failure printed the moment it happens (tests/live_report.py),
+  pytest     pytest -m gpu on the test files that hold GPU tests, cheap and decisive files first (PYTEST_ORDER: the
+             op, then the kernel matrix, the torch backend, the TensorRT tests, the served path last), at most 30 s
+             per test (pytest-timeout), each failure printed the moment it happens (tests/live_report.py),
              optionally pytest-xdist workers; the tests it did not reach are listed in the summary
   sanitizer  compute-sanitizer memcheck, racecheck, synccheck and initcheck on build/plugins/ckv_sanitizer_driver,
              the four tools at once (test_compute_sanitizer is deselected from the pytest step)
-  serve      criticalkv bench gpu-serve (issue 27), when this checkout has it; skipped with a message otherwise
+  serve      criticalkv bench gpu-serve, when this checkout has it; skipped with a message otherwise (its
+             short GPU test is deselected from the pytest step then: this step runs the same command)
 
 Output (at most 8 files, what a lent machine sends back): summary.md (rewritten after every step), gpu_check.json,
 gpu_check.log (everything printed), selection_gpu.{json,md}, and up to three files of bench gpu-serve; outside a
@@ -58,16 +61,24 @@ SANITIZER_SHAPES = ("d128", "longrow", "model", "small")
 PROJECT_IMPORTS = ("torch", "numpy", "tqdm", "transformers", "gguf", "accelerate", "safetensors", "onnx", "onnxruntime",
                    "polygraphy", "tritonclient", "fastapi", "uvicorn", "psutil", "matplotlib", "kvpress",
                    "pytest_timeout", "xdist")
-HEADERS_HINT = ("no TensorRT headers: carry build/trt-headers with the call (bash scripts/build_plugin.sh unpacks them "
-                "there once on a machine with the package index; the folder holds kernel_lens/include/tensorrt)")
+HEADERS_HINT = ("no TensorRT headers: the TensorRT plugin is not built (the rest is); carry build/trt-headers with the "
+                "call to build it (bash scripts/build_plugin.sh unpacks them there once on a machine with the package "
+                "index; the folder holds kernel_lens/include/tensorrt)")
 OUT_FILES = ("summary.md", "gpu_check.json", "gpu_check.log", "selection_gpu.json", "selection_gpu.md")
 SERVE_FILES = 3  # 8 files come back from a lent machine
 #: GPU test files, cheap and decisive first (what a first GPU run must tell before its time runs out: the selection
-#: op on CUDA against the reference, the torch backend on CUDA, the served path), the kernel matrix and the TensorRT
-#: tests (skipped without TensorRT) after; a file not named here runs last
-PYTEST_ORDER = ("tests/selection/test_select_op.py", "tests/selection/test_kernel_ops.py", "tests/selection/test_reference.py",
-                "tests/runtime/test_torch_backend.py", "tests/bench/test_gpu_serve.py", "tests/plugins/test_plugin_gpu.py",
-                "tests/runtime/test_tensorrt_backend.py", "tests/plugins/test_plugin_engine_build.py")
+#: op on CUDA against the reference, then the kernel matrix of every flow, shape and dtype, the torch backend on CUDA),
+#: the TensorRT tests (they skip at once without TensorRT) and the served path last (bench gpu-serve's own step runs
+#: it as well); a file not named here runs after them
+PYTEST_ORDER = ("tests/selection/test_select_op.py", "tests/selection/test_kernel_ops.py",
+                "tests/selection/test_reference.py", "tests/plugins/test_plugin_gpu.py", "tests/runtime/test_torch_backend.py",
+                "tests/runtime/test_tensorrt_backend.py", "tests/plugins/test_plugin_engine_build.py",
+                "tests/bench/test_gpu_serve.py")
+#: tests a step of their own runs (deselected from the pytest step when that step runs)
+RUN_BY_STEP = {"sanitizer": "tests/plugins/test_plugin_gpu.py::test_compute_sanitizer",
+               "serve": "tests/bench/test_gpu_serve.py::test_a_short_gpu_run_measures_every_step"}
+#: the per-test limit of the pytest step: a test that needs more belongs to a step of its own
+TEST_TIMEOUT_S = 30
 
 
 @dataclass
@@ -127,9 +138,10 @@ def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
             continue
 
 
-def stream(cmd: list[str], budget: float, log: Log, env: dict, prefix: str = "") -> tuple[int | None, bool, float]:
-    """Run ``cmd`` in its own process group, its output line by line into the log; stopped after ``budget`` seconds.
-    Returns (exit code, timed out, seconds)."""
+def stream(cmd: list[str], budget: float, log: Log, env: dict, prefix: str = "",
+           lines: list[str] | None = None) -> tuple[int | None, bool, float]:
+    """Run ``cmd`` in its own process group, its output line by line into the log (and into ``lines`` when given);
+    stopped after ``budget`` seconds. Returns (exit code, timed out, seconds)."""
     begin = time.monotonic()
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -141,6 +153,8 @@ def stream(cmd: list[str], budget: float, log: Log, env: dict, prefix: str = "")
     def pump():
         for line in proc.stdout:
             log(prefix + line.rstrip("\n"))
+            if lines is not None:
+                lines.append(line.rstrip("\n"))
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -300,7 +314,7 @@ class Check:
         for folder in ("/usr/include/x86_64-linux-gnu", "/usr/include", "/usr/local/tensorrt/include"):
             if Path(folder, "NvInfer.h").is_file():
                 return f"installed TensorRT ({folder})"
-        return "MISSING: " + HEADERS_HINT
+        return "none: " + HEADERS_HINT
 
     def local_arch(self) -> str | None:
         code, text = probe(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], 20)
@@ -350,14 +364,16 @@ class Check:
         budget = self.budget("build")
         if self.dry and not self.args.steps_given:
             return StepResult("build", "skipped", budget, note="dry run (name it in --steps to build anyway)")
-        if self.env_info["trt_headers"].startswith("MISSING"):
-            return StepResult("build", "failed", budget, note=HEADERS_HINT)
         if not self.archs:
             return StepResult("build", "failed", budget, note="no GPU architecture found (give --archs, e.g. 90)")
         self.header("build", budget, f"CKV_CUDA_ARCHS={self.archs} bash scripts/build_plugin.sh")
+        lines: list[str] = []
         code, timed_out, seconds = stream(["bash", "scripts/build_plugin.sh"], budget, self.log,
-                                          self.env("build", budget))
-        return self.outcome("build", budget, code, timed_out, seconds)
+                                          self.env("build", budget), lines=lines)
+        # what the script did not build, and why (no TensorRT headers, a failing torch CMake config)
+        skipped = [line.removeprefix("not built: ") for line in lines if line.startswith("not built: ")]
+        note = "; ".join([f"exit {code}"] * (code not in (0, None)) + [f"not built: {s}" for s in skipped])
+        return self.outcome("build", budget, code, timed_out, seconds, note, {"not_built": skipped})
 
     def build_failed(self) -> bool:
         build = next((r for r in self.results if r.name == "build"), None)
@@ -419,8 +435,9 @@ class Check:
             notes.append("no flock: one process")
         elif workers:
             cmd += ["-n", str(workers)]
-        if self.wanted("sanitizer") and self.cuda:
-            cmd += ["--deselect", "tests/plugins/test_plugin_gpu.py::test_compute_sanitizer"]
+        for step, test in RUN_BY_STEP.items():
+            if self.wanted(step) and self.cuda:
+                cmd += ["--deselect", test]
         cmd += self.pytest_files() + shlex.split(self.args.pytest_args)
         self.header("pytest", budget, shlex.join(cmd[2:]))
         env = self.env("pytest", budget, tests=True)
@@ -505,7 +522,7 @@ class Check:
         budget = self.budget("serve")
         if not self.serve_available():
             return StepResult("serve", "skipped", budget,
-                              note="this checkout has no `criticalkv bench gpu-serve` (issue 27)")
+                              note="this checkout has no `criticalkv bench gpu-serve`")
         folder = self.scratch / "serve"
         cmd = [self.python, "-m", "criticalkv.cli", "bench", "gpu-serve", "--out", str(folder / "serving")]
         if self.dry:
@@ -693,7 +710,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--total-budget", type=float, default=DEFAULT_TOTAL,
                    help=f"seconds for the whole check: no step starts past it and each step's limit is cut to what "
                         f"is left (default: {DEFAULT_TOTAL})")
-    p.add_argument("--test-timeout", type=int, default=45, help="pytest-timeout seconds per test (default: 45)")
+    p.add_argument("--test-timeout", type=int, default=TEST_TIMEOUT_S,
+                   help=f"pytest-timeout seconds per test (default: {TEST_TIMEOUT_S})")
     p.add_argument("--pytest-workers", type=int, default=4,
                    help="pytest-xdist workers on a GPU machine when pytest-xdist is installed (0: one process; "
                         "default: 4)")

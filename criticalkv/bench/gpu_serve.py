@@ -29,8 +29,9 @@ questions (its prefix cache holds the document after one request about it, as cr
 compressed copy). ``--policies ""`` runs vLLM alone (one call each, within the time limit). The dry run serves the tiny
 model with vLLM's CPU build where its environment exists (the plumbing again).
 
-No step starts after ``--time-limit-s`` (requests in flight are cancelled then; the results say what was cut or
-skipped), and the results are written whatever happens: ``STEM.json`` and ``STEM.md`` (``--out STEM``). ``--dry-run``,
+No step starts after ``--time-limit-s`` (default ``$CRITICALKV_TIME_BUDGET_S``, which the GPU check sets to its step's
+limit less 15 s, else 280; requests in flight are cancelled then; the results say what was cut or skipped), and the
+results are written whatever happens, a SIGTERM included: ``STEM.json`` and ``STEM.md`` (``--out STEM``). ``--dry-run``,
 and any run without CUDA, runs a tiny model on the CPU through the same code (the plumbing, not a measurement).
 """
 
@@ -40,9 +41,12 @@ import argparse
 import gc
 import json
 import math
+import os
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -50,6 +54,8 @@ from pathlib import Path
 from criticalkv.bench.peers.kvpress import kvpress_run
 from criticalkv.bench.gpu_report import check_targets, render
 
+#: Environment variable of the seconds the GPU check gives this command (the default of --time-limit-s).
+TIME_BUDGET_ENV = "CRITICALKV_TIME_BUDGET_S"
 #: The GPU workload's model: Llama 3.1 8B's shapes (random weights unless --model).
 LLAMA_31_8B = {
     "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -596,10 +602,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory-gib", type=float, default=d.kv_memory_gib,
                    help="the one KV memory budget every policy gets, GiB (default: 40)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=d.dtype, help="default: bfloat16")
-    p.add_argument("--time-limit-s", type=float, default=d.time_limit_s,
-                   help="no step starts after this many seconds from the start (default: 280: with the imports and "
-                        "the last step's overrun the whole call stays under 6 minutes on an H100); in-flight requests "
-                        "are cancelled then")
+    p.add_argument("--time-limit-s", type=float, default=None,
+                   help=f"no step starts after this many seconds from the start (default: ${TIME_BUDGET_ENV}, "
+                        f"which the GPU check sets to its step's limit less 15 s, else {d.time_limit_s:.0f}: with the "
+                        "imports and the last step's overrun the whole call stays under 6 minutes on an H100); "
+                        "in-flight requests are cancelled then")
     p.add_argument("--vllm", nargs="?", const="peers", default=None, metavar="PYTHON",
                    help="also serve the model with vllm serve (same KV memory, same token ids, prefix caching on): "
                         "vLLM's peer environment under $CRITICALKV_PEERS_DIR (created on first use: the CUDA build on a "
@@ -609,16 +616,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "added to the import path (repeatable)")
 
 
+def time_limit(given: float | None) -> float:
+    """--time-limit-s, else $CRITICALKV_TIME_BUDGET_S (the GPU check's step limit less 15 s), else the default."""
+    if given is not None:
+        return given
+    text = os.environ.get(TIME_BUDGET_ENV)
+    if text:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"${TIME_BUDGET_ENV}={text!r} is not a number of seconds") from None
+    return Workload().time_limit_s
+
+
+def _stop_on_sigterm(signum, frame):
+    """A SIGTERM (the GPU check's step limit) unwinds like Ctrl-C, so the results measured so far are written."""
+    raise SystemExit(128 + signum)
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
     from criticalkv.bench import machine, report
 
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     policies = tuple(p for p in args.policies.split(",") if p)
     workload = Workload(prompt_lengths=args.prompt_lengths, concurrency=args.concurrency, policies=policies,
                         budget=args.budget, new_tokens=args.new_tokens, question_tokens=args.question_tokens,
                         kv_memory_gib=args.kv_memory_gib, dtype=args.dtype, model=args.model,
-                        time_limit_s=args.time_limit_s, vllm=args.vllm)
+                        time_limit_s=time_limit(args.time_limit_s), vllm=args.vllm)
     if args.dry_run or not torch.cuda.is_available():
         if not args.dry_run:
             print("criticalkv bench gpu-serve: no CUDA device: running the CPU dry run", file=sys.stderr)

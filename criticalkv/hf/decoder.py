@@ -12,10 +12,15 @@ attention, so that
   length, attention over each head's valid entries (a length mask), with static shapes only, so it can be captured in
   a CUDA graph per batch size;
 * N new tokens (``extend``) attend to a row's (or a prefill buffer's) entries and causally to each other, their K/V
-  appended at each head's length: chunked prefill and a question after a cached context.
+  appended at each head's length: chunked prefill and a question after a cached context. The new tokens sit at the
+  end of what each head holds, so their mask is causal aligned to the lower right (query j sees the first
+  held + j + 1 entries): ``causal_lower_right``, which SDPA runs as flash attention on a GPU (fp16 / bf16), with no
+  mask tensor; heads that hold different counts run one such call each.
 
-Query head h reads KV head h // G (G = H / H_kv), as transformers' ``repeat_kv``; attention runs on the KV heads with
-the G query heads of a group as G query rows (transformers' own ``pack_gqa``), so K/V are never repeated.
+Query head h reads KV head h // G (G = H / H_kv), as transformers' ``repeat_kv``; attention runs with grouped K/V
+(``enable_gqa``, or in a decode step the G query heads of a group as G query rows: transformers' own ``pack_gqa``), so
+K/V are never repeated. The prompt's keys and values are projected straight into the [B, H_kv, n, d_h] layout the
+selection kernels read (``head_major``): no transposed copy of a layer's K/V before the selection.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers.models.llama.modeling_llama import rotate_half
 
 #: ``scaled_dot_product_attention(enable_gqa=...)`` exists from torch 2.5
@@ -55,6 +61,30 @@ def decoder_shape(model) -> DecoderShape:
         hidden_size=config.hidden_size, vocab_size=config.vocab_size)
 
 
+def head_major(linear: torch.nn.Linear, x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """``linear(x)`` split into heads as [B, heads, T, head_dim], contiguous: x [B, T, d]. One batched product per
+    sequence writes each head's [T, head_dim] block where it belongs (``linear(x).view(B, T, heads, head_dim)
+    .transpose(1, 2)`` is a strided view, which a kernel reading [B, heads, T, head_dim] rows must copy first)."""
+    b, t, d = x.shape
+    weight = linear.weight.view(heads, head_dim, d).transpose(1, 2)  # [heads, d, head_dim], no copy
+    bias = None if linear.bias is None else linear.bias.view(heads, 1, head_dim)
+
+    def project(row, out=None):
+        rows = x[row].expand(heads, t, d)  # every head reads the same rows (stride 0: no copy)
+        if bias is None:
+            return torch.bmm(rows, weight, out=out)
+        return torch.baddbmm(bias, rows, weight, out=out)
+
+    if b == 1:
+        return project(0).unsqueeze(0)
+    if torch.is_grad_enabled():  # out= takes no part in autograd: the rows stacked (a copy) where gradients flow
+        return torch.stack([project(row) for row in range(b)])
+    out = torch.empty(b, heads, t, head_dim, dtype=x.dtype, device=x.device)
+    for row in range(b):
+        project(row, out[row])
+    return out
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' ``apply_rotary_pos_emb`` for one tensor: x [..., d_h], cos/sin broadcastable to it."""
     return x * cos + rotate_half(x) * sin
@@ -83,18 +113,24 @@ class CompactDecoder:
         self.scaling = [layer.self_attn.scaling for layer in self.layers]
 
     # ------------------------------------------------------------------ pieces
-    def _qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Post-RoPE q [..., H, T, d_h], k, v [..., H_kv, T, d_h] of x [..., T, d] (the layer's input, normalised)."""
+    def _qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, contiguous_kv: bool = False):
+        """Post-RoPE q [..., H, T, d_h], k, v [..., H_kv, T, d_h] of x [..., T, d] (the layer's input, normalised).
+        ``contiguous_kv`` (x [B, T, d]): k and v laid out as [B, H_kv, T, d_h] in memory (``head_major``), as the
+        selection reads them; else strided views of the projections (a decode step's or an extend's, copied into the
+        KV rows anyway)."""
         attn = layer.self_attn
         s = self.shape
         lead = x.shape[:-1]
-        q = attn.q_proj(x).view(*lead, s.num_heads, s.head_dim)
-        k = attn.k_proj(x).view(*lead, s.num_kv_heads, s.head_dim)
-        v = attn.v_proj(x).view(*lead, s.num_kv_heads, s.head_dim)
+        q = attn.q_proj(x).view(*lead, s.num_heads, s.head_dim).transpose(-2, -3)
+        if contiguous_kv:
+            k = head_major(attn.k_proj, x, s.num_kv_heads, s.head_dim)
+            v = head_major(attn.v_proj, x, s.num_kv_heads, s.head_dim)
+        else:
+            k = attn.k_proj(x).view(*lead, s.num_kv_heads, s.head_dim).transpose(-2, -3)
+            v = attn.v_proj(x).view(*lead, s.num_kv_heads, s.head_dim).transpose(-2, -3)
         q_norm = getattr(attn, "q_norm", None)
-        if q_norm is not None:  # Qwen3: RMSNorm over d_h of every head before RoPE
+        if q_norm is not None:  # Qwen3: RMSNorm over d_h of every head before RoPE (layout kept)
             q, k = q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(-2, -3), k.transpose(-2, -3), v.transpose(-2, -3)
         cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # [..., 1, T, d_h]: every head
         return rope(q, cos, sin), rope(k, cos, sin), v
 
@@ -134,7 +170,7 @@ class CompactDecoder:
         cos, sin = self.cos[position_ids], self.sin[position_ids]  # [B, n, d_h]
         starts = None if lengths is None else (n - lengths.to(torch.int64)).tolist()  # one host read per prompt
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)
+            q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin, contiguous_kv=True)
             if starts is None:
                 attended = self._causal(q, k, v, self.scaling[i])
             else:
@@ -151,6 +187,20 @@ class CompactDecoder:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         g = self.shape.group
         return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True,
+                                              scale=scale)
+
+    def _causal_after(self, q, k, v, scale):
+        """q [B, H, N, d_h] after the first S - N of k, v [B, H_kv, S, d_h]: query j sees keys 0 .. S - N + j (causal
+        aligned to the lower right; a mask-free flash attention call on a GPU in fp16 / bf16, the mask materialised
+        elsewhere). Returns [B, H, N, d_h]."""
+        n, total = q.shape[2], k.shape[2]
+        if n == total:
+            return self._causal(q, k, v, scale)
+        bias = causal_lower_right(n, total)
+        if _SDPA_GQA:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+        g = self.shape.group
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=bias,
                                               scale=scale)
 
     def _causal_rows(self, q, k, v, starts: list[int], scale):
@@ -228,6 +278,9 @@ class CompactDecoder:
         cos, sin = self.cos[positions], self.sin[positions]  # [1, N, d_h]
         s = self.shape
         new = torch.arange(n_new, device=h.device)
+        # what each head holds before the new tokens, known on the host (one read per call): a head's keys are its
+        # first held + N slots, the new ones last
+        held = None if equal_heads else torch.stack([c.reshape(-1) for c in lengths]).tolist()
         queries = []
         for i, layer in enumerate(self.layers):
             normed = layer.input_layernorm(h)
@@ -240,17 +293,17 @@ class CompactDecoder:
             grid = torch.arange(s.num_kv_heads, device=h.device)[None, :, None].expand_as(at)
             keys[i][torch.zeros_like(at), grid, at] = k
             values[i][torch.zeros_like(at), grid, at] = v
-            slot = torch.arange(span, device=h.device)
-            if equal_heads:  # query j (at slot used + j) sees slots <= used + j
-                mask = (slot[None, :] <= used[i] + new[:, None])[None, None]  # [1, 1, N, S]
-            else:  # head g's query j (at slot count_g + j) sees its held entries and the new ones up to j
-                mask = slot[None, None, None, :] <= (count[..., None] + new)[..., None]  # [1, H_kv, N, S]
-            mask = mask.repeat(1, 1, s.group, 1)  # the G query heads of each KV head, in blocks of N rows
-            out = F.scaled_dot_product_attention(self.grouped(q), keys[i][:, :, :span], values[i][:, :, :span],
-                                                 attn_mask=mask, scale=self.scaling[i])
+            if equal_heads:  # query j (at slot used + j) sees slots <= used + j: causal, aligned to the lower right
+                out = self._causal_after(q, keys[i][:, :, :span], values[i][:, :, :span], self.scaling[i])
+            else:  # head g's query j (at slot held_g + j) sees its held entries and the new ones up to j
+                g = s.group
+                heads = [self._causal_after(q[:, kv * g:(kv + 1) * g], keys[i][:, kv:kv + 1, :held[i][kv] + n_new],
+                                            values[i][:, kv:kv + 1, :held[i][kv] + n_new], self.scaling[i])
+                         for kv in range(s.num_kv_heads)]
+                out = torch.cat(heads, dim=1)
             if after_attention is not None:
                 after_attention(i, q, keys[i][:, :, :span])
-            h = self._finish_layer(layer, h, self.ungrouped(out, n_new))
+            h = self._finish_layer(layer, h, out.transpose(1, 2).reshape(1, n_new, -1))
             count += n_new
             queries.append(q[:, :, -min(n_new, window):])
         return self.logits(h[:, -1]), queries

@@ -90,15 +90,21 @@ def check_checkpoint(folder: Path, recorded: dict[str, Any] | None) -> None:
 
 
 def load_checkpoint(folder: Path, dtype: torch.dtype, device: torch.device):
-    """The transformers causal LM of ``folder`` in ``dtype`` on ``device`` (SDPA, eval mode, no gradients)."""
+    """The transformers causal LM of ``folder`` in ``dtype`` on ``device`` (SDPA, eval mode, no gradients).
+
+    With ``accelerate`` installed, transformers places each weight on a GPU as it reads it (``device_map``); without it
+    (transformers refuses a ``device_map``, a device context or a default device then; a bare GPU image has no
+    accelerate) the weights are read into host memory (safetensors are memory-mapped) and the model moves to the device
+    once. On the CPU they are read where they run."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import is_accelerate_available
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     check_supported(AutoConfig.from_pretrained(folder))
-    with no_transformers_bars():  # straight onto the device: no copy of the weights in host memory first
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
-                                                     device_map=str(device))
-    return model.to(device)  # a no-op unless transformers left a module elsewhere
+    placement = {"device_map": str(device)} if device.type != "cpu" and is_accelerate_available() else {}
+    with no_transformers_bars():
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", **placement)
+    return model.to(device)  # without a device_map the move itself; with one a no-op unless a module was left elsewhere
 
 
 class SelectionClock:

@@ -64,6 +64,12 @@ int32_t CriticalKVSelectPlugin::configurePlugin(
         // Structure only: dims may hold -1 (dynamic) here; enqueue checks the concrete shapes.
         checkLayerStructure(in, nbInputs, mExternalScores);
         mNbInputs = nbInputs;
+        // the workspace TensorRT will allocate (getWorkspaceSize at the profile's largest shapes, concrete here): a
+        // profile the kernels cannot take fails the build now, and every enqueue is checked against it
+        if (maxDimsKnown(in, nbInputs))
+        {
+            mWorkspaceBytes = static_cast<int64_t>(layerWorkspaceBytes(mConfig, in, nbInputs, mExternalScores));
+        }
         return 0;
     }
     catch (std::exception const& e)
@@ -174,12 +180,15 @@ size_t CriticalKVSelectPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* i
 {
     try
     {
-        return layerWorkspaceBytes(mConfig, inputs, nbInputs, mExternalScores);
+        size_t const bytes = layerWorkspaceBytes(mConfig, inputs, nbInputs, mExternalScores);
+        mWorkspaceBytes = static_cast<int64_t>(bytes);
+        return bytes;
     }
     catch (std::exception const& e)
     {
         caughtError(e);
     }
+    mWorkspaceBytes = 0; // TensorRT allocates nothing: every enqueue that needs a workspace refuses
     return 0;
 }
 
@@ -214,6 +223,7 @@ int32_t CriticalKVSelectPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
     // kv_budget      [1]                 int32 (optional input 5): the request's budget, read on the device
     // scores         [B, H_kv, n]        fp32 (input 6, the kvzip pair only): the graph's per-entry scores
     // kept_keys, kept_values [B, H_kv, cap, d_h], kept_lengths [B, H_kv] int32, kept_indices [B, H_kv, cap] int32
+    // workspace      the bytes TensorRT allocated (mWorkspaceBytes), checked against what these shapes need
     try
     {
         check(inputDesc != nullptr && outputDesc != nullptr && inputs != nullptr && outputs != nullptr,
@@ -232,7 +242,7 @@ int32_t CriticalKVSelectPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         // tensor cores, one pass over o_proj), since a plugin cannot tell that its o_proj input keeps its content from
         // one enqueue to the next (a refitted engine, or o_proj not a constant of the graph) and a key by address alone
         // would then keep stale terms. The torch op's callers can reuse them (launchPrunedTerms, ckv_ops_pruned_terms).
-        size_t const bytes = workspaceLayout(mConfig, s).total;
+        size_t const bytes = checkWorkspace(workspace, workspaceLayout(mConfig, s).total);
         cudaError_t const status = launchCriticalKVSelect(mConfig, budgetTable(mPolicy), s, t, workspace, bytes, stream);
         check(status == cudaSuccess,
             std::string("enqueue (") + mLayerName + "): " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
@@ -286,22 +296,29 @@ IPluginV3* CriticalKVSelectCreator::createPlugin(
     {
         std::string const layerName = name != nullptr ? std::string(name, strnlen(name, 1024)) : std::string();
         std::string const where = std::string(kPluginName) + " (" + layerName + "): ";
-        std::vector<FieldView> const views = fieldViews(fc, where);
+        std::vector<FieldView> views = fieldViews(fc, where);
+        std::optional<int64_t> const workspace = takeWorkspaceField(views, where);
         PolicyConfig policy;
         std::string error;
-        if (!parsePolicyFields(views.data(), fc->nbFields, policy, error))
+        if (!parsePolicyFields(views.data(), static_cast<int32_t>(views.size()), policy, error))
         {
             logError(where + error);
             return nullptr;
         }
         if (phase == TensorRTPhase::kRUNTIME)
         {
-            // A deserialised plugin must carry every field it serialised.
-            check(fc->nbFields == serializedLayerFieldCount(),
+            // A deserialised plugin must carry every field it serialised: the policy's and the workspace's size.
+            check(fc->nbFields == serializedLayerFieldCount() + 1 && workspace.has_value(),
                 where + "serialized plugin has " + std::to_string(fc->nbFields) + " fields, expected "
-                    + std::to_string(serializedLayerFieldCount()));
+                    + std::to_string(serializedLayerFieldCount() + 1) + " (the policy's and " + kWorkspaceField
+                    + "; an engine built by an older plugin library must be rebuilt)");
         }
-        return std::make_unique<CriticalKVSelectPlugin>(layerName, mNamespace, policy).release();
+        auto plugin = std::make_unique<CriticalKVSelectPlugin>(layerName, mNamespace, policy);
+        if (workspace.has_value())
+        {
+            plugin->setWorkspaceBytes(*workspace);
+        }
+        return plugin.release();
     }
     catch (std::exception const& e)
     {

@@ -171,6 +171,26 @@ size_t layerWorkspaceBytes(
     return workspaceLayout(config, layerShapeFromDims(maxDims, nbInputs, externalScores)).total;
 }
 
+bool maxDimsKnown(DynamicPluginTensorDesc const* in, int32_t nbInputs)
+{
+    for (int32_t i = 0; i < nbInputs; ++i)
+    {
+        Dims const& dims = in[i].max;
+        if (dims.nbDims < 0)
+        {
+            return false;
+        }
+        for (int32_t axis = 0; axis < dims.nbDims; ++axis)
+        {
+            if (dims.d[axis] < 0)
+            {
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
 void checkLayerStructure(DynamicPluginTensorDesc const* in, int32_t nbInputs, bool externalScores)
 {
     check(validLayerInputCount(nbInputs, externalScores), layerInputCountError(nbInputs, externalScores));

@@ -55,6 +55,10 @@ void checkWindowQueries(SelectConfig const& config, SelectShape const& shape);
 size_t layerWorkspaceBytes(SelectConfig const& config, nvinfer1::DynamicPluginTensorDesc const* inputs,
     int32_t nbInputs, bool externalScores);
 
+//! Whether every input's largest dims are concrete (TensorRT's configurePlugin gives the profile's maxima; a harness may
+//! give -1).
+bool maxDimsKnown(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs);
+
 //! A layer node's input pointers into a launch's tensors (SelectTensors, LayerRankingTensors); `count` inputs given.
 template <typename Tensors>
 void fillLayerInputs(Tensors& t, nvinfer1::PluginTensorDesc const* desc, void const* const* inputs, int32_t count)

@@ -140,6 +140,10 @@ int32_t CriticalKVScorePlugin::configurePlugin(
                 + std::to_string(nbOutputs));
         checkLayerStructure(in, nbInputs, mExternalScores);
         mNbInputs = nbInputs;
+        if (maxDimsKnown(in, nbInputs)) // the workspace TensorRT will allocate (CriticalKVSelectPlugin::configurePlugin)
+        {
+            mWorkspaceBytes = static_cast<int64_t>(layerWorkspaceBytes(mConfig, in, nbInputs, mExternalScores));
+        }
         return 0;
     }
     catch (std::exception const& e)
@@ -227,12 +231,15 @@ size_t CriticalKVScorePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* in
 {
     try
     {
-        return layerWorkspaceBytes(mConfig, inputs, nbInputs, mExternalScores);
+        size_t const bytes = layerWorkspaceBytes(mConfig, inputs, nbInputs, mExternalScores);
+        mWorkspaceBytes = static_cast<int64_t>(bytes);
+        return bytes;
     }
     catch (std::exception const& e)
     {
         caughtError(e);
     }
+    mWorkspaceBytes = 0; // TensorRT allocates nothing: every enqueue that needs a workspace refuses
     return 0;
 }
 
@@ -285,7 +292,7 @@ int32_t CriticalKVScorePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugin
         t.ranking = static_cast<float*>(outputs[0]);
         t.attention = nullptr; // the model node refines by the ranking (equal to the base score beyond the sinks)
         t.critical = mRefined ? static_cast<float*>(outputs[1]) : nullptr;
-        size_t const bytes = workspaceLayout(mConfig, s).total;
+        size_t const bytes = checkWorkspace(workspace, workspaceLayout(mConfig, s).total);
         cudaError_t const status = launchLayerRanking(mConfig, budgetTable(mPolicy), s, t, workspace, bytes, stream);
         check(status == cudaSuccess,
             std::string("enqueue (") + mLayerName + "): " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
@@ -415,6 +422,16 @@ int32_t CriticalKVSelectModelPlugin::configurePlugin(
             }
         }
         mNbInputs = nbInputs;
+        if (maxDimsKnown(in, nbInputs)) // the workspace TensorRT will allocate (CriticalKVSelectPlugin::configurePlugin)
+        {
+            std::vector<Dims> maxDims(static_cast<size_t>(nbInputs));
+            for (int32_t i = 0; i < nbInputs; ++i)
+            {
+                maxDims[static_cast<size_t>(i)] = in[i].max;
+            }
+            mWorkspaceBytes = static_cast<int64_t>(modelBuffers(mConfig, shapeFromDims(maxDims.data(), nbInputs),
+                mRefined).total);
+        }
         return 0;
     }
     catch (std::exception const& e)
@@ -551,12 +568,15 @@ size_t CriticalKVSelectModelPlugin::getWorkspaceSize(DynamicPluginTensorDesc con
         {
             maxDims[static_cast<size_t>(i)] = inputs[i].max;
         }
-        return modelBuffers(mConfig, shapeFromDims(maxDims.data(), nbInputs), mRefined).total;
+        size_t const bytes = modelBuffers(mConfig, shapeFromDims(maxDims.data(), nbInputs), mRefined).total;
+        mWorkspaceBytes = static_cast<int64_t>(bytes);
+        return bytes;
     }
     catch (std::exception const& e)
     {
         caughtError(e);
     }
+    mWorkspaceBytes = 0; // TensorRT allocates nothing: every enqueue that needs a workspace refuses
     return 0;
 }
 
@@ -612,6 +632,7 @@ int32_t CriticalKVSelectModelPlugin::enqueue(PluginTensorDesc const* inputDesc, 
         ModelShape const shape = shapeFromDims(dims.data(), mNbInputs);
         SelectShape const& s = shape.layer;
         ModelBuffers const buffers = modelBuffers(mConfig, shape, mRefined);
+        size_t const bytes = checkWorkspace(workspace, buffers.total);
         auto* base = static_cast<unsigned char*>(workspace);
         float* ranking = reinterpret_cast<float*>(base + buffers.ranking);
         float* critical = mRefined ? reinterpret_cast<float*>(base + buffers.critical) : nullptr;
@@ -652,7 +673,7 @@ int32_t CriticalKVSelectModelPlugin::enqueue(PluginTensorDesc const* inputDesc, 
         t.critical = critical;
         t.layers = layerTensors.data();
         cudaError_t const status = launchModelSelect(
-            mConfig, shape, t, base + buffers.select, buffers.selectBytes, stream);
+            mConfig, shape, t, base + buffers.select, bytes - buffers.select, stream);
         check(status == cudaSuccess,
             std::string("enqueue (") + mLayerName + "): " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
         return 0;
@@ -670,9 +691,7 @@ PluginFieldCollection const* CriticalKVSelectModelPlugin::getFieldsToSerialize()
     {
         serializePolicy(layerOnlyField);
         addSerializedField(mDataToSerialize, kCapacities, mCapacities);
-        mFCToSerialize.nbFields = static_cast<int32_t>(mDataToSerialize.size());
-        mFCToSerialize.fields = mDataToSerialize.data();
-        return &mFCToSerialize;
+        return serializeWorkspace();
     }
     catch (std::exception const& e)
     {
@@ -730,11 +749,14 @@ IPluginV3* ModelLevelCreator::createPlugin(char const* name, PluginFieldCollecti
         std::string const layerName = name != nullptr ? std::string(name, strnlen(name, 1024)) : std::string();
         std::string const where = std::string(getPluginName()) + " (" + layerName + "): ";
         std::vector<FieldView> views = fieldViews(fc, where);
+        std::optional<int64_t> const workspace = takeWorkspaceField(views, where);
         if (phase == TensorRTPhase::kRUNTIME)
         {
-            // A deserialised plugin must carry every field it serialised.
-            check(fc->nbFields == mFC.nbFields, where + "serialized plugin has " + std::to_string(fc->nbFields)
-                    + " fields, expected " + std::to_string(mFC.nbFields));
+            // A deserialised plugin must carry every field it serialised: the advertised ones and the workspace's size.
+            check(fc->nbFields == mFC.nbFields + 1 && workspace.has_value(),
+                where + "serialized plugin has " + std::to_string(fc->nbFields) + " fields, expected "
+                    + std::to_string(mFC.nbFields + 1) + " (the advertised ones and " + kWorkspaceField
+                    + "; an engine built by an older plugin library must be rebuilt)");
         }
         std::vector<int32_t> capacities;
         int32_t const one = 1; // the model node's capacities are per layer: the policy's own capacity is unused
@@ -768,11 +790,20 @@ IPluginV3* ModelLevelCreator::createPlugin(char const* name, PluginFieldCollecti
             logError(where + error);
             return nullptr;
         }
+        std::unique_ptr<PluginBase> plugin;
         if (mModel)
         {
-            return std::make_unique<CriticalKVSelectModelPlugin>(layerName, mNamespace, policy, capacities).release();
+            plugin = std::make_unique<CriticalKVSelectModelPlugin>(layerName, mNamespace, policy, capacities);
         }
-        return std::make_unique<CriticalKVScorePlugin>(layerName, mNamespace, policy).release();
+        else
+        {
+            plugin = std::make_unique<CriticalKVScorePlugin>(layerName, mNamespace, policy);
+        }
+        if (workspace.has_value())
+        {
+            plugin->setWorkspaceBytes(*workspace);
+        }
+        return plugin.release();
     }
     catch (std::exception const& e)
     {

@@ -2,6 +2,7 @@
 
 #include "pluginUtils.h"
 
+#include <cstring>
 #include <utility>
 
 using namespace nvinfer1;
@@ -31,6 +32,7 @@ PluginBase::PluginBase(PluginBase const& other)
     , mMetadata(other.mMetadata)
     , mExternalScores(other.mExternalScores)
     , mNbInputs(other.mNbInputs)
+    , mWorkspaceBytes(other.mWorkspaceBytes)
 {
     // mDataToSerialize points into its owner: rebuilt by getFieldsToSerialize, never copied.
 }
@@ -83,7 +85,8 @@ PluginFieldCollection const* PluginBase::getFieldsToSerialize() noexcept
 {
     try
     {
-        return serializePolicy(nullptr);
+        serializePolicy(nullptr);
+        return serializeWorkspace();
     }
     catch (std::exception const& e)
     {
@@ -105,6 +108,51 @@ PluginFieldCollection const* PluginBase::serializePolicy(bool (*skip)(char const
     mFCToSerialize.nbFields = static_cast<int32_t>(mDataToSerialize.size());
     mFCToSerialize.fields = mDataToSerialize.data();
     return &mFCToSerialize;
+}
+
+PluginFieldCollection const* PluginBase::serializeWorkspace()
+{
+    mDataToSerialize.emplace_back(kWorkspaceField, &mWorkspaceBytes, PluginFieldType::kINT64, 1);
+    mFCToSerialize.nbFields = static_cast<int32_t>(mDataToSerialize.size());
+    mFCToSerialize.fields = mDataToSerialize.data();
+    return &mFCToSerialize;
+}
+
+size_t PluginBase::checkWorkspace(void const* workspace, size_t need) const
+{
+    check(mWorkspaceBytes >= 0,
+        "enqueue (" + mLayerName + "): the size of the workspace TensorRT allocated is not known (the plugin was "
+            "neither configured for a build nor deserialised with " + kWorkspaceField + "): rebuild the engine");
+    auto const given = static_cast<size_t>(mWorkspaceBytes);
+    check(given >= need,
+        "enqueue (" + mLayerName + "): these shapes need " + std::to_string(need) + " bytes of workspace, TensorRT "
+            "allocated " + std::to_string(given) + " (getWorkspaceSize at the profile's largest shapes"
+            + (given == 0 ? ", which failed when the engine was built" : "") + "): nothing is launched");
+    check(workspace != nullptr || need == 0, "enqueue (" + mLayerName + "): null workspace");
+    return given;
+}
+
+std::optional<int64_t> takeWorkspaceField(std::vector<FieldView>& views, std::string const& where)
+{
+    std::optional<int64_t> value;
+    std::vector<FieldView> kept;
+    for (FieldView const& view : views)
+    {
+        if (view.name == nullptr || strncmp(view.name, kWorkspaceField, 64) != 0)
+        {
+            kept.push_back(view);
+            continue;
+        }
+        check(!value.has_value(), where + kWorkspaceField + ": given twice");
+        check(view.type == FieldType::kInt64 && view.length == 1 && view.data != nullptr,
+            where + kWorkspaceField + ": expected one int64");
+        int64_t bytes = 0;
+        std::memcpy(&bytes, view.data, sizeof(bytes));
+        check(bytes >= -1, where + kWorkspaceField + ": " + std::to_string(bytes) + " is not a size");
+        value = bytes;
+    }
+    views = std::move(kept);
+    return value;
 }
 
 } // namespace criticalkv::trt

@@ -612,6 +612,33 @@ extern "C"
         return runtime->onShapeChange(desc.data(), nbInputs, desc.data() + nbInputs, nbOutputs);
     }
 
+    //! onShapeChange with concrete dims, then enqueue with every tensor pointer, the workspace and the stream null:
+    //! what enqueue refuses before it launches anything (the workspace check, then the null workspace). Returns
+    //! onShapeChange's status if it failed, else enqueue's (never 0: a plugin that launched would read null pointers).
+    int32_t ckv_harness_enqueue(int32_t handle, int64_t const* packed, int32_t nbInputs, int32_t nbOutputs)
+    {
+        auto* runtime = capability<IPluginV3OneRuntime>(handle, PluginCapabilityType::kRUNTIME);
+        if (runtime == nullptr)
+        {
+            return -2;
+        }
+        std::vector<PluginTensorDesc> desc(static_cast<size_t>(nbInputs + nbOutputs));
+        for (int32_t i = 0; i < nbInputs + nbOutputs; ++i)
+        {
+            desc[i].dims = toDims(packed + i * 9);
+            desc[i].type = DataType::kFLOAT;
+            desc[i].format = TensorFormat::kLINEAR;
+        }
+        int32_t const changed = runtime->onShapeChange(desc.data(), nbInputs, desc.data() + nbInputs, nbOutputs);
+        if (changed != 0)
+        {
+            return changed;
+        }
+        std::vector<void const*> inputs(static_cast<size_t>(nbInputs), nullptr);
+        std::vector<void*> outputs(static_cast<size_t>(nbOutputs), nullptr);
+        return runtime->enqueue(desc.data(), desc.data() + nbInputs, inputs.data(), outputs.data(), nullptr, nullptr);
+    }
+
     //! JSON list of [severity, message] logged by the plugin since the last call.
     int32_t ckv_harness_logs(char* out, int32_t outLen)
     {

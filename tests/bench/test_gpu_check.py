@@ -40,8 +40,52 @@ def test_bench_gpu_dry_run_measures_every_section(tmp_path, capsys):
     md = (out / "selection_gpu.md").read_text()
     for heading in ("## Floors", "## Selection vs prefill", "## Batch of mixed lengths", "## kvpress presses"):
         assert heading in md
-    assert "| criticalkv:value_norm=l2 | 96 | reference (CPU) |" in md
+    assert "| criticalkv:value_norm=l2 | 96 | trained | reference (CPU) |" in md
+    assert results["data"]["kind"] == "synthetic" and all(r["data"] == "trained" for r in rows.values())
+    assert all(r["pruning"] is None for r in rows.values())  # neither prunes: no worst-case rows either
     assert "dry run" in capsys.readouterr().out
+
+
+def test_bench_gpu_reports_the_pruning_beside_each_time_and_keeps_a_worst_case_row(tmp_path):
+    """criticalkv (l1) prunes: at the first length its row on the trained-structure layer and its worst-case row on
+    the random layer, each with the exact norms its pruned stage 2 computed and its rounds; only the trained row is
+    judged."""
+    out = tmp_path / "bench"
+    assert gpu.main(["--dry-run", "--policies", "criticalkv,snapkv", "--lengths", "256,128", "--batch-lengths", "none",
+                     "--repeats", "1", "--no-kvpress", "--no-profile", "--out", str(out)]) == 0
+    results = json.loads((out / "selection_gpu.json").read_text())
+    rows = {(r["policy"], r["n"], r["data"]): r for r in results["selection"]}
+    assert set(rows) == {("criticalkv", 256, "trained"), ("snapkv", 256, "trained"), ("criticalkv", 256, "random"),
+                         ("criticalkv", 128, "trained"), ("snapkv", 128, "trained")}
+    for (policy, n, data), row in rows.items():
+        if policy == "snapkv":
+            assert row["pruning"] is None
+            continue
+        pruning = row["pruning"]
+        assert 0 < pruning["exact_norms_percent"] <= 100 and pruning["rounds"] >= 1
+    assert rows[("criticalkv", 256, "random")]["target"] == "worst case: no verdict"
+    md = (out / "selection_gpu.md").read_text()
+    assert "| criticalkv | 256 | random | reference (CPU) |" in md and "drawn from" in md
+
+
+def test_bench_gpu_takes_a_checkpoints_layer_on_a_real_text(tmp_path):
+    """--model: the checkpoint's middle layer's own queries, keys and values (the model run up to it on the text), its
+    shape instead of Llama-3.1-8B's."""
+    from export.tiny_engine import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny", seed=2)
+    out = tmp_path / "bench"
+    assert gpu.main(["--dry-run", "--model", str(checkpoint), "--prompt-file", str(ROOT / "examples" / "needle_2k.txt"),
+                     "--policies", "criticalkv", "--lengths", "96", "--batch-lengths", "none", "--repeats", "1",
+                     "--no-kvpress", "--no-profile", "--out", str(out)]) == 0
+    results = json.loads((out / "selection_gpu.json").read_text())
+    assert results["data"] == {"kind": "checkpoint", "model": str(checkpoint), "layer": 1,
+                               "text": str(ROOT / "examples" / "needle_2k.txt")}
+    assert results["shape_used"]["hidden"] == 96 and results["shape_used"]["num_layers"] == 3
+    assert {(r["data"], r["n"]) for r in results["selection"]} == {("trained", 96), ("random", 96)}
+    assert not results["errors"]
+    with pytest.raises(SystemExit):
+        gpu.main(["--dry-run", "--model", str(tmp_path), "--out", str(out)])  # no config.json there
 
 
 def test_bench_gpu_refuses_bad_input(capsys):
@@ -63,7 +107,7 @@ def test_issue_targets_and_the_floor_of_each_stage():
     assert gpu.judge(snap, 131072, 9.0, 0.9, True) == ("<= 1.0 %", True)
     assert gpu.judge(snap, 8192, 9.0, 50.0, True) == ("-", None)
     assert gpu.judge(snap, 32768, 0.2, 0.5, False) == ("<= 0.25 ms (0.6 %)", None)  # another shape: no verdict
-    # issue 26's numbers for the Llama-3.1-8B layer at 32k: window scores 8.6 GFLOP, l1 norms 1.1 TFLOP, ~170 MB
+    # the goals' figures for the Llama-3.1-8B layer at 32k: window scores 8.6 GFLOP, l1 norms 1.1 TFLOP, ~170 MB
     work = gpu.stage_work(gpu.LLAMA31_8B, 32768, 32, 2)
     assert work["window scores"]["flop"] == pytest.approx(8.6e9, rel=0.01)
     assert work["l1 value norms"]["flop"] == pytest.approx(1.1e12, rel=0.03)
@@ -106,9 +150,9 @@ def test_driver_arguments():
 
 
 def test_the_check_runs_cheap_decisive_tests_first_and_builds_without_werror(tmp_path):
-    """The GPU test files every step would run, in PYTEST_ORDER (the op, the torch backend and the served path before
-    the kernel matrix and the TensorRT tests), every one of them existing; the build and the tests get CKV_WERROR=OFF
-    (a new compiler's warning must not stop the one run a lent machine gives)."""
+    """The GPU test files every step would run, in PYTEST_ORDER (the op, then the kernel matrix, the torch backend, the
+    TensorRT tests, the served path last), every one of them existing; the build and the tests get CKV_WERROR=OFF
+    (a new compiler's warning must not stop the one run a GPU machine gives)."""
     check = gpu_check.Check(gpu_check.parse_args(["--dry-run", "--out", str(tmp_path / "out")]))
     try:
         files = check.pytest_files()
@@ -116,6 +160,14 @@ def test_the_check_runs_cheap_decisive_tests_first_and_builds_without_werror(tmp
         named = [f for f in files if f in gpu_check.PYTEST_ORDER]
         assert named == [f for f in gpu_check.PYTEST_ORDER if f in files] and files[:len(named)] == named
         assert files[0] == "tests/selection/test_select_op.py" and "tests/plugins/test_plugin_gpu.py" in files
+        # the kernel matrix before the torch backend, the served path last (a step of its own runs it at full size)
+        order = {f: i for i, f in enumerate(files)}
+        assert order["tests/plugins/test_plugin_gpu.py"] < order["tests/runtime/test_torch_backend.py"]
+        assert max(order, key=order.get) == "tests/bench/test_gpu_serve.py"
+        assert check.args.test_timeout == gpu_check.TEST_TIMEOUT_S == 30  # no single test over 30 s
+        for step, test in gpu_check.RUN_BY_STEP.items():  # what a step runs itself exists as a GPU test
+            path, name = test.split("::")
+            assert step in gpu_check.STEPS and f"def {name}(" in (ROOT / path).read_text()
         assert check.env("build", 60)["CKV_WERROR"] == "OFF" == check.env("pytest", 60, tests=True)["CKV_WERROR"]
     finally:
         check.log.file.close()

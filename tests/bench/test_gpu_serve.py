@@ -57,11 +57,41 @@ def test_a_bad_policy_fails_before_any_model_is_made(tmp_path):
     assert not (tmp_path / "serving.json").exists()
 
 
+def test_the_time_limit_comes_from_the_check_and_a_sigterm_still_writes_the_results(tmp_path, monkeypatch):
+    """--time-limit-s defaults to $CRITICALKV_TIME_BUDGET_S (the GPU check's step limit less 15 s); the check stops a
+    step with SIGTERM, which unwinds like Ctrl-C, so what was measured is written."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setenv(gpu_serve.TIME_BUDGET_ENV, "12.5")
+    assert gpu_serve.time_limit(None) == 12.5 and gpu_serve.time_limit(3.0) == 3.0
+    monkeypatch.delenv(gpu_serve.TIME_BUDGET_ENV)
+    assert gpu_serve.time_limit(None) == gpu_serve.Workload().time_limit_s
+    out = tmp_path / "serving"
+    command = [sys.executable, "-m", "criticalkv.cli", "bench", "gpu-serve", "--dry-run", "--out", str(out)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, gpu_serve.TIME_BUDGET_ENV: "600"})
+    for line in proc.stdout:  # the model is made: the run is under way
+        if "making the model" in line:
+            break
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert results["workload"]["time_limit_s"] == 600.0 and "SystemExit" in results["error"]
+
+
 @pytest.mark.gpu
 def test_a_short_gpu_run_measures_every_step(tmp_path):
-    """The 8B-shaped model on the GPU at short prompts: every step runs (CUDA graphs, events, the floor)."""
-    args = parse(["--out", str(tmp_path / "serving"), "--prompt-lengths", "2048", "--concurrency", "1,4", "--new-tokens", "16",
-                  "--budget", "256", "--kv-memory-gib", "8", "--time-limit-s", "240"])
+    """The 8B-shaped model on the GPU at short prompts, ``full`` and criticalkv: every step runs (CUDA graphs, events,
+    the floor), in at most 25 s (the GPU check gives a test 30 s; its serve step runs this command at full size)."""
+    args = parse(["--out", str(tmp_path / "serving"), "--prompt-lengths", "2048", "--concurrency", "1,4",
+                  "--new-tokens", "16", "--budget", "256", "--kv-memory-gib", "8", "--policies", "full,criticalkv",
+                  "--time-limit-s", "25"])
     assert args.func(args) == 0
     results = json.loads((tmp_path / "serving.json").read_text())
     assert results["gpu"]["name"] and not results["skipped"]

@@ -194,6 +194,7 @@ TRT_DATA_TYPES = {"kFLOAT": 0, "kHALF": 1, "kINT8": 2, "kINT32": 3, "kBOOL": 4, 
                   "kINT64": 8}
 TRT_FORMAT_LINEAR, TRT_FORMAT_CHW2 = 0, 1
 _TO_TRT_FIELD = {0: 6, 1: 5, 2: 10, 3: 1, 4: 2, 5: 8}  # criticalkv::FieldType -> nvinfer1::PluginFieldType
+TRT_FIELD_INT64 = 10  # nvinfer1::PluginFieldType::kINT64
 
 
 def pack_dims(shapes: list[tuple[int, ...]]):
@@ -230,6 +231,7 @@ class PluginHarness:
         L.ckv_harness_workspace.restype = ctypes.c_int64
         L.ckv_harness_configure.argtypes = [ctypes.c_int32, ctypes.c_int32, P(ctypes.c_int64), ctypes.c_int32,
                                             ctypes.c_int32]
+        L.ckv_harness_enqueue.argtypes = [ctypes.c_int32, P(ctypes.c_int64), ctypes.c_int32, ctypes.c_int32]
         L.ckv_harness_logs.argtypes = [ctypes.c_char_p, ctypes.c_int32]
         L.ckv_harness_destroy.argtypes = [ctypes.c_int32]
         err = ctypes.create_string_buffer(1024)
@@ -259,9 +261,16 @@ class PluginHarness:
                                            int(null_collection))
 
     def describe(self, handle: int) -> dict:
+        """Name, version, ..., and "fields": the serialized policy fields; "workspace_bytes": the serialized size of the
+        workspace TensorRT allocated (-1: not known yet), apart from them."""
         out = ctypes.create_string_buffer(1 << 16)
         assert self.lib.ckv_harness_describe(handle, out, 1 << 16) == 0
-        return json.loads(out.value.decode())
+        described = json.loads(out.value.decode())
+        workspace = [f for f in described["fields"] if f["name"] == "workspace_bytes"]
+        assert len(workspace) == 1 and workspace[0]["type"] == TRT_FIELD_INT64, "serialized once, as int64"
+        described["workspace_bytes"] = workspace[0]["value"]
+        described["fields"] = [f for f in described["fields"] if f["name"] != "workspace_bytes"]
+        return described
 
     def round_trip(self, handle: int, creator: int = 0) -> int:
         return self.lib.ckv_harness_round_trip(handle, creator)
@@ -292,6 +301,11 @@ class PluginHarness:
     def configure(self, handle: int, shapes: list[tuple[int, ...]], nb_inputs: int, on_shape_change: bool) -> int:
         return self.lib.ckv_harness_configure(handle, int(on_shape_change), pack_dims(shapes), nb_inputs,
                                               len(shapes) - nb_inputs)
+
+    def enqueue_refusal(self, handle: int, shapes: list[tuple[int, ...]], nb_inputs: int) -> int:
+        """onShapeChange, then enqueue with null tensors and workspace: the status of what enqueue refuses before it
+        launches anything (the workspace's size, then the null workspace)."""
+        return self.lib.ckv_harness_enqueue(handle, pack_dims(shapes), nb_inputs, len(shapes) - nb_inputs)
 
     def destroy(self, handle: int) -> None:
         self.lib.ckv_harness_destroy(handle)

@@ -193,7 +193,7 @@ def test_unavailable_reason_names_tensorrt(tmp_path):
         build_tensorrt_engines(tmp_path / "p.onnx", tmp_path / "d.onnx", tmp_path / "out", None, 1, 128, 64, "int8")
 
 
-def test_plugin_library_discovery(native_build, needs_nvcc, monkeypatch, tmp_path):
+def test_plugin_library_discovery(native_build, trt_plugin, monkeypatch, tmp_path):
     found = find_plugin_library()
     assert found.name == "libcriticalkv_trt_plugin.so" and check_plugin_library(found) == found
     monkeypatch.setenv(PLUGIN_LIBRARY_ENV, str(found))
@@ -242,7 +242,7 @@ class RegistryLikeTensorRT:
         return object() if (name, version, namespace) in self.creators else None
 
 
-def test_the_plugin_library_is_loaded_once_per_process(native_build, needs_nvcc):
+def test_the_plugin_library_is_loaded_once_per_process(trt_plugin):
     # build then run in one process, two backends, parametrised tests: every caller asks for the library
     found = find_plugin_library()
     registry = RegistryLikeTensorRT()
@@ -279,7 +279,7 @@ def test_a_moved_engine_directory_finds_its_own_plugin_copy(monkeypatch, tmp_pat
 
 def run_header_step(tmp_path, env):
     """scripts/build_plugin.sh in a bare copy of the checkout (no plugins/ sources): it finds or fetches the
-    TensorRT headers, prints where, then stops at cmake."""
+    TensorRT headers (or decides to skip the plugin), prints where, then stops at cmake."""
     import os
     import shutil
     import subprocess
@@ -297,9 +297,15 @@ def test_build_plugin_finds_headers_offline(native_build, tmp_path):
     import shutil
 
     offline = run_header_step(tmp_path, {})  # PIP_NO_INDEX: pip cannot download anything
-    assert offline.returncode == 2 and "could not be downloaded (offline?)" in offline.stderr
-    assert "TRT_INCLUDE_DIR" in offline.stderr
-    bad = run_header_step(tmp_path, {"TRT_INCLUDE_DIR": str(tmp_path)})
+    # no headers: the plugin is skipped with the reason, the build goes on (to cmake, which has no sources here)
+    skipped = [line for line in offline.stdout.splitlines() if line.startswith("TensorRT plugin: skipped")]
+    assert len(skipped) == 1 and "could not be downloaded (offline?)" in skipped[0] and "TRT_INCLUDE_DIR" in skipped[0]
+    assert not any(line.startswith("TensorRT headers:") for line in offline.stdout.splitlines())
+    assert "could not be downloaded" not in offline.stderr
+    empty = tmp_path / "empty-headers"
+    elsewhere = run_header_step(tmp_path, {"TRT_HEADERS_DIR": str(empty)})
+    assert f"none in {empty}" in elsewhere.stdout and empty.is_dir() and not any(empty.iterdir())
+    bad = run_header_step(tmp_path, {"TRT_INCLUDE_DIR": str(tmp_path)})  # asked for: an error, not a skip
     assert bad.returncode == 2 and "has no NvInfer.h" in bad.stderr
     # a wheel copied into build/trt-headers is unpacked without the network
     wheel = glob.glob(str(native_build.parent / "trt-headers" / "kernel_lens-*.whl"))[0]
@@ -308,14 +314,14 @@ def test_build_plugin_finds_headers_offline(native_build, tmp_path):
     copied = run_header_step(tmp_path, {})
     headers = tmp_path / "build" / "trt-headers" / "kernel_lens" / "include" / "tensorrt"
     assert f"TensorRT headers: {headers}" in copied.stdout and (headers / "NvInfer.h").is_file()
-    assert "fetching" not in copied.stdout
+    assert "fetching" not in copied.stdout and "skipped" not in copied.stdout
     given = run_header_step(tmp_path, {"TRT_INCLUDE_DIR": str(headers)})  # headers given: used as they are
     assert f"TensorRT headers: {headers}" in given.stdout
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_engines_build_in_every_dtype_and_twice_in_one_process(native_build, needs_nvcc, tmp_path, dtype):
+def test_engines_build_in_every_dtype_and_twice_in_one_process(native_build, trt_plugin, tmp_path, dtype):
     # every CriticalKVSelect node becomes a plugin layer, engines.json names its files relative to its folder
     # (the plugin is copied beside the engines), and a second build in the same process loads the plugin again
     pytest.importorskip("tensorrt")

@@ -786,7 +786,7 @@ def onnx_select_model(policy, heads, kv_heads, head_dim, hidden, window, o_proj,
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None, reason="tensorrt is not installed")
 @pytest.mark.skipif(importlib.util.find_spec("onnx") is None, reason="onnx is not installed")
 @pytest.mark.parametrize("with_function_body", [False, True], ids=["function-free", "with-function-body"])
-def test_engine_with_the_plugin_matches_the_reference(native_build, needs_nvcc, tmp_path, with_function_body):
+def test_engine_with_the_plugin_matches_the_reference(native_build, trt_plugin, tmp_path, with_function_body):
     import tensorrt as trt
 
     from criticalkv.tensorrt import load_plugin_library
@@ -899,7 +899,7 @@ def layer_value_infos(suffix, heads, kv_heads, head_dim, window):
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None, reason="tensorrt is not installed")
 @pytest.mark.skipif(importlib.util.find_spec("onnx") is None, reason="onnx is not installed")
-def test_engine_with_the_scores_input_matches_the_reference(native_build, needs_nvcc):
+def test_engine_with_the_scores_input_matches_the_reference(native_build, trt_plugin):
     """kvzip-criticalkv through the CriticalKVSelect plugin with its seventh input, the scores the graph passes in."""
     from onnx import TensorProto, helper, numpy_helper
 
@@ -943,7 +943,7 @@ def test_engine_with_the_scores_input_matches_the_reference(native_build, needs_
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None, reason="tensorrt is not installed")
 @pytest.mark.skipif(importlib.util.find_spec("onnx") is None, reason="onnx is not installed")
 @pytest.mark.parametrize("name", ["layer-defensivekv", "layer-kvzip-criticalkv"])
-def test_engine_of_the_model_level_nodes_matches_select_model(native_build, needs_nvcc, name):
+def test_engine_of_the_model_level_nodes_matches_select_model(native_build, trt_plugin, name):
     """CriticalKVScore per layer, CriticalKVSelectModel after the last one: the model's kept entries equal
     select_model's (the total per sequence exactly, the kept sets up to near-ties)."""
     from onnx import TensorProto, helper, numpy_helper

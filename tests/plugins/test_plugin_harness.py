@@ -29,8 +29,9 @@ def plugin_for(harness, policy=None, creator=0, float_kind="float32", **layer):
     return handle, values
 
 
-def test_library_loads_through_ctypes_and_exports_the_entry_points(native_build, needs_nvcc):
-    path = check_plugin_library(BUILD_DIR / PLUGIN_LIBRARY_NAME)
+def test_library_loads_through_ctypes_and_exports_the_entry_points(trt_plugin):
+    path = check_plugin_library(trt_plugin)
+    assert path == BUILD_DIR / PLUGIN_LIBRARY_NAME
     library = ctypes.CDLL(str(path))
     count = ctypes.c_int32(-1)
     library.getCreators.restype = ctypes.c_void_p
@@ -180,6 +181,40 @@ def test_shape_validation_reports_errors(harness):
         assert logs and message in logs[-1][1], (message, logs)
 
 
+def test_enqueue_checks_the_workspace_tensorrt_allocated(harness):
+    """enqueue is not told the size of its workspace: the plugin records getWorkspaceSize's value at the profile's
+    largest shapes when configured for a build, serializes it (workspace_bytes), and refuses a launch whose shapes need
+    more (a larger profile than the engine's), one whose getWorkspaceSize failed (TensorRT allocated nothing), or one
+    whose size it does not know, before launching anything."""
+    outputs = [(2, 2, 256, 64), (2, 2, 256, 64), (2, 2), (2, 2, 256)]
+    handle, _ = plugin_for(harness, KVPolicy("ada-criticalkv", budget=96, window=32), capacity=256)
+    assert harness.describe(handle)["workspace_bytes"] == -1  # neither configured nor deserialised yet
+    harness.logs()
+    assert harness.enqueue_refusal(handle, KERNEL_SHAPES + outputs, 5) == -1
+    assert "the size of the workspace TensorRT allocated is not known" in harness.logs()[-1][1]
+    allocated = harness.workspace(handle, KERNEL_SHAPES)
+    assert harness.configure(handle, KERNEL_SHAPES + outputs, 5, on_shape_change=False) == 0  # the profile's max
+    assert harness.describe(handle)["workspace_bytes"] == allocated > 0
+    runtime = harness.round_trip(handle, 0)
+    assert runtime >= 0 and harness.describe(runtime)["workspace_bytes"] == allocated
+    # the engine's own shapes pass the size check and stop at the null workspace the harness gives (nothing launched)
+    assert harness.enqueue_refusal(runtime, KERNEL_SHAPES + outputs, 5) == -1
+    assert harness.logs()[-1][1].endswith("null workspace")
+    longer = [(2, 8, 32, 64), (2, 2, 4000, 64), (2, 2, 4000, 64), (512, 512), (2,)]
+    assert harness.enqueue_refusal(runtime, longer + outputs, 5) == -1
+    need = harness.workspace(handle, longer)
+    assert f"these shapes need {need} bytes of workspace, TensorRT allocated {allocated}" in harness.logs()[-1][1]
+    # getWorkspaceSize failing (a head dim over the kernels' limit) returns 0 and records it: launches refuse
+    failed, _ = plugin_for(harness, KVPolicy("ada-criticalkv", budget=96, window=32), capacity=256)
+    too_wide = [(2, 8, 32, 512), (2, 2, 700, 512), (2, 2, 700, 512), (512, 4096), (2,)]
+    assert harness.workspace(failed, too_wide) == 0 and harness.describe(failed)["workspace_bytes"] == 0
+    harness.logs()
+    assert harness.enqueue_refusal(harness.round_trip(failed, 0), KERNEL_SHAPES + outputs, 5) == -1
+    assert "which failed when the engine was built" in harness.logs()[-1][1]
+    # a configure whose profile the kernels cannot take fails the build at once
+    assert harness.configure(failed, too_wide + outputs, 5, on_shape_change=False) == -1
+
+
 def test_kv_budget_input_is_a_device_int32_of_shape_1(harness):
     """Input 5, the request's budget: int32 [1] beside prompt_lengths; the outputs keep the built capacity."""
     handle, _ = plugin_for(harness, KVPolicy("pyramid-criticalkv", budget=96, window=32), layer_idx=1, num_layers=4,
@@ -280,8 +315,11 @@ def test_corrupted_fields_give_an_error_not_a_crash(harness, case):
     for phase in (0, 1):
         handle = harness.create(fields, phase=phase, trt_types=True)
         logs = harness.logs()
-        if case[0] == "unterminated-name":  # length bounds the read: "snapkv" is a valid name
+        if case[0] == "unterminated-name" and phase == 0:  # length bounds the read: "snapkv" is a valid name
             assert handle >= 0 and harness.describe(handle)["fields"][0]["value"] == "snapkv"
+            continue
+        if case[0] == "unterminated-name":  # valid fields, but a deserialised plugin also carries workspace_bytes
+            assert handle == -1 and "serialized plugin has" in logs[-1][1] and "workspace_bytes" in logs[-1][1]
             continue
         assert handle == -1, case[0]
         assert logs and logs[-1][0] == 1 and expected in logs[-1][1], logs  # severity kERROR
@@ -301,7 +339,7 @@ def test_broken_collections_give_an_error(harness):
     assert "serialized plugin has 1 fields" in harness.logs()[-1][1]
 
 
-def test_random_field_bytes_never_crash():
+def test_random_field_bytes_never_crash(trt_plugin):
     """Fuzz the creator with random types, lengths and bytes in a subprocess, so a crash fails this test only."""
     script = textwrap.dedent(
         f"""

@@ -149,6 +149,38 @@ def test_score_plugin_checks_its_concrete_shapes(harness):
     assert "expected 2 outputs" in harness.logs()[-1][1]
 
 
+def test_score_enqueue_checks_the_workspace_tensorrt_allocated(harness):
+    """As CriticalKVSelect's enqueue (test_plugin_harness.py): the size getWorkspaceSize gave at the profile's largest
+    shapes is recorded at configure, serialized (workspace_bytes) and checked at every enqueue, which refuses a size it
+    does not know, shapes that need more, or a failed getWorkspaceSize, before launching anything."""
+    policy = MODEL_POLICIES[2]  # layer-kvzip-criticalkv: scores in, ranking and critical out
+    handle = score_plugin(harness, policy)
+    inputs, outputs = layer_inputs(policy), [(2, 2, M), (2, 2, M)]
+    assert harness.describe(handle)["workspace_bytes"] == -1
+    harness.logs()
+    assert harness.enqueue_refusal(handle, inputs + outputs, 7) == -1
+    assert "the size of the workspace TensorRT allocated is not known" in harness.logs()[-1][1]
+    assert harness.configure(handle, inputs + outputs, 7, on_shape_change=False) == 0  # the profile's maxima
+    allocated = harness.describe(handle)["workspace_bytes"]
+    assert allocated == harness.workspace(handle, inputs, 2) > 0
+    runtime = harness.round_trip(handle, SCORE)
+    assert runtime >= 0 and harness.describe(runtime)["workspace_bytes"] == allocated, harness.logs()
+    assert harness.enqueue_refusal(runtime, inputs + outputs, 7) == -1
+    assert harness.logs()[-1][1].endswith("null workspace"), "the size check passed; the harness gives no workspace"
+    longer = layer_inputs(policy, 5000)
+    need = harness.workspace(score_plugin(harness, policy), longer, 2)
+    assert harness.enqueue_refusal(runtime, longer + [(2, 2, 4968)] * 2, 7) == -1
+    assert f"these shapes need {need} bytes of workspace, TensorRT allocated {allocated}" in harness.logs()[-1][1]
+    failed = score_plugin(harness, policy)
+    too_wide = [(2, 8, 32, 512), (2, 2, 700, 512), (2, 2, 700, 512), (512, 4096), (2,), (1,), (2, 2, 700)]
+    assert harness.workspace(failed, too_wide, 2) == 0 and harness.describe(failed)["workspace_bytes"] == 0
+    harness.logs()
+    assert harness.enqueue_refusal(harness.round_trip(failed, SCORE), inputs + outputs, 7) == -1
+    assert "which failed when the engine was built" in harness.logs()[-1][1]
+    assert harness.configure(failed, too_wide + outputs, 7, on_shape_change=False) == -1
+    assert "head dim 512 is outside" in harness.logs()[-1][1]
+
+
 # ------------------------------------------------------------------------------------------------ CriticalKVSelectModel
 
 @pytest.mark.parametrize("policy", MODEL_POLICIES, ids=lambda p: p.name)
@@ -265,6 +297,42 @@ def test_model_plugin_checks_its_concrete_shapes(harness):
     dynamic = [(-1, 2, -1)] * 6 + [(-1, 3, -1, 64)] + [(-1, 2, -1, 64)] * 5 + [(-1,), (1,)]
     assert harness.configure(handle, dynamic + outputs, count, on_shape_change=False) == -1
     assert "does not match keys.0's" in harness.logs()[-1][1]
+
+
+def test_model_enqueue_checks_the_workspace_tensorrt_allocated(harness):
+    """CriticalKVSelectModel's workspace (the concatenated rankings, then launchModelSelect's scratch) checked as the
+    layer nodes' are: recorded at configure from the profile's maxima, serialized, refused when unknown, too small or
+    failed, before the rankings' copies or any launch."""
+    policy = MODEL_POLICIES[2]
+    handle = model_plugin(harness, policy, (256, 256, 256))
+    inputs, outputs = model_inputs(policy), [(2, 2, 256, 64), (2, 2, 256, 64), (2, 2), (2, 2, 256)] * 3
+    count = len(inputs)
+    assert harness.describe(handle)["workspace_bytes"] == -1
+    harness.logs()
+    assert harness.enqueue_refusal(handle, inputs + outputs, count) == -1
+    assert "the size of the workspace TensorRT allocated is not known" in harness.logs()[-1][1]
+    dynamic = [(-1, 2, -1)] * 6 + [(-1, 2, -1, 64)] * 6 + [(-1,), (1,)]
+    assert harness.configure(handle, dynamic + outputs, count, on_shape_change=False) == 0
+    assert harness.describe(handle)["workspace_bytes"] == -1, "no maxima given: nothing recorded"
+    assert harness.configure(handle, inputs + outputs, count, on_shape_change=False) == 0
+    allocated = harness.describe(handle)["workspace_bytes"]
+    assert allocated == harness.workspace(model_plugin(harness, policy, (256, 256, 256)), inputs, 12) > 0
+    runtime = harness.round_trip(handle, MODEL)
+    assert runtime >= 0 and harness.describe(runtime)["workspace_bytes"] == allocated, harness.logs()
+    assert harness.enqueue_refusal(runtime, inputs + outputs, count) == -1
+    assert harness.logs()[-1][1].endswith("null workspace"), "the size check passed; the harness gives no workspace"
+    longer = model_inputs(policy, n=5000, m=4968)
+    need = harness.workspace(model_plugin(harness, policy, (256, 256, 256)), longer, 12)
+    assert harness.enqueue_refusal(runtime, longer + outputs, count) == -1
+    assert f"these shapes need {need} bytes of workspace, TensorRT allocated {allocated}" in harness.logs()[-1][1]
+    failed = model_plugin(harness, policy, (256, 256, 256))
+    too_wide = [(2, 2, M)] * 6 + [(2, 2, 700, 512)] * 6 + [(2,), (1,)]
+    assert harness.workspace(failed, too_wide, 12) == 0 and harness.describe(failed)["workspace_bytes"] == 0
+    harness.logs()
+    assert harness.enqueue_refusal(harness.round_trip(failed, MODEL), inputs + outputs, count) == -1
+    assert "which failed when the engine was built" in harness.logs()[-1][1]
+    assert harness.configure(failed, too_wide + outputs, count, on_shape_change=False) == -1
+    assert "head dim 512 is outside" in harness.logs()[-1][1]
 
 
 @pytest.mark.parametrize("policy", MODEL_POLICIES, ids=lambda p: p.name)

@@ -430,10 +430,39 @@ def test_prefill_time_includes_loading_the_decode_rows(torch_dir):
         engine.close()
 
 
-def test_the_checkpoint_loads_straight_onto_its_device(checkpoint, monkeypatch):
-    """transformers places the weights on the backend's device as it reads them (``device_map``): no full copy in host
-    memory first."""
+def test_the_checkpoint_loads_without_accelerate(checkpoint, torch_dir):
+    """A GPU image without ``accelerate`` (transformers refuses a ``device_map`` then): the checkpoint still loads, onto
+    a non-CPU device too (the meta device stands in for CUDA here), and a torch engine built from it loads and
+    generates. Run in a process where ``accelerate`` cannot be imported, whatever this environment has."""
+    script = f"""
+import sys
+sys.modules["accelerate"] = None  # find_spec gives None, import raises: as if it were not installed
+import torch
+from transformers.utils import is_accelerate_available
+assert not is_accelerate_available()
+from criticalkv.runtime import Engine
+from criticalkv.runtime.torch_backend import load_checkpoint
+on_cpu = load_checkpoint({str(checkpoint)!r}, torch.float32, torch.device("cpu"))
+assert {{p.device.type for p in on_cpu.parameters()}} == {{"cpu"}}
+moved = load_checkpoint({str(checkpoint)!r}, torch.float32, torch.device("meta"))
+assert {{p.device.type for p in moved.parameters()}} == {{"meta"}}
+engine = Engine.load({str(torch_dir)!r}, device="cpu")
+try:
+    print("tokens", engine.generate([[5, 6, 7, 8, 9] * 12], max_new_tokens=3, stop_token_ids=[]).tokens)
+finally:
+    engine.close()
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "tokens [[" in run.stdout
+
+
+def test_the_checkpoint_goes_straight_to_a_gpu_only_through_accelerate(checkpoint, monkeypatch):
+    """With accelerate, transformers places the weights on a non-CPU device as it reads them (``device_map``); on the
+    CPU, or without accelerate, no device_map is passed (transformers would refuse one without accelerate)."""
     import transformers
+    import transformers.utils
 
     from criticalkv.runtime.torch_backend import load_checkpoint
 
@@ -441,11 +470,16 @@ def test_the_checkpoint_loads_straight_onto_its_device(checkpoint, monkeypatch):
 
     def recorded(*args, **options):
         seen.append(options.get("device_map"))
+        if options.get("device_map") == "meta":  # what accelerate would do: weights left unread on that device
+            options = {k: v for k, v in options.items() if k != "device_map"}
         return original(*args, **options)
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", recorded)
-    model = load_checkpoint(checkpoint, torch.float32, torch.device("cpu"))
-    assert seen == ["cpu"] and {p.device.type for p in model.parameters()} == {"cpu"}
+    for available in (True, False):
+        monkeypatch.setattr(transformers.utils, "is_accelerate_available", lambda available=available: available)
+        assert {p.device.type for p in load_checkpoint(checkpoint, torch.float32, torch.device("cpu")).parameters()} == {"cpu"}
+        assert {p.device.type for p in load_checkpoint(checkpoint, torch.float32, torch.device("meta")).parameters()} == {"meta"}
+    assert seen == [None, "meta", None, None]
 
 
 # ---------------------------------------------------------------------- GPU
