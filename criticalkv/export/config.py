@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+# the build's default context policy and its stand-in are the methods registry's choice (it says why): named here too
+from criticalkv.methods import DEFAULT_CONTEXT_POLICY, SURROGATE_FALLBACK  # noqa: F401
+
 #: The weight settings of an engine: float32 (the parity default) or the two integer forms of
 #: ``criticalkv.export.quantize``.
 WEIGHT_FORMATS = ("fp32", "int8", "int4")
@@ -18,17 +21,6 @@ def check_weight_format(weights: str) -> None:
         raise ValueError(f"weights: {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
 
 
-#: The policy the serving context cache compresses contexts with unless the build says otherwise
-#: (``criticalkv.build.context_policy_for``; a name or a knob spec): KVzip's score predicted from the prefill by the
-#: model's surrogate (no re-read: the scoring costs nothing beside the prefill), CriticalKV's two stages inside one
-#: model-wide allocation, a head keeping at most 6x the budget (results/README.md, "KVzip's score without the re-read":
-#: needle 90 % of 20 prompts at 256 of 2,048 entries, 100 % at 512; RULER-style 1.14x ``full`` at 512; capped at 3x
-#: the surrogate's shares lose the needle, 55 %). A model without a surrogate needs ``criticalkv train-surrogate``
-#: or another ``--context-policy``.
-DEFAULT_CONTEXT_POLICY = "layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6"
-#: The default's stand-in for a model without a KVzip surrogate (``criticalkv.build``): KVzip's re-read, capped at 3x
-#: (needle 85 % of 20 at 256 on the bundled model; the re-read costs about 2.2x the context's prefill, once).
-SURROGATE_FALLBACK = "layer-kvzip-criticalkv:head_cap_ratio=3"
 #: Precision of the TensorRT engines (the ONNX graphs and ONNX Runtime are always fp32).
 EXPORT_DTYPES = ("float16", "bfloat16", "float32")
 

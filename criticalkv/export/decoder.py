@@ -69,7 +69,6 @@ from criticalkv.export.graph import FLOAT, INT32, INT64, IR_VERSION, OPSET, Grap
 from criticalkv.export.quantize import quantized_matmul
 from criticalkv.export.select_function import FLOAT32_MIN, selection_function, selection_node, selection_opset
 from criticalkv.methods.expected_attention import rotation_tables
-from criticalkv.methods.kvzip import SURROGATE_STREAM
 from criticalkv.hf.loading import check_supported
 from criticalkv.node import node_capacity
 from criticalkv.policy import KVPolicy
@@ -750,13 +749,14 @@ class DecoderGraphBuilder:
                     return self.causal_attention_pieces(q, k, v, allowed, n, OPENVINO_ATTENTION_PIECES)
                 return self.causal_attention(q, k, v, allowed)
         outputs = [value_info(graphs.LOGITS, FLOAT, ["batch", spec.vocab_size])]
-        # the tensorrt flavour's plugin ranks a kvzip policy by scores the graph computes (the surrogate's: the only
-        # ones tensorrt_refusal lets through); the other flavours' nodes fall back to the window attention
+        # the tensorrt flavour's plugin ranks an external_scores policy by scores the graph computes (its method's
+        # graph_stream: the only ones tensorrt_refusal lets through); the other flavours' nodes fall back to the
+        # method's own score without them
         scored = self.flavour == "tensorrt" and policy.method.base.external_scores
         layer_scores = {}
 
         def score(i, h):
-            layer_scores[i] = self.surrogate_scores(i, h)
+            layer_scores[i] = self.graph_scores(i, h)
 
         def select(i, q, k, v):
             window_queries = g.slice_axis(q, -policy.window, _INT64_MAX, axis=2)
@@ -1130,15 +1130,19 @@ class DecoderGraphBuilder:
         named = {"outputs": [output]} if output else {"hint": f"stream_{i}"}
         return g.op("Transpose", g.op("Exp", z), perm=[0, 2, 1], **named)
 
-    def surrogate_scores(self, i: int, h: str) -> str:
-        """Layer i's KVzip surrogate scores [B, H_kv, n] of every entry from its attention input h [B, n, d]
-        (``stream_of`` ``SURROGATE_STREAM``), as the selection's ``scores`` input (the prefill's tensorrt flavour).
-        Unlike the engine's scoring phase (``KVzipScoring.finish``) the graph does not zero the chat template's
-        opening: it does not know the prompt's tokenizer."""
-        if SURROGATE_STREAM not in self.streams:
-            raise ValueError(f"{self.policy.name}:kvzip_score=surrogate: the export holds no KVzip surrogate weights "
-                             "(the build adds them from the model's surrogate)")
-        return self.stream_of(SURROGATE_STREAM, i, h)
+    def graph_scores(self, i: int, h: str) -> str:
+        """Layer i's scores [B, H_kv, n] of every entry from its attention input h [B, n, d], as the selection's
+        ``scores`` input (the prefill's tensorrt flavour): the stream the policy's method names (``graph_stream``,
+        ``stream_of``), which may differ from what its scoring phase makes of it on an engine (``PromptScoring.finish``:
+        e.g. entries of the chat template's opening zeroed, which the graph cannot tell apart)."""
+        policy = self.policy
+        stream = policy.method.base.graph_stream(policy)
+        if stream is None:
+            raise ValueError(f"{policy.name}: no TensorRT flavour: {policy.method.base.graph_refusal(policy)}")
+        if stream not in self.streams:
+            raise ValueError(f"{policy.name}: the export holds no weights of its stream {stream!r} (the build "
+                             "adds them from the model's: the method's streams)")
+        return self.stream_of(stream, i, h)
 
     def _stream_outputs(self, i: int, batch) -> list:
         return [value_info(graphs.present_stream(i, name), FLOAT, [batch, self.spec.num_kv_heads, "new_tokens"])

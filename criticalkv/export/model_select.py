@@ -54,7 +54,7 @@ from criticalkv.policy import KVPolicy
 SCORE_OP = SCORE_OP_TYPE
 MODEL_OP = MODEL_OP_TYPE
 SCORE_OUTPUTS = ("ranking",)
-#: The score node's outputs for a policy with CriticalKV's two stages (``layer-kvzip-criticalkv``): the ranking and the
+#: The score node's outputs for a policy with CriticalKV's two stages (a refined model-level method): the ranking and the
 #: critical score, every older entry's (not pruned: the model-wide allocation fixes the heads' counts after the last layer).
 REFINED_SCORE_OUTPUTS = ("ranking", "critical")
 #: Attributes of the model-level node beyond the policy knobs.
@@ -73,17 +73,15 @@ def is_model_level(policy: KVPolicy, num_layers: int) -> bool:
 
 def tensorrt_refusal(policy: KVPolicy, num_layers: int) -> str | None:
     """Why ``policy`` has no TensorRT flavour (None when it has one): a per-layer method the CriticalKVSelect plugin
-    refuses (its ``cpp_refusal``), or scores the TensorRT graphs do not compute (a context reconstruction's). A
-    model-level policy's flavour holds the CriticalKVScore / CriticalKVSelectModel plugin nodes; a kvzip policy's
-    ``kvzip_score=surrogate`` scores are computed in its prefill graph (``DecoderGraphBuilder.surrogate_scores``) and
-    come in as an input of its select graph."""
+    refuses (its ``cpp_refusal``), or scores the TensorRT graphs do not compute (the method's ``graph_refusal``: a
+    context reconstruction's). A model-level policy's flavour holds the CriticalKVScore / CriticalKVSelectModel plugin
+    nodes; an ``external_scores`` policy whose method names a ``graph_stream`` has its scores computed in its prefill
+    graph (``DecoderGraphBuilder.graph_scores``) and taken as an input of its select graph."""
     base = policy.method.base
     if not base.native and not is_model_level(policy, num_layers):
         return f"the CriticalKVSelect plugin refuses {policy.name}: it {base.cpp_refusal}"
-    if base.external_scores and policy.kvzip_score != "surrogate":
-        return (f"{policy.name} (kvzip_score={policy.kvzip_score}) ranks by the attention of a context reconstruction "
-                "pass through the whole model, which the TensorRT graphs do not run; kvzip_score=surrogate computes its "
-                "scores in the graph")
+    if base.external_scores and base.graph_stream(policy) is None:
+        return base.graph_refusal(policy)
     return None
 
 

@@ -90,6 +90,18 @@ METHODS: dict[str, Method] = {
     )
 }
 
+#: The policy the serving context cache compresses contexts with unless the build says otherwise
+#: (``criticalkv.build.context_policy_for``; ``criticalkv.export.config`` names it too; a name or a knob spec): KVzip's
+#: score predicted from the prefill by the model's surrogate (no re-read: the scoring costs nothing beside the
+#: prefill), CriticalKV's two stages inside one model-wide allocation, a head keeping at most 6x the budget
+#: (results/README.md, "KVzip's score without the re-read": needle 90 % of 20 prompts at 256 of 2,048 entries, 100 % at
+#: 512; RULER-style 1.14x ``full`` at 512; capped at 3x the surrogate's shares lose the needle, 55 %). A model without
+#: a surrogate needs ``criticalkv train-surrogate`` or another ``--context-policy``.
+DEFAULT_CONTEXT_POLICY = "layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6"
+#: The default's stand-in for a model without a KVzip surrogate (``criticalkv.build``): KVzip's re-read, capped at 3x
+#: (needle 85 % of 20 at 256 on the bundled model; the re-read costs about 2.2x the context's prefill, once).
+SURROGATE_FALLBACK = "layer-kvzip-criticalkv:head_cap_ratio=3"
+
 #: Policy name -> (base method name, whether the two-stage refinement is on).
 POLICIES: dict[str, tuple[str, bool]] = {name: (m.base.name, m.refine is not None) for name, m in METHODS.items()}
 
@@ -131,10 +143,12 @@ __all__ = [
     "Allocation",
     "BASE_METHODS",
     "BaseMethod",
+    "DEFAULT_CONTEXT_POLICY",
     "GroupScoreInputs",
     "METHODS",
     "Method",
     "POLICIES",
+    "SURROGATE_FALLBACK",
     "TWO_STAGE",
     "TwoStage",
     "method_of",

@@ -96,7 +96,9 @@ class BaseMethod:
         attention of a context reconstruction through the whole model): the drivers then take it
         (``select_layer(scores=...)``, the selection node's input ``scores``; none given: ``attention_rows``), and
         the method's phases compute it (``criticalkv.methods.phases``: ``streams``, ``rereads``, ``engine_data``,
-        ``prompt_scoring``), which the engine, the exporter and the backends run without knowing the method
+        ``prompt_scoring``), which the engine, the exporter and the backends run without knowing the method; a graph
+        that runs no phase (the TensorRT flavour) computes it only where one stream gives it (``graph_stream``; else
+        ``graph_refusal``)
     data_key : the key of its data in an engine's manifest (``method_data``; ``engine_data``)
     """
 
@@ -193,6 +195,19 @@ class BaseMethod:
         engine's ``data`` (``engine_data``'s) and the names of the streams its prompt graphs return; ValueError, with
         what to do, when the engine lacks what the policy needs."""
         return None
+
+    def graph_stream(self, policy: Policy) -> str | None:
+        """The stream (one of ``streams``) that alone gives ``policy``'s scores where no scoring phase runs: a graph
+        that selects inside itself (the TensorRT flavour's prefill, whose plugin nodes take the scores as an input)
+        computes it from each layer's attention input. None: the scores need more than a stream (a re-read pass), so
+        the graphs cannot compute them (``graph_refusal`` says why)."""
+        return None
+
+    def graph_refusal(self, policy: Policy) -> str:
+        """Why the graphs alone cannot compute ``policy``'s scores (``graph_stream`` None): the reason an
+        ``external_scores`` policy has no TensorRT flavour."""
+        return (f"{policy.name} ranks by scores its method's phases compute apart from the layers, which the TensorRT "
+                "graphs do not run")
 
     # ------------------------------------------------------------------ ONNX function body
     def onnx_attention_rows(self, body: Any, g: Any, q: str, keys: str, ctx: dict[str, str], w: str, m: str):

@@ -289,6 +289,16 @@ class KVzip(AdaKV):
                              "engine was not built with: rebuild it with this policy")
         return KVzipScoring(policy, ReconstructionPrompt.from_dict(data["prompt"]))
 
+    def graph_stream(self, policy):
+        """``kvzip_score=surrogate``: the surrogate's stream, which the graphs compute from each layer's input (unlike
+        ``KVzipScoring.finish`` they do not zero the chat template's opening: they do not know the tokenizer)."""
+        return SURROGATE_STREAM if policy.kvzip_score == "surrogate" else None
+
+    def graph_refusal(self, policy):
+        return (f"{policy.name} (kvzip_score={policy.kvzip_score}) ranks by the attention of a context reconstruction "
+                "pass through the whole model, which the TensorRT graphs do not run; kvzip_score=surrogate computes its "
+                "scores in the graph")
+
     # ------------------------------------------------------------------ PyTorch
     def attention_rows(self, policy, queries, keys, valid_start, rotation, m):
         best = window_max_attention(queries, keys, valid_start, m)  # no reconstruction: the window's queries

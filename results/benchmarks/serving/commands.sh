@@ -94,7 +94,7 @@ $B bench interference --engine-dir engines/ctx-ckv256 --prefill-chunk 128 --repe
 uptime
 # 11c. float16 KV buffers against float32 on the needle grid's 2,048-token prompts (engines/ckv256 as built above,
 #      engines/ckv256-fp16 the same with --kv-dtype float16)
-.venv/bin/python -m criticalkv.eval.kv_precision --engine-dir engines/ckv256 --engine-dir engines/ckv256-fp16 \
+.venv/bin/python research/kv_precision.py --engine-dir engines/ckv256 --engine-dir engines/ckv256-fp16 \
   --lengths 2048 --samples 2 --out results/kv_precision --no-progress
 # 12. the benchmark clients against a stand-in model with a known schedule (TTFT 300 ms, then 50 ms per token);
 #     the AIPerf half runs when .peers/aiperf exists (criticalkv bench setup-peers --only aiperf)

@@ -13,7 +13,7 @@ refinement of a base, so its comparisons are computed here with the suite's own 
   attention output at the first decoding token, averaged over the prompts) is below ``ada-criticalkv``'s
   (and below ``adakv``'s), the mean head-L1 ratio, and the fraction of prompts whose final hidden state moved less.
 
-    python -m criticalkv.eval.defensive_pairs --out results/defensive_pairs.md
+    python research/defensive_pairs.py --out results/defensive_pairs.md
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's criticalkv, installed or not
 
 from criticalkv.eval.scoring import paired_comparison  # noqa: E402
 
@@ -112,7 +113,7 @@ def main() -> int:
     p.add_argument("--perturbation", type=Path, default=ROOT / "results/perturbation_defensive/perturbation.json")
     p.add_argument("--out", type=Path, help="also write the markdown here")
     args = p.parse_args()
-    lines = ["# DefensiveKV: paired statistics", "", "`python -m criticalkv.eval.defensive_pairs --out results/defensive_pairs.md`", ""]
+    lines = ["# DefensiveKV: paired statistics", "", "`python research/defensive_pairs.py --out results/defensive_pairs.md`", ""]
     for paths in (args.needle, args.ruler):
         found = [p.resolve() for p in paths if p.is_file()]
         lines += score_section(found) if found else ["(no results)", ""]

@@ -4,7 +4,7 @@ On the question-agnostic needle prompts of a domain (``criticalkv eval needle --
 each context is prefilled once and scored once (the policy's KVzip score: the surrogate or the re-read), then selected
 at each budget by two allocation rules on the same scores:
 
-* ``greedy``, the rule before issue 39: one walk down the model-wide ranking at the final budget, a head skipped once
+* ``greedy``, the rule before the nested allocation: one walk down the model-wide ranking at the final budget, a head skipped once
   it holds ``head_cap_ratio`` x budget entries (reproduced here as it was: each head's top ``older_cap`` eligible, then
   the shared allocation);
 * ``nested``, the rule now (``criticalkv.methods.defensivekv.nested_capped_mask``).
@@ -14,7 +14,7 @@ allocation alone, ``layer-kvzip``; and with CriticalKV's two stages, ``layer-kvz
 budget drops that a smaller one kept, the heads whose count falls, and (``--decode``) whether the answer holds the
 needle. No tuning: a diagnosis on fixed prompts.
 
-    python -m criticalkv.eval.nesting_diagnosis --domain legal --budgets 256,512 --samples 3 --depths 10,50,90 \\
+    python research/nesting_diagnosis.py --domain legal --budgets 256,512 --samples 3 --depths 10,50,90 \\
         --out results/domains/nesting_diagnosis_legal.json
 """
 
@@ -28,21 +28,23 @@ from pathlib import Path
 
 import torch
 
-from criticalkv.eval.domains import DOMAINS
-from criticalkv.eval.engine import ScoreBank, decode, select_all_layers, shared_prefill
-from criticalkv.eval.io import environment, write_json, write_text
-from criticalkv.eval.needle import needle_prompts
-from criticalkv.eval.runner import split_question
-from criticalkv.eval.scoring import score
-from criticalkv.methods import defensivekv
-from criticalkv.methods.adakv import head_floors, shared_allocation_mask
-from criticalkv.methods.kvzip import ReconstructionPrompt
-from criticalkv.methods.topk import topk_mask
-from criticalkv.policy import KVPolicy, parse_policy_spec
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's criticalkv, installed or not
+
+from criticalkv.eval.domains import DOMAINS  # noqa: E402
+from criticalkv.eval.engine import ScoreBank, decode, select_all_layers, shared_prefill  # noqa: E402
+from criticalkv.eval.io import environment, write_json, write_text  # noqa: E402
+from criticalkv.eval.needle import needle_prompts  # noqa: E402
+from criticalkv.eval.runner import split_question  # noqa: E402
+from criticalkv.eval.scoring import score  # noqa: E402
+from criticalkv.methods import defensivekv  # noqa: E402
+from criticalkv.methods.adakv import head_floors, shared_allocation_mask  # noqa: E402
+from criticalkv.methods.kvzip import ReconstructionPrompt  # noqa: E402
+from criticalkv.methods.topk import topk_mask  # noqa: E402
+from criticalkv.policy import KVPolicy, parse_policy_spec  # noqa: E402
 
 
 def greedy_allocation(policy, ranking, eligible, r):
-    """The capped model-level allocation as it was before issue 39 (module docstring)."""
+    """The capped model-level allocation as it was before the nested allocation (module docstring)."""
     cap = defensivekv.older_cap(policy)
     if cap is not None:
         eligible = topk_mask(ranking, torch.clamp(eligible.sum(-1), max=cap), eligible)
@@ -64,7 +66,7 @@ def allocation_rule(rule: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m criticalkv.eval.nesting_diagnosis", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python research/nesting_diagnosis.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--domain", default="legal", choices=tuple(DOMAINS))
     ap.add_argument("--policy", default="layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6",
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
             record["rules"][rule] = out
         records.append(record)
         print(f"nesting diagnosis: {len(records)}/{len(prompts)} {prompt.key}", file=sys.stderr, flush=True)
-    result = {"command": "python -m criticalkv.eval.nesting_diagnosis " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"command": "python research/nesting_diagnosis.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "domain": args.domain, "policy": args.policy, "budgets": budgets, "records": records,
               "environment": environment(), "wall_s": time.time() - started}
     write_json(args.out, result)

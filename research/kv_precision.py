@@ -7,12 +7,12 @@ decode buffers), so this runs the committed needle grid's prompts (same generato
 same way (``digits``), and counts, against the first engine, how many prompts give the same tokens. Engines built
 from one policy and budget with ``--kv-dtype float32`` and ``float16`` isolate the precision:
 
-    python -m criticalkv.eval.kv_precision --engine-dir engines/ckv256 --engine-dir engines/ckv256-fp16 \\
+    python research/kv_precision.py --engine-dir engines/ckv256 --engine-dir engines/ckv256-fp16 \\
         --lengths 2048 --samples 2 --out results/kv_precision
 
 Engines built with ``--weights fp32``, ``int8`` and ``int4`` isolate the weights the same way:
 
-    python -m criticalkv.eval.kv_precision --engine-dir engines/ckv256-fp32 --engine-dir engines/ckv256-int8 \
+    python research/kv_precision.py --engine-dir engines/ckv256-fp32 --engine-dir engines/ckv256-int8 \
         --engine-dir engines/ckv256-int4 --lengths 2048 --samples 2 --out results/weight_precision --name weight_precision
 
 Beside the answers, the perturbation against the first engine at the first generated token (each engine's own prompt
@@ -36,13 +36,15 @@ from pathlib import Path
 
 import numpy as np
 
-from criticalkv.eval.io import write_json, write_text
-from criticalkv.eval.needle import DEFAULT_DEPTHS, needle_prompts
-from criticalkv.eval.scoring import score
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's criticalkv, installed or not
+
+from criticalkv.eval.io import write_json, write_text  # noqa: E402
+from criticalkv.eval.needle import DEFAULT_DEPTHS, needle_prompts  # noqa: E402
+from criticalkv.eval.scoring import score  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m criticalkv.eval.kv_precision", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python research/kv_precision.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine-dir", action="append", required=True, type=Path,
                     help="an engine folder (repeat; the first is the reference the others' tokens are compared with)")
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
                         "kept_overlap_mean": float(np.mean([m["kept_overlap"] for m in moved])),
                         "kept_overlap_min": min(m["kept_overlap"] for m in moved),
                         "same_first_token": sum(m["same_first_token"] for m in moved)})
-    return {"command": "python -m criticalkv.eval.kv_precision " + shlex.join(sys.argv[1:]),
+    return {"command": "python research/kv_precision.py " + shlex.join(sys.argv[1:]),
             "loadavg_before": os.getloadavg(), "summary": summary, "prompts": rows}
 
 

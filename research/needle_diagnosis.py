@@ -6,7 +6,7 @@ over the 30 layers x 3 KV heads, how often each answer-digit token of the needle
 the whole number is, next to whether the policy found the needle in results/needle/needle.json. No
 decoding, no tuning: a diagnosis of the committed results.
 
-    python -m criticalkv.eval.needle_diagnosis --lengths 2048 --out results/needle_diagnosis.json
+    python research/needle_diagnosis.py --lengths 2048 --out results/needle_diagnosis.json
 """
 
 import argparse
@@ -18,12 +18,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from criticalkv import KVPolicy
-from criticalkv.eval.engine import ScoreBank, select_all_layers, shared_prefill
-from criticalkv.eval.io import environment, write_json
-from criticalkv.eval.needle import needle_prompts
-from criticalkv.eval.specs import expand_runs
-from criticalkv.hf import load_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's criticalkv, installed or not
+
+from criticalkv import KVPolicy  # noqa: E402
+from criticalkv.eval.engine import ScoreBank, select_all_layers, shared_prefill  # noqa: E402
+from criticalkv.eval.io import environment, write_json  # noqa: E402
+from criticalkv.eval.needle import needle_prompts  # noqa: E402
+from criticalkv.eval.specs import expand_runs  # noqa: E402
+from criticalkv.hf import load_model  # noqa: E402
 
 POLICIES = "snapkv,criticalkv,criticalkv:stage2_scores=raw,adakv,ada-criticalkv,ada-criticalkv:stage2_scores=raw"
 
