@@ -503,7 +503,7 @@ def render(results: dict) -> str:
 # ---------------------------------------------------------------------------------------------- the needle
 NEEDLE_DOC = """The needle grid's answers of the CPU peers at their compute precisions, against a criticalkv fp32 engine.
 
-``python -m criticalkv.eval.kv_precision`` counts how often an engine with lower-precision weights (``--weights
+``python research/kv_precision.py`` counts how often an engine with lower-precision weights (``--weights
 int8|int4``) gives the fp32 engine's greedy tokens. This is the yardstick for that count: the same prompts (the
 committed needle grid's: same generator, seed and chat template) through OpenVINO GenAI at its CPU default (bf16
 compute on CPUs with BF16, what a CPU user gets) and at f32 compute, each compared with the first ``--engine-dir``
