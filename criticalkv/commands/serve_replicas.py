@@ -10,7 +10,6 @@ import threading
 from pathlib import Path
 
 
-
 def add_replica_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "replicas (Ray Serve; needs `pip install criticalkv[ray]`)",

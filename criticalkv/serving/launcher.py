@@ -197,7 +197,6 @@ class PortInUse(OSError):
     """A port the server needs is taken (another server, or any other program)."""
 
 
-
 def auth_header(api_key: str | None, source: str | None) -> str:
     """The ready banner's curl option for the API key as it was given: the variable's name, or a placeholder for the
     flag's value (never the key itself)."""

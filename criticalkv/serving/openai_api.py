@@ -357,6 +357,13 @@ async def _until(responses, draining: asyncio.Event | None):
         stop.cancel()
         if step is not None and not step.done():  # left while waiting (cancelled): no orphan task, no lost exception
             step.cancel()
+            step.add_done_callback(_retrieved)  # it may end with the handle's own error (RequestCancelledError)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """A done callback: the task's exception is taken (asyncio's "Task exception was never retrieved" is not said)."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _within(responses, seconds: float | None, renew: bool):

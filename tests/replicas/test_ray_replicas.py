@@ -375,6 +375,8 @@ def test_a_request_past_the_deadline_gets_504_and_a_killed_launcher_leaves_no_pr
         assert 2.5 < elapsed < 15, elapsed
         state = launched.settled(lambda s: s["live"] and s["live"][0]["running"] == 0 and not s["live"][0]["in_flight"])
         assert state["live"][0]["running"] == 0 and not state["ingress"]["in_flight"], state
+        # the cancelled request's handle leaves no unretrieved exception behind (asyncio's traceback on the console)
+        assert not any("Task exception was never retrieved" in line for line in launched.lines), launched.lines
     finally:
         family = psutil.Process(launched.process.pid).children(recursive=True)
         launched.engine.close()

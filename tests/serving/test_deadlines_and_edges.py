@@ -180,3 +180,54 @@ def test_a_local_ray_for_a_loopback_host_is_told_it_may_take_loopback():
     assert ray_environment("0.0.0.0", local=True) == {}
     assert node_address("127.0.0.1") == node_address("localhost") == "127.0.0.1"
     assert node_address("0.0.0.0") is None and node_address("10.1.2.3") == "10.1.2.3"
+
+
+def test_prepack_is_a_replica_option_off_by_default():
+    """--replica-options prepack=1: the replicas' ONNX Runtime sessions prepack as `criticalkv serve` does; off by
+    default; anything but 0 or 1 is one argparse line naming it."""
+    import argparse
+
+    from criticalkv.commands.serve_replicas import REPLICA_OPTIONS, replica_options
+
+    assert REPLICA_OPTIONS["prepack"][1] is False
+    assert replica_options("prepack=1,router=pow2") == {"prepack": True, "router": "pow2"}
+    assert replica_options("prepack=0") == {"prepack": False}
+    with pytest.raises(argparse.ArgumentTypeError, match="prepack='yes' is not a valid 0 or 1"):
+        replica_options("prepack=yes")
+
+
+def test_a_request_cancelled_while_it_waits_leaves_no_unretrieved_exception():
+    """A response stream whose pending step ends with an error of its own when cancelled (as Ray Serve's handle does,
+    RequestCancelledError): cancelling the request leaves nothing for asyncio to report as "never retrieved"."""
+    import gc
+
+    from criticalkv.serving.openai_api import _until
+
+    class Stream:
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                raise RuntimeError("the request was cancelled") from None
+
+    async def run():
+        reported = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context["message"]))
+
+        async def consume():
+            async for _ in _until(Stream(), asyncio.Event()):
+                pass
+
+        consumer = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        for _ in range(3):
+            await asyncio.sleep(0.02)
+            gc.collect()
+        return reported
+
+    assert asyncio.run(run()) == []
