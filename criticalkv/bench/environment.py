@@ -205,8 +205,14 @@ def render(report: dict[str, Any]) -> str:
     out += ["", "Where each policy's selection runs (ops: torch.ops.criticalkv; plugin: the TensorRT flavour):", ""]
     out.append("| policy | CPU | CUDA | TensorRT plugin |")
     out.append("|---|---|---|---|")
+    unbuilt = f"reference: {ops.get('reason')}" if not ops.get("loads") and ops.get("reason") else None
+
+    def cell(text: str) -> str:  # the ops' own reason is said once, on the "selection ops" line above
+        return "reference (selection ops: above)" if text == unbuilt else text
+
     for row in report["policies"]:
-        out.append(f"| {row['name']} | {row['cpu']} | {row['cuda']} | {'yes' if row['tensorrt_plugin'] else 'no'} |")
+        out.append(f"| {row['name']} | {cell(row['cpu'])} | {cell(row['cuda'])} | "
+                   f"{'yes' if row['tensorrt_plugin'] else 'no'} |")
     notes = [r for r in report["policies"] if r["scores_input"]]
     if notes:
         out.append("")

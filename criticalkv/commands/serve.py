@@ -59,7 +59,7 @@ def register(subparsers) -> None:
     p.add_argument("--openai-port", type=port_or_zero, default=9000,
                    help="port of the OpenAI-compatible API (default: 9000, as Triton's own OpenAI frontend; "
                         "0 = do not start it)")
-    p.add_argument("--api-key", default=os.environ.get("CRITICALKV_API_KEY"),
+    p.add_argument("--api-key", default=None,
                    help="as `vllm serve --api-key`: every OpenAI API request (/v1/...) must carry the header "
                         "'Authorization: Bearer KEY', else 401 (default: $CRITICALKV_API_KEY, or no key). "
                         "Triton's own ports are not covered")
@@ -68,6 +68,11 @@ def register(subparsers) -> None:
                         "before it is read (default: what the engine's max input length can need, every character "
                         "at its longest JSON escape: 12 bytes x the max input length x the longest token's characters "
                         "+ 1 MiB, e.g. 4.0 MB for a 4,096-token engine of SmolLM2's vocabulary)")
+    p.add_argument("--request-timeout", type=positive_float, default=300.0, metavar="SECONDS",
+                   help="the server-side deadline of every request: past it the request is cancelled and answered "
+                        "with OpenAI's error object, status 504 (the whole answer; a stream's first token and each "
+                        "next one). Default: 300, half of the openai client's own timeout, so that a default client "
+                        "reads the error; raise it for long answers that are not streamed on a busy server")
     add_model_arguments(p)
     p.add_argument("--tritonserver", type=Path, default=os.environ.get(launcher.TRITONSERVER_ENV) or None,
                    metavar="DIR",
@@ -104,7 +109,21 @@ def engine_dir_of(args) -> Path:
                          "the OpenAI API needs the engine's tokenizer (or give --openai-port 0)") from None
 
 
+def resolve_api_key(args: argparse.Namespace) -> None:
+    """``args.api_key`` from --api-key, else $CRITICALKV_API_KEY; ``args.api_key_source`` says which (the ready
+    banner shows the header as the user gave the key: the variable's name, or a placeholder for the flag's value)."""
+    if args.api_key is not None:
+        args.api_key_source = "--api-key"
+    elif os.environ.get("CRITICALKV_API_KEY") is not None:
+        args.api_key, args.api_key_source = os.environ["CRITICALKV_API_KEY"], "$CRITICALKV_API_KEY"
+    else:
+        args.api_key_source = None
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError(f"{args.api_key_source} is empty")
+
+
 def run(args: argparse.Namespace) -> int:
+    resolve_api_key(args)
     if wants_replicas(args):  # Ray Serve replicas (criticalkv.replicas), no Triton
         return run_replicas(args)
     if args.tritonserver is not None:  # the launcher's helpers read it (and tritonserver's children inherit it)
@@ -121,8 +140,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --engine-dir (or --repo with a rendered model repository)")
     if args.repo is not None and not Path(args.repo).is_dir():
         raise FileNotFoundError(f"{args.repo}: no such model repository")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key is empty")
     if args.engine_dir is not None:
         read_manifest(args.engine_dir, verify=False)  # a file, a missing or unfinished engine: named now
     scheduler = scheduler_config(args)
@@ -157,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
                             scheduler=scheduler, backend=args.backend,
                             gpus=args.gpus, threads=args.threads,
                             execution_env=str(launcher.model_env()) if launcher.model_env() else None,
-                            python_paths=launcher.project_paths())
+                            python_paths=launcher.project_paths(), request_timeout=args.request_timeout)
         engine_dir = engine_dir_of(args) if openai_sock is not None else None
         server = launcher.TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port,
                                        log_file=tmp / "tritonserver.log", host=args.host, watchdog=watchdog,
@@ -176,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
                 frontend = OpenAIFrontend(openai_sock, server.grpc_url, args.model_name, tokenizer, args.api_key,
                                           chat_max_tokens=int(build["max_new_tokens"]),
                                           text_bound=TextBound.of(tokenizer, int(build["max_input_len"])),
-                                          max_body_bytes=args.max_body_bytes)
+                                          max_body_bytes=args.max_body_bytes,
+                                          request_timeout=args.request_timeout)
                 frontend.start(cancelled=stop.is_set)
         except (RuntimeError, TimeoutError) as err:
             print(f"criticalkv serve: error: {err}", file=sys.stderr)
@@ -272,7 +290,7 @@ def ready_message(args, server) -> str:
     host = server.http_url.split("//")[1].rsplit(":", 1)[0]
     if args.openai_port:
         base = f"http://{host}:{args.openai_port}/v1"
-        auth = ' -H "Authorization: Bearer $CRITICALKV_API_KEY"' if args.api_key else ""  # the key is not printed
+        auth = launcher.auth_header(args.api_key, args.api_key_source)  # the key itself is never printed
         key_note = ", API key required" if args.api_key else ""
         body = json.dumps({"model": args.model_name, "messages": [{"role": "user", "content": "..."}]})
         lines.append(f"  OpenAI API {base}  (model \"{args.model_name}\"{key_note})")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from pathlib import Path
@@ -29,12 +30,24 @@ def add_replica_arguments(p: argparse.ArgumentParser) -> None:
                         "object store for every replica; 0 = none); replica_cpus=1 (CPUs Ray reserves per replica: set "
                         "--threads to match); replica_gpus=0 (1 with --backend tensorrt or torch on GPU nodes); "
                         "max_ongoing_requests=64 (requests one replica takes at once; beyond it the router holds them); "
+                        "prepack=0 (1: ONNX Runtime's sessions prepack their own copies of the weights as `criticalkv "
+                        "serve` does: faster prefill and decode, about 1.9 GB more per replica of the bundled model); "
                         "app_name=criticalkv (the Serve application's name: several models on one cluster)")
 
+
+def switch(value: str) -> bool:
+    """0 or 1 (a --replica-options switch)."""
+    if value not in ("0", "1"):
+        raise ValueError(value)
+    return value == "1"
+
+
+switch.__name__ = "0 or 1"
 
 #: --replica-options' keys: type and default (the ReplicaServeConfig field each sets, named alike but store_mib).
 REPLICA_OPTIONS = {"router": (str, "affinity"), "imbalance_threshold": (int, 4), "context_store_mib": (float, 1024.0),
                    "replica_cpus": (float, 1.0), "replica_gpus": (float, 0.0), "max_ongoing_requests": (int, 64),
+                   "prepack": (switch, False),
                    "app_name": (str, "criticalkv")}
 
 
@@ -69,34 +82,37 @@ def run_replicas(args: argparse.Namespace) -> int:
         raise ValueError("--instances is Triton's: with the replicas, give --replicas")
     if not args.openai_port:
         raise ValueError("--openai-port 0: the replicas are reached through the OpenAI API only")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key is empty")
+    from criticalkv.replicas.launch import ReplicaServeConfig, ray_environment, serve_replicas
+    from criticalkv.serving import launcher
+
+    os.environ.update(ray_environment(args.host, local=args.ray_address is None))  # before ray is imported
     try:
         import ray  # noqa: F401
         from ray import serve  # noqa: F401
     except ImportError:
         raise ValueError("--replicas needs Ray Serve: pip install 'criticalkv[ray]'") from None
-    from criticalkv.replicas.launch import ReplicaServeConfig, serve_replicas
-    from criticalkv.serving import launcher
 
     options = {key: default for key, (_, default) in REPLICA_OPTIONS.items()}
     options.update(args.replica_options)
     fields = dict(  # the replicas' own flags first (ReplicaServeConfig checks them), then the engine's
         engine_dir=Path(args.engine_dir), replicas=args.replicas if args.replicas is not None else 1,
         ray_address=args.ray_address, host=args.host, port=args.openai_port, api_key=args.api_key,
+        api_key_source=getattr(args, "api_key_source", None), request_timeout=args.request_timeout,
         model_name=args.model_name, backend=args.backend, threads=args.threads, router=options["router"],
         imbalance_threshold=options["imbalance_threshold"],
         store_mib=options["context_store_mib"], replica_cpus=options["replica_cpus"],
         replica_gpus=options["replica_gpus"], max_ongoing_requests=options["max_ongoing_requests"],
+        prepack=options["prepack"],
         app_name=options["app_name"], ready_timeout=args.ready_timeout,
         max_body_bytes=args.max_body_bytes)
     ReplicaServeConfig(**fields)
     config = ReplicaServeConfig(**fields, scheduler=scheduler_config(args).to_dict())
     launcher.check_ports_free(args.host, {"--openai-port": args.openai_port})  # PortInUse: one line, status 2
+    sock = launcher.bind_socket(args.host, args.openai_port, "--openai-port")  # held from now on: nobody takes it
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return serve_replicas(config, stop)
+        return serve_replicas(config, stop, sock)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -5,17 +5,21 @@ replicas, best first; Serve sends the request to the replica of the first rank w
 it, then tries the next rank. Like Ray Serve LLM's ``PrefixCacheAffinityRouter`` and vllm-router's ``cache_aware``,
 locality wins unless the load is too uneven:
 
-* a request whose payload names a ``route`` (the digest of its context's token ids, set by the ingress) goes first to
+* a request whose payload names a ``route`` (the digest of its context's token ids, set by the frontend) goes first to
   the replicas that hold that context compressed: those whose last report (``Replica.record_routing_stats``:
   the contexts cached or being compressed there) lists it, and the replica this router sent it to last (within
   ``record_ttl_s``: reports arrive about once a second, so the second question about a new document must not wait
   for one), unless that replica's queue is longer than the shortest by more than ``imbalance_threshold`` requests;
-* otherwise (no context, nobody holds it, or the holders are too busy) every replica forms one rank: the least
-  loaded one gets it (ties at random), and with the shared store it loads the context instead of compressing it.
+* a context nobody holds goes to the least loaded replica (ties at random), chosen here and remembered at once as
+  where the context went: the questions that arrive together with the first one about a new document (before any of
+  them is routed) follow it there and wait for its compression instead of compressing the document on another
+  replica too, unless that replica becomes too busy;
+* otherwise (no context, or the holders are too busy) every replica forms one rank: the least loaded one gets it (ties
+  at random), and with the shared store it loads the context instead of compressing it.
 
 There is no FIFO matching (``FIFOMixin``): a replica chosen for a request goes to that request, not to the oldest
 one waiting, which would break the affinity. The router runs in the process of the handle that calls the replicas
-(the ingress); its counts (``stats``) show in ``GET /replicas``.
+(the launcher, whose OpenAI frontend calls them); its counts (``stats``) show in ``GET /replicas``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-#: the routers of this process (the ingress reads their counts)
+#: the routers of this process (``GET /replicas`` reads their counts)
 ROUTERS: "weakref.WeakSet[ContextAffinityRouter]" = weakref.WeakSet()
 
 
@@ -90,12 +94,17 @@ class ContextAffinityRouter(RequestRouter):
             self.stats["no_context"] += 1
             return [candidates]
         holders = self.holders(route, candidates)
-        if not holders:
-            self.stats["no_holder"] += 1
-            return [candidates]
         lengths = await self.queue_lengths(candidates)
         known = [n for n in lengths.values() if n is not None]
         shortest = min(known) if known else 0
+        if not holders:
+            self.stats["no_holder"] += 1
+            # the least loaded replica (the shuffle broke the ties), named now: the next requests on this context
+            # follow it before this one is even routed
+            first = min(candidates, key=lambda r: shortest if lengths.get(r.replica_id) is None
+                        else lengths[r.replica_id])
+            self._remember(route, first.replica_id)
+            return [[first], [r for r in candidates if r is not first]]
         # a holder whose count is unknown (its probe timed out: a loaded machine) keeps the preference: Serve probes it
         # again before it sends anything there
         near = [r for r in holders if lengths.get(r.replica_id) is None
@@ -109,8 +118,10 @@ class ContextAffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         """Remember where a context went: its next questions follow it before the replica's next report."""
         route = self.route_of(pending_request)
-        if route is None:
-            return
+        if route is not None:
+            self._remember(route, replica_id)
+
+    def _remember(self, route: str, replica_id) -> None:
         self._sent[route] = (replica_id, time.time())
         self._sent.move_to_end(route)
         while len(self._sent) > self.max_records:

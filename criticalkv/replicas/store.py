@@ -13,7 +13,7 @@ so a context is only ever restored into an engine that made the same selection. 
 used first beyond ``capacity_bytes`` (0: nothing is stored; the actor still keeps the replicas' reports).
 
 The actor also keeps what each replica reports every second (``report``: its process, requests, context cache and
-the contexts it holds), which ``GET /replicas`` of the ingress shows and the benchmark reads.
+the contexts it holds), which ``GET /replicas`` shows and the benchmark reads.
 """
 
 from __future__ import annotations

@@ -106,6 +106,7 @@ class OnnxRuntimeBackend(HostKVBuffers):
         spinning: bool | None = None,
         prefill: str | None = None,
         prefill_prepack: bool | None = None,
+        arena: bool = True,
     ):
         """folder, manifest : the engine directory and its manifest. threads : intra-op threads per session (None:
         ``$CRITICALKV_ORT_THREADS``, else ONNX Runtime's default). profile : profile the first prefill. providers :
@@ -118,7 +119,8 @@ class OnnxRuntimeBackend(HostKVBuffers):
         prefill : ``auto`` / ``fused`` / ``portable``, the prompt graphs (prefill and extend; None:
         ``$CRITICALKV_ORT_PREFILL``, else ``auto``; ``fused`` on an engine without prefill_ort.onnx raises EngineError
         with the reason). prefill_prepack : MLAS weight prepacking in the fused prefill and extend sessions, which then
-        load their own weights (None: on for the fused prompt graphs)."""
+        load their own weights (None: on for the fused prompt graphs). arena : ONNX Runtime's CPU memory arena in every
+        session (False: each run's tensors are allocated and freed, so a long prompt's peak is not kept afterwards)."""
         self.ort = ort
         self.folder = Path(folder)
         self.manifest = manifest
@@ -133,6 +135,7 @@ class OnnxRuntimeBackend(HostKVBuffers):
             threads = int(os.environ.get(THREADS_ENV, "0"))
         self.threads = threads
         self.spinning = os.environ.get(SPINNING_ENV, "0") == "1" if spinning is None else bool(spinning)
+        self.arena = bool(arena)
         self.providers = providers or ["CPUExecutionProvider"]
         if weights not in ("shared", "session"):
             raise ValueError(f"weights: {weights!r} is not 'shared' or 'session'")
@@ -252,6 +255,7 @@ class OnnxRuntimeBackend(HostKVBuffers):
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads
         options.log_severity_level = 3
+        options.enable_cpu_mem_arena = self.arena
         if not self.spinning:  # an idle pool thread yields its core at once (measured 2x faster on shared cores)
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         prepack = not self.shared_weights if prepack is None else prepack

@@ -197,6 +197,16 @@ class PortInUse(OSError):
     """A port the server needs is taken (another server, or any other program)."""
 
 
+def auth_header(api_key: str | None, source: str | None) -> str:
+    """The ready banner's curl option for the API key as it was given: the variable's name, or a placeholder for the
+    flag's value (never the key itself)."""
+    if not api_key:
+        return ""
+    if source == "$CRITICALKV_API_KEY":
+        return ' -H "Authorization: Bearer $CRITICALKV_API_KEY"'
+    return " -H 'Authorization: Bearer <the --api-key value>'"
+
+
 def bind_socket(host: str, port: int, flag: str) -> socket.socket:
     """A TCP socket bound to (host, port) (not listening yet), or PortInUse naming the port and its flag.
 

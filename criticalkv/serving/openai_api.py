@@ -19,11 +19,15 @@ become 400 with its message; this layer checks the shapes and types (pydantic, s
 knows (the model name, ``n``, fields the server does not implement). Every error is OpenAI's error object
 ``{"error": {"message", "type", "param", "code"}}``.
 
-No request can stall the others: a body is JSON (else 415) of at most ``max_body_bytes`` (else 413, answered from its
-``Content-Length`` before it is read, or as soon as a body sent without one passes the limit); its texts are held to
-the engine's ``TextBound`` (more characters than its max input length can hold: 400, before the chat template runs);
+No request can stall the others: a body is JSON (else 415) of at most ``max_body_bytes`` (else 413, decided from its
+``Content-Length`` before it is read, or as soon as a body sent without one passes the limit; the rest is read and
+dropped up to a bound so that a client still writing it reads the 413), and arrives without a 10 s gap (else 400); its
+texts are held to the engine's ``TextBound`` (more characters than its max input length can hold: 400, before the chat
+template runs);
 parsing, the chat template and the tokenizer run on a small thread pool, never on the event loop, so ``/health`` and
-the other requests' tokens flow while one request is prepared.
+the other requests' tokens flow while one request is prepared. And no request waits for ever: each has a deadline
+(``request_timeout``, ``criticalkv serve --request-timeout``), past which its work is cancelled and it is answered with
+OpenAI's error object, status 504.
 """
 
 from __future__ import annotations
@@ -54,6 +58,17 @@ INT32_MAX = 2**31 - 1
 INTERNAL_PREFIX = "internal error: "
 #: what a request still running when the server stops gets (503, as OpenAI's service_unavailable)
 SHUTTING_DOWN = "the server is shutting down"
+#: what a request gets when it ran past the server's request timeout (504): its work is cancelled
+TIMED_OUT = "no answer within the server's request timeout"
+#: the default of ``criticalkv serve --request-timeout``: half of the ``openai`` client's own default (600 s), so that a
+#: default client reads the server's error rather than giving up first
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
+#: a request body that stops arriving for this long before its Content-Length is complete gets a 400
+BODY_IDLE_TIMEOUT_S = 10.0
+#: a body refused with 413 is read and dropped up to this many bytes (and seconds) before the 413 is sent, so that a
+#: client still writing it reads the answer instead of a reset connection; beyond, the 413 goes at once
+DRAIN_MAX_BYTES = 64 * 2**20
+DRAIN_MAX_S = 5.0
 
 
 class APIError(Exception):
@@ -64,7 +79,8 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                               405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-                              503: "service_unavailable"}.get(status, "server_error")
+                              503: "service_unavailable",
+                              504: "timeout"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
@@ -138,7 +154,8 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[str]]
+    # token ids are parsed so that they get a clear refusal (``prepare_completion``), not a union's type errors
+    prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -179,7 +196,9 @@ def parse_body(raw: bytes, model_type: type[_Common]) -> _Common:
 
 
 def check_common(request: _Common, served_model: str, model_inputs: set[str]) -> None:
-    if request.model is not None and request.model != served_model:
+    if request.model is None:  # OpenAI's API requires it (its 400 "you must provide a model parameter")
+        raise APIError(400, f"model: required (this server serves {served_model!r}: GET /v1/models)", "model")
+    if request.model != served_model:
         raise APIError(400, f"model {request.model!r} does not exist: this server serves {served_model!r} "
                             "(GET /v1/models)", "model")
     if request.n is not None and request.n != 1:
@@ -320,6 +339,7 @@ async def _until(responses, draining: asyncio.Event | None):
         return
     iterator = responses.__aiter__()
     stop = asyncio.ensure_future(draining.wait())
+    step = None
     try:
         while True:
             step = asyncio.ensure_future(iterator.__anext__())
@@ -335,6 +355,40 @@ async def _until(responses, draining: asyncio.Event | None):
             yield item
     finally:
         stop.cancel()
+        if step is not None and not step.done():  # left while waiting (cancelled): no orphan task, no lost exception
+            step.cancel()
+            step.add_done_callback(_retrieved)  # it may end with the handle's own error (RequestCancelledError)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """A done callback: the task's exception is taken (asyncio's "Task exception was never retrieved" is not said)."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _within(responses, seconds: float | None, renew: bool):
+    """The items of ``responses`` while they come in time: within ``seconds`` of the start (``renew``: of the previous
+    item, for a stream), else APIError 504 after closing ``responses`` (which cancels the request's work)."""
+    if seconds is None:
+        async for item in responses:
+            yield item
+        return
+    deadline = time.monotonic() + seconds
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(responses.__anext__(), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                what = "between two tokens of the stream" if renew else "for the whole answer"
+                raise APIError(504, f"{TIMED_OUT} ({seconds:g} s {what}, `criticalkv serve --request-timeout`): the "
+                                    "request was cancelled") from None
+            if renew:
+                deadline = time.monotonic() + seconds
+            yield item
+    finally:
+        await responses.aclose()
 
 
 def model_error(message: str) -> APIError:
@@ -344,6 +398,8 @@ def model_error(message: str) -> APIError:
         return APIError(500, message)
     if message.startswith(SHUTTING_DOWN):  # the model was told to end its requests (the server stops)
         return APIError(503, message)
+    if message.startswith(TIMED_OUT):  # the model's own deadline (Triton's endpoints share it)
+        return APIError(504, message)
     if "request cancelled" in message:
         return APIError(499, message, type_="cancelled")
     # the OpenAI fields were put into the model's sampling_parameters input: name them as the client did
@@ -368,14 +424,17 @@ PREPARE_THREADS = 4
 
 def create_app(grpc_url: str | None, model_name: str, tokenizer, api_key: str | None = None,
                chat_max_tokens: int | None = None, text_bound: TextBound | None = None,
-               max_body_bytes: int | None = None, model=None):
+               max_body_bytes: int | None = None, model=None,
+               request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S):
     """The ASGI app. ``tokenizer``: the engine's (its chat template renders the chat messages);
     ``chat_max_tokens``: max_tokens of a chat completion that gives none (None: the model's default);
     ``text_bound``: the engine's bound on a request's characters (None: none checked here, the model still counts
     tokens); ``max_body_bytes``: the largest request body (default: ``text_bound.max_body_bytes``; None without a
     bound: no limit). ``model``: what serves the requests, with ``TritonModel``'s interface (``inputs``,
     ``draining``, ``connect``, ``close``, ``ready``, ``generate``); default: the Triton model at ``grpc_url``
-    (``criticalkv.replicas`` gives its Ray Serve replicas)."""
+    (``criticalkv.replicas`` gives its Ray Serve replicas). ``request_timeout``: the server-side deadline of every
+    request in seconds (the whole answer; a stream's first token and each next one), past which it is cancelled and
+    answered with OpenAI's error object, status 504 (None: none)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -477,6 +536,9 @@ def create_app(grpc_url: str | None, model_name: str, tokenizer, api_key: str | 
         body = parse_body(raw, CompletionRequest)
         check_common(body, model_name, model.inputs)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if prompts and not all(isinstance(p, str) for p in prompts):
+            raise APIError(400, "prompt: token ids are not taken here: send the prompt as text (the server tokenises it "
+                                "with the engine's tokenizer)", "prompt")
         if len(prompts) != 1:
             raise APIError(400, f"prompt: one prompt per request is supported, got {len(prompts)}", "prompt")
         if body.context is True:
@@ -532,7 +594,7 @@ def create_app(grpc_url: str | None, model_name: str, tokenizer, api_key: str | 
         elif body.context is not None:
             values["context"] = body.context
         echo = prompt if (not chat and getattr(body, "echo", False)) else ""
-        responses = model.generate(values, request_id)
+        responses = _within(model.generate(values, request_id), request_timeout, renew=body.stream)
         if body.stream:
             try:  # the first response before the 200: a request the model refuses gets its 400
                 first = await responses.__anext__()
@@ -542,12 +604,15 @@ def create_app(grpc_url: str | None, model_name: str, tokenizer, api_key: str | 
                                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(_last(responses))
         gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not collect.done():  # the client went away: cancel the request (frees its slot)
-            collect.cancel()
-            await asyncio.gather(collect, return_exceptions=True)
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # this handler cancelled too: neither task outlives it
+            if not collect.done():  # the client went away: cancel the request (frees its slot)
+                collect.cancel()
+                await asyncio.gather(collect, return_exceptions=True)
+            gone.cancel()
+        if collect.cancelled():
             return JSONResponse({}, status_code=499)
-        gone.cancel()
         out = collect.result()
         text = echo + out.get("text_output", "")
         usage = _usage(out.get("num_input_tokens", 0), out.get("num_output_tokens", 0))
@@ -641,51 +706,88 @@ def _is_json(content_type: bytes) -> bool:
 class BodyLimitMiddleware:
     """Every POST body must be JSON and at most ``max_bytes`` (None: any size), decided before the body costs anything:
     another Content-Type (text/plain, form-encoded) gets 415 and a Content-Length over the limit 413, from the headers
-    alone (the body is never read); a body sent without a length (chunked) gets 413 as soon as the bytes received pass
-    the limit. A body without a Content-Type is taken as JSON (as FastAPI does). Plain ASGI, like APIKeyMiddleware."""
+    alone; a body sent without a length (chunked) gets 413 as soon as the bytes received pass the limit. A refused body
+    the client is still sending is read and dropped first (up to ``DRAIN_MAX_BYTES`` and ``DRAIN_MAX_S``), so that a
+    client that writes its whole body before it reads (Python's http.client, urllib, httpx) reads the answer instead of
+    a connection reset; a larger one gets the answer at once and the connection is closed. A body that stops arriving
+    before its Content-Length for ``idle_s`` seconds gets a 400 (the client is still connected: it reads it; one that
+    closed its side has nobody left to answer). A body without a Content-Type is taken as JSON (as FastAPI does).
+    Plain ASGI, like APIKeyMiddleware."""
 
-    def __init__(self, app, max_bytes: int | None):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int | None, idle_s: float = BODY_IDLE_TIMEOUT_S):
+        self.app, self.max_bytes, self.idle_s = app, max_bytes, idle_s
 
     def too_large(self, size: int | None) -> APIError:
         what = f"is {size} bytes" if size is not None else f"passed {self.max_bytes} bytes"
         return APIError(413, f"the request body {what}, more than this server takes ({self.max_bytes} bytes: the "
                              "engine's max input length at most, or `criticalkv serve --max-body-bytes`)")
 
+    @staticmethod
+    async def drain(receive, expected: int | None) -> bool:
+        """Read and drop the rest of a refused body (``expected`` bytes at most, None: unknown); whether it all came."""
+        if expected is not None and expected > DRAIN_MAX_BYTES:
+            return False
+        deadline, seen = time.monotonic() + DRAIN_MAX_S, 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or seen > DRAIN_MAX_BYTES:
+                return False
+            try:
+                message = await asyncio.wait_for(receive(), left)
+            except asyncio.TimeoutError:
+                return False
+            if message["type"] != "http.request":
+                return False
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return True
+
+    @staticmethod
+    async def answer(error: APIError, scope, receive, send, close: bool) -> None:
+        from fastapi.responses import JSONResponse
+
+        headers = {"Connection": "close"} if close else None
+        await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])  # ASGI gives the names in lower case
-        error = None
+        error, size = None, None
         content_type = headers.get(b"content-type")
         if content_type is not None and not _is_json(content_type):
             error = APIError(415, "the request body must be JSON (Content-Type: application/json), got Content-Type "
                                   f"{content_type.decode('latin-1')!r}")
-        elif headers.get(b"content-length") is not None:
+        if headers.get(b"content-length") is not None:
             try:
                 size = int(headers[b"content-length"])
             except ValueError:
-                size = None
-                error = APIError(400, "Content-Length is not a number")
-            if size is not None and self.max_bytes is not None and size > self.max_bytes:
+                error = error or APIError(400, "Content-Length is not a number")
+            if error is None and size is not None and self.max_bytes is not None and size > self.max_bytes:
                 error = self.too_large(size)
         if error is not None:
-            from fastapi.responses import JSONResponse
-
-            await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+            drained = size == 0 or await self.drain(receive, size)
+            await self.answer(error, scope, receive, send, close=not drained)
             return
-        if self.max_bytes is None:
-            await self.app(scope, receive, send)
-            return
-        received = 0
+        received, complete = 0, False
 
         async def limited_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete:  # the body is in: what follows is the disconnect, whenever it comes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_s)
+            except asyncio.TimeoutError:
+                due = f" of its Content-Length {size}" if size is not None else ""
+                raise APIError(400, f"the request body stopped arriving: {received} bytes{due} came, then nothing for "
+                                    f"{self.idle_s:g} s") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                complete = not message.get("more_body", False)
+                if self.max_bytes is not None and received > self.max_bytes:
+                    if message.get("more_body", False):
+                        await self.drain(receive, None)
                     raise self.too_large(None)  # the app's APIError handler answers it
             return message
 
@@ -733,12 +835,13 @@ class OpenAIFrontend:
 
     def __init__(self, sock, grpc_url: str, model_name: str, tokenizer, api_key: str | None = None,
                  chat_max_tokens: int | None = None, text_bound: TextBound | None = None,
-                 max_body_bytes: int | None = None):
+                 max_body_bytes: int | None = None, model=None,
+                 request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S):
         import uvicorn
 
         self.sock = sock
         self.app = app = create_app(grpc_url, model_name, tokenizer, api_key, chat_max_tokens, text_bound,
-                                    max_body_bytes)
+                                    max_body_bytes, model=model, request_timeout=request_timeout)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                                                     timeout_graceful_shutdown=2))
         self.thread = None

@@ -73,6 +73,7 @@ def make_repository(
     execution_env: str | None = None,
     python_paths: list[str] | None = None,
     force: bool = False,
+    request_timeout: float | None = None,
 ) -> Path:
     """Write the model repository ``out`` for ``engine_dir``; returns ``out/model_name``.
 
@@ -84,6 +85,9 @@ def make_repository(
         (``default_backend``: torch for a directory built with ``--backend torch``, else onnxruntime)
     execution_env : a virtual environment the model runs in (``EXECUTION_ENV_PATH``; the bundled CPU server
         needs one with numpy<2); python_paths : appended to the model's ``sys.path`` (the project's packages)
+    request_timeout : the model's deadline of every request in seconds (the whole answer; a stream's first response
+        and each next one): past it the request is cancelled and answered with the error "no answer within the
+        server's request timeout ..." (None: none)
     """
     engine_dir = Path(engine_dir).resolve()
     manifest = read_manifest(engine_dir, verify=False)
@@ -114,6 +118,10 @@ def make_repository(
     arguments = {"engine_dir": str(engine_dir), "backend": backend, "threads": threads,
                  "scheduler": {**scheduler.to_dict(), "max_num_seqs": max_num_seqs},
                  "python_paths": list(python_paths or [])}
+    if request_timeout is not None:
+        if not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout!r}")
+        arguments["request_timeout"] = float(request_timeout)
     out = Path(out)
     target = out / name
     if target.exists() and not force:

@@ -412,6 +412,18 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def state_of(self, request_id: int) -> str | None:
+        """Where request ``request_id`` is now: "waiting" (for its context's compression when that runs), "prefilling",
+        "running", or None (finished, or never submitted here). Any thread: a diagnostic, racy by nature."""
+        for state, seqs in (("waiting", list(self._waiting)), ("prefilling", list(self._prefilling)),
+                            ("running", list(self._running))):
+            for seq in seqs:
+                if seq.handle.request_id == request_id:
+                    if state == "waiting" and seq.key is not None and seq.key in self._compressing:
+                        return "waiting for its context's compression"
+                    return state
+        return None
+
     @property
     def alive(self) -> bool:
         """Whether the scheduler thread runs (it stops only on ``close``)."""

@@ -15,6 +15,8 @@ is the read end of a pipe whose only write end the launcher holds; the launcher 
 each:
 
     group <pgid>        SIGKILL this process group
+    pid <pid> <start>   SIGKILL this process if it is still the one that started at <start> (field 22 of
+                        /proc/<pid>/stat: a number the kernel reuses never names another process here)
     shm <prefix>        remove /dev/shm/<prefix>* (the shared-memory regions the server names with this prefix)
     remove <path>       remove this file or directory tree
     done                the launcher cleaned up itself: exit without doing anything
@@ -68,6 +70,15 @@ class Watchdog:
     def kill_group(self, pgid: int) -> None:
         self._send(f"group {int(pgid)}")
 
+    def kill_process(self, pid: int) -> bool:
+        """SIGKILL process ``pid`` (as it is now: its start time is sent along) if this process dies; False if it is
+        already gone."""
+        start = start_time(pid)
+        if start is None:
+            return False
+        self._send(f"pid {int(pid)} {start}")
+        return True
+
     def remove_shm(self, prefix: str) -> None:
         if "/" in prefix or not prefix:
             raise ValueError(f"not a shared-memory name prefix: {prefix!r}")
@@ -93,6 +104,32 @@ class Watchdog:
 
 
 # ------------------------------------------------------------------------------------------------ the process
+def start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/PID/stat's field 22), or None if there is none."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # the fields after the command (which may hold spaces and ")")
+
+
+def kill_processes(processes: list[tuple[int, str]], log) -> int:
+    """SIGKILL each (pid, start time) still running as that process; how many were."""
+    killed = 0
+    for pid, start in processes:
+        if start_time(pid) != start:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except (ProcessLookupError, PermissionError):
+            pass
+    if killed:
+        log(f"killed {killed} process(es) it started")
+    return killed
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -142,6 +179,7 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     groups: list[int] = []
+    processes: list[tuple[int, str]] = []
     shm_prefixes: list[str] = []
     paths: list[str] = []
     stdin = os.fdopen(0, "rb", buffering=0)
@@ -161,6 +199,9 @@ def main(argv: list[str]) -> int:
                 return 0
             if word == "group":
                 groups.append(int(rest))
+            elif word == "pid":
+                pid, start = rest.split()
+                processes.append((int(pid), start))
             elif word == "shm":
                 shm_prefixes.append(rest)
             elif word == "remove":
@@ -172,8 +213,9 @@ def main(argv: list[str]) -> int:
         except OSError:  # nobody reads our standard error any more
             pass
 
-    if groups or shm_prefixes or paths:
+    if groups or processes or shm_prefixes or paths:
         log(f"process {owner} ended without stopping its server: cleaning up after it")
+        kill_processes(processes, log)
         clean_up(groups, shm_prefixes, paths, log)
     return 0
 

@@ -43,3 +43,7 @@ def test_env_reports_this_machine_and_where_each_policy_selects():
     text = render(report)
     for line in ("torch CUDA", "selection ops", "TensorRT plugin", "| layer-defensivekv |", "OpenVINO "):
         assert line in text, line
+    if not ops["loads"]:  # the ops' reason once, on their own line, not on every policy's row
+        assert text.count(ops["reason"]) == 1, text
+        assert rows["criticalkv"]["cpu"] == f"reference: {ops['reason']}"
+        assert "| criticalkv | reference (selection ops: above) |" in text

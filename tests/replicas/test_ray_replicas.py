@@ -1,11 +1,15 @@
 """`criticalkv serve --replicas 2` as a user runs it: a real local Ray started by the launcher, two engine replicas
-(tiny model) behind the OpenAI-compatible ingress, ContextAffinityRouter and the shared context store; driven by the
-official `openai` client and plain HTTP. One Ray for the module; the last test stops it with Ctrl-C.
+(tiny model) behind the OpenAI-compatible API the launcher serves itself, ContextAffinityRouter and the shared context
+store; driven by the official `openai` client and plain HTTP. One Ray for the module, stopped with Ctrl-C by its last
+test; then one more launch for the deadline and a SIGKILLed launcher.
 
 What is checked: the engine's greedy text through both endpoints (streaming and not) and the same 400s as `criticalkv
-serve`; a document's questions go to the replica that compressed it (compressed once); a replica SIGKILLed with four
-streams in flight ends each with an answer or OpenAI's error object within 30 s, its contexts are then answered from
-the store, and Ray Serve replaces it within 60 s; Ctrl-C ends a stream with the 503 error and leaves no process."""
+serve`; every listening socket on loopback; 12 questions at once about a new document, three times, all answered and
+counted where they ran; the API's edges (a 20 MB body, a short body, no model, token ids); a document's questions go
+to the replica that compressed it (compressed once); a replica SIGKILLed with four streams in flight ends each with an
+answer or OpenAI's error object within 30 s, its contexts are then answered from the store, and Ray Serve replaces it
+within 60 s; Ctrl-C ends a stream with the 503 error, prints none of Ray's noise and leaves no process; a request past
+--request-timeout gets a 504; a SIGKILLed launcher leaves no process after 10 s."""
 
 import json
 import os
@@ -33,14 +37,14 @@ LONG = 20000  # tokens: a stream this long is still running when a test kills it
 class Replicas:
     """A `criticalkv serve --replicas 2` process (stdout read by a thread) and the engine it serves."""
 
-    def __init__(self, engine_dir: Path, tmp: Path):
+    def __init__(self, engine_dir: Path, tmp: Path, replicas: int = 2, extra=()):
         from criticalkv.runtime import Engine
         from criticalkv.serving.launcher import free_port
 
         self.port = free_port()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "criticalkv.cli", "serve", "--engine-dir", str(engine_dir), "--replicas", "2",
-             "--openai-port", str(self.port), "--threads", "1", "--prefill-chunk", "0"],
+            [sys.executable, "-m", "criticalkv.cli", "serve", "--engine-dir", str(engine_dir), "--replicas",
+             str(replicas), "--openai-port", str(self.port), "--threads", "1", "--prefill-chunk", "0", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "TMPDIR": str(tmp)})
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -154,6 +158,84 @@ def test_the_openai_client_gets_the_engines_text_and_the_same_errors(served):
     assert status == 200 and body["usage"]["completion_tokens"] == 2
 
 
+def test_every_listening_socket_of_the_launchers_processes_is_on_loopback(served):
+    """--host 127.0.0.1 (the default): Ray's head processes, its agents, the replicas, the store and the API listen
+    on loopback only (and there is no Serve HTTP proxy)."""
+    family = [psutil.Process(served.process.pid), *psutil.Process(served.process.pid).children(recursive=True)]
+    pids = {p.pid: p for p in family}
+    listening = [(c.laddr.ip, c.laddr.port, pids[c.pid].name()) for c in psutil.net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    outside = [s for s in listening if s[0].removeprefix("::ffff:") not in ("127.0.0.1", "::1")]
+    assert len(listening) >= 5 and not outside, (outside, listening)
+    assert ("127.0.0.1", served.port) in {(ip, port) for ip, port, _ in listening}
+    assert not any("ProxyActor" in p.name() for p in family)
+
+
+def test_twelve_questions_about_a_new_document_at_once_are_all_answered_and_counted(served):
+    """The sequence that once lost a request (a new document, then 12 questions about it at once through the openai
+    client), three times: every request answered within the deadline; the frontend's requests = the replicas'
+    requests; each context request is one hit or miss of a replica's context cache; nothing left in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def totals():
+        state = served.replicas()
+        live = state["live"]
+        return (state["ingress"]["requests"], sum(r["requests"] for r in live),
+                sum(r["context_cache"]["hits"] + r["context_cache"]["misses"] for r in live), len(live))
+
+    served.settled(lambda s: len(s["live"]) == 2, timeout=60)
+    time.sleep(2.5)  # the replicas report every second: by now their counts include every request before this test
+    before = totals()
+    for round_ in range(3):
+        doc, _ = random_words(150, seed=60 + round_)
+
+        def ask(i):
+            started = time.monotonic()
+            out = served.client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": random_words(5, seed=100 * round_ + i)[0]}],
+                max_tokens=6, extra_body={"context": doc}, timeout=90)
+            return out.model_extra["context_cache_hit"], time.monotonic() - started
+
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(ask, range(12)))
+        assert all(seconds < 60 for _, seconds in answers), answers
+        assert sum(not hit for hit, _ in answers) <= 2, answers  # compressed once (twice if the holder was too busy)
+    time.sleep(2.5)
+    state = served.replicas()
+    after = totals()
+    assert after[0] - before[0] == after[1] - before[1] == 36 and after[2] - before[2] == 36, (before, after, state)
+    assert not state["ingress"]["in_flight"] and not any(r["in_flight"] for r in state["live"]), state
+
+
+def test_the_api_edges_are_the_single_servers(served):
+    """The same frontend as `criticalkv serve`: a 20 MB body written whole by http.client gets a 413 it reads within
+    a second; a body shorter than its Content-Length gets a 400 once it stops arriving; a missing model and token-id
+    prompts get 400s naming them."""
+    import http.client
+    import socket
+
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "w5 " * 6_700_000}]}).encode()
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    started = time.monotonic()
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    out = json.loads(response.read())
+    elapsed = time.monotonic() - started
+    connection.close()
+    assert response.status == 413 and out["error"]["code"] == 413 and elapsed < 1.0, (out, elapsed)
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": \"criticalkv\"")
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        out = json.loads(response.read())
+    assert response.status == 400 and out["error"]["message"].startswith("the request body stopped arriving"), out
+    status, out = served.post("/v1/completions", {"prompt": "w5"})
+    assert status == 400 and out["error"]["param"] == "model" and "required" in out["error"]["message"], out
+    status, out = served.post("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7]})
+    assert status == 400 and out["error"]["message"].startswith("prompt: token ids are not taken here"), out
+
+
 def test_questions_about_a_document_go_to_the_replica_that_compressed_it(served):
     from criticalkv.chat import encode_text
     from criticalkv.replicas.store import route_digest
@@ -246,6 +328,10 @@ def test_ctrl_c_ends_the_streams_with_503_and_stops_everything(served):
     assert errors, events[-3:]
     assert errors[-1]["error"]["code"] == 503 and "shutting down" in errors[-1]["error"]["message"], errors[-1]
     assert served.process.wait(120) == 0, "".join(served.lines[-20:])
+    noise = [line for line in served.lines if "Connecting to existing Serve app" in line
+             or "graceful_shutdown" in line or "Task exception was never retrieved" in line]
+    assert not noise, noise
+
     def remaining():
         return [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
@@ -270,3 +356,35 @@ def test_replica_flags_are_checked_before_anything_starts(tmp_path, capsys):
     assert main(["serve", "--replicas", "2", "--engine-dir", str(tmp_path), "--replica-options",
                  "router=random"]) == 2
     assert "--replica-options router must be affinity or pow2" in capsys.readouterr().err
+
+
+def test_a_request_past_the_deadline_gets_504_and_a_killed_launcher_leaves_no_process(tmp_path_factory):
+    """Another `criticalkv serve --replicas 1`, with --request-timeout 3: a completion that would take longer is
+    cancelled and answered with OpenAI's 504 error object, and its replica frees the slot. Then the launcher is
+    SIGKILLed: its watchdog kills every process of its local Ray (Ray's own agents would stay about a minute), within
+    10 s."""
+    engine = build_tiny_engine(tmp_path_factory.mktemp("engine"), max_batch_size=2, max_new_tokens=LONG)
+    launched = Replicas(engine, tmp_path_factory.mktemp("tmp"), replicas=1, extra=["--request-timeout", "3"])
+    try:
+        started = time.monotonic()
+        status, out = launched.post("/v1/completions", {"model": MODEL, "prompt": "w5 w6", "max_tokens": LONG,
+                                                        "ignore_eos": True})
+        elapsed = time.monotonic() - started
+        assert status == 504 and out["error"]["type"] == "timeout", out
+        assert out["error"]["message"].startswith("no answer within the server's request timeout (3 s"), out
+        assert 2.5 < elapsed < 15, elapsed
+        state = launched.settled(lambda s: s["live"] and s["live"][0]["running"] == 0 and not s["live"][0]["in_flight"])
+        assert state["live"][0]["running"] == 0 and not state["ingress"]["in_flight"], state
+        # the cancelled request's handle leaves no unretrieved exception behind (asyncio's traceback on the console)
+        assert not any("Task exception was never retrieved" in line for line in launched.lines), launched.lines
+    finally:
+        family = psutil.Process(launched.process.pid).children(recursive=True)
+        launched.engine.close()
+        assert any(p.name().startswith("ray::") for p in family) and len(family) >= 5
+        launched.process.kill()
+        launched.process.wait(10)
+        killed = time.monotonic()
+        gone, alive = psutil.wait_procs(family, timeout=10)
+        alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, [(p.pid, p.name()) for p in alive]
+        assert time.monotonic() - killed <= 10 + 1

@@ -30,6 +30,7 @@ psutil = pytest.importorskip("psutil")
 
 KEY = "test-key-7481"
 LONG = 20000  # tokens: a long stream holds its slot far longer than these tests wait
+DEADLINE = 12  # seconds: the server's --request-timeout (a request waiting behind a long stream meets it)
 
 
 class Launched:
@@ -45,7 +46,7 @@ class Launched:
         env = {**os.environ, "TMPDIR": str(tmp), "CRITICALKV_API_KEY": KEY}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "criticalkv.cli", "serve", "--engine-dir", str(engine_dir), *args,
-             "--threads", "1", "--max-num-seqs", "1"],
+             "--threads", "1", "--max-num-seqs", "1", "--request-timeout", str(DEADLINE)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -166,32 +167,36 @@ BAD = [  # (path, body, status, what the message names)
     ("/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "w5"}]}, 400,
      "model 'gpt-4o' does not exist"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "temperature": "0.5"}, 400,
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "temperature": "0.5"}, 400,
      "temperature: Input should be a valid number"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "max_tokens": 0}, 400,
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 0}, 400,
      "max_tokens must be >= 1"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "max_tokens": LONG + 1}, 400,
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": LONG + 1}, 400,
      rf"max_tokens must lie in \[1, {LONG}\]"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "temperature": -1}, 400, "temperature"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "top_p": 0}, 400, "top_p"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "n": 2}, 400, "only n=1"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "kv_budget": 41}, 400,
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "temperature": -1}, 400, "temperature"),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "top_p": 0}, 400, "top_p"),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "n": 2}, 400, "only n=1"),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "kv_budget": 41}, 400,
      r"kv_budget must lie in \[8, 40\]"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "context": 5}, 400, "context"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "context": ""}, 400,
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "context": 5}, 400, "context"),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "context": ""}, 400,
      "context: a non-empty string"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "max_token": 3}, 400,
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_token": 3}, 400,
      "max_token: unknown field"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "presence_penalty": 0.5}, 400,
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "presence_penalty": 0.5}, 400,
      "presence_penalty: not supported"),
-    ("/chat/completions", {"messages": [{"role": "tool", "content": "w5"}]}, 400, "messages.0.role"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "stream_options": {"include_usage": True}},
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "w5"}]}, 400, "messages.0.role"),
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "stream_options": {"include_usage": True}},
      400, "stream_options: only allowed when stream is true"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": " ".join(["w5"] * 300)}]}, 400,
+    ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": " ".join(["w5"] * 300)}]}, 400,
      "more than the engine's max input length 256"),
-    ("/completions", {"prompt": ["w5", "w6"]}, 400, "one prompt per request"),
-    ("/completions", {"prompt": "", "stream": True}, 400, "the prompt is empty"),
-    ("/completions", {"prompt": "w5", "max_tokens": 2.5}, 400, "max_tokens: Input should be a valid integer"),
+    ("/completions", {"model": MODEL, "prompt": ["w5", "w6"]}, 400, "one prompt per request"),
+    ("/completions", {"model": MODEL, "prompt": "", "stream": True}, 400, "the prompt is empty"),
+    ("/completions", {"model": MODEL, "prompt": "w5", "max_tokens": 2.5}, 400, "max_tokens: Input should be a valid integer"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}]}, 400,
+     rf"model: required \(this server serves '{MODEL}': GET /v1/models\)"),
+    ("/completions", {"model": MODEL, "prompt": [5, 6, 7]}, 400, "prompt: token ids are not taken here"),
+    ("/completions", {"model": MODEL, "prompt": [[5, 6], [7]]}, 400, "prompt: token ids are not taken here"),
 ]
 
 
@@ -201,7 +206,7 @@ def test_bad_requests_get_400_naming_the_problem_and_the_server_keeps_serving(se
         assert code == status and re.search(message, out["error"]["message"]), (body, out)
         assert out["error"]["type"] == "invalid_request_error" and out["error"]["code"] == status
     for kv_budget in (41, 7, -5, 10000):  # one message with the engine's range, and OpenAI's param names the field
-        code, out = served.post("/chat/completions", {"messages": [{"role": "user", "content": "w5"}],
+        code, out = served.post("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}],
                                                       "kv_budget": kv_budget})
         assert code == 400 and out["error"]["param"] == "kv_budget", out
         assert re.fullmatch(rf"kv_budget must lie in \[8, 40\] \([^)]*\), got {kv_budget}", out["error"]["message"]), out
@@ -251,9 +256,83 @@ def test_bodies_too_large_or_not_json_are_refused_before_they_are_read(served):
                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": content_type})
         assert code == 415 and out["error"]["message"] == (
             f"the request body must be JSON (Content-Type: application/json), got Content-Type '{content_type}'"), out
-    code, out = served.post("/completions", {"prompt": "w5", "max_tokens": 2},
+    code, out = served.post("/completions", {"model": MODEL, "prompt": "w5", "max_tokens": 2},
                             headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json; charset=utf-8"})
     assert code == 200, out
+
+
+def test_a_body_the_client_is_still_writing_gets_a_413_it_can_read(served):
+    """Python's http.client writes its whole body before it reads: a 20 MB chat gets its 413 (OpenAI's error object)
+    within a second, not a reset connection; a body shorter than its Content-Length, its client waiting, gets a 400
+    naming what came once it stops arriving (10 s), not silence."""
+    import http.client
+
+    port = served.ports["--openai-port"]
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "w5 " * 6_700_000}]}).encode()
+    assert len(body) > 20_000_000
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    started = time.monotonic()
+    connection.request("POST", "/v1/chat/completions", body,
+                       {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    response = connection.getresponse()
+    out = json.loads(response.read())
+    elapsed = time.monotonic() - started
+    connection.close()
+    assert response.status == 413 and out["error"]["code"] == 413, out
+    assert elapsed < 1.0, f"the 413 took {elapsed:.2f} s"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n").encode()
+    status, out, seconds = _raw_exchange(port, head, b'{"model": "criticalkv"')
+    assert status == 400 and out["error"]["type"] == "invalid_request_error", out
+    assert out["error"]["message"] == ("the request body stopped arriving: 22 bytes of its Content-Length 100 came, "
+                                       "then nothing for 10 s"), out
+    assert 9 < seconds < 30
+
+
+def test_a_request_past_the_deadline_gets_504_and_its_slot_back(served):
+    """--request-timeout: a request still without an answer after it (here: waiting behind a long stream that holds
+    the only slot) is cancelled and answered with an error, 504 with OpenAI's error object on the OpenAI API, the
+    model's error on Triton's own endpoint; the stream goes on (its tokens keep coming) until its client closes it."""
+    long = served.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": random_words(40, 25)[0]}], max_tokens=LONG, stream=True,
+        extra_body={"ignore_eos": True})
+    chunks = iter(long)
+    for _ in range(4):
+        next(chunks)
+    results = {}
+
+    def openai_request():
+        started = time.monotonic()
+        results["openai"] = (*served.post("/completions", {"model": MODEL, "prompt": "w5 w6", "max_tokens": 4}),
+                             time.monotonic() - started)
+
+    def triton_request():
+        url = f"http://127.0.0.1:{served.ports['--http-port']}/v2/models/{MODEL}/generate"
+        started = time.monotonic()
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, json.dumps({"text_input": "w5", "max_tokens": 2}).encode()),
+                                   timeout=120)
+            results["triton"] = (200, "", time.monotonic() - started)
+        except urllib.error.HTTPError as err:
+            results["triton"] = (err.code, err.read().decode(), time.monotonic() - started)
+
+    threads = [threading.Thread(target=f) for f in (openai_request, triton_request)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE + 60)
+    status, out, seconds = results["openai"]
+    assert status == 504 and out["error"]["type"] == "timeout" and out["error"]["code"] == 504, out
+    assert out["error"]["message"].startswith(f"no answer within the server's request timeout ({DEADLINE} s"), out
+    assert DEADLINE - 1 < seconds < DEADLINE + 15
+    status, text, seconds = results["triton"]
+    assert status != 200 and "no answer within the server's request timeout" in text, (status, text)
+    assert DEADLINE - 1 < seconds < DEADLINE + 15
+    next(chunks)  # the stream still runs
+    long.close()
+    text, ids = random_words(30, seed=26)  # the slot is free again
+    assert served.client.completions.create(model=MODEL, prompt=text, max_tokens=4).choices[0].text == \
+        served.expected(ids, 4)
 
 
 def test_texts_beyond_the_engine_are_refused_before_the_template_and_the_tokenizer(served):
@@ -266,13 +345,14 @@ def test_texts_beyond_the_engine_are_refused_before_the_template_and_the_tokeniz
     over = "w5" * (bound.max_chars // 2 + 1)
     tail = f"characters (whitespace apart), more than the engine takes: at most {bound.max_chars} (its max input length"
     for path, body, message in (
-            ("/chat/completions", {"messages": [{"role": "user", "content": over}]}, f"the messages: {len(over)} {tail}"),
-            ("/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "context": over},
+            ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": over}]},
+             f"the messages: {len(over)} {tail}"),
+            ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "context": over},
              f"the messages and the context: {len(over) + 2} {tail}"),
-            ("/completions", {"prompt": over}, f"the prompt: {len(over)} {tail}")):
+            ("/completions", {"model": MODEL, "prompt": over}, f"the prompt: {len(over)} {tail}")):
         code, out = served.post(path, body)
         assert code == 400 and out["error"]["message"].startswith(message), (path, out)
-    code, out = served.post("/chat/completions", {"messages": [{"role": "user", "content": "w5"}] * 257})
+    code, out = served.post("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w5"}] * 257})
     assert code == 400 and out["error"]["message"] == (
         "messages: 257 messages, more than the engine's max input length (256 tokens)"), out
     # Triton's own endpoint: the model checks the characters before it tokenises
@@ -297,6 +377,9 @@ def test_the_api_key_is_required(served):
     assert served.post("/chat/completions", body)[0] == 200
     with urllib.request.urlopen(served.base_url.removesuffix("/v1") + "/health", timeout=30) as response:
         assert response.status == 200  # as vLLM: /health needs no key
+    # the ready banner shows the key as it was given: here $CRITICALKV_API_KEY (a --api-key value is never printed)
+    assert any('-H "Authorization: Bearer $CRITICALKV_API_KEY"' in line for line in served.lines)
+    assert not any(KEY in line for line in served.lines)
 
 
 def test_the_triton_endpoint_applies_the_chat_template_too(served):

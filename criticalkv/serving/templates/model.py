@@ -44,6 +44,10 @@ PREPARE_THREADS = 2
 FINALIZE_WAIT_S = 3.0
 DRAIN_ENV = "CRITICALKV_DRAIN_FILE"
 SHUTTING_DOWN = "the server is shutting down"
+#: a request past its deadline (``model.json``'s request_timeout) ends with this error (criticalkv.serving.openai_api's
+#: TIMED_OUT: its OpenAI frontend answers 504)
+TIMED_OUT = "no answer within the server's request timeout"
+TIMEOUT_REASON = "timeout"
 
 
 class TritonPythonModel:
@@ -75,6 +79,7 @@ class TritonPythonModel:
         self.tokenizer = self.engine.tokenizer
         self.text_bound = TextBound.of(self.tokenizer, self.engine.max_input_len)
         self.scheduler = Scheduler(self.engine, **self.config.get("scheduler", {}))
+        self.request_timeout = self.config.get("request_timeout")  # seconds, or None: no deadline
         self._setup_metrics(args)
         self._drain_file = os.environ.get(DRAIN_ENV) or None
         self._draining = False
@@ -164,7 +169,8 @@ class TritonPythonModel:
         ids, context_ids = self.encode_inputs(parsed, self.tokenizer, self.text_bound)
         # the Triton request stays referenced until its final response: its sender needs it alive (``_close`` drops it)
         state = {"request": parsed, "triton_request": request, "sender": sender, "num_sent": 0, "handle": None,
-                 "text": self.TextStream(self.tokenizer, parsed.stop), "checked": time.monotonic()}
+                 "text": self.TextStream(self.tokenizer, parsed.stop), "checked": time.monotonic(),
+                 "deadline": None if self.request_timeout is None else time.monotonic() + self.request_timeout}
         request = self.Request(ids, parsed.sampling, parsed.kv_budget, context_token_ids=context_ids)
         with self._open_lock:
             state["handle"] = self.scheduler.submit(request, on_output=lambda out: self._responses.put((state, out)))
@@ -230,6 +236,8 @@ class TritonPythonModel:
                 continue
             if self._draining:
                 state["handle"].cancel()
+            elif state["deadline"] is not None and now > state["deadline"]:
+                state["handle"].cancel(TIMEOUT_REASON)
             elif now - state["checked"] >= POLL_S:
                 state["checked"] = now
                 if state["sender"].is_cancelled():
@@ -275,6 +283,12 @@ class TritonPythonModel:
             self._close(state)
             self._send_error(sender, f"internal error: {out.error}")
             return
+        if out.finish_reason == TIMEOUT_REASON:
+            self._close(state)
+            what = "between two responses of the stream" if parsed.stream else "for the whole answer"
+            self._send_error(sender, f"{TIMED_OUT} ({self.request_timeout:g} s {what}, `criticalkv serve "
+                                     "--request-timeout`): the request was cancelled")
+            return
         if out.finish_reason == "cancelled":
             self._close(state)
             error = (pb_utils.TritonError(SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE) if self._draining else
@@ -293,6 +307,8 @@ class TritonPythonModel:
             self._close(state)
         else:
             state["checked"] = time.monotonic()
+            if parsed.stream and state["deadline"] is not None:  # a stream's deadline runs from its last response
+                state["deadline"] = state["checked"] + self.request_timeout
             if sender.is_cancelled():
                 handle.cancel()
 

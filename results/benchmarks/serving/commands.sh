@@ -118,3 +118,13 @@ $B bench replicas --engine-dir engines/ctx-ckv256 --kv-contexts 3 --configs sing
   --no-fault --out $OUT --name replicas_kv3 --no-progress
 # (replicas.md / replicas_kv3.md were then redrawn from their JSON by criticalkv.bench.replicas.render after its ratio
 #  table was added: no rerun)
+
+# ---- the replicas' edges (taken 2026-11-29 from 11:31 UTC on the shared 2-core VM, NOT idle: load average 5-8) ----
+# where `serve --replicas 2` listens, a 20 MB body's 413, processes left after a SIGKILLed launcher; each replica's
+# memory; context requests with a replica SIGKILLed twice (results/benchmarks/serving/replicas_edge/README.md)
+D=results/benchmarks/serving/replicas_edge
+PYTHONPATH=$PWD .venv/bin/python $D/edges.py --engine-dir engines/smollm2-criticalkv --out $D/edges.json
+PYTHONPATH=$PWD .venv/bin/python $D/memory.py --engine-dir engines/smollm2-criticalkv --served --out $D/memory_served.json
+PYTHONPATH=$PWD .venv/bin/python $D/target.py --engine-dir engines/smollm2-criticalkv --max-seconds 900 \
+  --out $D/target_1000.json
+# (during that run, a second replica was SIGKILLed by hand: .venv/bin/python $D/kill_replica.py PORT, manual_kill.json)
