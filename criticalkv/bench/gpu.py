@@ -19,7 +19,7 @@ RoPE), batch 1, window 32, budget 2048, at 8k / 32k / 128k prompt tokens. In one
 Times are CUDA-event medians over repeats after one warm-up call (fewer repeats for a call slower than
 ``--measure-seconds``); a measurement whose estimated cost exceeds what ``--time-budget`` leaves is skipped and
 listed. NAME.json and NAME.md are rewritten after every measurement, so a run cut short keeps what it measured.
-The targets are issue 26's (the Llama-3.1-8B layer, budget 2048, window 32): the ms goal at 32k, the share of
+The targets (``target_for``; the Llama-3.1-8B layer, budget 2048, window 32): the ms goal at 32k, the share of
 the prefill at 128k, batch 8 <= 1.2x the sum of its rows.
 
 Random weights and hidden states: attention is nearly uniform, so a pruning kernel (CriticalKV's stage 2) may
@@ -83,7 +83,7 @@ DRY_BATCH_LENGTHS = tuple(32 * i for i in range(1, 9))
 
 @dataclass(frozen=True)
 class Target:
-    """Issue 26's goal for a policy: ms per layer at 32k, share of the prefill (%) at 32k and at 128k."""
+    """The goal for a policy: ms per layer at 32k, share of the prefill (%) at 32k and at 128k."""
 
     ms_32k: float
     share_32k: float | None
@@ -91,7 +91,7 @@ class Target:
 
 
 def target_for(policy) -> Target | None:
-    """The issue's row for a policy (None: no goal, e.g. ``full``)."""
+    """The goal row for a policy (None: no goal, e.g. ``full``)."""
     name = policy.name
     if name in ("snapkv", "pyramidkv", "streamingllm"):
         return Target(0.25, 0.6, 1.0)
@@ -121,7 +121,7 @@ def judge(policy, n: int, ms: float | None, share: float | None, targets_apply: 
 
 # ---------------------------------------------------------------------------------------------- work and floors
 def stage_work(shape: LayerShape, n: int, window: int, element_bytes: int) -> dict[str, dict]:
-    """FLOPs and fewest bytes of each stage the kernels are judged by (issue 26's floors)."""
+    """FLOPs and fewest bytes of each stage: the floors the kernels are judged by."""
     h, hkv, dh, d, w = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, min(window, n)
     kv_bytes = hkv * n * dh * element_bytes
     return {
@@ -643,7 +643,7 @@ def render(results: dict) -> str:
     lines += ["", "## Selection vs prefill", "",
               "Selection ms: CUDA events around the op (its Python and launch overhead included); kernels ms: the "
               "GPU's time of one profiled call, which the share and the verdict take when there is one.", "",
-              "| policy | n | path | selection ms | kernels ms | prefill ms | share % | target (issue 26) | met |",
+              "| policy | n | path | selection ms | kernels ms | prefill ms | share % | target | met |",
               "|---|---:|---|---:|---:|---:|---:|---|---|"]
     for r in sorted(results["selection"], key=lambda r: (r["n"], results["policy_order"].index(r["policy"]))):
         lines.append(f"| {r['policy']} | {r['n']} | {r['path']} | {_f(r['ms'])} | {_f(r.get('kernels_ms'))} | "
@@ -778,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "name")},
         "shape_used": {**dataclasses.asdict(shape), "layer_idx": layer_idx},
         "policy_order": [label for label, _ in policies],
-        # the issue's goals are for the Llama-3.1-8B layer at budget 2048, window 32, on a GPU
+        # the goals are for the Llama-3.1-8B layer at budget 2048, window 32, on a GPU
         "targets_apply": (not dry and shape == LLAMA31_8B and args.budget == 2048 and args.window == 32
                           and args.dtype == "bfloat16"),
         "floors": None, "prefill": {}, "selection": [], "batch": [], "kvpress": {"rows": []},

@@ -1,4 +1,4 @@
-"""The project's one GPU check (``bash scripts/gpu_check.sh``): everything a lent GPU machine should tell, in one call.
+"""The project's one GPU check (``bash scripts/gpu_check.sh``): everything a GPU machine should tell, in one call.
 
 Steps, in this order, each under its own time limit (a step that fails or runs out of time is reported and the
 next one runs; the whole run stops starting steps when --total-budget is spent):
@@ -7,7 +7,7 @@ next one runs; the whole run stops starting steps when --total-budget is spent):
              Python imports it lacks, carried wheels installed with pip install --no-deps --target (no network)
   build      scripts/build_plugin.sh for this GPU's architecture only (CKV_CUDA_ARCHS from nvidia-smi or torch),
              TensorRT headers from build/trt-headers (carried: the machine has no network), without -Werror (CI
-             keeps it: a new compiler's warning must not stop the one run a lent machine gives)
+             keeps it: a new compiler's warning must not stop a check's run)
   bench      criticalkv bench gpu: every policy's selection per layer vs the layer's prefill (8k/32k/128k),
              floors, batch 8, kvpress presses; before the tests, on an idle GPU
   pytest     pytest -m gpu on the test files that hold GPU tests, cheap and decisive files first (PYTEST_ORDER), a
@@ -15,11 +15,11 @@ next one runs; the whole run stops starting steps when --total-budget is spent):
              optionally pytest-xdist workers; the tests it did not reach are listed in the summary
   sanitizer  compute-sanitizer memcheck, racecheck, synccheck and initcheck on build/plugins/ckv_sanitizer_driver,
              the four tools at once (test_compute_sanitizer is deselected from the pytest step)
-  serve      criticalkv bench gpu-serve (issue 27), when this checkout has it; skipped with a message otherwise
+  serve      criticalkv bench gpu-serve, when this checkout has it; skipped with a message otherwise
 
-Output (at most 8 files, what a lent machine sends back): summary.md (rewritten after every step), gpu_check.json,
-gpu_check.log (everything printed), selection_gpu.{json,md}, and up to three files of bench gpu-serve; outside a
-dry run the same files are copied to results/gpu/ of the checkout.
+Output (at most 8 files, so that a remote machine that returns few files sends everything back): summary.md
+(rewritten after every step), gpu_check.json, gpu_check.log (everything printed), selection_gpu.{json,md}, and up to
+three files of bench gpu-serve; outside a dry run the same files are copied to results/gpu/ of the checkout.
 
 Without CUDA, or with --dry-run, the GPU steps are skipped with a message (build only when --steps names it), pytest
 runs (every GPU test skips), bench and serve run their --dry-run. Only the standard library is imported here: a
@@ -61,7 +61,7 @@ PROJECT_IMPORTS = ("torch", "numpy", "tqdm", "transformers", "gguf", "accelerate
 HEADERS_HINT = ("no TensorRT headers: carry build/trt-headers with the call (bash scripts/build_plugin.sh unpacks them "
                 "there once on a machine with the package index; the folder holds kernel_lens/include/tensorrt)")
 OUT_FILES = ("summary.md", "gpu_check.json", "gpu_check.log", "selection_gpu.json", "selection_gpu.md")
-SERVE_FILES = 3  # 8 files come back from a lent machine
+SERVE_FILES = 3  # of the 8 files the check writes at most
 #: GPU test files, cheap and decisive first (what a first GPU run must tell before its time runs out: the selection
 #: op on CUDA against the reference, the torch backend on CUDA, the served path), the kernel matrix and the TensorRT
 #: tests (skipped without TensorRT) after; a file not named here runs last
@@ -191,7 +191,7 @@ class Check:
         if self.archs:
             env["CKV_CUDA_ARCHS"] = self.archs  # pytest's native_build fixture then finds the build up to date
         # a warning of the GPU machine's compilers (another host compiler, another nvcc) must not stop the one check
-        # a lent machine runs: CI builds with -Werror, the check does not (the same value for every step, so pytest's
+        # a GPU machine runs: CI builds with -Werror, the check does not (the same value for every step, so pytest's
         # native_build fixture finds the build up to date)
         env["CKV_WERROR"] = "OFF"
         return env
@@ -505,7 +505,7 @@ class Check:
         budget = self.budget("serve")
         if not self.serve_available():
             return StepResult("serve", "skipped", budget,
-                              note="this checkout has no `criticalkv bench gpu-serve` (issue 27)")
+                              note="this checkout has no `criticalkv bench gpu-serve`")
         folder = self.scratch / "serve"
         cmd = [self.python, "-m", "criticalkv.cli", "bench", "gpu-serve", "--out", str(folder / "serving")]
         if self.dry:
@@ -681,7 +681,7 @@ def parse_args(argv: list[str] | None):
         prog="scripts/gpu_check.sh", formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__,
         epilog=f"Default limits: {budgets}; at most {DEFAULT_TOTAL} s in all.\n\n"
-               "On a lent GPU machine (no network, no venv): carry build/trt-headers and a folder of wheels (.whl: "
+               "On a GPU machine without network or venv: carry build/trt-headers and a folder of wheels (.whl: "
                "kvpress 0.5.5, pure Python; `python3 -m pip download --no-deps -d .whl kvpress==0.5.5` beforehand) "
                "and give --commit (the copy has no git metadata). The imports the machine lacks (gguf, polygraphy, "
                "tritonclient, fastapi, uvicorn, kvpress's face needs datasets/cachetools/fire) are not on the GPU "
@@ -706,7 +706,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--archs", help="CKV_CUDA_ARCHS for the build (default: $CKV_CUDA_ARCHS, else this GPU's, e.g. 90)")
     p.add_argument("--wheels", default=".whl", help="folder of carried wheels installed with --no-deps --target into "
                                                    "a temporary folder (default: .whl)")
-    p.add_argument("--commit", help="the git head to record when the copy has no git metadata (a lent machine's)")
+    p.add_argument("--commit", help="the git head to record when the copy has no git metadata")
     p.add_argument("--python", help="interpreter of the steps (default: this one)")
     p.add_argument("--out", help="results folder (default: $OUT when set, else out/gpu-check/<UTC time>)")
     p.add_argument("--no-results-copy", action="store_true", help="do not copy the results to results/gpu/")

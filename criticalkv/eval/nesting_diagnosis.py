@@ -4,7 +4,7 @@ On the question-agnostic needle prompts of a domain (``criticalkv eval needle --
 each context is prefilled once and scored once (the policy's KVzip score: the surrogate or the re-read), then selected
 at each budget by two allocation rules on the same scores:
 
-* ``greedy``, the rule before issue 39: one walk down the model-wide ranking at the final budget, a head skipped once
+* ``greedy``, the earlier rule: one walk down the model-wide ranking at the final budget, a head skipped once
   it holds ``head_cap_ratio`` x budget entries (reproduced here as it was: each head's top ``older_cap`` eligible, then
   the shared allocation);
 * ``nested``, the rule now (``criticalkv.methods.defensivekv.nested_capped_mask``).
@@ -42,7 +42,7 @@ from criticalkv.policy import KVPolicy, parse_policy_spec
 
 
 def greedy_allocation(policy, ranking, eligible, r):
-    """The capped model-level allocation as it was before issue 39 (module docstring)."""
+    """The capped model-level allocation as it was before the nested rule (module docstring)."""
     cap = defensivekv.older_cap(policy)
     if cap is not None:
         eligible = topk_mask(ranking, torch.clamp(eligible.sum(-1), max=cap), eligible)
