@@ -166,7 +166,8 @@ class KVPolicy:
 
     @property
     def base(self) -> str:
-        """Budget-allocation base method: full, streamingllm, snapkv, pyramidkv, adakv or laprox."""
+        """The name of the policy's base method (its budget allocation and scores: ``snapkv`` for ``criticalkv``,
+        ``kvzip`` for ``kvzip-criticalkv``), the "base allocation" column of ``criticalkv policies``."""
         return self.method.base.name
 
     @property

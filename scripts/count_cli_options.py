@@ -1,7 +1,8 @@
 """Count the options of ``criticalkv``'s command line: every leaf subcommand's options (argparse actions with option
-strings; --help and suppressed ones left out), summed, the measure issue 37's "-30 % options" target is read on.
+strings; --help and suppressed ones left out), summed: the measure a target on the number of options ("30 %
+fewer") is read on.
 
-    .venv/bin/python scripts/count_cli_options.py        # "29 leaves, 302 options"
+    .venv/bin/python scripts/count_cli_options.py        # "<leaves> leaves, <options> options"
     .venv/bin/python scripts/count_cli_options.py -v     # and each leaf's count
 
 Subcommands that parse their own arguments behind ``argparse.REMAINDER`` (bench gpu, latency, selection, norm-flops,

@@ -4,10 +4,10 @@
 # (summary.md first) under $OUT or --out. Without CUDA it skips the GPU steps and runs the CPU dry runs.
 #
 #   bash scripts/gpu_check.sh --help                        # every option, the steps, the default limits
-#   bash scripts/gpu_check.sh --commit <git head>           # on a lent GPU machine (docs/gpu_check.md: the call)
+#   bash scripts/gpu_check.sh --commit <git head>           # a copy without .git (docs/gpu_check.md)
 #   bash scripts/gpu_check.sh --dry-run --out /tmp/check    # anywhere
 #
-# Python: $PYTHON, else .venv/bin/python, else python3 (a lent machine has no venv). The driver is
+# Python: $PYTHON, else .venv/bin/python, else python3 (a bare GPU machine has no venv). The driver is
 # criticalkv/bench/gpu_check.py; it imports only the standard library and installs nothing but the carried wheels
 # (pip install --no-deps --no-index --target into a temporary folder).
 set -uo pipefail

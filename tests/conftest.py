@@ -16,3 +16,14 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
+
+
+@pytest.fixture(scope="session")
+def docs(tmp_path_factory):
+    """The shell blocks of README.md and docs/ run once per session (tests/docs_blocks.py): tests/test_docs.py runs
+    each, and other tests read what a block printed (``docs.run(docs.block("README.md", "build_engine.py"))``)."""
+    from docs_blocks import DocsRunner
+
+    runner = DocsRunner(tmp_path_factory.mktemp("docs"))
+    yield runner
+    runner.close()

@@ -20,9 +20,10 @@ def cli(*args, check=True):
     return run
 
 
-def test_generate_json_on_the_bundled_model():
-    out = json.loads(cli("generate", "--prompt-file", str(NEEDLE), "--chat", "--kv-policy", "criticalkv",
-                         "--budget", "256", "--max-new-tokens", "16", "--json").stdout)
+def test_generate_json_on_the_bundled_model(docs):
+    """docs/python_api.md's command (`criticalkv generate --prompt-file examples/needle_2k.txt --chat --kv-policy
+    criticalkv --budget 256 --max-new-tokens 16 --json`), run once per session by the docs harness."""
+    out = json.loads(docs.run(docs.block("docs/python_api.md", "--kv-policy criticalkv --budget 256")).stdout)
     assert out["prompt_tokens"] > 1500 and 1 <= out["new_tokens"] <= 16
     assert set(out["timings"]) == {"prefill_s", "selection_s", "decode_s_per_token"}
     assert out["kv_bytes"]["kept"] / out["kv_bytes"]["full"] == pytest.approx(256 / out["prompt_tokens"], rel=1e-6)

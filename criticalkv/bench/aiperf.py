@@ -32,7 +32,7 @@ from criticalkv.bench.metrics import summarize
 from criticalkv.bench.peers import peer_ready
 from criticalkv.bench.prompts import make_prompts
 
-#: Agreement the issue asks for between the two tools (relative difference).
+#: Agreement asked for between the two tools (relative difference).
 TOLERANCE = 0.10
 #: (this package's summary key, stat, AIPerf metric tag, what) compared.
 COMPARED = (

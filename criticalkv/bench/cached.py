@@ -11,14 +11,14 @@ round i takes a document of its own (``--isl`` tokens, never sent before, so not
 
 Both ask ``--osl`` new tokens (greedy, ``ignore_eos``); nothing else runs on the server. Per server: TTFT of each
 case (median, p90, min-max) and the ratio cached / uncached, of the medians and per round (the same round's two
-requests, seconds apart: little exposed to load drifting between rounds). The issue's target (ISL 2048 context,
+requests, seconds apart: little exposed to load drifting between rounds). The target (ISL 2048 context,
 32-token question): cached TTFT <= 0.1x uncached. Rounds where the hit flags are not (false, true) are kept in
 the JSON and left out of the statistics (``flags_ok``).
 
 ``--scoring-cost`` also measures, in this process on each ``--engine-dir`` (before its server starts, alone), what
 compressing one of those documents as a context costs on the engine: the prefill of the context (its extend chunks),
 the context reconstruction that scores it when the context policy re-reads contexts (kvzip), and the selection, per
-round; the issue's target for the reconstruction: <= 1.1x the prefill (``SCORING_GOAL``).
+round; the target for the reconstruction: <= 1.1x the prefill (``SCORING_GOAL``).
 
 Results (``--out STEM``): ``STEM.json`` (command, machine, load average, versions, every request), ``STEM.md``,
 ``STEM.png``.
@@ -34,10 +34,10 @@ from criticalkv.bench.client import Endpoint, request_body, send_request
 from criticalkv.bench.metrics import distribution
 
 CASES = ("uncached", "cached")
-#: The issue's target: a cached-context question's TTFT <= this fraction of the same request uncached.
+#: The target: a cached-context question's TTFT <= this fraction of the same request uncached.
 TARGET_RATIO = 0.1
 TARGET_WORKLOAD = {"isl": 2048, "question_tokens": 32}
-#: The issue's target for a context policy that re-reads the context (kvzip): reconstruction <= this x the prefill.
+#: The target for a context policy that re-reads the context (kvzip): reconstruction <= this x the prefill.
 SCORING_GOAL = 1.1
 
 

@@ -18,7 +18,7 @@ Per server: the context-cache hit rate (from each response's ``context_cache_hit
 and hits and misses apart), output tokens/s, the KV MiB the scheduler held (its ``criticalkv_kv_bytes_reserved``
 gauge: running requests, prompts under prefill, cached contexts; peak and time-weighted mean), the contexts it kept
 cached (``criticalkv_context_cache``: entries, and the evictions during the run) and the requests running at once;
-then each server's ratios to ``full``. The issue's targets (D = 16, Q = 8, ISL 2048): criticalkv
+then each server's ratios to ``full``. The targets (D = 16, Q = 8, ISL 2048): criticalkv
 output tokens/s >= 3x ``full`` and TTFT p50 <= 0.25x ``full``, same memory.
 
 Results (``--out STEM``): ``STEM.json`` (command, machine, load average, versions, settings, every request),
@@ -35,7 +35,7 @@ from criticalkv.bench.report import add_out_argument
 from criticalkv.bench.client import Endpoint, request_body, run_load, send_request
 from criticalkv.bench.metrics import distribution
 
-#: The issue's targets for this workload (D = 16, Q = 8, ISL 2048): criticalkv vs full, same KV memory.
+#: The targets for this workload (D = 16, Q = 8, ISL 2048): criticalkv vs full, same KV memory.
 TARGET_THROUGHPUT = 3.0
 TARGET_TTFT_P50 = 0.25
 TARGET_WORKLOAD = {"isl": 2048, "docs": 16, "questions": 8, "kv_contexts": 4.0, "concurrency": 8}
@@ -135,7 +135,8 @@ RATIOS = {
 
 
 def targets(results: dict) -> list[dict]:
-    """The issue's two docqa targets, per non-full server; ``met`` None when the run is not the target's workload."""
+    """The two docqa targets (``TARGET_THROUGHPUT``, ``TARGET_TTFT_P50``), per non-full server; ``met`` None when
+    the run is not the target's workload."""
     s = results["settings"]
     is_target = all(s.get(k) == v for k, v in TARGET_WORKLOAD.items())
     out = []

@@ -10,8 +10,8 @@ weights of the engine's shapes, weights as initializers (MLAS prepacks them: the
   (the bytes a decode step must read, larger than any cache), each multiplied by one token's activations;
   GB/s = weight bytes / median time of one run (the bandwidth floor of a decode step).
 
-``torch_rates`` gives the same GEMM shapes and a large GEMV on torch (the issue's reference numbers were
-measured with torch) when torch is installed; ``copy_bandwidth`` is a NumPy copy (read + write).
+``torch_rates`` gives the same GEMM shapes and a large GEMV on torch (the reference numbers the CPU targets
+were set from were measured with torch) when torch is installed; ``copy_bandwidth`` is a NumPy copy (read + write).
 """
 
 from __future__ import annotations

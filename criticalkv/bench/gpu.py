@@ -89,7 +89,7 @@ DRY_BATCH_LENGTHS = tuple(32 * i for i in range(1, 9))
 
 @dataclass(frozen=True)
 class Target:
-    """Issue 26's goal for a policy: ms per layer at 32k, share of the prefill (%) at 32k and at 128k."""
+    """The goal for a policy: ms per layer at 32k, share of the prefill (%) at 32k and at 128k."""
 
     ms_32k: float
     share_32k: float | None
@@ -97,7 +97,7 @@ class Target:
 
 
 def target_for(policy) -> Target | None:
-    """The issue's row for a policy (None: no goal, e.g. ``full``)."""
+    """The goal row for a policy (None: no goal, e.g. ``full``)."""
     name = policy.name
     if name in ("snapkv", "pyramidkv", "streamingllm"):
         return Target(0.25, 0.6, 1.0)
@@ -996,7 +996,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "name")},
         "shape_used": {**dataclasses.asdict(shape), "layer_idx": layer_idx},
         "policy_order": [label for label, _ in policies],
-        # the issue's goals are for the Llama-3.1-8B layer at budget 2048, window 32, on a GPU
+        # the goals are for the Llama-3.1-8B layer at budget 2048, window 32, on a GPU
         "targets_apply": (not dry and shape == LLAMA31_8B and args.budget == 2048 and args.window == 32
                           and args.dtype == "bfloat16"),
         "floors": None, "prefill": {}, "selection": [], "batch": [], "kvpress": {"rows": []},

@@ -1,4 +1,4 @@
-"""The project's one GPU check (``bash scripts/gpu_check.sh``): everything a lent GPU machine should tell, in one call.
+"""The project's one GPU check (``bash scripts/gpu_check.sh``): everything a GPU machine should tell, in one call.
 
 Steps, in this order, each under its own time limit (a step that fails or runs out of time is reported and the
 next one runs; the whole run stops starting steps when --total-budget is spent):
@@ -8,7 +8,7 @@ next one runs; the whole run stops starting steps when --total-budget is spent):
   build      scripts/build_plugin.sh for this GPU's architecture only (CKV_CUDA_ARCHS from nvidia-smi or torch),
              TensorRT headers from build/trt-headers (carried: the machine has no network; without them only the
              TensorRT plugin is skipped, the kernels, torch ops and sanitizer driver are built), without -Werror (CI
-             keeps it: a new compiler's warning must not stop the one run a lent machine gives)
+             keeps it: a new compiler's warning must not stop a check's run)
   bench      criticalkv bench gpu: every policy's selection per layer vs the layer's prefill (8k/32k/128k),
              floors, batch 8, kvpress presses; before the tests, on an idle GPU
   pytest     pytest -m gpu on the test files that hold GPU tests, cheap and decisive files first (PYTEST_ORDER: the
@@ -20,9 +20,9 @@ next one runs; the whole run stops starting steps when --total-budget is spent):
   serve      criticalkv bench gpu-serve, when this checkout has it; skipped with a message otherwise (its
              short GPU test is deselected from the pytest step then: this step runs the same command)
 
-Output (at most 8 files, what a lent machine sends back): summary.md (rewritten after every step), gpu_check.json,
-gpu_check.log (everything printed), selection_gpu.{json,md}, and up to three files of bench gpu-serve; outside a
-dry run the same files are copied to results/gpu/ of the checkout.
+Output (at most 8 files, so that a remote machine that returns few files sends everything back): summary.md
+(rewritten after every step), gpu_check.json, gpu_check.log (everything printed), selection_gpu.{json,md}, and up to
+three files of bench gpu-serve; outside a dry run the same files are copied to results/gpu/ of the checkout.
 
 Without CUDA, or with --dry-run, the GPU steps are skipped with a message (build only when --steps names it), pytest
 runs (every GPU test skips), bench and serve run their --dry-run. Only the standard library is imported here: a
@@ -65,7 +65,7 @@ HEADERS_HINT = ("no TensorRT headers: the TensorRT plugin is not built (the rest
                 "call to build it (bash scripts/build_plugin.sh unpacks them there once on a machine with the package "
                 "index; the folder holds kernel_lens/include/tensorrt)")
 OUT_FILES = ("summary.md", "gpu_check.json", "gpu_check.log", "selection_gpu.json", "selection_gpu.md")
-SERVE_FILES = 3  # 8 files come back from a lent machine
+SERVE_FILES = 3  # of the 8 files the check writes at most
 #: GPU test files, cheap and decisive first (what a first GPU run must tell before its time runs out: the selection
 #: op on CUDA against the reference, then the kernel matrix of every flow, shape and dtype, the torch backend on CUDA),
 #: the TensorRT tests (they skip at once without TensorRT) and the served path last (bench gpu-serve's own step runs
@@ -205,7 +205,7 @@ class Check:
         if self.archs:
             env["CKV_CUDA_ARCHS"] = self.archs  # pytest's native_build fixture then finds the build up to date
         # a warning of the GPU machine's compilers (another host compiler, another nvcc) must not stop the one check
-        # a lent machine runs: CI builds with -Werror, the check does not (the same value for every step, so pytest's
+        # a GPU machine runs: CI builds with -Werror, the check does not (the same value for every step, so pytest's
         # native_build fixture finds the build up to date)
         env["CKV_WERROR"] = "OFF"
         return env
@@ -698,7 +698,7 @@ def parse_args(argv: list[str] | None):
         prog="scripts/gpu_check.sh", formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__,
         epilog=f"Default limits: {budgets}; at most {DEFAULT_TOTAL} s in all.\n\n"
-               "On a lent GPU machine (no network, no venv): carry build/trt-headers and a folder of wheels (.whl: "
+               "On a GPU machine without network or venv: carry build/trt-headers and a folder of wheels (.whl: "
                "kvpress 0.5.5, pure Python; `python3 -m pip download --no-deps -d .whl kvpress==0.5.5` beforehand) "
                "and give --commit (the copy has no git metadata). The imports the machine lacks (gguf, polygraphy, "
                "tritonclient, fastapi, uvicorn, kvpress's face needs datasets/cachetools/fire) are not on the GPU "
@@ -724,7 +724,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--archs", help="CKV_CUDA_ARCHS for the build (default: $CKV_CUDA_ARCHS, else this GPU's, e.g. 90)")
     p.add_argument("--wheels", default=".whl", help="folder of carried wheels installed with --no-deps --target into "
                                                    "a temporary folder (default: .whl)")
-    p.add_argument("--commit", help="the git head to record when the copy has no git metadata (a lent machine's)")
+    p.add_argument("--commit", help="the git head to record when the copy has no git metadata")
     p.add_argument("--python", help="interpreter of the steps (default: this one)")
     p.add_argument("--out", help="results folder (default: $OUT when set, else out/gpu-check/<UTC time>)")
     p.add_argument("--no-results-copy", action="store_true", help="do not copy the results to results/gpu/")

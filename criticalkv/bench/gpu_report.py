@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-#: The issue's targets (H100, bf16, the 8B-shaped model, ratios within one run).
+#: The targets (H100, bf16, the 8B-shaped model, ratios within one run).
 TARGETS = {"ttft_ratio_max": 1.05, "throughput_ratio_min": 3.0, "step_floor_ratio_max": 1.3,
            "kvpress_ttft_ratio_max": 0.5, "kvpress_decode_ratio_min": 2.0}
 
@@ -25,7 +25,7 @@ def _div(a, b) -> float | None:
 
 
 def check_targets(results: dict) -> list[dict]:
-    """The issue's targets, from this run (None where a measurement is missing)."""
+    """The targets (``TARGETS``), from this run (None where a measurement is missing)."""
     workload = results.get("workload") or {}
     n = max(workload.get("prompt_lengths") or [0])
     c = min(workload.get("concurrency") or [32], key=lambda x: abs(x - 32))

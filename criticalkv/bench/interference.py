@@ -44,7 +44,7 @@ from criticalkv.bench.report import add_out_argument
 
 #: The cases of a round, in the order they are measured.
 CASES = ("idle", "decode", "prefill")
-#: The issue's target: a short request during a long generation's decode gets its first token within
+#: The target: a short request during a long generation's decode gets its first token within
 #: this factor of its idle time to first token (medians).
 TARGET_RATIO = 1.5
 #: With chunked prefill, a short request arriving during a long prompt's prefill: within this factor (medians).

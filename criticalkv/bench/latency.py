@@ -1,6 +1,6 @@
 """Latency and memory of the ONNX Runtime engine on the bundled model (medians over repeats, ratios).
 
-Three measurements, each against the issue's target:
+Three measurements, each against its target:
 
 1. prefill of a long prompt (default 4,096 tokens), budget 256, ``value_norm`` l1 and l2: the time of the
    selection nodes (ONNX Runtime profile of the prefill session: the inlined ``CriticalKVSelect`` bodies)

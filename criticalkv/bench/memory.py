@@ -10,7 +10,7 @@ time; an evicting policy holds b + OSL entries per head instead of ISL + OSL, so
 Per server: output tokens/s, TTFT and TPOT, and the sequences it held at once, measured two ways: from the requests
 (between a request's first and last token it holds a decoding sequence: peak and time-weighted mean) and from the
 scheduler's ``criticalkv_requests_running`` gauge (sampled every 0.1 s: peak and mean), with the KV MiB it held; then
-the ratios to ``full``. The issue's target (ISL 2048, OSL 256): criticalkv >= 1.4x ``full``'s output tokens/s.
+the ratios to ``full``. The target (ISL 2048, OSL 256): criticalkv >= 1.4x ``full``'s output tokens/s.
 
 Results (``--out STEM``): ``STEM.json`` (command, machine, load average, versions, settings, every request),
 ``STEM.md``, ``STEM.png``.
@@ -24,7 +24,7 @@ from criticalkv.bench import machine, served
 from criticalkv.bench.report import add_out_argument
 from criticalkv.bench.client import Endpoint, request_body, run_load
 
-#: The issue's target (ISL 2048, OSL 256, KV memory of 2 full sequences): criticalkv output tokens/s >= 1.4x full.
+#: The target (ISL 2048, OSL 256, KV memory of 2 full sequences): criticalkv output tokens/s >= 1.4x full.
 TARGET_THROUGHPUT = 1.4
 TARGET_WORKLOAD = {"isl": 2048, "osl": 256, "kv_sequences": 2.0}
 

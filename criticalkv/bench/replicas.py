@@ -22,7 +22,7 @@ once each has its first token; every stream must end (an answer, or OpenAI's err
 on that document goes to the other replica, which loads it from the store: its first token against the cold ones; and
 Ray Serve's replacement replica must report within 60 s.
 
-The issue's targets (2 replicas, D 16 x Q 8, concurrency 8): affinity's hit rate >= single's and >= 1.5x pow2's;
+The targets (2 replicas, D 16 x Q 8, concurrency 8): affinity's hit rate >= single's and >= 1.5x pow2's;
 affinity's output tokens/s >= pow2's; the store's first token <= 0.25x a cold prefill's; the kill as above.
 Results (``--out STEM``): ``STEM.json`` and ``STEM.md``.
 """
@@ -281,7 +281,7 @@ def ratios(results: dict) -> dict:
 
 
 def targets(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
-    """(what, measured, goal, met) of the issue's targets this run can say."""
+    """(what, measured, goal, met) of the targets above that this run can say."""
     r, out = results["ratios"], []
     out.append(("hit rate, affinity + store / 1 replica", r.get("affinity/single:hit"), ">= 1",
                  None if r.get("affinity/single:hit") is None else r["affinity/single:hit"] >= 1 - 1e-9))

@@ -9,9 +9,9 @@ named at each rule) and from this project's own engine build (``criticalkv.tenso
 * ``opset``: the default domain's opset within what 10.14 imports; no ``com.microsoft`` or other foreign
   domain (ModelImporter.cpp, ``importModel``: an op without a builtin importer goes to the plugin fallback).
 * ``op``: every default-domain op has a builtin importer (onnxOpImporters.cpp, ``DEFINE_BUILTIN_OP_IMPORTER``;
-  docs/operators.md of 10.14 for the unsupported ones).
+  onnx-tensorrt's operators.md of 10.14 for the unsupported ones).
 * ``constant-input``: inputs the importers read as weights are constants (Slice ``axes``/``steps``,
-  Squeeze/Unsqueeze/Reduce* ``axes``, Split ``split``; docs/operators.md "must be an initializer").
+  Squeeze/Unsqueeze/Reduce* ``axes``, Split ``split``; onnx-tensorrt's operators.md: "must be an initializer").
 * ``type``: tensor types TensorRT has (``convertDtype`` in importerUtils.cpp): no DOUBLE, STRING, complex.
 * ``loop``/``if``/``scan``: subgraph input and output wiring (onnxOpImporters.cpp, ``Loop``, ``If``, ``Scan``
   importers). In particular the Loop importer registers the body's condition input (``body.input(1)``)
@@ -51,7 +51,7 @@ from criticalkv.node import MODEL_OP_TYPE, SCORE_OP_TYPE, PluginFieldSpec, plugi
 #: The TensorRT release whose ONNX importer these rules follow.
 TENSORRT_VERSION = "10.14"
 #: Opsets of the default domain it imports: 9 (README) up to 23 (the opset-23 ``Attention`` importer was
-#: added in 10.14, docs/Changelog.md).
+#: added in 10.14, onnx-tensorrt's Changelog.md).
 MIN_OPSET, MAX_OPSET = 9, 23
 PLUGIN_DOMAIN = "ai.criticalkv"
 PLUGIN_OP = "CriticalKVSelect"

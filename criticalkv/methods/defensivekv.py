@@ -285,7 +285,7 @@ def nested_capped_mask(policy, ranking, eligible, r):
 
     The greedy walk down the ranking that skips a head once it holds ``older_cap`` entries is not monotone in the
     budget: raising the budget raises the cap, the strongest heads take the entries the cap had left to the others,
-    and a larger budget can keep a set that misses entries a smaller one kept (issue 39: needles kept at 256 entries
+    and a larger budget can keep a set that misses entries a smaller one kept (needles kept at 256 entries
     and lost at 512). Here the allocation grows one level at a time instead: at level t = 1 .. r (the budget
     t + window), every head first keeps its own top ``head_floor(ada_floor, t)``, then the set grows to N * t entries
     by the highest-ranked entries not kept yet among each head's top ``older_cap`` at budget t + window. So the set at

@@ -278,7 +278,8 @@ def check_context_policy(own: str, built: str | None, requested: str | None) -> 
 
 
 class Scheduler:
-    """Continuous batching over ``engine`` (ONNX Runtime or TensorRT backend) on a background thread.
+    """Continuous batching over ``engine`` (any backend: ONNX Runtime, OpenVINO, TensorRT, torch) on a background
+    thread.
 
     ``engine``: a loaded ``Engine`` built with ``--max-batch-size`` >= max_num_seqs; the scheduler owns it while it
     runs (nothing else may prefill, decode or release its slots). The other arguments are ``SchedulerConfig``'s.

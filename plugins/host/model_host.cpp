@@ -1,4 +1,4 @@
-// Host version of the model-level allocation (criticalkv/include/criticalkv/model_level.h): written as the PyTorch
+// Host version of the model-level allocation (plugins/include/criticalkv/model_level.h): written as the PyTorch
 // reference states it (criticalkv/methods/defensivekv.py: nested_capped_mask, adakv.py: shared_allocation_mask,
 // criticalkv/selection/layer.py: model_level_refine), level by level with explicit sorts, independently of the kernels'
 // bisection (kernels/model_level.cuh), so that the emulation tests compare two different algorithms with the reference.

@@ -1,7 +1,7 @@
 // CPU emulation of the tensor-core tile bodies (kernels/mma_tiles.cuh) against plain fp64 loops: the same headers the
 // kernels compile from, with the warp instructions of testing/mma_emulation.h (lane layouts from
 // criticalkv/mma_layout.h, one fiber per CUDA thread, cp.async deferred to its wait). Not built by CMake:
-// tests/plugins/test_mma_emulation.py compiles it with g++ -std=c++20.
+// tests/plugins/test_tensor_core_emulation.py compiles it with g++ -std=c++20.
 //   value_norms_mma_emulation layouts
 //     the fragment functions against the PTX ISA's per-element formulas (a_i, b_i, c_i index form)
 //   value_norms_mma_emulation banks

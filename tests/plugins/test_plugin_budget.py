@@ -108,7 +108,7 @@ def test_ordered_key_preserves_order_and_merges_signed_zeros(host_lib):
             a, b = values[i], values[j]
             assert (a < b) == (keys[i] < keys[j]) and (a == b) == (keys[i] == keys[j]), (a, b)
     assert host_lib.ordered_key(0.0) == host_lib.ordered_key(-0.0)
-    # NaN ranks like torch's descending sort ranks it (criticalkv/selection/topk.py): above +inf, one key for all
+    # NaN ranks like torch's descending sort ranks it (criticalkv/methods/topk.py): above +inf, one key for all
     assert host_lib.ordered_key(float("nan")) > host_lib.ordered_key(float("inf"))
     assert host_lib.ordered_key(-float("nan")) == host_lib.ordered_key(float("nan"))
 

@@ -127,26 +127,17 @@ def test_the_torch_backend_equals_onnxruntime_for_the_knob_variants(bundled, eng
     shutil.rmtree(folder)
 
 
-def test_readme_main_command_builds_and_answers_the_needle(tmp_path, single_thread):
-    """build_engine.py --kv-policy criticalkv --budget 256, then criticalkv generate --engine-dir --json."""
+def test_readme_main_command_builds_and_answers_the_needle(docs, single_thread):
+    """The README's first block as typed (build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8, then
+    criticalkv generate --engine-dir --json): run once per session by the docs harness (tests/docs_blocks.py, which
+    tests/test_docs.py also checks for 7481), its output read in full here."""
     env = {**os.environ, THREADS_ENV: "1", "OMP_NUM_THREADS": "1"}
-    output = tmp_path / "engines" / "smollm2-criticalkv"
-    build = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "build_engine.py"), "--kv-policy", "criticalkv", "--budget", "256",
-         "--output", str(output)],
-        capture_output=True, text=True, env=env, cwd=ROOT,
-    )
-    assert build.returncode == 0, build.stderr[-3000:]
-    assert "TensorRT engines: SKIPPED because" in build.stderr or "building TensorRT engines" in build.stderr
+    block = docs.run(docs.block("README.md", "scripts/build_engine.py"))  # its build logs on stderr, generate's JSON
+    output = docs.tmp / "engines" / "smollm2-criticalkv"
+    assert "TensorRT engines: SKIPPED because" in block.stderr or "building TensorRT engines" in block.stderr
     manifest = json.loads((output / "manifest.json").read_text())
     assert manifest["smoke_test"]["tokens_match_pytorch"] and manifest["smoke_test"]["kept_indices_match_pytorch"]
-    run = subprocess.run(
-        [sys.executable, "-m", "criticalkv.cli", "generate", "--engine-dir", str(output), "--prompt-file", str(NEEDLE),
-         "--chat", "--json", "--max-new-tokens", "24"],
-        capture_output=True, text=True, env=env, cwd=ROOT,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout)
+    out = json.loads(block.stdout)
     assert set(out) == {"text", "token_ids", "prompt_tokens", "new_tokens", "backend", "model", "policy", "timings",
                         "kv_bytes", "kept_whole"}
     assert out["backend"] == "onnxruntime" and out["model"] == "smollm2-135m" and out["prompt_tokens"] > 1500

@@ -1,4 +1,4 @@
-"""CriticalKV's pruned stage 2 (criticalkv/selection/pruned.py) keeps exactly what the unpruned stage 2 keeps."""
+"""CriticalKV's pruned stage 2 (criticalkv/methods/pruned.py) keeps exactly what the unpruned stage 2 keeps."""
 
 
 import pytest

@@ -392,7 +392,8 @@ def _find(systems: dict, prefix: str) -> dict | None:
 
 
 def targets(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
-    """The issue's targets: (what, measured ratio, bound, met) for each; None where a system is missing."""
+    """The targets (prefill, decode, batch throughput against OpenVINO GenAI): (what, measured ratio, bound, met)
+    for each; None where a system is missing."""
     systems = results["systems"]
 
     def budgeted(backend_part: bool):

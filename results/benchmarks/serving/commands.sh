@@ -41,7 +41,7 @@ $B bench interference --engine-dir engines/ckv256 --repeats 9 --warmup 1 --out $
 uptime
 $B bench targets $OUT
 
-# ---- Issue 19: the context cache, chunked prefill and one KV memory budget (taken 2026-11-24 11:24-12:25 UTC, idle) ----
+# ---- The context cache, chunked prefill and one KV memory budget (taken 2026-11-24 11:24-12:25 UTC, idle) ----
 # Engines with extend/select (the manifest format changed: rebuild), room for a 2,048-token context + its question:
 #   for spec in "criticalkv ckv256" "full full"; do set -- $spec
 #     .venv/bin/python scripts/build_engine.py --kv-policy $1 --budget 256 --max-input-len 2304 --max-new-tokens 256 \
@@ -66,7 +66,7 @@ uptime
 $B bench cached-context --engine-dir engines/ctx-full --engine-dir engines/ctx-ckv256 --isl 2048 --question-tokens 32 \
   --osl 4 --repeats 9 --warmup 1 --out $OUT --name cached_context
 uptime
-# 11a. issue 28: what compressing a context with KVzip costs (--scoring-cost: prefill, re-read, selection in-process),
+# 11a. What compressing a context with KVzip costs (--scoring-cost: prefill, re-read, selection in-process),
 #      the re-read on the fused reconstruct graph, whole context vs kvzip_reread=chunk; engines built with
 #      scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-input-len 2304 --output engines/ctx-ckv256
 #      (--context-policy kvzip, the default then) and ... --context-policy kvzip:kvzip_reread=chunk:kvzip_chunk=512
@@ -101,7 +101,7 @@ uptime
 .venv/bin/python -m pytest -q -s tests/bench/test_ground_truth.py
 $B bench targets $OUT
 
-# ---- Issue 41: replicas on Ray Serve (taken 2026-11-27 from 14:26 UTC on the shared 2-core VM, NOT idle: the
+# ---- Replicas on Ray Serve (taken 2026-11-27 from 14:26 UTC on the shared 2-core VM, NOT idle: the
 #      1-minute load average ran 10-290 while other jobs shared the machine; each file's table gives it per run) ----
 # Engine: the README's policy with room for a context + question (context policy: the build's default,
 #   layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6):

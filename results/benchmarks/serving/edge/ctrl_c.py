@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Ctrl-C after a busy run, N times (issue 40): how long `criticalkv serve` takes to stop, and its exit statuses.
+"""Ctrl-C after a busy run, N times: how long `criticalkv serve` takes to stop, and its exit statuses.
 
 Each run starts `criticalkv serve --engine-dir ENGINE` on free ports (its own process group, as from a shell), then
 plays a new user's sequence on the OpenAI API: 3 chats one after the other, 12 chats at once, one 5 MB chat body,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One oversized request next to a small one (issue 40): does a big body stall everybody else?
+"""One oversized request next to a small one: does a big body stall everybody else?
 
 Starts `criticalkv serve --engine-dir ENGINE` on free ports, then for each big body in ``--big``:
 
@@ -8,7 +8,7 @@ Starts `criticalkv serve --engine-dir ENGINE` on free ports, then for each big b
    small chat, ``/health`` and Triton's own ``/v2/models/criticalkv/generate`` (a 16-token prompt, 4 tokens), each
    timed; then the big body's status and time.
 
-Big bodies: ``Nmb`` = a chat whose one message is "x" * N MB (the issue's repro), ``Nkc`` = N thousand characters of
+Big bodies: ``Nmb`` = a chat whose one message is "x" * N MB (the repro), ``Nkc`` = N thousand characters of
 "x " (a prompt whose characters pass the bound, tokenised in full before it is refused), ``Nkw`` = N thousand "w "
 words (the same through the chat template).
 
