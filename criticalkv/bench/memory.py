@@ -31,7 +31,8 @@ TARGET_WORKLOAD = {"isl": 2048, "osl": 256, "kv_sequences": 2.0}
 RATIOS = {
     "output_throughput": lambda r: r["summary"].get("output_throughput"),
     "decoding_mean": lambda r: r["decoding"].get("mean"),
-    "running_mean": lambda r: (r["server_metrics"].get("criticalkv_requests_running") or {}).get("mean"),
+    "running_mean": lambda r: (r["server_metrics"].get("criticalkv_requests_running")
+                               or r["server_metrics"].get("vllm:num_requests_running") or {}).get("mean"),
     "ttft_p50_ms": lambda r: (r["summary"].get("ttft_ms") or {}).get("p50"),
     "tpot_p50_ms": lambda r: (r["summary"].get("tpot_ms") or {}).get("p50"),
 }
@@ -64,14 +65,15 @@ def render(results: dict) -> str:
             lines.append(f"| {run['engine']['label']} | 0 / {sm.get('failed')} | all failed: {run.get('first_error')} "
                          "| | | | | | | |")
             continue
-        running = m.get("criticalkv_requests_running") or {}
+        running = m.get("criticalkv_requests_running") or m.get("vllm:num_requests_running") or {}
         held = m.get("criticalkv_kv_bytes_reserved") or {}
+        kept, full = (sm.get(k) or {} for k in ("kv_mib_kept_per_seq", "kv_mib_full_per_seq"))
         mib = (lambda x: None if x is None else x / 2**20)
         lines.append(
             f"| {run['engine']['label']} | {sm['completed']} / {sm['failed']} | {f(sm['output_throughput'], 2)} "
             f"| {f(sm['ttft_ms']['p50'])} | {f(sm['tpot_ms']['p50'])} | {f(dec['mean'], 2)} ({dec['peak']}) "
             f"| {f(running.get('mean'), 2)} ({f(running.get('peak'), 0)}) | {f(mib(held.get('mean')))} "
-            f"({f(mib(held.get('peak')))}) | {f(sm['kv_mib_kept_per_seq']['avg'], 2)} / {f(sm['kv_mib_full_per_seq']['avg'], 2)} "
+            f"({f(mib(held.get('peak')))}) | {f(kept.get('avg'), 2)} / {f(full.get('avg'), 2)} "
             f"| {f(sm['duration_s'], 1)} |")
     if results.get("versus_full"):
         lines += ["", "| server / full | output tokens/s | sequences decoding (mean) | running gauge (mean) | TTFT p50 "
@@ -80,6 +82,22 @@ def render(results: dict) -> str:
             lines.append(f"| {row['engine']} / {row['base']} | " + " | ".join(
                 f"{f(row[k]['ratio'], 2)}x" if row[k]["ratio"] is not None else "-"
                 for k in ("output_throughput", "decoding_mean", "running_mean", "ttft_p50_ms", "tpot_p50_ms")) + " |")
+    if results.get("versus_vllm"):
+        lines += ["", "Medians over each server's runs, ratios to vLLM's (same KV memory; vLLM's running gauge is its "
+                  "requests scheduled, preempted ones waiting):", "",
+                  "| server / vllm | output tokens/s | sequences decoding (mean) | running gauge (mean) | TTFT p50 | "
+                  "TPOT p50 |", "|---|---|---|---|---|---|"]
+        for row in results["versus_vllm"]:
+            lines.append(f"| {row['engine']} | " + " | ".join(
+                f"{f(row[k]['value'], 2)} / {f(row[k]['base'], 2)} = {f(row[k]['ratio'], 2)}x"
+                for k in ("output_throughput", "decoding_mean", "running_mean", "ttft_p50_ms", "tpot_p50_ms")) + " |")
+        for r in results["runs"]:
+            if r["engine"]["label"] == "vllm":
+                pre = r["server_metrics"].get("vllm:num_preemptions_total") or {}
+                use = r["server_metrics"].get("vllm:kv_cache_usage_perc") or {}
+                lines.append(f"\nvLLM (round {r['engine'].get('repeat', 0) + 1}): preemptions during the run "
+                             f"{f(None if not pre else pre['last'] - pre['first'], 0)}, KV blocks in use mean "
+                             f"{f(None if use.get('mean') is None else 100 * use['mean'])} %; KV {r['engine'].get('vllm_kv')}")
     rows = targets(results)
     if rows:
         lines.append("")
@@ -158,7 +176,7 @@ def main(args) -> int:
                            "kv_budget": args.kv_budget, "kv_memory_mib": memory, "kv_memory_note": note,
                            "kv_sequences": sequences if given_mib is None and not args.url else None,
                            "server_args": server_args}
-    results["runs"] = []
+    results["runs"] = served.previous_runs(args, stem)
     print("\n".join(machine.header_lines(results)), flush=True)
     print(f"KV memory per server: {'-' if memory is None else f'{memory:.2f}'} MiB ({note})", flush=True)
     prompts = make_prompts(served.load_tokenizer(args), args.isl, args.warmup + args.num_requests, seed=args.seed)
@@ -180,6 +198,9 @@ def main(args) -> int:
               f"{served.fmt(run['decoding']['mean'], 2)} (peak {run['decoding']['peak']})", flush=True)
 
     served.on_each_server(args, server_args, on_server, results)
+    if args.vllm:
+        results["medians"] = served.median_runs(results["runs"], RATIOS)
+        results["versus_vllm"] = served.versus_peer(results["medians"])
     results["uptime_after"] = served.uptime()
     machine.finish(results)
     served.write_results(results, stem, render, plot)

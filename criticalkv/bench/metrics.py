@@ -43,6 +43,7 @@ class RequestRecord:
     context_cache_hit : for a request with a context, whether the server found it compressed in its cache
         (None: no context, or not returned)
     error : the error message of a failed request (its timings are not used)
+    text : the streamed text, piece by piece (the answer: ``answer``)
     """
 
     start: float
@@ -54,6 +55,11 @@ class RequestRecord:
     context_cache_hit: bool | None = None
     finish_reason: str | None = None
     error: str | None = None
+    text: list[str] = field(default_factory=list)
+
+    @property
+    def answer(self) -> str:
+        return "".join(self.text)
 
     @property
     def ok(self) -> bool:

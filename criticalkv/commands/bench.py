@@ -60,10 +60,11 @@ def register(subparsers) -> None:
     from criticalkv.bench.peers import kvpress
 
     setup = sub.add_parser("setup-peers", help="create the peers' virtual environments (kvpress, transformers, aiperf, "
-                           "onnxruntime-genai, openvino)", description=plain(peers.__doc__), epilog=peers.PEERS_DIR_HELP,
+                           "onnxruntime-genai, openvino; vllm when asked)", description=plain(peers.__doc__), epilog=peers.PEERS_DIR_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    setup.add_argument("--peers", "--only", dest="only", default=",".join(peers.PEER_NAMES),
-                       help=f"comma-separated subset of {','.join(peers.PEER_NAMES)} (default: all)")
+    setup.add_argument("--peers", "--only", dest="only", default=",".join(peers.DEFAULT_SETUP),
+                       help=f"comma-separated subset of {','.join(peers.PEER_NAMES)} (default: all but vllm, which "
+                            "the benchmarks that serve it create on first use)")
     setup.set_defaults(func=run_setup_peers)
 
     single = sub.add_parser("single", help="one request end to end: criticalkv (ONNX Runtime) vs kvpress vs transformers",
@@ -92,13 +93,14 @@ def register(subparsers) -> None:
     cpu.add_argument("--portable-engine-dir", action="append", type=Path, default=[],
                      help="an engine run with its portable graphs (prefill.onnx, decode.onnx: fp32) as its own row "
                      "(repeat)")
-    cpu.add_argument("--peers", default=",".join(cpu_peers.CPU_PEERS),
+    cpu.add_argument("--peers", default=",".join(cpu_peers.DEFAULT_PEERS),
                      help="CPU peers to run, comma-separated, each NAME or NAME:knob=value[:knob=value]: "
                      "onnxruntime-genai; openvino with precision=default+f32 (the compute precisions to run, each a row: "
                      "default, its CPU plugin's, bf16 on CPUs with BF16, and/or f32) and eviction=32/96/256 (the "
                      "CacheEvictionConfig START/RECENT/MAX tokens of its batch run with eviction); e.g. "
-                     "onnxruntime-genai,openvino:precision=f32:eviction=32/96/512 "
-                     f"(default: {','.join(cpu_peers.CPU_PEERS)} with those knobs; empty: none)")
+                     "onnxruntime-genai,openvino:precision=f32:eviction=32/96/512; vllm: vllm serve on the model "
+                     "(its environment from `setup-peers --peers vllm`; bf16, its prefix cache emptied before each run) "
+                     f"(default: {','.join(cpu_peers.DEFAULT_PEERS)} with those knobs; empty: none)")
     cpu.add_argument("--model", help="HF folder or .gguf the peers export (default: the bundled SmolLM2-135M-Instruct, "
                      "the engines' checkpoint)")
     cpu.add_argument("--isl", type=int, default=2025, help="prompt tokens, chat template included (default: 2025)")
@@ -357,7 +359,7 @@ def _run_main(module_name: str):
 
 def _register_served_loads(sub) -> None:
     """``docqa``, ``memory`` and ``cached-context``: workloads of the context cache and the KV memory budget."""
-    from criticalkv.bench import cached, docqa, memory, replicas
+    from criticalkv.bench import cached, docqa, memory, replicas, versus_vllm
 
     for name, module, help_text in (
             ("docqa", docqa, "documents x questions in random order at concurrency 8, same KV memory for every "
@@ -366,7 +368,9 @@ def _register_served_loads(sub) -> None:
                                "tokens/s and the sequences each server holds at once; ratios to full"),
             ("cached-context", cached, "TTFT of a question after a cached context vs the same request uncached"),
             ("replicas", replicas, "docqa on Ray Serve replicas: 1 replica, N with power-of-two routing, N with "
-                                   "context affinity + the shared store; then a replica SIGKILLed mid-request")):
+                                   "context affinity + the shared store; then a replica SIGKILLed mid-request"),
+            ("vllm", versus_vllm, "criticalkv's servers vs vllm serve on plain traffic, interleaved, medians of 3: "
+                                  "2k request TTFT / decode step, the same prefix twice, 8 concurrent, AIPerf")):
         p = sub.add_parser(name, help=help_text, description=plain(module.__doc__),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)

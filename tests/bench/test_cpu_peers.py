@@ -145,7 +145,7 @@ def test_display_hides_the_home_directory():
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "peers", "--engine-dir", "{tmp}/none"], "{tmp}/none: not an engine directory"),
-    (["bench", "peers", "--engine-dir", "{tmp}/e", "--peers", "vllm"], "--peers: unknown vllm"),
+    (["bench", "peers", "--engine-dir", "{tmp}/e", "--peers", "sglang"], "--peers: unknown sglang"),
     (["bench", "peers", "--engine-dir", "{tmp}/e", "--repeats", "0"], "--repeats >= 1"),
     (["bench", "peers", "--engine-dir", "{tmp}/e", "--peers", "openvino:eviction=1/2"], "openvino:eviction="),
     (["bench", "peers", "--engine-dir", "{tmp}/e", "--peers", "openvino:precision=int8"], "openvino:precision="),
@@ -197,8 +197,8 @@ def test_cpu_peer_environments_pin_the_cpu_torch_in_the_peer_step():
     assert "onnxruntime-genai==0.18.0" in peers.peer_requirements("onnxruntime-genai")[1]
     assert {"openvino-genai==2026.4.1.0", "optimum-intel==2.2.0"} <= set(peers.peer_requirements("openvino")[1])
     assert peers.UNINSTALL_AFTER["openvino"] == ["torchvision"]
-    with pytest.raises(ValueError, match="unknown peer 'vllm'"):
-        peers.peer_requirements("vllm")
+    with pytest.raises(ValueError, match="unknown peer 'sglang'"):
+        peers.peer_requirements("sglang")
 
 
 def test_targets_judge_criticalkvs_openvino_backend_against_openvino_genai():

@@ -52,10 +52,11 @@ def test_peer_specs_carry_openvinos_knobs_with_their_defaults():
     assert specs["openvino"] == {"precision": ["f32"],
                                  "eviction": {"start_size": 16, "recent_size": 48, "max_cache_size": 512}}
     assert cpu.parse_peer_specs("") == {}
+    assert cpu.parse_peer_specs("openvino,vllm")["vllm"] == {}  # vLLM, served, has no knobs
 
 
 @pytest.mark.parametrize("text, message", [
-    ("vllm", "--peers: unknown vllm"),
+    ("sglang", "--peers: unknown sglang"),
     ("openvino:budget=256", "'budget=256' is not a knob of openvino (its knobs: precision=, eviction=)"),
     ("onnxruntime-genai:precision=f32", "is not a knob of onnxruntime-genai (its knobs: none)"),
     ("openvino:precision", "'precision' is not a knob of openvino"),

