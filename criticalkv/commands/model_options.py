@@ -36,6 +36,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "a prompt that begins like an earlier one (the same document, a chat's earlier turns) prefills "
                         "only the rest, then selects over the whole prompt: the same answer as without the cache "
                         "(vLLM's automatic prefix caching; prompts longer than --prefill-chunk)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache_mib", action="store_const", const=0.0,
+                   help="serve without the prefix cache (= --prefix-cache-mib 0; vLLM's --no-enable-prefix-caching)")
     p.add_argument("--prefix-block", type=positive_int, default=16,
                    help="tokens per prefix-cache block (default: 16, vLLM's): a prompt reuses the longest run of whole "
                         "blocks an earlier prompt began with")
@@ -58,6 +60,21 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=nonnegative_int, default=0,
                    help="ONNX Runtime or OpenVINO (or, with --backend torch on the CPU, torch) threads per instance "
                         "(default: 0 = the library's choice)")
+
+
+def prefix_cache_note(args: argparse.Namespace) -> str | None:
+    """Why the engine of ``--engine-dir`` on ``--backend`` serves without the prefix cache asked for (None: it has one,
+    or none was asked for): said before the server starts, so that no one expects a cached prefix's first token."""
+    if getattr(args, "engine_dir", None) is None:
+        return None
+    from criticalkv.runtime.manifest import default_backend, read_manifest
+    from criticalkv.serving.prefix_cache import off_reason
+
+    manifest = read_manifest(args.engine_dir, verify=False)
+    backend = getattr(args, "backend", None) or default_backend(manifest)
+    extend = backend == "torch" or any(name.startswith("extend") for name in manifest.get("files", {}))
+    chunked = args.prefill_chunk > 0 and int(manifest["build"].get("max_question_len", 0)) > 0 and extend
+    return off_reason(backend, backend in ("onnxruntime", "openvino", "torch"), chunked, args.prefix_cache_mib)
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:

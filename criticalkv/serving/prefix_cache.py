@@ -62,6 +62,22 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     return out
 
 
+def off_reason(backend: str, caches_prompts: bool, chunked: bool, capacity_mib: float) -> str | None:
+    """Why a server asked for a prefix cache of ``capacity_mib`` MiB serves without one (None: it has one, or 0 was
+    asked): the engine on ``backend`` does not copy a prefill buffer's entries out and in (``caches_prompts``:
+    ``Engine.caches_prompts``; ONNX Runtime, OpenVINO and torch do, TensorRT does not), or prompts are not prefilled in
+    chunks (``chunked``: the engine has extend and select graphs and the prefill chunk is > 0)."""
+    if capacity_mib <= 0:
+        return None
+    if not chunked:
+        return ("prefix cache off: prompts are prefilled at once (--prefill-chunk 0, or an engine without extend and "
+                "select graphs); it reuses the blocks of prompts prefilled in chunks")
+    if not caches_prompts:
+        return (f"prefix cache off: the {backend} backend does not copy prompt entries out of its prefill buffers "
+                "(ONNX Runtime, OpenVINO and torch do); plain prompts are prefilled whole")
+    return None
+
+
 class PrefixCache:
     """Blocks of prompt entries under their chain hashes, LRU, at most ``capacity_bytes`` (0 = no caching)."""
 
@@ -162,4 +178,4 @@ class PrefixCache:
         self.shrink(0)
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "PrefixCache", "PrefixCacheStats", "block_hashes"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "PrefixCache", "PrefixCacheStats", "block_hashes", "off_reason"]

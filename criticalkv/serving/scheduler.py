@@ -56,7 +56,7 @@ from criticalkv.request import DEFAULT_MAX_TOKENS, CheckedRequest, Request
 from criticalkv.runtime.engine import Engine, PrefillJob, PrefillResult, SlotSnapshot
 from criticalkv.sampling import Sampler
 from criticalkv.serving.context_cache import ContextCache, context_key
-from criticalkv.serving.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
+from criticalkv.serving.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, off_reason
 
 #: finish reasons (vllm's names): a stop token, max_tokens reached, cancelled by the client, an error
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
@@ -323,6 +323,8 @@ class Scheduler:
         #: plain prompts prefilled in chunks reuse the blocks of earlier ones (the engine copies a prefill buffer's
         #: entries out and in: ``Engine.caches_prompts``)
         self.prefix_caching = self.chunked and prefix_cache_mib > 0 and engine.caches_prompts
+        #: why a prefix cache asked for is off (None: on, or none asked for)
+        self.prefix_cache_off = off_reason(engine.backend.name, engine.caches_prompts, self.chunked, prefix_cache_mib)
         #: contexts are compressed with the engine's context policy (else with its own, as prompts)
         self.context_selection = context_selection(engine, context_policy)
         self.context_policy = engine.policy_for(self.context_selection)

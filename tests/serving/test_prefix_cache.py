@@ -184,6 +184,36 @@ def test_the_kv_memory_evicts_prefix_blocks_before_a_request_waits(engine):
         scheduler.close()
 
 
+def test_where_the_prefix_cache_is_off_the_server_says_why(engine):
+    import argparse
+
+    from criticalkv.commands.model_options import add_model_arguments, prefix_cache_note
+    from criticalkv.serving.prefix_cache import off_reason
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    parse = lambda *a: parser.parse_args(["--engine-dir", str(engine.folder), *a])  # noqa: E731
+    assert parse().prefix_cache_mib == 512.0  # on by default, as vLLM's
+    assert parse("--no-prefix-cache").prefix_cache_mib == 0.0
+    assert prefix_cache_note(parse()) is None and prefix_cache_note(parse("--backend", engine.backend.name)) is None
+    assert prefix_cache_note(parse("--no-prefix-cache", "--backend", "tensorrt")) is None  # none asked for
+    assert "the tensorrt backend does not copy" in prefix_cache_note(parse("--backend", "tensorrt"))
+    assert "--prefill-chunk 0" in prefix_cache_note(parse("--prefill-chunk", "0"))
+    assert off_reason("onnxruntime", True, True, 512) is None
+    on = Scheduler(engine, prefill_chunk=32)
+    on.close()
+    assert on.prefix_caching and on.prefix_cache_off is None
+    whole = Scheduler(engine, prefill_chunk=0)  # prompts prefilled at once: no lookup, the same tokens
+    try:
+        assert not whole.prefix_caching and "--prefill-chunk 0" in whole.prefix_cache_off
+        ids = prompt(140, seed=40)
+        want = engine.generate([ids], max_new_tokens=3, stop_token_ids=[]).tokens[0]
+        assert [submit(whole, ids, 3).result(120).token_ids for _ in range(2)] == [want, want]
+        assert whole.prefix_cache.stats.requests == 0 and whole.kv_bytes_reserved == 0
+    finally:
+        whole.close()
+
+
 # ---------------------------------------------------------------------------------------------- streams
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
 def test_a_policy_scored_by_a_stream_gets_the_cached_blocks_stream(backend, tmp_path):
@@ -213,3 +243,68 @@ def test_a_policy_scored_by_a_stream_gets_the_cached_blocks_stream(backend, tmp_
             engine.begin_prefill(Request(ids), prefix=[PromptEntries(b.keys, b.values) for b in blocks])
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------------------------------------- the bundled model
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+def test_the_bundled_model_answers_a_repeated_document_as_a_cold_run(backend, tmp_path_factory):
+    # SmolLM2-135M-Instruct (30 layers, GQA 9/3), criticalkv at budget 256 (window 32): a ~900-token document asked
+    # two questions as plain prompts, chunks of 256 (the README engine's attention block). The second prompt's prefill
+    # starts after the document's 56 cached blocks; its kept entries and logits are bitwise a cold prefill's, and the
+    # scheduler's tokens are those of Engine.generate alone. OpenVINO at its default precision (the server's)
+    from pathlib import Path
+
+    from criticalkv.runtime import Engine
+
+    if backend == "openvino":
+        pytest.importorskip("openvino")
+    folder, tokenizer = bundled_engine(tmp_path_factory)
+    engine = Engine.load(folder, backend=backend, threads=1, verify=False,
+                         **({"cache_dir": ""} if backend == "openvino" else {}))
+    try:
+        text = (Path(__file__).resolve().parents[2] / "examples" / "needle_2k.txt").read_text()
+        doc = tokenizer(text)["input_ids"][:900]
+        chats = [doc + tokenizer("\n\n" + q)["input_ids"] for q in QUESTIONS]
+        job, first = chunked(engine, chats[0], chunk=256, keep_buffer=True)
+        blocks = [engine.prompt_entries(job, j * 16, (j + 1) * 16) for j in range(900 // 16)]
+        job.buffer = None
+        _, cold = chunked(engine, chats[1], chunk=256)
+        warm_job, warm = chunked(engine, chats[1], prefix=blocks, chunk=256)
+        assert warm_job.prefix_tokens == 896
+        assert_same(engine, warm, cold)
+
+        expected = [engine.generate([c], max_new_tokens=6, stop_token_ids=[]).tokens[0] for c in chats]
+        scheduler = Scheduler(engine, prefill_chunk=256)
+        try:
+            assert scheduler.prefix_caching
+            outs = [submit(scheduler, c, max_tokens=6).result(300) for c in chats]
+            assert [o.token_ids for o in outs] == expected
+            assert [o.num_cached_tokens for o in outs] == [0, 896]
+            assert outs[1].kv_bytes_kept == outs[0].kv_bytes_kept  # budget 256 per head either way
+        finally:
+            scheduler.close()
+    finally:
+        engine.close()
+
+
+QUESTIONS = ("What is the main subject of the text above?", "Which people or places does the text above mention?")
+_BUNDLED = {}
+
+
+def bundled_engine(tmp_path_factory):
+    """The bundled model's engine at budget 256 for prompts up to 1,000 tokens (exported once per session)."""
+    if "folder" not in _BUNDLED:
+        from criticalkv.build import export_engine
+        from criticalkv.export import BuildConfig
+        from criticalkv.hf import load_model
+        from criticalkv.runtime.manifest import write_manifest
+
+        model, tokenizer = load_model()
+        folder = tmp_path_factory.mktemp("bundled")
+        config = BuildConfig(max_input_len=1000, max_new_tokens=8, max_batch_size=2)
+        _, content = export_engine(model, KVPolicy("criticalkv", budget=256), folder, config, tokenizer,
+                                   model_name="bundled", validate=False)
+        write_manifest(folder, content)
+        _BUNDLED["folder"] = folder, tokenizer
+    return _BUNDLED["folder"]
