@@ -192,6 +192,7 @@ def test_where_the_prefix_cache_is_off_the_server_says_why(engine):
 
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
+    parser.add_argument("--engine-dir")
     parse = lambda *a: parser.parse_args(["--engine-dir", str(engine.folder), *a])  # noqa: E731
     assert parse().prefix_cache_mib == 512.0  # on by default, as vLLM's
     assert parse("--no-prefix-cache").prefix_cache_mib == 0.0
