@@ -21,9 +21,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences decoding at once per instance (default and maximum: the engine's --max-batch-size)")
     p.add_argument("--kv-memory-mib", "--kv-pool-mib", dest="kv_memory_mib", type=positive_float, default=None,
                    help="one KV memory budget per instance, MiB: what running requests keep (+ their growth), prompts "
-                        "under prefill (their full K/V), cached contexts and prefix blocks hold together (default: no limit "
-                        "beyond --max-num-seqs); requests beyond it wait, prefix blocks then cached contexts are evicted "
-                        "first")
+                        "under prefill (their full K/V), cached contexts and prefix blocks hold together (default: no "
+                        "limit beyond --max-num-seqs); requests beyond it wait, prefix blocks then cached contexts are "
+                        "evicted first")
     p.add_argument("--prefill-chunk", type=nonnegative_int, default=512,
                    help="prefill long prompts in chunks of this many tokens, interleaved with the running requests' "
                         "decode steps (default: 512, a multiple of the engine's attention block: the same kept entries "

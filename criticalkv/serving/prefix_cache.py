@@ -53,7 +53,7 @@ class PrefixCacheStats:
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The chain hashes of the full blocks of ``token_ids``: block j's digest covers block j - 1's and its own tokens."""
+    """The chain hashes of the full blocks of ``token_ids``: block j's digest covers block j - 1's and its tokens."""
     ids = np.asarray(token_ids, dtype=np.int64)
     out, parent = [], b""
     for start in range(0, ids.size - block_size + 1, block_size):

@@ -152,7 +152,7 @@ def test_the_scheduler_reuses_a_prompts_blocks_and_answers_as_a_cold_run(engine)
         assert [o.num_cached_tokens for o in outs] == [0, 112, 128]
         stats = scheduler.prefix_cache.stats
         assert (stats.requests, stats.hit_requests, stats.queries, stats.hits) == (3, 2, 140 + 145 + 140, 240)
-        # the document's 7 blocks, the first chat's 8th, the second's 8th and 9th (float32 entries: the prefill buffer's)
+        # the document's 7 blocks, the first chat's 8th, the second's 8th and 9th (float32: the prefill buffer's type)
         spec = engine.spec
         block = 2 * 4 * 16 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"]
         assert stats.blocks == 10 and stats.bytes_held == 10 * block
