@@ -21,8 +21,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences decoding at once per instance (default and maximum: the engine's --max-batch-size)")
     p.add_argument("--kv-memory-mib", "--kv-pool-mib", dest="kv_memory_mib", type=positive_float, default=None,
                    help="one KV memory budget per instance, MiB: what running requests keep (+ their growth), prompts "
-                        "under prefill (their full K/V) and cached contexts hold together (default: no limit beyond "
-                        "--max-num-seqs); requests beyond it wait, cached contexts are evicted first")
+                        "under prefill (their full K/V), cached contexts and prefix blocks hold together (default: no "
+                        "limit beyond --max-num-seqs); requests beyond it wait, prefix blocks then cached contexts are "
+                        "evicted first")
     p.add_argument("--prefill-chunk", type=nonnegative_int, default=512,
                    help="prefill long prompts in chunks of this many tokens, interleaved with the running requests' "
                         "decode steps (default: 512, a multiple of the engine's attention block: the same kept entries "
@@ -30,6 +31,16 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-cache-mib", type=nonnegative_float, default=256.0,
                    help="compressed contexts kept for reuse per instance, MiB (default: 256; 0 = none): a request's "
                         "`context` is compressed once and later questions about it skip its prefill")
+    p.add_argument("--prefix-cache-mib", type=nonnegative_float, default=512.0,
+                   help="plain prompts' uncompressed blocks kept for reuse per instance, MiB (default: 512; 0 = none): "
+                        "a prompt that begins like an earlier one (the same document, a chat's earlier turns) prefills "
+                        "only the rest, then selects over the whole prompt: the same answer as without the cache "
+                        "(vLLM's automatic prefix caching; prompts longer than --prefill-chunk)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache_mib", action="store_const", const=0.0,
+                   help="serve without the prefix cache (= --prefix-cache-mib 0; vLLM's --no-enable-prefix-caching)")
+    p.add_argument("--prefix-block", type=positive_int, default=16,
+                   help="tokens per prefix-cache block (default: 16, vLLM's): a prompt reuses the longest run of whole "
+                        "blocks an earlier prompt began with")
     p.add_argument("--context-policy", default=None, metavar="NAME",
                    help="the policy a request's `context` is compressed with, before any question is known (default: "
                         "the engine's context policy, built with scripts/build_engine.py --context-policy, which "
@@ -49,6 +60,21 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=nonnegative_int, default=0,
                    help="ONNX Runtime or OpenVINO (or, with --backend torch on the CPU, torch) threads per instance "
                         "(default: 0 = the library's choice)")
+
+
+def prefix_cache_note(args: argparse.Namespace) -> str | None:
+    """Why the engine of ``--engine-dir`` on ``--backend`` serves without the prefix cache asked for (None: it has one,
+    or none was asked for): said before the server starts, so that no one expects a cached prefix's first token."""
+    if getattr(args, "engine_dir", None) is None:
+        return None
+    from criticalkv.runtime.manifest import default_backend, read_manifest
+    from criticalkv.serving.prefix_cache import off_reason
+
+    manifest = read_manifest(args.engine_dir, verify=False)
+    backend = getattr(args, "backend", None) or default_backend(manifest)
+    extend = backend == "torch" or any(name.startswith("extend") for name in manifest.get("files", {}))
+    chunked = args.prefill_chunk > 0 and int(manifest["build"].get("max_question_len", 0)) > 0 and extend
+    return off_reason(backend, backend in ("onnxruntime", "openvino", "torch"), chunked, args.prefix_cache_mib)
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -72,4 +98,5 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
                 raise ValueError(f"--context-policy: {err}") from None
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, kv_memory_mib=args.kv_memory_mib,
                            prefill_chunk=args.prefill_chunk, context_cache_mib=args.context_cache_mib,
-                           context_policy=args.context_policy)
+                           context_policy=args.context_policy, prefix_cache_mib=args.prefix_cache_mib,
+                           prefix_block=args.prefix_block)

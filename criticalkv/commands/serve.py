@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from criticalkv.commands.arguments import port, port_or_zero, positive_float, positive_int
-from criticalkv.commands.model_options import add_model_arguments, scheduler_config
+from criticalkv.commands.model_options import add_model_arguments, prefix_cache_note, scheduler_config
 from criticalkv.commands.serve_replicas import add_replica_arguments, run_replicas, wants_replicas
 from criticalkv.files import remove_stale_temporaries, temporary_dir
 from criticalkv.request import TextBound
@@ -146,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
     say = lambda m: print(f"criticalkv serve: {m}", file=sys.stderr)  # noqa: E731
     if args.repo is None:
         check_backend(Path(args.engine_dir), args.backend, args.gpus)
+        note = prefix_cache_note(args)
+        if note:
+            say(note)
     else:
         check_backend(*repo_backend(args))
     launcher.setup(log=lambda m: print(m, file=sys.stderr))

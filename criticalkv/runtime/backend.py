@@ -84,6 +84,31 @@ class RowSnapshot:
         return sum(int(k.nbytes) + int(v.nbytes) for k, v in zip(self.keys, self.values))
 
 
+@dataclass
+class PromptEntries:
+    """The uncompressed entries of consecutive prompt tokens, copied out of a prefill buffer (``Backend.read_prompt``):
+    what the serving prefix cache keeps of a prompt's block of tokens.
+
+    keys, values : every layer's [L, H_kv, t, d_h] in one array each (NumPy on the CPU backends, a tensor on the
+        backend's device for torch), in the prefill buffer's element type
+    streams : the backend's streams of these entries (``Backend.streams``): name -> [L, H_kv, t] float32 (NumPy)
+    """
+
+    keys: Any
+    values: Any
+    streams: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.keys.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the keys, the values and the streams."""
+        size = lambda x: int(x.nbytes) if hasattr(x, "nbytes") else x.numel() * x.element_size()  # noqa: E731
+        return size(self.keys) + size(self.values) + sum(size(s) for s in self.streams.values())
+
+
 class BuiltShapes:
     """The built shapes a backend sizes its buffers with, read from the engine's manifest."""
 
@@ -180,6 +205,11 @@ class Backend(Protocol):
 
     def extend_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         """``extend_row`` over a prefill buffer: the prompt's next N tokens (with the backend's ``streams`` of them)."""
+
+    # optional (the serving prefix cache; a backend without them serves without it): ``read_prompt(buffer, start, end)
+    # -> (keys, values)``, copies of every layer's entries [start, end) of a prefill buffer ([L, H_kv, t, d_h] each), and
+    # ``write_prompt(buffer, keys, values)``: lists of such pieces written one after the other from entry 0, the
+    # buffer's lengths set to their total (a prompt's first tokens, as if prefilled into it)
 
     #: the streams (``criticalkv.methods.phases.Stream``) ``extend_buffer`` returns for the new entries, by name
     streams: frozenset[str]

@@ -28,7 +28,7 @@ from criticalkv.methods.phases import PromptScoring, RereadPass
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
 from criticalkv.request import CheckedRequest, Request, SamplingParams
-from criticalkv.runtime.backend import Backend, RowSnapshot
+from criticalkv.runtime.backend import Backend, PromptEntries, RowSnapshot
 from criticalkv.runtime.manifest import default_backend, engine_limits, load_tokenizer, read_manifest
 from criticalkv.runtime.profiling import selection_profile
 from criticalkv.runtime.registry import create_backend
@@ -131,6 +131,8 @@ class PrefillJob:
     scoring: PromptScoring | None = None
     #: the streams the scoring reads: name -> per layer the pieces [1, H_kv, N] of the prompt's entries so far
     streams: dict = field(default_factory=dict)
+    #: the prompt's first tokens whose entries were written into the buffer from a cache (``begin_prefill``'s prefix)
+    prefix_tokens: int = 0
 
     @property
     def remaining(self) -> int:
@@ -371,18 +373,73 @@ class Engine:
         return np.array(logits[0], dtype=np.float32)
 
     # ------------------------------------------------------------------ chunked prefill
-    def begin_prefill(self, request: Request, context: bool = False) -> PrefillJob:
+    def begin_prefill(self, request: Request, context: bool = False, prefix: Sequence[PromptEntries] = ()) -> PrefillJob:
         """Start prefilling ``request``'s prompt in chunks (``prefill_step``) into a new prefill buffer of the prompt's
         length; no slot is taken until ``finish_prefill``. The buffer holds the prompt's full K/V (``PrefillJob.nbytes``),
         and room for the re-read passes of a policy whose method re-reads the prompt over it.
-        ``context``: a context of the context cache (``prefill``)."""
+        ``context``: a context of the context cache (``prefill``).
+
+        ``prefix``: the entries of the prompt's first tokens, kept from an earlier prefill of the same tokens
+        (``prompt_entries``; the serving prefix cache), in order: they are written into the buffer and the prefill
+        continues after them, so only the rest of the prompt runs; at most ``prefix_limit`` tokens (the selection's
+        window queries come from the tokens that run). A chunked prefill's entries do not depend on where its chunks
+        end, so the prompt's selection, logits and tokens are those of a prefill without a prefix."""
         request = self.check(request)
         policy = self.policy_for(context)
         scoring = self.scoring(policy)
         spare = scoring.spare(request.prompt_token_ids) if scoring is not None else 0
         buffer = self.backend.new_prefill_buffer(request.num_prompt_tokens, spare) if spare else \
             self.backend.new_prefill_buffer(request.num_prompt_tokens)
-        return PrefillJob(request=request, buffer=buffer, context=context, policy=policy, scoring=scoring)
+        job = PrefillJob(request=request, buffer=buffer, context=context, policy=policy, scoring=scoring)
+        if prefix:
+            self._write_prefix(job, list(prefix))
+        return job
+
+    @property
+    def caches_prompts(self) -> bool:
+        """Whether the backend copies a prefill buffer's entries out and in (``prompt_entries``, ``begin_prefill``'s
+        prefix): what the serving prefix cache needs, besides the extend graph."""
+        return all(hasattr(self.backend, name) for name in ("read_prompt", "write_prompt")) and \
+            bool(getattr(self.backend, "has_extend", False))
+
+    def prefix_limit(self, num_tokens: int, context: bool = False) -> int:
+        """Most leading tokens of a prompt of ``num_tokens`` tokens that ``begin_prefill`` takes as a prefix: all but
+        the last ``window`` of ``policy_for(context)`` (their queries score the prompt, so they run)."""
+        return max(num_tokens - max(self.policy_for(context).window, 1), 0)
+
+    def _write_prefix(self, job: PrefillJob, prefix: list[PromptEntries]) -> None:
+        total = sum(p.num_tokens for p in prefix)
+        limit = self.prefix_limit(job.request.num_prompt_tokens, job.context)
+        if total > limit:
+            raise EngineError(f"begin_prefill: a prefix of {total} tokens; a prompt of {job.request.num_prompt_tokens} "
+                              f"takes at most {limit} (its last {job.request.num_prompt_tokens - limit} run)")
+        if not self.caches_prompts:
+            raise EngineError(f"the {self.backend.name} backend takes no prefix entries")
+        wanted = job.scoring.streams if job.scoring is not None else ()
+        missing = [name for name in wanted if any(name not in p.streams for p in prefix)]
+        if missing:
+            raise EngineError(f"begin_prefill: the prefix lacks the stream {missing[0]!r} its policy scores by")
+        self.backend.write_prompt(job.buffer, [p.keys for p in prefix], [p.values for p in prefix])
+        for name in wanted:
+            job.streams[name] = [[np.asarray(p.streams[name][i])[None] for p in prefix]
+                                 for i in range(self.spec["num_layers"])]
+        job.done = job.prefix_tokens = total
+
+    def prompt_entries(self, job: PrefillJob, start: int, end: int) -> PromptEntries:
+        """A copy of the entries of ``job``'s prompt tokens [start, end) (every layer and KV head, uncompressed) and of
+        the backend's streams of them: what ``begin_prefill`` takes back as a prefix of a later prompt. Only before
+        ``finish_prefill`` (which drops the buffer), of tokens already prefilled."""
+        if job.buffer is None or not 0 <= start < end <= job.done:
+            raise EngineError(f"prompt_entries: tokens [{start}, {end}) are not in the prefill buffer "
+                              f"({job.done} prefilled{'' if job.buffer is not None else ', buffer dropped'})")
+        keys, values = self.backend.read_prompt(job.buffer, start, end)
+        streams = {}
+        for name, layers in job.streams.items():
+            for pieces in layers:  # joined once, so that reading a prompt block by block stays linear
+                if len(pieces) > 1:
+                    pieces[:] = [np.concatenate(pieces, axis=2)]
+            streams[name] = np.stack([pieces[0][0, :, start:end] for pieces in layers])
+        return PromptEntries(keys=keys, values=values, streams=streams)
 
     def scoring(self, policy: KVPolicy) -> PromptScoring | None:
         """How ``policy`` scores a prompt on this engine (its method's ``prompt_scoring``: None when its layers'
@@ -439,9 +496,10 @@ class Engine:
             return join(old, new, w)
         return [np.concatenate([a, b], axis=2)[:, :, -w:] for a, b in zip(old, new)]
 
-    def finish_prefill(self, job: PrefillJob, slot: int) -> PrefillResult:
+    def finish_prefill(self, job: PrefillJob, slot: int, keep_buffer: bool = False) -> PrefillResult:
         """Select over ``job``'s whole prompt (the same kept entries as ``prefill``'s one run) and load them into
-        the free ``slot``, which then decodes from position n; the prefill buffer is dropped."""
+        the free ``slot``, which then decodes from position n; the prefill buffer is dropped, or kept with the job
+        (``keep_buffer``: ``prompt_entries`` may still read it) until the caller sets ``job.buffer = None``."""
         if job.remaining:
             raise EngineError(f"finish_prefill: {job.remaining} prompt tokens are not prefilled yet")
         self._free_slot(slot)
@@ -463,7 +521,8 @@ class Engine:
         self._rows.append(slot)
         n = job.request.num_prompt_tokens
         self._slots[slot] = _Slot(row=row, position=n)
-        job.buffer = None
+        if not keep_buffer:
+            job.buffer = None
         kept = sum(int(x.sum()) for x in selected.lengths)
         spec = self.spec
         return PrefillResult(

@@ -103,6 +103,27 @@ class HostKVBuffers(BuiltShapes):
                              values=[np.zeros(shape, np.float32) for _ in range(self.num_layers)],
                              lengths=[np.zeros((1, self.kv_heads), np.int32) for _ in range(self.num_layers)])
 
+    def read_prompt(self, buffer: PrefillBuffer, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the entries [start, end) of every layer of a prefill buffer: keys and values [L, H_kv, t, d_h]."""
+        if not 0 <= start < end <= int(buffer.lengths[0].min()):
+            raise EngineError(f"read_prompt: entries [{start}, {end}) are not all in the prefill buffer "
+                              f"({int(buffer.lengths[0].min())} held)")
+        return (np.stack([k[0, :, start:end] for k in buffer.keys]),
+                np.stack([v[0, :, start:end] for v in buffer.values]))
+
+    def write_prompt(self, buffer: PrefillBuffer, keys: list[np.ndarray], values: list[np.ndarray]) -> int:
+        """Write the pieces ``keys`` / ``values`` ([L, H_kv, t_j, d_h] each) one after the other from entry 0 of every
+        layer of an empty prefill buffer; its lengths become their total, which is returned."""
+        total = sum(int(k.shape[2]) for k in keys)
+        if total > buffer.keys[0].shape[2] or int(buffer.lengths[0].max()) != 0:
+            raise EngineError(f"write_prompt: {total} entries into a prefill buffer of {buffer.keys[0].shape[2]} "
+                              f"holding {int(buffer.lengths[0].max())}")
+        for i in range(self.num_layers):
+            for dst, pieces in ((buffer.keys[i], keys), (buffer.values[i], values)):
+                np.concatenate([p[i] for p in pieces], axis=1, out=dst[0, :, :total])
+            buffer.lengths[i][...] = total
+        return total
+
     # ------------------------------------------------------------------ what the portable graphs return
     def store_decoded(self, batch: int, rows: np.ndarray, heads: np.ndarray) -> None:
         """Write the new token's entries of rows 0..batch-1 (``new_keys`` / ``new_values`` [B, H_kv, 1, d_h], which a

@@ -569,6 +569,29 @@ class TorchBackend(BuiltShapes):
                      for _ in range(self.num_layers)])
 
     @torch.no_grad()
+    def read_prompt(self, buffer: PrefillBuffer, start: int, end: int):
+        """Copies of the entries [start, end) of every layer of a prefill buffer: keys and values [L, H_kv, t, d_h]
+        (tensors on the backend's device)."""
+        if not isinstance(buffer, TorchPrefillBuffer) or not 0 <= start < end <= buffer.tokens:
+            raise EngineError(f"read_prompt: entries [{start}, {end}) are not all in the prefill buffer")
+        return (torch.stack([k[0, :, start:end] for k in buffer.keys]),
+                torch.stack([v[0, :, start:end] for v in buffer.values]))
+
+    @torch.no_grad()
+    def write_prompt(self, buffer: PrefillBuffer, keys: list, values: list) -> int:
+        """Write the pieces ``keys`` / ``values`` ([L, H_kv, t_j, d_h] each) one after the other from entry 0 of an
+        empty prefill buffer; its lengths become their total, which is returned."""
+        total = sum(int(k.shape[2]) for k in keys)
+        if not isinstance(buffer, TorchPrefillBuffer) or buffer.tokens or total > buffer.keys[0].shape[2]:
+            raise EngineError(f"write_prompt: {total} entries into a prefill buffer that does not take them")
+        for i in range(self.num_layers):
+            for dst, pieces in ((buffer.keys[i], keys), (buffer.values[i], values)):
+                dst[0, :, :total].copy_(torch.cat([p[i] for p in pieces], dim=1))
+            buffer.lengths[i].fill_(total)
+        buffer.tokens = total
+        return total
+
+    @torch.no_grad()
     def extend_buffer(self, buffer: PrefillBuffer, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         if not isinstance(buffer, TorchPrefillBuffer):
             raise EngineError("extend_buffer: not a prefill buffer of the torch backend (new_prefill_buffer)")

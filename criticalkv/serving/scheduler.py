@@ -22,11 +22,17 @@ and every later request with that context restores the copy into a slot and runs
 graph: a hit skips the context's prefill. Requests waiting for a context that is being compressed wait for it
 instead of compressing it again.
 
+Prefix cache (``SchedulerConfig.prefix_cache_mib``): a plain prompt (no ``context``) prefilled in chunks leaves the
+uncompressed entries of its full blocks of ``prefix_block`` tokens in a ``PrefixCache`` (vLLM's automatic prefix
+caching: blocks keyed by their chain's hash); a later prompt that begins with the same blocks starts its prefill after
+them (at most all but its last ``window`` tokens: their queries score the prompt), then the policy selects over the
+whole prompt, so its kept entries and tokens are those of a cold run. A `full` engine's prompts too.
+
 KV memory (``kv_memory_mib``): one budget for what the requests hold: a running request its kept entries plus its
 ``max_tokens`` growth (bounded before its prefill by ``Engine.kv_bytes_bound``, the real count after it), a prompt
-being prefilled its full K/V, and the cached contexts their kept entries. A request is admitted when it fits,
-after evicting cached contexts least recently used first; otherwise it waits (first come, first served), and one
-that could never fit is refused at submission.
+being prefilled its full K/V, the cached contexts their kept entries and the prefix cache its blocks. A request is
+admitted when it fits, after evicting prefix blocks, then cached contexts, least recently used first; otherwise it
+waits (first come, first served), and one that could never fit is refused at submission.
 
 The decode graph computes every row from that row's cache only, and a request's sampler sees only its own logits,
 so a greedy request yields the same tokens as ``Engine.generate`` on it alone, whatever else shares the batch
@@ -50,6 +56,7 @@ from criticalkv.request import DEFAULT_MAX_TOKENS, CheckedRequest, Request
 from criticalkv.runtime.engine import Engine, PrefillJob, PrefillResult, SlotSnapshot
 from criticalkv.sampling import Sampler
 from criticalkv.serving.context_cache import ContextCache, context_key
+from criticalkv.serving.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, off_reason
 
 #: finish reasons (vllm's names): a stop token, max_tokens reached, cancelled by the client, an error
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
@@ -67,6 +74,7 @@ class RequestOutput:
     kv_bytes_kept / kv_bytes_full : the request's prompt cache after the selection / without eviction (bytes)
     ttft_s : time from submission to the first token; queue_s : time waiting for admission
     context_cache_hit : with a context: True when its compressed entries came from the cache (no prefill of it)
+    num_cached_tokens : prompt tokens whose entries came from the prefix cache (their prefill skipped)
     """
 
     request_id: int
@@ -82,6 +90,7 @@ class RequestOutput:
     queue_s: float | None = None
     elapsed_s: float = 0.0
     context_cache_hit: bool | None = None
+    num_cached_tokens: int = 0
 
     @property
     def time_per_output_token_s(self) -> float | None:
@@ -169,6 +178,8 @@ class _Sequence:
     job: PrefillJob | None = None  # while its prompt (or context) is prefilled in chunks
     key: tuple | None = None  # its context's cache key
     context_cache_hit: bool | None = None
+    block_hashes: list | None = None  # a plain prompt's block chain in the prefix cache (None: not looked up)
+    num_cached_tokens: int = 0
     admitted: float = 0.0
     first_token_at: float | None = None
     tokens: list[int] = field(default_factory=list)
@@ -193,7 +204,7 @@ class _Sequence:
             kv_bytes_kept=self.kv_bytes_kept, kv_bytes_full=self.kv_bytes_full,
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.submitted,
             queue_s=(self.admitted - self.submitted) if self.admitted else None, elapsed_s=now - self.submitted,
-            context_cache_hit=self.context_cache_hit,
+            context_cache_hit=self.context_cache_hit, num_cached_tokens=self.num_cached_tokens,
         )
 
 
@@ -213,6 +224,10 @@ class SchedulerConfig:
     context_policy : the policy that compresses contexts (question-agnostic): None (default) the engine's context
         policy (built with ``--context-policy``) when it has one, else the engine's own; "engine" the engine's own
         policy; or the name of one of those two (anything else: rebuild the engine with ``--context-policy NAME``)
+    prefix_cache_mib : most MiB of plain prompts' uncompressed blocks kept for reuse (0 = none; only prompts prefilled
+        in chunks, longer than ``prefill_chunk``, use it); the blocks also count in ``kv_memory_mib``
+    prefix_block : tokens per prefix-cache block: a prompt reuses its longest run of whole blocks an earlier prompt
+        began with
     """
 
     max_num_seqs: int | None = None
@@ -221,6 +236,8 @@ class SchedulerConfig:
     context_cache_mib: float = 256.0
     max_prefills: int = 2
     context_policy: str | None = None
+    prefix_cache_mib: float = 512.0
+    prefix_block: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         def integer(name, low):
@@ -232,16 +249,19 @@ class SchedulerConfig:
             integer("max_num_seqs", 1)
         integer("prefill_chunk", 0)
         integer("max_prefills", 1)
+        integer("prefix_block", 1)
         if self.kv_memory_mib is not None and not (isinstance(self.kv_memory_mib, (int, float)) and self.kv_memory_mib > 0):
             raise ValueError(f"kv_memory_mib must be > 0, got {self.kv_memory_mib!r}")
-        if not (isinstance(self.context_cache_mib, (int, float)) and self.context_cache_mib >= 0):
-            raise ValueError(f"context_cache_mib must be >= 0, got {self.context_cache_mib!r}")
+        for name in ("context_cache_mib", "prefix_cache_mib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
         if self.context_policy is not None and (not isinstance(self.context_policy, str) or not self.context_policy):
             raise ValueError(f"context_policy must be a policy name or 'engine', got {self.context_policy!r}")
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in ("max_num_seqs", "kv_memory_mib", "prefill_chunk", "context_cache_mib",
-                                              "max_prefills", "context_policy")}
+                                              "max_prefills", "context_policy", "prefix_cache_mib", "prefix_block")}
 
 
 def context_selection(engine: Engine, context_policy: str | None) -> bool:
@@ -287,9 +307,10 @@ class Scheduler:
 
     def __init__(self, engine: Engine, max_num_seqs: int | None = None, kv_memory_mib: float | None = None,
                  prefill_chunk: int = 512, context_cache_mib: float = 256.0, max_prefills: int = 2,
-                 context_policy: str | None = None):
+                 context_policy: str | None = None, prefix_cache_mib: float = 512.0,
+                 prefix_block: int = DEFAULT_BLOCK_SIZE):
         config = SchedulerConfig(max_num_seqs, kv_memory_mib, prefill_chunk, context_cache_mib, max_prefills,
-                                 context_policy)
+                                 context_policy, prefix_cache_mib, prefix_block)
         self.config = config
         self.engine = engine
         check_max_num_seqs(max_num_seqs, engine.num_slots)
@@ -299,6 +320,12 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.max_prefills = max_prefills
         self.context_cache = ContextCache(int(context_cache_mib * 2**20))
+        self.prefix_cache = PrefixCache(int(prefix_cache_mib * 2**20), prefix_block)
+        #: plain prompts prefilled in chunks reuse the blocks of earlier ones (the engine copies a prefill buffer's
+        #: entries out and in: ``Engine.caches_prompts``)
+        self.prefix_caching = self.chunked and prefix_cache_mib > 0 and engine.caches_prompts
+        #: why a prefix cache asked for is off (None: on, or none asked for)
+        self.prefix_cache_off = off_reason(engine.backend.name, engine.caches_prompts, self.chunked, prefix_cache_mib)
         #: contexts are compressed with the engine's context policy (else with its own, as prompts)
         self.context_selection = context_selection(engine, context_policy)
         self.context_policy = engine.policy_for(self.context_selection)
@@ -336,6 +363,8 @@ class Scheduler:
                         time.perf_counter())
         if request.context_token_ids:
             seq.key = context_key(request.context_token_ids, self._policy_json, request.kv_budget)
+        elif self.prefix_caching and request.num_prompt_tokens > self.prefill_chunk:  # hashed here, off the loop
+            seq.block_hashes = self.prefix_cache.hashes(request.prompt_token_ids)
         with self._lock:
             if self._stopping:
                 raise RequestError("the scheduler is shutting down")
@@ -384,8 +413,16 @@ class Scheduler:
         """Put ``snapshot`` in the context cache if it fits the cache and the KV memory (evicting least recently used
         contexts)."""
         room = self.context_cache.capacity_bytes
-        if self.kv_memory_bytes is not None:  # the copy must fit the KV memory too (other contexts may go)
+        if self.kv_memory_bytes is not None:  # the copy must fit the KV memory too (prefix blocks, other contexts go)
             room = min(room, self.kv_memory_bytes - self._reserved)
+            if snapshot.nbytes > room:
+                return False
+            prefix = self.prefix_cache.stats
+            over = self._reserved + self.context_cache.stats.bytes_held + prefix.bytes_held + snapshot.nbytes - \
+                self.kv_memory_bytes
+            if over > 0:
+                self.prefix_cache.shrink(max(prefix.bytes_held - over, 0))
+            room = min(room, self.kv_memory_bytes - self._reserved - prefix.bytes_held)
         if snapshot.nbytes > room:
             return False
         self.context_cache.shrink(room - snapshot.nbytes)
@@ -432,8 +469,8 @@ class Scheduler:
 
     @property
     def kv_bytes_reserved(self) -> int:
-        """KV bytes held now: running requests, prompts under prefill and cached contexts."""
-        return self._reserved + self.context_cache.stats.bytes_held
+        """KV bytes held now: running requests, prompts under prefill, cached contexts and the prefix cache's blocks."""
+        return self._reserved + self.context_cache.stats.bytes_held + self.prefix_cache.stats.bytes_held
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the scheduler thread; requests still waiting or running end with finish reason "cancelled"."""
@@ -475,17 +512,24 @@ class Scheduler:
         for seq in [s for s in self._running + self._prefilling if s.handle.cancel_requested]:
             self._finish(seq, seq.handle.cancel_reason)
 
-    def _fits(self, charge: int, keep: tuple | None = None) -> bool:
-        """Whether ``charge`` more bytes fit the KV memory, evicting cached contexts (least recently used first,
-        never ``keep``: the context this request is about to read) if that makes room."""
+    def _fits(self, charge: int, keep: tuple | None = None, blocks: list | None = None) -> bool:
+        """Whether ``charge`` more bytes fit the KV memory, evicting what the caches hold if that makes room, least
+        recently used first: prefix blocks (``blocks``, the chain this request is about to read, last), then cached
+        contexts (never ``keep``: the context this request is about to read)."""
         if self.kv_memory_bytes is None:
             return True
         room = self.kv_memory_bytes - self._reserved
         kept = self.context_cache.peek(keep).nbytes if keep is not None else 0
         if charge + kept > room:
             return False
-        if charge > room - self.context_cache.stats.bytes_held:
-            self.context_cache.shrink(room - charge, keep=keep)
+        contexts, prefix = self.context_cache.stats, self.prefix_cache.stats
+        over = lambda: charge + contexts.bytes_held + prefix.bytes_held - room  # noqa: E731
+        if over() > 0:
+            self.prefix_cache.shrink(max(prefix.bytes_held - over(), 0), keep=frozenset(blocks or ()))
+        if over() > 0:
+            self.context_cache.shrink(max(contexts.bytes_held - over(), 0), keep=keep)
+        if over() > 0:
+            self.prefix_cache.shrink(max(prefix.bytes_held - over(), 0))
         return True
 
     def _admit(self) -> None:
@@ -504,7 +548,9 @@ class Scheduler:
                         seq.max_tokens + seq.request.num_prompt_tokens)
                 elif self.chunked and len(self._prefilling) >= self.max_prefills:
                     return
-                if not self._fits(seq.charge, keep=seq.key if cached is not None else None):
+                if seq.block_hashes:  # the blocks it would reuse: the last ones evicted to make room
+                    self.prefix_cache.touch(seq.block_hashes)
+                if not self._fits(seq.charge, keep=seq.key if cached is not None else None, blocks=seq.block_hashes):
                     return  # first come, first served: later requests wait behind it
                 self._waiting.popleft()
                 self._reserved += seq.charge
@@ -532,7 +578,8 @@ class Scheduler:
             replace(seq.request, prompt_token_ids=ids, context_token_ids=())
         context = seq.key is not None and self.context_selection  # selected with the engine's context policy
         if self.chunked and len(ids) > self.prefill_chunk:
-            job = self._guard(seq, lambda: self.engine.begin_prefill(prefill_request, context=context))
+            prefix = self._cached_prefix(seq)
+            job = self._guard(seq, lambda: self.engine.begin_prefill(prefill_request, context=context, prefix=prefix))
             if job is not None:
                 seq.job = job
                 self._prefilling.append(seq)
@@ -566,6 +613,29 @@ class Scheduler:
         if seq.key is not None and self._compressing.get(seq.key) is seq:
             del self._compressing[seq.key]
 
+    def _cached_prefix(self, seq: _Sequence) -> list:
+        """The prefix cache's blocks a plain prompt begins with (at most ``Engine.prefix_limit`` tokens), counted."""
+        if seq.block_hashes is None:
+            return []
+        n = seq.request.num_prompt_tokens
+        blocks = self.prefix_cache.lookup(seq.block_hashes, self.engine.prefix_limit(n) // self.prefix_cache.block_size)
+        seq.num_cached_tokens = len(blocks) * self.prefix_cache.block_size
+        self.prefix_cache.record(n, seq.num_cached_tokens)
+        return blocks
+
+    def _cache_prefix(self, seq: _Sequence, job: PrefillJob) -> None:
+        """Keep the full blocks of ``seq``'s prompt that the prefix cache does not hold yet, from its prefill buffer
+        (after its first token: the copies do not delay it), within the cache's capacity and the KV memory."""
+        hashes, size = seq.block_hashes, self.prefix_cache.block_size
+        limit = None
+        if self.kv_memory_bytes is not None:  # never at the cost of cached contexts or requests
+            limit = self.kv_memory_bytes - self._reserved - self.context_cache.stats.bytes_held
+        for j in range(self.prefix_cache.cached(hashes), len(hashes)):
+            entries = self.engine.prompt_entries(job, j * size, (j + 1) * size)
+            if not self.prefix_cache.add(hashes, j, [entries], capacity_bytes=limit):
+                break
+        self.prefix_cache.touch(hashes)
+
     def _prefill_step(self) -> None:
         """One chunk of the prefilling request with the fewest tokens left."""
         if not self._prefilling:
@@ -576,11 +646,22 @@ class Scheduler:
             return
         self._prefilling.remove(seq)
         slot = self.engine.free_slots()[0]
-        result = self._guard(seq, lambda: self.engine.finish_prefill(seq.job, slot))
+        job, keep = seq.job, seq.block_hashes is not None  # keep its buffer: its blocks go to the prefix cache
+        result = self._guard(seq, lambda: self.engine.finish_prefill(job, slot, keep_buffer=keep))
         seq.job = None
         if result is not None:
             seq.slot = slot
             self._prefilled(seq, result)
+            if keep:
+                self._guard_cache(lambda: self._cache_prefix(seq, job))
+        job.buffer = None
+
+    def _guard_cache(self, step) -> None:
+        """Run a cache's bookkeeping ``step``; a failure there costs the cache's gain only, never a request."""
+        try:
+            step()
+        except Exception:
+            pass
 
     def _prefilled(self, seq: _Sequence, result: PrefillResult) -> None:
         """``seq``'s prompt (or context) is compressed into its slot: cache a context, ask a question, or sample

@@ -112,11 +112,17 @@ class TritonPythonModel:
             family("criticalkv_kv_bytes_reserved", "KV bytes held: running requests, prompts under prefill, cached contexts", family.GAUGE),
             family("criticalkv_context_cache", "Compressed context cache: hits, misses, evictions (counts since start), "
                    "bytes_held, entries (now)", family.GAUGE),
+            family("criticalkv_prefix_cache", "Prefix cache of plain prompts: queries and hits (prompt tokens looked up "
+                   "and found), requests and hit_requests, evictions (blocks) (counts since start), bytes_held, "
+                   "blocks (now)", family.GAUGE),
         ]
-        ttft, tpot, kept, full, running, waiting, reserved, cache = self._metric_families
+        ttft, tpot, kept, full, running, waiting, reserved, cache, prefix = self._metric_families
         self.m_cache = {key: cache.Metric(labels={**labels, "stat": key})
                         for key in ("hits", "misses", "evictions", "bytes_held", "entries")}
         self._cache_stats = {}
+        self.m_prefix = {key: prefix.Metric(labels={**labels, "stat": key})
+                         for key in self.scheduler.prefix_cache.stats.as_dict()}
+        self._prefix_stats = {}
         self.m_ttft = ttft.Metric(labels=labels, buckets=TTFT_BUCKETS)
         self.m_tpot = tpot.Metric(labels=labels, buckets=TPOT_BUCKETS)
         self.m_kept, self.m_full = kept.Metric(labels=labels), full.Metric(labels=labels)
@@ -259,12 +265,14 @@ class TritonPythonModel:
                 if value != last:
                     metric.set(value)
             self._gauges = gauges
-        stats = self.scheduler.context_cache.stats.as_dict()
-        if stats != self._cache_stats:
-            for key, value in stats.items():
-                if value != self._cache_stats.get(key):
-                    self.m_cache[key].set(value)
-            self._cache_stats = stats
+        for metrics, cache, last in ((self.m_cache, self.scheduler.context_cache, "_cache_stats"),
+                                     (self.m_prefix, self.scheduler.prefix_cache, "_prefix_stats")):
+            stats, before = cache.stats.as_dict(), getattr(self, last)
+            if stats != before:
+                for key, value in stats.items():
+                    if value != before.get(key):
+                        metrics[key].set(value)
+                setattr(self, last, stats)
         if state.get("closed"):
             return
         parsed, sender, handle = state["request"], state["sender"], state["handle"]

@@ -4,7 +4,7 @@
 # wrap each in the machine's exclusive-CPU runner) and stays under ~20 minutes on 2 cores; a sweep too long for one
 # call is split into rounds (--rounds / --first-round / --append: the medians cover every call's runs).
 #   bash results/benchmarks/vllm/commands.sh            # everything
-#   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, docqa, needles, aiperf, memory
+#   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, prefix, docqa, needles, aiperf, memory
 # vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
 # first use. The engine is the README's (engines/ is git-ignored):
 #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8 \
@@ -21,6 +21,11 @@ if want plain; then
   # a 2k-token chat alone (TTFT, decode step), the same 2k document asked twice as plain messages, 8 concurrent 2k
   # chats with 64 new tokens; vLLM, criticalkv on ONNX Runtime and on OpenVINO, 3 interleaved rounds
   $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --out $OUT/plain
+fi
+if want prefix; then
+  # the prefix cache of plain prompts (criticalkv serve's default, --prefix-cache-mib 512): a 2k chat alone and the
+  # same 2k document asked twice as plain messages, vLLM and criticalkv on ONNX Runtime and on OpenVINO, 3 rounds
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --parts single,prefix --out $OUT/prefix_cache
 fi
 if want aiperf; then
   # AIPerf 0.13, the same command against every server's OpenAI chat endpoint (ISL 2048, OSL 64, concurrency 8,
