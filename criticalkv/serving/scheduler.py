@@ -334,7 +334,8 @@ class Scheduler:
         seq = _Sequence(handle, request, Sampler(request.sampling), engine.stop_ids(request), charge,
                         time.perf_counter())
         if request.context_token_ids:
-            seq.key = context_key(request.context_token_ids, self._policy_json, request.kv_budget)
+            seq.key = context_key(request.context_token_ids, self._policy_json, request.kv_budget,
+                                  request.context_threshold)
         with self._lock:
             if self._stopping:
                 raise RequestError("the scheduler is shutting down")
@@ -348,7 +349,7 @@ class Scheduler:
         request = self.engine.check(request)
         if not request.context_token_ids:
             raise RequestError("the request has no context")
-        return context_key(request.context_token_ids, self._policy_json, request.kv_budget)
+        return context_key(request.context_token_ids, self._policy_json, request.kv_budget, request.context_threshold)
 
     def holds_context(self, key: tuple) -> bool:
         """Whether the context under ``key`` is cached here or being compressed here now (any thread)."""
