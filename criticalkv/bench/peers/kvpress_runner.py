@@ -412,7 +412,7 @@ def shared(args) -> int:
             t0 = time.perf_counter()
             for q, q_ids in zip(doc["questions"], questions):
                 prompt = torch.cat([context, q_ids], dim=1)
-                inputs = None if shared_inputs is None else shared_inputs.extend(pipe, q_ids[:, :-1])
+                inputs = None if shared_inputs is None else shared_inputs.extend(pipe, q_ids)
                 for run, tokens, first, budget in aware_answers(pipe, recorder, prompt, aware_runs,
                                                                   q["max_new_tokens"], stops, inputs):
                     out.append({"doc": doc["key"], "question": q["key"], "setting": "aware", "run": run["key"],
@@ -472,8 +472,9 @@ class LayerInputs:
     forward. ``extend`` adds tokens after the prompt (a question): the inputs of one prefill of prompt + tokens, up to
     float rounding."""
 
-    def __init__(self, layers: list):
+    def __init__(self, layers: list, last_logits=None):
         self.layers = layers  # per layer (module, hidden [1, n, d], keys, values [1, H_kv, n, d_h], attentions, kwargs)
+        self.last_logits = last_logits  # [V] the prompt's last token's logits (full attention, as in the prefill)
 
     @classmethod
     def of(cls, pipe, ids, past: "LayerInputs | None" = None) -> "LayerInputs":
@@ -498,13 +499,14 @@ class LayerInputs:
                    for i, layer in enumerate(model.model.layers)]
         try:
             with torch.inference_mode():
-                model.model(input_ids=ids, past_key_values=cache,
-                            position_ids=torch.arange(start, start + ids.shape[1])[None])
+                out = model.model(input_ids=ids, past_key_values=cache,
+                                  position_ids=torch.arange(start, start + ids.shape[1])[None])
+                last_logits = model.lm_head(out.last_hidden_state[:, -1:])[0, -1].float()
         finally:
             for h in handles:
                 h.remove()
         if past is None:
-            return cls(captured)
+            return cls(captured, last_logits)
         layers = []
         for (module, h0, _, _, _, kw0), (_, h1, k, v, att, kw1) in zip(past.layers, captured):
             kwargs = dict(kw1)
@@ -513,7 +515,7 @@ class LayerInputs:
                                                   zip(kw0["position_embeddings"], kw1["position_embeddings"]))
             kwargs["cache_position"] = torch.arange(k.shape[2])
             layers.append((module, kwargs["hidden_states"], k, v, att, kwargs))
-        return cls(layers)
+        return cls(layers, last_logits)
 
     def extend(self, pipe, ids) -> "LayerInputs":
         return LayerInputs.of(pipe, ids, past=self)
@@ -538,29 +540,34 @@ class LayerInputs:
 
 
 def aware_answers(pipe, recorder, prompt, runs, max_new_tokens: int, stops: set, inputs: "LayerInputs | None"):
-    """Question-aware: each press compresses the prompt but its last token (the question inside the press's window,
-    as kvpress's ``query_aware`` puts the question into the context), then the last token runs through the compressed
-    cache and the answer follows (kvpress's ``generate_answer``). ``inputs``: the layers' inputs of ``prompt[:-1]``
-    (``LayerInputs``), else kvpress's pipeline prefills it with each press. Yields (run, answer tokens, first
-    logits, budget)."""
-    import kvpress
-
-    context, last = prompt[:, :-1], prompt[:, -1:]
+    """Question-aware: each press compresses the whole prompt (document and question) as its hooks do inside the
+    prompt's prefill (kvpress's ``with press(model): model.generate(...)``); the first answer token comes from that
+    prefill's last logits (full attention, as SnapKV and CriticalKV answer), the next ones greedily from the
+    compressed cache (kvpress's ``generate_answer``). ``inputs``: the layers' inputs of ``prompt`` (``LayerInputs``),
+    else a prefill with each press's hooks. Yields (run, answer tokens, first logits, budget)."""
     for run in runs:
-        budget = max(2, math.ceil(run["fraction"] * prompt.shape[1]))
-        ratio = max(0.0, 1.0 - (budget - 1 + 0.5) / context.shape[1])  # budget - 1 kept + the last token
+        budget = max(1, math.ceil(run["fraction"] * prompt.shape[1]))
+        ratio = max(0.0, 1.0 - (budget + 0.5) / prompt.shape[1])  # int(n * (1 - ratio)) = budget
         press = build_press(run, ratio)
         torch.manual_seed(0)
-        if inputs is None or isinstance(press, kvpress.KVzipPress):
-            recorder.take()
-            with torch.inference_mode():
-                pipe._forward({"context_ids": context, "questions_ids": [last]}, max_new_tokens=max_new_tokens,
-                              press=press)
-            calls = recorder.take()
+        if inputs is None:  # kvpress's own hooks in a prefill of the prompt
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
+            with torch.inference_mode(), press(pipe.model):
+                out = pipe.model.model(input_ids=prompt, past_key_values=cache)
+                first = pipe.model.lm_head(out.last_hidden_state[:, -1:])[0, -1].float()
+            kv = [(layer.keys, layer.values) for layer in cache.layers]
         else:
-            calls = generate(pipe, recorder, inputs.compress(press, pipe.model), last, context.shape[1], max_new_tokens)
+            kv, first = inputs.compress(press, pipe.model), inputs.last_logits
+        token = torch.tensor([[int(first.argmax())]])
+        calls = [first] + generate(pipe, recorder, kv, token, prompt.shape[1], max_new_tokens - 1)
+        if inputs is not None:
             inputs.release()
-        yield run, _answer(calls, max_new_tokens, stops), calls[0], budget
+        else:
+            for layer in pipe.model.model.layers:
+                layer.self_attn.masked_key_indices = None
+        yield run, _answer(calls, max_new_tokens, stops), first, budget
 
 
 def main() -> int:
