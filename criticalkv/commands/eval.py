@@ -137,7 +137,9 @@ def _shared_context(tasks) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--window", type=int, default=None,
                    help=f"observation window of every policy (default: {KVPolicy().window})")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out (same configuration)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out (same configuration, or fewer --policies/--aware-policies/"
+                        "--fractions: the documents still to do get only those runs, the finished ones keep theirs)")
     p.add_argument("--overwrite", action="store_true", help="replace the results in --out")
     p.set_defaults(func=sc.run)
 

@@ -146,6 +146,11 @@ def run(args) -> int:
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))}
     if calibrate:
         return _calibrate(model, tokenizer, documents, runs, calibrate, out, meta)
+    if args.resume:
+        earlier = [c for c in _earlier_commands(out) if c != meta["command"]]
+        if earlier:
+            meta["earlier_commands"] = earlier
+            meta["started"] = json.loads((out / sr.CONFIG).read_text(encoding="utf-8")).get("started", meta["started"])
     write_json(out / sr.CONFIG, meta)
     dropped = sr.drop_unfinished(out)
     if dropped:
@@ -186,11 +191,34 @@ def _check_earlier(out: Path, config: dict, resume: bool, overwrite: bool) -> No
         stored = json.loads(path.read_text(encoding="utf-8")).get("config")
     except (OSError, ValueError):
         stored = None
-    if stored != json.loads(json.dumps(config)):
+    config = json.loads(json.dumps(config))
+    if stored != config:
         stored = stored if isinstance(stored, dict) else {}
-        differs = ", ".join(sorted(k for k in set(config) | set(stored) if stored.get(k) != config.get(k)))
-        raise ValueError(f"--resume: {out} holds results of another configuration (differs in: {differs}); pass "
-                         "--overwrite to replace them, or choose another --out")
+        differs = sorted(k for k in set(config) | set(stored) if stored.get(k) != config.get(k))
+        if differs == ["runs"] and _is_subset(config["runs"], stored.get("runs") or []):
+            return  # a narrower resume: the documents still to do get fewer runs, those done keep all theirs
+        raise ValueError(f"--resume: {out} holds results of another configuration (differs in: {', '.join(differs)}); "
+                         "pass --overwrite to replace them, or choose another --out (--resume may drop runs, "
+                         "nothing else)")
+
+
+def _is_subset(runs: list, stored: list) -> bool:
+    """Whether every run of ``runs`` (``[setting, key, policy]``) is one of ``stored``, the same policy."""
+    return all(r in stored for r in runs)
+
+
+def _earlier_commands(out: Path) -> list[str]:
+    """The commands of the earlier runs into ``out`` (a narrower resume keeps the records they wrote)."""
+    from criticalkv.eval import shared_runner as sr
+
+    try:
+        meta = json.loads((out / sr.CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    earlier = list(meta.get("earlier_commands", []))
+    if meta.get("command") and meta["command"] not in earlier:
+        earlier.append(meta["command"])
+    return earlier
 
 
 def _calibrate(model, tokenizer, documents, runs, fractions, out: Path, meta: dict) -> int:

@@ -39,7 +39,8 @@ def test_a_document_is_one_context_of_exact_length_shared_by_its_questions(token
             for number in q.answers:
                 assert len(re.findall(rf"(?<!\d){number}(?!\d)", text)) == 1
         if q.kind == "owner":
-            assert f"The locker number of {q.answers[0]} is" in text
+            attribute, number = re.fullmatch(r"Question: Whose (.+) is (\d+)\? .*", q.text).groups()
+            assert f"The {attribute} of {q.answers[0]} is {number}." in text
     count = next(q for q in doc.questions if q.kind == "count")
     sentence = re.search(r'"(.+)"', count.text).group(1)
     assert text.count(sentence) == int(count.answers[0])
@@ -164,8 +165,11 @@ def test_the_cluster_bootstrap_resamples_documents():
 
 
 def test_paired_differences_and_lost_answers():
-    a = [1.0] * 30 + [0.0] * 10
-    b = [1.0] * 20 + [0.0] * 20
+    # 10 documents of 4 questions; a wins 10 questions spread over 8 of them (2, 2, then 1 each), loses none: the
+    # interval lies above 0 (a resample without a won question has probability 0.2^10) and spans 0.25
+    won = {0, 1, 4, 5, 8, 12, 16, 20, 24, 28}
+    a = [1.0] * 40
+    b = [0.0 if i in won else 1.0 for i in range(40)]
     records = _records(a, b, [i // 4 for i in range(40)])
     cells = Cells(records)
     p = paired(cells.scored(("agnostic", "p@25%")), cells.scored(("agnostic", "q@25%")), cells.doc_of)
@@ -232,6 +236,25 @@ def test_the_command_on_a_tiny_model_writes_records_resumes_and_draws_tables(mod
     assert sorted((r["question"], r["setting"], r["run"], r["text"]) for r in again) == sorted(
         (r["question"], r["setting"], r["run"], r["text"]) for r in records)
     assert main(["eval", "report", str(out)]) == 0 and "tables.md" in capsys.readouterr().out
+    # a narrower resume (fewer runs): the documents done keep all their runs, the ones still to do get the fewer runs
+    (out / "documents.jsonl").write_text(docs[0])
+    narrow = list(argv)
+    narrow[narrow.index("--policies") + 1] = "full,snapkv"
+    assert main(narrow + ["--resume"]) == 0
+    resized = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+    first, second = json.loads(docs[0])["doc"], json.loads(docs[1])["doc"]
+    assert [r for r in resized if r["doc"] == first] == [r for r in again if r["doc"] == first]
+    assert {r["run"] for r in resized if r["doc"] == second} == {r["run"] for r in again} - {
+        r["run"] for r in again if r["policy"] == "layer-kvzip-criticalkv:head_cap_ratio=3" and r["threshold"] is None}
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["earlier_commands"] and "layer-kvzip-criticalkv:head_cap_ratio=3" in meta["earlier_commands"][0]
+    assert "full,snapkv" in meta["command"]
+    assert "full,snapkv" in (out / "tables.md").read_text()  # every command behind the records
+    # a resume with a run the folder never had is refused
+    wider = list(argv)
+    wider[wider.index("--policies") + 1] = "full,snapkv,layer-kvzip"
+    capsys.readouterr()
+    assert main(wider + ["--resume"]) == 1 and "another configuration" in capsys.readouterr().err
 
 
 def test_the_command_refuses_bad_input_before_loading_a_model(tmp_path, capsys):

@@ -331,9 +331,10 @@ def parse_shared_args(argv=None) -> argparse.Namespace:
         description="kvpress beside `criticalkv eval shared-context`, on the same documents and questions (the same "
                     "generator, seed and chat template), in kvpress's own environment. Question-agnostic: kvpress's "
                     "pipeline compresses each context once per press and budget and answers every question of it "
-                    "(its questions_ids); question-aware: each press compresses the document and the question but "
-                    "the prompt's last token (kvpress's query_aware way), which runs through the compressed cache "
-                    "before the answer. kvpress's own full cache answers too: the reference of its fidelity columns. "
+                    "(its questions_ids); question-aware: each press compresses the document and the question as "
+                    "its hooks do in the prompt's prefill (kvpress's with press(model)), the first answer token comes "
+                    "from that prefill and the rest from the compressed cache, as criticalkv answers. kvpress's own "
+                    "full cache answers too: the reference of its fidelity columns. "
                     "Writes OUT/records.jsonl (scored with criticalkv's metrics) and OUT/config.json; put OUT in the "
                     "criticalkv run's folder as DIR/kvpress and `criticalkv eval report DIR` sets kvpress beside "
                     "every row. A stopped run continues with the next document.",
@@ -406,7 +407,12 @@ def run_shared(args: argparse.Namespace) -> str:
             {"key": d.key, "context_ids": list(d.context_ids),
              "questions": [{"key": q.key, "ids": list(q.ids), "max_new_tokens": q.max_new_tokens} for q in d.questions]}
             for d in documents]})
-        write_json(out / "config.json", {"command": command, "runs": runs, "domains": domains, "kinds": kinds,
+        earlier = []
+        if (out / "config.json").exists() and answers.exists():  # a resumed run: the documents done keep their runs
+            before = json.loads((out / "config.json").read_text(encoding="utf-8"))
+            earlier = [c for c in before.get("earlier_commands", []) + [before.get("command")] if c and c != command]
+        write_json(out / "config.json", {"command": command, **({"earlier_commands": earlier} if earlier else {}),
+                                         "runs": runs, "domains": domains, "kinds": kinds,
                                          "lengths": lengths, "documents": args.documents, "split": args.split,
                                          "seed": args.seed, "environment": environment(),
                                          "load_average_at_start": os.getloadavg()})
