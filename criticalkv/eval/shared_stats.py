@@ -295,7 +295,7 @@ def _adaptive(cells: Cells, setting: str, runs: dict) -> list[dict]:
             against = []
             for f, fixed in sorted(entry["fixed"].items()):
                 mine, theirs = cells.by_cell[cell], cells.by_cell[(setting, fixed)]
-                common = set(mine) & set(theirs)  # the memory of both on the same documents
+                common = sorted(set(mine) & set(theirs))  # the same documents, in order (same sums)
                 if not common:
                     continue
                 own_kept = float(np.mean([mine[q]["kept"] for q in common]))
