@@ -262,9 +262,9 @@ def build_document(tokenizer, domain: str, index: int, length: int, seed: int = 
     document, positions = insert_units(haystack, list(zip(offsets, fact_ids)))
     context_ids = tuple(prefix) + tuple(document)
     text = tokenizer.decode(document)
-    for n in numbers + [var_value]:  # a number that also occurs in the text would make the answer ambiguous
+    for n in numbers + ([var_value] if "chain" in kinds else []):  # a number also in the text: an ambiguous answer
         if len(re.findall(rf"(?<!\d){n}(?!\d)", text)) != 1:
-            raise ValueError(f"{seed_str}: the number {n} occurs more than once; change the seed")
+            raise ValueError(f"{seed_str}: the number {n} does not occur exactly once; change the seed")
     fact_at = {f: len(prefix) + p for f, p in zip(inserted, positions)}
     questions: list[tuple[str, str, str, tuple[str, ...], dict]] = []
     for kind in kinds:
@@ -330,6 +330,11 @@ def _quote(r, tokenizer, haystack, starts, texts, units, start, document_text) -
 DEFAULT_LENGTHS = (2048, 2560, 3072, 4096)
 
 
+#: Consecutive draws that may fail their checks before ``shared_documents`` gives up (a tokenizer or text where every
+#: draw fails would otherwise redraw forever).
+MAX_REDRAWS = 50
+
+
 def shared_documents(tokenizer, domains: Sequence[str], documents: int, lengths: Sequence[int] = DEFAULT_LENGTHS,
                      seed: int = 0, split: str = "eval", kinds: Sequence[str] = DEFAULT_KINDS,
                      chat: bool = True) -> list[SharedDocument]:
@@ -340,17 +345,20 @@ def shared_documents(tokenizer, domains: Sequence[str], documents: int, lengths:
         raise ValueError(f"--documents must be >= 1, got {documents}")
     per_domain: dict[str, list[SharedDocument]] = {}
     for domain in domains:
-        docs, index = [], 0
+        docs, index, failed = [], 0, 0
         while len(docs) < documents:
             length = lengths[len(docs) % len(lengths)]
             try:
                 doc = build_document(tokenizer, domain, index, length, seed, split, kinds, chat)
             except ValueError as err:
-                if "too short" in str(err):
-                    raise
+                failed += 1
+                if "too short" in str(err) or failed >= MAX_REDRAWS:
+                    raise ValueError(f"shared-context: {domain}: {failed} draws in a row failed their checks, the "
+                                     f"last: {err}") if failed >= MAX_REDRAWS else err
                 index += 1
                 continue
             docs.append(doc)
+            failed = 0
             index += 1
         per_domain[domain] = docs
     return [per_domain[d][i] for i in range(documents) for d in domains]

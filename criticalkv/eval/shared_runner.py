@@ -202,7 +202,9 @@ class DocumentEvaluator:
                 budget = n
             elif run.threshold is not None:
                 scores = bank.external_scores(run.policy)
-                budget = adaptive_budget(scores, run.threshold, run.policy.window, run.budget(n))
+                # at least what the policy always keeps (window and sink tokens), as the engines' adaptive budget
+                budget = max(run.policy.min_budget,
+                             adaptive_budget(scores, run.threshold, run.policy.window, run.budget(n)))
             else:
                 budget = run.budget(n)
             policy = run.policy if is_full else run.policy.replace(budget=min(budget, n))

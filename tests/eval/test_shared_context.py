@@ -225,7 +225,7 @@ def test_the_command_on_a_tiny_model_writes_records_resumes_and_draws_tables(mod
     # nothing left to do: --resume finds every document done; without it, the results are refused
     assert main(argv + ["--resume"]) == 0
     assert len((out / "records.jsonl").read_text().splitlines()) == len(records)
-    assert main(argv) == 1 and "already holds shared-context results" in capsys.readouterr().err
+    assert main(argv) == 2 and "already holds shared-context results" in capsys.readouterr().err
     # a run stopped inside a document: its partial records are dropped and the document redone
     lines = (out / "records.jsonl").read_text().splitlines(keepends=True)
     docs = (out / "documents.jsonl").read_text().splitlines(keepends=True)
@@ -254,7 +254,7 @@ def test_the_command_on_a_tiny_model_writes_records_resumes_and_draws_tables(mod
     wider = list(argv)
     wider[wider.index("--policies") + 1] = "full,snapkv,layer-kvzip"
     capsys.readouterr()
-    assert main(wider + ["--resume"]) == 1 and "another configuration" in capsys.readouterr().err
+    assert main(wider + ["--resume"]) == 2 and "another configuration" in capsys.readouterr().err
 
 
 def test_the_command_refuses_bad_input_before_loading_a_model(tmp_path, capsys):
@@ -264,5 +264,5 @@ def test_the_command_refuses_bad_input_before_loading_a_model(tmp_path, capsys):
     for extra, message in ((["--domains", "poetry"], "unknown poetry"), (["--fractions", "0.25,2"], "fraction"),
                            (["--kinds", "riddle"], "unknown riddle"), (["--documents", "0"], ">= 1"),
                            (["--policies", "snapkv", "--thresholds", "0.1", "--adaptive", "snapkv"], "no score")):
-        assert main(base + extra) == 1
+        assert main(base + extra) == 2
         assert message in capsys.readouterr().err
