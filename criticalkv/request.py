@@ -212,6 +212,9 @@ class Request:
     context_token_ids : a context (a document, a conversation's earlier turns) that comes before the prompt and is
         compressed alone, question-agnostically, and cached: later requests with the same context skip its prefill
         (the serving context cache). The prompt is then the question asked after it. Empty: no context.
+    context_threshold : an input-adaptive budget for the context (``criticalkv.methods.budget.adaptive_budget``): keep
+        what the context policy's own score (KVzip's, an attention probability) ranks at or above this threshold, at
+        most the request's budget; in (0, 1]. None: the budget itself.
     """
 
     prompt_token_ids: tuple[int, ...]
@@ -219,6 +222,7 @@ class Request:
     kv_budget: int | None = None
     request_id: Any = None
     context_token_ids: tuple[int, ...] = ()
+    context_threshold: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("prompt_token_ids", "context_token_ids"):
@@ -231,6 +235,11 @@ class Request:
             object.__setattr__(self, name, tuple(int(t) for t in ids))
         if not isinstance(self.sampling, SamplingParams):
             raise RequestError(f"sampling: expected SamplingParams, got {type(self.sampling).__name__}")
+        t = self.context_threshold
+        if t is not None:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
+                raise RequestError(f"context_threshold: a score in (0, 1] (an attention probability), got {t!r}")
+            object.__setattr__(self, "context_threshold", float(t))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -246,6 +255,8 @@ class Request:
         ids, context = self.prompt_token_ids, self.context_token_ids
         if not ids:
             raise RequestError("the prompt is empty")
+        if self.context_threshold is not None and not context:
+            raise RequestError("context_threshold: adapts the budget of a context; this request has no context")
         if context:
             if not limits.max_question_len:
                 raise RequestError("context: this engine cannot keep a compressed context (it has no extend graph); "
@@ -273,7 +284,8 @@ class Request:
             raise RequestError(str(err)) from None
         if budget is not None and not limits.accepts_kv_budget:
             raise RequestError(NO_BUDGET_INPUT)
-        return CheckedRequest(self.prompt_token_ids, sampling, budget, self.request_id, context, limits=limits,
+        return CheckedRequest(self.prompt_token_ids, sampling, budget, self.request_id, context,
+                              self.context_threshold, limits=limits,
                               budget=limits.policy.budget if budget is None else budget)
 
 
@@ -291,4 +303,4 @@ class CheckedRequest(Request):
         if limits is self.limits:
             return self
         return Request(self.prompt_token_ids, self.sampling, self.kv_budget, self.request_id,
-                       self.context_token_ids).checked(limits)
+                       self.context_token_ids, self.context_threshold).checked(limits)

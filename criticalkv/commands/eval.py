@@ -72,6 +72,7 @@ def register(subparsers) -> None:
     pert.add_argument("--tasks", default=",".join(RULER_TASKS), help="RULER-style tasks for --prompts ruler/both")
     for sub in (needle, ruler, pert):
         sub.set_defaults(func=run)
+    _shared_context(tasks)
     rep = tasks.add_parser(
         "report",
         help="redraw a finished run's markdown and figures from its JSON (needle/RULER summaries recomputed)",
@@ -84,6 +85,65 @@ def register(subparsers) -> None:
     rep.set_defaults(func=run_report)
 
 
+def _shared_context(tasks) -> None:
+    from criticalkv.eval import shared_command as sc
+
+    p = tasks.add_parser(
+        "shared-context",
+        help="one document, many questions: compressed once (question-agnostic) or with each question (aware), "
+             "accuracy with 95 %% intervals and fidelity to the full cache",
+        description="SCBench-style compress-once, answer-many on the bundled model (or --model): documents of the "
+                    "domains' evaluation (or --split train) text with facts inserted, each asked several kinds of "
+                    "questions (--kinds: one key's value, two keys, a value passed along a chain, whose number, a "
+                    "quotation's continuation, a count, an open question scored against the full cache). Each "
+                    "document is prefilled once; question-agnostically each policy compresses the context once per "
+                    "budget (--fractions of the context) and every question is asked of it; question-aware "
+                    "(--aware-policies) the question is inside the prompt the policy compresses. Records: "
+                    "--out DIR/records.jsonl, appended after every document (--resume continues a stopped run); "
+                    "tables with cluster-bootstrap 95 % intervals: DIR/tables.md (criticalkv eval report DIR redraws "
+                    "them, with the records of the runs in DIR's subfolders beside them: kvpress's from python -m "
+                    "criticalkv.bench.peers.kvpress shared-context --out DIR/kvpress, an adaptive-budget run's "
+                    "--out DIR/adaptive).")
+    p.add_argument("--domains", default=",".join(sc.DOMAIN_NAMES),
+                   help=f"comma-separated domains (default: {','.join(sc.DOMAIN_NAMES)}; criticalkv/eval/domains.py)")
+    p.add_argument("--documents", type=int, default=10, help="documents per domain (default: 10)")
+    p.add_argument("--lengths", default=",".join(map(str, sc.DEFAULT_LENGTHS)),
+                   help="context lengths in tokens, taken in turn by the documents of a domain "
+                        f"(default: {','.join(map(str, sc.DEFAULT_LENGTHS))})")
+    p.add_argument("--kinds", default=",".join(sc.DEFAULT_KINDS),
+                   help=f"question kinds each document asks (default: {','.join(sc.DEFAULT_KINDS)})")
+    p.add_argument("--fractions", default=sc.DEFAULT_FRACTIONS,
+                   help=f"budgets as fractions of the tokens compressed (default: {sc.DEFAULT_FRACTIONS})")
+    p.add_argument("--policies", default=sc.DEFAULT_AGNOSTIC,
+                   help=f"question-agnostic policy specs (default: {sc.DEFAULT_AGNOSTIC})")
+    p.add_argument("--aware-policies", default=sc.DEFAULT_AWARE,
+                   help=f"question-aware policy specs, '' for none (default: {sc.DEFAULT_AWARE})")
+    p.add_argument("--adaptive", default=sc.DEFAULT_ADAPTIVE,
+                   help="the policy whose budget follows the document with --thresholds (default: the default "
+                        "context policy)")
+    p.add_argument("--thresholds", default="",
+                   help="adaptive budget: keep every entry whose score (KVzip's, an attention probability) reaches "
+                        "each of these thresholds, at most --adaptive-caps of the context (default: none)")
+    p.add_argument("--adaptive-caps", default="0.5", help="caps of the adaptive budget, fractions (default: 0.5)")
+    p.add_argument("--calibrate", default="",
+                   help="instead of evaluating: print (and write to --out/calibration.json) the --thresholds at which "
+                        "--adaptive keeps these mean fractions of the documents (tune on --split train)")
+    p.add_argument("--split", choices=("eval", "train"), default="eval",
+                   help="the domains' evaluation documents (default) or their training documents (for tuning)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the documents (default: 0)")
+    p.add_argument("--out", type=Path, required=True, help="folder for the records and tables")
+    p.add_argument("--model", help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--no-chat", action="store_true", help="plain prompts instead of the model's chat template")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--window", type=int, default=None,
+                   help=f"observation window of every policy (default: {KVPolicy().window})")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out (same configuration, or fewer --policies/--aware-policies/"
+                        "--fractions: the documents still to do get only those runs, the finished ones keep theirs)")
+    p.add_argument("--overwrite", action="store_true", help="replace the results in --out")
+    p.set_defaults(func=sc.run)
+
+
 def _question_agnostic(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question-agnostic", action="store_true",
                    help="compress each prompt's context without its question (the selection's window is the "
@@ -94,8 +154,14 @@ def _question_agnostic(p: argparse.ArgumentParser) -> None:
 def run_report(args) -> int:
     from criticalkv.eval.report import refresh
 
+    from criticalkv.eval.shared_command import write_tables
+    from criticalkv.eval.shared_runner import CONFIG, RECORDS
+
     files = []
     for path in args.paths:
+        if path.is_dir() and ((path / RECORDS).exists() or (path / CONFIG).exists()):
+            print(write_tables(path))  # a shared-context run
+            continue
         if path.is_dir():
             found = [path / f"{t}.json" for t in TASKS if (path / f"{t}.json").is_file()]
             if not found:

@@ -114,6 +114,80 @@ def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int], keep_
     )
 
 
+@torch.no_grad()
+def extend_shared_prefill(model, prefill: SharedPrefill, question_ids: torch.Tensor,
+                          windows: Sequence[int] | None = None, keep_hidden: bool | None = None) -> SharedPrefill:
+    """``shared_prefill`` of the prompt ``prefill.input_ids + question_ids`` [1, n + q], from ``prefill``'s full cache:
+    only the q new tokens run through the model (at positions n..n+q-1, attending to the n full entries and causally to
+    each other), so one prefill of a document serves every question asked of it (question-aware: the question inside
+    the window). The same tensors as one prefill of the whole prompt, up to float rounding
+    (``tests/eval/test_shared_context.py`` checks it, and the kept entries and answers on the bundled model).
+
+    windows : the window sizes to keep queries for (default: ``prefill``'s); a window longer than q takes its first
+        queries from ``prefill``'s (a window of ``prefill`` at least that long must have been kept)
+    keep_hidden : keep every layer's attention input over the whole prompt (default: when ``prefill`` kept them)
+    """
+    from transformers import DynamicCache
+
+    if question_ids.dim() != 2 or question_ids.shape[0] != 1 or question_ids.shape[1] == 0:
+        raise ValueError(f"question_ids: expected [1, q] with q >= 1, got shape {tuple(question_ids.shape)}")
+    n, q = prefill.n, question_ids.shape[1]
+    keep_hidden = prefill.hidden is not None if keep_hidden is None else keep_hidden
+    if keep_hidden and prefill.hidden is None:
+        raise ValueError("keep_hidden: the document's prefill kept no hidden states (shared_prefill(keep_hidden=True))")
+    layers = model.model.layers
+    total = n + q
+    sizes = sorted({min(w, total) for w in (windows if windows is not None else prefill.queries)})
+    for w in sizes:
+        if w > q and not any(v >= w - q for v in prefill.queries):
+            raise ValueError(f"window {w}: the document's prefill kept window queries for {sorted(prefill.queries)} only")
+    cache = DynamicCache(config=model.config)
+    for idx, (k, v) in enumerate(zip(prefill.keys, prefill.values)):
+        cache.update(k, v, idx)  # the document's tensors, uncopied: the question's forward concatenates new ones
+    keys: list = [None] * len(layers)
+    values: list = [None] * len(layers)
+    queries: dict[int, list] = {w: [None] * len(layers) for w in sizes}
+    hidden_states: list | None = [None] * len(layers) if keep_hidden else None
+
+    def make_hook(idx):
+        def hook(module, args, kwargs, output):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            cache_layer = hook_cache(kwargs).layers[idx]
+            keys[idx], values[idx] = cache_layer.keys, cache_layer.values
+            if hidden_states is not None:
+                hidden_states[idx] = torch.cat([prefill.hidden[idx], hidden.detach()], dim=1)
+            for w in sizes:
+                own = window_queries(module, hidden, kwargs["position_embeddings"], min(w, q))
+                if w > q:  # the window reaches back into the document: its queries, already post-RoPE
+                    held = min(v for v in prefill.queries if v >= w - q)
+                    own = torch.cat([prefill.queries[held][idx][:, :, held - (w - q):], own], dim=2)
+                queries[w][idx] = own
+
+        return hook
+
+    handles = [layer.self_attn.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    start = time.perf_counter()
+    try:
+        out = model(input_ids=question_ids.to(prefill.input_ids.device),
+                    position_ids=torch.arange(n, total, device=prefill.input_ids.device)[None],
+                    use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+    finally:
+        for h in handles:
+            h.remove()
+    return SharedPrefill(
+        input_ids=torch.cat([prefill.input_ids, question_ids.to(prefill.input_ids.device)], dim=1),
+        logits=out.logits[:, -1],
+        keys=keys,
+        values=values,
+        queries=queries,
+        o_proj=prefill.o_proj,
+        prefill_s=time.perf_counter() - start,
+        inv_freq=prefill.inv_freq,
+        model=model,
+        hidden=hidden_states,
+    )
+
+
 class ScoreBank:
     """One prompt's memoised score inputs, shared by every policy and budget of an evaluation.
 
@@ -270,7 +344,9 @@ def decode(
         first = sampler(logits.float().cpu().numpy())
         generated, steps, seconds = decode_loop(step, first, max_new_tokens, stop_token_ids, sampler,
                                                 force_first_step=force_first_step)
-    return Decoded(tokens=generated.tokens[0], decode_s=seconds, steps=steps, cache=cache)
+    # the first answer token's logits [1, V] (fp32): what the fidelity to the full cache compares
+    return Decoded(tokens=generated.tokens[0], decode_s=seconds, steps=steps, cache=cache,
+                   extras={"first_logits": logits.float()})
 
 
 def kept_fraction(selections: Sequence[LayerSelection], n: int) -> float:

@@ -110,3 +110,20 @@ def max_kept_per_head(policy: Policy, n: int, num_kv_heads: int, layer_idx: int 
     w = min(policy.window, n)
     m = n - w
     return w + base.max_older_per_head(policy, layer_selectable_budget(policy, layer_idx, num_layers), m, num_kv_heads)
+
+
+def adaptive_budget(scores, threshold: float, window: int, cap: int) -> int:
+    """An input-adaptive budget (KVzap's and DMS's thresholding): the budget, in entries per KV head on average
+    (window included), that keeps every older entry whose score reaches ``threshold``: the window plus their count
+    over every layer and KV head divided by the number of KV heads, rounded up; at most ``cap`` (the request's
+    budget), at least the window. ``scores``: per layer [B, H_kv, n] arrays (numpy or torch) of a method's own score
+    of the prompt, e.g. KVzip's (re-read or surrogate: an attention probability, so one threshold means the same in
+    every document). The policy then selects at that budget: under a model-wide ranking (``layer-kvzip``) exactly the
+    entries above the threshold, up to the per-head floor and cap."""
+    if not threshold > 0:
+        raise ValueError(f"threshold: must be > 0, got {threshold}")
+    n = int(scores[0].shape[-1])
+    w = min(window, n)
+    heads = sum(int(s.shape[0]) * int(s.shape[1]) for s in scores)
+    above = sum(int((s[..., : n - w] >= threshold).sum()) for s in scores)
+    return int(min(cap, max(w, w + -(-above // heads))))

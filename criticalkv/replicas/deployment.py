@@ -47,7 +47,7 @@ from criticalkv.serving.requests import TextStream, encode_inputs, parse_request
 #: the inputs the OpenAI layer may send (it sends ``context`` only to a model that has it)
 MODEL_INPUTS = frozenset({"text_input", "stream", "sampling_parameters", "exclude_input_in_output", "kv_budget",
                           "return_num_input_tokens", "return_num_output_tokens", "return_kv_bytes",
-                          "apply_chat_template", "context", "input_ids", "context_ids"})
+                          "apply_chat_template", "context", "input_ids", "context_ids", "context_threshold"})
 #: ONNX Runtime options of a replica that does not prepack (``lean_options``): every session maps the one copy of the
 #: weights (shared with the other replicas of the machine through the page cache), and no session keeps its arena
 LEAN_ORT_OPTIONS = {"prepack": False, "prefill_prepack": False, "arena": False}
@@ -234,7 +234,8 @@ class Replica:
 
     async def _generate(self, payload: dict, record: dict) -> AsyncIterator[dict]:
         request = Request(payload["prompt_ids"], payload["sampling"], payload.get("kv_budget"),
-                          context_token_ids=payload.get("context_ids") or ())
+                          context_token_ids=payload.get("context_ids") or (),
+                          context_threshold=payload.get("context_threshold"))
         from_store = False
         try:
             if request.context_token_ids and self.share:
@@ -374,7 +375,8 @@ class ReplicaModel:
         ids, context_ids = encode_inputs(parsed, self.tokenizer)
         route = route_digest(context_key(context_ids, "", None)[0]) if context_ids else None
         return {"prompt_ids": ids, "context_ids": context_ids, "sampling": parsed.sampling,
-                "kv_budget": parsed.kv_budget, "stream": parsed.stream, "stop": parsed.stop, "route": route}
+                "kv_budget": parsed.kv_budget, "stream": parsed.stream, "stop": parsed.stop, "route": route,
+                "context_threshold": parsed.context_threshold}
 
     async def generate(self, values: dict[str, Any], request_id: str) -> AsyncIterator[dict[str, Any]]:
         """The replica's outputs for one request (``TritonModel.generate``'s contract): APIError for an error output;

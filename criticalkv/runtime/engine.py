@@ -24,10 +24,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from criticalkv.errors import EngineError, RequestError
+from criticalkv.methods.budget import adaptive_budget
 from criticalkv.methods.phases import PromptScoring, RereadPass
 from criticalkv.padding import left_padded_lengths
 from criticalkv.policy import KVPolicy
-from criticalkv.request import CheckedRequest, Request, SamplingParams
+from criticalkv.request import NO_BUDGET_INPUT, CheckedRequest, Request, SamplingParams
 from criticalkv.runtime.backend import Backend, PromptEntries, RowSnapshot
 from criticalkv.runtime.manifest import default_backend, engine_limits, load_tokenizer, read_manifest
 from criticalkv.runtime.profiling import selection_profile
@@ -387,6 +388,12 @@ class Engine:
         request = self.check(request)
         policy = self.policy_for(context)
         scoring = self.scoring(policy)
+        if request.context_threshold is not None:  # the budget follows the context's own scores (finish_prefill)
+            if not context or scoring is None:
+                raise RequestError(f"context_threshold: the context policy {policy.name!r} has no score of its own to "
+                                   "threshold (a kvzip policy has: KVzip's score, re-read or surrogate)")
+            if not self.limits.accepts_kv_budget:
+                raise RequestError(NO_BUDGET_INPUT)
         spare = scoring.spare(request.prompt_token_ids) if scoring is not None else 0
         buffer = self.backend.new_prefill_buffer(request.num_prompt_tokens, spare) if spare else \
             self.backend.new_prefill_buffer(request.num_prompt_tokens)
@@ -509,6 +516,9 @@ class Engine:
         scoring_s = time.perf_counter() - start
         # a context policy may keep sinks beside the window: its own smallest budget
         budget = max(job.request.budget, policy.min_budget)
+        if job.context and job.request.context_threshold is not None and scores is not None:
+            # what the score ranks at or above the threshold, at most the request's budget (adaptive_budget)
+            budget = max(policy.min_budget, adaptive_budget(scores, job.request.context_threshold, policy.window, budget))
         options = {}
         if scores is not None:
             options["scores"] = scores

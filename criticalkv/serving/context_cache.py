@@ -21,10 +21,13 @@ from typing import Any, Sequence
 import numpy as np
 
 
-def context_key(token_ids: Sequence[int], policy_json: str, kv_budget: int | None) -> tuple[str, int, str, int | None]:
-    """The cache key of a context: a digest of its token ids (and their count), the engine's policy, the budget."""
+def context_key(token_ids: Sequence[int], policy_json: str, kv_budget: int | None,
+                threshold: float | None = None) -> tuple:
+    """The cache key of a context: a digest of its token ids (and their count), the engine's policy, the budget (with
+    the request's ``context_threshold`` when it adapts the budget: (kv_budget, threshold))."""
     ids = np.asarray(token_ids, dtype=np.int64)
-    return hashlib.sha256(ids.tobytes()).hexdigest(), int(ids.size), policy_json, kv_budget
+    budget = kv_budget if threshold is None else (kv_budget, float(threshold))
+    return hashlib.sha256(ids.tobytes()).hexdigest(), int(ids.size), policy_json, budget
 
 
 @dataclass

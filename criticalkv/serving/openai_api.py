@@ -13,7 +13,7 @@ the messages rendered by the engine's chat template, ``criticalkv.chat``), ``str
 ``sampling_parameters`` (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``ignore_eos``),
 ``exclude_input_in_output``, ``kv_budget`` and the token counts. criticalkv's own fields ride in the body
 (the ``openai`` client's ``extra_body``): ``kv_budget`` (tokens kept per KV head for this request),
-``ignore_eos`` (as vLLM) and ``context`` (the compressed context cache, forwarded only to a model that has a
+``ignore_eos`` (as vLLM), ``context`` (the compressed context cache, forwarded only to a model that has a
 ``context`` input). The model checks the values (ranges, lengths); its errors come back on the gRPC stream and
 become 400 with its message; this layer checks the shapes and types (pydantic, strict) and what only it
 knows (the model name, ``n``, fields the server does not implement). Every error is OpenAI's error object
@@ -131,6 +131,7 @@ class _Common(_Strict):
     kv_budget: int | None = None
     ignore_eos: bool | None = None
     context: str | bool | None = None
+    context_threshold: float | None = None
     # OpenAI fields not implemented here (accepted at their neutral value only)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -218,6 +219,10 @@ def check_common(request: _Common, served_model: str, model_inputs: set[str]) ->
     if request.context is not None and "context" not in model_inputs:
         raise APIError(400, "context: not supported by this server (its model has no compressed-context input)",
                        "context")
+    if request.context_threshold is not None and (request.context is None or "context_threshold" not in model_inputs):
+        raise APIError(400, "context_threshold: adapts the budget of a context: give a context" if request.context is None
+                       else "context_threshold: not supported by this server's model (rebuild its Triton repository)",
+                       "context_threshold")
 
 
 def _same(value, neutral) -> bool:
@@ -326,6 +331,8 @@ def model_inputs(values: dict[str, Any]) -> dict[str, tuple[np.ndarray, str]]:
             arrays[name] = np.array([value], dtype=bool), "BOOL"
         elif isinstance(value, int):
             arrays[name] = np.array([value], dtype=np.int32), "INT32"
+        elif isinstance(value, float):
+            arrays[name] = np.array([value], dtype=np.float32), "FP32"
         else:
             arrays[name] = np.array([str(value).encode("utf-8")], dtype=np.object_), "BYTES"
     return arrays
@@ -593,6 +600,8 @@ def create_app(grpc_url: str | None, model_name: str, tokenizer, api_key: str | 
                 values["context_ids"] = context_ids
         elif body.context is not None:
             values["context"] = body.context
+        if body.context_threshold is not None:
+            values["context_threshold"] = body.context_threshold
         echo = prompt if (not chat and getattr(body, "echo", False)) else ""
         responses = _within(model.generate(values, request_id), request_timeout, renew=body.stream)
         if body.stream:

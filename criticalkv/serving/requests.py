@@ -7,7 +7,8 @@ Inputs (Triton model ``config.pbtxt``): ``text_input`` (STRING, required), ``str
 ``return_num_output_tokens`` / ``return_kv_bytes`` (BOOL), ``apply_chat_template`` (BOOL: ``text_input`` is
 one user message, wrapped by the tokenizer's chat template as ``criticalkv generate --chat`` does), ``context``
 (STRING: a document compressed once without the question and cached; ``text_input`` is the question after it),
-``input_ids`` / ``context_ids`` (INT32 [-1]: the prompt and the context as token ids, instead of text). Without
+``input_ids`` / ``context_ids`` (INT32 [-1]: the prompt and the context as token ids, instead of text),
+``context_threshold`` (FP32: the context keeps what its policy's score ranks at or above it, at most the budget). Without
 ``sampling_parameters`` the same keys are read from the request's parameters (Triton's generate endpoint puts
 unknown JSON fields there).
 As in vllm_backend: a streamed response carries the new text only; a non-streamed one the whole text,
@@ -48,6 +49,7 @@ class TextRequest:
     context: str | None = None
     input_ids: list[int] | None = None
     context_ids: list[int] | None = None
+    context_threshold: float | None = None
 
     @property
     def max_tokens(self) -> int | None:
@@ -124,6 +126,12 @@ def parse_request(inputs: dict[str, Any], parameters: str | dict | None = None) 
         if not np.issubdtype(np.asarray(value).dtype, np.integer):
             raise RequestError(f"kv_budget: expected an integer, got {np.asarray(inputs['kv_budget']).dtype}")
         kv_budget = int(value)
+    threshold = None
+    if inputs.get("context_threshold") is not None:
+        value = _scalar("context_threshold", inputs["context_threshold"])
+        if not np.issubdtype(np.asarray(value).dtype, np.number) or np.issubdtype(np.asarray(value).dtype, np.bool_):
+            raise RequestError(f"context_threshold: expected a number, got {np.asarray(inputs['context_threshold']).dtype}")
+        threshold = float(value)
     return TextRequest(
         prompt=prompt, stream=stream, prepend_input=prepend, kv_budget=kv_budget,
         return_num_input_tokens=flags.get("return_num_input_tokens", False),
@@ -131,6 +139,7 @@ def parse_request(inputs: dict[str, Any], parameters: str | dict | None = None) 
         return_kv_bytes=flags.get("return_kv_bytes", False), sampling=sampling,
         apply_chat_template=flags.get("apply_chat_template", False), context=context,
         input_ids=token_inputs.get("input_ids"), context_ids=token_inputs.get("context_ids"),
+        context_threshold=threshold,
     )
 
 

@@ -362,7 +362,8 @@ class Scheduler:
         seq = _Sequence(handle, request, Sampler(request.sampling), engine.stop_ids(request), charge,
                         time.perf_counter())
         if request.context_token_ids:
-            seq.key = context_key(request.context_token_ids, self._policy_json, request.kv_budget)
+            seq.key = context_key(request.context_token_ids, self._policy_json, request.kv_budget,
+                                  request.context_threshold)
         elif self.prefix_caching and request.num_prompt_tokens > self.prefill_chunk:  # hashed here, off the loop
             seq.block_hashes = self.prefix_cache.hashes(request.prompt_token_ids)
         with self._lock:
@@ -378,7 +379,7 @@ class Scheduler:
         request = self.engine.check(request)
         if not request.context_token_ids:
             raise RequestError("the request has no context")
-        return context_key(request.context_token_ids, self._policy_json, request.kv_budget)
+        return context_key(request.context_token_ids, self._policy_json, request.kv_budget, request.context_threshold)
 
     def holds_context(self, key: tuple) -> bool:
         """Whether the context under ``key`` is cached here or being compressed here now (any thread)."""

@@ -197,3 +197,36 @@ def test_a_context_policy_of_the_other_level_exports_and_keeps_the_pytorch_paths
         for head in range(2):
             kept_ids = got.kept_indices[layer][head]
             assert kept_ids[kept_ids >= 0].tolist() == kept(selection, head), f"layer {layer} head {head}"
+
+
+def test_a_context_threshold_keeps_what_the_score_ranks_above_it(engine, model):
+    # the budget follows the context: KVzip's score (the PyTorch path's) above the threshold, at most the budget
+    from criticalkv.eval.engine import ScoreBank, shared_prefill
+    from criticalkv.methods.budget import adaptive_budget
+
+    context, question = prompt(150, seed=41), prompt(8, seed=42)
+    ids = torch.tensor([context])
+    scores = ScoreBank(shared_prefill(model, ids, [8]), model).external_scores(CONTEXT_POLICY)
+    older = np.concatenate([s[..., : 150 - 8].flatten().numpy() for s in scores])
+    threshold = float(np.quantile(older, 0.93))
+    budget = max(CONTEXT_POLICY.min_budget, adaptive_budget(scores, threshold, 8, 40))
+    assert CONTEXT_POLICY.min_budget < budget < 40  # between: the threshold, not the cap, decides
+    want = generate(model, ids, CONTEXT_POLICY.replace(budget=budget), 6, question_ids=torch.tensor([question]))
+    scheduler = Scheduler(engine, prefill_chunk=32)
+    try:
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        out = scheduler.submit(Request(question, params, None, context_token_ids=context,
+                                       context_threshold=threshold)).result(120)
+        assert out.token_ids == want.tokens[0]
+        plain = scheduler.submit(Request(question, params, None, context_token_ids=context)).result(120)
+        assert plain.context_cache_hit is False  # another budget rule: another cache entry
+        assert 0 < out.kv_bytes_kept < plain.kv_bytes_kept
+        capped = scheduler.submit(Request(question, params, None, context_token_ids=context,
+                                          context_threshold=1e-12)).result(120)
+        assert capped.token_ids == plain.token_ids  # everything scores above it: the budget itself
+    finally:
+        scheduler.close()
+    with pytest.raises(Exception, match="context_threshold"):
+        engine.check(Request(question, SamplingParams(max_tokens=2), None, context_threshold=0.1))
+    with pytest.raises(Exception, match="context_threshold"):
+        Request(question, SamplingParams(max_tokens=2), None, context_token_ids=context, context_threshold=1.5)

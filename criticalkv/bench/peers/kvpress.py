@@ -184,6 +184,16 @@ def parse_press(spec: str) -> tuple[str, dict]:
     return name, kwargs
 
 
+def parse_wrapped_press(spec: str) -> tuple[str, dict]:
+    """``parse_press`` where the name may wrap another press: ``"CriticalKVPress(SnapKVPress):epsilon=0.001"``."""
+    import re
+
+    head, _, knobs = spec.partition(":")
+    if not re.fullmatch(r"\w+(\(\w+\))?", head):
+        raise ValueError(f"--presses: {spec!r} does not start with a kvpress class name (or OUTER(INNER))")
+    return head, parse_press("Press:" + knobs)[1] if knobs else {}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m criticalkv.bench.peers.kvpress", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=PEERS_DIR_HELP)
@@ -304,6 +314,136 @@ def markdown(result: dict) -> str:
         lines.append(f"| `{key}` | {s['prompts']} | {s['mean']:.1f} | {tasks} |")
     return "\n".join(lines) + "\n"
 
+# ---------------------------------------------------------------------------------------------- shared context
+#: kvpress's question-agnostic presses that run on the bundled model with no downloaded weights (FastKVzipPress,
+#: KVzapPress and DMSPress need trained weights published for other models), and its question-aware ones.
+SHARED_AGNOSTIC = ("KVzipPress,ExpectedAttentionPress,KeyDiffPress,CompactorPress,LeverageScorePress,KnormPress,"
+                   "SnapKVPress")
+SHARED_AWARE = "SnapKVPress,CriticalKVPress(SnapKVPress),CriticalAdaKVPress(SnapKVPress)"
+
+
+def parse_shared_args(argv=None) -> argparse.Namespace:
+    from criticalkv.eval.shared_command import DEFAULT_FRACTIONS, DOMAIN_NAMES
+    from criticalkv.eval.shared_context import DEFAULT_KINDS, DEFAULT_LENGTHS
+
+    ap = argparse.ArgumentParser(
+        prog="python -m criticalkv.bench.peers.kvpress shared-context",
+        description="kvpress beside `criticalkv eval shared-context`, on the same documents and questions (the same "
+                    "generator, seed and chat template), in kvpress's own environment. Question-agnostic: kvpress's "
+                    "pipeline compresses each context once per press and budget and answers every question of it "
+                    "(its questions_ids); question-aware: each press compresses the document and the question as "
+                    "its hooks do in the prompt's prefill (kvpress's with press(model)), the first answer token comes "
+                    "from that prefill and the rest from the compressed cache, as criticalkv answers. kvpress's own "
+                    "full cache answers too: the reference of its fidelity columns. "
+                    "Writes OUT/records.jsonl (scored with criticalkv's metrics) and OUT/config.json; put OUT in the "
+                    "criticalkv run's folder as DIR/kvpress and `criticalkv eval report DIR` sets kvpress beside "
+                    "every row. A stopped run continues with the next document.",
+        epilog=PEERS_DIR_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("task", choices=("shared-context",))
+    ap.add_argument("--presses", default=SHARED_AGNOSTIC,
+                    help=f"question-agnostic press specs (default: {SHARED_AGNOSTIC}); NAME or OUTER(INNER), "
+                         "optionally with :knob=value")
+    ap.add_argument("--aware-presses", default=SHARED_AWARE, help=f"question-aware presses (default: {SHARED_AWARE})")
+    ap.add_argument("--fractions", default=DEFAULT_FRACTIONS, help=f"budgets (default: {DEFAULT_FRACTIONS})")
+    ap.add_argument("--domains", default=",".join(DOMAIN_NAMES), help="as criticalkv eval shared-context --domains")
+    ap.add_argument("--documents", type=int, default=10, help="documents per domain (default: 10)")
+    ap.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="context lengths in tokens, in turn")
+    ap.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help="question kinds")
+    ap.add_argument("--split", choices=("eval", "train"), default="eval")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", help="HF folder (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the kvpress process (default: 1)")
+    ap.add_argument("--out", type=Path, required=True, help="folder for records.jsonl (DIR/kvpress of the criticalkv run)")
+    ap.add_argument("--score-only", action="store_true",
+                    help="score what the runner has answered so far (a stopped or still running run), no kvpress run")
+    return ap.parse_args(argv)
+
+
+def run_shared(args: argparse.Namespace) -> str:
+    """kvpress on the shared-context documents; returns where the records went."""
+    from transformers import AutoTokenizer
+
+    from criticalkv.eval.io import environment, prepare_out_dir, write_json
+    from criticalkv.eval.shared_command import DOMAIN_NAMES, parse_floats, parse_names
+    from criticalkv.eval.shared_context import KINDS, score_answer, shared_documents
+    from criticalkv.hf.loading import resolve_model
+
+    domains = parse_names(args.domains, "--domains", DOMAIN_NAMES)
+    kinds = parse_names(args.kinds, "--kinds", tuple(KINDS))
+    lengths = [int(x) for x in parse_floats(args.lengths, "--lengths")]
+    fractions = parse_floats(args.fractions, "--fractions")
+    for f in fractions:
+        if not 0 < f < 1:
+            raise ValueError(f"--fractions: {f:g} is not a fraction of the cache in (0, 1)")
+    runs = []
+    for setting, presses in (("agnostic", args.presses), ("aware", args.aware_presses)):
+        for spec in parse_list(presses, "--presses", str) if presses else []:
+            name, kwargs = parse_wrapped_press(spec)
+            for f in fractions:
+                runs.append({"key": f"kvpress {spec}@{100 * f:g}%", "setting": setting, "press": name,
+                             "kwargs": kwargs, "fraction": f})
+    model_dir = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    documents = shared_documents(tokenizer, domains, args.documents, lengths, args.seed, args.split, kinds)
+    out = prepare_out_dir(args.out)
+    spec_file, answers = out / "prompts.json", out / "answers.jsonl"
+    command = "python -m criticalkv.bench.peers.kvpress " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if not args.score_only:
+        from types import SimpleNamespace
+
+        from transformers import AutoConfig, GenerationConfig
+
+        from criticalkv.hf.loading import stop_token_ids
+
+        try:
+            generation = GenerationConfig.from_pretrained(model_dir)
+        except OSError:
+            generation = None
+        stops = stop_token_ids(tokenizer, SimpleNamespace(config=AutoConfig.from_pretrained(model_dir),
+                                                          generation_config=generation))
+        root = peers_dir()
+        ensure_ready(root, ["kvpress"])
+        write_json(spec_file, {"runs": runs, "stop_token_ids": stops, "documents": [
+            {"key": d.key, "context_ids": list(d.context_ids),
+             "questions": [{"key": q.key, "ids": list(q.ids), "max_new_tokens": q.max_new_tokens} for q in d.questions]}
+            for d in documents]})
+        earlier = []
+        if (out / "config.json").exists() and answers.exists():  # a resumed run: the documents done keep their runs
+            before = json.loads((out / "config.json").read_text(encoding="utf-8"))
+            earlier = [c for c in before.get("earlier_commands", []) + [before.get("command")] if c and c != command]
+        write_json(out / "config.json", {"command": command, **({"earlier_commands": earlier} if earlier else {}),
+                                         "runs": runs, "domains": domains, "kinds": kinds,
+                                         "lengths": lengths, "documents": args.documents, "split": args.split,
+                                         "seed": args.seed, "environment": environment(),
+                                         "load_average_at_start": os.getloadavg()})
+        subprocess.run([str(peer_python(root, "kvpress")), str(RUNNER), "shared", "--model", str(model_dir),
+                        "--prompts", str(spec_file), "--out", str(answers), "--threads", str(args.threads)], check=True)
+    questions = {q.key: (d, q) for d in documents for q in d.questions}
+    records = []
+    if answers.exists():
+        with open(answers, encoding="utf-8") as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                a = json.loads(line)
+                doc, q = questions[a["question"]]
+                records.append({**a, "kind": q.kind, "domain": doc.domain,
+                                "score": score_answer(q.metric, a["text"], q.answers)})
+    done_file = out / "answers.documents.jsonl"
+    finished = [json.loads(x) for x in done_file.read_text(encoding="utf-8").splitlines()] if done_file.exists() else []
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {"command": command}
+    config.update({"versions": finished[-1]["versions"] if finished else None, "documents_done": len(finished),
+                   "documents_total": len(documents), "load_average_at_end": os.getloadavg()})
+    write_json(config_path, config)
+    done = {d["doc"] for d in finished}
+    from criticalkv.eval.io import write_text
+
+    write_text(out / "records.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records
+                                              if r["doc"] in done))
+    return f"kvpress: {len(done)} of {len(documents)} documents answered; records in {out / 'records.jsonl'}"
+
+
 # ---------------------------------------------------------------------------------------------- on the GPU
 def _synchronize(device) -> None:
     import torch
@@ -419,6 +559,10 @@ def kvpress_presses():
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["shared-context"]:
+        print(run_shared(parse_shared_args(argv)))
+        return 0
     result = run(parse_args(argv))
     print(markdown(result))
     return 0

@@ -166,7 +166,7 @@ class TritonPythonModel:
     def _submit(self, request, sender):
         names = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output", "kv_budget",
                  "return_num_input_tokens", "return_num_output_tokens", "return_kv_bytes", "apply_chat_template",
-                 "context", "input_ids", "context_ids")
+                 "context", "input_ids", "context_ids", "context_threshold")
         inputs = {}
         for name in names:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -177,7 +177,8 @@ class TritonPythonModel:
         state = {"request": parsed, "triton_request": request, "sender": sender, "num_sent": 0, "handle": None,
                  "text": self.TextStream(self.tokenizer, parsed.stop), "checked": time.monotonic(),
                  "deadline": None if self.request_timeout is None else time.monotonic() + self.request_timeout}
-        request = self.Request(ids, parsed.sampling, parsed.kv_budget, context_token_ids=context_ids)
+        request = self.Request(ids, parsed.sampling, parsed.kv_budget, context_token_ids=context_ids,
+                               context_threshold=parsed.context_threshold)
         with self._open_lock:
             state["handle"] = self.scheduler.submit(request, on_output=lambda out: self._responses.put((state, out)))
             self._open[id(state)] = state
