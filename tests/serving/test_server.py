@@ -184,7 +184,7 @@ def test_model_config_has_the_vllm_backend_names_and_two_instances(served):
     assert [i["name"] for i in config["input"]] == [
         "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "kv_budget",
         "return_num_input_tokens", "return_num_output_tokens", "return_kv_bytes", "apply_chat_template",
-        "context", "input_ids", "context_ids"]
+        "context", "input_ids", "context_ids", "context_threshold"]
     assert [o["name"] for o in config["output"]] == [
         "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "kv_bytes_kept", "kv_bytes_full",
         "context_cache_hit"]
