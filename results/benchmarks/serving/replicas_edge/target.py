@@ -200,7 +200,8 @@ def main() -> int:
     tmp.replace(out)
     lines = [*machine.header_lines(result), "",
              f"{len(done)} streamed /v1/completions (of {args.requests} planned"
-             f"{f', sending stopped after {args.max_seconds:g} s' if args.max_seconds else ''}), each a question "
+             f"{f', sending stopped after {args.max_seconds:g} s' if len(done) < args.requests else ''}), each a "
+             "question "
              f"about one of {args.docs} documents of "
              f"{args.isl} tokens (criticalkv's `context`), {args.osl} tokens, concurrency {args.concurrency}, through "
              f"`criticalkv serve --replicas 2 --threads 1 {args.server_args}`; a replica SIGKILLed after "
