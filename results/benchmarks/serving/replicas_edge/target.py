@@ -192,7 +192,8 @@ def main() -> int:
         "seconds_p50": seconds[len(seconds) // 2] if seconds else None,
         "seconds_p99": seconds[int(len(seconds) * 0.99)] if seconds else None,
         "context_cache_hits": sum(1 for r in done if r.get("context_cache_hit") is True),
-        "final_state": state, "server_output": server.lines[-200:], "requests": done}
+        "final_state": state, "requests": done,
+        "server_output": [line.replace(f"{ROOT}/", "") for line in server.lines[-200:]]}  # no machine's paths
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
