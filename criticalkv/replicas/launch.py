@@ -42,6 +42,8 @@ from criticalkv.serving.openai_api import DEFAULT_REQUEST_TIMEOUT_S
 
 #: how a local Ray is told that its node address may be loopback (read when ray is imported: ``ray_environment``)
 LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+#: Ray's authentication mode (token / disabled), read from the environment only (``ray_environment``)
+AUTH_MODE = "RAY_AUTH_MODE"
 
 
 def is_loopback(host: str) -> bool:
@@ -55,8 +57,15 @@ def is_loopback(host: str) -> bool:
 
 def ray_environment(host: str, local: bool) -> dict[str, str]:
     """The environment a local Ray for ``--host`` needs, set before ``ray`` is first imported (its constants read it
-    then, and every process of the local Ray inherits it): loopback node addresses allowed for a loopback ``host``."""
-    return {LOOPBACK_SWITCH: "0"} if local and is_loopback(host) else {}
+    then, and every process of the local Ray inherits it): loopback node addresses allowed for a loopback ``host``;
+    token authentication named (``$RAY_AUTH_MODE=token``, unless the environment already names a mode): the mode a
+    new local Ray takes anyway, said here so that Ray does not warn "Token authentication is enabled for this Ray
+    cluster" at every start. Its errors (a token missing or refused) are raised as before; joining a cluster
+    (``--ray-address``) leaves the mode to that cluster."""
+    out = {LOOPBACK_SWITCH: "0"} if local and is_loopback(host) else {}
+    if local and AUTH_MODE not in os.environ:
+        out[AUTH_MODE] = "token"
+    return out
 
 
 def node_address(host: str) -> str | None:

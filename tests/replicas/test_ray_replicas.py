@@ -329,7 +329,8 @@ def test_ctrl_c_ends_the_streams_with_503_and_stops_everything(served):
     assert errors[-1]["error"]["code"] == 503 and "shutting down" in errors[-1]["error"]["message"], errors[-1]
     assert served.process.wait(120) == 0, "".join(served.lines[-20:])
     noise = [line for line in served.lines if "Connecting to existing Serve app" in line
-             or "graceful_shutdown" in line or "Task exception was never retrieved" in line]
+             or "graceful_shutdown" in line or "Task exception was never retrieved" in line
+             or "Token authentication is enabled" in line]
     assert not noise, noise
 
     def remaining():

@@ -170,9 +170,10 @@ def test_the_watchdog_kills_the_processes_it_was_given_when_its_owner_dies():
                 p.wait()
 
 
-def test_a_local_ray_for_a_loopback_host_is_told_it_may_take_loopback():
-    from criticalkv.replicas.launch import LOOPBACK_SWITCH, node_address, ray_environment
+def test_a_local_ray_for_a_loopback_host_is_told_it_may_take_loopback(monkeypatch):
+    from criticalkv.replicas.launch import AUTH_MODE, LOOPBACK_SWITCH, node_address, ray_environment
 
+    monkeypatch.setenv(AUTH_MODE, "token")  # a mode already named: only the loopback switch is set
     assert ray_environment("127.0.0.1", local=True) == {LOOPBACK_SWITCH: "0"}
     assert ray_environment("localhost", local=True) == {LOOPBACK_SWITCH: "0"}
     assert ray_environment("::1", local=True) == {LOOPBACK_SWITCH: "0"}
@@ -180,6 +181,19 @@ def test_a_local_ray_for_a_loopback_host_is_told_it_may_take_loopback():
     assert ray_environment("0.0.0.0", local=True) == {}
     assert node_address("127.0.0.1") == node_address("localhost") == "127.0.0.1"
     assert node_address("0.0.0.0") is None and node_address("10.1.2.3") == "10.1.2.3"
+
+
+def test_a_local_ray_is_told_its_authentication_mode_unless_the_environment_names_one(monkeypatch):
+    """Named, a new local Ray takes token authentication without warning "Token authentication is enabled" at every
+    start (unnamed it takes the same mode and warns); a mode the user set is kept, a cluster joined keeps its own."""
+    from criticalkv.replicas.launch import AUTH_MODE, LOOPBACK_SWITCH, ray_environment
+
+    monkeypatch.delenv(AUTH_MODE, raising=False)
+    assert ray_environment("127.0.0.1", local=True) == {LOOPBACK_SWITCH: "0", AUTH_MODE: "token"}
+    assert ray_environment("0.0.0.0", local=True) == {AUTH_MODE: "token"}
+    assert ray_environment("127.0.0.1", local=False) == {}
+    monkeypatch.setenv(AUTH_MODE, "disabled")
+    assert ray_environment("127.0.0.1", local=True) == {LOOPBACK_SWITCH: "0"}
 
 
 def test_prepack_is_a_replica_option_off_by_default():

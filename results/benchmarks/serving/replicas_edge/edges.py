@@ -23,16 +23,13 @@ import http.client
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
-#: the interpreter, as the records name it (relative to the checkout when it lies inside it: no machine's paths)
-PYTHON = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
+from replicas_server import Server  # noqa: E402  (the launcher, shared with hang.py, target.py, memory.py)
 
 
 def main() -> int:
@@ -51,26 +48,12 @@ def main() -> int:
     args = parser.parse_args()
     info = machine.header(" ".join(["results/benchmarks/serving/replicas_edge/edges.py", *sys.argv[1:]]))
     port = free_port()
-    command = [PYTHON, "-m", "criticalkv.cli", "serve", "--engine-dir", args.engine_dir, "--replicas", "2",
-               "--threads", "1", "--host", args.host, "--openai-port", str(port), *args.server_args.split()]
-    process = subprocess.Popen([sys.executable, *command[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    lines, ready = [], threading.Event()
-
-    def read():
-        for line in process.stdout:
-            lines.append(line.rstrip("\n"))
-            if line.startswith("ready:"):
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    server = Server(args.engine_dir, port, args.server_args.split(), host=args.host)
+    process, lines, command = server.process, server.lines, server.command
     result: dict = {"server_command": command}
     family: list = []
     try:
-        deadline = time.monotonic() + 900
-        while not ready.wait(0.5):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start:\n" + "\n".join(lines[-30:]))
+        server.wait_ready(900, tail=30)
         time.sleep(3)  # the agents and the replicas' own servers are up by now; sockets listed after
         launcher = psutil.Process(process.pid)
         family = [launcher, *launcher.children(recursive=True)]
@@ -147,12 +130,7 @@ def main() -> int:
         print(f"orphans: {len(family) - 1} descendants, all gone within {result['orphans']['all_gone_s']} s; "
               f"{len(left)} still running", flush=True)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(180)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        server.stop()
         for p in family[1:]:  # nothing of this run is left behind, whatever happened
             try:
                 p.kill()

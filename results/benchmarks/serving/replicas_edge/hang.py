@@ -21,72 +21,22 @@ import argparse
 import glob
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
+from replicas_server import Server  # noqa: E402  (the launcher, shared with target.py, edges.py, memory.py)
+
 
 QUESTIONS = ["Who was baptized in Stratford-upon-Avon?", "What was Shakespeare's profession?",
              "Where was Shakespeare born?", "When did Shakespeare die?", "Who did Shakespeare marry?",
              "How many children did Shakespeare have?", "What is the secret passcode?", "Name one of his plays.",
              "Which company did Shakespeare belong to?", "Where is Shakespeare buried?",
              "What did Shakespeare write besides plays?", "Summarize the text in one sentence."]
-
-
-class Server:
-    """`criticalkv serve --replicas 2` in its own process group; its output kept in ``lines``."""
-
-    def __init__(self, engine_dir: str, extra: list[str], port: int):
-        self.port, self.lines = port, []
-        command = [sys.executable, "-m", "criticalkv.cli", "serve", "--engine-dir", engine_dir, "--replicas", "2",
-                   "--threads", "1", "--openai-port", str(port), *extra]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        start_new_session=True)
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith("ready:"):
-                self.ready.set()
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.ready.wait(0.5):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start:\n" + "\n".join(self.lines[-40:]))
-
-    def state(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/replicas", timeout=30) as response:
-            return json.loads(response.read())
-
-    def family(self):
-        import psutil
-
-        try:
-            return [psutil.Process(self.process.pid), *psutil.Process(self.process.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            family = self.family()
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(120)
-            except subprocess.TimeoutExpired:
-                for p in family:
-                    try:
-                        p.kill()
-                    except Exception:
-                        pass
 
 
 def ask(client, kind: str, round_: int, i: int, messages, context, timeout: float, records: list) -> None:
@@ -168,7 +118,7 @@ def main() -> int:
     args = parser.parse_args()
     needle = (ROOT / "examples" / "needle_2k.txt").read_text()
     document = (ROOT / "examples" / "needle_context.txt").read_text()
-    server = Server(args.engine_dir, args.server_args.split(), free_port())
+    server = Server(args.engine_dir, free_port(), args.server_args.split())
     result = {"command": " ".join(sys.argv), "rounds": [], "lost": None, "load": os.getloadavg()}
     started = time.monotonic()
     try:
@@ -201,7 +151,7 @@ def main() -> int:
                 break
     finally:
         result["seconds"] = round(time.monotonic() - started, 1)
-        server.stop()
+        server.stop(wait=120)
         result["server_output"] = server.lines[-300:]
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(args.out).with_suffix(".tmp")

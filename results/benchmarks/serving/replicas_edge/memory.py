@@ -29,8 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
-#: the interpreter, as the records name it (relative to the checkout when it lies inside it: no machine's paths)
-PYTHON = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
+from replicas_server import Server  # noqa: E402  (the launcher, shared with hang.py, target.py, edges.py)
 
 QUESTIONS = ["Who was baptized in Stratford-upon-Avon?", "What was Shakespeare's profession?",
              "Where was Shakespeare born?", "When did Shakespeare die?", "Who did Shakespeare marry?",
@@ -148,7 +147,6 @@ def main() -> int:
 
 def served(args) -> int:
     """``--served``: the replicas' own reports after each step of the sequence."""
-    import subprocess
     import threading
     import urllib.request
 
@@ -158,20 +156,9 @@ def served(args) -> int:
     from criticalkv.serving.launcher import free_port
 
     port = free_port()
-    command = [PYTHON, "-m", "criticalkv.cli", "serve", "--engine-dir", args.engine_dir, "--replicas", "2",
-               "--threads", str(args.threads), "--openai-port", str(port), *args.server_args.split()]
     info = machine.header(" ".join(["results/benchmarks/serving/replicas_edge/memory.py", *sys.argv[1:]]))
-    process = subprocess.Popen([sys.executable, *command[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    lines, ready = [], threading.Event()
-
-    def read():
-        for line in process.stdout:
-            lines.append(line.rstrip("\n"))
-            if line.startswith("ready:"):
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    server = Server(args.engine_dir, port, args.server_args.split(), threads=args.threads)
+    command = server.command
     steps = []
 
     def report(step):
@@ -185,10 +172,7 @@ def served(args) -> int:
                                       f"file, PSS {r['memory_mib']['pss']:.0f})" for r in live), flush=True)
 
     try:
-        deadline = time.monotonic() + 900
-        while not ready.wait(0.5):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start:\n" + "\n".join(lines[-30:]))
+        server.wait_ready(900, tail=30)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
         report("ready")
         document = (ROOT / "examples" / "needle_context.txt").read_text()
@@ -215,11 +199,7 @@ def served(args) -> int:
             t.join()
         report("12 questions about a new document at once")
     finally:
-        process.send_signal(2)
-        try:
-            process.wait(180)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        server.stop()
     result = {**machine.finish(info), "server_command": command, "steps": steps}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

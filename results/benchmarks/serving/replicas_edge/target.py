@@ -27,58 +27,21 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
-#: the interpreter, as the records name it (relative to the checkout when it lies inside it: no machine's paths)
-PYTHON = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
+from replicas_server import Server  # noqa: E402  (the launcher, shared with hang.py, edges.py, memory.py)
 
 
-class Server:
-    """`criticalkv serve --replicas 2` in its own process group; its output in ``lines``."""
-
-    def __init__(self, engine_dir: str, port: int, extra: list[str]):
-        self.port, self.lines = port, []
-        self.command = [PYTHON, "-m", "criticalkv.cli", "serve", "--engine-dir", engine_dir, "--replicas", "2",
-                        "--threads", "1", "--openai-port", str(port), *extra]
-        self.process = subprocess.Popen([sys.executable, *self.command[1:]], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith("ready:"):
-                self.ready.set()
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.ready.wait(0.5):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start:\n" + "\n".join(self.lines[-40:]))
-
-    def state(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/replicas", timeout=30) as response:
-            state = json.loads(response.read())
-        state["live"] = [r for r in state["replicas"] if not r["stale"]]
-        return state
-
-    def stop(self) -> int | None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                return self.process.wait(180)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                return None
-        return self.process.returncode
+def live_state(server: Server) -> dict:
+    """``GET /replicas`` with ``live``: the replicas whose report is not stale."""
+    state = server.state()
+    state["live"] = [r for r in state["replicas"] if not r["stale"]]
+    return state
 
 
 def one_request(port: int, body: dict, limit: float) -> dict:
@@ -169,7 +132,7 @@ def main() -> int:
         t0 = time.monotonic()
 
         def kill_one(after: int) -> None:
-            state = server.state()
+            state = live_state(server)
             live = state["live"]
             victim = max(live, key=lambda r: (r["running"] + r["waiting"], r["requests"]))
             os.kill(victim["pid"], signal.SIGKILL)
@@ -207,7 +170,7 @@ def main() -> int:
             t.join()
         duration = time.monotonic() - t0
         try:
-            state = server.state()
+            state = live_state(server)
         except Exception as err:
             state = f"{type(err).__name__}: {err}"
     finally:
@@ -229,7 +192,8 @@ def main() -> int:
         "seconds_p50": seconds[len(seconds) // 2] if seconds else None,
         "seconds_p99": seconds[int(len(seconds) * 0.99)] if seconds else None,
         "context_cache_hits": sum(1 for r in done if r.get("context_cache_hit") is True),
-        "final_state": state, "server_output": server.lines[-200:], "requests": done}
+        "final_state": state, "requests": done,
+        "server_output": [line.replace(f"{ROOT}/", "") for line in server.lines[-200:]]}  # no machine's paths
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -237,7 +201,8 @@ def main() -> int:
     tmp.replace(out)
     lines = [*machine.header_lines(result), "",
              f"{len(done)} streamed /v1/completions (of {args.requests} planned"
-             f"{f', sending stopped after {args.max_seconds:g} s' if args.max_seconds else ''}), each a question "
+             f"{f', sending stopped after {args.max_seconds:g} s' if len(done) < args.requests else ''}), each a "
+             "question "
              f"about one of {args.docs} documents of "
              f"{args.isl} tokens (criticalkv's `context`), {args.osl} tokens, concurrency {args.concurrency}, through "
              f"`criticalkv serve --replicas 2 --threads 1 {args.server_args}`; a replica SIGKILLed after "
