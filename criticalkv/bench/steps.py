@@ -9,7 +9,7 @@ nested spans of every scheduler step with ``time.perf_counter``:
 * engine: the ``Engine`` call around it (``prefill_step``: a prompt chunk; ``finish_prefill``: the selection and its
   load into a slot; ``decode_greedy``: a decode step): feeds, KV copies into and out of the buffers, the argmax;
 * step: the scheduler's step around that (``_prefill_step``, ``_decode_step``): sampling, each request's output,
-  the prefix cache's copies of the prompt's blocks;
+  the prefix cache's copies of the prompt's blocks (``_cache_prefix``, also timed alone);
 
 and the loop: the period of the scheduler's loop at the full batch (between consecutive decode steps with no prefill
 chunk between them: admission, the lock, the cancelled-request checks, the step). Two workloads, each on a fresh
@@ -35,6 +35,7 @@ ROWS = (("prompt chunk (Engine.prefill_step)", "chunk/engine", ("chunk/graph",),
         ("selection + load (Engine.finish_prefill)", "select/engine", ("select/graph",), ("select/graph",)),
         ("prefill step (Scheduler._prefill_step)", "prefill/step", ("chunk/graph", "select/graph", "prefill/graph"),
          ("chunk/engine", "select/engine", "prefill/graph")),
+        ("of it the prefix cache's copies (Scheduler._cache_prefix)", "prefill/prefix_cache", (), ()),
         ("decode (Engine.decode_greedy)", "decode/engine", ("decode/graph",), ("decode/graph",)),
         ("decode step (Scheduler._decode_step)", "decode/step", ("decode/graph",), ("decode/engine",)))
 
@@ -112,6 +113,7 @@ class StepTimer:
         self._phased(engine, "finish_prefill", "select", "engine")
         self._phased(engine, "prefill", "whole", "engine")
         self._phased(engine, "decode_greedy", decode_phase, "engine")
+        self._phased(scheduler, "_cache_prefix", "prefill", "prefix_cache")
         prefill_step, decode_step = scheduler._prefill_step, scheduler._decode_step
 
         def timed_prefill_step():  # the loop calls it every iteration: timed when a prompt is being prefilled
