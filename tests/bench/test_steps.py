@@ -21,12 +21,17 @@ def tiny_engine(tmp_path_factory):
     engine.close()
 
 
+def ids(n: int, start: int) -> list[list[int]]:
+    """One prompt of ``n`` token ids of the tiny model's vocabulary (128)."""
+    return [[1 + (start + i) % 120 for i in range(n)]]
+
+
 def test_the_spans_nest_and_count_every_step(tiny_engine):
-    """Chunked prompts (32-token chunks of 100- and 120-token prompts), then decode: the graph time lies inside the
+    """Chunked prompts (32-token chunks of 100- and 40-token prompts), then decode: the graph time lies inside the
     engine's call, which lies inside the scheduler's step; one decode step per token after the first."""
-    osl = 6
-    workloads = {"single": [list(range(5, 105))], "batch": [list(range(7 + i, 127 + i)) for i in range(3)]}
-    report = steps.profile_workloads(tiny_engine, workloads, list(range(9, 109)), osl,
+    osl = 16
+    workloads = {"single": ids(100, 5), "batch": [ids(40, 7 + i)[0] for i in range(3)]}
+    report = steps.profile_workloads(tiny_engine, workloads, ids(100, 9)[0], osl,
                                      scheduler_options={"prefill_chunk": 32, "prefix_cache_mib": 0})
     single = report["single"]["spans"]
     assert single["chunk/engine"]["n"] == 4  # 100 tokens in chunks of 32
@@ -44,7 +49,7 @@ def test_the_spans_nest_and_count_every_step(tiny_engine):
     # every decode step ran at batch 3 (counted as decode) or while prompts came in (decode_partial)
     steps_run = batch["decode/step"]["n"] + (batch.get("decode_partial/step") or {"n": 0})["n"]
     assert batch["decode/step"]["n"] >= 1 and steps_run >= osl - 1
-    assert batch["chunk/engine"]["n"] == 3 * 4  # 120 tokens in chunks of 32, three prompts
+    assert batch["chunk/engine"]["n"] == 3 * 2  # 40 tokens in chunks of 32, three prompts
     assert batch["decode/loop"]["n"] >= 1
     text = steps.render({"command": "test", "backend": "onnxruntime", "osl": osl, "workloads": report})
     assert "decode step (Scheduler._decode_step)" in text and "outside the graph" in text
@@ -54,7 +59,7 @@ def test_the_runtimes_are_unwrapped_afterwards(tiny_engine):
     import onnxruntime as ort
 
     run = ort.InferenceSession.run_with_iobinding
-    steps.profile_workloads(tiny_engine, {"single": [list(range(5, 45))]}, list(range(9, 29)), 3,
+    steps.profile_workloads(tiny_engine, {"single": ids(40, 5)}, ids(20, 9)[0], 3,
                             scheduler_options={"prefill_chunk": 32, "prefix_cache_mib": 0})
     assert ort.InferenceSession.run_with_iobinding is run
     assert "decode_greedy" not in vars(tiny_engine)
