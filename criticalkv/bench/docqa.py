@@ -298,13 +298,7 @@ def main(args) -> int:
                            "kv_memory_mib": memory, "kv_memory_note": note, "context_cache_mib": cache,
                            "kv_contexts": contexts if given_mib is None and not args.url else None,
                            "server_args": server_args, "hit_rate_ceiling": (args.questions - 1) / args.questions}
-    results["runs"] = served.previous_runs(args, stem)
-    if results["runs"]:
-        earlier = __import__("json").loads(stem.with_suffix(".json").read_text())
-        if earlier.get("settings") != results["settings"]:
-            raise ValueError(f"--append: {stem}.json has other settings: {earlier.get('settings')}")
-        results["earlier_calls"] = [*earlier.get("earlier_calls", []), {k: earlier.get(k) for k in (
-            "command", "machine", "uptime_before", "uptime_after")}]
+    results["runs"] = served.previous_runs(args, stem, results)
     print("\n".join(machine.header_lines(results)), flush=True)
     print(f"KV memory per server: {'-' if memory is None else f'{memory:.2f}'} MiB ({note}); context cache "
           f"{'-' if cache is None else f'{cache:.2f}'} MiB", flush=True)

@@ -176,7 +176,7 @@ def main(args) -> int:
                            "kv_budget": args.kv_budget, "kv_memory_mib": memory, "kv_memory_note": note,
                            "kv_sequences": sequences if given_mib is None and not args.url else None,
                            "server_args": server_args}
-    results["runs"] = served.previous_runs(args, stem)
+    results["runs"] = served.previous_runs(args, stem, results)
     print("\n".join(machine.header_lines(results)), flush=True)
     print(f"KV memory per server: {'-' if memory is None else f'{memory:.2f}'} MiB ({note})", flush=True)
     prompts = make_prompts(served.load_tokenizer(args), args.isl, args.warmup + args.num_requests, seed=args.seed)

@@ -630,15 +630,44 @@ def server_order(dirs: list, vllm: bool, repeats: int = 1, first: int = 0) -> li
     return [(r, d) for r in range(first, first + repeats) for d in (one if r % 2 == 0 else one[::-1])]
 
 
-def previous_runs(args, stem: Path) -> list[dict]:
+def previous_runs(args, stem: Path, results: dict | None = None) -> list[dict]:
     """``--append``: the runs already in ``STEM.json`` (a sweep split over several calls, ``--first-round``), else
-    []. The earlier file must be the same benchmark with the same settings (checked by the caller)."""
+    []. With ``results`` (this call's header, its ``settings`` filled) the earlier file must hold the same settings
+    (ValueError otherwise), and its calls are listed in ``results["earlier_calls"]``."""
     if not getattr(args, "append", False):
         return []
     path = Path(stem).with_suffix(".json")
     if not path.is_file():
         raise FileNotFoundError(f"--append: {path} does not exist yet (run the first call without --append)")
-    return json.loads(path.read_text()).get("runs", [])
+    earlier = json.loads(path.read_text())
+    if results is not None:
+        if earlier.get("settings") != results.get("settings"):
+            raise ValueError(f"--append: {path} has other settings: {earlier.get('settings')}")
+        results["earlier_calls"] = [*earlier.get("earlier_calls", []), {k: earlier.get(k) for k in (
+            "command", "machine", "uptime_before", "uptime_after")}]
+    return earlier.get("runs", [])
+
+
+#: The backends ``criticalkv serve --backend`` takes (``--backends`` of the served benchmarks).
+SERVE_BACKENDS = ("onnxruntime", "openvino", "torch")
+
+
+def comma_choices(text: str | None, flag: str, choices, empty: bool = False) -> list[str]:
+    """The names of a comma-separated option (``--backends onnxruntime,openvino``), each one of ``choices``;
+    ValueError naming the option and its choices otherwise (and when none is given, unless ``empty``)."""
+    names = [n for n in (text or "").split(",") if n]
+    if any(n not in choices for n in names) or not (names or empty):
+        raise ValueError(f"{flag}: expected a comma-separated subset of {','.join(choices)}, got {text!r}")
+    return names
+
+
+def backend_variants(text: str | None, server_args: str = "") -> list[tuple[str, list[str]]] | None:
+    """``--backends``: each engine started once per backend, as ``on_each_server``'s variants (None: the engine's
+    own backend, once); refused beside a ``--backend`` in ``--server-args``."""
+    backends = comma_choices(text, "--backends", SERVE_BACKENDS, empty=True)
+    if backends and any(a == "--backend" or a.startswith("--backend=") for a in shlex.split(server_args or "")):
+        raise ValueError("--backends: give the backends there, not --backend in --server-args")
+    return [(b, ["--backend", b]) for b in backends] or None
 
 
 def vllm_kv_mib(args, server_args: list[str]) -> tuple[float, str]:

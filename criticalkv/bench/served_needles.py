@@ -85,9 +85,9 @@ def run(args) -> dict:
     from criticalkv.eval.runner import split_question
     from criticalkv.eval.scoring import score
 
-    backends = [b for b in args.backends.split(",") if b]
-    if not backends:
-        raise ValueError("--backends: give at least one backend")
+    from criticalkv.bench.served import SERVE_BACKENDS, comma_choices
+
+    backends = comma_choices(args.backends, "--backends", SERVE_BACKENDS + ("vllm",))
     tokenizer = AutoTokenizer.from_pretrained(args.engine_dir / "tokenizer")
     lengths = [int(x) for x in args.lengths.split(",") if x]
     depths = [float(x) for x in args.depths.split(",") if x]

@@ -30,7 +30,6 @@ second prompt's TTFT <= 1.0x, batch output tokens/s >= 1.0x).
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import threading
@@ -214,16 +213,9 @@ def render(results: dict) -> str:
 
 def main(args) -> int:
     served.check_server_arguments(args)
-    parts = [p for p in args.parts.split(",") if p]
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown or not parts:
-        raise ValueError(f"--parts: {', '.join(unknown) or 'none given'} (choose from {', '.join(PARTS)})")
-    args.parts = parts
-    backends = [b for b in (args.backends or "").split(",") if b]
-    if any(b not in ("onnxruntime", "openvino", "torch") for b in backends):
-        raise ValueError(f"--backends: {args.backends!r} (choose from onnxruntime, openvino, torch)")
-    if backends and "--backend" in args.server_args:
-        raise ValueError("--backends: give the backends there, not --backend in --server-args")
+    parts = args.parts = served.comma_choices(args.parts, "--parts", PARTS)
+    variants = served.backend_variants(args.backends, args.server_args)
+    backends = [name for name, _ in variants or ()]
     if min(args.isl, args.osl, args.batch, args.aiperf_requests) < 2:
         raise ValueError("--isl, --osl, --batch and --aiperf-requests must be >= 2")
     if args.url:
@@ -234,13 +226,7 @@ def main(args) -> int:
     results["settings"] = {"isl": args.isl, "osl": args.osl, "batch": args.batch, 
                            "parts": parts, "seed": args.seed, "backends": backends, "vllm": args.vllm,
                            "server_args": served.split_server_args(args.server_args, own=())}
-    results["runs"] = served.previous_runs(args, args.out)
-    if results["runs"]:
-        earlier = json.loads(args.out.with_suffix(".json").read_text())
-        if earlier.get("settings") != results["settings"]:
-            raise ValueError(f"--append: {args.out}.json has other settings: {earlier.get('settings')}")
-        results["earlier_calls"] = [*earlier.get("earlier_calls", []), {k: earlier.get(k) for k in (
-            "command", "machine", "uptime_before", "uptime_after")}]
+    results["runs"] = served.previous_runs(args, args.out, results)
     print("\n".join(machine.header_lines(results)), flush=True)
     tokenizer_dir = served.tokenizer_folder(args)
     tokenizer = served.load_tokenizer(args)
@@ -266,7 +252,6 @@ def main(args) -> int:
             f"{k} {served.fmt(v(run), 2)}" for k, v in METRICS.items() if v(run) is not None), flush=True)
 
     try:
-        variants = [(b, ["--backend", b]) for b in backends] if backends else None
         served.on_each_server(args, server_args, on_server, results, openai="aiperf" in parts, variants=variants)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -5,8 +5,9 @@ one), ``docqa`` (the compressed context cache), ``memory`` (memory-bound decode)
 ``single`` (vs kvpress and transformers), ``aiperf`` (cross-check), ``peers`` (vs onnxruntime-genai and OpenVINO
 GenAI, with the CPU's GEMM and bandwidth floors); the engine alone: ``latency`` (selection share of the prefill, decode
 per token, decode memory), ``selection`` (the selection nodes of several policies), ``norm-flops``, ``profile`` (where
-a prefill and a decode step spend their time), ``ops`` (the selection ops alone against torch); on a GPU: ``gpu`` (every policy's selection per layer against the
-layer's prefill, with the GPU's floors, under ``results/gpu/``; ``scripts/gpu_check.sh`` runs it with the GPU tests)
+a prefill and a decode step spend their time), ``steps`` (a served request's steps: the graphs against the Python
+around them), ``ops`` (the selection ops alone against torch); on a GPU: ``gpu`` (every policy's selection per layer
+against the layer's prefill, with the GPU's floors, under ``results/gpu/``; ``scripts/gpu_check.sh`` runs it with the GPU tests)
 and ``gpu-serve`` (the torch backend served in process); and ``targets`` / ``report`` (from the result files, no model
 run)."""
 
@@ -187,17 +188,14 @@ def _write(stem: Path, results: dict, text: str) -> None:
 
 
 def run_single(args) -> int:
-    from criticalkv.bench import machine, peers
+    from criticalkv.bench import machine, peers, served
     from criticalkv.bench.peers import kvpress
 
     if not (args.engine_dir / "manifest.json").is_file():
         raise FileNotFoundError(f"{args.engine_dir}: not an engine directory (no manifest.json)")
     if args.isl < 64 or args.new_tokens < 1 or args.repeats < 1:
         raise ValueError("--isl must be >= 64, --new-tokens and --repeats >= 1")
-    names = [n for n in args.peers.split(",") if n]
-    unknown = [n for n in names if n not in ("kvpress", "transformers")]
-    if unknown:
-        raise ValueError(f"--peers: unknown {', '.join(unknown)} (choose from kvpress, transformers)")
+    names = served.comma_choices(args.peers, "--peers", ("kvpress", "transformers"), empty=True)
     results = machine.header(command_line())
     print("\n".join(machine.header_lines(results)), flush=True)
     results["single"] = kvpress.single_request(args.engine_dir, peers.peers_dir(), args.isl, args.new_tokens,
@@ -330,13 +328,16 @@ def run_report(args) -> int:
 
 
 def _register_engine_benchmarks(sub) -> None:
-    """``latency``, ``selection``, ``norm-flops``, ``ops`` and ``gpu``: modules with their own argument parsers (``main(argv)``); the
-    arguments after the name go to them, ``--help`` included."""
+    """``latency``, ``selection``, ``steps``, ``norm-flops``, ``ops`` and ``gpu``: modules with their own argument
+    parsers (``main(argv)``); the arguments after the name go to them, ``--help`` included."""
     for name, module_name, help_text in (
             ("latency", "criticalkv.bench.latency",
              "the engine alone: the selection nodes' share of a long prefill, decode per token, decode memory"),
             ("selection", "criticalkv.bench.selection", "the selection nodes of several policies on one prompt, "
                                                         "interleaved (seconds, per-operator profile)"),
+            ("steps", "criticalkv.bench.steps", "the server's scheduler in process: each step's graph runs against "
+                                                "the Python around them (a 2k prompt's chunks and selection, decode "
+                                                "steps at batch 1 and 8)"),
             ("norm-flops", "criticalkv.bench.norm_flops", "FLOPs of CriticalKV's stage-2 value norms, unpruned and pruned"),
             ("ops", "criticalkv.bench.ops", "the selection ops alone (top_k, value_norms, window_scores, the model-level "
                                             "selection) vs torch.topk, a torch matmul, a softmax, the reference"),

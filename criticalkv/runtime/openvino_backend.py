@@ -24,7 +24,8 @@ bfloat16 (the values it would round them to anyway, half the memory): the decode
 (``PrePostProcessor``), so no step converts a whole buffer (measured on the bundled model, budget 256: 9 ms of a 33 ms
 step converted the float32 buffers to bf16 before slicing their held entries); an extend over a row runs on a float32
 copy of it (the rows' values exactly), whose new entries are rounded back. f32: float32 rows. Inputs are handed to
-OpenVINO without a copy (``share_inputs``).
+OpenVINO without a copy (``share_inputs``); the decode request's are tensors over the buffers' first B rows, set once
+per batch size B, so a step builds no feeds.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ class OpenVINOBackend(HostKVBuffers):
             self.config["CACHE_DIR"] = str(Path(cache) / weights[:16])
         self._compiled: dict[str, Any] = {}
         self._requests: dict[str, Any] = {}
+        self._decode_batch: int | None = None  # the batch size the decode request's inputs are set for
+        self._decode_outputs = None  # the decode graph's output indices: logits, every layer's new K, new V
         start = time.perf_counter()
         self.compiled("prefill_openvino")
         #: the precision the CPU plugin computes in (``bf16`` / ``f32``)
@@ -153,6 +156,8 @@ class OpenVINOBackend(HostKVBuffers):
         False: then views valid until the graph's next run)."""
         self.compiled(graph)
         request = self._requests[graph]
+        if graph == "decode_openvino":  # these inputs replace the ones ``_decode_request`` set
+            self._decode_batch = None
         request.infer(inputs, share_inputs=True, share_outputs=not copy)
         named = {}
         for out in request.model_outputs:  # an output may carry several names (the graph output's among them)
@@ -182,6 +187,29 @@ class OpenVINOBackend(HostKVBuffers):
                               lengths=[out[graphs.present_lengths(i)] for i in layers],
                               indices=[out[graphs.present_indices(i)] for i in layers], seconds=seconds)
 
+    def _decode_request(self, batch: int):
+        """The decode graph's infer request with its inputs set to the first ``batch`` rows of the buffers (tensors
+        over their memory: a step writes its tokens there and runs), set again only when the batch size changes, as
+        ONNX Runtime's IO binding is; and the output indices of the logits and of every layer's new K and V."""
+        compiled = self.compiled("decode_openvino")
+        request = self._requests["decode_openvino"]
+        if self._decode_batch != batch:
+            feeds = {graphs.INPUT_IDS: self.token_ids[:batch], graphs.POSITION_IDS: self.position_ids[:batch]}
+            for i in range(self.num_layers):
+                feeds[graphs.past_key(i)] = self.kv_input(self.keys[i][:batch])
+                feeds[graphs.past_value(i)] = self.kv_input(self.values[i][:batch])
+                feeds[graphs.past_lengths(i)] = self.lengths[i][:batch]
+            for name, array in feeds.items():
+                tensor = array if isinstance(array, ov.Tensor) else ov.Tensor(array, shared_memory=True)
+                request.set_tensor(name, tensor)
+            self._decode_batch = batch
+        if self._decode_outputs is None:
+            index = {name: j for j, port in enumerate(compiled.outputs) for name in port.names}
+            layers = range(self.num_layers)
+            self._decode_outputs = (index[graphs.LOGITS], [index[graphs.present_key(i)] for i in layers],
+                                    [index[graphs.present_value(i)] for i in layers])
+        return request
+
     def decode(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
         batch = len(tokens)
         if not 1 <= batch <= self.max_batch:
@@ -189,16 +217,13 @@ class OpenVINOBackend(HostKVBuffers):
                               "(rebuild with a larger --max-batch-size)")
         self.token_ids[:batch, 0] = tokens
         self.position_ids[:batch, 0] = positions
-        feeds = {graphs.INPUT_IDS: self.token_ids[:batch], graphs.POSITION_IDS: self.position_ids[:batch]}
+        request = self._decode_request(batch)
+        request.infer()
+        logits, keys, values = self._decode_outputs
+        self.logits[:batch] = request.get_output_tensor(logits).data
         for i in range(self.num_layers):
-            feeds[graphs.past_key(i)] = self.kv_input(self.keys[i][:batch])
-            feeds[graphs.past_value(i)] = self.kv_input(self.values[i][:batch])
-            feeds[graphs.past_lengths(i)] = self.lengths[i][:batch]
-        out = self.run("decode_openvino", feeds, copy=False)
-        self.logits[:batch] = out[graphs.LOGITS]
-        for i in range(self.num_layers):
-            self.new_keys[i][:batch] = self.to_kv(out[graphs.present_key(i)])
-            self.new_values[i][:batch] = self.to_kv(out[graphs.present_value(i)])
+            self.new_keys[i][:batch] = self.to_kv(request.get_output_tensor(keys[i]).data)
+            self.new_values[i][:batch] = self.to_kv(request.get_output_tensor(values[i]).data)
         if batch not in self._indices:
             self._indices[batch] = tuple(np.indices((batch, self.kv_heads)))
         self.store_decoded(batch, *self._indices[batch])
@@ -223,15 +248,16 @@ class OpenVINOBackend(HostKVBuffers):
             feeds[graphs.past_key(i)] = keys[i]
             feeds[graphs.past_value(i)] = values[i]
             feeds[graphs.past_lengths(i)] = lengths[i]
-        out = self.run(graph, feeds)
+        out = self.run(graph, feeds, copy=False)  # views: the new K/V are copied once, into the buffers
         layers = range(self.num_layers)
         self.store_extended(keys, values, lengths, [out[graphs.present_key(i)] for i in layers],
                             [out[graphs.present_value(i)] for i in layers])
-        return ExtendOutputs(
-            logits=out[graphs.LOGITS], window_queries=[out[graphs.present_window_queries(i)] for i in layers],
-            scores=None if score_range is None else [out[graphs.present_scores(i)] for i in layers],
+        return ExtendOutputs(  # copies of what outlives the graph's next run
+            logits=np.array(out[graphs.LOGITS]), window_queries=[np.array(out[graphs.present_window_queries(i)])
+                                                                 for i in layers],
+            scores=None if score_range is None else [np.array(out[graphs.present_scores(i)]) for i in layers],
             streams={} if score_range is not None else
-            {name: [out[graphs.present_stream(i, name)] for i in layers] for name in self.streams})
+            {name: [np.array(out[graphs.present_stream(i, name)]) for i in layers] for name in self.streams})
 
     def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         """``extend`` over decode row ``row``; bf16 rows: over a float32 copy of the row (its values exactly), whose

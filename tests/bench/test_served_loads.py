@@ -261,3 +261,38 @@ def test_targets_read_the_new_benchmarks(tmp_path):
     assert "prefill chunk 256" in pre[1]["target"] and "prefill not chunked" in pre[0]["target"]
     text = render(list(rows.values()))
     assert text.count("| met |") == 1 + 6 and text.count("NOT met") == 1  # the header, then docqa 2, cached 1, interference 3
+
+
+def test_comma_options_and_backend_variants_are_checked_in_one_place():
+    names = served.comma_choices("onnxruntime,openvino", "--backends", served.SERVE_BACKENDS)
+    assert names == ["onnxruntime", "openvino"]
+    with pytest.raises(ValueError, match="--parts: expected a comma-separated subset of single,batch"):
+        served.comma_choices("single,nope", "--parts", ("single", "batch"))
+    with pytest.raises(ValueError, match="--parts"):
+        served.comma_choices(",", "--parts", ("single", "batch"))
+    assert served.comma_choices("", "--peers", ("kvpress",), empty=True) == []
+    assert served.backend_variants("") is None
+    assert served.backend_variants("openvino,onnxruntime") == [("openvino", ["--backend", "openvino"]),
+                                                              ("onnxruntime", ["--backend", "onnxruntime"])]
+    for server_args in ("--backend openvino", "--threads 1 --backend=torch"):
+        with pytest.raises(ValueError, match="not --backend in --server-args"):
+            served.backend_variants("onnxruntime", server_args)
+    assert served.backend_variants("onnxruntime", "--backends-note x") == [
+        ("onnxruntime", ["--backend", "onnxruntime"])]
+
+
+def test_append_takes_the_earlier_runs_of_the_same_settings_only(tmp_path):
+    from types import SimpleNamespace
+
+    stem = tmp_path / "run"
+    earlier = {"command": "first", "machine": {"cpu": "x"}, "settings": {"isl": 2048}, "runs": [{"n": 1}]}
+    stem.with_suffix(".json").write_text(json.dumps(earlier))
+    assert served.previous_runs(SimpleNamespace(append=False), stem) == []
+    results = {"settings": {"isl": 2048}}
+    assert served.previous_runs(SimpleNamespace(append=True), stem, results) == [{"n": 1}]
+    assert results["earlier_calls"] == [{"command": "first", "machine": {"cpu": "x"}, "uptime_before": None,
+                                         "uptime_after": None}]
+    with pytest.raises(ValueError, match="has other settings"):
+        served.previous_runs(SimpleNamespace(append=True), stem, {"settings": {"isl": 1024}})
+    with pytest.raises(FileNotFoundError, match="does not exist yet"):
+        served.previous_runs(SimpleNamespace(append=True), tmp_path / "none", results)

@@ -138,11 +138,9 @@ ENGINE_BACKENDS = ("onnxruntime", "openvino")
 
 
 def parse_backends(text: str) -> list[str]:
-    names = [n for n in text.split(",") if n]
-    bad = [n for n in names if n not in ENGINE_BACKENDS]
-    if bad or not names:
-        raise ValueError(f"--backends: expected a comma-separated subset of {','.join(ENGINE_BACKENDS)}, got {text!r}")
-    return names
+    from criticalkv.bench.served import comma_choices
+
+    return comma_choices(text, "--backends", ENGINE_BACKENDS)
 
 
 # ---------------------------------------------------------------------------------------------- exports

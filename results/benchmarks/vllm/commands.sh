@@ -4,7 +4,8 @@
 # wrap each in the machine's exclusive-CPU runner) and stays under ~20 minutes on 2 cores; a sweep too long for one
 # call is split into rounds (--rounds / --first-round / --append: the medians cover every call's runs).
 #   bash results/benchmarks/vllm/commands.sh            # everything
-#   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, prefix, docqa, needles, aiperf, memory
+#   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, prefix, steps, backends, aiperf, docqa,
+#                                                       # needles, memory
 # vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
 # first use. The engine is the README's (engines/ is git-ignored):
 #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8 \
@@ -26,6 +27,22 @@ if want prefix; then
   # the prefix cache of plain prompts (criticalkv serve's default, --prefix-cache-mib 512): a 2k chat alone and the
   # same 2k document asked twice as plain messages, vLLM and criticalkv on ONNX Runtime and on OpenVINO, 3 rounds
   $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --parts single,prefix --out $OUT/prefix_cache
+fi
+if want steps; then
+  # where a served request's time goes: the server's scheduler in process, every graph run, engine call and scheduler
+  # step timed (a 2k chat alone, then 8 concurrent, 64 new tokens each), on ONNX Runtime and on OpenVINO; the
+  # *_before rows ran the same script on the parent commit's package (PYTHONPATH=<a checkout of it>), interleaved
+  for b in onnxruntime openvino; do
+    $RUN $B bench steps --engine-dir $E --backend $b --out $OUT/steps_$b
+  done
+  CRITICALKV_ORT_SPINNING=1 $RUN $B bench steps --engine-dir $E --backend onnxruntime --out $OUT/steps_onnxruntime_spinning
+fi
+if want backends; then
+  # the default CPU backend's evidence: vLLM, criticalkv on ONNX Runtime and on OpenVINO, a 2k chat alone, the same
+  # 2k document twice as plain messages, 8 concurrent 2k chats with 64 new tokens, with the prefix cache of plain
+  # prompts on (serve's default); 3 interleaved rounds over two calls
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --rounds 1 --out $OUT/backends
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --rounds 2 --first-round 2 --append --out $OUT/backends
 fi
 if want aiperf; then
   # AIPerf 0.13, the same command against every server's OpenAI chat endpoint (ISL 2048, OSL 64, concurrency 8,
