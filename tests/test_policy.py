@@ -82,12 +82,15 @@ def test_json_round_trip_and_schema():
 
 def test_cli_flags_json_and_fields_are_one_set():
     """Every knob is reachable on the command line (name, budget and window by their flags, the others as keys of
-    --kv-policy's spec), and the JSON keys and the fields are the same set."""
+    --kv-policy's spec), and the JSON keys are the policy's fields and its method's knobs."""
     parser = argparse.ArgumentParser()
     KVPolicy.add_arguments(parser)
     dests = {a.dest for a in parser._actions if a.dest != "help"}
-    fields = {f.name for f in dataclasses.fields(KVPolicy)}
-    assert fields == set(KVPolicy().to_dict()) == set(KVPolicy.knob_names())
+    fields = set(KVPolicy.knob_names())  # every knob: the policy's name, budget and window, and every method's knobs
+    assert {f.name for f in dataclasses.fields(KVPolicy)} == {"name", "budget", "window", "knobs"}
+    for name in POLICIES:
+        assert set(KVPolicy(name).to_dict()) == {"name", "budget", "window", *KVPolicy(name).method.knobs} <= fields
+    assert fields == set(KVPolicy().attributes())
     assert dests == {"kv_policy", "budget", "window"}
     flags = {s for a in parser._actions for s in a.option_strings}
     assert flags == {"--kv-policy", "--budget", "--window", "-h", "--help"}
@@ -150,7 +153,9 @@ def test_a_spec_knob_the_method_does_not_read_is_said():
 
     assert spec_knobs("snapkv") == ["pool_kernel", "window"] and spec_knobs("full") == []
     with pytest.warns(UserWarning, match=r"snapkv does not read kvzip_chunk .*its knobs: pool_kernel, window"):
-        assert parse_policy_spec("snapkv:kvzip_chunk=100", KVPolicy()).kvzip_chunk == 100
+        assert parse_policy_spec("snapkv:kvzip_chunk=100", KVPolicy()) == KVPolicy("snapkv")  # changes nothing
+    with pytest.raises(ValueError, match=r"unknown knob 'kvzip_chunks' .*snapkv's knobs: pool_kernel, window"):
+        parse_policy_spec("snapkv:kvzip_chunks=100", KVPolicy())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         parse_policy_spec("layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6:window=16", KVPolicy())
