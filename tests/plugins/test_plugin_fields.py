@@ -50,7 +50,7 @@ def test_missing_knobs_take_the_kvpolicy_defaults(harness):
     assert handle >= 0, harness.logs()
     fields = {f["name"]: f["value"] for f in harness.describe(handle)["fields"]}
     default = KVPolicy()
-    assert fields == {**default.to_dict(), "layer_idx": 0, "num_layers": 1, "capacity": 300,
+    assert fields == {**default.attributes(), "layer_idx": 0, "num_layers": 1, "capacity": 300,
                       "layer_budgets": list(range(default.budget - default.window + 1))}
 
 
