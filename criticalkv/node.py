@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from criticalkv import methods as _methods
 from criticalkv.methods.budget import layer_budget_table, max_kept_per_head
 from criticalkv.policy import KVPolicy
 
@@ -92,11 +93,18 @@ def knob_type_name(f: dataclasses.Field) -> str:
     return f.type if isinstance(f.type, str) else f.type.__name__
 
 
+def knob_fields() -> list[dataclasses.Field]:
+    """The dataclass field of every knob (``KVPolicy.knob_names``: name, budget, window, then the methods' knobs)."""
+    own = {f.name: f for f in dataclasses.fields(KVPolicy)}
+    methods = _methods.knob_fields()
+    return [own[n] if n in own else methods[n] for n in KVPolicy.knob_names()]
+
+
 def plugin_field_specs() -> list[PluginFieldSpec]:
     """Every creator field in order: the KVPolicy knobs (declaration order), then the layer attributes."""
     specs = []
     default = KVPolicy()
-    for f in dataclasses.fields(KVPolicy):
+    for f in knob_fields():
         kind, trt_type, _ = KINDS[knob_type_name(f)]
         specs.append(PluginFieldSpec(f.name, kind, trt_type, getattr(default, f.name)))
     for name in LAYER_ATTRIBUTES:
@@ -122,7 +130,7 @@ def node_capacity(policy: KVPolicy, max_prompt_len: int, num_kv_heads: int, laye
 def node_attributes(policy: KVPolicy, layer_idx: int, num_layers: int, capacity: int) -> dict[str, Any]:
     """Attribute dict of one layer's node: every KVPolicy knob + layer_idx, num_layers, capacity and
     layer_budgets (this layer's r_l for every budget b = window .. budget, ``layer_budget_table``)."""
-    return {**policy.to_dict(), "layer_idx": layer_idx, "num_layers": num_layers, "capacity": capacity,
+    return {**policy.attributes(), "layer_idx": layer_idx, "num_layers": num_layers, "capacity": capacity,
             "layer_budgets": layer_budget_table(policy, layer_idx, num_layers)}
 
 

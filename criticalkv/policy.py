@@ -1,12 +1,13 @@
-"""``KVPolicy``: the single source of truth for every knob of the KV selection operator.
+"""``KVPolicy``: a policy's name, budget and window, and the knobs of its method.
 
-Each knob is declared once below: type, default, help, choices and validation rules
-(``criticalkv.spec.rules``); which methods read it is declared by the methods (``criticalkv.methods``).
-The command-line flags (``add_arguments``), the JSON form written into manifests
-(``to_dict``/``from_dict``) and the attributes of the ONNX ``CriticalKVSelect`` node follow the
-dataclass at run time; the C++ field header and validation, the plugin YAML and the README table
-are generated from it by ``python -m criticalkv.spec.generate`` (``tests/test_spec_generated.py``
-checks that they are fresh, ``tests/test_policy.py`` that flags, JSON and fields are one set).
+A method declares the knobs it reads as a small frozen dataclass beside it (``criticalkv.methods.knobs``: type,
+default, help, choices and validation rules, ``criticalkv.spec.rules``); a policy holds one object of its method's
+dataclass (``KVPolicy.knobs``). The command-line spec (``name:knob=value``), the validation, the JSON form written
+into manifests (``to_dict``/``from_dict``: the name, budget, window and the method's knobs) and the attributes of the
+ONNX ``CriticalKVSelect`` node (``attributes``: every knob of every method, those the method does not read at their
+defaults) follow the methods at run time; the C++ field header and validation, the plugin YAML and the docs table are
+generated from them by ``python -m criticalkv.spec.generate`` (``tests/test_spec_generated.py`` checks that they are
+fresh, ``tests/test_policy.py`` that flags, JSON and knobs are one set).
 """
 
 from __future__ import annotations
@@ -16,64 +17,58 @@ import dataclasses
 import json
 import math
 import numbers
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from criticalkv import methods as _methods
-from criticalkv.spec.rules import (
-    MAX_TOKENS,
-    AtLeast,
-    AtMost,
-    Between,
-    Decimals,
-    NotAboveField,
-    NotBelowField,
-    Positive,
-    PositiveOdd,
-    Rule,
-    Scoped,
-    ZeroOrAtLeast,
-)
+from criticalkv.methods.kvzip import KVZIP_REREADS, KVZIP_SCORES  # noqa: F401 - the choices, where they were
+from criticalkv.methods.knobs import Knobs, convert, knob_fields, type_name
+from criticalkv.methods.two_stage import GQA_REDUCES, STAGE2_SCORES, VALUE_NORMS  # noqa: F401
+from criticalkv.spec.rules import MAX_TOKENS, AtMost, NotBelowField, Positive, Scoped
 
 #: Policy name -> (base method, whether CriticalKV's two-stage refinement is on): the registry of
 #: ``criticalkv.methods``, which composes the method units.
 POLICIES: dict[str, tuple[str, bool]] = _methods.POLICIES
 
-
-
-VALUE_NORMS = ("l1", "l2")
-GQA_REDUCES = ("mean", "kvpress")
-STAGE2_SCORES = ("pooled", "raw")
-KVZIP_REREADS = ("context", "chunk")
-#: Where a kvzip policy's score comes from: the context's re-read, or its surrogate (``criticalkv.methods.surrogate``).
-KVZIP_SCORES = ("reread", "surrogate")
-
 SCHEMA_VERSION = 1
 
 
-def _knob(
-    default: Any, help: str, flag: str | None = None, choices: tuple | None = None, rules: tuple[Rule | Scoped, ...] = ()
-) -> Any:
-    """A dataclass field carrying its CLI flag, help text, choices and validation rules in its metadata.
-
-    ``rules`` are checked in order after the type and the choices (``criticalkv.spec.rules``); a
-    ``Scoped(rule, "reads")`` rule holds only for policies whose method reads the knob, ``"evicts"`` only
-    for policies that evict. The same rules are generated into the C++ validation.
-    """
+def _field(default: Any, help: str, flag: str | None = None, choices: tuple | None = None, rules: tuple = ()) -> Any:
     return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "rules": tuple(rules)})
 
 
 _WINDOW_REASON = "; the window is always kept, so the budget must be at least the window"
+#: The fields every policy has (the rest are its method's knobs).
+OWN = ("name", "budget", "window")
 
 
-@dataclass(frozen=True)
+def _check_type(f: dataclasses.Field, value: Any) -> None:
+    kind = type_name(f)
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{f.name}: expected an integer, got {value!r}")
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{f.name}: expected a finite number, got {value!r}")
+    choices = f.metadata.get("choices") if f.name != "name" else None  # the name: the live registry
+    if choices and value not in choices:
+        raise ValueError(f"{f.name}: {value!r} is not one of {', '.join(map(str, choices))}")
+
+
+@dataclass(frozen=True, init=False)
 class KVPolicy:
-    """Every knob of the KV-cache selection operator (see ``criticalkv.selection``).
+    """A KV-cache selection policy (see ``criticalkv.selection``): its name, budget, window and its method's knobs.
 
     Budgets count tokens per KV head, averaged over heads and layers, window included:
     ``r = budget - window`` older tokens are chosen per head, the last ``window`` prompt
     tokens are always kept, and a prompt of at most ``budget`` tokens is kept whole.
+
+    ``KVPolicy(name, budget, window, knobs=None, **knob_values)``: ``knobs`` an object of the method's dataclass
+    (``policy.method.Knobs``; another method's knobs object gives the values of the knobs both read), ``knob_values``
+    single knobs by name (``alpha=0.5``). A knob of another method is checked against its own rules and then
+    dropped (the policy does not read it). ``policy.alpha`` reads a knob (the method's value, or its default where
+    the method does not read it: the flat view older code reads).
 
     Raises
     ------
@@ -81,66 +76,72 @@ class KVPolicy:
         On construction, naming the offending field, when a knob is out of range.
     """
 
-    name: str = _knob("criticalkv", "KV eviction policy", flag="--kv-policy", choices=tuple(POLICIES))
-    budget: int = _knob(256, "tokens kept per KV head (average over heads and layers), window included",
-                        rules=(Positive(), Scoped(NotBelowField("window", _WINDOW_REASON), "evicts"), AtMost(MAX_TOKENS)))
-    window: int = _knob(32, "observation window: the last prompt tokens whose queries score the rest; always kept",
-                        rules=(Positive(), AtMost(MAX_TOKENS)))
-    pool_kernel: int = _knob(7, "odd max-pool kernel over token positions applied to window attention",
-                             rules=(PositiveOdd(), AtMost(MAX_TOKENS)))
-    alpha: float = _knob(0.25, "CriticalKV stage-1 fraction of the selectable budget chosen by attention alone",
-                         rules=(Between(0.0, 1.0), Decimals(6)))
-    epsilon: float = _knob(1e-4, "CriticalKV stage-2 score is (attention + epsilon) × ‖V W_O‖", rules=(AtLeast(0.0),))
-    value_norm: str = _knob("l1", "norm of the projected value ‖V_i W_O^h‖", choices=VALUE_NORMS)
-    gqa_reduce: str = _knob(
-        "mean", "stage-2 GQA reduction: mean of per-head products, or kvpress: mean(P) * mean(N)", choices=GQA_REDUCES
-    )
-    stage2_scores: str = _knob(
-        "pooled", "attention used in stage 2: max-pooled window mean (kvpress) or raw (paper Alg. 2)", choices=STAGE2_SCORES
-    )
-    ada_floor: float = _knob(0.2, "adakv/laprox: fraction of the per-head share every head keeps by its own scores",
-                             rules=(Between(0.0, 1.0), Decimals(6)))
-    pyramid_beta: float = _knob(20.0, "pyramidkv: ratio between the first and the last layer's selectable budget",
-                                rules=(AtLeast(1.0), Decimals(6)))
-    sink_tokens: int = _knob(4, "streamingllm, expected-attention, kvzip: number of leading attention-sink tokens kept",
-                             rules=(AtLeast(0), Scoped(NotAboveField("budget"), "reads"), AtMost(MAX_TOKENS)))
-    stage1_mass: float = _knob(0.9, "defensivekv: stage 1 keeps each head's most-attended older tokens while their "
-                               "attention mass stays below stage1_mass minus the window's own mass (capped at the head's share)",
-                               rules=(Between(0.0, 1.0),))
-    head_cap_ratio: float = _knob(0.0, "layer-defensivekv, layer-kvzip (the context cache's default context policy): "
-                                  "most entries one KV head keeps, as a multiple of the budget "
-                                  "(window included; 0 = no cap, a head may keep its whole prompt); an engine's per-layer "
-                                  "KV buffers hold min(max_input_len, head_cap_ratio × budget) entries per head",
-                                  rules=(ZeroOrAtLeast(1.0), Decimals(6)))
-    future_positions: int = _knob(512, "expected-attention: the next positions the window's queries are carried to "
-                                  "through RoPE (their rotation averaged over them), as kvpress's n_future_positions",
-                                  rules=(Positive(), AtMost(MAX_TOKENS)))
-    kvzip_chunk: int = _knob(2048, "kvzip: context tokens re-read per reconstruction pass (the context is scored in "
-                             "chunks of this many tokens, each after its own repeat prompt), as kvpress's chunk_size",
-                             rules=(Positive(), AtMost(MAX_TOKENS)))
-    kvzip_reread: str = _knob("context", "kvzip: the cache each chunk's re-read attends to: the whole context's (KVzip as "
-                              "published; its cost grows with n x n) or the sinks and the chunk's own entries only "
-                              "(chunk: linear in n, the keys its score counts)", choices=KVZIP_REREADS)
-    kvzip_score: str = _knob("reread", "kvzip: the score's source: the context's re-read (KVzip as published: one more pass "
-                             "over the context) or a linear surrogate of it on the prefill's hidden states (KVzap-style: "
-                             "no re-read; trained once per model by criticalkv train-surrogate, the bundled model's "
-                             "shipped)", choices=KVZIP_SCORES)
+    name: str = _field("criticalkv", "KV eviction policy", flag="--kv-policy", choices=tuple(POLICIES))
+    budget: int = _field(256, "tokens kept per KV head (average over heads and layers), window included",
+                         rules=(Positive(), Scoped(NotBelowField("window", _WINDOW_REASON), "evicts"), AtMost(MAX_TOKENS)))
+    window: int = _field(32, "observation window: the last prompt tokens whose queries score the rest; always kept",
+                         rules=(Positive(), AtMost(MAX_TOKENS)))
+    knobs: Knobs = _field(None, "the knobs of the policy's method (an object of its Knobs dataclass)")
+
+    def __init__(self, name: str = "criticalkv", budget: int = 256, window: int = 32, knobs: Knobs | None = None,
+                 **knob_values: Any) -> None:
+        if name not in POLICIES:
+            raise ValueError(f"name: unknown KV policy {name!r}; choose one of {', '.join(POLICIES)}")
+        method = _methods.method_of(name)
+        cls = method.Knobs
+        own = {f.name: f for f in dataclasses.fields(cls)}
+        every = _methods.knob_fields()
+        unknown = sorted(set(knob_values) - set(every))
+        if unknown:
+            raise TypeError(f"KVPolicy got unknown knob(s) {', '.join(unknown)}; {name}'s knobs: "
+                            f"{', '.join(own) or 'none'}")
+        values = {}
+        if knobs is not None:
+            if not isinstance(knobs, Knobs):
+                raise TypeError(f"knobs: expected a Knobs dataclass object, got {knobs!r}")
+            values = {f.name: getattr(knobs, f.name) for f in dataclasses.fields(knobs) if f.name in own}
+        values.update({k: v for k, v in knob_values.items() if k in own})
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "budget", budget)
+        object.__setattr__(self, "window", window)
+        for f in (self._field("budget"), self._field("window")):
+            _check_type(f, getattr(self, f.name))
+        for k, v in values.items():
+            _check_type(own[k], v)
+        object.__setattr__(self, "knobs", cls(**values))
+        self._validate()
+        # a knob the method does not read: held to its own rules (a typo'd value is still said), then dropped
+        for k, v in knob_values.items():
+            if k not in own:
+                _check_type(every[k], v)
+                view = types.SimpleNamespace(name=name, budget=budget, window=window, **{k: v})
+                for rule in every[k].metadata.get("rules", ()):
+                    if isinstance(rule, Scoped):
+                        continue  # scoped rules hold for the policies that read it, or that evict
+                    problem = rule.check(view, k)
+                    if problem:
+                        raise ValueError(problem)
+
+    @staticmethod
+    def _field(name: str) -> dataclasses.Field:
+        return {f.name: f for f in dataclasses.fields(KVPolicy)}[name]
+
+    def __getattr__(self, name: str) -> Any:
+        """Compatibility: ``policy.alpha`` reads the knob from ``policy.knobs``, or its default where the method does
+        not read it (the flat view: ``attributes``)."""
+        if name.startswith("__") or "knobs" not in self.__dict__:
+            raise AttributeError(name)
+        knobs = self.__dict__["knobs"]
+        if hasattr(knobs, name) and name in {f.name for f in dataclasses.fields(knobs)}:
+            return getattr(knobs, name)
+        every = _methods.knob_fields()
+        if name in every:
+            return every[name].default
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------------ validation
-    def __post_init__(self) -> None:
-        if self.name not in POLICIES:
-            raise ValueError(f"name: unknown KV policy {self.name!r}; choose one of {', '.join(POLICIES)}")
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{f.name}: expected an integer, got {value!r}")
-            if f.type in ("float", float):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                    raise ValueError(f"{f.name}: expected a finite number, got {value!r}")
-            choices = f.metadata.get("choices") if f.name != "name" else None  # the name: the live registry, above
-            if choices and value not in choices:
-                raise ValueError(f"{f.name}: {value!r} is not one of {', '.join(map(str, choices))}")
-        for f in dataclasses.fields(self):
+    def _validate(self) -> None:
+        for f in [self._field("budget"), self._field("window")] + list(dataclasses.fields(self.knobs)):
             for rule in f.metadata.get("rules", ()):
                 if isinstance(rule, Scoped):
                     if not self._rule_applies(rule, f.name):
@@ -220,29 +221,36 @@ class KVPolicy:
         return self.budget - self.window
 
     def replace(self, **changes: Any) -> "KVPolicy":
-        """A copy with some knobs changed (validated again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields or knobs changed (validated again). A new name keeps the knobs both methods read."""
+        name, budget, window = (changes.pop(k, getattr(self, k)) for k in OWN)
+        return KVPolicy(name, budget, window, knobs=changes.pop("knobs", self.knobs), **changes)
+
 
     # ------------------------------------------------------------------ serialisation
     @classmethod
     def knob_names(cls) -> tuple[str, ...]:
-        """Names of every knob, in declaration order: JSON keys, ONNX attributes, plugin fields."""
-        return tuple(f.name for f in dataclasses.fields(cls))
+        """Names of every knob of every policy: name, budget, window, then the methods' knobs in registry order
+        (``criticalkv.methods.knob_fields``): the ONNX attributes and the plugin's fields (``attributes``)."""
+        return OWN + tuple(_methods.knob_fields())
+
+    def attributes(self) -> dict[str, Any]:
+        """Every knob (``knob_names``), those the method does not read at their defaults: the ONNX node's attributes
+        and the plugin's fields, which are the same for every policy."""
+        return {name: getattr(self, name) for name in self.knob_names()}
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (manifests, ONNX node attributes, plugin fields)."""
-        return {name: getattr(self, name) for name in self.knob_names()}
+        """JSON-ready form (manifests): the name, budget, window and the knobs the method reads."""
+        return {"name": self.name, "budget": self.budget, "window": self.window, **dataclasses.asdict(self.knobs)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "KVPolicy":
-        """Inverse of ``to_dict``; unknown keys are an error so that typos do not pass silently."""
-        unknown = set(data) - set(cls.knob_names())
+        """Inverse of ``to_dict``, and of ``attributes`` (the form every manifest written before the knobs moved to
+        the methods holds: every knob). Unknown keys are an error so that typos do not pass silently."""
+        every = _methods.knob_fields()
+        unknown = set(data) - set(OWN) - set(every)
         if unknown:
             raise ValueError(f"unknown KVPolicy field(s): {', '.join(sorted(unknown))}")
-        kwargs = dict(data)
-        for f in dataclasses.fields(cls):  # JSON turns 20.0 into 20: give floats back their type
-            if f.name in kwargs and f.type in ("float", float) and isinstance(kwargs[f.name], int):
-                kwargs[f.name] = float(kwargs[f.name])
+        kwargs = {k: (convert(every[k], v) if k in every else v) for k, v in data.items()}  # JSON: 20.0 -> 20
         return cls(**kwargs)
 
     def to_json(self) -> str:
@@ -299,12 +307,19 @@ class KVPolicy:
         return parse_policy_spec(args.kv_policy or policy_spec(defaults), base, "--kv-policy")
 
 
+def _knob_field(knob: str) -> dataclasses.Field:
+    """The field of a knob: one of the policy's own (name, budget, window) or a method's."""
+    own = {f.name: f for f in dataclasses.fields(KVPolicy) if f.name in OWN}
+    return own[knob] if knob in own else _methods.knob_fields()[knob]
+
+
 def _help(knob: str) -> str:
-    return {f.name: f for f in dataclasses.fields(KVPolicy)}[knob].metadata["help"]
+    return _knob_field(knob).metadata["help"]
 
 
 def policy_table_markdown() -> str:
-    """Markdown table of the policies and every knob's default (used for the README)."""
+    """Markdown tables of the policies and of every knob (its default, and the policies that read it), read from the
+    methods (used for docs/policies.md)."""
     rows = ["| policy | base allocation | stage 2 | what it keeps | knobs it reads (`NAME:KNOB=VALUE`) |",
             "|---|---|---|---|---|"]
     for name, (base, two_stage) in POLICIES.items():
@@ -312,16 +327,16 @@ def policy_table_markdown() -> str:
                     f"{', '.join(spec_knobs(name)) or '-'} |")
     rows += ["", "| knob | on the command line | default | meaning |", "|---|---|---|---|"]
     default = KVPolicy()
-    for f in dataclasses.fields(KVPolicy):
+    for name in KVPolicy.knob_names():
+        f = _knob_field(name)
         choices = f.metadata.get("choices")
-        meaning = f.metadata["help"] + (f" ({' / '.join(choices)})" if choices and f.name != "name" else "")
-        rows.append(f"| `{f.name}` | `{KVPolicy.flag_of(f.name)}` | `{getattr(default, f.name)}` | {meaning} |")
+        meaning = f.metadata["help"] + (f" ({' / '.join(choices)})" if choices and name != "name" else "")
+        rows.append(f"| `{name}` | `{KVPolicy.flag_of(name)}` | `{getattr(default, name)}` | {meaning} |")
     return "\n".join(rows)
 
 
 def _convert(knob: str, text: str, flag: str):
-    kind = {f.name: f.type for f in dataclasses.fields(KVPolicy)}[knob]
-    kind = kind if isinstance(kind, str) else kind.__name__
+    kind = type_name(_knob_field(knob))
     try:
         return {"int": int, "float": float, "str": str}[kind](text)
     except ValueError:
@@ -329,23 +344,24 @@ def _convert(knob: str, text: str, flag: str):
 
 
 def parse_policy_spec(spec: str, base: KVPolicy, flag: str = "--policies") -> KVPolicy:
-    """``name[:knob=value...]`` -> KVPolicy on top of ``base`` (its knobs are the defaults)."""
+    """``name[:knob=value...]`` -> KVPolicy on top of ``base`` (its budget, window and the knobs both methods read
+    are the defaults). A knob no method declares is an error naming the method's knobs; one that only other methods
+    read is said (a warning) and changes nothing."""
     name, *overrides = spec.strip().split(":")
     if name not in POLICIES:
         raise ValueError(f"{flag}: unknown KV policy {name!r}; choose from {', '.join(POLICIES)}")
     changes: dict = {"name": name}
-    names = [f.name for f in dataclasses.fields(KVPolicy)]
+    read = spec_knobs(name)
+    names = set(KVPolicy.knob_names()) - {"name"}
     for item in overrides:
         knob, sep, value = item.partition("=")
         if not sep or not knob:
             raise ValueError(f"{flag}: {item!r} in {spec!r} is not knob=value")
-        if knob not in names or knob == "name":
-            knobs = ", ".join(k for k in names if k != "name")
-            raise ValueError(f"{flag}: unknown knob {knob!r} in {spec!r}; choose from {knobs}")
+        if knob not in names:
+            raise ValueError(f"{flag}: unknown knob {knob!r} in {spec!r}; {name}'s knobs: {', '.join(read) or 'none'}")
         if knob == "budget":
             raise ValueError(f"{flag}: give budgets with {'--budgets' if flag == '--policies' else '--budget'}, not in {spec!r}")
-        read = spec_knobs(name)
-        if knob not in read:  # kept (a policy carries every knob) but said: the spec likely meant another policy
+        if knob not in read:  # another method's knob: the spec likely meant another policy
             warnings.warn(f"{flag}: {name} does not read {knob} (in {spec!r}), so it changes nothing; its knobs: "
                           f"{', '.join(read) or 'none'}", UserWarning, stacklevel=2)
         changes[knob] = _convert(knob, value, flag)
@@ -353,7 +369,7 @@ def parse_policy_spec(spec: str, base: KVPolicy, flag: str = "--policies") -> KV
 
 
 def spec_knobs(name: str) -> list[str]:
-    """The knobs a ``name:knob=value`` spec may set: those the policy's method reads (``Method.knobs``, declared with
+    """The knobs a ``name:knob=value`` spec may set: those the policy's method reads (its ``Knobs``, declared with
     the method), and the window of a policy that evicts."""
     method = _methods.method_of(name)
     return sorted(set(method.knobs) - {"budget"} | ({"window"} if method.base.evicts else set()))
@@ -362,6 +378,6 @@ def spec_knobs(name: str) -> list[str]:
 def policy_spec(policy: KVPolicy) -> str:
     """``name[:knob=value...]`` naming ``policy`` by the knobs of its method that differ from their defaults (budget
     and window aside): the form ``parse_policy_spec`` reads."""
-    default = KVPolicy()
-    knobs = [k for k in policy.method.knobs if k not in ("budget", "window") and getattr(policy, k) != getattr(default, k)]
-    return ":".join([policy.name] + [f"{k}={getattr(policy, k)}" for k in knobs])
+    default = policy.method.Knobs()
+    knobs = [k for k in policy.method.knobs if getattr(policy.knobs, k) != getattr(default, k)]
+    return ":".join([policy.name] + [f"{k}={getattr(policy.knobs, k)}" for k in knobs])

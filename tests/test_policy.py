@@ -82,12 +82,15 @@ def test_json_round_trip_and_schema():
 
 def test_cli_flags_json_and_fields_are_one_set():
     """Every knob is reachable on the command line (name, budget and window by their flags, the others as keys of
-    --kv-policy's spec), and the JSON keys and the fields are the same set."""
+    --kv-policy's spec), and the JSON keys are the policy's fields and its method's knobs."""
     parser = argparse.ArgumentParser()
     KVPolicy.add_arguments(parser)
     dests = {a.dest for a in parser._actions if a.dest != "help"}
-    fields = {f.name for f in dataclasses.fields(KVPolicy)}
-    assert fields == set(KVPolicy().to_dict()) == set(KVPolicy.knob_names())
+    fields = set(KVPolicy.knob_names())  # every knob: the policy's name, budget and window, and every method's knobs
+    assert {f.name for f in dataclasses.fields(KVPolicy)} == {"name", "budget", "window", "knobs"}
+    for name in POLICIES:
+        assert set(KVPolicy(name).to_dict()) == {"name", "budget", "window", *KVPolicy(name).method.knobs} <= fields
+    assert fields == set(KVPolicy().attributes())
     assert dests == {"kv_policy", "budget", "window"}
     flags = {s for a in parser._actions for s in a.option_strings}
     assert flags == {"--kv-policy", "--budget", "--window", "-h", "--help"}
@@ -150,7 +153,39 @@ def test_a_spec_knob_the_method_does_not_read_is_said():
 
     assert spec_knobs("snapkv") == ["pool_kernel", "window"] and spec_knobs("full") == []
     with pytest.warns(UserWarning, match=r"snapkv does not read kvzip_chunk .*its knobs: pool_kernel, window"):
-        assert parse_policy_spec("snapkv:kvzip_chunk=100", KVPolicy()).kvzip_chunk == 100
+        assert parse_policy_spec("snapkv:kvzip_chunk=100", KVPolicy()) == KVPolicy("snapkv")  # changes nothing
+    with pytest.raises(ValueError, match=r"unknown knob 'kvzip_chunks' .*snapkv's knobs: pool_kernel, window"):
+        parse_policy_spec("snapkv:kvzip_chunks=100", KVPolicy())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         parse_policy_spec("layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6:window=16", KVPolicy())
+
+
+def test_the_knobs_are_the_methods_dataclass_and_old_manifests_load():
+    import pickle
+
+    from criticalkv.methods.kvzip import KVzipKnobs
+    from criticalkv.methods.two_stage import TwoStageKnobs
+
+    p = KVPolicy("kvzip-criticalkv", budget=128, alpha=0.5, kvzip_chunk=512)
+    # a two-stage policy's knobs: its base's, then CriticalKV's, in one frozen dataclass
+    names = [f.name for f in dataclasses.fields(p.knobs)]
+    assert names == [f.name for f in dataclasses.fields(KVzipKnobs)] + [f.name for f in dataclasses.fields(TwoStageKnobs)]
+    assert (p.knobs.alpha, p.knobs.kvzip_chunk, p.alpha, p.kvzip_chunk) == (0.5, 512, 0.5, 512)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.knobs.alpha = 0.1
+    assert pickle.loads(pickle.dumps(p)) == p and hash(pickle.loads(pickle.dumps(p))) == hash(p)
+    # the manifest records the method's knobs only
+    assert set(p.to_dict()) == {"name", "budget", "window", *names}
+    # a manifest written before (every knob of every method) still loads, the knobs the method does not read dropped
+    old = {**KVPolicy().attributes(), "name": "kvzip-criticalkv", "budget": 128, "alpha": 0.5, "kvzip_chunk": 512}
+    assert set(old) == set(KVPolicy.knob_names()) and KVPolicy.from_dict(old) == p
+    # another method's knob: checked against its rules, then dropped; read through the policy, it is its default
+    assert KVPolicy("snapkv", alpha=0.5) == KVPolicy("snapkv") and KVPolicy("snapkv", alpha=0.5).alpha == 0.25
+    with pytest.raises(ValueError, match="^alpha:"):
+        KVPolicy("snapkv", alpha=1.5)
+    with pytest.raises(TypeError, match="unknown knob.*alpah.*snapkv's knobs: pool_kernel"):
+        KVPolicy("snapkv", alpah=0.5)  # no method declares it
+    # a new name keeps the knobs both methods read
+    assert p.replace(name="kvzip").knobs == KVzipKnobs(kvzip_chunk=512)
+    assert KVPolicy("criticalkv", alpha=0.5, pool_kernel=5).replace(name="ada-criticalkv").knobs.pool_kernel == 5

@@ -232,7 +232,7 @@ def model_function(policy: KVPolicy, num_layers: int, num_kv_heads: int) -> onnx
 def model_node(policy: KVPolicy, capacities: list[int], inputs: list[str], outputs: list[str]) -> onnx.NodeProto:
     """The ``CriticalKVSelectModel`` node: every KVPolicy knob + num_layers + capacities."""
     node = helper.make_node(MODEL_OP, inputs, outputs, name="criticalkv_select_model", domain=DOMAIN)
-    attributes = {**policy.to_dict(), "num_layers": len(capacities), "capacities": list(capacities)}
+    attributes = {**policy.attributes(), "num_layers": len(capacities), "capacities": list(capacities)}
     node.attribute.extend(
         helper.make_attribute(k, v, attr_type=onnx.AttributeProto.INTS if isinstance(v, list) else None)
         for k, v in attributes.items()

@@ -91,7 +91,9 @@ def _attributes(node: onnx.NodeProto) -> dict:
 
 def same_policy(a: KVPolicy, b: KVPolicy) -> bool:
     """Equal up to float32 rounding of the float knobs (ONNX FLOAT attributes are float32)."""
-    da, db = a.to_dict(), b.to_dict()
+    if a.name != b.name:
+        return False
+    da, db = a.attributes(), b.attributes()
     return all(
         np.float32(da[k]) == np.float32(db[k]) if isinstance(da[k], float) else da[k] == db[k] for k in da
     )

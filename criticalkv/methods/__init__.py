@@ -13,17 +13,19 @@ What the methods share sits beside them, on the same ground floor (nothing of th
 stage 2) and ``lazy`` (torch, imported when a method first runs PyTorch code, so that ``KVPolicy`` and the ONNX
 Runtime side load this registry without torch).
 
-Adding a base method: a module here with a ``BaseMethod`` subclass, its entry in ``BASE_METHODS`` (and a composed
-policy in ``METHODS`` for a two-stage variant; its knobs, if new, in ``criticalkv/policy.py``), then
-``python -m criticalkv.spec.generate``; or, at run time, ``register(Method(...))``.
+Adding a base method: a module here with a ``BaseMethod`` subclass and the dataclass of its knobs (its ``Knobs``:
+``criticalkv.methods.knobs``), its entry in ``BASE_METHODS`` (and a composed policy in ``METHODS`` for a two-stage
+variant), then ``python -m criticalkv.spec.generate``; or, at run time, ``register(Method(...))``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from criticalkv.methods import adakv, defensivekv, expected_attention, full, kvzip, laprox, pyramidkv, snapkv, streamingllm
 from criticalkv.methods.base import Allocation, BaseMethod, GroupScoreInputs
+from criticalkv.methods.knobs import Knob, Knobs, combined
 from criticalkv.methods.two_stage import TWO_STAGE, TwoStage
 
 #: Every base method, in the order of the C++ ``BaseMethod`` enum.
@@ -45,9 +47,15 @@ class Method:
     description: str = ""
 
     @property
+    def Knobs(self) -> type[Knobs]:
+        """The dataclass of the knobs this policy reads besides name, budget and window: its base method's, then its
+        refinement's (``criticalkv.methods.knobs.combined``)."""
+        return combined(self.name, (self.base.Knobs, self.refine.Knobs if self.refine else None))
+
+    @property
     def knobs(self) -> tuple[str, ...]:
-        """KVPolicy knobs this policy reads besides name, budget and window (declaration order not kept)."""
-        return self.base.knobs + (self.refine.knobs if self.refine else ())
+        """The names of the knobs this policy reads besides name, budget and window (``Knobs``'s fields)."""
+        return tuple(f.name for f in dataclasses.fields(self.Knobs))
 
     @property
     def score_knobs(self) -> tuple[str, ...]:
@@ -102,8 +110,22 @@ DEFAULT_CONTEXT_POLICY = "layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_
 #: (needle 85 % of 20 at 256 on the bundled model; the re-read costs about 2.2x the context's prefill, once).
 SURROGATE_FALLBACK = "layer-kvzip-criticalkv:head_cap_ratio=3"
 
+for _method in METHODS.values():  # every policy's knobs dataclass exists from import on (its objects unpickle)
+    _method.Knobs  # noqa: B018
+
 #: Policy name -> (base method name, whether the two-stage refinement is on).
 POLICIES: dict[str, tuple[str, bool]] = {name: (m.base.name, m.refine is not None) for name, m in METHODS.items()}
+
+
+def knob_fields() -> dict[str, dataclasses.Field]:
+    """Every knob some policy reads (name -> its dataclass field), in registry order (each policy's knobs in their
+    declaration order): the flat view of a policy (``KVPolicy.attributes``: the ONNX node's attributes, the plugin's
+    creator fields, the generated C++ ``PolicyConfig``)."""
+    fields: dict[str, dataclasses.Field] = {}
+    for method in METHODS.values():
+        for f in dataclasses.fields(method.Knobs):
+            fields.setdefault(f.name, f)
+    return fields
 
 
 def register(method: Method) -> Method:
@@ -112,6 +134,7 @@ def register(method: Method) -> Method:
     list). Returns ``method``; ``unregister`` takes it back."""
     if method.name in METHODS:
         raise ValueError(f"policy {method.name!r} is already registered")
+    method.Knobs  # its knobs dataclass, made now (its objects unpickle)
     METHODS[method.name] = method
     POLICIES[method.name] = (method.base.name, method.refine is not None)
     return method
@@ -141,6 +164,8 @@ def same_selection(a, b) -> bool:
 
 __all__ = [
     "Allocation",
+    "Knob",
+    "Knobs",
     "BASE_METHODS",
     "BaseMethod",
     "DEFAULT_CONTEXT_POLICY",
@@ -151,6 +176,7 @@ __all__ = [
     "SURROGATE_FALLBACK",
     "TWO_STAGE",
     "TwoStage",
+    "knob_fields",
     "method_of",
     "register",
     "same_selection",

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from criticalkv.methods.base import Allocation, BaseMethod
+from criticalkv.methods.knobs import Knob, Knobs
+from criticalkv.methods.snapkv import POOL_KERNEL
+from criticalkv.spec.rules import Between, Decimals
 from criticalkv.methods.budget import head_floor
 from criticalkv.methods.lazy import torch
 from criticalkv.methods.topk import topk_mask
@@ -34,12 +39,21 @@ def head_floors(policy, r):
     """[B] int64: the per-head floor (``head_floor``) of every sequence's ``r`` [B]."""
     return torch.tensor([head_floor(policy.ada_floor, int(x)) for x in r.tolist()], dtype=torch.int64, device=r.device)
 
+ADA_FLOOR = Knob(0.2, "adakv/laprox: fraction of the per-head share every head keeps by its own scores",
+                 rules=(Between(0.0, 1.0), Decimals(6)))
+
+
+@dataclass(frozen=True)
+class AdaKVKnobs(Knobs):
+    pool_kernel: int = POOL_KERNEL.field()
+    ada_floor: float = ADA_FLOOR.field()
+
 
 class AdaKV(BaseMethod):
     name = "adakv"
     cpp_enum = "kAdaKV"
     description = "snapkv scores, per-layer budget shared across heads (per-head floor ada_floor)"
-    knobs = ("pool_kernel", "ada_floor")
+    Knobs = AdaKVKnobs
     shared_allocation = True
 
     def max_older_per_head(self, policy, r, m, num_kv_heads):

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from criticalkv.methods.knobs import Knobs, knob_names
 from criticalkv.methods.lazy import torch
 
 if TYPE_CHECKING:
@@ -74,7 +75,8 @@ class BaseMethod:
     name : the method's name (a policy of its own)
     cpp_enum : its ``criticalkv::BaseMethod`` enumerator in the generated C++ header
     description : one line for ``criticalkv policies`` and the README table
-    knobs : KVPolicy knobs the method reads besides ``name``, ``budget`` and ``window``
+    Knobs : the dataclass of the knobs the method reads besides ``name``, ``budget`` and ``window``
+        (``criticalkv.methods.knobs``; ``knobs``: their names)
     evicts : False for ``full`` (every entry kept)
     scored : whether it ranks older tokens by window attention (the window is then always kept)
     shared_allocation : whether the layer's H_kv * r slots are shared across heads (per-head floor)
@@ -105,7 +107,7 @@ class BaseMethod:
     name: str = ""
     cpp_enum: str = ""
     description: str = ""
-    knobs: tuple[str, ...] = ()
+    Knobs: type[Knobs] = Knobs
     evicts: bool = True
     scored: bool = True
     shared_allocation: bool = False
@@ -124,6 +126,11 @@ class BaseMethod:
     #: names of the per-token scores ``group_scores`` adds (besides "attention", which every scored method has)
     score_names: tuple[str, ...] = ()
     data_key: str = ""
+
+    @property
+    def knobs(self) -> tuple[str, ...]:
+        """The names of the knobs the method reads (``Knobs``'s fields, in declaration order)."""
+        return knob_names(self.Knobs)
 
     @property
     def equal_head_lengths(self) -> bool:

@@ -50,13 +50,41 @@ per-layer plugin (``cpp_refusal``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from criticalkv.methods.adakv import AdaKV, head_floors, onnx_shared_allocation_mask, shared_allocation_mask
+from criticalkv.methods.adakv import ADA_FLOOR, AdaKV, head_floors, onnx_shared_allocation_mask, shared_allocation_mask
 from criticalkv.methods.base import MODEL_LEVEL_REFUSAL, Allocation
 from criticalkv.methods.budget import head_cap, head_floor
+from criticalkv.methods.knobs import Knob, Knobs
 from criticalkv.methods.lazy import torch
+from criticalkv.methods.snapkv import POOL_KERNEL
 from criticalkv.methods.topk import canonical_scores, topk_mask
+from criticalkv.methods.two_stage import VALUE_NORM
+from criticalkv.spec.rules import Between, Decimals, ZeroOrAtLeast
+
+#: Most entries one KV head keeps in a model-level allocation (``layer-defensivekv``, ``layer-kvzip``).
+HEAD_CAP_RATIO = Knob(0.0, "layer-defensivekv, layer-kvzip (the context cache's default context policy): "
+                      "most entries one KV head keeps, as a multiple of the budget "
+                      "(window included; 0 = no cap, a head may keep its whole prompt); an engine's per-layer "
+                      "KV buffers hold min(max_input_len, head_cap_ratio × budget) entries per head",
+                      rules=(ZeroOrAtLeast(1.0), Decimals(6)))
+
+
+@dataclass(frozen=True)
+class DefensiveKVKnobs(Knobs):
+    pool_kernel: int = POOL_KERNEL.field()
+    ada_floor: float = ADA_FLOOR.field()
+    value_norm: str = VALUE_NORM.field()
+    stage1_mass: float = Knob(0.9, "defensivekv: stage 1 keeps each head's most-attended older tokens while their "
+                              "attention mass stays below stage1_mass minus the window's own mass (capped at the head's "
+                              "share)", rules=(Between(0.0, 1.0),)).field()
+
+
+@dataclass(frozen=True)
+class LayerDefensiveKVKnobs(DefensiveKVKnobs):
+    head_cap_ratio: float = HEAD_CAP_RATIO.field()
 
 #: Offset that ranks stage-1 tokens above every other (defensive scores lie in [0, 1]).
 STAGE1_OFFSET = 2.0
@@ -151,7 +179,7 @@ class DefensiveKV(AdaKV):
     name = "defensivekv"
     cpp_enum = "kDefensiveKV"
     description = "max over window queries and group heads (clamped at the mean) × ‖V W_O‖, stage 1 by attention mass, adakv sharing"
-    knobs = ("pool_kernel", "ada_floor", "value_norm", "stage1_mass")
+    Knobs = DefensiveKVKnobs
     score_name = "defensive"
     score_names = ("defensive", "stage1_mass", "window_mass")
     score_knobs = ("pool_kernel", "value_norm")
@@ -250,7 +278,7 @@ class LayerDefensiveKV(DefensiveKV):
     cpp_enum = "kLayerDefensiveKV"
     description = "defensivekv scores, the budget shared across all layers and heads (per-head floor ada_floor)"
     model_level = True
-    knobs = DefensiveKV.knobs + ("head_cap_ratio",)
+    Knobs = LayerDefensiveKVKnobs
     #: the CriticalKVSelect plugin is one node per layer: a budget shared by every layer needs every layer's ranking
     #: in one node, the CriticalKVScore / CriticalKVSelectModel plugins' (plugins/README.md)
     native = False

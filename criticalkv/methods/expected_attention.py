@@ -34,10 +34,14 @@ C++: not native. The plugin takes no RoPE input, so it refuses ``expected-attent
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from criticalkv.methods.base import BaseMethod
+from criticalkv.methods.knobs import Knob, Knobs
+from criticalkv.methods.streamingllm import SINK_TOKENS
+from criticalkv.spec.rules import MAX_TOKENS, AtMost, Positive
 from criticalkv.methods.lazy import torch
 
 
@@ -103,12 +107,20 @@ def expected_attention(queries, keys, rotation, valid_start, sink_tokens: int):
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
 
+@dataclass(frozen=True)
+class ExpectedAttentionKnobs(Knobs):
+    sink_tokens: int = SINK_TOKENS.field()
+    future_positions: int = Knob(512, "expected-attention: the next positions the window's queries are carried to "
+                                 "through RoPE (their rotation averaged over them), as kvpress's n_future_positions",
+                                 rules=(Positive(), AtMost(MAX_TOKENS))).field()
+
+
 class ExpectedAttention(BaseMethod):
     name = "expected-attention"
     cpp_enum = "kExpectedAttention"
     description = ("question-agnostic: the expected attention of the next queries (the window's queries' mean and "
                    "covariance carried through RoPE) × ‖v‖₂, sink_tokens first tokens kept")
-    knobs = ("sink_tokens", "future_positions")
+    Knobs = ExpectedAttentionKnobs
     score_name = "expected"
     score_names = ("expected",)
     score_knobs = ("sink_tokens", "future_positions")

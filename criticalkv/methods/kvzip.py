@@ -61,12 +61,41 @@ from pathlib import Path
 
 import numpy as np
 
-from criticalkv.methods.adakv import AdaKV
+from criticalkv.methods.adakv import ADA_FLOOR, AdaKV
 from criticalkv.methods.base import MODEL_LEVEL_REFUSAL
+from criticalkv.methods.defensivekv import HEAD_CAP_RATIO
+from criticalkv.methods.knobs import Knob, Knobs
 from criticalkv.methods.lazy import torch
 from criticalkv.methods.phases import PromptScoring, RereadPass, Stream, reread_scores
 from criticalkv.methods.surrogate import mask_opening, surrogate_of
+from criticalkv.methods.streamingllm import SINK_TOKENS
 from criticalkv.methods.topk import first_valid_mask
+from criticalkv.spec.rules import MAX_TOKENS, AtMost, Positive
+
+KVZIP_REREADS = ("context", "chunk")
+#: Where a kvzip policy's score comes from: the context's re-read, or its surrogate (``criticalkv.methods.surrogate``).
+KVZIP_SCORES = ("reread", "surrogate")
+
+
+@dataclass(frozen=True)
+class KVzipKnobs(Knobs):
+    ada_floor: float = ADA_FLOOR.field()
+    sink_tokens: int = SINK_TOKENS.field()
+    kvzip_chunk: int = Knob(2048, "kvzip: context tokens re-read per reconstruction pass (the context is scored in "
+                            "chunks of this many tokens, each after its own repeat prompt), as kvpress's chunk_size",
+                            rules=(Positive(), AtMost(MAX_TOKENS))).field()
+    kvzip_reread: str = Knob("context", "kvzip: the cache each chunk's re-read attends to: the whole context's (KVzip as "
+                             "published; its cost grows with n x n) or the sinks and the chunk's own entries only "
+                             "(chunk: linear in n, the keys its score counts)", choices=KVZIP_REREADS).field()
+    kvzip_score: str = Knob("reread", "kvzip: the score's source: the context's re-read (KVzip as published: one more "
+                            "pass over the context) or a linear surrogate of it on the prefill's hidden states "
+                            "(KVzap-style: no re-read; trained once per model by criticalkv train-surrogate, the bundled "
+                            "model's shipped)", choices=KVZIP_SCORES).field()
+
+
+@dataclass(frozen=True)
+class LayerKVzipKnobs(KVzipKnobs):
+    head_cap_ratio: float = HEAD_CAP_RATIO.field()
 
 #: kvpress's reconstruction prompts (``KVzipPress.prepare``).
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
@@ -247,7 +276,7 @@ class KVzip(AdaKV):
     cpp_enum = "kKVzip"
     description = ("question-agnostic: the largest attention an entry receives while the model re-reads the context "
                    "(context reconstruction), adakv sharing, sink_tokens first tokens kept")
-    knobs = ("ada_floor", "sink_tokens", "kvzip_chunk", "kvzip_reread", "kvzip_score")
+    Knobs = KVzipKnobs
     score_knobs = ("sink_tokens", "kvzip_chunk", "kvzip_reread", "kvzip_score")
     #: not pooled, as kvpress's: max-pooling the score (SnapKV's kernel 7) lost the needle at 256 entries on 2,048-token
     #: contexts where the unpooled score kept it (results/README.md, "Compress once, answer later")
@@ -327,7 +356,7 @@ class LayerKVzip(KVzip):
     cpp_enum = "kLayerKVzip"
     description = ("kvzip scores, the budget shared across all layers and heads as kvpress's KVzipPress "
                    "(per-head floor ada_floor, cap head_cap_ratio)")
-    knobs = KVzip.knobs + ("head_cap_ratio",)
+    Knobs = LayerKVzipKnobs
     model_level = True
     #: the CriticalKVSelect plugin is one node per layer: a budget shared by every layer needs every layer's ranking
     #: in one node, the CriticalKVScore / CriticalKVSelectModel plugins' (plugins/README.md)

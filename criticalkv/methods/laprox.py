@@ -7,14 +7,14 @@ shared across its heads with AdaKV's floor.
 
 from __future__ import annotations
 
-from criticalkv.methods.adakv import AdaKV
+from criticalkv.methods.adakv import AdaKV, AdaKVKnobs
 
 
 class LaProx(AdaKV):
     name = "laprox"
     cpp_enum = "kLaProx"
     description = "layer-global ‖A col‖₂·‖V W_O^h‖₂ importance, per-head floor ada_floor"
-    knobs = ("pool_kernel", "ada_floor")
+    Knobs = AdaKVKnobs
     own_l2_norms = True
     score_name = "laprox"
     score_names = ("laprox",)

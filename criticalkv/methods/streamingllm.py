@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from criticalkv.methods.base import BaseMethod
+from criticalkv.methods.knobs import Knob, Knobs
+from criticalkv.spec.rules import MAX_TOKENS, AtLeast, AtMost, NotAboveField, Scoped
 from criticalkv.methods.lazy import torch
+
+SINK_TOKENS = Knob(4, "streamingllm, expected-attention, kvzip: number of leading attention-sink tokens kept",
+                   rules=(AtLeast(0), Scoped(NotAboveField("budget"), "reads"), AtMost(MAX_TOKENS)))
+
+
+@dataclass(frozen=True)
+class StreamingLLMKnobs(Knobs):
+    sink_tokens: int = SINK_TOKENS.field()
 
 
 class StreamingLLM(BaseMethod):
     name = "streamingllm"
     cpp_enum = "kStreamingLLM"
     description = "sink_tokens first tokens + the most recent budget - sink_tokens"
-    knobs = ("sink_tokens",)
+    Knobs = StreamingLLMKnobs
     scored = False
     score_knobs = ()
 

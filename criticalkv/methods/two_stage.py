@@ -10,14 +10,36 @@ pooled or raw: ``stage2_scores``; or the expected attention).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from criticalkv.methods import pruned
 from criticalkv.methods.base import GroupScoreInputs
 from criticalkv.methods.budget import stage1_count
+from criticalkv.methods.knobs import Knob, Knobs, knob_names
 from criticalkv.methods.lazy import torch
 from criticalkv.methods.pruned import BoundTerms, DeferredCritical, combine_critical, combine_group_bound
 from criticalkv.methods.topk import topk_mask
+from criticalkv.spec.rules import AtLeast, Between, Decimals
+
+VALUE_NORMS = ("l1", "l2")
+GQA_REDUCES = ("mean", "kvpress")
+STAGE2_SCORES = ("pooled", "raw")
+
+VALUE_NORM = Knob("l1", "norm of the projected value ‖V_i W_O^h‖", choices=VALUE_NORMS)
+
+
+@dataclass(frozen=True)
+class TwoStageKnobs(Knobs):
+    alpha: float = Knob(0.25, "CriticalKV stage-1 fraction of the selectable budget chosen by attention alone",
+                        rules=(Between(0.0, 1.0), Decimals(6))).field()
+    epsilon: float = Knob(1e-4, "CriticalKV stage-2 score is (attention + epsilon) × ‖V W_O‖", rules=(AtLeast(0.0),)).field()
+    value_norm: str = VALUE_NORM.field()
+    gqa_reduce: str = Knob("mean", "stage-2 GQA reduction: mean of per-head products, or kvpress: mean(P) * mean(N)",
+                           choices=GQA_REDUCES).field()
+    stage2_scores: str = Knob("pooled", "attention used in stage 2: max-pooled window mean (kvpress) or raw (paper Alg. 2)",
+                              choices=STAGE2_SCORES).field()
 
 
 def stage1_counts(alpha: float, r):
@@ -47,7 +69,12 @@ class TwoStage:
     """The refinement: stage 1 by attention, stage 2 by attention x projected-value norm."""
 
     name = "two-stage"
-    knobs = ("alpha", "epsilon", "value_norm", "gqa_reduce", "stage2_scores")
+    Knobs = TwoStageKnobs
+
+    @property
+    def knobs(self) -> tuple[str, ...]:
+        """The names of the knobs it reads (``Knobs``'s fields)."""
+        return knob_names(self.Knobs)
     score_names = ("critical",)
     score_knobs = ("epsilon", "value_norm", "gqa_reduce", "stage2_scores")
 

@@ -3,7 +3,8 @@
     python -m criticalkv.spec.generate           # rewrite the generated files
     python -m criticalkv.spec.generate --check   # exit 1 naming every stale file (the tests run this)
 
-Generated: the C++ field header ``plugins/include/criticalkv/policy_fields.h`` (X-macros of the plugin
+The knobs are read from the methods (each method's ``Knobs`` dataclass, ``criticalkv.methods.knobs``) in the flat
+view of ``KVPolicy.knob_names``. Generated: the C++ field header ``plugins/include/criticalkv/policy_fields.h`` (X-macros of the plugin
 creator's fields, the policies and base methods, the enums: device-safe), the host C++ validation
 ``plugins/include/criticalkv/policy_config.h`` (``PolicyConfig`` + ``validatePolicy`` with KVPolicy's rules
 and wording), ``plugins/CriticalKVSelect_PluginConfig.yaml`` and the policy tables of ``docs/policies.md`` (between
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from criticalkv.methods import BASE_METHODS, METHODS, POLICIES
 from criticalkv.methods.base import BaseMethod
-from criticalkv.node import DOMAIN, KINDS, LAYER_ATTRIBUTES, LAYER_FIELDS, OP_TYPE, knob_type_name, plugin_field_specs
+from criticalkv.node import DOMAIN, KINDS, LAYER_ATTRIBUTES, LAYER_FIELDS, OP_TYPE, knob_fields, knob_type_name, plugin_field_specs
 from criticalkv.policy import KVPolicy, policy_table_markdown
 from criticalkv.spec.rules import DECIMAL_SCALE, MAX_TOKENS, Scoped
 
@@ -56,7 +57,7 @@ def _enumerator(choice: str) -> str:
 
 
 def _choice_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(KVPolicy) if f.metadata.get("choices") and f.name != "name"]
+    return [f for f in knob_fields() if f.metadata.get("choices") and f.name != "name"]
 
 
 def _macro(name: str, comment: list[str], rows: list[str]) -> list[str]:
@@ -134,7 +135,7 @@ def _scope_policies(scoped: Scoped, knob: str) -> tuple[str, ...]:
 
 def _validation_lines() -> list[str]:
     lines = []
-    for f in dataclasses.fields(KVPolicy):
+    for f in knob_fields():
         is_float = knob_type_name(f) == "float"
         choices = f.metadata.get("choices")
         if f.name == "name":
@@ -176,7 +177,7 @@ def _validation_lines() -> list[str]:
 
 def render_policy_config_header() -> str:
     """policy_config.h: host-only PolicyConfig, registry lookups and validatePolicy (KVPolicy's rules and wording)."""
-    fields = [f"    {KINDS[knob_type_name(f)][2]} {f.name} = {_literal(getattr(KVPolicy(), f.name))};" for f in dataclasses.fields(KVPolicy)]
+    fields = [f"    {KINDS[knob_type_name(f)][2]} {f.name} = {_literal(getattr(KVPolicy(), f.name))};" for f in knob_fields()]
     for name in LAYER_ATTRIBUTES:
         type_name, value = LAYER_FIELDS[name]
         fields.append(f"    {KINDS[type_name][2]} {name}" + (f" = {_literal(value)};" if type_name != "ints" else ";"))
@@ -379,7 +380,7 @@ def render_plugin_yaml() -> str:
     ]
     for f in _choice_fields():
         lines.append(f"      {f.name}: {_yaml_list(f.metadata['choices'])}")
-    for f in dataclasses.fields(KVPolicy):
+    for f in knob_fields():
         if f.name == "name" or f.metadata.get("choices"):
             continue
         rules = []

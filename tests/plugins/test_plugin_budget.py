@@ -127,7 +127,7 @@ def test_policy_parser_defaults_are_kvpolicy_defaults(host_lib):
     from ckv_native import encode_fields
 
     described = host_lib.describe(encode_fields({"capacity": 100}))
-    default = KVPolicy().to_dict()
+    default = KVPolicy().attributes()
     assert set(described) == set(default) | {"layer_idx", "num_layers", "capacity", "layer_budgets"}
     # without a layer_budgets field a non-pyramid node's r_l is b - window (described as count:FNV-1a of the values)
     table = list(range(KVPolicy().budget - KVPolicy().window + 1))

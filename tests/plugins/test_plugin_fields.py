@@ -1,11 +1,10 @@
 """The plugin creator's fields are generated from KVPolicy and cannot drift from it."""
 
-import dataclasses
 
 from criticalkv import KVPolicy
 from criticalkv.spec.generate import FIELDS_HEADER as HEADER_PATH
 from criticalkv.spec.generate import plugin_field_specs, render_policy_fields_header
-from criticalkv.node import LAYER_ATTRIBUTES, node_attributes
+from criticalkv.node import LAYER_ATTRIBUTES, knob_fields, node_attributes
 
 TRT_TYPE_CODES = {"kCHAR": 6, "kINT32": 5, "kFLOAT32": 1}
 
@@ -21,7 +20,7 @@ def test_field_specs_are_the_knobs_and_the_layer_attributes():
     names = [spec.name for spec in plugin_field_specs()]
     assert names == list(KVPolicy.knob_names()) + list(LAYER_ATTRIBUTES)
     assert set(names) == set(node_attributes(KVPolicy(), 0, 1, 1)), "plugin fields == ONNX node attributes"
-    types = {f.name: f.type for f in dataclasses.fields(KVPolicy)}
+    types = {f.name: f.type for f in knob_fields()}
     for spec in plugin_field_specs():
         if spec.name in types:
             assert {"str": "kCHAR", "int": "kINT32", "float": "kFLOAT32"}[types[spec.name]] == spec.trt_type
@@ -51,7 +50,7 @@ def test_missing_knobs_take_the_kvpolicy_defaults(harness):
     assert handle >= 0, harness.logs()
     fields = {f["name"]: f["value"] for f in harness.describe(handle)["fields"]}
     default = KVPolicy()
-    assert fields == {**default.to_dict(), "layer_idx": 0, "num_layers": 1, "capacity": 300,
+    assert fields == {**default.attributes(), "layer_idx": 0, "num_layers": 1, "capacity": 300,
                       "layer_budgets": list(range(default.budget - default.window + 1))}
 
 

@@ -34,7 +34,7 @@ def score_plugin(harness, policy, creator=SCORE, layer=1, layers=4):
 
 
 def model_fields(policy, capacities):
-    return {**policy.to_dict(), "num_layers": len(capacities), "capacities": list(capacities)}
+    return {**policy.attributes(), "num_layers": len(capacities), "capacities": list(capacities)}
 
 
 def model_plugin(harness, policy, capacities=(256, 300, 200), creator=MODEL):

@@ -20,21 +20,21 @@ struct PolicyConfig
     std::string name = "criticalkv";
     int32_t budget = 256;
     int32_t window = 32;
-    int32_t pool_kernel = 7;
-    double alpha = 0.25;
-    double epsilon = 0.0001;
-    std::string value_norm = "l1";
-    std::string gqa_reduce = "mean";
-    std::string stage2_scores = "pooled";
-    double ada_floor = 0.2;
-    double pyramid_beta = 20.0;
     int32_t sink_tokens = 4;
+    int32_t pool_kernel = 7;
+    double pyramid_beta = 20.0;
+    double ada_floor = 0.2;
+    std::string value_norm = "l1";
     double stage1_mass = 0.9;
     double head_cap_ratio = 0.0;
     int32_t future_positions = 512;
     int32_t kvzip_chunk = 2048;
     std::string kvzip_reread = "context";
     std::string kvzip_score = "reread";
+    double alpha = 0.25;
+    double epsilon = 0.0001;
+    std::string gqa_reduce = "mean";
+    std::string stage2_scores = "pooled";
     int32_t layer_idx = 0;
     int32_t num_layers = 1;
     int32_t capacity = 0;
@@ -51,7 +51,7 @@ inline std::vector<std::string> const& policyNames()
 //! Names of every creator field, in order.
 inline std::vector<std::string> const& pluginFieldNames()
 {
-    static std::vector<std::string> const names = {"name", "budget", "window", "pool_kernel", "alpha", "epsilon", "value_norm", "gqa_reduce", "stage2_scores", "ada_floor", "pyramid_beta", "sink_tokens", "stage1_mass", "head_cap_ratio", "future_positions", "kvzip_chunk", "kvzip_reread", "kvzip_score", "layer_idx", "num_layers", "capacity", "layer_budgets"};
+    static std::vector<std::string> const names = {"name", "budget", "window", "sink_tokens", "pool_kernel", "pyramid_beta", "ada_floor", "value_norm", "stage1_mass", "head_cap_ratio", "future_positions", "kvzip_chunk", "kvzip_reread", "kvzip_score", "alpha", "epsilon", "gqa_reduce", "stage2_scores", "layer_idx", "num_layers", "capacity", "layer_budgets"};
     return names;
 }
 
@@ -173,44 +173,30 @@ inline std::string validateKnobs(PolicyConfig const& p)
         return "window: must be a positive number of tokens, got " + std::to_string(p.window);
     if (p.window > 4194304)
         return "window: " + std::to_string(p.window) + " exceeds the supported maximum 4194304";
-    if (!(p.pool_kernel > 0 && p.pool_kernel % 2 == 1))
-        return "pool_kernel: must be a positive odd integer, got " + std::to_string(p.pool_kernel);
-    if (p.pool_kernel > 4194304)
-        return "pool_kernel: " + std::to_string(p.pool_kernel) + " exceeds the supported maximum 4194304";
-    if (!std::isfinite(p.alpha))
-        return "alpha: expected a finite number, got " + detail::formatNumber(p.alpha);
-    if (!(p.alpha >= 0.0 && p.alpha <= 1.0))
-        return "alpha: must lie in [0, 1], got " + detail::formatNumber(p.alpha);
-    if (static_cast<double>(std::llround(p.alpha * 1000000.0)) / 1000000.0 != p.alpha)
-        return "alpha: must have at most 6 decimals, got " + detail::formatNumber(p.alpha);
-    if (!std::isfinite(p.epsilon))
-        return "epsilon: expected a finite number, got " + detail::formatNumber(p.epsilon);
-    if (!(p.epsilon >= 0.0))
-        return "epsilon: must be >= 0, got " + detail::formatNumber(p.epsilon);
-    if (!detail::oneOf(p.value_norm, {CKV_CHOICES_value_norm}))
-        return "value_norm: '" + p.value_norm + "' is not one of " + detail::joinChoices({CKV_CHOICES_value_norm});
-    if (!detail::oneOf(p.gqa_reduce, {CKV_CHOICES_gqa_reduce}))
-        return "gqa_reduce: '" + p.gqa_reduce + "' is not one of " + detail::joinChoices({CKV_CHOICES_gqa_reduce});
-    if (!detail::oneOf(p.stage2_scores, {CKV_CHOICES_stage2_scores}))
-        return "stage2_scores: '" + p.stage2_scores + "' is not one of " + detail::joinChoices({CKV_CHOICES_stage2_scores});
-    if (!std::isfinite(p.ada_floor))
-        return "ada_floor: expected a finite number, got " + detail::formatNumber(p.ada_floor);
-    if (!(p.ada_floor >= 0.0 && p.ada_floor <= 1.0))
-        return "ada_floor: must lie in [0, 1], got " + detail::formatNumber(p.ada_floor);
-    if (static_cast<double>(std::llround(p.ada_floor * 1000000.0)) / 1000000.0 != p.ada_floor)
-        return "ada_floor: must have at most 6 decimals, got " + detail::formatNumber(p.ada_floor);
-    if (!std::isfinite(p.pyramid_beta))
-        return "pyramid_beta: expected a finite number, got " + detail::formatNumber(p.pyramid_beta);
-    if (!(p.pyramid_beta >= 1.0))
-        return "pyramid_beta: must be >= 1, got " + detail::formatNumber(p.pyramid_beta);
-    if (static_cast<double>(std::llround(p.pyramid_beta * 1000000.0)) / 1000000.0 != p.pyramid_beta)
-        return "pyramid_beta: must have at most 6 decimals, got " + detail::formatNumber(p.pyramid_beta);
     if (!(p.sink_tokens >= 0))
         return "sink_tokens: must be >= 0, got " + std::to_string(p.sink_tokens);
     if ((p.name == "streamingllm" || p.name == "expected-attention" || p.name == "kvzip" || p.name == "layer-kvzip" || p.name == "expected-criticalkv" || p.name == "kvzip-criticalkv" || p.name == "layer-kvzip-criticalkv") && p.sink_tokens > p.budget)
         return "sink_tokens: " + std::to_string(p.sink_tokens) + " exceeds the budget " + std::to_string(p.budget);
     if (p.sink_tokens > 4194304)
         return "sink_tokens: " + std::to_string(p.sink_tokens) + " exceeds the supported maximum 4194304";
+    if (!(p.pool_kernel > 0 && p.pool_kernel % 2 == 1))
+        return "pool_kernel: must be a positive odd integer, got " + std::to_string(p.pool_kernel);
+    if (p.pool_kernel > 4194304)
+        return "pool_kernel: " + std::to_string(p.pool_kernel) + " exceeds the supported maximum 4194304";
+    if (!std::isfinite(p.pyramid_beta))
+        return "pyramid_beta: expected a finite number, got " + detail::formatNumber(p.pyramid_beta);
+    if (!(p.pyramid_beta >= 1.0))
+        return "pyramid_beta: must be >= 1, got " + detail::formatNumber(p.pyramid_beta);
+    if (static_cast<double>(std::llround(p.pyramid_beta * 1000000.0)) / 1000000.0 != p.pyramid_beta)
+        return "pyramid_beta: must have at most 6 decimals, got " + detail::formatNumber(p.pyramid_beta);
+    if (!std::isfinite(p.ada_floor))
+        return "ada_floor: expected a finite number, got " + detail::formatNumber(p.ada_floor);
+    if (!(p.ada_floor >= 0.0 && p.ada_floor <= 1.0))
+        return "ada_floor: must lie in [0, 1], got " + detail::formatNumber(p.ada_floor);
+    if (static_cast<double>(std::llround(p.ada_floor * 1000000.0)) / 1000000.0 != p.ada_floor)
+        return "ada_floor: must have at most 6 decimals, got " + detail::formatNumber(p.ada_floor);
+    if (!detail::oneOf(p.value_norm, {CKV_CHOICES_value_norm}))
+        return "value_norm: '" + p.value_norm + "' is not one of " + detail::joinChoices({CKV_CHOICES_value_norm});
     if (!std::isfinite(p.stage1_mass))
         return "stage1_mass: expected a finite number, got " + detail::formatNumber(p.stage1_mass);
     if (!(p.stage1_mass >= 0.0 && p.stage1_mass <= 1.0))
@@ -233,6 +219,20 @@ inline std::string validateKnobs(PolicyConfig const& p)
         return "kvzip_reread: '" + p.kvzip_reread + "' is not one of " + detail::joinChoices({CKV_CHOICES_kvzip_reread});
     if (!detail::oneOf(p.kvzip_score, {CKV_CHOICES_kvzip_score}))
         return "kvzip_score: '" + p.kvzip_score + "' is not one of " + detail::joinChoices({CKV_CHOICES_kvzip_score});
+    if (!std::isfinite(p.alpha))
+        return "alpha: expected a finite number, got " + detail::formatNumber(p.alpha);
+    if (!(p.alpha >= 0.0 && p.alpha <= 1.0))
+        return "alpha: must lie in [0, 1], got " + detail::formatNumber(p.alpha);
+    if (static_cast<double>(std::llround(p.alpha * 1000000.0)) / 1000000.0 != p.alpha)
+        return "alpha: must have at most 6 decimals, got " + detail::formatNumber(p.alpha);
+    if (!std::isfinite(p.epsilon))
+        return "epsilon: expected a finite number, got " + detail::formatNumber(p.epsilon);
+    if (!(p.epsilon >= 0.0))
+        return "epsilon: must be >= 0, got " + detail::formatNumber(p.epsilon);
+    if (!detail::oneOf(p.gqa_reduce, {CKV_CHOICES_gqa_reduce}))
+        return "gqa_reduce: '" + p.gqa_reduce + "' is not one of " + detail::joinChoices({CKV_CHOICES_gqa_reduce});
+    if (!detail::oneOf(p.stage2_scores, {CKV_CHOICES_stage2_scores}))
+        return "stage2_scores: '" + p.stage2_scores + "' is not one of " + detail::joinChoices({CKV_CHOICES_stage2_scores});
     // Layer fields.
     if (p.num_layers <= 0)
         return "num_layers: must be positive, got " + std::to_string(p.num_layers);

@@ -11,21 +11,21 @@
     CKV_FIELD(STRING, name, "criticalkv") \
     CKV_FIELD(INT, budget, 256) \
     CKV_FIELD(INT, window, 32) \
-    CKV_FIELD(INT, pool_kernel, 7) \
-    CKV_FIELD(FLOAT, alpha, 0.25) \
-    CKV_FIELD(FLOAT, epsilon, 0.0001) \
-    CKV_FIELD(STRING, value_norm, "l1") \
-    CKV_FIELD(STRING, gqa_reduce, "mean") \
-    CKV_FIELD(STRING, stage2_scores, "pooled") \
-    CKV_FIELD(FLOAT, ada_floor, 0.2) \
-    CKV_FIELD(FLOAT, pyramid_beta, 20.0) \
     CKV_FIELD(INT, sink_tokens, 4) \
+    CKV_FIELD(INT, pool_kernel, 7) \
+    CKV_FIELD(FLOAT, pyramid_beta, 20.0) \
+    CKV_FIELD(FLOAT, ada_floor, 0.2) \
+    CKV_FIELD(STRING, value_norm, "l1") \
     CKV_FIELD(FLOAT, stage1_mass, 0.9) \
     CKV_FIELD(FLOAT, head_cap_ratio, 0.0) \
     CKV_FIELD(INT, future_positions, 512) \
     CKV_FIELD(INT, kvzip_chunk, 2048) \
     CKV_FIELD(STRING, kvzip_reread, "context") \
     CKV_FIELD(STRING, kvzip_score, "reread") \
+    CKV_FIELD(FLOAT, alpha, 0.25) \
+    CKV_FIELD(FLOAT, epsilon, 0.0001) \
+    CKV_FIELD(STRING, gqa_reduce, "mean") \
+    CKV_FIELD(STRING, stage2_scores, "pooled") \
     CKV_FIELD(INT, layer_idx, 0) \
     CKV_FIELD(INT, num_layers, 1) \
     CKV_FIELD(INT, capacity, 0) \
@@ -72,10 +72,10 @@
     CKV_BASE(kLayerKVzip, "layer-kvzip", 1, 1, 0, 0, 0, 1, 1, 1)
 
 #define CKV_CHOICES_value_norm "l1", "l2"
-#define CKV_CHOICES_gqa_reduce "mean", "kvpress"
-#define CKV_CHOICES_stage2_scores "pooled", "raw"
 #define CKV_CHOICES_kvzip_reread "context", "chunk"
 #define CKV_CHOICES_kvzip_score "reread", "surrogate"
+#define CKV_CHOICES_gqa_reduce "mean", "kvpress"
+#define CKV_CHOICES_stage2_scores "pooled", "raw"
 
 namespace criticalkv
 {
@@ -103,20 +103,6 @@ enum class ValueNorm : int32_t
     kL2 = 1,
 };
 
-//! KVPolicy.gqa_reduce.
-enum class GqaReduce : int32_t
-{
-    kMean = 0,
-    kKvpress = 1,
-};
-
-//! KVPolicy.stage2_scores.
-enum class Stage2Scores : int32_t
-{
-    kPooled = 0,
-    kRaw = 1,
-};
-
 //! KVPolicy.kvzip_reread.
 enum class KvzipReread : int32_t
 {
@@ -129,6 +115,20 @@ enum class KvzipScore : int32_t
 {
     kReread = 0,
     kSurrogate = 1,
+};
+
+//! KVPolicy.gqa_reduce.
+enum class GqaReduce : int32_t
+{
+    kMean = 0,
+    kKvpress = 1,
+};
+
+//! KVPolicy.stage2_scores.
+enum class Stage2Scores : int32_t
+{
+    kPooled = 0,
+    kRaw = 1,
 };
 
 //! Fractions (alpha, ada_floor, pyramid_beta) are exact decimals with at most 6 decimals: value = micros / kDecimalScale.
