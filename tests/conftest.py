@@ -18,6 +18,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread and one ONNX Runtime thread for a module's tests (CI's two shared cores gain nothing from more
+    on the models the tests run), restored after."""
+    from criticalkv.runtime.onnxruntime_backend import THREADS_ENV
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    os.environ[THREADS_ENV] = "1"
+    yield
+    torch.set_num_threads(previous)
+    os.environ.pop(THREADS_ENV, None)
+
+
 @pytest.fixture(scope="session")
 def docs(tmp_path_factory):
     """The shell blocks of README.md and docs/ run once per session (tests/docs_blocks.py): tests/test_docs.py runs

@@ -56,16 +56,6 @@ def test_the_cases_cover_every_listed_policy_and_every_architecture(capsys):
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    os.environ[THREADS_ENV] = "1"
-    yield
-    torch.set_num_threads(previous)
-    os.environ.pop(THREADS_ENV, None)
-
-
-@pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, one_thread):
     """Each architecture's random checkpoint as a Hugging Face folder, with the word tokenizer, and the model itself
     (the oracle of `full`). Its positions and sliding window (Mistral's, Ministral's) hold the build's defaults, a

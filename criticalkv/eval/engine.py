@@ -69,6 +69,34 @@ class SharedPrefill:
         return len(self.keys)
 
 
+def _capture_hook(keys: list, values: list, queries: dict, hidden_states: list | None,
+                  before: SharedPrefill | None = None):
+    """``make_hook(idx)`` for the attention layers of a prefill that fills ``keys``/``values`` (the layer's cache after
+    the forward), ``queries[w]`` (the last w post-RoPE queries) and ``hidden_states`` (the attention's input, when not
+    None). With ``before`` the forward runs only tokens after ``before``'s prompt: the hidden states are appended to
+    its, and a window longer than the new tokens takes its first queries from ``before``'s."""
+
+    def make_hook(idx):
+        def hook(module, args, kwargs, output):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            cache_layer = hook_cache(kwargs).layers[idx]
+            keys[idx], values[idx] = cache_layer.keys, cache_layer.values
+            q = hidden.shape[1]
+            if hidden_states is not None:
+                hidden_states[idx] = (hidden.detach() if before is None
+                                      else torch.cat([before.hidden[idx], hidden.detach()], dim=1))
+            for w in queries:
+                own = window_queries(module, hidden, kwargs["position_embeddings"], min(w, q))
+                if before is not None and w > q:  # the window reaches back into the document: its queries, post-RoPE
+                    held = min(v for v in before.queries if v >= w - q)
+                    own = torch.cat([before.queries[held][idx][:, :, held - (w - q):], own], dim=2)
+                queries[w][idx] = own
+
+        return hook
+
+    return make_hook
+
+
 @torch.no_grad()
 def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int], keep_hidden: bool = False) -> SharedPrefill:
     """Run the prompt [1, n] once with a full ``DynamicCache``; keep every layer's K/V and the
@@ -85,18 +113,7 @@ def shared_prefill(model, input_ids: torch.Tensor, windows: Sequence[int], keep_
     queries: dict[int, list] = {w: [None] * len(layers) for w in sizes}
     hidden_states: list | None = [None] * len(layers) if keep_hidden else None
 
-    def make_hook(idx):
-        def hook(module, args, kwargs, output):
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            cache_layer = hook_cache(kwargs).layers[idx]
-            keys[idx], values[idx] = cache_layer.keys, cache_layer.values
-            if hidden_states is not None:
-                hidden_states[idx] = hidden.detach()
-            for w in sizes:
-                queries[w][idx] = window_queries(module, hidden, kwargs["position_embeddings"], w)
-
-        return hook
-
+    make_hook = _capture_hook(keys, values, queries, hidden_states)
     position_ids = torch.arange(n, device=input_ids.device)[None]
     start = time.perf_counter()
     out = hooked_prefill(model, make_hook, input_ids, None, position_ids)
@@ -149,22 +166,7 @@ def extend_shared_prefill(model, prefill: SharedPrefill, question_ids: torch.Ten
     queries: dict[int, list] = {w: [None] * len(layers) for w in sizes}
     hidden_states: list | None = [None] * len(layers) if keep_hidden else None
 
-    def make_hook(idx):
-        def hook(module, args, kwargs, output):
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            cache_layer = hook_cache(kwargs).layers[idx]
-            keys[idx], values[idx] = cache_layer.keys, cache_layer.values
-            if hidden_states is not None:
-                hidden_states[idx] = torch.cat([prefill.hidden[idx], hidden.detach()], dim=1)
-            for w in sizes:
-                own = window_queries(module, hidden, kwargs["position_embeddings"], min(w, q))
-                if w > q:  # the window reaches back into the document: its queries, already post-RoPE
-                    held = min(v for v in prefill.queries if v >= w - q)
-                    own = torch.cat([prefill.queries[held][idx][:, :, held - (w - q):], own], dim=2)
-                queries[w][idx] = own
-
-        return hook
-
+    make_hook = _capture_hook(keys, values, queries, hidden_states, prefill)
     handles = [layer.self_attn.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     start = time.perf_counter()
     try:

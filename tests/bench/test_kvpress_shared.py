@@ -33,6 +33,9 @@ def spec(tmp_path_factory):
             for s, p in (("agnostic", "KnormPress"), ("agnostic", "ExpectedAttentionPress"),
                          ("agnostic", "LeverageScorePress"), ("aware", "SnapKVPress"),
                          ("aware", "CriticalKVPress(SnapKVPress)"), ("aware", "CriticalAdaKVPress(SnapKVPress)"))]
+    runs.append({"key": "kvpress CriticalKVPress(SnapKVPress):window_size=32:kernel_size=7@25%", "setting": "aware",
+                 "press": "CriticalKVPress(SnapKVPress)", "kwargs": {"window_size": 32, "kernel_size": 7},
+                 "fraction": 0.25})
     folder = tmp_path_factory.mktemp("kvpress-shared")
     path = folder / "prompts.json"
     stops = sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")})
@@ -53,10 +56,23 @@ def _answers(spec, *extra):
 def test_one_shared_forward_answers_as_kvpress_pipeline(spec):
     shared = _answers(spec)
     pipeline = _answers(spec, "--via-pipeline")
-    assert set(shared) == set(pipeline) and len(shared) == 7 * 7  # 6 runs and full, 7 questions
+    assert set(shared) == set(pipeline) and len(shared) == 8 * 7  # 7 runs and full, 7 questions
     different = {k: (shared[k]["tokens"], pipeline[k]["tokens"]) for k in shared
                  if shared[k]["tokens"] != pipeline[k]["tokens"]}
     assert not different
     for k in shared:  # the first answer token's distribution too (the KL against kvpress's full cache)
         if "kl" in shared[k]:
             assert shared[k]["kl"] == pytest.approx(pipeline[k]["kl"], rel=1e-3, abs=1e-4)
+
+
+def test_a_wrapped_press_knob_goes_to_the_press_that_has_it(spec):
+    """``CriticalKVPress(SnapKVPress):window_size=32:kernel_size=7:epsilon=0.001``: the window and the pool are
+    SnapKVPress's fields, epsilon is CriticalKVPress's."""
+    root, _, _, _ = spec
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from kvpress_runner import build_press; "
+            "p = build_press({'press': 'CriticalKVPress(SnapKVPress)', 'kwargs': {'window_size': 32, 'kernel_size': 7, "
+            "'epsilon': 0.001}}, 0.75); print(p.press.window_size, p.press.kernel_size, p.press.compression_ratio, "
+            "p.epsilon)")
+    out = subprocess.run([str(peer_python(root, "kvpress")), "-c", code, str(RUNNER.parent)], check=True,
+                         capture_output=True, text=True, timeout=300).stdout.split()
+    assert out == ["32", "7", "0.75", "0.001"]

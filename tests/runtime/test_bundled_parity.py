@@ -37,17 +37,7 @@ NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    os.environ[THREADS_ENV] = "1"
-    yield
-    torch.set_num_threads(previous)
-    os.environ.pop(THREADS_ENV, None)
-
-
-@pytest.fixture(scope="module")
-def bundled(single_thread):
+def bundled(one_thread):
     model, tokenizer = load_model()
     ids = tokenizer(NEEDLE.read_text())["input_ids"][:PROMPT_TOKENS]
     assert len(ids) == PROMPT_TOKENS
@@ -127,7 +117,7 @@ def test_the_torch_backend_equals_onnxruntime_for_the_knob_variants(bundled, eng
     shutil.rmtree(folder)
 
 
-def test_readme_main_command_builds_and_answers_the_needle(docs, single_thread):
+def test_readme_main_command_builds_and_answers_the_needle(docs, one_thread):
     """The README's first block as typed (build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8, then
     criticalkv generate --engine-dir --json): run once per session by the docs harness (tests/docs_blocks.py, which
     tests/test_docs.py also checks for 7481), its output read in full here."""

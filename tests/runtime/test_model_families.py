@@ -19,7 +19,6 @@ noise (``swap_within_noise``); the greedy tokens are then compared only where ev
 amplifies rounding, as defensivekv's float stage-1 sum did (docs/operator.md), is not within the noise and fails here.
 """
 
-import os
 import shutil
 
 import pytest
@@ -29,7 +28,6 @@ from criticalkv import KVPolicy
 from criticalkv.export.tensorrt_rules import check_tensorrt_file
 from criticalkv.hf import generate
 from criticalkv.runtime import Engine
-from criticalkv.runtime.onnxruntime_backend import THREADS_ENV
 from export.tiny_engine import ENGINE_BACKENDS, backends_for, export_tiny_engine, load_engine
 from model_families import FAMILIES, random_checkpoint, random_prompt, recorded_layers, swap_within_noise
 from policies import POLICY_CASES, make_policy
@@ -55,14 +53,8 @@ def test_every_policy_runs_on_two_families():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def single_thread():
+def single_thread(one_thread):
     """One thread for both backends (the tiny models gain nothing from two on CI's shared cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    os.environ[THREADS_ENV] = "1"
-    yield
-    torch.set_num_threads(previous)
-    os.environ.pop(THREADS_ENV, None)
 
 
 def padded_batch(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,6 +53,7 @@ from criticalkv.eval.needle import needle_prompts
 from criticalkv.eval.ruler import TASKS as RULER_TASKS
 from criticalkv.eval.ruler import ruler_prompts
 from criticalkv.eval.scoring import score
+from criticalkv.eval.shared_stats import SNAPKV_MATCHED
 from criticalkv.eval.specs import parse_list
 from criticalkv.runtime import Engine
 from criticalkv.runtime.manifest import read_manifest
@@ -319,7 +320,10 @@ def markdown(result: dict) -> str:
 #: KVzapPress and DMSPress need trained weights published for other models), and its question-aware ones.
 SHARED_AGNOSTIC = ("KVzipPress,ExpectedAttentionPress,KeyDiffPress,CompactorPress,LeverageScorePress,KnormPress,"
                    "SnapKVPress")
-SHARED_AWARE = "SnapKVPress,CriticalKVPress(SnapKVPress),CriticalAdaKVPress(SnapKVPress)"
+#: The question-aware ones get criticalkv's observation window and pooling kernel (``SNAPKV_MATCHED``): the same
+#: observation as criticalkv's snapkv and criticalkv policies, so that a difference is the selection's, not the window's.
+SHARED_AWARE = ",".join(f"{p}{SNAPKV_MATCHED}" for p in ("SnapKVPress", "CriticalKVPress(SnapKVPress)",
+                                                            "CriticalAdaKVPress(SnapKVPress)"))
 
 
 def parse_shared_args(argv=None) -> argparse.Namespace:

@@ -240,15 +240,20 @@ def share_kvzip_scores(press, memo: dict, key) -> None:
 # ------------------------------------------------------------------------------------------------ shared context
 def build_press(spec: dict, ratio: float):
     """A press from ``{"press": "CriticalKVPress(SnapKVPress)" | "KnormPress", "kwargs": {...}}`` at ``ratio``: a
-    wrapper press (``Outer(Inner)``) gets ``Inner(compression_ratio=ratio)`` as its ``press`` and the kwargs."""
+    wrapper press (``Outer(Inner)``) gets ``Inner(compression_ratio=ratio, ...)`` as its ``press``; a knob goes to the
+    inner press when it is one of the inner press's fields (``window_size``, ``kernel_size``), else to the outer one."""
+    import dataclasses
     import re
 
     import kvpress
 
     match = re.fullmatch(r"(\w+)\((\w+)\)", spec["press"])
     if match:
-        inner = getattr(kvpress, match.group(2))(compression_ratio=ratio)
-        return getattr(kvpress, match.group(1))(press=inner, **spec["kwargs"])
+        inner_cls = getattr(kvpress, match.group(2))
+        fields = {f.name for f in dataclasses.fields(inner_cls)}
+        inner = inner_cls(compression_ratio=ratio, **{k: v for k, v in spec["kwargs"].items() if k in fields})
+        return getattr(kvpress, match.group(1))(press=inner, **{k: v for k, v in spec["kwargs"].items()
+                                                                 if k not in fields})
     return getattr(kvpress, spec["press"])(compression_ratio=ratio, **spec["kwargs"])
 
 
