@@ -191,7 +191,8 @@ def _check_earlier(out: Path, config: dict, resume: bool, overwrite: bool) -> No
         stored = json.loads(path.read_text(encoding="utf-8")).get("config")
     except (OSError, ValueError):
         stored = None
-    config = json.loads(json.dumps(config))
+    config = _normalized(json.loads(json.dumps(config)))
+    stored = _normalized(stored)
     if stored != config:
         stored = stored if isinstance(stored, dict) else {}
         differs = sorted(k for k in set(config) | set(stored) if stored.get(k) != config.get(k))
@@ -200,6 +201,24 @@ def _check_earlier(out: Path, config: dict, resume: bool, overwrite: bool) -> No
         raise ValueError(f"--resume: {out} holds results of another configuration (differs in: {', '.join(differs)}); "
                          "pass --overwrite to replace them, or choose another --out (--resume may drop runs, "
                          "nothing else)")
+
+
+def _normalized(config):
+    """``config`` with each run's policy in today's form (a run recorded before the knobs moved to the methods lists
+    every knob; ``KVPolicy.from_dict`` reads both forms), so that such a run resumes."""
+    from criticalkv.policy import KVPolicy
+
+    if not isinstance(config, dict) or not isinstance(config.get("runs"), list):
+        return config
+    runs = []
+    for run in config["runs"]:
+        if isinstance(run, list) and run and isinstance(run[-1], dict) and "name" in run[-1]:
+            try:
+                run = [*run[:-1], KVPolicy.from_dict(run[-1]).to_dict()]
+            except (TypeError, ValueError):
+                pass  # not a policy this version reads: compared as it is
+        runs.append(run)
+    return {**config, "runs": runs}
 
 
 def _is_subset(runs: list, stored: list) -> bool:

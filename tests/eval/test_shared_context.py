@@ -266,3 +266,25 @@ def test_the_command_refuses_bad_input_before_loading_a_model(tmp_path, capsys):
                            (["--policies", "snapkv", "--thresholds", "0.1", "--adaptive", "snapkv"], "no score")):
         assert main(base + extra) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_run_recorded_with_every_knob_resumes(tmp_path):
+    """A folder written before the knobs moved to the methods holds each run's policy with every knob
+    (``KVPolicy.attributes()``); --resume with today's form of the same policies goes on, another policy is refused."""
+    import json as _json
+
+    from criticalkv.eval import shared_runner as sr
+    from criticalkv.eval.shared_command import _check_earlier
+    from criticalkv.policy import parse_policy_spec
+
+    policy = parse_policy_spec("layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6", KVPolicy())
+    assert set(policy.attributes()) > set(policy.to_dict())  # the old form lists knobs the method does not read
+    old = {"task": "shared-context", "runs": [["agnostic", "x@25%", policy.attributes()]]}
+    (tmp_path / sr.CONFIG).write_text(_json.dumps({"config": old}))
+    (tmp_path / sr.RECORDS).write_text("")
+    _check_earlier(tmp_path, {"task": "shared-context", "runs": [["agnostic", "x@25%", policy.to_dict()]]},
+                   resume=True, overwrite=False)
+    other = parse_policy_spec("snapkv", KVPolicy()).to_dict()
+    with pytest.raises(ValueError, match="another configuration"):
+        _check_earlier(tmp_path, {"task": "shared-context", "runs": [["agnostic", "x@25%", other]]},
+                       resume=True, overwrite=False)
