@@ -656,8 +656,10 @@ def comma_choices(text: str | None, flag: str, choices, empty: bool = False) -> 
     """The names of a comma-separated option (``--backends onnxruntime,openvino``), each one of ``choices``;
     ValueError naming the option and its choices otherwise (and when none is given, unless ``empty``)."""
     names = [n for n in (text or "").split(",") if n]
-    if any(n not in choices for n in names) or not (names or empty):
-        raise ValueError(f"{flag}: expected a comma-separated subset of {','.join(choices)}, got {text!r}")
+    unknown = [n for n in names if n not in choices]
+    if unknown or not (names or empty):
+        raise ValueError(f"{flag}: {'unknown ' + ', '.join(unknown) if unknown else 'none given'} (a comma-separated "
+                         f"subset of {', '.join(choices)})")
     return names
 
 
