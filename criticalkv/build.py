@@ -34,7 +34,6 @@ from criticalkv.export.exporter import (
     ExportResult,
     export_model,
     DEFAULT_CONTEXT_POLICY,
-    SURROGATE_FALLBACK,
     onnx_info,
 )
 from criticalkv.export.model_select import tensorrt_refusal
@@ -42,6 +41,7 @@ from criticalkv.export.validate import validate_export
 from criticalkv.files import remove_stale_temporaries, temporary_dir
 from criticalkv.hf import generate, load_model, resolve_model
 from criticalkv.hf.loading import stop_token_ids
+from criticalkv.methods import SURROGATE_FALLBACK
 from criticalkv.policy import SCHEMA_VERSION, KVPolicy, parse_policy_spec, policy_spec
 from criticalkv.runtime import Engine, create_backend
 from criticalkv.runtime.manifest import FORMAT as MANIFEST_FORMAT

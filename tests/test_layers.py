@@ -301,3 +301,49 @@ def test_onnx_runtime_side_imports_without_torch(module):
     code = f"import sys; sys.modules['torch'] = None; import {module}"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+#: The drivers: they run every method through its hooks (``BaseMethod``, ``criticalkv.methods.phases``) and name none.
+DRIVERS = ("criticalkv.export", "criticalkv.runtime", "criticalkv.serving", "criticalkv.replicas")
+
+
+def _method_modules() -> set[str]:
+    """The modules that define a registered policy's base method or refinement (what the methods share: base, knobs,
+    phases, budget, top-k, pruned stage 2, is not one)."""
+    from criticalkv.methods import METHODS
+
+    return {type(part).__module__ for method in METHODS.values() for part in (method.base, method.refine)
+            if part is not None}
+
+
+def test_the_drivers_import_no_method_module():
+    """The exporter, the backends, the server and the replicas reach a method through the registry and its hooks
+    (``policy.method``), never by importing a method's module: a method's module changes alone."""
+    methods = _method_modules()
+    assert {"criticalkv.methods.kvzip", "criticalkv.methods.expected_attention",
+            "criticalkv.methods.two_stage"} <= methods, methods  # the scan finds them
+    problems = [f"{MODULES[m].relative_to(ROOT)}:{line}: imports {target}"
+                for m, targets in GRAPH.items() if unit_of(m) in DRIVERS
+                for target, line in targets.items() if target in methods]
+    assert not problems, "a driver imports a method's module:\n" + "\n".join(sorted(problems))
+
+
+def _code_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of ``path``'s lines outside docstrings and comments."""
+    source = path.read_text()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    return [(n, line.split("#", 1)[0]) for n, line in enumerate(source.splitlines(), 1) if n not in docstrings]
+
+
+def test_the_exporter_names_no_kvzip():
+    """KVzip's export (its score streams, its surrogate, the TensorRT flavour's refusal) lives in its method's phases
+    (``criticalkv.methods.kvzip``, ``criticalkv.methods.phases``): no line of code in export/ names it."""
+    problems = [f"{path.relative_to(ROOT)}:{n}: {text.strip()}"
+                for path in sorted((PACKAGE / "export").glob("*.py")) for n, text in _code_lines(path)
+                if re.search(r"kvzip|surrogate", text, re.I)]
+    assert not problems, "\n".join(problems)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-# the build's default context policy and its stand-in are the methods registry's choice (it says why): named here too
-from criticalkv.methods import DEFAULT_CONTEXT_POLICY, SURROGATE_FALLBACK  # noqa: F401
+# the build's default context policy is the methods registry's choice (it says why): named here too
+from criticalkv.methods import DEFAULT_CONTEXT_POLICY  # noqa: F401
 
 #: The weight settings of an engine: float32 (the parity default) or the two integer forms of
 #: ``criticalkv.export.quantize``.

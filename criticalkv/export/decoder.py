@@ -68,7 +68,6 @@ from criticalkv.export.config import KV_DTYPE_NAMES
 from criticalkv.export.graph import FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, live_nodes, value_info
 from criticalkv.export.quantize import quantized_matmul
 from criticalkv.export.select_function import FLOAT32_MIN, selection_function, selection_node, selection_opset
-from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.hf.loading import check_supported
 from criticalkv.node import node_capacity
 from criticalkv.policy import KVPolicy
@@ -656,10 +655,10 @@ class DecoderGraphBuilder:
 
     # ------------------------------------------------------------------ pieces: selection
     def rotation_tables(self) -> str:
-        """The graph's constant [2, window, d_h]: RoPE's rotation averaged over the next positions, from this model's
-        inv_freq (``criticalkv.methods.expected_attention.rotation_tables``; ``const`` shares it across the layers)."""
+        """The graph's constant [2, window, d_h] of a method that reads RoPE's rotation, from this model's inv_freq
+        (the method's ``rotation_table``; ``const`` shares it across the layers)."""
         p = self.policy
-        return self.g.const(rotation_tables(self.store.arrays["inv_freq"], p.window, p.future_positions),
+        return self.g.const(p.method.base.rotation_table(p, self.store.arrays["inv_freq"], self.spec.head_dim),
                             hint="expected_rotation")
 
     def select_layer(self, i: int, window_queries: str, k: str, v: str, prompt_lengths: str, kv_budget: str,

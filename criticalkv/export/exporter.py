@@ -10,7 +10,6 @@ import onnx
 from criticalkv.export.config import (  # noqa: F401 (re-exported: the build's names live in the light config module)
     DEFAULT_CONTEXT_POLICY,
     EXPORT_DTYPES,
-    SURROGATE_FALLBACK,
     WEIGHT_FORMATS,
     BuildConfig,
 )

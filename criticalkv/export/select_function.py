@@ -34,7 +34,6 @@ from onnx import helper, numpy_helper
 
 from criticalkv.export.graph import BOOL, FLOAT, INT32, INT64, IR_VERSION, OPSET, GraphBuilder, live_nodes, value_info
 from criticalkv.methods.budget import head_floor, layer_selectable_budget, stage1_count
-from criticalkv.methods.expected_attention import default_inv_freq, rotation_tables
 from criticalkv.methods.pruned import TINY, UNIT_ROUNDOFF, gamma
 from criticalkv.node import (
     BRANCH_NODES,
@@ -504,7 +503,7 @@ def selection_model(
     ]
     initializers = [numpy_helper.from_array(o_proj_weight, INPUTS[3])]
     if policy.method.base.needs_rotation:  # RoPE's default tables, as select_layer assumes when given none
-        table = rotation_tables(default_inv_freq(head_dim), policy.window, policy.future_positions)
+        table = policy.method.base.rotation_table(policy, None, head_dim)
         initializers.append(numpy_helper.from_array(table, ROTATION_INPUT))
     if policy.method.base.external_scores:
         if scores_input:

@@ -153,6 +153,12 @@ class BaseMethod:
         """How many of the first (valid) tokens are always kept, inside the budget (0: none)."""
         return 0
 
+    def rotation_table(self, policy: Policy, inv_freq: "np.ndarray | None", head_dim: int) -> "np.ndarray":
+        """The constant [2, >= window, d_h] float32 a method that reads RoPE's rotation (``needs_rotation``) takes as
+        its input ``rotation``, from the model's RoPE angles ``inv_freq`` [d_h / 2] (None: RoPE's default, base
+        10000). The exporter and the selection node's standalone model call it without knowing the method."""
+        raise NotImplementedError(f"{self.name} reads no rotation tables (needs_rotation is False)")
+
     # ------------------------------------------------------------------ PyTorch
     def attention_rows(self, policy: Policy, queries, keys, valid_start, rotation, m: int):
         """The attention the method ranks by, for one KV group: (probs [B, G, rows, m], raw [B, G, m] = the rows'

@@ -136,6 +136,10 @@ class ExpectedAttention(BaseMethod):
     def sinks(self, policy) -> int:
         return policy.sink_tokens
 
+    def rotation_table(self, policy, inv_freq, head_dim):
+        return rotation_tables(default_inv_freq(head_dim) if inv_freq is None else inv_freq, policy.window,
+                               policy.future_positions)
+
     # ------------------------------------------------------------------ PyTorch
     def attention_rows(self, policy, queries, keys, valid_start, rotation, m):
         probs = expected_attention(queries, keys, rotation, valid_start, policy.sink_tokens)[..., :m]  # [B, G, m]

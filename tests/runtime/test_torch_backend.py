@@ -21,7 +21,7 @@ import torch
 from criticalkv import KVPolicy
 from criticalkv.build import build_engine
 from criticalkv.export import BuildConfig
-from criticalkv.export.exporter import SURROGATE_FALLBACK
+from criticalkv.methods import SURROGATE_FALLBACK
 from criticalkv.policy import parse_policy_spec
 from criticalkv.node import node_capacity
 from criticalkv.runtime import Engine, EngineError, Request
