@@ -555,7 +555,9 @@ class Scheduler:
                     return  # first come, first served: later requests wait behind it
                 self._waiting.popleft()
                 self._reserved += seq.charge
-            self._start(seq)
+            # out of the queue and in no list until it prefills or runs: a failure on the way (the engine, its
+            # sampler) must end it here, or it would never be answered and keep its slot and its context's claim
+            self._guard(seq, lambda: self._start(seq))
 
     def _start(self, seq: _Sequence) -> None:
         """Admit ``seq``: a cached context goes straight to its question; otherwise its prompt (or context) is
@@ -600,15 +602,24 @@ class Scheduler:
             return None
 
     def _abort(self, seq: _Sequence, message: str) -> None:
-        if seq.slot is not None:
-            self.engine.release(seq.slot)
-            seq.slot = None
-        seq.job = None
+        """End ``seq`` with an error wherever it stands (admitted, prefilling, running): its slot, prefill buffer,
+        reservation and claim on its context's compression are given back, so that the next decode step and the
+        requests waiting for that context go on (an error already delivered is not delivered twice)."""
+        if seq in self._running:
+            self._running.remove(seq)
         if seq in self._prefilling:
             self._prefilling.remove(seq)
+        if seq.slot is not None:
+            try:
+                self.engine.release(seq.slot)
+            except EngineError:  # the failure may have come from the slot itself
+                pass
+            seq.slot = None
+        seq.job = None
         self._forget_compression(seq)
         self._release(seq)
-        seq.handle._deliver(seq.output([], FINISH_ERROR, message))
+        if not seq.handle.finished:
+            seq.handle._deliver(seq.output([], FINISH_ERROR, message))
 
     def _forget_compression(self, seq: _Sequence) -> None:
         if seq.key is not None and self._compressing.get(seq.key) is seq:
@@ -646,13 +657,14 @@ class Scheduler:
         if not done:
             return
         self._prefilling.remove(seq)
-        slot = self.engine.free_slots()[0]
         job, keep = seq.job, seq.block_hashes is not None  # keep its buffer: its blocks go to the prefix cache
-        result = self._guard(seq, lambda: self.engine.finish_prefill(job, slot, keep_buffer=keep))
+        slot = self._guard(seq, lambda: self.engine.free_slots()[0])
+        result = None if slot is None else \
+            self._guard(seq, lambda: self.engine.finish_prefill(job, slot, keep_buffer=keep))
         seq.job = None
         if result is not None:
             seq.slot = slot
-            self._prefilled(seq, result)
+            self._guard(seq, lambda: self._prefilled(seq, result))  # a failure there ends this request alone
             if keep:
                 self._guard_cache(lambda: self._cache_prefix(seq, job))
         job.buffer = None

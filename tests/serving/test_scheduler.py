@@ -295,6 +295,33 @@ def test_concurrent_requests_on_one_context_compress_it_once(chunky):
         scheduler.close()
 
 
+def test_a_failure_between_the_queue_and_the_batch_ends_that_request_alone(chunky):
+    # a temperature so small that logits / temperature overflow: the sampler's probabilities are NaN and it raises on
+    # the scheduler thread, after the request left the queue and before it joined the decode batch. That request gets
+    # an error (never silence), and what it held (its slot, its reservation) is given back at once: the question
+    # queued behind it about the same context, and a later one, get their tokens (a slot left occupied would fail
+    # every later decode step)
+    context = prompt(150, seed=85)
+    questions = [prompt(5, seed=86 + i) for i in range(3)]
+    expected = [chunky.generate([context], 4, stop_token_ids=[], questions=[q]).tokens[0] for q in questions[1:]]
+    scheduler = Scheduler(chunky, prefill_chunk=32)
+    try:
+        tiny = SamplingParams(max_tokens=4, temperature=1e-310, seed=1, ignore_eos=True)
+        bad = scheduler.submit(Request(questions[0], tiny, context_token_ids=context))
+        behind = scheduler.submit(context_request(context, questions[1], 4))
+        failed = bad.result(60)
+        assert failed.finished and failed.finish_reason == "error" and failed.error.startswith("ValueError")
+        assert failed.context_cache_hit is False  # it compressed the context before its first token failed
+        outs = [behind.result(60), scheduler.submit(context_request(context, questions[2], 4)).result(60)]
+        assert [o.token_ids for o in outs] == expected and [o.error for o in outs] == [None, None]
+        assert all(o.context_cache_hit for o in outs)
+        assert scheduler.num_running == scheduler.num_prefilling == scheduler.num_waiting == 0
+        assert scheduler.kv_bytes_reserved == scheduler.context_cache.stats.bytes_held > 0
+        assert len(chunky.free_slots()) == chunky.num_slots
+    finally:
+        scheduler.close()
+
+
 def test_the_kv_memory_evicts_cached_contexts_before_requests_wait(chunky):
     contexts = [prompt(150, seed=90 + i) for i in range(3)]
     scheduler = Scheduler(chunky, prefill_chunk=32, context_cache_mib=64)
