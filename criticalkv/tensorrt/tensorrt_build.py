@@ -8,7 +8,7 @@ and ``engines.json``. It needs the ``tensorrt`` Python package and a CUDA GPU; `
 says precisely what is missing otherwise. ``tensorrt`` is imported lazily, so this module imports everywhere; its
 profile logic (``engine_plan``, ``profile_shapes``, the ``*_dim_ranges``) is plain Python and unit-tested on CPU.
 
-ONNX parser note (plugins/README.md, "ONNX parser and the function body"): TensorRT 10.0-10.6 always
+ONNX parser note (docs/kernels.md, "ONNX parser and the function body"): TensorRT 10.0-10.6 always
 inlines a model-local function, TensorRT 10.7-10.14 prefers a registered plugin of the same name, and 10.15+
 prefers the function again unless the node has a ``plugin_namespace`` attribute or the parser flag
 ``ENABLE_PLUGIN_OVERRIDE`` is set. The build therefore sets that flag when it exists, and checks that every

@@ -1,6 +1,6 @@
 // The CriticalKVSelect TensorRT plugin (IPluginV3: IPluginV3OneCore / OneBuild / OneRuntime) and its creator.
 //
-// Inputs (see plugins/README.md and docs/operator.md):
+// Inputs (see docs/kernels.md, "The node and the plugin", and docs/operator.md):
 //   0 queries [B, H, w', d_h]  1 keys [B, H_kv, n, d_h]  2 values [B, H_kv, n, d_h]  3 o_proj_weight [d, H*d_h]
 //   4 prompt_lengths [B] int32 (optional: without it every sequence has n tokens)
 //   5 kv_budget [1] int32 (optional, needs input 4: the request's budget, clamped to [window, budget]; read on the

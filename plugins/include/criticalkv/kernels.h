@@ -156,7 +156,7 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
 
 //! The whole operator on one layer: window attention, value norms, group scores, selection, compaction and
 //! gather, all on `stream` (no host synchronisation, CUDA-graph capturable). Returns cudaErrorInvalidValue for
-//! shapes it does not support (see plugins/README.md) or a workspace smaller than workspaceLayout().total.
+//! shapes it does not support (docs/kernels.md, "Known limits") or a workspace smaller than workspaceLayout().total.
 cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const& table, SelectShape const& shape,
     SelectTensors const& tensors, void* workspace, size_t workspaceBytes, cudaStream_t stream);
 

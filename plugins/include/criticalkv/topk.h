@@ -2,7 +2,7 @@
 // kernels.h): many rows in a fixed sequence of launches, a k per row read on the device, eligibility from the
 // caller's flags, the k best of every row marked in place. Framework-free (raw device pointers, the caller's
 // scratch, cudaStream_t last, cudaError_t returned; this header needs no CUDA), no allocation, no host
-// synchronisation: CUDA-graph capturable. plugins/README.md ("Top-k") describes the design and its predicted cost.
+// synchronisation: CUDA-graph capturable. docs/kernels.md ("Top-k") describes the design and its predicted cost.
 //
 // Rule (criticalkv/methods/topk.py: topk_mask; radix.h): the k highest scores among a row's candidates, a NaN of
 // either sign above +inf, -0.0 equal to +0.0, equal scores to the lower index. A candidate is an entry e < len with
