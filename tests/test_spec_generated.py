@@ -58,6 +58,12 @@ CASES = [
     dict(name="snapkv", sink_tokens=300),
     dict(name="h2o"),
     dict(name="full", budget=1),
+    # several bad knobs, said in KVPolicy's order: the types of the method's knobs, the rules of budget, window and
+    # the method's knobs, then another method's knobs
+    dict(sink_tokens=-1, alpha=1.5),
+    dict(name="streamingllm", sink_tokens=-1, alpha=1.5),
+    dict(budget=16, gqa_reduce="max"),
+    dict(name="kvzip-criticalkv", kvzip_reread="x", value_norm="l3"),
 ]
 
 

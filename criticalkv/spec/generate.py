@@ -3,13 +3,24 @@
     python -m criticalkv.spec.generate           # rewrite the generated files
     python -m criticalkv.spec.generate --check   # exit 1 naming every stale file (the tests run this)
 
-The knobs are read from the methods (each method's ``Knobs`` dataclass, ``criticalkv.methods.knobs``) in the flat
-view of ``KVPolicy.knob_names``. Generated: the C++ field header ``plugins/include/criticalkv/policy_fields.h`` (X-macros of the plugin
-creator's fields, the policies and base methods, the enums: device-safe), the host C++ validation
-``plugins/include/criticalkv/policy_config.h`` (``PolicyConfig`` + ``validatePolicy`` with KVPolicy's rules
-and wording), ``plugins/CriticalKVSelect_PluginConfig.yaml`` and the policy tables of ``docs/policies.md`` (between
-the ``policy-table`` markers). The CLI flags, the JSON/manifest form and the ONNX attributes are generated
-at run time from the same dataclass (``KVPolicy.add_arguments``, ``to_dict``, ``criticalkv.node``).
+The knobs are read from the methods (each method's ``Knobs`` dataclass, ``criticalkv.methods.knobs``). Generated:
+
+- ``plugins/include/criticalkv/policy_fields.h`` (device-safe): the plugin creator's fields as an X-macro (the flat
+  view ``KVPolicy.attributes``: every knob of every method, then the layer fields), the enums, the constants, and
+  ``methodTraits(BaseMethod)``: one row per base method of what it asks of the pipeline (``methods.h`` reads it).
+- ``plugins/include/criticalkv/policy_config.h`` (host): ``PolicyConfig`` (the creator's fields by name, as the
+  plugin and the ops parse them), one check per knob (its choices and rules, said once as the knob's ``Knob`` is),
+  one struct per knobs dataclass (``SnapKVKnobs { int32_t pool_kernel = 7; ... }``: its knobs with their defaults,
+  ``of(PolicyConfig)``, ``validate``; a refined policy's is ``PolicyKnobs<Base, Refine>``, the C++ ``combined``) and
+  the registry table ``kPolicyMethods`` (one row per policy: base method, two-stage, what its budget floor reads, the
+  plugin's and the kernels' refusals, its knobs struct's validation). The validation, ``minRuntimeBudget``, the
+  refusals and ``baseOf`` find the policy's row once and read it: no C++ names a policy.
+- ``plugins/CriticalKVSelect_PluginConfig.yaml`` and the policy tables of ``docs/policies.md`` (between the
+  ``policy-table`` markers).
+
+The messages are KVPolicy's, from the same rule objects (``criticalkv.spec.rules``). The CLI flags, the JSON/manifest
+form and the ONNX attributes are generated at run time from the same dataclasses (``KVPolicy.add_arguments``,
+``to_dict``, ``criticalkv.node``).
 """
 
 from __future__ import annotations
@@ -17,14 +28,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
-from criticalkv.methods import BASE_METHODS, METHODS, POLICIES
+from criticalkv.methods import BASE_METHODS, METHODS, Method
 from criticalkv.methods.base import BaseMethod
 from criticalkv.node import DOMAIN, KINDS, LAYER_ATTRIBUTES, LAYER_FIELDS, OP_TYPE, knob_fields, knob_type_name, plugin_field_specs
-from criticalkv.policy import KVPolicy, policy_table_markdown
+from criticalkv.policy import OWN, KVPolicy, policy_table_markdown
 from criticalkv.spec.rules import DECIMAL_SCALE, MAX_TOKENS, Scoped
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,11 +85,62 @@ def _keeps_sinks(method) -> bool:
     return method.sinks(KVPolicy(name=method.name, sink_tokens=1)) == 1
 
 
+#: What a base method asks of the pipeline, in MethodTraits' member order: (C++ member, BaseMethod attribute or
+#: function of the method, what it says).
+TRAITS = (
+    ("scored", "scored", "ranks older tokens by window attention (every base but full and streamingllm)"),
+    ("sharedAllocation", "shared_allocation",
+     "the layer's H_kv * r slots are shared across its heads with a per-head floor"),
+    ("ownL2Norms", "own_l2_norms", "its own score needs the l2 projected-value norms (laprox)"),
+    ("rowScores", "row_scores",
+     "its score reads every window query's attention row, not only their mean (defensivekv)"),
+    ("pools", "pools", "its attention is max-pooled over positions (pool_kernel) before it ranks"),
+    ("externalScores", "external_scores",
+     "it ranks by a per-entry score computed outside the layer (the scores input)"),
+    ("keepsSinks", _keeps_sinks, "it keeps the first sink_tokens valid tokens before ranking"),
+    ("modelLevel", "model_level", "its budget is shared across every layer of the model"),
+)
+
+
+def _trait(method, attribute) -> bool:
+    return bool(attribute(method) if callable(attribute) else getattr(method, attribute))
+
+
+def _traits_lines() -> list[str]:
+    """``MethodTraits`` and ``methodTraits(BaseMethod)``: one row per base method (host and device)."""
+    lines = [
+        "//! What a base method asks of the pipeline (criticalkv.methods.base.BaseMethod's flags): the kernels, the host",
+        "//! driver and the workspace layout ask these (methods.h) instead of comparing method names.",
+        "struct MethodTraits",
+        "{",
+        *[f"    bool {member}; //!< {doc}" for member, _, doc in TRAITS],
+        "};",
+        "",
+        "#if defined(__CUDACC__)",
+        "#define CKV_TRAITS_HD __host__ __device__ __forceinline__",
+        "#else",
+        "#define CKV_TRAITS_HD inline",
+        "#endif",
+        "",
+        *_comment("The traits of a base method: one row per base method, enum order; columns "
+                  + ", ".join(m for m, _, _ in TRAITS) + "."),
+        "CKV_TRAITS_HD MethodTraits methodTraits(BaseMethod base)",
+        "{",
+        "    switch (base)",
+        "    {",
+    ]
+    for m in BASE_METHODS.values():
+        values = ", ".join("true" if _trait(m, attribute) else "false" for _, attribute, _ in TRAITS)
+        lines.append(f"    case BaseMethod::{m.cpp_enum}: return MethodTraits{{{values}}};")
+    lines += ["    }", "    return MethodTraits{};", "}", "", "#undef CKV_TRAITS_HD", ""]
+    return lines
+
+
 def render_policy_fields_header() -> str:
-    """policy_fields.h: device-safe X-macros, enums and constants (only <cstdint>)."""
+    """policy_fields.h: device-safe X-macro of the fields, enums, constants and ``methodTraits`` (only <cstdint>)."""
     lines = [
         f"// GENERATED from criticalkv.policy.KVPolicy and criticalkv.methods by {COMMAND}; do not edit.",
-        "// Device-safe: X-macros, enums and constants only.",
+        "// Device-safe: the creator's fields (X-macro), the enums, the constants and the base methods' traits.",
         "#pragma once",
         "",
         "#include <cstdint>",
@@ -89,29 +153,12 @@ def render_policy_fields_header() -> str:
          "(kINT32 array, variable length)."],
         [f"CKV_FIELD({s.kind}, {s.name}, {_literal(s.default)})" for s in plugin_field_specs()],
     )
-    lines += _macro(
-        "CKV_FOR_EACH_POLICY(CKV_POLICY)",
-        ["CKV_POLICY(name, base method, two-stage) for every policy name."],
-        [f"CKV_POLICY({_literal(name)}, {BASE_METHODS[base].cpp_enum}, {int(two)})" for name, (base, two) in POLICIES.items()],
-    )
-    lines += _macro(
-        "CKV_FOR_EACH_BASE(CKV_BASE)",
-        ["CKV_BASE(enumerator, name, scored, shared_allocation, own_l2_norms, row_scores, pools, external_scores, sinks,",
-         "model_level) for every base method, enum order. scored: ranks older tokens by window attention;",
-         "shared_allocation: the layer's H_kv * r slots are shared across its heads with a per-head floor; own_l2_norms:",
-         "its own score needs the l2 projected-value norms; row_scores: its score reads every window query's attention",
-         "row (defensive aggregation); pools: its attention is max-pooled over positions; external_scores: it ranks by",
-         "a score computed outside the layer (the scores input); sinks: it keeps the first sink_tokens valid tokens",
-         "before ranking; model_level: its budget is shared across every layer of the model."],
-        [f"CKV_BASE({m.cpp_enum}, {_literal(m.name)}, {int(m.scored)}, {int(m.shared_allocation)}, {int(m.own_l2_norms)}, "
-         f"{int(m.row_scores)}, {int(m.pools)}, {int(m.external_scores)}, {int(_keeps_sinks(m))}, {int(m.model_level)})"
-         for m in BASE_METHODS.values()],
-    )
     for f in _choice_fields():
         lines.append(f"#define CKV_CHOICES_{f.name} " + ", ".join(_literal(c) for c in f.metadata["choices"]))
     lines += ["", "namespace criticalkv", "{", "", "//! Budget-allocation base method of a policy (criticalkv.methods.BASE_METHODS).",
               "enum class BaseMethod : int32_t", "{"]
     lines += [f"    {m.cpp_enum} = {i}," for i, m in enumerate(BASE_METHODS.values())] + ["};", ""]
+    lines += _traits_lines()
     for f in _choice_fields():
         lines += [f"//! KVPolicy.{f.name}.", f"enum class {_enum_type(f.name)} : int32_t", "{"]
         lines += [f"    {_enumerator(c)} = {i}," for i, c in enumerate(f.metadata["choices"])] + ["};", ""]
@@ -127,35 +174,210 @@ def render_policy_fields_header() -> str:
     return "\n".join(lines)
 
 
-def _scope_policies(scoped: Scoped, knob: str) -> tuple[str, ...]:
-    if scoped.when == "evicts":
-        return tuple(n for n, m in METHODS.items() if m.base.evicts)
-    return tuple(n for n, m in METHODS.items() if knob in m.knobs)
+#: The policy's own fields a knob's rule may compare the knob with (its check takes them).
+KNOB_CONTEXT = ("budget", "window")
+
+
+def _cpp_type(f: dataclasses.Field) -> str:
+    return KINDS[knob_type_name(f)][2]
+
+
+def _method_knobs() -> list[dataclasses.Field]:
+    """Every knob some method reads, in the flat order (``KVPolicy.knob_names`` after name, budget and window)."""
+    return [f for f in knob_fields() if f.name not in OWN]
+
+
+def _check_function(knob: str, part: str) -> str:
+    return "check" + _enum_type(knob) + ("Type" if part == "type" else "")
+
+
+def _type_checks(f: dataclasses.Field, value: str) -> list[str]:
+    """A knob's type check (KVPolicy's ``_check_type``: its choices, a float's finiteness) as C++ lines."""
+    lines = []
+    choices = f.metadata.get("choices")
+    if choices:
+        lines += [f"    if (!detail::oneOf({value}, {{CKV_CHOICES_{f.name}}}))",
+                  f"        return \"{f.name}: '\" + {value} + \"' is not one of \" + detail::joinChoices({{CKV_CHOICES_{f.name}}});"]
+    if knob_type_name(f) == "float":
+        lines += [f"    if (!std::isfinite({value}))",
+                  f"        return \"{f.name}: expected a finite number, got \" + detail::formatNumber({value});"]
+    return lines
+
+
+def _rule_checks(f: dataclasses.Field, ref, scopes: dict[str, str | None]) -> list[str]:
+    """A knob's rules as C++ ``if (...) return "...";`` lines, a ``Scoped`` rule under the C++ condition
+    ``scopes[rule.when]`` (None: always)."""
+    lines = []
+    for rule in f.metadata.get("rules", ()):
+        when = None
+        if isinstance(rule, Scoped):
+            if rule.when not in scopes:
+                raise ValueError(f"{f.name}: a rule scoped to {rule.when!r}; its C++ check knows only "
+                                 f"{', '.join(map(repr, scopes))}")
+            when = scopes[rule.when]
+            rule = rule.rule
+        lines.append("    " + rule.cpp(f.name, knob_type_name(f) == "float", ref, when))
+    return lines
+
+
+def _comment(text: str) -> list[str]:
+    return ["//! " + line for line in textwrap.wrap(text, 116, break_on_hyphens=False)]
+
+
+def _uses(lines: list[str], name: str) -> bool:
+    """Whether C++ ``lines`` read the variable ``name`` (outside their string literals)."""
+    code = re.sub(r'"(?:[^"\\]|\\.)*"', '""', "\n".join(lines))
+    return re.search(rf"\b{name}\b", code) is not None
+
+
+def _knob_ref(f: dataclasses.Field):
+    """The C++ names in a knob's checks: ``value`` for the knob, ``budget`` and ``window`` for the policy's."""
+    def ref(name: str) -> str:
+        if name == f.name:
+            return "value"
+        if name not in KNOB_CONTEXT:
+            raise ValueError(f"{f.name}: a rule compares it with {name}; a knob's check takes only "
+                             f"{', '.join(KNOB_CONTEXT)}")
+        return name
+    return ref
+
+
+def _knob_parts(f: dataclasses.Field) -> dict[str, list[str]]:
+    """A knob's checks that exist: "type" (choices, finiteness) and "rules" (scoped "reads": ``methodReads``)."""
+    parts = {"type": _type_checks(f, "value"), "rules": _rule_checks(f, _knob_ref(f), {"reads": "methodReads"})}
+    return {part: body for part, body in parts.items() if body}
+
+
+def _knob_calls(f: dataclasses.Field, part: str, value: str, budget: str, window: str, reads: str) -> list[str]:
+    """The call of a knob's ``part`` check (none when the knob has no such check)."""
+    if part not in _knob_parts(f):
+        return []
+    args = value if part == "type" else f"{value}, {budget}, {window}, {reads}"
+    return [f"{_check_function(f.name, part)}({args})"]
+
+
+def _knob_check_lines(f: dataclasses.Field) -> list[str]:
+    """``checkAlphaType(value)`` and ``checkAlpha(value, budget, window, methodReads)``: one knob's checks, said once as
+    its ``Knob`` is."""
+    type_name = _cpp_type(f)
+    value = "std::string const& value" if type_name == "std::string" else f"{type_name} value"
+    readers = ", ".join(n for n, m in METHODS.items() if f.name in m.knobs)
+    lines = _comment(f"{f.name}, read by {readers}.")
+    for part, body in _knob_parts(f).items():
+        if part == "type":
+            lines += _comment(f'"" or "{f.name}: reason": its type (choices, finiteness), which KVPolicy checks first.')
+            params = [value]
+        else:
+            lines += _comment(f'"" or "{f.name}: reason": every rule when the policy\'s method reads it (methodReads), '
+                              "else those that hold for every policy.")
+            params = [value] + [f"{t} {n}" if _uses(body, n) else f"{t} /*{n}*/"
+                                for t, n in (("int32_t", "budget"), ("int32_t", "window"), ("bool", "methodReads"))]
+        lines += [f"inline std::string {_check_function(f.name, part)}({', '.join(params)})", "{", *body,
+                  "    return \"\";", "}", ""]
+    return lines
+
+
+def _knobs_classes() -> list[type]:
+    """Every knobs dataclass a method declares (a base method's or a refinement's), in registry order."""
+    classes: list[type] = []
+    for m in METHODS.values():
+        for cls in (m.base.Knobs, m.refine.Knobs if m.refine else None):
+            if cls is not None and cls not in classes:
+                classes.append(cls)
+    return classes
+
+
+def _first_error(calls: list[str], indent: str) -> list[str]:
+    if not calls:
+        return [f"{indent}return \"\";"]
+    return [f"{indent}return detail::firstError({{", *[f"{indent}    {c}," for c in calls], f"{indent}}});"]
+
+
+def _knobs_struct_lines(cls: type) -> list[str]:
+    """One method's knobs struct: its knobs with their defaults, ``of`` (from the creator's fields), ``validateTypes``
+    and ``validate``."""
+    name = cls.__name__
+    fields = dataclasses.fields(cls)
+    users = ", ".join(n for n, m in METHODS.items() if cls in (m.base.Knobs, m.refine.Knobs if m.refine else None))
+    types = [c for f in fields for c in _knob_calls(f, "type", f.name, "", "", "")]
+    rules = [c for f in fields for c in _knob_calls(f, "rules", f.name, "budget", "window", "true")]
+    said = "its knobs with their defaults" if fields else "no knobs"
+    lines = [*_comment(f"{cls.__module__}.{cls.__qualname__}, read by {users}: {said}."),
+             f"struct {name}", "{"]
+    lines += [f"    {_cpp_type(f)} {f.name} = {_literal(f.default)};" for f in fields]
+    lines += [
+        *([""] if fields else []),
+        f"    static {name} of(PolicyConfig const&{' p' if fields else ''})",
+        "    {",
+        "        return {" + ", ".join(f"p.{f.name}" for f in fields) + "};",
+        "    }",
+        "",
+        "    std::string validateTypes() const",
+        "    {",
+        *_first_error(types, "        "),
+        "    }",
+        "",
+        f"    std::string validate({'int32_t budget, int32_t window' if rules else 'int32_t, int32_t'}) const",
+        "    {",
+        *_first_error(rules, "        "),
+        "    }",
+    ]
+    return lines + ["};", ""]
+
+
+def _policy_knobs(m: Method) -> str:
+    """The C++ type of a policy's knobs: its method's struct, or its combined dataclass's alias."""
+    return m.Knobs.__name__
+
+
+def _registry_row(name: str, m: Method) -> list[str]:
+    def b(flag: bool) -> str:
+        return "true" if flag else "false"
+
+    reads_sinks = "sink_tokens" in m.knobs  # KVPolicy.min_budget: at least the sinks where read
+    # a scored method that keeps its first tokens keeps them beside the window
+    beside = type(m.base).sinks is not BaseMethod.sinks
+    plugin = "" if m.base.native else m.base.cpp_refusal
+    kernels = "" if m.base.kernels else m.base.kernels_refusal
+    head = (f"    {{{_literal(name)}, BaseMethod::{m.base.cpp_enum}, {b(m.refine is not None)}, {b(m.base.evicts)}, "
+            f"{b(reads_sinks)}, {b(beside)},")
+    tail = f"&checkKnobsOf<{_policy_knobs(m)}>}},"
+    if not plugin and not kernels:
+        return [f'{head} "", "", {tail}']
+    return [head, f"        {_literal(plugin)},", f"        {_literal(kernels)}, {tail}"]
 
 
 def _validation_lines() -> list[str]:
-    lines = []
-    for f in knob_fields():
-        is_float = knob_type_name(f) == "float"
-        choices = f.metadata.get("choices")
-        if f.name == "name":
-            lines += ["    if (!detail::oneOf(p.name, policyNames()))",
-                      "        return \"name: unknown KV policy '\" + p.name + \"'; choose one of \" + detail::joinChoices(policyNames());"]
-            continue
-        if choices:
-            lines += [f"    if (!detail::oneOf(p.{f.name}, {{CKV_CHOICES_{f.name}}}))",
-                      f"        return \"{f.name}: '\" + p.{f.name} + \"' is not one of \" + detail::joinChoices({{CKV_CHOICES_{f.name}}});"]
-        if is_float:
-            lines += [f"    if (!std::isfinite(p.{f.name}))",
-                      f"        return \"{f.name}: expected a finite number, got \" + detail::formatNumber(p.{f.name});"]
-        for rule in f.metadata.get("rules", ()):
-            policies = None
-            if isinstance(rule, Scoped):
-                policies = _scope_policies(rule, f.name)
-                rule = rule.rule
-            lines.append("    " + rule.cpp(f.name, is_float, policies))
-    evicting = " || ".join(f'p.name == "{n}"' for n, m in METHODS.items() if m.base.evicts)
+    lines = [
+        "    PolicyMethod const* method = findMethod(p.name);",
+        "    if (method == nullptr)",
+        "        return \"name: unknown KV policy '\" + p.name + \"'; choose one of \" + detail::joinChoices(policyNames());",
+    ]
+    own = [f for f in knob_fields() if f.name in OWN and f.name != "name"]
+    for f in own:  # budget and window: every method reads them (a "reads" rule always holds)
+        lines += _type_checks(f, f"p.{f.name}")
     lines += [
+        "    // KVPolicy's order: the types of the knobs the policy's method reads (its knobs struct, through its row),",
+        "    // budget's and window's rules, the method's knobs' rules, then every other knob.",
+        "    std::string error = method->checkKnobs(p, KnobCheck::kTypes);",
+        "    if (!error.empty())",
+        "        return error;",
+    ]
+    for f in own:
+        lines += _rule_checks(f, lambda n: f"p.{n}", {"reads": None, "evicts": "method->evicts"})
+    lines += [
+        "    error = method->checkKnobs(p, KnobCheck::kRules);",
+        "    if (!error.empty())",
+        "        return error;",
+        "    // Every knob, read or not: one the method does not read holds its type and the rules that hold for every",
+        "    // policy (KVPolicy checks another method's knob given to it against those, then drops it); those the method",
+        "    // reads passed them above.",
+        "    error = detail::firstError({",
+        *[f"        {c}," for f in _method_knobs() for part in ("type", "rules")
+          for c in _knob_calls(f, part, f"p.{f.name}", "p.budget", "p.window", "false")],
+        "    });",
+        "    if (!error.empty())",
+        "        return error;",
         "    // Layer fields.",
         "    if (p.num_layers <= 0)",
         "        return \"num_layers: must be positive, got \" + std::to_string(p.num_layers);",
@@ -163,7 +385,7 @@ def _validation_lines() -> list[str]:
         "        return \"layer_idx: \" + std::to_string(p.layer_idx) + \" is outside [0, num_layers=\" + std::to_string(p.num_layers) + \")\";",
         "    if (p.capacity <= 0)",
         "        return \"capacity: must be a positive number of entries per head (node_capacity), got \" + std::to_string(p.capacity);",
-        f"    size_t const tableSize = ({evicting}) ? static_cast<size_t>(p.budget - p.window + 1) : 0;",
+        "    size_t const tableSize = method->evicts ? static_cast<size_t>(p.budget - p.window + 1) : 0;",
         "    if (p.layer_budgets.size() != tableSize)",
         "        return \"layer_budgets: expected \" + std::to_string(tableSize) + \" values (budget - window + 1), got \" + std::to_string(p.layer_budgets.size());",
         "    for (size_t i = 0; i < p.layer_budgets.size(); ++i)",
@@ -176,19 +398,23 @@ def _validation_lines() -> list[str]:
 
 
 def render_policy_config_header() -> str:
-    """policy_config.h: host-only PolicyConfig, registry lookups and validatePolicy (KVPolicy's rules and wording)."""
-    fields = [f"    {KINDS[knob_type_name(f)][2]} {f.name} = {_literal(getattr(KVPolicy(), f.name))};" for f in knob_fields()]
+    """policy_config.h: host-only PolicyConfig, the knobs structs, the registry table and the validation."""
+    fields = [f"    {_cpp_type(f)} {f.name} = {_literal(getattr(KVPolicy(), f.name))};" for f in knob_fields()]
     for name in LAYER_ATTRIBUTES:
         type_name, value = LAYER_FIELDS[name]
         fields.append(f"    {KINDS[type_name][2]} {name}" + (f" = {_literal(value)};" if type_name != "ints" else ";"))
-    sink_policies = " || ".join(f'p.name == "{n}"' for n, m in METHODS.items() if "sink_tokens" in m.knobs)
-    # a scored method that keeps its first tokens keeps them beside the window (KVPolicy.min_budget)
-    beside = " || ".join(f'p.name == "{n}"' for n, m in METHODS.items()
-                         if type(m.base).sinks is not BaseMethod.sinks) or "false"
+    two_stage = [(n, m) for n, m in METHODS.items() if m.refine is not None]
     lines = [
         f"// GENERATED from criticalkv.policy.KVPolicy and criticalkv.methods by {COMMAND}; do not edit.",
-        "// Host only: the creator's fields as a struct, registry lookups and the validation (KVPolicy's rules and",
-        "// messages, generated from the same rule objects as the Python checks).",
+        "// Host only. A policy is a row of the registry table kPolicyMethods (criticalkv.methods.METHODS): its base method",
+        "// (whose traits the kernels read: methodTraits, policy_fields.h), whether CriticalKV's two stages refine it, what",
+        "// its budget floor reads, why the plugin or the kernels refuse it, and the validation of its knobs struct. Each",
+        "// knobs dataclass of a method is a struct here (SnapKVKnobs: its knobs with their defaults, of(), validate()); a",
+        "// knob several methods read has one check (checkPoolKernel), as it is one Knob in Python. The validation, the",
+        "// refusals, minRuntimeBudget and baseOf find the policy's row once (findMethod) and read it: nothing here names a",
+        "// policy. PolicyConfig stays the creator's fields by name (every knob of every method: the ONNX node's",
+        "// attributes), which the plugin and the ops parse (host/policy.h) and the host driver reads. The messages are",
+        "// KVPolicy's, generated from the same rule objects as the Python checks (criticalkv.spec.rules).",
         "#pragma once",
         "",
         "#include \"criticalkv/policy_fields.h\"",
@@ -196,6 +422,7 @@ def render_policy_config_header() -> str:
         "#include <charconv>",
         "#include <cmath>",
         "#include <cstdint>",
+        "#include <initializer_list>",
         "#include <string>",
         "#include <vector>",
         "",
@@ -208,46 +435,10 @@ def render_policy_config_header() -> str:
         *fields,
         "};",
         "",
-        "//! Names of every policy, in registry order.",
-        "inline std::vector<std::string> const& policyNames()",
-        "{",
-        "    static std::vector<std::string> const names = {" + ", ".join(_literal(n) for n in POLICIES) + "};",
-        "    return names;",
-        "}",
-        "",
-        "//! Names of every creator field, in order.",
-        "inline std::vector<std::string> const& pluginFieldNames()",
-        "{",
-        "    static std::vector<std::string> const names = {" + ", ".join(_literal(s.name) for s in plugin_field_specs()) + "};",
-        "    return names;",
-        "}",
-        "",
-        "//! Base method of a policy name (precondition: one of policyNames()).",
-        "inline BaseMethod baseOf(std::string const& policyName)",
-        "{",
-        *[f"    if (policyName == {_literal(n)})\n        return BaseMethod::{BASE_METHODS[b].cpp_enum};" for n, (b, _) in POLICIES.items()],
-        f"    return BaseMethod::{next(iter(BASE_METHODS.values())).cpp_enum};",
-        "}",
-        "",
-        "//! Whether CriticalKV's two-stage refinement is on for a policy name.",
-        "inline bool twoStageOf(std::string const& policyName)",
-        "{",
-        "    return " + (" || ".join(f"policyName == {_literal(n)}" for n, (_, two) in POLICIES.items() if two) or "false") + ";",
-        "}",
-        "",
         "//! The exact integer value * 10^6 of a fraction with at most 6 decimals (validatePolicy checks that).",
         "inline int64_t decimalMicros(double value)",
         "{",
         "    return static_cast<int64_t>(std::llround(value * static_cast<double>(kDecimalScale)));",
-        "}",
-        "",
-        "//! Smallest per-request budget (input kv_budget) the node accepts (KVPolicy.min_budget): the window, and the sinks",
-        "//! when read (beside the window for a scored method that keeps them, kvzip's).",
-        "inline int32_t minRuntimeBudget(PolicyConfig const& p)",
-        "{",
-        f"    if ({beside})",
-        "        return p.window + p.sink_tokens;",
-        f"    return ({sink_policies}) && p.sink_tokens > p.window ? p.sink_tokens : p.window;",
         "}",
         "",
         "namespace detail",
@@ -289,10 +480,155 @@ def render_policy_config_header() -> str:
         "    return std::to_string(value);",
         "}",
         "",
+        "//! The first error of checks made in order (\"\": none).",
+        "inline std::string firstError(std::initializer_list<std::string> errors)",
+        "{",
+        "    for (auto const& error : errors)",
+        "        if (!error.empty())",
+        "            return error;",
+        "    return \"\";",
+        "}",
+        "",
         "} // namespace detail",
         "",
-        "//! \"\" when the config's knobs are valid, else \"field: reason\" (KVPolicy.__post_init__'s rules and wording,",
-        "//! then the layer fields: num_layers, layer_idx, capacity, layer_budgets). Says nothing of who selects it.",
+        "// ---- One check per knob (KVPolicy's rules and wording).",
+        "",
+    ]
+    for f in _method_knobs():
+        lines += _knob_check_lines(f)
+    lines += [
+        "// ---- One struct per knobs dataclass of a method (criticalkv.methods.knobs): its knobs with their defaults;",
+        "// of(p): their values among a creator's fields; validateTypes(): \"\" or \"knob: reason\", its knobs' types;",
+        "// validate(budget, window): every rule of its knobs (budget and window: the policy's, which some rules compare",
+        "// with). Both in declaration order, KVPolicy's.",
+        "",
+    ]
+    for cls in _knobs_classes():
+        lines += _knobs_struct_lines(cls)
+    lines += [
+        "//! A refined policy's knobs: its base method's, then its refinement's (criticalkv.methods.knobs.combined; a knob",
+        "//! both read is held, and checked, in each).",
+        "template <class Base, class Refine>",
+        "struct PolicyKnobs",
+        "{",
+        "    Base base;",
+        "    Refine refine;",
+        "",
+        "    static PolicyKnobs of(PolicyConfig const& p)",
+        "    {",
+        "        return PolicyKnobs{Base::of(p), Refine::of(p)};",
+        "    }",
+        "",
+        "    std::string validateTypes() const",
+        "    {",
+        "        std::string const error = base.validateTypes();",
+        "        return error.empty() ? refine.validateTypes() : error;",
+        "    }",
+        "",
+        "    std::string validate(int32_t budget, int32_t window) const",
+        "    {",
+        "        std::string const error = base.validate(budget, window);",
+        "        return error.empty() ? refine.validate(budget, window) : error;",
+        "    }",
+        "};",
+        "",
+        *[f"using {m.Knobs.__name__} = PolicyKnobs<{m.base.Knobs.__name__}, {m.refine.Knobs.__name__}>; //!< {n}"
+          for n, m in two_stage],
+        "",
+        "//! What of a policy's knobs is checked: their types (choices, finiteness: KVPolicy checks them before any rule) or",
+        "//! their rules.",
+        "enum class KnobCheck : int32_t",
+        "{",
+        "    kTypes = 0,",
+        "    kRules = 1,",
+        "};",
+        "",
+        "//! The validation of a policy's knobs among a creator's fields (a registry row's checkKnobs).",
+        "template <class MethodKnobs>",
+        "inline std::string checkKnobsOf(PolicyConfig const& p, KnobCheck what)",
+        "{",
+        "    MethodKnobs const knobs = MethodKnobs::of(p);",
+        "    return what == KnobCheck::kTypes ? knobs.validateTypes() : knobs.validate(p.budget, p.window);",
+        "}",
+        "",
+        "// ---- The registry.",
+        "",
+        "//! A policy's method: one row of the registry (criticalkv.methods.METHODS).",
+        "struct PolicyMethod",
+        "{",
+        "    char const* name;           //!< the policy's name",
+        "    BaseMethod base;            //!< its base method (what it asks of the pipeline: methodTraits(base))",
+        "    bool twoStage;              //!< CriticalKV's two-stage refinement is on",
+        "    bool evicts;                //!< false for full (every entry kept: no budget table)",
+        "    bool readsSinkTokens;       //!< its budget is at least sink_tokens (KVPolicy.min_budget)",
+        "    bool sinksBesideWindow;     //!< it keeps its first sink_tokens beside the window (BaseMethod.sinks)",
+        "    char const* pluginRefusal;  //!< why the per-layer CriticalKVSelect plugin refuses it; \"\": it selects it",
+        "    char const* kernelsRefusal; //!< why the kernels and the host version refuse it; \"\": they select it",
+        "    std::string (*checkKnobs)(PolicyConfig const&, KnobCheck); //!< checkKnobsOf its knobs struct",
+        "};",
+        "",
+        "//! Every policy, in registry order. Columns: name, base, twoStage, evicts, readsSinkTokens, sinksBesideWindow,",
+        "//! pluginRefusal, kernelsRefusal, checkKnobs.",
+        "inline PolicyMethod const kPolicyMethods[] = {",
+        *[line for n, m in METHODS.items() for line in _registry_row(n, m)],
+        "};",
+        "",
+        "//! The registry row of a policy name; nullptr for an unknown name.",
+        "inline PolicyMethod const* findMethod(std::string const& policyName)",
+        "{",
+        "    for (auto const& method : kPolicyMethods)",
+        "        if (policyName == method.name)",
+        "            return &method;",
+        "    return nullptr;",
+        "}",
+        "",
+        "//! Names of every policy, in registry order.",
+        "inline std::vector<std::string> const& policyNames()",
+        "{",
+        "    static std::vector<std::string> const names = [] {",
+        "        std::vector<std::string> out;",
+        "        for (auto const& method : kPolicyMethods)",
+        "            out.emplace_back(method.name);",
+        "        return out;",
+        "    }();",
+        "    return names;",
+        "}",
+        "",
+        "//! Names of every creator field, in order.",
+        "inline std::vector<std::string> const& pluginFieldNames()",
+        "{",
+        "    static std::vector<std::string> const names = {" + ", ".join(_literal(s.name) for s in plugin_field_specs()) + "};",
+        "    return names;",
+        "}",
+        "",
+        "//! Base method of a policy name (precondition: one of policyNames()).",
+        "inline BaseMethod baseOf(std::string const& policyName)",
+        "{",
+        "    PolicyMethod const* method = findMethod(policyName);",
+        f"    return method != nullptr ? method->base : BaseMethod::{next(iter(BASE_METHODS.values())).cpp_enum};",
+        "}",
+        "",
+        "//! Whether CriticalKV's two-stage refinement is on for a policy name.",
+        "inline bool twoStageOf(std::string const& policyName)",
+        "{",
+        "    PolicyMethod const* method = findMethod(policyName);",
+        "    return method != nullptr && method->twoStage;",
+        "}",
+        "",
+        "//! Smallest per-request budget (input kv_budget) the node accepts (KVPolicy.min_budget): the window, and the sinks",
+        "//! when read (beside the window for a scored method that keeps them, kvzip's).",
+        "inline int32_t minRuntimeBudget(PolicyConfig const& p)",
+        "{",
+        "    PolicyMethod const* method = findMethod(p.name);",
+        "    if (method != nullptr && method->sinksBesideWindow)",
+        "        return p.window + p.sink_tokens;",
+        "    return method != nullptr && method->readsSinkTokens && p.sink_tokens > p.window ? p.sink_tokens : p.window;",
+        "}",
+        "",
+        "//! \"\" when the config's knobs are valid, else \"field: reason\": KVPolicy's rules and wording, in its order (the",
+        "//! name, the types of the knobs the method reads, the rules of budget, window and those knobs, then every other",
+        "//! knob's type and the rules that hold for every policy), then the layer fields (num_layers, layer_idx, capacity,",
+        "//! layer_budgets). Says nothing of who selects it.",
         "inline std::string validateKnobs(PolicyConfig const& p)",
         "{",
         *_validation_lines(),
@@ -301,18 +637,16 @@ def render_policy_config_header() -> str:
         "//! \"\" when the per-layer CriticalKVSelect plugin selects the policy, else why not (BaseMethod.native, cpp_refusal).",
         "inline std::string pluginRefusal(PolicyConfig const& p)",
         "{",
-        *[line for n, m in METHODS.items() if not m.base.native
-          for line in (f'    if (p.name == "{n}")', f'        return "name: {n} {m.base.cpp_refusal}";')],
-        "    return \"\";",
+        "    PolicyMethod const* method = findMethod(p.name);",
+        "    return method != nullptr && *method->pluginRefusal ? \"name: \" + p.name + \" \" + method->pluginRefusal : \"\";",
         "}",
         "",
         "//! \"\" when the CUDA kernels and the host version select the policy through the torch ops (per layer, or over every",
         "//! layer for a model-level method; BaseMethod.kernels), else why not.",
         "inline std::string kernelsRefusal(PolicyConfig const& p)",
         "{",
-        *[line for n, m in METHODS.items() if not m.base.kernels
-          for line in (f'    if (p.name == "{n}")', f'        return "name: {n} {m.base.kernels_refusal}";')],
-        "    return \"\";",
+        "    PolicyMethod const* method = findMethod(p.name);",
+        "    return method != nullptr && *method->kernelsRefusal ? \"name: \" + p.name + \" \" + method->kernelsRefusal : \"\";",
         "}",
         "",
         "//! The plugin's validation: its refusal first, then the knobs.",
@@ -326,7 +660,6 @@ def render_policy_config_header() -> str:
         "",
     ]
     return "\n".join(lines)
-
 
 def _yaml_list(items) -> str:
     return "[" + ", ".join(str(i) for i in items) + "]"

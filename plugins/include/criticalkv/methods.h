@@ -8,88 +8,56 @@
 namespace criticalkv
 {
 
-// The traits come from the generated registry (policy_fields.h: CKV_FOR_EACH_BASE), so a new base method
-// declares them in the Python spec and nowhere else.
-#define CKV_BASE_TRAIT(trait)                                                                                          \
-    switch (config.base)                                                                                               \
-    {                                                                                                                  \
-        CKV_FOR_EACH_BASE(trait)                                                                                       \
-    }                                                                                                                  \
-    return false;
-#define CKV_BASE_SCORED(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                      \
-    case BaseMethod::e: return (scored) != 0;
-#define CKV_BASE_SHARED(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                      \
-    case BaseMethod::e: return (shared) != 0;
-#define CKV_BASE_OWN_L2(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                      \
-    case BaseMethod::e: return (ownL2) != 0;
-#define CKV_BASE_ROWS(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                        \
-    case BaseMethod::e: return (rows) != 0;
-#define CKV_BASE_POOLS(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                       \
-    case BaseMethod::e: return (pools) != 0;
-#define CKV_BASE_EXTERNAL(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                    \
-    case BaseMethod::e: return (external) != 0;
-#define CKV_BASE_SINKS(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                       \
-    case BaseMethod::e: return (sinks) != 0;
-#define CKV_BASE_MODEL_LEVEL(e, name, scored, shared, ownL2, rows, pools, external, sinks, modelLevel)                 \
-    case BaseMethod::e: return (modelLevel) != 0;
+// The traits come from the generated registry (policy_fields.h: methodTraits, one row per base method), so a new base
+// method declares them in the Python spec (criticalkv.methods.base.BaseMethod's flags) and nowhere else.
 
 //! The method ranks older tokens by window-attention scores (every base but full and streamingllm).
 CKV_HD bool needsScores(SelectConfig const& config)
 {
-    CKV_BASE_TRAIT(CKV_BASE_SCORED)
+    return methodTraits(config.base).scored;
 }
 
 //! The layer's H_kv * r slots are shared across heads with a per-head floor (adakv, laprox).
 CKV_HD bool sharedAllocation(SelectConfig const& config)
 {
-    CKV_BASE_TRAIT(CKV_BASE_SHARED)
+    return methodTraits(config.base).sharedAllocation;
 }
 
 //! The base itself scores with l2 projected-value norms and squared window attention (laprox).
 CKV_HD bool ownL2Norms(SelectConfig const& config)
 {
-    CKV_BASE_TRAIT(CKV_BASE_OWN_L2)
+    return methodTraits(config.base).ownL2Norms;
 }
 
 //! The base's score reads every window query's attention row, not only their mean (defensivekv: defensive.h).
 CKV_HD bool rowScores(SelectConfig const& config)
 {
-    CKV_BASE_TRAIT(CKV_BASE_ROWS)
+    return methodTraits(config.base).rowScores;
 }
 
 //! Its attention is max-pooled over positions (pool_kernel) before it ranks; kvzip's score is not.
 CKV_HD bool poolsAttention(SelectConfig const& config)
 {
-    CKV_BASE_TRAIT(CKV_BASE_POOLS)
+    return methodTraits(config.base).pools;
 }
 
 //! It ranks by a per-entry score computed outside the layer (kvzip: the scores input [B, H_kv, n]), not the window's.
 CKV_HD bool externalScores(SelectConfig const& config)
 {
-    CKV_BASE_TRAIT(CKV_BASE_EXTERNAL)
+    return methodTraits(config.base).externalScores;
 }
 
 //! It keeps the first sink_tokens valid tokens before ranking (kvzip; per layer: SequenceInfo::candidateStart).
 CKV_HD bool keepsSinks(SelectConfig const& config)
 {
-    CKV_BASE_TRAIT(CKV_BASE_SINKS)
+    return methodTraits(config.base).keepsSinks;
 }
 
 //! Its budget is shared across every layer of the model (selected after the last layer: model_level.h).
 CKV_HD bool modelLevel(SelectConfig const& config)
 {
-    CKV_BASE_TRAIT(CKV_BASE_MODEL_LEVEL)
+    return methodTraits(config.base).modelLevel;
 }
-
-#undef CKV_BASE_MODEL_LEVEL
-#undef CKV_BASE_SINKS
-#undef CKV_BASE_EXTERNAL
-#undef CKV_BASE_POOLS
-#undef CKV_BASE_ROWS
-#undef CKV_BASE_OWN_L2
-#undef CKV_BASE_SHARED
-#undef CKV_BASE_SCORED
-#undef CKV_BASE_TRAIT
 
 //! Projected-value norms are needed: by CriticalKV's stage 2 or by a base that scores with them.
 CKV_HD bool needsNorms(SelectConfig const& config)

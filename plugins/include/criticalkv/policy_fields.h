@@ -1,5 +1,5 @@
 // GENERATED from criticalkv.policy.KVPolicy and criticalkv.methods by python -m criticalkv.spec.generate; do not edit.
-// Device-safe: X-macros, enums and constants only.
+// Device-safe: the creator's fields (X-macro), the enums, the constants and the base methods' traits.
 #pragma once
 
 #include <cstdint>
@@ -31,46 +31,6 @@
     CKV_FIELD(INT, capacity, 0) \
     CKV_FIELD(INTS, layer_budgets, {})
 
-//! CKV_POLICY(name, base method, two-stage) for every policy name.
-#define CKV_FOR_EACH_POLICY(CKV_POLICY) \
-    CKV_POLICY("full", kFull, 0) \
-    CKV_POLICY("streamingllm", kStreamingLLM, 0) \
-    CKV_POLICY("snapkv", kSnapKV, 0) \
-    CKV_POLICY("pyramidkv", kPyramidKV, 0) \
-    CKV_POLICY("adakv", kAdaKV, 0) \
-    CKV_POLICY("laprox", kLaProx, 0) \
-    CKV_POLICY("defensivekv", kDefensiveKV, 0) \
-    CKV_POLICY("layer-defensivekv", kLayerDefensiveKV, 0) \
-    CKV_POLICY("expected-attention", kExpectedAttention, 0) \
-    CKV_POLICY("kvzip", kKVzip, 0) \
-    CKV_POLICY("layer-kvzip", kLayerKVzip, 0) \
-    CKV_POLICY("criticalkv", kSnapKV, 1) \
-    CKV_POLICY("pyramid-criticalkv", kPyramidKV, 1) \
-    CKV_POLICY("ada-criticalkv", kAdaKV, 1) \
-    CKV_POLICY("expected-criticalkv", kExpectedAttention, 1) \
-    CKV_POLICY("kvzip-criticalkv", kKVzip, 1) \
-    CKV_POLICY("layer-kvzip-criticalkv", kLayerKVzip, 1)
-
-//! CKV_BASE(enumerator, name, scored, shared_allocation, own_l2_norms, row_scores, pools, external_scores, sinks,
-//! model_level) for every base method, enum order. scored: ranks older tokens by window attention;
-//! shared_allocation: the layer's H_kv * r slots are shared across its heads with a per-head floor; own_l2_norms:
-//! its own score needs the l2 projected-value norms; row_scores: its score reads every window query's attention
-//! row (defensive aggregation); pools: its attention is max-pooled over positions; external_scores: it ranks by
-//! a score computed outside the layer (the scores input); sinks: it keeps the first sink_tokens valid tokens
-//! before ranking; model_level: its budget is shared across every layer of the model.
-#define CKV_FOR_EACH_BASE(CKV_BASE) \
-    CKV_BASE(kFull, "full", 0, 0, 0, 0, 1, 0, 0, 0) \
-    CKV_BASE(kStreamingLLM, "streamingllm", 0, 0, 0, 0, 1, 0, 0, 0) \
-    CKV_BASE(kSnapKV, "snapkv", 1, 0, 0, 0, 1, 0, 0, 0) \
-    CKV_BASE(kPyramidKV, "pyramidkv", 1, 0, 0, 0, 1, 0, 0, 0) \
-    CKV_BASE(kAdaKV, "adakv", 1, 1, 0, 0, 1, 0, 0, 0) \
-    CKV_BASE(kLaProx, "laprox", 1, 1, 1, 0, 1, 0, 0, 0) \
-    CKV_BASE(kDefensiveKV, "defensivekv", 1, 1, 0, 1, 1, 0, 0, 0) \
-    CKV_BASE(kLayerDefensiveKV, "layer-defensivekv", 1, 1, 0, 1, 1, 0, 0, 1) \
-    CKV_BASE(kExpectedAttention, "expected-attention", 1, 0, 0, 0, 0, 0, 1, 0) \
-    CKV_BASE(kKVzip, "kvzip", 1, 1, 0, 0, 0, 1, 1, 0) \
-    CKV_BASE(kLayerKVzip, "layer-kvzip", 1, 1, 0, 0, 0, 1, 1, 1)
-
 #define CKV_CHOICES_value_norm "l1", "l2"
 #define CKV_CHOICES_kvzip_reread "context", "chunk"
 #define CKV_CHOICES_kvzip_score "reread", "surrogate"
@@ -95,6 +55,49 @@ enum class BaseMethod : int32_t
     kKVzip = 9,
     kLayerKVzip = 10,
 };
+
+//! What a base method asks of the pipeline (criticalkv.methods.base.BaseMethod's flags): the kernels, the host
+//! driver and the workspace layout ask these (methods.h) instead of comparing method names.
+struct MethodTraits
+{
+    bool scored; //!< ranks older tokens by window attention (every base but full and streamingllm)
+    bool sharedAllocation; //!< the layer's H_kv * r slots are shared across its heads with a per-head floor
+    bool ownL2Norms; //!< its own score needs the l2 projected-value norms (laprox)
+    bool rowScores; //!< its score reads every window query's attention row, not only their mean (defensivekv)
+    bool pools; //!< its attention is max-pooled over positions (pool_kernel) before it ranks
+    bool externalScores; //!< it ranks by a per-entry score computed outside the layer (the scores input)
+    bool keepsSinks; //!< it keeps the first sink_tokens valid tokens before ranking
+    bool modelLevel; //!< its budget is shared across every layer of the model
+};
+
+#if defined(__CUDACC__)
+#define CKV_TRAITS_HD __host__ __device__ __forceinline__
+#else
+#define CKV_TRAITS_HD inline
+#endif
+
+//! The traits of a base method: one row per base method, enum order; columns scored, sharedAllocation, ownL2Norms,
+//! rowScores, pools, externalScores, keepsSinks, modelLevel.
+CKV_TRAITS_HD MethodTraits methodTraits(BaseMethod base)
+{
+    switch (base)
+    {
+    case BaseMethod::kFull: return MethodTraits{false, false, false, false, true, false, false, false};
+    case BaseMethod::kStreamingLLM: return MethodTraits{false, false, false, false, true, false, false, false};
+    case BaseMethod::kSnapKV: return MethodTraits{true, false, false, false, true, false, false, false};
+    case BaseMethod::kPyramidKV: return MethodTraits{true, false, false, false, true, false, false, false};
+    case BaseMethod::kAdaKV: return MethodTraits{true, true, false, false, true, false, false, false};
+    case BaseMethod::kLaProx: return MethodTraits{true, true, true, false, true, false, false, false};
+    case BaseMethod::kDefensiveKV: return MethodTraits{true, true, false, true, true, false, false, false};
+    case BaseMethod::kLayerDefensiveKV: return MethodTraits{true, true, false, true, true, false, false, true};
+    case BaseMethod::kExpectedAttention: return MethodTraits{true, false, false, false, false, false, true, false};
+    case BaseMethod::kKVzip: return MethodTraits{true, true, false, false, false, true, true, false};
+    case BaseMethod::kLayerKVzip: return MethodTraits{true, true, false, false, false, true, true, true};
+    }
+    return MethodTraits{};
+}
+
+#undef CKV_TRAITS_HD
 
 //! KVPolicy.value_norm.
 enum class ValueNorm : int32_t
