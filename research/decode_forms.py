@@ -1,7 +1,7 @@
 """The decode forms of one ONNX Runtime engine side by side: ms per decode step after a long chat prompt, interleaved in
 one process, and each form's resident memory.
 
-    python -m criticalkv.bench.decode_forms --engine-dir engines/ckv256 --engine-dir engines/full \\
+    python research/decode_forms.py --engine-dir engines/ckv256 --engine-dir engines/full \\
         --threads 1 --output results/decode_forms.json
 
 Forms (``FORMS``): the portable ``decode.onnx`` (shared memory-mapped weights, MLAS prepacking off: the engine's decode
@@ -28,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from criticalkv.bench.machine import finish, header, header_lines
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's criticalkv, installed or not
+
+from criticalkv.bench.machine import finish, header, header_lines  # noqa: E402
 
 #: form name -> OnnxRuntimeBackend options
 FORMS = {
@@ -155,7 +157,7 @@ def rss_child(engine_dir: Path, form: str, threads: int, prompt_tokens: int = 30
 def measure_rss(engine_dir: Path, forms: list[str], threads: int) -> list[dict]:
     out = []
     for form in forms:
-        run = subprocess.run([sys.executable, "-m", "criticalkv.bench.decode_forms", "--rss-child", form, "--threads",
+        run = subprocess.run([sys.executable, __file__, "--rss-child", form, "--threads",
                               str(threads), "--engine-dir", str(engine_dir)], capture_output=True, text=True, check=True)
         out.append(json.loads(run.stdout.strip().splitlines()[-1]))
     return out
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in forms if f not in FORMS]
     if unknown:
         p.error(f"unknown forms {unknown}; choose from {list(FORMS)}")
-    info = header("python -m criticalkv.bench.decode_forms " + " ".join(argv if argv is not None else sys.argv[1:]))
+    info = header("python research/decode_forms.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     info["engines"] = measure(args.engine_dir, forms, args.prompt_tokens, args.rounds, args.steps, args.threads)
     finish(info)
     if args.rss:  # after the timing: fresh processes, one form at a time
