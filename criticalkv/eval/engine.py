@@ -30,7 +30,6 @@ from criticalkv.hf.compress import hooked_prefill, window_queries
 from criticalkv.hf.generate import extend_cache, generate
 from criticalkv.hf.loading import check_supported
 from criticalkv.hf.reconstruct import cache_of, reconstruction_prompt, reconstruction_scores
-from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.methods.kvzip import ReconstructionPrompt
 from criticalkv.methods.surrogate import mask_opening, surrogate_of, uses_surrogate
 from criticalkv.policy import KVPolicy
@@ -240,7 +239,8 @@ class ScoreBank:
         """RoPE's rotation tables for a policy that reads them (``expected-attention``), else None."""
         if not policy.method.base.needs_rotation or self.prefill.inv_freq is None:
             return None  # (select_layer then assumes RoPE's default angles)
-        return torch.from_numpy(rotation_tables(self.prefill.inv_freq, policy.window, policy.future_positions))
+        inv_freq = self.prefill.inv_freq
+        return torch.from_numpy(policy.method.base.rotation_table(policy, inv_freq, 2 * len(inv_freq)))
 
     @property
     def seconds(self) -> float:

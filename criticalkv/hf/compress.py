@@ -22,7 +22,6 @@ from criticalkv.hf.cache import CompressedKVCache, CompressedLayer, cache_kwargs
 from criticalkv.hf.loading import check_supported
 from criticalkv.hf.queries import window_queries
 from criticalkv.hf.reconstruct import reconstruction_prompt, reconstruction_scores
-from criticalkv.methods.expected_attention import rotation_tables
 from criticalkv.methods.kvzip import ReconstructionPrompt
 from criticalkv.methods.surrogate import mask_opening, surrogate_of, uses_surrogate
 from criticalkv.padding import left_padded_lengths
@@ -85,7 +84,7 @@ def model_rotation(model, policy: KVPolicy):
     if not policy.method.base.needs_rotation:
         return None
     inv_freq = model.model.rotary_emb.inv_freq.detach().float().cpu().numpy()
-    return torch.from_numpy(rotation_tables(inv_freq, policy.window, policy.future_positions))
+    return torch.from_numpy(policy.method.base.rotation_table(policy, inv_freq, 2 * len(inv_freq)))
 
 
 @torch.no_grad()

@@ -70,7 +70,7 @@ def policy_rotation(policy, rotation, head_dim: int):
     if not policy.method.base.needs_rotation:
         return None
     if rotation is None:
-        return torch.from_numpy(rotation_tables(default_inv_freq(head_dim), policy.window, policy.future_positions))
+        return torch.from_numpy(policy.method.base.rotation_table(policy, None, head_dim))
     shape = tuple(rotation.shape)
     if len(shape) != 3 or shape[0] != 2 or shape[1] < policy.window or shape[2] != head_dim:
         raise ValueError(f"rotation: expected shape [2, >= window {policy.window}, {head_dim}], got {list(shape)}")
