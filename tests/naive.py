@@ -111,6 +111,18 @@ def naive_kvzip_scores(p, q, k, v, o):
     return S, C
 
 
+def naive_keydiff_scores(k):
+    """KeyDiff (one unpadded sequence), key by key: 1 - the cosine between a key and the mean of every key's unit
+    vector (the window included). [H_kv, n]."""
+    kv_heads, n, _ = k.shape
+    S = np.zeros((kv_heads, n))
+    for g in range(kv_heads):
+        anchor = sum(k[g, j] / np.linalg.norm(k[g, j]) for j in range(n)) / n
+        for i in range(n):
+            S[g, i] = 1.0 - k[g, i] @ anchor / (np.linalg.norm(k[g, i]) * np.linalg.norm(anchor))
+    return S
+
+
 def naive_select(p, q, k, v, o, layer_idx=0, num_layers=1):
     """Kept positions of every KV head: a list of sorted lists. q [H, w, d_h], k/v [H_kv, n, d_h], o [d, H*d_h]."""
     q, k, v, o = (np.asarray(x, dtype=np.float64) for x in (q, k, v, o))
@@ -132,6 +144,8 @@ def naive_select(p, q, k, v, o, layer_idx=0, num_layers=1):
         sinks = set(range(p.sink_tokens))  # kept first, inside the budget
         r = min(r - p.sink_tokens, m - p.sink_tokens)
         older = [range(p.sink_tokens, m)] * kv_heads
+    elif p.base == "keydiff":
+        S = naive_keydiff_scores(k)[:, :m]
     else:
         S, C, L = naive_scores(p, q, k, v, o)
 
@@ -141,7 +155,7 @@ def naive_select(p, q, k, v, o, layer_idx=0, num_layers=1):
         rest = [i for i in older[g] if i not in s1]
         return s1 | top({i: C[g, i] for i in rest}, count - first, rest)
 
-    if p.base in ("snapkv", "pyramidkv", "expected-attention"):
+    if p.base in ("snapkv", "pyramidkv", "expected-attention", "keydiff"):
         chosen = [two_stage(g, r) if p.two_stage else top(dict(enumerate(S[g])), r, list(older[g])) for g in range(kv_heads)]
         chosen = [c | sinks for c in chosen]
     else:

@@ -22,6 +22,7 @@ POLICY_CASES = [
     ("expected-criticalkv", dict(name="expected-criticalkv", future_positions=64)),
     ("kvzip", dict(name="kvzip")),
     ("kvzip-criticalkv", dict(name="kvzip-criticalkv", kvzip_chunk=64)),
+    ("keydiff", dict(name="keydiff")),
 ]
 
 #: Two-stage policies and the base method alpha = 1 must reduce them to.

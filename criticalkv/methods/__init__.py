@@ -1,7 +1,7 @@
 """Eviction methods as units, and the registry that composes them into the policies users name.
 
 One module per base method (``full``, ``streamingllm``, ``snapkv``, ``pyramidkv``, ``adakv``, ``laprox``,
-``defensivekv`` and ``layer-defensivekv``, ``expected-attention``, ``kvzip`` and ``layer-kvzip``) holds its scores, how
+``defensivekv`` and ``layer-defensivekv``, ``expected-attention``, ``kvzip`` and ``layer-kvzip``, ``keydiff``) holds its scores, how
 it shares the budget and its piece of the ONNX function body; ``two_stage`` is CriticalKV's selection applied on top of
 any scored base; ``phases`` holds what a method needs beyond one layer's Q/K/V (streams, re-read passes) in a form the
 engine, the exporter and the backends run without knowing the method. ``METHODS`` below is the one list of policies:
@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from criticalkv.methods import adakv, defensivekv, expected_attention, full, kvzip, laprox, pyramidkv, snapkv, streamingllm
+from criticalkv.methods import (adakv, defensivekv, expected_attention, full, keydiff, kvzip, laprox, pyramidkv, snapkv,
+                                streamingllm)
 from criticalkv.methods.base import Allocation, BaseMethod, GroupScoreInputs
 from criticalkv.methods.knobs import Knob, Knobs, combined
 from criticalkv.methods.two_stage import TWO_STAGE, TwoStage
@@ -33,7 +34,7 @@ BASE_METHODS: dict[str, BaseMethod] = {
     m.name: m
     for m in (full.METHOD, streamingllm.METHOD, snapkv.METHOD, pyramidkv.METHOD, adakv.METHOD, laprox.METHOD,
               defensivekv.METHOD, defensivekv.LAYER_METHOD, expected_attention.METHOD, kvzip.METHOD,
-              kvzip.LAYER_METHOD)
+              kvzip.LAYER_METHOD, keydiff.METHOD)
 }
 
 

@@ -331,7 +331,7 @@ inline std::string checkStage2ScoresType(std::string const& value)
 // validate(budget, window): every rule of its knobs (budget and window: the policy's, which some rules compare
 // with). Both in declaration order, KVPolicy's.
 
-//! criticalkv.methods.knobs.Knobs, read by full: no knobs.
+//! criticalkv.methods.knobs.Knobs, read by full, keydiff: no knobs.
 struct Knobs
 {
     static Knobs of(PolicyConfig const&)
@@ -733,6 +733,9 @@ inline PolicyMethod const kPolicyMethods[] = {
     {"layer-kvzip", BaseMethod::kLayerKVzip, false, true, true, true,
         "shares the budget across all layers, and the CriticalKVSelect plugin selects one layer per node: its graph selects with a CriticalKVScore node per layer and one CriticalKVSelectModel node (plugins/README.md)",
         "", &checkKnobsOf<LayerKVzipKnobs>},
+    {"keydiff", BaseMethod::kKeyDiff, false, true, false, false,
+        "ranks by its keys' distance to their mean direction, which the CriticalKVSelect plugin does not compute yet; select it on the PyTorch path, ONNX Runtime or OpenVINO",
+        "ranks by its keys' distance to their mean direction, which the kernels do not compute yet; select it on the PyTorch path, ONNX Runtime or OpenVINO", &checkKnobsOf<Knobs>},
     {"criticalkv", BaseMethod::kSnapKV, true, true, false, false, "", "", &checkKnobsOf<CriticalkvKnobs>},
     {"pyramid-criticalkv", BaseMethod::kPyramidKV, true, true, false, false, "", "", &checkKnobsOf<PyramidCriticalkvKnobs>},
     {"ada-criticalkv", BaseMethod::kAdaKV, true, true, false, false, "", "", &checkKnobsOf<AdaCriticalkvKnobs>},

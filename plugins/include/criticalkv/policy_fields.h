@@ -54,6 +54,7 @@ enum class BaseMethod : int32_t
     kExpectedAttention = 8,
     kKVzip = 9,
     kLayerKVzip = 10,
+    kKeyDiff = 11,
 };
 
 //! What a base method asks of the pipeline (criticalkv.methods.base.BaseMethod's flags): the kernels, the host
@@ -93,6 +94,7 @@ CKV_TRAITS_HD MethodTraits methodTraits(BaseMethod base)
     case BaseMethod::kExpectedAttention: return MethodTraits{true, false, false, false, false, false, true, false};
     case BaseMethod::kKVzip: return MethodTraits{true, true, false, false, false, true, true, false};
     case BaseMethod::kLayerKVzip: return MethodTraits{true, true, false, false, false, true, true, true};
+    case BaseMethod::kKeyDiff: return MethodTraits{true, false, false, false, false, false, false, false};
     }
     return MethodTraits{};
 }
