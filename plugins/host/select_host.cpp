@@ -5,6 +5,7 @@
 #include "criticalkv/group_scores.h"
 #include "criticalkv/head_selection.h"
 #include "criticalkv/kept_positions.h"
+#include "criticalkv/methods/registry.h"
 #include "criticalkv/model_level.h"
 #include "criticalkv/pruned_stage2.h"
 #include "criticalkv/radix_select.h"
@@ -250,6 +251,28 @@ void valueProjectionNorms(SelectShape const& s, float const* values, float const
             norm += std::fabs(dot);
         }
         out[i] = norm;
+    }
+}
+
+void keyScores(SelectConfig const& config, SelectShape const& s, float const* keys, int32_t b, int32_t g,
+    int32_t validStart, float* out)
+{
+    int32_t const n = s.n;
+    int32_t const d = s.headDim;
+    if (d > kMaxAnchorDim)
+    {
+        throw std::invalid_argument("keys: head dimension " + std::to_string(d) + " is over the key scores' "
+            + std::to_string(kMaxAnchorDim));
+    }
+    float const* head = keys + (static_cast<int64_t>(b) * s.kvHeads + g) * n * d;
+    auto const entry = [head, d](int32_t j, int32_t c) { return head[static_cast<int64_t>(j) * d + c]; };
+    int32_t const m = n - windowLength(config, n);
+    bool const known = forKeyScoredMethod(config.base, [&](auto method) {
+        keyScoresOfHead<decltype(method)>(entry, n, d, validStart, m, out);
+    });
+    if (!known)
+    {
+        throw std::invalid_argument("keyScores: the policy's base method is not key-scored (methods/registry.h)");
     }
 }
 
@@ -514,6 +537,7 @@ struct LayerScorer
     std::vector<BoundTerms> terms;
     std::vector<float> rows, worst, rowMass, stage1, ranking;
     std::vector<DefensiveTotals> totals;
+    std::vector<float> keyed; //!< [H_kv, n] a key-scored method's scores of one sequence
 
     LayerScorer(SelectConfig const& c, SelectShape const& shape, HostInputs const& inputs, bool anyScored,
         bool exactNorms)
@@ -553,17 +577,28 @@ struct LayerScorer
         stage1.assign(rowsOn ? perKvHead : 0, 0.0F);
         ranking.assign(rowsOn ? perKvHead : 0, 0.0F);
         totals.assign(static_cast<size_t>(s.kvHeads), DefensiveTotals{});
+        keyed.assign(keyScored(config) ? static_cast<size_t>(s.kvHeads) * n : 0, 0.0F);
     }
 
     //! Every score of sequence b (compressed). defensivekv: the defensive score in attention, stage1, totals.
     void score(int32_t b, SequenceInfo const& info)
     {
         int64_t const sequence = static_cast<int64_t>(b) * s.heads * m;
+        // a key-scored method's scores (key_scores.cuh), then as kvzip's external scores
+        for (int32_t g = 0; g < s.kvHeads && keyScored(config); ++g)
+        {
+            keyScores(config, s, in.keys, b, g, info.validStart, &keyed[static_cast<size_t>(g) * n]);
+        }
         // window scores and value norms (window_scores.cu, value_norms.cu); kvzip: its external scores, unpooled
         for (int32_t h = 0; h < s.heads; ++h)
         {
             int64_t const row = sequence + static_cast<int64_t>(h) * m;
-            if (externalScores(config))
+            if (keyScored(config))
+            {
+                float const* given = &keyed[static_cast<size_t>(h / group) * n];
+                std::copy(given, given + m, &raw[row]);
+            }
+            else if (externalScores(config))
             {
                 float const* given = in.scores + (static_cast<int64_t>(b) * s.kvHeads + h / group) * n;
                 std::copy(given, given + m, &raw[row]);

@@ -73,6 +73,12 @@ int64_t massCount(float const* scores, uint8_t const* flags, int64_t len, int64_
 void windowScores(SelectConfig const& config, SelectShape const& s, HostInputs const& in, int32_t b, int32_t h,
     int32_t validStart, float* raw, float* squares, float* rows);
 
+//! A key-scored method's scores of KV head g of sequence b (criticalkv/key_scores.h: the kernel's pass, sequentially):
+//! out [n], the scores of the older tokens in [0, m), 0 on left padding. validStart: the sequence's first valid
+//! position. Throws std::invalid_argument when the policy's base is not key-scored (methods/registry.h).
+void keyScores(SelectConfig const& config, SelectShape const& shape, float const* keys, int32_t b, int32_t g,
+    int32_t validStart, float* out);
+
 //! Projected-value norms of query head h for tokens [0, count): ||V[g(h), i] W_O^h|| (l1, or l2 through the
 //! d_h x d_h Gram matrix like the reference). out: [count].
 void valueProjectionNorms(SelectShape const& shape, float const* values, float const* oProj, int32_t b, int32_t h,

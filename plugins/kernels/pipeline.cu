@@ -15,8 +15,10 @@
 // travels as kernel parameters). Sequences of at most b tokens (and every sequence under `full`) skip the
 // scoring kernels and are written by the compaction directly.
 #include "criticalkv/kernels.h"
+#include "criticalkv/methods/registry.h"
 #include "criticalkv/pruned_stage2.h"
 #include "device_utils.cuh"
+#include "key_scores.cuh"
 #include "selection.cuh"
 
 namespace criticalkv
@@ -155,9 +157,44 @@ cudaError_t resolveBudget(SelectConfig const& config, BudgetTable const& table, 
     return cudaSuccess;
 }
 
+//! Entry c of key j of head g of sequence b, in fp32 (keyScoresKernel's loader).
+template <typename T>
+struct DeviceKeys
+{
+    T const* keys; //!< [B, H_kv, n, d_h]
+    int32_t kvHeads;
+    int32_t n;
+    int32_t d;
+
+    __device__ float operator()(int32_t b, int32_t g, int32_t j, int32_t c) const
+    {
+        return kernels::toFloat(keys[((static_cast<int64_t>(b) * kvHeads + g) * n + j) * d + c]);
+    }
+};
+
+//! A key-scored layer's scores [B, H_kv, n] (methods/registry.h: the method's instance of keyScoresKernel).
+cudaError_t launchKeyScores(SelectConfig const& config, SelectShape const& shape, DType dtype, void const* keys,
+    int32_t const* promptLengths, RuntimeBudget const& budget, float* scores, cudaStream_t stream)
+{
+    kernels::KeyScoreArgs const args{config, shape, promptLengths, budget, scores};
+    dim3 const grid(static_cast<uint32_t>(shape.kvHeads), static_cast<uint32_t>(shape.batch));
+    cudaError_t status = cudaErrorInvalidValue;
+    forKeyScoredMethod(config.base, [&](auto method) {
+        using Method = decltype(method);
+        status = kernels::dispatchDType(dtype, [&](auto zero) {
+            using T = decltype(zero);
+            DeviceKeys<T> const loader{static_cast<T const*>(keys), shape.kvHeads, shape.n, shape.headDim};
+            kernels::keyScoresKernel<Method><<<grid, kernels::kKeyScoreThreads, 0, stream>>>(args, loader);
+            return cudaGetLastError();
+        });
+    });
+    return status;
+}
+
 //! The inputs of the group scores of one scored layer (m > 0) into the workspace: the window attention (a kvzip
-//! layer: its external scores as every query head's raw attention), defensivekv's rows, and the value norms, or the
-//! pruned stage 2's L1 bounds unless `exactNorms`. Fills `s` (raw, squares, norms, the defensive buffers, pruned).
+//! layer: its external scores as every query head's raw attention; a key-scored layer: its key scores, the same way),
+//! defensivekv's rows, and the value norms, or the pruned stage 2's L1 bounds unless `exactNorms`. Fills `s` (raw,
+//! squares, norms, the defensive buffers, pruned).
 cudaError_t scoreInputs(SelectConfig const& config, SelectShape const& shape, LayerInputs const& t, bool exactNorms,
     void* workspace, WorkspaceLayout const& layout, kernels::ScoreArgs& s, cudaStream_t stream)
 {
@@ -168,10 +205,17 @@ cudaError_t scoreInputs(SelectConfig const& config, SelectShape const& shape, La
     float* squares = laproxOn ? at<float>(workspace, layout.squares) : nullptr;
     WindowScoreParams window{};
     cudaError_t status = cudaSuccess;
-    if (externalScores(config))
+    if (externalScores(config) || keyScored(config))
     {
-        kernels::ExternalRawArgs const copy{config, shape, t.promptLengths, s.budget, t.scores, raw};
-        status = kernels::launchExternalRaw(copy, stream);
+        float const* given = t.scores;
+        if (keyScored(config))
+        {
+            float* keyed = at<float>(workspace, layout.keyScores);
+            status = launchKeyScores(config, shape, t.dtype, t.keys, t.promptLengths, s.budget, keyed, stream);
+            given = keyed;
+        }
+        kernels::ExternalRawArgs const copy{config, shape, t.promptLengths, s.budget, given, raw};
+        status = status == cudaSuccess ? kernels::launchExternalRaw(copy, stream) : status;
     }
     else
     {

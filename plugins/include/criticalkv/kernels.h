@@ -4,6 +4,7 @@
 #pragma once
 
 #include "criticalkv/methods.h"
+#include "criticalkv/methods/registry.h"
 #include "criticalkv/model_level.h"
 #include "criticalkv/pruned_stage2.h" // PrunedHeadState
 #include "criticalkv/selection_plan.h"
@@ -42,6 +43,7 @@ struct WorkspaceLayout
     size_t layerBudget; //!< int32 [1]: r_l resolved on the device from layer_budgets (PyramidKV with kv_budget)
     size_t partials;   //!< float4 [B, H, w, tiles]: per-key-block softmax partials of every window query
     size_t rowStats;   //!< float2 [B, H, w]: softmax (max, sum) of every window query
+    size_t keyScores;  //!< float [B, H_kv, n]: a key-scored method's scores (methods/registry.h; no window attention)
     size_t raw;        //!< float [B, H, m]: Ā, window-mean attention of the older tokens
     size_t squares;    //!< float [B, H, m]: sum_j A_j^2 (laprox)
     size_t norms;      //!< float [B, H, m]: ||V W_O^h|| (two-stage policies, laprox); pruned stage 2: the L1 upper
@@ -112,8 +114,10 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     // always reserved: a layer without a budget table (pyramidkv's top layer at some budgets, every snapkv layer)
     // then needs the same workspace as its neighbours, so one workspace sized for any layer serves them all
     layout.layerBudget = take(sizeof(int32_t));
-    layout.partials = take(b * h * w * tiles * 4 * sizeof(float));
-    layout.rowStats = take(b * h * w * 2 * sizeof(float));
+    bool const keyed = keyScored(config); // scored from its keys: no window attention
+    layout.partials = take(keyed ? 0 : b * h * w * tiles * 4 * sizeof(float));
+    layout.rowStats = take(keyed ? 0 : b * h * w * 2 * sizeof(float));
+    layout.keyScores = take(keyed ? b * hkv * static_cast<size_t>(s.n) * sizeof(float) : 0);
     layout.raw = take(b * h * m * sizeof(float));
     layout.squares = take(laproxOn ? b * h * m * sizeof(float) : 0);
     layout.norms = take(needsNorms(config) ? b * h * m * sizeof(float) : 0);
