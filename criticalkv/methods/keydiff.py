@@ -48,12 +48,6 @@ class KeyDiff(BaseMethod):
                    "(1 - cos(k_i, mean unit key), kvpress's KeyDiff)")
     score_knobs = ()
     pools = False
-    native = False
-    kernels = False
-    cpp_refusal = ("ranks by its keys' distance to their mean direction, which the CriticalKVSelect plugin does not "
-                   "compute yet; select it on the PyTorch path, ONNX Runtime or OpenVINO")
-    kernels_refusal = ("ranks by its keys' distance to their mean direction, which the kernels do not compute yet; "
-                       "select it on the PyTorch path, ONNX Runtime or OpenVINO")
 
     # ------------------------------------------------------------------ PyTorch
     def attention_rows(self, policy, queries, keys, valid_start, rotation, m):

@@ -5,7 +5,7 @@ emulation (plugins/testing/cuda_emulation.h: one fiber per CUDA thread) beside t
 kernel's scores are the host driver's bit for bit (the same order of fp32 operations, products rounded on their own:
 its PTX holds no fused multiply-add); the host driver's are the reference's up to fp32 rounding (the kept entries are
 compared in test_plugin_host_select.py). Cases: head dimensions below, at and beyond one warp up to 256 (one thread per
-anchor entry), more tokens than threads, left padding, a sequence kept whole, a zero key (unit()'s floor)."""
+anchor entry), more tokens than threads, left padding, a sequence kept whole, a zero key (unit()'s floor). The registry against the Python methods."""
 
 import re
 import shutil
@@ -18,6 +18,7 @@ import torch
 
 from criticalkv import KVPolicy
 from criticalkv.methods import BASE_METHODS
+from criticalkv.methods.base import BaseMethod
 from test_plugin_topk_emulation import PLUGINS, compile_emulator
 
 #: (batch, H_kv, n, d_h, window, budget, lengths)
@@ -83,6 +84,18 @@ def test_the_key_score_kernel_is_the_host_pass_and_the_reference(emulator, tmp_p
                 if length > budget:
                     start = n - length
                     torch.testing.assert_close(host[b, head, start:m], raw[b, 0, start:m].float(), rtol=0, atol=1e-5)
+
+
+def test_the_registry_holds_the_methods_that_score_their_own_way_on_the_kernels(emulator, tmp_path):
+    """A method with its own ``attention_rows`` that the kernels select (``kernels``), and that does not take its scores
+    as an input (``external_scores``: kvzip), is in the C++ registry of key-scored methods, and nothing else is: else
+    the kernels would rank it by the window's attention."""
+    keys = torch.randn(1, 1, 20, 8, generator=torch.Generator().manual_seed(3))
+    registered = {list(BASE_METHODS)[base] for base in run(emulator, tmp_path, [1, 1, 20, 8, 4, 8], [20], keys)}
+    own = {name for name, method in BASE_METHODS.items()
+           if type(method).attention_rows is not BaseMethod.attention_rows and method.kernels
+           and not method.external_scores}
+    assert registered == own and "keydiff" in registered, (registered, own)
 
 
 def test_the_key_score_kernels_fuse_no_multiply_add(tmp_path):
