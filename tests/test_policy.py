@@ -22,7 +22,7 @@ def test_registry_maps_names_to_base_and_stage2():
         "full", "streamingllm", "snapkv", "pyramidkv", "adakv", "laprox",
         "criticalkv", "pyramid-criticalkv", "ada-criticalkv", "defensivekv", "layer-defensivekv",
         "expected-attention", "expected-criticalkv", "kvzip", "kvzip-criticalkv", "layer-kvzip",
-        "layer-kvzip-criticalkv",
+        "layer-kvzip-criticalkv", "keydiff",
     }
     assert KVPolicy("layer-kvzip-criticalkv").base == "layer-kvzip" and KVPolicy("layer-kvzip-criticalkv").two_stage
     assert KVPolicy("kvzip-criticalkv").base == "kvzip" and KVPolicy("kvzip-criticalkv").two_stage

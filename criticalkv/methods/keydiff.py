@@ -11,6 +11,11 @@ them), the valid positions j (left padding excluded) and unit(x) = x / max(||x||
 
 which orders the older tokens as kvpress's -cos(k_i, a) does. Every head then keeps the window and its top
 r = budget - window older tokens by that score (SnapKV's per-head budget, no pooling).
+
+C++: ``plugins/include/criticalkv/methods/keydiff.h`` (the anchor and the score, host and device) and its line in
+``plugins/include/criticalkv/methods/registry.h``; the key-score pass around it (``key_scores.h``, the kernel template
+``kernels/key_scores.cuh``, the host driver) is every key-scored method's, and the pipeline ranks its scores as kvzip's
+external scores, so the CriticalKVSelect plugin, the torch ops and the kernels select it.
 """
 
 from __future__ import annotations
