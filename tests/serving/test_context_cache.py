@@ -35,3 +35,31 @@ def test_keys_separate_contexts_policies_and_budgets():
     with pytest.raises(ValueError, match="capacity must be >= 0"):
         ContextCache(-1)
     assert not ContextCache(0).put(context_key(ids, "p", None), Entry(1))
+
+
+def test_float16_store_halves_float32_entries_and_leaves_the_rest():
+    from criticalkv.runtime.backend import RowSnapshot
+    from criticalkv.runtime.engine import SlotSnapshot
+    from criticalkv.serving.context_cache import CONTEXT_CACHE_DTYPES, check_cache_dtype, narrow
+
+    rng = np.random.default_rng(0)
+    keys = [rng.standard_normal((3, n, 8)).astype(np.float32) for n in (5, 7)]
+    values = [rng.standard_normal((3, n, 8)).astype(np.float32) for n in (5, 7)]
+    lengths = [np.array([5, 4, 5], np.int32), np.array([7, 7, 6], np.int32)]
+    exact = SlotSnapshot(RowSnapshot(keys, values, lengths), position=12, kept_entries=34)
+    half = narrow(exact, "float16")
+    assert half.nbytes * 2 == exact.nbytes and half.row.lengths is exact.row.lengths and half.position == 12
+    assert all(k.dtype == np.float16 for k in half.row.keys + half.row.values)
+    assert all(np.array_equal(a.astype(np.float16), b) for a, b in zip(keys + values, half.row.keys + half.row.values))
+    cache = ContextCache(10**6)
+    key = context_key([1, 2], "{}", None)
+    assert cache.put(key, half) and cache.stats.bytes_held == exact.nbytes // 2  # the stored bytes are counted
+    # 16-bit entries already (float16 buffers, OpenVINO's bf16 bits) and float16's range exceeded: stored as they are
+    bits = SlotSnapshot(RowSnapshot([k.view(np.uint16)[..., ::2] for k in keys], values, lengths), 12, 34)
+    assert narrow(bits, "float16") is bits
+    big = SlotSnapshot(RowSnapshot([keys[0] * 1e5, keys[1]], values, lengths), 12, 34)
+    assert narrow(big, "float16") is big
+    assert CONTEXT_CACHE_DTYPES == ("float32", "float16") and check_cache_dtype("float32") == "float32"
+    for bad in ("bfloat16", "fp16", None):
+        with pytest.raises(ValueError, match="one of float32, float16"):
+            narrow(exact, bad)
