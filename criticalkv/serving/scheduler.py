@@ -20,7 +20,9 @@ context apart, e.g. by re-reading it),
 a copy of the kept entries is kept in an LRU store (``ContextCache``) under (context ids, policy, budget), and this
 and every later request with that context restores the copy into a slot and runs its question through the extend
 graph: a hit skips the context's prefill. Requests waiting for a context that is being compressed wait for it
-instead of compressing it again.
+instead of compressing it again. The copy is stored as ``context_cache_dtype`` (float16 by default: the float32
+entries rounded, half the bytes); the request that compressed the context is answered from that copy too, so a
+context's answers do not depend on whether it was cached.
 
 Prefix cache (``SchedulerConfig.prefix_cache_mib``): a plain prompt (no ``context``) prefilled in chunks leaves the
 uncompressed entries of its full blocks of ``prefix_block`` tokens in a ``PrefixCache`` (vLLM's automatic prefix
@@ -697,7 +699,11 @@ class Scheduler:
             self._first_token(seq, result.logits)
             return
         # stored as the cache stores it (float16: half the bytes), also what a replica publishes to the shared store
-        snapshot = narrow(self.engine.save(seq.slot), self.context_cache_dtype)
+        saved = self.engine.save(seq.slot)
+        snapshot = narrow(saved, self.context_cache_dtype)
+        if snapshot is not saved:  # this question too is answered from the stored copy: a hit's tokens, not a miss's
+            self.engine.release(seq.slot)
+            self.engine.restore(seq.slot, snapshot)
         self._forget_compression(seq)
         # the request now holds its kept entries (+ question and growth), no longer its whole prompt: charge that first,
         # so that the room left for the copy is what is really free
