@@ -126,6 +126,32 @@ def agreement(results: dict, base: str = "vllm") -> list[dict]:
     return out
 
 
+def dtype_agreement(results: dict) -> list[dict]:
+    """Per run of a ``[cache float16]`` server: the share of its answers equal to the same engine's ``[cache float32]``
+    server's (its first run: the exact copies) to the same (document, question), all of them and those it answered
+    from a cache hit apart (greedy, ``--osl`` tokens; the float32 server's own answers may differ where its batches
+    did: ONNX Runtime rounds a batch of one and of several apart, ~1e-7)."""
+    runs = results["runs"]
+    out = []
+    for run in runs:
+        if run["engine"].get("variant") != "cache float16":
+            continue
+        base_label = run["engine"]["label"].replace("[cache float16]", "[cache float32]")
+        ref = next((r for r in runs if r["engine"]["label"] == base_label), None)
+        if ref is None:
+            continue
+        answers = {(q["document"], q["question"]): q.get("answer") for q in ref["requests"] if q["ok"]}
+        pairs = [(q.get("answer"), answers.get((q["document"], q["question"])), q.get("context_cache_hit"))
+                 for q in run["requests"] if q["ok"]]
+        pairs = [p for p in pairs if p[0] is not None and p[1] is not None]
+        hits = [p for p in pairs if p[2]]
+        out.append({"engine": run["engine"]["label"], "repeat": run["engine"].get("repeat"), "base": base_label,
+                    "n": len(pairs), "same_answer": sum(a.strip() == b.strip() for a, b, _ in pairs),
+                    "same_32_chars": sum(a.strip()[:32] == b.strip()[:32] for a, b, _ in pairs),
+                    "n_hits": len(hits), "same_answer_hits": sum(a.strip() == b.strip() for a, b, _ in hits)})
+    return out
+
+
 RATIOS = {
     "output_throughput": lambda r: r["summary"].get("output_throughput"),
     "ttft_p50_ms": lambda r: (r["summary"].get("ttft_ms") or {}).get("p50"),
@@ -216,6 +242,10 @@ def render(results: dict) -> str:
             lines.append(f"\nAnswers equal to vLLM's ({a['engine']}, round {(a['repeat'] or 0) + 1}, {a['n']} answers): "
                          f"first 32 characters {f(None if a['same_32_chars'] is None else 100 * a['same_32_chars'])} %, "
                          f"whole answer {f(None if a['same_answer'] is None else 100 * a['same_answer'])} %")
+    for a in results.get("agreement_with_float32_cache", []):
+        lines.append(f"\nAnswers of {a['engine']} (round {(a['repeat'] or 0) + 1}) equal to {a['base']}'s (greedy): "
+                     f"{a['same_answer']} of {a['n']} whole ({a['same_32_chars']} of {a['n']} on their first 32 "
+                     f"characters); of its {a['n_hits']} cache hits, {a['same_answer_hits']} whole")
     rows = targets(results)
     if rows:
         lines.append("")
@@ -350,6 +380,8 @@ def main(args) -> int:
         results["medians"] = served.median_runs(results["runs"], RATIOS)
         results["versus_vllm"] = served.versus_peer(results["medians"])
         results["agreement_with_vllm"] = agreement(results)
+    if len(dtypes) > 1:
+        results["agreement_with_float32_cache"] = dtype_agreement(results)
     results["uptime_after"] = served.uptime()
     machine.finish(results)
     served.write_results(results, stem, render, plot)
