@@ -700,7 +700,8 @@ class Scheduler:
             return
         # stored as the cache stores it (float16: half the bytes), also what a replica publishes to the shared store
         saved = self.engine.save(seq.slot)
-        snapshot = narrow(saved, self.context_cache_dtype)
+        # no cache (capacity 0): nothing is stored, so nothing is rounded
+        snapshot = narrow(saved, self.context_cache_dtype) if self.context_cache.capacity_bytes else saved
         if snapshot is not saved:  # this question too is answered from the stored copy: a hit's tokens, not a miss's
             self.engine.release(seq.slot)
             self.engine.restore(seq.slot, snapshot)
