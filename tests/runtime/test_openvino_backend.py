@@ -157,7 +157,7 @@ def test_the_scheduler_serves_a_cached_context_on_openvino(chunky):
     context = random_prompt(150, seed=70)
     questions = [random_prompt(6 + i, seed=71 + i) for i in range(3)]
     expected = [chunky.generate([context], 5, stop_token_ids=[], questions=[q]).tokens[0] for q in questions]
-    scheduler = Scheduler(chunky, prefill_chunk=64)
+    scheduler = Scheduler(chunky, prefill_chunk=64, context_cache_dtype="float32")  # exact copies: the engine's tokens
     try:
         params = SamplingParams(max_tokens=5, ignore_eos=True)
         first = scheduler.submit(Request(questions[0], params, context_token_ids=context)).result(120)
@@ -223,7 +223,7 @@ def test_bf16_rows_serve_like_the_engine_alone(model, tmp_path):
         context = random_prompt(150, seed=70)
         questions = [random_prompt(6 + i, seed=71 + i) for i in range(3)]
         expected = [engine.generate([context], 5, stop_token_ids=[], questions=[q]).tokens[0] for q in questions]
-        scheduler = Scheduler(engine, prefill_chunk=64)
+        scheduler = Scheduler(engine, prefill_chunk=64, context_cache_dtype="float32")  # f32 rows where no bf16: exact
         try:
             params = SamplingParams(max_tokens=5, ignore_eos=True)
             outs = [scheduler.submit(Request(q, params, context_token_ids=context)).result(120) for q in questions]
