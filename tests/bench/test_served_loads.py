@@ -187,10 +187,12 @@ def test_docqa_context_cache_dtypes_and_answer_agreement():
     exact, half = (dict(server_run(f"criticalkv b=256 [cache {d}]", "criticalkv", 20.0, 900.0, 8000.0, 2, 1),
                         engine={"label": f"criticalkv b=256 [cache {d}]", "variant": f"cache {d}"})
                    for d in ("float32", "float16"))
-    exact["requests"] = [{"ok": True, "ttft_ms": 100.0, "document": 0, "question": q, "answer": a, "context_cache_hit": h}
-                         for q, a, h in ((0, "one", False), (1, "two", True), (2, "three", True))]
-    half["requests"] = [{"ok": True, "ttft_ms": 100.0, "document": 0, "question": q, "answer": a, "context_cache_hit": h}
-                        for q, a, h in ((2, "three", False), (0, "one", True), (1, "two but longer", True))]
+    def answered(rows):
+        return [{"ok": True, "ttft_ms": 100.0, "document": 0, "question": q, "answer": a, "context_cache_hit": h}
+                for q, a, h in rows]
+
+    exact["requests"] = answered(((0, "one", False), (1, "two", True), (2, "three", True)))
+    half["requests"] = answered(((2, "three", False), (0, "one", True), (1, "two but longer", True)))
     results["runs"] = [exact, half]
     for r in results["runs"]:
         r["docqa"] = docqa.summarize_run(r)

@@ -133,7 +133,8 @@ def test_a_float16_copy_of_a_slot_restores_within_float16_rounding(engine):
     exact = engine.save(0)
     half = narrow(exact, "float16")
     assert narrow(exact, "float32") is exact and narrow(half, "float16") is half
-    assert half.nbytes * 2 == exact.nbytes and (half.position, half.kept_entries) == (exact.position, exact.kept_entries)
+    assert half.nbytes * 2 == exact.nbytes
+    assert (half.position, half.kept_entries) == (exact.position, exact.kept_entries)
     for a, b in zip(exact.row.keys + exact.row.values, half.row.keys + half.row.values):
         assert "float16" in str(b.dtype)
         a, b = host(a), host(b)

@@ -65,8 +65,10 @@ def test_float16_store_halves_float32_entries_and_leaves_the_rest():
             narrow(exact, bad)
 
 
-CONTEXT_QUESTIONS = ("What is the main subject of the text above?", "Which people or places does the text above mention?",
-                     "Summarize the text above in one sentence.", "What is the secret number hidden in the text above?")
+CONTEXT_QUESTIONS = ("What is the main subject of the text above?",
+                     "Which people or places does the text above mention?",
+                     "Summarize the text above in one sentence.",
+                     "What is the secret number hidden in the text above?")
 
 
 @pytest.mark.slow

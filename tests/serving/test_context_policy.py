@@ -77,7 +77,8 @@ def test_the_scheduler_compresses_contexts_with_the_context_policy(engine, model
         assert [o.token_ids for o in outs] == expected and [o.context_cache_hit for o in outs] == [False, True]
     finally:
         scheduler.close()
-    own = Scheduler(engine, prefill_chunk=0, context_policy="engine", context_cache_dtype="float32")  # the engine's own policy, one prefill run
+    # the engine's own policy, one prefill run; exact copies
+    own = Scheduler(engine, prefill_chunk=0, context_policy="engine", context_cache_dtype="float32")
     try:
         assert not own.context_selection
         out = own.submit(context_request(context, questions[0], 6)).result(120)
