@@ -34,6 +34,7 @@ from criticalkv.bench import machine, served
 from criticalkv.bench.report import add_out_argument
 from criticalkv.bench.client import Endpoint, request_body, run_load, send_request
 from criticalkv.bench.metrics import distribution
+from criticalkv.serving.context_cache import CONTEXT_CACHE_DTYPES, DEFAULT_CONTEXT_CACHE_DTYPE
 
 #: The targets for this workload (D = 16, Q = 8, ISL 2048): criticalkv vs full, same KV memory.
 TARGET_THROUGHPUT = 3.0
@@ -125,6 +126,32 @@ def agreement(results: dict, base: str = "vllm") -> list[dict]:
     return out
 
 
+def dtype_agreement(results: dict) -> list[dict]:
+    """Per run of a ``[cache float16]`` server: the share of its answers equal to the same engine's ``[cache float32]``
+    server's (its first run: the exact copies) to the same (document, question), all of them and those it answered
+    from a cache hit apart (greedy, ``--osl`` tokens; the float32 server's own answers may differ where its batches
+    did: ONNX Runtime rounds a batch of one and of several apart, ~1e-7)."""
+    runs = results["runs"]
+    out = []
+    for run in runs:
+        if run["engine"].get("variant") != "cache float16":
+            continue
+        base_label = run["engine"]["label"].replace("[cache float16]", "[cache float32]")
+        ref = next((r for r in runs if r["engine"]["label"] == base_label), None)
+        if ref is None:
+            continue
+        answers = {(q["document"], q["question"]): q.get("answer") for q in ref["requests"] if q["ok"]}
+        pairs = [(q.get("answer"), answers.get((q["document"], q["question"])), q.get("context_cache_hit"))
+                 for q in run["requests"] if q["ok"]]
+        pairs = [p for p in pairs if p[0] is not None and p[1] is not None]
+        hits = [p for p in pairs if p[2]]
+        out.append({"engine": run["engine"]["label"], "repeat": run["engine"].get("repeat"), "base": base_label,
+                    "n": len(pairs), "same_answer": sum(a.strip() == b.strip() for a, b, _ in pairs),
+                    "same_32_chars": sum(a.strip()[:32] == b.strip()[:32] for a, b, _ in pairs),
+                    "n_hits": len(hits), "same_answer_hits": sum(a.strip() == b.strip() for a, b, _ in hits)})
+    return out
+
+
 RATIOS = {
     "output_throughput": lambda r: r["summary"].get("output_throughput"),
     "ttft_p50_ms": lambda r: (r["summary"].get("ttft_ms") or {}).get("p50"),
@@ -152,6 +179,15 @@ def targets(results: dict) -> list[dict]:
     return out
 
 
+def dtype_note(dtypes: list[str] | None) -> str:
+    """The context cache's element type(s) of a run, for its header ('' when serve's default was used)."""
+    if not dtypes:
+        return ""
+    if len(dtypes) == 1:
+        return f", --context-cache-dtype {dtypes[0]}"
+    return f", each engine once per --context-cache-dtype ({', '.join(dtypes)})"
+
+
 def render(results: dict) -> str:
     s = results["settings"]
     f = served.fmt
@@ -159,7 +195,8 @@ def render(results: dict) -> str:
         f"{s['docs']} documents of {s['isl']} tokens x {s['questions']} questions ({s['question_tokens']} tokens) each, "
         f"{s['docs'] * s['questions']} requests in a random order (seed {s['seed']}), concurrency {s['concurrency']}, "
         f"OSL {s['osl']}{', chat template' if s['chat'] else ''}. Every server: --kv-memory-mib {f(s['kv_memory_mib'], 1)} "
-        f"({s['kv_memory_note']}), --context-cache-mib {f(s['context_cache_mib'], 1)}. Hit rate ceiling "
+        f"({s['kv_memory_note']}), --context-cache-mib {f(s['context_cache_mib'], 1)}"
+        f"{dtype_note(s.get('context_cache_dtypes'))}. Hit rate ceiling "
         f"{f(100 * s['hit_rate_ceiling'], 1)} % (each document's first request must miss).", "",
         "| server | ok / failed | hit rate | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p50 hit / miss (ms) | output tokens/s "
         "| KV MiB held, mean (peak) | cached contexts, mean (peak; evictions) | running, mean (peak) | duration (s) |",
@@ -205,6 +242,10 @@ def render(results: dict) -> str:
             lines.append(f"\nAnswers equal to vLLM's ({a['engine']}, round {(a['repeat'] or 0) + 1}, {a['n']} answers): "
                          f"first 32 characters {f(None if a['same_32_chars'] is None else 100 * a['same_32_chars'])} %, "
                          f"whole answer {f(None if a['same_answer'] is None else 100 * a['same_answer'])} %")
+    for a in results.get("agreement_with_float32_cache", []):
+        lines.append(f"\nAnswers of {a['engine']} (round {(a['repeat'] or 0) + 1}) equal to {a['base']}'s (greedy): "
+                     f"{a['same_answer']} of {a['n']} whole ({a['same_32_chars']} of {a['n']} on their first 32 "
+                     f"characters); of its {a['n_hits']} cache hits, {a['same_answer_hits']} whole")
     rows = targets(results)
     if rows:
         lines.append("")
@@ -275,7 +316,11 @@ def main(args) -> int:
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0")
     given_mib, contexts = args.kv_memory
-    extra = served.split_server_args(args.server_args)
+    extra = served.split_server_args(args.server_args, served.OWN_FLAGS + ("--context-cache-dtype",))
+    dtypes = cache_dtypes(args.context_cache_dtype, several=True)
+    if dtypes and args.url:
+        raise ValueError("--context-cache-dtype: the running server (--url) keeps its own; start one with "
+                         "--engine-dir instead")
     if given_mib is not None:
         memory, note = given_mib, "given"
     elif args.engine_dir and not args.url:
@@ -287,7 +332,10 @@ def main(args) -> int:
         memory, note = None, "the running server's"
     cache = memory if args.context_cache_mib is None else args.context_cache_mib
     server_args = extra + ([] if memory is None else ["--kv-memory-mib", served.mib_flag(memory)]) + \
-        ([] if cache is None else ["--context-cache-mib", served.mib_flag(cache)])
+        ([] if cache is None else ["--context-cache-mib", served.mib_flag(cache)]) + \
+        (["--context-cache-dtype", dtypes[0]] if len(dtypes) == 1 else [])
+    # several dtypes: each engine once per dtype (interleaved), labelled [cache DTYPE]
+    variants = [(f"cache {d}", ["--context-cache-dtype", d]) for d in dtypes] if len(dtypes) > 1 else None
     stem = args.out
     results = machine.header(args.command_line)
     results["benchmark"] = "docqa"
@@ -296,6 +344,7 @@ def main(args) -> int:
                            "question_tokens": args.question_tokens, "osl": args.osl, "concurrency": args.concurrency,
                            "warmup": args.warmup, "chat": args.chat, "seed": args.seed, "kv_budget": args.kv_budget,
                            "kv_memory_mib": memory, "kv_memory_note": note, "context_cache_mib": cache,
+                           "context_cache_dtypes": dtypes or None,
                            "kv_contexts": contexts if given_mib is None and not args.url else None,
                            "server_args": server_args, "hit_rate_ceiling": (args.questions - 1) / args.questions}
     results["runs"] = served.previous_runs(args, stem, results)
@@ -326,11 +375,13 @@ def main(args) -> int:
               f"{served.fmt((sm.get('ttft_ms') or {}).get('p50'))} ms, {served.fmt(sm.get('output_throughput'), 2)} "
               "output tokens/s", flush=True)
 
-    served.on_each_server(args, server_args, on_server, results)
+    served.on_each_server(args, server_args, on_server, results, variants=variants)
     if args.vllm:
         results["medians"] = served.median_runs(results["runs"], RATIOS)
         results["versus_vllm"] = served.versus_peer(results["medians"])
         results["agreement_with_vllm"] = agreement(results)
+    if len(dtypes) > 1:
+        results["agreement_with_float32_cache"] = dtype_agreement(results)
     results["uptime_after"] = served.uptime()
     machine.finish(results)
     served.write_results(results, stem, render, plot)
@@ -354,11 +405,30 @@ def add_workload_arguments(load, per: str = "server") -> None:
     load.add_argument("--seed", type=int, default=0, help="documents, questions and their order (default: 0)")
 
 
-def add_memory_arguments(mem, per: str = "server") -> None:
-    """Every server's KV memory and context cache, sized in uncompressed documents (``bench docqa``, ``replicas``)."""
+def add_memory_arguments(mem, per: str = "server", several_dtypes: bool = False) -> None:
+    """Every server's KV memory and context cache, sized in uncompressed documents (``bench docqa``, ``replicas``).
+    ``several_dtypes``: ``--context-cache-dtype`` may name several, each engine then started once per dtype."""
     served.add_kv_memory_argument(mem, "4", "uncompressed --isl-token documents")
     mem.add_argument("--context-cache-mib", type=float,
                      help=f"each {per}'s --context-cache-mib (default: the KV memory: the cache may use all of it)")
+    mem.add_argument("--context-cache-dtype", metavar="DTYPE" + ("[,DTYPE...]" if several_dtypes else ""),
+                     help=f"each {per}'s --context-cache-dtype ({' or '.join(CONTEXT_CACHE_DTYPES)}; default: serve's, "
+                          f"{DEFAULT_CONTEXT_CACHE_DTYPE})" + (
+                              "; several, comma-separated (float32,float16): each engine started once per dtype, "
+                              "interleaved, labelled [cache DTYPE]" if several_dtypes else ""))
+
+
+def cache_dtypes(text: str | None, several: bool) -> list[str]:
+    """``--context-cache-dtype``'s names (empty: serve's default); ValueError on an unknown one, or on several where
+    ``several`` is False."""
+    if text is None:
+        return []
+    names = served.comma_choices(text, "--context-cache-dtype", CONTEXT_CACHE_DTYPES)
+    if len(names) != len(set(names)):
+        raise ValueError(f"--context-cache-dtype: {text!r} names a dtype twice")
+    if len(names) > 1 and not several:
+        raise ValueError(f"--context-cache-dtype: give one of {', '.join(CONTEXT_CACHE_DTYPES)}, got {text!r}")
+    return names
 
 
 def add_arguments(p) -> None:
@@ -368,6 +438,6 @@ def add_arguments(p) -> None:
     load.add_argument("--chat", action="store_true",
                       help="send apply_chat_template: context and question form one user message of the chat template")
     load.add_argument("--kv-budget", type=int, help="per-request kv_budget (default: the engine's)")
-    add_memory_arguments(p.add_argument_group("memory (the same for every server)"))
+    add_memory_arguments(p.add_argument_group("memory (the same for every server)"), several_dtypes=True)
     out = p.add_argument_group("output")
     add_out_argument(out, "results/benchmarks/serving/docqa")

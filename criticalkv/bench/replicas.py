@@ -43,7 +43,7 @@ from pathlib import Path
 from criticalkv.bench import machine, served
 from criticalkv.bench.report import add_out_argument
 from criticalkv.bench.client import run_load, send_openai
-from criticalkv.bench.docqa import add_memory_arguments, add_workload_arguments, workload
+from criticalkv.bench.docqa import add_memory_arguments, add_workload_arguments, cache_dtypes, workload
 from criticalkv.bench.metrics import RequestRecord, distribution, summarize
 
 #: configuration -> (replicas: None = --replicas, router, shared store)
@@ -375,7 +375,8 @@ def main(args) -> int:
     given_mib, contexts = args.kv_memory
     memory = given_mib if given_mib is not None else served.kv_mib(Path(args.engine_dir), args.isl, contexts)
     cache = memory if args.context_cache_mib is None else args.context_cache_mib
-    args.memory_flags = ["--kv-memory-mib", served.mib_flag(memory), "--context-cache-mib", served.mib_flag(cache)]
+    args.memory_flags = ["--kv-memory-mib", served.mib_flag(memory), "--context-cache-mib", served.mib_flag(cache)] + \
+        [flag for d in cache_dtypes(args.context_cache_dtype, several=False) for flag in ("--context-cache-dtype", d)]
     stem = args.out
     results = machine.header(args.command_line)
     results["benchmark"] = "replicas"

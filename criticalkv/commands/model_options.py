@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from criticalkv.commands.arguments import gpu_ids, nonnegative_float, nonnegative_int, positive_float, positive_int
+from criticalkv.serving.context_cache import CONTEXT_CACHE_DTYPES, DEFAULT_CONTEXT_CACHE_DTYPE
 from criticalkv.serving.repository import DEFAULT_MODEL_NAME, SERVED_BACKENDS
 from criticalkv.serving.scheduler import SchedulerConfig
 
@@ -31,6 +32,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-cache-mib", type=nonnegative_float, default=256.0,
                    help="compressed contexts kept for reuse per instance, MiB (default: 256; 0 = none): a request's "
                         "`context` is compressed once and later questions about it skip its prefill")
+    p.add_argument("--context-cache-dtype", choices=CONTEXT_CACHE_DTYPES, default=DEFAULT_CONTEXT_CACHE_DTYPE,
+                   help=f"the element type cached contexts are stored in (default: {DEFAULT_CONTEXT_CACHE_DTYPE}): "
+                        "float16 rounds the engine's float32 entries to float16 and widens them back when a question "
+                        "reuses the context, so the cache (and --kv-memory-mib) holds twice the contexts; float32 "
+                        "keeps them exact (docs/performance.md: parity and speed of both)")
     p.add_argument("--prefix-cache-mib", type=nonnegative_float, default=512.0,
                    help="plain prompts' uncompressed blocks kept for reuse per instance, MiB (default: 512; 0 = none): "
                         "a prompt that begins like an earlier one (the same document, a chat's earlier turns) prefills "
@@ -99,4 +105,4 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, kv_memory_mib=args.kv_memory_mib,
                            prefill_chunk=args.prefill_chunk, context_cache_mib=args.context_cache_mib,
                            context_policy=args.context_policy, prefix_cache_mib=args.prefix_cache_mib,
-                           prefix_block=args.prefix_block)
+                           prefix_block=args.prefix_block, context_cache_dtype=args.context_cache_dtype)

@@ -183,7 +183,8 @@ class Backend(Protocol):
         """A copy of row ``row``'s valid entries and lengths (the row is unchanged)."""
 
     def restore_row(self, row: int, snapshot: RowSnapshot) -> None:
-        """Write ``snapshot`` into row ``row`` (entries and lengths), as ``load_row`` does a prefill's."""
+        """Write ``snapshot`` into row ``row`` (entries and lengths), as ``load_row`` does a prefill's; entries of
+        another floating type than the buffers' (float16 from the context cache) are converted to it."""
 
     def move_row(self, source: int, target: int) -> None:
         """Copy buffer row ``source`` (K, V, lengths) into row ``target``."""

@@ -81,9 +81,14 @@ class HostKVBuffers(BuiltShapes):
             if n > self.capacities[i]:
                 raise EngineError(f"layer {i}: a snapshot of {n} entries per head does not fit the KV buffer "
                                   f"({self.capacities[i]} entries per head)")
-            self.keys[i][row, :, :n] = snapshot.keys[i]
-            self.values[i][row, :, :n] = snapshot.values[i]
+            self.keys[i][row, :, :n] = self._widened(snapshot.keys[i])
+            self.values[i][row, :, :n] = self._widened(snapshot.values[i])
             self.lengths[i][row] = snapshot.lengths[i]
+
+    def _widened(self, x: np.ndarray) -> np.ndarray:
+        """A snapshot's entries in the buffers' form: as they are when they have ``kv_dtype``, else (float16 from the
+        context cache: ``criticalkv.serving.context_cache.narrow``) widened to float32 and through ``to_kv``."""
+        return x if x.dtype == self.kv_dtype else self.to_kv(np.asarray(x, np.float32))
 
     def move_row(self, source: int, target: int) -> None:
         self.check_row(source)

@@ -9,16 +9,66 @@ engine keeps its contexts uncompressed: the lossless prefix cache vLLM and Tenso
 
 Entries are keyed by (context token ids, policy, budget) and evicted least recently used first when the bytes
 held would pass the capacity. The cache is used by the scheduler thread only.
+
+The entries may be stored narrower than the engine's KV buffers (``narrow``: ``criticalkv serve
+--context-cache-dtype float16``): float32 keys and values rounded to float16 take half the bytes, so the same memory
+holds twice the contexts; ``Engine.restore`` widens them back into the engine's buffers (``Backend.restore_row``).
+The cache counts the bytes it stores.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
+
+from criticalkv.runtime.backend import RowSnapshot
+
+#: Element types the context cache stores its entries in (``--context-cache-dtype``): float32 keeps the engine's
+#: float32 entries as they are (exact), float16 rounds them to float16 (half the bytes; widened back on restore).
+CONTEXT_CACHE_DTYPES = ("float32", "float16")
+#: The default: float16 (twice the contexts in the same memory; see docs/performance.md for its parity and speed).
+DEFAULT_CONTEXT_CACHE_DTYPE = "float16"
+_FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def check_cache_dtype(name: object) -> str:
+    """``name`` if it is one of ``CONTEXT_CACHE_DTYPES``; ValueError naming them otherwise."""
+    if not isinstance(name, str) or name not in CONTEXT_CACHE_DTYPES:
+        raise ValueError(f"context cache dtype must be one of {', '.join(CONTEXT_CACHE_DTYPES)}, got {name!r}")
+    return name
+
+
+def _is_float32(x: Any) -> bool:
+    return str(x.dtype) in ("float32", "torch.float32")  # a NumPy array or a torch tensor (TensorRT, torch backends)
+
+
+def _fits_float16(x: Any) -> bool:
+    if isinstance(x, np.ndarray):
+        return x.size == 0 or float(np.abs(x).max()) <= _FLOAT16_MAX
+    return x.numel() == 0 or float(x.abs().max()) <= _FLOAT16_MAX
+
+
+def _to_float16(x: Any) -> Any:
+    return x.astype(np.float16) if isinstance(x, np.ndarray) else x.half()
+
+
+def narrow(snapshot, dtype: str):
+    """``snapshot`` (a ``SlotSnapshot``) as the context cache stores it with ``dtype``: float16 rounds float32 keys and
+    values to float16 (half their bytes). Unchanged when ``dtype`` is float32, when its entries are not float32 (an
+    engine's float16 or bfloat16 buffers are 16 bits already) or when one of them lies beyond float16's range (+-65504:
+    rounding would make it infinite)."""
+    check_cache_dtype(dtype)
+    row = snapshot.row
+    if dtype == "float32" or not row.keys or not all(_is_float32(x) for x in (*row.keys, *row.values)):
+        return snapshot
+    if not all(_fits_float16(x) for x in (*row.keys, *row.values)):
+        return snapshot
+    return replace(snapshot, row=RowSnapshot([_to_float16(k) for k in row.keys], [_to_float16(v) for v in row.values],
+                                             row.lengths))
 
 
 def context_key(token_ids: Sequence[int], policy_json: str, kv_budget: int | None,

@@ -20,7 +20,9 @@ context apart, e.g. by re-reading it),
 a copy of the kept entries is kept in an LRU store (``ContextCache``) under (context ids, policy, budget), and this
 and every later request with that context restores the copy into a slot and runs its question through the extend
 graph: a hit skips the context's prefill. Requests waiting for a context that is being compressed wait for it
-instead of compressing it again.
+instead of compressing it again. The copy is stored as ``context_cache_dtype`` (float16 by default: the float32
+entries rounded, half the bytes); the request that compressed the context is answered from that copy too, so a
+context's answers do not depend on whether it was cached.
 
 Prefix cache (``SchedulerConfig.prefix_cache_mib``): a plain prompt (no ``context``) prefilled in chunks leaves the
 uncompressed entries of its full blocks of ``prefix_block`` tokens in a ``PrefixCache`` (vLLM's automatic prefix
@@ -55,7 +57,8 @@ from criticalkv.policy import POLICIES
 from criticalkv.request import DEFAULT_MAX_TOKENS, CheckedRequest, Request
 from criticalkv.runtime.engine import Engine, PrefillJob, PrefillResult, SlotSnapshot
 from criticalkv.sampling import Sampler
-from criticalkv.serving.context_cache import ContextCache, context_key
+from criticalkv.serving.context_cache import (DEFAULT_CONTEXT_CACHE_DTYPE, ContextCache, check_cache_dtype, context_key,
+                                              narrow)
 from criticalkv.serving.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, off_reason
 
 #: finish reasons (vllm's names): a stop token, max_tokens reached, cancelled by the client, an error
@@ -228,6 +231,9 @@ class SchedulerConfig:
         in chunks, longer than ``prefill_chunk``, use it); the blocks also count in ``kv_memory_mib``
     prefix_block : tokens per prefix-cache block: a prompt reuses its longest run of whole blocks an earlier prompt
         began with
+    context_cache_dtype : the element type cached contexts are stored in: float16 (default: float32 entries rounded
+        to float16, half the bytes, so twice the contexts; widened back on restore) or float32 (the engine's entries
+        as they are, exact)
     """
 
     max_num_seqs: int | None = None
@@ -238,6 +244,7 @@ class SchedulerConfig:
     context_policy: str | None = None
     prefix_cache_mib: float = 512.0
     prefix_block: int = DEFAULT_BLOCK_SIZE
+    context_cache_dtype: str = DEFAULT_CONTEXT_CACHE_DTYPE
 
     def __post_init__(self) -> None:
         def integer(name, low):
@@ -256,12 +263,17 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
+        try:
+            check_cache_dtype(self.context_cache_dtype)
+        except ValueError as err:
+            raise ValueError(f"context_cache_dtype: {err}") from None
         if self.context_policy is not None and (not isinstance(self.context_policy, str) or not self.context_policy):
             raise ValueError(f"context_policy must be a policy name or 'engine', got {self.context_policy!r}")
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in ("max_num_seqs", "kv_memory_mib", "prefill_chunk", "context_cache_mib",
-                                              "max_prefills", "context_policy", "prefix_cache_mib", "prefix_block")}
+                                              "max_prefills", "context_policy", "prefix_cache_mib", "prefix_block",
+                                              "context_cache_dtype")}
 
 
 def context_selection(engine: Engine, context_policy: str | None) -> bool:
@@ -308,9 +320,9 @@ class Scheduler:
     def __init__(self, engine: Engine, max_num_seqs: int | None = None, kv_memory_mib: float | None = None,
                  prefill_chunk: int = 512, context_cache_mib: float = 256.0, max_prefills: int = 2,
                  context_policy: str | None = None, prefix_cache_mib: float = 512.0,
-                 prefix_block: int = DEFAULT_BLOCK_SIZE):
+                 prefix_block: int = DEFAULT_BLOCK_SIZE, context_cache_dtype: str = DEFAULT_CONTEXT_CACHE_DTYPE):
         config = SchedulerConfig(max_num_seqs, kv_memory_mib, prefill_chunk, context_cache_mib, max_prefills,
-                                 context_policy, prefix_cache_mib, prefix_block)
+                                 context_policy, prefix_cache_mib, prefix_block, context_cache_dtype)
         self.config = config
         self.engine = engine
         check_max_num_seqs(max_num_seqs, engine.num_slots)
@@ -320,6 +332,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.max_prefills = max_prefills
         self.context_cache = ContextCache(int(context_cache_mib * 2**20))
+        self.context_cache_dtype = context_cache_dtype
         self.prefix_cache = PrefixCache(int(prefix_cache_mib * 2**20), prefix_block)
         #: plain prompts prefilled in chunks reuse the blocks of earlier ones (the engine copies a prefill buffer's
         #: entries out and in: ``Engine.caches_prompts``)
@@ -412,7 +425,8 @@ class Scheduler:
 
     def _cache_copy(self, key: tuple, snapshot: SlotSnapshot) -> bool:
         """Put ``snapshot`` in the context cache if it fits the cache and the KV memory (evicting least recently used
-        contexts)."""
+        contexts), stored as ``context_cache_dtype`` (``narrow``: the bytes counted are the stored ones)."""
+        snapshot = narrow(snapshot, self.context_cache_dtype)
         room = self.context_cache.capacity_bytes
         if self.kv_memory_bytes is not None:  # the copy must fit the KV memory too (prefix blocks, other contexts go)
             room = min(room, self.kv_memory_bytes - self._reserved)
@@ -684,7 +698,13 @@ class Scheduler:
             self._recharge(seq, result.kv_bytes_kept + self.engine.growth_bytes(seq.max_tokens))
             self._first_token(seq, result.logits)
             return
-        snapshot = self.engine.save(seq.slot)
+        # stored as the cache stores it (float16: half the bytes), also what a replica publishes to the shared store
+        saved = self.engine.save(seq.slot)
+        # no cache (capacity 0): nothing is stored, so nothing is rounded
+        snapshot = narrow(saved, self.context_cache_dtype) if self.context_cache.capacity_bytes else saved
+        if snapshot is not saved:  # this question too is answered from the stored copy: a hit's tokens, not a miss's
+            self.engine.release(seq.slot)
+            self.engine.restore(seq.slot, snapshot)
         self._forget_compression(seq)
         # the request now holds its kept entries (+ question and growth), no longer its whole prompt: charge that first,
         # so that the room left for the copy is what is really free

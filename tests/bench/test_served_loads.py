@@ -176,6 +176,35 @@ def test_docqa_ratios_targets_and_table():
     assert "not the target's workload" in docqa.render(small)
 
 
+def test_docqa_context_cache_dtypes_and_answer_agreement():
+    assert docqa.cache_dtypes(None, several=True) == []
+    assert docqa.cache_dtypes("float32,float16", several=True) == ["float32", "float16"]
+    for text, several, message in (("float32,float16", False, "give one of float32, float16"),
+                                   ("bf16", True, "unknown bf16"), ("float16,float16", True, "names a dtype twice")):
+        with pytest.raises(ValueError, match=message):
+            docqa.cache_dtypes(text, several)
+    results = docqa_results()
+    exact, half = (dict(server_run(f"criticalkv b=256 [cache {d}]", "criticalkv", 20.0, 900.0, 8000.0, 2, 1),
+                        engine={"label": f"criticalkv b=256 [cache {d}]", "variant": f"cache {d}"})
+                   for d in ("float32", "float16"))
+    def answered(rows):
+        return [{"ok": True, "ttft_ms": 100.0, "document": 0, "question": q, "answer": a, "context_cache_hit": h}
+                for q, a, h in rows]
+
+    exact["requests"] = answered(((0, "one", False), (1, "two", True), (2, "three", True)))
+    half["requests"] = answered(((2, "three", False), (0, "one", True), (1, "two but longer", True)))
+    results["runs"] = [exact, half]
+    for r in results["runs"]:
+        r["docqa"] = docqa.summarize_run(r)
+    (a,) = docqa.dtype_agreement(results)
+    assert (a["n"], a["same_answer"], a["same_32_chars"], a["n_hits"], a["same_answer_hits"]) == (3, 2, 2, 2, 1)
+    results["agreement_with_float32_cache"] = [a]
+    results["settings"]["context_cache_dtypes"] = ["float32", "float16"]
+    md = docqa.render(results)
+    assert "each engine once per --context-cache-dtype (float32, float16)" in md
+    assert "2 of 3 whole (2 of 3 on their first 32 characters); of its 2 cache hits, 1 whole" in md
+
+
 def memory_results(kv_sequences=2.0):
     runs = [server_run("full", "full", 8.0, 5000.0, 9000.0, 0, 0), server_run("criticalkv b=256", "criticalkv", 10.0,
                                                                              6000.0, 9000.0, 0, 0)]

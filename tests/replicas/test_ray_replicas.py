@@ -44,7 +44,8 @@ class Replicas:
         self.port = free_port()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "criticalkv.cli", "serve", "--engine-dir", str(engine_dir), "--replicas",
-             str(replicas), "--openai-port", str(self.port), "--threads", "1", "--prefill-chunk", "0", *extra],
+             str(replicas), "--openai-port", str(self.port), "--threads", "1", "--prefill-chunk", "0",
+             "--context-cache-dtype", "float32", *extra],  # exact context copies: answers equal engine.generate's
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "TMPDIR": str(tmp)})
         self.lines: list[str] = []
         self.ready = threading.Event()

@@ -12,7 +12,7 @@ from criticalkv import KVPolicy
 from criticalkv.replicas.store import HostSnapshot, from_host, route_digest, store_key, to_host
 from criticalkv.request import Request, SamplingParams
 from criticalkv.serving import RequestError, Scheduler
-from criticalkv.serving.context_cache import context_key
+from criticalkv.serving.context_cache import context_key, narrow
 from export.tiny_engine import ENGINE_BACKENDS, export_tiny_engine, load_engine
 from hf.conftest import tiny_model
 
@@ -33,14 +33,32 @@ def engine_dir(tmp_path_factory):
     return folder, model
 
 
+def from_copy(engine, context, question, dtype, n=5):
+    """The greedy tokens of ``question`` after ``context`` answered from the context cache's copy of it (``dtype``)."""
+    engine.prefill(0, Request(context))
+    copy = narrow(engine.save(0), dtype)
+    engine.release(0)
+    engine.restore(0, copy)
+    tokens = [int(np.asarray(engine.extend(0, question)).argmax())]
+    while len(tokens) < n:
+        tokens.append(int(np.asarray(engine.decode([0], [tokens[-1]])[0]).argmax()))
+    engine.release(0)
+    return tokens
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("backend", ENGINE_BACKENDS)
-def test_a_context_compressed_by_one_scheduler_is_a_hit_on_another(engine_dir, backend):
+def test_a_context_compressed_by_one_scheduler_is_a_hit_on_another(engine_dir, backend, dtype):
+    # float32: the engine's exact tokens; float16 (the copy the store carries, half the bytes): the tokens of the
+    # engine answering from that rounded copy, on the replica that made it and on the other one
     folder, model = engine_dir
     a, b = (load_engine(folder, backend, model, threads=1) for _ in range(2))  # two replicas of one engine
     made, first, second = [], None, None
     context, questions = prompt(150, seed=3), [prompt(6, seed=4), prompt(5, seed=5)]
     expected = [a.generate([context], 5, stop_token_ids=[], questions=[q]).tokens[0] for q in questions]
-    one, two = Scheduler(a, prefill_chunk=32), Scheduler(b, prefill_chunk=32)
+    if dtype == "float16":
+        expected = [from_copy(a, context, q, dtype) for q in questions]
+    one, two = (Scheduler(e, prefill_chunk=32, context_cache_dtype=dtype) for e in (a, b))
     try:
         one.on_context_compressed = lambda key, snapshot: made.append((key, snapshot))
         first = one.submit(ask(context, questions[0])).result(120)
@@ -51,7 +69,7 @@ def test_a_context_compressed_by_one_scheduler_is_a_hit_on_another(engine_dir, b
         # the host copy pickles (Ray's object store) and restores into the other engine
         host = pickle.loads(pickle.dumps(to_host(snapshot)))
         assert isinstance(host, HostSnapshot) and host.nbytes == snapshot.nbytes
-        assert all(isinstance(k, np.ndarray) for k in host.keys)
+        assert all(isinstance(k, np.ndarray) and k.dtype == np.dtype(dtype) for k in host.keys)
         copy = from_host(host, b)
         assert type(copy.row.keys[0]) is type(snapshot.row.keys[0])
         # the same request names the same context on the other replica (one engine, one policy, one budget)
@@ -74,7 +92,7 @@ def test_an_offered_context_that_does_not_fit_is_compressed_instead(engine_dir):
     engine = load_engine(folder, "onnxruntime", model, threads=1)
     context, question = prompt(150, seed=6), prompt(5, seed=7)
     expected = engine.generate([context], 5, stop_token_ids=[], questions=[question]).tokens[0]
-    maker = Scheduler(engine, prefill_chunk=32)
+    maker = Scheduler(engine, prefill_chunk=32, context_cache_dtype="float32")  # exact copies: generate's tokens
     made = []
     maker.on_context_compressed = lambda key, snapshot: made.append((key, snapshot))
     try:
@@ -82,7 +100,8 @@ def test_an_offered_context_that_does_not_fit_is_compressed_instead(engine_dir):
     finally:
         maker.close()
     key, snapshot = made[0]
-    tight = Scheduler(engine, prefill_chunk=32, context_cache_mib=snapshot.nbytes / 2**20 / 2)  # half its size
+    tight = Scheduler(engine, prefill_chunk=32, context_cache_mib=snapshot.nbytes / 2**20 / 2,  # half its size
+                      context_cache_dtype="float32")
     try:
         tight.offer_context(key, snapshot)
         out = tight.submit(ask(context, question)).result(120)

@@ -118,3 +118,37 @@ def test_decode_greedy_is_the_argmax_of_decode(engine):
     tokens = engine.decode_greedy([1, 0], [3, 4])
     assert tokens.dtype == np.int64 and tokens.tolist() == logits.argmax(axis=-1).tolist()
     engine.release_all()
+
+
+def test_a_float16_copy_of_a_slot_restores_within_float16_rounding(engine):
+    """The context cache's float16 store (``narrow``): half the bytes, every entry within float16's rounding of the
+    float32 one (relative 2**-11, absolute 2**-25 below float16's normal range), widened back on restore to exactly
+    those values, and the next step's logits close to the exact copy's."""
+    from criticalkv.serving.context_cache import narrow
+
+    def host(x):
+        return (x.float().cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)).astype(np.float32)
+
+    engine.prefill(0, Request(prompt(140, seed=9)))
+    exact = engine.save(0)
+    half = narrow(exact, "float16")
+    assert narrow(exact, "float32") is exact and narrow(half, "float16") is half
+    assert half.nbytes * 2 == exact.nbytes
+    assert (half.position, half.kept_entries) == (exact.position, exact.kept_entries)
+    for a, b in zip(exact.row.keys + exact.row.values, half.row.keys + half.row.values):
+        assert "float16" in str(b.dtype)
+        a, b = host(a), host(b)
+        assert np.all(np.abs(b - a) <= 2.0**-11 * np.abs(a) + 2.0**-25)
+    engine.release(0)
+    engine.restore(1, half)
+    widened = engine.save(1)
+    for a, b in zip(half.row.keys + half.row.values, widened.row.keys + widened.row.values):
+        assert "float32" in str(b.dtype) and np.array_equal(host(a), host(b))
+    for a, b in zip(exact.row.lengths, widened.row.lengths):
+        assert host(a).tolist() == host(b).tolist()
+    from_half = np.array(engine.decode([1], [5])[0], np.float32)
+    engine.release(1)
+    engine.restore(1, exact)
+    from_exact = np.array(engine.decode([1], [5])[0], np.float32)
+    engine.release_all()
+    assert 0 < np.abs(from_half - from_exact).max() < 1e-2 * np.abs(from_exact).max()

@@ -157,7 +157,7 @@ def test_the_scheduler_serves_a_cached_context_on_openvino(chunky):
     context = random_prompt(150, seed=70)
     questions = [random_prompt(6 + i, seed=71 + i) for i in range(3)]
     expected = [chunky.generate([context], 5, stop_token_ids=[], questions=[q]).tokens[0] for q in questions]
-    scheduler = Scheduler(chunky, prefill_chunk=64)
+    scheduler = Scheduler(chunky, prefill_chunk=64, context_cache_dtype="float32")  # exact copies: the engine's tokens
     try:
         params = SamplingParams(max_tokens=5, ignore_eos=True)
         first = scheduler.submit(Request(questions[0], params, context_token_ids=context)).result(120)
@@ -171,6 +171,42 @@ def test_the_scheduler_serves_a_cached_context_on_openvino(chunky):
         assert [h.result(120).token_ids for h in handles] == alone
     finally:
         scheduler.close()
+
+
+def test_the_context_cache_stores_f32_rows_as_float16_and_widens_them_back(chunky):
+    # the context cache's float16 copies (--context-cache-dtype float16) of f32 rows: half the bytes, restored as the
+    # rounded values, and the scheduler answers from them as the engine does; bf16 rows are stored as they are
+    from dataclasses import replace
+
+    from criticalkv.runtime.backend import RowSnapshot
+    from criticalkv.serving.context_cache import narrow
+
+    context, question = random_prompt(150, seed=70), random_prompt(7, seed=71)
+    chunky.prefill(0, Request(context))
+    exact = chunky.save(0)
+    half = narrow(exact, "float16")
+    assert half.nbytes * 2 == exact.nbytes and half.row.keys[0].dtype == np.float16
+    chunky.release(0)
+    chunky.restore(0, half)
+    widened = chunky.save(0)
+    assert all(np.array_equal(a.astype(np.float32), b) for a, b in zip(half.row.keys + half.row.values,
+                                                                       widened.row.keys + widened.row.values))
+    tokens = [int(chunky.extend(0, question).argmax())]
+    while len(tokens) < 5:
+        tokens.append(int(chunky.decode([0], [tokens[-1]])[0].argmax()))
+    chunky.release_all()
+    # one prefill run, as the engine's above (OpenVINO's chunks sum the attention in another order: close floats)
+    scheduler = Scheduler(chunky, prefill_chunk=0, context_cache_dtype="float16")
+    try:
+        params = SamplingParams(max_tokens=5, ignore_eos=True)
+        outs = [scheduler.submit(Request(question, params, context_token_ids=context)).result(120) for _ in range(2)]
+        assert [o.token_ids for o in outs] == [tokens, tokens] and [o.context_cache_hit for o in outs] == [False, True]
+        assert scheduler.context_cache.stats.bytes_held == half.nbytes
+    finally:
+        scheduler.close()
+    bits = [np.zeros(k.shape, np.uint16) for k in exact.row.keys]  # bf16 rows' form (their 16 bits as uint16)
+    bf16 = replace(exact, row=RowSnapshot(bits, bits, exact.row.lengths))
+    assert narrow(bf16, "float16") is bf16
 
 
 def test_the_default_precision_is_within_the_flash_attention_rule(model, tmp_path):
@@ -223,7 +259,7 @@ def test_bf16_rows_serve_like_the_engine_alone(model, tmp_path):
         context = random_prompt(150, seed=70)
         questions = [random_prompt(6 + i, seed=71 + i) for i in range(3)]
         expected = [engine.generate([context], 5, stop_token_ids=[], questions=[q]).tokens[0] for q in questions]
-        scheduler = Scheduler(engine, prefill_chunk=64)
+        scheduler = Scheduler(engine, prefill_chunk=64, context_cache_dtype="float32")  # f32 rows where no bf16: exact
         try:
             params = SamplingParams(max_tokens=5, ignore_eos=True)
             outs = [scheduler.submit(Request(q, params, context_token_ids=context)).result(120) for q in questions]

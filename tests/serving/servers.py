@@ -79,7 +79,8 @@ def start_server(tmp_path_factory, instances=1, max_num_seqs=None, backend=None,
     engine_dir = build_tiny_engine(tmp_path_factory.mktemp("engine"), **limits)
     repo = tmp_path_factory.mktemp("repo")
     make_repository(engine_dir, repo, model_name=MODEL, instances=instances,
-                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs), threads=1,
+                    # exact context copies: the tests compare served answers with the engine's own tokens
+                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, context_cache_dtype="float32"), threads=1,
                     execution_env=str(launcher.model_env()), python_paths=launcher.project_paths(), force=True,
                     backend=backend)
     server = launcher.TritonServer(repo, log_file=repo / "tritonserver.log")

@@ -70,14 +70,15 @@ def test_the_scheduler_compresses_contexts_with_the_context_policy(engine, model
     expected = [generate(model, torch.tensor([context]), CONTEXT_POLICY, 6, question_ids=torch.tensor([q])).tokens[0]
                 for q in questions]
     assert [engine.generate([context], 6, stop_token_ids=[], questions=[q]).tokens[0] for q in questions] == expected
-    scheduler = Scheduler(engine, prefill_chunk=32)
+    scheduler = Scheduler(engine, prefill_chunk=32, context_cache_dtype="float32")  # exact copies: PyTorch's tokens
     try:
         assert scheduler.context_selection and scheduler.context_policy == CONTEXT_POLICY
         outs = [scheduler.submit(context_request(context, q, 6)).result(120) for q in questions]
         assert [o.token_ids for o in outs] == expected and [o.context_cache_hit for o in outs] == [False, True]
     finally:
         scheduler.close()
-    own = Scheduler(engine, prefill_chunk=0, context_policy="engine")  # the engine's own policy, one prefill run
+    # the engine's own policy, one prefill run; exact copies
+    own = Scheduler(engine, prefill_chunk=0, context_policy="engine", context_cache_dtype="float32")
     try:
         assert not own.context_selection
         out = own.submit(context_request(context, questions[0], 6)).result(120)
@@ -212,7 +213,7 @@ def test_a_context_threshold_keeps_what_the_score_ranks_above_it(engine, model):
     budget = max(CONTEXT_POLICY.min_budget, adaptive_budget(scores, threshold, 8, 40))
     assert CONTEXT_POLICY.min_budget < budget < 40  # between: the threshold, not the cap, decides
     want = generate(model, ids, CONTEXT_POLICY.replace(budget=budget), 6, question_ids=torch.tensor([question]))
-    scheduler = Scheduler(engine, prefill_chunk=32)
+    scheduler = Scheduler(engine, prefill_chunk=32, context_cache_dtype="float32")  # exact copies: PyTorch's tokens
     try:
         params = SamplingParams(max_tokens=6, ignore_eos=True)
         out = scheduler.submit(Request(question, params, None, context_token_ids=context,

@@ -46,7 +46,8 @@ class Launched:
         env = {**os.environ, "TMPDIR": str(tmp), "CRITICALKV_API_KEY": KEY}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "criticalkv.cli", "serve", "--engine-dir", str(engine_dir), *args,
-             "--threads", "1", "--max-num-seqs", "1", "--request-timeout", str(DEADLINE)],
+             "--threads", "1", "--max-num-seqs", "1", "--request-timeout", str(DEADLINE),
+             "--context-cache-dtype", "float32"],  # exact context copies: answers equal engine.generate's
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
         self.ready = threading.Event()

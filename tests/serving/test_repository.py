@@ -46,7 +46,8 @@ def test_make_repository_writes_the_three_files(tmp_path):
     for bad, message in [(dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
                          (dict(kv_memory_mib=0), "kv_memory_mib must be > 0"),
                          (dict(prefill_chunk=-1), "prefill_chunk must be an integer >= 0"),
-                         (dict(context_cache_mib=-1), "context_cache_mib must be >= 0")]:
+                         (dict(context_cache_mib=-1), "context_cache_mib must be >= 0"),
+                         (dict(context_cache_dtype="bfloat16"), "context_cache_dtype: .*one of float32, float16")]:
         with pytest.raises(ValueError, match=message):
             SchedulerConfig(**bad)
     with pytest.raises(ValueError, match="exists"):
@@ -55,9 +56,11 @@ def test_make_repository_writes_the_three_files(tmp_path):
     from criticalkv.cli import main
 
     assert main(["serve", "--engine-dir", str(engine), "--write-repo", str(tmp_path / "cli"), "--model-name", "cli",
-                 "--max-num-seqs", "2", "--execution-env", "none"]) == 0
+                 "--max-num-seqs", "2", "--execution-env", "none", "--context-cache-dtype", "float32"]) == 0
     written = tmp_path / "cli" / "cli"
-    assert json.loads((written / "1" / "model.json").read_text())["scheduler"]["max_num_seqs"] == 2
+    scheduler = json.loads((written / "1" / "model.json").read_text())["scheduler"]
+    assert scheduler["max_num_seqs"] == 2 and scheduler["context_cache_dtype"] == "float32"
+    assert arguments["scheduler"]["context_cache_dtype"] == "float16"  # the default
     assert 'key: "criticalkv_policy"' in (written / "config.pbtxt").read_text()
     assert "EXECUTION_ENV_PATH" not in (written / "config.pbtxt").read_text()
     assert main(["serve", "--write-repo", str(tmp_path / "cli2")]) == 2  # no --engine-dir: one line, nothing written

@@ -257,7 +257,7 @@ def test_a_cached_context_answers_like_a_cold_one(chunky):
     context = prompt(150, seed=70)
     questions = [prompt(6 + i, seed=71 + i) for i in range(4)]
     expected = [chunky.generate([context], 6, stop_token_ids=[], questions=[q]).tokens[0] for q in questions]
-    scheduler = Scheduler(chunky, prefill_chunk=64)
+    scheduler = Scheduler(chunky, prefill_chunk=64, context_cache_dtype="float32")  # exact copies (float16: below)
     try:
         first = scheduler.submit(context_request(context, questions[0], 6)).result(120)
         assert first.token_ids == expected[0] and first.context_cache_hit is False
@@ -281,10 +281,49 @@ def test_a_cached_context_answers_like_a_cold_one(chunky):
         cold.close()
 
 
+def from_float16_copy(engine, context, question, n):
+    """The greedy tokens of ``question`` after ``context`` answered from the context cache's float16 copy of it."""
+    from criticalkv.serving.context_cache import narrow
+
+    engine.prefill(0, Request(context))
+    half = narrow(engine.save(0), "float16")
+    engine.release(0)
+    engine.restore(0, half)
+    tokens = [int(np.asarray(engine.extend(0, question)).argmax())]
+    while len(tokens) < n:
+        tokens.append(int(np.asarray(engine.decode([0], [tokens[-1]])[0]).argmax()))
+    engine.release(0)
+    return tokens
+
+
+def test_a_float16_cache_answers_from_its_rounded_copy_hit_or_miss(chunky):
+    # context_cache_dtype float16: the copy takes half the float32 copy's bytes, and every question about the context,
+    # the one that compressed it (a miss) as the later ones (hits), gets the tokens of the engine answering from that
+    # rounded copy; float32 keeps the engine's exact tokens
+    context = prompt(150, seed=70)
+    questions = [prompt(6 + i, seed=71 + i) for i in range(3)]
+    rounded = [from_float16_copy(chunky, context, q, 6) for q in questions]
+    exact = [chunky.generate([context], 6, stop_token_ids=[], questions=[q]).tokens[0] for q in questions]
+    held = {}
+    for dtype, expected in (("float16", rounded), ("float32", exact)):
+        scheduler = Scheduler(chunky, prefill_chunk=64, context_cache_dtype=dtype)
+        try:
+            outs = [scheduler.submit(context_request(context, q, 6)).result(120) for q in questions]
+            assert [o.token_ids for o in outs] == expected, dtype
+            assert [o.context_cache_hit for o in outs] == [False, True, True]
+            held[dtype] = scheduler.context_cache.stats.bytes_held
+            assert scheduler.kv_bytes_reserved == held[dtype] + scheduler.prefix_cache.stats.bytes_held
+        finally:
+            scheduler.close()
+    assert 0 < 2 * held["float16"] == held["float32"]
+    with pytest.raises(ValueError, match="context_cache_dtype: .*one of float32, float16"):
+        Scheduler(chunky, context_cache_dtype="bfloat16")
+
+
 def test_concurrent_requests_on_one_context_compress_it_once(chunky):
     context = prompt(200, seed=80)
     questions = [prompt(5, seed=81 + i) for i in range(4)]
-    scheduler = Scheduler(chunky, prefill_chunk=32)
+    scheduler = Scheduler(chunky, prefill_chunk=32, context_cache_dtype="float32")  # exact copies: generate's tokens
     try:
         handles = [scheduler.submit(context_request(context, q, 4)) for q in questions]
         outs = [h.result(120) for h in handles]
@@ -304,7 +343,7 @@ def test_a_failure_between_the_queue_and_the_batch_ends_that_request_alone(chunk
     context = prompt(150, seed=85)
     questions = [prompt(5, seed=86 + i) for i in range(3)]
     expected = [chunky.generate([context], 4, stop_token_ids=[], questions=[q]).tokens[0] for q in questions[1:]]
-    scheduler = Scheduler(chunky, prefill_chunk=32)
+    scheduler = Scheduler(chunky, prefill_chunk=32, context_cache_dtype="float32")  # exact copies: generate's tokens
     try:
         tiny = SamplingParams(max_tokens=4, temperature=1e-310, seed=1, ignore_eos=True)
         bad = scheduler.submit(Request(questions[0], tiny, context_token_ids=context))

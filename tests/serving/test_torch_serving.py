@@ -18,6 +18,7 @@ def served(tmp_path_factory):
     from criticalkv.runtime import Engine
     from criticalkv.serving import launcher
     from criticalkv.serving.repository import make_repository
+    from criticalkv.serving.scheduler import SchedulerConfig
 
     if not launcher.is_set_up():
         pytest.fail("tritonserver is not set up: run `criticalkv serve --setup` (scripts/install.sh does)")
@@ -26,7 +27,9 @@ def served(tmp_path_factory):
                               BuildConfig(max_input_len=256, max_new_tokens=32, max_batch_size=2, dtype="float32"),
                               model=str(checkpoint), backend="torch", smoke=False, log=lambda message: None)
     repo = tmp_path_factory.mktemp("repo")
+    # exact context copies: a context request must equal the ONNX Runtime engine's tokens
     target = make_repository(engine_dir, repo, model_name=MODEL, threads=1, execution_env=str(launcher.model_env()),
+                             scheduler=SchedulerConfig(context_cache_dtype="float32"),
                              python_paths=launcher.project_paths(), force=True)  # no backend named: the directory's
     assert json.loads((target / "1" / "model.json").read_text())["backend"] == "torch"
     assert "kind: KIND_CPU" in (target / "config.pbtxt").read_text()

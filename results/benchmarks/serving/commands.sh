@@ -128,3 +128,12 @@ PYTHONPATH=$PWD .venv/bin/python $D/memory.py --engine-dir engines/smollm2-criti
 PYTHONPATH=$PWD .venv/bin/python $D/target.py --engine-dir engines/smollm2-criticalkv --max-seconds 900 \
   --out $D/target_1000.json
 # (during that run, a second replica was SIGKILLed by hand: .venv/bin/python $D/kill_replica.py PORT, manual_kill.json)
+
+# ---- The context cache in float16 (taken 2026-11-29 20:44-20:54 UTC, idle but for this run: cpu-exclusive; load
+#      average 2.68 at the start (a job paused just before), 1.68 at the end) ----
+# 15. docqa (16 x 8, concurrency 8, OSL 64, 4 uncompressed contexts of KV memory: 360 MiB) on the README's engine,
+#     --context-cache-dtype float32 then float16 (interleaved in one call). The run's code: commit 96bd192 (its JSON
+#     says 6763fb6-dirty: the float32 server started before the scheduler's last change was committed, which does
+#     nothing with float32); the answers' agreement was added to its JSON and .md afterwards by
+#     criticalkv.bench.docqa.dtype_agreement (no rerun)
+$B bench docqa --engine-dir engines/smollm2-criticalkv --context-cache-dtype float32,float16 --out $OUT/docqa_cache_dtype

@@ -5,7 +5,7 @@
 # call is split into rounds (--rounds / --first-round / --append: the medians cover every call's runs).
 #   bash results/benchmarks/vllm/commands.sh            # everything
 #   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, prefix, steps, backends, aiperf, docqa,
-#                                                       # needles, memory
+#                                                       # docqa-cache-dtype, needles, memory
 # vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
 # first use. The engine is the README's (engines/ is git-ignored):
 #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8 \
@@ -54,6 +54,13 @@ if want docqa; then
   # engine: criticalkv's --kv-memory-mib, vLLM's --kv-cache-memory-bytes); 3 rounds over two calls
   $RUN $B bench docqa --engine-dir $E --vllm --out $OUT/docqa
   $RUN $B bench docqa --engine-dir $E --vllm --rounds 2 --first-round 2 --append --out $OUT/docqa
+  # (taken when the context cache kept float32 copies, the only kind then: --context-cache-dtype float32 now)
+fi
+if want docqa-cache-dtype; then
+  # the same workload, vLLM and criticalkv with its context cache's copies in float32 and in float16 (serve's default
+  # since), one interleaved call (taken 2026-11-29 20:58-21:13 UTC, cpu-exclusive, load 2.72 at the start, 1.56 at
+  # the end; code: commit d46620f)
+  $RUN $B bench docqa --engine-dir $E --context-cache-dtype float32,float16 --vllm --out $OUT/docqa_cache_dtype
 fi
 if want needles; then
   # answers' accuracy: the needle grid (9 prompts per domain), the context compressed question-agnostically by
