@@ -193,6 +193,7 @@ SNAPKV_MATCHED = ":window_size=32:kernel_size=7"
 COMPARISONS = (
     ("agnostic", DEFAULT_CONTEXT_POLICY, "kvpress KVzipPress", "target: interval above -2 points at 12.5 % and 25 %"),
     ("agnostic", DEFAULT_CONTEXT_POLICY, "full", "target: within 3 points at 25 %"),
+    ("agnostic", "keydiff", "kvpress KeyDiffPress", "the same method in both implementations"),
     ("aware", "criticalkv", f"kvpress CriticalKVPress(SnapKVPress){SNAPKV_MATCHED}", "target: interval above 0"),
     ("aware", "criticalkv", "snapkv", "target: interval above 0"),
     ("aware", "ada-criticalkv", f"kvpress CriticalAdaKVPress(SnapKVPress){SNAPKV_MATCHED}", ""),
