@@ -284,13 +284,19 @@ class Check:
                                note="dry run" if self.dry else ""))
 
     def git_head(self) -> str:
+        """The commit of the tree checked: git's (``-dirty`` when the tree differs from it); ``--commit`` wins where it
+        is given and git says otherwise (a copy whose git metadata is older than its files)."""
         code, text = probe(["git", "rev-parse", "HEAD"], 10)
+        git = None
         if code == 0 and re.fullmatch(r"[0-9a-f]{40}", text):
             code2, dirty = probe(["git", "status", "--porcelain", "--untracked-files=no"], 20)
-            return text + ("-dirty" if code2 == 0 and dirty else "")
-        if self.args.commit:
-            return f"{self.args.commit} (--commit: this copy has no git metadata)"
-        return "unknown (no git metadata here; pass --commit)"
+            git = text + ("-dirty" if code2 == 0 and dirty else "")
+        commit = self.args.commit
+        if commit and git is None:
+            return f"{commit} (--commit: this copy has no git metadata)"
+        if commit and git != commit:
+            return f"{commit} (--commit; the copy's git metadata says {git})"
+        return git or "unknown (no git metadata here; pass --commit)"
 
     def versions(self) -> dict:
         code, text = probe([self.python, "-c", "import json, sys\nfrom importlib import metadata\nout = {}\n"
