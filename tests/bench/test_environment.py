@@ -28,7 +28,10 @@ def test_env_reports_this_machine_and_where_each_policy_selects():
     ops = report["ops"]
     assert ops["loads"] == (load_torch_ops() is None) and ops["implementation"] == "native"
     rows = {row["name"]: row for row in report["policies"]}
-    assert len(rows) == 17
+    from criticalkv.methods import POLICIES
+
+    assert set(rows) == set(POLICIES) and len(rows) == 18
+    assert rows["keydiff"]["tensorrt_plugin"] and not rows["keydiff"]["scores_input"]
     if ops["loads"]:
         assert ops["cpu"] and rows["layer-defensivekv"]["cpu"] == "host version"
         assert rows["layer-kvzip-criticalkv"]["cpu"] == "host version" and rows["layer-kvzip-criticalkv"]["scores_input"]
