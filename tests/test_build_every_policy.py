@@ -5,7 +5,7 @@ the bundled one: nothing else, so the build's defaults run: 4,096-token limit, t
 stand-in, the smoke test against the PyTorch path, the TensorRT step's report), then `criticalkv generate --engine-dir
 X`. On random checkpoints of every supported architecture (tests/model_families.py): `full` on each, and each other
 policy on one architecture, rotating, so that every architecture builds several (the whole matrix with
-CRITICALKV_TEST_EVERY_FAMILY=1: 17 policies x 7 checkpoints); the policies' kept entries
+CRITICALKV_TEST_EVERY_FAMILY=1: every policy x 7 checkpoints); the policies' kept entries
 against the PyTorch path on every architecture are tests/runtime/test_model_families.py's. On the bundled model: `full`
 here (the baseline of every comparison the README makes), the README's own engine in tests/test_docs.py (its first
 block) and tests/runtime/test_bundled_parity.py.
