@@ -106,19 +106,26 @@ def vllm_figures(m: dict) -> dict:
             "running_peak": running.get("peak"), "running_mean": running.get("mean")}
 
 
+def answer_pairs(run: dict, ref: dict) -> list[tuple[str, str, bool | None]]:
+    """(``run``'s answer, ``ref``'s answer, whether ``run`` answered from a cache hit) for every (document, question)
+    both answered."""
+    answers = {(q["document"], q["question"]): q.get("answer") for q in ref["requests"] if q["ok"]}
+    pairs = [(q.get("answer"), answers.get((q["document"], q["question"])), q.get("context_cache_hit"))
+             for q in run["requests"] if q["ok"]]
+    return [p for p in pairs if p[0] is not None and p[1] is not None]
+
+
 def agreement(results: dict, base: str = "vllm") -> list[dict]:
     """Per run of another server: the share of its answers equal to ``base``'s answer to the same (document,
     question) (``base``'s first run; its cache is lossless), over the first ``chars`` characters (32) and whole."""
     ref = next((r for r in results["runs"] if r["engine"]["label"] == base), None)
     if ref is None:
         return []
-    answers = {(q["document"], q["question"]): q.get("answer") for q in ref["requests"] if q["ok"]}
     out = []
     for run in results["runs"]:
         if run["engine"]["label"] == base:
             continue
-        pairs = [(q.get("answer"), answers.get((q["document"], q["question"]))) for q in run["requests"] if q["ok"]]
-        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        pairs = [(a, b) for a, b, _ in answer_pairs(run, ref)]
         n = len(pairs)
         out.append({"engine": run["engine"]["label"], "repeat": run["engine"].get("repeat"), "base": base, "n": n,
                     "same_32_chars": sum(a.strip()[:32] == b.strip()[:32] for a, b in pairs) / n if n else None,
@@ -140,10 +147,7 @@ def dtype_agreement(results: dict) -> list[dict]:
         ref = next((r for r in runs if r["engine"]["label"] == base_label), None)
         if ref is None:
             continue
-        answers = {(q["document"], q["question"]): q.get("answer") for q in ref["requests"] if q["ok"]}
-        pairs = [(q.get("answer"), answers.get((q["document"], q["question"])), q.get("context_cache_hit"))
-                 for q in run["requests"] if q["ok"]]
-        pairs = [p for p in pairs if p[0] is not None and p[1] is not None]
+        pairs = answer_pairs(run, ref)
         hits = [p for p in pairs if p[2]]
         out.append({"engine": run["engine"]["label"], "repeat": run["engine"].get("repeat"), "base": base_label,
                     "n": len(pairs), "same_answer": sum(a.strip() == b.strip() for a, b, _ in pairs),

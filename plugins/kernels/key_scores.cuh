@@ -3,16 +3,9 @@
 // emulation test (testing/key_scores_emulation.cpp) compiles this very file with g++ and runs it on the CPU.
 #pragma once
 
+#include "criticalkv/common.h" // CKV_BLOCK_SHARED
 #include "criticalkv/key_scores.h"
 #include "criticalkv/select_params.h"
-
-// A block's shared variables: __shared__ on the GPU; under the CPU emulation (its blocks run one after another) one
-// static copy that every thread of the running block sees (as topk_block.cuh).
-#if defined(__CUDACC__)
-#define CKV_BLOCK_SHARED __shared__
-#else
-#define CKV_BLOCK_SHARED static
-#endif
 
 namespace criticalkv::kernels
 {

@@ -4,15 +4,8 @@
 // (plugins/testing/*_emulation.cpp) compile this very file with g++ and run it on the CPU (testing/cuda_emulation.h).
 #pragma once
 
+#include "criticalkv/common.h" // CKV_BLOCK_SHARED
 #include "criticalkv/topk.h"
-
-// A block's shared variables: __shared__ on the GPU; under the CPU emulation (its blocks run one after another) one
-// static copy that every thread of the running block sees.
-#if defined(__CUDACC__)
-#define CKV_BLOCK_SHARED __shared__
-#else
-#define CKV_BLOCK_SHARED static
-#endif
 
 namespace criticalkv::kernels
 {

@@ -11,6 +11,15 @@
 #define CKV_HD inline
 #endif
 
+// A kernel block's shared variables: __shared__ on the GPU; under the CPU emulation (its blocks run one after another,
+// testing/cuda_emulation.h) one static copy that every thread of the running block sees. For the kernels' .cuh files
+// that the emulation tests compile with g++ (topk_block.cuh, key_scores.cuh).
+#if defined(__CUDACC__)
+#define CKV_BLOCK_SHARED __shared__
+#else
+#define CKV_BLOCK_SHARED static
+#endif
+
 namespace criticalkv
 {
 

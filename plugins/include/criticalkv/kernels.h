@@ -84,6 +84,7 @@ inline size_t alignWorkspace(size_t bytes)
 
 //! Largest head dimension the kernels accept.
 constexpr int32_t kMaxHeadDim = 256;
+static_assert(kMaxAnchorDim >= kMaxHeadDim, "a key-scored method's anchor holds every head dimension the kernels take");
 
 //! Most 16-bit pieces a Gram matrix is split into for the tensor cores (value_norms.cu: l2 norms 3, bounds 2).
 constexpr size_t kGramPiecesMax = 3;
