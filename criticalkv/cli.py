@@ -87,7 +87,7 @@ def _main(argv: list[str] | None) -> int:
             args, extra = parser.parse_known_args(argv)
             if extra and not getattr(args, "passes_arguments", False):
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
-            if extra:  # a subcommand that hands its arguments to a module's own parser (criticalkv bench latency)
+            if extra:  # a subcommand that hands its arguments to a module's own parser (criticalkv bench gpu)
                 args.arguments = list(args.arguments) + extra
             name = f"criticalkv {args.command}"
             code = int(args.func(args) or 0)

@@ -8,7 +8,7 @@
 #   bash scripts/gpu_check.sh --dry-run --out /tmp/check    # anywhere
 #
 # Python: $PYTHON, else .venv/bin/python, else python3 (a bare GPU machine has no venv). The driver is
-# criticalkv/bench/gpu_check.py; it imports only the standard library and installs nothing but the carried wheels
+# benchmarks/gpu_check.py; it imports only the standard library and installs nothing but the carried wheels
 # (pip install --no-deps --no-index --target into a temporary folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,4 +24,4 @@ if ! command -v "$PY" >/dev/null 2>&1; then
     exit 2
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec "$PY" -m criticalkv.bench.gpu_check "$@"
+exec "$PY" -m benchmarks.gpu_check "$@"

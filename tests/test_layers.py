@@ -347,3 +347,28 @@ def test_the_exporter_names_no_kvzip():
                 for path in sorted((PACKAGE / "export").glob("*.py")) for n, text in _code_lines(path)
                 if re.search(r"kvzip|surrogate", text, re.I)]
     assert not problems, "\n".join(problems)
+
+
+#: Top-level folders of the checkout that are not installed (pyproject.toml finds ``criticalkv*`` only).
+OUTSIDE = ("benchmarks", "research")
+
+
+def test_the_package_imports_nothing_from_the_folders_beside_it():
+    """``benchmarks/`` (the laboratory's benchmarks) and ``research/`` (one-off studies) import the package; nothing in
+    the package imports them (an installed criticalkv has neither), not even by name through ``import_module``."""
+    problems = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif (isinstance(node, ast.Call) and _loader_name(node.func) in ("import_module", "__import__") and node.args
+                  and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                names = [node.args[0].value]
+            else:
+                continue
+            problems += [f"{path.relative_to(ROOT)}:{node.lineno}: {name}" for name in names
+                         if name.split(".")[0] in OUTSIDE]
+    assert not problems, "the package imports a folder that is not installed:\n" + "\n".join(problems)
+    assert all((ROOT / folder).is_dir() for folder in OUTSIDE)

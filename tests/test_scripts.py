@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def benchmark_latency():
-    """criticalkv.bench.latency (``criticalkv bench latency``; its main() takes argv)."""
-    from criticalkv.bench import latency
+    """benchmarks.latency (``python -m benchmarks.latency``; its main() takes argv)."""
+    from benchmarks import latency
 
     return latency
 
@@ -29,7 +29,8 @@ def test_benchmark_latency_bad_inputs_give_one_line(benchmark_latency, tmp_path,
     out = tmp_path / "bench"
     assert benchmark_latency.main([*args, "--output", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("benchmark_latency: error: " + message.format(out=out)) and len(err.strip().splitlines()) == 1
+    assert err.startswith("python -m benchmarks.latency: error: " + message.format(out=out))
+    assert len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
 
 
@@ -146,8 +147,8 @@ def test_the_package_metadata_installs_without_a_license_warning():
 def test_norm_flops_prints_both_model_shapes_with_fewer_pruned_flops():
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "criticalkv.cli", "bench", "norm-flops", "--prompt-lens", "4096"],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.norm_flops", "--prompt-lens", "4096"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     rows = [line.split("|") for line in run.stdout.splitlines() if line.startswith("| SmolLM2") or line.startswith("| Llama")]
     assert len(rows) == 2

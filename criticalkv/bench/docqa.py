@@ -396,7 +396,8 @@ def main(args) -> int:
 
 
 def add_workload_arguments(load, per: str = "server") -> None:
-    """The doc-QA workload's options (``bench docqa`` and ``bench replicas``, which runs the same workload)."""
+    """The doc-QA workload's options (``bench docqa`` and ``python -m benchmarks.replicas``, which runs the same
+    workload)."""
     load.add_argument("--isl", type=int, default=2048, help="tokens per document (default: 2048)")
     load.add_argument("--docs", type=int, default=16, help="documents, D (default: 16)")
     load.add_argument("--questions", type=int, default=8, help="questions per document, Q (default: 8)")

@@ -1,6 +1,6 @@
-"""The server under test of the serving benchmarks (``bench serve``, ``interference``, ``docqa``, ``memory``,
-``cached-context``, ``aiperf``, ``replicas``): what names it on the command line, starting and stopping it, sampling
-it, and what the benchmarks that start several servers share.
+"""The server under test of the serving benchmarks (``bench serve``, ``docqa``, ``memory``, ``aiperf``, and
+benchmarks/' ``interference``, ``cached``, ``replicas``): what names it on the command line, starting and stopping it,
+sampling it, and what the benchmarks that start several servers share.
 
 * The target: ``--engine-dir`` (started here; repeat for servers one after the other with the same flags) or
   ``--url`` (a running server; ``URL/v2/models/NAME`` where it serves several models), ``--server-args``
@@ -18,7 +18,7 @@ it, and what the benchmarks that start several servers share.
   token ids; ``--rounds N`` runs every server N times, interleaved (vLLM, criticalkv, criticalkv, vLLM, ...: the
   order reversed every round), each run on a freshly started server (cold caches on both sides);
   ``median_runs`` / ``versus_peer`` give each server's medians and their ratios to vLLM's.
-* A server run of ``docqa``, ``memory`` and ``cached-context`` is a dict: ``engine`` (``engine_label``),
+* A server run of ``docqa``, ``memory`` and ``cached`` is a dict: ``engine`` (``engine_label``),
   ``server_args`` (the ``criticalkv serve`` flags it got), ``summary`` (``metrics.summarize`` of the measured
   requests), ``server_metrics`` (the gauges sampled during the run: requests running / waiting, KV bytes held),
   ``decoding`` (how many requests were between their first and last token at once: ``metrics.concurrency_profile``),

@@ -1,15 +1,12 @@
-"""``criticalkv bench``: every speed measurement of the project, its results under ``results/benchmarks/``.
+"""``criticalkv bench``: the benchmarks a user runs against a server or a GPU, their results under ``results/``.
 
-Served load: ``serve`` (TTFT/TPOT/ITL percentiles, throughput), ``interference`` (a short request next to a long
-one), ``docqa`` (the compressed context cache), ``memory`` (memory-bound decode), ``cached-context``; one request:
-``single`` (vs kvpress and transformers), ``aiperf`` (cross-check), ``peers`` (vs onnxruntime-genai and OpenVINO
-GenAI, with the CPU's GEMM and bandwidth floors); the engine alone: ``latency`` (selection share of the prefill, decode
-per token, decode memory), ``selection`` (the selection nodes of several policies), ``norm-flops``, ``profile`` (where
-a prefill and a decode step spend their time), ``steps`` (a served request's steps: the graphs against the Python
-around them), ``ops`` (the selection ops alone against torch); on a GPU: ``gpu`` (every policy's selection per layer
-against the layer's prefill, with the GPU's floors, under ``results/gpu/``; ``scripts/gpu_check.sh`` runs it with the GPU tests)
-and ``gpu-serve`` (the torch backend served in process); and ``targets`` / ``report`` (from the result files, no model
-run)."""
+Served load: ``serve`` (TTFT/TPOT/ITL percentiles, throughput), ``docqa`` (the compressed context cache), ``memory``
+(memory-bound decode), ``vllm`` (against vllm serve); one request: ``single`` (vs kvpress and transformers), ``aiperf``
+(cross-check), ``peers`` (vs onnxruntime-genai and OpenVINO GenAI, with the CPU's GEMM and bandwidth floors); on a
+GPU: ``gpu`` (every policy's selection per layer against the layer's prefill, with the GPU's floors, under
+``results/gpu/``) and ``gpu-serve`` (the torch backend served in process); ``report`` redraws a serving run from its
+JSON. The laboratory's benchmarks (the engine's internals, the scheduler, the replicas, the committed targets) run
+from a checkout as ``python -m benchmarks.NAME`` (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -48,13 +45,6 @@ def register(subparsers) -> None:
                            description=plain(load_test.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     load_test.add_arguments(serve)
     serve.set_defaults(func=run_serve)
-
-    from criticalkv.bench import interference
-
-    inter = sub.add_parser("interference", help="TTFT of a short request alone vs during a long one's decode and prefill",
-                           description=plain(interference.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    interference.add_arguments(inter)
-    inter.set_defaults(func=run_interference)
 
     from criticalkv.bench import peers
     from criticalkv.bench.peers import cpu as cpu_peers
@@ -112,20 +102,6 @@ def register(subparsers) -> None:
     add_out_argument(cpu, "results/benchmarks/peers/cpu_peers")
     cpu.set_defaults(func=run_cpu_peers)
 
-    from criticalkv.bench import profile
-
-    prof = sub.add_parser("profile", help="per-op-class time of a prefill and a decode step (ONNX Runtime profile), "
-                          "the Python side of a step, and the CPU's GEMM / bandwidth floors",
-                          description=plain(profile.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    prof.add_argument("--engine-dir", action="append", type=Path, required=True, help="an engine directory (repeat)")
-    prof.add_argument("--isl", type=int, default=2025, help="prompt tokens, chat template included (default: 2025)")
-    prof.add_argument("--steps", type=int, default=16, help="decode steps profiled and timed (default: 16)")
-    prof.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads of the engines and the floors "
-                      "(default: $CRITICALKV_ORT_THREADS, else ONNX Runtime's default, one per core)")
-    prof.add_argument("--seed", type=int, default=0, help="prompt offset (default: 0)")
-    add_out_argument(prof, "results/benchmarks/profile/profile")
-    prof.set_defaults(func=run_profile)
-
     from criticalkv.bench import aiperf
 
     ai = sub.add_parser("aiperf", help="cross-check this load generator against AIPerf 0.13 on one workload",
@@ -154,16 +130,6 @@ def register(subparsers) -> None:
                          description=plain(gpu_serve.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     gpu_serve.add_arguments(gpu)
     gpu.set_defaults(func=run_gpu_serve)
-
-    from criticalkv.bench import targets
-
-    tg = sub.add_parser("targets", help="check the serving targets from the result files of a folder (no requests)",
-                        description=plain(targets.__doc__),
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    tg.add_argument("folder", type=Path, nargs="?", default=Path("results/benchmarks/serving"),
-                    help="results folder (default: results/benchmarks/serving); writes FOLDER/targets.md and "
-                         "FOLDER/summary.png (every serving run of the folder)")
-    tg.set_defaults(func=run_targets)
 
     rep = sub.add_parser("report", help="redraw the tables, CSV and figure of a serving run from its JSON",
                          description="Rewrite NAME.txt, NAME.csv and NAME.png next to NAME.json without sending a request.")
@@ -234,33 +200,6 @@ def run_cpu_peers(args) -> int:
     return 0
 
 
-def run_profile(args) -> int:
-    from transformers import AutoTokenizer
-
-    from criticalkv.bench import floors, machine, profile
-    from criticalkv.bench.prompts import chat_ids, text_for_chat_length
-    from criticalkv.runtime.manifest import read_manifest
-
-    _check_engines(args.engine_dir)
-    if args.isl < 64 or args.steps < 1 or (args.threads is not None and args.threads < 0):
-        raise ValueError("--isl must be >= 64, --steps >= 1 and --threads >= 0")
-    results = machine.header(command_line())
-    print("\n".join(machine.header_lines(results)), flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(Path(args.engine_dir[0]) / "tokenizer")
-    ids = chat_ids(tokenizer, text_for_chat_length(tokenizer, args.isl, args.seed))
-    spec = read_manifest(Path(args.engine_dir[0]), verify=False)["model"]["spec"]
-    import os
-
-    from criticalkv.runtime.onnxruntime_backend import THREADS_ENV
-
-    threads = args.threads if args.threads is not None else int(os.environ.get(THREADS_ENV, "0"))
-    results["floors"] = floors.measure(spec, len(ids), threads)
-    results["engines"] = [profile.profile_engine(Path(d), ids, args.steps, threads) for d in args.engine_dir]
-    machine.finish(results)
-    _write(args.out, results, profile.render(results))
-    return 0
-
-
 def run_aiperf(args) -> int:
     from criticalkv.bench import aiperf, peers, report, served
 
@@ -279,20 +218,6 @@ def run_aiperf(args) -> int:
     return 0 if all(r["within"] for r in results["cross_check"]["comparison"] if r["within"] is not None) else 1
 
 
-def run_targets(args) -> int:
-    from criticalkv.bench import report, targets
-
-    if not args.folder.is_dir():
-        raise FileNotFoundError(f"{args.folder}: no such folder")
-    text = targets.render(targets.check(args.folder))
-    report.write_atomic(args.folder / "targets.md", text)
-    runs = targets._runs(args.folder)
-    if any(r["summary"].get("completed") for r in runs):  # every serving run of the folder in one figure
-        report.plot({"runs": runs}, args.folder / "summary.png")
-    print(text)
-    return 0
-
-
 def run_serve(args) -> int:
     from criticalkv.bench import load_test
 
@@ -305,13 +230,6 @@ def run_gpu_serve(args) -> int:
 
     args.command_line = getattr(args, "command_line", None) or command_line()
     return gpu_serve.main(args)
-
-
-def run_interference(args) -> int:
-    from criticalkv.bench import interference
-
-    args.command_line = getattr(args, "command_line", None) or command_line()
-    return interference.main(args)
 
 
 def run_report(args) -> int:
@@ -328,21 +246,11 @@ def run_report(args) -> int:
 
 
 def _register_engine_benchmarks(sub) -> None:
-    """``latency``, ``selection``, ``steps``, ``norm-flops``, ``ops`` and ``gpu``: modules with their own argument
-    parsers (``main(argv)``); the arguments after the name go to them, ``--help`` included."""
+    """``gpu``: a module with its own argument parser (``main(argv)``); the arguments after the name go to it,
+    ``--help`` included."""
     for name, module_name, help_text in (
-            ("latency", "criticalkv.bench.latency",
-             "the engine alone: the selection nodes' share of a long prefill, decode per token, decode memory"),
-            ("selection", "criticalkv.bench.selection", "the selection nodes of several policies on one prompt, "
-                                                        "interleaved (seconds, per-operator profile)"),
-            ("steps", "criticalkv.bench.steps", "the server's scheduler in process: each step's graph runs against "
-                                                "the Python around them (a 2k prompt's chunks and selection, decode "
-                                                "steps at batch 1 and 8)"),
-            ("norm-flops", "criticalkv.bench.norm_flops", "FLOPs of CriticalKV's stage-2 value norms, unpruned and pruned"),
-            ("ops", "criticalkv.bench.ops", "the selection ops alone (top_k, value_norms, window_scores, the model-level "
-                                            "selection) vs torch.topk, a torch matmul, a softmax, the reference"),
             ("gpu", "criticalkv.bench.gpu", "on a GPU: every policy's selection per layer vs the layer's prefill "
-                                            "(8k/32k/128k, Llama-3.1-8B layer), floors, batch 8, kvpress")):
+                                            "(8k/32k/128k, Llama-3.1-8B layer), floors, batch 8, kvpress"),):
         p = sub.add_parser(name, help=help_text, add_help=False,
                            description=f"{help_text} (`criticalkv bench {name} --help` lists its options)")
         p.add_argument("-h", "--help", action="store_true", dest="module_help", help=argparse.SUPPRESS)
@@ -359,17 +267,14 @@ def _run_main(module_name: str):
 
 
 def _register_served_loads(sub) -> None:
-    """``docqa``, ``memory`` and ``cached-context``: workloads of the context cache and the KV memory budget."""
-    from criticalkv.bench import cached, docqa, memory, replicas, versus_vllm
+    """``docqa``, ``memory`` and ``vllm``: workloads of the context cache and the KV memory budget, and vLLM beside."""
+    from criticalkv.bench import docqa, memory, versus_vllm
 
     for name, module, help_text in (
             ("docqa", docqa, "documents x questions in random order at concurrency 8, same KV memory for every "
                              "server: context-cache hit rate, TTFT, output tokens/s, KV held; ratios to full"),
             ("memory", memory, "memory-bound decode (ISL 2048, OSL 256, KV memory of 2 full sequences): output "
                                "tokens/s and the sequences each server holds at once; ratios to full"),
-            ("cached-context", cached, "TTFT of a question after a cached context vs the same request uncached"),
-            ("replicas", replicas, "docqa on Ray Serve replicas: 1 replica, N with power-of-two routing, N with "
-                                   "context affinity + the shared store; then a replica SIGKILLed mid-request"),
             ("vllm", versus_vllm, "criticalkv's servers vs vllm serve on plain traffic, interleaved, medians of 3: "
                                   "2k request TTFT / decode step, the same prefix twice, 8 concurrent, AIPerf")):
         p = sub.add_parser(name, help=help_text, description=plain(module.__doc__),

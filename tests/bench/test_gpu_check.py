@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from criticalkv.bench import gpu, gpu_check
+from benchmarks import gpu_check
+from criticalkv.bench import gpu
 from criticalkv.policy import KVPolicy
 
 ROOT = Path(__file__).resolve().parents[2]

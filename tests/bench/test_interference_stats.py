@@ -1,12 +1,12 @@
-"""`criticalkv bench interference` without a server: phase checks, statistics, target from a result file."""
+"""`python -m benchmarks.interference` without a server: phase checks, statistics, target from a result file."""
 
 import json
 
 import pytest
 
-from criticalkv.bench.interference import pair_facts, render, summarize_cases
+from benchmarks.interference import pair_facts, render, summarize_cases
 from criticalkv.bench.metrics import RequestRecord
-from criticalkv.bench.targets import _runs, check, render as render_targets
+from benchmarks.targets import _runs, check, render as render_targets
 
 
 def record(start, arrivals, tokens=1):
@@ -63,7 +63,7 @@ def test_statistics_and_target():
 
 def result_file(tmp_path, idle, decode, prefill):
     rows = rounds("idle", idle) + rounds("decode", decode) + rounds("prefill", prefill)
-    data = {"command": "criticalkv bench interference", "commit": "x",
+    data = {"command": "python -m benchmarks.interference", "commit": "x",
             "machine": {"cpu": "cpu", "logical_cpus": 2, "load_average_start": [3.0, 2.0, 1.0], "load_average_end": [3.1, 2.0, 1.0]},
             "versions": {"python": "3"}, "uptime_before": "up", "uptime_after": "up",
             "engine": {"label": "criticalkv b=256"},

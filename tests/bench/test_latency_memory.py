@@ -1,7 +1,7 @@
-"""``criticalkv bench latency``'s decode-memory step profiles the decode graph the backend runs."""
+"""``python -m benchmarks.latency``'s decode-memory step profiles the decode graph the backend runs."""
 
 from criticalkv import KVPolicy
-from criticalkv.bench.latency import decode_memory
+from benchmarks.latency import decode_memory
 from criticalkv.runtime import Engine
 from export.tiny_engine import export_tiny_engine
 from hf.conftest import tiny_model

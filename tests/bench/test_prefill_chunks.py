@@ -1,9 +1,9 @@
-"""``python -m criticalkv.bench.chunks`` on a tiny engine: every chunk size's steps are timed and the prompt is whole."""
+"""``python -m benchmarks.chunks`` on a tiny engine: every chunk size's steps are timed and the prompt is whole."""
 
 import json
 
 from criticalkv import KVPolicy
-from criticalkv.bench import chunks
+from benchmarks import chunks
 from export.tiny_engine import export_tiny_engine
 from hf.conftest import tiny_model
 

@@ -1,4 +1,4 @@
-"""`criticalkv bench profile`: op classes, FLOPs and bytes read from real ONNX Runtime profiles of tiny graphs, and
+"""`python -m benchmarks.profile`: op classes, FLOPs and bytes read from real ONNX Runtime profiles of tiny graphs, and
 the floors' arithmetic (the bundled model's engines are profiled by the command itself, not in CI)."""
 
 import json
@@ -10,7 +10,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from criticalkv.bench import floors, profile
+import benchmarks
+from benchmarks import profile
+from criticalkv.bench import floors
 
 #: A toy Llama spec: qkv 8 -> 16, o_proj 8 -> 8, gate-up 8 -> 24, down 12 -> 8, vocab 32.
 SPEC = {"hidden_size": 8, "num_heads": 2, "num_kv_heads": 1, "head_dim": 4, "intermediate_size": 12,
@@ -132,7 +134,7 @@ def test_render_gives_one_table_per_phase(tmp_path):
               "kept_per_layer_max": [4, 4], "decode_capacity": [6, 6], "prefill_wall_s": 0.01, "spec": SPEC,
               "prefill": profile.breakdown(trace, SPEC, first=-1), "decode": profile.breakdown(trace, SPEC),
               "python": {"step_ms": 1.0, "ort_run_ms": 0.8, "kv_writes_and_binding_ms": 0.15, "sampling_ms": 0.05}}
-    results = {"command": "criticalkv bench profile", "commit": None, "versions": {"python": "3"},
+    results = {"command": "python -m benchmarks.profile", "commit": None, "versions": {"python": "3"},
                "machine": {"cpu": "c", "logical_cpus": 2, "load_average_start": [0.5, 0.5, 0.5]},
                "floors": {"gemm": {"gflops": 100.0, "tokens": 5}, "gemv": {"gbps": 10.0}, "copy": {"gbps": 12.0}},
                "engines": [engine]}
@@ -140,3 +142,16 @@ def test_render_gives_one_table_per_phase(tmp_path):
     assert "## criticalkv b=4 (engines/toy): prefill of 5 tokens" in text
     assert "| qkv_proj |" in text and "| lm_head |" in text and "| o_proj |" not in text
     assert "KV writes / length updates / binding 0.15 ms" in text and "load average [0.5, 0.5, 0.5]" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--engine-dir", "{tmp}/none"], "{tmp}/none: not an engine directory"),
+    (["--engine-dir", "{tmp}/e", "--steps", "0"], "--steps >= 1"),
+])
+def test_bad_arguments_give_one_line(tmp_path, capsys, argv, message):
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "manifest.json").write_text(json.dumps({}))
+    assert benchmarks.run("profile", profile.main, [a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message.format(tmp=tmp_path) in err
+    assert err.startswith("python -m benchmarks.profile: error: ")

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from benchmarks import interference
 from criticalkv.cli import main
 from serving.servers import build_tiny_engine
 
@@ -50,10 +51,10 @@ def test_bench_serve_on_a_started_server(tiny_engine, tmp_path):
 def test_bench_interference_on_a_started_server(tiny_engine, tmp_path):
     # two servers, one after the other: the prefill not chunked, then in chunks of 64 tokens
     out = tmp_path / "results"
-    code = main(["bench", "interference", "--engine-dir", str(tiny_engine), "--short-isl", "48", "--short-osl", "4",
-                 "--long-isl", "200", "--long-osl", "1000", "--decode-after-tokens", "2", "--prefill-delay", "0",
-                 "--repeats", "2", "--warmup", "0", "--prefill-chunk", "0,64", "--out", str(out / "interference"),
-                 "--server-args", "--threads 1"])
+    code = interference.main(["--engine-dir", str(tiny_engine), "--short-isl", "48", "--short-osl", "4",
+                               "--long-isl", "200", "--long-osl", "1000", "--decode-after-tokens", "2",
+                               "--prefill-delay", "0", "--repeats", "2", "--warmup", "0", "--prefill-chunk", "0,64",
+                               "--out", str(out / "interference"), "--server-args", "--threads 1"])
     assert code == 0
     results = json.loads((out / "interference.json").read_text())
     assert results["machine"]["load_average_end"] and "load average" in results["uptime_after"]

@@ -5,13 +5,14 @@ import json
 
 import pytest
 
-from criticalkv.bench import cached, docqa, memory, served
+from benchmarks import cached
+from criticalkv.bench import docqa, memory, served
 from criticalkv.bench.client import parse_event, request_body
-from criticalkv.bench.interference import summarize_cases
+from benchmarks.interference import summarize_cases
 from criticalkv.bench.metrics import RequestRecord, cache_hits, concurrency_profile, decoding_intervals, summarize
 from criticalkv.bench.prompts import make_prompts, make_questions, question_ids
 from criticalkv.bench.served import MetricsMonitor, kv_bytes_per_token, parse_gauges
-from criticalkv.bench.targets import _runs, check, render
+from benchmarks.targets import _runs, check, render
 
 
 # ---------------------------------------------------------------------- client, metrics

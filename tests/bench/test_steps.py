@@ -1,10 +1,10 @@
-"""``criticalkv bench steps`` (criticalkv.bench.steps): the scheduler's steps timed around an engine's graph runs."""
+"""``python -m benchmarks.steps`` (benchmarks.steps): the scheduler's steps timed around an engine's graph runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from criticalkv.bench import steps
+from benchmarks import steps
 
 
 @pytest.fixture(scope="module")

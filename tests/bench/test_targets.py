@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from criticalkv.bench.targets import check, render
+from benchmarks.targets import check, render
 
 
 def run(policy, budget, isl, osl, conc, throughput, kept=None, full=None):

@@ -1,7 +1,7 @@
-"""``criticalkv bench replicas``'s ratios, targets and table from a results dict (no server): the issue's goals are
+"""``python -m benchmarks.replicas``'s ratios, targets and table from a results dict (no server): the issue's goals are
 judged on the right configurations, and a configuration that failed shows as failed without breaking the report."""
 
-from criticalkv.bench.replicas import TARGET_HIT_VS_POW2, ratios, render, targets
+from benchmarks.replicas import TARGET_HIT_VS_POW2, ratios, render, targets
 
 
 def run(config, label, hit_rate, tokens_per_s, router="pow2"):
@@ -15,7 +15,7 @@ def run(config, label, hit_rate, tokens_per_s, router="pow2"):
 
 
 def results(*runs):
-    out = {"command": "criticalkv bench replicas ...", "machine": {"cpu": "cpu", "logical_cpus": 2,
+    out = {"command": "python -m benchmarks.replicas ...", "machine": {"cpu": "cpu", "logical_cpus": 2,
                                                                      "load_average_start": [1.0]},
            "versions": {}, "commit": "c", "settings": {"docs": 16, "isl": 2048, "questions": 8, "question_tokens": 32,
                                                        "seed": 0, "concurrency": 8, "osl": 64, "memory_flags": [],

@@ -149,10 +149,10 @@ def test_window_scores_fake_kernel_and_opcheck():
 
 
 def test_the_ops_benchmark_times_each_op_against_torch(tmp_path):
-    """criticalkv bench ops: every op and its torch counterpart timed in one run, the outputs checked alike."""
+    """python -m benchmarks.ops: every op and its torch counterpart timed in one run, the outputs checked alike."""
     import json
 
-    from criticalkv.bench import ops
+    from benchmarks import ops
 
     out = tmp_path / "ops.json"
     assert ops.main(["--repeats", "1", "--output", str(out)]) == 0

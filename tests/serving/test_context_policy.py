@@ -94,7 +94,7 @@ def test_the_scheduler_compresses_contexts_with_the_context_policy(engine, model
 
 
 def test_the_bench_reports_what_the_reconstruction_costs(engine):
-    from criticalkv.bench.cached import SCORING_GOAL, render, scoring_cost
+    from benchmarks.cached import SCORING_GOAL, render, scoring_cost
 
     cost = scoring_cost(engine.folder, [prompt(150, seed=41), prompt(120, seed=42)], threads=1)
     # the context policy with the knobs it does not take at their defaults, which name it back
@@ -106,9 +106,9 @@ def test_the_bench_reports_what_the_reconstruction_costs(engine):
         assert row["prefill_s"] > 0 and row["scoring_s"] > 0 and row["selection_s"] > 0
     assert cost["ratio"]["p50"] > 0 and cost["target"]["goal"] == SCORING_GOAL
     from criticalkv.bench import machine
-    from criticalkv.bench.cached import summarize_rounds
+    from benchmarks.cached import summarize_rounds
 
-    results = machine.header("criticalkv bench cached-context --scoring-cost")
+    results = machine.header("python -m benchmarks.cached --scoring-cost")
     results["settings"] = {"isl": 150, "question_tokens": 8, "osl": 2, "repeats": 2, "warmup": 0, "chat": False}
     results["runs"] = [{"engine": {"label": "criticalkv b=40"}, "scoring_cost": cost, "cached_context": summarize_rounds([])}]
     assert "| criticalkv b=40 | kvzip-criticalkv:kvzip_chunk=64 |" in render(results)

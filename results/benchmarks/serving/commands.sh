@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=results/benchmarks/serving
 B=.venv/bin/criticalkv
+PY=.venv/bin/python   # the laboratory's benchmarks: $PY -m benchmarks.NAME, from the repository root
 uptime
 # 1. ISL 2048, OSL 64, concurrency 8 (and 1): criticalkv b=256 vs full, one server after the other (py-spy profile)
 $B bench serve --engine-dir engines/full --engine-dir engines/ckv256 --isl 2048 --osl 64 --concurrency 1,8 \
@@ -32,14 +33,14 @@ uptime
 # 6. a short request (ISL 128, OSL 16) alone vs arriving during a long one's (ISL 2048, OSL 256) decode and its
 #    prefill, interleaved on one server (engine ckv256 above; taken later, from 19:59 UTC, on another machine: see
 #    README.md). First run, 7 rounds; its files were then renamed, and its .md / .png redrawn from its JSON after the
-#    same-round ratios were added to the tables (criticalkv.bench.interference.summarize_cases / write_all)
-$B bench interference --engine-dir engines/ckv256 --repeats 7 --warmup 1 --out $OUT --no-progress
+#    same-round ratios were added to the tables (benchmarks.interference.summarize_cases / write_all)
+$PY -m benchmarks.interference --engine-dir engines/ckv256 --repeats 7 --warmup 1 --out $OUT --no-progress
 for e in json md png; do mv $OUT/interference.$e $OUT/interference_first_run.$e; done
 uptime
 # 7. the same, 9 rounds
-$B bench interference --engine-dir engines/ckv256 --repeats 9 --warmup 1 --out $OUT --no-progress
+$PY -m benchmarks.interference --engine-dir engines/ckv256 --repeats 9 --warmup 1 --out $OUT --no-progress
 uptime
-$B bench targets $OUT
+$PY -m benchmarks.targets $OUT
 
 # ---- The context cache, chunked prefill and one KV memory budget (taken 2026-11-24 11:24-12:25 UTC, idle) ----
 # Engines with extend/select (the manifest format changed: rebuild), room for a 2,048-token context + its question:
@@ -59,11 +60,11 @@ $B bench memory --engine-dir engines/ctx-full --engine-dir engines/ctx-ckv256 --
 uptime
 # 10. a short request (ISL 128, OSL 16) alone / during a long one's (ISL 2048, OSL 256) decode / during its prefill,
 #     prefill not chunked vs chunks of 512 vs 256 (one server each, in this order)
-$B bench interference --engine-dir engines/ctx-ckv256 --prefill-chunk 0,512,256 --repeats 9 --warmup 1 --out $OUT \
+$PY -m benchmarks.interference --engine-dir engines/ctx-ckv256 --prefill-chunk 0,512,256 --repeats 9 --warmup 1 --out $OUT \
   --name interference_chunked --no-progress
 uptime
 # 11. a 32-token question after a cached 2,048-token context vs the same request uncached (a new document each round)
-$B bench cached-context --engine-dir engines/ctx-full --engine-dir engines/ctx-ckv256 --isl 2048 --question-tokens 32 \
+$PY -m benchmarks.cached --engine-dir engines/ctx-full --engine-dir engines/ctx-ckv256 --isl 2048 --question-tokens 32 \
   --osl 4 --repeats 9 --warmup 1 --out $OUT --name cached_context
 uptime
 # 11a. What compressing a context with KVzip costs (--scoring-cost: prefill, re-read, selection in-process),
@@ -71,25 +72,25 @@ uptime
 #      scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-input-len 2304 --output engines/ctx-ckv256
 #      (--context-policy kvzip, the default then) and ... --context-policy kvzip:kvzip_reread=chunk:kvzip_chunk=512
 #      --output engines/ctx-ckv256-chunk512
-$B bench cached-context --engine-dir engines/ctx-ckv256 --engine-dir engines/ctx-ckv256-chunk512 --isl 2048 \
+$PY -m benchmarks.cached --engine-dir engines/ctx-ckv256 --engine-dir engines/ctx-ckv256-chunk512 --isl 2048 \
   --question-tokens 32 --osl 4 --repeats 5 --warmup 1 --scoring-cost --out $OUT --name cached_context_kvzip_fused
 uptime
 # 11c. the context cache's default context policy now (layer-kvzip-criticalkv:head_cap_ratio=3: KVzip's re-read, one
 #      model-level selection with CriticalKV's two stages) against kvzip, on engines built as in 11a with
 #      --context-policy layer-kvzip-criticalkv:head_cap_ratio=3 --output engines/ctx-lkc3-256
-$B bench cached-context --engine-dir engines/ctx-ckv256 --engine-dir engines/ctx-lkc3-256 --isl 2048 \
+$PY -m benchmarks.cached --engine-dir engines/ctx-ckv256 --engine-dir engines/ctx-lkc3-256 --isl 2048 \
   --question-tokens 32 --osl 4 --repeats 5 --warmup 1 --scoring-cost --out $OUT --name cached_context_layer_kvzip_criticalkv
 uptime
 # 11d. the context cache's default context policy now (layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6:
 #      KVzip's score from the model's surrogate, no re-read) against the re-read's (11c), engine built as in 11a with
 #      --context-policy layer-kvzip-criticalkv:kvzip_score=surrogate:head_cap_ratio=6 --output engines/ctx-lkcs6-256
-$B bench cached-context --engine-dir engines/ctx-lkc3-256 --engine-dir engines/ctx-lkcs6-256 --isl 2048 \
+$PY -m benchmarks.cached --engine-dir engines/ctx-lkc3-256 --engine-dir engines/ctx-lkcs6-256 --isl 2048 \
   --question-tokens 32 --osl 4 --repeats 5 --warmup 1 --scoring-cost --out $OUT --name cached_context_surrogate
 uptime
 # 11b. what one chunked-prefill step costs (the unit a short request waits for), and chunks of 128 served
-.venv/bin/python -m criticalkv.bench.chunks --engine-dir engines/ctx-ckv256 --chunks 512,256,128 --out $OUT
+.venv/bin/python -m benchmarks.chunks --engine-dir engines/ctx-ckv256 --chunks 512,256,128 --out $OUT
 uptime
-$B bench interference --engine-dir engines/ctx-ckv256 --prefill-chunk 128 --repeats 9 --warmup 1 --out $OUT \
+$PY -m benchmarks.interference --engine-dir engines/ctx-ckv256 --prefill-chunk 128 --repeats 9 --warmup 1 --out $OUT \
   --name interference_chunk128 --no-progress
 uptime
 # 11c. float16 KV buffers against float32 on the needle grid's 2,048-token prompts (engines/ckv256 as built above,
@@ -99,7 +100,7 @@ uptime
 # 12. the benchmark clients against a stand-in model with a known schedule (TTFT 300 ms, then 50 ms per token);
 #     the AIPerf half runs when .peers/aiperf exists (criticalkv bench setup-peers --only aiperf)
 .venv/bin/python -m pytest -q -s tests/bench/test_ground_truth.py
-$B bench targets $OUT
+$PY -m benchmarks.targets $OUT
 
 # ---- Replicas on Ray Serve (taken 2026-11-27 from 14:26 UTC on the shared 2-core VM, NOT idle: the
 #      1-minute load average ran 10-290 while other jobs shared the machine; each file's table gives it per run) ----
@@ -111,12 +112,12 @@ uptime
 # 13. docqa (16 x 8, concurrency 8, OSL 64) on 1 replica (2 threads), 2 replicas with power-of-two routing, 2 with
 #     context affinity + the shared store (1 thread each); every replica docqa's 4 uncompressed contexts of KV memory
 #     (360 MiB) and cache; then a replica SIGKILLed with 4 streams in flight
-$B bench replicas --engine-dir engines/ctx-ckv256 --out $OUT --name replicas --no-progress
+$PY -m benchmarks.replicas --engine-dir engines/ctx-ckv256 --out $OUT --name replicas --no-progress
 uptime
 # 14. the same with 3 contexts of memory (270 MiB) per replica, power of two with the store too, no kill
-$B bench replicas --engine-dir engines/ctx-ckv256 --kv-contexts 3 --configs single,pow2,pow2-store,affinity \
+$PY -m benchmarks.replicas --engine-dir engines/ctx-ckv256 --kv-contexts 3 --configs single,pow2,pow2-store,affinity \
   --no-fault --out $OUT --name replicas_kv3 --no-progress
-# (replicas.md / replicas_kv3.md were then redrawn from their JSON by criticalkv.bench.replicas.render after its ratio
+# (replicas.md / replicas_kv3.md were then redrawn from their JSON by benchmarks.replicas.render after its ratio
 #  table was added: no rerun)
 
 # ---- the replicas' edges (taken 2026-11-29 from 11:31 UTC on the shared 2-core VM, NOT idle: load average 5-8) ----

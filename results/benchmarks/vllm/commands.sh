@@ -14,6 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=results/benchmarks/vllm
 B=.venv/bin/criticalkv
+PY=.venv/bin/python   # the laboratory's benchmarks: $PY -m benchmarks.NAME, from the repository root
 E=engines/smollm2-criticalkv
 RUN=${RUN:-}   # e.g. RUN=/path/to/exclusive-runner: a prefix for every timing call
 only=${1:-all}
@@ -33,9 +34,9 @@ if want steps; then
   # step timed (a 2k chat alone, then 8 concurrent, 64 new tokens each), on ONNX Runtime and on OpenVINO; the
   # *_before rows ran the same script on the parent commit's package (PYTHONPATH=<a checkout of it>), interleaved
   for b in onnxruntime openvino; do
-    $RUN $B bench steps --engine-dir $E --backend $b --out $OUT/steps_$b
+    $RUN $PY -m benchmarks.steps --engine-dir $E --backend $b --out $OUT/steps_$b
   done
-  CRITICALKV_ORT_SPINNING=1 $RUN $B bench steps --engine-dir $E --backend onnxruntime --out $OUT/steps_onnxruntime_spinning
+  CRITICALKV_ORT_SPINNING=1 $RUN $PY -m benchmarks.steps --engine-dir $E --backend onnxruntime --out $OUT/steps_onnxruntime_spinning
 fi
 if want backends; then
   # the default CPU backend's evidence: vLLM, criticalkv on ONNX Runtime and on OpenVINO, a 2k chat alone, the same
@@ -65,7 +66,7 @@ fi
 if want needles; then
   # answers' accuracy: the needle grid (9 prompts per domain), the context compressed question-agnostically by
   # criticalkv's server (its context cache) against vLLM's uncompressed prompt of the same ids
-  $RUN bash -c "for d in shakespeare docs legal code; do .venv/bin/python -m criticalkv.bench.served_needles \
+  $RUN bash -c "for d in shakespeare docs legal code; do .venv/bin/python -m benchmarks.served_needles \
     --engine-dir $E --backends onnxruntime,vllm --domain \$d --out $OUT/needles_\$d || exit 1; done"
 fi
 if want memory; then

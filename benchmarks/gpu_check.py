@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("build", "bench", "pytest", "sanitizer", "serve")
 #: seconds per step (the table of docs/gpu_check.md): 320 s in all, inside a call of at most 6 minutes (timeout_s 360)
 DEFAULT_BUDGETS = {"prepare": 15, "build": 60, "bench": 70, "pytest": 110, "sanitizer": 35, "serve": 30}

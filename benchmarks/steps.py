@@ -1,4 +1,4 @@
-"""``criticalkv bench steps``: where a served request's time goes, the graph runs against the Python around them.
+"""``python -m benchmarks.steps``: where a served request's time goes, the graph runs against the Python around them.
 
 Runs the server's scheduler (``criticalkv.serving.Scheduler`` with ``criticalkv serve``'s defaults: 512-token prefill
 chunks, the prefix cache on) in this process on an engine, without Triton or the OpenAI frontend, and times three
@@ -29,6 +29,8 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+import benchmarks
 
 #: (row, its span, the graph runs inside it, the engine calls inside it: the rest is the span's own Python)
 ROWS = (("prompt chunk (Engine.prefill_step)", "chunk/engine", ("chunk/graph",), ("chunk/graph",)),
@@ -230,7 +232,7 @@ def render(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="criticalkv bench steps", description=__doc__.replace("``", ""),
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.steps", description=__doc__.replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine-dir", required=True, type=Path, help="the engine (scripts/build_engine.py's output)")
     parser.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "openvino"),
@@ -258,7 +260,7 @@ def main(argv=None) -> int:
     from criticalkv.bench.prompts import chat_ids, text_for_chat_length
     from criticalkv.runtime import Engine
 
-    results = machine.header(" ".join(["criticalkv bench steps", *map(shlex.quote, sys.argv[1:] if argv is None
+    results = machine.header(" ".join(["python -m benchmarks.steps", *map(shlex.quote, sys.argv[1:] if argv is None
                                                                        else argv)]))
     print("\n".join(machine.header_lines(results)), flush=True)
     engine = Engine.load(args.engine_dir, backend=args.backend, verify=False)
@@ -285,4 +287,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(benchmarks.run("steps", main))

@@ -1,4 +1,4 @@
-"""``criticalkv bench cached-context``: time to first token of a question after a cached context vs uncached.
+"""``python -m benchmarks.cached``: time to first token of a question after a cached context vs uncached.
 
 On one server after the other (``--engine-dir``, repeat), ``--warmup`` unmeasured rounds then ``--repeats`` rounds;
 round i takes a document of its own (``--isl`` tokens, never sent before, so not in the cache) and a question
@@ -26,8 +26,11 @@ Results (``--out STEM``): ``STEM.json`` (command, machine, load average, version
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
+import benchmarks
 from criticalkv.bench import machine, served
 from criticalkv.bench.report import add_out_argument
 from criticalkv.bench.client import Endpoint, request_body, send_request
@@ -168,7 +171,7 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(args) -> int:
+def run(args) -> int:
     from criticalkv.bench.prompts import corpus_ids, make_prompts, make_questions
 
     served.check_server_arguments(args)
@@ -253,3 +256,20 @@ def add_arguments(p) -> None:
                            f"<= {SCORING_GOAL:g}x the prefill)")
     out = p.add_argument_group("output")
     add_out_argument(out, "results/benchmarks/serving/cached_context")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=benchmarks.prog("cached"), description=benchmarks.plain(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    args.command_line = benchmarks.command_line("cached", argv)
+    return args
+
+
+def main(argv=None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(benchmarks.run("cached", main))

@@ -7,7 +7,7 @@ threads: the steps of a ``--isl``-token prompt for each ``--chunks`` size, the s
 (``Engine.finish_prefill``) and a one-shot prefill of a ``--short``-token prompt, interleaved over ``--repeats``
 rounds (medians):
 
-    python -m criticalkv.bench.chunks --engine-dir engines/ctx-ckv256 --chunks 512,256 --out results/benchmarks/serving
+    python -m benchmarks.chunks --engine-dir engines/ctx-ckv256 --chunks 512,256 --out results/benchmarks/serving
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import sys
 import time
 from pathlib import Path
 
+import benchmarks
 from criticalkv.bench.report import write_atomic
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m criticalkv.bench.chunks", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.chunks", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine-dir", type=Path, required=True, help="an engine built with extend.onnx (format 2)")
     ap.add_argument("--isl", type=int, default=2048, help="the long prompt's tokens (default: 2048)")
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> dict:
             short_s.append(elapsed)
             one_shot_s.append(elapsed_long)
     result = {
-        "command": "python -m criticalkv.bench.chunks " + shlex.join(sys.argv[1:]),
+        "command": "python -m benchmarks.chunks " + shlex.join(sys.argv[1:]),
         "load_average_end": list(os.getloadavg()), "isl": args.isl, "short": args.short,
         "extend_chunk": engine.extend_chunk, "repeats": args.repeats,
         "short_prefill_ms": 1000 * statistics.median(short_s),
@@ -118,4 +119,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(benchmarks.run("chunks", main))

@@ -1,6 +1,6 @@
 """FLOPs of CriticalKV's stage-2 value norms per prefill, unpruned and pruned (criticalkv/methods/pruned.py).
 
-    criticalkv bench norm-flops            # SmolLM2-135M and Llama-3-8B shapes, 1k/4k/8k tokens, budget 256
+    python -m benchmarks.norm_flops            # SmolLM2-135M and Llama-3-8B shapes, 1k/4k/8k tokens, budget 256
 
 Counts 2 FLOPs per multiply-add, summed over the layers; the pruned count assumes the first candidate round (2k
 per KV head) is accepted (on the bundled model's needle prompt it was in most layers: docs/operator.md).
@@ -12,12 +12,15 @@ import argparse
 import sys
 from pathlib import Path
 
+import benchmarks
+
 #: (name, layers, query heads, KV heads, head dim, hidden)
 SHAPES = [("SmolLM2-135M", 30, 9, 3, 64, 576), ("Llama-3-8B", 32, 32, 8, 128, 4096)]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.norm_flops", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt-lens", default="1024,4096,8192", help="comma-separated prompt lengths (default: 1024,4096,8192)")
     p.add_argument("--budget", type=int, default=256, help="KV budget per head (default: 256)")
     p.add_argument("--window", type=int, default=32, help="observation window (default: 32)")
@@ -38,4 +41,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(benchmarks.run("norm_flops", main))

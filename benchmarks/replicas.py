@@ -1,4 +1,4 @@
-"""``criticalkv bench replicas``: the doc-QA workload of ``bench docqa`` on Ray Serve replicas, then a replica killed.
+"""``python -m benchmarks.replicas``: the doc-QA workload of ``bench docqa`` on Ray Serve replicas, then a replica killed.
 
 Each configuration (``--configs``) is one ``criticalkv serve --replicas`` process started here (a local Ray), one after
 the other, every replica with the same ``--kv-memory-mib`` and ``--context-cache-mib``:
@@ -29,6 +29,7 @@ Results (``--out STEM``): ``STEM.json`` and ``STEM.md``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -40,6 +41,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import benchmarks
 from criticalkv.bench import machine, served
 from criticalkv.bench.report import add_out_argument
 from criticalkv.bench.client import run_load, send_openai
@@ -361,7 +363,7 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(args) -> int:
+def run(args) -> int:
     if not args.engine_dir:
         raise ValueError("give --engine-dir (its replicas are started here)")
     served.check_engines([args.engine_dir])
@@ -441,3 +443,20 @@ def add_arguments(p) -> None:
     fault.add_argument("--fault-osl", type=int, default=256, help="new tokens of the streams in flight (256)")
     out = p.add_argument_group("output")
     add_out_argument(out, "results/benchmarks/serving/replicas")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=benchmarks.prog("replicas"), description=benchmarks.plain(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    args.command_line = benchmarks.command_line("replicas", argv)
+    return args
+
+
+def main(argv=None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(benchmarks.run("replicas", main))

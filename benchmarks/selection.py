@@ -4,9 +4,9 @@ Each policy's engine is exported (same prompt, budget and build limits), and the
 prompt is profiled ``--repeats`` times per policy, the policies interleaved repeat by repeat so that a
 change of machine load falls on all of them alike. The selection time of a run is the time of the inlined
 ``CriticalKVSelect`` body nodes (``criticalkv.runtime.profiling.selection_profile``, as
-``criticalkv bench latency`` measures it), summed over the 30 layers.
+``python -m benchmarks.latency`` measures it), summed over the 30 layers.
 
-    criticalkv bench selection --policies ada-criticalkv,defensivekv --base ada-criticalkv \\
+    python -m benchmarks.selection --policies ada-criticalkv,defensivekv --base ada-criticalkv \\
         --output results/benchmarks/selection_defensivekv
 
 writes OUTPUT.json (every per-run number, the machine, the load average at start and end, the command) and
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from criticalkv.bench.latency import long_text, machine, make_engine
+from benchmarks.latency import long_text, machine, make_engine
+import benchmarks
 from criticalkv.bench.report import write_results
 from criticalkv.eval.specs import parse_policy_spec
 from criticalkv.export import BuildConfig
@@ -57,7 +58,7 @@ def op_times(trace: str, run_index: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.selection", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default="ada-criticalkv,defensivekv", help="comma-separated policy specs")
     p.add_argument("--base", default="ada-criticalkv", help="the policy the ratios are taken against")
     p.add_argument("--prompt-len", type=int, default=4096)
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from criticalkv.bench.machine import git_commit, load_average
     from criticalkv.hf import load_model
 
-    command = "criticalkv bench selection " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    command = "python -m benchmarks.selection " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     from criticalkv.build import package_versions  # torch and the exporter: not for --help
 
     info = {"command": command, "machine": machine(), "versions": package_versions(), "commit": git_commit(),
@@ -137,4 +138,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(benchmarks.run("selection", main))

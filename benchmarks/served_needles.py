@@ -8,7 +8,7 @@ server compresses the context with the engine's context policy (without the ques
 then answers. Each answer is scored like ``criticalkv eval`` scores it (``digits``), and every backend's tokens are
 compared with the first backend's.
 
-    python -m criticalkv.bench.served_needles --engine-dir engines/smollm2-criticalkv --backends onnxruntime,torch \\
+    python -m benchmarks.served_needles --engine-dir engines/smollm2-criticalkv --backends onnxruntime,torch \\
         --domain legal --out results/served_needles/legal
 
 ``vllm`` among the backends serves the same model with ``vllm serve`` (``criticalkv.bench.peers.vllm``; its
@@ -27,6 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import benchmarks
 from criticalkv.bench.machine import header_lines
 from criticalkv.eval.io import write_json, write_text
 
@@ -34,7 +35,7 @@ from criticalkv.eval.io import write_json, write_text
 def parse_args(argv=None) -> argparse.Namespace:
     from criticalkv.eval.domains import DEFAULT_DOMAIN, DOMAINS
 
-    ap = argparse.ArgumentParser(prog="python -m criticalkv.bench.served_needles", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.served_needles", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine-dir", required=True, type=Path, help="the engine every server serves")
     ap.add_argument("--backends", default="onnxruntime,torch",
@@ -92,7 +93,7 @@ def run(args) -> dict:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     depths = [float(x) for x in args.depths.split(",") if x]
     prompts = needle_prompts(tokenizer, lengths, depths, args.samples, args.seed, True, args.domain)
-    results = machine.header(" ".join(["python -m criticalkv.bench.served_needles", *sys.argv[1:]]))
+    results = machine.header(" ".join(["python -m benchmarks.served_needles", *sys.argv[1:]]))
     results.update(engine=engine_label(args.engine_dir), domain=args.domain, backends=backends, prompts=[])
     for p in prompts:
         results["prompts"].append({"key": p.key, "answers": list(p.answers), "by_backend": {}})
@@ -163,4 +164,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(benchmarks.run("served_needles", main))

@@ -10,7 +10,7 @@ Three measurements, each against its target:
 3. decode-session memory (the bound KV buffers + the decode session's own arena, from its profile) for
    several budgets and prompt lengths;                         target: grows with the budget, not the prompt
 
-    criticalkv bench latency --output results/benchmarks/cpu_smollm2
+    python -m benchmarks.latency --output results/benchmarks/cpu_smollm2
 
 writes OUTPUT.json (every number, the machine, the versions, the command), OUTPUT.txt (the table below)
 and OUTPUT.png. Engines are exported into a temporary directory and deleted afterwards.
@@ -32,13 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
+import benchmarks
 from criticalkv.bench.report import write_results
 from criticalkv.export import BuildConfig  # the light config module (criticalkv.export loads names on first use)
 from criticalkv.policy import KVPolicy
 from criticalkv.runtime import Engine, create_backend
 from criticalkv.runtime.profiling import selection_profile
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def machine() -> dict:
@@ -132,7 +133,7 @@ def median(xs):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.latency", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF folder or .gguf (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--prompt-len", type=int, default=4096,
                    help="tokens of the long prompt of measurements 1 and 2 (default: 4096)")
@@ -194,10 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args, argv)
     except (ValueError, OSError) as err:
-        print(f"benchmark_latency: error: {err}", file=sys.stderr)
+        print(f"python -m benchmarks.latency: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("benchmark_latency: interrupted; no results written", file=sys.stderr)
+        print("python -m benchmarks.latency: interrupted; no results written", file=sys.stderr)
         return 130
 
 
@@ -233,7 +234,7 @@ def run(args, argv: list[str] | None) -> int:
 
     if args.compare_unpruned:
         return compare_unpruned(args, argv)
-    command = "criticalkv bench latency " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    command = "python -m benchmarks.latency " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     from criticalkv.build import package_versions
 
     info = {"command": command, "machine": machine(), "versions": package_versions(), "ort_threads": args.threads,
@@ -404,7 +405,7 @@ def compare_unpruned(args, argv: list[str] | None) -> int:
     from criticalkv.methods import pruned
     from criticalkv.methods.pruned import norm_flops
 
-    command = "criticalkv bench latency " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    command = "python -m benchmarks.latency " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     from criticalkv.build import package_versions
 
     info = {"command": command, "machine": machine(), "versions": package_versions(), "ort_threads": args.threads,
@@ -550,4 +551,4 @@ def plot(results: dict, args, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(benchmarks.run("latency", main))

@@ -2,9 +2,9 @@
 torch computes the same with (``torch.topk``, a torch matmul, a softmax), and the model-level selection
 (``layer_ranking`` + ``select_model``) against the PyTorch reference's ``select_model``, interleaved in one run.
 
-    criticalkv bench ops                       # on the CPU: the ops' host version (the kernels' logic in scalar fp32)
-    criticalkv bench ops --device cuda         # on a GPU: the CUDA kernels (bf16 where the op takes it)
-    criticalkv bench ops --output results/benchmarks/ops/cpu.json
+    python -m benchmarks.ops                       # on the CPU: the ops' host version (the kernels' logic in scalar fp32)
+    python -m benchmarks.ops --device cuda         # on a GPU: the CUDA kernels (bf16 where the op takes it)
+    python -m benchmarks.ops --output results/benchmarks/ops/cpu.json
 
 Medians of ``--repeats`` timed calls after one warm-up (CUDA: synchronised, events), the machine header (load average
 included) and the exact outputs' agreement (the same entries; the norms' largest relative difference). On the CPU the
@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
+import benchmarks
 from criticalkv.bench.machine import finish, header, load_average
 
 
@@ -62,7 +64,7 @@ def run(device: str = "cpu", repeats: int = 5, dtype: str | None = None, log=pri
     dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if device == "cuda" else torch.float32)
     g = torch.Generator().manual_seed(0)
     size = shapes(device)
-    results = {**header(f"criticalkv bench ops --device {device}"), "device": device, "dtype": str(dt), "rows": []}
+    results = {**header(f"python -m benchmarks.ops --device {device}"), "device": device, "dtype": str(dt), "rows": []}
 
     def row(name: str, ours, theirs, against: str, agree: str):
         mine = timed(torch, ours, repeats, device)
@@ -123,7 +125,7 @@ def run(device: str = "cpu", repeats: int = 5, dtype: str | None = None, log=pri
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="criticalkv bench ops", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ops run (default: cpu)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per op and side (default: 5)")
@@ -142,4 +144,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(benchmarks.run("ops", main))

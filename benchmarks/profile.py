@@ -1,7 +1,7 @@
 """Where the time goes: ONNX Runtime's per-op profile of one prefill and of decode steps, the Python side of a
 decode step, and this CPU's floors (``criticalkv.bench.floors``), all measured in one run.
 
-    criticalkv bench profile --engine-dir engines/full --engine-dir engines/ckv256 --isl 2025
+    python -m benchmarks.profile --engine-dir engines/full --engine-dir engines/ckv256 --isl 2025
 
 For each engine (batch 1, the same chat-wrapped prompt of ``--isl`` tokens cut from the benchmark prose):
 
@@ -27,14 +27,19 @@ Timings are only comparable within one run on an idle machine: the load average 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+
+import benchmarks
+from criticalkv.bench.report import add_out_argument, write_atomic
 
 #: Op types whose node is an RMSNorm (ONNX Runtime fuses the Pow/ReduceMean/Add/Sqrt/Div/Mul pattern).
 NORM_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization", "LayerNormalization",
@@ -352,3 +357,54 @@ def render(results: dict) -> str:
                   f"run_with_iobinding {py['ort_run_ms']:.2f} ms + KV writes / length updates / binding "
                   f"{py['kv_writes_and_binding_ms']:.2f} ms + greedy sampling {py['sampling_ms']:.2f} ms"]
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=benchmarks.prog("profile"), description=benchmarks.plain(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine-dir", action="append", type=Path, required=True, help="an engine directory (repeat)")
+    p.add_argument("--isl", type=int, default=2025, help="prompt tokens, chat template included (default: 2025)")
+    p.add_argument("--steps", type=int, default=16, help="decode steps profiled and timed (default: 16)")
+    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads of the engines and the floors "
+                   "(default: $CRITICALKV_ORT_THREADS, else ONNX Runtime's default, one per core)")
+    p.add_argument("--seed", type=int, default=0, help="prompt offset (default: 0)")
+    add_out_argument(p, "results/benchmarks/profile/profile")
+    args = p.parse_args(argv)
+    args.command_line = benchmarks.command_line("profile", argv)
+    return args
+
+
+def main(argv=None) -> int:
+    """Profile every ``--engine-dir`` on one prompt, the floors measured in the same run; writes OUT.json / OUT.txt."""
+    args = parse_args(argv)
+    for d in args.engine_dir:
+        if not (Path(d) / "manifest.json").is_file():
+            raise FileNotFoundError(f"{d}: not an engine directory (no manifest.json)")
+    if args.isl < 64 or args.steps < 1 or (args.threads is not None and args.threads < 0):
+        raise ValueError("--isl must be >= 64, --steps >= 1 and --threads >= 0")
+    from transformers import AutoTokenizer  # torch: not for --help and argument errors
+
+    from criticalkv.bench import floors, machine
+    from criticalkv.bench.prompts import chat_ids, text_for_chat_length
+    from criticalkv.runtime.manifest import read_manifest
+    from criticalkv.runtime.onnxruntime_backend import THREADS_ENV
+
+    results = machine.header(args.command_line)
+    print("\n".join(machine.header_lines(results)), flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(Path(args.engine_dir[0]) / "tokenizer")
+    ids = chat_ids(tokenizer, text_for_chat_length(tokenizer, args.isl, args.seed))
+    spec = read_manifest(Path(args.engine_dir[0]), verify=False)["model"]["spec"]
+    threads = args.threads if args.threads is not None else int(os.environ.get(THREADS_ENV, "0"))
+    results["floors"] = floors.measure(spec, len(ids), threads)
+    results["engines"] = [profile_engine(Path(d), ids, args.steps, threads) for d in args.engine_dir]
+    machine.finish(results)
+    text = render(results)
+    write_atomic(args.out.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
+    write_atomic(args.out.with_suffix(".txt"), text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(benchmarks.run("profile", main))

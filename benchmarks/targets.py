@@ -6,13 +6,13 @@
 * one request, ISL 2048, OSL 16: criticalkv on ONNX Runtime <= 0.5x kvpress's time, same run;
 * AIPerf agrees with this load generator within 10 % (TTFT, TPOT / ITL, output tokens/s);
 * a short request arriving during a long generation's decode gets its first token within 1.5x of its
-  idle TTFT (medians, ``criticalkv bench interference``); arriving during the long prompt's prefill, within
+  idle TTFT (medians, ``python -m benchmarks.interference``); arriving during the long prompt's prefill, within
   2x with chunked prefill (each chunk size of the file its own row; not chunked: reported, no goal);
 * ``docqa`` (D 16, Q 8, ISL 2048, concurrency 8, KV memory of 4 uncompressed contexts): criticalkv output
   tokens/s >= 3x ``full`` and TTFT p50 <= 0.25x ``full``;
-* memory-bound decode (``bench memory``: ISL 2048, OSL 256, KV memory of 2 full sequences): criticalkv output
+* memory-bound decode (``criticalkv bench memory``: ISL 2048, OSL 256, KV memory of 2 full sequences): criticalkv output
   tokens/s >= 1.4x ``full``;
-* a question after a cached context (``bench cached-context``: ISL 2048 context, 32-token question): TTFT <= 0.1x
+* a question after a cached context (``python -m benchmarks.cached``: ISL 2048 context, 32-token question): TTFT <= 0.1x
   the same request uncached.
 
 A result of another workload than a target's is still listed, with "-" for met.
@@ -20,8 +20,13 @@ A result of another workload than a target's is still listed, with "-" for met.
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
+
+import benchmarks
+from criticalkv.bench import report
 
 
 def _results(folder: Path, benchmark: str) -> list[tuple[Path, dict]]:
@@ -157,7 +162,7 @@ def _memory_rows(folder: Path) -> list[dict]:
 
 
 def _cached_rows(folder: Path) -> list[dict]:
-    from criticalkv.bench import cached
+    from benchmarks import cached
 
     rows = []
     for path, data in _results(folder, "cached-context"):
@@ -182,10 +187,10 @@ def _pct(x) -> str:
 
 
 def _interference_rows(folder: Path) -> list[dict]:
-    """The rows of every ``criticalkv bench interference`` result of the folder (a JSON with ``variants``, one per
+    """The rows of every ``python -m benchmarks.interference`` result of the folder (a JSON with ``variants``, one per
     prefill chunk size, or, written before chunked prefill, ``rounds`` and a ``summary``): per chunk size, the decode
     target and the prefill case (a target when the prefill was chunked)."""
-    from criticalkv.bench.interference import summarize_cases, variants
+    from benchmarks.interference import summarize_cases, variants
 
     rows = []
     for path in sorted(folder.glob("*.json")):
@@ -248,3 +253,26 @@ def render(rows: list[dict]) -> str:
                              f"decode {100 * prof['decode_fraction']:.1f} %, other {100 * prof['other_fraction']:.1f} % "
                              f"of {prof['samples']} py-spy samples ({prof['file']})")
     return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    """Check the targets of a results folder: writes FOLDER/targets.md and FOLDER/summary.png, prints the table."""
+    p = argparse.ArgumentParser(prog=benchmarks.prog("targets"), description=benchmarks.plain(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path, nargs="?", default=Path("results/benchmarks/serving"),
+                   help="results folder (default: results/benchmarks/serving); writes FOLDER/targets.md and "
+                        "FOLDER/summary.png (every serving run of the folder)")
+    args = p.parse_args(argv)
+    if not args.folder.is_dir():
+        raise FileNotFoundError(f"{args.folder}: no such folder")
+    text = render(check(args.folder))
+    report.write_atomic(args.folder / "targets.md", text)
+    runs = _runs(args.folder)
+    if any(r["summary"].get("completed") for r in runs):  # every serving run of the folder in one figure
+        report.plot({"runs": runs}, args.folder / "summary.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(benchmarks.run("targets", main))

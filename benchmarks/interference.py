@@ -1,4 +1,4 @@
-"""``criticalkv bench interference``: time to first token of a short request, alone and next to a long one.
+"""``python -m benchmarks.interference``: time to first token of a short request, alone and next to a long one.
 
 Against one server (started here from ``--engine-dir``, or a running one at ``--url``), ``--repeats``
 rounds, each measuring three cases one after the other (interleaved, so every case sees the same
@@ -31,12 +31,15 @@ size (``variants``) every round's timings), ``STEM.md`` (tables) and ``STEM.png`
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import benchmarks
 from criticalkv.bench import machine, served
 from criticalkv.bench.client import Endpoint, request_body, send_request
 from criticalkv.bench.metrics import RequestRecord, distribution
@@ -338,7 +341,7 @@ def chunk_list(text: str | None) -> list[int | None]:
     return values
 
 
-def main(args) -> int:
+def run(args) -> int:
     from criticalkv.bench.prompts import corpus_ids, make_prompts
     served.check_server_arguments(args)
     if min(args.short_isl, args.short_osl, args.long_isl, args.long_osl, args.repeats, args.decode_after_tokens) < 1:
@@ -414,3 +417,20 @@ def add_arguments(p) -> None:
     load.add_argument("--seed", type=int, default=0, help="prompt offsets (default: 0)")
     out = p.add_argument_group("output")
     add_out_argument(out, "results/benchmarks/serving/interference")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=benchmarks.prog("interference"), description=benchmarks.plain(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    args.command_line = benchmarks.command_line("interference", argv)
+    return args
+
+
+def main(argv=None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(benchmarks.run("interference", main))
