@@ -20,7 +20,7 @@ from itertools import product
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP = ("criticalkv", "tests", "scripts", "plugins", "docs", "examples", "results", ".ci")
+TOP = ("criticalkv", "benchmarks", "research", "tests", "scripts", "plugins", "docs", "examples", "results", ".ci")
 SKIP_DIRS = {".git", ".venv", "build", "__pycache__", "engines", ".triton", ".peers", ".whl", "out", "dist"}
 CODE = {".py", ".cpp", ".h", ".cu", ".cuh", ".sh", ".cmake"}
 PATH = re.compile(r"(?<![\w./~$@-])((?:%s)/[\w.*/{},<>-]*[\w*}>/])" % "|".join(re.escape(t) for t in TOP))
