@@ -5,8 +5,9 @@ fewer") is read on.
     .venv/bin/python scripts/count_cli_options.py        # "<leaves> leaves, <options> options"
     .venv/bin/python scripts/count_cli_options.py -v     # and each leaf's count
 
-Subcommands that parse their own arguments behind ``argparse.REMAINDER`` (bench gpu, latency, selection, norm-flops,
-ops, targets, report) count 0 here.
+A subcommand that parses its own arguments behind ``argparse.REMAINDER`` (bench gpu) and one with a positional
+argument only (bench report) count 0 here; the laboratory's benchmarks (``python -m benchmarks.NAME``) are not
+``criticalkv``'s options.
 """
 
 from __future__ import annotations
