@@ -26,6 +26,7 @@ FILES: dict[str, str] = {
     "decode_ort": "decode_ort.onnx",
     "extend": "extend.onnx",
     "extend_ort": "extend_ort.onnx",
+    "extend_heads_ort": "extend_heads_ort.onnx",
     "extend_tensorrt": "extend_tensorrt.onnx",
     "select": "select.onnx",
     "select_tensorrt": "select_tensorrt.onnx",

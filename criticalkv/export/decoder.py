@@ -1006,7 +1006,7 @@ class DecoderGraphBuilder:
         return g.op("Transpose", last, perm=[0, 2, 1, 3], outputs=[output] if output else 1)
 
     def prompt_attention(self, i: int, q: str, k: str, v: str, seqlens: str, total: str, in_place: bool = False,
-                         probs: bool = False) -> tuple:
+                         probs: bool = False, bias: str = "") -> tuple:
         """Causal attention of s tokens in one com.microsoft ``GroupQueryAttention`` node (no Loop; ONNX Runtime's CPU
         kernel holds no s x s scores per head: a 4k-token prompt measured 33 MiB of working memory for 9 heads).
 
@@ -1018,7 +1018,8 @@ class DecoderGraphBuilder:
         ``present.{i}.key`` / ``.value``, which the runtime binds to the same memory (ONNX Runtime takes several new
         tokens over a past for batch 1 only); returns (attention, the two output names). ``probs``: the node also
         returns its attention probabilities [B, H, s, total] (``qk_output=2``: after the softmax over every key the
-        query sees, 0 for the later keys), a fourth output (the fused re-read graph's scores read them)."""
+        query sees, 0 for the later keys), a fourth output (the fused re-read graph's scores read them). ``bias``: the
+        node's additive ``attention_bias`` [B, H, s, total] (``head_holes_bias``), none when empty."""
         g, s = self.g, self.spec
         if in_place:
             past = (graphs.past_key(i), graphs.past_value(i))
@@ -1026,8 +1027,9 @@ class DecoderGraphBuilder:
         else:
             past, names = ("", ""), [g.fresh("prompt_key"), g.fresh("prompt_value")]
         extra = {"qk_output": 2} if probs else {}
+        tail = ("", "", "", bias) if bias else ()  # cos_cache, sin_cache, position_ids: RoPE ran before the node
         return g.op(
-            "GroupQueryAttention", q, k, v, *past, seqlens, total, domain=ORT_DOMAIN,
+            "GroupQueryAttention", q, k, v, *past, seqlens, total, *tail, domain=ORT_DOMAIN,
             outputs=[g.fresh("attention"), *names] + ([g.fresh("probs")] if probs else []), num_heads=s.num_heads,
             kv_num_heads=s.num_kv_heads, scale=1.0 / math.sqrt(s.head_dim), do_rotary=0, **extra)
 
@@ -1169,10 +1171,30 @@ class DecoderGraphBuilder:
         after = g.Sub(g.Cast(held, to=INT64), end)
         return g.Pad(best, g.concat(g.i64(0, 0), start, g.i64(0, 0), after), mode="constant")
 
-    def extend_fused(self, max_positions: int, score: bool = False) -> onnx.ModelProto:
+    def head_holes_bias(self, lengths: str, longest: str, total: str) -> str:
+        """The additive attention bias [1, H, N, total] of an extend whose KV heads hold different lengths: -inf on each
+        head's slots [length_h, longest) (the hole between its entries and the new ones, which the node writes at slot
+        ``longest`` of every head), 0 elsewhere; the same for the G query heads of a KV head and for every new token.
+        lengths [1, H_kv] int32, longest [1] int32, total the int32 scalar longest + N."""
+        g, s = self.g, self.spec
+        slots = g.Range(g.scalar(0, np.int32), total, g.scalar(1, np.int32))  # [T]
+        hole = g.And(g.GreaterOrEqual(slots, g.unsqueeze(lengths, 2)), g.Less(slots, longest))  # [1, H_kv, T]
+        bias = g.Where(hole, g.const(-np.inf, np.float32), g.const(0.0, np.float32))
+        new_tokens = g.shape_of(graphs.INPUT_IDS, 1, 2)  # [1] int64: N
+        every = g.Expand(g.unsqueeze(bias, 2, 3), g.concat(g.i64(1, 1, s.group), new_tokens, g.i64(1)))  # [1, H_kv, G, N, T]
+        return g.reshape(every, g.concat(g.i64(1, s.num_heads), new_tokens, g.reshape(g.Cast(total, to=INT64), [1])))
+
+    def extend_fused(self, max_positions: int, score: bool = False, per_head_lengths: bool = False) -> onnx.ModelProto:
         """``extend_ort.onnx``, the ONNX-Runtime-only extend of ONE sequence whose KV heads hold equal lengths in each
         layer (a prompt's prefill buffer in a chunked prefill, a slot of a policy that keeps equal lengths); the runtime
         runs extend.onnx for anything else.
+
+        ``per_head_lengths`` (``extend_heads_ort.onnx``): the heads of a layer may hold different lengths (a slot of a
+        policy that shares its budget across heads, e.g. a cached context of the default context policy). The node
+        writes the N new entries at slots [longest, longest + N) of every head, longest the layer's longest head, and
+        ``head_holes_bias`` hides each shorter head's slots [length_h, longest); the runtime then moves a shorter head's
+        new entries down to its own length (``OnnxRuntimeBackend.extend``), which keeps the buffer layout of extend.onnx.
+        The bias costs N x (longest + N) floats per query head and layer, so the equal-length graph stays for prompts.
 
         extend's inputs (batch 1). Outputs: ``logits`` and ``present.{l}.window_queries`` as extend's;
         ``present.{l}.key`` / ``.value`` [1, H_kv, cap_l, d_h] are the buffers themselves, bound to the past inputs'
@@ -1186,6 +1208,8 @@ class DecoderGraphBuilder:
         reason = self.fused_decode_refusal()
         if reason:
             raise ValueError(f"no fused extend graph: {reason}")
+        if score and per_head_lengths:
+            raise ValueError("the fused re-read runs over a prompt's buffer, whose heads hold equal lengths")
         s = self.spec
         streams = bool(self.streams) and not score
         g = self._begin()
@@ -1208,10 +1232,15 @@ class DecoderGraphBuilder:
             inputs.insert(2, value_info(graphs.SCORE_RANGE, INT64, [4]))
 
         def attention(i, q, k, v):
-            held = g.reshape(g.slice_axis(graphs.past_lengths(i), 0, 1, axis=1), [-1])  # [1]: every head's
+            lengths = graphs.past_lengths(i)  # [1, H_kv]
+            if per_head_lengths:  # [1]: the longest head's, where the node writes
+                held = g.reshape(g.ReduceMax(lengths, g.i64(1), keepdims=0), [-1])
+            else:
+                held = g.reshape(g.slice_axis(lengths, 0, 1, axis=1), [-1])  # [1]: every head's
             seqlens = g.Sub(g.Add(held, new_tokens), one)
             total = g.squeeze(g.Add(seqlens, one), 0)
-            out = self.prompt_attention(i, q, k, v, seqlens, total, in_place=True, probs=score)
+            bias = self.head_holes_bias(lengths, held, total) if per_head_lengths else ""
+            out = self.prompt_attention(i, q, k, v, seqlens, total, in_place=True, probs=score, bias=bias)
             if score:
                 g.op("Identity", self.reread_scores_fused(out[3], held), outputs=[graphs.present_scores(i)])
             return out[0]
@@ -1230,7 +1259,8 @@ class DecoderGraphBuilder:
                                      "re-read pass")
         return self._fused_model("criticalkv_extend_fused", inputs, outputs, [],
                                  "criticalkv fused extend (ONNX Runtime only: com.microsoft operators): new tokens of one "
-                                 "sequence written into its KV buffers in place")
+                                 "sequence written into its KV buffers in place" +
+                                 ("; its heads may hold different lengths" if per_head_lengths else ""))
 
     def extend(self, score: bool = False) -> onnx.ModelProto:
         """The extend model: N new tokens per sequence over per-head KV buffers of any capacity (module docstring).

@@ -41,6 +41,7 @@ DECODE_ORT_FILE = FILES["decode_ort"]
 #: format): written beside prefill.onnx and extend.onnx, which stay the portable graphs
 PREFILL_ORT_FILE = FILES["prefill_ort"]
 EXTEND_ORT_FILE = FILES["extend_ort"]
+EXTEND_HEADS_ORT_FILE = FILES["extend_heads_ort"]
 EXTEND_FILE = FILES["extend"]
 EXTEND_TENSORRT_FILE = FILES["extend_tensorrt"]
 SELECT_FILE = FILES["select"]
@@ -189,11 +190,13 @@ def export_model(model, policy: KVPolicy, folder: str | Path, config: BuildConfi
     if fused["file"]:
         onnx.save(decode_builder.decode_fused(decode_capacities, fused.get("max_positions", 0), fused["per_head_lengths"],
                                               config.kv_dtype), folder / DECODE_ORT_FILE)
-    prompt = fused_prompt_info(refusal, config)
+    prompt = fused_prompt_info(refusal, config, policy, context_policy)
     if prompt["prefill"]:
         builder = graph_builder(spec, store, policy, capacities, "onnxruntime", config.attention_chunk)
         onnx.save(builder.prefill_fused(prompt["max_positions"]), folder / PREFILL_ORT_FILE)
         onnx.save(builder.extend_fused(prompt["max_positions"]), folder / EXTEND_ORT_FILE)
+        if prompt["extend_heads"]:
+            onnx.save(builder.extend_fused(prompt["max_positions"], per_head_lengths=True), folder / EXTEND_HEADS_ORT_FILE)
         if phases.rereads:
             prompt["reread"] = REREAD_ORT_FILE
             prompt["reread_max_positions"] = 2 * config.max_input_len + REREAD_PROMPT_ROOM
@@ -232,14 +235,18 @@ def export_openvino(spec: ModelSpec, store, policy: KVPolicy, capacities: list[i
             "select_context": SELECT_CONTEXT_OPENVINO_FILE if context_policy is not None else None}
 
 
-def fused_prompt_info(refusal: str | None, config: BuildConfig) -> dict:
-    """What the engine's fused prompt graphs are (``prefill_ort.onnx``, ``extend_ort.onnx``), or why it has none (the
-    manifest's ``onnx.fused_prompt``): refused for the models the fused decode refuses (the same GroupQueryAttention
-    kernel); RoPE caches up to max_input_len + max_question_len + max_new_tokens positions (a question after a context
-    and the tokens after it go through the extend graph)."""
+def fused_prompt_info(refusal: str | None, config: BuildConfig, policy: KVPolicy | None = None,
+                      context_policy: KVPolicy | None = None) -> dict:
+    """What the engine's fused prompt graphs are (``prefill_ort.onnx``, ``extend_ort.onnx``; ``extend_heads_ort.onnx``
+    where a slot's heads may hold different lengths: a policy or context policy whose method shares its budget across
+    heads), or why it has none (the manifest's ``onnx.fused_prompt``): refused for the models the fused decode refuses
+    (the same GroupQueryAttention kernel); RoPE caches up to max_input_len + max_question_len + max_new_tokens positions
+    (a question after a context and the tokens after it go through the extend graph)."""
     if refusal:
-        return {"prefill": None, "extend": None, "refused": refusal}
-    return {"prefill": PREFILL_ORT_FILE, "extend": EXTEND_ORT_FILE, "attention": "group_query_attention",
+        return {"prefill": None, "extend": None, "extend_heads": None, "refused": refusal}
+    equal = all(p.method.base.equal_head_lengths for p in (policy, context_policy) if p is not None)
+    return {"prefill": PREFILL_ORT_FILE, "extend": EXTEND_ORT_FILE, "extend_heads": None if equal else EXTEND_HEADS_ORT_FILE,
+            "attention": "group_query_attention",
             "max_positions": config.max_input_len + config.max_question_len + config.max_new_tokens,
             "weights": config.weights}
 

@@ -16,6 +16,7 @@ from criticalkv.export.exporter import (
     DECODE_FILE,
     DECODE_ORT_FILE,
     EXTEND_FILE,
+    EXTEND_HEADS_ORT_FILE,
     EXTEND_ORT_FILE,
     EXTEND_TENSORRT_FILE,
     PREFILL_FILE,
@@ -51,6 +52,7 @@ GRAPHS = (
     ("select_tensorrt", SELECT_TENSORRT_FILE, True, True),
     ("prefill_ort", PREFILL_ORT_FILE, True, False),
     ("extend_ort", EXTEND_ORT_FILE, False, False),
+    ("extend_heads_ort", EXTEND_HEADS_ORT_FILE, False, False),
     ("select_context", SELECT_CONTEXT_FILE, True, False),
     ("reread", REREAD_FILE, False, False),
     ("reread_ort", REREAD_ORT_FILE, False, False),
@@ -60,12 +62,12 @@ GRAPHS = (
 OPENVINO_GRAPHS = {**{f"{graph}_openvino": name for graph, name in OPENVINO_FILES.items()},
                    "select_context_openvino": SELECT_CONTEXT_OPENVINO_FILE}
 #: The fused prompt graphs (ONNX Runtime only), written unless the model refuses them.
-FUSED_PROMPT = ("prefill_ort", "extend_ort", "reread_ort")
+FUSED_PROMPT = ("prefill_ort", "extend_ort", "extend_heads_ort", "reread_ort")
 #: Graphs an export writes only for some policies (the context policy's select graph, the re-read graphs of a method
-#: that re-reads prompts).
-OPTIONAL_GRAPHS = ("select_context", "reread", "reread_ort")
+#: that re-reads prompts, the fused extend over heads of different lengths).
+OPTIONAL_GRAPHS = ("select_context", "reread", "reread_ort", "extend_heads_ort")
 #: The graphs that return the engine's streams for their new entries (``criticalkv.methods.phases.Stream``).
-STREAM_GRAPHS = ("extend", "extend_ort", "extend_openvino")
+STREAM_GRAPHS = ("extend", "extend_ort", "extend_heads_ort", "extend_openvino")
 #: The TensorRT flavours a model-level policy does not have (``decode.onnx`` is also its ONNX Runtime decode graph).
 TENSORRT_FLAVOURS = ("prefill_tensorrt", "extend_tensorrt", "select_tensorrt")
 #: The only com.microsoft operators of the fused decode graph (``decode_ort``), by its attention form; no other graph
@@ -129,6 +131,8 @@ def validate_export(result: ExportResult) -> dict:
             wanted = result.context_policy is not None if key == "select_context" else result.phases.rereads
             if key == "reread_ort":  # the fused one: only beside the fused prompt graphs
                 wanted = wanted and bool((result.fused_prompt or {}).get("prefill"))
+            if key == "extend_heads_ort":  # beside the fused prompt graphs, where heads may hold different lengths
+                wanted = bool((result.fused_prompt or {}).get("extend_heads"))
             if path.exists() != wanted:
                 raise ValueError(f"{name}: {'missing' if wanted else 'written although no policy of the export needs it'}")
             if not wanted:

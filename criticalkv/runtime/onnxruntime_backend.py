@@ -33,7 +33,9 @@ Prompts (``prefill``, the same three forms; ``$CRITICALKV_ORT_PREFILL``):
   graph returns; kept indices are positions into the padded prompt). ``extend_ort.onnx`` (the chunked prefill's chunks,
   a question after a context) runs the same attention with the new entries written into the buffers in place, for
   one sequence whose heads hold equal lengths in each layer (ONNX Runtime's kernel takes several new tokens over a past
-  for batch 1 only); other extends run ``extend.onnx``.
+  for batch 1 only); ``extend_heads_ort.onnx`` the same for one sequence whose heads hold different lengths (a cached
+  context of a policy that shares its budget across heads: a bias masks each head's hole, the runtime then moves the
+  new entries to each head's length); other extends run ``extend.onnx``.
 * ``prefill="portable"``: ``prefill.onnx`` and ``extend.onnx`` (fp32 weights, the Loop attention): the floats of the
   PyTorch path's tests; a chunked prefill in multiples of ``attention_chunk`` equals the one-shot prefill bitwise.
 
@@ -183,7 +185,9 @@ class OnnxRuntimeBackend(HostKVBuffers):
         # 0.9 s of an 8.3 s load of the bundled model's engine, which most engines never spend (a context policy only
         # re-reads contexts)
         self._lazy = {"reread": (files.get("reread"), threads, None),
-                      "reread_ort": (files.get("reread_ort") if fused_prompt else None, threads, prompt_prepack)}
+                      "reread_ort": (files.get("reread_ort") if fused_prompt else None, threads, prompt_prepack),
+                      "extend_heads_ort": (files.get("extend_heads_ort") if fused_prompt else None, threads,
+                                           prompt_prepack)}
         self._lazy_sessions: dict[str, Any] = {}
         #: the fused re-read graph's RoPE caches end here (a pass beyond runs the portable re-read graph)
         self.reread_max_positions = int((manifest["onnx"].get("fused_prompt") or {}).get("reread_max_positions", 0))
@@ -239,6 +243,12 @@ class OnnxRuntimeBackend(HostKVBuffers):
     def reread_session(self):
         """reread.onnx's session (the extend graph that scores the past entries), or None: the engine re-reads nothing."""
         return self._lazy_session("reread")
+
+    @property
+    def extend_heads_session(self):
+        """extend_heads_ort.onnx's session (the fused extend over heads of different lengths), or None: such extends
+        run extend.onnx."""
+        return self._lazy_session("extend_heads_ort")
 
     @property
     def reread_fused_session(self):
@@ -450,6 +460,8 @@ class OnnxRuntimeBackend(HostKVBuffers):
         if self._fused_extend_fits(keys, values, lengths, score_range is not None) and (
                 score_range is None or int(positions.max()) < self.reread_max_positions):
             return self._extend_fused(keys, values, lengths, token_ids, positions, score_range)
+        if score_range is None and self._heads_extend_fits(keys, values, lengths):
+            return self._extend_heads(keys, values, lengths, token_ids, positions)
         inputs = {graphs.INPUT_IDS: token_ids, graphs.POSITION_IDS: positions}
         names = [graphs.LOGITS]
         if score_range is not None:
@@ -486,12 +498,41 @@ class OnnxRuntimeBackend(HostKVBuffers):
         return all(int(n.min()) == int(n.max()) and k.dtype == np.float32 and v.dtype == np.float32
                    and k.flags.c_contiguous and v.flags.c_contiguous for k, v, n in zip(keys, values, lengths))
 
+    def _heads_extend_fits(self, keys: list[np.ndarray], values: list[np.ndarray], lengths: list[np.ndarray]) -> bool:
+        """Whether extend_heads_ort.onnx can run this extend: one sequence, float32 C-contiguous buffers (written in
+        place), whatever lengths its heads hold; the engine has the graph (a policy of it shares budgets across heads)."""
+        if self.prefill_form != "fused" or lengths[0].shape[0] != 1 or self._lazy["extend_heads_ort"][0] is None:
+            return False
+        return all(k.dtype == np.float32 and v.dtype == np.float32 and k.flags.c_contiguous and v.flags.c_contiguous
+                   for k, v in zip(keys, values))
+
+    def _extend_heads(self, keys: list[np.ndarray], values: list[np.ndarray], lengths: list[np.ndarray],
+                      token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
+        """``extend`` through extend_heads_ort.onnx: the graph writes the N new entries at slots [longest, longest + N)
+        of every head of a layer (longest: the layer's longest head) and masks each head's hole before them; a shorter
+        head's new entries then move down to its own length, and the slots they leave are zeroed, so the buffers hold
+        what extend.onnx leaves (each head's entries its first ``lengths`` slots)."""
+        longest = [int(n.max()) for n in lengths]
+        out = self._extend_fused(keys, values, lengths, token_ids, positions, heads=True)
+        new = token_ids.shape[1]
+        for i, (n, top) in enumerate(zip(lengths, longest)):
+            held = n[0] - new  # each head's length before the extend (``_extend_fused`` added N)
+            for head in np.nonzero(held < top)[0]:
+                start = int(held[head])
+                for buffer in (keys[i], values[i]):
+                    buffer[0, head, start:start + new] = buffer[0, head, top:top + new]  # overlapping: NumPy copies
+                    buffer[0, head, max(top, start + new):top + new] = 0
+        return out
+
     def _extend_fused(self, keys: list[np.ndarray], values: list[np.ndarray], lengths: list[np.ndarray],
-                      token_ids: np.ndarray, positions: np.ndarray, score_range: np.ndarray | None = None) -> ExtendOutputs:
+                      token_ids: np.ndarray, positions: np.ndarray, score_range: np.ndarray | None = None,
+                      heads: bool = False) -> ExtendOutputs:
         """``extend`` through extend_ort.onnx: its GroupQueryAttention writes the new entries into ``keys`` / ``values``
         at each layer's length itself (the present outputs are bound to the same memory); the lengths then grow by N.
         ``score_range``: through reread_ort.onnx, with the scores of the entries it counts (0 elsewhere)."""
         session = self.extend_fused_session if score_range is None else self.reread_fused_session
+        if heads:
+            session = self.extend_heads_session
         binding = session.io_binding()
         binding.bind_cpu_input(graphs.INPUT_IDS, token_ids)
         binding.bind_cpu_input(graphs.POSITION_IDS, positions)

@@ -217,7 +217,8 @@ def test_a_model_level_policy_has_tensorrt_flavours_of_plugin_nodes(tmp_path):
     policy = KVPolicy("layer-defensivekv", budget=BUDGET, window=WINDOW)
     result = export_model(tiny_model("llama", seed=2), policy, tmp_path, BuildConfig(max_input_len=MAX_INPUT))
     written = sorted(p.name for p in tmp_path.glob("*.onnx"))
-    assert written == ["decode.onnx", "decode_ort.onnx", "extend.onnx", "extend_ort.onnx", "extend_tensorrt.onnx",
+    assert written == ["decode.onnx", "decode_ort.onnx", "extend.onnx", "extend_heads_ort.onnx", "extend_ort.onnx",
+                       "extend_tensorrt.onnx",
                        "prefill.onnx", "prefill_ort.onnx", "prefill_tensorrt.onnx", "select.onnx", "select_tensorrt.onnx"]
     report = validate_export(result)
     for key in ("prefill_tensorrt", "select_tensorrt"):  # the CriticalKVScore / CriticalKVSelectModel plugins' nodes

@@ -60,7 +60,7 @@ def test_build_writes_a_complete_manifest(built, checkpoint):
     # reconstruct graphs (portable, fused); tests/selection/test_surrogate.py builds one with a surrogate
     assert any("no KVzip surrogate" in m and "criticalkv train-surrogate" in m for m in messages)
     graphs = {"prefill", "prefill_tensorrt", "decode", "decode_ort", "extend", "extend_tensorrt", "select",
-              "select_tensorrt", "prefill_ort", "extend_ort", "select_context", "reread", "reread_ort",
+              "select_tensorrt", "prefill_ort", "extend_ort", "extend_heads_ort", "select_context", "reread", "reread_ort",
               "prefill_openvino", "extend_openvino", "select_openvino", "decode_openvino", "select_context_openvino"}
     assert KVPolicy.from_dict(manifest["context_policy"]) == KVPolicy("layer-kvzip-criticalkv", budget=POLICY.budget,
                                                                       window=POLICY.window, head_cap_ratio=3.0)

@@ -7,7 +7,7 @@ far from the model run in float64 by transformers as the portable fp32 graph's; 
 must be the portable graph's (and, through tests/runtime/test_model_families.py, which runs the default form, the
 PyTorch path's). A left-padded batch of different lengths runs one group of equal lengths at a time; the chunked
 prefill's chunks and a question after a context go through extend_ort.onnx in place when the sequence's heads hold
-equal lengths in every layer, through extend.onnx otherwise.
+equal lengths in every layer, through extend_heads_ort.onnx (a bias over each head's hole) when they do not.
 """
 
 import copy
@@ -95,17 +95,18 @@ def test_fused_prompt_graphs_generate_the_portable_tokens(name, tmp_path):
     """A left-padded batch through generate, then the chunked prefill (chunks of 40: not multiples of the attention
     block), decoding, a question through the extend graph and decoding again in a slot: the portable engine's tokens.
     The chunks run through extend_ort.onnx (a prefill buffer's heads hold equal lengths); the question too unless the
-    slot's heads hold different lengths (ada-criticalkv here), which extend.onnx then takes."""
+    slot's heads hold different lengths (ada-criticalkv here), which extend_heads_ort.onnx then takes."""
     model = random_checkpoint(family("llama3-gqa"), seed=1)
     policy = KVPolicy(name) if name == "full" else KVPolicy(name, budget=48, window=8)
     fused, portable = engines(model, policy, tmp_path / "e", max_new_tokens=12)
     prompts = [random_prompt(n, seed=n + 2) for n in LENGTHS]
-    calls = {"fused": 0}
+    calls = {"fused": 0, "heads": 0}
     run = fused.backend._extend_fused
 
-    def counted(*args):
+    def counted(*args, heads=False):
         calls["fused"] += 1
-        return run(*args)
+        calls["heads"] += heads
+        return run(*args, heads=heads)
 
     fused.backend._extend_fused = counted
     try:
@@ -130,7 +131,48 @@ def test_fused_prompt_graphs_generate_the_portable_tokens(name, tmp_path):
             engine.release_all()
         assert streams["fused"] == streams["portable"]
         assert ragged == (name == "ada-criticalkv")  # these prompts: ada's heads keep different lengths
-        assert calls["fused"] == 4 + (0 if ragged else 1)  # 150 tokens in chunks of 40, then the question
+        assert calls["fused"] == 4 + 1  # 150 tokens in chunks of 40, then the question
+        assert calls["heads"] == (1 if ragged else 0)  # the question over heads of different lengths
+    finally:
+        fused.close()
+        portable.close()
+
+
+@pytest.mark.parametrize("name, kv_dtype", [("ada-criticalkv", "float32"), ("adakv", "float32"),
+                                             ("ada-criticalkv", "float16")])
+def test_an_extend_over_heads_of_different_lengths_leaves_the_portable_buffers(name, kv_dtype, tmp_path):
+    """extend_heads_ort.onnx over a slot whose heads hold different lengths: the engine writes the new entries at each
+    layer's longest head, masks the shorter heads' holes and moves their entries down, so the slot holds what
+    extend.onnx leaves: the same lengths, each head's entries within float32 rounding of the portable graph's, the
+    slots after them untouched, and the question's logits within the flash-attention rule's reach (twice the portable
+    graph's own distance to a float64 run is checked for the prompt graphs above; here the two graphs' logits agree to
+    1e-4 of their range and pick the same token). float16 buffers: both extend a float32 copy of the row."""
+    model = random_checkpoint(family("llama3-gqa"), seed=3)
+    fused, portable = engines(model, KVPolicy(name, budget=48, window=8), tmp_path / "e", max_new_tokens=12,
+                              kv_dtype=kv_dtype)
+    try:
+        assert fused.backend.manifest["onnx"]["files"]["extend_heads_ort"] == "extend_heads_ort.onnx"
+        state, logits = {}, {}
+        for form, engine in (("fused", fused), ("portable", portable)):
+            engine.prefill(0, Request(random_prompt(150, seed=7)))
+            logits[form] = engine.extend(0, random_prompt(13, seed=8))
+            b = engine.backend
+            state[form] = ([n[0].copy() for n in b.lengths], [k[0].astype(np.float32) for k in b.keys],
+                           [v[0].astype(np.float32) for v in b.values])
+        assert any(int(n.min()) != int(n.max()) for n in state["fused"][0])  # heads of different lengths
+        assert fused.backend._lazy_sessions.get("extend_heads_ort") is not None  # the question ran through it
+        # float16 buffers: the new entries rounded to float16 from two float32 runs may differ by one rounding step
+        tolerance = {"rtol": 0, "atol": 1e-4} if kv_dtype == "float32" else {"rtol": 2 ** -10, "atol": 1e-3}
+        span = float(logits["portable"].max() - logits["portable"].min())
+        np.testing.assert_allclose(logits["fused"], logits["portable"], rtol=0, atol=1e-4 * span)
+        assert logits["fused"].argmax() == logits["portable"].argmax()
+        for layer, (a, b) in enumerate(zip(state["fused"][0], state["portable"][0])):
+            assert np.array_equal(a, b), layer
+            for buffers in (1, 2):
+                x, y = state["fused"][buffers][layer], state["portable"][buffers][layer]
+                for head, n in enumerate(a):
+                    np.testing.assert_allclose(x[head, :n], y[head, :n], **tolerance)
+                    assert np.array_equal(x[head, n:], y[head, n:]), (layer, head)  # beyond: what extend.onnx leaves
     finally:
         fused.close()
         portable.close()
