@@ -5,7 +5,7 @@
 # call is split into rounds (--rounds / --first-round / --append: the medians cover every call's runs).
 #   bash results/benchmarks/vllm/commands.sh            # everything
 #   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, prefix, steps, backends, aiperf, docqa,
-#                                                       # docqa-cache-dtype, needles, memory
+#                                                       # docqa-cache-dtype, docqa-heads, needles, memory
 # vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
 # first use. The engine is the README's (engines/ is git-ignored):
 #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8 \
@@ -62,6 +62,12 @@ if want docqa-cache-dtype; then
   # since), one interleaved call (taken 2026-11-29 20:58-21:13 UTC, cpu-exclusive, load 2.72 at the start, 1.56 at
   # the end; code: commit d46620f)
   $RUN $B bench docqa --engine-dir $E --context-cache-dtype float32,float16 --vllm --out $OUT/docqa_cache_dtype
+fi
+if want docqa-heads; then
+  # the same workload, three interleaved rounds, with a question after a cached context extended by
+  # extend_heads_ort.onnx (the engine rebuilt with it; taken 2026-11-30 00:22-00:46 UTC, cpu-exclusive, load 1.51 at
+  # the start; code: commit eddd9ea)
+  $RUN $B bench docqa --engine-dir $E --vllm --rounds 3 --out $OUT/docqa_heads
 fi
 if want needles; then
   # answers' accuracy: the needle grid (9 prompts per domain), the context compressed question-agnostically by
