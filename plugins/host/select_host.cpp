@@ -533,7 +533,7 @@ struct LayerScorer
     int32_t n, d, group, w, m;
     int64_t rowsPerBatch;
     bool pruned, rowsOn;
-    std::vector<float> raw, squares, norms, attention, critical, laprox;
+    std::vector<float> raw, squares, norms, attention, critical, methodScores;
     std::vector<BoundTerms> terms;
     std::vector<float> rows, worst, rowMass, stage1, ranking;
     std::vector<DefensiveTotals> totals;
@@ -566,7 +566,7 @@ struct LayerScorer
         norms.assign(needsNorms(config) ? perHead : 0, 0.0F);
         attention.assign(perKvHead, 0.0F);
         critical.assign(perKvHead, 0.0F);
-        laprox.assign(perKvHead, 0.0F);
+        methodScores.assign(perKvHead, 0.0F);
         for (int32_t h = 0; pruned && anyScored && h < s.heads; ++h)
         {
             terms.push_back(boundTerms(s, in.oProj, h));
@@ -636,19 +636,22 @@ struct LayerScorer
                 totals.data());
             return;
         }
-        // group scores (groupScoresKernel)
-        for (int32_t g = 0; g < s.kvHeads; ++g)
-        {
-            for (int32_t i = 0; i < m; ++i)
+        // group scores (groupScoresKernel, the base's instance: methods/registry.h)
+        forGroupScore(config.base, [&](auto method) {
+            using Method = decltype(method);
+            for (int32_t g = 0; g < s.kvHeads; ++g)
             {
-                GroupScores const scores = groupScoresAt(config, &raw[sequence], &squares[sequence],
-                    norms.empty() ? nullptr : &norms[sequence], g * group, group, m, i);
-                int64_t const at = base + static_cast<int64_t>(g) * m + i;
-                attention[at] = scores.attention;
-                critical[at] = scores.critical;
-                laprox[at] = scores.laprox;
+                for (int32_t i = 0; i < m; ++i)
+                {
+                    GroupScores const scores = groupScoresAt<Method>(config, &raw[sequence], &squares[sequence],
+                        norms.empty() ? nullptr : &norms[sequence], g * group, group, m, i);
+                    int64_t const at = base + static_cast<int64_t>(g) * m + i;
+                    attention[at] = scores.attention;
+                    critical[at] = scores.critical;
+                    methodScores[at] = scores.method;
+                }
             }
-        }
+        });
     }
 };
 
@@ -792,7 +795,7 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
         // shared allocation (select_flows.cuh: runSharedStage), then the per-head flow (runHeadStage)
         if (sharedAllocation(config))
         {
-            selectShared(topK, config, sharedRanking(config, &scorer.attention[base], &scorer.laprox[base]),
+            selectShared(topK, config, sharedRanking(config, &scorer.attention[base], &scorer.methodScores[base]),
                 &flags[base], s.kvHeads, m, info.candidateStart, info.r);
             for (int32_t g = 0; g < s.kvHeads; ++g)
             {

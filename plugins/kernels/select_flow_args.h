@@ -28,13 +28,14 @@ struct SelectionRows
     SelectionPlan plan;
 };
 
-//! The per-head and shared-allocation selection (snapkv, pyramidkv, adakv, laprox and their CriticalKV forms).
+//! The per-head and shared-allocation selection (snapkv, pyramidkv, adakv, the group-scored methods and their
+//! CriticalKV forms).
 struct SelectionArgs
 {
     SelectionRows rows;
     float const* attention; //!< [B, H_kv, m] S
     float const* critical;  //!< [B, H_kv, m] C (two-stage) or nullptr
-    float const* laprox;    //!< [B, H_kv, m] LaProx importance (laprox) or nullptr
+    float const* methodScores; //!< [B, H_kv, m] a group-scored method's own score (groupScored) or nullptr
 };
 
 //! defensivekv's selection: stage 1 by mass, then the shared allocation on the ranking.

@@ -170,15 +170,15 @@ __host__ bool runSharedAllocation(SelectionRows const& a, float const* ranking, 
         && launch.topK(layerRows(a, ranking, a.plan.layerRest, kChosenByAttention));
 }
 
-//! Shared allocation of adakv / laprox (and ada-criticalkv's shares): flags cleared, the allocation, each head's
-//! share into headCounts.
+//! Shared allocation of adakv / the group-scored methods (and ada-criticalkv's shares): flags cleared, the
+//! allocation, each head's share into headCounts.
 template <typename Launcher>
 __host__ bool runSharedStage(SelectionArgs const& a, Launcher& launch)
 {
     SelectionRows const& r = a.rows;
     int32_t const m = r.shape.n - windowLength(r.config, r.shape.n);
     launch.zero(r.flags, static_cast<size_t>(r.shape.batch) * r.shape.kvHeads * m);
-    if (!runSharedAllocation(r, sharedRanking(r.config, a.attention, a.laprox), launch))
+    if (!runSharedAllocation(r, sharedRanking(r.config, a.attention, a.methodScores), launch))
     {
         return false;
     }
@@ -203,7 +203,7 @@ __host__ bool runHeadStage(SelectionArgs const& a, Launcher& launch)
 }
 
 //! Every non-pruned, non-defensive policy: the shared allocation first where the base shares the layer's slots,
-//! then the per-head flow unless the shares are the result (adakv, laprox).
+//! then the per-head flow unless the shares are the result (adakv, the group-scored methods).
 template <typename Launcher>
 __host__ bool runSelection(SelectionArgs const& a, Launcher& launch)
 {

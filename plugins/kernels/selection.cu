@@ -24,7 +24,9 @@ namespace kernels
 constexpr int kScoreThreads = 256;
 constexpr int kGatherWarps = 8;
 
-//! S, C and the LaProx importance of every older token. grid (ceil(m / kScoreThreads), H_kv, B).
+//! S, C and Method's own score (group_scores.h; NoGroupScore: none) of every older token.
+//! grid (ceil(m / kScoreThreads), H_kv, B).
+template <typename Method>
 __global__ void __launch_bounds__(kScoreThreads) groupScoresKernel(ScoreArgs a)
 {
     int32_t const g = static_cast<int32_t>(blockIdx.y);
@@ -42,7 +44,7 @@ __global__ void __launch_bounds__(kScoreThreads) groupScoresKernel(ScoreArgs a)
     }
     int32_t const group = a.shape.heads / a.shape.kvHeads;
     int64_t const sequence = static_cast<int64_t>(b) * a.shape.heads * m;
-    GroupScores const scores = groupScoresAt(a.config, a.raw + sequence,
+    GroupScores const scores = groupScoresAt<Method>(a.config, a.raw + sequence,
         a.squares != nullptr ? a.squares + sequence : nullptr, a.norms != nullptr ? a.norms + sequence : nullptr,
         g * group, group, m, i);
     int64_t const out = (static_cast<int64_t>(b) * a.shape.kvHeads + g) * m + i;
@@ -51,9 +53,9 @@ __global__ void __launch_bounds__(kScoreThreads) groupScoresKernel(ScoreArgs a)
     {
         a.critical[out] = scores.critical;
     }
-    if (a.laprox != nullptr)
+    if (a.methodScores != nullptr)
     {
-        a.laprox[out] = scores.laprox;
+        a.methodScores[out] = scores.method;
     }
 }
 
@@ -201,7 +203,9 @@ cudaError_t launchGroupScores(ScoreArgs const& a, cudaStream_t stream)
     {
         return cudaSuccess;
     }
-    groupScoresKernel<<<scoreGridOf(a, m), kScoreThreads, 0, stream>>>(a);
+    forGroupScore(a.config.base, [&a, m, stream](auto method) {
+        groupScoresKernel<decltype(method)><<<scoreGridOf(a, m), kScoreThreads, 0, stream>>>(a);
+    });
     return cudaGetLastError();
 }
 

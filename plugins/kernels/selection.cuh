@@ -18,11 +18,11 @@ struct ScoreArgs
     int32_t const* promptLengths;
     RuntimeBudget budget;
     float const* raw;     // [B, H, m]
-    float const* squares; // [B, H, m] (laprox)
-    float const* norms;   // [B, H, m] (two-stage, laprox)
+    float const* squares; // [B, H, m] (windowSquares)
+    float const* norms;   // [B, H, m] (needsNorms)
     float* attention;     // [B, H_kv, m]
     float* critical;      // [B, H_kv, m] or nullptr
-    float* laprox;        // [B, H_kv, m] or nullptr
+    float* methodScores;  // [B, H_kv, m] (groupScored) or nullptr
     uint8_t* flags;       // [B, H_kv, m]
     int32_t* headCounts;  // [B, H_kv]
     float const* worst;       // [B, H, m] (defensivekv, launchDefensiveRows)
@@ -55,7 +55,8 @@ inline GatherArgs gatherArgs(SelectConfig const& config, SelectShape const& shap
         static_cast<int64_t>(shape.headDim) * (dtype == DType::kFloat32 ? 4 : 2)};
 }
 
-//! S, C and the LaProx importance of every older token (group_scores.h).
+//! S, C and the group-scored method's own score of every older token (group_scores.h; the kernel's instance is the
+//! method's of methods/registry.h).
 cudaError_t launchGroupScores(ScoreArgs const& a, cudaStream_t stream);
 //! defensivekv's scores: the defensive score into attention, the stage-1 mass into stage1, the totals.
 cudaError_t launchDefensiveScores(ScoreArgs const& a, cudaStream_t stream);

@@ -1,6 +1,6 @@
 // Window attention scores: softmax of the w window queries of every query head over all n keys (causal inside
-// the window, left padding masked), averaged over the queries (Ā), for LaProx sum_j A_j^2, and for defensivekv the
-// rows' maximum of the rescaled average pools (worst) and masses.
+// the window, left padding masked), averaged over the queries (Ā), sum_j A_j^2 where a group-scored method asks for it
+// (windowSquares: laprox), and for defensivekv the rows' maximum of the rescaled average pools (worst) and masses.
 //
 // * fp16 / bf16, d_h % 16 == 0, d_h <= 128, w <= 128, pool kernel <= 49, 16-byte aligned Q and K, sm_80+
 //   (windowScoresOnTensorCores): the tensor-core tiles of window_tiles.cuh, three launches: pass 1 (Q K^T on the

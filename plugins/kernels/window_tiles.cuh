@@ -11,7 +11,7 @@
 //      (max, sum exp over the visible keys, the same sum over the older keys, and defensivekv's pool-edge sum);
 //   2. windowCombineBlock: the partials of a row into its (max, sum) and defensivekv's (mass, total);
 //   3. windowColumnsBlock: the scores again, p = exp(s - max) / sum into a shared fp32 tile [rows][64 keys], then per
-//      (head, key) Ā = sum_j p / w, sum_j p^2 (laprox) and defensivekv's worst = max_j rescaled pooled p.
+//      (head, key) Ā = sum_j p / w, sum_j p^2 (windowSquares) and defensivekv's worst = max_j rescaled pooled p.
 // The logits are s = (q . k) x (1 / sqrt(d_h)) and p takes a product by 1 / sum: within an ulp of the reference's
 // divisions, far inside the flash-attention rule these 16-bit inputs are held to (fp32 inputs run the SIMT kernels).
 // Bytes: storing the fp32 scores instead of recomputing them writes and reads G w 4 = 512 bytes per key and KV head,

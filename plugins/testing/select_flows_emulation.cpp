@@ -99,13 +99,13 @@ int main(int argc, char** argv)
     RuntimeBudget const budget{kvBudget > 0 ? &kvBudgetValue : nullptr, nullptr};
 
     size_t const cells = static_cast<size_t>(B) * Hkv * m;
-    std::vector<float> attention(cells), critical(cells), laprox(cells), stage1(cells), ranking(cells, 0.0F);
+    std::vector<float> attention(cells), critical(cells), methodScores(cells), stage1(cells), ranking(cells, 0.0F);
     std::uniform_real_distribution<float> unit(0.0F, 1.0F);
     for (size_t e = 0; e < cells; ++e)
     {
         attention[e] = ties ? static_cast<float>(rng() % 4) / 4.0F : unit(rng);
         critical[e] = ties ? static_cast<float>(rng() % 3) : unit(rng);
-        laprox[e] = ties ? static_cast<float>(rng() % 5) : unit(rng);
+        methodScores[e] = ties ? static_cast<float>(rng() % 5) : unit(rng);
     }
     // defensivekv: scores in [0, 1], stage-1 masses summing to ~1 per head over its valid tokens, window masses
     std::vector<DefensiveTotals> totals(static_cast<size_t>(B) * Hkv);
@@ -153,8 +153,8 @@ int main(int argc, char** argv)
         }
         if (sharedAllocation(config))
         {
-            selectShared(exec, config, sharedRanking(config, &attention[base], &laprox[base]), &hostFlags[base], Hkv,
-                m, info.validStart, info.r);
+            selectShared(exec, config, sharedRanking(config, &attention[base], &methodScores[base]), &hostFlags[base],
+                Hkv, m, info.validStart, info.r);
             for (int32_t g = 0; g < Hkv; ++g)
             {
                 uint8_t const* row = &hostFlags[base + static_cast<size_t>(g) * m];
@@ -192,7 +192,7 @@ int main(int argc, char** argv)
     else
     {
         kernels::SelectionArgs const a{rows, attention.data(), config.twoStage ? critical.data() : nullptr,
-            laprox.data()};
+            methodScores.data()};
         accepted = kernels::runSelection(a, launch);
     }
     if (!accepted)
