@@ -307,7 +307,7 @@ cudaError_t scoreInputs(SelectConfig const& config, SelectShape const& shape, La
         s.rowMass = reinterpret_cast<float2 const*>(window.rowMass);
         s.stage1 = at<float>(workspace, layout.stage1);
         s.ranking = at<float>(workspace, layout.ranking);
-        s.totals = at<DefensiveTotals>(workspace, layout.totals);
+        s.totals = at<DefensiveKV::Totals>(workspace, layout.totals);
     }
     s.raw = raw;
     s.squares = squares;

@@ -2,7 +2,7 @@
 // reads. No CUDA header, so that pipeline.cu, selection.cu and the CPU emulation share them.
 #pragma once
 
-#include "criticalkv/defensive.h"
+#include "criticalkv/methods/defensivekv.h"
 #include "criticalkv/selection_plan.h"
 
 namespace criticalkv::kernels
@@ -45,7 +45,7 @@ struct DefensiveSelectionArgs
     float const* defensive;        //!< [B, H_kv, m] the defensive score
     float const* stage1;           //!< [B, H_kv, m] the stage-1 mass
     float* ranking;                //!< [B, H_kv, m] scratch: the shared allocation's ranking
-    DefensiveTotals const* totals; //!< [B, H_kv]
+    DefensiveKV::Totals const* totals; //!< [B, H_kv]
 };
 
 //! A kvzip layer's external scores copied as every query head's raw attention (model_level.cuh: externalRawKernel).

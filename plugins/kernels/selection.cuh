@@ -1,7 +1,7 @@
 // Arguments and launchers of the selection stages (private to plugins/kernels; used by pipeline.cu).
 #pragma once
 
-#include "criticalkv/defensive.h"
+#include "criticalkv/methods/defensivekv.h"
 #include "compact.cuh" // CompactArgs
 #include "select_flow_args.h"
 
@@ -29,7 +29,7 @@ struct ScoreArgs
     float2 const* rowMass;    // [B, H, w] (defensivekv)
     float* stage1;            // [B, H_kv, m] (defensivekv)
     float* ranking;           // [B, H_kv, m] (defensivekv)
-    DefensiveTotals* totals;  // [B, H_kv] (defensivekv)
+    DefensiveKV::Totals* totals;  // [B, H_kv] (defensivekv)
     // CriticalKV's pruned stage 2 (prunedStage2On): norms hold the L1 bounds, critical their group score U; the
     // per-head selection is launchPrunedStage2's (kernels/pruned.cu)
     bool pruned;

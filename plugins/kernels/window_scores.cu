@@ -12,7 +12,7 @@
 // Why not TensorRT's own layers (MatMul + Softmax + Reduce): they would materialise the [B, H, w, n]
 // probabilities (w * n * 4 bytes per head: 16 MiB for w = 32, n = 128k) and run the selection outside the
 // plugin anyway. Not measured on a GPU yet (docs/tensorrt_cost_model.md has the predictions).
-#include "criticalkv/defensive.h"
+#include "criticalkv/methods/defensivekv.h"
 #include "criticalkv/kernels.h"
 #include "device_utils.cuh"
 #include "window_simt.cuh"

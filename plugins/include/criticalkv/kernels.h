@@ -69,7 +69,7 @@ struct WorkspaceLayout
     size_t worst;      //!< float [B, H, m]: max over the window queries of the rescaled pooled rows (defensivekv)
     size_t stage1;     //!< float [B, H_kv, m]: stage-1 mass (defensivekv)
     size_t ranking;    //!< float [B, H_kv, m]: the shared allocation's ranking (defensivekv)
-    size_t totals;     //!< DefensiveTotals [B, H_kv] (defensivekv)
+    size_t totals;     //!< DefensiveKV::Totals [B, H_kv] (defensivekv)
     size_t plan;       //!< selectionPlanBytes: every row's k and first valid position of the selection's top-k calls
     size_t topK;       //!< selectionScratchBytes: launchTopK / launchMassCount's scratch
     size_t total;
@@ -259,7 +259,7 @@ struct WindowScoreParams
     float* rowMass;               //!< float2 [B, H, w]: (mass, pooled total) of every window query's row over the older
                                   //!< tokens (defensivekv; with worst)
     float* worst;                 //!< [B, H, m]: max over the window queries of the rescaled average-pooled rows
-                                  //!< (defensivekv, defensive.h), or nullptr
+                                  //!< (defensivekv, methods/defensivekv.h), or nullptr
 };
 
 //! Window attention of every query head over the m = n - w older tokens (causal inside the window, left padding
@@ -427,7 +427,7 @@ cudaError_t launchPrunedRow(float const* bound, float const* scores, float* exac
 //! work running concurrently.
 cudaError_t launchTopK(TopKRows const& rows, void* scratch, size_t scratchBytes, cudaStream_t stream);
 
-//! defensivekv's stage-1 count (defensive.h: radixMassCount) of many rows: count[r] = how many candidates of row r,
+//! defensivekv's stage-1 count (mass_count.h: radixMassCount) of many rows: count[r] = how many candidates of row r,
 //! taken best first, keep the cumulative sum of their (non-negative) scores below limit[r]. Candidates, rows and
 //! the scores as launchTopK's (rows.k and rows.mark unused). count: [rows] int64 (device); limit: [rows] float.
 cudaError_t launchMassCount(TopKRows const& rows, float const* limit, int64_t* count, void* scratch,
