@@ -26,8 +26,8 @@ queries j and older tokens i (m = n - w of them):
    mass the reference's comment and the paper name, per sequence, so a sequence's selection does not depend on
    its batch.) As in the reference the crossing token itself is not in stage 1. The cumulative mass is summed exactly
    in fixed point (``stage1_count``), so every backend counts the same stage-1 tokens. The limit is computed in one
-   order by every backend (``window_masses``, ``stage1_limit``: the host C++'s, plugins/include/criticalkv/
-   defensive.h): each row's mass over the older tokens summed in double and rounded to fp32, a group's rows summed
+   order by every backend (``window_masses``, ``stage1_limit``: the host C++'s, plugins/include/criticalkv/methods/
+   defensivekv.h): each row's mass over the older tokens summed in double and rounded to fp32, a group's rows summed
    in double, rounded, divided by the row count and subtracted from 1 in fp32, then the groups' window masses added
    one after the other in fp32 and divided by H_kv. (Summed in fp32 in each library's own order, the limit came
    out 1 ulp apart between this module and its ONNX body on identical inputs.)
@@ -43,9 +43,9 @@ larger budget keeps a superset of a smaller one's set on the same scores). The c
 per-layer decode buffers of an exported engine (an uncapped head may keep its whole prompt). It is a model-level method: ``criticalkv.selection.select_model``
 selects it; ``select_layer`` alone only for a one-layer model.
 
-C++ (CUDA kernels, TensorRT plugin, host version): ``defensivekv``'s flow is ``plugins/include/criticalkv/defensive.h``
-(``row_scores`` tells the pipeline its score reads every window query's row); ``layer-defensivekv`` is refused by the
-per-layer plugin (``cpp_refusal``).
+C++ (CUDA kernels, TensorRT plugin, host version): ``defensivekv``'s flow is
+``plugins/include/criticalkv/methods/defensivekv.h`` (``row_scores`` tells the pipeline its score reads every window
+query's row); ``layer-defensivekv`` is refused by the per-layer plugin (``cpp_refusal``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #include "select_host.h"
 #include "pruned_row_host.h"
 
-#include "criticalkv/defensive.h"
+#include "criticalkv/methods/defensivekv.h"
 #include "criticalkv/group_scores.h"
 #include "criticalkv/head_selection.h"
 #include "criticalkv/kept_positions.h"
@@ -125,7 +125,7 @@ struct HostTopK
     {
         for (int64_t e = 0; e < len; ++e)
         {
-            ranking[e] = stage1Ranking(defensive[e], flags[e] != 0);
+            ranking[e] = DefensiveKV::stage1Ranking(defensive[e], flags[e] != 0);
             flags[e] = 0;
         }
     }
@@ -145,14 +145,15 @@ void defensiveRows(SelectConfig const& config, float const* rows, int32_t w, int
         double total = 0.0;
         for (int32_t i = 0; i < m; ++i)
         {
-            pooled[i] = averagePooledAt(row, config.poolKernel, m, validStart, i);
+            pooled[i] = DefensiveKV::averagePooledAt(row, config.poolKernel, m, validStart, i);
             mass += row[i];
             total += pooled[i];
         }
         rowMass[j] = static_cast<float>(mass);
         for (int32_t i = 0; i < m; ++i)
         {
-            worst[i] = std::max(worst[i], rescaledPooled(pooled[i], rowMass[j], static_cast<float>(total)));
+            worst[i]
+                = std::max(worst[i], DefensiveKV::rescaledPooled(pooled[i], rowMass[j], static_cast<float>(total)));
         }
     }
 }
@@ -161,16 +162,16 @@ void defensiveRows(SelectConfig const& config, float const* rows, int32_t w, int
 //! and the stage-1 mass of every older token; groupTotals: [H_kv].
 void defensiveGroups(SelectShape const& s, float const* headWorst, float const* raw, float const* norms,
     float const* rowMass, int32_t w, int32_t m, int32_t validStart, float* defensive, float* stage1,
-    DefensiveTotals* groupTotals)
+    DefensiveKV::Totals* groupTotals)
 {
     int32_t const group = s.heads / s.kvHeads;
-    std::vector<DefensiveParts> parts(static_cast<size_t>(m));
+    std::vector<DefensiveKV::Parts> parts(static_cast<size_t>(m));
     for (int32_t g = 0; g < s.kvHeads; ++g)
     {
         double worstSum = 0.0, normSum = 0.0, attentionSum = 0.0, massSum = 0.0;
         for (int32_t i = 0; i < m; ++i)
         {
-            parts[i] = defensivePartsAt(headWorst, raw, norms, g * group, group, m, validStart, i);
+            parts[i] = DefensiveKV::partsAt(headWorst, raw, norms, g * group, group, m, validStart, i);
             worstSum += i >= validStart ? parts[i].worst : 0.0F;
             normSum += parts[i].norm;
             attentionSum += parts[i].attention;
@@ -179,13 +180,13 @@ void defensiveGroups(SelectShape const& s, float const* headWorst, float const* 
         {
             massSum += rowMass[row];
         }
-        DefensiveTotals const totals
-            = defensiveTotals(worstSum, normSum, attentionSum, massSum, m - validStart, group * w);
+        DefensiveKV::Totals const totals
+            = DefensiveKV::totals(worstSum, normSum, attentionSum, massSum, m - validStart, group * w);
         groupTotals[g] = totals;
         for (int32_t i = 0; i < m; ++i)
         {
-            defensive[static_cast<int64_t>(g) * m + i] = defensiveScore(parts[i], totals);
-            stage1[static_cast<int64_t>(g) * m + i] = stage1MassOf(parts[i], totals);
+            defensive[static_cast<int64_t>(g) * m + i] = DefensiveKV::score(parts[i], totals);
+            stage1[static_cast<int64_t>(g) * m + i] = DefensiveKV::stage1Mass(parts[i], totals);
         }
     }
 }
@@ -533,10 +534,10 @@ struct LayerScorer
     int32_t n, d, group, w, m;
     int64_t rowsPerBatch;
     bool pruned, rowsOn;
-    std::vector<float> raw, squares, norms, attention, critical, laprox;
+    std::vector<float> raw, squares, norms, attention, critical, methodScores;
     std::vector<BoundTerms> terms;
     std::vector<float> rows, worst, rowMass, stage1, ranking;
-    std::vector<DefensiveTotals> totals;
+    std::vector<DefensiveKV::Totals> totals;
     std::vector<float> keyed; //!< [H_kv, n] a key-scored method's scores of one sequence
 
     LayerScorer(SelectConfig const& c, SelectShape const& shape, HostInputs const& inputs, bool anyScored,
@@ -566,7 +567,7 @@ struct LayerScorer
         norms.assign(needsNorms(config) ? perHead : 0, 0.0F);
         attention.assign(perKvHead, 0.0F);
         critical.assign(perKvHead, 0.0F);
-        laprox.assign(perKvHead, 0.0F);
+        methodScores.assign(perKvHead, 0.0F);
         for (int32_t h = 0; pruned && anyScored && h < s.heads; ++h)
         {
             terms.push_back(boundTerms(s, in.oProj, h));
@@ -576,7 +577,7 @@ struct LayerScorer
         rowMass.assign(rowsOn ? static_cast<size_t>(s.batch) * s.heads * w : 0, 0.0F);
         stage1.assign(rowsOn ? perKvHead : 0, 0.0F);
         ranking.assign(rowsOn ? perKvHead : 0, 0.0F);
-        totals.assign(static_cast<size_t>(s.kvHeads), DefensiveTotals{});
+        totals.assign(static_cast<size_t>(s.kvHeads), DefensiveKV::Totals{});
         keyed.assign(keyScored(config) ? static_cast<size_t>(s.kvHeads) * n : 0, 0.0F);
     }
 
@@ -636,19 +637,22 @@ struct LayerScorer
                 totals.data());
             return;
         }
-        // group scores (groupScoresKernel)
-        for (int32_t g = 0; g < s.kvHeads; ++g)
-        {
-            for (int32_t i = 0; i < m; ++i)
+        // group scores (groupScoresKernel, the base's instance: methods/registry.h)
+        forGroupScore(config.base, [&](auto method) {
+            using Method = decltype(method);
+            for (int32_t g = 0; g < s.kvHeads; ++g)
             {
-                GroupScores const scores = groupScoresAt(config, &raw[sequence], &squares[sequence],
-                    norms.empty() ? nullptr : &norms[sequence], g * group, group, m, i);
-                int64_t const at = base + static_cast<int64_t>(g) * m + i;
-                attention[at] = scores.attention;
-                critical[at] = scores.critical;
-                laprox[at] = scores.laprox;
+                for (int32_t i = 0; i < m; ++i)
+                {
+                    GroupScores const scores = groupScoresAt<Method>(config, &raw[sequence], &squares[sequence],
+                        norms.empty() ? nullptr : &norms[sequence], g * group, group, m, i);
+                    int64_t const at = base + static_cast<int64_t>(g) * m + i;
+                    attention[at] = scores.attention;
+                    critical[at] = scores.critical;
+                    methodScores[at] = scores.method;
+                }
             }
-        }
+        });
     }
 };
 
@@ -784,15 +788,15 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
         if (scorer.rowsOn)
         {
             // stage 1 and the shared allocation on defensivekv's ranking
-            float const limit = stage1Limit(config, scorer.totals.data(), s.kvHeads);
-            selectDefensive(topK, config, &scorer.attention[base], &scorer.stage1[base], &scorer.ranking[base],
+            float const limit = DefensiveKV::stage1Limit(config, scorer.totals.data(), s.kvHeads);
+            DefensiveKV::select(topK, config, &scorer.attention[base], &scorer.stage1[base], &scorer.ranking[base],
                 &flags[base], s.kvHeads, m, info.candidateStart, info.r, limit);
             continue;
         }
         // shared allocation (select_flows.cuh: runSharedStage), then the per-head flow (runHeadStage)
         if (sharedAllocation(config))
         {
-            selectShared(topK, config, sharedRanking(config, &scorer.attention[base], &scorer.laprox[base]),
+            selectShared(topK, config, sharedRanking(config, &scorer.attention[base], &scorer.methodScores[base]),
                 &flags[base], s.kvHeads, m, info.candidateStart, info.r);
             for (int32_t g = 0; g < s.kvHeads; ++g)
             {
@@ -864,8 +868,8 @@ void layerRanking(SelectConfig const& config, BudgetTable const& table, SelectSh
         int64_t const base = b * rowsPerBatch;
         if (scorer.rowsOn)
         {
-            float const limit = stage1Limit(config, scorer.totals.data(), s.kvHeads);
-            rankDefensive(topK, &scorer.attention[base], &scorer.stage1[base], ranking + base, &flags[base],
+            float const limit = DefensiveKV::stage1Limit(config, scorer.totals.data(), s.kvHeads);
+            DefensiveKV::rank(topK, &scorer.attention[base], &scorer.stage1[base], ranking + base, &flags[base],
                 s.kvHeads, m, info.validStart, info.r, limit);
         }
         else

@@ -83,7 +83,7 @@ cudaError_t selectOlderTokens(SelectConfig const& config, SelectShape const& sha
     {
         return status;
     }
-    kernels::SelectionArgs const a{rows, s.attention, s.critical, s.laprox};
+    kernels::SelectionArgs const a{rows, s.attention, s.critical, s.methodScores};
     if (!s.pruned)
     {
         return kernels::launchSelection(a, stream);
@@ -199,10 +199,9 @@ cudaError_t scoreInputs(SelectConfig const& config, SelectShape const& shape, La
     void* workspace, WorkspaceLayout const& layout, kernels::ScoreArgs& s, cudaStream_t stream)
 {
     int32_t const m = shape.n - windowLength(config, shape.n);
-    bool const laproxOn = ownL2Norms(config); // squared attention and the LaProx ranking
     bool const rowsOn = rowScores(config);     // defensivekv's rows come out of the same passes
     float* raw = at<float>(workspace, layout.raw);
-    float* squares = laproxOn ? at<float>(workspace, layout.squares) : nullptr;
+    float* squares = windowSquares(config) ? at<float>(workspace, layout.squares) : nullptr;
     WindowScoreParams window{};
     cudaError_t status = cudaSuccess;
     if (externalScores(config) || keyScored(config))
@@ -308,7 +307,7 @@ cudaError_t scoreInputs(SelectConfig const& config, SelectShape const& shape, La
         s.rowMass = reinterpret_cast<float2 const*>(window.rowMass);
         s.stage1 = at<float>(workspace, layout.stage1);
         s.ranking = at<float>(workspace, layout.ranking);
-        s.totals = at<DefensiveTotals>(workspace, layout.totals);
+        s.totals = at<DefensiveKV::Totals>(workspace, layout.totals);
     }
     s.raw = raw;
     s.squares = squares;
@@ -358,7 +357,7 @@ cudaError_t launchCriticalKVSelect(SelectConfig const& config, BudgetTable const
         }
         s.attention = at<float>(workspace, layout.attention);
         s.critical = config.twoStage ? at<float>(workspace, layout.critical) : nullptr;
-        s.laprox = ownL2Norms(config) ? at<float>(workspace, layout.laprox) : nullptr;
+        s.methodScores = groupScored(config) ? at<float>(workspace, layout.methodScores) : nullptr;
         s.headCounts = at<int32_t>(workspace, layout.headCounts);
         status = selectOlderTokens(config, shape, s, workspace, layout, stream);
         if (status != cudaSuccess)
@@ -485,7 +484,7 @@ cudaError_t launchLayerRanking(SelectConfig const& config, BudgetTable const& ta
     // the kvzip pair: the group score of the external scores (and the critical score), then the sinks first
     s.attention = t.attention != nullptr ? t.attention : at<float>(workspace, layout.attention);
     s.critical = config.twoStage ? t.critical : nullptr;
-    s.laprox = nullptr;
+    s.methodScores = nullptr;
     status = kernels::launchGroupScores(s, stream);
     if (status != cudaSuccess)
     {

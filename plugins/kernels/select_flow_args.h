@@ -2,7 +2,7 @@
 // reads. No CUDA header, so that pipeline.cu, selection.cu and the CPU emulation share them.
 #pragma once
 
-#include "criticalkv/defensive.h"
+#include "criticalkv/methods/defensivekv.h"
 #include "criticalkv/selection_plan.h"
 
 namespace criticalkv::kernels
@@ -28,13 +28,14 @@ struct SelectionRows
     SelectionPlan plan;
 };
 
-//! The per-head and shared-allocation selection (snapkv, pyramidkv, adakv, laprox and their CriticalKV forms).
+//! The per-head and shared-allocation selection (snapkv, pyramidkv, adakv, the group-scored methods and their
+//! CriticalKV forms).
 struct SelectionArgs
 {
     SelectionRows rows;
     float const* attention; //!< [B, H_kv, m] S
     float const* critical;  //!< [B, H_kv, m] C (two-stage) or nullptr
-    float const* laprox;    //!< [B, H_kv, m] LaProx importance (laprox) or nullptr
+    float const* methodScores; //!< [B, H_kv, m] a group-scored method's own score (groupScored) or nullptr
 };
 
 //! defensivekv's selection: stage 1 by mass, then the shared allocation on the ranking.
@@ -44,7 +45,7 @@ struct DefensiveSelectionArgs
     float const* defensive;        //!< [B, H_kv, m] the defensive score
     float const* stage1;           //!< [B, H_kv, m] the stage-1 mass
     float* ranking;                //!< [B, H_kv, m] scratch: the shared allocation's ranking
-    DefensiveTotals const* totals; //!< [B, H_kv]
+    DefensiveKV::Totals const* totals; //!< [B, H_kv]
 };
 
 //! A kvzip layer's external scores copied as every query head's raw attention (model_level.cuh: externalRawKernel).

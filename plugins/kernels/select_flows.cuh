@@ -1,8 +1,8 @@
-// The selection flows of every non-pruned policy on the GPU (head_selection.h, shared_allocation.h, defensive.h) as
-// fixed sequences of batched launches: small plan kernels compute every row's k on the device (from the runtime
-// budget, the prompt lengths, the heads' shares, stage 1's mass count) with the flows' own __host__ __device__
-// functions, and launchTopK / launchMassCount (criticalkv/topk.h) select over all rows of the batch at once. The host
-// driver runs the same flows row by row (host/select_host.cpp); both keep the same sets.
+// The selection flows of every non-pruned policy on the GPU (head_selection.h, shared_allocation.h,
+// methods/defensivekv.h) as fixed sequences of batched launches: small plan kernels compute every row's k on the
+// device (from the runtime budget, the prompt lengths, the heads' shares, stage 1's mass count) with the flows' own
+// __host__ __device__ functions, and launchTopK / launchMassCount (criticalkv/topk.h) select over all rows of the
+// batch at once. The host driver runs the same flows row by row (host/select_host.cpp); both keep the same sets.
 //
 // Included by kernels/selection.cu only and, compiled with g++, by the CPU emulation (plugins/testing/
 // select_flows_emulation.cpp): no CUDA or CUB header here, launches go through a launcher:
@@ -93,8 +93,9 @@ __global__ void __launch_bounds__(kTopKThreads) headCountsKernel(SelectionRows a
     }
 }
 
-//! defensivekv: every head's stage-1 limit (the sequence's, stage1Limit over its heads' totals). grid as the plans.
-__global__ void __launch_bounds__(kPlanThreads) defensivePlanKernel(SelectionRows a, DefensiveTotals const* totals)
+//! defensivekv: every head's stage-1 limit (the sequence's, DefensiveKV::stage1Limit over its heads' totals). grid as
+//! the plans.
+__global__ void __launch_bounds__(kPlanThreads) defensivePlanKernel(SelectionRows a, DefensiveKV::Totals const* totals)
 {
     int32_t b = 0;
     int32_t g = 0;
@@ -105,7 +106,7 @@ __global__ void __launch_bounds__(kPlanThreads) defensivePlanKernel(SelectionRow
     int64_t const row = static_cast<int64_t>(b) * a.shape.kvHeads + g;
     SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
     a.plan.limits[row] = info.compress
-        ? stage1Limit(a.config, totals + static_cast<int64_t>(b) * a.shape.kvHeads, a.shape.kvHeads)
+        ? DefensiveKV::stage1Limit(a.config, totals + static_cast<int64_t>(b) * a.shape.kvHeads, a.shape.kvHeads)
         : 0.0F;
     a.plan.headFirstValid[row] = info.candidateStart;
 }
@@ -121,7 +122,7 @@ __global__ void __launch_bounds__(kPlanThreads) stage1KeepKernel(SelectionRows a
     }
     int64_t const row = static_cast<int64_t>(b) * a.shape.kvHeads + g;
     SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
-    a.plan.headFirst[row] = info.compress ? stage1Keep(a.plan.massCounts[row], info.r) : 0;
+    a.plan.headFirst[row] = info.compress ? DefensiveKV::stage1Keep(a.plan.massCounts[row], info.r) : 0;
 }
 
 //! defensivekv: the shared allocation's ranking (stage-1 tokens first) and the flags cleared for it.
@@ -136,7 +137,7 @@ __global__ void __launch_bounds__(kPlanThreads) rankStage1Kernel(DefensiveSelect
         return;
     }
     int64_t const at = static_cast<int64_t>(blockIdx.y) * length + e;
-    a.ranking[at] = stage1Ranking(a.defensive[at], a.rows.flags[at] != 0);
+    a.ranking[at] = DefensiveKV::stage1Ranking(a.defensive[at], a.rows.flags[at] != 0);
     a.rows.flags[at] = 0;
 }
 
@@ -170,15 +171,15 @@ __host__ bool runSharedAllocation(SelectionRows const& a, float const* ranking, 
         && launch.topK(layerRows(a, ranking, a.plan.layerRest, kChosenByAttention));
 }
 
-//! Shared allocation of adakv / laprox (and ada-criticalkv's shares): flags cleared, the allocation, each head's
-//! share into headCounts.
+//! Shared allocation of adakv / the group-scored methods (and ada-criticalkv's shares): flags cleared, the
+//! allocation, each head's share into headCounts.
 template <typename Launcher>
 __host__ bool runSharedStage(SelectionArgs const& a, Launcher& launch)
 {
     SelectionRows const& r = a.rows;
     int32_t const m = r.shape.n - windowLength(r.config, r.shape.n);
     launch.zero(r.flags, static_cast<size_t>(r.shape.batch) * r.shape.kvHeads * m);
-    if (!runSharedAllocation(r, sharedRanking(r.config, a.attention, a.laprox), launch))
+    if (!runSharedAllocation(r, sharedRanking(r.config, a.attention, a.methodScores), launch))
     {
         return false;
     }
@@ -203,7 +204,7 @@ __host__ bool runHeadStage(SelectionArgs const& a, Launcher& launch)
 }
 
 //! Every non-pruned, non-defensive policy: the shared allocation first where the base shares the layer's slots,
-//! then the per-head flow unless the shares are the result (adakv, laprox).
+//! then the per-head flow unless the shares are the result (adakv, the group-scored methods).
 template <typename Launcher>
 __host__ bool runSelection(SelectionArgs const& a, Launcher& launch)
 {
@@ -221,8 +222,8 @@ __host__ bool runSelection(SelectionArgs const& a, Launcher& launch)
     return runHeadStage(a, launch);
 }
 
-//! defensivekv's ranking (rankDefensive): stage 1 by mass per head, then the defensive score with the stage-1 tokens
-//! first into a.ranking, the flags cleared (layer-defensivekv's part of the model-wide ranking: this alone).
+//! defensivekv's ranking (DefensiveKV::rank): stage 1 by mass per head, then the defensive score with the stage-1
+//! tokens first into a.ranking, the flags cleared (layer-defensivekv's part of the model-wide ranking: this alone).
 template <typename Launcher>
 __host__ bool runDefensiveRanking(DefensiveSelectionArgs const& a, Launcher& launch)
 {
@@ -247,7 +248,7 @@ __host__ bool runDefensiveRanking(DefensiveSelectionArgs const& a, Launcher& lau
     return true;
 }
 
-//! defensivekv (selectDefensive): its ranking (runDefensiveRanking), then the shared allocation on it.
+//! defensivekv (DefensiveKV::select): its ranking (runDefensiveRanking), then the shared allocation on it.
 template <typename Launcher>
 __host__ bool runDefensiveSelection(DefensiveSelectionArgs const& a, Launcher& launch)
 {

@@ -3,7 +3,7 @@
 // Every non-pruned selection flow (per head, shared allocation, defensivekv) is select_flows.cuh's fixed sequence of
 // plan kernels and batched top-k launches (launchTopK, kernels/topk.cu) over all rows of the batch; CriticalKV's
 // pruned stage 2 (prunedStage2On) is kernels/pruned.cu's (launchPrunedStage2, enqueued by pipeline.cu).
-#include "criticalkv/defensive.h"
+#include "criticalkv/methods/defensivekv.h"
 #include "criticalkv/group_scores.h"
 #include "criticalkv/head_selection.h"
 #include "criticalkv/kept_positions.h"
@@ -24,7 +24,9 @@ namespace kernels
 constexpr int kScoreThreads = 256;
 constexpr int kGatherWarps = 8;
 
-//! S, C and the LaProx importance of every older token. grid (ceil(m / kScoreThreads), H_kv, B).
+//! S, C and Method's own score (group_scores.h; NoGroupScore: none) of every older token.
+//! grid (ceil(m / kScoreThreads), H_kv, B).
+template <typename Method>
 __global__ void __launch_bounds__(kScoreThreads) groupScoresKernel(ScoreArgs a)
 {
     int32_t const g = static_cast<int32_t>(blockIdx.y);
@@ -42,7 +44,7 @@ __global__ void __launch_bounds__(kScoreThreads) groupScoresKernel(ScoreArgs a)
     }
     int32_t const group = a.shape.heads / a.shape.kvHeads;
     int64_t const sequence = static_cast<int64_t>(b) * a.shape.heads * m;
-    GroupScores const scores = groupScoresAt(a.config, a.raw + sequence,
+    GroupScores const scores = groupScoresAt<Method>(a.config, a.raw + sequence,
         a.squares != nullptr ? a.squares + sequence : nullptr, a.norms != nullptr ? a.norms + sequence : nullptr,
         g * group, group, m, i);
     int64_t const out = (static_cast<int64_t>(b) * a.shape.kvHeads + g) * m + i;
@@ -51,14 +53,14 @@ __global__ void __launch_bounds__(kScoreThreads) groupScoresKernel(ScoreArgs a)
     {
         a.critical[out] = scores.critical;
     }
-    if (a.laprox != nullptr)
+    if (a.methodScores != nullptr)
     {
-        a.laprox[out] = scores.laprox;
+        a.methodScores[out] = scores.method;
     }
 }
 
-//! defensivekv, per older token: the group's parts (defensive.h) into attention (worst), ranking (norm) and stage1
-//! (attention), the scratch of the next two kernels. grid (ceil(m / kScoreThreads), H_kv, B).
+//! defensivekv, per older token: the group's parts (methods/defensivekv.h) into attention (worst), ranking (norm) and
+//! stage1 (attention), the scratch of the next two kernels. grid (ceil(m / kScoreThreads), H_kv, B).
 __global__ void __launch_bounds__(kScoreThreads) defensivePartsKernel(ScoreArgs a)
 {
     int32_t const g = static_cast<int32_t>(blockIdx.y);
@@ -72,7 +74,7 @@ __global__ void __launch_bounds__(kScoreThreads) defensivePartsKernel(ScoreArgs 
     }
     int32_t const group = a.shape.heads / a.shape.kvHeads;
     int64_t const sequence = static_cast<int64_t>(b) * a.shape.heads * m;
-    DefensiveParts const parts = defensivePartsAt(a.worst + sequence, a.raw + sequence, a.norms + sequence,
+    DefensiveKV::Parts const parts = DefensiveKV::partsAt(a.worst + sequence, a.raw + sequence, a.norms + sequence,
         g * group, group, m, info.validStart, i);
     int64_t const out = (static_cast<int64_t>(b) * a.shape.kvHeads + g) * m + i;
     a.attention[out] = parts.worst;
@@ -122,7 +124,7 @@ __global__ void __launch_bounds__(kScoreThreads) defensiveTotalsKernel(ScoreArgs
     if (threadIdx.x == 0)
     {
         a.totals[static_cast<int64_t>(b) * a.shape.kvHeads + g]
-            = defensiveTotals(worst, norm, attention, mass, m - info.validStart, group * w);
+            = DefensiveKV::totals(worst, norm, attention, mass, m - info.validStart, group * w);
     }
 }
 
@@ -140,10 +142,10 @@ __global__ void __launch_bounds__(kScoreThreads) defensiveFinishKernel(ScoreArgs
     }
     int64_t const head = static_cast<int64_t>(b) * a.shape.kvHeads + g;
     int64_t const out = head * m + i;
-    DefensiveParts const parts{a.attention[out], a.ranking[out], a.stage1[out]};
-    DefensiveTotals const totals = a.totals[head];
-    a.attention[out] = defensiveScore(parts, totals);
-    a.stage1[out] = stage1MassOf(parts, totals);
+    DefensiveKV::Parts const parts{a.attention[out], a.ranking[out], a.stage1[out]};
+    DefensiveKV::Totals const totals = a.totals[head];
+    a.attention[out] = DefensiveKV::score(parts, totals);
+    a.stage1[out] = DefensiveKV::stage1Mass(parts, totals);
 }
 
 //! Ascending kept positions of every head (-1 padded) and their count (compact.cuh). grid compactGrid(shape), block
@@ -201,7 +203,9 @@ cudaError_t launchGroupScores(ScoreArgs const& a, cudaStream_t stream)
     {
         return cudaSuccess;
     }
-    groupScoresKernel<<<scoreGridOf(a, m), kScoreThreads, 0, stream>>>(a);
+    forGroupScore(a.config.base, [&a, m, stream](auto method) {
+        groupScoresKernel<decltype(method)><<<scoreGridOf(a, m), kScoreThreads, 0, stream>>>(a);
+    });
     return cudaGetLastError();
 }
 

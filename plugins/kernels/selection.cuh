@@ -1,7 +1,7 @@
 // Arguments and launchers of the selection stages (private to plugins/kernels; used by pipeline.cu).
 #pragma once
 
-#include "criticalkv/defensive.h"
+#include "criticalkv/methods/defensivekv.h"
 #include "compact.cuh" // CompactArgs
 #include "select_flow_args.h"
 
@@ -18,18 +18,18 @@ struct ScoreArgs
     int32_t const* promptLengths;
     RuntimeBudget budget;
     float const* raw;     // [B, H, m]
-    float const* squares; // [B, H, m] (laprox)
-    float const* norms;   // [B, H, m] (two-stage, laprox)
+    float const* squares; // [B, H, m] (windowSquares)
+    float const* norms;   // [B, H, m] (needsNorms)
     float* attention;     // [B, H_kv, m]
     float* critical;      // [B, H_kv, m] or nullptr
-    float* laprox;        // [B, H_kv, m] or nullptr
+    float* methodScores;  // [B, H_kv, m] (groupScored) or nullptr
     uint8_t* flags;       // [B, H_kv, m]
     int32_t* headCounts;  // [B, H_kv]
     float const* worst;       // [B, H, m] (defensivekv, launchDefensiveRows)
     float2 const* rowMass;    // [B, H, w] (defensivekv)
     float* stage1;            // [B, H_kv, m] (defensivekv)
     float* ranking;           // [B, H_kv, m] (defensivekv)
-    DefensiveTotals* totals;  // [B, H_kv] (defensivekv)
+    DefensiveKV::Totals* totals;  // [B, H_kv] (defensivekv)
     // CriticalKV's pruned stage 2 (prunedStage2On): norms hold the L1 bounds, critical their group score U; the
     // per-head selection is launchPrunedStage2's (kernels/pruned.cu)
     bool pruned;
@@ -55,7 +55,8 @@ inline GatherArgs gatherArgs(SelectConfig const& config, SelectShape const& shap
         static_cast<int64_t>(shape.headDim) * (dtype == DType::kFloat32 ? 4 : 2)};
 }
 
-//! S, C and the LaProx importance of every older token (group_scores.h).
+//! S, C and the group-scored method's own score of every older token (group_scores.h; the kernel's instance is the
+//! method's of methods/registry.h).
 cudaError_t launchGroupScores(ScoreArgs const& a, cudaStream_t stream);
 //! defensivekv's scores: the defensive score into attention, the stage-1 mass into stage1, the totals.
 cudaError_t launchDefensiveScores(ScoreArgs const& a, cudaStream_t stream);

@@ -122,7 +122,7 @@ __device__ __forceinline__ void blockChooseDigit(int64_t remaining, TopKSmem& s,
     __syncthreads(); // s.choice and s.total may be rewritten by the next call
 }
 
-//! chooseMassDigit (defensive.h) of s.histogram / s.sums for every thread: the highest non-empty digit d with
+//! chooseMassDigit (methods/defensivekv.h) of s.histogram / s.sums for every thread: the highest non-empty digit d with
 //! above + (sums of d..255) >= bound; it is the one whose next digit's suffix stays below the bound, or the highest
 //! non-empty digit when `above` reaches the bound already.
 __device__ __forceinline__ MassDigit blockChooseMassDigit(int64_t above, int64_t bound, TopKSmem& s)

@@ -1,6 +1,6 @@
 // Window attention scores: softmax of the w window queries of every query head over all n keys (causal inside
-// the window, left padding masked), averaged over the queries (Ā), for LaProx sum_j A_j^2, and for defensivekv the
-// rows' maximum of the rescaled average pools (worst) and masses.
+// the window, left padding masked), averaged over the queries (Ā), sum_j A_j^2 where a group-scored method asks for it
+// (windowSquares: laprox), and for defensivekv the rows' maximum of the rescaled average pools (worst) and masses.
 //
 // * fp16 / bf16, d_h % 16 == 0, d_h <= 128, w <= 128, pool kernel <= 49, 16-byte aligned Q and K, sm_80+
 //   (windowScoresOnTensorCores): the tensor-core tiles of window_tiles.cuh, three launches: pass 1 (Q K^T on the
@@ -12,7 +12,7 @@
 // Why not TensorRT's own layers (MatMul + Softmax + Reduce): they would materialise the [B, H, w, n]
 // probabilities (w * n * 4 bytes per head: 16 MiB for w = 32, n = 128k) and run the selection outside the
 // plugin anyway. Not measured on a GPU yet (docs/tensorrt_cost_model.md has the predictions).
-#include "criticalkv/defensive.h"
+#include "criticalkv/methods/defensivekv.h"
 #include "criticalkv/kernels.h"
 #include "device_utils.cuh"
 #include "window_simt.cuh"

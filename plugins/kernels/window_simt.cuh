@@ -12,7 +12,7 @@
 // maximum of the rescaled pooled rows per head).
 #pragma once
 
-#include "criticalkv/defensive.h"
+#include "criticalkv/methods/defensivekv.h"
 #include "criticalkv/select_params.h"
 
 #if defined(__CUDACC__)
@@ -230,8 +230,8 @@ __device__ __forceinline__ void softmaxStatsBlock(WindowArgs const& a)
     }
 }
 
-//! defensivekv's rows (defensive.h): every window query's attention row over the older tokens, average-pooled and
-//! rescaled to the row's mass, maximum over the rows of each query head.
+//! defensivekv's rows (methods/defensivekv.h): every window query's attention row over the older tokens,
+//! average-pooled and rescaled to the row's mass, maximum over the rows of each query head.
 struct DefensiveRowArgs
 {
     SelectConfig config;
@@ -261,8 +261,8 @@ inline size_t defensiveRowSharedBytes(int32_t headDim)
 }
 
 //! Pass kRescale = false: per token tile and window query, the sums of A and of P over the tile's tokens (partials).
-//! Pass kRescale = true: worst[b, h, i] = max over j of rescaledPooled(P[j, i], rowMass[j]). P[j, i] sums the
-//! probabilities of the span of token i in ascending position order, as avg_pool1d does; the span crosses the tile,
+//! Pass kRescale = true: worst[b, h, i] = max over j of DefensiveKV::rescaledPooled(P[j, i], rowMass[j]). P[j, i] sums
+//! the probabilities of the span of token i in ascending position order, as avg_pool1d does; the span crosses the tile,
 //! so the probabilities of keys [tile - k/2, tile + 64 + k/2) are computed in chunks of 64 keys.
 //! grid (older tiles, H, B), block kRowThreads, dynamic shared memory defensiveRowSharedBytes(d_h).
 template <typename T, bool kRescale>
@@ -288,7 +288,8 @@ __device__ void defensiveRowsBlock(DefensiveRowArgs const& a, float* shared)
     int32_t const i = tileBegin + token;
     int64_t const headRow = static_cast<int64_t>(b) * a.shape.heads + h;
     int32_t const half = a.config.poolKernel / 2;
-    PoolSpan const span = i < m ? poolSpan(a.config.poolKernel, m, i) : PoolSpan{1, 0};
+    DefensiveKV::PoolSpan const span
+        = i < m ? DefensiveKV::poolSpan(a.config.poolKernel, m, i) : DefensiveKV::PoolSpan{1, 0};
     int32_t const lo = tileBegin - half > 0 ? tileBegin - half : 0;
     int32_t const hi = tileBegin + kKeyTile + half < m ? tileBegin + kKeyTile + half : m; // exclusive
 
@@ -372,13 +373,13 @@ __device__ void defensiveRowsBlock(DefensiveRowArgs const& a, float* shared)
             int32_t const j = j0 + r;
             bool const scored = j < w && i < m;
             float const pooled
-                = scored && i >= info.validStart ? averagePool(sums[q], a.config.poolKernel) : 0.0F;
+                = scored && i >= info.validStart ? DefensiveKV::averagePool(sums[q], a.config.poolKernel) : 0.0F;
             if (kRescale)
             {
                 if (scored)
                 {
                     float2 const mass = a.rowMass[headRow * w + j];
-                    float const value = rescaledPooled(pooled, mass.x, mass.y);
+                    float const value = DefensiveKV::rescaledPooled(pooled, mass.x, mass.y);
                     best = value > best ? value : best;
                 }
             }

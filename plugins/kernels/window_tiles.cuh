@@ -11,7 +11,7 @@
 //      (max, sum exp over the visible keys, the same sum over the older keys, and defensivekv's pool-edge sum);
 //   2. windowCombineBlock: the partials of a row into its (max, sum) and defensivekv's (mass, total);
 //   3. windowColumnsBlock: the scores again, p = exp(s - max) / sum into a shared fp32 tile [rows][64 keys], then per
-//      (head, key) Ā = sum_j p / w, sum_j p^2 (laprox) and defensivekv's worst = max_j rescaled pooled p.
+//      (head, key) Ā = sum_j p / w, sum_j p^2 (windowSquares) and defensivekv's worst = max_j rescaled pooled p.
 // The logits are s = (q . k) x (1 / sqrt(d_h)) and p takes a product by 1 / sum: within an ulp of the reference's
 // divisions, far inside the flash-attention rule these 16-bit inputs are held to (fp32 inputs run the SIMT kernels).
 // Bytes: storing the fp32 scores instead of recomputing them writes and reads G w 4 = 512 bytes per key and KV head,
@@ -36,7 +36,7 @@
 //   bank conflict), then w reads per (head, key) output (w k more for defensivekv's pooled maximum).
 #pragma once
 
-#include "criticalkv/defensive.h"
+#include "criticalkv/methods/defensivekv.h"
 #include "criticalkv/mma_layout.h"
 #include "criticalkv/select_params.h"
 #include "mma_tiles.cuh"
@@ -145,7 +145,7 @@ inline void planWindowTiles(WindowTileArgs& a, int32_t tilesPerBlock)
 
 //! How many of the (2 (k/2) + 1)-wide pool spans of the older tokens in [validStart, m) that would hold older token t
 //! are missing at the ends of that range: sum_{i >= validStart} pool_i = (k mass - sum_t p_t poolDeficit(t)) / k, where
-//! pool_i = sum over the span of i of p / k (defensive.h: poolSpan, averagePool). validStart <= t < m.
+//! pool_i = sum over the span of i of p / k (DefensiveKV::poolSpan, DefensiveKV::averagePool). validStart <= t < m.
 CKV_HD int32_t poolDeficit(int32_t kernel, int32_t m, int32_t validStart, int32_t t)
 {
     int32_t const half = kernel / 2;
@@ -166,9 +166,10 @@ __device__ __forceinline__ void storeFloatPair(float* at, float x, float y)
 #endif
 }
 
-//! The factor f of a window query's row with rescaledPooled(averagePool(s, k), mass, total) = s f up to a few ulp
-//! (defensive.h: the pooled value s / k rescaled to the row's mass): mass / (k max(total, tiny)), or 1 / k for a row
-//! without pooled mass. One product per (row, token) instead of two divisions.
+//! The factor f of a window query's row with DefensiveKV::rescaledPooled(DefensiveKV::averagePool(s, k), mass, total)
+//! = s f up to a few ulp (methods/defensivekv.h: the pooled value s / k rescaled to the row's mass):
+//! mass / (k max(total, tiny)), or 1 / k for a row without pooled mass. One product per (row, token) instead of two
+//! divisions.
 CKV_HD float pooledRowFactor(float mass, float total, int32_t kernel)
 {
     float const k = static_cast<float>(kernel);
@@ -176,7 +177,7 @@ CKV_HD float pooledRowFactor(float mass, float total, int32_t kernel)
     {
         return 1.0F / k;
     }
-    return mass / (k * (total > kTinyFloat ? total : kTinyFloat));
+    return mass / (k * (total > DefensiveKV::kTinyFloat ? total : DefensiveKV::kTinyFloat));
 }
 
 //! Merge an online-softmax partial (max, three sums relative to it) into another.
@@ -587,8 +588,8 @@ __device__ __forceinline__ void windowCombineBlock(WindowTileArgs const& a, int3
 }
 
 //! Pass 3: the probabilities of the older keys, summed per (query head, key) into Ā and sum A^2, and defensivekv's
-//! worst = max over the head's window queries of rescaledPooled (defensive.h). grid (columnBlocks * rowChunks, H_kv, B)
-//! run backwards, Cfg::kThreads, Cfg::sharedBytes(d_h).
+//! worst = max over the head's window queries of DefensiveKV::rescaledPooled (methods/defensivekv.h).
+//! grid (columnBlocks * rowChunks, H_kv, B) run backwards, Cfg::kThreads, Cfg::sharedBytes(d_h).
 template <typename T, typename Cfg>
 __device__ void windowColumnsBlock(WindowTileArgs const& a, unsigned char* shared)
 {
@@ -733,7 +734,7 @@ __device__ void windowColumnsBlock(WindowTileArgs const& a, unsigned char* share
                 float best = 0.0F;
                 if (i >= c.validStart)
                 {
-                    PoolSpan const span = poolSpan(kernel, c.m, i);
+                    DefensiveKV::PoolSpan const span = DefensiveKV::poolSpan(kernel, c.m, i);
                     best = -INFINITY;
                     for (int32_t j = 0; j < c.w; ++j)
                     {

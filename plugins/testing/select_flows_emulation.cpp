@@ -1,8 +1,9 @@
 // CPU emulation of the GPU selection flows (kernels/select_flows.cuh: plan kernels and batched top-k launches over
 // every row of the batch, kernels/topk_device.cuh underneath), included as is and run with every CTA's threads as
 // fibers (cuda_emulation.h), against the host driver's flows (head_selection.h, shared_allocation.h,
-// defensive.h run sequence by sequence with host::selectTopK / host::massCount, as host/select_host.cpp does) on the
-// same group scores of a small layer. Not built by CMake: tests/plugins/test_plugin_topk_emulation.py compiles it.
+// methods/defensivekv.h run sequence by sequence with host::selectTopK / host::massCount, as host/select_host.cpp
+// does) on the same group scores of a small layer. Not built by CMake: tests/plugins/test_plugin_topk_emulation.py
+// compiles it.
 //   select_flows_emulation BASE TWO_STAGE BATCH KV_HEADS N WINDOW BUDGET KV_BUDGET KIND SEED
 // BASE: snapkv | pyramidkv | adakv | laprox | defensivekv; KV_BUDGET 0: none; KIND: random | ties.
 // Prints "D of H heads differ; shares S" and exits 0 when the flags of every KV head (and the shares of a shared
@@ -42,7 +43,7 @@ struct HostExec
     {
         for (int64_t e = 0; e < len; ++e)
         {
-            ranking[e] = stage1Ranking(defensive[e], flags[e] != 0);
+            ranking[e] = DefensiveKV::stage1Ranking(defensive[e], flags[e] != 0);
             flags[e] = 0;
         }
     }
@@ -99,16 +100,16 @@ int main(int argc, char** argv)
     RuntimeBudget const budget{kvBudget > 0 ? &kvBudgetValue : nullptr, nullptr};
 
     size_t const cells = static_cast<size_t>(B) * Hkv * m;
-    std::vector<float> attention(cells), critical(cells), laprox(cells), stage1(cells), ranking(cells, 0.0F);
+    std::vector<float> attention(cells), critical(cells), methodScores(cells), stage1(cells), ranking(cells, 0.0F);
     std::uniform_real_distribution<float> unit(0.0F, 1.0F);
     for (size_t e = 0; e < cells; ++e)
     {
         attention[e] = ties ? static_cast<float>(rng() % 4) / 4.0F : unit(rng);
         critical[e] = ties ? static_cast<float>(rng() % 3) : unit(rng);
-        laprox[e] = ties ? static_cast<float>(rng() % 5) : unit(rng);
+        methodScores[e] = ties ? static_cast<float>(rng() % 5) : unit(rng);
     }
     // defensivekv: scores in [0, 1], stage-1 masses summing to ~1 per head over its valid tokens, window masses
-    std::vector<DefensiveTotals> totals(static_cast<size_t>(B) * Hkv);
+    std::vector<DefensiveKV::Totals> totals(static_cast<size_t>(B) * Hkv);
     for (int32_t b = 0; b < B; ++b)
     {
         int32_t const validStart = n - lengths[b];
@@ -146,15 +147,15 @@ int main(int argc, char** argv)
         size_t const base = static_cast<size_t>(b) * Hkv * m;
         if (defensive)
         {
-            float const limit = stage1Limit(config, &totals[static_cast<size_t>(b) * Hkv], Hkv);
-            selectDefensive(exec, config, &attention[base], &stage1[base], &hostRanking[base], &hostFlags[base], Hkv,
-                m, info.validStart, info.r, limit);
+            float const limit = DefensiveKV::stage1Limit(config, &totals[static_cast<size_t>(b) * Hkv], Hkv);
+            DefensiveKV::select(exec, config, &attention[base], &stage1[base], &hostRanking[base], &hostFlags[base],
+                Hkv, m, info.validStart, info.r, limit);
             continue;
         }
         if (sharedAllocation(config))
         {
-            selectShared(exec, config, sharedRanking(config, &attention[base], &laprox[base]), &hostFlags[base], Hkv,
-                m, info.validStart, info.r);
+            selectShared(exec, config, sharedRanking(config, &attention[base], &methodScores[base]), &hostFlags[base],
+                Hkv, m, info.validStart, info.r);
             for (int32_t g = 0; g < Hkv; ++g)
             {
                 uint8_t const* row = &hostFlags[base + static_cast<size_t>(g) * m];
@@ -192,7 +193,7 @@ int main(int argc, char** argv)
     else
     {
         kernels::SelectionArgs const a{rows, attention.data(), config.twoStage ? critical.data() : nullptr,
-            laprox.data()};
+            methodScores.data()};
         accepted = kernels::runSelection(a, launch);
     }
     if (!accepted)

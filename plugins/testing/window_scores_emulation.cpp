@@ -190,7 +190,7 @@ Scores reference(Problem const& p)
                     mass += row[i];
                     if (i >= validStart)
                     {
-                        PoolSpan const span = poolSpan(p.config.poolKernel, m, i);
+                        DefensiveKV::PoolSpan const span = DefensiveKV::poolSpan(p.config.poolKernel, m, i);
                         for (int t = span.lo; t <= span.hi; ++t)
                         {
                             pooled[i] += row[t];
@@ -235,7 +235,7 @@ void hostDefensiveRows(int pool, float const* rows, int w, int m, int validStart
         double rowMass = 0.0, rowTotal = 0.0;
         for (int i = 0; i < m; ++i)
         {
-            pooled[i] = averagePooledAt(row, pool, m, validStart, i);
+            pooled[i] = DefensiveKV::averagePooledAt(row, pool, m, validStart, i);
             rowMass += row[i];
             rowTotal += pooled[i];
         }
@@ -243,7 +243,7 @@ void hostDefensiveRows(int pool, float const* rows, int w, int m, int validStart
         total[j] = static_cast<float>(rowTotal);
         for (int i = 0; i < m; ++i)
         {
-            worst[i] = std::max(worst[i], rescaledPooled(pooled[i], mass[j], total[j]));
+            worst[i] = std::max(worst[i], DefensiveKV::rescaledPooled(pooled[i], mass[j], total[j]));
         }
     }
 }

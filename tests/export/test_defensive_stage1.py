@@ -152,9 +152,10 @@ def test_a_near_tie_is_resolved_alike_by_select_layer_and_the_onnx_body():
 @pytest.mark.parametrize("seed", [None, 0, 1, 2, 3, 4, 5])
 def test_the_stage1_limit_is_the_same_float_in_every_order_it_is_built(seed):
     """The window mass and the stage-1 limit in the one order of every backend: this module's and its ONNX body's are
-    the same fp32 numbers on the same inputs, and they are the host C++'s order (plugins/include/criticalkv/defensive.h)
-    rebuilt here in Python floats (double) rounded to fp32 where it rounds. (Before, the two ran their reductions in two
-    orders: their limits differed by 1 ulp on 17 of 40 such layers, issue 29's case among them.)"""
+    the same fp32 numbers on the same inputs, and they are the host C++'s order
+    (plugins/include/criticalkv/methods/defensivekv.h) rebuilt here in Python floats (double) rounded to fp32 where it
+    rounds. (Before, the two ran their reductions in two orders: their limits differed by 1 ulp on 17 of 40 such layers,
+    issue 29's case among them.)"""
     from criticalkv.methods.defensivekv import stage1_limit, window_masses
     from criticalkv.selection.scores import window_attention
 

@@ -45,7 +45,7 @@ struct WorkspaceLayout
     size_t rowStats;   //!< float2 [B, H, w]: softmax (max, sum) of every window query
     size_t keyScores;  //!< float [B, H_kv, n]: a key-scored method's scores (methods/registry.h; no window attention)
     size_t raw;        //!< float [B, H, m]: Ā, window-mean attention of the older tokens
-    size_t squares;    //!< float [B, H, m]: sum_j A_j^2 (laprox)
+    size_t squares;    //!< float [B, H, m]: sum_j A_j^2 (a group-scored method's kWindowSquares: windowSquares)
     size_t norms;      //!< float [B, H, m]: ||V W_O^h|| (two-stage policies, laprox); pruned stage 2: the L1 upper
                        //!< bounds, overwritten with the exact norms at the candidates
     size_t gram;       //!< float [H, d_h, d_h]: W_O^h W_O^h^T (l2 norms: two-stage with value_norm=l2, laprox; the
@@ -62,14 +62,14 @@ struct WorkspaceLayout
     size_t prunedStates;    //!< PrunedHeadState [B, H_kv] (pruned stage 2)
     size_t prunedPlan;      //!< prunedPlanBytes: every head's k of the pruned stage 2's top-k calls (the candidate
                             //!< rounds' levels included), its stop count
-    size_t laprox;     //!< float [B, H_kv, m]: LaProx importance
+    size_t methodScores; //!< float [B, H_kv, m]: a group-scored method's own score (groupScored: methods/registry.h)
     size_t flags;      //!< uint8 [B, H_kv, m]: chosen older tokens
     size_t headCounts; //!< int32 [B, H_kv]: adakv share of every head
     size_t rowMass;    //!< float2 [B, H, w]: (mass, pooled total) of every window query's row (defensivekv)
     size_t worst;      //!< float [B, H, m]: max over the window queries of the rescaled pooled rows (defensivekv)
     size_t stage1;     //!< float [B, H_kv, m]: stage-1 mass (defensivekv)
     size_t ranking;    //!< float [B, H_kv, m]: the shared allocation's ranking (defensivekv)
-    size_t totals;     //!< DefensiveTotals [B, H_kv] (defensivekv)
+    size_t totals;     //!< DefensiveKV::Totals [B, H_kv] (defensivekv)
     size_t plan;       //!< selectionPlanBytes: every row's k and first valid position of the selection's top-k calls
     size_t topK;       //!< selectionScratchBytes: launchTopK / launchMassCount's scratch
     size_t total;
@@ -105,7 +105,6 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     size_t const w = static_cast<size_t>(windowLength(config, s.n));
     size_t const m = static_cast<size_t>(s.n) - w;
     size_t const tiles = (static_cast<size_t>(s.n) + kKeyTile - 1) / kKeyTile;
-    bool const laproxOn = ownL2Norms(config); // squared attention and the LaProx ranking
     size_t offset = 0;
     auto take = [&offset](size_t bytes) {
         size_t const at = offset;
@@ -120,7 +119,7 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     layout.rowStats = take(keyed ? 0 : b * h * w * 2 * sizeof(float));
     layout.keyScores = take(keyed ? b * hkv * static_cast<size_t>(s.n) * sizeof(float) : 0);
     layout.raw = take(b * h * m * sizeof(float));
-    layout.squares = take(laproxOn ? b * h * m * sizeof(float) : 0);
+    layout.squares = take(windowSquares(config) ? b * h * m * sizeof(float) : 0);
     layout.norms = take(needsNorms(config) ? b * h * m * sizeof(float) : 0);
     bool const pruned = prunedStage2On(config);
     bool const gramOn = (needsNorms(config) && normKind(config) == ValueNorm::kL2) || pruned;
@@ -137,7 +136,7 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     layout.candidateCounts = take(pruned ? b * hkv * sizeof(int32_t) : 0);
     layout.prunedStates = take(pruned ? b * hkv * sizeof(PrunedHeadState) : 0);
     layout.prunedPlan = take(pruned ? prunedPlanBytes(s.batch, s.kvHeads) : 0);
-    layout.laprox = take(laproxOn ? b * hkv * m * sizeof(float) : 0);
+    layout.methodScores = take(groupScored(config) ? b * hkv * m * sizeof(float) : 0);
     layout.flags = take(b * hkv * m);
     layout.headCounts = take(b * hkv * sizeof(int32_t));
     bool const rowsOn = rowScores(config);
@@ -256,11 +255,11 @@ struct WindowScoreParams
     float* partials;              //!< scratch, WorkspaceLayout::partials (4 floats per window query and 64-key tile)
     float* rowStats;              //!< scratch, float2 [B, H, w]: softmax (max, sum) of every window query
     float* raw;                   //!< [B, H, m]: Ā, the window-mean attention of the older tokens
-    float* squares;               //!< [B, H, m]: sum_j A_j^2 (laprox), or nullptr
+    float* squares;               //!< [B, H, m]: sum_j A_j^2 (windowSquares), or nullptr
     float* rowMass;               //!< float2 [B, H, w]: (mass, pooled total) of every window query's row over the older
                                   //!< tokens (defensivekv; with worst)
     float* worst;                 //!< [B, H, m]: max over the window queries of the rescaled average-pooled rows
-                                  //!< (defensivekv, defensive.h), or nullptr
+                                  //!< (defensivekv, methods/defensivekv.h), or nullptr
 };
 
 //! Window attention of every query head over the m = n - w older tokens (causal inside the window, left padding
@@ -428,7 +427,7 @@ cudaError_t launchPrunedRow(float const* bound, float const* scores, float* exac
 //! work running concurrently.
 cudaError_t launchTopK(TopKRows const& rows, void* scratch, size_t scratchBytes, cudaStream_t stream);
 
-//! defensivekv's stage-1 count (defensive.h: radixMassCount) of many rows: count[r] = how many candidates of row r,
+//! defensivekv's stage-1 count (mass_count.h: radixMassCount) of many rows: count[r] = how many candidates of row r,
 //! taken best first, keep the cumulative sum of their (non-negative) scores below limit[r]. Candidates, rows and
 //! the scores as launchTopK's (rows.k and rows.mark unused). count: [rows] int64 (device); limit: [rows] float.
 cudaError_t launchMassCount(TopKRows const& rows, float const* limit, int64_t* count, void* scratch,

@@ -29,7 +29,7 @@ CKV_HD bool ownL2Norms(SelectConfig const& config)
     return methodTraits(config.base).ownL2Norms;
 }
 
-//! The base's score reads every window query's attention row, not only their mean (defensivekv: defensive.h).
+//! The base's score reads every window query's attention row, not only their mean (defensivekv: methods/defensivekv.h).
 CKV_HD bool rowScores(SelectConfig const& config)
 {
     return methodTraits(config.base).rowScores;

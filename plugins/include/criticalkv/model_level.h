@@ -24,7 +24,7 @@ namespace criticalkv
 {
 
 //! Offset that ranks a layer-kvzip sink above every other entry of the model-wide ranking (kvzip.py: SINK_OFFSET;
-//! KVzip scores lie in [0, 1]). defensivekv's stage-1 tokens use the same offset (defensive.h: stage1Ranking).
+//! KVzip scores lie in [0, 1]). defensivekv's stage-1 tokens use the same offset (DefensiveKV::stage1Ranking).
 constexpr float kSinkOffset = 2.0F;
 
 //! Flag of a sink the model-wide allocation gave its head: kept, and out of the two stages' candidates.

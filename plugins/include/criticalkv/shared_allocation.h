@@ -1,20 +1,22 @@
-// The shared-allocation flow of adakv and laprox (criticalkv/selection/layer.py: shared_allocation_mask): the
-// layer's H_kv * r slots of one sequence are shared across its KV heads. Every head first keeps its own top
-// headFloor(r) entries, the remaining H_kv * (r - floor) go to the best scores over all heads (ties: lower
-// head, then lower position). ada-criticalkv then reselects inside each head's share (head_selection.h).
+// The shared-allocation flow of adakv and the group-scored methods (laprox; criticalkv/selection/layer.py:
+// shared_allocation_mask): the layer's H_kv * r slots of one sequence are shared across its KV heads. Every head first
+// keeps its own top headFloor(r) entries, the remaining H_kv * (r - floor) go to the best scores over all heads (ties:
+// lower head, then lower position). ada-criticalkv then reselects inside each head's share (head_selection.h).
 #pragma once
 
 #include "criticalkv/budget.h"
 #include "criticalkv/methods.h"
+#include "criticalkv/methods/registry.h"
 #include "criticalkv/select_flow.h"
 
 namespace criticalkv
 {
 
-//! The scores the shared allocation ranks by: LaProx importance for laprox, pooled attention for adakv.
-CKV_HD float const* sharedRanking(SelectConfig const& config, float const* attention, float const* laprox)
+//! The scores the shared allocation ranks by: a group-scored method's own score (methods/registry.h), else the pooled
+//! attention (adakv).
+CKV_HD float const* sharedRanking(SelectConfig const& config, float const* attention, float const* methodScores)
 {
-    return ownL2Norms(config) ? laprox : attention;
+    return groupScored(config) ? methodScores : attention;
 }
 
 //! How many older tokens each head keeps by its own ranking (the floor), and how many the layer-wide row then takes.

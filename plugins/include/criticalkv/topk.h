@@ -9,7 +9,7 @@
 // flags[e] == 0 and (e % period) >= firstValid (left padding of every period-long segment is never chosen).
 #pragma once
 
-#include "criticalkv/defensive.h"
+#include "criticalkv/mass_count.h"
 #include "criticalkv/radix_select.h"
 
 #include <cstddef>
@@ -67,7 +67,7 @@ CKV_HD size_t topKRowStateBytes(int32_t levels)
     return (bytes + 15) / 16 * 16;
 }
 
-//! The same for the mass count (defensive.h: radixMassCount): counts and int64 fixed-point sums per digit.
+//! The same for the mass count (mass_count.h: radixMassCount): counts and int64 fixed-point sums per digit.
 struct MassRowState
 {
     uint32_t counts[kRadixPasses][kRadixBins];
