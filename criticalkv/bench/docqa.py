@@ -395,11 +395,11 @@ def main(args) -> int:
     return 1 if failed else 0
 
 
-def add_workload_arguments(load, per: str = "server") -> None:
+def add_workload_arguments(load, per: str = "server", docs: int = 16, docs_why: str = "") -> None:
     """The doc-QA workload's options (``bench docqa`` and ``python -m benchmarks.replicas``, which runs the same
-    workload)."""
+    workload with its own default number of documents, ``docs``, and why, ``docs_why``)."""
     load.add_argument("--isl", type=int, default=2048, help="tokens per document (default: 2048)")
-    load.add_argument("--docs", type=int, default=16, help="documents, D (default: 16)")
+    load.add_argument("--docs", type=int, default=docs, help=f"documents, D (default: {docs}{docs_why})")
     load.add_argument("--questions", type=int, default=8, help="questions per document, Q (default: 8)")
     load.add_argument("--question-tokens", type=int, default=32,
                       help="tokens of each question as the server runs it after the context (default: 32)")
