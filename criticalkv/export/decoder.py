@@ -879,8 +879,7 @@ class DecoderGraphBuilder:
         bias = ""
         if per_head_lengths:
             slots = g.const(np.arange(capacity, dtype=np.int32), hint="slots")
-            hole = g.And(g.GreaterOrEqual(slots, g.unsqueeze(past_len, 2)), g.Less(slots, g.unsqueeze(longest, 2)))
-            bias = g.Where(hole, g.const(-np.inf, np.float32), g.const(0.0, np.float32))  # [B, H_kv, cap]
+            bias = self.holes(slots, past_len, g.unsqueeze(longest, 2))  # [B, H_kv, cap]
             bias = g.reshape(g.Expand(g.unsqueeze(bias, 2), g.i64(1, 1, s.group, 1)), [0, s.num_heads, 1, capacity])
         out, _, _ = g.op(
             "GroupQueryAttention", qkv, "", "", past_k, past_v, seqlens, g.const(np.int32(capacity), hint="total"),
@@ -1171,6 +1170,14 @@ class DecoderGraphBuilder:
         after = g.Sub(g.Cast(held, to=INT64), end)
         return g.Pad(best, g.concat(g.i64(0, 0), start, g.i64(0, 0), after), mode="constant")
 
+    def holes(self, slots: str, lengths: str, longest: str) -> str:
+        """-inf on each head's slots [length_h, longest), 0 elsewhere: [B, H_kv, T] float32 from ``slots`` [T], the
+        heads' ``lengths`` [B, H_kv] and ``longest`` broadcast against [B, H_kv, T] (the slot where the attention node
+        writes every head's new entries: the fused decode's and ``head_holes_bias``'s masks)."""
+        g = self.g
+        hole = g.And(g.GreaterOrEqual(slots, g.unsqueeze(lengths, 2)), g.Less(slots, longest))
+        return g.Where(hole, g.const(-np.inf, np.float32), g.const(0.0, np.float32))
+
     def head_holes_bias(self, lengths: str, longest: str, total: str) -> str:
         """The additive attention bias [1, H, N, total] of an extend whose KV heads hold different lengths: -inf on each
         head's slots [length_h, longest) (the hole between its entries and the new ones, which the node writes at slot
@@ -1178,8 +1185,7 @@ class DecoderGraphBuilder:
         lengths [1, H_kv] int32, longest [1] int32, total the int32 scalar longest + N."""
         g, s = self.g, self.spec
         slots = g.Range(g.scalar(0, np.int32), total, g.scalar(1, np.int32))  # [T]
-        hole = g.And(g.GreaterOrEqual(slots, g.unsqueeze(lengths, 2)), g.Less(slots, longest))  # [1, H_kv, T]
-        bias = g.Where(hole, g.const(-np.inf, np.float32), g.const(0.0, np.float32))
+        bias = self.holes(slots, lengths, longest)  # [1, H_kv, T]
         new_tokens = g.shape_of(graphs.INPUT_IDS, 1, 2)  # [1] int64: N
         every = g.Expand(g.unsqueeze(bias, 2, 3), g.concat(g.i64(1, 1, s.group), new_tokens, g.i64(1)))  # [1, H_kv, G, N, T]
         return g.reshape(every, g.concat(g.i64(1, s.num_heads), new_tokens, g.reshape(g.Cast(total, to=INT64), [1])))
