@@ -1,7 +1,6 @@
 #include "select_host.h"
 #include "pruned_row_host.h"
 
-#include "criticalkv/methods/defensivekv.h"
 #include "criticalkv/group_scores.h"
 #include "criticalkv/head_selection.h"
 #include "criticalkv/kept_positions.h"
@@ -9,6 +8,7 @@
 #include "criticalkv/model_level.h"
 #include "criticalkv/pruned_stage2.h"
 #include "criticalkv/radix_select.h"
+#include "criticalkv/row_scores.h"
 #include "criticalkv/shared_allocation.h"
 
 #include <algorithm>
@@ -120,23 +120,15 @@ struct HostTopK
 
     int64_t massCount(float const* scores, uint8_t const* flags, int64_t len, int64_t period, int64_t firstValid,
         float limit) const;
-
-    void rankStage1(float const* defensive, uint8_t* flags, float* ranking, int64_t len) const
-    {
-        for (int64_t e = 0; e < len; ++e)
-        {
-            ranking[e] = DefensiveKV::stage1Ranking(defensive[e], flags[e] != 0);
-            flags[e] = 0;
-        }
-    }
 };
 
-//! defensivekv's per-row step for query head h (the kernels' defensive row passes): R = the rescaled average pool
-//! of every window query's row, worst[i] = max over the rows; rowMass[j] = the row's mass over the older tokens.
-void defensiveRows(SelectConfig const& config, float const* rows, int32_t w, int32_t m, int32_t validStart,
-    float* worst, float* rowMass)
+//! A row-scored method's per-row step for query head h (the kernels' pooled-row passes, row_scores.h): R = the
+//! rescaled average pool of every window query's row, pooledMax[i] = max over the rows; rowMass[j] = the row's mass
+//! over the older tokens.
+void pooledRows(SelectConfig const& config, float const* rows, int32_t w, int32_t m, int32_t validStart,
+    float* pooledMax, float* rowMass)
 {
-    std::fill(worst, worst + m, -INFINITY);
+    std::fill(pooledMax, pooledMax + m, -INFINITY);
     std::vector<float> pooled(static_cast<size_t>(m));
     for (int32_t j = 0; j < w; ++j)
     {
@@ -145,33 +137,34 @@ void defensiveRows(SelectConfig const& config, float const* rows, int32_t w, int
         double total = 0.0;
         for (int32_t i = 0; i < m; ++i)
         {
-            pooled[i] = DefensiveKV::averagePooledAt(row, config.poolKernel, m, validStart, i);
+            pooled[i] = PooledRows::averagePooledAt(row, config.poolKernel, m, validStart, i);
             mass += row[i];
             total += pooled[i];
         }
         rowMass[j] = static_cast<float>(mass);
         for (int32_t i = 0; i < m; ++i)
         {
-            worst[i]
-                = std::max(worst[i], DefensiveKV::rescaledPooled(pooled[i], rowMass[j], static_cast<float>(total)));
+            pooledMax[i] = std::max(
+                pooledMax[i], PooledRows::rescaledPooled(pooled[i], rowMass[j], static_cast<float>(total)));
         }
     }
 }
 
-//! defensivekv's group step for one sequence: the parts, their sums over the valid tokens, then the defensive score
-//! and the stage-1 mass of every older token; groupTotals: [H_kv].
-void defensiveGroups(SelectShape const& s, float const* headWorst, float const* raw, float const* norms,
-    float const* rowMass, int32_t w, int32_t m, int32_t validStart, float* defensive, float* stage1,
-    DefensiveKV::Totals* groupTotals)
+//! A row-scored Method's group step for one sequence (the kernels' rowParts, rowTotals, rowFinish): the parts, their
+//! sums over the valid tokens, then the method's score and stage-1 mass of every older token; groupTotals: [H_kv].
+template <typename Method>
+void rowGroups(SelectShape const& s, float const* pooledMax, float const* raw, float const* norms,
+    float const* rowMass, int32_t w, int32_t m, int32_t validStart, float* scores, float* massScores,
+    typename Method::Totals* groupTotals)
 {
     int32_t const group = s.heads / s.kvHeads;
-    std::vector<DefensiveKV::Parts> parts(static_cast<size_t>(m));
+    std::vector<typename Method::Parts> parts(static_cast<size_t>(m));
     for (int32_t g = 0; g < s.kvHeads; ++g)
     {
         double worstSum = 0.0, normSum = 0.0, attentionSum = 0.0, massSum = 0.0;
         for (int32_t i = 0; i < m; ++i)
         {
-            parts[i] = DefensiveKV::partsAt(headWorst, raw, norms, g * group, group, m, validStart, i);
+            parts[i] = Method::partsAt(pooledMax, raw, norms, g * group, group, m, validStart, i);
             worstSum += i >= validStart ? parts[i].worst : 0.0F;
             normSum += parts[i].norm;
             attentionSum += parts[i].attention;
@@ -180,13 +173,13 @@ void defensiveGroups(SelectShape const& s, float const* headWorst, float const* 
         {
             massSum += rowMass[row];
         }
-        DefensiveKV::Totals const totals
-            = DefensiveKV::totals(worstSum, normSum, attentionSum, massSum, m - validStart, group * w);
+        typename Method::Totals const totals
+            = Method::totals(worstSum, normSum, attentionSum, massSum, m - validStart, group * w);
         groupTotals[g] = totals;
         for (int32_t i = 0; i < m; ++i)
         {
-            defensive[static_cast<int64_t>(g) * m + i] = DefensiveKV::score(parts[i], totals);
-            stage1[static_cast<int64_t>(g) * m + i] = DefensiveKV::stage1Mass(parts[i], totals);
+            scores[static_cast<int64_t>(g) * m + i] = Method::score(parts[i], totals);
+            massScores[static_cast<int64_t>(g) * m + i] = Method::stage1Mass(parts[i], totals);
         }
     }
 }
@@ -524,8 +517,8 @@ namespace
 
 //! The score stages of one layer on the kernels' buffers (kernels.h: WorkspaceLayout), sequence by sequence: window
 //! scores (or the external scores of a kvzip layer), value norms (or the pruned stage 2's bounds), then the group
-//! scores, or defensivekv's group step. `exactNorms`: every norm exactly even where the selection would prune stage 2
-//! (the model-level refinement reads the critical score of every older token).
+//! scores (a row-scored method's group step: rowGroupsOf). `exactNorms`: every norm exactly even where the selection
+//! would prune stage 2 (the model-level refinement reads the critical score of every older token).
 struct LayerScorer
 {
     SelectConfig const& config;
@@ -536,8 +529,7 @@ struct LayerScorer
     bool pruned, rowsOn;
     std::vector<float> raw, squares, norms, attention, critical, methodScores;
     std::vector<BoundTerms> terms;
-    std::vector<float> rows, worst, rowMass, stage1, ranking;
-    std::vector<DefensiveKV::Totals> totals;
+    std::vector<float> rows, pooledMax, rowSums, massScores, ranking; //!< a row-scored method's (row_scores.h)
     std::vector<float> keyed; //!< [H_kv, n] a key-scored method's scores of one sequence
 
     LayerScorer(SelectConfig const& c, SelectShape const& shape, HostInputs const& inputs, bool anyScored,
@@ -552,7 +544,7 @@ struct LayerScorer
         , m(shape.n - windowLength(c, shape.n))
         , rowsPerBatch(static_cast<int64_t>(shape.kvHeads) * m)
         , pruned(prunedStage2On(c) && !exactNorms)
-        , rowsOn(rowScores(c))
+        , rowsOn(rowScored(c))
     {
         if (externalScores(config) && in.scores == nullptr && anyScored)
         {
@@ -573,15 +565,15 @@ struct LayerScorer
             terms.push_back(boundTerms(s, in.oProj, h));
         }
         rows.assign(rowsOn ? static_cast<size_t>(w) * m : 0, 0.0F);
-        worst.assign(rowsOn ? perHead : 0, 0.0F);
-        rowMass.assign(rowsOn ? static_cast<size_t>(s.batch) * s.heads * w : 0, 0.0F);
-        stage1.assign(rowsOn ? perKvHead : 0, 0.0F);
+        pooledMax.assign(rowsOn ? perHead : 0, 0.0F);
+        rowSums.assign(rowsOn ? static_cast<size_t>(s.batch) * s.heads * w : 0, 0.0F);
+        massScores.assign(rowsOn ? perKvHead : 0, 0.0F);
         ranking.assign(rowsOn ? perKvHead : 0, 0.0F);
-        totals.assign(static_cast<size_t>(s.kvHeads), DefensiveKV::Totals{});
         keyed.assign(keyScored(config) ? static_cast<size_t>(s.kvHeads) * n : 0, 0.0F);
     }
 
-    //! Every score of sequence b (compressed). defensivekv: the defensive score in attention, stage1, totals.
+    //! Every score of sequence b (compressed); a row-scored method's: its window rows and norms only (rowGroupsOf
+    //! follows).
     void score(int32_t b, SequenceInfo const& info)
     {
         int64_t const sequence = static_cast<int64_t>(b) * s.heads * m;
@@ -611,8 +603,8 @@ struct LayerScorer
             }
             if (rowsOn)
             {
-                defensiveRows(config, rows.data(), w, m, info.validStart, &worst[row],
-                    &rowMass[(static_cast<size_t>(b) * s.heads + h) * w]);
+                pooledRows(config, rows.data(), w, m, info.validStart, &pooledMax[row],
+                    &rowSums[(static_cast<size_t>(b) * s.heads + h) * w]);
             }
             if (pruned)
             {
@@ -631,10 +623,6 @@ struct LayerScorer
         int64_t const base = b * rowsPerBatch;
         if (rowsOn)
         {
-            // defensive group scores (defensiveGroupKernels)
-            defensiveGroups(s, &worst[sequence], &raw[sequence], &norms[sequence],
-                &rowMass[static_cast<size_t>(b) * s.heads * w], w, m, info.validStart, &attention[base], &stage1[base],
-                totals.data());
             return;
         }
         // group scores (groupScoresKernel, the base's instance: methods/registry.h)
@@ -653,6 +641,20 @@ struct LayerScorer
                 }
             }
         });
+    }
+
+    //! A row-scored Method's group step of sequence b after score(): its score in attention, its stage-1 mass in
+    //! massScores; returns its totals ([H_kv]).
+    template <typename Method>
+    std::vector<typename Method::Totals> rowGroupsOf(int32_t b, SequenceInfo const& info)
+    {
+        int64_t const sequence = static_cast<int64_t>(b) * s.heads * m;
+        int64_t const base = b * rowsPerBatch;
+        std::vector<typename Method::Totals> totals(static_cast<size_t>(s.kvHeads));
+        rowGroups<Method>(s, &pooledMax[sequence], &raw[sequence], &norms[sequence],
+            &rowSums[static_cast<size_t>(b) * s.heads * w], w, m, info.validStart, &attention[base], &massScores[base],
+            totals.data());
+        return totals;
     }
 };
 
@@ -787,10 +789,14 @@ void selectLayer(SelectConfig const& config, BudgetTable const& table, SelectSha
         int64_t const base = b * rowsPerBatch;
         if (scorer.rowsOn)
         {
-            // stage 1 and the shared allocation on defensivekv's ranking
-            float const limit = DefensiveKV::stage1Limit(config, scorer.totals.data(), s.kvHeads);
-            DefensiveKV::select(topK, config, &scorer.attention[base], &scorer.stage1[base], &scorer.ranking[base],
-                &flags[base], s.kvHeads, m, info.candidateStart, info.r, limit);
+            // a row-scored method: its scores, stage 1 and the shared allocation on its ranking
+            forRowScoredMethod(config.base, [&](auto method) {
+                using Method = decltype(method);
+                std::vector<typename Method::Totals> const totals = scorer.rowGroupsOf<Method>(b, info);
+                float const limit = Method::stage1Limit(config, totals.data(), s.kvHeads);
+                Method::select(topK, config, &scorer.attention[base], &scorer.massScores[base], &scorer.ranking[base],
+                    &flags[base], s.kvHeads, m, info.candidateStart, info.r, limit);
+            });
             continue;
         }
         // shared allocation (select_flows.cuh: runSharedStage), then the per-head flow (runHeadStage)
@@ -868,9 +874,13 @@ void layerRanking(SelectConfig const& config, BudgetTable const& table, SelectSh
         int64_t const base = b * rowsPerBatch;
         if (scorer.rowsOn)
         {
-            float const limit = DefensiveKV::stage1Limit(config, scorer.totals.data(), s.kvHeads);
-            DefensiveKV::rank(topK, &scorer.attention[base], &scorer.stage1[base], ranking + base, &flags[base],
-                s.kvHeads, m, info.validStart, info.r, limit);
+            forRowScoredMethod(config.base, [&](auto method) {
+                using Method = decltype(method);
+                std::vector<typename Method::Totals> const totals = scorer.rowGroupsOf<Method>(b, info);
+                float const limit = Method::stage1Limit(config, totals.data(), s.kvHeads);
+                Method::rank(topK, &scorer.attention[base], &scorer.massScores[base], ranking + base, &flags[base],
+                    s.kvHeads, m, info.validStart, info.r, limit);
+            });
         }
         else
         {

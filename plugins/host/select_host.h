@@ -62,8 +62,8 @@ int32_t resolveLayerBudget(SelectConfig const& config, BudgetTable const& table,
 void selectTopK(float const* scores, uint8_t* flags, int64_t len, int64_t period, int64_t firstValid, int64_t k,
     uint8_t mark);
 
-//! defensivekv's stage-1 count (mass_count.h: radixMassCount): how many candidates, best first, keep the cumulative
-//! sum of their scores below limit. Candidates as selectTopK's.
+//! A row-scored method's stage-1 count (mass_count.h: radixMassCount): how many candidates, best first, keep the
+//! cumulative sum of their scores below limit. Candidates as selectTopK's.
 int64_t massCount(float const* scores, uint8_t const* flags, int64_t len, int64_t period, int64_t firstValid,
     float limit);
 

@@ -1,7 +1,7 @@
 // launchCriticalKVSelect: the operator of one layer as a sequence of kernels on one stream.
 //
-//   window attention [+ defensivekv's pooled rows]  ->  value norms  ->  group scores  ->  selection (plan kernels
-//   and batched top-k launches, select_flows.cuh)  ->  compaction  ->  gather
+//   window attention [+ a row-scored method's pooled rows]  ->  value norms  ->  group scores (or the row-scored
+//   method's)  ->  selection (plan kernels and batched top-k launches, select_flows.cuh)  ->  compaction  ->  gather
 //
 // CriticalKV with value_norm=l1 (prunedStage2On) prunes stage 2: the value-norm step writes L1 upper bounds from the
 // Gram terms of W_O (launchPrunedBounds; the terms depend on the weights only, so a caller may compute them once per
@@ -67,16 +67,16 @@ cudaError_t selectOlderTokens(SelectConfig const& config, SelectShape const& sha
     kernels::SelectionRows rows{config, shape, s.promptLengths, s.budget, s.flags, s.headCounts,
         selectionPlan(at<void>(workspace, layout.plan), shape.batch, shape.kvHeads, at<void>(workspace, layout.topK),
             layout.total - layout.topK)};
-    if (rowScores(config))
+    if (rowScored(config))
     {
-        cudaError_t const status = kernels::launchDefensiveScores(s, stream);
+        cudaError_t const status = kernels::launchRowScores(s, stream);
         if (status != cudaSuccess)
         {
             return status;
         }
-        // the defensive scores lie in attention, the stage-1 masses in stage1 (launchDefensiveScores)
-        kernels::DefensiveSelectionArgs const d{rows, s.attention, s.stage1, s.ranking, s.totals};
-        return kernels::launchDefensiveSelection(d, stream);
+        // a row-scored method's scores lie in attention, its stage-1 masses in massScores (launchRowScores)
+        kernels::RowSelectionArgs const d{rows, s.attention, s.massScores, s.ranking, s.totals};
+        return kernels::launchRowSelection(d, stream);
     }
     cudaError_t status = kernels::launchGroupScores(s, stream);
     if (status != cudaSuccess)
@@ -193,13 +193,13 @@ cudaError_t launchKeyScores(SelectConfig const& config, SelectShape const& shape
 
 //! The inputs of the group scores of one scored layer (m > 0) into the workspace: the window attention (a kvzip
 //! layer: its external scores as every query head's raw attention; a key-scored layer: its key scores, the same way),
-//! defensivekv's rows, and the value norms, or the pruned stage 2's L1 bounds unless `exactNorms`. Fills `s` (raw,
-//! squares, norms, the defensive buffers, pruned).
+//! a row-scored method's pooled rows, and the value norms, or the pruned stage 2's L1 bounds unless `exactNorms`. Fills
+//! `s` (raw, squares, norms, the row-scored buffers, pruned).
 cudaError_t scoreInputs(SelectConfig const& config, SelectShape const& shape, LayerInputs const& t, bool exactNorms,
     void* workspace, WorkspaceLayout const& layout, kernels::ScoreArgs& s, cudaStream_t stream)
 {
     int32_t const m = shape.n - windowLength(config, shape.n);
-    bool const rowsOn = rowScores(config);     // defensivekv's rows come out of the same passes
+    bool const rowsOn = rowScored(config); // a row-scored method's rows come out of the same passes
     float* raw = at<float>(workspace, layout.raw);
     float* squares = windowSquares(config) ? at<float>(workspace, layout.squares) : nullptr;
     WindowScoreParams window{};
@@ -229,8 +229,8 @@ cudaError_t scoreInputs(SelectConfig const& config, SelectShape const& shape, La
         window.rowStats = at<float>(workspace, layout.rowStats);
         window.raw = raw;
         window.squares = squares;
-        window.rowMass = rowsOn ? at<float>(workspace, layout.rowMass) : nullptr;
-        window.worst = rowsOn ? at<float>(workspace, layout.worst) : nullptr;
+        window.rowSums = rowsOn ? at<float>(workspace, layout.rowSums) : nullptr;
+        window.pooledMax = rowsOn ? at<float>(workspace, layout.pooledMax) : nullptr;
         status = launchWindowScores(window, stream);
     }
     if (status != cudaSuccess)
@@ -303,11 +303,11 @@ cudaError_t scoreInputs(SelectConfig const& config, SelectShape const& shape, La
     }
     if (rowsOn)
     {
-        s.worst = window.worst;
-        s.rowMass = reinterpret_cast<float2 const*>(window.rowMass);
-        s.stage1 = at<float>(workspace, layout.stage1);
+        s.pooledMax = window.pooledMax;
+        s.rowSums = reinterpret_cast<float2 const*>(window.rowSums);
+        s.massScores = at<float>(workspace, layout.massScores);
         s.ranking = at<float>(workspace, layout.ranking);
-        s.totals = at<DefensiveKV::Totals>(workspace, layout.totals);
+        s.totals = at<void>(workspace, layout.totals);
     }
     s.raw = raw;
     s.squares = squares;
@@ -463,18 +463,19 @@ cudaError_t launchLayerRanking(SelectConfig const& config, BudgetTable const& ta
     kernels::SelectionRows const rows{config, shape, t.promptLengths, s.budget, s.flags, nullptr,
         selectionPlan(at<void>(workspace, layout.plan), shape.batch, shape.kvHeads, at<void>(workspace, layout.topK),
             layout.total - layout.topK)};
-    if (rowScores(config))
+    if (rowScored(config))
     {
-        // layer-defensivekv: the defensive scores (zero where skipped), stage 1, the ranking into the caller's buffer
+        // a row-scored method (layer-defensivekv): its scores (zero where skipped), stage 1, the ranking into the
+        // caller's buffer
         s.attention = at<float>(workspace, layout.attention);
         status = cudaMemsetAsync(s.attention, 0, rowBytes, stream);
-        status = status == cudaSuccess ? kernels::launchDefensiveScores(s, stream) : status;
+        status = status == cudaSuccess ? kernels::launchRowScores(s, stream) : status;
         if (status != cudaSuccess)
         {
             return status;
         }
-        kernels::DefensiveSelectionArgs const d{rows, s.attention, s.stage1, t.ranking, s.totals};
-        status = kernels::launchDefensiveRanking(d, stream);
+        kernels::RowSelectionArgs const d{rows, s.attention, s.massScores, t.ranking, s.totals};
+        status = kernels::launchRowRanking(d, stream);
         if (status == cudaSuccess && t.attention != nullptr)
         {
             status = cudaMemcpyAsync(t.attention, s.attention, rowBytes, cudaMemcpyDeviceToDevice, stream);

@@ -2,7 +2,6 @@
 // reads. No CUDA header, so that pipeline.cu, selection.cu and the CPU emulation share them.
 #pragma once
 
-#include "criticalkv/methods/defensivekv.h"
 #include "criticalkv/selection_plan.h"
 
 namespace criticalkv::kernels
@@ -38,14 +37,14 @@ struct SelectionArgs
     float const* methodScores; //!< [B, H_kv, m] a group-scored method's own score (groupScored) or nullptr
 };
 
-//! defensivekv's selection: stage 1 by mass, then the shared allocation on the ranking.
-struct DefensiveSelectionArgs
+//! A row-scored method's selection (row_scores.h): stage 1 by mass, then the shared allocation on the ranking.
+struct RowSelectionArgs
 {
     SelectionRows rows;
-    float const* defensive;        //!< [B, H_kv, m] the defensive score
-    float const* stage1;           //!< [B, H_kv, m] the stage-1 mass
-    float* ranking;                //!< [B, H_kv, m] scratch: the shared allocation's ranking
-    DefensiveKV::Totals const* totals; //!< [B, H_kv]
+    float const* scores;     //!< [B, H_kv, m] the method's score
+    float const* massScores; //!< [B, H_kv, m] the stage-1 mass
+    float* ranking;          //!< [B, H_kv, m] scratch: the shared allocation's ranking
+    void const* totals;      //!< Method::Totals [B, H_kv]
 };
 
 //! A kvzip layer's external scores copied as every query head's raw attention (model_level.cuh: externalRawKernel).

@@ -1,8 +1,8 @@
-// The selection flows of every non-pruned policy on the GPU (head_selection.h, shared_allocation.h,
-// methods/defensivekv.h) as fixed sequences of batched launches: small plan kernels compute every row's k on the
-// device (from the runtime budget, the prompt lengths, the heads' shares, stage 1's mass count) with the flows' own
-// __host__ __device__ functions, and launchTopK / launchMassCount (criticalkv/topk.h) select over all rows of the
-// batch at once. The host driver runs the same flows row by row (host/select_host.cpp); both keep the same sets.
+// The selection flows of every non-pruned policy on the GPU (head_selection.h, shared_allocation.h, and the
+// row-scored methods' flow, row_scores.h: templates over the method's struct) as fixed sequences of batched launches:
+// small plan kernels compute every row's k on the device (from the runtime budget, the prompt lengths, the heads'
+// shares, stage 1's mass count) with the flows' own __host__ __device__ functions, and launchTopK / launchMassCount
+// (criticalkv/topk.h) select over all rows of the batch at once. The host driver runs the same flows row by row (host/select_host.cpp); both keep the same sets.
 //
 // Included by kernels/selection.cu only and, compiled with g++, by the CPU emulation (plugins/testing/
 // select_flows_emulation.cpp): no CUDA or CUB header here, launches go through a launcher:
@@ -15,6 +15,7 @@
 #include "topk_block.cuh"
 
 #include "criticalkv/head_selection.h"
+#include "criticalkv/methods/registry.h" // sharedRanking
 #include "criticalkv/shared_allocation.h"
 
 namespace criticalkv::kernels
@@ -93,10 +94,12 @@ __global__ void __launch_bounds__(kTopKThreads) headCountsKernel(SelectionRows a
     }
 }
 
-//! defensivekv: every head's stage-1 limit (the sequence's, DefensiveKV::stage1Limit over its heads' totals). grid as
-//! the plans.
-__global__ void __launch_bounds__(kPlanThreads) defensivePlanKernel(SelectionRows a, DefensiveKV::Totals const* totals)
+//! A row-scored Method: every head's stage-1 limit (the sequence's, Method::stage1Limit over its heads' totals). grid
+//! as the plans.
+template <typename Method>
+__global__ void __launch_bounds__(kPlanThreads) stage1PlanKernel(SelectionRows a, void const* headTotals)
 {
+    auto const* totals = static_cast<typename Method::Totals const*>(headTotals);
     int32_t b = 0;
     int32_t g = 0;
     if (!planRow(a, b, g))
@@ -106,12 +109,13 @@ __global__ void __launch_bounds__(kPlanThreads) defensivePlanKernel(SelectionRow
     int64_t const row = static_cast<int64_t>(b) * a.shape.kvHeads + g;
     SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
     a.plan.limits[row] = info.compress
-        ? DefensiveKV::stage1Limit(a.config, totals + static_cast<int64_t>(b) * a.shape.kvHeads, a.shape.kvHeads)
+        ? Method::stage1Limit(a.config, totals + static_cast<int64_t>(b) * a.shape.kvHeads, a.shape.kvHeads)
         : 0.0F;
     a.plan.headFirstValid[row] = info.candidateStart;
 }
 
-//! defensivekv: stage 1 keeps the mass count, at most r. grid as the plans.
+//! A row-scored Method: stage 1 keeps the mass count, at most r. grid as the plans.
+template <typename Method>
 __global__ void __launch_bounds__(kPlanThreads) stage1KeepKernel(SelectionRows a)
 {
     int32_t b = 0;
@@ -122,12 +126,13 @@ __global__ void __launch_bounds__(kPlanThreads) stage1KeepKernel(SelectionRows a
     }
     int64_t const row = static_cast<int64_t>(b) * a.shape.kvHeads + g;
     SequenceInfo const info = sequenceInfo(a.config, a.budget, a.shape, a.promptLengths, b);
-    a.plan.headFirst[row] = info.compress ? DefensiveKV::stage1Keep(a.plan.massCounts[row], info.r) : 0;
+    a.plan.headFirst[row] = info.compress ? Method::stage1Keep(a.plan.massCounts[row], info.r) : 0;
 }
 
-//! defensivekv: the shared allocation's ranking (stage-1 tokens first) and the flags cleared for it.
+//! A row-scored Method: the shared allocation's ranking (stage-1 tokens first) and the flags cleared for it.
 //! grid (ceil(H_kv m / kPlanThreads), B).
-__global__ void __launch_bounds__(kPlanThreads) rankStage1Kernel(DefensiveSelectionArgs a)
+template <typename Method>
+__global__ void __launch_bounds__(kPlanThreads) rankStage1Kernel(RowSelectionArgs a)
 {
     int32_t const m = olderTokens(a.rows);
     int64_t const length = static_cast<int64_t>(a.rows.shape.kvHeads) * m;
@@ -137,7 +142,7 @@ __global__ void __launch_bounds__(kPlanThreads) rankStage1Kernel(DefensiveSelect
         return;
     }
     int64_t const at = static_cast<int64_t>(blockIdx.y) * length + e;
-    a.ranking[at] = DefensiveKV::stage1Ranking(a.defensive[at], a.rows.flags[at] != 0);
+    a.ranking[at] = Method::stage1Ranking(a.scores[at], a.rows.flags[at] != 0);
     a.rows.flags[at] = 0;
 }
 
@@ -203,7 +208,7 @@ __host__ bool runHeadStage(SelectionArgs const& a, Launcher& launch)
     return !r.config.twoStage || launch.topK(headRows(r, a.critical, r.plan.headSecond, kChosenByCritical));
 }
 
-//! Every non-pruned, non-defensive policy: the shared allocation first where the base shares the layer's slots,
+//! Every non-pruned policy but the row-scored ones: the shared allocation first where the base shares the layer's slots,
 //! then the per-head flow unless the shares are the result (adakv, the group-scored methods).
 template <typename Launcher>
 __host__ bool runSelection(SelectionArgs const& a, Launcher& launch)
@@ -222,37 +227,37 @@ __host__ bool runSelection(SelectionArgs const& a, Launcher& launch)
     return runHeadStage(a, launch);
 }
 
-//! defensivekv's ranking (DefensiveKV::rank): stage 1 by mass per head, then the defensive score with the stage-1
-//! tokens first into a.ranking, the flags cleared (layer-defensivekv's part of the model-wide ranking: this alone).
-template <typename Launcher>
-__host__ bool runDefensiveRanking(DefensiveSelectionArgs const& a, Launcher& launch)
+//! A row-scored Method's ranking (Method::rank): stage 1 by mass per head, then the method's score with the stage-1
+//! tokens first into a.ranking, the flags cleared (a model-level method's part of the model-wide ranking: this alone).
+template <typename Method, typename Launcher>
+__host__ bool runRowRanking(RowSelectionArgs const& a, Launcher& launch)
 {
     SelectionRows const& r = a.rows;
     int32_t const m = r.shape.n - windowLength(r.config, r.shape.n);
     launch.zero(r.flags, static_cast<size_t>(r.shape.batch) * r.shape.kvHeads * m);
-    launch.kernel(defensivePlanKernel, planGrid(r), kPlanThreads, r, a.totals);
-    if (!launch.massCount(headRows(r, a.stage1, nullptr, kChosenByAttention), r.plan.limits, r.plan.massCounts))
+    launch.kernel(stage1PlanKernel<Method>, planGrid(r), kPlanThreads, r, a.totals);
+    if (!launch.massCount(headRows(r, a.massScores, nullptr, kChosenByAttention), r.plan.limits, r.plan.massCounts))
     {
         return false;
     }
-    launch.kernel(stage1KeepKernel, planGrid(r), kPlanThreads, r);
-    if (!launch.topK(headRows(r, a.stage1, r.plan.headFirst, kChosenByAttention)))
+    launch.kernel(stage1KeepKernel<Method>, planGrid(r), kPlanThreads, r);
+    if (!launch.topK(headRows(r, a.massScores, r.plan.headFirst, kChosenByAttention)))
     {
         return false;
     }
     int32_t const length = r.shape.kvHeads * m;
-    launch.kernel(rankStage1Kernel,
+    launch.kernel(rankStage1Kernel<Method>,
         Grid3{static_cast<uint32_t>((length + kPlanThreads - 1) / kPlanThreads), static_cast<uint32_t>(r.shape.batch),
             1},
         kPlanThreads, a);
     return true;
 }
 
-//! defensivekv (DefensiveKV::select): its ranking (runDefensiveRanking), then the shared allocation on it.
-template <typename Launcher>
-__host__ bool runDefensiveSelection(DefensiveSelectionArgs const& a, Launcher& launch)
+//! A row-scored Method (Method::select): its ranking (runRowRanking), then the shared allocation on it.
+template <typename Method, typename Launcher>
+__host__ bool runRowSelection(RowSelectionArgs const& a, Launcher& launch)
 {
-    return runDefensiveRanking(a, launch) && runSharedAllocation(a.rows, a.ranking, launch);
+    return runRowRanking<Method>(a, launch) && runSharedAllocation(a.rows, a.ranking, launch);
 }
 
 } // namespace criticalkv::kernels

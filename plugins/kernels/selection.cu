@@ -1,9 +1,8 @@
 // Group scores, the selection stages, compaction and gather.
 //
-// Every non-pruned selection flow (per head, shared allocation, defensivekv) is select_flows.cuh's fixed sequence of
-// plan kernels and batched top-k launches (launchTopK, kernels/topk.cu) over all rows of the batch; CriticalKV's
-// pruned stage 2 (prunedStage2On) is kernels/pruned.cu's (launchPrunedStage2, enqueued by pipeline.cu).
-#include "criticalkv/methods/defensivekv.h"
+// Every non-pruned selection flow (per head, shared allocation, the row-scored methods') is select_flows.cuh's fixed
+// sequence of plan kernels and batched top-k launches (launchTopK, kernels/topk.cu) over all rows of the batch;
+// CriticalKV's pruned stage 2 (prunedStage2On) is kernels/pruned.cu's (launchPrunedStage2, enqueued by pipeline.cu).
 #include "criticalkv/group_scores.h"
 #include "criticalkv/head_selection.h"
 #include "criticalkv/kept_positions.h"
@@ -59,9 +58,10 @@ __global__ void __launch_bounds__(kScoreThreads) groupScoresKernel(ScoreArgs a)
     }
 }
 
-//! defensivekv, per older token: the group's parts (methods/defensivekv.h) into attention (worst), ranking (norm) and
-//! stage1 (attention), the scratch of the next two kernels. grid (ceil(m / kScoreThreads), H_kv, B).
-__global__ void __launch_bounds__(kScoreThreads) defensivePartsKernel(ScoreArgs a)
+//! A row-scored Method (row_scores.h), per older token: the group's parts into attention (worst), ranking (norm) and
+//! massScores (attention), the scratch of the next two kernels. grid (ceil(m / kScoreThreads), H_kv, B).
+template <typename Method>
+__global__ void __launch_bounds__(kScoreThreads) rowPartsKernel(ScoreArgs a)
 {
     int32_t const g = static_cast<int32_t>(blockIdx.y);
     int32_t const b = static_cast<int32_t>(blockIdx.z);
@@ -74,17 +74,18 @@ __global__ void __launch_bounds__(kScoreThreads) defensivePartsKernel(ScoreArgs 
     }
     int32_t const group = a.shape.heads / a.shape.kvHeads;
     int64_t const sequence = static_cast<int64_t>(b) * a.shape.heads * m;
-    DefensiveKV::Parts const parts = DefensiveKV::partsAt(a.worst + sequence, a.raw + sequence, a.norms + sequence,
-        g * group, group, m, info.validStart, i);
+    typename Method::Parts const parts = Method::partsAt(a.pooledMax + sequence, a.raw + sequence,
+        a.norms + sequence, g * group, group, m, info.validStart, i);
     int64_t const out = (static_cast<int64_t>(b) * a.shape.kvHeads + g) * m + i;
     a.attention[out] = parts.worst;
     a.ranking[out] = parts.norm;
-    a.stage1[out] = parts.attention;
+    a.massScores[out] = parts.attention;
 }
 
-//! defensivekv, per KV head: the sums over its valid older tokens and its rows' window mass (double, block-reduced).
-//! grid (H_kv, B), block kScoreThreads.
-__global__ void __launch_bounds__(kScoreThreads) defensiveTotalsKernel(ScoreArgs a)
+//! A row-scored Method, per KV head: the sums over its valid older tokens and its rows' window mass (double,
+//! block-reduced) into its totals. grid (H_kv, B), block kScoreThreads.
+template <typename Method>
+__global__ void __launch_bounds__(kScoreThreads) rowTotalsKernel(ScoreArgs a)
 {
     int32_t const g = static_cast<int32_t>(blockIdx.x);
     int32_t const b = static_cast<int32_t>(blockIdx.y);
@@ -107,9 +108,9 @@ __global__ void __launch_bounds__(kScoreThreads) defensiveTotalsKernel(ScoreArgs
     {
         worst += i >= info.validStart ? a.attention[row + i] : 0.0F;
         norm += a.ranking[row + i];
-        attention += a.stage1[row + i];
+        attention += a.massScores[row + i];
     }
-    float2 const* rows = a.rowMass + (static_cast<int64_t>(b) * a.shape.heads + g * group) * w;
+    float2 const* rows = a.rowSums + (static_cast<int64_t>(b) * a.shape.heads + g * group) * w;
     for (int32_t r = static_cast<int32_t>(threadIdx.x); r < group * w; r += kScoreThreads)
     {
         mass += rows[r].x;
@@ -123,14 +124,15 @@ __global__ void __launch_bounds__(kScoreThreads) defensiveTotalsKernel(ScoreArgs
     mass = Reduce(storage).Sum(mass);
     if (threadIdx.x == 0)
     {
-        a.totals[static_cast<int64_t>(b) * a.shape.kvHeads + g]
-            = DefensiveKV::totals(worst, norm, attention, mass, m - info.validStart, group * w);
+        static_cast<typename Method::Totals*>(a.totals)[static_cast<int64_t>(b) * a.shape.kvHeads + g]
+            = Method::totals(worst, norm, attention, mass, m - info.validStart, group * w);
     }
 }
 
-//! defensivekv, per older token: the defensive score (into attention) and the stage-1 mass (into stage1).
+//! A row-scored Method, per older token: its score (into attention) and its stage-1 mass (into massScores).
 //! grid (ceil(m / kScoreThreads), H_kv, B).
-__global__ void __launch_bounds__(kScoreThreads) defensiveFinishKernel(ScoreArgs a)
+template <typename Method>
+__global__ void __launch_bounds__(kScoreThreads) rowFinishKernel(ScoreArgs a)
 {
     int32_t const g = static_cast<int32_t>(blockIdx.y);
     int32_t const b = static_cast<int32_t>(blockIdx.z);
@@ -142,10 +144,10 @@ __global__ void __launch_bounds__(kScoreThreads) defensiveFinishKernel(ScoreArgs
     }
     int64_t const head = static_cast<int64_t>(b) * a.shape.kvHeads + g;
     int64_t const out = head * m + i;
-    DefensiveKV::Parts const parts{a.attention[out], a.ranking[out], a.stage1[out]};
-    DefensiveKV::Totals const totals = a.totals[head];
-    a.attention[out] = DefensiveKV::score(parts, totals);
-    a.stage1[out] = DefensiveKV::stage1Mass(parts, totals);
+    typename Method::Parts const parts{a.attention[out], a.ranking[out], a.massScores[out]};
+    typename Method::Totals const totals = static_cast<typename Method::Totals const*>(a.totals)[head];
+    a.attention[out] = Method::score(parts, totals);
+    a.massScores[out] = Method::stage1Mass(parts, totals);
 }
 
 //! Ascending kept positions of every head (-1 padded) and their count (compact.cuh). grid compactGrid(shape), block
@@ -209,7 +211,7 @@ cudaError_t launchGroupScores(ScoreArgs const& a, cudaStream_t stream)
     return cudaGetLastError();
 }
 
-cudaError_t launchDefensiveScores(ScoreArgs const& a, cudaStream_t stream)
+cudaError_t launchRowScores(ScoreArgs const& a, cudaStream_t stream)
 {
     int32_t const m = a.shape.n - windowLength(a.config, a.shape.n);
     if (m <= 0)
@@ -217,11 +219,14 @@ cudaError_t launchDefensiveScores(ScoreArgs const& a, cudaStream_t stream)
         return cudaSuccess;
     }
     dim3 const scoreGrid = scoreGridOf(a, m);
-    defensivePartsKernel<<<scoreGrid, kScoreThreads, 0, stream>>>(a);
-    defensiveTotalsKernel<<<dim3(static_cast<uint32_t>(a.shape.kvHeads), static_cast<uint32_t>(a.shape.batch)),
-        kScoreThreads, 0, stream>>>(a);
-    defensiveFinishKernel<<<scoreGrid, kScoreThreads, 0, stream>>>(a);
-    return cudaGetLastError();
+    bool const listed = forRowScoredMethod(a.config.base, [&a, &scoreGrid, stream](auto method) {
+        using Method = decltype(method);
+        rowPartsKernel<Method><<<scoreGrid, kScoreThreads, 0, stream>>>(a);
+        rowTotalsKernel<Method><<<dim3(static_cast<uint32_t>(a.shape.kvHeads), static_cast<uint32_t>(a.shape.batch)),
+            kScoreThreads, 0, stream>>>(a);
+        rowFinishKernel<Method><<<scoreGrid, kScoreThreads, 0, stream>>>(a);
+    });
+    return listed ? cudaGetLastError() : cudaErrorInvalidValue;
 }
 
 cudaError_t launchSelection(SelectionArgs const& a, cudaStream_t stream)
@@ -238,20 +243,23 @@ cudaError_t launchSharedAllocation(SelectionArgs const& a, cudaStream_t stream)
     return launch.finish(accepted);
 }
 
-cudaError_t launchDefensiveSelection(DefensiveSelectionArgs const& a, cudaStream_t stream)
+cudaError_t launchRowSelection(RowSelectionArgs const& a, cudaStream_t stream)
 {
     FlowLaunch launch{a.rows.plan.scratch, a.rows.plan.scratchBytes, stream};
-    bool const accepted = runDefensiveSelection(a, launch);
+    bool accepted = false;
+    forRowScoredMethod(a.rows.config.base,
+        [&](auto method) { accepted = runRowSelection<decltype(method)>(a, launch); });
     return launch.finish(accepted);
 }
 
-cudaError_t launchDefensiveRanking(DefensiveSelectionArgs const& a, cudaStream_t stream)
+cudaError_t launchRowRanking(RowSelectionArgs const& a, cudaStream_t stream)
 {
     FlowLaunch launch{a.rows.plan.scratch, a.rows.plan.scratchBytes, stream};
-    bool const accepted = runDefensiveRanking(a, launch);
+    bool accepted = false;
+    forRowScoredMethod(a.rows.config.base,
+        [&](auto method) { accepted = runRowRanking<decltype(method)>(a, launch); });
     return launch.finish(accepted);
 }
-
 
 cudaError_t launchExternalRaw(ExternalRawArgs const& a, cudaStream_t stream)
 {

@@ -1,7 +1,6 @@
 // Arguments and launchers of the selection stages (private to plugins/kernels; used by pipeline.cu).
 #pragma once
 
-#include "criticalkv/methods/defensivekv.h"
 #include "compact.cuh" // CompactArgs
 #include "select_flow_args.h"
 
@@ -10,7 +9,7 @@
 namespace criticalkv::kernels
 {
 
-//! The score stages (group scores, defensivekv's scores).
+//! The score stages (group scores, a row-scored method's scores).
 struct ScoreArgs
 {
     SelectConfig config;
@@ -25,11 +24,12 @@ struct ScoreArgs
     float* methodScores;  // [B, H_kv, m] (groupScored) or nullptr
     uint8_t* flags;       // [B, H_kv, m]
     int32_t* headCounts;  // [B, H_kv]
-    float const* worst;       // [B, H, m] (defensivekv, launchDefensiveRows)
-    float2 const* rowMass;    // [B, H, w] (defensivekv)
-    float* stage1;            // [B, H_kv, m] (defensivekv)
-    float* ranking;           // [B, H_kv, m] (defensivekv)
-    DefensiveKV::Totals* totals;  // [B, H_kv] (defensivekv)
+    // a row-scored method's (row_scores.h; the window pass's rows, then its scratch and totals), else nullptr
+    float const* pooledMax;   // [B, H, m]
+    float2 const* rowSums;    // [B, H, w] (mass, pooled total)
+    float* massScores;        // [B, H_kv, m]
+    float* ranking;           // [B, H_kv, m]
+    void* totals;             // Method::Totals [B, H_kv]
     // CriticalKV's pruned stage 2 (prunedStage2On): norms hold the L1 bounds, critical their group score U; the
     // per-head selection is launchPrunedStage2's (kernels/pruned.cu)
     bool pruned;
@@ -58,17 +58,18 @@ inline GatherArgs gatherArgs(SelectConfig const& config, SelectShape const& shap
 //! S, C and the group-scored method's own score of every older token (group_scores.h; the kernel's instance is the
 //! method's of methods/registry.h).
 cudaError_t launchGroupScores(ScoreArgs const& a, cudaStream_t stream);
-//! defensivekv's scores: the defensive score into attention, the stage-1 mass into stage1, the totals.
-cudaError_t launchDefensiveScores(ScoreArgs const& a, cudaStream_t stream);
-//! The selection of every non-pruned, non-defensive policy (select_flows.cuh: runSelection).
+//! A row-scored method's scores (the kernels' instance is the base's of methods/registry.h: RowScoredMethods): its
+//! score into attention, its stage-1 mass into massScores, its totals.
+cudaError_t launchRowScores(ScoreArgs const& a, cudaStream_t stream);
+//! The selection of every non-pruned policy but the row-scored ones (select_flows.cuh: runSelection).
 cudaError_t launchSelection(SelectionArgs const& a, cudaStream_t stream);
 //! Only the shared allocation and the heads' shares (the pruned ada-criticalkv's launchPrunedStage2 then reselects
 //! inside them).
 cudaError_t launchSharedAllocation(SelectionArgs const& a, cudaStream_t stream);
-//! defensivekv's selection (select_flows.cuh: runDefensiveSelection).
-cudaError_t launchDefensiveSelection(DefensiveSelectionArgs const& a, cudaStream_t stream);
-//! defensivekv's ranking alone (select_flows.cuh: runDefensiveRanking; layer-defensivekv's per-layer part).
-cudaError_t launchDefensiveRanking(DefensiveSelectionArgs const& a, cudaStream_t stream);
+//! A row-scored method's selection (select_flows.cuh: runRowSelection).
+cudaError_t launchRowSelection(RowSelectionArgs const& a, cudaStream_t stream);
+//! A row-scored method's ranking alone (select_flows.cuh: runRowRanking; a model-level one's per-layer part).
+cudaError_t launchRowRanking(RowSelectionArgs const& a, cudaStream_t stream);
 //! A kvzip layer's external scores as every query head's raw attention (model_level.cuh: externalRawKernel; the
 //! kernels of this and the next three launchers are model_level.cuh's).
 cudaError_t launchExternalRaw(ExternalRawArgs const& a, cudaStream_t stream);

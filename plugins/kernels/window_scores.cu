@@ -1,18 +1,19 @@
 // Window attention scores: softmax of the w window queries of every query head over all n keys (causal inside
 // the window, left padding masked), averaged over the queries (Ā), sum_j A_j^2 where a group-scored method asks for it
-// (windowSquares: laprox), and for defensivekv the rows' maximum of the rescaled average pools (worst) and masses.
+// (windowSquares: laprox), and for a row-scored method the rows' maximum of the rescaled average pools (pooledMax)
+// and masses (row_scores.h).
 //
 // * fp16 / bf16, d_h % 16 == 0, d_h <= 128, w <= 128, pool kernel <= 49, 16-byte aligned Q and K, sm_80+
 //   (windowScoresOnTensorCores): the tensor-core tiles of window_tiles.cuh, three launches: pass 1 (Q K^T on the
 //   tensor cores, online softmax partials per key block), the combine, pass 3 (Q K^T again, probabilities to a shared
-//   tile, Ā / sum A^2 / worst per key). K is read twice; defensivekv's rows come out of the same two passes.
+//   tile, Ā / sum A^2 / pooledMax per key). K is read twice; the pooled rows come out of the same two passes.
 // * otherwise (fp32 included: its kept sets stay the host driver's): the SIMT kernels of window_simt.cuh, two passes
-//   over K for Ā and two more for defensivekv's rows.
+//   over K for Ā and two more for the pooled rows.
 //
 // Why not TensorRT's own layers (MatMul + Softmax + Reduce): they would materialise the [B, H, w, n]
 // probabilities (w * n * 4 bytes per head: 16 MiB for w = 32, n = 128k) and run the selection outside the
 // plugin anyway. Not measured on a GPU yet (docs/tensorrt_cost_model.md has the predictions).
-#include "criticalkv/methods/defensivekv.h"
+#include "criticalkv/row_scores.h"
 #include "criticalkv/kernels.h"
 #include "device_utils.cuh"
 #include "window_simt.cuh"
@@ -42,15 +43,15 @@ __global__ void __launch_bounds__(kStatsThreads) softmaxStatsKernel(WindowArgs a
 }
 
 template <typename T, bool kRescale>
-__global__ void __launch_bounds__(kRowThreads) defensiveRowsKernel(DefensiveRowArgs a)
+__global__ void __launch_bounds__(kRowThreads) pooledRowsKernel(PooledRowArgs a)
 {
     extern __shared__ float simtShared[];
-    defensiveRowsBlock<T, kRescale>(a, simtShared);
+    pooledRowsBlock<T, kRescale>(a, simtShared);
 }
 
-__global__ void __launch_bounds__(kStatsThreads) defensiveRowMassKernel(DefensiveRowArgs a)
+__global__ void __launch_bounds__(kStatsThreads) rowSumsKernel(PooledRowArgs a)
 {
-    defensiveRowMassBlock(a);
+    rowSumsBlock(a);
 }
 
 template <typename T>
@@ -82,13 +83,13 @@ cudaError_t launchWindowSimt(WindowArgs const& a, cudaStream_t stream)
 }
 
 template <typename T>
-cudaError_t launchDefensiveRowsSimt(DefensiveRowArgs const& a, cudaStream_t stream)
+cudaError_t launchPooledRowsSimt(PooledRowArgs const& a, cudaStream_t stream)
 {
-    size_t const shared = defensiveRowSharedBytes(a.shape.headDim);
-    cudaError_t status = allowDynamicSharedMemory(defensiveRowsKernel<T, false>, shared);
+    size_t const shared = pooledRowSharedBytes(a.shape.headDim);
+    cudaError_t status = allowDynamicSharedMemory(pooledRowsKernel<T, false>, shared);
     if (status == cudaSuccess)
     {
-        status = allowDynamicSharedMemory(defensiveRowsKernel<T, true>, shared);
+        status = allowDynamicSharedMemory(pooledRowsKernel<T, true>, shared);
     }
     if (status != cudaSuccess)
     {
@@ -96,14 +97,14 @@ cudaError_t launchDefensiveRowsSimt(DefensiveRowArgs const& a, cudaStream_t stre
     }
     dim3 const grid(static_cast<uint32_t>(a.olderTiles), static_cast<uint32_t>(a.shape.heads),
         static_cast<uint32_t>(a.shape.batch));
-    defensiveRowsKernel<T, false><<<grid, kRowThreads, shared, stream>>>(a);
-    defensiveRowMassKernel<<<dim3(static_cast<uint32_t>(a.shape.heads), static_cast<uint32_t>(a.shape.batch)),
+    pooledRowsKernel<T, false><<<grid, kRowThreads, shared, stream>>>(a);
+    rowSumsKernel<<<dim3(static_cast<uint32_t>(a.shape.heads), static_cast<uint32_t>(a.shape.batch)),
         kStatsThreads, 0, stream>>>(a);
-    defensiveRowsKernel<T, true><<<grid, kRowThreads, shared, stream>>>(a);
+    pooledRowsKernel<T, true><<<grid, kRowThreads, shared, stream>>>(a);
     return cudaGetLastError();
 }
 
-//! The SIMT path: window attention, then defensivekv's two row passes.
+//! The SIMT path: window attention, then the two pooled-row passes.
 template <typename T>
 cudaError_t launchSimtPath(WindowScoreParams const& p, cudaStream_t stream)
 {
@@ -124,11 +125,11 @@ cudaError_t launchSimtPath(WindowScoreParams const& p, cudaStream_t stream)
     a.tiles = (p.shape.n + kKeyTile - 1) / kKeyTile;
     a.scale = scale;
     cudaError_t status = launchWindowSimt<T>(a, stream);
-    if (status != cudaSuccess || p.worst == nullptr || m <= 0)
+    if (status != cudaSuccess || p.pooledMax == nullptr || m <= 0)
     {
         return status;
     }
-    DefensiveRowArgs r{};
+    PooledRowArgs r{};
     r.config = p.config;
     r.shape = p.shape;
     r.queries = p.queries;
@@ -137,11 +138,11 @@ cudaError_t launchSimtPath(WindowScoreParams const& p, cudaStream_t stream)
     r.budget = p.budget;
     r.rowStats = reinterpret_cast<float2 const*>(p.rowStats);
     r.partials = reinterpret_cast<float2*>(p.partials); // pass 1's partials are consumed: reused
-    r.rowMass = reinterpret_cast<float2*>(p.rowMass);
-    r.worst = p.worst;
+    r.rowSums = reinterpret_cast<float2*>(p.rowSums);
+    r.pooledMax = p.pooledMax;
     r.olderTiles = (m + kKeyTile - 1) / kKeyTile;
     r.scale = scale;
-    return launchDefensiveRowsSimt<T>(r, stream);
+    return launchPooledRowsSimt<T>(r, stream);
 }
 
 // ------------------------------------------------------------------------------------------------ tensor-core path
@@ -204,10 +205,10 @@ cudaError_t launchTensorPath(WindowScoreParams const& p, cudaStream_t stream)
     a.keys = p.keys;
     a.partials = p.partials;
     a.rowStats = p.rowStats;
-    a.rowMass = p.worst != nullptr ? p.rowMass : nullptr;
+    a.rowSums = p.pooledMax != nullptr ? p.rowSums : nullptr;
     a.raw = p.raw;
     a.squares = p.squares;
-    a.worst = p.worst;
+    a.pooledMax = p.pooledMax;
     a.scale = static_cast<float>(sqrt(static_cast<double>(p.shape.headDim)));
     if (p.shape.headDim <= 16 * WindowTiles64::kMaxSteps)
     {
@@ -241,10 +242,10 @@ bool windowScoresOnTensorCores(SelectConfig const& config, SelectShape const& sh
 cudaError_t launchWindowScores(WindowScoreParams const& p, cudaStream_t stream)
 {
     SelectShape const& s = p.shape;
-    bool const rows = p.worst != nullptr;
+    bool const rows = p.pooledMax != nullptr;
     if (s.batch <= 0 || s.n <= 0 || s.headDim <= 0 || s.headDim > kMaxHeadDim || s.kvHeads <= 0
         || s.heads % s.kvHeads != 0 || s.queryLen < windowLength(p.config, s.n) || p.partials == nullptr
-        || p.rowStats == nullptr || p.raw == nullptr || (rows && p.rowMass == nullptr))
+        || p.rowStats == nullptr || p.raw == nullptr || (rows && p.rowSums == nullptr))
     {
         return cudaErrorInvalidValue;
     }

@@ -1,4 +1,4 @@
-// The SIMT window-score and defensive-row kernels' bodies (fp32, and every input the tensor-core tiles of
+// The SIMT window-score and pooled-row kernels' bodies (fp32, and every input the tensor-core tiles of
 // window_tiles.cuh do not take: d_h % 16 != 0 or > 128, w > 128, a pool wider than 49, unaligned tensors, sm < 80).
 // Included by kernels/window_scores.cu (the __global__ wrappers give each body its dynamic shared memory) and by the
 // CPU emulation (testing/window_scores_emulation.cpp).
@@ -8,11 +8,11 @@
 // of every query, pass 2 recomputes the logits of the m older keys and accumulates the normalised probabilities per
 // key. Keys and a 16-query chunk sit in shared memory; logits accumulate in fp32.
 //
-// defensivekv's rows: two more passes recompute the probabilities of the older keys (the rows' pooled sums, then the
-// maximum of the rescaled pooled rows per head).
+// A row-scored method's pooled rows (row_scores.h): two more passes recompute the probabilities of the older keys (the
+// rows' pooled sums, then the maximum of the rescaled pooled rows per head).
 #pragma once
 
-#include "criticalkv/methods/defensivekv.h"
+#include "criticalkv/row_scores.h"
 #include "criticalkv/select_params.h"
 
 #if defined(__CUDACC__)
@@ -230,9 +230,9 @@ __device__ __forceinline__ void softmaxStatsBlock(WindowArgs const& a)
     }
 }
 
-//! defensivekv's rows (methods/defensivekv.h): every window query's attention row over the older tokens,
+//! The pooled rows of a row-scored method (row_scores.h): every window query's attention row over the older tokens,
 //! average-pooled and rescaled to the row's mass, maximum over the rows of each query head.
-struct DefensiveRowArgs
+struct PooledRowArgs
 {
     SelectConfig config;
     SelectShape shape;
@@ -242,8 +242,8 @@ struct DefensiveRowArgs
     RuntimeBudget budget;
     float2 const* rowStats; // [B, H, w] softmax (max, sum)
     float2* partials;       // [B, H, w, olderTiles] per token tile (sum A, sum P)
-    float2* rowMass;        // [B, H, w] (mass, total)
-    float* worst;           // [B, H, m]
+    float2* rowSums;        // [B, H, w] (mass, total)
+    float* pooledMax;       // [B, H, m]
     int32_t olderTiles;
     float scale;
 };
@@ -252,7 +252,7 @@ constexpr int kRowThreads = 256;              // kKeyTile tokens x kRowLanes lan
 constexpr int kRowLanes = kRowThreads / kKeyTile;
 constexpr int kRowQueriesPerLane = kQueryChunk / kRowLanes;
 
-inline size_t defensiveRowSharedBytes(int32_t headDim)
+inline size_t pooledRowSharedBytes(int32_t headDim)
 {
     // keys, queries, probabilities, two reduction tiles, the lanes' maxima
     return (static_cast<size_t>(kKeyTile + kQueryChunk) * (headDim + 1) + 3 * kQueryChunk * kKeyTile
@@ -261,12 +261,12 @@ inline size_t defensiveRowSharedBytes(int32_t headDim)
 }
 
 //! Pass kRescale = false: per token tile and window query, the sums of A and of P over the tile's tokens (partials).
-//! Pass kRescale = true: worst[b, h, i] = max over j of DefensiveKV::rescaledPooled(P[j, i], rowMass[j]). P[j, i] sums
-//! the probabilities of the span of token i in ascending position order, as avg_pool1d does; the span crosses the tile,
-//! so the probabilities of keys [tile - k/2, tile + 64 + k/2) are computed in chunks of 64 keys.
-//! grid (older tiles, H, B), block kRowThreads, dynamic shared memory defensiveRowSharedBytes(d_h).
+//! Pass kRescale = true: pooledMax[b, h, i] = max over j of PooledRows::rescaledPooled(P[j, i], rowSums[j]). P[j, i]
+//! sums the probabilities of the span of token i in ascending position order, as avg_pool1d does; the span crosses the
+//! tile, so the probabilities of keys [tile - k/2, tile + 64 + k/2) are computed in chunks of 64 keys.
+//! grid (older tiles, H, B), block kRowThreads, dynamic shared memory pooledRowSharedBytes(d_h).
 template <typename T, bool kRescale>
-__device__ void defensiveRowsBlock(DefensiveRowArgs const& a, float* shared)
+__device__ void pooledRowsBlock(PooledRowArgs const& a, float* shared)
 {
     int32_t const tile = static_cast<int32_t>(blockIdx.x);
     int32_t const h = static_cast<int32_t>(blockIdx.y);
@@ -288,8 +288,8 @@ __device__ void defensiveRowsBlock(DefensiveRowArgs const& a, float* shared)
     int32_t const i = tileBegin + token;
     int64_t const headRow = static_cast<int64_t>(b) * a.shape.heads + h;
     int32_t const half = a.config.poolKernel / 2;
-    DefensiveKV::PoolSpan const span
-        = i < m ? DefensiveKV::poolSpan(a.config.poolKernel, m, i) : DefensiveKV::PoolSpan{1, 0};
+    PooledRows::PoolSpan const span
+        = i < m ? PooledRows::poolSpan(a.config.poolKernel, m, i) : PooledRows::PoolSpan{1, 0};
     int32_t const lo = tileBegin - half > 0 ? tileBegin - half : 0;
     int32_t const hi = tileBegin + kKeyTile + half < m ? tileBegin + kKeyTile + half : m; // exclusive
 
@@ -373,13 +373,13 @@ __device__ void defensiveRowsBlock(DefensiveRowArgs const& a, float* shared)
             int32_t const j = j0 + r;
             bool const scored = j < w && i < m;
             float const pooled
-                = scored && i >= info.validStart ? DefensiveKV::averagePool(sums[q], a.config.poolKernel) : 0.0F;
+                = scored && i >= info.validStart ? PooledRows::averagePool(sums[q], a.config.poolKernel) : 0.0F;
             if (kRescale)
             {
                 if (scored)
                 {
-                    float2 const mass = a.rowMass[headRow * w + j];
-                    float const value = DefensiveKV::rescaledPooled(pooled, mass.x, mass.y);
+                    float2 const mass = a.rowSums[headRow * w + j];
+                    float const value = PooledRows::rescaledPooled(pooled, mass.x, mass.y);
                     best = value > best ? value : best;
                 }
             }
@@ -416,13 +416,13 @@ __device__ void defensiveRowsBlock(DefensiveRowArgs const& a, float* shared)
                 float const other = laneBest[l * kKeyTile + token];
                 best = other > best ? other : best;
             }
-            a.worst[headRow * m + i] = best;
+            a.pooledMax[headRow * m + i] = best;
         }
     }
 }
 
-//! rowMass[b, h, j] = (mass, total) of every window query's row from the tile partials. grid (H, B), kStatsThreads.
-__device__ __forceinline__ void defensiveRowMassBlock(DefensiveRowArgs const& a)
+//! rowSums[b, h, j] = (mass, total) of every window query's row from the tile partials. grid (H, B), kStatsThreads.
+__device__ __forceinline__ void rowSumsBlock(PooledRowArgs const& a)
 {
     int32_t const h = static_cast<int32_t>(blockIdx.x);
     int32_t const b = static_cast<int32_t>(blockIdx.y);
@@ -442,7 +442,7 @@ __device__ __forceinline__ void defensiveRowMassBlock(DefensiveRowArgs const& a)
             mass += p.x;
             total += p.y;
         }
-        a.rowMass[headRow * w + j] = make_float2(static_cast<float>(mass), static_cast<float>(total));
+        a.rowSums[headRow * w + j] = make_float2(static_cast<float>(mass), static_cast<float>(total));
     }
 }
 

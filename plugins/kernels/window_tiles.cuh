@@ -1,4 +1,4 @@
-// Tensor-core tiles of the window scores and of defensivekv's rows (mma.sync m16n8k16, ldmatrix, cp.async; lane layouts
+// Tensor-core tiles of the window scores and of the pooled rows (mma.sync m16n8k16, ldmatrix, cp.async; lane layouts
 // in criticalkv/mma_layout.h, fragment loads shared with mma_tiles.cuh). Included by kernels/window_scores.cu (device)
 // and by the CPU emulation (testing/window_scores_emulation.cpp, which supplies the warp instructions and one
 // fiber per CUDA thread).
@@ -8,19 +8,20 @@
 // statistics (max, sum over all n keys) before any probability can be summed over the rows, so the scores are
 // computed twice, and K is read twice; nothing of size [w, n] is ever stored:
 //   1. windowStatsBlock: per key block (tilesPerBlock steps of 64 keys) and query row, the online softmax partial
-//      (max, sum exp over the visible keys, the same sum over the older keys, and defensivekv's pool-edge sum);
-//   2. windowCombineBlock: the partials of a row into its (max, sum) and defensivekv's (mass, total);
+//      (max, sum exp over the visible keys, the same sum over the older keys, and the pooled rows' pool-edge sum);
+//   2. windowCombineBlock: the partials of a row into its (max, sum) and the pooled rows' (mass, total);
 //   3. windowColumnsBlock: the scores again, p = exp(s - max) / sum into a shared fp32 tile [rows][64 keys], then per
-//      (head, key) Ā = sum_j p / w, sum_j p^2 (windowSquares) and defensivekv's worst = max_j rescaled pooled p.
+//      (head, key) Ā = sum_j p / w, sum_j p^2 (windowSquares) and the pooled rows' pooledMax = max_j rescaled
+//      pooled p (row_scores.h).
 // The logits are s = (q . k) x (1 / sqrt(d_h)) and p takes a product by 1 / sum: within an ulp of the reference's
 // divisions, far inside the flash-attention rule these 16-bit inputs are held to (fp32 inputs run the SIMT kernels).
 // Bytes: storing the fp32 scores instead of recomputing them writes and reads G w 4 = 512 bytes per key and KV head,
 // twice what K itself takes (d_h 2 = 256): a second read of K (256 bytes per key) is the cheapest way to the global
 // statistics. Partials are 16 bytes per row and key block (1 MiB at 32k for Llama-3-8B's layer).
-// defensivekv's row mass and pooled total are linear in the row, so they come from the same pass-1 sums: mass =
+// The pooled rows' mass and pooled total are linear in the row, so they come from the same pass-1 sums: mass =
 // sum over older keys / sum, total = sum_i pool(row)_i = (k mass - sum_t p_t deficit(t)) / k with deficit(t) > 0 only
-// within k/2 of the older range's ends (poolDeficit): the rows' rescaling is known before pass 3, which computes worst
-// in the same sweep as Ā (two reads of K for defensivekv instead of four). Each pass-3 step computes keys
+// within k/2 of the older range's ends (poolDeficit): the rows' rescaling is known before pass 3, which computes pooledMax
+// in the same sweep as Ā (two reads of K for the pooled rows instead of four). Each pass-3 step computes keys
 // [out - k/2, out + 64 - k/2) and writes 64 - 2 (k/2) outputs, so a token's pool span lies in the step's tile.
 //
 // CTA: 4 warps, 128 query rows (headsPerChunk whole heads; more heads go to further row chunks), 64 keys per step
@@ -33,10 +34,10 @@
 // * pass 1's epilogue: one exp per score; a step whose keys are all older, visible and clear of the pool's edges
 //   (every step but the few at the ends of a sequence) tests no key;
 // * pass 3's epilogue: the thread's 64 accumulators to the probability tile (float2 stores, rows 72 floats apart: no
-//   bank conflict), then w reads per (head, key) output (w k more for defensivekv's pooled maximum).
+//   bank conflict), then w reads per (head, key) output (w k more for the pooled maximum).
 #pragma once
 
-#include "criticalkv/methods/defensivekv.h"
+#include "criticalkv/row_scores.h"
 #include "criticalkv/mma_layout.h"
 #include "criticalkv/select_params.h"
 #include "mma_tiles.cuh"
@@ -80,7 +81,7 @@ struct WindowTiles
 using WindowTiles64 = WindowTiles<4>;  //!< d_h <= 64
 using WindowTiles128 = WindowTiles<8>; //!< d_h <= 128
 
-//! Largest k / 2 of defensivekv's pool on the tensor-core path: a step then still writes 64 - 48 = 16 outputs.
+//! Largest k / 2 of the pooled rows' pool on the tensor-core path: a step then still writes 64 - 48 = 16 outputs.
 constexpr int32_t kMaxWindowHalo = 24;
 
 //! Arguments of the three bodies.
@@ -94,10 +95,10 @@ struct WindowTileArgs
     void const* keys;             //!< [B, H_kv, n, d_h]
     float* partials;              //!< [B, H, w, statsBlocks, 4]: max, sum exp over visible keys, over older keys, edges
     float* rowStats;              //!< [B, H, w, 2]: softmax (max, sum) of every window query
-    float* rowMass;               //!< [B, H, w, 2]: (mass, pooled total) over the older tokens (defensivekv), or nullptr
+    float* rowSums;               //!< [B, H, w, 2]: (mass, pooled total) over the older tokens (row-scored), or nullptr
     float* raw;                   //!< [B, H, m]: Ā
     float* squares;               //!< [B, H, m]: sum_j A_j^2, or nullptr
-    float* worst;                 //!< [B, H, m]: max_j of the rescaled pooled rows (defensivekv), or nullptr
+    float* pooledMax;             //!< [B, H, m]: max_j of the rescaled pooled rows (row-scored), or nullptr
     float scale;                  //!< sqrt(d_h) in fp32: logits = (q . k) / scale, as the reference divides
     int32_t headsPerChunk;        //!< query heads per CTA: headsPerChunk w <= kRows
     int32_t rowChunks;            //!< ceil(G / headsPerChunk)
@@ -105,7 +106,7 @@ struct WindowTileArgs
     int32_t statsTilesPerBlock;   //!< 64-key steps per pass-1 CTA
     int32_t columnBlocks;         //!< key blocks of pass 3
     int32_t columnTilesPerBlock;  //!< steps per pass-3 CTA
-    int32_t halo;                 //!< keys computed on either side of a pass-3 step's outputs: k / 2 with worst, else 0
+    int32_t halo;                 //!< keys computed on either side of a pass-3 step's outputs: k / 2 with pooledMax, else 0
 };
 
 //! CTAs a pass aims for: the 64-key steps per CTA grow (up to kMaxWindowTilesPerBlock) once the grid would exceed it,
@@ -119,7 +120,7 @@ inline int32_t windowTilesPerBlock(int64_t tiles, int64_t blocksPerTile)
     return static_cast<int32_t>(per < 1 ? 1 : (per > kMaxWindowTilesPerBlock ? kMaxWindowTilesPerBlock : per));
 }
 
-//! The plan of the three launches for `a` (config, shape and worst set): query heads per row chunk, row chunks, the
+//! The plan of the three launches for `a` (config, shape and pooledMax set): query heads per row chunk, row chunks, the
 //! pool halo, the key blocks of passes 1 and 3 (grids (blocks * rowChunks, H_kv, B)). tilesPerBlock > 0 forces the
 //! steps per CTA (the emulation's multi-step cases), else windowTilesPerBlock. Requires w <= Cfg::kRows.
 template <typename Cfg>
@@ -132,7 +133,7 @@ inline void planWindowTiles(WindowTileArgs& a, int32_t tilesPerBlock)
     int32_t const fit = Cfg::kRows / w;
     a.headsPerChunk = fit < group ? fit : group;
     a.rowChunks = (group + a.headsPerChunk - 1) / a.headsPerChunk;
-    a.halo = a.worst != nullptr ? a.config.poolKernel / 2 : 0;
+    a.halo = a.pooledMax != nullptr ? a.config.poolKernel / 2 : 0;
     int64_t const perTile = static_cast<int64_t>(a.rowChunks) * a.shape.kvHeads * a.shape.batch;
     int32_t const statsTiles = (n + Cfg::kKeys - 1) / Cfg::kKeys;
     a.statsTilesPerBlock = tilesPerBlock > 0 ? tilesPerBlock : windowTilesPerBlock(statsTiles, perTile);
@@ -145,7 +146,7 @@ inline void planWindowTiles(WindowTileArgs& a, int32_t tilesPerBlock)
 
 //! How many of the (2 (k/2) + 1)-wide pool spans of the older tokens in [validStart, m) that would hold older token t
 //! are missing at the ends of that range: sum_{i >= validStart} pool_i = (k mass - sum_t p_t poolDeficit(t)) / k, where
-//! pool_i = sum over the span of i of p / k (DefensiveKV::poolSpan, DefensiveKV::averagePool). validStart <= t < m.
+//! pool_i = sum over the span of i of p / k (PooledRows::poolSpan, PooledRows::averagePool). validStart <= t < m.
 CKV_HD int32_t poolDeficit(int32_t kernel, int32_t m, int32_t validStart, int32_t t)
 {
     int32_t const half = kernel / 2;
@@ -166,8 +167,8 @@ __device__ __forceinline__ void storeFloatPair(float* at, float x, float y)
 #endif
 }
 
-//! The factor f of a window query's row with DefensiveKV::rescaledPooled(DefensiveKV::averagePool(s, k), mass, total)
-//! = s f up to a few ulp (methods/defensivekv.h: the pooled value s / k rescaled to the row's mass):
+//! The factor f of a window query's row with PooledRows::rescaledPooled(PooledRows::averagePool(s, k), mass, total)
+//! = s f up to a few ulp (row_scores.h: the pooled value s / k rescaled to the row's mass):
 //! mass / (k max(total, tiny)), or 1 / k for a row without pooled mass. One product per (row, token) instead of two
 //! divisions.
 CKV_HD float pooledRowFactor(float mass, float total, int32_t kernel)
@@ -177,7 +178,7 @@ CKV_HD float pooledRowFactor(float mass, float total, int32_t kernel)
     {
         return 1.0F / k;
     }
-    return mass / (k * (total > DefensiveKV::kTinyFloat ? total : DefensiveKV::kTinyFloat));
+    return mass / (k * (total > kTinyFloat ? total : kTinyFloat));
 }
 
 //! Merge an online-softmax partial (max, three sums relative to it) into another.
@@ -367,7 +368,7 @@ __device__ void windowStatsBlock(WindowTileArgs const& a, unsigned char* shared)
     int32_t const lane = tid & 31;
     int32_t const warp = tid / 32;
     bool const warpRows = warp * Cfg::kWarpRows < c.rows; // warp-uniform: a warp of padding rows computes nothing
-    bool const edges = a.rowMass != nullptr;
+    bool const edges = a.rowSums != nullptr;
     int32_t const kernel = a.config.poolKernel;
 
     T* ring = reinterpret_cast<T*>(shared);
@@ -395,7 +396,7 @@ __device__ void windowStatsBlock(WindowTileArgs const& a, unsigned char* shared)
     loadQueryFragments<T, Cfg>(queryTile, stride, steps, qf);
 
     // this thread's rows: warp * 32 + mi * 16 + half * 8 + lane / 4 (mma_layout.h: cFragment). Sums relative to
-    // runMax: over the visible older keys, over the visible window keys, and defensivekv's pool-edge sum.
+    // runMax: over the visible older keys, over the visible window keys, and the pooled rows' pool-edge sum.
     float runMax[Cfg::kMTiles][2];
     float runOlder[Cfg::kMTiles][2] = {};
     float runWindow[Cfg::kMTiles][2] = {};
@@ -549,7 +550,7 @@ __device__ void windowStatsBlock(WindowTileArgs const& a, unsigned char* shared)
     }
 }
 
-//! Pass 2: every window query's softmax (max, sum) and defensivekv's (mass, total) from the pass-1 partials, merged in
+//! Pass 2: every window query's softmax (max, sum) and the pooled rows' (mass, total) from the pass-1 partials, merged in
 //! key-block order. grid (H, B), `threads` threads: one per row.
 __device__ __forceinline__ void windowCombineBlock(WindowTileArgs const& a, int32_t threads)
 {
@@ -576,19 +577,19 @@ __device__ __forceinline__ void windowCombineBlock(WindowTileArgs const& a, int3
         }
         a.rowStats[2 * row] = top;
         a.rowStats[2 * row + 1] = all;
-        if (a.rowMass != nullptr)
+        if (a.rowSums != nullptr)
         {
             bool const some = all > 0.0F;
             float const mass = some ? older / all : 0.0F;
             float const span = static_cast<float>(2 * (kernel / 2) + 1);
-            a.rowMass[2 * row] = mass;
-            a.rowMass[2 * row + 1] = some ? (span * older - edgeSum) / (static_cast<float>(kernel) * all) : 0.0F;
+            a.rowSums[2 * row] = mass;
+            a.rowSums[2 * row + 1] = some ? (span * older - edgeSum) / (static_cast<float>(kernel) * all) : 0.0F;
         }
     }
 }
 
-//! Pass 3: the probabilities of the older keys, summed per (query head, key) into Ā and sum A^2, and defensivekv's
-//! worst = max over the head's window queries of DefensiveKV::rescaledPooled (methods/defensivekv.h).
+//! Pass 3: the probabilities of the older keys, summed per (query head, key) into Ā and sum A^2, and the pooled
+//! rows' pooledMax = max over the head's window queries of PooledRows::rescaledPooled (row_scores.h).
 //! grid (columnBlocks * rowChunks, H_kv, B) run backwards, Cfg::kThreads, Cfg::sharedBytes(d_h).
 template <typename T, typename Cfg>
 __device__ void windowColumnsBlock(WindowTileArgs const& a, unsigned char* shared)
@@ -645,9 +646,9 @@ __device__ void windowColumnsBlock(WindowTileArgs const& a, unsigned char* share
             int64_t const row = (static_cast<int64_t>(c.b) * a.shape.heads + c.firstHead + local) * c.w + r - local * c.w;
             info[0] = a.rowStats[2 * row];
             info[1] = 1.0F / a.rowStats[2 * row + 1]; // p = exp(s - max) * (1 / sum): <= 1 ulp from the division
-            if (a.worst != nullptr)
+            if (a.pooledMax != nullptr)
             {
-                info[2] = pooledRowFactor(a.rowMass[2 * row], a.rowMass[2 * row + 1], kernel);
+                info[2] = pooledRowFactor(a.rowSums[2 * row], a.rowSums[2 * row + 1], kernel);
             }
         }
         for (int32_t e = 0; e < Cfg::kRowFloats; ++e)
@@ -728,13 +729,13 @@ __device__ void windowColumnsBlock(WindowTileArgs const& a, unsigned char* share
             {
                 a.squares[at] = squares;
             }
-            if (a.worst != nullptr)
+            if (a.pooledMax != nullptr)
             {
-                // the host driver's defensiveRows: the span summed in ascending position order, 0 on padding
+                // the host driver's pooledRows: the span summed in ascending position order, 0 on padding
                 float best = 0.0F;
                 if (i >= c.validStart)
                 {
-                    DefensiveKV::PoolSpan const span = DefensiveKV::poolSpan(kernel, c.m, i);
+                    PooledRows::PoolSpan const span = PooledRows::poolSpan(kernel, c.m, i);
                     best = -INFINITY;
                     for (int32_t j = 0; j < c.w; ++j)
                     {
@@ -748,7 +749,7 @@ __device__ void windowColumnsBlock(WindowTileArgs const& a, unsigned char* share
                         best = value > best ? value : best;
                     }
                 }
-                a.worst[at] = best;
+                a.pooledMax[at] = best;
             }
         }
     }

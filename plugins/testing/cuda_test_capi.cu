@@ -278,8 +278,8 @@ extern "C"
                 p.rowStats = static_cast<float*>(stats.ptr);
                 p.raw = raw;
                 p.squares = squares;
-                p.rowMass = rowMass;
-                p.worst = worst;
+                p.rowSums = rowMass;
+                p.pooledMax = worst;
                 if (tensorCores != nullptr)
                 {
                     *tensorCores = windowScoresOnTensorCores(config, s, p.dtype, queries, keys, worst != nullptr) ? 1 : 0;

@@ -1,7 +1,7 @@
 // CPU emulation of the GPU selection flows (kernels/select_flows.cuh: plan kernels and batched top-k launches over
 // every row of the batch, kernels/topk_device.cuh underneath), included as is and run with every CTA's threads as
 // fibers (cuda_emulation.h), against the host driver's flows (head_selection.h, shared_allocation.h,
-// methods/defensivekv.h run sequence by sequence with host::selectTopK / host::massCount, as host/select_host.cpp
+// methods/defensivekv.h: the row-scored flow, run sequence by sequence with host::selectTopK / host::massCount, as host/select_host.cpp
 // does) on the same group scores of a small layer. Not built by CMake: tests/plugins/test_plugin_topk_emulation.py
 // compiles it.
 //   select_flows_emulation BASE TWO_STAGE BATCH KV_HEADS N WINDOW BUDGET KV_BUDGET KIND SEED
@@ -10,6 +10,7 @@
 // allocation) are the host driver's.
 #include "cuda_emulation.h"
 
+#include "criticalkv/methods/defensivekv.h"
 #include "select_host.h"
 #include "topk_emulated_launch.h"
 
@@ -20,6 +21,7 @@
 #include <vector>
 
 using namespace criticalkv;
+using criticalkv::methods::DefensiveKV;
 
 namespace
 {
@@ -37,15 +39,6 @@ struct HostExec
         float limit) const
     {
         return host::massCount(scores, flags, len, period, firstValid, limit);
-    }
-
-    void rankStage1(float const* defensive, uint8_t* flags, float* ranking, int64_t len) const
-    {
-        for (int64_t e = 0; e < len; ++e)
-        {
-            ranking[e] = DefensiveKV::stage1Ranking(defensive[e], flags[e] != 0);
-            flags[e] = 0;
-        }
     }
 };
 
@@ -187,8 +180,8 @@ int main(int argc, char** argv)
     bool accepted = false;
     if (defensive)
     {
-        kernels::DefensiveSelectionArgs const d{rows, attention.data(), stage1.data(), ranking.data(), totals.data()};
-        accepted = kernels::runDefensiveSelection(d, launch);
+        kernels::RowSelectionArgs const d{rows, attention.data(), stage1.data(), ranking.data(), totals.data()};
+        accepted = kernels::runRowSelection<DefensiveKV>(d, launch);
     }
     else
     {

@@ -190,7 +190,7 @@ Scores reference(Problem const& p)
                     mass += row[i];
                     if (i >= validStart)
                     {
-                        DefensiveKV::PoolSpan const span = DefensiveKV::poolSpan(p.config.poolKernel, m, i);
+                        PooledRows::PoolSpan const span = PooledRows::poolSpan(p.config.poolKernel, m, i);
                         for (int t = span.lo; t <= span.hi; ++t)
                         {
                             pooled[i] += row[t];
@@ -224,8 +224,8 @@ Scores reference(Problem const& p)
     return s;
 }
 
-//! The host driver's defensiveRows (select_host.cpp) from rows [w, m]: worst [m], the rows' mass and pooled total.
-void hostDefensiveRows(int pool, float const* rows, int w, int m, int validStart, float* worst, float* mass, float* total)
+//! The host driver's pooledRows (select_host.cpp) from rows [w, m]: worst [m], the rows' mass and pooled total.
+void hostPooledRows(int pool, float const* rows, int w, int m, int validStart, float* worst, float* mass, float* total)
 {
     std::fill(worst, worst + m, -INFINITY);
     std::vector<float> pooled(static_cast<size_t>(m));
@@ -235,7 +235,7 @@ void hostDefensiveRows(int pool, float const* rows, int w, int m, int validStart
         double rowMass = 0.0, rowTotal = 0.0;
         for (int i = 0; i < m; ++i)
         {
-            pooled[i] = DefensiveKV::averagePooledAt(row, pool, m, validStart, i);
+            pooled[i] = PooledRows::averagePooledAt(row, pool, m, validStart, i);
             rowMass += row[i];
             rowTotal += pooled[i];
         }
@@ -243,12 +243,12 @@ void hostDefensiveRows(int pool, float const* rows, int w, int m, int validStart
         total[j] = static_cast<float>(rowTotal);
         for (int i = 0; i < m; ++i)
         {
-            worst[i] = std::max(worst[i], DefensiveKV::rescaledPooled(pooled[i], mass[j], total[j]));
+            worst[i] = std::max(worst[i], PooledRows::rescaledPooled(pooled[i], mass[j], total[j]));
         }
     }
 }
 
-//! The host driver (select_host.cpp: windowScores, and its defensiveRows form).
+//! The host driver (select_host.cpp: windowScores, and its pooledRows form).
 Scores hostDriver(Problem const& p, bool rowsOn)
 {
     Scores s(p);
@@ -270,7 +270,7 @@ Scores hostDriver(Problem const& p, bool rowsOn)
             std::copy(squares.begin(), squares.end(), s.squares.begin() + at);
             if (rowsOn)
             {
-                hostDefensiveRows(p.config.poolKernel, rows.data(), w, m, validStart, worst.data(), mass.data(),
+                hostPooledRows(p.config.poolKernel, rows.data(), w, m, validStart, worst.data(), mass.data(),
                     total.data());
                 std::copy(worst.begin(), worst.end(), s.worst.begin() + at);
                 std::copy(mass.begin(), mass.end(), s.mass.begin() + (static_cast<size_t>(b) * H + h) * w);
@@ -328,7 +328,7 @@ void runSimtPath(Problem const& p, void const* q, void const* k, float* partials
     a.squares = squares;
     a.tiles = (p.shape.n + kKeyTile - 1) / kKeyTile;
     a.scale = std::sqrt(static_cast<float>(p.shape.headDim));
-    std::vector<unsigned char> shared(std::max(windowSharedBytes(p.shape.headDim), defensiveRowSharedBytes(p.shape.headDim)));
+    std::vector<unsigned char> shared(std::max(windowSharedBytes(p.shape.headDim), pooledRowSharedBytes(p.shape.headDim)));
     float* floats = reinterpret_cast<float*>(shared.data());
     unsigned const H = static_cast<unsigned>(p.shape.heads), B = static_cast<unsigned>(p.shape.batch);
     unsigned const olderTiles = static_cast<unsigned>((p.m + kKeyTile - 1) / kKeyTile);
@@ -347,7 +347,7 @@ void runSimtPath(Problem const& p, void const* q, void const* k, float* partials
     {
         return;
     }
-    DefensiveRowArgs r{};
+    PooledRowArgs r{};
     r.config = p.config;
     r.shape = p.shape;
     r.queries = q;
@@ -356,21 +356,21 @@ void runSimtPath(Problem const& p, void const* q, void const* k, float* partials
     r.budget = RuntimeBudget{nullptr, nullptr};
     r.rowStats = reinterpret_cast<float2 const*>(rowStats);
     r.partials = reinterpret_cast<float2*>(partials);
-    r.rowMass = reinterpret_cast<float2*>(rowMass);
-    r.worst = worst;
+    r.rowSums = reinterpret_cast<float2*>(rowMass);
+    r.pooledMax = worst;
     r.olderTiles = static_cast<int32_t>(olderTiles);
     r.scale = a.scale;
     for (unsigned z = 0; z < B; ++z)
         for (unsigned y = 0; y < H; ++y)
             for (unsigned x = 0; x < olderTiles; ++x)
-                runBlock(shared, x, y, z, kRowThreads, [&] { defensiveRowsBlock<float, false>(r, floats); });
+                runBlock(shared, x, y, z, kRowThreads, [&] { pooledRowsBlock<float, false>(r, floats); });
     for (unsigned y = 0; y < B; ++y)
         for (unsigned x = 0; x < H; ++x)
-            runEmulatedBlock(x, y, 0, kStatsThreads, [&] { defensiveRowMassBlock(r); });
+            runEmulatedBlock(x, y, 0, kStatsThreads, [&] { rowSumsBlock(r); });
     for (unsigned z = 0; z < B; ++z)
         for (unsigned y = 0; y < H; ++y)
             for (unsigned x = 0; x < olderTiles; ++x)
-                runBlock(shared, x, y, z, kRowThreads, [&] { defensiveRowsBlock<float, true>(r, floats); });
+                runBlock(shared, x, y, z, kRowThreads, [&] { pooledRowsBlock<float, true>(r, floats); });
 }
 
 //! The kernels' outputs for the problem (NaN where nothing was written).
@@ -396,10 +396,10 @@ Scores kernelScores(Problem& p, bool rowsOn, int tilesPerBlock)
         a.keys = k.data();
         a.partials = partials.data();
         a.rowStats = rowStats.data();
-        a.rowMass = rowsOn ? rowMass.data() : nullptr;
+        a.rowSums = rowsOn ? rowMass.data() : nullptr;
         a.raw = raw.data();
         a.squares = squares.data();
-        a.worst = worstOut;
+        a.pooledMax = worstOut;
         a.scale = std::sqrt(static_cast<float>(p.shape.headDim));
         if (p.shape.headDim <= 16 * WindowTiles64::kMaxSteps)
         {
@@ -561,7 +561,7 @@ int runRows(int pool, int B, int H, int Hkv, int n, int d, int w, int seed)
             }
         }
 
-    DefensiveRowArgs a{};
+    PooledRowArgs a{};
     a.config = c;
     a.shape = s;
     a.queries = q.data();
@@ -572,25 +572,25 @@ int runRows(int pool, int B, int H, int Hkv, int n, int d, int w, int seed)
     std::vector<float2> partials(size_t(B) * H * w * tiles), rowMass(size_t(B) * H * w);
     std::vector<float> worst(size_t(B) * H * m, NAN);
     a.partials = partials.data();
-    a.rowMass = rowMass.data();
-    a.worst = worst.data();
+    a.rowSums = rowMass.data();
+    a.pooledMax = worst.data();
     a.olderTiles = tiles;
     a.scale = scale;
-    std::vector<unsigned char> shared(defensiveRowSharedBytes(d));
+    std::vector<unsigned char> shared(pooledRowSharedBytes(d));
     float* floats = reinterpret_cast<float*>(shared.data());
     for (unsigned z = 0; z < unsigned(B); ++z)
         for (unsigned y = 0; y < unsigned(H); ++y)
             for (unsigned x = 0; x < unsigned(tiles); ++x)
-                runBlock(shared, x, y, z, kRowThreads, [&] { defensiveRowsBlock<float, false>(a, floats); });
+                runBlock(shared, x, y, z, kRowThreads, [&] { pooledRowsBlock<float, false>(a, floats); });
     for (unsigned y = 0; y < unsigned(B); ++y)
         for (unsigned x = 0; x < unsigned(H); ++x)
-            runEmulatedBlock(x, y, 0, kStatsThreads, [&] { defensiveRowMassBlock(a); });
+            runEmulatedBlock(x, y, 0, kStatsThreads, [&] { rowSumsBlock(a); });
     for (unsigned z = 0; z < unsigned(B); ++z)
         for (unsigned y = 0; y < unsigned(H); ++y)
             for (unsigned x = 0; x < unsigned(tiles); ++x)
-                runBlock(shared, x, y, z, kRowThreads, [&] { defensiveRowsBlock<float, true>(a, floats); });
+                runBlock(shared, x, y, z, kRowThreads, [&] { pooledRowsBlock<float, true>(a, floats); });
 
-    // The host driver's form: whole rows, sums in double (select_host.cpp: defensiveRows).
+    // The host driver's form: whole rows, sums in double (select_host.cpp: pooledRows).
     double worstError = 0.0, massError = 0.0;
     int equal = 0;
     std::vector<float> want(m), mass(w), total(w);
@@ -598,7 +598,7 @@ int runRows(int pool, int B, int H, int Hkv, int n, int d, int w, int seed)
         for (int h = 0; h < H; ++h)
         {
             int const validStart = n - lengths[b];
-            hostDefensiveRows(pool, &rows[(size_t(b) * H + h) * w * m], w, m, validStart, want.data(), mass.data(),
+            hostPooledRows(pool, &rows[(size_t(b) * H + h) * w * m], w, m, validStart, want.data(), mass.data(),
                 total.data());
             for (int j = 0; j < w; ++j)
             {

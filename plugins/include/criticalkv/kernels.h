@@ -65,11 +65,12 @@ struct WorkspaceLayout
     size_t methodScores; //!< float [B, H_kv, m]: a group-scored method's own score (groupScored: methods/registry.h)
     size_t flags;      //!< uint8 [B, H_kv, m]: chosen older tokens
     size_t headCounts; //!< int32 [B, H_kv]: adakv share of every head
-    size_t rowMass;    //!< float2 [B, H, w]: (mass, pooled total) of every window query's row (defensivekv)
-    size_t worst;      //!< float [B, H, m]: max over the window queries of the rescaled pooled rows (defensivekv)
-    size_t stage1;     //!< float [B, H_kv, m]: stage-1 mass (defensivekv)
-    size_t ranking;    //!< float [B, H_kv, m]: the shared allocation's ranking (defensivekv)
-    size_t totals;     //!< DefensiveKV::Totals [B, H_kv] (defensivekv)
+    // a row-scored method's buffers (row_scores.h; sizes: the method's workspaceBytes, methods/registry.h)
+    size_t rowSums;    //!< float2 [B, H, w]: (mass, pooled total) of every window query's row
+    size_t pooledMax;  //!< float [B, H, m]: max over the window queries of the rescaled pooled rows
+    size_t massScores; //!< float [B, H_kv, m]: the stage-1 mass
+    size_t ranking;    //!< float [B, H_kv, m]: the shared allocation's ranking
+    size_t totals;     //!< Method::Totals [B, H_kv]
     size_t plan;       //!< selectionPlanBytes: every row's k and first valid position of the selection's top-k calls
     size_t topK;       //!< selectionScratchBytes: launchTopK / launchMassCount's scratch
     size_t total;
@@ -139,12 +140,14 @@ inline WorkspaceLayout workspaceLayout(SelectConfig const& config, SelectShape c
     layout.methodScores = take(groupScored(config) ? b * hkv * m * sizeof(float) : 0);
     layout.flags = take(b * hkv * m);
     layout.headCounts = take(b * hkv * sizeof(int32_t));
-    bool const rowsOn = rowScores(config);
-    layout.rowMass = take(rowsOn ? b * h * w * 2 * sizeof(float) : 0);
-    layout.worst = take(rowsOn ? b * h * m * sizeof(float) : 0);
-    layout.stage1 = take(rowsOn ? b * hkv * m * sizeof(float) : 0);
-    layout.ranking = take(rowsOn ? b * hkv * m * sizeof(float) : 0);
-    layout.totals = take(rowsOn ? b * hkv * 4 * sizeof(float) : 0);
+    RowScoredBytes rowBytes{};
+    bool const rowsOn = rowScored(config);
+    forRowScoredMethod(config.base, [&](auto method) { rowBytes = decltype(method)::workspaceBytes(b, h, hkv, w, m); });
+    layout.rowSums = take(rowBytes.rowSums);
+    layout.pooledMax = take(rowBytes.pooledMax);
+    layout.massScores = take(rowBytes.massScores);
+    layout.ranking = take(rowBytes.ranking);
+    layout.totals = take(rowBytes.totals);
     layout.plan = take(selectionPlanBytes(s.batch, s.kvHeads));
     size_t topK = selectionScratchBytes(s.batch, s.kvHeads, static_cast<int32_t>(m), sharedAllocation(config) || rowsOn,
         rowsOn);
@@ -256,21 +259,21 @@ struct WindowScoreParams
     float* rowStats;              //!< scratch, float2 [B, H, w]: softmax (max, sum) of every window query
     float* raw;                   //!< [B, H, m]: Ā, the window-mean attention of the older tokens
     float* squares;               //!< [B, H, m]: sum_j A_j^2 (windowSquares), or nullptr
-    float* rowMass;               //!< float2 [B, H, w]: (mass, pooled total) of every window query's row over the older
-                                  //!< tokens (defensivekv; with worst)
-    float* worst;                 //!< [B, H, m]: max over the window queries of the rescaled average-pooled rows
-                                  //!< (defensivekv, methods/defensivekv.h), or nullptr
+    float* rowSums;               //!< float2 [B, H, w]: (mass, pooled total) of every window query's row over the older
+                                  //!< tokens (a row-scored method's; with pooledMax)
+    float* pooledMax;             //!< [B, H, m]: max over the window queries of the rescaled average-pooled rows
+                                  //!< (row_scores.h), or nullptr
 };
 
 //! Window attention of every query head over the m = n - w older tokens (causal inside the window, left padding
-//! masked; sequences that are not compressed are skipped): raw, squares and defensivekv's rows. On the tensor cores
-//! (kernels/window_tiles.cuh: two mma.sync passes over K with the softmax statistics and defensivekv's row masses
+//! masked; sequences that are not compressed are skipped): raw, squares and a row-scored method's pooled rows. On the
+//! tensor cores (kernels/window_tiles.cuh: two mma.sync passes over K with the softmax statistics and the rows' masses
 //! fused, a combine between them) when windowScoresOnTensorCores, else in fp32 SIMT (kernels/window_simt.cuh: two
-//! passes, two more for defensivekv's rows).
+//! passes, two more for the pooled rows).
 cudaError_t launchWindowScores(WindowScoreParams const& params, cudaStream_t stream);
 
 //! Whether launchWindowScores runs on the tensor cores for these inputs: fp16 / bf16, d_h % 16 == 0, d_h <= 128,
-//! w <= 128, with rows (defensivekv) pool_kernel <= 49, 16-byte aligned queries and keys, compute capability >= 8.0.
+//! w <= 128, with pooled rows pool_kernel <= 49, 16-byte aligned queries and keys, compute capability >= 8.0.
 bool windowScoresOnTensorCores(SelectConfig const& config, SelectShape const& shape, DType dtype, void const* queries,
     void const* keys, bool rows);
 
@@ -427,9 +430,9 @@ cudaError_t launchPrunedRow(float const* bound, float const* scores, float* exac
 //! work running concurrently.
 cudaError_t launchTopK(TopKRows const& rows, void* scratch, size_t scratchBytes, cudaStream_t stream);
 
-//! defensivekv's stage-1 count (mass_count.h: radixMassCount) of many rows: count[r] = how many candidates of row r,
-//! taken best first, keep the cumulative sum of their (non-negative) scores below limit[r]. Candidates, rows and
-//! the scores as launchTopK's (rows.k and rows.mark unused). count: [rows] int64 (device); limit: [rows] float.
+//! The row-scored methods' stage-1 count (mass_count.h: radixMassCount) of many rows: count[r] = how many candidates
+//! of row r, taken best first, keep the cumulative sum of their (non-negative) scores below limit[r]. Candidates, rows
+//! and the scores as launchTopK's (rows.k and rows.mark unused). count: [rows] int64 (device); limit: [rows] float.
 cudaError_t launchMassCount(TopKRows const& rows, float const* limit, int64_t* count, void* scratch,
     size_t scratchBytes, cudaStream_t stream);
 

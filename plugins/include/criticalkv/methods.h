@@ -29,7 +29,8 @@ CKV_HD bool ownL2Norms(SelectConfig const& config)
     return methodTraits(config.base).ownL2Norms;
 }
 
-//! The base's score reads every window query's attention row, not only their mean (defensivekv: methods/defensivekv.h).
+//! The base's score reads every window query's attention row, not only their mean (the row-scored methods of
+//! methods/registry.h: defensivekv; their norms and the pruned stage 2 ask this trait, the kernels the registry).
 CKV_HD bool rowScores(SelectConfig const& config)
 {
     return methodTraits(config.base).rowScores;

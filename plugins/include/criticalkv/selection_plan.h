@@ -14,13 +14,13 @@ namespace criticalkv
 struct SelectionPlan
 {
     int64_t* headFirst;       //!< [B, H_kv] stage 1 (or the only stage), the shared allocation's floor, or
-                              //!< defensivekv's stage 1
+                              //!< a row-scored method's stage 1
     int64_t* headSecond;      //!< [B, H_kv] stage 2
     int64_t* layerRest;       //!< [B] the shared allocation's layer-wide rest
-    int64_t* massCounts;      //!< [B, H_kv] defensivekv's stage-1 mass counts
+    int64_t* massCounts;      //!< [B, H_kv] a row-scored method's stage-1 mass counts
     int32_t* headFirstValid;  //!< [B, H_kv] the sequence's first valid position
     int32_t* layerFirstValid; //!< [B]
-    float* limits;            //!< [B, H_kv] defensivekv's stage-1 limit of the sequence
+    float* limits;            //!< [B, H_kv] a row-scored method's stage-1 limit of the sequence
     void* scratch;            //!< launchTopK / launchMassCount's
     size_t scratchBytes;
 };
@@ -112,12 +112,12 @@ inline PrunedPlan prunedPlan(void* at, int32_t batch, int32_t kvHeads)
 }
 
 //! Scratch of the selection's top-k calls for a shape: the largest of the per-head rows, the layer-wide rows (shared
-//! allocation) and the mass count (defensivekv). Non-decreasing in every dimension.
-inline size_t selectionScratchBytes(int32_t batch, int32_t kvHeads, int32_t m, bool shared, bool defensive)
+//! allocation) and the mass count (a row-scored method's stage 1). Non-decreasing in every dimension.
+inline size_t selectionScratchBytes(int32_t batch, int32_t kvHeads, int32_t m, bool shared, bool massCount)
 {
     size_t bytes = topKScratchBytes(batch * kvHeads, m);
     size_t const layer = shared ? topKScratchBytes(batch, kvHeads * m) : 0;
-    size_t const mass = defensive ? massCountScratchBytes(batch * kvHeads, m) : 0;
+    size_t const mass = massCount ? massCountScratchBytes(batch * kvHeads, m) : 0;
     bytes = layer > bytes ? layer : bytes;
     return mass > bytes ? mass : bytes;
 }

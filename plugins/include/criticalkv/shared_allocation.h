@@ -6,18 +6,10 @@
 
 #include "criticalkv/budget.h"
 #include "criticalkv/methods.h"
-#include "criticalkv/methods/registry.h"
 #include "criticalkv/select_flow.h"
 
 namespace criticalkv
 {
-
-//! The scores the shared allocation ranks by: a group-scored method's own score (methods/registry.h), else the pooled
-//! attention (adakv).
-CKV_HD float const* sharedRanking(SelectConfig const& config, float const* attention, float const* methodScores)
-{
-    return groupScored(config) ? methodScores : attention;
-}
 
 //! How many older tokens each head keeps by its own ranking (the floor), and how many the layer-wide row then takes.
 struct SharedCounts

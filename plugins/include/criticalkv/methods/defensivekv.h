@@ -1,12 +1,11 @@
-// DefensiveKV (criticalkv/methods/defensivekv.py), shared by the kernels and the host driver: the per-row pool and
-// rescale of the window attention, the defensive group score, stage 1 by cumulative attention mass, and the selection
-// flow (stage-1 tokens ranked first, then adakv's shared allocation, shared_allocation.h). layer-defensivekv ranks the
-// same way layer by layer (model_level.h).
+// DefensiveKV (criticalkv/methods/defensivekv.py), shared by the kernels and the host driver: a row-scored method
+// (row_scores.h: the window rows' average pools rescaled to each row's mass, their max per query head and token, are
+// the form's pass): its defensive group score, stage 1 by cumulative attention mass, and its selection flow (stage-1
+// tokens ranked first, then adakv's shared allocation, shared_allocation.h). layer-defensivekv (LayerDefensiveKV below)
+// ranks the same way layer by layer (model_level.h).
 //
-// For KV head g, query heads h in g, window queries j and older tokens i (m of them, valid from validStart):
-//   P[h, j, i]   = (sum of A[h, j, t] over t in [i - k/2, i + k/2] clipped to [0, m)) / k, 0 for padding
-//   R[h, j, i]   = P / total[h, j] * mass[h, j]    (total: sum_i P; mass: sum_i A; as avg_pool_rows)
-//   worst[g, i]  = max over h, j of R;  prior = mean over the valid i of worst
+// For KV head g, query heads h in g and older tokens i (m of them, valid from validStart), from the rows' pass:
+//   worst[g, i]  = max over h of pooledMax[h, i];  prior = mean over the valid i of worst
 //   defensive[i] = max(worst, prior) * Nbar[i] / sum_i Nbar   (Nbar: the group's mean projected-value norm)
 //   stage1[i]    = Abar[i] / sum_i Abar                      (Abar: the group's mean of the window-mean attention)
 // Stage 1 keeps per head the most massive tokens while the cumulative mass (sorted descending, summed exactly as int64
@@ -15,13 +14,13 @@
 // reference's, in its order (sums over tokens excepted: accumulated in double here, in a vectorised float cascade by
 // torch).
 //
-// What it asks of the pipeline (the generated trait rowScores): the window pass's rows (worst [B, H, m], rowMass
-// [B, H, w]), the value norms, and its own buffers (stage1, ranking [B, H_kv, m], Totals [B, H_kv]) in the workspace
-// (kernels.h); its kernels are selection.cu's defensive* and select_flows.cuh's runDefensive*.
+// What it asks of the pipeline: the generated trait rowScores (the rows' pass and the value norms) and its line in
+// methods/registry.h (RowScoredMethods), which instantiates the row-scored kernels, flows and host steps over this
+// struct; its workspace is workspaceBytes.
 #pragma once
 
-#include "criticalkv/group_scores.h" // multiplyRounded
 #include "criticalkv/mass_count.h"
+#include "criticalkv/row_scores.h"
 #include "criticalkv/shared_allocation.h"
 
 #include <cmath>
@@ -34,53 +33,6 @@ struct DefensiveKV
     static constexpr BaseMethod kBase = BaseMethod::kDefensiveKV;
     //! Offset that ranks stage-1 tokens above every other (defensive scores lie in [0, 1]).
     static constexpr float kStage1Offset = 2.0F;
-    //! torch.finfo(torch.float32).tiny: the reference's clamp of every normalising sum.
-    static constexpr float kTinyFloat = 1.17549435e-38F;
-
-    //! Older tokens [lo, hi] that the average pool of token i sums (zero padding outside [0, m)).
-    struct PoolSpan
-    {
-        int32_t lo;
-        int32_t hi;
-    };
-
-    CKV_HD static PoolSpan poolSpan(int32_t kernel, int32_t m, int32_t i)
-    {
-        int32_t const half = kernel / 2;
-        return PoolSpan{i - half > 0 ? i - half : 0, i + half < m - 1 ? i + half : m - 1};
-    }
-
-    //! The pooled value from the sum over the span: avg_pool1d with count_include_pad divides by the kernel.
-    CKV_HD static float averagePool(float spanSum, int32_t kernel)
-    {
-        return spanSum / static_cast<float>(kernel);
-    }
-
-    //! P[i] of one attention row over the m older tokens (row[t] is 0 on padding), 0 for a padding token.
-    CKV_HD static float averagePooledAt(float const* row, int32_t kernel, int32_t m, int32_t validStart, int32_t i)
-    {
-        if (i < validStart)
-        {
-            return 0.0F;
-        }
-        PoolSpan const span = poolSpan(kernel, m, i);
-        float sum = 0.0F;
-        for (int32_t t = span.lo; t <= span.hi; ++t)
-        {
-            sum += row[t];
-        }
-        return averagePool(sum, kernel);
-    }
-
-    //! R = P / total * mass: the pooled row rescaled to keep its own mass (unchanged when the row has none).
-    CKV_HD static float rescaledPooled(float pooled, float mass, float total)
-    {
-        if (!(total > 0.0F))
-        {
-            return pooled;
-        }
-        return multiplyRounded(pooled / (total > kTinyFloat ? total : kTinyFloat), mass);
-    }
 
     //! The per-token parts of one KV group before its sums over tokens.
     struct Parts
@@ -173,8 +125,6 @@ struct DefensiveKV
     //! r: older tokens per head (SequenceInfo::r); limit: stage1Limit. The executor is the flows' top-k primitive
     //! (select_flow.h) and also supplies
     //!   int64_t massCount(scores, flags, len, period, firstValid, limit)   radixMassCount over the candidates
-    //!   void rankStage1(defensive, flags, ranking, len)   ranking = stage1Ranking(defensive, flags != 0), flags
-    //!                                                     cleared
     CKV_FLOW_TEMPLATE
     template <typename Exec>
     CKV_HD static void rank(Exec& exec, float const* defensive, float const* stage1, float* ranking, uint8_t* flags,
@@ -187,7 +137,11 @@ struct DefensiveKV
                 = stage1Keep(exec.massCount(stage1 + offset, flags + offset, m, m, firstValid, limit), r);
             exec(stage1 + offset, flags + offset, m, m, firstValid, count, kChosenByAttention);
         }
-        exec.rankStage1(defensive, flags, ranking, static_cast<int64_t>(heads) * m);
+        for (int64_t e = 0; e < static_cast<int64_t>(heads) * m; ++e)
+        {
+            ranking[e] = stage1Ranking(defensive[e], flags[e] != 0);
+            flags[e] = 0;
+        }
     }
 
     //! Mark one sequence's chosen older tokens: its ranking (rank), then the shared allocation on it. ranking is
@@ -200,11 +154,19 @@ struct DefensiveKV
         rank(exec, defensive, stage1, ranking, flags, heads, m, firstValid, r, limit);
         selectShared(exec, config, ranking, flags, heads, m, firstValid, r);
     }
+
+    //! Its workspace (kernels.h: workspaceLayout): the form's buffers, its totals per KV head.
+    static RowScoredBytes workspaceBytes(size_t b, size_t h, size_t hkv, size_t w, size_t m)
+    {
+        return RowScoredBytes{b * h * w * 2 * sizeof(float), b * h * m * sizeof(float), b * hkv * m * sizeof(float),
+            b * hkv * m * sizeof(float), b * hkv * sizeof(Totals)};
+    }
+};
+
+//! layer-defensivekv: DefensiveKV's scores and ranking layer by layer, its budget model-wide (model_level.h).
+struct LayerDefensiveKV : DefensiveKV
+{
+    static constexpr BaseMethod kBase = BaseMethod::kLayerDefensiveKV;
 };
 
 } // namespace criticalkv::methods
-
-namespace criticalkv
-{
-using methods::DefensiveKV;
-} // namespace criticalkv
