@@ -21,8 +21,18 @@ cached (``criticalkv_context_cache``: entries, and the evictions during the run)
 then each server's ratios to ``full``. The targets (D = 16, Q = 8, ISL 2048): criticalkv
 output tokens/s >= 3x ``full`` and TTFT p50 <= 0.25x ``full``, same memory.
 
-Results (``--out STEM``): ``STEM.json`` (command, machine, load average, versions, settings, every request),
-``STEM.md`` (tables) and ``STEM.png``.
+``--facts``: the documents and questions of ``criticalkv eval shared-context`` instead (the four domains' evaluation
+documents of ``--isl`` tokens, taken in turn: shakespeare, docs, legal, code; facts inserted at random depths; each
+document's questions with a reference answer: ``key``, ``keys``, ``chain``, ``owner``), sent as plain text with the
+context apart, each answered greedily up to its own length (8-16 tokens) and stopping at EOS, as the evaluation
+answers them (not ``--osl`` with ``ignore_eos``). Every answer is scored by its question's metric; per server run the
+accuracy with a 95 % cluster-bootstrap interval over documents, and against vLLM's first run (``--vllm``; else the
+first server's) the paired difference on the same questions with its interval, wins, losses and sign test
+(``criticalkv.eval.shared_stats``). What it answers: whether the context cache's throughput costs answers against a
+lossless cache (vLLM's), on the same requests. Target: the paired interval's lower end >= -2 points.
+
+Results (``--out STEM``): ``STEM.json`` (command, machine, load average, versions, settings, every request, its
+answer and, with ``--facts``, its score), ``STEM.md`` (tables) and ``STEM.png``.
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ from criticalkv.serving.context_cache import CONTEXT_CACHE_DTYPES, DEFAULT_CONTE
 TARGET_THROUGHPUT = 3.0
 TARGET_TTFT_P50 = 0.25
 TARGET_WORKLOAD = {"isl": 2048, "docs": 16, "questions": 8, "kv_contexts": 4.0, "concurrency": 8}
+#: With ``--facts``: a server's answers against vLLM's (lossless), the paired 95 % interval's lower end >= -2 points.
+TARGET_ACCURACY_POINTS = 2.0
 
 
 def workload(tokenizer, isl: int, docs: int, questions: int, question_tokens: int, seed: int, chat: bool,
@@ -60,9 +72,97 @@ def workload(tokenizer, isl: int, docs: int, questions: int, question_tokens: in
             "warmup": [(docs, q) for q in range(warmup)]}
 
 
+#: The shared-context kinds ``--facts`` asks: every kind with a reference answer that the bundled model answers with its
+#: full cache (``criticalkv.eval.shared_context.DEFAULT_KINDS`` without ``open``): 8 questions a document.
+FACT_KINDS = ("key", "keys", "chain", "owner")
+#: The domains ``--facts`` takes its documents from, in turn.
+FACT_DOMAINS = ("shakespeare", "docs", "legal", "code")
+
+
+def facts_workload(tokenizer, isl: int, docs: int, questions: int, seed: int, warmup: int) -> dict:
+    """``workload``'s dict for ``--facts``: ``docs`` shared-context documents of ``isl`` tokens (the domains' evaluation
+    split, taken in turn) and one more for the warm-up, each with its first ``questions`` questions of ``FACT_KINDS``,
+    as texts whose tokens are the document's context ids and each question's ids; ``facts[d][q]``: the question's key,
+    kind, metric, reference answers and answer length (``max_tokens``); ``document_keys[d]``."""
+    from criticalkv.eval.shared_context import shared_documents
+
+    per_domain = -(-(docs + 1) // len(FACT_DOMAINS))
+    shared = shared_documents(tokenizer, FACT_DOMAINS, per_domain, lengths=(isl,), seed=seed, split="eval",
+                              kinds=FACT_KINDS, chat=True)[:docs + 1]
+    if any(len(d.questions) < questions for d in shared):
+        raise ValueError(f"--questions {questions}: a --facts document asks {min(len(d.questions) for d in shared)}")
+    decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)  # noqa: E731
+    documents, asked, facts = [], [], []
+    for i, d in enumerate(shared):
+        wanted = d.questions[:questions if i < docs else max(warmup, 1)]
+        documents.append(decode(d.context_ids))
+        asked.append([decode(q.ids) for q in wanted])
+        facts.append([{"key": q.key, "kind": q.kind, "metric": q.metric, "answers": list(q.answers),
+                       "max_tokens": q.max_new_tokens} for q in wanted])
+    order = [(d, q) for d in range(docs) for q in range(questions)]
+    random.Random(f"bench-docqa-order/{seed}").shuffle(order)
+    return {"documents": documents, "questions": asked, "facts": facts, "document_keys": [d.key for d in shared],
+            "order": order, "warmup": [(docs, q) for q in range(warmup)]}
+
+
 def bodies(work: dict, pairs, osl: int, chat: bool, kv_budget: int | None) -> list[dict]:
-    return [request_body(work["questions"][d][q], osl, True, kv_budget, context=work["documents"][d],
-                         chat=chat if chat else None) for d, q in pairs]
+    """The requests of (document, question) ``pairs``: ``osl`` tokens with ``ignore_eos``, or with ``--facts`` (a
+    workload with ``facts``) each question's own answer length, stopping at EOS."""
+    facts = work.get("facts")
+    return [request_body(work["questions"][d][q], facts[d][q]["max_tokens"] if facts else osl, not facts, kv_budget,
+                         context=work["documents"][d], chat=chat if chat else None) for d, q in pairs]
+
+
+def score_run(run: dict, work: dict) -> None:
+    """Score every answered request of a ``--facts`` run (its ``score``, by its question's metric) and set the run's
+    ``accuracy``: (mean, low, high, n) with a 95 % cluster-bootstrap interval over documents."""
+    from criticalkv.eval.shared_context import score_answer
+    from criticalkv.eval.shared_stats import cluster_mean_ci
+
+    for r in run["requests"]:
+        fact = work["facts"][r["document"]][r["question"]]
+        r["fact"] = fact["key"]
+        r["kind"] = fact["kind"]
+        r["score"] = score_answer(fact["metric"], r["answer"], fact["answers"]) if r["ok"] else None
+        r["document_key"] = work["document_keys"][r["document"]]
+    values, doc_of = run_scores(run)
+    run["accuracy"] = list(cluster_mean_ci(values, doc_of))
+
+
+def run_scores(run: dict) -> tuple[dict[str, float], dict[str, str]]:
+    """({question key: score}, {question key: document key}) of a scored run's answered requests."""
+    values = {r["fact"]: float(r["score"]) for r in run["requests"] if r.get("score") is not None}
+    doc_of = {r["fact"]: r["document_key"] for r in run["requests"] if "fact" in r}
+    return values, doc_of
+
+
+def accuracy_versus(results: dict) -> list[dict]:
+    """Every scored run against the base (vLLM's first run, else the first run): the paired difference in accuracy on
+    the questions both answered (``criticalkv.eval.shared_stats.paired``), the target's verdict (lower end >= -2
+    points)."""
+    from criticalkv.eval.shared_stats import paired
+
+    runs = [r for r in results["runs"] if r.get("accuracy")]
+    base = next((r for r in runs if r["engine"]["label"] == "vllm"), runs[0] if runs else None)
+    if base is None:
+        return []
+    b, doc_of = run_scores(base)
+    out = []
+    for run in runs:
+        if run is base:
+            continue
+        a, _ = run_scores(run)
+        p = paired(a, b, doc_of)
+        out.append({"engine": run["engine"]["label"], "repeat": run["engine"].get("repeat"),
+                    "base": base["engine"]["label"], **p,
+                    "met": None if p["n"] == 0 else bool(p["ci95"][0] >= -TARGET_ACCURACY_POINTS / 100)})
+    return out
+
+
+def accuracy_text(accuracy) -> str:
+    """(mean, low, high, n) as '40.6 [35.0, 46.2]' (percent)."""
+    mean, lo, hi = accuracy[:3]
+    return f"{100 * mean:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
 def summarize_run(run: dict) -> dict:
@@ -195,10 +295,15 @@ def dtype_note(dtypes: list[str] | None) -> str:
 def render(results: dict) -> str:
     s = results["settings"]
     f = served.fmt
+    asked = (f"questions of `criticalkv eval shared-context` ({', '.join(FACT_KINDS)}; each answered up to its own "
+             "length, 8-16 tokens, stopping at EOS)") if s.get("facts") else \
+        f"questions ({s['question_tokens']} tokens) each"
+    osl = "" if s.get("facts") else f", OSL {s['osl']}"
     lines = served.header_block(results) + [
-        f"{s['docs']} documents of {s['isl']} tokens x {s['questions']} questions ({s['question_tokens']} tokens) each, "
-        f"{s['docs'] * s['questions']} requests in a random order (seed {s['seed']}), concurrency {s['concurrency']}, "
-        f"OSL {s['osl']}{', chat template' if s['chat'] else ''}. Every server: --kv-memory-mib {f(s['kv_memory_mib'], 1)} "
+        f"{s['docs']} {'evaluation documents (' + ', '.join(FACT_DOMAINS) + ' in turn)' if s.get('facts') else 'documents'} "
+        f"of {s['isl']} tokens x {s['questions']} {asked}, "
+        f"{s['docs'] * s['questions']} requests in a random order (seed {s['seed']}), concurrency {s['concurrency']}"
+        f"{osl}{', chat template' if s['chat'] else ''}. Every server: --kv-memory-mib {f(s['kv_memory_mib'], 1)} "
         f"({s['kv_memory_note']}), --context-cache-mib {f(s['context_cache_mib'], 1)}"
         f"{dtype_note(s.get('context_cache_dtypes'))}. Hit rate ceiling "
         f"{f(100 * s['hit_rate_ceiling'], 1)} % (each document's first request must miss).", "",
@@ -218,6 +323,22 @@ def render(results: dict) -> str:
             f"| {f(sm['output_throughput'], 2)} | {f(d['kv_mib_held_mean'])} ({f(d['kv_mib_held_peak'])}) "
             f"| {f(d.get('cached_contexts_mean'), 2)} ({f(d.get('cached_contexts_peak'), 0)}; {f(d.get('cache_evictions'), 0)}) "
             f"| {f(d['running_mean'], 2)} ({f(d['running_peak'], 0)}) | {f(sm['duration_s'], 1)} |")
+    scored = [r for r in results["runs"] if r.get("accuracy")]
+    if scored:
+        lines += ["", "Accuracy (the mean score of the answers, % with a 95 % cluster-bootstrap interval over documents):",
+                  "", "| server | round | accuracy % | questions |", "|---|---|---|---|"]
+        for run in scored:
+            lines.append(f"| {run['engine']['label']} | {(run['engine'].get('repeat') or 0) + 1} "
+                         f"| {accuracy_text(run['accuracy'])} | {run['accuracy'][3]} |")
+    if results.get("accuracy_versus"):
+        lines += ["", f"Paired on the same questions (points; target: the interval's lower end >= "
+                      f"-{TARGET_ACCURACY_POINTS:g}):", "", "| server - base | round | difference [95 % interval] "
+                  "| won / lost | sign test p | questions | met |", "|---|---|---|---|---|---|---|"]
+        for v in results["accuracy_versus"]:
+            lo, hi = v["ci95"]
+            lines.append(f"| {v['engine']} - {v['base']} | {(v['repeat'] or 0) + 1} | {100 * v['mean_diff']:+.1f} "
+                         f"[{100 * lo:+.1f}, {100 * hi:+.1f}] | {v['wins']} / {v['losses']} | {v['sign_test_p']:.2g} "
+                         f"| {v['n']} | {'-' if v['met'] is None else 'yes' if v['met'] else 'no'} |")
     if results.get("versus_full"):
         lines += ["", "| server / full | output tokens/s | TTFT p50 | TTFT p90 | hit rate | KV MiB held (mean) |",
                   "|---|---|---|---|---|---|"]
@@ -274,9 +395,10 @@ def plot(results: dict, path: Path) -> None:
     ax = axes[0]
     ax.bar(labels, [r["summary"]["output_throughput"] for r in runs], color="tab:blue")
     for i, r in enumerate(runs):
-        rate = r["docqa"]["hit_rate"]
-        ax.text(i, r["summary"]["output_throughput"], "" if rate is None else f"hits {100 * rate:.0f} %",
-                ha="center", va="bottom", fontsize=8)
+        rate, accuracy = r["docqa"]["hit_rate"], r.get("accuracy")
+        label = ", ".join(([] if rate is None else [f"hits {100 * rate:.0f} %"]) +
+                          ([] if not accuracy else [f"accuracy {100 * accuracy[0]:.1f} %"]))
+        ax.text(i, r["summary"]["output_throughput"], label, ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("output tokens/s")
     ax.set_title("throughput (context-cache hit rate)")
     ax = axes[1]
@@ -306,7 +428,8 @@ def plot(results: dict, path: Path) -> None:
     ax.legend(fontsize=7)
     s = results["settings"]
     memory = "the server's" if s["kv_memory_mib"] is None else f"{s['kv_memory_mib']:.0f} MiB"
-    fig.suptitle(f"docqa: {s['docs']} docs x {s['questions']} questions, ISL {s['isl']}, OSL {s['osl']}, "
+    answers = "fact questions, answers of 8-16 tokens" if s.get("facts") else f"questions, OSL {s['osl']}"
+    fig.suptitle(f"docqa: {s['docs']} docs x {s['questions']} {answers}, ISL {s['isl']}, "
                  f"conc {s['concurrency']}, KV memory {memory}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -317,6 +440,8 @@ def main(args) -> int:
     served.check_server_arguments(args)
     if min(args.isl, args.docs, args.questions, args.question_tokens, args.osl, args.concurrency) < 1:
         raise ValueError("--isl, --docs, --questions, --question-tokens, --osl and --concurrency must be >= 1")
+    if args.facts and args.chat:
+        raise ValueError("--facts sends each document with its own chat framing (the evaluation's); leave out --chat")
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0")
     given_mib, contexts = args.kv_memory
@@ -347,6 +472,7 @@ def main(args) -> int:
     results["settings"] = {"isl": args.isl, "docs": args.docs, "questions": args.questions,
                            "question_tokens": args.question_tokens, "osl": args.osl, "concurrency": args.concurrency,
                            "warmup": args.warmup, "chat": args.chat, "seed": args.seed, "kv_budget": args.kv_budget,
+                           "facts": args.facts,
                            "kv_memory_mib": memory, "kv_memory_note": note, "context_cache_mib": cache,
                            "context_cache_dtypes": dtypes or None,
                            "kv_contexts": contexts if given_mib is None and not args.url else None,
@@ -355,8 +481,9 @@ def main(args) -> int:
     print("\n".join(machine.header_lines(results)), flush=True)
     print(f"KV memory per server: {'-' if memory is None else f'{memory:.2f}'} MiB ({note}); context cache "
           f"{'-' if cache is None else f'{cache:.2f}'} MiB", flush=True)
-    work = workload(served.load_tokenizer(args), args.isl, args.docs, args.questions, args.question_tokens, args.seed,
-                    args.chat, args.warmup)
+    tokenizer = served.load_tokenizer(args)
+    work = facts_workload(tokenizer, args.isl, args.docs, args.questions, args.seed, args.warmup) if args.facts else \
+        workload(tokenizer, args.isl, args.docs, args.questions, args.question_tokens, args.seed, args.chat, args.warmup)
     measured = bodies(work, work["order"], args.osl, args.chat, args.kv_budget)
     warm = bodies(work, work["warmup"], args.osl, args.chat, args.kv_budget)
     labels = [{"document": d, "question": q} for d, q in work["order"]]
@@ -370,14 +497,18 @@ def main(args) -> int:
             endpoint, measured, concurrency=args.concurrency,
             progress=f"docqa {engine['label']}"), extra=labels)
         run["docqa"] = summarize_run(run)
+        if args.facts:
+            score_run(run, work)
         results["runs"].append(run)
+        results["accuracy_versus"] = accuracy_versus(results)
         results["versus_full"] = served.versus_full(results["runs"], RATIOS)
         served.write_results(results, stem, render, None)
         d, sm = run["docqa"], run["summary"]
         print(f"{engine['label']}: {sm.get('completed', 0)} ok, {sm.get('failed', 0)} failed; hit rate "
               f"{served.fmt(None if d['hit_rate'] is None else 100 * d['hit_rate'])} %, TTFT p50 "
               f"{served.fmt((sm.get('ttft_ms') or {}).get('p50'))} ms, {served.fmt(sm.get('output_throughput'), 2)} "
-              "output tokens/s", flush=True)
+              "output tokens/s" + (f", accuracy {accuracy_text(run['accuracy'])}" if run.get("accuracy") else ""),
+              flush=True)
 
     served.on_each_server(args, server_args, on_server, results, variants=variants)
     if args.vllm:
@@ -443,6 +574,11 @@ def add_arguments(p) -> None:
     load.add_argument("--chat", action="store_true",
                       help="send apply_chat_template: context and question form one user message of the chat template")
     load.add_argument("--kv-budget", type=int, help="per-request kv_budget (default: the engine's)")
+    load.add_argument("--facts", action="store_true",
+                      help="documents and questions of `criticalkv eval shared-context` (the domains' evaluation "
+                           "documents of --isl tokens, facts inserted; --questions of their 8 questions with a reference "
+                           "answer), each answered up to its own length and stopping at EOS (not --osl), every answer "
+                           "scored: accuracy per server with a 95 %% interval, and paired against vLLM's (--vllm)")
     add_memory_arguments(p.add_argument_group("memory (the same for every server)"), several_dtypes=True)
     out = p.add_argument_group("output")
     add_out_argument(out, "results/benchmarks/serving/docqa")

@@ -326,3 +326,56 @@ def test_append_takes_the_earlier_runs_of_the_same_settings_only(tmp_path):
         served.previous_runs(SimpleNamespace(append=True), stem, {"settings": {"isl": 1024}})
     with pytest.raises(FileNotFoundError, match="does not exist yet"):
         served.previous_runs(SimpleNamespace(append=True), tmp_path / "none", results)
+
+
+def test_docqa_facts_sends_the_evaluation_documents_ids_and_scores_them_against_vllm(tokenizer):
+    from criticalkv.bench.client import prompt_ids
+    from criticalkv.eval.shared_context import shared_documents
+
+    work = docqa.facts_workload(tokenizer, 2048, docs=5, questions=8, seed=0, warmup=2)
+    assert len(work["documents"]) == 6 and [len(q) for q in work["questions"]] == [8] * 5 + [2]
+    assert work["document_keys"][:5] == ["shakespeare/eval/d0", "docs/eval/d0", "legal/eval/d0", "code/eval/d0",
+                                         "shakespeare/eval/d1"]
+    assert sorted(work["order"]) == [(d, q) for d in range(5) for q in range(8)] and work["warmup"] == [(5, 0), (5, 1)]
+    # the servers run exactly the evaluation's ids: the context's, then the question's
+    shared = shared_documents(tokenizer, docqa.FACT_DOMAINS, 2, lengths=(2048,), kinds=docqa.FACT_KINDS)
+    pairs = [(0, 0), (3, 7), (4, 5)]
+    for (d, q), body in zip(pairs, docqa.bodies(work, pairs, 64, chat=False, kv_budget=None)):
+        assert prompt_ids(body, tokenizer) == [*shared[d].context_ids, *shared[d].questions[q].ids]
+        sampling = json.loads(body["sampling_parameters"])
+        assert sampling["ignore_eos"] is False and sampling["max_tokens"] == shared[d].questions[q].max_new_tokens
+    with pytest.raises(ValueError, match="--questions 9"):
+        docqa.facts_workload(tokenizer, 2048, docs=1, questions=9, seed=0, warmup=0)
+
+    # scoring: vLLM answers every question right, criticalkv misses the first three of document 0
+    def run(label, wrong):
+        requests = []
+        for d, q in work["order"]:
+            fact = work["facts"][d][q]
+            right = " " + " and ".join(fact["answers"]) + "."
+            requests.append({"ok": True, "document": d, "question": q,
+                             "answer": " 0000." if (d, q) in wrong else right})
+        return {"engine": {"label": label, "repeat": 0}, "requests": requests}
+
+    results = {"runs": [run("vllm", set()), run("criticalkv b=256", {(0, 0), (0, 1), (0, 2)})]}
+    for r in results["runs"]:
+        docqa.score_run(r, work)
+    ours, theirs = results["runs"][1]["accuracy"], results["runs"][0]["accuracy"]
+    assert theirs[:3] == [1.0, 1.0, 1.0] and theirs[3] == 40
+    assert ours[0] == pytest.approx(37 / 40) and ours[3] == 40 and ours[1] < ours[0] < ours[2] <= 1.0
+    (versus,) = docqa.accuracy_versus(results)
+    assert versus["base"] == "vllm" and versus["n"] == 40 and (versus["wins"], versus["losses"]) == (0, 3)
+    assert versus["mean_diff"] == pytest.approx(-3 / 40) and versus["met"] is False  # lower end below -2 points
+    results["runs"][1]["requests"][0]["answer"] = None  # an unanswered request counts in neither
+    results["runs"][1]["requests"][0]["ok"] = False
+    docqa.score_run(results["runs"][1], work)
+    assert results["runs"][1]["accuracy"][3] == 39
+    table = docqa_results()
+    table["settings"]["facts"] = True
+    for row, scored in zip(table["runs"], results["runs"]):
+        row.update(engine=scored["engine"], requests=scored["requests"], accuracy=scored["accuracy"])
+    table["accuracy_versus"] = docqa.accuracy_versus(table)
+    md = docqa.render(table)
+    assert "questions of `criticalkv eval shared-context` (key, keys, chain, owner;" in md and "OSL" not in md
+    assert "| vllm | 1 | 100.0 [100.0, 100.0] | 40 |" in md
+    assert "| criticalkv b=256 - vllm | 1 | -7.7 [" in md and "| 0 / 3 |" in md and "| 39 | no |" in md

@@ -5,7 +5,8 @@
 # call is split into rounds (--rounds / --first-round / --append: the medians cover every call's runs).
 #   bash results/benchmarks/vllm/commands.sh            # everything
 #   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, prefix, steps, backends, aiperf, docqa,
-#                                                       # docqa-cache-dtype, docqa-heads, needles, memory
+#                                                       # docqa-cache-dtype, docqa-heads, docqa-facts, needles,
+#                                                       # memory
 # vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
 # first use. The engine is the README's (engines/ is git-ignored):
 #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8 \
@@ -68,6 +69,15 @@ if want docqa-heads; then
   # extend_heads_ort.onnx (the engine rebuilt with it; taken 2026-11-30 00:22-00:46 UTC, cpu-exclusive, load 1.51 at
   # the start; code: commit eddd9ea)
   $RUN $B bench docqa --engine-dir $E --vllm --rounds 3 --out $OUT/docqa_heads
+fi
+if want docqa-facts; then
+  # answers' accuracy and throughput together: 40 evaluation documents of 2,048 tokens (the shared-context benchmark's,
+  # 10 per domain) x 8 fact questions with reference answers, each answered up to its own length and stopping at EOS;
+  # vLLM, the README's engine (256 entries per KV head) and one built with --budget 1024 (half of each document), the
+  # same 360 MiB of KV; one call of 51 minutes (taken 2026-11-30 03:00-03:51 UTC, cpu-exclusive, load 2.09 at the
+  # start, 1.52 at the end; code: commit ea283b8 with the --facts workload)
+  #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 1024 --max-batch-size 8 --output engines/ckv1024
+  $RUN $B bench docqa --facts --engine-dir $E --engine-dir engines/ckv1024 --vllm --docs 40 --out $OUT/docqa_facts
 fi
 if want needles; then
   # answers' accuracy: the needle grid (9 prompts per domain), the context compressed question-agnostically by
