@@ -5,7 +5,7 @@
 # call is split into rounds (--rounds / --first-round / --append: the medians cover every call's runs).
 #   bash results/benchmarks/vllm/commands.sh            # everything
 #   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, prefix, steps, backends, aiperf, docqa,
-#                                                       # docqa-cache-dtype, docqa-heads, docqa-facts, needles,
+#                                                       # single, docqa-cache-dtype, docqa-heads, docqa-facts, needles,
 #                                                       # memory
 # vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
 # first use. The engine is the README's (engines/ is git-ignored):
@@ -38,6 +38,14 @@ if want steps; then
     $RUN $PY -m benchmarks.steps --engine-dir $E --backend $b --out $OUT/steps_$b
   done
   CRITICALKV_ORT_SPINNING=1 $RUN $PY -m benchmarks.steps --engine-dir $E --backend onnxruntime --out $OUT/steps_onnxruntime_spinning
+fi
+if want single; then
+  # a 2k chat alone, vLLM and criticalkv on ONNX Runtime and on OpenVINO, 2 interleaved rounds, with serve's prefix
+  # cache of plain prompts on (its default) and off (taken 2026-11-30 04:00-04:12 UTC, cpu-exclusive, load 1.1-2.0
+  # before each run; the README's engine rebuilt at commit ea283b8)
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --parts single --rounds 2 --out $OUT/single_prefix_cache
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --parts single --rounds 2 \
+    --server-args=--no-prefix-cache --out $OUT/single_no_prefix_cache
 fi
 if want backends; then
   # the default CPU backend's evidence: vLLM, criticalkv on ONNX Runtime and on OpenVINO, a 2k chat alone, the same
