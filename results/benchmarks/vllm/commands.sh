@@ -86,6 +86,9 @@ if want docqa-facts; then
   # start, 1.52 at the end; code: commit ea283b8 with the --facts workload)
   #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 1024 --max-batch-size 8 --output engines/ckv1024
   $RUN $B bench docqa --facts --engine-dir $E --engine-dir engines/ckv1024 --vllm --docs 40 --out $OUT/docqa_facts
+  # the target's workload (16 documents) with the same questions: vLLM and the README's engine (taken 2026-11-30
+  # 04:58-05:04 UTC, cpu-exclusive, load 1.27 at the start, 1.88 at the end; code: commit ff100b7)
+  $RUN $B bench docqa --facts --engine-dir $E --vllm --docs 16 --out $OUT/docqa_facts16
 fi
 if want needles; then
   # answers' accuracy: the needle grid (9 prompts per domain), the context compressed question-agnostically by
