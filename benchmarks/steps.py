@@ -207,7 +207,7 @@ def render(results: dict) -> str:
     lines = list(machine.header_lines(results)) + [""]
     for name, r in results["workloads"].items():
         spans = r["spans"]
-        chunks = f", prefill chunk {results['prefill_chunk']} in runs of {results['prefill_run']}" \
+        chunks = f", prefill chunk {results['prefill_chunk']} in runs of up to {results['prefill_run']}" \
             if "prefill_chunk" in results else ""
         lines.append(f"{name}: {r['requests']} x {r['prompt_tokens'][0]}-token prompt, {results['osl']} new tokens "
                      f"each, {results['backend']}{chunks}, wall {r['wall_s']:.2f} s "

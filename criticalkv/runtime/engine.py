@@ -36,9 +36,10 @@ from criticalkv.runtime.registry import create_backend
 from criticalkv.sampling import Sampler, decode_loop
 
 #: most prompt tokens per run of the extend graph in a chunked prefill (``Engine.prefill_run``) where the graph takes
-#: any number: a 2k prompt in two runs. 8 concurrent 2k chats on the bundled model, in process, 2k chunks: 1.06x
-#: (OpenVINO) and 1.03x (ONNX Runtime) the output tokens/s of 512-token runs (runs of 2,048: 1.05x, 1.03x); a
-#: multiple of the attention block (256) keeps ONNX Runtime's prefill bitwise the one-run prefill's
+#: any number: a chunk of ``criticalkv serve``'s default 512 in one run. A 2k prompt's four 512-token chunks on the
+#: bundled model, OpenVINO: 2,292 ms in one run each against 2,458 ms in two runs of 256 (medians of 4 interleaved
+#: rounds; ``python -m benchmarks.chunks --backend openvino --chunks 512:256,512``). A multiple of the attention block
+#: (256) keeps ONNX Runtime's prefill bitwise the one-run prefill's
 PREFILL_RUN = 1024
 
 

@@ -64,9 +64,9 @@ from criticalkv.serving.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, off
 
 #: prompt tokens one loop iteration prefills at most (``SchedulerConfig.prefill_chunk``): one run of the extend graph
 #: (``Engine.prefill_run``), so a short request that arrives during a 2k prompt's prefill waits for a quarter of it.
-#: vLLM's CPU server takes 2,048 prompt tokens a step; on the bundled model 2,048-token chunks measured no faster here:
-#: 8 concurrent 2k chats in process, 4 interleaved rounds, 20.8 output tokens/s against 23.0 (OpenVINO, runs of up to
-#: 1,024 tokens; docs/performance.md)
+#: vLLM's CPU server takes 2,048 prompt tokens a step; on the bundled model 2,048-token chunks measured no faster here
+#: (8 concurrent 2k chats in process on OpenVINO, medians of 3 interleaved rounds: 21.65 output tokens/s against 21.28;
+#: docs/serving.md)
 DEFAULT_PREFILL_CHUNK = 512
 
 #: finish reasons (vllm's names): a stop token, max_tokens reached, cancelled by the client, an error
