@@ -1,7 +1,8 @@
 """``python -m benchmarks.steps``: where a served request's time goes, the graph runs against the Python around them.
 
-Runs the server's scheduler (``criticalkv.serving.Scheduler`` with ``criticalkv serve``'s defaults: 512-token prefill
-chunks, the prefix cache on) in this process on an engine, without Triton or the OpenAI frontend, and times three
+Runs the server's scheduler (``criticalkv.serving.Scheduler`` with ``criticalkv serve``'s defaults: 2,048-token prefill
+steps in extend runs of up to 1,024 tokens, the prefix cache on; ``--prefill-chunk`` / ``--prefill-run`` change the
+first two) in this process on an engine, without Triton or the OpenAI frontend, and times three
 nested spans of every scheduler step with ``time.perf_counter``:
 
 * graph: the runtime running a compiled graph (ONNX Runtime's ``InferenceSession.run`` / ``run_with_iobinding``,
@@ -206,8 +207,11 @@ def render(results: dict) -> str:
     lines = list(machine.header_lines(results)) + [""]
     for name, r in results["workloads"].items():
         spans = r["spans"]
+        chunks = f", prefill chunk {results['prefill_chunk']} in runs of up to {results['prefill_run']}" \
+            if "prefill_chunk" in results else ""
         lines.append(f"{name}: {r['requests']} x {r['prompt_tokens'][0]}-token prompt, {results['osl']} new tokens "
-                     f"each, {results['backend']}, wall {r['wall_s']:.2f} s")
+                     f"each, {results['backend']}{chunks}, wall {r['wall_s']:.2f} s "
+                     f"({r['requests'] * results['osl'] / r['wall_s']:.2f} output tokens/s)")
         lines.append("| span | runs | total ms | median ms | graph ms | graph % | outside the graph ms | of it in the "
                      "span's own Python ms |")
         lines.append("|---|---|---|---|---|---|---|---|")
@@ -243,8 +247,16 @@ def main(argv=None) -> int:
     parser.add_argument("--workloads", default="single,batch",
                         help="comma-separated subset of single,batch (default: both)")
     parser.add_argument("--seed", type=int, default=0, help="the prompts (default: 0)")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="the scheduler's prefill chunk (default: serve's, criticalkv.serving.scheduler."
+                             "DEFAULT_PREFILL_CHUNK)")
+    parser.add_argument("--prefill-run", type=int, default=None,
+                        help="most prompt tokens per run of the extend graph (default: the engine's prefill_run, "
+                             "criticalkv.runtime.engine.PREFILL_RUN where the graph takes any number)")
     parser.add_argument("--out", type=Path, help="also write STEM.json and STEM.txt")
     args = parser.parse_args(argv)
+    if any(v is not None and v < 1 for v in (args.prefill_chunk, args.prefill_run)):
+        parser.error("--prefill-chunk and --prefill-run must be >= 1")
     if args.isl < 64 or min(args.osl, args.batch) < 2:
         parser.error("--isl must be >= 64, --osl and --batch >= 2")
     wanted = [w for w in args.workloads.split(",") if w]
@@ -259,11 +271,15 @@ def main(argv=None) -> int:
     from criticalkv.bench import machine, report
     from criticalkv.bench.prompts import chat_ids, text_for_chat_length
     from criticalkv.runtime import Engine
+    from criticalkv.serving.scheduler import DEFAULT_PREFILL_CHUNK
 
     results = machine.header(" ".join(["python -m benchmarks.steps", *map(shlex.quote, sys.argv[1:] if argv is None
                                                                        else argv)]))
     print("\n".join(machine.header_lines(results)), flush=True)
     engine = Engine.load(args.engine_dir, backend=args.backend, verify=False)
+    if args.prefill_run is not None:
+        engine.prefill_run = args.prefill_run
+    options = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
     try:
         tok = engine.tokenizer
 
@@ -274,7 +290,8 @@ def main(argv=None) -> int:
                      "batch": lambda: [prompt(args.seed + 10 + i) for i in range(args.batch)]}
         workloads = {name: make() for name, make in workloads.items() if name in wanted}
         results.update(backend=args.backend, isl=args.isl, osl=args.osl, batch=args.batch,
-                       workloads=profile_workloads(engine, workloads, prompt(args.seed + 1000), args.osl))
+                       prefill_chunk=options.get("prefill_chunk", DEFAULT_PREFILL_CHUNK), prefill_run=engine.prefill_run,
+                       workloads=profile_workloads(engine, workloads, prompt(args.seed + 1000), args.osl, options))
     finally:
         engine.close()
     machine.finish(results)

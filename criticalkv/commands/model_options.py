@@ -8,7 +8,7 @@ import argparse
 from criticalkv.commands.arguments import gpu_ids, nonnegative_float, nonnegative_int, positive_float, positive_int
 from criticalkv.serving.context_cache import CONTEXT_CACHE_DTYPES, DEFAULT_CONTEXT_CACHE_DTYPE
 from criticalkv.serving.repository import DEFAULT_MODEL_NAME, SERVED_BACKENDS
-from criticalkv.serving.scheduler import SchedulerConfig
+from criticalkv.serving.scheduler import DEFAULT_PREFILL_CHUNK, SchedulerConfig
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,10 +25,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "under prefill (their full K/V), cached contexts and prefix blocks hold together (default: no "
                         "limit beyond --max-num-seqs); requests beyond it wait, prefix blocks then cached contexts are "
                         "evicted first")
-    p.add_argument("--prefill-chunk", type=nonnegative_int, default=512,
-                   help="prefill long prompts in chunks of this many tokens, interleaved with the running requests' "
-                        "decode steps (default: 512, a multiple of the engine's attention block: the same kept entries "
-                        "and tokens as one prefill; 0 = one prefill per prompt)")
+    p.add_argument("--prefill-chunk", type=nonnegative_int, default=DEFAULT_PREFILL_CHUNK,
+                   help="prefill prompts in chunks of at most this many tokens, one per step between the running "
+                        f"requests' decode steps (default: {DEFAULT_PREFILL_CHUNK}, a multiple of the engine's "
+                        "attention block: the same kept entries and tokens as one prefill; 0 = one prefill per prompt, "
+                        "without the prefix cache)")
     p.add_argument("--context-cache-mib", type=nonnegative_float, default=256.0,
                    help="compressed contexts kept for reuse per instance, MiB (default: 256; 0 = none): a request's "
                         "`context` is compressed once and later questions about it skip its prefill")
@@ -41,7 +42,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="plain prompts' uncompressed blocks kept for reuse per instance, MiB (default: 512; 0 = none): "
                         "a prompt that begins like an earlier one (the same document, a chat's earlier turns) prefills "
                         "only the rest, then selects over the whole prompt: the same answer as without the cache "
-                        "(vLLM's automatic prefix caching; prompts longer than --prefill-chunk)")
+                        "(vLLM's automatic prefix caching)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache_mib", action="store_const", const=0.0,
                    help="serve without the prefix cache (= --prefix-cache-mib 0; vLLM's --no-enable-prefix-caching)")
     p.add_argument("--prefix-block", type=positive_int, default=16,

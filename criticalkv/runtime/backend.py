@@ -197,6 +197,10 @@ class Backend(Protocol):
     #: True when the engine has the extend and select graphs (chunked prefill, a question after a cached context).
     has_extend: bool
 
+    #: (optional, default False) True when the extend graph takes at most the build's ``extend_chunk`` tokens a run
+    #: (TensorRT's optimization profiles); the CPU runtimes' graphs take any number (``Engine.prefill_run``)
+    fixed_extend_shapes: bool
+
     def extend_row(self, row: int, token_ids: np.ndarray, positions: np.ndarray) -> ExtendOutputs:
         """N tokens ([1, N] int64 ids and absolute positions) through the extend graph over buffer row ``row``: they
         attend to its entries and causally to each other, their K/V join the row at each head's length."""

@@ -35,6 +35,13 @@ from criticalkv.runtime.profiling import selection_profile
 from criticalkv.runtime.registry import create_backend
 from criticalkv.sampling import Sampler, decode_loop
 
+#: most prompt tokens per run of the extend graph in a chunked prefill (``Engine.prefill_run``) where the graph takes
+#: any number: a chunk of ``criticalkv serve``'s default 512 in one run. A 2k prompt's four 512-token chunks on the
+#: bundled model, OpenVINO: 2,292 ms in one run each against 2,458 ms in two runs of 256 (medians of 4 interleaved
+#: rounds; ``python -m benchmarks.chunks --backend openvino --chunks 512:256,512``). A multiple of the attention block
+#: (256) keeps ONNX Runtime's prefill bitwise the one-run prefill's
+PREFILL_RUN = 1024
+
 
 def _ids(tokens: np.ndarray) -> np.ndarray:
     """The decode loop's choice when the step already returns the greedy token ids."""
@@ -173,8 +180,12 @@ class Engine:
         self.entry_bytes = backend.kv_buffer_bytes() // (self.max_batch_size * self.spec["num_kv_heads"] * sum(capacities))
         #: per layer: most entries a head keeps from a prompt (the decode buffers add room for the tokens after it)
         self.selection_capacities = list(manifest["shapes"]["prefill_capacity"])
-        #: most tokens one run of the extend graph takes (``extend``, ``prefill_step`` split longer inputs)
+        #: most tokens one run of the extend graph takes (``extend`` and the re-read passes split longer inputs)
         self.extend_chunk = int(build.get("extend_chunk", 256))
+        #: most prompt tokens one run of the extend graph takes in ``prefill_step``: ``PREFILL_RUN`` where the graph
+        #: takes any number of tokens, the build's ``extend_chunk`` where its shapes are fixed (TensorRT's profiles)
+        self.prefill_run = self.extend_chunk if getattr(backend, "fixed_extend_shapes", False) else \
+            max(self.extend_chunk, PREFILL_RUN)
         #: the policy the serving context cache compresses contexts with, when the engine has one besides its own
         #: (``select_context.onnx``), and its per-layer selection capacities
         self.context_policy = KVPolicy.from_dict(manifest["context_policy"]) if manifest.get("context_policy") else None
@@ -480,8 +491,8 @@ class Engine:
         positions = job.done + np.arange(ids.size, dtype=np.int64)
         start = time.perf_counter()
         logits = None
-        for at in range(0, ids.size, self.extend_chunk):  # the graph takes at most extend_chunk tokens per run
-            part = slice(at, at + self.extend_chunk)
+        for at in range(0, ids.size, self.prefill_run):  # the graph takes at most prefill_run tokens per run
+            part = slice(at, at + self.prefill_run)
             out = self.backend.extend_buffer(job.buffer, ids[None, part], positions[None, part])
             job.queries = out.window_queries if job.queries is None else self._join_queries(job.queries, out.window_queries)
             for name in job.scoring.streams if job.scoring is not None else ():  # these entries' streams

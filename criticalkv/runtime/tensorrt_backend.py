@@ -209,6 +209,8 @@ class TensorRTBackend(BuiltShapes):
     context_policies = False
     #: no method phases (PHASES_REFUSAL): no streams, no re-read graph
     streams: frozenset[str] = frozenset()
+    #: the extend engine's profile takes at most the build's extend_chunk tokens a run (``Engine.prefill_run``)
+    fixed_extend_shapes = True
 
     name = "tensorrt"
 

@@ -23,3 +23,9 @@ def test_each_chunk_size_times_every_step_of_the_prompt(tmp_path):
         assert abs(s["total_ms"] - sum(s["step_ms_median_by_index"])) < 1e-6  # one round: the medians are the times
     assert res["one_shot_prefill_ms"] > 0 and res["select_ms"] > 0 and res["short_prefill_ms"] > 0
     assert "| 64 | 2 |" in (out / "prefill_chunks.md").read_text()
+    # CHUNK:RUN: 64-token chunks in runs of 32 take the same steps as in one run each (the engine's own run size)
+    assert chunks.main(["--engine-dir", str(folder), "--isl", "100", "--short", "20", "--chunks", "64:32,64",
+                        "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads((out / "prefill_chunks.json").read_text())
+    assert {c: (s["steps"], s["run"]) for c, s in res["chunks"].items()} == {"64:32": (2, 32), "64": (2, 1024)}
+    assert res["prefill_run"] == 1024 and res["backend"] == "onnxruntime"

@@ -72,3 +72,6 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         steps.main(["--engine-dir", str(tmp_path)])
     assert "not an engine directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:
+        steps.main(["--engine-dir", str(tmp_path), "--prefill-run", "0"])
+    assert err.value.code == 2 and "--prefill-chunk and --prefill-run must be >= 1" in capsys.readouterr().err

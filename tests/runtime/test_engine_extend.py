@@ -8,6 +8,7 @@ import torch
 
 from criticalkv.hf import generate as torch_generate
 from criticalkv.runtime import Engine, EngineError, Request, SamplingParams
+from criticalkv.runtime.engine import PREFILL_RUN
 from criticalkv.sampling import Sampler
 from export.tiny_engine import ENGINE_BACKENDS, export_tiny_engine, load_engine
 from hf.conftest import tiny_model
@@ -56,17 +57,26 @@ def decode_greedy(engine, slot, first, steps):
 def test_chunked_prefill_is_the_one_shot_prefill(engine, n, step):
     # chunks that are multiples of the attention block: the same logits and kept entries bitwise, so the same
     # tokens; 107 = 3 chunks + a last one of 11 (longer than the window 8), 37 = 1 chunk + 5 (shorter than it),
-    # 150 in chunks of two blocks (each run of the graph takes one block: extend_chunk = CHUNK)
+    # 150 in chunks of two blocks (one run of the graph each: these backends' extend graphs take any number of
+    # tokens, so a chunk runs in pieces of Engine.prefill_run, not of the build's extend_chunk = CHUNK)
+    assert engine.prefill_run == max(CHUNK, PREFILL_RUN) > CHUNK
     ids = prompt(n, seed=n)
     one = engine.prefill(0, Request(ids))
     one_row = engine.save(0)
     one_tokens = decode_greedy(engine, 0, greedy(one.logits), 5)
     engine.release(0)
     job = engine.begin_prefill(Request(ids))
-    steps = 0
-    while not engine.prefill_step(job, step):
-        steps += 1
+    runs, extend_buffer = [], engine.backend.extend_buffer
+    engine.backend.extend_buffer = lambda buffer, token_ids, positions: \
+        runs.append(token_ids.shape[1]) or extend_buffer(buffer, token_ids, positions)
+    try:
+        steps = 0
+        while not engine.prefill_step(job, step):
+            steps += 1
+    finally:
+        del engine.backend.extend_buffer
     assert steps == -(-n // step) - 1 and job.remaining == 0
+    assert runs == [min(step, n - at) for at in range(0, n, step)]  # one run per chunk
     chunked = engine.finish_prefill(job, 1)
     # ONNX Runtime: bitwise. torch: a chunk's attention (SDPA over the chunk's queries and the buffer's keys) rounds
     # differently from the whole prompt's by ~1e-7, so the floats are close and the kept entries and tokens the same

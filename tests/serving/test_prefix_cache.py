@@ -157,8 +157,14 @@ def test_the_scheduler_reuses_a_prompts_blocks_and_answers_as_a_cold_run(engine)
         block = 2 * 4 * 16 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"]
         assert stats.blocks == 10 and stats.bytes_held == 10 * block
         assert scheduler.kv_bytes_reserved == stats.bytes_held  # nothing else held once they are done
-        short = submit(scheduler, doc[:30]).result(120)  # one chunk, prefilled at once: no lookup
-        assert short.num_cached_tokens == 0 and stats.requests == 3
+        # a prompt within one chunk still goes through the cache: 30 tokens hold one whole block before their last
+        # window (8), the document's first, and answer as a cold run
+        short = submit(scheduler, doc[:30]).result(120)
+        assert short.num_cached_tokens == 16 and stats.requests == 4
+        assert short.token_ids == engine.generate([doc[:30]], max_new_tokens=5, stop_token_ids=[]).tokens[0]
+        # one with no whole block before its window (23 - 8 < 16) is prefilled at once: no lookup
+        tiny = submit(scheduler, doc[:23]).result(120)
+        assert tiny.num_cached_tokens == 0 and stats.requests == 4
     finally:
         scheduler.close()
     off = Scheduler(engine, prefill_chunk=32, prefix_cache_mib=0)

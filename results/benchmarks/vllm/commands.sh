@@ -6,7 +6,7 @@
 #   bash results/benchmarks/vllm/commands.sh            # everything
 #   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, prefix, steps, backends, aiperf, docqa,
 #                                                       # single, docqa-cache-dtype, docqa-heads, docqa-facts, needles,
-#                                                       # memory
+#                                                       # memory, runs
 # vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
 # first use. The engine is the README's (engines/ is git-ignored):
 #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8 \
@@ -99,4 +99,27 @@ fi
 if want memory; then
   # long prompts at concurrency 8 in a KV memory of 2 full sequences (ISL 2048, OSL 256)
   $RUN $B bench memory --engine-dir $E --vllm --out $OUT/memory
+fi
+if want runs; then
+  # a prefill chunk in one run of the extend graph (serve's default since 2026-11-30), taken 06:48-07:38 UTC,
+  # cpu-exclusive, load 1.2-2.6 before each run: the served comparison with vLLM at serve's default (2 rounds) and
+  # with --prefill-chunk 2048 (vLLM's CPU tokens per step; 3 rounds over two calls, then AIPerf, one round); in
+  # process, a 2k prompt's 512-token chunks in runs of 256 against one run each (OpenVINO, 4 rounds), and 8
+  # concurrent 2k chats with 512- against 2,048-token chunks (OpenVINO, 3 interleaved rounds). chunk2048 and
+  # aiperf_chunk2048 were taken from a commit that made 2,048 serve's default (their headers show no --server-args):
+  # the same servers as these commands start
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --rounds 2 --out $OUT/runs512
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --rounds 1 --server-args=--prefill-chunk=2048 \
+    --out $OUT/chunk2048
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --rounds 2 --first-round 2 --append \
+    --server-args=--prefill-chunk=2048 --out $OUT/chunk2048
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --parts aiperf --rounds 1 \
+    --server-args=--prefill-chunk=2048 --out $OUT/aiperf_chunk2048
+  $RUN $PY -m benchmarks.chunks --engine-dir $E --backend openvino --chunks 512:256,512 --repeats 4 \
+    --out $OUT/prefill_runs_openvino
+  for r in 1 2 3; do
+    $RUN $PY -m benchmarks.steps --engine-dir $E --backend openvino --workloads batch --out $OUT/steps_openvino_chunk512run512_r$r
+    $RUN $PY -m benchmarks.steps --engine-dir $E --backend openvino --workloads batch --prefill-chunk 2048 \
+      --out $OUT/steps_openvino_chunk2048run1024_r$r
+  done
 fi
