@@ -1,9 +1,9 @@
 """What one step of chunked prefill costs: the unit a short request waits for when it arrives during a long prefill.
 
 The scheduler interleaves a long prompt's chunks (``Engine.prefill_step``, ``--prefill-chunk`` tokens, run through the
-extend graph at most ``Engine.prefill_run`` tokens at a time) with the other requests' work; a short request that arrives during a
-chunk waits for the rest of that chunk, then for its own prefill. This times, on one engine, with the server's
-threads: the steps of a ``--isl``-token prompt for each ``--chunks`` size, the selection at its end
+extend graph at most ``Engine.prefill_run`` tokens at a time) with the other requests' work; a short request that
+arrives during a chunk waits for the rest of that chunk, then for its own prefill. This times, on one engine, with
+the server's threads: the steps of a ``--isl``-token prompt for each ``--chunks`` size, the selection at its end
 (``Engine.finish_prefill``) and a one-shot prefill of a ``--short``-token prompt, interleaved over ``--repeats``
 rounds (medians):
 
@@ -103,8 +103,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"`{res['command']}`", "", f"load average at the end: {res['load_average_end'][0]:.2f}; {res.get('backend', 'onnxruntime')}; "
-             f"extend runs of up to {res.get('prefill_run', res['extend_chunk'])} tokens unless a size says; medians of {res['repeats']} rounds", "",
+    lines = [f"`{res['command']}`", "", f"load average at the end: {res['load_average_end'][0]:.2f}; {res['backend']}; "
+             f"extend runs of up to {res['prefill_run']} tokens unless a size says; medians of {res['repeats']} rounds",
+             "",
              f"- one-shot prefill of the {res['isl']}-token prompt: {res['one_shot_prefill_ms']:.0f} ms; of the "
              f"{res['short']}-token prompt: {res['short_prefill_ms']:.0f} ms; the selection after the last chunk: "
              f"{res['select_ms']:.0f} ms", "",

@@ -1,7 +1,7 @@
 """``python -m benchmarks.steps``: where a served request's time goes, the graph runs against the Python around them.
 
-Runs the server's scheduler (``criticalkv.serving.Scheduler`` with ``criticalkv serve``'s defaults: 2,048-token prefill
-steps in extend runs of up to 1,024 tokens, the prefix cache on; ``--prefill-chunk`` / ``--prefill-run`` change the
+Runs the server's scheduler (``criticalkv.serving.Scheduler`` with ``criticalkv serve``'s defaults: 512-token prefill
+chunks, each in one run of the extend graph, the prefix cache on; ``--prefill-chunk`` / ``--prefill-run`` change the
 first two) in this process on an engine, without Triton or the OpenAI frontend, and times three
 nested spans of every scheduler step with ``time.perf_counter``:
 
