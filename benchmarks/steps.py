@@ -159,18 +159,25 @@ class StepTimer:
         return out
 
 
-def run_requests(scheduler, prompts: list[list[int]], osl: int) -> float:
-    """Submit every prompt at once (greedy, ``ignore_eos``, ``osl`` tokens) and wait for all; the wall time (s)."""
+def run_requests(scheduler, prompts: list[list[int]], osl: int, firsts: dict | None = None) -> float:
+    """Submit every prompt at once (greedy, ``ignore_eos``, ``osl`` tokens) and wait for all; the wall time (s).
+    ``firsts``: filled with each request's first token time from its submission (``ttft_s``) and the gap from its
+    first output to its second (``second_s``), as the scheduler stamped its outputs."""
     from criticalkv.request import Request, SamplingParams
 
     sampling = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     handles = [scheduler.submit(Request(prompt_token_ids=tuple(p), sampling=sampling)) for p in prompts]
     for handle in handles:
-        out = handle.result(timeout=3600)
+        outputs = list(handle)
+        out = outputs[-1]
         if out.finish_reason != "length" or len(out.token_ids) != osl:
             raise RuntimeError(f"request {handle.request_id}: finished with {out.finish_reason!r} ({out.error}) after "
                                f"{len(out.token_ids)} of {osl} tokens")
+        if firsts is not None:
+            firsts.setdefault("ttft_s", []).append(outputs[0].ttft_s)
+            if len(outputs) > 1:
+                firsts.setdefault("second_s", []).append(outputs[1].elapsed_s - outputs[0].elapsed_s)
     return time.perf_counter() - start
 
 
@@ -190,12 +197,13 @@ def profile_workloads(engine, workloads: dict[str, list[list[int]]], warmup: lis
                 run_requests(scheduler, [warmup], 4)
                 timer.watch(engine, scheduler, len(prompts))
                 timer.clear()
-                wall = run_requests(scheduler, prompts, osl)
+                firsts = {}
+                wall = run_requests(scheduler, prompts, osl, firsts)
             finally:
                 scheduler.close()
                 timer.unwatch(engine)
             report[name] = {"requests": len(prompts), "prompt_tokens": [len(p) for p in prompts], "wall_s": wall,
-                            "spans": timer.summary(len(prompts))}
+                            "spans": timer.summary(len(prompts)), **firsts}
     finally:
         timer.uninstall()
     return report
@@ -212,6 +220,10 @@ def render(results: dict) -> str:
         lines.append(f"{name}: {r['requests']} x {r['prompt_tokens'][0]}-token prompt, {results['osl']} new tokens "
                      f"each, {results['backend']}{chunks}, wall {r['wall_s']:.2f} s "
                      f"({r['requests'] * results['osl'] / r['wall_s']:.2f} output tokens/s)")
+        if r.get("ttft_s"):  # the scheduler's stamps: no server, no network
+            lines.append(f"first token {1e3 * statistics.median(r['ttft_s']):.0f} ms from submission (median), the "
+                         f"second {1e3 * statistics.median(r['second_s']):.0f} ms after it (median)"
+                         if r.get("second_s") else f"first token {1e3 * statistics.median(r['ttft_s']):.0f} ms")
         lines.append("| span | runs | total ms | median ms | graph ms | graph % | outside the graph ms | of it in the "
                      "span's own Python ms |")
         lines.append("|---|---|---|---|---|---|---|---|")

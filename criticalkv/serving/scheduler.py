@@ -10,7 +10,9 @@ iteration it
 3. runs ONE prefill chunk (at most ``prefill_chunk`` tokens through the extend graph) of the prefilling request with
    the fewest tokens left, so a short request that arrives during a long prompt's prefill waits for one chunk, not
    for the whole prompt. The last chunk runs the selection over the whole prompt (the kept entries of one unchunked
-   prefill), loads them into a slot, and the first token is sampled: the request joins the decode batch;
+   prefill), loads them into a slot, and the request joins the decode batch. A plain prompt's first token is sampled
+   from the last chunk's logits and delivered before the selection runs (the selection only decides what the next
+   tokens attend to), and a request that its first token ends (a stop token, ``max_tokens`` 1) skips the selection;
 4. runs one decode step over every running request and samples each with its own sampler;
 5. releases the slots of finished requests at once.
 
@@ -687,6 +689,13 @@ class Scheduler:
             return
         self._prefilling.remove(seq)
         job, keep = seq.job, seq.block_hashes is not None  # keep its buffer: its blocks go to the prefix cache
+        if seq.key is None:  # a plain prompt: its first token comes from the prefill's logits, before the selection
+            if not self._guard(seq, lambda: self._first_token(seq, job.logits)):
+                # ended by its first token (a stop token, max_tokens 1) or failed: nothing to select, no slot taken
+                if keep and seq.tokens:
+                    self._guard_cache(lambda: self._cache_prefix(seq, job))
+                seq.job = job.buffer = None
+                return
         slot = self._guard(seq, lambda: self.engine.free_slots()[0])
         result = None if slot is None else \
             self._guard(seq, lambda: self.engine.finish_prefill(job, slot, keep_buffer=keep))
@@ -711,7 +720,10 @@ class Scheduler:
         if seq.key is None:
             seq.kv_bytes_kept, seq.kv_bytes_full = result.kv_bytes_kept, result.kv_bytes_full
             self._recharge(seq, result.kv_bytes_kept + self.engine.growth_bytes(seq.max_tokens))
-            self._first_token(seq, result.logits)
+            if seq.tokens:  # its first token went out before the selection (_prefill_step)
+                self._running.append(seq)
+            elif self._first_token(seq, result.logits):
+                self._running.append(seq)
             return
         # stored as the cache stores it (float16: half the bytes), also what a replica publishes to the shared store
         saved = self.engine.save(seq.slot)
@@ -739,25 +751,27 @@ class Scheduler:
         seq.kv_bytes_full = kv_bytes_full
         self._recharge(seq, seq.kv_bytes_kept + self.engine.growth_bytes(seq.max_tokens + seq.request.num_prompt_tokens))
         logits = self._guard(seq, lambda: self.engine.extend(seq.slot, seq.request.prompt_token_ids))
-        if logits is not None:
-            self._first_token(seq, logits)
+        if logits is not None and self._first_token(seq, logits):
+            self._running.append(seq)
 
     def _recharge(self, seq: _Sequence, actual: int) -> None:
         with self._lock:  # the bound charged at admission -> what it really holds
             self._reserved += actual - seq.charge
             seq.charge = actual
 
-    def _first_token(self, seq: _Sequence, logits) -> None:
+    def _first_token(self, seq: _Sequence, logits) -> bool:
+        """Sample ``seq``'s first token from its prompt's last logits and deliver it; True when the request goes on
+        (the caller puts it in the decode batch once its slot holds its entries), False when that token ended it."""
         token = int(seq.sampler(logits[None, :])[0])
         seq.tokens.append(token)
         seq.first_token_at = time.perf_counter()
-        self._running.append(seq)
         reason = self._finish_reason(seq, token)
         if reason is not None:
             self._remove(seq)
             seq.handle._deliver(seq.output([token], reason))
-            return
+            return False
         seq.handle._deliver(seq.output([token]))
+        return True
 
     def _finish_reason(self, seq: _Sequence, token: int) -> str | None:
         if token in seq.stop:

@@ -51,8 +51,12 @@ def test_the_spans_nest_and_count_every_step(tiny_engine):
     assert batch["decode/step"]["n"] >= 1 and steps_run >= osl - 1
     assert batch["chunk/engine"]["n"] == 3 * 2  # 40 tokens in chunks of 32, three prompts
     assert batch["decode/loop"]["n"] >= 1
+    # each request's first token and the gap to its second, as the scheduler stamped them
+    assert len(report["single"]["ttft_s"]) == 1 and len(report["batch"]["second_s"]) == 3
+    assert 0 < report["single"]["ttft_s"][0] and all(0 < s for s in report["batch"]["second_s"])
     text = steps.render({"command": "test", "backend": "onnxruntime", "osl": osl, "workloads": report})
     assert "decode step (Scheduler._decode_step)" in text and "outside the graph" in text
+    assert text.count("first token ") == 2 and "ms after it (median)" in text
 
 
 def test_the_runtimes_are_unwrapped_afterwards(tiny_engine):

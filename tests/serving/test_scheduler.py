@@ -252,6 +252,38 @@ def test_chunked_prefill_gives_the_tokens_of_one_prefill(chunky):
         scheduler.close()
 
 
+def test_a_plain_prompts_first_token_goes_out_before_its_selection(chunky):
+    # the first token is sampled from the last prefill chunk's logits, so it is delivered before the selection over the
+    # whole prompt runs (the selection only decides what later tokens attend to); a request that its first token ends
+    # runs no selection at all. The tokens are those of the request alone either way
+    events = []
+    finish_prefill = chunky.finish_prefill
+
+    def observed(job, slot, keep_buffer=False):
+        events.append("select")
+        return finish_prefill(job, slot, keep_buffer=keep_buffer)
+
+    ids = prompt(100, seed=90)
+    expected = alone(chunky, ids, 4)
+    scheduler = Scheduler(chunky, prefill_chunk=32)
+    chunky.finish_prefill = observed
+    try:
+        out = submit(scheduler, ids, max_tokens=4, stop_token_ids=[],
+                     on_output=lambda o: events.append(tuple(o.new_token_ids))).result(120)
+        assert out.token_ids == expected and 0 < out.kv_bytes_kept < out.kv_bytes_full
+        assert events == [(expected[0],), "select", *[(t,) for t in expected[1:]]]
+        events.clear()
+        one = submit(scheduler, prompt(90, seed=91), max_tokens=1, stop_token_ids=[]).result(120)
+        assert one.token_ids == alone(chunky, prompt(90, seed=91), 1) and one.finish_reason == "length"
+        assert events == [] and one.kv_bytes_kept == 0  # no selection, nothing kept
+        assert scheduler.num_running == scheduler.num_prefilling == 0
+        assert scheduler.kv_bytes_reserved == scheduler.prefix_cache.stats.bytes_held > 0  # its blocks were cached
+        assert len(chunky.free_slots()) == chunky.num_slots
+    finally:
+        del chunky.finish_prefill
+        scheduler.close()
+
+
 def test_a_cached_context_answers_like_a_cold_one(chunky):
     # the first request compresses the context (question-agnostic) and caches it; the others restore a copy and
     # only run their question: the same tokens as on a cold cache, which are the engine's generate(questions=...)

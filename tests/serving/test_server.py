@@ -2,6 +2,7 @@
 every protocol gives the text of Engine.generate, streaming, concurrency, bad requests."""
 
 import json
+import os
 import queue
 import re
 import urllib.request
@@ -17,7 +18,17 @@ from serving.servers import MODEL, random_words, start_server, stop_server
 def served(tmp_path_factory):
     from serving.servers import Served
 
-    server, engine = start_server(tmp_path_factory, instances=2, max_batch_size=4)
+    # started from a directory holding another `criticalkv` (as from another checkout): the model still imports the
+    # project's own (a stub's sys.path begins with its working directory)
+    shadow = tmp_path_factory.mktemp("cwd")
+    (shadow / "criticalkv").mkdir()
+    (shadow / "criticalkv" / "__init__.py").write_text("raise ImportError(\"a working directory's criticalkv\")\n")
+    here = os.getcwd()
+    os.chdir(shadow)
+    try:
+        server, engine = start_server(tmp_path_factory, instances=2, max_batch_size=4)
+    finally:
+        os.chdir(here)
     yield Served(server, engine)
     stop_server(server, engine)
 

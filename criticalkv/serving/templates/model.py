@@ -55,8 +55,15 @@ class TritonPythonModel:
         folder = os.path.join(args["model_repository"], args["model_version"])
         with open(os.path.join(folder, "model.json")) as f:
             self.config = json.load(f)
-        for path in self.config.get("python_paths", []):  # the stub ignores PYTHONPATH
-            if path not in sys.path:
+        # the stub ignores PYTHONPATH. The project's checkout goes first, ahead of sys.path's "" (the directory the
+        # server was started in, which may hold another checkout's criticalkv); the environment's packages go last,
+        # after this model environment's own numpy
+        for i, path in enumerate(self.config.get("python_paths", [])):
+            if i == 0:
+                if path in sys.path:
+                    sys.path.remove(path)
+                sys.path.insert(0, path)
+            elif path not in sys.path:
                 sys.path.append(path)
         from criticalkv.request import TextBound
         from criticalkv.runtime import Engine, Request, RequestError

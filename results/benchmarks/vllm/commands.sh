@@ -6,7 +6,7 @@
 #   bash results/benchmarks/vllm/commands.sh            # everything
 #   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, prefix, steps, backends, aiperf, docqa,
 #                                                       # single, docqa-cache-dtype, docqa-heads, docqa-facts, needles,
-#                                                       # memory, runs
+#                                                       # memory, runs, first-token
 # vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
 # first use. The engine is the README's (engines/ is git-ignored):
 #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8 \
@@ -121,5 +121,23 @@ if want runs; then
     $RUN $PY -m benchmarks.steps --engine-dir $E --backend openvino --workloads batch --out $OUT/steps_openvino_chunk512run512_r$r
     $RUN $PY -m benchmarks.steps --engine-dir $E --backend openvino --workloads batch --prefill-chunk 2048 \
       --out $OUT/steps_openvino_chunk2048run1024_r$r
+  done
+fi
+if want first-token; then
+  # a plain prompt's first token before its selection (taken 2026-11-30 09:49-10:45 UTC, each call alone on the
+  # machine, load 1.0-2.4 before each run): the served comparison at serve's defaults, 3 rounds, then AIPerf, one
+  # round; in process, the parent commit's package (BEFORE=<a checkout of it>, this benchmarks/steps.py copied in)
+  # against this one, interleaved, 3 rounds, on OpenVINO and on ONNX Runtime
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --rounds 3 --out $OUT/first_token
+  $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --parts aiperf --rounds 1 --out $OUT/aiperf_first_token
+  for b in openvino onnxruntime; do
+    s=$([ $b = openvino ] && echo "" || echo _ort)
+    for r in 1 2 3; do
+      if [ -n "${BEFORE:-}" ]; then
+        (cd "$BEFORE" && $RUN .venv/bin/python -m benchmarks.steps --engine-dir $E --backend $b --workloads single \
+          --out $OUT/first_token_steps${s}_before_r$r) && cp "$BEFORE"/$OUT/first_token_steps${s}_before_r$r.* $OUT/
+      fi
+      $RUN $PY -m benchmarks.steps --engine-dir $E --backend $b --workloads single --out $OUT/first_token_steps${s}_r$r
+    done
   done
 fi
