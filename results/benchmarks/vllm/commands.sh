@@ -130,6 +130,10 @@ if want first-token; then
   # against this one, interleaved, 3 rounds, on OpenVINO and on ONNX Runtime
   $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --rounds 3 --out $OUT/first_token
   $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --parts aiperf --rounds 1 --out $OUT/aiperf_first_token
+  # the same AIPerf run with 256-token prefill chunks on OpenVINO (11:08-11:15 UTC, load 0.2 before): shorter gaps
+  # between a decoding request's tokens while other prompts prefill
+  $RUN $B bench vllm --engine-dir $E --backends openvino --parts aiperf --rounds 1 --server-args=--prefill-chunk=256 \
+    --out $OUT/aiperf_chunk256
   for b in openvino onnxruntime; do
     s=$([ $b = openvino ] && echo "" || echo _ort)
     for r in 1 2 3; do
