@@ -126,8 +126,8 @@ fi
 if want first-token; then
   # a plain prompt's first token before its selection (taken 2026-11-30 09:49-10:45 UTC, each call alone on the
   # machine, load 1.0-2.4 before each run): the served comparison at serve's defaults, 3 rounds, then AIPerf, one
-  # round; in process, the parent commit's package (BEFORE=<a checkout of it>, this benchmarks/steps.py copied in)
-  # against this one, interleaved, 3 rounds, on OpenVINO and on ONNX Runtime
+  # round; in process, commit 8aa2e9e, which selected before the first token (BEFORE=<a checkout of it>, with
+  # benchmarks/steps.py of 5aebdf2 copied in), against 5aebdf2, interleaved, 3 rounds, on OpenVINO and on ONNX Runtime
   $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --rounds 3 --out $OUT/first_token
   $RUN $B bench vllm --engine-dir $E --backends onnxruntime,openvino --parts aiperf --rounds 1 --out $OUT/aiperf_first_token
   # the same AIPerf run with 256-token prefill chunks on OpenVINO (11:08-11:15 UTC, load 0.2 before): shorter gaps
