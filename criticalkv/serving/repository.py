@@ -84,8 +84,8 @@ def make_repository(
         CUDA when the model's Python sees a GPU, the CPU otherwise); None: the engine directory's default
         (``default_backend``: torch for a directory built with ``--backend torch``, else onnxruntime)
     execution_env : a virtual environment the model runs in (``EXECUTION_ENV_PATH``; the bundled CPU server
-        needs one with numpy<2); python_paths : the project's packages for the model's ``sys.path``: the first (the checkout) put
-        before everything, even the server's working directory, the others appended
+        needs one with numpy<2); python_paths : the project's packages for the model's ``sys.path``: the first (the
+        checkout) put before everything, even the server's working directory, the others appended
     request_timeout : the model's deadline of every request in seconds (the whole answer; a stream's first response
         and each next one): past it the request is cancelled and answered with the error "no answer within the
         server's request timeout ..." (None: none)

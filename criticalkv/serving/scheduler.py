@@ -690,11 +690,12 @@ class Scheduler:
         self._prefilling.remove(seq)
         job, keep = seq.job, seq.block_hashes is not None  # keep its buffer: its blocks go to the prefix cache
         if seq.key is None:  # a plain prompt: its first token comes from the prefill's logits, before the selection
+            seq.kv_bytes_full = self.engine.kv_bytes_full(seq.request.num_prompt_tokens)
             if not self._guard(seq, lambda: self._first_token(seq, job.logits)):
                 # ended by its first token (a stop token, max_tokens 1) or failed: nothing to select, no slot taken
                 if keep and seq.tokens:
                     self._guard_cache(lambda: self._cache_prefix(seq, job))
-                seq.job = job.buffer = None
+                job.buffer = None
                 return
         slot = self._guard(seq, lambda: self.engine.free_slots()[0])
         result = None if slot is None else \
@@ -720,9 +721,8 @@ class Scheduler:
         if seq.key is None:
             seq.kv_bytes_kept, seq.kv_bytes_full = result.kv_bytes_kept, result.kv_bytes_full
             self._recharge(seq, result.kv_bytes_kept + self.engine.growth_bytes(seq.max_tokens))
-            if seq.tokens:  # its first token went out before the selection (_prefill_step)
-                self._running.append(seq)
-            elif self._first_token(seq, result.logits):
+            # a chunked prompt's first token went out before the selection (_prefill_step)
+            if seq.tokens or self._first_token(seq, result.logits):
                 self._running.append(seq)
             return
         # stored as the cache stores it (float16: half the bytes), also what a replica publishes to the shared store

@@ -276,6 +276,7 @@ def test_a_plain_prompts_first_token_goes_out_before_its_selection(chunky):
         one = submit(scheduler, prompt(90, seed=91), max_tokens=1, stop_token_ids=[]).result(120)
         assert one.token_ids == alone(chunky, prompt(90, seed=91), 1) and one.finish_reason == "length"
         assert events == [] and one.kv_bytes_kept == 0  # no selection, nothing kept
+        assert one.kv_bytes_full == 90 * 2 * 3 * 2 * 16 * 4  # its whole prompt (as in the streaming test above)
         assert scheduler.num_running == scheduler.num_prefilling == 0
         assert scheduler.kv_bytes_reserved == scheduler.prefix_cache.stats.bytes_held > 0  # its blocks were cached
         assert len(chunky.free_slots()) == chunky.num_slots
