@@ -101,6 +101,9 @@ if want docqa-openvino; then
     --out $OUT/docqa40_openvino
   $RUN $B bench docqa --engine-dir $E --server-args "--backend openvino" --docs 40 --questions 4 \
     --out $OUT/docqa40_openvino_before
+  # the 40 documents on ONNX Runtime, serve's default, against vLLM, one round each (14:11-14:28 UTC, load 0.73 at the
+  # start; code: commit 6ef574e, its header says 6ef574e-dirty: the results above were being added)
+  $RUN $B bench docqa --engine-dir $E --vllm --docs 40 --questions 4 --out $OUT/docqa40
 fi
 if want needles; then
   # answers' accuracy: the needle grid (9 prompts per domain), the context compressed question-agnostically by
