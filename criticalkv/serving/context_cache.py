@@ -13,6 +13,9 @@ held would pass the capacity. The cache is used by the scheduler thread only.
 The entries may be stored narrower than the engine's KV buffers (``narrow``: ``criticalkv serve
 --context-cache-dtype float16``): float32 keys and values rounded to float16 take half the bytes, so the same memory
 holds twice the contexts; ``Engine.restore`` widens them back into the engine's buffers (``Backend.restore_row``).
+And they are stored packed (``pack``): a snapshot holds every layer's heads padded to the layer's longest one, which a
+policy whose heads keep different counts (AdaKV's heads, ``head_cap_ratio``) fills with padding (the bundled engine's
+context policy: ~1.8x its kept entries); the cache keeps each head's kept entries only and pads them back on ``get``.
 The cache counts the bytes it stores.
 """
 
@@ -26,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from criticalkv.runtime.backend import RowSnapshot
+from criticalkv.runtime.engine import SlotSnapshot
 
 #: Element types the context cache stores its entries in (``--context-cache-dtype``): float32 keeps the engine's
 #: float32 entries as they are (exact), float16 rounds them to float16 (half the bytes; widened back on restore).
@@ -71,6 +75,68 @@ def narrow(snapshot, dtype: str):
                                              row.lengths))
 
 
+@dataclass
+class PackedSnapshot:
+    """A ``SlotSnapshot`` as the cache holds it (``pack``): per layer the kept entries of its heads one after the other,
+    keys and values [sum_h n_h, d_h] (NumPy arrays or torch tensors, the snapshot's element type), its lengths [H_kv]
+    as they were, and ``widths`` (per layer the padded length n_l of the snapshot, which ``unpack`` restores)."""
+
+    keys: list[Any]
+    values: list[Any]
+    lengths: list[Any]
+    widths: list[int]
+    position: int
+    kept_entries: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(k.nbytes) + int(v.nbytes) for k, v in zip(self.keys, self.values))
+
+
+def _counts(lengths: Any) -> list[int]:
+    return [int(n) for n in (lengths.tolist() if hasattr(lengths, "tolist") else lengths)]
+
+
+def _join(pieces: list[Any], like: Any) -> Any:
+    if isinstance(like, np.ndarray):
+        return np.concatenate(pieces, axis=0)
+    import torch  # a tensor: torch is loaded (the torch and TensorRT backends)
+
+    return torch.cat(pieces, dim=0)
+
+
+def pack(snapshot) -> PackedSnapshot:
+    """``snapshot`` (a ``SlotSnapshot``) without its padding: each layer's heads' first ``lengths[h]`` entries, joined."""
+    row = snapshot.row
+    keys, values, widths = [], [], []
+    for k, v, n in zip(row.keys, row.values, row.lengths):
+        counts = _counts(n)
+        keys.append(_join([k[h, :c] for h, c in enumerate(counts)], k))
+        values.append(_join([v[h, :c] for h, c in enumerate(counts)], v))
+        widths.append(int(k.shape[1]))
+    return PackedSnapshot(keys, values, list(row.lengths), widths, snapshot.position, snapshot.kept_entries)
+
+
+def unpack(packed: PackedSnapshot):
+    """The ``SlotSnapshot`` ``pack`` took ``packed`` from, its padding zeros (entries beyond a head's length are never
+    read): what ``Engine.restore`` takes."""
+    keys, values = [], []
+    for k, v, n, width in zip(packed.keys, packed.values, packed.lengths, packed.widths):
+        counts = _counts(n)
+        rows = []
+        for joined in (k, v):
+            shape = (len(counts), width, int(joined.shape[1]))
+            out = np.zeros(shape, joined.dtype) if isinstance(joined, np.ndarray) else joined.new_zeros(shape)
+            at = 0
+            for h, c in enumerate(counts):
+                out[h, :c] = joined[at:at + c]
+                at += c
+            rows.append(out)
+        keys.append(rows[0])
+        values.append(rows[1])
+    return SlotSnapshot(RowSnapshot(keys, values, list(packed.lengths)), packed.position, packed.kept_entries)
+
+
 def context_key(token_ids: Sequence[int], policy_json: str, kv_budget: int | None,
                 threshold: float | None = None) -> tuple:
     """The cache key of a context: a digest of its token ids (and their count), the engine's policy, the budget (with
@@ -114,22 +180,27 @@ class ContextCache:
         return list(self._entries)
 
     def peek(self, key: tuple):
-        """The entry under ``key`` or None, without counting a hit or a miss or touching its recency."""
+        """The entry under ``key`` as stored (a snapshot packed: ``PackedSnapshot``, its ``nbytes`` and
+        ``kept_entries``) or None, without counting a hit or a miss or touching its recency."""
         return self._entries.get(key)
 
     def get(self, key: tuple):
-        """The entry stored under ``key`` (now the most recently used) or None; counts a hit or a miss."""
+        """The entry stored under ``key`` (now the most recently used; a snapshot unpacked, for ``Engine.restore``) or
+        None; counts a hit or a miss."""
         entry = self._entries.get(key)
         if entry is None:
             self.stats.misses += 1
             return None
         self._entries.move_to_end(key)
         self.stats.hits += 1
-        return entry
+        return unpack(entry) if isinstance(entry, PackedSnapshot) else entry
 
     def put(self, key: tuple, entry: Any) -> bool:
-        """Store ``entry`` (anything with ``nbytes``), evicting the least recently used ones until it fits.
-        Returns False (nothing stored or evicted) when the entry alone is larger than the capacity."""
+        """Store ``entry`` (anything with ``nbytes``; a ``SlotSnapshot`` packed), evicting the least recently used
+        ones until it fits. Returns False (nothing stored or evicted) when the entry alone is larger than the
+        capacity."""
+        if hasattr(entry, "row") and hasattr(entry.row, "lengths"):
+            entry = pack(entry)
         size = int(entry.nbytes)
         if size > self.capacity_bytes:
             return False

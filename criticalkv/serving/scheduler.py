@@ -6,7 +6,8 @@ A scheduler thread drives the engine through its API only (``check``, ``prefill`
 iteration it
 
 1. drops the cancelled requests (waiting ones at once; prefilling and running ones free what they hold at once);
-2. admits waiting requests in arrival order while ``max_num_seqs``, the prefill buffers and the KV memory allow;
+2. admits waiting requests in arrival order while ``max_num_seqs``, the prefill buffers and the KV memory allow (a
+   request whose context is being compressed lets the later ones pass until the copy is made);
 3. runs ONE prefill chunk (at most ``prefill_chunk`` tokens through the extend graph) of the prefilling request with
    the fewest tokens left, so a short request that arrives during a long prompt's prefill waits for one chunk, not
    for the whole prompt. The last chunk runs the selection over the whole prompt (the kept entries of one unchunked
@@ -571,9 +572,12 @@ class Scheduler:
                     self._take_offers()
                 if not self._waiting or len(self._running) + len(self._prefilling) >= self.max_num_seqs:
                     return
-                seq = self._waiting[0]
-                if seq.key is not None and seq.key in self._compressing:
-                    return  # its context is being compressed: it waits for the copy (first come, first served)
+                # a request whose context is being compressed waits for the copy, and lets the ones behind it pass
+                # meanwhile (a hit, or another prompt, needs nothing of that compression); the first of the others is
+                # admitted first come, first served
+                seq = next((s for s in self._waiting if s.key is None or s.key not in self._compressing), None)
+                if seq is None:
+                    return
                 cached = self.context_cache.peek(seq.key) if seq.key is not None else None
                 if cached is not None:  # a hit holds the cached entries + its question + its growth, no prefill
                     seq.charge = cached.kept_entries * self.engine.entry_bytes + self.engine.growth_bytes(
@@ -584,7 +588,7 @@ class Scheduler:
                     self.prefix_cache.touch(seq.block_hashes)
                 if not self._fits(seq.charge, keep=seq.key if cached is not None else None, blocks=seq.block_hashes):
                     return  # first come, first served: later requests wait behind it
-                self._waiting.popleft()
+                del self._waiting[next(i for i, s in enumerate(self._waiting) if s is seq)]
                 self._reserved += seq.charge
             # out of the queue and in no list until it prefills or runs: a failure on the way (the engine, its
             # sampler) must end it here, or it would never be answered and keep its slot and its context's claim

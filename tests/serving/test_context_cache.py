@@ -53,7 +53,9 @@ def test_float16_store_halves_float32_entries_and_leaves_the_rest():
     assert all(np.array_equal(a.astype(np.float16), b) for a, b in zip(keys + values, half.row.keys + half.row.values))
     cache = ContextCache(10**6)
     key = context_key([1, 2], "{}", None)
-    assert cache.put(key, half) and cache.stats.bytes_held == exact.nbytes // 2  # the stored bytes are counted
+    # the stored bytes are counted: float16, and each head's kept entries only (5 + 4 + 5 and 7 + 7 + 6 of 8 numbers,
+    # keys and values), not the padding to the layer's longest head
+    assert cache.put(key, half) and cache.stats.bytes_held == 34 * 8 * 2 * 2 < exact.nbytes // 2
     # 16-bit entries already (float16 buffers, OpenVINO's bf16 bits) and float16's range exceeded: stored as they are
     bits = SlotSnapshot(RowSnapshot([k.view(np.uint16)[..., ::2] for k in keys], values, lengths), 12, 34)
     assert narrow(bits, "float16") is bits
@@ -63,6 +65,44 @@ def test_float16_store_halves_float32_entries_and_leaves_the_rest():
     for bad in ("bfloat16", "fp16", None):
         with pytest.raises(ValueError, match="one of float32, float16"):
             narrow(exact, bad)
+
+
+def test_the_cache_stores_each_heads_kept_entries_and_gives_back_the_snapshot():
+    import torch
+
+    from criticalkv.runtime.backend import RowSnapshot
+    from criticalkv.runtime.engine import SlotSnapshot
+    from criticalkv.serving.context_cache import PackedSnapshot, pack, unpack
+
+    rng = np.random.default_rng(1)
+    lengths = [np.array([9, 2, 0], np.int32), np.array([4, 4, 4], np.int32)]  # uneven heads, an empty one, even ones
+    keys = [rng.standard_normal((3, 9, 4)).astype(np.float32), rng.standard_normal((3, 6, 4)).astype(np.float32)]
+    values = [rng.standard_normal((3, 9, 4)).astype(np.float32), rng.standard_normal((3, 6, 4)).astype(np.float32)]
+    for kind in ("numpy", "torch"):
+        wrap = (lambda x: x) if kind == "numpy" else torch.from_numpy
+        back = (lambda x: x) if kind == "numpy" else (lambda x: x.numpy())
+        snapshot = SlotSnapshot(RowSnapshot([wrap(k) for k in keys], [wrap(v) for v in values],
+                                            [wrap(n) for n in lengths]), position=40, kept_entries=23)
+        packed = pack(snapshot)
+        assert packed.nbytes == 23 * 4 * 4 * 2 and packed.nbytes < snapshot.nbytes  # 23 entries of 4 float32, K and V
+        assert (packed.position, packed.kept_entries, packed.widths) == (40, 23, [9, 6])
+        restored = unpack(packed)
+        assert (restored.position, restored.kept_entries) == (40, 23)
+        for i in range(2):
+            assert restored.row.keys[i].shape == keys[i].shape and restored.row.values[i].shape == values[i].shape
+            np.testing.assert_array_equal(back(restored.row.lengths[i]), lengths[i])
+            for h, n in enumerate(lengths[i]):  # every kept entry exactly, the padding zeros
+                for got, want in ((back(restored.row.keys[i]), keys[i]), (back(restored.row.values[i]), values[i])):
+                    np.testing.assert_array_equal(got[h, :n], want[h, :n])
+                    assert not got[h, n:].any()
+        cache = ContextCache(10**6)
+        key = context_key([7], "{}", None)
+        assert cache.put(key, snapshot) and cache.stats.bytes_held == packed.nbytes
+        assert isinstance(cache.peek(key), PackedSnapshot) and cache.peek(key).kept_entries == 23
+        hit = cache.get(key)
+        assert isinstance(hit, SlotSnapshot) and all(
+            np.array_equal(back(a), back(b)) for a, b in zip(hit.row.keys + hit.row.values,
+                                                           restored.row.keys + restored.row.values))
 
 
 CONTEXT_QUESTIONS = ("What is the main subject of the text above?",

@@ -368,6 +368,34 @@ def test_concurrent_requests_on_one_context_compress_it_once(chunky):
         scheduler.close()
 
 
+def test_a_request_waiting_for_its_contexts_compression_lets_later_ones_pass(chunky):
+    # A compresses a context in 8 chunks; B asks about the same context and waits for A's copy; C, a short plain prompt
+    # sent after B, needs nothing of that compression: it is admitted and answered while A's context is compressed,
+    # and B is still answered from the copy (a hit), with the tokens the engine gives it alone
+    context = prompt(240, seed=120)
+    scheduler = Scheduler(chunky, prefill_chunk=32, context_cache_dtype="float32")
+    firsts, lock = [], threading.Lock()
+
+    def first(name):
+        def on_output(out):
+            with lock:
+                if out.new_token_ids and name not in firsts:
+                    firsts.append(name)
+        return on_output
+
+    try:
+        a = scheduler.submit(context_request(context, prompt(5, seed=121), 3), on_output=first("A"))
+        b = scheduler.submit(context_request(context, prompt(5, seed=122), 3), on_output=first("B"))
+        c = submit(scheduler, prompt(10, seed=123), max_tokens=3, stop_token_ids=[], on_output=first("C"))
+        outs = [h.result(120) for h in (a, b, c)]
+        assert firsts == ["C", "A", "B"]
+        assert [o.context_cache_hit for o in outs[:2]] == [False, True]
+        assert outs[1].token_ids == chunky.generate([context], 3, stop_token_ids=[], questions=[prompt(5, seed=122)]).tokens[0]
+        assert outs[2].token_ids == alone(chunky, prompt(10, seed=123), 3)
+    finally:
+        scheduler.close()
+
+
 def test_a_failure_between_the_queue_and_the_batch_ends_that_request_alone(chunky):
     # a temperature so small that logits / temperature overflow: the sampler's probabilities are NaN and it raises on
     # the scheduler thread, after the request left the queue and before it joined the decode batch. That request gets

@@ -6,7 +6,7 @@
 #   bash results/benchmarks/vllm/commands.sh            # everything
 #   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, prefix, steps, backends, aiperf, docqa,
 #                                                       # single, docqa-cache-dtype, docqa-heads, docqa-facts, needles,
-#                                                       # memory, runs, first-token
+#                                                       # memory, runs, first-token, docqa-openvino
 # vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
 # first use. The engine is the README's (engines/ is git-ignored):
 #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8 \
@@ -89,6 +89,21 @@ if want docqa-facts; then
   # the target's workload (16 documents) with the same questions: vLLM and the README's engine (taken 2026-11-30
   # 04:58-05:04 UTC, cpu-exclusive, load 1.27 at the start, 1.88 at the end; code: commit ff100b7)
   $RUN $B bench docqa --facts --engine-dir $E --vllm --docs 16 --out $OUT/docqa_facts16
+fi
+if want docqa-openvino; then
+  # doc-QA on OpenVINO (taken 2026-11-30, each call alone on the machine): 16 documents x 8 questions, vLLM and
+  # criticalkv interleaved, 2 rounds (13:03-13:20 UTC, load 1.03 at the start; code: commit 8e8dc84); then 40
+  # documents x 4 questions, more than vLLM's 360 MiB keeps (8 documents in bf16), one round each (13:47-14:02 UTC,
+  # load 1.05 at the start; code: commit 6ef574e, the context cache without padding: its header says 8e8dc84-dirty),
+  # and criticalkv alone at commit 8e8dc84 (the cache storing each layer's heads padded to the longest), 14:02-14:09 UTC
+  $RUN $B bench docqa --engine-dir $E --server-args "--backend openvino" --vllm --rounds 2 --out $OUT/docqa_openvino
+  $RUN $B bench docqa --engine-dir $E --server-args "--backend openvino" --vllm --docs 40 --questions 4 \
+    --out $OUT/docqa40_openvino
+  $RUN $B bench docqa --engine-dir $E --server-args "--backend openvino" --docs 40 --questions 4 \
+    --out $OUT/docqa40_openvino_before
+  # the 40 documents on ONNX Runtime, serve's default, against vLLM, one round each (14:11-14:28 UTC, load 0.73 at the
+  # start; code: commit 6ef574e, its header says 6ef574e-dirty: the results above were being added)
+  $RUN $B bench docqa --engine-dir $E --vllm --docs 40 --questions 4 --out $OUT/docqa40
 fi
 if want needles; then
   # answers' accuracy: the needle grid (9 prompts per domain), the context compressed question-agnostically by
