@@ -22,6 +22,7 @@ The cache counts the bytes it stores.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -29,7 +30,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from criticalkv.runtime.backend import RowSnapshot
-from criticalkv.runtime.engine import SlotSnapshot
 
 #: Element types the context cache stores its entries in (``--context-cache-dtype``): float32 keeps the engine's
 #: float32 entries as they are (exact), float16 rounds them to float16 (half the bytes; widened back on restore).
@@ -85,8 +85,16 @@ class PackedSnapshot:
     values: list[Any]
     lengths: list[Any]
     widths: list[int]
-    position: int
-    kept_entries: int
+    #: the snapshot without its row (``row`` None): its position and kept entries, and what ``unpack`` rebuilds
+    shell: Any
+
+    @property
+    def position(self) -> int:
+        return self.shell.position
+
+    @property
+    def kept_entries(self) -> int:
+        return self.shell.kept_entries
 
     @property
     def nbytes(self) -> int:
@@ -100,9 +108,7 @@ def _counts(lengths: Any) -> list[int]:
 def _join(pieces: list[Any], like: Any) -> Any:
     if isinstance(like, np.ndarray):
         return np.concatenate(pieces, axis=0)
-    import torch  # a tensor: torch is loaded (the torch and TensorRT backends)
-
-    return torch.cat(pieces, dim=0)
+    return sys.modules["torch"].cat(pieces, dim=0)  # a tensor: torch is loaded (the torch and TensorRT backends)
 
 
 def pack(snapshot) -> PackedSnapshot:
@@ -114,7 +120,7 @@ def pack(snapshot) -> PackedSnapshot:
         keys.append(_join([k[h, :c] for h, c in enumerate(counts)], k))
         values.append(_join([v[h, :c] for h, c in enumerate(counts)], v))
         widths.append(int(k.shape[1]))
-    return PackedSnapshot(keys, values, list(row.lengths), widths, snapshot.position, snapshot.kept_entries)
+    return PackedSnapshot(keys, values, list(row.lengths), widths, replace(snapshot, row=None))
 
 
 def unpack(packed: PackedSnapshot):
@@ -134,7 +140,7 @@ def unpack(packed: PackedSnapshot):
             rows.append(out)
         keys.append(rows[0])
         values.append(rows[1])
-    return SlotSnapshot(RowSnapshot(keys, values, list(packed.lengths)), packed.position, packed.kept_entries)
+    return replace(packed.shell, row=RowSnapshot(keys, values, list(packed.lengths)))
 
 
 def context_key(token_ids: Sequence[int], policy_json: str, kv_budget: int | None,
