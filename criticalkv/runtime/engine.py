@@ -360,12 +360,26 @@ class Engine:
         return SlotSnapshot(row=row, position=state.position, kept_entries=kept)
 
     def restore(self, slot: int, snapshot: SlotSnapshot) -> None:
-        """Load ``snapshot`` into the free ``slot``: it continues exactly where the saved slot was."""
+        """Load ``snapshot`` into the free ``slot``: it continues exactly where the saved slot was. ``snapshot`` may
+        also be the context cache's packed form (``criticalkv.serving.context_cache.PackedSnapshot``: no ``row``,
+        per layer its heads' kept entries joined), written head by head where ``restores_packed``."""
         self._free_slot(slot)
         row = len(self._rows)
-        self.backend.restore_row(row, snapshot.row)
+        if getattr(snapshot, "row", None) is None:  # packed: each head's kept entries, without padding
+            if not self.restores_packed:
+                raise EngineError(f"restore: the {self.backend.name} backend takes unpacked snapshots only "
+                                  "(ContextCache.get without packed)")
+            self.backend.restore_packed(row, snapshot.keys, snapshot.values, snapshot.lengths)
+        else:
+            self.backend.restore_row(row, snapshot.row)
         self._rows.append(slot)
         self._slots[slot] = _Slot(row=row, position=snapshot.position)
+
+    @property
+    def restores_packed(self) -> bool:
+        """Whether ``restore`` takes the context cache's packed snapshots (the backend writes each head's kept entries
+        into its row: ``HostKVBuffers.restore_packed``), so that a hit makes no padded copy first."""
+        return hasattr(self.backend, "restore_packed")
 
     def extend(self, slot: int, token_ids: Sequence[int]) -> np.ndarray:
         """Feed ``token_ids`` (a question after a cached context, ...) to ``slot`` in chunks of at most the built

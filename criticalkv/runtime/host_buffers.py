@@ -85,6 +85,28 @@ class HostKVBuffers(BuiltShapes):
             self.values[i][row, :, :n] = self._widened(snapshot.values[i])
             self.lengths[i][row] = snapshot.lengths[i]
 
+    def restore_packed(self, row: int, keys: list[np.ndarray], values: list[np.ndarray],
+                       lengths: list[np.ndarray]) -> None:
+        """``restore_row`` from the packed form (``criticalkv.serving.context_cache.pack``): per layer the kept entries
+        of its heads one after the other, keys and values [sum_h n_h, d_h], and the heads' lengths [H_kv]; each head's
+        entries are written at the start of its row (no padded snapshot in between)."""
+        self.check_row(row)
+        self._check_equal_lengths(lengths, "the snapshot's")
+        for i in range(self.num_layers):
+            counts = [int(n) for n in np.asarray(lengths[i]).reshape(-1)]
+            if max(counts, default=0) > self.capacities[i]:
+                raise EngineError(f"layer {i}: a snapshot of {max(counts)} entries per head does not fit the KV buffer "
+                                  f"({self.capacities[i]} entries per head)")
+            if sum(counts) != keys[i].shape[0] or sum(counts) != values[i].shape[0]:
+                raise EngineError(f"layer {i}: the packed snapshot holds {keys[i].shape[0]} entries, its lengths "
+                                  f"{sum(counts)}")
+            at = 0
+            for h, n in enumerate(counts):
+                self.keys[i][row, h, :n] = self._widened(keys[i][at:at + n])
+                self.values[i][row, h, :n] = self._widened(values[i][at:at + n])
+                at += n
+            self.lengths[i][row] = lengths[i]
+
     def _widened(self, x: np.ndarray) -> np.ndarray:
         """A snapshot's entries in the buffers' form: as they are when they have ``kv_dtype``, else (float16 from the
         context cache: ``criticalkv.serving.context_cache.narrow``) widened to float32 and through ``to_kv``."""

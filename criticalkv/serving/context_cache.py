@@ -190,16 +190,17 @@ class ContextCache:
         ``kept_entries``) or None, without counting a hit or a miss or touching its recency."""
         return self._entries.get(key)
 
-    def get(self, key: tuple):
-        """The entry stored under ``key`` (now the most recently used; a snapshot unpacked, for ``Engine.restore``) or
-        None; counts a hit or a miss."""
+    def get(self, key: tuple, packed: bool = False):
+        """The entry stored under ``key`` (now the most recently used) or None; counts a hit or a miss. A snapshot comes
+        back unpacked, or as stored with ``packed`` (``Engine.restore`` takes either; a backend that writes each head's
+        entries in place, ``Engine.restores_packed``, then makes no padded copy)."""
         entry = self._entries.get(key)
         if entry is None:
             self.stats.misses += 1
             return None
         self._entries.move_to_end(key)
         self.stats.hits += 1
-        return unpack(entry) if isinstance(entry, PackedSnapshot) else entry
+        return unpack(entry) if isinstance(entry, PackedSnapshot) and not packed else entry
 
     def put(self, key: tuple, entry: Any) -> bool:
         """Store ``entry`` (anything with ``nbytes``; a ``SlotSnapshot`` packed), evicting the least recently used

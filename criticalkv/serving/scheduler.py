@@ -573,33 +573,48 @@ class Scheduler:
                 if not self._waiting or len(self._running) + len(self._prefilling) >= self.max_num_seqs:
                     return
                 # a request whose context is being compressed waits for the copy, and lets the ones behind it pass
-                # meanwhile (a hit, or another prompt, needs nothing of that compression); the first of the others is
-                # admitted first come, first served
-                seq = next((s for s in self._waiting if s.key is None or s.key not in self._compressing), None)
-                if seq is None:
+                # meanwhile (a hit, or another prompt, needs nothing of that compression); so does one that needs a
+                # prefill slot while every slot is taken: a hit behind it needs none. The first of the others is
+                # admitted first come, first served; memory stops the queue
+                picked = self._next_admissible()
+                if picked is None:
                     return
-                cached = self.context_cache.peek(seq.key) if seq.key is not None else None
-                if cached is not None:  # a hit holds the cached entries + its question + its growth, no prefill
-                    seq.charge = cached.kept_entries * self.engine.entry_bytes + self.engine.growth_bytes(
-                        seq.max_tokens + seq.request.num_prompt_tokens)
-                elif self.chunked and len(self._prefilling) >= self.max_prefills:
-                    return
+                index, seq, cached = picked
                 if seq.block_hashes:  # the blocks it would reuse: the last ones evicted to make room
                     self.prefix_cache.touch(seq.block_hashes)
                 if not self._fits(seq.charge, keep=seq.key if cached is not None else None, blocks=seq.block_hashes):
                     return  # first come, first served: later requests wait behind it
-                del self._waiting[next(i for i, s in enumerate(self._waiting) if s is seq)]
+                del self._waiting[index]
                 self._reserved += seq.charge
             # out of the queue and in no list until it prefills or runs: a failure on the way (the engine, its
             # sampler) must end it here, or it would never be answered and keep its slot and its context's claim
             self._guard(seq, lambda: self._start(seq))
+
+    def _next_admissible(self):
+        """The first waiting request that can start now, as (its index in the queue, it, its cached context or None),
+        or None: one waiting for its context's compression is passed, and so is one that needs a prefill slot when
+        ``max_prefills`` prompts are already prefilling (a hit, which needs no prefill, is taken behind it). A hit's
+        charge is set here: its cached entries, its question and its growth."""
+        slots_full = self.chunked and len(self._prefilling) >= self.max_prefills
+        for index, seq in enumerate(self._waiting):
+            if seq.key is not None and seq.key in self._compressing:
+                continue
+            cached = self.context_cache.peek(seq.key) if seq.key is not None else None
+            if cached is None:
+                if slots_full:
+                    continue
+                return index, seq, None
+            seq.charge = cached.kept_entries * self.engine.entry_bytes + self.engine.growth_bytes(
+                seq.max_tokens + seq.request.num_prompt_tokens)
+            return index, seq, cached
+        return None
 
     def _start(self, seq: _Sequence) -> None:
         """Admit ``seq``: a cached context goes straight to its question; otherwise its prompt (or context) is
         prefilled, in chunks when it is longer than one."""
         seq.admitted = time.perf_counter()
         if seq.key is not None:
-            snapshot = self.context_cache.get(seq.key)
+            snapshot = self.context_cache.get(seq.key, packed=self.engine.restores_packed)
             if snapshot is not None:
                 seq.context_cache_hit = True
                 slot = self.engine.free_slots()[0]

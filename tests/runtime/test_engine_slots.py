@@ -105,6 +105,38 @@ def test_a_saved_slot_restored_elsewhere_continues_exactly(engine):
         engine.save(2)
 
 
+def test_a_packed_copy_of_a_slot_restores_as_the_padded_one(engine):
+    """The context cache's packed form (each head's kept entries, no padding: ``pack``) restored head by head into a
+    row that held another sequence: the next steps' logits equal the padded copy's, bitwise (entries beyond a head's
+    length are never read), float32 and float16 copies. A backend that cannot write it says so."""
+    from criticalkv.serving.context_cache import narrow, pack
+
+    engine.prefill(0, Request(prompt(140, seed=11)))
+    exact = engine.save(0)
+    engine.release_all()
+    lengths = [np.asarray(n.cpu() if hasattr(n, "cpu") else n) for n in exact.row.lengths]
+    assert any(len(set(n.tolist())) > 1 for n in lengths)  # the heads keep different counts: real padding
+
+    def steps(snapshot):
+        engine.prefill(0, Request(prompt(150, seed=12)))  # another sequence's entries in the row first
+        engine.release_all()
+        engine.restore(0, snapshot)
+        try:
+            return [np.array(engine.decode([0], [token])) for token in (5, 9)]
+        finally:
+            engine.release_all()
+
+    for snapshot in (exact, narrow(exact, "float16")):
+        packed = pack(snapshot)
+        if not engine.restores_packed:
+            with pytest.raises(EngineError, match="unpacked snapshots only"):
+                engine.restore(0, packed)
+            assert engine.occupied_slots() == []
+            continue
+        padded = steps(snapshot)
+        assert all(np.array_equal(a, b) for a, b in zip(steps(packed), padded))
+
+
 def test_decode_greedy_is_the_argmax_of_decode(engine):
     # the scheduler's step when every request is greedy: the torch backend takes the argmax on its device, the others
     # on the logits; either way it is the argmax of the step's logits (slots in any order)

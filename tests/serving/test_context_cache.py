@@ -103,6 +103,7 @@ def test_the_cache_stores_each_heads_kept_entries_and_gives_back_the_snapshot():
         assert isinstance(hit, SlotSnapshot) and all(
             np.array_equal(back(a), back(b)) for a, b in zip(hit.row.keys + hit.row.values,
                                                            restored.row.keys + restored.row.values))
+        assert cache.get(key, packed=True) is cache.peek(key) and cache.stats.hits == 2  # as stored, a hit counted
 
 
 CONTEXT_QUESTIONS = ("What is the main subject of the text above?",

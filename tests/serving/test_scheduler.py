@@ -396,6 +396,35 @@ def test_a_request_waiting_for_its_contexts_compression_lets_later_ones_pass(chu
         scheduler.close()
 
 
+def test_a_hit_passes_a_prompt_that_waits_for_a_prefill_slot(chunky):
+    # one prefill slot: A's 240-token prompt takes it for 8 chunks, B's waits for it; C, sent after B, asks about a
+    # cached context and needs no prefill: it is admitted and answered while A prefills, before A and B (it waited
+    # behind B until A's prefill ended before: A, C, B), from the copy, with the engine's tokens; B's turn is unchanged
+    context, question = prompt(150, seed=130), prompt(5, seed=131)
+    scheduler = Scheduler(chunky, prefill_chunk=32, max_prefills=1, context_cache_dtype="float32")
+    firsts, lock = [], threading.Lock()
+
+    def first(name):
+        def on_output(out):
+            with lock:
+                if out.new_token_ids and name not in firsts:
+                    firsts.append(name)
+        return on_output
+
+    try:
+        assert scheduler.submit(context_request(context, prompt(5, seed=132), 2)).result(120).context_cache_hit is False
+        a = submit(scheduler, prompt(240, seed=133), max_tokens=3, stop_token_ids=[], on_output=first("A"))
+        b = submit(scheduler, prompt(240, seed=134), max_tokens=3, stop_token_ids=[], on_output=first("B"))
+        c = scheduler.submit(context_request(context, question, 3), on_output=first("C"))
+        outs = [h.result(120) for h in (a, b, c)]
+        assert firsts == ["C", "A", "B"]
+        assert outs[2].context_cache_hit is True
+        assert outs[2].token_ids == chunky.generate([context], 3, stop_token_ids=[], questions=[question]).tokens[0]
+        assert [o.token_ids for o in outs[:2]] == [alone(chunky, prompt(240, seed=s), 3) for s in (133, 134)]
+    finally:
+        scheduler.close()
+
+
 def test_a_failure_between_the_queue_and_the_batch_ends_that_request_alone(chunky):
     # a temperature so small that logits / temperature overflow: the sampler's probabilities are NaN and it raises on
     # the scheduler thread, after the request left the queue and before it joined the decode batch. That request gets
