@@ -557,9 +557,11 @@ class DecoderGraphBuilder:
         past = body.Mul(body.Mul(past, body.slice_axis(visible, 0, ctx["past"], axis=0)), scale)
         return body.ReduceMax(past, body.i64(2, 3), keepdims=0)
 
-    def causal_attention(self, q: str, k: str, v: str, allowed: str) -> str:
+    def causal_attention(self, q: str, k: str, v: str, allowed: str, causal: str | None = None) -> str:
         """Attention of s queries [B, H, s, d_h] over k, v [B, H_kv, K, d_h] in one block, without a Loop (tensorrt
-        flavour); ``allowed`` [B, 1 or H, s, K] bool says which keys each query sees.
+        flavour); ``allowed`` [B, 1 or H, s, K] bool says which keys each query sees. ``causal`` (openvino flavour's
+        extend): a second mask that broadcasts with it, a key seen where both let it through, applied as a second
+        Where, so that neither is broadcast to the other's shape first (``extend_attention``).
 
         The pattern TensorRT fuses into one attention kernel ("Fused Attention", method 2 of the TensorRT
         developer guide): Q already scaled by 1/sqrt(d_h) before the first MatMul, scores [B, H, s, K] = Q K^T,
@@ -571,7 +573,10 @@ class DecoderGraphBuilder:
         """
         g, s = self.g, self.spec
         scores = g.MatMul(g.Mul(q, self.scale), g.Transpose(self.repeat_kv(k), perm=[0, 1, 3, 2]))  # [B, H, s, K]
-        probs = g.Softmax(g.Where(allowed, scores, g.const(MASKED_SCORE, np.float32)), axis=-1)
+        scores = g.Where(allowed, scores, g.const(MASKED_SCORE, np.float32))
+        if causal is not None:
+            scores = g.Where(causal, scores, g.const(MASKED_SCORE, np.float32))
+        probs = g.Softmax(scores, axis=-1)
         out = g.Transpose(g.MatMul(probs, self.repeat_kv(v)), perm=[0, 2, 1, 3])  # [B, s, H, d_h]
         return g.reshape(out, [0, 0, s.num_heads * s.head_dim])
 
@@ -621,7 +626,8 @@ class DecoderGraphBuilder:
         beyond its own length masked with the float32 minimum, as the prefill's left padding). tensorrt flavour:
         ``causal_attention`` over the whole capacity ⊕ new (a shape from the input's dims, not from its values, like
         decode), entries beyond each head's length masked. openvino flavour: ``causal_attention`` over past[:, :, :P] ⊕
-        new (P = the largest length), masked likewise."""
+        new (P = the largest length), masked likewise by two masks: the held entries per head, the causal order per
+        query (the same scores as their Or, without it)."""
         g, s = self.g, self.spec
         lengths = g.Cast(past_len, to=INT64)  # [B, H_kv]
         if self.flavour == "onnxruntime":
@@ -647,6 +653,16 @@ class DecoderGraphBuilder:
         keys = g.concat(past_k, k, axis=2)  # [B, H_kv, cap + N, d_h]
         values = g.concat(past_v, v, axis=2)
         key_pos = g.Range(g.scalar(0), g.squeeze(g.Add(cap, ctx["queries"]), 0), g.scalar(1))  # [K]
+        if self.flavour == "openvino":
+            # two masks, each in its own shape: a key is a held past entry or a new one ([B, H, 1, K], per head), and
+            # not after the query ([N, K]: every past entry passes, cap <= each query's position). Their Or broadcast
+            # to [B, H, N, K] was rebuilt in every layer (110 ms of a 2k prompt's 1.8 s of nodes on the CPU plugin);
+            # two Wheres read them as they are and give the same scores
+            seen = g.Or(g.Less(key_pos, g.unsqueeze(lengths, 2)), g.GreaterOrEqual(key_pos, cap))  # [B, H_kv, K]
+            seen = g.reshape(g.Expand(g.unsqueeze(seen, 2), g.i64(1, 1, s.group, 1)), [0, s.num_heads, 1, -1])
+            query_pos = g.Add(g.Range(g.scalar(0), g.squeeze(ctx["queries"], 0), g.scalar(1)), g.squeeze(cap, 0))  # [N]
+            causal = g.LessOrEqual(g.unsqueeze(key_pos, 0), g.unsqueeze(query_pos, 1))  # [N, K]
+            return self.causal_attention(q, keys, values, seen, causal)
         valid = g.Less(key_pos, g.unsqueeze(lengths, 2))  # [B, H_kv, K]: a length <= cap, so only past entries
         valid = g.reshape(g.Expand(g.unsqueeze(valid, 2), g.i64(1, 1, s.group, 1)), [0, s.num_heads, 1, -1])  # [B, H, 1, K]
         query_pos = g.Add(g.Range(g.scalar(0), g.squeeze(ctx["queries"], 0), g.scalar(1)), g.squeeze(cap, 0))  # [N]
