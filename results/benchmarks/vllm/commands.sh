@@ -6,7 +6,8 @@
 #   bash results/benchmarks/vllm/commands.sh            # everything
 #   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, prefix, steps, backends, aiperf, docqa,
 #                                                       # single, docqa-cache-dtype, docqa-heads, docqa-facts, needles,
-#                                                       # memory, runs, first-token, docqa-openvino
+#                                                       # memory, runs, first-token, docqa-openvino, hitpass,
+#                                                       # masks
 # vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
 # first use. The engine is the README's (engines/ is git-ignored):
 #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8 \
@@ -159,4 +160,25 @@ if want first-token; then
       $RUN $PY -m benchmarks.steps --engine-dir $E --backend $b --workloads single --out $OUT/first_token_steps${s}_r$r
     done
   done
+fi
+if want hitpass; then
+  # 40 documents on ONNX Runtime with hits passing a prompt that waits for a prefill slot and a cached context restored
+  # head by head (taken 2026-11-30 16:06-16:22 UTC, alone on the machine, load 0.82 at the start; commit 6a8a787)
+  $RUN $B bench docqa --engine-dir $E --vllm --docs 40 --questions 4 --out $OUT/docqa40_hitpass
+fi
+if want masks; then
+  # OpenVINO's extend mask as two Wheres: the README's engine built before the change (BEFORE_ENGINE) against the
+  # same build after it (AFTER_ENGINE), in process, interleaved (2026-11-30, alone on the machine, load 0.8-1.0 at
+  # the start of each call): the node profile, 7 rounds; the scheduler's steps, 2 rounds; then the served comparison
+  # with vLLM on the rebuilt README engine, 3 rounds. The recorded runs named the engines engines/smollm2-criticalkv
+  # (before) and engines/smollm2-criticalkv-masks (after, built at 88dd6e2 with the README's build command)
+  BEFORE_ENGINE=${BEFORE_ENGINE:-engines/smollm2-criticalkv-before}
+  AFTER_ENGINE=${AFTER_ENGINE:-$E}
+  $RUN $PY -m benchmarks.openvino_nodes --engine-dir $BEFORE_ENGINE --engine-dir $AFTER_ENGINE --rounds 7 \
+    --out $OUT/openvino_nodes_masks
+  for r in 1 2; do
+    $RUN $PY -m benchmarks.steps --engine-dir $BEFORE_ENGINE --backend openvino --out $OUT/steps_openvino_masks_before_r$r
+    $RUN $PY -m benchmarks.steps --engine-dir $AFTER_ENGINE --backend openvino --out $OUT/steps_openvino_masks_after_r$r
+  done
+  $RUN $B bench vllm --engine-dir $E --backends openvino --parts single,prefix,batch --rounds 3 --out $OUT/masks
 fi
