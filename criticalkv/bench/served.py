@@ -759,6 +759,19 @@ def versus_peer(medians: list[dict], base: str = "vllm") -> list[dict]:
     return out
 
 
+def paired_ratios(runs: list[dict], get: Callable[[dict], float | None], label: str, base: str = "vllm") -> list:
+    """``label``'s metric over ``base``'s, round by round (``engine["repeat"]``: the two servers of one round ran one
+    after the other, so the machine's drift between rounds falls on both sides of each ratio), in round order; a
+    round missing either side (or its value) is left out."""
+    by: dict[tuple, float] = {}
+    for run in runs:
+        value = get(run)
+        if value is not None:
+            by[(run["engine"]["label"], run["engine"].get("repeat", 0))] = value
+    rounds = sorted({r for (name, r) in by if name == label} & {r for (name, r) in by if name == base})
+    return [ratio(by[(label, r)], by[(base, r)]) for r in rounds]
+
+
 #: Hosts whose server process this machine can see (its memory, its profile).
 LOCAL = ("127.0.0.1", "localhost", "::1")
 

@@ -178,8 +178,9 @@ def summary(results: dict) -> None:
         for what, key, direction, bound in TARGETS:
             ratio = (item.get(key) or {}).get("ratio")
             met = None if ratio is None else (ratio <= bound if direction == "<=" else ratio >= bound)
+            rounds = served.paired_ratios(results["runs"], METRICS[key], item["engine"], item["base"])
             rows.append({"engine": item["engine"], "target": what, "metric": key, "ratio": ratio,
-                         "bound": f"{direction} {bound:g}x", "met": met})
+                         "bound": f"{direction} {bound:g}x", "met": met, "rounds": rounds})
     results["targets"] = rows
 
 
@@ -201,10 +202,14 @@ def render(results: dict) -> str:
                      f"{med('batch_ttft_p50_ms')} | {med('aiperf_output_tps', 2)} | {med('aiperf_ttft_avg_ms')} | "
                      f"{med('server_ready_s')} | {loads} |")
     if results.get("targets"):
-        lines += ["", "| server | target | ratio to vLLM | bound | met |", "|---|---|---|---|---|"]
+        lines += ["", "| server | target | ratio to vLLM | per round (each against that round's vLLM) | bound | met |",
+                  "|---|---|---|---|---|---|"]
         for t in results["targets"]:
             met = "-" if t["met"] is None else ("yes" if t["met"] else "no")
-            lines.append(f"| {t['engine']} | {t['target']} | {fmt(t['ratio'], 3)} | {t['bound']} | {met} |")
+            rounds = ", ".join(fmt(r, 3) for r in t.get("rounds") or []) or "-"
+            lines.append(f"| {t['engine']} | {t['target']} | {fmt(t['ratio'], 3)} | {rounds} | {t['bound']} | {met} |")
+        lines.append("\nThe ratio is of the medians over each server's runs; a round's ratio pairs the two servers of that "
+                     "round, which ran one after the other (the machine's drift between rounds cancels in it).")
     commands = sorted({(r.get("aiperf") or {}).get("command") for r in results.get("runs", [])} - {None})
     for c in commands:
         lines.append(f"\nAIPerf (every server): `{c}`")

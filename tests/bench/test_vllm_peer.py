@@ -118,6 +118,27 @@ def test_medians_and_ratios_to_vllm():
     assert row["engine"] == "ckv" and row["x"] == {"value": 6.0, "base": 12.0, "ratio": 0.5}
 
 
+def test_each_rounds_ratio_pairs_the_servers_of_that_round():
+    # the machine slows down in round 1: both servers' values drop, the medians' ratio mixes rounds, each round's
+    # ratio does not; a round missing a side is left out, and the table prints both
+    from criticalkv.bench import versus_vllm
+
+    def run(label, repeat, tps):
+        return {"engine": {"label": label, "repeat": repeat}, "batch": {"output_throughput": tps}}
+
+    runs = [run("vllm", 0, 24.0), run("ckv", 0, 23.0), run("ckv", 1, 16.0), run("vllm", 1, 18.0),
+            run("vllm", 2, 25.0), run("ckv", 2, 24.0), run("ckv", 3, 30.0)]
+    get = versus_vllm.METRICS["batch_output_tps"]
+    assert served.paired_ratios(runs, get, "ckv") == [23 / 24, 16 / 18, 24 / 25]
+    assert served.paired_ratios(runs, get, "vllm", base="ckv") == [24 / 23, 18 / 16, 25 / 24]
+    results = {"runs": runs}
+    versus_vllm.summary(results)
+    (row,) = [t for t in results["targets"] if t["metric"] == "batch_output_tps"]
+    assert row["ratio"] == 23.5 / 24.0 and row["rounds"] == [23 / 24, 16 / 18, 24 / 25] and row["met"] is False
+    text = versus_vllm.render({**results, "settings": {}, "command": "test", "machine": {}, "versions": {}})
+    assert "| ckv | 8 concurrent 2k-token requests: output tokens/s | 0.979 | 0.958, 0.889, 0.960 | >= 1x | no |" in text
+
+
 def test_the_cli_shim_maps_vllms_version_lookup():
     """Here (no vLLM) the lookup of "vllm" falls through to the CPU build's name; in vLLM's environment, where it
     exists, ``vllm_cli.py --version`` answers the CPU build's version with its local label."""

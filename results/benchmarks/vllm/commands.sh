@@ -180,5 +180,7 @@ if want masks; then
     $RUN $PY -m benchmarks.steps --engine-dir $BEFORE_ENGINE --backend openvino --out $OUT/steps_openvino_masks_before_r$r
     $RUN $PY -m benchmarks.steps --engine-dir $AFTER_ENGINE --backend openvino --out $OUT/steps_openvino_masks_after_r$r
   done
+  # (masks.md was redrawn from masks.json after bench vllm's target table gained each round's paired ratio:
+  #  criticalkv.bench.versus_vllm.summary and render over the same runs)
   $RUN $B bench vllm --engine-dir $E --backends openvino --parts single,prefix,batch --rounds 3 --out $OUT/masks
 fi
