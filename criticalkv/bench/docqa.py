@@ -265,6 +265,17 @@ RATIOS = {
 }
 
 
+def versus_vllm(results: dict) -> None:
+    """Each server's medians over its runs and their ratios to vLLM's (``results["medians"]``, ``["versus_vllm"]``),
+    with each round's ratio (``rounds``: the two servers of a round ran one after the other, so the machine's drift
+    between rounds cancels in it)."""
+    results["medians"] = served.median_runs(results["runs"], RATIOS)
+    results["versus_vllm"] = served.versus_peer(results["medians"])
+    for row in results["versus_vllm"]:
+        row["rounds"] = {k: served.paired_ratios(results["runs"], RATIOS[k], row["engine"], row["base"])
+                         for k in ("output_throughput", "ttft_p50_ms", "ttft_p90_ms")}
+
+
 def targets(results: dict) -> list[dict]:
     """The two docqa targets (``TARGET_THROUGHPUT``, ``TARGET_TTFT_P50``), per non-full server; ``met`` None when
     the run is not the target's workload."""
@@ -354,6 +365,11 @@ def render(results: dict) -> str:
             lines.append(f"| {row['engine']} | " + " | ".join(
                 f"{f(row[k]['value'], 1)} / {f(row[k]['base'], 1)} = {f(row[k]['ratio'], 2)}x"
                 for k in ("output_throughput", "ttft_p50_ms", "ttft_p90_ms")) + " |")
+        for row in results["versus_vllm"]:
+            rounds = (row.get("rounds") or {}).get("output_throughput") or []
+            if len(rounds) > 1:
+                lines.append(f"\n{row['engine']}: output tokens/s per round, each against that round's vLLM (the two "
+                             f"servers of a round ran one after the other): {', '.join(f'{r:.2f}x' for r in rounds)}")
         vllm_runs = [r for r in results["runs"] if r["engine"]["label"] == "vllm"]
         for r in vllm_runs:
             d = r["docqa"]
@@ -512,8 +528,7 @@ def main(args) -> int:
 
     served.on_each_server(args, server_args, on_server, results, variants=variants)
     if args.vllm:
-        results["medians"] = served.median_runs(results["runs"], RATIOS)
-        results["versus_vllm"] = served.versus_peer(results["medians"])
+        versus_vllm(results)
         results["agreement_with_vllm"] = agreement(results)
     if len(dtypes) > 1:
         results["agreement_with_float32_cache"] = dtype_agreement(results)

@@ -177,6 +177,25 @@ def test_docqa_ratios_targets_and_table():
     assert "not the target's workload" in docqa.render(small)
 
 
+def test_docqa_against_vllm_pairs_each_round():
+    # two rounds, the second on a slower machine: the medians' ratio and each round's, in the table
+    runs = []
+    for repeat, (vllm, ckv) in enumerate(((30.0, 75.0), (20.0, 40.0))):
+        for label, policy, tput in (("vllm", "vllm", vllm), ("criticalkv b=256", "criticalkv", ckv)):
+            run = server_run(label, policy, tput, 1000.0, 2000.0, 112, 16)
+            run["engine"]["repeat"] = repeat
+            run["docqa"] = docqa.summarize_run(run)
+            runs.append(run)
+    results = {**docqa_results(), "runs": runs, "versus_full": []}
+    docqa.versus_vllm(results)
+    (row,) = results["versus_vllm"]
+    assert row["output_throughput"]["ratio"] == pytest.approx(57.5 / 25.0)
+    assert row["rounds"]["output_throughput"] == [2.5, 2.0]
+    md = docqa.render(results)
+    assert "| criticalkv b=256 | 57.5 / 25.0 = 2.30x |" in md
+    assert "criticalkv b=256: output tokens/s per round, each against that round's vLLM" in md and "2.50x, 2.00x" in md
+
+
 def test_docqa_context_cache_dtypes_and_answer_agreement():
     assert docqa.cache_dtypes(None, several=True) == []
     assert docqa.cache_dtypes("float32,float16", several=True) == ["float32", "float16"]
