@@ -141,8 +141,9 @@ def run_aiperf(peers_dir: Path, url: str, model: str, tokenizer: Path, prompts: 
     with open(log, "w") as f:
         run = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
     after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - start
-    if run.returncode != 0:
-        raise RuntimeError(f"aiperf exited with {run.returncode}; see {log}")
+    if run.returncode != 0:  # its log lives in a folder removed afterwards: its end goes into the message
+        tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-12:]
+        raise RuntimeError(f"aiperf exited with {run.returncode}; the end of its log:\n" + "\n".join(tail))
     metrics = read_aiperf(artifact_dir)
     # AIPerf's own CPU use (its processes are waited for: they count as this process's children)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

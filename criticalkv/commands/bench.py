@@ -203,6 +203,12 @@ def run_cpu_peers(args) -> int:
 def run_aiperf(args) -> int:
     from criticalkv.bench import aiperf, peers, report, served
 
+    if getattr(args, "vllm", False):
+        raise ValueError("--vllm: bench aiperf checks AIPerf against this package's load generator on criticalkv's "
+                         "Triton endpoint (generate_stream), which vllm serve does not have; `criticalkv bench vllm "
+                         "--parts aiperf` runs the same AIPerf command on both servers' OpenAI endpoints")
+    if getattr(args, "rounds", 1) != 1:
+        raise ValueError("--rounds: bench aiperf runs one round on one server (its table holds that run)")
     served.check_server_arguments(args)
     if min(args.isl, args.osl, args.concurrency, args.num_requests) < 1 or args.warmup < 0:
         raise ValueError("--isl, --osl, --concurrency and --num-requests must be >= 1, --warmup >= 0")

@@ -104,3 +104,29 @@ def test_the_cpu_needle_comparison_takes_an_out_stem():
     run = subprocess.run([sys.executable, "-m", "criticalkv.bench.peers.cpu", "--help"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0 and "CRITICALKV_PEERS_DIR" in run.stdout
+
+
+def test_bench_aiperf_refuses_vllm_and_rounds_before_starting_anything(capsys):
+    # its cross-check runs on criticalkv's Triton endpoint, which vllm serve lacks; its table holds one run
+    engine = str(Path(__file__).resolve().parents[2] / "engines" / "none")
+    assert main(["bench", "aiperf", "--engine-dir", engine, "--vllm"]) == 2
+    assert "criticalkv bench vllm --parts aiperf" in capsys.readouterr().err
+    assert main(["bench", "aiperf", "--url", "http://127.0.0.1:9", "--rounds", "2"]) == 2
+    assert "--rounds: bench aiperf runs one round" in capsys.readouterr().err
+
+
+def test_a_failed_aiperf_run_says_why_in_its_error(tmp_path):
+    # the run's folder is removed afterwards: the end of AIPerf's log travels in the error (a stand-in executable
+    # that fails the way AIPerf does, with a message and exit status 1)
+    from criticalkv.bench.aiperf import run_aiperf
+    from criticalkv.bench.prompts import BenchPrompt
+
+    tool = tmp_path / "peers" / "aiperf" / "bin" / "aiperf"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("#!/bin/sh\necho starting\necho 'ValueError: endpoint /v2/models/x/generate_stream: 404'\nexit 1\n")
+    tool.chmod(0o755)
+    (tmp_path / "peers" / "aiperf" / ".criticalkv-ready").write_text("x")
+    with pytest.raises(RuntimeError) as err:
+        run_aiperf(tmp_path / "peers", "http://127.0.0.1:9", "m", tmp_path, [BenchPrompt(0, "hi", (1,))], 4, 1, 1, 0,
+                   tmp_path / "work")
+    assert "aiperf exited with 1" in str(err.value) and "generate_stream: 404" in str(err.value)
