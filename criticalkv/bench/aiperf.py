@@ -189,7 +189,8 @@ def cross_check(args, log=print) -> dict:
         results["cross_check"] = {
             "engine": engine["label"], "isl": args.isl, "osl": args.osl, "concurrency": args.concurrency,
             "num_requests": args.num_requests, "warmup": args.warmup, "kv_budget": args.kv_budget,
-            "aiperf_command": command.replace(str(workdir / "aiperf"), "WORKDIR"),
+            "aiperf_command": command.replace(str(workdir / "aiperf"), "WORKDIR").replace(
+                str(Path(args.peers_dir)), "$CRITICALKV_PEERS_DIR"),
             "ours": ours, "aiperf": theirs, "comparison": compare(ours, theirs),
             "server_output_tokens": sorted({r.num_output_tokens for r in records if r.ok}),
             "aiperf_output_sequence_length": osl_stats,
