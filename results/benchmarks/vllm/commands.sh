@@ -7,7 +7,7 @@
 #   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, prefix, steps, backends, aiperf, docqa,
 #                                                       # single, docqa-cache-dtype, docqa-heads, docqa-facts, needles,
 #                                                       # memory, runs, first-token, docqa-openvino, hitpass,
-#                                                       # masks
+#                                                       # masks, aiperf-client
 # vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
 # first use. The engine is the README's (engines/ is git-ignored):
 #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8 \
@@ -183,4 +183,12 @@ if want masks; then
   # (masks.md was redrawn from masks.json after bench vllm's target table gained each round's paired ratio:
   #  criticalkv.bench.versus_vllm.summary and render over the same runs)
   $RUN $B bench vllm --engine-dir $E --backends openvino --parts single,prefix,batch --rounds 3 --out $OUT/masks
+fi
+if want aiperf-client; then
+  # AIPerf's workload from criticalkv's own load generator (no client CPU) against vLLM, and AIPerf against the
+  # package's client on one criticalkv server (2026-11-30 17:56-18:02 UTC, alone on the machine, load 0.3 at the start;
+  # commit b51db8f; the AIPerf command's path rewritten to $CRITICALKV_PEERS_DIR, as bench aiperf records it since)
+  $RUN $B bench aiperf --engine-dir $E --server-args "--backend openvino" --out $OUT/aiperf_crosscheck_openvino
+  $RUN $B bench serve --engine-dir $E --server-args "--backend openvino" --vllm --isl 2048 --osl 64 --concurrency 8 \
+    --num-requests 16 --warmup 2 --out $OUT/closed_loop_openvino
 fi
