@@ -596,6 +596,8 @@ class Scheduler:
         ``max_prefills`` prompts are already prefilling (a hit, which needs no prefill, is taken behind it). A hit's
         charge is set here: its cached entries, its question and its growth."""
         slots_full = self.chunked and len(self._prefilling) >= self.max_prefills
+        if slots_full and not len(self.context_cache):  # only a hit could start: no scan of the queue per step
+            return None
         for index, seq in enumerate(self._waiting):
             if seq.key is not None and seq.key in self._compressing:
                 continue

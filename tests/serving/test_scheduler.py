@@ -44,6 +44,19 @@ def submit(scheduler, prompt_ids, max_tokens=None, sampling=None, stop_token_ids
     return scheduler.submit(Request(prompt_ids, params, kv_budget), on_output=on_output)
 
 
+def first_token_order():
+    """(the names in the order their first token came, ``first(name)``: an ``on_output`` callback that records it)."""
+    firsts, lock = [], threading.Lock()
+
+    def first(name):
+        def on_output(out):
+            with lock:
+                if out.new_token_ids and name not in firsts:
+                    firsts.append(name)
+        return on_output
+    return firsts, first
+
+
 def alone(engine, ids, max_tokens, stop=(), sampling=None):
     return engine.generate([ids], max_new_tokens=max_tokens, stop_token_ids=list(stop), sampling=sampling).tokens[0]
 
@@ -374,14 +387,7 @@ def test_a_request_waiting_for_its_contexts_compression_lets_later_ones_pass(chu
     # and B is still answered from the copy (a hit), with the tokens the engine gives it alone
     context = prompt(240, seed=120)
     scheduler = Scheduler(chunky, prefill_chunk=32, context_cache_dtype="float32")
-    firsts, lock = [], threading.Lock()
-
-    def first(name):
-        def on_output(out):
-            with lock:
-                if out.new_token_ids and name not in firsts:
-                    firsts.append(name)
-        return on_output
+    firsts, first = first_token_order()
 
     try:
         a = scheduler.submit(context_request(context, prompt(5, seed=121), 3), on_output=first("A"))
@@ -402,14 +408,7 @@ def test_a_hit_passes_a_prompt_that_waits_for_a_prefill_slot(chunky):
     # behind B until A's prefill ended before: A, C, B), from the copy, with the engine's tokens; B's turn is unchanged
     context, question = prompt(150, seed=130), prompt(5, seed=131)
     scheduler = Scheduler(chunky, prefill_chunk=32, max_prefills=1, context_cache_dtype="float32")
-    firsts, lock = [], threading.Lock()
-
-    def first(name):
-        def on_output(out):
-            with lock:
-                if out.new_token_ids and name not in firsts:
-                    firsts.append(name)
-        return on_output
+    firsts, first = first_token_order()
 
     try:
         assert scheduler.submit(context_request(context, prompt(5, seed=132), 2)).result(120).context_cache_hit is False
