@@ -2,6 +2,7 @@ import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -177,6 +178,27 @@ def test_serve_tensorrt_without_tensorrt_engines_fails_before_anything_starts(ti
     assert f"criticalkv serve: error: {tiny_engine_dir}: no TensorRT engines in this engine directory" in err, err
     assert "Rebuild it with scripts/build_engine.py on a machine with TensorRT 10" in err
     assert "starting tritonserver" not in err and not list(tmp_path.glob("criticalkv-serve-*")), err
+
+
+def test_serve_names_the_backend_it_picks_when_none_is_given(tiny_engine_dir, tmp_path):
+    """Without --backend, `serve` says which backend it runs and why before anything starts: OpenVINO where the CPU
+    computes bf16 (runtime.manifest.served_backend), else ONNX Runtime; $CRITICALKV_SERVE_BACKEND names another. A busy
+    port stops it right after (status 2, no server, no temporary repository)."""
+    from runtime.test_registry import _cpu_computes_bf16
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        argv = ["serve", "--engine-dir", str(tiny_engine_dir), "--http-port", str(busy.getsockname()[1])]
+        env = {"TMPDIR": str(tmp_path), "CRITICALKV_SERVE_BACKEND": ""}
+        status, err, _ = _loaded_by(argv, env=env)
+        expected = "openvino" if _cpu_computes_bf16() else "onnxruntime"
+        assert status == 2 and f"criticalkv serve: backend {expected}: " in err, err
+        assert "--http-port" in err and "starting tritonserver" not in err, err
+        status, err, loaded = _loaded_by(argv, env={**env, "CRITICALKV_SERVE_BACKEND": "onnxruntime"})
+        assert status == 2 and "criticalkv serve: backend onnxruntime: $CRITICALKV_SERVE_BACKEND" in err, err
+        assert "onnxruntime" not in loaded, loaded  # named, not probed
+    assert not list(tmp_path.glob("criticalkv-serve-*")), err
 
 
 def _one_line(err: str) -> str:

@@ -344,7 +344,7 @@ def served_engine(url: str, model: str) -> dict:
     budget = int(parameters["criticalkv_budget"]) if parameters.get("criticalkv_budget", "").isdigit() else None
     label = name if name in ("full", "unknown") else f"{spec} b={budget}"
     return {"label": label if name != "unknown" else model, "policy": name, "budget": budget, "engine_dir": None,
-            "server_policy": spec or None}
+            "server_policy": spec or None, "backend": parameters.get("criticalkv_backend") or None}
 
 
 def engine_label(engine_dir: Path) -> dict:
@@ -591,7 +591,11 @@ def on_each_server(args, server_args: list[str], work: Callable[[Endpoint, str |
             engine["server_pid"] = server.pid
             if openai:
                 engine["openai_url"], engine["openai_model"] = openai_model(server)
+            # the backend it runs on: --backend, or serve's default here (runtime.manifest.served_backend)
+            engine["backend"] = served_parameters(server.url, only_model(server.url)).get("criticalkv_backend") or None
             note = f"{engine['label']}: criticalkv serve --engine-dir {engine['engine_dir']} {shlex.join(own_args)}"
+            if variant is None and engine["backend"]:
+                note += f" (backend {engine['backend']})"
             if note.strip() not in notes:
                 notes.append(note.strip())
             work(Endpoint(server.url, only_model(server.url)), server.metrics_url, engine)

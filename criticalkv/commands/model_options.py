@@ -56,11 +56,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "It must be one of the two the engine was built with (results/README.md, question-agnostic "
                         "quality, says why that one)")
     p.add_argument("--backend", choices=SERVED_BACKENDS, default=None,
-                   help="onnxruntime (KIND_CPU; the default for an exported engine), openvino (KIND_CPU: the engine's "
-                        "openvino graphs), tensorrt (KIND_GPU), or torch (the "
+                   help="onnxruntime (KIND_CPU, fp32: the parity path), openvino (KIND_CPU: the engine's openvino "
+                        "graphs; the default of an exported engine where this CPU computes bf16 (AVX-512 BF16 or "
+                        "AMX), where it serves fastest; else onnxruntime), tensorrt (KIND_GPU), or torch (the "
                         "checkpoint's own layers and the selection op; the default for an engine built with --backend "
                         "torch; needs torch and transformers in the model's Python: the bundled CPU server's model "
-                        "environment reaches the project's, a Triton container needs them installed)")
+                        "environment reaches the project's, a Triton container needs them installed). "
+                        "$CRITICALKV_SERVE_BACKEND sets the default; --write-repo and --replicas default to "
+                        "onnxruntime for an exported engine")
     p.add_argument("--gpus", type=gpu_ids, default=None,
                    help="with --backend tensorrt (default: 0) or torch (default: none given, KIND_CPU, and torch picks "
                         "CUDA when it sees a GPU): comma-separated GPU ids, one instance per GPU")

@@ -18,7 +18,7 @@ from criticalkv.commands.model_options import add_model_arguments, prefix_cache_
 from criticalkv.commands.serve_replicas import add_replica_arguments, run_replicas, wants_replicas
 from criticalkv.files import remove_stale_temporaries, temporary_dir
 from criticalkv.request import TextBound
-from criticalkv.runtime.manifest import load_tokenizer, read_manifest
+from criticalkv.runtime.manifest import load_tokenizer, read_manifest, served_backend
 from criticalkv.serving import launcher
 from criticalkv.serving.repository import make_repository
 
@@ -140,10 +140,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --engine-dir (or --repo with a rendered model repository)")
     if args.repo is not None and not Path(args.repo).is_dir():
         raise FileNotFoundError(f"{args.repo}: no such model repository")
-    if args.engine_dir is not None:
+    manifest = None if args.engine_dir is None else \
         read_manifest(args.engine_dir, verify=False)  # a file, a missing or unfinished engine: named now
     scheduler = scheduler_config(args)
     say = lambda m: print(f"criticalkv serve: {m}", file=sys.stderr)  # noqa: E731
+    if args.repo is None and args.backend is None:  # the fastest CPU backend here (served_backend)
+        args.backend, why = served_backend(manifest)
+        say(f"backend {args.backend}: {why}")
     if args.repo is None:
         check_backend(Path(args.engine_dir), args.backend, args.gpus)
         note = prefix_cache_note(args)

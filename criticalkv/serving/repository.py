@@ -112,7 +112,7 @@ def make_repository(
     config = render((TEMPLATES / "config.pbtxt").read_text(), {
         "model_name": name, "instances": instances, "policy": policy_spec(policy),
         "budget": policy.budget if policy.method.base.evicts else "",
-        "tokenizer": str(engine_dir / "tokenizer"),
+        "tokenizer": str(engine_dir / "tokenizer"), "backend": backend,
         "instance_kind": "KIND_GPU" if on_gpu else "KIND_CPU",
         "gpus": gpu_list, "execution_env_parameter": env_line,
     })

@@ -61,3 +61,39 @@ def test_a_copy_on_pythonpath_alone_loads_the_torch_backend(tmp_path):
     result = json.loads(out.stdout.splitlines()[-1])
     assert {"onnxruntime", "tensorrt", "torch"} <= set(result["names"])
     assert result["file"].startswith(str(copy))
+
+
+def _cpu_computes_bf16() -> bool:
+    """What OpenVINO's CPU plugin says it computes in by default here (bf16 on AVX-512 BF16 or AMX)."""
+    try:
+        import openvino as ov
+    except ImportError:
+        return False
+    hint = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT")
+    return (hint.to_string() if hasattr(hint, "to_string") else str(hint)) == "bf16"
+
+
+def test_serve_defaults_to_openvino_where_the_cpu_computes_bf16_and_to_the_parity_path_elsewhere(monkeypatch):
+    """`criticalkv serve` without --backend (runtime.manifest.served_backend): OpenVINO for an exported engine with
+    openvino graphs where the CPU plugin computes bf16, else the engine's own default; $CRITICALKV_SERVE_BACKEND wins."""
+    from criticalkv.runtime.manifest import SERVE_BACKEND_ENV, served_backend
+
+    monkeypatch.delenv(SERVE_BACKEND_ENV, raising=False)
+    monkeypatch.delenv("CRITICALKV_OV_PRECISION", raising=False)
+    exported = {"onnx": {"files": {}, "openvino": {"prefill": "prefill_openvino.onnx", "decode": "decode_openvino.onnx"}}}
+    backend, why = served_backend(exported)
+    if _cpu_computes_bf16():
+        assert backend == "openvino" and "computes bf16" in why, why
+    else:
+        assert backend == "onnxruntime" and ("OpenVINO" in why), why
+    # a policy the CPU plugin cannot compute has no openvino graphs: the refusal is the reason
+    refused = {"onnx": {"files": {}, "openvino": {"refused": "defensivekv sums int64"}}}
+    assert served_backend(refused) == ("onnxruntime", "no openvino graphs in the engine (defensivekv sums int64)")
+    assert served_backend({"torch": {}}) == ("torch", "the engine was built for it")
+    monkeypatch.setenv("CRITICALKV_OV_PRECISION", "f32")  # OpenVINO's f32 is not the faster backend
+    assert served_backend(exported)[0] == "onnxruntime"
+    monkeypatch.setenv(SERVE_BACKEND_ENV, "openvino")
+    assert served_backend(refused) == ("openvino", f"${SERVE_BACKEND_ENV}")  # named: the backend then says what fails
+    monkeypatch.setenv(SERVE_BACKEND_ENV, "nonsense")
+    with pytest.raises(ValueError, match=r"\$CRITICALKV_SERVE_BACKEND='nonsense' is not one of onnxruntime, tensorrt"):
+        served_backend(exported)

@@ -21,7 +21,8 @@ def test_render_fills_every_key_and_refuses_missing_or_unknown_ones():
     with pytest.raises(KeyError, match="does not have: colour"):
         render(text, {"name": "m", "count": 2, "colour": 1})
     assert template_keys((TEMPLATES / "config.pbtxt").read_text()) == {
-        "model_name", "instances", "instance_kind", "gpus", "execution_env_parameter", "policy", "budget", "tokenizer"}
+        "model_name", "instances", "instance_kind", "gpus", "execution_env_parameter", "policy", "budget", "tokenizer",
+        "backend"}
 
 
 def test_make_repository_writes_the_three_files(tmp_path):
@@ -32,6 +33,8 @@ def test_make_repository_writes_the_three_files(tmp_path):
     config = (model / "config.pbtxt").read_text()
     assert 'name: "tiny"' in config and 'backend: "python"' in config and "decoupled: true" in config
     assert "count: 2, kind: KIND_CPU" in config and "EXECUTION_ENV_PATH" in config and "$" not in config
+    # the backend the model runs on, for a benchmark that reads the config (the engine's default here: ONNX Runtime)
+    assert 'key: "criticalkv_backend", value: { string_value: "onnxruntime" }' in config
     arguments = json.loads((model / "1" / "model.json").read_text())
     assert arguments["engine_dir"] == str(engine.resolve()) and arguments["scheduler"]["max_num_seqs"] == 3
     assert arguments["scheduler"]["kv_memory_mib"] == 64 and arguments["python_paths"] == ["/x"]

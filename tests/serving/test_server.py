@@ -209,6 +209,7 @@ def test_model_config_has_the_vllm_backend_names_and_two_instances(served):
     described = served_engine(served.server.http_url, MODEL)
     assert (described["policy"], described["budget"]) == (policy.name, policy.budget)
     assert described["label"] == f"{policy_spec(policy)} b={policy.budget}"
+    assert described["backend"] == served.engine.backend.name == "onnxruntime"  # the repository's default
 
 
 def test_a_context_input_is_cached_across_requests(served):

@@ -7,7 +7,7 @@
 #   bash results/benchmarks/vllm/commands.sh plain      # one group: plain, prefix, steps, backends, aiperf, docqa,
 #                                                       # single, docqa-cache-dtype, docqa-heads, docqa-facts, needles,
 #                                                       # memory, runs, first-token, docqa-openvino, hitpass,
-#                                                       # masks, aiperf-client
+#                                                       # masks, aiperf-client, serve-default
 # vLLM's environment (~3.4 GB) and AIPerf's (~1.2 GB) are created under $CRITICALKV_PEERS_DIR (default .peers) on
 # first use. The engine is the README's (engines/ is git-ignored):
 #   .venv/bin/python scripts/build_engine.py --kv-policy criticalkv --budget 256 --max-batch-size 8 \
@@ -21,6 +21,9 @@ E=engines/smollm2-criticalkv
 RUN=${RUN:-}   # e.g. RUN=/path/to/exclusive-runner: a prefix for every timing call
 only=${1:-all}
 want() { [ "$only" = all ] || [ "$only" = "$1" ]; }
+# `criticalkv serve` without --backend runs OpenVINO on a CPU with bf16 since the group serve-default; every group
+# before it was taken when it ran ONNX Runtime, which this pins for them (serve-default clears it)
+export CRITICALKV_SERVE_BACKEND=${CRITICALKV_SERVE_BACKEND-onnxruntime}
 if want plain; then
   # a 2k-token chat alone (TTFT, decode step), the same 2k document asked twice as plain messages, 8 concurrent 2k
   # chats with 64 new tokens; vLLM, criticalkv on ONNX Runtime and on OpenVINO, 3 interleaved rounds
@@ -191,4 +194,15 @@ if want aiperf-client; then
   $RUN $B bench aiperf --engine-dir $E --server-args "--backend openvino" --out $OUT/aiperf_crosscheck_openvino
   $RUN $B bench serve --engine-dir $E --server-args "--backend openvino" --vllm --isl 2048 --osl 64 --concurrency 8 \
     --num-requests 16 --warmup 2 --out $OUT/closed_loop_openvino
+fi
+if want serve-default; then
+  # a chunk's attention form by form on OpenVINO, and the extend graph in the grouped form against the same build
+  # before it (REPEAT_ENGINE: built at 68a78fb with the README's build command; the recorded runs named it
+  # engines/smollm2-criticalkv and the grouped build engines/smollm2-criticalkv-grouped), in process, interleaved;
+  # then `serve` at its new default (OpenVINO here: this CPU computes bf16) against vLLM, 3 rounds
+  # (2026-11-30 20:15-20:35 UTC, alone on the machine, load 0.02-0.34 at the start of each call)
+  REPEAT_ENGINE=${REPEAT_ENGINE:-engines/smollm2-criticalkv-repeat}
+  $RUN $PY -m benchmarks.openvino_attention --engine-dir $E --out $OUT/openvino_attention
+  $RUN $PY -m benchmarks.openvino_nodes --engine-dir $REPEAT_ENGINE --engine-dir $E --rounds 7 --out $OUT/openvino_nodes_grouped
+  CRITICALKV_SERVE_BACKEND= $RUN $B bench vllm --engine-dir $E --parts single,prefix,batch --rounds 3 --out $OUT/serve_default
 fi
