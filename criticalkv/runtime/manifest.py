@@ -63,8 +63,8 @@ def default_backend(manifest: dict[str, Any]) -> str:
     return "torch" if "onnx" not in manifest and TORCH_KEY in manifest else "onnxruntime"
 
 
-#: the backend ``criticalkv serve`` runs an engine on when --backend is not given (``served_backend``): one of
-#: ``SERVED_BACKENDS``, or unset: the fastest CPU backend here
+#: the backend ``criticalkv serve`` runs an engine on when --backend is not given (``served_backend``): a built-in
+#: backend's name (``criticalkv.runtime.registry.BACKENDS``), or unset: the fastest CPU backend here
 SERVE_BACKEND_ENV = "CRITICALKV_SERVE_BACKEND"
 
 
@@ -91,6 +91,9 @@ def served_backend(manifest: dict[str, Any]) -> tuple[str, str]:
     info = (manifest.get("onnx") or {}).get("openvino") or {}
     if not info.get("prefill") or not info.get("decode"):
         return base, f"no openvino graphs in the engine ({info.get('refused') or 'built before they existed'})"
+    kv_dtype = (manifest.get("build") or {}).get("kv_dtype", "float32")
+    if kv_dtype != "float32":
+        return base, f"its KV buffers are {kv_dtype} (--kv-dtype), which the OpenVINO backend does not decode"
     if os.environ.get("CRITICALKV_OV_PRECISION", "default") != "default":
         return base, "$CRITICALKV_OV_PRECISION asks OpenVINO for f32, which serves no faster than ONNX Runtime"
     try:

@@ -90,6 +90,8 @@ def test_serve_defaults_to_openvino_where_the_cpu_computes_bf16_and_to_the_parit
     refused = {"onnx": {"files": {}, "openvino": {"refused": "defensivekv sums int64"}}}
     assert served_backend(refused) == ("onnxruntime", "no openvino graphs in the engine (defensivekv sums int64)")
     assert served_backend({"torch": {}}) == ("torch", "the engine was built for it")
+    # buffers the OpenVINO backend refuses (OpenVINOBackend: float32 only)
+    assert served_backend({**exported, "build": {"kv_dtype": "float16"}})[0] == "onnxruntime"
     monkeypatch.setenv("CRITICALKV_OV_PRECISION", "f32")  # OpenVINO's f32 is not the faster backend
     assert served_backend(exported)[0] == "onnxruntime"
     monkeypatch.setenv(SERVE_BACKEND_ENV, "openvino")
