@@ -74,9 +74,9 @@ def _cpu_computes_bf16() -> bool:
 
 
 def test_serve_defaults_to_openvino_where_the_cpu_computes_bf16_and_to_the_parity_path_elsewhere(monkeypatch):
-    """`criticalkv serve` without --backend (runtime.manifest.served_backend): OpenVINO for an exported engine with
+    """`criticalkv serve` without --backend (runtime.registry.served_backend): OpenVINO for an exported engine with
     openvino graphs where the CPU plugin computes bf16, else the engine's own default; $CRITICALKV_SERVE_BACKEND wins."""
-    from criticalkv.runtime.manifest import SERVE_BACKEND_ENV, served_backend
+    from criticalkv.runtime.registry import SERVE_BACKEND_ENV, served_backend
 
     monkeypatch.delenv(SERVE_BACKEND_ENV, raising=False)
     monkeypatch.delenv("CRITICALKV_OV_PRECISION", raising=False)
