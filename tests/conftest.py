@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # the shared tables (policies.py)
 
 # The served tests compare a server's answers with the tokens of the engine loaded here on ONNX Runtime (Engine.load's
 # default), so every `criticalkv serve` they start (the servers inherit this) runs ONNX Runtime unless it names another
-# --backend. serve's own default (OpenVINO where the CPU computes bf16: runtime.manifest.served_backend) is tested
+# --backend. serve's own default (OpenVINO where the CPU computes bf16: runtime.registry.served_backend) is tested
 # where it is chosen (tests/test_cli.py, tests/runtime/test_registry.py) and where OpenVINO serves
 # (tests/serving/test_openvino_serving.py).
 os.environ.setdefault("CRITICALKV_SERVE_BACKEND", "onnxruntime")

@@ -181,24 +181,30 @@ def test_serve_tensorrt_without_tensorrt_engines_fails_before_anything_starts(ti
 
 
 def test_serve_names_the_backend_it_picks_when_none_is_given(tiny_engine_dir, tmp_path):
-    """Without --backend, `serve` says which backend it runs and why before anything starts: OpenVINO where the CPU
-    computes bf16 (runtime.manifest.served_backend), else ONNX Runtime; $CRITICALKV_SERVE_BACKEND names another. A busy
-    port stops it right after (status 2, no server, no temporary repository)."""
+    """Without --backend, `serve` picks OpenVINO where the CPU computes bf16 (runtime.registry.served_backend), else
+    ONNX Runtime, and says which and why once nothing stands in the way of the start; a check that stops it first (a
+    busy port) stays its one line. Here the start is cut short by --ready-timeout (status 1), and nothing is left."""
     from runtime.test_registry import _cpu_computes_bf16
 
+    from criticalkv.serving.launcher import free_port
+
+    env = {"TMPDIR": str(tmp_path), "CRITICALKV_SERVE_BACKEND": ""}
+    ports = [a for flag in ("--http-port", "--grpc-port", "--metrics-port", "--openai-port") for a in (flag, str(free_port()))]
+    argv = ["serve", "--engine-dir", str(tiny_engine_dir), *ports, "--threads", "1", "--ready-timeout", "1"]
+    status, err, _ = _loaded_by(argv, env=env)
+    expected = "openvino" if _cpu_computes_bf16() else "onnxruntime"
+    lines = err.splitlines()
+    said = [i for i, line in enumerate(lines) if line.startswith("criticalkv serve: backend ")]
+    assert status == 1 and len(said) == 1 and lines[said[0]].startswith(f"criticalkv serve: backend {expected}: "), err
+    assert lines[said[0] + 1].startswith("starting tritonserver"), err
+    assert not list(tmp_path.glob("criticalkv-serve-*")), err
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        argv = ["serve", "--engine-dir", str(tiny_engine_dir), "--http-port", str(busy.getsockname()[1])]
-        env = {"TMPDIR": str(tmp_path), "CRITICALKV_SERVE_BACKEND": ""}
-        status, err, _ = _loaded_by(argv, env=env)
-        expected = "openvino" if _cpu_computes_bf16() else "onnxruntime"
-        assert status == 2 and f"criticalkv serve: backend {expected}: " in err, err
-        assert "--http-port" in err and "starting tritonserver" not in err, err
-        status, err, loaded = _loaded_by(argv, env={**env, "CRITICALKV_SERVE_BACKEND": "onnxruntime"})
-        assert status == 2 and "criticalkv serve: backend onnxruntime: $CRITICALKV_SERVE_BACKEND" in err, err
-        assert "onnxruntime" not in loaded, loaded  # named, not probed
-    assert not list(tmp_path.glob("criticalkv-serve-*")), err
+        taken = ["serve", "--engine-dir", str(tiny_engine_dir), "--http-port", str(busy.getsockname()[1])]
+        status, err, loaded = _loaded_by(taken, env={**env, "CRITICALKV_SERVE_BACKEND": "onnxruntime"})
+    assert status == 2 and "backend" not in _one_line(err) and "(--http-port) on 127.0.0.1 is already in use" in err, err
+    assert "onnxruntime" not in loaded, loaded  # named, not probed
 
 
 def _one_line(err: str) -> str:

@@ -591,7 +591,7 @@ def on_each_server(args, server_args: list[str], work: Callable[[Endpoint, str |
             engine["server_pid"] = server.pid
             if openai:
                 engine["openai_url"], engine["openai_model"] = openai_model(server)
-            # the backend it runs on: --backend, or serve's default here (runtime.manifest.served_backend)
+            # the backend it runs on: --backend, or serve's default here (runtime.registry.served_backend)
             engine["backend"] = served_parameters(server.url, only_model(server.url)).get("criticalkv_backend") or None
             note = f"{engine['label']}: criticalkv serve --engine-dir {engine['engine_dir']} {shlex.join(own_args)}"
             if variant is None and engine["backend"]:

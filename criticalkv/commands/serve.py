@@ -18,7 +18,7 @@ from criticalkv.commands.model_options import add_model_arguments, prefix_cache_
 from criticalkv.commands.serve_replicas import add_replica_arguments, run_replicas, wants_replicas
 from criticalkv.files import remove_stale_temporaries, temporary_dir
 from criticalkv.request import TextBound
-from criticalkv.runtime.manifest import load_tokenizer, read_manifest, served_backend
+from criticalkv.runtime.manifest import load_tokenizer, read_manifest
 from criticalkv.serving import launcher
 from criticalkv.serving.repository import make_repository
 
@@ -144,9 +144,11 @@ def run(args: argparse.Namespace) -> int:
         read_manifest(args.engine_dir, verify=False)  # a file, a missing or unfinished engine: named now
     scheduler = scheduler_config(args)
     say = lambda m: print(f"criticalkv serve: {m}", file=sys.stderr)  # noqa: E731
-    if args.repo is None and args.backend is None:  # the fastest CPU backend here (served_backend)
-        args.backend, why = served_backend(manifest)
-        say(f"backend {args.backend}: {why}")
+    chosen = None  # why serve picked the backend itself, said once nothing stands in the way of the start
+    if args.repo is None and args.backend is None:  # the fastest CPU backend here
+        from criticalkv.runtime.registry import served_backend
+
+        args.backend, chosen = served_backend(manifest)
     if args.repo is None:
         check_backend(Path(args.engine_dir), args.backend, args.gpus)
         note = prefix_cache_note(args)
@@ -163,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         ports["--openai-port"] = args.openai_port
     launcher.check_ports_free(args.host, ports)  # PortInUse (an OSError): one line, status 2
     openai_sock = launcher.bind_socket(args.host, args.openai_port, "--openai-port") if args.openai_port else None
+    if chosen is not None:
+        say(f"backend {args.backend}: {chosen}")
 
     # handlers first: a signal during start-up stops what has started (the finally below)
     stop = threading.Event()

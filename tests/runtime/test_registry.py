@@ -74,9 +74,9 @@ def _cpu_computes_bf16() -> bool:
 
 
 def test_serve_defaults_to_openvino_where_the_cpu_computes_bf16_and_to_the_parity_path_elsewhere(monkeypatch):
-    """`criticalkv serve` without --backend (runtime.manifest.served_backend): OpenVINO for an exported engine with
+    """`criticalkv serve` without --backend (runtime.registry.served_backend): OpenVINO for an exported engine with
     openvino graphs where the CPU plugin computes bf16, else the engine's own default; $CRITICALKV_SERVE_BACKEND wins."""
-    from criticalkv.runtime.manifest import SERVE_BACKEND_ENV, served_backend
+    from criticalkv.runtime.registry import SERVE_BACKEND_ENV, served_backend
 
     monkeypatch.delenv(SERVE_BACKEND_ENV, raising=False)
     monkeypatch.delenv("CRITICALKV_OV_PRECISION", raising=False)
@@ -90,6 +90,8 @@ def test_serve_defaults_to_openvino_where_the_cpu_computes_bf16_and_to_the_parit
     refused = {"onnx": {"files": {}, "openvino": {"refused": "defensivekv sums int64"}}}
     assert served_backend(refused) == ("onnxruntime", "no openvino graphs in the engine (defensivekv sums int64)")
     assert served_backend({"torch": {}}) == ("torch", "the engine was built for it")
+    # buffers the OpenVINO backend refuses (OpenVINOBackend: float32 only)
+    assert served_backend({**exported, "build": {"kv_dtype": "float16"}})[0] == "onnxruntime"
     monkeypatch.setenv("CRITICALKV_OV_PRECISION", "f32")  # OpenVINO's f32 is not the faster backend
     assert served_backend(exported)[0] == "onnxruntime"
     monkeypatch.setenv(SERVE_BACKEND_ENV, "openvino")

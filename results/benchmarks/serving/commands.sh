@@ -10,6 +10,9 @@ cd "$(dirname "$0")/../../.."
 OUT=results/benchmarks/serving
 B=.venv/bin/criticalkv
 PY=.venv/bin/python   # the laboratory's benchmarks: $PY -m benchmarks.NAME, from the repository root
+# these runs were taken when `criticalkv serve` without --backend ran ONNX Runtime; it now runs OpenVINO on a CPU
+# with bf16 (docs/openvino.md), so ONNX Runtime is pinned here to re-make them
+export CRITICALKV_SERVE_BACKEND=${CRITICALKV_SERVE_BACKEND-onnxruntime}
 uptime
 # 1. ISL 2048, OSL 64, concurrency 8 (and 1): criticalkv b=256 vs full, one server after the other (py-spy profile)
 $B bench serve --engine-dir engines/full --engine-dir engines/ckv256 --isl 2048 --osl 64 --concurrency 1,8 \
