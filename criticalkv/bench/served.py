@@ -591,14 +591,15 @@ def on_each_server(args, server_args: list[str], work: Callable[[Endpoint, str |
             engine["server_pid"] = server.pid
             if openai:
                 engine["openai_url"], engine["openai_model"] = openai_model(server)
+            model = only_model(server.url)
             # the backend it runs on: --backend, or serve's default here (runtime.registry.served_backend)
-            engine["backend"] = served_parameters(server.url, only_model(server.url)).get("criticalkv_backend") or None
+            engine["backend"] = served_parameters(server.url, model).get("criticalkv_backend") or None
             note = f"{engine['label']}: criticalkv serve --engine-dir {engine['engine_dir']} {shlex.join(own_args)}"
             if variant is None and engine["backend"]:
                 note += f" (backend {engine['backend']})"
             if note.strip() not in notes:
                 notes.append(note.strip())
-            work(Endpoint(server.url, only_model(server.url)), server.metrics_url, engine)
+            work(Endpoint(server.url, model), server.metrics_url, engine)
     results["server_note"] = "; ".join(notes)
 
 

@@ -62,6 +62,25 @@ def default_backend(manifest: dict[str, Any]) -> str:
     return "torch" if "onnx" not in manifest and TORCH_KEY in manifest else "onnxruntime"
 
 
+def openvino_cannot_run(manifest: dict[str, Any]) -> str | None:
+    """Why the OpenVINO backend cannot run an engine, as its manifest says (None: it can): no ONNX graphs (a torch
+    engine), no openvino graphs (a policy the CPU plugin cannot compute, or a build from before the flavour), KV
+    buffers other than float32. The backend refuses the engine with it; ``criticalkv serve`` then defaults to
+    ONNX Runtime (``runtime.registry.served_backend``)."""
+    if "onnx" not in manifest:
+        return ("no ONNX graphs in this engine directory (built with --backend torch): run it on the torch backend, or "
+                "rebuild it without --backend torch")
+    info = manifest["onnx"].get("openvino") or {}
+    if not info.get("prefill"):
+        reason = info.get("refused") or "the engine was built before the openvino flavour existed; rebuild it"
+        return f"no OpenVINO graphs: {reason}; serve it on onnxruntime"
+    kv_dtype = manifest["build"].get("kv_dtype", "float32")
+    if kv_dtype != "float32":
+        return (f"its KV buffers are {kv_dtype} (--kv-dtype): the OpenVINO backend decodes float32 buffers; rebuild "
+                "with --kv-dtype float32")
+    return None
+
+
 def engine_limits(manifest: dict[str, Any], accepts_kv_budget: bool = True, has_extend: bool = True) -> EngineLimits:
     """What an engine serves (``Request.checked``'s limits) as its manifest says, given what its backend can do
     (a runtime budget input, an extend graph): ``Engine`` checks requests with them, and the command line checks its

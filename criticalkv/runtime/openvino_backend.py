@@ -42,7 +42,7 @@ from openvino.preprocess import PrePostProcessor
 from criticalkv import graphs
 from criticalkv.runtime.backend import ExtendOutputs, PrefillBuffer, PrefillOutputs, budget_feed
 from criticalkv.runtime.host_buffers import HostKVBuffers
-from criticalkv.runtime.manifest import EngineError
+from criticalkv.runtime.manifest import EngineError, openvino_cannot_run
 
 PRECISION_ENV = "CRITICALKV_OV_PRECISION"
 THREADS_ENV = "CRITICALKV_OV_THREADS"
@@ -75,17 +75,11 @@ class OpenVINOBackend(HostKVBuffers):
                  cache_dir: str | os.PathLike | None = None, device: str = "CPU"):
         self.folder = Path(folder)
         self.manifest = manifest
-        if "onnx" not in manifest:
-            raise EngineError(f"{folder}: no ONNX graphs in this engine directory (built with --backend torch): run it "
-                              "on the torch backend, or rebuild it without --backend torch")
-        info = manifest["onnx"].get("openvino") or {}
-        if not info.get("prefill"):
-            reason = info.get("refused") or "the engine was built before the openvino flavour existed; rebuild it"
-            raise EngineError(f"{folder}: no OpenVINO graphs: {reason}; serve it on onnxruntime")
+        reason = openvino_cannot_run(manifest)
+        if reason:
+            raise EngineError(f"{folder}: {reason}")
+        info = manifest["onnx"]["openvino"]
         self.read_shapes(manifest)
-        if manifest["build"].get("kv_dtype", "float32") != "float32":
-            raise EngineError(f"{folder}: its KV buffers are {manifest['build']['kv_dtype']} (--kv-dtype): the OpenVINO "
-                              "backend decodes float32 buffers; rebuild with --kv-dtype float32")
         self.num_heads = manifest["model"]["spec"]["num_heads"]
         self.window = manifest["policy"]["window"]
         self.files = {**manifest["onnx"]["files"], **{f"{k}_openvino": v for k, v in info.items()

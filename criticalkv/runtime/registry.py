@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from criticalkv.runtime.backend import Backend
-from criticalkv.runtime.manifest import default_backend
+from criticalkv.runtime.manifest import default_backend, openvino_cannot_run
 
 #: Backend name -> "module:class", imported only when asked for.
 BACKENDS: dict[str, str] = {
@@ -81,13 +81,10 @@ def served_backend(manifest: dict[str, Any]) -> tuple[str, str]:
     base = default_backend(manifest)
     if base != "onnxruntime":
         return base, "the engine was built for it"
-    info = (manifest.get("onnx") or {}).get("openvino") or {}
-    if not info.get("prefill") or not info.get("decode"):
-        return base, f"no openvino graphs in the engine ({info.get('refused') or 'built before they existed'})"
-    kv_dtype = (manifest.get("build") or {}).get("kv_dtype", "float32")
-    if kv_dtype != "float32":
-        return base, f"its KV buffers are {kv_dtype} (--kv-dtype), which the OpenVINO backend does not decode"
-    if os.environ.get("CRITICALKV_OV_PRECISION", "default") != "default":
+    reason = openvino_cannot_run(manifest)
+    if reason:
+        return base, reason
+    if os.environ.get("CRITICALKV_OV_PRECISION", "default") != "default":  # openvino_backend.PRECISION_ENV
         return base, "$CRITICALKV_OV_PRECISION asks OpenVINO for f32, which serves no faster than ONNX Runtime"
     try:
         import openvino as ov

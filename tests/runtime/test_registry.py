@@ -80,15 +80,16 @@ def test_serve_defaults_to_openvino_where_the_cpu_computes_bf16_and_to_the_parit
 
     monkeypatch.delenv(SERVE_BACKEND_ENV, raising=False)
     monkeypatch.delenv("CRITICALKV_OV_PRECISION", raising=False)
-    exported = {"onnx": {"files": {}, "openvino": {"prefill": "prefill_openvino.onnx", "decode": "decode_openvino.onnx"}}}
+    exported = {"onnx": {"files": {}, "openvino": {"prefill": "prefill_openvino.onnx", "decode": "decode_openvino.onnx"}},
+                "build": {}}
     backend, why = served_backend(exported)
     if _cpu_computes_bf16():
         assert backend == "openvino" and "computes bf16" in why, why
     else:
         assert backend == "onnxruntime" and ("OpenVINO" in why), why
     # a policy the CPU plugin cannot compute has no openvino graphs: the refusal is the reason
-    refused = {"onnx": {"files": {}, "openvino": {"refused": "defensivekv sums int64"}}}
-    assert served_backend(refused) == ("onnxruntime", "no openvino graphs in the engine (defensivekv sums int64)")
+    refused = {"onnx": {"files": {}, "openvino": {"refused": "defensivekv sums int64"}}, "build": {}}
+    assert served_backend(refused) == ("onnxruntime", "no OpenVINO graphs: defensivekv sums int64; serve it on onnxruntime")
     assert served_backend({"torch": {}}) == ("torch", "the engine was built for it")
     # buffers the OpenVINO backend refuses (OpenVINOBackend: float32 only)
     assert served_backend({**exported, "build": {"kv_dtype": "float16"}})[0] == "onnxruntime"
